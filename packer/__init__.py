@@ -1,0 +1,30 @@
+"""seqpack's packer: plans packings on lengths alone and assembles contract rows (pure numpy)."""
+
+from packer.assemble import assemble, build_rows, pack, pack_ragged, segment_metadata
+from packer.config import Overflow, PackConfig, Strategy
+from packer.plan import Counters, PackPlan, plan
+from packer.stats import PackingStats, lower_bound, stats
+from packer.stream import RowPlan, StreamPlanner, pack_stream, rows_to_plan
+from packer.validate import validate
+
+__all__ = [
+    "Counters",
+    "Overflow",
+    "PackConfig",
+    "PackPlan",
+    "PackingStats",
+    "RowPlan",
+    "Strategy",
+    "StreamPlanner",
+    "assemble",
+    "build_rows",
+    "lower_bound",
+    "pack",
+    "pack_ragged",
+    "pack_stream",
+    "plan",
+    "rows_to_plan",
+    "segment_metadata",
+    "stats",
+    "validate",
+]

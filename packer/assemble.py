@@ -1,0 +1,149 @@
+"""Builds packed token rows from a plan: the batch dict of the packed-row contract.
+
+Input is the Arrow / Parquet list layout: all tokens back to back in `values`, example i being
+`values[offsets[i]:offsets[i + 1]]`. The rows are built as runs of padding and pieces, so the cost
+is one pass over the tokens plus a few whole-array operations, whatever the number of pieces.
+
+Worked example (seq_len 6, max_segments 2, pad_id 0, first_fit)::
+
+    examples:  [7 8 9]  [5 6]  [4]          plan: row 0 = e0, e1 (2 slots: full); row 1 = e2
+    tokens               7 8 9 5 6 0  |  4 0 0 0 0 0
+    tokens_segment_ids   1 1 1 2 2 0  |  1 0 0 0 0 0
+    tokens_positions     0 1 2 0 1 0  |  0 0 0 0 0 0
+    tokens_segment_lengths   3 2      |  1 0
+    tokens_segment_offsets   0 3      |  0 1
+    segment_source_index     0 1      |  2 -1
+    segment_source_start     0 0      |  0 0
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+
+from packer.config import PackConfig
+from packer.inputs import check_offsets, check_values, ragged_from_sequences
+from packer.plan import PackPlan, plan
+
+
+def segment_metadata(p: PackPlan, config: PackConfig) -> dict[str, np.ndarray]:
+    """The `[R, S]` per-segment arrays of the contract for plan `p`."""
+    k = config.keys()
+    R, S = p.num_rows, config.max_segments
+    lengths = np.zeros((R, S), np.int32)
+    src_index = np.full((R, S), -1, np.int64)
+    src_start = np.zeros((R, S), np.int64)
+    used = np.zeros(R, np.int64)
+    if p.num_pieces:
+        ends = p.offset + p.length
+        last = np.append(p.row[1:] != p.row[:-1], True)
+        used[p.row[last]] = ends[last]
+    offsets = np.repeat(used.astype(np.int32)[:, None], S, axis=1)
+    lengths[p.row, p.slot] = p.length
+    offsets[p.row, p.slot] = p.offset
+    src_index[p.row, p.slot] = p.example
+    src_start[p.row, p.slot] = p.start
+    return {
+        k["segment_lengths"]: lengths,
+        k["segment_offsets"]: offsets,
+        k["source_index"]: src_index,
+        k["source_start"]: src_start,
+    }
+
+
+def assemble(values: object, offsets: object, p: PackPlan, config: PackConfig) -> dict:
+    """Builds the batch (`[R, L]` and `[R, S]` arrays) for plan `p` from flat values + offsets."""
+    values = check_values(values)
+    offsets = check_offsets(offsets, values.size)
+    n = offsets.size - 1
+    if p.num_pieces:
+        if int(p.example.max()) >= n:
+            raise ValueError(
+                f"the plan refers to example {int(p.example.max())} but offsets describe {n} "
+                "examples; plan and assemble with the same data"
+            )
+        too_long = p.start + p.length > np.diff(offsets)[p.example]
+        if too_long.any():
+            i = int(np.argmax(too_long))
+            raise ValueError(
+                f"the plan's piece of example {int(p.example[i])} ends past that example; "
+                "plan and assemble with the same data"
+            )
+    src = offsets[p.example] + p.start
+    pieces = [values[s : s + m] for s, m in zip(src.tolist(), p.length.tolist())]
+    return build_rows(pieces, p, config, dtype=values.dtype)
+
+
+_ID_TABLE_MAX = 1 << 22  # entries (16 MiB); larger S x L builds segment ids with np.repeat
+
+
+@functools.lru_cache(maxsize=4)
+def _id_table(max_segments: int, seq_len: int) -> np.ndarray:
+    """i32[S, L]: row j is all j + 1 (the segment id of slot j), to slice runs from."""
+    table = np.repeat(np.arange(1, max_segments + 1, dtype=np.int32)[:, None], seq_len, axis=1)
+    table.setflags(write=False)
+    return table
+
+
+def build_rows(pieces: Sequence[np.ndarray], p: PackPlan, config: PackConfig, *, dtype) -> dict:
+    """Writes the rows of plan `p`; `pieces[i]` holds the tokens of the plan's i-th piece.
+
+    The flat `[R * L]` buffers are runs: padding gap, piece, padding gap, piece, ..., tail. Each
+    output is one `np.concatenate` of views: the pieces (tokens), slices of a constant table
+    (segment ids) and of a ramp (positions), with padding slices in between.
+    """
+    k = config.keys()
+    R, L = p.num_rows, config.seq_len
+    if dtype is None:
+        dtype = np.int32
+    n = p.num_pieces
+    dst = p.row * L + p.offset
+    lens = p.length
+    ends = dst + lens
+    run_lens = np.empty(2 * n + 1, np.int64)
+    run_lens[0:-1:2] = dst - np.concatenate(([0], ends[:-1]))
+    run_lens[1::2] = lens
+    run_lens[-1] = R * L - (int(ends[-1]) if n else 0)
+    gaps = run_lens[0::2].tolist()
+    pad = np.full(L, config.pad_id, dtype=dtype)
+    runs: list[np.ndarray] = [pad] * (2 * n + 1)
+    runs[0::2] = [pad[:g] for g in gaps]
+    runs[1::2] = pieces
+    tokens = np.concatenate(runs).astype(dtype, copy=False)
+    # Segment ids and positions: the same runs, cut from constant and ramp tables.
+    zeros = np.zeros(L, np.int32)
+    runs[0::2] = [zeros[:g] for g in gaps]
+    ramp = np.arange(L, dtype=np.int32)
+    lens_list = lens.tolist()
+    runs[1::2] = [ramp[:m] for m in lens_list]
+    positions = np.concatenate(runs)
+    if config.max_segments * L <= _ID_TABLE_MAX:
+        ids_table = _id_table(config.max_segments, L)
+        runs[1::2] = [ids_table[j, :m] for j, m in zip(p.slot.tolist(), lens_list)]
+        seg_ids = np.concatenate(runs)
+    else:  # the table would be too big: one repeat instead
+        run_ids = np.zeros(2 * n + 1, np.int32)
+        run_ids[1::2] = p.slot + 1
+        seg_ids = np.repeat(run_ids, run_lens)
+    batch = {
+        k["values"]: tokens.reshape(R, L),
+        k["segment_ids"]: seg_ids.reshape(R, L),
+        k["positions"]: positions.reshape(R, L),
+    }
+    batch.update(segment_metadata(p, config))
+    return batch
+
+
+def pack_ragged(values: object, offsets: object, config: PackConfig) -> dict:
+    """Plans and assembles in one call: flat `values` + example `offsets` -> batch dict."""
+    values = check_values(values)
+    offsets = check_offsets(offsets, values.size)
+    return assemble(values, offsets, plan(np.diff(offsets), config), config)
+
+
+def pack(sequences: Sequence[object], config: PackConfig) -> dict:
+    """Packs a list of 1-D integer arrays -> batch dict."""
+    values, offsets = ragged_from_sequences(sequences)
+    return pack_ragged(values, offsets, config)

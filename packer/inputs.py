@@ -1,0 +1,101 @@
+"""Checks and normalises user input (lengths, flat values + offsets, lists of sequences)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def check_lengths(lengths: object) -> np.ndarray:
+    """Returns `lengths` as i64[n]; raises ValueError for anything that is not n >= 0 integers."""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ValueError(f"lengths must be 1-D, got shape {arr.shape}; pass one length per example")
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"lengths must be integers, got dtype {arr.dtype}; cast with .astype(int)")
+    arr = arr.astype(np.int64, copy=False)
+    bad = np.flatnonzero(arr < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"lengths[{i}]={int(arr[i])} must be >= 0")
+    return arr
+
+
+def check_values(values: object, *, name: str = "values") -> np.ndarray:
+    """Returns `values` as a 1-D integer array of non-negative token ids (dtype kept)."""
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be 1-D token ids, got shape {arr.shape}; flatten it first")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(
+            f"{name} must hold integer token ids, got dtype {arr.dtype}; "
+            "tokenize first or cast with .astype(np.int32)"
+        )
+    if arr.size == 0 and not np.issubdtype(arr.dtype, np.integer):
+        arr = arr.astype(np.int32)
+    if arr.size and np.issubdtype(arr.dtype, np.signedinteger):
+        lo = int(arr.min())
+        if lo < 0:
+            i = int(np.argmax(arr < 0))
+            raise ValueError(f"{name}[{i}]={int(arr[i])} is a negative token id; ids must be >= 0")
+    return arr
+
+
+def check_offsets(offsets: object, num_values: int) -> np.ndarray:
+    """Returns example offsets as i64[n + 1] (Arrow list layout) after checking them."""
+    arr = np.asarray(offsets)
+    if arr.ndim != 1 or arr.size < 1:
+        raise ValueError(
+            f"offsets must be 1-D with n + 1 entries (Arrow list layout), got shape {arr.shape}"
+        )
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"offsets must be integers, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False)
+    if arr[0] < 0:
+        raise ValueError(f"offsets[0]={int(arr[0])} must be >= 0")
+    steps = np.diff(arr)
+    bad = np.flatnonzero(steps < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(
+            f"offsets must be non-decreasing: offsets[{i}]={int(arr[i])} > "
+            f"offsets[{i + 1}]={int(arr[i + 1])}"
+        )
+    if arr[-1] > num_values:
+        raise ValueError(
+            f"offsets[-1]={int(arr[-1])} runs past the {num_values} values; "
+            "offsets must index into values"
+        )
+    return arr
+
+
+def ragged_from_sequences(sequences: Sequence[object]) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenates a list of 1-D integer arrays into (values, offsets)."""
+    arrays = []
+    for i, seq in enumerate(sequences):
+        a = np.asarray(seq)
+        if a.ndim != 1:
+            raise ValueError(f"sequences[{i}] must be 1-D, got shape {a.shape}")
+        if a.size and not np.issubdtype(a.dtype, np.integer):
+            raise ValueError(
+                f"sequences[{i}] must hold integer token ids, got dtype {a.dtype}; "
+                "cast with .astype(np.int32)"
+            )
+        arrays.append(a)
+    lengths = np.fromiter((a.size for a in arrays), np.int64, len(arrays))
+    offsets = np.zeros(len(arrays) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    nonempty = [a for a in arrays if a.size]
+    if nonempty:
+        dtype = np.result_type(*[a.dtype for a in nonempty])
+        values = np.concatenate(nonempty).astype(dtype, copy=False)
+    else:
+        values = np.zeros(0, np.int32)
+    for i, a in enumerate(arrays):
+        if a.size and np.issubdtype(a.dtype, np.signedinteger) and a.min() < 0:
+            j = int(np.argmax(a < 0))
+            raise ValueError(f"sequences[{i}][{j}]={int(a[j])} is a negative token id")
+    return values, offsets

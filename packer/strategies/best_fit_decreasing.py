@@ -1,0 +1,145 @@
+"""Best fit decreasing: the offline, near-optimal strategy (sort by size, then best fit).
+
+Two regimes, both planned on sizes alone:
+
+* token-bound (the usual case, `n / S` rows would hold the pieces' slots easily): pieces sorted by
+  size, largest first, each placed by best fit. Pieces of equal size come in runs, and a run is
+  placed without a search per piece: best fit puts consecutive equal pieces into the same row
+  until it is full, so each open row takes `min(room // s, S - count)` of the run in order of
+  (room, row), and the rest open new rows holding `min(capacity // s, S)` each.
+* segment-bound (`ceil(n / S)` rows are needed anyway for the slots): best fit by size would pack
+  the big pieces tightly together and leave their rows' slots unused. Instead the pieces, largest
+  first, go by worst fit into `ceil(n / S)` rows (the row with the most room, rows opened only
+  when nothing fits), which gives every row a balanced mix of big and small pieces and uses its
+  slots. Both plans are made and the one with fewer rows is kept.
+
+Worked example (capacity 10, max_segments 4)::
+
+    sizes (input order):   3  7  5  5  2  8
+    sorted (largest first): 8  7  5  5  3  2
+    rows:                   0  1  2  2  1  0     row 0 = [8, 2], row 1 = [7, 3], row 2 = [5, 5]
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_left, insort
+
+import numpy as np
+
+from packer.strategies.best_fit import _MASK, _SHIFT
+
+# Try the segment-bound plan when the slot bound is at least this fraction of the token bound.
+_SEGMENT_BOUND_RATIO = 0.9
+
+
+def _bfd_sorted(sizes_desc: list[int], capacity: int, max_segments: int) -> tuple[list[int], int]:
+    """Best fit over sizes already sorted largest first; returns (row per piece, rows)."""
+    n = len(sizes_desc)
+    out = [0] * n
+    keys: list[int] = []  # sorted `room << 32 | row` of rows that can still take a piece
+    count: list[int] = []
+    min_size = sizes_desc[-1] if n else 1  # rooms smaller than every piece are closed for good
+    num_rows = 0
+    i = 0
+    while i < n:
+        s = sizes_desc[i]
+        j = i + 1
+        while j < n and sizes_desc[j] == s:
+            j += 1
+        # Place the run sizes_desc[i:j] of equal pieces.
+        k = bisect_left(keys, s << _SHIFT)
+        touched = []
+        while i < j and k < len(keys):
+            key = keys[k]
+            r = key & _MASK
+            room = key >> _SHIFT
+            take = min(room // s, max_segments - count[r], j - i)
+            out[i : i + take] = [r] * take
+            i += take
+            count[r] += take
+            touched.append((k, r, room - take * s))
+            k += 1
+        # Update the rows the run went into (remove their keys, re-insert the new rooms).
+        if touched:
+            del keys[touched[0][0] : touched[-1][0] + 1]
+            for _, r, room in touched:
+                if room >= min_size and count[r] < max_segments:
+                    insort(keys, (room << _SHIFT) | r)
+        if i < j:
+            per_row = min(capacity // s, max_segments)
+            left = j - i
+            full, rest = divmod(left, per_row)
+            for _ in range(full):
+                out[i : i + per_row] = [num_rows] * per_row
+                i += per_row
+                room = capacity - per_row * s
+                count.append(per_row)
+                if room >= min_size and per_row < max_segments:
+                    insort(keys, (room << _SHIFT) | num_rows)
+                num_rows += 1
+            if rest:
+                out[i : i + rest] = [num_rows] * rest
+                i += rest
+                room = capacity - rest * s
+                count.append(rest)
+                if room >= min_size and rest < max_segments:
+                    insort(keys, (room << _SHIFT) | num_rows)
+                num_rows += 1
+    return out, num_rows
+
+
+def _worst_fit_sorted(sizes_desc: list[int], capacity: int, max_segments: int, num_rows: int):
+    """Each piece (largest first) into the open row with the most room; opens rows as needed.
+
+    Starting from `num_rows` empty rows, this deals big pieces out one per row and lets small
+    pieces top up the emptiest rows: loads stay balanced and every row's slots get used.
+    """
+    heap = [(-capacity, r) for r in range(num_rows)]  # (-room, row) of rows with a free slot
+    room = [capacity] * num_rows
+    count = [0] * num_rows
+    out = [0] * len(sizes_desc)
+    for i, s in enumerate(sizes_desc):
+        if heap and -heap[0][0] >= s:
+            r = heap[0][1]
+            room[r] -= s
+            count[r] += 1
+            if count[r] < max_segments:
+                heapq.heapreplace(heap, (-room[r], r))
+            else:
+                heapq.heappop(heap)
+        else:
+            r = len(room)
+            room.append(capacity - s)
+            count.append(1)
+            if max_segments > 1:
+                heapq.heappush(heap, (-room[r], r))
+        out[i] = r
+    used = sorted({r for r in out})  # rows that stayed empty are dropped and renumbered
+    if len(used) < len(room):
+        remap = {r: k for k, r in enumerate(used)}
+        out = [remap[r] for r in out]
+    return out, len(used)
+
+
+def assign_best_fit_decreasing(
+    sizes: np.ndarray, capacity: int, max_segments: int
+) -> tuple[np.ndarray, int]:
+    """Best fit decreasing (with a segment-bound fallback); returns (row per piece, rows)."""
+    sizes = np.asarray(sizes, np.int64)
+    n = sizes.size
+    if n == 0:
+        return np.zeros(0, np.int64), 0
+    order = np.argsort(-sizes, kind="stable")
+    sizes_desc = sizes[order]
+    rows_desc, num_rows = _bfd_sorted(sizes_desc.tolist(), capacity, max_segments)
+    rows = np.empty(n, np.int64)
+    rows[order] = rows_desc
+    slot_bound = -(-n // max_segments)
+    token_bound = -(-int(sizes.sum()) // capacity)
+    if num_rows > slot_bound and slot_bound >= _SEGMENT_BOUND_RATIO * token_bound:
+        wf_desc, wf_num = _worst_fit_sorted(sizes_desc.tolist(), capacity, max_segments, slot_bound)
+        if wf_num < num_rows:
+            rows[order] = wf_desc
+            return rows, wf_num
+    return rows, num_rows

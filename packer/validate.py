@@ -1,0 +1,112 @@
+"""Checks a packed batch against the row contract; raises ValueError naming row and slot."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from packer.config import PackConfig
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"packed batch violates the row contract: {msg}")
+
+
+def _first(mask: np.ndarray) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.argwhere(mask)[0])
+
+
+def validate(batch: dict, config: PackConfig) -> None:
+    """Raises ValueError for the first contract violation in `batch` (a `[R, ...]` dict or a row).
+
+    Checked: keys, shapes and dtypes; lengths >= 0 with used slots first; offsets non-decreasing,
+    aligned, in range and not overlapping; unused slots hold the row's used length and source -1;
+    segment ids, positions and padding tokens agree with lengths / offsets.
+    """
+    k = config.keys()
+    L, S, a = config.seq_len, config.max_segments, config.segment_alignment
+    missing = [name for name in k.values() if name not in batch]
+    if missing:
+        _fail(f"missing keys {missing}; has {sorted(batch)}")
+    arrs = {role: np.asarray(batch[name]) for role, name in k.items()}
+    single = arrs["values"].ndim == 1
+    if single:
+        arrs = {role: x[None] for role, x in arrs.items()}
+    R = arrs["values"].shape[0]
+    for role in ("values", "segment_ids", "positions"):
+        if arrs[role].shape != (R, L):
+            _fail(f"{k[role]} has shape {arrs[role].shape}, expected {(R, L)}")
+    for role in ("segment_lengths", "segment_offsets", "source_index", "source_start"):
+        if arrs[role].shape != (R, S):
+            _fail(f"{k[role]} has shape {arrs[role].shape}, expected {(R, S)}")
+    for role in ("segment_ids", "positions", "segment_lengths", "segment_offsets"):
+        if arrs[role].dtype != np.int32:
+            _fail(f"{k[role]} has dtype {arrs[role].dtype}, expected int32")
+    for role in ("source_index", "source_start"):
+        if arrs[role].dtype != np.int64:
+            _fail(f"{k[role]} has dtype {arrs[role].dtype}, expected int64")
+    if not np.issubdtype(arrs["values"].dtype, np.integer):
+        _fail(f"{k['values']} has dtype {arrs['values'].dtype}, expected integer token ids")
+
+    lengths = arrs["segment_lengths"].astype(np.int64)
+    offsets = arrs["segment_offsets"].astype(np.int64)
+    src, src_start = arrs["source_index"], arrs["source_start"]
+    where = lambda rc: f"row {rc[0]} slot {rc[1]}"  # noqa: E731
+
+    if (lengths < 0).any():
+        rc = _first(lengths < 0)
+        _fail(f"{where(rc)}: negative length {lengths[rc]}")
+    used = lengths > 0
+    if S > 1 and (~used[:, :-1] & used[:, 1:]).any():
+        rc = _first(~used[:, :-1] & used[:, 1:])
+        _fail(f"{where((rc[0], rc[1] + 1))}: used slot after an empty slot; segments go first")
+    if ((offsets < 0) | (offsets > L)).any():
+        rc = _first((offsets < 0) | (offsets > L))
+        _fail(f"{where(rc)}: offset {offsets[rc]} outside [0, {L}]")
+    ends = offsets + lengths
+    if (ends > L).any():
+        rc = _first(ends > L)
+        _fail(f"{where(rc)}: segment ends at {ends[rc]} > seq_len {L}")
+    if S > 1 and (offsets[:, 1:] < ends[:, :-1]).any():
+        rc = _first(offsets[:, 1:] < ends[:, :-1])
+        _fail(f"{where((rc[0], rc[1] + 1))}: offset {offsets[rc[0], rc[1] + 1]} overlaps the "
+              f"previous segment ending at {ends[rc]}")
+    if (used & (offsets % a != 0)).any():
+        rc = _first(used & (offsets % a != 0))
+        _fail(f"{where(rc)}: offset {offsets[rc]} is not a multiple of segment_alignment {a}")
+    row_used = np.where(used, ends, 0).max(axis=1)
+    bad = ~used & (offsets != row_used[:, None])
+    if bad.any():
+        rc = _first(bad)
+        _fail(f"{where(rc)}: unused slot offset {offsets[rc]} != the row's used length "
+              f"{row_used[rc[0]]}")
+    bad = (used & (src < 0)) | (~used & (src != -1))
+    if bad.any():
+        rc = _first(bad)
+        _fail(f"{where(rc)}: segment_source_index {src[rc]} (used slots >= 0, unused -1)")
+    bad = (src_start < 0) | (~used & (src_start != 0))
+    if bad.any():
+        rc = _first(bad)
+        _fail(f"{where(rc)}: segment_source_start {src_start[rc]} (>= 0, unused 0)")
+
+    # Expected segment ids and positions, rebuilt from lengths / offsets.
+    seg_of = np.zeros((R, L + 1), np.int64)
+    rows, slots = np.nonzero(used)
+    np.add.at(seg_of, (rows, offsets[rows, slots]), slots + 1)
+    np.add.at(seg_of, (rows, ends[rows, slots]), -(slots + 1))
+    want_ids = np.cumsum(seg_of, axis=1)[:, :L]
+    start_of = np.zeros((R, L + 1), np.int64)
+    np.add.at(start_of, (rows, offsets[rows, slots]), offsets[rows, slots] + 1)
+    np.add.at(start_of, (rows, ends[rows, slots]), -(offsets[rows, slots] + 1))
+    seg_start = np.cumsum(start_of, axis=1)[:, :L] - 1
+    want_pos = np.where(want_ids > 0, np.arange(L)[None, :] - seg_start, 0)
+    for role, want in (("segment_ids", want_ids), ("positions", want_pos)):
+        bad = arrs[role] != want
+        if bad.any():
+            r, p = _first(bad)
+            _fail(f"row {r} position {p}: {k[role]} is {arrs[role][r, p]}, expected {want[r, p]} "
+                  "from the segment lengths / offsets")
+    bad = (want_ids == 0) & (arrs["values"] != config.pad_id)
+    if bad.any():
+        r, p = _first(bad)
+        _fail(f"row {r} position {p}: padding holds token {arrs['values'][r, p]}, expected "
+              f"pad_id {config.pad_id}")

@@ -1,0 +1,120 @@
+"""Hypothesis properties of every packing strategy and policy: lossless, capped, deterministic."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packer import (
+    PackConfig,
+    StreamPlanner,
+    assemble,
+    pack_ragged,
+    pack_stream,
+    plan,
+    stats,
+    validate,
+)
+from tests.packer_helpers import check_lossless, corpus, expected_counters
+
+OFFLINE = ["first_fit", "best_fit", "best_fit_decreasing"]
+
+
+@st.composite
+def configs(draw, strategies=tuple(OFFLINE), overflows=("truncate", "split", "drop")):
+    align = draw(st.sampled_from([1, 1, 2, 4]))
+    L = align * draw(st.integers(1, 24))
+    return PackConfig(
+        L,
+        max_segments=draw(st.integers(1, 6)),
+        strategy=draw(st.sampled_from(list(strategies))),
+        overflow=draw(st.sampled_from(list(overflows))),
+        segment_alignment=align,
+        pad_id=draw(st.sampled_from([0, 7])),
+    )
+
+
+lengths_st = st.lists(st.integers(0, 60), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(configs(), lengths_st)
+def test_offline_packing_is_lossless_and_within_limits(config, lengths):
+    values, offsets = corpus(lengths)
+    p = plan(np.diff(offsets), config)
+    batch = assemble(values, offsets, p, config)
+    validate(batch, config)  # capacity, segment cap, alignment, ids, positions, padding
+    check_lossless(batch, values, offsets, config)
+    for k, v in expected_counters(lengths, config).items():
+        assert getattr(p.counters, k) == v, k
+    s = stats(batch)
+    assert s.num_rows >= s.lower_bound_rows
+    assert s.real_tokens == int(p.length.sum())
+    # Deterministic: the same input packs to the same bytes.
+    again = pack_ragged(values, offsets, config)
+    for k in batch:
+        np.testing.assert_array_equal(batch[k], again[k])
+
+
+@settings(max_examples=80, deadline=None)
+@given(configs(strategies=("concat_split",), overflows=("error",)), lengths_st)
+def test_concat_split_fills_rows_and_loses_nothing(config, lengths):
+    values, offsets = corpus(lengths)
+    p = plan(np.diff(offsets), config)
+    batch = assemble(values, offsets, p, config)
+    validate(batch, config)
+    check_lossless(batch, values, offsets, config, cut_anywhere=True)
+    used = batch["tokens_segment_lengths"].sum(axis=1)
+    nseg = (batch["tokens_segment_lengths"] > 0).sum(axis=1)
+    # Every row but the last is full in tokens (up to alignment) or in segment slots.
+    a = config.segment_alignment
+    for r in range(p.num_rows - 1):
+        end = batch["tokens_segment_offsets"][r, nseg[r] - 1] + batch["tokens_segment_lengths"][
+            r, nseg[r] - 1]
+        assert nseg[r] == config.max_segments or -(-int(end) // a) * a == config.seq_len, r
+    assert used.sum() == sum(lengths)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    configs(strategies=("best_fit_decreasing", "best_fit")),
+    lengths_st,
+    st.integers(1, 9),
+    st.integers(0, 3),
+    st.integers(0, 4),
+)
+def test_stream_packing_is_lossless(config, lengths, window, max_carry, max_open):
+    values, offsets = corpus(lengths)
+    seqs = [values[offsets[i] : offsets[i + 1]] for i in range(len(lengths))]
+    rows = list(pack_stream(seqs, config, window=window, max_carry=max_carry,
+                            max_open_rows=max_open))
+    if not rows:
+        assert all(n == 0 or (n > config.seq_len and config.overflow.value == "drop")
+                   for n in lengths)
+        return
+    batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+    validate(batch, config)
+    check_lossless(batch, values, offsets, config)
+
+
+@settings(max_examples=60, deadline=None)
+@given(configs(strategies=("best_fit_decreasing",)), lengths_st, st.integers(1, 7),
+       st.data())
+def test_stream_planner_state_restores_exactly(config, lengths, window, data):
+    ids = np.arange(len(lengths))
+    chunks = [(ids[i : i + window], np.asarray(lengths[i : i + window], np.int64))
+              for i in range(0, len(lengths), window)]
+    full = StreamPlanner(config, window=window, max_carry=2)
+    expected = [full.add(i, n) for i, n in chunks] + [full.finish()]
+    cut = data.draw(st.integers(0, len(chunks)))
+    first = StreamPlanner(config, window=window, max_carry=2)
+    got = [first.add(i, n) for i, n in chunks[:cut]]
+    state = first.get_state()
+    second = StreamPlanner(config, window=window, max_carry=2)
+    second.set_state(state)
+    got += [second.add(i, n) for i, n in chunks[cut:]] + [second.finish()]
+    assert second.counters == full.counters
+    flat = lambda rs: [(r.index.tolist(), r.start.tolist(), r.length.tolist(),  # noqa: E731
+                        r.offset.tolist()) for batch in rs for r in batch]
+    assert flat(got) == flat(expected)
