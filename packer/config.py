@@ -6,7 +6,7 @@ import dataclasses
 import enum
 
 
-class Strategy(str, enum.Enum):
+class Strategy(enum.StrEnum):
     """How examples are assigned to rows (all plan on lengths alone)."""
 
     FIRST_FIT = "first_fit"  # input order, first row with room
@@ -15,7 +15,7 @@ class Strategy(str, enum.Enum):
     CONCAT_SPLIT = "concat_split"  # pretraining: fill every row, cutting examples
 
 
-class Overflow(str, enum.Enum):
+class Overflow(enum.StrEnum):
     """What happens to an example longer than `seq_len`."""
 
     ERROR = "error"  # raise, naming the example and its length

@@ -1,4 +1,4 @@
-"""Packing statistics from a batch or a plan: efficiency, padding, rows vs lower bound, histograms."""
+"""Packing statistics of a batch or a plan: efficiency, padding, histograms."""
 
 from __future__ import annotations
 

@@ -130,7 +130,8 @@ class StreamPlanner:
         sizes = -(-length // a) * a
         if cfg.strategy is Strategy.BEST_FIT_DECREASING:
             order = np.argsort(-sizes, kind="stable")
-            example, start, length, sizes = example[order], start[order], length[order], sizes[order]
+            example, start, length = example[order], start[order], length[order]
+            sizes = sizes[order]
         rows = self._bins.place(sizes.tolist())
         pieces, born, w = self._pieces, self._born, self._windows
         for r, piece in zip(rows, zip(ids[example].tolist(), start.tolist(), length.tolist())):

@@ -1,4 +1,4 @@
-"""The layers stay apart: packer imports no jax/grain, the CLI no jax, kernels no packer/pipelines."""
+"""Layering: packer imports no jax/grain, the CLI no jax, kernels nothing from other layers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad input gets a ValueError that names the field, the value and the fix; validate names row/slot."""
+"""Bad input: a ValueError naming the field, value and fix; validate names the row and slot."""
 
 from __future__ import annotations
 

@@ -1,0 +1,70 @@
+"""Benchmark helpers: load the shared corpora (or a synthetic one), time calls, print tables."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def pin_one_core() -> str:
+    """Pins this process to one CPU core (the anchors are one-core figures); returns a note."""
+    try:
+        core = min(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {core})
+        return f"pinned to core {core}"
+    except (AttributeError, OSError):  # not on Linux
+        return "not pinned"
+
+
+def corpora(names: list[str] | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{name: (tokens, offsets)} from ../shared/data/*.npz, or a synthetic lognormal corpus."""
+    out = {}
+    paths = sorted(DATA.glob("*.npz")) if DATA.is_dir() else []
+    for p in paths:
+        if names and p.stem not in names:
+            continue
+        z = np.load(p)
+        out[p.stem] = (z["tokens"], z["offsets"].astype(np.int64))
+    if not out:
+        rng = np.random.default_rng(0)
+        lengths = np.clip(rng.lognormal(5.6, 0.7, 30_000).astype(np.int64), 1, 9_000)
+        offsets = np.zeros(lengths.size + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        tokens = rng.integers(0, 30_000, int(offsets[-1]), dtype=np.uint16)
+        out["synthetic_lognormal"] = (tokens, offsets)
+    return out
+
+
+def best_time(fn: Callable[[], object], repeats: int = 3) -> tuple[float, object]:
+    """Runs fn once to warm up, then `repeats` times; returns (best seconds, last result)."""
+    result = fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, result
+
+
+def print_table(title: str, header: list[str], rows: list[list[object]]) -> None:
+    cells = [[str(c) for c in r] for r in [header, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n{title}")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(cells[0], widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cells[1:]:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |")
+
+
+def fmt_rate(x: float) -> str:
+    if x >= 1e6:
+        return f"{x / 1e6:.1f}M"
+    if x >= 1e3:
+        return f"{x / 1e3:.0f}k"
+    return f"{x:.0f}"
