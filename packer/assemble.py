@@ -18,7 +18,6 @@ Worked example (seq_len 6, max_segments 2, pad_id 0, first_fit)::
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -76,23 +75,12 @@ def assemble(values: object, offsets: object, p: PackPlan, config: PackConfig) -
     return build_rows(pieces, p, config, dtype=values.dtype)
 
 
-_ID_TABLE_MAX = 1 << 22  # entries (16 MiB); larger S x L builds segment ids with np.repeat
-
-
-@functools.lru_cache(maxsize=4)
-def _id_table(max_segments: int, seq_len: int) -> np.ndarray:
-    """i32[S, L]: row j is all j + 1 (the segment id of slot j), to slice runs from."""
-    table = np.repeat(np.arange(1, max_segments + 1, dtype=np.int32)[:, None], seq_len, axis=1)
-    table.setflags(write=False)
-    return table
-
-
 def build_rows(pieces: Sequence[np.ndarray], p: PackPlan, config: PackConfig, *, dtype) -> dict:
     """Writes the rows of plan `p`; `pieces[i]` holds the tokens of the plan's i-th piece.
 
-    The flat `[R * L]` buffers are runs: padding gap, piece, padding gap, piece, ..., tail. Each
-    output is one `np.concatenate` of views: the pieces (tokens), slices of a constant table
-    (segment ids) and of a ramp (positions), with padding slices in between.
+    The flat `[R * L]` buffers are runs: padding gap, piece, padding gap, piece, ..., tail. Tokens
+    are one `np.concatenate` of the pieces and padding slices; segment ids one `np.repeat` of the
+    runs' ids; positions a ramp minus each run's start, zeroed on padding.
     """
     k = config.keys()
     R, L = p.num_rows, config.seq_len
@@ -112,21 +100,17 @@ def build_rows(pieces: Sequence[np.ndarray], p: PackPlan, config: PackConfig, *,
     runs[0::2] = [pad[:g] for g in gaps]
     runs[1::2] = pieces
     tokens = np.concatenate(runs).astype(dtype, copy=False)
-    # Segment ids and positions: the same runs, cut from constant and ramp tables.
-    zeros = np.zeros(L, np.int32)
-    runs[0::2] = [zeros[:g] for g in gaps]
-    ramp = np.arange(L, dtype=np.int32)
-    lens_list = lens.tolist()
-    runs[1::2] = [ramp[:m] for m in lens_list]
-    positions = np.concatenate(runs)
-    if config.max_segments * L <= _ID_TABLE_MAX:
-        ids_table = _id_table(config.max_segments, L)
-        runs[1::2] = [ids_table[j, :m] for j, m in zip(p.slot.tolist(), lens_list)]
-        seg_ids = np.concatenate(runs)
-    else:  # the table would be too big: one repeat instead
-        run_ids = np.zeros(2 * n + 1, np.int32)
-        run_ids[1::2] = p.slot + 1
-        seg_ids = np.repeat(run_ids, run_lens)
+    # Segment ids and positions: the same runs, by `repeat` (no Python work per piece).
+    run_ids = np.zeros(2 * n + 1, np.int32)
+    run_ids[1::2] = p.slot + 1
+    seg_ids = np.repeat(run_ids, run_lens)
+    # A padding run's "start" is pushed L past its real start, so its positions come out
+    # negative (a run is never longer than L) and the clip at 0 zeroes them in one pass.
+    run_starts = np.cumsum(run_lens) - run_lens
+    run_starts[0::2] += L
+    positions = np.arange(R * L, dtype=np.int32)
+    positions -= np.repeat(run_starts.astype(np.int32), run_lens)
+    np.maximum(positions, 0, out=positions)
     batch = {
         k["values"]: tokens.reshape(R, L),
         k["segment_ids"]: seg_ids.reshape(R, L),
