@@ -1,0 +1,152 @@
+"""The two planning back ends of `PackIterDataset`: one packed feature, or several.
+
+Both turn a window of held examples into contract rows and expose the same small interface:
+`lengths(elements)`, `add(ids, lengths)`, `finish()`, `build(plan, held)`, state and counters.
+
+- `SingleLayout`: `packer.StreamPlanner` (best fit decreasing over windows, overflow incl.
+  split) and `packer.build_rows` for the token rows.
+- `MultiLayout`: `multi_planner.MultiStreamPlanner`; every feature gets its own segment metadata,
+  the example's slot is shared.
+
+Per-token meta features (e.g. a loss mask) ride on a host feature: same length per example, the
+host's offsets, padded with 0, no metadata of their own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import packer
+from pipelines.assemble import Layout, fill_values, segment_arrays, source_arrays
+from pipelines.multi_planner import MultiStreamPlanner
+
+
+def gather(held: dict[int, list], ids: list[int], window: int) -> list[Any]:
+    """Values of example `ids` from `held` (window number -> that window's values)."""
+    return [held[i // window][i % window] for i in ids]
+
+
+class SingleLayout:
+    """One packed feature via `packer.StreamPlanner`."""
+
+    def __init__(self, config: packer.PackConfig, *, window: int, meta: dict[str, str]):
+        self.config = config
+        self.feature = config.feature
+        self.meta = list(meta)  # all hosted by `feature`
+        self.planner = packer.StreamPlanner(config, window=window)
+
+    def window_lengths(self, cols: dict[str, list[Any]]) -> list[int]:
+        return [len(v) for v in cols[self.feature]]
+
+    def add(self, ids: list[int], lengths: list[int]) -> packer.PackPlan:
+        return self.planner.add_plan(ids, lengths)
+
+    def finish(self) -> packer.PackPlan:
+        return self.planner.finish_plan()
+
+    def build(self, plan: packer.PackPlan, held: dict[str, dict[int, list]], window: int) -> dict:
+        """Contract rows `[R, L]` / `[R, S]` (+ meta `[R, L]`) for the plan's rows."""
+        ex, st, ln = plan.example.tolist(), plan.start.tolist(), plan.length.tolist()
+        tokens = gather(held[self.feature], ex, window)
+        pieces = [v[s : s + m] for v, s, m in zip(tokens, st, ln, strict=True)]
+        dtype = pieces[0].dtype if pieces else np.int32
+        batch = packer.build_rows(pieces, plan, self.config, dtype=dtype)
+        if self.meta:
+            layout = Layout(plan.row, plan.slot, plan.offset, plan.length, plan.num_rows)
+            dest = layout.destinations(self.config.seq_len)
+            for name in self.meta:
+                col = gather(held[name], ex, window)
+                mp = [v[s : s + m] for v, s, m in zip(col, st, ln, strict=True)]
+                batch[name] = fill_values(
+                    mp, layout, self.config.seq_len,
+                    dtype=mp[0].dtype if mp else np.int32, dest=dest,
+                )
+        return batch
+
+    def open_ids(self, state: dict) -> set[int]:
+        return {int(p[0]) for row in state["rows"] for p in row["pieces"]}
+
+    def counters(self) -> dict[str, int]:
+        return self.planner.counters.to_dict()
+
+
+class MultiLayout:
+    """Several packed features via `MultiStreamPlanner`."""
+
+    def __init__(
+        self,
+        features: tuple[str, ...],
+        capacities: tuple[int, ...],
+        *,
+        max_segments: int,
+        alignment: int,
+        overflow: str,
+        pad_id: int,
+        window: int,
+        meta: dict[str, str],
+    ):
+        self.features = features
+        self.capacities = capacities
+        self.max_segments = max_segments
+        self.pad_id = pad_id
+        self.meta = meta
+        self.planner = MultiStreamPlanner(
+            features, capacities, max_segments=max_segments, alignment=alignment,
+            overflow=overflow, window=window,
+        )
+
+    def window_lengths(self, cols: dict[str, list[Any]]) -> np.ndarray:
+        n = len(cols[self.features[0]])
+        out = np.empty((n, len(self.features)), np.int64)
+        for f, name in enumerate(self.features):
+            out[:, f] = [len(v) for v in cols[name]]
+        return out
+
+    def add(self, ids: list[int], lengths: np.ndarray) -> list[list[tuple]]:
+        return self.planner.add(ids, lengths)
+
+    def finish(self) -> list[list[tuple]]:
+        return self.planner.finish()
+
+    def build(self, rows: list[list[tuple]], held: dict[str, dict[int, list]], window: int) -> dict:
+        """Contract rows for every feature (own layout each) + shared source index/start."""
+        counts = np.fromiter((len(r) for r in rows), np.int64, len(rows))
+        flat = [p for r in rows for p in r]
+        R, S = len(rows), self.max_segments
+        pieces = np.asarray(flat, np.int64).reshape(-1, 1 + len(self.features))
+        row = np.repeat(np.arange(R, dtype=np.int64), counts)
+        first = np.cumsum(counts) - counts
+        slot = np.arange(row.size, dtype=np.int64) - np.repeat(first, counts)
+        ids = pieces[:, 0]
+        batch: dict[str, np.ndarray] = {}
+        a = self.planner.alignment
+        for f, (name, L) in enumerate(zip(self.features, self.capacities, strict=True)):
+            length = pieces[:, 1 + f]
+            aligned = -(-length // a) * a
+            excl = np.cumsum(aligned) - aligned
+            offset = excl - np.repeat(excl[first], counts) if row.size else excl
+            layout = Layout(row, slot, offset, length, R)
+            dest = layout.destinations(L)
+            col = gather(held[name], ids.tolist(), window)
+            values = [v[:m] for v, m in zip(col, length.tolist(), strict=True)]
+            dtype = values[0].dtype if values else np.int32
+            batch[name] = fill_values(values, layout, L, dtype=dtype, pad=self.pad_id, dest=dest)
+            batch.update(segment_arrays(layout, L, S, prefix=name, dest=dest))
+            for meta_name, host in self.meta.items():
+                if host == name:
+                    col = gather(held[meta_name], ids.tolist(), window)
+                    mv = [v[:m] for v, m in zip(col, length.tolist(), strict=True)]
+                    batch[meta_name] = fill_values(
+                        mv, layout, L, dtype=mv[0].dtype if mv else np.int32, dest=dest
+                    )
+        layout = Layout(row, slot, row * 0, row * 0, R)
+        batch.update(source_arrays(layout, S, ids, np.zeros_like(ids)))
+        return batch
+
+    def open_ids(self, state: dict) -> set[int]:
+        return {int(p[0]) for row in state["rows"] for p in row["pieces"]}
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.planner.counters)

@@ -1,0 +1,355 @@
+"""`PackIterDataset`: a checkpointable Grain `IterDataset` over seqpack's streaming packer.
+
+Reads the parent in windows of `window` examples, plans each window with best fit decreasing
+into rows carried over between windows (`packer.StreamPlanner`; several features:
+`MultiStreamPlanner`), and yields contract rows (`[L]` / `[S]` arrays per packed feature, see
+DESIGN.md) as they become final.
+
+Checkpoint state is small: the parent's state at a window boundary, the planner's state (ids and
+lengths of the open rows' pieces, no tokens), and counters. Restoring re-reads the parent from the
+window holding the oldest open example, keeps only the tokens the open rows need, re-plans the
+window that was being emitted and skips the rows already yielded — so a restored iterator yields
+exactly the rows an uninterrupted one would.
+
+Example::
+
+    ds = SequentialIterDataset(ArraySource.from_ragged(values, offsets))
+    ds = PackIterDataset(ds, seq_len=2048, max_segments=64, overflow="truncate")
+    row = next(iter(ds))   # tokens, tokens_segment_ids, ..., segment_source_index
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+import packer
+from pipelines.layouts import MultiLayout, SingleLayout
+from pipelines.pack_state import decode_planner_state, encode_planner_state
+
+
+class PackIterator(grain.DatasetIterator):
+    """Iterator of `PackIterDataset`; `counters` reports what the overflow policy did."""
+
+    def __init__(self, parent: grain.DatasetIterator, ds: PackIterDataset):
+        super().__init__(parent)
+        self._ds = ds
+        self._start_state = parent.get_state()
+        self._fresh()
+
+    def _fresh(self) -> None:
+        ds = self._ds
+        self._layout = ds.make_layout()
+        self._planner_state = self._layout.planner.get_state()  # after the last planned window
+        self._oldest: int | None = None  # oldest example id in an open row
+        self._next_id = 0  # parent elements read so far = id of the next one
+        self._bounds: deque[tuple[int, Any]] = deque()  # (first id, parent state) per window
+        self._attempt: tuple[int, Any] | None = None
+        # Tokens that open rows may still need: name -> window number -> values of that window.
+        self._held: dict[str, dict[int, list]] = {n: {} for n in ds.names}
+        self._exhausted = False
+        self._finished = False
+        self._snap: dict[str, Any] | None = None
+        self._snap_encoded: dict[str, Any] | None = None  # built on the first get_state
+        self._cols: list[tuple[str, np.ndarray]] = []
+        self._num_rows = 0
+        self._emitted = 0
+        self._order: list[int] | None = None
+        self._rows_emitted = 0
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def _read_window(self, keep: set[int] | None = None) -> tuple[list[int], dict[str, list]]:
+        """Reads up to `window` elements. keep=None: all are new; else replay, hold only `keep`."""
+        parent, ds = self._parent, self._ds
+        first = self._next_id
+        self._attempt = (first, parent.get_state())
+        cols: dict[str, list] = {n: [] for n in ds.names}
+        if len(ds.names) == 1:
+            vals = cols[ds.names[0]]
+            append, key = vals.append, ds.names[0]
+            try:
+                for _ in range(ds.window):
+                    append(next(parent)[key])
+            except StopIteration:
+                self._exhausted = True
+            except (KeyError, TypeError, IndexError) as e:
+                self._bad_element(first + len(vals), e)
+            count = len(vals)
+        else:
+            count = 0
+            try:
+                for _ in range(ds.window):
+                    element = next(parent)
+                    try:
+                        for n in ds.names:
+                            cols[n].append(element[n])
+                    except (KeyError, TypeError, IndexError) as e:
+                        self._bad_element(first + count, e)
+                    count += 1
+            except StopIteration:
+                self._exhausted = True
+        if count:
+            self._bounds.append(self._attempt)
+        self._next_id = first + count
+        ids = list(range(first, first + count))
+        for n in ds.names:
+            col = cols[n]
+            if not all(type(v) is np.ndarray and v.ndim == 1 for v in col):
+                col[:] = [self._as_tokens(v, first + i, n) for i, v in enumerate(col)]
+            elif count and not all(v.dtype.kind in "iub" for v in col):
+                i = next(i for i, v in enumerate(col) if v.dtype.kind not in "iub")
+                self._as_tokens(col[i], first + i, n)
+        if count:
+            k = first // ds.window
+            for n in ds.names:
+                col = cols[n]
+                if keep is not None:  # replay: hold only what open rows need
+                    col = [v if first + i in keep else None for i, v in enumerate(col)]
+                self._held[n][k] = col
+        return ids, cols
+
+    def _bad_element(self, ident: int, e: Exception) -> None:
+        raise ValueError(
+            f"element {ident} of the parent lacks one of the features {list(self._ds.names)} "
+            f"({type(e).__name__}: {e}); elements must be dicts of 1-D token arrays"
+        ) from None
+
+    @staticmethod
+    def _as_tokens(v: Any, ident: int, name: str) -> np.ndarray:
+        arr = np.asarray(v)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
+            raise ValueError(
+                f"element {ident}: {name!r} must be a 1-D array of integer token ids, got "
+                f"shape {arr.shape} dtype {arr.dtype}"
+            )
+        return arr if arr.size else arr.astype(np.int32)
+
+    # ---- planning ---------------------------------------------------------------------------
+
+    def _state_at(self, first: int) -> Any:
+        for f, state in self._bounds:
+            if f == first:
+                return state
+        assert self._attempt is not None and self._attempt[0] == first, (first, self._bounds)
+        return self._attempt[1]
+
+    def _advance(self) -> None:
+        """Plans the next window (or the final flush) and stages its rows for emission."""
+        ds, layout = self._ds, self._layout
+        before = self._planner_state
+        oldest_before = self._oldest
+        plan = None
+        if not self._exhausted:
+            ids, cols = self._read_window()
+            if ids:
+                lengths = layout.window_lengths(cols)
+                ds.check_meta_lengths(cols, ids[0])
+                plan = layout.add(ids, lengths)
+                phase, window_first = "window", ids[0]
+        if plan is None:
+            plan = layout.finish()
+            phase, window_first = "finish", self._next_id
+            self._finished = True
+        replay_id = window_first if oldest_before is None else oldest_before
+        replay_from = replay_id - replay_id % ds.window
+        self._snap = {
+            "phase": phase,
+            "parent": self._state_at(replay_from),
+            "replay_from": replay_from,
+            "window_first": window_first,
+            "planner": before,
+        }
+        self._snap_encoded = None
+        batch = layout.build(plan, self._held, ds.window)
+        self._planner_state = layout.planner.get_state()
+        self._oldest = layout.planner.oldest_open_id()
+        oldest = self._next_id if self._oldest is None else self._oldest
+        for held in self._held.values():
+            for k in [k for k in held if (k + 1) * ds.window <= oldest]:
+                del held[k]
+        while self._bounds and self._bounds[0][0] + ds.window <= oldest:
+            self._bounds.popleft()
+        self._cols = list(batch.items())
+        self._num_rows = len(next(iter(batch.values()))) if batch else 0
+        self._emitted = 0
+        self._order = None
+        if ds.shuffle_rows and self._num_rows > 1:
+            rng = np.random.default_rng([ds.seed, self._next_id, int(phase == "finish")])
+            self._order = rng.permutation(self._num_rows).tolist()
+
+    # ---- iteration and state ------------------------------------------------------------------
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        while self._emitted >= self._num_rows:
+            if self._finished:
+                raise StopIteration
+            self._advance()
+        i = self._emitted if self._order is None else self._order[self._emitted]
+        self._emitted += 1
+        self._rows_emitted += 1
+        return {k: c[i] for k, c in self._cols}
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Planner counters (truncated/dropped/split/empty...) plus rows and examples read."""
+        out = self._layout.counters()
+        out["rows_emitted"] = self._rows_emitted
+        out["examples_read"] = self._next_id
+        return out
+
+    def get_state(self) -> dict[str, Any]:
+        if self._snap is None:
+            return {"phase": "start", "parent": self._start_state, "emitted": 0,
+                    "rows_emitted": 0}
+        if self._snap_encoded is None:
+            self._snap_encoded = {**self._snap,
+                                  "planner": encode_planner_state(self._snap["planner"])}
+        return {**self._snap_encoded, "emitted": self._emitted,
+                "rows_emitted": self._rows_emitted}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state["parent"])
+        self._fresh()
+        if state["phase"] == "start":
+            self._start_state = state["parent"]
+            return
+        ds, layout = self._ds, self._layout
+        layout.planner.set_state(decode_planner_state(state["planner"]))
+        self._planner_state = layout.planner.get_state()
+        self._oldest = layout.planner.oldest_open_id()
+        needed = layout.open_ids(self._planner_state)
+        self._next_id = int(state["replay_from"])
+        window_first = int(state["window_first"])
+        while self._next_id < window_first:
+            ids, _ = self._read_window(keep=needed)
+            if len(ids) < ds.window and self._next_id < window_first:
+                raise ValueError(
+                    f"restoring: the parent ended at element {self._next_id} while replaying up "
+                    f"to {window_first}; the parent must yield the same elements after set_state"
+                )
+        self._exhausted = state["phase"] == "finish"
+        self._advance()
+        self._emitted = int(state["emitted"])
+        self._rows_emitted = int(state["rows_emitted"])
+
+    def __str__(self) -> str:
+        return "PackIterator"
+
+
+class PackIterDataset(grain.IterDataset):
+    """Packs variable-length examples into contract rows (see the module docstring).
+
+    parent:            elements are dicts holding each packed feature as a 1-D int array.
+    seq_len:           L for one packed feature named `feature`; or
+    length_struct:     {feature: L_f} for one or several packed features. With several, a row
+                       takes an example only if every feature fits; each feature gets its own
+                       segment metadata (`f_segment_ids`, ...); slots are shared.
+    max_segments:      S, segments per row (the `[S]` arrays).
+    strategy:          "best_fit_decreasing" (per window) or "best_fit" (arrival order).
+    window:            examples planned together; rows stay open across windows.
+    overflow:          "error" | "truncate" | "split" | "drop" for examples longer than L;
+                       counted in the iterator's `counters`.
+    segment_alignment: segment offsets are multiples of this.
+    shuffle_rows:      shuffle the rows each window emits (seeded by `seed` and the position).
+    meta_features:     per-token features riding on a packed feature's layout (same length per
+                       example, padded with 0, no metadata): a list (host: the first packed
+                       feature) or {meta: host feature}.
+    pad_id:            token written into padding.
+
+    `segment_source_index` holds each segment's position in the parent's stream (0, 1, ... per
+    iterator; per worker under `mp_prefetch`).
+    """
+
+    def __init__(
+        self,
+        parent: grain.IterDataset,
+        *,
+        seq_len: int | None = None,
+        length_struct: Mapping[str, int] | None = None,
+        max_segments: int = 64,
+        strategy: str = "best_fit_decreasing",
+        window: int = 1024,
+        overflow: str = "error",
+        segment_alignment: int = 1,
+        shuffle_rows: bool = False,
+        seed: int = 0,
+        meta_features: Sequence[str] | Mapping[str, str] = (),
+        pad_id: int = 0,
+        feature: str = "tokens",
+    ):
+        super().__init__(parent)
+        if (seq_len is None) == (length_struct is None):
+            raise ValueError(
+                f"pass exactly one of seq_len={seq_len!r} and length_struct={length_struct!r}"
+            )
+        if length_struct is None:
+            length_struct = {feature: seq_len}
+        if not isinstance(length_struct, Mapping) or not length_struct:
+            raise ValueError(f"length_struct={length_struct!r} must be a dict feature -> L")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"{window=} must be a positive int")
+        self.features = tuple(length_struct)
+        self.configs = [
+            packer.PackConfig(
+                length_struct[f], max_segments=max_segments, strategy=strategy,
+                overflow=overflow, pad_id=pad_id, segment_alignment=segment_alignment, feature=f,
+            )
+            for f in self.features
+        ]
+        if not isinstance(meta_features, Mapping):
+            meta_features = dict.fromkeys(meta_features, self.features[0])
+        for name, host in meta_features.items():
+            if host not in self.features or name in self.features:
+                raise ValueError(
+                    f"meta feature {name!r} -> {host!r}: the host must be a packed feature "
+                    f"({list(self.features)}) and the meta feature must not be one"
+                )
+        self.meta = dict(meta_features)
+        self.names = self.features + tuple(self.meta)
+        self.window = window
+        self.shuffle_rows = bool(shuffle_rows)
+        self.seed = int(seed)
+        if len(self.features) > 1:
+            cfg = self.configs[0]
+            if cfg.strategy is not packer.Strategy.BEST_FIT_DECREASING:
+                raise ValueError(
+                    f"strategy={cfg.strategy.value!r}: several features pack with "
+                    "'best_fit_decreasing' only"
+                )
+        self.make_layout()  # validates the combination early
+
+    def make_layout(self) -> SingleLayout | MultiLayout:
+        if len(self.features) == 1:
+            return SingleLayout(self.configs[0], window=self.window, meta=self.meta)
+        cfg = self.configs[0]
+        return MultiLayout(
+            self.features,
+            tuple(c.seq_len for c in self.configs),
+            max_segments=cfg.max_segments,
+            alignment=cfg.segment_alignment,
+            overflow=cfg.overflow.value,
+            pad_id=cfg.pad_id,
+            window=self.window,
+            meta=self.meta,
+        )
+
+    def check_meta_lengths(self, cols: dict[str, list], first_id: int) -> None:
+        for name, host in self.meta.items():
+            for i, (m, h) in enumerate(zip(cols[name], cols[host], strict=True)):
+                if len(m) != len(h):
+                    raise ValueError(
+                        f"element {first_id + i}: meta feature {name!r} has length {len(m)} but "
+                        f"its host {host!r} has {len(h)}; they must match per example"
+                    )
+
+    def __iter__(self) -> PackIterator:
+        return PackIterator(self._parent.__iter__(), self)
+
+    def __str__(self) -> str:
+        lengths = {c.feature: c.seq_len for c in self.configs}
+        return f"PackIterDataset({lengths})"

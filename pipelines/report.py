@@ -1,0 +1,210 @@
+"""What the CLI shows: packing statistics (packed directory or dry run), plots, a row, progress.
+
+Stats table (one column per strategy in a dry run; steps = ceil(rows / batch size))::
+
+                          best_fit_decreasing
+    rows                                5,695
+    lower bound                         5,693
+    rows over bound                     0.04%
+    efficiency                         99.96%
+    ...
+
+`format_row` prints one packed row column-aligned, the way the packer's docstrings do::
+
+    position             0     1     2     3 ...
+    tokens               7     8     9     5
+    tokens_segment_ids   1     1     1     2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from packer import PackConfig, plan, stats
+from packer.config import Strategy
+
+STRATEGIES = tuple(s.value for s in Strategy)
+
+
+def dry_run(lengths: np.ndarray, config: PackConfig, strategies: Sequence[str]) -> dict[str, dict]:
+    """strategy -> `PackingStats.to_dict()` of planning `lengths` with config + that strategy."""
+    import dataclasses
+
+    out = {}
+    for name in strategies:
+        cfg = dataclasses.replace(config, strategy=name)
+        p = plan(lengths, cfg)
+        out[name] = stats(p, seq_len=cfg.seq_len, max_segments=cfg.max_segments).to_dict()
+    return out
+
+
+def summary(s: dict, batch_size: int) -> dict:
+    """The table's figures for one `PackingStats` dict."""
+    spr = np.asarray(s["segments_per_row"])
+    rows = s["num_rows"]
+    c = s["counters"]
+    return {
+        "rows": rows,
+        "lower_bound_rows": s["lower_bound_rows"],
+        "rows_over_lower_bound": s["rows_over_lower_bound"],
+        "efficiency": s["efficiency"],
+        "padding_fraction": s["padding_fraction"],
+        "segments_per_row_mean": float((spr * np.arange(spr.size)).sum() / rows) if rows else 0.0,
+        "segments_per_row_max": int(np.flatnonzero(spr)[-1]) if spr.any() else 0,
+        "row_fill_p10": s["row_fill_quantiles"]["p10"],
+        "real_tokens": s["real_tokens"],
+        "truncated_tokens": c["truncated_tokens"],
+        "dropped_tokens": c["dropped_tokens"],
+        "split_examples": c["split_examples"],
+        "split_pieces": c["split_pieces"],
+        "examples": c["num_examples"],
+        "batch_size": batch_size,
+        "steps_per_epoch": -(-rows // batch_size),
+    }
+
+
+_ROWS = [
+    ("examples", "examples", "{:,}"),
+    ("rows", "rows", "{:,}"),
+    ("lower bound", "lower_bound_rows", "{:,}"),
+    ("rows over bound", "rows_over_lower_bound", "{:.2%}"),
+    ("efficiency", "efficiency", "{:.2%}"),
+    ("padding", "padding_fraction", "{:.2%}"),
+    ("segments / row", "segments_per_row_mean", "{:.2f}"),
+    ("max segments / row", "segments_per_row_max", "{:,}"),
+    ("row fill p10", "row_fill_p10", "{:.2%}"),
+    ("tokens in rows", "real_tokens", "{:,}"),
+    ("truncated tokens", "truncated_tokens", "{:,}"),
+    ("dropped tokens", "dropped_tokens", "{:,}"),
+    ("split examples", "split_examples", "{:,}"),
+    ("pieces of split examples", "split_pieces", "{:,}"),
+    ("steps / epoch", "steps_per_epoch", "{:,}"),
+]
+
+
+def format_table(summaries: dict[str, dict], title: str = "") -> str:
+    """Plain aligned text: one column per entry of `summaries` (e.g. per strategy)."""
+    names = list(summaries)
+    cells = [[fmt.format(summaries[n][key]) for n in names] for _, key, fmt in _ROWS]
+    labels = [label for label, _, _ in _ROWS]
+    batch = {summaries[n]["batch_size"] for n in names}
+    labels[-1] += f" (batch {batch.pop()})" if len(batch) == 1 else ""
+    w0 = max(map(len, labels))
+    widths = [max(len(n), *(len(row[i]) for row in cells)) for i, n in enumerate(names)]
+    lines = [title] if title else []
+    lines.append(" " * w0 + "".join(f"  {n:>{w}}" for n, w in zip(names, widths)))
+    for label, row in zip(labels, cells):
+        lines.append(f"{label:<{w0}}" + "".join(f"  {c:>{w}}" for c, w in zip(row, widths)))
+    return "\n".join(lines)
+
+
+def plot_stats(path: str, length_hist: dict, per_strategy: dict[str, dict]) -> None:
+    """Writes a PNG: example lengths, row fill, and segments per row histograms."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'seqpack[plotting]'") from None
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    edges = np.asarray(length_hist["edges"])
+    axes[0].stairs(length_hist["counts"], edges, fill=True)
+    axes[0].set(title="example lengths", xlabel="tokens", ylabel="examples")
+    for name, s in per_strategy.items():
+        fill = np.asarray(s["row_fill_histogram"])
+        axes[1].stairs(fill, np.linspace(0, 1, fill.size + 1), label=name)
+        spr = np.asarray(s["segments_per_row"])
+        top = min(spr.size, int(np.flatnonzero(spr)[-1]) + 2 if spr.any() else 2)
+        axes[2].stairs(spr[:top], np.arange(top + 1) - 0.5, label=name)
+    axes[1].set(title="row fill", xlabel="used / seq_len", ylabel="rows", yscale="log")
+    axes[2].set(title="segments per row", xlabel="segments", ylabel="rows")
+    axes[1].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def format_row(row: dict[str, np.ndarray], config: PackConfig, *, start: int = 0,
+               count: int | None = None, width: int = 16) -> str:
+    """One packed row: the segment table, then positions [start, start + count) in blocks."""
+    k = config.keys()
+    lens = np.asarray(row[k["segment_lengths"]])
+    used = int((lens > 0).sum())
+    L = int(row[k["values"]].shape[0])
+    lines = [f"{used} segments, {int(lens.sum())} of {L} tokens used", ""]
+    seg_cols = [("slot", np.arange(lens.size)), (k["segment_lengths"], lens),
+                (k["segment_offsets"], row[k["segment_offsets"]]),
+                (k["source_index"], row[k["source_index"]]),
+                (k["source_start"], row[k["source_start"]])]
+    lines += _block(seg_cols, 0, max(used, 1) if used < lens.size else lens.size, width)
+    if used < lens.size:
+        lines.append(f"(slots {used}..{lens.size - 1} unused: length 0, offset "
+                     f"{int(row[k['segment_offsets']][used])}, source -1)")
+    lines.append("")
+    end = L if count is None else min(L, start + count)
+    tok_cols = [("position", np.arange(L)), (k["values"], row[k["values"]]),
+                (k["segment_ids"], row[k["segment_ids"]]), (k["positions"], row[k["positions"]])]
+    lines += _block(tok_cols, max(0, start), end, width)
+    return "\n".join(lines).rstrip()
+
+
+def _block(cols, lo: int, hi: int, width: int) -> list[str]:
+    name_w = max(len(name) for name, _ in cols)
+    lines = []
+    for a in range(lo, hi, width):
+        b = min(hi, a + width)
+        vals = [[str(int(v)) for v in np.asarray(arr)[a:b]] for _, arr in cols]
+        cw = max(len(x) for col in vals for x in col)
+        for (name, _), col in zip(cols, vals):
+            lines.append(f"{name:<{name_w}}  " + " ".join(f"{x:>{cw}}" for x in col))
+        lines.append("")
+    return lines
+
+
+class RichProgress:
+    """A transient rich progress bar on stderr: tokens packed, rows written, tokens/s."""
+
+    def __init__(self):
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(
+            TextColumn("{task.description}"), BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"), TextColumn("{task.fields[rows]:,} rows"),
+            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
+            console=Console(stderr=True), transient=True,
+        )
+        self.task = self.bar.add_task("reading + planning", total=None, rows=0, rate="")
+        self.rows = 0
+
+    def __enter__(self):
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.stop()
+
+    def start(self, total_rows: int, total_tokens: int) -> None:
+        self.bar.update(self.task, description="packing", total=total_tokens, completed=0)
+
+    def advance(self, rows: int, tokens: int) -> None:
+        self.rows += rows
+        self.bar.advance(self.task, tokens)
+        speed = self.bar.tasks[0].speed
+        rate = f"{speed / 1e6:.1f}M tokens/s" if speed else ""
+        self.bar.update(self.task, rows=self.rows, rate=rate)
+
+
+def terminal_progress() -> RichProgress | None:
+    """A progress bar when stderr is a terminal and rich is installed; None otherwise."""
+    import sys
+
+    if not sys.stderr.isatty():
+        return None
+    try:
+        return RichProgress()
+    except ImportError:
+        return None

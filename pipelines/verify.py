@@ -1,0 +1,280 @@
+"""Reads a packed directory back and proves it lossless against its inputs; reads single rows.
+
+`verify(output_dir, inputs)` re-reads the inputs (the way the manifest says they were read) and
+checks, shard by shard:
+
+    1. each input's fingerprint and the example lengths match the manifest;
+    2. every shard decodes, holds the manifest's row count, and satisfies the row contract
+       (`packer.validate`: shapes, dtypes, slot order, offsets, segment ids, positions, padding);
+    3. every segment's tokens equal its source: example `segment_source_index`, from
+       `segment_source_start`, in order;
+    4. over all shards, each example's pieces tile [0, kept) exactly once, and what is not kept is
+       what the overflow policy allows and the manifest's counters say (truncated / dropped /
+       split examples and tokens); the manifest's stats match the rows.
+
+A shard that cannot be decoded is bad input (`InputError`); everything else is a violation,
+collected (first `max_violations`) in the returned report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from packer import Counters, PackConfig, validate
+from packer.stats import stats_from_lengths
+from pipelines.readers import (
+    InputError,
+    ReadOptions,
+    close_quietly,
+    fingerprint,
+    first_line,
+    open_arrayrecord,
+    read_corpus,
+)
+from pipelines.records import decode_row
+from pipelines.writer import FORMAT, MANIFEST, lengths_digest
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    ok: bool
+    violations: list[str]
+    num_rows: int
+    num_examples: int
+    tokens_checked: int
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def load_manifest(output_dir: str) -> tuple[dict, PackConfig]:
+    """The manifest of a packed directory and its PackConfig; InputError if there is none."""
+    path = os.path.join(output_dir, MANIFEST)
+    if not os.path.isdir(output_dir):
+        raise InputError(f"{output_dir}: no such directory")
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: missing; the directory is not a complete `seqpack pack` output "
+                         "(an interrupted run? finish it with `seqpack pack ... --resume`)")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"format is {manifest.get('format')!r}, not {FORMAT!r}")
+        config = PackConfig(**manifest["config"])
+        shards, rows = manifest["shards"], manifest["shard_num_rows"]
+        if len(shards) != len(rows):
+            raise ValueError(f"{len(shards)} shards but {len(rows)} row counts")
+    except (ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{path}: not a seqpack manifest ({e})") from None
+    return manifest, config
+
+
+def read_shard(output_dir: str, name: str, num_rows: int | None = None) -> dict[str, np.ndarray]:
+    """All rows of one shard stacked into `[R, ...]` arrays; InputError if it is corrupt."""
+    path = os.path.join(output_dir, name)
+    reader = open_arrayrecord(path)
+    try:
+        n = reader.num_records()
+        if num_rows is not None and n != num_rows:
+            raise InputError(f"{path}: holds {n} rows, the manifest says {num_rows}; "
+                             "the shard is incomplete or replaced")
+        rows = [decode_row(raw) for raw in reader.read_all()]
+    except RuntimeError as e:
+        raise InputError(f"{path}: corrupt shard ({first_line(e)})") from None
+    except ValueError as e:
+        raise InputError(f"{path}: corrupt record ({e})") from None
+    finally:
+        close_quietly(reader)
+    if not rows:
+        return {}
+    keys = list(rows[0])
+    try:
+        return {k: np.stack([r[k] for r in rows]) for k in keys}
+    except (KeyError, ValueError) as e:
+        raise InputError(f"{path}: rows have different keys or shapes ({e})") from None
+
+
+def read_row(output_dir: str, index: int) -> tuple[dict[str, np.ndarray], dict, str, int]:
+    """(row, manifest, shard name, record index) of packed row `index` (negative from the end)."""
+    manifest, _ = load_manifest(output_dir)
+    total = int(sum(manifest["shard_num_rows"]))
+    if not -total <= index < total:
+        raise InputError(f"row {index} is out of range: {output_dir} holds {total} rows")
+    index %= total
+    cum = np.cumsum([0, *manifest["shard_num_rows"]])
+    shard = int(np.searchsorted(cum, index, side="right")) - 1
+    name, j = manifest["shards"][shard], index - int(cum[shard])
+    path = os.path.join(output_dir, name)
+    reader = open_arrayrecord(path)
+    try:
+        row = decode_row(reader.read([j])[0])
+    except (RuntimeError, IndexError) as e:
+        msg = f"{path}: corrupt shard, cannot read record {j} ({first_line(e)})"
+        raise InputError(msg) from None
+    except ValueError as e:
+        raise InputError(f"{path} record {j}: corrupt record ({e})") from None
+    finally:
+        close_quietly(reader)
+    return row, manifest, name, j
+
+
+def _ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """concat(arange(s, s + n) for s, n in zip(starts, lengths)), vectorized."""
+    total = int(lengths.sum())
+    if not total:
+        return np.zeros(0, np.int64)
+    first = np.cumsum(lengths) - lengths
+    return np.repeat(starts - first, lengths) + np.arange(total)
+
+
+class _Collector:
+    def __init__(self, limit: int):
+        self.items: list[str] = []
+        self.limit = limit
+
+    def add(self, msg: str) -> None:
+        if len(self.items) < self.limit:
+            self.items.append(msg)
+
+    @property
+    def full(self) -> bool:
+        return len(self.items) >= self.limit
+
+
+def _check_tokens(batch, config, values, offsets, lengths, shard, out: _Collector):
+    """Segment tokens == source tokens; returns (example, start, length) of the used slots."""
+    k = config.keys()
+    seg_len = batch[k["segment_lengths"]].astype(np.int64)
+    used = seg_len > 0
+    rows, slots = np.nonzero(used)
+    ex = batch[k["source_index"]][rows, slots]
+    st = batch[k["source_start"]][rows, slots]
+    ln = seg_len[rows, slots]
+    bad = (ex < 0) | (ex >= lengths.size)
+    bad[~bad] |= st[~bad] + ln[~bad] > lengths[ex[~bad]]
+    if bad.any():
+        i = int(np.argmax(bad))
+        out.add(f"{shard} row {rows[i]} slot {slots[i]}: source example {ex[i]} [{st[i]}, "
+                f"{st[i] + ln[i]}) is not inside the {lengths.size} input examples")
+        keep = ~bad
+        rows, slots, ex, st, ln = rows[keep], slots[keep], ex[keep], st[keep], ln[keep]
+    L = config.seq_len
+    dst = _ragged_arange(rows * L + batch[k["segment_offsets"]][rows, slots], ln)
+    src = _ragged_arange(offsets[ex] + st, ln)
+    got = batch[k["values"]].reshape(-1)[dst]
+    diff = np.flatnonzero(got != values[src])
+    if diff.size:
+        d = int(diff[0])
+        seg = int(np.searchsorted(np.cumsum(ln), d, side="right"))
+        r, s = int(rows[seg]), int(slots[seg])
+        pos = int(dst[d] - r * L)
+        out.add(f"{shard} row {r} slot {s} position {pos}: token {got[d]} != {values[src[d]]}, "
+                f"token {int(src[d] - offsets[ex[seg]])} of example {ex[seg]} "
+                f"({diff.size} tokens differ in this shard)")
+    return ex, st, ln, int(ln.sum())
+
+
+def _check_coverage(ex, st, ln, lengths, config, counters: Counters, out: _Collector) -> None:
+    """Each example's pieces tile [0, kept) once; the rest matches the policy and counters."""
+    order = np.lexsort((st, ex))
+    ex, st, ln = ex[order], st[order], ln[order]
+    first = np.ones(ex.size, bool)
+    first[1:] = ex[1:] != ex[:-1]
+    gap = np.flatnonzero(first & (st != 0))
+    contiguous = ~first
+    contiguous[1:] &= st[1:] != st[:-1] + ln[:-1]
+    gap = np.union1d(gap, np.flatnonzero(contiguous))
+    for i in gap[:3]:
+        out.add(f"example {ex[i]}: a piece starts at token {st[i]} where the pieces before it "
+                "end elsewhere (tokens missing or duplicated)")
+    covered = np.bincount(ex, weights=ln, minlength=lengths.size).astype(np.int64)
+    npieces = np.bincount(ex, minlength=lengths.size)
+    missing = lengths - covered
+    L = config.seq_len
+    policy = config.overflow.value if config.strategy.value != "concat_split" else "split"
+    cut = np.flatnonzero(missing != 0)
+    if policy == "truncate":
+        allowed = (lengths > L) & (covered == L)
+        want = {"truncated_examples": cut.size, "truncated_tokens": int(missing[cut].sum())}
+    elif policy == "drop":
+        allowed = (lengths > L) & (covered == 0)
+        want = {"dropped_examples": cut.size, "dropped_tokens": int(missing[cut].sum())}
+    else:
+        allowed = np.zeros(lengths.size, bool)
+        want = {}
+    for i in cut[~allowed[cut]][:3]:
+        out.add(f"example {i}: {missing[i]} of its {lengths[i]} tokens are not in any row, "
+                f"which overflow={policy!r} does not allow")
+    split = npieces > 1
+    want.update(split_examples=int(split.sum()), split_pieces=int(npieces[split].sum()),
+                num_examples=int(lengths.size), input_tokens=int(lengths.sum()),
+                empty_examples=int((lengths == 0).sum()))
+    have = counters.to_dict()
+    for key, value in want.items():
+        if have.get(key) != value:
+            out.add(f"manifest counter {key}={have.get(key)} but the rows give {value}")
+
+
+def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
+           max_violations: int = 20) -> VerifyReport:
+    """Checks a packed directory against its inputs (default: the paths in the manifest)."""
+    manifest, config = load_manifest(output_dir)
+    out = _Collector(max_violations)
+    recorded = manifest["inputs"]["files"]
+    paths = list(inputs) if inputs else [f["path"] for f in recorded]
+    if len(paths) != len(recorded):
+        raise InputError(f"{len(paths)} inputs given, the manifest lists {len(recorded)}: "
+                         + ", ".join(f["path"] for f in recorded))
+    for i, (path, rec) in enumerate(zip(paths, recorded)):
+        if not os.path.isfile(path):
+            raise InputError(f"{path}: no such file")
+        fp = fingerprint(path)
+        for key in ("size", "sha256_head_tail"):
+            if fp[key] != rec[key]:
+                out.add(f"input {i} ({path}): {key} {fp[key]} differs from the packed input's "
+                        f"{rec[key]} ({rec['path']})")
+    options = ReadOptions(**manifest["inputs"]["read_options"])
+    tokenizer = manifest["inputs"].get("tokenizer")
+    if tokenizer and os.path.isfile(tokenizer["path"]):
+        fp = fingerprint(tokenizer["path"])
+        if fp["sha256_head_tail"] != tokenizer["sha256_head_tail"]:
+            out.add(f"tokenizer {tokenizer['path']} changed since the run that packed the rows")
+    corpus = read_corpus(paths, options)
+    values, offsets, lengths = corpus.values, corpus.offsets, corpus.lengths
+    if lengths_digest(lengths) != manifest["inputs"]["lengths_sha256"]:
+        out.add(f"the inputs' {lengths.size} example lengths differ from the packed inputs' "
+                f"{manifest['inputs']['num_examples']}")
+    pieces, seg_lengths, checked = [], [], 0
+    for name, num_rows in zip(manifest["shards"], manifest["shard_num_rows"]):
+        batch = read_shard(output_dir, name, num_rows)
+        if not batch:
+            continue
+        try:
+            validate(batch, config)
+        except ValueError as e:
+            out.add(f"{name}: {e}")
+        try:  # still compare tokens and count pieces where the segment metadata allows it
+            ex, st, ln, n = _check_tokens(batch, config, values, offsets, lengths, name, out)
+        except (IndexError, KeyError, ValueError):
+            continue
+        seg_lengths.append(batch[config.keys()["segment_lengths"]])
+        pieces.append((ex, st, ln))
+        checked += n
+    if pieces:
+        ex, st, ln = (np.concatenate(x) for x in zip(*pieces))
+        counters = Counters(**manifest["stats"]["counters"])
+        _check_coverage(ex, st, ln, lengths, config, counters, out)
+    seg = np.concatenate(seg_lengths) if seg_lengths else np.zeros((0, config.max_segments))
+    got = stats_from_lengths(seg, config.seq_len).to_dict()
+    for key in ("num_rows", "num_segments", "real_tokens", "lower_bound_rows",
+                "segments_per_row", "row_fill_histogram"):
+        if got[key] != manifest["stats"][key]:
+            out.add(f"manifest stats {key}={manifest['stats'][key]} but the rows give {got[key]}")
+    return VerifyReport(ok=not out.items, violations=out.items,
+                        num_rows=int(sum(manifest["shard_num_rows"])),
+                        num_examples=int(lengths.size), tokens_checked=checked)

@@ -1,0 +1,83 @@
+"""Test helpers for the pipelines tests: random corpora, row comparison, restore-at-every-step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from pipelines import ArraySource, SequentialIterDataset
+from pipelines.training import ensure_flags_parsed
+
+ensure_flags_parsed()  # grain's worker processes read absl flags
+
+
+def random_lengths(rng: np.random.Generator, n: int, *, high: int, zero_prob: float = 0.0):
+    """Log-uniform-ish lengths in [1, high] (some 0 with `zero_prob`)."""
+    lengths = np.exp(rng.uniform(0, np.log(high + 1), n)).astype(np.int64).clip(1, high)
+    if zero_prob:
+        lengths[rng.random(n) < zero_prob] = 0
+    return lengths
+
+
+def unique_corpus(lengths, *, dtype=np.int32) -> tuple[np.ndarray, np.ndarray]:
+    """Flat values + offsets where every token is unique: its global position + 1."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return (np.arange(int(offsets[-1])) + 1).astype(dtype), offsets
+
+
+def iter_source(values, offsets, *, feature: str = "tokens") -> SequentialIterDataset:
+    return SequentialIterDataset(ArraySource.from_ragged(values, offsets, feature=feature))
+
+
+def assert_rows_equal(a: list[dict], b: list[dict], *, keys: set[str] | None = None) -> None:
+    """Same number of rows, same keys (or `keys` only), equal arrays / meta lists."""
+    assert len(a) == len(b), (len(a), len(b))
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        kx = set(x) if keys is None else keys
+        if keys is None:
+            assert set(x) == set(y), (i, sorted(x), sorted(y))
+        for k in kx:
+            vx, vy = x[k], y[k]
+            if isinstance(vx, list) or (isinstance(vx, np.ndarray) and vx.dtype == object):
+                assert list(vx) == list(vy), (i, k)
+                continue
+            np.testing.assert_array_equal(vx, vy, err_msg=f"row {i} key {k}")
+            assert np.asarray(vx).dtype == np.asarray(vy).dtype, (i, k, vx.dtype, vy.dtype)
+
+
+def stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def check_restore_every_step(make_iter: Callable[[], Any], *, max_rows: int | None = None):
+    """Restores a fresh iterator from the state at every step; each yields the same tail.
+
+    Returns the uninterrupted rows. States go through a JSON round trip (checkpoint format).
+    """
+    import json
+
+    it = make_iter()
+    states, rows = [it.get_state()], []
+    truncated = False
+    for row in it:
+        rows.append(row)
+        states.append(json.loads(json.dumps(it.get_state())))
+        if max_rows is not None and len(rows) >= max_rows:
+            truncated = True
+            break
+    for step, state in enumerate(states):
+        want = rows[step : step + 3]
+        if truncated and not want:
+            continue
+        restored = make_iter()
+        restored.set_state(state)
+        tail = []
+        for row in restored:
+            tail.append(row)
+            if len(tail) >= len(want):
+                break
+        assert_rows_equal(tail, want)  # at the natural end: nothing more either
+    return rows

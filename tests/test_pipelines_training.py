@@ -1,0 +1,146 @@
+"""make_training_pipeline: contract batches, sharding covers every example once, exact resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import packer
+from pipelines import ArraySource, PackedArrayRecordSource, encode_row, make_training_pipeline
+from tests.pipelines_helpers import assert_rows_equal, random_lengths, unique_corpus
+
+ar = pytest.importorskip("array_record.python.array_record_module")
+
+
+def _source(n: int = 300, seed: int = 0, high: int = 100):
+    lengths = random_lengths(np.random.default_rng(seed), n, high=high)
+    values, offsets = unique_corpus(lengths)
+    return ArraySource.from_ragged(values, offsets), values, offsets
+
+
+def _examples_in(batch: dict, values, offsets) -> list[int]:
+    """Example index of every segment (identified by its unique tokens)."""
+    out = []
+    B = batch["tokens"].shape[0]
+    for b in range(B):
+        for j in np.flatnonzero(batch["tokens_segment_lengths"][b]):
+            o, m = batch["tokens_segment_offsets"][b, j], batch["tokens_segment_lengths"][b, j]
+            first = int(batch["tokens"][b, o])
+            e = int(np.searchsorted(values, first))  # values are 1..N in order
+            e = int(np.searchsorted(offsets, e, side="right")) - 1
+            np.testing.assert_array_equal(batch["tokens"][b, o : o + m],
+                                          values[offsets[e] : offsets[e + 1]])
+            out.append(e)
+    return out
+
+
+def test_batches_are_contract_batches():
+    src, values, offsets = _source()
+    config = packer.PackConfig(128, max_segments=16)
+    kw = dict(seq_len=128, batch_size=4, max_segments=16, shuffle_seed=1, num_epochs=1,
+              shard_index=0, shard_count=1)
+    batches = list(make_training_pipeline(src, drop_remainder=False, **kw))
+    for batch in batches:
+        B = batch["tokens"].shape[0]
+        assert batch["tokens"].shape == (B, 128)
+        assert batch["tokens_segment_lengths"].shape == (B, 16)
+        packer.validate(batch, config)
+    assert [b["tokens"].shape[0] for b in batches[:-1]] == [4] * (len(batches) - 1)
+    seen = [e for b in batches for e in _examples_in(b, values, offsets)]
+    assert sorted(seen) == list(range(300))
+    dropped = list(make_training_pipeline(src, **kw))  # drop_remainder=True: full batches only
+    assert len(dropped) == len(batches) - (batches[-1]["tokens"].shape[0] < 4)
+
+
+@pytest.mark.parametrize("shard_count", [1, 3])
+def test_shards_cover_every_example_exactly_once(shard_count):
+    src, values, offsets = _source(n=200, seed=2)
+    seen = []
+    for shard in range(shard_count):
+        ds = make_training_pipeline(src, seq_len=128, batch_size=1, shuffle_seed=3, num_epochs=1,
+                                    shard_index=shard, shard_count=shard_count)
+        seen += [e for b in ds for e in _examples_in(b, values, offsets)]
+    assert sorted(seen) == list(range(200))
+
+
+def test_defaults_shard_from_jax_and_epochs_reshuffle():
+    src, values, offsets = _source(n=60, seed=4)
+    ds = make_training_pipeline(src, seq_len=128, batch_size=1, shuffle_seed=5, num_epochs=2,
+                                drop_remainder=False)  # jax: process 0 of 1
+    seen = [e for b in ds for e in _examples_in(b, values, offsets)]
+    assert sorted(seen) == sorted(list(range(60)) * 2)
+
+
+@pytest.mark.parametrize("worker_count", [0, 2])
+def test_resume_after_n_steps_is_exact(worker_count):
+    src, _, _ = _source(n=240, seed=6)
+    kw = dict(seq_len=128, batch_size=2, shuffle_seed=7, num_epochs=1, shard_index=0,
+              shard_count=1, worker_count=worker_count, window=16)
+    it = iter(make_training_pipeline(src, **kw))
+    full = list(it)
+    it.close()
+    for n in (0, 3, len(full) - 2):
+        it = iter(make_training_pipeline(src, **kw))
+        for _ in range(n):
+            next(it)
+        state = json.loads(json.dumps(it.get_state()))
+        it.close()
+        resumed = iter(make_training_pipeline(src, **kw))
+        resumed.set_state(state)
+        assert_rows_equal(list(resumed), full[n:])
+        resumed.close()
+
+
+def test_packed_arrayrecord_input_skips_packing(tmp_path):
+    config = packer.PackConfig(64, max_segments=8)
+    rng = np.random.default_rng(8)
+    seqs = [np.arange(1, 1 + int(m)) for m in rng.integers(1, 64, 50)]
+    batch = packer.pack(seqs, config)
+    rows = [{k: v[r] for k, v in batch.items()} for r in range(batch["tokens"].shape[0])]
+    w = ar.ArrayRecordWriter(str(tmp_path / "rows-00000.arrayrecord"), "group_size:1")
+    for r in rows:
+        w.write(encode_row(r))
+    w.close()
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"shards": ["rows-00000.arrayrecord"], "seq_len": 64, "max_segments": 8}))
+    src = PackedArrayRecordSource(tmp_path)
+    ds = make_training_pipeline(src, seq_len=64, batch_size=3, max_segments=8, shuffle_seed=0,
+                                num_epochs=1, shard_index=0, shard_count=1, drop_remainder=False)
+    out = list(ds)
+    got = np.concatenate([b["segment_source_index"] for b in out])
+    assert sorted(map(tuple, got.tolist())) == sorted(map(tuple, batch["segment_source_index"]
+                                                          .tolist()))
+    for b in out:
+        packer.validate(b, config)
+    with pytest.raises(ValueError, match="seq_len=128 but the packed rows have seq_len=64"):
+        make_training_pipeline(src, seq_len=128, batch_size=3, shuffle_seed=0, num_epochs=1)
+
+
+def test_bad_arguments():
+    src, _, _ = _source(n=10)
+    base = dict(seq_len=128, shuffle_seed=0, num_epochs=1)
+    with pytest.raises(ValueError, match="batch_size"):
+        make_training_pipeline(src, batch_size=0, **base)
+    with pytest.raises(ValueError, match="shard_index=3"):
+        make_training_pipeline(src, batch_size=1, shard_index=3, shard_count=2, **base)
+    with pytest.raises(ValueError, match="both or neither"):
+        make_training_pipeline(src, batch_size=1, shard_index=0, **base)
+
+
+def test_jsonl_source_in_worker_processes(tmp_path):
+    from pipelines import JsonlSource
+
+    lengths = random_lengths(np.random.default_rng(9), 120, high=60)
+    values, offsets = unique_corpus(lengths)
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"tokens": values[offsets[i] : offsets[i + 1]].tolist()})
+                            + "\n" for i in range(120)))
+    ds = make_training_pipeline(JsonlSource(path), seq_len=128, batch_size=2, shuffle_seed=0,
+                                num_epochs=1, shard_index=0, shard_count=1, worker_count=2,
+                                drop_remainder=False)
+    it = iter(ds)
+    seen = [e for b in it for e in _examples_in(b, values, offsets)]
+    it.close()
+    assert sorted(seen) == list(range(120))
