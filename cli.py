@@ -1,0 +1,285 @@
+"""The `seqpack` command: pack a corpus offline, check its statistics, verify it, inspect rows.
+
+    seqpack pack                                   # packs the built-in sample, prints its stats
+    seqpack pack data/*.parquet -o packed/ --seq-len 2048 --column input_ids --overflow split
+    seqpack stats packed/                          # the packed run's statistics
+    seqpack stats data/*.parquet --column input_ids --plot stats.png   # dry run, per strategy
+    seqpack verify packed/ data/*.parquet          # proves the rows lossless against the inputs
+    seqpack inspect packed/ --row 0
+
+Each command parses its options, calls one library function (`pipelines.writer`,
+`pipelines.verify`, `pipelines.report`) and prints. Bad input (a malformed file, a missing
+column, a corrupt shard, ...) prints one `Error: ...` line on stderr and exits with code 2;
+`verify` exits with 1 when it finds violations. Nothing here imports jax; heavy modules are
+imported inside the commands so `seqpack --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+import click
+
+_STRATEGIES = ["best_fit_decreasing", "best_fit", "first_fit", "concat_split"]
+_OVERFLOWS = ["error", "truncate", "split", "drop"]
+_FORMATS = ["jsonl", "parquet", "arrayrecord", "text"]
+
+
+class BadInput(click.ClickException):
+    exit_code = 2
+
+
+class _Group(click.Group):
+    """Turns the library's ValueError / OSError into one `Error:` line and exit code 2.
+
+    Set SEQPACK_DEBUG=1 to get the traceback instead.
+    """
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (ValueError, OSError) as e:
+            if os.environ.get("SEQPACK_DEBUG"):
+                raise
+            text = " ".join(str(e).split()) or type(e).__name__
+            raise BadInput(text) from None
+
+
+def _packing_options(f):
+    options = [
+        click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(min=1),
+                     help="Tokens per packed row (L)."),
+        click.option("--max-segments", default=64, show_default=True,
+                     type=click.IntRange(min=1), help="Most segments one row may hold (S)."),
+        click.option("--overflow", type=click.Choice(_OVERFLOWS), default=None,
+                     help="Examples longer than --seq-len.  [default: error; split for the "
+                          "built-in sample]"),
+        click.option("--segment-alignment", default=1, show_default=True,
+                     type=click.IntRange(min=1), help="Segments start at multiples of this."),
+        click.option("--pad-id", default=0, show_default=True, type=click.IntRange(min=0),
+                     help="Token id written into padding."),
+        click.option("--feature", default="tokens", show_default=True,
+                     help="Name of the packed feature (prefixes the row keys)."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _reading_options(f):
+    options = [
+        click.option("--input-format", type=click.Choice(_FORMATS), default=None,
+                     help="Input file format.  [default: from the extension; text otherwise]"),
+        click.option("--column", "--field", "column", default="tokens", show_default=True,
+                     help="Parquet column / JSONL field / ArrayRecord array of token ids."),
+        click.option("--tokenizer", type=click.Path(dir_okay=False), default=None,
+                     help="tokenizers tokenizer.json for text inputs (default: UTF-8 bytes)."),
+        click.option("--text-unit", type=click.Choice(["file", "line"]), default="file",
+                     show_default=True, help="Text inputs: one example per file or per line."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id, feature):
+    from packer import PackConfig
+
+    return PackConfig(seq_len, max_segments=max_segments, strategy=strategy,
+                      overflow=overflow or "error", segment_alignment=segment_alignment,
+                      pad_id=pad_id, feature=feature)
+
+
+def _read_options(input_format, column, tokenizer, text_unit):
+    from pipelines.readers import ReadOptions
+
+    return ReadOptions(input_format=input_format, column=column, tokenizer=tokenizer,
+                       text_unit=text_unit)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="seqpack")
+def seqpack() -> None:
+    """Pack variable-length token sequences into fixed-size rows, offline, and check them."""
+
+
+def main(args: list[str] | None = None) -> None:
+    """The `seqpack` console script."""
+    seqpack.main(args=args, prog_name="seqpack")
+
+
+@seqpack.command()
+@click.argument("inputs", nargs=-1, type=click.Path(dir_okay=False))
+@click.option("-o", "--output", "output_dir", type=click.Path(file_okay=False), default=None,
+              help="Output directory.  [required with INPUT; default: a new temporary "
+                   "directory for the built-in sample]")
+@click.option("--strategy", type=click.Choice(_STRATEGIES), default="best_fit_decreasing",
+              show_default=True)
+@_packing_options
+@_reading_options
+@click.option("--shard-rows", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Packed rows per ArrayRecord shard.")
+@click.option("--compression", type=click.Choice(["none", "snappy", "zstd"]), default="none",
+              show_default=True, help="ArrayRecord chunk compression.")
+@click.option("--resume", is_flag=True, help="Finish an interrupted run into OUTPUT.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing OUTPUT.")
+@click.option("--fsync", is_flag=True, help="fsync each shard before it is renamed complete.")
+@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Batch size for the steps-per-epoch figure.")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON.")
+def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
+         feature, input_format, column, tokenizer, text_unit, shard_rows, compression, resume,
+         overwrite, fsync, batch_size, as_json):
+    """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into ArrayRecord shards.
+
+    With no INPUT, packs the built-in sample corpus: the top-level .py files of this Python's
+    standard library, byte-tokenized, one example per file (no download).
+    """
+    from pipelines.readers import sample_files
+    from pipelines.report import format_table, summary, terminal_progress
+    from pipelines.writer import WriteOptions, pack_to_dir
+
+    sample = not inputs
+    if sample:
+        import tempfile
+
+        inputs = sample_files()
+        input_format, tokenizer, text_unit = "text", None, "file"
+        overflow = overflow or "split"
+        output_dir = output_dir or tempfile.mkdtemp(prefix="seqpack-sample-")
+    elif output_dir is None:
+        raise click.UsageError("-o/--output is required when INPUT files are given")
+    config = _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
+                     feature)
+    progress = terminal_progress()
+    with progress or contextlib.nullcontext():
+        manifest = pack_to_dir(
+            inputs, output_dir, config,
+            read_options=_read_options(input_format, column, tokenizer, text_unit),
+            write_options=WriteOptions(shard_rows=shard_rows, compression=compression,
+                                       fsync=fsync),
+            overwrite=overwrite, resume=resume, progress=progress,
+        )
+    if as_json:
+        click.echo(json.dumps({"output_dir": output_dir, "stats": manifest["stats"]}, indent=2))
+        return
+    what = "the built-in sample (Python stdlib sources, bytes)" if sample else \
+        f"{len(inputs)} input file(s)"
+    click.echo(f"packed {what}: {manifest['inputs']['num_examples']:,} examples -> "
+               f"{manifest['num_rows']:,} rows in {len(manifest['shards'])} shard(s) at "
+               f"{output_dir}\n")
+    click.echo(format_table({strategy: summary(manifest["stats"], batch_size)}))
+
+
+@seqpack.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path())
+@click.option("--strategy", "strategies", type=click.Choice(_STRATEGIES), multiple=True,
+              help="Dry run: strategies to compare (repeatable).  [default: all four]")
+@_packing_options
+@_reading_options
+@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Batch size for the steps-per-epoch figure.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="Write histograms (example lengths, row fill, segments per row) to this PNG.")
+def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment, pad_id, feature,
+          input_format, column, tokenizer, text_unit, batch_size, as_json, plot):
+    """Packing statistics of a packed directory, or a dry run on raw input files.
+
+    For a directory written by `seqpack pack`, reads its manifest (the packing options are
+    ignored). For raw inputs, plans the packing on the example lengths (nothing is written) with
+    each strategy and the given options.
+    """
+    from pipelines.report import STRATEGIES, dry_run, format_table, plot_stats, summary
+
+    if len(paths) == 1 and os.path.isdir(paths[0]):
+        from pipelines.verify import load_manifest
+
+        manifest, config = load_manifest(paths[0])
+        per_strategy = {config.strategy.value: manifest["stats"]}
+        hist, title = manifest["example_length_histogram"], f"packed: {paths[0]}"
+    else:
+        from pipelines.readers import read_corpus
+        from pipelines.writer import length_histogram
+
+        corpus = read_corpus(paths, _read_options(input_format, column, tokenizer, text_unit))
+        config = _config("best_fit_decreasing", seq_len, max_segments, overflow,
+                         segment_alignment, pad_id, feature)
+        per_strategy = dry_run(corpus.lengths, config, strategies or STRATEGIES)
+        hist = length_histogram(corpus.lengths)
+        title = (f"dry run: {len(paths)} input file(s), seq_len {seq_len}, max_segments "
+                 f"{max_segments}, overflow {config.overflow.value}")
+    summaries = {name: summary(s, batch_size) for name, s in per_strategy.items()}
+    if plot:
+        plot_stats(plot, hist, per_strategy)
+    if as_json:
+        click.echo(json.dumps({"summary": summaries, "stats": per_strategy,
+                               "example_length_histogram": hist}, indent=2))
+    else:
+        click.echo(format_table(summaries, title))
+        if plot:
+            click.echo(f"\nplots written to {plot}")
+
+
+@seqpack.command()
+@click.argument("output_dir", type=click.Path())
+@click.argument("inputs", nargs=-1, type=click.Path())
+@click.option("--max-violations", default=20, show_default=True, type=click.IntRange(min=1),
+              help="Stop listing after this many violations.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def verify(output_dir, inputs, max_violations, as_json):
+    """Prove OUTPUT_DIR lossless against its INPUT files (default: the manifest's paths).
+
+    Every input token must appear exactly once, in order within its segment, or be counted as
+    truncated / dropped by the manifest; every row must satisfy the row contract. Exits with 1
+    and lists the first violations otherwise.
+    """
+    from pipelines.verify import verify as run_verify
+
+    report = run_verify(output_dir, inputs, max_violations=max_violations)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    elif report.ok:
+        click.echo(f"OK: {report.num_rows:,} rows, {report.num_examples:,} examples, "
+                   f"{report.tokens_checked:,} tokens checked against their sources")
+    else:
+        click.echo(f"FAILED: {len(report.violations)} violation(s) (first {max_violations} "
+                   "listed)", err=True)
+        for v in report.violations:
+            click.echo(f"  {v}")
+    if not report.ok:
+        sys.exit(1)
+
+
+@seqpack.command()
+@click.argument("output_dir", type=click.Path())
+@click.option("--row", "row_index", required=True, type=int, help="Row number (negative: "
+              "from the end).")
+@click.option("--start", default=0, show_default=True, type=click.IntRange(min=0),
+              help="First token position shown.")
+@click.option("--count", default=None, type=click.IntRange(min=1),
+              help="Token positions shown.  [default: to the end of the row]")
+@click.option("--width", default=16, show_default=True, type=click.IntRange(min=1),
+              help="Token positions per line.")
+@click.option("--json", "as_json", is_flag=True, help="Print the row's arrays as JSON.")
+def inspect(output_dir, row_index, start, count, width, as_json):
+    """Show one packed row column-aligned: tokens, segment ids, positions, segment metadata."""
+    from packer import PackConfig
+    from pipelines.report import format_row
+    from pipelines.verify import read_row
+
+    row, manifest, shard, record = read_row(output_dir, row_index)
+    if as_json:
+        click.echo(json.dumps({k: v.tolist() for k, v in row.items()}))
+        return
+    config = PackConfig(**manifest["config"])
+    click.echo(f"row {row_index} of {manifest['num_rows']:,} ({shard} record {record}): ",
+               nl=False)
+    click.echo(format_row(row, config, start=start, count=count, width=width))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""Packs a corpus offline into ArrayRecord shards of packed rows plus ``manifest.json``.
+
+One global plan (all lengths at once, so best fit decreasing sees every example), then shard by
+shard: the shard's rows are assembled, encoded as SQP1 records (`pipelines.records`; every row of
+a run has the same layout, so the record header is computed once and rows are joined around it)
+and written to ``rows-00000-of-00012.arrayrecord.tmp``, renamed to its final name when complete.
+
+Output directory::
+
+    rows-00000-of-00003.arrayrecord     rows [0, shard_rows), one SQP1 record per packed row
+    ...
+    manifest.json                        written last: config, inputs, shards, stats
+    pack_intent.json                     only while a run is incomplete (what --resume checks)
+
+Crash safety: a shard exists under its final name only when complete; the manifest is written
+last (temporary name + rename), so a directory without ``manifest.json`` is never complete.
+`resume=True` keeps the complete shards of an interrupted run with the same inputs and options
+(checked against ``pack_intent.json``) and writes the rest; the result has the same bytes as an
+uninterrupted run (deterministic plan and writer, no timestamps in the manifest).
+
+Memory: the input tokens plus one shard of rows (``shard_rows * seq_len * 12`` bytes or so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from packer import PackConfig, PackPlan, build_rows, plan, stats
+from pipelines.readers import Corpus, InputError, ReadOptions, read_corpus, tokenizer_fingerprint
+from pipelines.records import decode_row, encode_row
+
+MANIFEST = "manifest.json"
+INTENT = "pack_intent.json"
+FORMAT = "seqpack-rows"
+VERSION = 1
+COMPRESSION = {"none": "uncompressed", "snappy": "snappy", "zstd": "zstd:3"}
+# Test-only: seconds to sleep after each finished shard, so tests can kill a run mid-way.
+DELAY_ENV = "SEQPACK_TEST_SHARD_DELAY"
+_HIST_BINS = 50
+
+
+class Progress(Protocol):
+    def start(self, total_rows: int, total_tokens: int) -> None: ...
+    def advance(self, rows: int, tokens: int) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteOptions:
+    """How the rows are stored."""
+
+    shard_rows: int = 1024  # packed rows per shard file
+    compression: str = "none"  # a key of COMPRESSION
+    fsync: bool = False  # fsync each shard before its rename (durability beyond process crashes)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.shard_rows, bool) or not isinstance(self.shard_rows, int) \
+                or self.shard_rows < 1:
+            raise ValueError(f"shard_rows={self.shard_rows!r} must be an int >= 1")
+        if self.compression not in COMPRESSION:
+            raise ValueError(f"compression={self.compression!r} must be one of {list(COMPRESSION)}")
+
+    @property
+    def arrayrecord_options(self) -> str:
+        return f"group_size:1,{COMPRESSION[self.compression]}"
+
+
+def shard_names(num_rows: int, shard_rows: int) -> list[str]:
+    n = -(-num_rows // shard_rows)
+    return [f"rows-{i:05d}-of-{n:05d}.arrayrecord" for i in range(n)]
+
+
+def length_histogram(lengths: np.ndarray) -> dict:
+    """Example lengths in 50 equal bins over [0, max]: {"edges": [51], "counts": [50]}."""
+    top = max(int(lengths.max()) if lengths.size else 1, 1)
+    counts, edges = np.histogram(lengths, bins=_HIST_BINS, range=(0, top))
+    return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]}
+
+
+def lengths_digest(lengths: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(lengths, "<i8").tobytes()).hexdigest()
+
+
+def describe_inputs(corpus: Corpus, options: ReadOptions) -> dict:
+    """The manifest's ``inputs``: how they were read, fingerprints, counts."""
+    return {
+        "read_options": dataclasses.asdict(options),
+        "tokenizer": tokenizer_fingerprint(options.tokenizer),
+        "files": corpus.files,
+        "num_examples": int(corpus.offsets.size - 1),
+        "num_tokens": int(corpus.offsets[-1] - corpus.offsets[0]),
+        "token_dtype": corpus.values.dtype.str,
+        "lengths_sha256": lengths_digest(corpus.lengths),
+    }
+
+
+def _normalized(obj: dict) -> dict:
+    return json.loads(json.dumps(obj))
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _owned(name: str) -> bool:
+    return name.startswith("rows-") and ".arrayrecord" in name or name in (
+        MANIFEST, INTENT, MANIFEST + ".tmp", INTENT + ".tmp")
+
+
+def _prepare_dir(output_dir: str, intent: dict, *, overwrite: bool, resume: bool) -> dict | None:
+    """Readies the directory; returns the finished manifest when resuming a complete run."""
+    if overwrite and resume:
+        raise ValueError("pass either --overwrite or --resume, not both")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"{output_dir}: exists and is not a directory")
+    os.makedirs(output_dir, exist_ok=True)
+    names = os.listdir(output_dir)
+    recorded = [n for n in (MANIFEST, INTENT) if n in names]
+    if resume and recorded:
+        path = os.path.join(output_dir, recorded[0])
+        with open(path) as f:
+            try:
+                old = json.load(f)
+            except ValueError:
+                raise ValueError(f"{path}: not valid JSON; rerun with --overwrite") from None
+        _check_same_run(path, {k: old.get(k) for k in intent}, intent)
+        if recorded[0] == MANIFEST:  # the run had finished
+            if INTENT in names:  # killed between writing the manifest and this cleanup
+                os.remove(os.path.join(output_dir, INTENT))
+            return old
+    elif names and not overwrite and any(not n.endswith(".tmp") for n in names):
+        hint = "--overwrite to replace it" + ("" if resume else " or --resume to finish an "
+                                               "interrupted run")
+        what = "holds no interrupted run to resume" if resume else "exists and is not empty"
+        raise ValueError(f"{output_dir}: {what}; pass {hint}")
+    for name in names:
+        if _owned(name) and (overwrite or name.endswith(".tmp")):
+            os.remove(os.path.join(output_dir, name))
+    _write_json(os.path.join(output_dir, INTENT), intent)
+    return None
+
+
+def _check_same_run(path: str, old: dict, new: dict) -> None:
+    diff = [k for k in new if old.get(k) != new[k]]
+    if diff:
+        raise ValueError(f"cannot resume: {', '.join(diff)} differ from the run recorded in "
+                         f"{path}; rerun with --overwrite")
+
+
+class RowEncoder:
+    """SQP1 records for the rows of a batch; same bytes as `encode_row` row by row."""
+
+    def __init__(self, batch: dict[str, np.ndarray]):
+        self.keys = list(batch)
+        template = encode_row({k: batch[k][0] for k in self.keys})
+        views = decode_row(template)
+        base = np.frombuffer(template, np.uint8).ctypes.data
+        self.parts: list = []
+        self.slots: list[int] = []
+        pos = 0
+        for k in self.keys:
+            start = views[k].ctypes.data - base
+            assert views[k].nbytes and start >= pos, k
+            self.parts.append(template[pos:start])
+            self.slots.append(len(self.parts))
+            self.parts.append(b"")
+            pos = start + views[k].nbytes
+        self.parts.append(template[pos:])
+        self.fast = sys.byteorder == "little"
+
+    def records(self, batch: dict[str, np.ndarray]) -> Iterator[bytes]:
+        """Yields the record of each row in order."""
+        arrays = [np.ascontiguousarray(batch[k]) for k in self.keys]
+        num_rows = arrays[0].shape[0]
+        if not self.fast:  # pragma: no cover - big-endian hosts
+            for r in range(num_rows):
+                yield encode_row({k: a[r] for k, a in zip(self.keys, arrays)})
+            return
+        parts, slots = list(self.parts), self.slots
+        for r in range(num_rows):
+            for slot, a in zip(slots, arrays):
+                parts[slot] = a[r].data
+            yield b"".join(parts)
+
+
+def sub_plan(p: PackPlan, bounds: np.ndarray, r0: int, r1: int) -> PackPlan:
+    """The pieces of rows [r0, r1) of plan `p`, rows renumbered from 0."""
+    a, b = int(bounds[r0]), int(bounds[r1])
+    return dataclasses.replace(
+        p, example=p.example[a:b], start=p.start[a:b], length=p.length[a:b],
+        row=p.row[a:b] - r0, slot=p.slot[a:b], offset=p.offset[a:b], num_rows=r1 - r0,
+    )
+
+
+def _open_writer(path: str, options: str):
+    try:
+        from array_record.python.array_record_module import ArrayRecordWriter
+    except ImportError:
+        raise InputError("writing shards needs array-record: pip install 'seqpack[io]'") from None
+    return ArrayRecordWriter(path, options)
+
+
+def _fsync(path: str) -> None:
+    """fsync a file or a directory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _shard_complete(path: str, num_rows: int) -> bool:
+    from pipelines.readers import close_quietly, open_arrayrecord
+
+    if not os.path.isfile(path):
+        return False
+    try:
+        reader = open_arrayrecord(path)
+    except InputError:
+        return False
+    try:
+        return reader.num_records() == num_rows
+    except RuntimeError:
+        return False
+    finally:
+        close_quietly(reader)
+
+
+def write_shards(corpus: Corpus, p: PackPlan, config: PackConfig, output_dir: str,
+                 names: list[str], options: WriteOptions, *, resume: bool = False,
+                 progress: Progress | None = None) -> list[int]:
+    """Assembles and writes every shard not already complete; returns rows per shard."""
+    values, offsets = corpus.values, corpus.offsets
+    dtype = values.dtype
+    if not np.can_cast(np.min_scalar_type(config.pad_id), dtype):
+        dtype = np.result_type(dtype, np.min_scalar_type(config.pad_id))
+    bounds = p.row_slices()
+    src = offsets[p.example] + p.start
+    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+    encoder = None
+    rows_per_shard = []
+    for i, name in enumerate(names):
+        r0 = i * options.shard_rows
+        r1 = min(r0 + options.shard_rows, p.num_rows)
+        rows_per_shard.append(r1 - r0)
+        a, b = int(bounds[r0]), int(bounds[r1])
+        tokens = int(p.length[a:b].sum())
+        path = os.path.join(output_dir, name)
+        if resume and _shard_complete(path, r1 - r0):
+            if progress:
+                progress.advance(r1 - r0, tokens)
+            continue
+        pieces = [values[s : s + m] for s, m in zip(src[a:b].tolist(), p.length[a:b].tolist())]
+        batch = build_rows(pieces, sub_plan(p, bounds, r0, r1), config, dtype=dtype)
+        encoder = encoder or RowEncoder(batch)
+        writer = _open_writer(path + ".tmp", options.arrayrecord_options)
+        for record in encoder.records(batch):
+            writer.write(record)
+        writer.close()
+        del batch, pieces
+        if options.fsync:
+            _fsync(path + ".tmp")
+        os.replace(path + ".tmp", path)
+        if options.fsync:
+            _fsync(output_dir)  # the rename itself
+        if progress:
+            progress.advance(r1 - r0, tokens)
+        if delay:
+            time.sleep(delay)
+    return rows_per_shard
+
+
+def pack_to_dir(
+    paths: Sequence[str],
+    output_dir: str,
+    config: PackConfig,
+    *,
+    read_options: ReadOptions | None = None,
+    write_options: WriteOptions | None = None,
+    overwrite: bool = False,
+    resume: bool = False,
+    progress: Progress | None = None,
+) -> dict:
+    """Reads, plans, writes shards, then the manifest; returns the manifest dict."""
+    output_dir = os.fspath(output_dir)
+    read_options = read_options or ReadOptions()
+    write_options = write_options or WriteOptions()
+    corpus = read_corpus(paths, read_options)
+    if corpus.offsets[-1] == corpus.offsets[0]:
+        raise InputError(f"the inputs hold no tokens ({corpus.offsets.size - 1} examples); "
+                         "nothing to pack")
+    p = plan(corpus.lengths, config)
+    names = shard_names(p.num_rows, write_options.shard_rows)
+    intent = _normalized({
+        "format": FORMAT,
+        "version": VERSION,
+        "record_encoding": "SQP1",
+        "feature": config.feature,
+        "seq_len": config.seq_len,
+        "max_segments": config.max_segments,
+        "config": config.to_dict(),
+        "inputs": describe_inputs(corpus, read_options),
+        "writer_options": write_options.arrayrecord_options,
+        "shard_rows": write_options.shard_rows,
+        "num_rows": p.num_rows,
+        "shards": names,
+    })
+    done = _prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume)
+    if done is not None:
+        return done
+    if progress:
+        progress.start(p.num_rows, int(p.length.sum()))
+    rows = write_shards(corpus, p, config, output_dir, names, write_options, resume=resume,
+                        progress=progress)
+    manifest = dict(intent)
+    manifest["shard_num_rows"] = rows
+    manifest["stats"] = stats(p, seq_len=config.seq_len, max_segments=config.max_segments).to_dict()
+    manifest["example_length_histogram"] = length_histogram(corpus.lengths)
+    manifest = _normalized(manifest)
+    _write_json(os.path.join(output_dir, MANIFEST), manifest)
+    os.remove(os.path.join(output_dir, INTENT))
+    return manifest

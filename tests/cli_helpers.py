@@ -1,0 +1,72 @@
+"""Input files for the CLI tests: JSONL, Parquet, ArrayRecord, text and a tiny tokenizer.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def random_seqs(n: int, *, max_len: int = 40, seed: int = 0, vocab: int = 1000) -> list[list[int]]:
+    """n examples of 0..max_len token ids (some empty, token 0 included)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, max_len + 1, n)
+    return [rng.integers(0, vocab, m).tolist() for m in lengths]
+
+
+def write_jsonl(path: os.PathLike, seqs, *, field: str = "tokens") -> str:
+    with open(path, "w") as f:
+        for i, s in enumerate(seqs):
+            f.write(json.dumps({field: s, "id": i}) + "\n")
+    return str(path)
+
+
+def write_parquet(path: os.PathLike, seqs, *, column: str = "tokens", value_type=None) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t = pa.list_(value_type or pa.int32())
+    pq.write_table(pa.table({column: pa.array(seqs, type=t), "id": list(range(len(seqs)))}),
+                   path, row_group_size=max(1, len(seqs) // 3))
+    return str(path)
+
+
+def write_arrayrecord(path: os.PathLike, seqs, *, column: str = "tokens") -> str:
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    from pipelines.records import encode_row
+
+    w = ArrayRecordWriter(str(path), "group_size:1")
+    for i, s in enumerate(seqs):
+        w.write(encode_row({column: np.asarray(s, np.int32), "id": np.int64(i)}))
+    w.close()
+    return str(path)
+
+
+def write_tokenizer(path: os.PathLike) -> str:
+    """A word-level tokenizer.json: whitespace split, 8 words + [UNK]."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", "the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return str(path)
+
+
+def run_cli(*args, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m cli ARGS` as a real subprocess from the repository root."""
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+def dir_bytes(path: os.PathLike) -> dict[str, bytes]:
+    """name -> bytes of every file in a directory."""
+    return {n: pathlib.Path(path, n).read_bytes() for n in sorted(os.listdir(path))}

@@ -1,0 +1,223 @@
+"""`seqpack stats`, `verify` and `inspect` through CliRunner, including tampered outputs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import cli
+from packer import PackConfig, plan, stats
+from pipelines.records import decode_row, encode_row
+from tests.cli_helpers import random_seqs, write_jsonl, write_parquet
+
+SEQS = random_seqs(400, max_len=60, seed=2) + [list(range(150))]  # one over-length example
+
+
+def invoke(*args, ok=True):
+    result = CliRunner().invoke(cli.seqpack, [str(a) for a in args])
+    if ok:
+        assert result.exit_code == 0, (result.output, result.exception)
+    return result
+
+
+@pytest.fixture
+def packed(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", SEQS)
+    out = tmp_path / "out"
+    invoke("pack", src, "-o", out, "--seq-len", 64, "--max-segments", 8, "--overflow", "split",
+           "--shard-rows", 20)
+    return src, out
+
+
+def rewrite_shard(out, name, edit):
+    """Rewrites shard `name` with edit(rows) -> rows (lists of decoded, writable rows)."""
+    from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+    reader = ArrayRecordReader(str(out / name))
+    rows = [{k: v.copy() for k, v in decode_row(raw).items()} for raw in reader.read_all()]
+    reader.close()
+    writer = ArrayRecordWriter(str(out / name), "group_size:1,uncompressed")
+    for row in edit(rows):
+        writer.write(encode_row(row))
+    writer.close()
+
+
+def manifest_of(out) -> dict:
+    return json.loads((out / "manifest.json").read_text())
+
+
+# -- stats ---------------------------------------------------------------------------------------
+
+
+def test_stats_of_a_packed_dir(packed, tmp_path):
+    _, out = packed
+    m = manifest_of(out)
+    text = invoke("stats", out, "--batch-size", 7).stdout
+    assert "best_fit_decreasing" in text and f"{m['stats']['efficiency']:.2%}" in text
+    assert f"{m['num_rows']:,}" in text and f"{-(-m['num_rows'] // 7):,}" in text
+    data = json.loads(invoke("stats", out, "--json").stdout)
+    assert data["stats"] == {"best_fit_decreasing": m["stats"]}
+    s = data["summary"]["best_fit_decreasing"]
+    assert s["steps_per_epoch"] == -(-m["num_rows"] // 32)
+    assert s["split_examples"] == 1 and s["rows"] == m["num_rows"]
+    png = tmp_path / "stats.png"
+    invoke("stats", out, "--plot", png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stats_dry_run_per_strategy_matches_the_planner(tmp_path):
+    src = write_parquet(tmp_path / "a.parquet", SEQS)
+    data = json.loads(invoke("stats", src, "--seq-len", 64, "--max-segments", 8, "--overflow",
+                             "truncate", "--batch-size", 4, "--json").stdout)
+    assert list(data["stats"]) == ["first_fit", "best_fit", "best_fit_decreasing", "concat_split"]
+    lengths = np.array([len(s) for s in SEQS])
+    for name, got in data["stats"].items():
+        cfg = PackConfig(64, max_segments=8, strategy=name, overflow="truncate")
+        assert got == stats(plan(lengths, cfg), seq_len=64, max_segments=8).to_dict()
+        assert data["summary"][name]["steps_per_epoch"] == -(-got["num_rows"] // 4)
+    assert data["summary"]["best_fit_decreasing"]["truncated_tokens"] == 150 - 64
+    assert sum(data["example_length_histogram"]["counts"]) == len(SEQS)
+    text = invoke("stats", src, "--seq-len", 64, "--overflow", "drop", "--strategy", "best_fit",
+                  "--strategy", "first_fit").stdout
+    header = text.splitlines()[1].split()
+    assert header == ["best_fit", "first_fit"] and "dry run" in text
+    assert "dropped tokens" in text and "150" in text
+
+
+def test_stats_dry_run_plot(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", SEQS)
+    png = tmp_path / "p.png"
+    assert "plots written" in invoke("stats", src, "--overflow", "split", "--plot", png).stdout
+    assert png.stat().st_size > 1000
+
+
+# -- verify --------------------------------------------------------------------------------------
+
+
+def test_verify_ok_and_json(packed):
+    src, out = packed
+    assert invoke("verify", out, src).stdout.startswith("OK:")
+    report = json.loads(invoke("verify", out, "--json").stdout)  # inputs from the manifest
+    assert report["ok"] and report["tokens_checked"] == sum(map(len, SEQS))
+    assert report["num_examples"] == len(SEQS) and report["violations"] == []
+
+
+def test_verify_finds_a_changed_token(packed):
+    src, out = packed
+    name = manifest_of(out)["shards"][1]
+
+    def edit(rows):
+        rows[3]["tokens"][2] += 1
+        return rows
+
+    rewrite_shard(out, name, edit)
+    result = invoke("verify", out, src, ok=False)
+    assert result.exit_code == 1 and "FAILED" in result.stderr
+    assert f"{name} row 3 slot 0 position 2: token" in result.stdout
+
+
+def test_verify_finds_a_missing_row(packed):
+    src, out = packed
+    m = manifest_of(out)
+    rewrite_shard(out, m["shards"][0], lambda rows: rows[1:])
+    m["shard_num_rows"][0] -= 1
+    (out / "manifest.json").write_text(json.dumps(m))
+    result = invoke("verify", out, src, ok=False)
+    assert result.exit_code == 1
+    assert "tokens are not in any row" in result.stdout
+    assert "num_rows" in result.stdout
+
+
+def test_verify_finds_a_duplicated_segment(packed):
+    src, out = packed
+    m = manifest_of(out)
+    rewrite_shard(out, m["shards"][2], lambda rows: [rows[0], *rows[:-1]])
+    result = invoke("verify", out, src, ok=False)
+    assert result.exit_code == 1 and "missing or duplicated" in result.stdout
+
+
+def test_verify_finds_broken_contract_and_counters(packed):
+    src, out = packed
+    m = manifest_of(out)
+
+    def edit(rows):
+        rows[0]["tokens_segment_ids"][0] = 5
+        return rows
+
+    rewrite_shard(out, m["shards"][0], edit)
+    m["stats"]["counters"]["split_examples"] = 0
+    (out / "manifest.json").write_text(json.dumps(m))
+    out_text = invoke("verify", out, src, ok=False).stdout
+    assert "violates the row contract" in out_text and "row 0 position 0" in out_text
+    assert "manifest counter split_examples=0 but the rows give 1" in out_text
+
+
+def test_verify_finds_a_changed_input(packed, tmp_path):
+    _, out = packed
+    seqs = [list(s) for s in SEQS]
+    seqs[5][0] = (seqs[5][0] + 1) % 1000 if seqs[5] else 1
+    other = write_jsonl(tmp_path / "b.jsonl", seqs)
+    result = invoke("verify", out, other, "--max-violations", 2, ok=False)
+    assert result.exit_code == 1 and "differs from the packed input" in result.stdout
+    assert result.stdout.count("\n  ") <= 2
+
+
+def test_verify_wrong_number_of_inputs(packed):
+    src, out = packed
+    result = invoke("verify", out, src, src, ok=False)
+    assert result.exit_code == 2 and "the manifest lists 1" in result.stderr
+
+
+# -- inspect -------------------------------------------------------------------------------------
+
+
+def test_inspect_row_column_aligned(packed):
+    _, out = packed
+    m = manifest_of(out)
+    text = invoke("inspect", out, "--row", 21, "--width", 10).stdout
+    from pipelines.verify import read_shard
+
+    row = {k: v[1] for k, v in read_shard(str(out), m["shards"][1]).items()}  # 20 rows per shard
+    assert text.startswith(f"row 21 of {m['num_rows']:,} ({m['shards'][1]} record 1)")
+    lines = text.splitlines()
+    tok_line = next(line for line in lines if line.startswith("tokens "))
+    assert tok_line.split()[1:] == [str(t) for t in row["tokens"][:10]]
+    pos_line = next(line for line in lines if line.startswith("tokens_positions"))
+    assert len(pos_line) == len(tok_line)  # columns aligned
+    src_line = next(line for line in lines if line.startswith("segment_source_index"))
+    used = int((row["tokens_segment_lengths"] > 0).sum())
+    assert src_line.split()[1:] == [str(s) for s in row["segment_source_index"][:used]]
+    assert sum(line.startswith("tokens_segment_ids") for line in lines) == -(-64 // 10)
+    short = invoke("inspect", out, "--row", 21, "--start", 60, "--count", 100).stdout
+    assert sum(line.startswith("tokens ") for line in short.splitlines()) == 1
+    data = json.loads(invoke("inspect", out, "--row", -1, "--json").stdout)
+    last = read_shard(str(out), m["shards"][-1])
+    assert data["tokens"] == last["tokens"][-1].tolist()
+
+
+def test_inspect_out_of_range(packed):
+    _, out = packed
+    result = invoke("inspect", out, "--row", 10**6, ok=False)
+    assert result.exit_code == 2 and "out of range" in result.stderr
+
+
+def test_verify_notices_a_changed_tokenizer(tmp_path):
+    from tests.cli_helpers import write_tokenizer
+
+    text = tmp_path / "a.txt"
+    text.write_text("the cat sat\nthe dog ran on a mat\n")
+    tok = tmp_path / "tok.json"
+    write_tokenizer(tok)
+    out = tmp_path / "out"
+    invoke("pack", text, "-o", out, "--seq-len", 8, "--tokenizer", tok, "--text-unit", "line")
+    assert invoke("verify", out).stdout.startswith("OK:")
+    spec = json.loads(tok.read_text())
+    vocab = spec["model"]["vocab"]
+    vocab["cat"], vocab["dog"] = vocab["dog"], vocab["cat"]
+    tok.write_text(json.dumps(spec))
+    result = invoke("verify", out, ok=False)
+    assert result.exit_code == 1 and "tokenizer" in result.stdout and "changed" in result.stdout
+    assert "token 7 != 2" in result.stdout  # the row holds "dog" = 7, which now encodes as 2

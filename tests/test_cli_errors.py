@@ -1,0 +1,183 @@
+"""Bad input: one `Error:` line on stderr naming the problem, exit code 2, no finished output."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+import cli
+from tests.cli_helpers import write_arrayrecord, write_jsonl, write_parquet, write_tokenizer
+
+SEQS = [[1, 2, 3], [4, 5], [], [6, 7, 8, 9]]
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli.seqpack, [str(a) for a in args])
+
+
+def assert_bad_input(result, *needles):
+    assert result.exit_code == 2, (result.output, result.exception)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    assert "Traceback" not in result.output
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def _jsonl_lines(tmp_path, bad_line: str) -> str:
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"tokens": [1, 2]}\n\n{"tokens": [3]}\n' + bad_line + "\n")
+    return str(path)
+
+
+JSONL_CASES = {
+    "malformed": ('{"tokens": [1, 2', "in.jsonl:4: not valid JSON"),
+    "not_object": ("[1, 2]", "in.jsonl:4: expected a JSON object"),
+    "missing_field": ('{"ids": [1]}', "in.jsonl:4: field 'tokens' is missing"),
+    "wrong_type": ('{"tokens": "abc"}', "in.jsonl:4: field 'tokens' must be a list"),
+    "float_token": ('{"tokens": [1, 2.5]}', "in.jsonl:4: tokens[1]=2.5 is not"),
+    "negative_token": ('{"tokens": [1, -3]}', "in.jsonl:4: tokens[1]=-3 is not"),
+    "null_field": ('{"tokens": null}', "in.jsonl:4: field 'tokens' must be a list"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(JSONL_CASES))
+def test_bad_jsonl_line_names_file_and_line(tmp_path, case):
+    line, needle = JSONL_CASES[case]
+    out = tmp_path / "out"
+    result = invoke("pack", _jsonl_lines(tmp_path, line), "-o", out)
+    assert_bad_input(result, needle)
+    assert not (out / "manifest.json").exists()
+
+
+def test_bad_jsonl_in_stats_dry_run_too(tmp_path):
+    assert_bad_input(invoke("stats", _jsonl_lines(tmp_path, "{oops")), "in.jsonl:4")
+
+
+def test_parquet_wrong_column_type(tmp_path):
+    import pyarrow as pa
+
+    float_path = write_parquet(tmp_path / "f.parquet", [[1.0, 2.0]], value_type=pa.float32())
+    assert_bad_input(invoke("pack", float_path, "-o", tmp_path / "o"),
+                     "f.parquet: column 'tokens' has type list<", "float>")
+    assert_bad_input(invoke("pack", float_path, "-o", tmp_path / "o", "--column", "id"),
+                     "column 'id' has type int64", "list of integer token ids")
+
+
+def test_parquet_missing_column_and_nulls(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = write_parquet(tmp_path / "a.parquet", SEQS)
+    assert_bad_input(invoke("pack", path, "-o", tmp_path / "o", "--column", "input_ids"),
+                     "a.parquet: column 'input_ids' is missing", "--column")
+    nulls = tmp_path / "n.parquet"
+    pq.write_table(pa.table({"tokens": pa.array([[1], None], pa.list_(pa.int32()))}), nulls)
+    assert_bad_input(invoke("pack", nulls, "-o", tmp_path / "o"), "n.parquet record 1", "null")
+    neg = write_parquet(tmp_path / "neg.parquet", [[1, -2]])
+    assert_bad_input(invoke("pack", neg, "-o", tmp_path / "o"), "neg.parquet", "negative")
+
+
+def test_not_a_parquet_file(tmp_path):
+    path = tmp_path / "x.parquet"
+    path.write_bytes(b"definitely not parquet" * 10)
+    assert_bad_input(invoke("pack", path, "-o", tmp_path / "o"), "x.parquet: not a readable")
+
+
+def test_missing_input_file(tmp_path):
+    out = tmp_path / "o"
+    assert_bad_input(invoke("pack", tmp_path / "nope.jsonl", "-o", out), "nope.jsonl: no such file")
+    assert not out.exists()
+    assert_bad_input(invoke("stats", tmp_path / "nope.parquet"), "no such file")
+
+
+def test_unreadable_or_missing_tokenizer(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("the cat\n")
+    bad = tmp_path / "tok.json"
+    bad.write_text('{"not": "a tokenizer"}')
+    assert_bad_input(invoke("pack", text, "-o", tmp_path / "o", "--tokenizer", bad),
+                     "tok.json: not a readable tokenizer.json")
+    assert_bad_input(invoke("pack", text, "-o", tmp_path / "o", "--tokenizer",
+                            tmp_path / "missing.json"), "missing.json: tokenizer file does not")
+
+
+def test_text_that_is_not_utf8(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_bytes(b"the cat\nsat \xff\xfe on\n")
+    tok = write_tokenizer(tmp_path / "tok.json")
+    assert_bad_input(invoke("pack", text, "-o", tmp_path / "o", "--tokenizer", tok,
+                            "--text-unit", "line"), "a.txt:2: not UTF-8")
+
+
+def test_arrayrecord_input_problems(tmp_path):
+    path = write_arrayrecord(tmp_path / "a.arrayrecord", SEQS)
+    assert_bad_input(invoke("pack", path, "-o", tmp_path / "o", "--column", "ids"),
+                     "a.arrayrecord record 0: array 'ids' is missing")
+    garbage = tmp_path / "g.arrayrecord"
+    garbage.write_bytes(b"\0" * 100)
+    assert_bad_input(invoke("pack", garbage, "-o", tmp_path / "o"), "g.arrayrecord: corrupt")
+
+
+def test_over_length_with_overflow_error_and_empty_input(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [list(range(100))])
+    assert_bad_input(invoke("pack", path, "-o", tmp_path / "o", "--seq-len", 64),
+                     "example 0 has length 100 > seq_len=64")
+    empty = write_jsonl(tmp_path / "e.jsonl", [[], []])
+    assert_bad_input(invoke("pack", empty, "-o", tmp_path / "o"), "no tokens")
+    assert not os.path.exists(tmp_path / "o" / "manifest.json")
+
+
+def _packed(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", SEQS * 20)
+    out = tmp_path / "out"
+    result = invoke("pack", src, "-o", out, "--seq-len", 16, "--shard-rows", 4)
+    assert result.exit_code == 0, result.output
+    return src, out, json.loads((out / "manifest.json").read_text())
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
+def test_corrupt_shard(tmp_path, damage):
+    src, out, manifest = _packed(tmp_path)
+    shard = out / manifest["shards"][1]
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":  # every chunk damaged
+        for i in range(100, len(data) - 100, 97):
+            data[i] ^= 0xFF
+    else:
+        data = bytearray(b"x" * 70000)
+    shard.write_bytes(bytes(data))
+    assert_bad_input(invoke("verify", out, src), manifest["shards"][1], "corrupt")
+    assert_bad_input(invoke("inspect", out, "--row", 5), manifest["shards"][1])
+
+
+def test_shard_missing_or_short(tmp_path):
+    src, out, manifest = _packed(tmp_path)
+    os.remove(out / manifest["shards"][0])
+    assert_bad_input(invoke("verify", out, src), manifest["shards"][0], "no such file")
+    manifest["shard_num_rows"][1] += 1
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert_bad_input(invoke("inspect", out, "--row", 0), "no such file")
+
+
+def test_not_a_packed_dir(tmp_path):
+    (tmp_path / "half").mkdir()
+    assert_bad_input(invoke("verify", tmp_path / "half"), "manifest.json: missing", "--resume")
+    assert_bad_input(invoke("inspect", tmp_path / "nowhere", "--row", 0), "no such directory")
+    (tmp_path / "half" / "manifest.json").write_text("{]")
+    assert_bad_input(invoke("stats", tmp_path / "half"), "not a seqpack manifest")
+
+
+def test_usage_errors_exit_2(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", SEQS)
+    result = invoke("pack", path)
+    assert result.exit_code == 2 and "-o/--output is required" in result.stderr
+    result = invoke("pack", path, "-o", tmp_path / "o", "--strategy", "magic")
+    assert result.exit_code == 2 and "magic" in result.stderr
+    result = invoke("pack", path, "-o", tmp_path / "o", "--seq-len", 10, "--segment-alignment", 3)
+    assert_bad_input(result, "segment_alignment=3 must divide seq_len=10")
