@@ -1,6 +1,13 @@
 """seqpack's packer: plans packings on lengths alone and assembles contract rows (pure numpy)."""
 
-from packer.assemble import assemble, build_rows, pack, pack_ragged, segment_metadata
+from packer.assemble import (
+    assemble,
+    build_rows,
+    pack,
+    pack_ragged,
+    segment_ids_and_positions,
+    segment_metadata,
+)
 from packer.config import Overflow, PackConfig, Strategy
 from packer.plan import Counters, PackPlan, plan
 from packer.stats import PackingStats, lower_bound, stats
@@ -24,6 +31,7 @@ __all__ = [
     "pack_stream",
     "plan",
     "rows_to_plan",
+    "segment_ids_and_positions",
     "segment_metadata",
     "stats",
     "validate",

@@ -75,8 +75,62 @@ def assemble(values: object, offsets: object, p: PackPlan, config: PackConfig) -
     return build_rows(pieces, p, config, dtype=values.dtype)
 
 
-def build_rows(pieces: Sequence[np.ndarray], p: PackPlan, config: PackConfig, *, dtype) -> dict:
+def _ids_and_positions(run_lens: np.ndarray, slots: np.ndarray, seq_len: int):
+    """Segment ids and positions of runs (gap, piece, gap, ..., piece, tail) by `np.repeat`."""
+    run_ids = np.zeros(run_lens.size, np.int32)
+    run_ids[1::2] = slots + 1
+    seg_ids = np.repeat(run_ids, run_lens)
+    # A padding run's "start" is pushed seq_len past its real start, so its positions come out
+    # negative (a run is never longer than seq_len) and the clip at 0 zeroes them in one pass.
+    run_starts = np.cumsum(run_lens) - run_lens
+    run_starts[0::2] += seq_len
+    positions = np.arange(int(run_lens.sum()), dtype=np.int32)
+    positions -= np.repeat(run_starts.astype(np.int32), run_lens)
+    np.maximum(positions, 0, out=positions)
+    return seg_ids, positions
+
+
+def segment_ids_and_positions(
+    segment_lengths: np.ndarray,  # i32[..., S]
+    segment_offsets: np.ndarray,  # i32[..., S]
+    seq_len: int,
+) -> tuple[np.ndarray, np.ndarray]:  # i32[..., L] twice
+    """Rebuilds a row's (or batch's) segment ids and positions from its lengths and offsets.
+
+    They are fully determined by the `[S]` metadata, so storage may leave them out (the offline
+    writer does) and readers call this to restore the contract's `[L]` arrays.
+    """
+    lengths = np.asarray(segment_lengths, np.int64)
+    offsets = np.asarray(segment_offsets, np.int64)
+    lead = lengths.shape[:-1]
+    lengths = lengths.reshape(-1, lengths.shape[-1])
+    offsets = offsets.reshape(lengths.shape)
+    R = lengths.shape[0]
+    rows, slots = np.nonzero(lengths > 0)  # row-major: slot order within each row
+    dst = rows * seq_len + offsets[rows, slots]
+    lens = lengths[rows, slots]
+    ends = dst + lens
+    n = lens.size
+    run_lens = np.empty(2 * n + 1, np.int64)
+    run_lens[0:-1:2] = dst - np.concatenate(([0], ends[:-1]))
+    run_lens[1::2] = lens
+    run_lens[-1] = R * seq_len - (int(ends[-1]) if n else 0)
+    if n and (run_lens.min() < 0 or (offsets[rows, slots] + lens > seq_len).any()):
+        raise ValueError(
+            "segment lengths/offsets overlap, run backwards or past seq_len="
+            f"{seq_len}: the row metadata is corrupt"
+        )
+    seg_ids, positions = _ids_and_positions(run_lens, slots, seq_len)
+    shape = (*lead, seq_len)
+    return seg_ids.reshape(shape), positions.reshape(shape)
+
+
+def build_rows(pieces: Sequence[np.ndarray], p: PackPlan, config: PackConfig, *, dtype,
+               derived: bool = True) -> dict:
     """Writes the rows of plan `p`; `pieces[i]` holds the tokens of the plan's i-th piece.
+
+    `derived=False` leaves out segment ids and positions (storage rebuilds them from the lengths
+    and offsets with `segment_ids_and_positions`).
 
     The flat `[R * L]` buffers are runs: padding gap, piece, padding gap, piece, ..., tail. Tokens
     are one `np.concatenate` of the pieces and padding slices; segment ids one `np.repeat` of the
@@ -100,22 +154,11 @@ def build_rows(pieces: Sequence[np.ndarray], p: PackPlan, config: PackConfig, *,
     runs[0::2] = [pad[:g] for g in gaps]
     runs[1::2] = pieces
     tokens = np.concatenate(runs).astype(dtype, copy=False)
-    # Segment ids and positions: the same runs, by `repeat` (no Python work per piece).
-    run_ids = np.zeros(2 * n + 1, np.int32)
-    run_ids[1::2] = p.slot + 1
-    seg_ids = np.repeat(run_ids, run_lens)
-    # A padding run's "start" is pushed L past its real start, so its positions come out
-    # negative (a run is never longer than L) and the clip at 0 zeroes them in one pass.
-    run_starts = np.cumsum(run_lens) - run_lens
-    run_starts[0::2] += L
-    positions = np.arange(R * L, dtype=np.int32)
-    positions -= np.repeat(run_starts.astype(np.int32), run_lens)
-    np.maximum(positions, 0, out=positions)
-    batch = {
-        k["values"]: tokens.reshape(R, L),
-        k["segment_ids"]: seg_ids.reshape(R, L),
-        k["positions"]: positions.reshape(R, L),
-    }
+    batch = {k["values"]: tokens.reshape(R, L)}
+    if derived:
+        seg_ids, positions = _ids_and_positions(run_lens, p.slot, L)
+        batch[k["segment_ids"]] = seg_ids.reshape(R, L)
+        batch[k["positions"]] = positions.reshape(R, L)
     batch.update(segment_metadata(p, config))
     return batch
 

@@ -60,6 +60,9 @@ class WriteOptions:
     shard_rows: int = 1024  # packed rows per shard file
     compression: str = "none"  # a key of COMPRESSION
     fsync: bool = False  # fsync each shard before its rename (durability beyond process crashes)
+    # Also store f_segment_ids / f_positions. Off: readers rebuild them from the [S] metadata
+    # (`records.restore_derived`), and the shards are about a third of the size.
+    store_derived: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.shard_rows, bool) or not isinstance(self.shard_rows, int) \
@@ -165,7 +168,7 @@ class RowEncoder:
     def __init__(self, batch: dict[str, np.ndarray]):
         self.keys = list(batch)
         template = encode_row({k: batch[k][0] for k in self.keys})
-        views = decode_row(template)
+        views = decode_row(template, restore=False)
         base = np.frombuffer(template, np.uint8).ctypes.data
         self.parts: list = []
         self.slots: list[int] = []
@@ -263,7 +266,8 @@ def write_shards(corpus: Corpus, p: PackPlan, config: PackConfig, output_dir: st
                 progress.advance(r1 - r0, tokens)
             continue
         pieces = [values[s : s + m] for s, m in zip(src[a:b].tolist(), p.length[a:b].tolist())]
-        batch = build_rows(pieces, sub_plan(p, bounds, r0, r1), config, dtype=dtype)
+        batch = build_rows(pieces, sub_plan(p, bounds, r0, r1), config, dtype=dtype,
+                           derived=options.store_derived)
         encoder = encoder or RowEncoder(batch)
         writer = _open_writer(path + ".tmp", options.arrayrecord_options)
         for record in encoder.records(batch):
@@ -313,6 +317,8 @@ def pack_to_dir(
         "config": config.to_dict(),
         "inputs": describe_inputs(corpus, read_options),
         "writer_options": write_options.arrayrecord_options,
+        "stored_keys": [k for role, k in config.keys().items() if write_options.store_derived
+                        or role not in ("segment_ids", "positions")],
         "shard_rows": write_options.shard_rows,
         "num_rows": p.num_rows,
         "shards": names,

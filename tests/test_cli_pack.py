@@ -82,9 +82,18 @@ def test_records_are_sqp1_rows_byte_for_byte(tmp_path):
     reader = ArrayRecordReader(str(next(out.glob("rows-*"))))
     raws = reader.read_all()
     assert len(raws) == want["tokens"].shape[0]
+    derived = {"tokens_segment_ids", "tokens_positions"}
     for r, raw in enumerate(raws):
-        assert raw == encode_row(dict(decode_row(raw)))
-        assert raw == encode_row({k: want[k][r] for k in decode_row(raw)})
+        stored = decode_row(raw, restore=False)
+        assert set(want) - set(stored) == derived  # rebuilt on read, not stored
+        assert raw == encode_row(dict(stored))
+        assert raw == encode_row({k: want[k][r] for k in stored})
+        full = decode_row(raw)  # the full contract row, derived arrays rebuilt
+        assert set(full) == set(want)
+        for k in want:
+            np.testing.assert_array_equal(full[k], want[k][r], err_msg=k)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["stored_keys"]) == set(want) - derived
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.int32, np.int64])

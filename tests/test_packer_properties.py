@@ -13,6 +13,7 @@ from packer import (
     pack_ragged,
     pack_stream,
     plan,
+    segment_ids_and_positions,
     stats,
     validate,
 )
@@ -46,6 +47,10 @@ def test_offline_packing_is_lossless_and_within_limits(config, lengths):
     batch = assemble(values, offsets, p, config)
     validate(batch, config)  # capacity, segment cap, alignment, ids, positions, padding
     check_lossless(batch, values, offsets, config)
+    ids, pos = segment_ids_and_positions(
+        batch["tokens_segment_lengths"], batch["tokens_segment_offsets"], config.seq_len)
+    np.testing.assert_array_equal(ids, batch["tokens_segment_ids"])
+    np.testing.assert_array_equal(pos, batch["tokens_positions"])
     for k, v in expected_counters(lengths, config).items():
         assert getattr(p.counters, k) == v, k
     s = stats(batch)
