@@ -236,6 +236,11 @@ def pack_stream(
         pieces = [held[e][s : s + m] for e, s, m in
                   zip(p.example.tolist(), p.start.tolist(), p.length.tolist())]
         batch = build_rows(pieces, p, config, dtype=dtype)
+        tokens = batch[config.feature]
+        if tokens.dtype.kind == "i" and tokens.size and tokens.min() < 0:
+            # Checked once per batch of rows instead of once per example: name the first one.
+            bad = next(e for e, x in zip(p.example.tolist(), pieces) if x.size and x.min() < 0)
+            raise ValueError(f"example {bad} holds a negative token id {int(held[bad].min())}")
         keys = list(batch)
         cols = [batch[k] for k in keys]
         for i in range(p.num_rows):
@@ -254,8 +259,6 @@ def pack_stream(
                 f"example {i} must be a 1-D array of integer token ids, got shape {arr.shape} "
                 f"dtype {arr.dtype}"
             )
-        if arr.dtype.kind == "i" and arr.size and arr.min() < 0:
-            raise ValueError(f"example {i} holds a negative token id {int(arr.min())}")
         if dtype is None and arr.size:
             dtype = arr.dtype
         held[i] = arr

@@ -66,24 +66,15 @@ def _bfd_sorted(sizes_desc: list[int], capacity: int, max_segments: int) -> tupl
             for _, r, room in touched:
                 if room >= min_size and count[r] < max_segments:
                     insort(keys, (room << _SHIFT) | r)
-        if i < j:
+        if i < j:  # the rest of the run opens new rows, each taking as many as fit
             per_row = min(capacity // s, max_segments)
-            left = j - i
-            full, rest = divmod(left, per_row)
-            for _ in range(full):
-                out[i : i + per_row] = [num_rows] * per_row
-                i += per_row
-                room = capacity - per_row * s
-                count.append(per_row)
-                if room >= min_size and per_row < max_segments:
-                    insort(keys, (room << _SHIFT) | num_rows)
-                num_rows += 1
-            if rest:
-                out[i : i + rest] = [num_rows] * rest
-                i += rest
-                room = capacity - rest * s
-                count.append(rest)
-                if room >= min_size and rest < max_segments:
+            full, rest = divmod(j - i, per_row)
+            for take in [per_row] * full + ([rest] if rest else []):
+                out[i : i + take] = [num_rows] * take
+                i += take
+                room = capacity - take * s
+                count.append(take)
+                if room >= min_size and take < max_segments:
                     insort(keys, (room << _SHIFT) | num_rows)
                 num_rows += 1
     return out, num_rows
