@@ -5,6 +5,7 @@
 One table per corpus (../shared/data/*.npz, or a synthetic lognormal corpus when absent):
 strategy, rows, lower bound, efficiency, examples/s, tokens/s. Everything runs in this process on
 one core; over-length examples are truncated to seq_len everywhere (as Grain and TRL's "bfd" do).
+seqpack and TRL: one warm-up call, then the best of 3; Grain: one pass (it is slow).
 Grain and TRL are measured only when installed.
 """
 
@@ -122,11 +123,16 @@ def bench_trl(tokens, offsets, L, lb):
     out = []
     for name, kwargs in [("global", {"batch_size": None}), ("batches of 1000", {})]:
         t, packed = best_time(lambda kwargs=kwargs: pack_dataset(ds, L, strategy="bfd",
-                                                                 map_kwargs=kwargs), repeats=1)
+                                                                 map_kwargs=kwargs), repeats=3)
         lens = packed.data.column("seq_lengths").combine_chunks().flatten().to_numpy()
         out.append(_row(f"trl pack_dataset bfd, {name}", len(packed), lb, int(lens.sum()), L, t,
                         n, total, "no segment cap"))
     return out
+
+
+def _parse_rate(text: str) -> float:
+    scale = {"M": 1e6, "k": 1e3}.get(text[-1], 1.0)
+    return float(text.rstrip("Mk")) * scale
 
 
 def main() -> None:
@@ -149,6 +155,12 @@ def main() -> None:
             rows += bench_trl(tokens, offsets, L, lb)
         print_table(f"{name}: {n} examples, {total} tokens, L={L}, max_segments={S}, one core",
                     header, rows)
+        rate = {r[0]: r[6] for r in rows if len(r) > 6}
+        bfd, trl = rate.get("seqpack best_fit_decreasing (pack_ragged)"), rate.get(
+            "trl pack_dataset bfd, global")
+        if bfd and trl:
+            print(f"best_fit_decreasing vs TRL global: {_parse_rate(bfd) / _parse_rate(trl):.1f}x "
+                  "tokens/s")
         if L == 2048 and S == 64:
             big, lb_big = bench_seqpack(tokens, offsets, 8192, 16, args.window)
             print_table(f"{name}: L=8192, max_segments=16 (the segment cap binds)", header,
