@@ -2,6 +2,7 @@
 
     seqpack pack                                   # packs the built-in sample, prints its stats
     seqpack pack data/*.parquet -o packed/ --seq-len 2048 --column input_ids --overflow split
+    seqpack pack data/*.parquet -o packed/ --runner beam --beam-option direct_num_workers=8
     seqpack stats packed/                          # the packed run's statistics
     seqpack stats data/*.parquet --column input_ids --plot stats.png   # dry run, per strategy
     seqpack verify packed/ data/*.parquet          # proves the rows lossless against the inputs
@@ -130,9 +131,15 @@ def main(args: list[str] | None = None) -> None:
 @click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1),
               help="Batch size for the steps-per-epoch figure.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON.")
+@click.option("--runner", type=click.Choice(["local", "beam"]), default="local", show_default=True,
+              help="local: in this process. beam: as an Apache Beam job, same output "
+                   "(DirectRunner, one process per CPU, by default; needs seqpack[beam]).")
+@click.option("--beam-option", "beam_options", multiple=True, metavar="KEY=VALUE",
+              help="A Beam pipeline option for --runner beam (repeatable), e.g. "
+                   "direct_num_workers=4 or runner=FlinkRunner.")
 def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
          feature, input_format, column, tokenizer, text_unit, shard_rows, compression, resume,
-         overwrite, fsync, batch_size, as_json):
+         overwrite, fsync, batch_size, as_json, runner, beam_options):
     """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into ArrayRecord shards.
 
     With no INPUT, packs the built-in sample corpus: the top-level .py files of this Python's
@@ -152,17 +159,27 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
         output_dir = output_dir or tempfile.mkdtemp(prefix="seqpack-sample-")
     elif output_dir is None:
         raise click.UsageError("-o/--output is required when INPUT files are given")
+    if beam_options and runner != "beam":
+        raise click.UsageError("--beam-option needs --runner beam")
     config = _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
                      feature)
-    progress = terminal_progress()
-    with progress or contextlib.nullcontext():
-        manifest = pack_to_dir(
-            inputs, output_dir, config,
-            read_options=_read_options(input_format, column, tokenizer, text_unit),
-            write_options=WriteOptions(shard_rows=shard_rows, compression=compression,
-                                       fsync=fsync),
-            overwrite=overwrite, resume=resume, progress=progress,
-        )
+    read_options = _read_options(input_format, column, tokenizer, text_unit)
+    write_options = WriteOptions(shard_rows=shard_rows, compression=compression, fsync=fsync)
+    if runner == "beam":
+        try:
+            from pipelines.beam import pack_beam
+        except ImportError as e:
+            msg = f"--runner beam needs Apache Beam ({e}); pip install 'seqpack[beam]'"
+            raise BadInput(msg) from None
+        manifest = pack_beam(inputs, output_dir, config, read_options=read_options,
+                             write_options=write_options, overwrite=overwrite, resume=resume,
+                             beam_options=beam_options, quiet=not os.environ.get("SEQPACK_DEBUG"))
+    else:
+        progress = terminal_progress()
+        with progress or contextlib.nullcontext():
+            manifest = pack_to_dir(inputs, output_dir, config, read_options=read_options,
+                                   write_options=write_options, overwrite=overwrite,
+                                   resume=resume, progress=progress)
     if as_json:
         click.echo(json.dumps({"output_dir": output_dir, "stats": manifest["stats"]}, indent=2))
         return

@@ -94,15 +94,66 @@ def lengths_digest(lengths: np.ndarray) -> str:
 
 def describe_inputs(corpus: Corpus, options: ReadOptions) -> dict:
     """The manifest's ``inputs``: how they were read, fingerprints, counts."""
+    return inputs_record(corpus.files, corpus.lengths, corpus.values.dtype, options)
+
+
+def inputs_record(files: list[dict], lengths: np.ndarray, dtype: np.dtype,
+                  options: ReadOptions) -> dict:
+    """`describe_inputs` from its parts: per-file info, all example lengths, the token dtype."""
     return {
         "read_options": dataclasses.asdict(options),
         "tokenizer": tokenizer_fingerprint(options.tokenizer),
-        "files": corpus.files,
-        "num_examples": int(corpus.offsets.size - 1),
-        "num_tokens": int(corpus.offsets[-1] - corpus.offsets[0]),
-        "token_dtype": corpus.values.dtype.str,
-        "lengths_sha256": lengths_digest(corpus.lengths),
+        "files": files,
+        "num_examples": int(lengths.size),
+        "num_tokens": int(lengths.sum()),
+        "token_dtype": np.dtype(dtype).str,
+        "lengths_sha256": lengths_digest(lengths),
     }
+
+
+def run_intent(config: PackConfig, inputs: dict, options: WriteOptions, num_rows: int) -> dict:
+    """``pack_intent.json``: what the run writes (the manifest without its results)."""
+    return _normalized({
+        "format": FORMAT,
+        "version": VERSION,
+        "record_encoding": "SQP1",
+        "feature": config.feature,
+        "seq_len": config.seq_len,
+        "max_segments": config.max_segments,
+        "config": config.to_dict(),
+        "inputs": inputs,
+        "writer_options": options.arrayrecord_options,
+        "stored_keys": [k for role, k in config.keys().items() if options.store_derived
+                        or role not in ("segment_ids", "positions")],
+        "shard_rows": options.shard_rows,
+        "num_rows": num_rows,
+        "shards": shard_names(num_rows, options.shard_rows),
+    })
+
+
+def manifest_results(p: PackPlan, config: PackConfig, lengths: np.ndarray) -> dict:
+    """The manifest's ``stats`` and ``example_length_histogram``."""
+    return _normalized({
+        "stats": stats(p, seq_len=config.seq_len, max_segments=config.max_segments).to_dict(),
+        "example_length_histogram": length_histogram(lengths),
+    })
+
+
+def commit_manifest(output_dir: str, intent: dict, shard_num_rows: list[int],
+                    results: dict) -> dict:
+    """Writes ``manifest.json`` (from here on the run is complete), then drops the intent."""
+    manifest = _normalized({**intent, "shard_num_rows": shard_num_rows, **results})
+    _write_json(os.path.join(output_dir, MANIFEST), manifest)
+    os.remove(os.path.join(output_dir, INTENT))
+    return manifest
+
+
+def row_dtype(values_dtype: np.dtype, pad_id: int) -> np.dtype:
+    """The rows' token dtype: the inputs' dtype, widened when it cannot hold `pad_id`."""
+    dtype = np.dtype(values_dtype)
+    if not np.can_cast(np.min_scalar_type(pad_id), dtype):
+        dtype = np.result_type(dtype, np.min_scalar_type(pad_id))
+    return dtype
 
 
 def _normalized(obj: dict) -> dict:
@@ -122,7 +173,7 @@ def _owned(name: str) -> bool:
         MANIFEST, INTENT, MANIFEST + ".tmp", INTENT + ".tmp")
 
 
-def _prepare_dir(output_dir: str, intent: dict, *, overwrite: bool, resume: bool) -> dict | None:
+def prepare_dir(output_dir: str, intent: dict, *, overwrite: bool, resume: bool) -> dict | None:
     """Readies the directory; returns the finished manifest when resuming a complete run."""
     if overwrite and resume:
         raise ValueError("pass either --overwrite or --resume, not both")
@@ -224,7 +275,7 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _shard_complete(path: str, num_rows: int) -> bool:
+def shard_complete(path: str, num_rows: int) -> bool:
     from pipelines.readers import close_quietly, open_arrayrecord
 
     if not os.path.isfile(path):
@@ -241,14 +292,35 @@ def _shard_complete(path: str, num_rows: int) -> bool:
         close_quietly(reader)
 
 
+def write_shard(path: str, pieces: Sequence[np.ndarray], p: PackPlan, config: PackConfig,
+                options: WriteOptions, *, dtype: np.dtype,
+                encoder: RowEncoder | None = None) -> RowEncoder:
+    """Assembles the rows of plan `p` (one shard's rows, numbered from 0) and writes them.
+
+    `pieces[i]` holds the tokens of the plan's i-th piece. Writes `path.tmp`, renamed to `path`
+    when complete; returns the encoder, for the next shard of the run (same row layout).
+    """
+    batch = build_rows(pieces, p, config, dtype=dtype, derived=options.store_derived)
+    encoder = encoder or RowEncoder(batch)
+    writer = _open_writer(path + ".tmp", options.arrayrecord_options)
+    for record in encoder.records(batch):
+        writer.write(record)
+    writer.close()
+    del batch
+    if options.fsync:
+        _fsync(path + ".tmp")
+    os.replace(path + ".tmp", path)
+    if options.fsync:
+        _fsync(os.path.dirname(path) or ".")  # the rename itself
+    return encoder
+
+
 def write_shards(corpus: Corpus, p: PackPlan, config: PackConfig, output_dir: str,
                  names: list[str], options: WriteOptions, *, resume: bool = False,
                  progress: Progress | None = None) -> list[int]:
     """Assembles and writes every shard not already complete; returns rows per shard."""
     values, offsets = corpus.values, corpus.offsets
-    dtype = values.dtype
-    if not np.can_cast(np.min_scalar_type(config.pad_id), dtype):
-        dtype = np.result_type(dtype, np.min_scalar_type(config.pad_id))
+    dtype = row_dtype(values.dtype, config.pad_id)
     bounds = p.row_slices()
     src = offsets[p.example] + p.start
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
@@ -261,24 +333,14 @@ def write_shards(corpus: Corpus, p: PackPlan, config: PackConfig, output_dir: st
         a, b = int(bounds[r0]), int(bounds[r1])
         tokens = int(p.length[a:b].sum())
         path = os.path.join(output_dir, name)
-        if resume and _shard_complete(path, r1 - r0):
+        if resume and shard_complete(path, r1 - r0):
             if progress:
                 progress.advance(r1 - r0, tokens)
             continue
         pieces = [values[s : s + m] for s, m in zip(src[a:b].tolist(), p.length[a:b].tolist())]
-        batch = build_rows(pieces, sub_plan(p, bounds, r0, r1), config, dtype=dtype,
-                           derived=options.store_derived)
-        encoder = encoder or RowEncoder(batch)
-        writer = _open_writer(path + ".tmp", options.arrayrecord_options)
-        for record in encoder.records(batch):
-            writer.write(record)
-        writer.close()
-        del batch, pieces
-        if options.fsync:
-            _fsync(path + ".tmp")
-        os.replace(path + ".tmp", path)
-        if options.fsync:
-            _fsync(output_dir)  # the rename itself
+        encoder = write_shard(path, pieces, sub_plan(p, bounds, r0, r1), config, options,
+                              dtype=dtype, encoder=encoder)
+        del pieces
         if progress:
             progress.advance(r1 - r0, tokens)
         if delay:
@@ -306,35 +368,12 @@ def pack_to_dir(
         raise InputError(f"the inputs hold no tokens ({corpus.offsets.size - 1} examples); "
                          "nothing to pack")
     p = plan(corpus.lengths, config)
-    names = shard_names(p.num_rows, write_options.shard_rows)
-    intent = _normalized({
-        "format": FORMAT,
-        "version": VERSION,
-        "record_encoding": "SQP1",
-        "feature": config.feature,
-        "seq_len": config.seq_len,
-        "max_segments": config.max_segments,
-        "config": config.to_dict(),
-        "inputs": describe_inputs(corpus, read_options),
-        "writer_options": write_options.arrayrecord_options,
-        "stored_keys": [k for role, k in config.keys().items() if write_options.store_derived
-                        or role not in ("segment_ids", "positions")],
-        "shard_rows": write_options.shard_rows,
-        "num_rows": p.num_rows,
-        "shards": names,
-    })
-    done = _prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume)
+    intent = run_intent(config, describe_inputs(corpus, read_options), write_options, p.num_rows)
+    done = prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume)
     if done is not None:
         return done
     if progress:
         progress.start(p.num_rows, int(p.length.sum()))
-    rows = write_shards(corpus, p, config, output_dir, names, write_options, resume=resume,
-                        progress=progress)
-    manifest = dict(intent)
-    manifest["shard_num_rows"] = rows
-    manifest["stats"] = stats(p, seq_len=config.seq_len, max_segments=config.max_segments).to_dict()
-    manifest["example_length_histogram"] = length_histogram(corpus.lengths)
-    manifest = _normalized(manifest)
-    _write_json(os.path.join(output_dir, MANIFEST), manifest)
-    os.remove(os.path.join(output_dir, INTENT))
-    return manifest
+    rows = write_shards(corpus, p, config, output_dir, intent["shards"], write_options,
+                        resume=resume, progress=progress)
+    return commit_manifest(output_dir, intent, rows, manifest_results(p, config, corpus.lengths))

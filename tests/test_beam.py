@@ -1,0 +1,171 @@
+"""The Beam job on the DirectRunner (worker processes): the local CLI's bytes, verify, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+import cli
+from packer import PackConfig
+from pipelines.readers import InputError
+from pipelines.verify import verify
+from pipelines.writer import WriteOptions, pack_to_dir
+from tests.cli_helpers import (
+    dir_bytes,
+    random_seqs,
+    run_cli,
+    write_arrayrecord,
+    write_jsonl,
+    write_parquet,
+)
+
+beam_job = pytest.importorskip("pipelines.beam", reason="the Beam job needs seqpack[beam]")
+pack_beam, pipeline_options = beam_job.pack_beam, beam_job.pipeline_options
+
+CONFIG = PackConfig(64, max_segments=8, overflow="split")
+WRITE = WriteOptions(shard_rows=7)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[list[str], str]:
+    """Three inputs (JSONL, Parquet, ArrayRecord; 360 examples) and their local CLI output."""
+    d = tmp_path_factory.mktemp("corpus")
+    paths = [
+        write_jsonl(d / "a.jsonl", random_seqs(120, max_len=90, seed=1)),
+        write_parquet(d / "b.parquet", random_seqs(150, max_len=90, seed=2)),
+        write_arrayrecord(d / "c.arrayrecord", random_seqs(90, max_len=90, seed=3)),
+    ]
+    local = d / "local"
+    pack_to_dir(paths, local, CONFIG, write_options=WRITE)
+    return paths, str(local)
+
+
+def _workers(n: int) -> list[str]:
+    return [f"direct_num_workers={n}"]
+
+
+def test_one_and_two_workers_write_the_local_clis_bytes(corpus, tmp_path):
+    paths, local = corpus
+    want = dir_bytes(local)
+    local_manifest = json.loads(want["manifest.json"])
+    assert len(local_manifest["shards"]) >= 4 and local_manifest["stats"]["counters"][
+        "split_examples"] > 0
+    for n in (1, 2):
+        out = tmp_path / f"beam{n}"
+        manifest = pack_beam(paths, out, CONFIG, write_options=WRITE, beam_options=_workers(n),
+                             quiet=True)
+        assert manifest == local_manifest
+        assert dir_bytes(out) == want, f"{n} worker(s)"
+        eff, local_eff = manifest["stats"]["efficiency"], local_manifest["stats"]["efficiency"]
+        assert abs(eff - local_eff) <= 1e-3 * local_eff
+        report = verify(str(out))
+        assert report.ok and report.num_rows == manifest["num_rows"], report.violations
+
+
+def test_cli_runner_beam_matches_the_local_cli_and_verifies(tmp_path):
+    seqs = random_seqs(300, max_len=100, seed=7) + [list(range(250))]
+    src = [write_jsonl(tmp_path / "a.jsonl", seqs[:170]), write_parquet(tmp_path / "b.parquet",
+                                                                        seqs[170:])]
+    (tmp_path / "c.txt").write_text("one example of UTF-8 bytes\n")  # uint8 ids, widened by pad
+    src.append(str(tmp_path / "c.txt"))
+    common = ["--seq-len", 96, "--max-segments", 6, "--overflow", "truncate", "--strategy",
+              "first_fit", "--segment-alignment", 4, "--pad-id", 300, "--shard-rows", 9,
+              "--compression", "zstd"]
+    outputs = {}
+    for runner, extra in (("local", []), ("beam", ["--beam-option", "direct_num_workers=2"])):
+        out = tmp_path / runner
+        result = CliRunner().invoke(cli.seqpack, [str(a) for a in ["pack", *src, "-o", out,
+                                                                   "--runner", runner, *common,
+                                                                   *extra]])
+        assert result.exit_code == 0, (result.output, result.exception)
+        outputs[runner] = result.output.replace(str(out), "OUT")
+    assert outputs["beam"] == outputs["local"]
+    assert "efficiency" in outputs["beam"]
+    assert dir_bytes(tmp_path / "beam") == dir_bytes(tmp_path / "local")
+    manifest = json.loads((tmp_path / "beam" / "manifest.json").read_text())
+    truncated = sum(len(s) > 96 for s in seqs)
+    assert truncated >= 2 and manifest["stats"]["counters"]["truncated_examples"] == truncated
+    assert manifest["inputs"]["token_dtype"] == "<i4"
+    result = CliRunner().invoke(cli.seqpack, ["verify", str(tmp_path / "beam")])
+    assert result.exit_code == 0 and result.output.startswith("OK:"), result.output
+
+
+def test_bad_record_is_one_error_line_naming_file_and_record(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", random_seqs(30, seed=1))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": [1, 2]}\n{"tokens": [3]}\n{"tokens": [4, "x"]}\n')
+    out = tmp_path / "out"
+    result = run_cli("pack", good, bad, "-o", out, "--runner", "beam", "--beam-option",
+                     "direct_num_workers=2")
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.startswith("Error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "bad.jsonl:3: tokens[1]='x' is not a non-negative integer" in result.stderr
+    assert not out.exists()
+
+
+def test_library_errors_name_the_record_or_example(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"tokens": pa.array([[1, 2], None, [3]], pa.list_(pa.int32()))}),
+                   path)
+    with pytest.raises(InputError, match=r"nulls\.parquet record 1: column 'tokens' is null"):
+        pack_beam([path], tmp_path / "o", CONFIG, beam_options=_workers(2), quiet=True)
+    long = write_jsonl(tmp_path / "long.jsonl", [[1] * 5, [2] * 80])
+    with pytest.raises(ValueError, match=r"example 1 has length 80 > seq_len=64"):
+        pack_beam([long], tmp_path / "o", PackConfig(64), beam_options=_workers(2), quiet=True)
+    assert not (tmp_path / "o").exists()
+
+
+def test_resume_keeps_complete_shards_and_overwrite_is_required(corpus, tmp_path):
+    paths, local = corpus
+    out = tmp_path / "out"
+    manifest = pack_to_dir(paths, out, CONFIG, write_options=WRITE)
+    # Make it an interrupted run: the intent file back, the manifest and the last shard gone.
+    intent = {k: v for k, v in manifest.items()
+              if k not in ("shard_num_rows", "stats", "example_length_histogram")}
+    (out / "pack_intent.json").write_text(json.dumps(intent, indent=2) + "\n")
+    os.remove(out / "manifest.json")
+    os.remove(out / manifest["shards"][-1])
+    kept = {n: os.stat(out / n).st_mtime_ns for n in manifest["shards"][:-1]}
+    pack_beam(paths, out, CONFIG, write_options=WRITE, resume=True, beam_options=_workers(2),
+              quiet=True)
+    assert dir_bytes(out) == dir_bytes(local)
+    assert {n: os.stat(out / n).st_mtime_ns for n in kept} == kept  # not rewritten
+    with pytest.raises(ValueError, match="exists and is not empty; pass --overwrite"):
+        pack_beam(paths, out, CONFIG, write_options=WRITE, beam_options=_workers(2), quiet=True)
+    pack_beam(paths, out, CONFIG, write_options=WRITE, overwrite=True, beam_options=_workers(1),
+              quiet=True)
+    assert dir_bytes(out) == dir_bytes(local)
+
+
+def test_pipeline_options_defaults_and_overrides():
+    from apache_beam.options.pipeline_options import DirectOptions, StandardOptions
+
+    default = pipeline_options().view_as(DirectOptions)
+    assert default.direct_running_mode == "multi_processing"
+    assert 1 <= default.direct_num_workers <= 8
+    given = pipeline_options(["direct_num_workers=2", "--direct_running_mode=multi_threading"])
+    assert given.view_as(DirectOptions).direct_num_workers == 2
+    assert given.view_as(DirectOptions).direct_running_mode == "multi_threading"
+    other = pipeline_options(["runner=FlinkRunner"])
+    assert other.view_as(StandardOptions).runner == "FlinkRunner"
+    assert "direct_running_mode" not in other.get_all_options(drop_default=True)
+    for bad in ("=2", "direct num workers=2", "runner="):
+        with pytest.raises(ValueError, match="must be KEY=VALUE"):
+            pipeline_options([bad])
+
+
+def test_beam_option_without_runner_beam_is_a_usage_error(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", [[1, 2]])
+    result = CliRunner().invoke(cli.seqpack, ["pack", src, "-o", str(tmp_path / "o"),
+                                              "--beam-option", "direct_num_workers=2"])
+    assert result.exit_code == 2 and "--beam-option needs --runner beam" in result.output
+    result = CliRunner().invoke(cli.seqpack, ["pack", src, "-o", str(tmp_path / "o"), "--runner",
+                                              "beam", "--beam-option", "=3"])
+    assert result.exit_code == 2 and "Error: beam option '=3' must be KEY=VALUE" in result.output

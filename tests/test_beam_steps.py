@@ -1,0 +1,127 @@
+"""The Beam job's steps without Beam: in any arrival order they rebuild the local writer's bytes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from packer import PackConfig
+from pipelines import beam_steps
+from pipelines.readers import InputError, ReadOptions
+from pipelines.writer import WriteOptions, pack_to_dir
+from tests.cli_helpers import ROOT, dir_bytes, random_seqs, write_jsonl, write_parquet
+
+CONFIGS = {
+    "bfd_split": (PackConfig(48, max_segments=6, overflow="split"), WriteOptions(shard_rows=4)),
+    "first_fit_aligned_wide_pad": (
+        PackConfig(48, max_segments=5, strategy="first_fit", overflow="truncate",
+                   segment_alignment=4, pad_id=70_000),
+        WriteOptions(shard_rows=3, compression="zstd")),
+    "concat_split_store_derived": (
+        PackConfig(40, max_segments=3, strategy="concat_split"),
+        WriteOptions(shard_rows=5, store_derived=True)),
+}
+
+
+def _inputs(tmp_path) -> list[str]:
+    """Four inputs: token ids read as uint8 (text bytes), int32 (JSONL, Parquet), one empty."""
+    (tmp_path / "t.txt").write_text("text inputs are bytes")
+    return [
+        str(tmp_path / "t.txt"),
+        write_jsonl(tmp_path / "a.jsonl", random_seqs(40, max_len=70, seed=1)),
+        write_jsonl(tmp_path / "empty.jsonl", []),
+        write_parquet(tmp_path / "b.parquet", random_seqs(55, max_len=70, seed=2, vocab=300)),
+    ]
+
+
+def _run_steps(paths, out, config, write_options, rng) -> dict:
+    """The job's stages in this process, each stage's elements in a shuffled order."""
+    read = ReadOptions()
+    order = rng.permutation(len(paths))
+    scans = [beam_steps.scan_file(int(i), paths[i], read) for i in order]
+    summary, jobs = beam_steps.plan_job(scans, str(out), config, read_options=read,
+                                        write_options=write_options)
+    by_shard: dict[int, list] = {}
+    for k in rng.permutation(len(jobs)):
+        for shard, part in beam_steps.route_file(jobs[k], read):
+            by_shard.setdefault(shard, []).append(part)
+    rows = []
+    for shard in rng.permutation(sorted(by_shard)).tolist():
+        parts = [by_shard[shard][i] for i in rng.permutation(len(by_shard[shard]))]
+        rows.append((shard, beam_steps.write_shard_parts(
+            shard, parts, summary, str(out), config, write_options=write_options)))
+    return beam_steps.finish_job(rows[::-1], summary, str(out))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_steps_in_any_order_give_the_local_bytes(tmp_path, name, seed):
+    config, write_options = CONFIGS[name]
+    paths = _inputs(tmp_path)
+    local = pack_to_dir(paths, tmp_path / "local", config, write_options=write_options)
+    assert len(local["shards"]) >= 3  # several shards, so routing and merging are exercised
+    manifest = _run_steps(paths, tmp_path / "steps", config, write_options,
+                          np.random.default_rng(seed))
+    assert manifest == local
+    assert dir_bytes(tmp_path / "steps") == dir_bytes(tmp_path / "local")
+
+
+def test_split_plan_gives_each_piece_to_its_input_once(tmp_path):
+    config, write_options = CONFIGS["bfd_split"]
+    paths = _inputs(tmp_path)
+    read = ReadOptions()
+    scans = [beam_steps.scan_file(i, p, read) for i, p in enumerate(paths)]
+    summary, jobs = beam_steps.plan_job(scans, str(tmp_path / "o"), config, read_options=read,
+                                        write_options=write_options)
+    assert [j.index for j in jobs] == [0, 1, 3]  # the empty input holds no piece
+    firsts = np.cumsum([0] + [s.lengths.size for s in scans])
+    for job in jobs:
+        ex = job.pieces[beam_steps.EXAMPLE]
+        assert job.first_example == firsts[job.index]
+        assert ((ex >= firsts[job.index]) & (ex < firsts[job.index + 1])).all()
+    table = np.concatenate([j.pieces for j in jobs], axis=1)
+    keys = table[beam_steps.ROW] * config.max_segments + table[beam_steps.SLOT]
+    assert np.unique(keys).size == keys.size == summary.results["stats"]["num_segments"]
+
+
+def test_bad_input_becomes_a_scan_error_and_the_first_one_is_raised(tmp_path):
+    good = write_jsonl(tmp_path / "good.jsonl", [[1, 2]])
+    bad1 = tmp_path / "bad1.jsonl"
+    bad1.write_text('{"tokens": [1]}\n{"tokens": [1, -2]}\n')
+    bad2 = tmp_path / "bad2.jsonl"
+    bad2.write_text("{oops\n")
+    read = ReadOptions()
+    scans = [beam_steps.scan_file(i, str(p), read) for i, p in enumerate([good, bad1, bad2])]
+    assert scans[0].error is None and "bad1.jsonl:2: tokens[1]=-2" in scans[1].error
+    with pytest.raises(InputError, match=r"bad1\.jsonl:2"):
+        beam_steps.plan_job(scans[::-1], str(tmp_path / "o"), PackConfig(8), read_options=read,
+                            write_options=WriteOptions())
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_input_changed_between_the_passes_is_refused(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", random_seqs(20, seed=5))
+    read = ReadOptions()
+    _, jobs = beam_steps.plan_job([beam_steps.scan_file(0, path, read)], str(tmp_path / "o"),
+                                  PackConfig(64), read_options=read, write_options=WriteOptions())
+    write_jsonl(path, random_seqs(21, seed=6))
+    with pytest.raises(InputError, match="changed while the job ran"):
+        beam_steps.route_file(jobs[0], read)
+
+
+def test_gather_matches_slicing():
+    values = np.arange(100, 200, dtype=np.int32)
+    starts, lengths = np.array([5, 0, 90, 40]), np.array([3, 0, 10, 1])
+    want = np.concatenate([values[s : s + m] for s, m in zip(starts, lengths)])
+    np.testing.assert_array_equal(beam_steps.gather(values, starts, lengths), want)
+
+
+def test_the_core_modules_do_not_need_beam():
+    code = ("import sys, cli, pipelines.writer, pipelines.verify, pipelines.beam_steps; "
+            "print('apache_beam' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
