@@ -1,0 +1,32 @@
+"""Pallas TPU kernels over packed rows: per-segment reduce, gather, broadcast and cross-entropy.
+
+All functions take the packed-row metadata of DESIGN.md, `segment_offsets` / `segment_lengths`
+i32[B, S], and treat every segment as its own example (padding and empty slots excluded). Options:
+`impl="auto" | "pallas" | "reference"` (auto: Pallas on TPU, the jnp reference elsewhere) and
+`interpret=` (True or `pltpu.InterpretParams()`) to run the Pallas kernels on CPU. Every function
+is jitted (options static) and differentiable. `validate_segments` checks metadata values before
+jit. kernels/reference.py holds the pure-jnp references.
+"""
+
+from kernels import reference
+from kernels.checks import validate_segments
+from kernels.common import Impl, Normalize, SegmentBlockSizes
+from kernels.cross_entropy import CrossEntropyBlockSizes, segment_cross_entropy
+from kernels.gather import GatherBlockSizes, segment_gather
+from kernels.segment_ops import segment_broadcast, segment_max, segment_mean, segment_sum
+
+__all__ = [
+    "CrossEntropyBlockSizes",
+    "GatherBlockSizes",
+    "Impl",
+    "Normalize",
+    "SegmentBlockSizes",
+    "reference",
+    "segment_broadcast",
+    "segment_cross_entropy",
+    "segment_gather",
+    "segment_max",
+    "segment_mean",
+    "segment_sum",
+    "validate_segments",
+]

@@ -1,0 +1,156 @@
+"""Pallas TPU kernel reducing each packed segment of a row (sum or max) over its tokens.
+
+Grid `(B, D / bd, L / bl)`, semantics `("parallel", "parallel", "arbitrary")`. Offsets and lengths
+are scalar-prefetched into SMEM. At token block `t` the kernel walks the S slots, clips each
+segment to the block (`common.block_interval`) and reads only the chunks it covers with
+`pl.ds(start, chunk)` at a chunk-aligned start; an iota mask keeps the segment's rows. The
+per-row accumulator is the `[S, 1, bd]` output block itself, resident across the trailing
+"arbitrary" token axis, indexed on its leading (untiled) axis by the slot `j`.
+
+Work per block is O(bl * bd + segments_in_block * 2 * chunk * bd): each token row is read about
+once, plus at most two partially covered chunks per segment. Blocks after the row's used length
+(the end of its last slot) are neither computed nor fetched: the index map clamps them to the
+last used block, and Pallas skips the DMA when the block index does not change.
+
+Example, L = 10, bl = 4, chunk = 4 (toy sizes), segments [0, 3) and [5, 9):
+
+    block t=0 rows 0..3: slot 0 lo=0 hi=3 -> chunk 0, rows 0..2 kept
+    block t=1 rows 4..7: slot 1 lo=1 hi=4 -> chunk 0, rows 5..7 kept
+    block t=2 rows 8..9: slot 1 lo=0 hi=1 -> chunk 0, row 8 kept (rows 10, 11 are past L: masked)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels.common import (
+    ACCUMULATOR_BUDGET_BYTES,
+    LANES,
+    Interpret,
+    SegmentBlockSizes,
+    block_interval,
+    cdiv_nonneg,
+    chunk_mask,
+    feature_block,
+    last_used_block,
+    row_end,
+    token_block,
+)
+
+Mode = Literal["sum", "max"]
+
+
+def _reduce_kernel(
+    offsets_ref,  # SMEM i32[B * S]
+    lengths_ref,  # SMEM i32[B * S]
+    x_ref,  # VMEM [bl, bd]
+    out_ref,  # VMEM f32[S, 1, bd], resident over the token axis
+    *,
+    mode: Mode,
+    num_segments: int,
+    seq_len: int,
+    block_tokens: int,
+    chunk: int,
+) -> None:
+    row, t = pl.program_id(0), pl.program_id(2)
+    width = out_ref.shape[-1]
+    init = 0.0 if mode == "sum" else -jnp.inf
+
+    @pl.when(t == 0)
+    def _init():
+        out_ref[...] = jnp.full(out_ref.shape, init, jnp.float32)
+
+    base = t * block_tokens
+
+    @pl.when(base < row_end(offsets_ref, lengths_ref, row, num_segments))
+    def _accumulate():
+        def segment(j, carry):
+            idx = row * num_segments + j
+            lo, hi = block_interval(offsets_ref[idx], lengths_ref[idx], base, block_tokens, seq_len)
+
+            @pl.when(hi > lo)
+            def _reduce_segment():
+                def chunk_step(c, acc):
+                    start = pl.multiple_of(c * chunk, chunk)
+                    values = x_ref[pl.ds(start, chunk), :].astype(jnp.float32)
+                    keep = chunk_mask(start, lo, hi, (chunk, width))
+                    if mode == "sum":
+                        return acc + jnp.sum(jnp.where(keep, values, 0.0), axis=0, keepdims=True)
+                    return jnp.maximum(
+                        acc, jnp.max(jnp.where(keep, values, -jnp.inf), axis=0, keepdims=True)
+                    )
+
+                acc = lax.fori_loop(
+                    lax.div(lo, chunk),
+                    cdiv_nonneg(hi, chunk),
+                    chunk_step,
+                    jnp.full((1, width), init, jnp.float32),
+                )
+                if mode == "sum":
+                    out_ref[j] = out_ref[j] + acc
+                else:
+                    out_ref[j] = jnp.maximum(out_ref[j], acc)
+
+            return carry
+
+        lax.fori_loop(0, num_segments, segment, 0)
+
+
+def reduce_call(
+    x: jax.Array,  # f[B, L, D]
+    offsets: jax.Array,  # i32[B * S]
+    lengths: jax.Array,  # i32[B * S]
+    *,
+    num_segments: int,
+    mode: Mode,
+    block_sizes: SegmentBlockSizes,
+    interpret: Interpret,
+) -> jax.Array:  # f32[B, S, D]; sum: 0 for empty slots, max: -inf for empty slots
+    """Runs the reduce kernel (no checks, no VJP: see kernels/segment_ops.py)."""
+    batch, seq_len, dim = x.shape
+    chunk = block_sizes.chunk
+    bl = token_block(seq_len, block_sizes.block_tokens, chunk)
+    acc_lanes = ACCUMULATOR_BUDGET_BYTES // (2 * num_segments * 8 * 4) // LANES * LANES
+    bd = feature_block(dim, min(block_sizes.block_features, max(LANES, acc_lanes)))
+    num_token_blocks = pl.cdiv(seq_len, bl)
+
+    def x_index(b, d, t, offsets_ref, lengths_ref):
+        last = last_used_block(offsets_ref, lengths_ref, b, num_segments, bl)
+        return b, jnp.minimum(t, last), d
+
+    kernel = functools.partial(
+        _reduce_kernel,
+        mode=mode,
+        num_segments=num_segments,
+        seq_len=seq_len,
+        block_tokens=bl,
+        chunk=chunk,
+    )
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((batch, num_segments, 1, dim), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(batch, pl.cdiv(dim, bd), num_token_blocks),
+            in_specs=[pl.BlockSpec((None, bl, bd), x_index)],
+            out_specs=pl.BlockSpec((None, num_segments, 1, bd), lambda b, d, t, *_: (b, 0, 0, d)),
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=batch * seq_len * dim,
+            transcendentals=0,
+            bytes_accessed=x.size * x.dtype.itemsize + batch * num_segments * dim * 4,
+        ),
+        interpret=interpret,
+        name=f"segment_{mode}",
+    )(offsets, lengths, x)
+    return out[:, :, 0, :]

@@ -1,0 +1,180 @@
+"""Pure-jnp references of the segment kernels (`jax.ops.segment_sum` style); XLA on any backend.
+
+Each token is mapped to its slot (or to a dump bucket `S` for padding), then an XLA segment op
+reduces over the flattened `B * (S + 1)` buckets. Worked example, one row, L = 8, S = 3:
+
+    tokens              a  b  c  _  d  e  _  _      (_ = padding, e.g. an alignment gap)
+    segment_offsets     [0, 4, 6]
+    segment_lengths     [3, 2, 0]                    (slot 2 unused: offset = used length 6)
+    slot of each token  0  0  0  3  1  1  3  3      (3 = dump bucket, dropped after the sum)
+    segment_sum         [a+b+c, d+e, 0]
+
+Reductions accumulate in float32 and return the input dtype, as the Pallas kernels do. These
+functions are differentiable by plain autodiff and are what the kernel tests compare against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from kernels.common import Normalize, gather_offset, parse_enum, target_position
+
+
+def segment_index(
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+    seq_len: int,
+) -> jax.Array:  # i32[B, L]
+    """Slot of every token, S on padding (tokens covered by no segment)."""
+    pos = jnp.arange(seq_len, dtype=jnp.int32)[None, :, None]
+    start = segment_offsets.astype(jnp.int32)[:, None, :]
+    end = start + segment_lengths.astype(jnp.int32)[:, None, :]
+    member = (pos >= start) & (pos < end)  # [B, L, S]
+    num_segments = segment_offsets.shape[1]
+    return jnp.where(member.any(-1), jnp.argmax(member, -1), num_segments).astype(jnp.int32)
+
+
+def _bucket_reduce(op, x, segment_offsets, segment_lengths):
+    """op(data [B*L, ...], ids, num_segments) over the B * (S + 1) buckets -> [B, S, ...]."""
+    batch, seq_len = x.shape[:2]
+    num_segments = segment_offsets.shape[1]
+    ids = segment_index(segment_offsets, segment_lengths, seq_len)
+    ids = ids + (num_segments + 1) * jnp.arange(batch, dtype=jnp.int32)[:, None]
+    flat = x.reshape(batch * seq_len, *x.shape[2:])
+    out = op(flat, ids.reshape(-1), num_segments=batch * (num_segments + 1))
+    return out.reshape(batch, num_segments + 1, *x.shape[2:])[:, :num_segments]
+
+
+def segment_sum(
+    x: jax.Array,  # f[B, L] or f[B, L, D]
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+) -> jax.Array:  # f[B, S] or f[B, S, D]
+    """Sum of each segment's tokens; 0 for empty slots."""
+    out = _bucket_reduce(jax.ops.segment_sum, x.astype(jnp.float32), segment_offsets,
+                         segment_lengths)
+    return out.astype(x.dtype)
+
+
+def segment_mean(
+    x: jax.Array,  # f[B, L] or f[B, L, D]
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+) -> jax.Array:  # f[B, S] or f[B, S, D]
+    """Mean of each segment's tokens; 0 for empty slots."""
+    total = _bucket_reduce(jax.ops.segment_sum, x.astype(jnp.float32), segment_offsets,
+                           segment_lengths)
+    count = jnp.maximum(segment_lengths, 1).astype(jnp.float32)
+    count = count.reshape(count.shape + (1,) * (x.ndim - 2))
+    return (total / count).astype(x.dtype)
+
+
+def segment_max(
+    x: jax.Array,  # f[B, L] or f[B, L, D]
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+    *,
+    fill_value: float = 0.0,
+) -> jax.Array:  # f[B, S] or f[B, S, D]
+    """Max of each segment's tokens; `fill_value` for empty slots (jax.ops.segment_max gives -inf).
+
+    The gradient is split evenly between tied maxima (as for `jnp.max`).
+    """
+    out = _bucket_reduce(jax.ops.segment_max, x.astype(jnp.float32), segment_offsets,
+                         segment_lengths)
+    nonempty = (segment_lengths > 0).reshape(segment_lengths.shape + (1,) * (x.ndim - 2))
+    return jnp.where(nonempty, out, fill_value).astype(x.dtype)
+
+
+def segment_gather(
+    x: jax.Array,  # f[B, L] or f[B, L, D]
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+    *,
+    position: str | int = "last",
+) -> jax.Array:  # f[B, S] or f[B, S, D]
+    """One token per segment ('first', 'last' or k-th, k < 0 from the end); 0 where absent."""
+    k = gather_offset(position)
+    pos, valid = target_position(segment_offsets.astype(jnp.int32),
+                                 segment_lengths.astype(jnp.int32), k, x.shape[1])
+    if x.ndim == 3:
+        picked = jnp.take_along_axis(x, pos[:, :, None], axis=1)
+        return jnp.where(valid[:, :, None], picked, 0).astype(x.dtype)
+    return jnp.where(valid, jnp.take_along_axis(x, pos, axis=1), 0).astype(x.dtype)
+
+
+def segment_broadcast(
+    values: jax.Array,  # f[B, S] or f[B, S, D]
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+    *,
+    seq_len: int,
+) -> jax.Array:  # f[B, L] or f[B, L, D]
+    """Each segment's value on each of its tokens, 0 on padding (the transpose of segment_sum)."""
+    ids = segment_index(segment_offsets, segment_lengths, seq_len)
+    # Through f32 so that the transpose (a scatter-add of the cotangent) accumulates in f32.
+    padded = jnp.concatenate([values, jnp.zeros_like(values[:, :1])], axis=1).astype(jnp.float32)
+    if values.ndim == 3:
+        out = jnp.take_along_axis(padded, ids[:, :, None], axis=1)
+    else:
+        out = jnp.take_along_axis(padded, ids, axis=1)
+    return out.astype(values.dtype)
+
+
+def normalize_loss(
+    per_segment_loss: jax.Array,  # f32[B, S]
+    per_segment_tokens: jax.Array,  # int[B, S]
+    normalize: Normalize | str,
+) -> jax.Array:  # f32[]
+    """One scalar loss from per-segment sums; an empty batch gives 0."""
+    normalize = parse_enum(Normalize, "normalize", normalize)
+    count = per_segment_tokens.astype(jnp.float32)
+    if normalize is Normalize.TOKENS:
+        return per_segment_loss.sum() / jnp.maximum(count.sum(), 1.0)
+    if normalize is Normalize.SEGMENTS:
+        nonempty = count > 0
+        means = jnp.where(nonempty, per_segment_loss / jnp.maximum(count, 1.0), 0.0)
+        return means.sum() / jnp.maximum(nonempty.sum().astype(jnp.float32), 1.0)
+    return per_segment_loss.sum()
+
+
+def segment_cross_entropy(
+    logits: jax.Array,  # f[B, L, V]
+    targets: jax.Array,  # int[B, L], values in [0, V)
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+    *,
+    normalize: Normalize | str = "tokens",
+    loss_mask: jax.Array | None = None,  # bool or 0/1 [B, L]
+    z_loss: float = 0.0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[], f32[B, S], i32[B, S]
+    """Cross-entropy per segment: (loss, per_segment_loss sums, per_segment_tokens counts).
+
+    Token loss = logsumexp(logits) - logits[target] + z_loss * logsumexp^2, counted when the token
+    lies in a segment and loss_mask (if given) is set.
+    """
+    batch, seq_len, _ = logits.shape
+    num_segments = segment_offsets.shape[1]
+    ids = segment_index(segment_offsets, segment_lengths, seq_len)
+    counted = ids < num_segments
+    if loss_mask is not None:
+        counted &= loss_mask.astype(bool)
+    # Excluded tokens get zero logits *before* the math, so whatever they hold (even NaN) never
+    # reaches the loss or the gradient (a `where` after the logsumexp would leak 0 * NaN).
+    lf = jnp.where(counted[..., None], logits.astype(jnp.float32), 0.0)
+    lse = jax.nn.logsumexp(lf, axis=-1)
+    target_logit = jnp.take_along_axis(lf, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    token_loss = lse - target_logit + z_loss * lse * lse
+    ids = jnp.where(counted, ids, num_segments)
+    ids = (ids + (num_segments + 1) * jnp.arange(batch, dtype=jnp.int32)[:, None]).reshape(-1)
+    buckets = batch * (num_segments + 1)
+
+    def per_slot(values):
+        out = jax.ops.segment_sum(values.reshape(-1), ids, num_segments=buckets)
+        return out.reshape(batch, num_segments + 1)[:, :num_segments]
+
+    per_segment_loss = per_slot(jnp.where(counted, token_loss, 0.0))
+    per_segment_tokens = per_slot(counted.astype(jnp.int32))
+    loss = normalize_loss(per_segment_loss, per_segment_tokens, normalize)
+    return loss, per_segment_loss, per_segment_tokens
