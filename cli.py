@@ -78,8 +78,10 @@ def _reading_options(f):
                      help="Parquet column / JSONL field / ArrayRecord array of token ids."),
         click.option("--tokenizer", type=click.Path(dir_okay=False), default=None,
                      help="tokenizers tokenizer.json for text inputs (default: UTF-8 bytes)."),
-        click.option("--text-unit", type=click.Choice(["file", "line"]), default="file",
-                     show_default=True, help="Text inputs: one example per file or per line."),
+        click.option("--text-unit", type=click.Choice(["file", "line", "paragraph"]),
+                     default="file", show_default=True,
+                     help="Text inputs: one example per file, non-blank line or paragraph "
+                          "(lines between blank lines; the built-in sample's unit)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -143,7 +145,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into ArrayRecord shards.
 
     With no INPUT, packs the built-in sample corpus: the top-level .py files of this Python's
-    standard library, byte-tokenized, one example per file (no download).
+    standard library, byte-tokenized, one example per paragraph (no download).
     """
     from pipelines.readers import sample_files
     from pipelines.report import format_table, summary, terminal_progress
@@ -154,7 +156,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
         import tempfile
 
         inputs = sample_files()
-        input_format, tokenizer, text_unit = "text", None, "file"
+        input_format, tokenizer, text_unit = "text", None, "paragraph"
         overflow = overflow or "split"
         output_dir = output_dir or tempfile.mkdtemp(prefix="seqpack-sample-")
     elif output_dir is None:

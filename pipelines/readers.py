@@ -9,7 +9,7 @@ Formats (``--input-format``, or picked from the file extension):
     jsonl        one JSON object per line, token ids in a field:  {"tokens": [101, 7592, 102]}
     parquet      a list<int> column, read with pyarrow into values + offsets (no per-token Python)
     arrayrecord  SQP1 records holding a 1-D integer array under the column name
-    text         UTF-8 text; one example per file (or per line with text_unit="line"), tokenized
+    text         UTF-8 text; one example per file, line or paragraph (text_unit), tokenized
                  with a `tokenizers` tokenizer.json, or byte-tokenized (ids 0..255) without one
 
 Fingerprint (documented contract, stored per input in manifest.json)::
@@ -30,6 +30,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import sysconfig
 from collections.abc import Sequence
 
@@ -47,6 +48,9 @@ class InputError(ValueError):
     """A bad input file: the message names the file and the line or record."""
 
 
+TEXT_UNITS = ("file", "line", "paragraph")
+
+
 @dataclasses.dataclass(frozen=True)
 class ReadOptions:
     """How raw inputs are read; stored in the manifest so `verify` reads them the same way."""
@@ -54,13 +58,13 @@ class ReadOptions:
     input_format: str | None = None  # None: from each file's extension
     column: str = "tokens"  # JSONL field / Parquet column / ArrayRecord array name
     tokenizer: str | None = None  # tokenizer.json for text; None: bytes are the tokens
-    text_unit: str = "file"  # text: "file" (one example per file) or "line"
+    text_unit: str = "file"  # text: one example per "file", "line" or "paragraph"
 
     def __post_init__(self) -> None:
         if self.input_format is not None and self.input_format not in FORMATS:
             raise InputError(f"input format {self.input_format!r} is not one of {FORMATS}")
-        if self.text_unit not in ("file", "line"):
-            raise InputError(f"text_unit={self.text_unit!r} must be 'file' or 'line'")
+        if self.text_unit not in TEXT_UNITS:
+            raise InputError(f"text_unit={self.text_unit!r} must be one of {TEXT_UNITS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,12 +352,22 @@ def tokenizer_fingerprint(path: str | None) -> dict | None:
     return fingerprint(path) if path else None
 
 
+_PARAGRAPH = re.compile(rb"(?:[^\n]*\S[^\n]*(?:\n|$))+")
+
+
 def read_text(path: str, tokenizer, text_unit: str) -> tuple[np.ndarray, np.ndarray]:
-    """One example per file (or per non-blank line): tokenizer ids, or UTF-8 bytes as ids."""
+    """One example per file, non-blank line or paragraph (lines between blank lines): tokenizer
+    ids, or UTF-8 bytes as ids."""
     with open(path, "rb") as f:
         data = f.read()
     if text_unit == "line":
         numbered = [(k, line) for k, line in enumerate(data.split(b"\n"), 1) if line.strip()]
+    elif text_unit == "paragraph":  # runs of non-blank lines, numbered by their first line
+        numbered, line_no, pos = [], 1, 0
+        for m in _PARAGRAPH.finditer(data):
+            line_no += data.count(b"\n", pos, m.start())
+            pos = m.start()
+            numbered.append((line_no, m.group().rstrip(b"\n")))
     else:
         numbered = [(0, data)]
     chunks = [c for _, c in numbered]

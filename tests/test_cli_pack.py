@@ -258,7 +258,13 @@ def test_embedded_sample(tmp_path):
     files = manifest["inputs"]["files"]
     assert len(files) > 50 and all(f["path"].endswith(".py") for f in files)
     assert manifest["config"]["overflow"] == "split"
-    assert manifest["inputs"]["num_tokens"] == sum(f["size"] for f in files)
+    # One example per paragraph: the blank lines between paragraphs are not tokens.
+    assert manifest["inputs"]["read_options"]["text_unit"] == "paragraph"
+    assert manifest["inputs"]["num_examples"] > 10 * len(files)
+    assert 0.8 * sum(f["size"] for f in files) < manifest["inputs"]["num_tokens"] < sum(
+        f["size"] for f in files)
+    st = manifest["stats"]  # many short examples: real packing, several segments per row
+    assert st["efficiency"] > 0.95 and st["num_segments"] > 4 * st["num_rows"]
     assert invoke("verify", out).stdout.startswith("OK:")
 
 

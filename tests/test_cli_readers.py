@@ -95,7 +95,15 @@ def test_fingerprint_sees_same_size_edits_at_either_end(tmp_path):
 def test_unknown_format_or_unit_is_an_input_error():
     with pytest.raises(InputError, match="csv"):
         ReadOptions(input_format="csv")
-    with pytest.raises(InputError, match="paragraph"):
-        ReadOptions(text_unit="paragraph")
+    with pytest.raises(InputError, match="sentence"):
+        ReadOptions(text_unit="sentence")
     with pytest.raises(InputError, match="no input files"):
         read_corpus([], ReadOptions())
+
+
+def test_read_text_paragraphs(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"a b\ncd\n\n\n  \nxyz\n\nq")
+    values, offsets = readers.read_text(str(path), None, "paragraph")
+    chunks = [bytes(values[offsets[i] : offsets[i + 1]]) for i in range(offsets.size - 1)]
+    assert chunks == [b"a b\ncd", b"xyz", b"q"]
