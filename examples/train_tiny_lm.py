@@ -4,12 +4,13 @@
     python examples/train_tiny_lm.py --steps 300 --checkpoint-dir /tmp/ckpt --save-every 100
     python examples/train_tiny_lm.py --steps 400 --checkpoint-dir /tmp/ckpt --resume
 
-Data: Python's own standard library sources, byte-tokenized (vocab 256) and cut into
-variable-length examples — no download. The input pipeline is `pipelines.make_training_pipeline`
-(shard, shuffle, pack, batch); the model (examples/tiny_lm.py) restricts attention to segments and
-takes positions from the packed rows; the loss is `kernels.segment_cross_entropy`. A checkpoint
-holds the parameters, the optimizer state, the step and the Grain iterator state, so a resumed run
-continues with exactly the batches (and losses) of an uninterrupted one.
+Data: Python's own standard library sources, byte-tokenized (vocab 256), one example per
+paragraph (the CLI's built-in sample) — no download. The input pipeline is
+`pipelines.make_training_pipeline` (shard, shuffle, pack, batch); the model (examples/tiny_lm.py)
+restricts attention to segments and takes positions from the packed rows; the loss is
+`kernels.segment_cross_entropy`. A checkpoint holds the parameters, the optimizer state, the step
+and the Grain iterator state, so a resumed run continues with exactly the batches (and losses) of
+an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import json
 import os
 import pathlib
 import sys
-import sysconfig
 import time
 
 import grain
@@ -37,23 +37,18 @@ from examples.tiny_lm import (  # noqa: E402
     unflatten_state,
 )
 from pipelines import make_training_pipeline  # noqa: E402
+from pipelines.readers import read_text, sample_files  # noqa: E402
 
 
-def stdlib_corpus(max_examples: int = 3000, seed: int = 0) -> list[np.ndarray]:
-    """Byte-tokenized stdlib sources, cut at random (lognormal) lengths: a deterministic corpus."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    rng = np.random.default_rng(seed)
+def stdlib_corpus(max_examples: int = 3000) -> list[np.ndarray]:
+    """The CLI's built-in sample: stdlib sources, one byte-tokenized example per paragraph."""
     out: list[np.ndarray] = []
-    for path in sorted(root.glob("*.py")):
-        data = np.frombuffer(path.read_bytes(), np.uint8).astype(np.int32)
-        pos = 0
-        while pos < data.size and len(out) < max_examples:
-            n = int(np.clip(rng.lognormal(4.0, 0.8), 4, 400))
-            out.append(data[pos : pos + n])
-            pos += n
+    for path in sample_files():
+        values, offsets = read_text(path, None, "paragraph")
+        out += [values[a:b].astype(np.int32) for a, b in zip(offsets[:-1], offsets[1:])]
         if len(out) >= max_examples:
             break
-    return out
+    return out[:max_examples]
 
 
 def build_pipeline(examples, *, seq_len: int, batch_size: int, seed: int = 0):
