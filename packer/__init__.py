@@ -11,7 +11,7 @@ from packer.assemble import (
 from packer.config import Overflow, PackConfig, Strategy
 from packer.plan import Counters, PackPlan, plan
 from packer.stats import PackingStats, lower_bound, stats
-from packer.stream import RowPlan, StreamPlanner, pack_stream, rows_to_plan
+from packer.stream import RowPlan, StreamPlanner, pack_stream
 from packer.validate import validate
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
     "pack_ragged",
     "pack_stream",
     "plan",
-    "rows_to_plan",
     "segment_ids_and_positions",
     "segment_metadata",
     "stats",

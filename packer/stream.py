@@ -46,27 +46,6 @@ class RowPlan:
     offset: np.ndarray  # start of the piece in the row
 
 
-def rows_to_plan(rows: list[RowPlan], counters: Counters | None = None) -> PackPlan:
-    """Stacks emitted rows into one `PackPlan` (`example` holds the ids) for `build_rows`."""
-    counts = np.fromiter((r.index.size for r in rows), np.int64, len(rows))
-    cat = lambda f: (  # noqa: E731
-        np.concatenate([getattr(r, f) for r in rows]) if rows else np.zeros(0, np.int64)
-    )
-    row = np.repeat(np.arange(len(rows), dtype=np.int64), counts)
-    first = np.cumsum(counts) - counts
-    slot = np.arange(row.size, dtype=np.int64) - first[row]
-    return PackPlan(
-        example=cat("index"),
-        start=cat("start"),
-        length=cat("length"),
-        row=row,
-        slot=slot,
-        offset=cat("offset"),
-        num_rows=len(rows),
-        counters=counters or Counters(),
-    )
-
-
 def rows_from_plan(p: PackPlan) -> list[RowPlan]:
     """Splits a plan into one `RowPlan` per row (views, no copies)."""
     bounds = p.row_slices().tolist()
