@@ -70,6 +70,12 @@ def assemble(values: object, offsets: object, p: PackPlan, config: PackConfig) -
                 f"the plan's piece of example {int(p.example[i])} ends past that example; "
                 "plan and assemble with the same data"
             )
+    return _assemble_checked(values, offsets, p, config)
+
+
+def _assemble_checked(values: np.ndarray, offsets: np.ndarray, p: PackPlan,
+                      config: PackConfig) -> dict:
+    """`assemble` on inputs already checked (and a plan made from them)."""
     src = offsets[p.example] + p.start
     pieces = [values[s : s + m] for s, m in zip(src.tolist(), p.length.tolist())]
     return build_rows(pieces, p, config, dtype=values.dtype)
@@ -167,10 +173,10 @@ def pack_ragged(values: object, offsets: object, config: PackConfig) -> dict:
     """Plans and assembles in one call: flat `values` + example `offsets` -> batch dict."""
     values = check_values(values)
     offsets = check_offsets(offsets, values.size)
-    return assemble(values, offsets, plan(np.diff(offsets), config), config)
+    return _assemble_checked(values, offsets, plan(np.diff(offsets), config), config)
 
 
 def pack(sequences: Sequence[object], config: PackConfig) -> dict:
     """Packs a list of 1-D integer arrays -> batch dict."""
-    values, offsets = ragged_from_sequences(sequences)
-    return pack_ragged(values, offsets, config)
+    values, offsets = ragged_from_sequences(sequences)  # checked while concatenating
+    return _assemble_checked(values, offsets, plan(np.diff(offsets), config), config)

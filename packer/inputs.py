@@ -94,8 +94,9 @@ def ragged_from_sequences(sequences: Sequence[object]) -> tuple[np.ndarray, np.n
         values = np.concatenate(nonempty).astype(dtype, copy=False)
     else:
         values = np.zeros(0, np.int32)
-    for i, a in enumerate(arrays):
-        if a.size and np.issubdtype(a.dtype, np.signedinteger) and a.min() < 0:
-            j = int(np.argmax(a < 0))
-            raise ValueError(f"sequences[{i}][{j}]={int(a[j])} is a negative token id")
+    if values.size and np.issubdtype(values.dtype, np.signedinteger) and values.min() < 0:
+        k = int(np.argmax(values < 0))  # one pass over all tokens; name the sequence on failure
+        i = int(np.searchsorted(offsets, k, side="right")) - 1
+        raise ValueError(f"sequences[{i}][{k - int(offsets[i])}]={int(values[k])} is a negative "
+                         "token id")
     return values, offsets
