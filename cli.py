@@ -89,7 +89,7 @@ def _reading_options(f):
 
 
 def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id, feature):
-    from packer import PackConfig
+    from seqpack.packer import PackConfig
 
     return PackConfig(seq_len, max_segments=max_segments, strategy=strategy,
                       overflow=overflow or "error", segment_alignment=segment_alignment,
@@ -97,7 +97,7 @@ def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id
 
 
 def _read_options(input_format, column, tokenizer, text_unit):
-    from pipelines.readers import ReadOptions
+    from seqpack.pipelines.formats.inputs import ReadOptions
 
     return ReadOptions(input_format=input_format, column=column, tokenizer=tokenizer,
                        text_unit=text_unit)
@@ -147,9 +147,9 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     With no INPUT, packs the built-in sample corpus: the top-level .py files of this Python's
     standard library, byte-tokenized, one example per paragraph (no download).
     """
-    from pipelines.readers import sample_files
-    from pipelines.report import format_table, summary, terminal_progress
-    from pipelines.writer import WriteOptions, pack_to_dir
+    from seqpack.pipelines.formats.inputs import sample_files
+    from seqpack.pipelines.offline.report import format_table, summary, terminal_progress
+    from seqpack.pipelines.offline.writer import WriteOptions, pack_to_dir
 
     sample = not inputs
     if sample:
@@ -169,7 +169,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     write_options = WriteOptions(shard_rows=shard_rows, compression=compression, fsync=fsync)
     if runner == "beam":
         try:
-            from pipelines.beam import pack_beam
+            from seqpack.pipelines.offline.beam import pack_beam
         except ImportError as e:
             msg = f"--runner beam needs Apache Beam ({e}); pip install 'seqpack[beam]'"
             raise BadInput(msg) from None
@@ -212,17 +212,23 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
     ignored). For raw inputs, plans the packing on the example lengths (nothing is written) with
     each strategy and the given options.
     """
-    from pipelines.report import STRATEGIES, dry_run, format_table, plot_stats, summary
+    from seqpack.pipelines.offline.report import (
+        STRATEGIES,
+        dry_run,
+        format_table,
+        plot_stats,
+        summary,
+    )
 
     if len(paths) == 1 and os.path.isdir(paths[0]):
-        from pipelines.verify import load_manifest
+        from seqpack.pipelines.offline.verify import load_manifest
 
         manifest, config = load_manifest(paths[0])
         per_strategy = {config.strategy.value: manifest["stats"]}
         hist, title = manifest["example_length_histogram"], f"packed: {paths[0]}"
     else:
-        from pipelines.readers import read_corpus
-        from pipelines.writer import length_histogram
+        from seqpack.pipelines.formats.inputs import read_corpus
+        from seqpack.pipelines.offline.writer import length_histogram
 
         corpus = read_corpus(paths, _read_options(input_format, column, tokenizer, text_unit))
         config = _config("best_fit_decreasing", seq_len, max_segments, overflow,
@@ -256,7 +262,7 @@ def verify(output_dir, inputs, max_violations, as_json):
     truncated / dropped by the manifest; every row must satisfy the row contract. Exits with 1
     and lists the first violations otherwise.
     """
-    from pipelines.verify import verify as run_verify
+    from seqpack.pipelines.offline.verify import verify as run_verify
 
     report = run_verify(output_dir, inputs, max_violations=max_violations)
     if as_json:
@@ -286,9 +292,9 @@ def verify(output_dir, inputs, max_violations, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print the row's arrays as JSON.")
 def inspect(output_dir, row_index, start, count, width, as_json):
     """Show one packed row column-aligned: tokens, segment ids, positions, segment metadata."""
-    from packer import PackConfig
-    from pipelines.report import format_row
-    from pipelines.verify import read_row
+    from seqpack.packer import PackConfig
+    from seqpack.pipelines.offline.report import format_row
+    from seqpack.pipelines.offline.verify import read_row
 
     row, manifest, shard, record = read_row(output_dir, row_index)
     if as_json:

@@ -14,7 +14,7 @@ Runs alternate, best and median of ``--repeats``. Every Beam output is checked b
 against the local one (shards and manifest.json). A last row times the 2-worker Beam job on a
 one-example input: its fixed cost (Beam import, worker processes, gRPC), whatever the data. ::
 
-    .venv/bin/python benchmarks/beam_bench.py [--data PATH.npz] [--files 8] [--repeats 3]
+    .venv/bin/python -m benchmarks.beam_bench [--data PATH.npz] [--files 8] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def to_parquet_files(npz: str, out_dir: str, num_files: int) -> tuple[list[str],
 
 def run_pack(paths: list[str], out: str, extra: list[str], seq_len: int) -> float:
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "cli", "pack", *paths, "-o", out, "--column", "input_ids",
+    cmd = [sys.executable, "-m", "seqpack.cli", "pack", *paths, "-o", out, "--column", "input_ids",
            "--seq-len", str(seq_len), "--max-segments", "64", "--overflow", "truncate", *extra]
     t = time.perf_counter()
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)

@@ -14,7 +14,7 @@ Both truncate over-length examples (TRL "bfd"; seqpack --overflow truncate). Eff
 tokens / (rows x seq_len). One real `seqpack pack` subprocess run is timed too (interpreter start
 and imports included). Usage::
 
-    .venv/bin/python benchmarks/cli_bench.py [--data PATH.npz] [--seq-len 2048] [--repeats 5]
+    .venv/bin/python -m benchmarks.cli_bench [--data PATH.npz] [--seq-len 2048] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -31,12 +31,11 @@ import time
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from seqpack.packer import PackConfig, assemble, lower_bound, plan
+from seqpack.pipelines.formats.inputs import ReadOptions, read_corpus
+from seqpack.pipelines.offline.writer import WriteOptions, pack_to_dir
 
-from packer import PackConfig, assemble, lower_bound, plan  # noqa: E402
-from pipelines.readers import ReadOptions, read_corpus  # noqa: E402
-from pipelines.writer import WriteOptions, pack_to_dir  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def to_parquet(npz: str, path: str) -> tuple[int, int]:
@@ -145,7 +144,7 @@ def main() -> None:
                     times["trl"].append(r["time"])
         disk = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)) / 1e6
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "cli", "pack", parquet, "-o", out + "-sub",
+        subprocess.run([sys.executable, "-m", "seqpack.cli", "pack", parquet, "-o", out + "-sub",
                         "--column", "input_ids", "--seq-len", str(args.seq_len),
                         "--overflow", "truncate", "--compression", args.compression,
                         "--overwrite"], cwd=ROOT, check=True, capture_output=True)

@@ -1,7 +1,7 @@
 """Benchmark the Pallas segment kernels against the XLA reference: time and bytes read per call.
 
-    python benchmarks/kernels_bench.py                       # small sizes, any backend
-    python benchmarks/kernels_bench.py --batch 8 --seq-len 8192 --dim 4096 --vocab 128256
+    python -m benchmarks.kernels_bench                       # small sizes, any backend
+    python -m benchmarks.kernels_bench --batch 8 --seq-len 8192 --dim 4096 --vocab 128256
 
 On a TPU the Pallas kernels run compiled. Anywhere else they run in interpret mode (a Python
 simulation of the TPU on the CPU): those timings measure the simulator, not the kernels, and the
@@ -28,9 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-import kernels
-from kernels import CrossEntropyBlockSizes, GatherBlockSizes, SegmentBlockSizes, reference
-from kernels.common import ACCUMULATOR_BUDGET_BYTES, LANES, feature_block, token_block
+from seqpack import kernels
+from seqpack.kernels import CrossEntropyBlockSizes, GatherBlockSizes, SegmentBlockSizes, reference
+from seqpack.kernels.common import ACCUMULATOR_BUDGET_BYTES, LANES, feature_block, token_block
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Packer benchmark: seqpack strategies vs Grain's packers and TRL's pack_dataset, same data.
 
-    python benchmarks/packer_bench.py [--corpus chat_dev] [--seq-len 2048] [--max-segments 64]
+    python -m benchmarks.packer_bench [--corpus chat_dev] [--seq-len 2048] [--max-segments 64]
 
 One table per corpus (../shared/data/*.npz, or a synthetic lognormal corpus when absent):
 strategy, rows, lower bound, efficiency, examples/s, tokens/s. Everything runs in this process on
@@ -12,16 +12,12 @@ Grain and TRL are measured only when installed.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from benchmarks.common import best_time, corpora, fmt_rate, pin_one_core, print_table  # noqa: E402
-from packer import PackConfig, StreamPlanner, lower_bound, pack_ragged, pack_stream  # noqa: E402
+from benchmarks.common import best_time, corpora, fmt_rate, pin_one_core, print_table
+from seqpack.packer import PackConfig, StreamPlanner, lower_bound, pack_ragged, pack_stream
 
 
 def _row(name, rows, lb, real, L, seconds, n, tokens, note=""):

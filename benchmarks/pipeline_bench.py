@@ -7,8 +7,8 @@ and compared afterwards (drop-ins must equal Grain's rows exactly).
 
 Usage (from the repo root)::
 
-    .venv/bin/python benchmarks/pipeline_bench.py                    # ../shared/data/chat_dev.npz
-    .venv/bin/python benchmarks/pipeline_bench.py --num-examples 20000 --repeats 5 --core 0
+    .venv/bin/python -m benchmarks.pipeline_bench                    # ../shared/data/chat_dev.npz
+    .venv/bin/python -m benchmarks.pipeline_bench --num-examples 20000 --repeats 5 --core 0
 
 Without the corpus a synthetic lognormal corpus (chat-like lengths) is used. Targets:
 PackIterDataset (window 1024) >= 5x the examples/s of Grain BestFit with 1024 bins, efficiency
@@ -28,10 +28,9 @@ import time
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def load_corpus(path: pathlib.Path, n: int, seq_len: int, seed: int):
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import grain.experimental as ge
 
-    import pipelines
+    from seqpack.pipelines import datasets as pipelines
 
     L = args.seq_len
     values, offsets, name = load_corpus(pathlib.Path(args.data), args.num_examples, L, seed=0)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels
+from seqpack import kernels
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Trains a tiny decoder-only LM on packed rows on CPU: seqpack pipeline in, segment loss out.
 
-    python examples/train_tiny_lm.py --steps 300                   # a couple of minutes on CPU
-    python examples/train_tiny_lm.py --steps 300 --checkpoint-dir /tmp/ckpt --save-every 100
-    python examples/train_tiny_lm.py --steps 400 --checkpoint-dir /tmp/ckpt --resume
+    python -m examples.train_tiny_lm --steps 300                   # a couple of minutes on CPU
+    python -m examples.train_tiny_lm --steps 300 --checkpoint-dir /tmp/ckpt --save-every 100
+    python -m examples.train_tiny_lm --steps 400 --checkpoint-dir /tmp/ckpt --resume
 
 Data: Python's own standard library sources, byte-tokenized (vocab 256), one example per
 paragraph (the CLI's built-in sample) — no download. The input pipeline is
@@ -19,16 +19,13 @@ import argparse
 import json
 import os
 import pathlib
-import sys
 import time
 
 import grain
 import jax
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from examples.tiny_lm import (  # noqa: E402
+from examples.tiny_lm import (
     ModelConfig,
     adam_init,
     flatten_state,
@@ -36,8 +33,8 @@ from examples.tiny_lm import (  # noqa: E402
     make_train_step,
     unflatten_state,
 )
-from pipelines import make_training_pipeline  # noqa: E402
-from pipelines.readers import read_text, sample_files  # noqa: E402
+from seqpack.pipelines.datasets import make_training_pipeline
+from seqpack.pipelines.formats.inputs import read_text, sample_files
 
 
 def stdlib_corpus(max_examples: int = 3000) -> list[np.ndarray]:

@@ -8,12 +8,12 @@ is jitted (options static) and differentiable. `validate_segments` checks metada
 jit. kernels/reference.py holds the pure-jnp references.
 """
 
-from kernels import reference
-from kernels.checks import validate_segments
-from kernels.common import Impl, Normalize, SegmentBlockSizes
-from kernels.cross_entropy import CrossEntropyBlockSizes, segment_cross_entropy
-from kernels.gather import GatherBlockSizes, segment_gather
-from kernels.segment_ops import segment_broadcast, segment_max, segment_mean, segment_sum
+from seqpack.kernels import reference
+from seqpack.kernels.checks import validate_segments
+from seqpack.kernels.common import Impl, Normalize, SegmentBlockSizes
+from seqpack.kernels.cross_entropy import CrossEntropyBlockSizes, segment_cross_entropy
+from seqpack.kernels.gather import GatherBlockSizes, segment_gather
+from seqpack.kernels.segment_ops import segment_broadcast, segment_max, segment_mean, segment_sum
 
 __all__ = [
     "CrossEntropyBlockSizes",

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.common import (
+from seqpack.kernels.common import (
     Interpret,
     SegmentBlockSizes,
     block_interval,

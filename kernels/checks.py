@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels.common import SMEM_METADATA_BUDGET_BYTES
+from seqpack.kernels.common import SMEM_METADATA_BUDGET_BYTES
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -35,10 +35,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import reference
-from kernels.broadcast import broadcast_call
-from kernels.checks import FLOAT_DTYPES, check_metadata, check_smem
-from kernels.common import (
+from seqpack.kernels import reference
+from seqpack.kernels.broadcast import broadcast_call
+from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata, check_smem
+from seqpack.kernels.common import (
     Impl,
     Interpret,
     Normalize,

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels.common import (
+from seqpack.kernels.common import (
     ACCUMULATOR_BUDGET_BYTES,
     LANES,
     Interpret,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from kernels.common import Normalize, gather_offset, parse_enum, target_position
+from seqpack.kernels.common import Normalize, gather_offset, parse_enum, target_position
 
 
 def segment_index(

@@ -22,11 +22,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels import reference
-from kernels.broadcast import broadcast_call
-from kernels.checks import check_metadata, check_smem, check_tokens_input
-from kernels.common import Impl, Interpret, SegmentBlockSizes, flat_metadata, use_pallas
-from kernels.reduce import Mode, reduce_call
+from seqpack.kernels import reference
+from seqpack.kernels.broadcast import broadcast_call
+from seqpack.kernels.checks import check_metadata, check_smem, check_tokens_input
+from seqpack.kernels.common import Impl, Interpret, SegmentBlockSizes, flat_metadata, use_pallas
+from seqpack.kernels.reduce import Mode, reduce_call
 
 _STATIC = ("impl", "interpret", "block_sizes")
 

@@ -1,6 +1,6 @@
 """seqpack's packer: plans packings on lengths alone and assembles contract rows (pure numpy)."""
 
-from packer.assemble import (
+from seqpack.packer.assemble import (
     assemble,
     build_rows,
     pack,
@@ -8,11 +8,11 @@ from packer.assemble import (
     segment_ids_and_positions,
     segment_metadata,
 )
-from packer.config import Overflow, PackConfig, Strategy
-from packer.plan import Counters, PackPlan, plan
-from packer.stats import PackingStats, lower_bound, stats
-from packer.stream import RowPlan, StreamPlanner, pack_stream
-from packer.validate import validate
+from seqpack.packer.config import Overflow, PackConfig, Strategy
+from seqpack.packer.plan import Counters, PackPlan, plan
+from seqpack.packer.stats import PackingStats, lower_bound, stats
+from seqpack.packer.stream import RowPlan, StreamPlanner, pack_stream
+from seqpack.packer.validate import validate
 
 __all__ = [
     "Counters",

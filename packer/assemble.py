@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from packer.config import PackConfig
-from packer.inputs import check_offsets, check_values, ragged_from_sequences
-from packer.plan import PackPlan, plan
+from seqpack.packer.config import PackConfig
+from seqpack.packer.inputs import check_offsets, check_values, ragged_from_sequences
+from seqpack.packer.plan import PackPlan, plan
 
 
 def segment_metadata(p: PackPlan, config: PackConfig) -> dict[str, np.ndarray]:

@@ -17,9 +17,9 @@ import dataclasses
 
 import numpy as np
 
-from packer.config import Overflow, PackConfig, Strategy
-from packer.inputs import check_lengths
-from packer.strategies import (
+from seqpack.packer.config import Overflow, PackConfig, Strategy
+from seqpack.packer.inputs import check_lengths
+from seqpack.packer.strategies import (
     assign_best_fit,
     assign_best_fit_decreasing,
     assign_first_fit,

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from packer.plan import Counters, PackPlan
+from seqpack.packer.plan import Counters, PackPlan
 
 _FILL_BINS = 20
 

@@ -27,11 +27,11 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from packer.assemble import build_rows
-from packer.config import PackConfig, Strategy
-from packer.inputs import check_lengths
-from packer.plan import Counters, PackPlan, apply_overflow, order_pieces
-from packer.strategies.best_fit import BestFitBins
+from seqpack.packer.assemble import build_rows
+from seqpack.packer.config import PackConfig, Strategy
+from seqpack.packer.inputs import check_lengths
+from seqpack.packer.plan import Counters, PackPlan, apply_overflow, order_pieces
+from seqpack.packer.strategies.best_fit import BestFitBins
 
 STREAM_STRATEGIES = (Strategy.BEST_FIT_DECREASING, Strategy.BEST_FIT)
 

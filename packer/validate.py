@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from packer.config import PackConfig
+from seqpack.packer.config import PackConfig
 
 
 def _fail(msg: str) -> None:

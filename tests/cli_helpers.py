@@ -40,7 +40,7 @@ def write_parquet(path: os.PathLike, seqs, *, column: str = "tokens", value_type
 def write_arrayrecord(path: os.PathLike, seqs, *, column: str = "tokens") -> str:
     from array_record.python.array_record_module import ArrayRecordWriter
 
-    from pipelines.records import encode_row
+    from seqpack.pipelines.formats.records import encode_row
 
     w = ArrayRecordWriter(str(path), "group_size:1")
     for i, s in enumerate(seqs):
@@ -61,9 +61,9 @@ def write_tokenizer(path: os.PathLike) -> str:
 
 
 def run_cli(*args, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m cli ARGS` as a real subprocess from the repository root."""
+    """`python -m seqpack.cli ARGS` as a real subprocess from the repository root."""
     full_env = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-m", "cli", *map(str, args)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "seqpack.cli", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, env=full_env, timeout=timeout)
 
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import CrossEntropyBlockSizes, GatherBlockSizes, SegmentBlockSizes
+from seqpack.kernels import CrossEntropyBlockSizes, GatherBlockSizes, SegmentBlockSizes
 
 # Pallas interpret mode runs the kernel body in io_callbacks that themselves dispatch jax ops. With
 # async CPU dispatch, a computation queued behind a running interpreted kernel (e.g. a cast of its

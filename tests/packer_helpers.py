@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from packer import Overflow, PackConfig
+from seqpack.packer import Overflow, PackConfig
 
 
 def corpus(lengths: list[int], *, dtype=np.int32) -> tuple[np.ndarray, np.ndarray]:

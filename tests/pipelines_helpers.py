@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from pipelines import ArraySource, SequentialIterDataset
-from pipelines.training import ensure_flags_parsed
+from seqpack.pipelines.datasets import ArraySource, SequentialIterDataset
+from seqpack.pipelines.datasets.training import ensure_flags_parsed
 
 ensure_flags_parsed()  # grain's worker processes read absl flags
 

@@ -8,11 +8,11 @@ import os
 import pytest
 from click.testing import CliRunner
 
-import cli
-from packer import PackConfig
-from pipelines.readers import InputError
-from pipelines.verify import verify
-from pipelines.writer import WriteOptions, pack_to_dir
+from seqpack import cli
+from seqpack.packer import PackConfig
+from seqpack.pipelines.formats.inputs import InputError
+from seqpack.pipelines.offline.verify import verify
+from seqpack.pipelines.offline.writer import WriteOptions, pack_to_dir
 from tests.cli_helpers import (
     dir_bytes,
     random_seqs,
@@ -22,7 +22,8 @@ from tests.cli_helpers import (
     write_parquet,
 )
 
-beam_job = pytest.importorskip("pipelines.beam", reason="the Beam job needs seqpack[beam]")
+beam_job = pytest.importorskip("seqpack.pipelines.offline.beam",
+                               reason="the Beam job needs seqpack[beam]")
 pack_beam, pipeline_options = beam_job.pack_beam, beam_job.pipeline_options
 
 CONFIG = PackConfig(64, max_segments=8, overflow="split")

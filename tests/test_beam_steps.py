@@ -8,10 +8,10 @@ import sys
 import numpy as np
 import pytest
 
-from packer import PackConfig
-from pipelines import beam_steps
-from pipelines.readers import InputError, ReadOptions
-from pipelines.writer import WriteOptions, pack_to_dir
+from seqpack.packer import PackConfig
+from seqpack.pipelines.formats.inputs import InputError, ReadOptions
+from seqpack.pipelines.offline import beam_steps
+from seqpack.pipelines.offline.writer import WriteOptions, pack_to_dir
 from tests.cli_helpers import ROOT, dir_bytes, random_seqs, write_jsonl, write_parquet
 
 CONFIGS = {
@@ -120,7 +120,8 @@ def test_gather_matches_slicing():
 
 
 def test_the_core_modules_do_not_need_beam():
-    code = ("import sys, cli, pipelines.writer, pipelines.verify, pipelines.beam_steps; "
+    code = ("import sys, seqpack.cli, seqpack.pipelines.offline.writer, "
+            "seqpack.pipelines.offline.verify, seqpack.pipelines.offline.beam_steps; "
             "print('apache_beam' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import cli
-from packer import PackConfig, plan, stats
-from pipelines.records import decode_row, encode_row
+from seqpack import cli
+from seqpack.packer import PackConfig, plan, stats
+from seqpack.pipelines.formats.records import decode_row, encode_row
 from tests.cli_helpers import random_seqs, write_jsonl, write_parquet
 
 SEQS = random_seqs(400, max_len=60, seed=2) + [list(range(150))]  # one over-length example
@@ -178,7 +178,7 @@ def test_inspect_row_column_aligned(packed):
     _, out = packed
     m = manifest_of(out)
     text = invoke("inspect", out, "--row", 21, "--width", 10).stdout
-    from pipelines.verify import read_shard
+    from seqpack.pipelines.offline.verify import read_shard
 
     row = {k: v[1] for k, v in read_shard(str(out), m["shards"][1]).items()}  # 20 rows per shard
     assert text.startswith(f"row 21 of {m['num_rows']:,} ({m['shards'][1]} record 1)")

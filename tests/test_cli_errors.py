@@ -8,7 +8,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-import cli
+from seqpack import cli
 from tests.cli_helpers import write_arrayrecord, write_jsonl, write_parquet, write_tokenizer
 
 SEQS = [[1, 2, 3], [4, 5], [], [6, 7, 8, 9]]

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import cli
-from packer import PackConfig, pack_ragged
-from packer.inputs import ragged_from_sequences
-from pipelines import writer
-from pipelines.records import decode_row, encode_row
-from pipelines.verify import read_shard
+from seqpack import cli
+from seqpack.packer import PackConfig, pack_ragged
+from seqpack.packer.inputs import ragged_from_sequences
+from seqpack.pipelines.formats.records import decode_row, encode_row
+from seqpack.pipelines.offline import writer
+from seqpack.pipelines.offline.verify import read_shard
 from tests.cli_helpers import (
     dir_bytes,
     random_seqs,
@@ -109,7 +109,7 @@ def test_row_encoder_matches_encode_row(dtype):
 
 
 def test_packed_dir_reads_with_the_grain_source(tmp_path):
-    from pipelines.arrayrecord import PackedArrayRecordSource
+    from seqpack.pipelines.datasets.arrayrecord import PackedArrayRecordSource
 
     out = tmp_path / "out"
     invoke("pack", write_parquet(tmp_path / "a.parquet", SEQS), "-o", out, "--seq-len", 64,

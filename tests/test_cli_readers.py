@@ -6,8 +6,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from pipelines import readers
-from pipelines.readers import InputError, ReadOptions, fingerprint, read_corpus
+from seqpack.pipelines.formats import inputs as readers
+from seqpack.pipelines.formats.inputs import InputError, ReadOptions, fingerprint, read_corpus
 from tests.cli_helpers import random_seqs, write_jsonl, write_parquet
 
 SEQS = random_seqs(200, max_len=30, seed=7)

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import kernels
-from kernels import CrossEntropyBlockSizes, GatherBlockSizes, SegmentBlockSizes
+from seqpack import kernels
+from seqpack.kernels import CrossEntropyBlockSizes, GatherBlockSizes, SegmentBlockSizes
 from tests.kernels_helpers import CASES, L, case
 
 

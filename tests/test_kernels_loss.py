@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import reference
+from seqpack import kernels
+from seqpack.kernels import reference
 from tests.kernels_helpers import (
     CASES,
     CE_BLOCKS,

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import kernels
-from kernels import reference
+from seqpack import kernels
+from seqpack.kernels import reference
 from tests.kernels_helpers import CE_BLOCKS, GATHER_BLOCKS, INTERPRET, SEG_BLOCKS, run
 
 SEQ_LEN, MAX_SEGMENTS, VOCAB = 128, 8, 300
@@ -39,7 +39,7 @@ def _reference(tokens, offsets, lengths, logits):
 
 
 def test_packed_rows_from_packer():
-    from packer import PackConfig, pack
+    from seqpack.packer import PackConfig, pack
 
     rng = np.random.default_rng(0)
     examples = [rng.integers(0, VOCAB, size=int(n)).astype(np.int32)

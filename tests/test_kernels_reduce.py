@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kernels
-from kernels import SegmentBlockSizes, reference
+from seqpack import kernels
+from seqpack.kernels import SegmentBlockSizes, reference
 from tests.kernels_helpers import (
     CASES,
     INTERPRET,

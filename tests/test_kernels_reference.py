@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels import reference
+from seqpack.kernels import reference
 from tests.kernels_helpers import CASES, B, L, S, case, random_array
 
 D = 8

@@ -1,4 +1,5 @@
-"""Layering: packer imports no jax/grain, the CLI no jax, kernels nothing from other layers."""
+"""Layering: packer imports no jax/grain, the CLI and the offline job no jax, kernels nothing from
+other layers, and only `pipelines/datasets/` imports grain."""
 
 from __future__ import annotations
 
@@ -7,43 +8,88 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# Repository folder -> the installed package it becomes (pyproject's package-dir).
+FOLDERS = {
+    "packer": "seqpack.packer",
+    "kernels": "seqpack.kernels",
+    "pipelines/formats": "seqpack.pipelines.formats",
+    "pipelines/offline": "seqpack.pipelines.offline",
+    "pipelines/datasets": "seqpack.pipelines.datasets",
+}
+HEAVY = {"jax", "jaxlib", "grain"}
 
 
 def _loaded_after(statement: str) -> set[str]:
     code = f"import sys; {statement}; print('\\n'.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True,
                          check=True).stdout
-    return {m.split(".")[0] for m in out.split()}
+    return set(out.split())
+
+
+def _tops(modules: set[str]) -> set[str]:
+    return {m.split(".")[0] for m in modules}
+
+
+def _under(modules: set[str], package: str) -> set[str]:
+    return {m for m in modules if m == package or m.startswith(package + ".")}
+
+
+def test_one_import_root():
+    loaded = _loaded_after("import seqpack.packer, seqpack.cli, seqpack.pipelines")
+    assert "seqpack" in loaded
+    # Nothing of the project is importable under a generic top-level name.
+    for generic in ("packer", "pipelines", "kernels", "cli"):
+        code = f"import importlib.util as u; print(u.find_spec({generic!r}) is None)"
+        out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert out == "True", f"{generic!r} is importable as a top-level module"
 
 
 def test_packer_loads_neither_jax_nor_grain():
-    loaded = _loaded_after("import packer")
-    assert not loaded & {"jax", "jaxlib", "grain", "kernels", "pipelines"}, loaded
+    loaded = _loaded_after("import seqpack.packer")
+    assert not _tops(loaded) & HEAVY, loaded
+    assert not _under(loaded, "seqpack.kernels") | _under(loaded, "seqpack.pipelines")
 
 
-def test_cli_does_not_load_jax():
-    loaded = _loaded_after("import cli")
-    assert not loaded & {"jax", "jaxlib", "kernels"}, loaded
+def test_cli_and_offline_job_do_not_load_jax_or_grain():
+    statement = ("import seqpack.cli, seqpack.pipelines.offline.writer, "
+                 "seqpack.pipelines.offline.verify, seqpack.pipelines.offline.report, "
+                 "seqpack.pipelines.formats.inputs, seqpack.pipelines.formats.manifest")
+    loaded = _loaded_after(statement)
+    assert not _tops(loaded) & HEAVY, sorted(_tops(loaded) & HEAVY)
+    assert not _under(loaded, "seqpack.kernels") | _under(loaded, "seqpack.pipelines.datasets")
 
 
 def _imports(path: pathlib.Path) -> set[str]:
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
+            names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(node.module)
     return names
 
 
-def test_kernels_import_nothing_from_other_layers():
-    for path in (ROOT / "kernels").glob("*.py"):
-        bad = _imports(path) & {"packer", "pipelines", "grain", "cli"}
-        assert not bad, f"{path.name} imports {bad}"
+def _forbidden(folder: str) -> set[str]:
+    """Top-level names and seqpack packages a folder must not import."""
+    if folder == "packer":
+        return HEAVY | {"seqpack.kernels", "seqpack.pipelines", "seqpack.cli"}
+    if folder == "kernels":
+        return {"grain", "seqpack.packer", "seqpack.pipelines", "seqpack.cli"}
+    if folder in ("pipelines/formats", "pipelines/offline"):
+        return HEAVY | {"seqpack.kernels", "seqpack.pipelines.datasets", "seqpack.cli"}
+    return {"seqpack.kernels", "seqpack.cli", "seqpack.pipelines.offline"}
 
 
-def test_packer_imports_only_numpy_and_stdlib():
-    for path in (ROOT / "packer").rglob("*.py"):
-        bad = _imports(path) & {"jax", "jaxlib", "grain", "pipelines", "kernels", "cli"}
-        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+@pytest.mark.parametrize("folder", sorted(FOLDERS))
+def test_folders_import_only_their_layers(folder):
+    bad_names = _forbidden(folder)
+    for path in (ROOT / folder).rglob("*.py"):
+        for name in _imports(path):
+            hit = [b for b in bad_names if name == b or name.startswith(b + ".")]
+            assert not hit, f"{path.relative_to(ROOT)} imports {name}"
+            assert not (name.split(".")[0] in {"packer", "pipelines", "kernels", "cli"}), \
+                f"{path.relative_to(ROOT)} imports {name}: import it as seqpack.{name}"

@@ -7,7 +7,16 @@ import json
 import numpy as np
 import pytest
 
-from packer import PackConfig, assemble, pack, pack_ragged, pack_stream, plan, stats, validate
+from seqpack.packer import (
+    PackConfig,
+    assemble,
+    pack,
+    pack_ragged,
+    pack_stream,
+    plan,
+    stats,
+    validate,
+)
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from packer import PackConfig, StreamPlanner, pack, plan
-from packer.strategies import (
+from seqpack.packer import PackConfig, StreamPlanner, pack, plan
+from seqpack.packer.strategies import (
     assign_best_fit,
     assign_best_fit_decreasing,
     assign_first_fit,
@@ -50,7 +50,7 @@ def test_concat_split_worked_example():
 
 
 def test_concat_split_loop_and_dense_paths_agree():
-    from packer.strategies import concat_split as cs
+    from seqpack.packer.strategies import concat_split as cs
 
     rng = np.random.default_rng(0)
     lengths = rng.integers(0, 40, 200)

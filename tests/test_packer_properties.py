@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packer import (
+from seqpack.packer import (
     PackConfig,
     StreamPlanner,
     assemble,

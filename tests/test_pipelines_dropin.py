@@ -6,9 +6,9 @@ import grain.experimental as ge
 import numpy as np
 import pytest
 
-import packer
-import pipelines
-from pipelines import ArraySource, SequentialIterDataset
+from seqpack import packer
+from seqpack.pipelines import datasets as pipelines
+from seqpack.pipelines.datasets import ArraySource, SequentialIterDataset
 from tests.pipelines_helpers import assert_rows_equal, check_restore_every_step, random_lengths
 
 PAIRS = [

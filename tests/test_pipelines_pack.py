@@ -8,8 +8,8 @@ import grain
 import numpy as np
 import pytest
 
-import packer
-from pipelines import ArraySource, PackIterDataset, SequentialIterDataset
+from seqpack import packer
+from seqpack.pipelines.datasets import ArraySource, PackIterDataset, SequentialIterDataset
 from tests.pipelines_helpers import (
     assert_rows_equal,
     check_restore_every_step,
@@ -255,7 +255,7 @@ def test_restore_at_every_step_with_worker_processes():
 
 @pytest.mark.parametrize("multi", [False, True])
 def test_planner_state_encoding_round_trips(multi):
-    from pipelines.pack_state import decode_planner_state, encode_planner_state
+    from seqpack.packer.state_codec import decode_planner_state, encode_planner_state
 
     rng = np.random.default_rng(10)
     lengths = random_lengths(rng, 400, high=60)

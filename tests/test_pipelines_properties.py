@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packer import PackConfig, validate
-from pipelines import ArraySource, PackIterDataset, SequentialIterDataset
+from seqpack.packer import PackConfig, validate
+from seqpack.pipelines.datasets import ArraySource, PackIterDataset, SequentialIterDataset
 from tests.packer_helpers import check_lossless, corpus
 
 

@@ -11,17 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import packer
-from pipelines import (
+from seqpack import packer
+from seqpack.pipelines.datasets import (
     ArrayRecordSource,
     ArraySource,
     JsonlSource,
     PackedArrayRecordSource,
     ParquetSource,
     SequentialIterDataset,
-    decode_row,
-    encode_row,
 )
+from seqpack.pipelines.formats.records import decode_row, encode_row
 from tests.pipelines_helpers import ensure_flags_parsed
 
 ensure_flags_parsed()

@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-import packer
-from pipelines import ArraySource, PackedArrayRecordSource, encode_row, make_training_pipeline
+from seqpack import packer
+from seqpack.pipelines.datasets import ArraySource, PackedArrayRecordSource, make_training_pipeline
+from seqpack.pipelines.formats.records import encode_row
 from tests.pipelines_helpers import assert_rows_equal, random_lengths, unique_corpus
 
 ar = pytest.importorskip("array_record.python.array_record_module")
@@ -130,7 +131,7 @@ def test_bad_arguments():
 
 
 def test_jsonl_source_in_worker_processes(tmp_path):
-    from pipelines import JsonlSource
+    from seqpack.pipelines.datasets import JsonlSource
 
     lengths = random_lengths(np.random.default_rng(9), 120, high=60)
     values, offsets = unique_corpus(lengths)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from examples.tiny_lm import ModelConfig, init_params, loss_fn
-from packer import PackConfig, pack
+from seqpack.packer import PackConfig, pack
 
 CFG = ModelConfig(vocab=61, dim=32, heads=2, layers=2, mlp=64, max_len=32)
 

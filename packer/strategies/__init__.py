@@ -10,10 +10,10 @@ sizes never sum past `capacity` and no row holds more than `max_segments` pieces
 cuts examples itself and so has its own entry point.
 """
 
-from packer.strategies.best_fit import assign_best_fit
-from packer.strategies.best_fit_decreasing import assign_best_fit_decreasing
-from packer.strategies.concat_split import concat_split_pieces
-from packer.strategies.first_fit import assign_first_fit
+from seqpack.packer.strategies.best_fit import assign_best_fit
+from seqpack.packer.strategies.best_fit_decreasing import assign_best_fit_decreasing
+from seqpack.packer.strategies.concat_split import concat_split_pieces
+from seqpack.packer.strategies.first_fit import assign_first_fit
 
 __all__ = [
     "assign_best_fit",

@@ -27,7 +27,7 @@ from bisect import bisect_left, insort
 
 import numpy as np
 
-from packer.strategies.best_fit import _MASK, _SHIFT
+from seqpack.packer.strategies.best_fit import _MASK, _SHIFT
 
 # Try the segment-bound plan when the slot bound is at least this fraction of the token bound.
 _SEGMENT_BOUND_RATIO = 0.9

@@ -23,8 +23,8 @@ from typing import Any
 import grain
 from grain.experimental import ThreadPrefetchIterDataset
 
-from pipelines.pack import PackIterDataset
-from pipelines.sources import SequentialIterDataset
+from seqpack.pipelines.datasets.pack import PackIterDataset
+from seqpack.pipelines.datasets.sources import SequentialIterDataset
 
 
 def ensure_flags_parsed() -> None:

@@ -58,10 +58,10 @@ import tempfile
 import types
 from collections.abc import Iterable, Iterator, Sequence
 
-from packer import PackConfig
-from pipelines import beam_steps
-from pipelines.readers import InputError, ReadOptions
-from pipelines.writer import MANIFEST, WriteOptions
+from seqpack.packer import PackConfig
+from seqpack.pipelines.formats.inputs import InputError, ReadOptions
+from seqpack.pipelines.offline import beam_steps
+from seqpack.pipelines.offline.writer import MANIFEST, WriteOptions
 
 _ERROR_FILE = "error.txt"
 _MAX_DEFAULT_WORKERS = 8

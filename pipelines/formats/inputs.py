@@ -273,7 +273,7 @@ def _numpy_view(arr) -> np.ndarray:
 
 def read_arrayrecord(path: str, column: str) -> tuple[np.ndarray, np.ndarray]:
     """The 1-D integer array `column` of every SQP1 record in one ArrayRecord file."""
-    from pipelines.records import decode_row
+    from seqpack.pipelines.formats.records import decode_row
 
     reader = open_arrayrecord(path)
     try:

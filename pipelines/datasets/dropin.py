@@ -21,7 +21,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from pipelines.dropin_batch import BatchSpec, FitBatch
+from seqpack.packer.grain_fit import BatchSpec, FitBatch
 
 
 def _per_feature(struct: Any, features: Sequence[str], default: Any, name: str) -> tuple:

@@ -102,7 +102,7 @@ def strip_derived(row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def restore_derived(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Adds f_segment_ids / f_positions (rebuilt from lengths/offsets) where the record has none."""
-    from packer import segment_ids_and_positions
+    from seqpack.packer import segment_ids_and_positions
 
     for f in _features(row):
         if all(f + d in row for d in DERIVED):

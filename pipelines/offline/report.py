@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from packer import PackConfig, plan, stats
-from packer.config import Strategy
+from seqpack.packer import PackConfig, plan, stats
+from seqpack.packer.config import Strategy
 
 STRATEGIES = tuple(s.value for s in Strategy)
 

@@ -29,8 +29,8 @@ from typing import Any
 import grain
 import numpy as np
 
-from pipelines.records import decode_row
-from pipelines.sources import as_path_list, locate, norm_index
+from seqpack.pipelines.datasets.sources import as_path_list, locate, norm_index
+from seqpack.pipelines.formats.records import decode_row
 
 MANIFEST = "manifest.json"
 _ROW_KEYS_L = ("", "_segment_ids", "_positions")

@@ -24,7 +24,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from pipelines.sources import as_path_list, locate, norm_index
+from seqpack.pipelines.datasets.sources import as_path_list, locate, norm_index
 
 
 def _pa():

@@ -25,9 +25,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from packer import Counters, PackConfig, validate
-from packer.stats import stats_from_lengths
-from pipelines.readers import (
+from seqpack.packer import Counters, PackConfig, validate
+from seqpack.packer.stats import stats_from_lengths
+from seqpack.pipelines.formats.inputs import (
     InputError,
     ReadOptions,
     close_quietly,
@@ -36,8 +36,8 @@ from pipelines.readers import (
     open_arrayrecord,
     read_corpus,
 )
-from pipelines.records import decode_row
-from pipelines.writer import FORMAT, MANIFEST, lengths_digest
+from seqpack.pipelines.formats.records import decode_row
+from seqpack.pipelines.offline.writer import FORMAT, MANIFEST, lengths_digest
 
 
 @dataclasses.dataclass

@@ -29,9 +29,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from packer import Counters, PackConfig, PackPlan, plan
-from pipelines.readers import InputError, ReadOptions, read_corpus
-from pipelines.writer import (
+from seqpack.packer import Counters, PackConfig, PackPlan, plan
+from seqpack.pipelines.formats.inputs import InputError, ReadOptions, read_corpus
+from seqpack.pipelines.offline.writer import (
     WriteOptions,
     commit_manifest,
     inputs_record,

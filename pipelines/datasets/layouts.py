@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-import packer
-from pipelines.assemble import Layout, fill_values, segment_arrays, source_arrays
-from pipelines.multi_planner import MultiStreamPlanner
+from seqpack import packer
+from seqpack.packer.multi_stream import MultiStreamPlanner
+from seqpack.packer.scatter import Layout, fill_values, segment_arrays, source_arrays
 
 
 def gather(held: dict[int, list], ids: list[int], window: int) -> list[Any]:

@@ -34,9 +34,15 @@ from typing import Protocol
 
 import numpy as np
 
-from packer import PackConfig, PackPlan, build_rows, plan, stats
-from pipelines.readers import Corpus, InputError, ReadOptions, read_corpus, tokenizer_fingerprint
-from pipelines.records import decode_row, encode_row
+from seqpack.packer import PackConfig, PackPlan, build_rows, plan, stats
+from seqpack.pipelines.formats.inputs import (
+    Corpus,
+    InputError,
+    ReadOptions,
+    read_corpus,
+    tokenizer_fingerprint,
+)
+from seqpack.pipelines.formats.records import decode_row, encode_row
 
 MANIFEST = "manifest.json"
 INTENT = "pack_intent.json"
@@ -276,7 +282,7 @@ def _fsync(path: str) -> None:
 
 
 def shard_complete(path: str, num_rows: int) -> bool:
-    from pipelines.readers import close_quietly, open_arrayrecord
+    from seqpack.pipelines.formats.inputs import close_quietly, open_arrayrecord
 
     if not os.path.isfile(path):
         return False

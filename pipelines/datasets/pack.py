@@ -27,9 +27,9 @@ from typing import Any
 import grain
 import numpy as np
 
-import packer
-from pipelines.layouts import MultiLayout, SingleLayout
-from pipelines.pack_state import decode_planner_state, encode_planner_state
+from seqpack import packer
+from seqpack.packer.state_codec import decode_planner_state, encode_planner_state
+from seqpack.pipelines.datasets.layouts import MultiLayout, SingleLayout
 
 
 class PackIterator(grain.DatasetIterator):

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from pipelines.assemble import Layout, segment_arrays
+from seqpack.packer.scatter import Layout, segment_arrays
 
 _INF = 1 << 62
 

@@ -21,7 +21,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from packer.inputs import check_offsets, check_values, ragged_from_sequences
+from seqpack.packer.inputs import check_offsets, check_values, ragged_from_sequences
 
 
 def locate(cum_counts: np.ndarray, index: int) -> tuple[int, int]:
