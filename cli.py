@@ -33,20 +33,45 @@ class BadInput(click.ClickException):
     exit_code = 2
 
 
-class _Group(click.Group):
-    """Turns the library's ValueError / OSError into one `Error:` line and exit code 2.
+class Interrupted(click.ClickException):
+    exit_code = 130
 
-    Set SEQPACK_DEBUG=1 to get the traceback instead.
+
+def _bad_input(e: BaseException) -> bool:
+    """The one place that decides: bad input or usage (exit 2), or a bug (a traceback)."""
+    from seqpack.pipelines.errors import InputError, MissingDependency, UsageError
+
+    return isinstance(e, (InputError, UsageError, MissingDependency, OSError))
+
+
+class _Group(click.Group):
+    """Maps errors to exit codes: bad input, usage and missing extras print one `Error:` line
+    and exit with 2; Ctrl-C exits with 130; anything else is a bug and keeps its traceback.
+
+    Set SEQPACK_DEBUG=1 to get the traceback of bad input too.
     """
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
-        except (ValueError, OSError) as e:
-            if os.environ.get("SEQPACK_DEBUG"):
+        except KeyboardInterrupt:
+            raise Interrupted("interrupted") from None
+        except Exception as e:
+            if isinstance(e, click.ClickException | click.exceptions.Exit | click.Abort) \
+                    or os.environ.get("SEQPACK_DEBUG") or not _bad_input(e):
                 raise
             text = " ".join(str(e).split()) or type(e).__name__
             raise BadInput(text) from None
+
+
+def _usage(build, *args, **kwargs):
+    """Builds an options object; its ValueError (a bad argument) becomes a usage error."""
+    from seqpack.pipelines.errors import UsageError
+
+    try:
+        return build(*args, **kwargs)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _packing_options(f):
@@ -91,16 +116,16 @@ def _reading_options(f):
 def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id, feature):
     from seqpack.packer import PackConfig
 
-    return PackConfig(seq_len, max_segments=max_segments, strategy=strategy,
-                      overflow=overflow or "error", segment_alignment=segment_alignment,
-                      pad_id=pad_id, feature=feature)
+    return _usage(PackConfig, seq_len, max_segments=max_segments, strategy=strategy,
+                  overflow=overflow or "error", segment_alignment=segment_alignment,
+                  pad_id=pad_id, feature=feature)
 
 
 def _read_options(input_format, column, tokenizer, text_unit):
     from seqpack.pipelines.formats.inputs import ReadOptions
 
-    return ReadOptions(input_format=input_format, column=column, tokenizer=tokenizer,
-                       text_unit=text_unit)
+    return _usage(ReadOptions, input_format=input_format, column=column, tokenizer=tokenizer,
+                  text_unit=text_unit)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -166,13 +191,11 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     config = _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
                      feature)
     read_options = _read_options(input_format, column, tokenizer, text_unit)
-    write_options = WriteOptions(shard_rows=shard_rows, compression=compression, fsync=fsync)
+    write_options = _usage(WriteOptions, shard_rows=shard_rows, compression=compression,
+                           fsync=fsync)
     if runner == "beam":
-        try:
-            from seqpack.pipelines.offline.beam import pack_beam
-        except ImportError as e:
-            msg = f"--runner beam needs Apache Beam ({e}); pip install 'seqpack[beam]'"
-            raise BadInput(msg) from None
+        from seqpack.pipelines.offline.beam import pack_beam  # MissingDependency without beam
+
         manifest = pack_beam(inputs, output_dir, config, read_options=read_options,
                              write_options=write_options, overwrite=overwrite, resume=resume,
                              beam_options=beam_options, quiet=not os.environ.get("SEQPACK_DEBUG"))
@@ -183,14 +206,14 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
                                    write_options=write_options, overwrite=overwrite,
                                    resume=resume, progress=progress)
     if as_json:
-        click.echo(json.dumps({"output_dir": output_dir, "stats": manifest["stats"]}, indent=2))
+        click.echo(json.dumps({"output_dir": output_dir, "stats": manifest.stats}, indent=2))
         return
     what = "the built-in sample (Python stdlib sources, bytes)" if sample else \
         f"{len(inputs)} input file(s)"
-    click.echo(f"packed {what}: {manifest['inputs']['num_examples']:,} examples -> "
-               f"{manifest['num_rows']:,} rows in {len(manifest['shards'])} shard(s) at "
+    click.echo(f"packed {what}: {manifest.inputs['num_examples']:,} examples -> "
+               f"{manifest.num_rows:,} rows in {len(manifest.shards)} shard(s) at "
                f"{output_dir}\n")
-    click.echo(format_table({strategy: summary(manifest["stats"], batch_size)}))
+    click.echo(format_table({strategy: summary(manifest.stats, batch_size)}))
 
 
 @seqpack.command()
@@ -224,8 +247,8 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
         from seqpack.pipelines.offline.verify import load_manifest
 
         manifest, config = load_manifest(paths[0])
-        per_strategy = {config.strategy.value: manifest["stats"]}
-        hist, title = manifest["example_length_histogram"], f"packed: {paths[0]}"
+        per_strategy = {config.strategy.value: manifest.stats}
+        hist, title = manifest.example_length_histogram, f"packed: {paths[0]}"
     else:
         from seqpack.pipelines.formats.inputs import read_corpus
         from seqpack.pipelines.offline.writer import length_histogram
@@ -292,7 +315,6 @@ def verify(output_dir, inputs, max_violations, as_json):
 @click.option("--json", "as_json", is_flag=True, help="Print the row's arrays as JSON.")
 def inspect(output_dir, row_index, start, count, width, as_json):
     """Show one packed row column-aligned: tokens, segment ids, positions, segment metadata."""
-    from seqpack.packer import PackConfig
     from seqpack.pipelines.offline.report import format_row
     from seqpack.pipelines.offline.verify import read_row
 
@@ -300,8 +322,8 @@ def inspect(output_dir, row_index, start, count, width, as_json):
     if as_json:
         click.echo(json.dumps({k: v.tolist() for k, v in row.items()}))
         return
-    config = PackConfig(**manifest["config"])
-    click.echo(f"row {row_index} of {manifest['num_rows']:,} ({shard} record {record}): ",
+    config = manifest.pack_config()
+    click.echo(f"row {row_index} of {manifest.num_rows:,} ({shard} record {record}): ",
                nl=False)
     click.echo(format_row(row, config, start=start, count=count, width=width))
 

@@ -59,7 +59,7 @@ def run_seqpack(parquet: str, out: str, seq_len: int, compression: str) -> dict:
     manifest = pack_to_dir([parquet], out, config, read_options=ReadOptions(column="input_ids"),
                            write_options=WriteOptions(compression=compression))
     dt = time.perf_counter() - t
-    s = manifest["stats"]
+    s = manifest.stats
     return {"time": dt, "rows": s["num_rows"], "real": s["real_tokens"],
             "segments": s["num_segments"]}
 

@@ -34,7 +34,8 @@ from examples.tiny_lm import (
     unflatten_state,
 )
 from seqpack.pipelines.datasets import make_training_pipeline
-from seqpack.pipelines.formats.inputs import read_text, sample_files
+from seqpack.pipelines.formats.inputs import sample_files
+from seqpack.pipelines.formats.text import read_text
 
 
 def stdlib_corpus(max_examples: int = 3000) -> list[np.ndarray]:

@@ -1,6 +1,6 @@
 """Pallas TPU kernels over packed rows: per-segment reduce, gather, broadcast and cross-entropy.
 
-All functions take the packed-row metadata of DESIGN.md, `segment_offsets` / `segment_lengths`
+All functions take the packed-row metadata (docs/contract.md), `segment_offsets` / `segment_lengths`
 i32[B, S], and treat every segment as its own example (padding and empty slots excluded). Options:
 `impl="auto" | "pallas" | "reference"` (auto: Pallas on TPU, the jnp reference elsewhere) and
 `interpret=` (True or `pltpu.InterpretParams()`) to run the Pallas kernels on CPU. Every function

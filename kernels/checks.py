@@ -1,8 +1,8 @@
 """Input checks for the segment kernels: static (shapes, dtypes, SMEM) and metadata values.
 
 Static checks run at trace time inside every public function. `validate_segments` checks the
-values of the metadata against the packed-row contract in DESIGN.md; it needs concrete arrays, so
-call it before `jax.jit` (e.g. once per batch in the input pipeline, or in tests):
+values of the metadata against the packed-row contract (docs/contract.md); it needs concrete
+arrays, so call it before `jax.jit` (e.g. once per batch in the input pipeline, or in tests):
 
     offsets  [[0, 5, 9, 9]]    lengths [[5, 4, 0, 0]]   seq_len 12   ok (slots 2, 3 unused)
     offsets  [[0, 4, 9, 9]]    lengths [[5, 4, 0, 0]]   seq_len 12   error: slot 0 overlaps slot 1

@@ -1,8 +1,13 @@
-"""Builds packed token rows from a plan: the batch dict of the packed-row contract.
+"""The one row writer: builds packed rows from a layout (row, slot, offset, length per piece).
 
-Input is the Arrow / Parquet list layout: all tokens back to back in `values`, example i being
-`values[offsets[i]:offsets[i + 1]]`. The rows are built as runs of padding and pieces, so the cost
-is one pass over the tokens plus a few whole-array operations, whatever the number of pieces.
+Every packed row in seqpack comes from here: the offline writer, `pack_ragged` / `pack` /
+`pack_stream`, `PackIterDataset` (one or several features, meta features) and the Grain drop-ins.
+A layout lists pieces in any order; `pieces[i]` holds the values of piece i (1-D, or N-D with
+trailing dims). The flat `[R * L]` buffer is a sequence of runs: padding gap, piece, padding gap,
+piece, ..., tail. Values are one `np.concatenate` of the pieces and padding slices; segment ids
+one `np.repeat` of the runs' ids; positions a ramp minus each run's start, zeroed on padding. So
+the cost is one pass over the tokens plus a few whole-array operations, whatever the number of
+pieces.
 
 Worked example (seq_len 6, max_segments 2, pad_id 0, first_fit)::
 
@@ -14,42 +19,153 @@ Worked example (seq_len 6, max_segments 2, pad_id 0, first_fit)::
     tokens_segment_offsets   0 3      |  0 1
     segment_source_index     0 1      |  2 -1
     segment_source_start     0 0      |  0 0
+
+Unused slots hold the row's used length (the end of its last non-empty segment) as offset; a
+piece of length 0 (the Grain drop-ins keep empty examples as slots) is such a slot too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from seqpack.packer.config import PackConfig
+from seqpack.packer.contract import (
+    SEGMENT_DTYPE,
+    SOURCE_DTYPE,
+    ids_and_positions_of_runs,
+    keys,
+    runs,
+    segment_ids_and_positions,
+)
 from seqpack.packer.inputs import check_offsets, check_values, ragged_from_sequences
 from seqpack.packer.plan import PackPlan, plan
 
+__all__ = [
+    "Layout",
+    "RowLayout",
+    "assemble",
+    "build_rows",
+    "fill_rows",
+    "pack",
+    "pack_ragged",
+    "segment_ids_and_positions",
+    "source_arrays",
+    "write_feature",
+]
 
-def segment_metadata(p: PackPlan, config: PackConfig) -> dict[str, np.ndarray]:
-    """The `[R, S]` per-segment arrays of the contract for plan `p`."""
-    k = config.keys()
-    R, S = p.num_rows, config.max_segments
-    lengths = np.zeros((R, S), np.int32)
-    src_index = np.full((R, S), -1, np.int64)
-    src_start = np.zeros((R, S), np.int64)
+
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+    """Where every piece goes: i64[P] arrays (any order) and the number of rows."""
+
+    row: np.ndarray
+    slot: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    num_rows: int
+
+
+Layout = RowLayout | PackPlan  # a plan is a layout too (plus where each piece comes from)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+    """A layout's pieces in buffer order: flat starts, runs, and the permutation (or None)."""
+
+    order: np.ndarray | None
+    run_lens: np.ndarray
+    slots: np.ndarray
+
+
+def _place(layout: Layout, seq_len: int) -> _Placed:
+    dst = layout.row * seq_len + layout.offset
+    lens = np.asarray(layout.length, np.int64)
+    slots = layout.slot
+    order = None
+    # (row, offset) order; an empty piece may sit at offset L, where the next row starts.
+    key = layout.row * (seq_len + 1) + layout.offset
+    if key.size > 1 and (key[1:] < key[:-1]).any():
+        order = np.argsort(key, kind="stable")
+        dst, lens, slots = dst[order], lens[order], slots[order]
+    run_lens = runs(dst, lens, layout.num_rows * seq_len)
+    assert not run_lens.size or run_lens.min() >= 0, "pieces overlap"
+    return _Placed(order, run_lens, slots)
+
+
+def _fill(pieces: Sequence[Any], placed: _Placed, num_rows: int, seq_len: int, *, dtype: Any,
+          pad: Any) -> np.ndarray:
+    trail: tuple[int, ...] = ()
+    for x in pieces:
+        if np.ndim(x) > 1:
+            trail = tuple(np.shape(x)[1:])
+            break
+    if placed.order is not None:
+        pieces = [pieces[i] for i in placed.order.tolist()]
+    gaps = placed.run_lens[0::2]
+    pad_block = np.full((max(seq_len, int(gaps.max())), *trail), pad, dtype=dtype)
+    out: list[Any] = [pad_block] * placed.run_lens.size
+    out[0::2] = [pad_block[:g] for g in gaps.tolist()]
+    out[1::2] = pieces
+    values = np.concatenate(out, axis=0).astype(dtype, copy=False)
+    return values.reshape(num_rows, seq_len, *trail)
+
+
+def fill_rows(pieces: Sequence[Any], layout: Layout, seq_len: int, *, dtype: Any,
+              pad: Any = 0) -> np.ndarray:
+    """`[R, L, ...]` values: each piece at its (row, offset), `pad` elsewhere (no metadata)."""
+    return _fill(pieces, _place(layout, seq_len), layout.num_rows, seq_len, dtype=dtype, pad=pad)
+
+
+def write_feature(pieces: Sequence[Any], layout: Layout, seq_len: int, max_segments: int, *,
+                  feature: str, dtype: Any, pad: Any = 0,
+                  derived: bool = True) -> dict[str, np.ndarray]:
+    """One packed feature's contract arrays: values `[R, L, ...]`, segment ids and positions
+    `[R, L]` (unless `derived=False`: storage rebuilds them) and lengths / offsets `[R, S]`."""
+    k = keys(feature)
+    R, L, S = layout.num_rows, seq_len, max_segments
+    placed = _place(layout, L)
+    out = {k.values: _fill(pieces, placed, R, L, dtype=dtype, pad=pad)}
+    if derived:
+        seg_ids, positions = ids_and_positions_of_runs(placed.run_lens, placed.slots, L)
+        out[k.segment_ids] = seg_ids.reshape(R, L)
+        out[k.positions] = positions.reshape(R, L)
+    lens = np.asarray(layout.length, np.int64)
+    nz = lens > 0
     used = np.zeros(R, np.int64)
-    if p.num_pieces:
-        ends = p.offset + p.length
-        last = np.append(p.row[1:] != p.row[:-1], True)
-        used[p.row[last]] = ends[last]
-    offsets = np.repeat(used.astype(np.int32)[:, None], S, axis=1)
-    lengths[p.row, p.slot] = p.length
-    offsets[p.row, p.slot] = p.offset
-    src_index[p.row, p.slot] = p.example
-    src_start[p.row, p.slot] = p.start
-    return {
-        k["segment_lengths"]: lengths,
-        k["segment_offsets"]: offsets,
-        k["source_index"]: src_index,
-        k["source_start"]: src_start,
-    }
+    np.maximum.at(used, layout.row[nz], (layout.offset + lens)[nz])
+    lengths = np.zeros((R, S), SEGMENT_DTYPE)
+    offsets = np.repeat(used.astype(SEGMENT_DTYPE)[:, None], S, axis=1)
+    lengths[layout.row, layout.slot] = lens
+    offsets[layout.row, layout.slot] = np.where(nz, layout.offset, used[layout.row])
+    out[k.segment_lengths] = lengths
+    out[k.segment_offsets] = offsets
+    return out
+
+
+def source_arrays(layout: Layout, max_segments: int, example: np.ndarray,
+                  start: np.ndarray) -> dict[str, np.ndarray]:
+    """`segment_source_index` (-1 unused) and `segment_source_start` `[R, S]` i64."""
+    k = keys()
+    R, S = layout.num_rows, max_segments
+    index = np.full((R, S), -1, SOURCE_DTYPE)
+    starts = np.zeros((R, S), SOURCE_DTYPE)
+    index[layout.row, layout.slot] = example
+    starts[layout.row, layout.slot] = start
+    return {k.source_index: index, k.source_start: starts}
+
+
+def build_rows(pieces: Sequence[np.ndarray], p: PackPlan, config: PackConfig, *, dtype: Any,
+               derived: bool = True) -> dict[str, np.ndarray]:
+    """The batch dict (`[R, L]` / `[R, S]`) of plan `p`; `pieces[i]` holds its i-th piece."""
+    batch = write_feature(pieces, p, config.seq_len, config.max_segments, feature=config.feature,
+                          dtype=np.int32 if dtype is None else dtype, pad=config.pad_id,
+                          derived=derived)
+    batch.update(source_arrays(p, config.max_segments, p.example, p.start))
+    return batch
 
 
 def assemble(values: object, offsets: object, p: PackPlan, config: PackConfig) -> dict:
@@ -79,94 +195,6 @@ def _assemble_checked(values: np.ndarray, offsets: np.ndarray, p: PackPlan,
     src = offsets[p.example] + p.start
     pieces = [values[s : s + m] for s, m in zip(src.tolist(), p.length.tolist())]
     return build_rows(pieces, p, config, dtype=values.dtype)
-
-
-def _ids_and_positions(run_lens: np.ndarray, slots: np.ndarray, seq_len: int):
-    """Segment ids and positions of runs (gap, piece, gap, ..., piece, tail) by `np.repeat`."""
-    run_ids = np.zeros(run_lens.size, np.int32)
-    run_ids[1::2] = slots + 1
-    seg_ids = np.repeat(run_ids, run_lens)
-    # A padding run's "start" is pushed seq_len past its real start, so its positions come out
-    # negative (a run is never longer than seq_len) and the clip at 0 zeroes them in one pass.
-    run_starts = np.cumsum(run_lens) - run_lens
-    run_starts[0::2] += seq_len
-    positions = np.arange(int(run_lens.sum()), dtype=np.int32)
-    positions -= np.repeat(run_starts.astype(np.int32), run_lens)
-    np.maximum(positions, 0, out=positions)
-    return seg_ids, positions
-
-
-def segment_ids_and_positions(
-    segment_lengths: np.ndarray,  # i32[..., S]
-    segment_offsets: np.ndarray,  # i32[..., S]
-    seq_len: int,
-) -> tuple[np.ndarray, np.ndarray]:  # i32[..., L] twice
-    """Rebuilds a row's (or batch's) segment ids and positions from its lengths and offsets.
-
-    They are fully determined by the `[S]` metadata, so storage may leave them out (the offline
-    writer does) and readers call this to restore the contract's `[L]` arrays.
-    """
-    lengths = np.asarray(segment_lengths, np.int64)
-    offsets = np.asarray(segment_offsets, np.int64)
-    lead = lengths.shape[:-1]
-    lengths = lengths.reshape(-1, lengths.shape[-1])
-    offsets = offsets.reshape(lengths.shape)
-    R = lengths.shape[0]
-    rows, slots = np.nonzero(lengths > 0)  # row-major: slot order within each row
-    dst = rows * seq_len + offsets[rows, slots]
-    lens = lengths[rows, slots]
-    ends = dst + lens
-    n = lens.size
-    run_lens = np.empty(2 * n + 1, np.int64)
-    run_lens[0:-1:2] = dst - np.concatenate(([0], ends[:-1]))
-    run_lens[1::2] = lens
-    run_lens[-1] = R * seq_len - (int(ends[-1]) if n else 0)
-    if n and (run_lens.min() < 0 or (offsets[rows, slots] + lens > seq_len).any()):
-        raise ValueError(
-            "segment lengths/offsets overlap, run backwards or past seq_len="
-            f"{seq_len}: the row metadata is corrupt"
-        )
-    seg_ids, positions = _ids_and_positions(run_lens, slots, seq_len)
-    shape = (*lead, seq_len)
-    return seg_ids.reshape(shape), positions.reshape(shape)
-
-
-def build_rows(pieces: Sequence[np.ndarray], p: PackPlan, config: PackConfig, *, dtype,
-               derived: bool = True) -> dict:
-    """Writes the rows of plan `p`; `pieces[i]` holds the tokens of the plan's i-th piece.
-
-    `derived=False` leaves out segment ids and positions (storage rebuilds them from the lengths
-    and offsets with `segment_ids_and_positions`).
-
-    The flat `[R * L]` buffers are runs: padding gap, piece, padding gap, piece, ..., tail. Tokens
-    are one `np.concatenate` of the pieces and padding slices; segment ids one `np.repeat` of the
-    runs' ids; positions a ramp minus each run's start, zeroed on padding.
-    """
-    k = config.keys()
-    R, L = p.num_rows, config.seq_len
-    if dtype is None:
-        dtype = np.int32
-    n = p.num_pieces
-    dst = p.row * L + p.offset
-    lens = p.length
-    ends = dst + lens
-    run_lens = np.empty(2 * n + 1, np.int64)
-    run_lens[0:-1:2] = dst - np.concatenate(([0], ends[:-1]))
-    run_lens[1::2] = lens
-    run_lens[-1] = R * L - (int(ends[-1]) if n else 0)
-    gaps = run_lens[0::2].tolist()
-    pad = np.full(L, config.pad_id, dtype=dtype)
-    runs: list[np.ndarray] = [pad] * (2 * n + 1)
-    runs[0::2] = [pad[:g] for g in gaps]
-    runs[1::2] = pieces
-    tokens = np.concatenate(runs).astype(dtype, copy=False)
-    batch = {k["values"]: tokens.reshape(R, L)}
-    if derived:
-        seg_ids, positions = _ids_and_positions(run_lens, p.slot, L)
-        batch[k["segment_ids"]] = seg_ids.reshape(R, L)
-        batch[k["positions"]] = positions.reshape(R, L)
-    batch.update(segment_metadata(p, config))
-    return batch
 
 
 def pack_ragged(values: object, offsets: object, config: PackConfig) -> dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from seqpack.packer.contract import FeatureKeys
+
 
 class Strategy(enum.StrEnum):
     """How examples are assigned to rows (all plan on lengths alone)."""
@@ -84,21 +86,12 @@ class PackConfig:
         object.__setattr__(self, "strategy", _enum_value(Strategy, "strategy", self.strategy))
         object.__setattr__(self, "overflow", _enum_value(Overflow, "overflow", self.overflow))
 
-    def keys(self) -> dict[str, str]:
+    def keys(self) -> FeatureKeys:
         """The contract's key names for this config's feature."""
-        f = self.feature
-        return {
-            "values": f,
-            "segment_ids": f"{f}_segment_ids",
-            "positions": f"{f}_positions",
-            "segment_lengths": f"{f}_segment_lengths",
-            "segment_offsets": f"{f}_segment_offsets",
-            "source_index": "segment_source_index",
-            "source_start": "segment_source_start",
-        }
+        return FeatureKeys.of(self.feature)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["strategy"] = self.strategy.value
-        d["overflow"] = self.overflow.value
+        d["strategy"] = str(self.strategy)  # enum members after __post_init__: their values
+        d["overflow"] = str(self.overflow)
         return d

@@ -3,8 +3,8 @@
 Grain's `FirstFitPackedBatch` / `BestFitPackedBatch` copy every example into its row on arrival
 and test every bin with numpy per example. Here an arriving example only picks its bin (pure
 Python: a min segment tree for first fit, a sorted key list + bisect for best fit; numpy only
-when several features are packed) and is remembered; `finalize()` writes all rows at once with a
-handful of vectorized scatters. Bin choice replicates Grain exactly, so rows are identical.
+when several features are packed) and is remembered; `finalize()` writes all rows at once with
+`packer.assemble` (the one row writer). Bin choice replicates Grain exactly, so rows are identical.
 
 Worked example (one feature, capacity 8, 2 bins, first fit; lengths 5, 4, 3, 2)::
 
@@ -24,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from seqpack.packer.scatter import Layout, segment_arrays
+from seqpack.packer.assemble import RowLayout, fill_rows, write_feature
+from seqpack.packer.inputs import InputError
 
 _INF = 1 << 62
 
@@ -73,7 +74,8 @@ class FitBatch:
         self._starts: list[list[int]] = [[] for _ in range(nf)]
         self._lens: list[list[int]] = [[] for _ in range(nf)]
         self._values: list[list[Any]] = [[] for _ in range(nf)]
-        self._meta = {k: [[] for _ in range(nb)] for k in spec.nonseq_meta}
+        self._meta: dict[str, list[list[Any]]] = {k: [[] for _ in range(nb)]
+                                                  for k in spec.nonseq_meta}
         self._max_seq = spec.max_sequences_per_bin or _INF
         self._key, self._best = spec.features[0], spec.best_fit
         if nf == 1:
@@ -193,7 +195,7 @@ class FitBatch:
             for k, n, c in zip(spec.features, lens, spec.capacities, strict=True)
             if n > c
         ]
-        raise ValueError(
+        raise InputError(
             "Inputs to packer must be truncated to max length. "
             f"Exceeds: (feature, feature_length, max_length) = {details}; truncate examples "
             "first or use pipelines.PackIterDataset(overflow='truncate'|'split'|'drop')"
@@ -250,17 +252,16 @@ class FitBatch:
         out: dict[str, np.ndarray] = {}
         for i, k in enumerate(spec.features):
             cap, trail = spec.capacities[i], self._trails[i]
-            layout = Layout(rows, slots, np.asarray(self._starts[i], np.int64),
-                            np.asarray(self._lens[i], np.int64), nb)
-            dest = layout.destinations(cap)
-            pad = spec.paddings[i]
-            buf = np.full((nb, cap, *trail), 0 if pad is None else pad, self._dtypes[i])
-            if dest.size:
-                buf.reshape(nb * cap, *trail)[dest] = self._concat(i, trail)
-            out[k] = buf[:num_rows]
+            layout = RowLayout(rows, slots, np.asarray(self._starts[i], np.int64),
+                               np.asarray(self._lens[i], np.int64), nb)
+            pad = 0 if spec.paddings[i] is None else spec.paddings[i]
+            pieces = self._pieces(i, trail)
             if k in spec.segment_features:
-                seg = segment_arrays(layout, cap, S, prefix=k, dest=dest)
-                out.update({name: v[:num_rows] for name, v in seg.items()})
+                arrays = write_feature(pieces, layout, cap, S, feature=k, dtype=self._dtypes[i],
+                                       pad=pad)
+            else:
+                arrays = {k: fill_rows(pieces, layout, cap, dtype=self._dtypes[i], pad=pad)}
+            out.update({name: v[:num_rows] for name, v in arrays.items()})
         for k, per_bin in self._meta.items():
             arr = np.empty(num_rows, dtype=object)
             for r in range(num_rows):
@@ -268,9 +269,7 @@ class FitBatch:
             out[k] = arr
         return out, num_rows
 
-    def _concat(self, i: int, trail: tuple[int, ...]) -> np.ndarray:
-        values = self._values[i]
-        try:
-            return np.concatenate(values, axis=0)
-        except ValueError:  # scalars or non-array sequences
-            return np.concatenate([np.reshape(np.asarray(v), (-1, *trail)) for v in values])
+    def _pieces(self, i: int, trail: tuple[int, ...]) -> list[np.ndarray]:
+        """Feature i's values as arrays of shape (n, *trail) (scalars and lists converted)."""
+        return [v if type(v) is np.ndarray and v.ndim else np.reshape(np.asarray(v), (-1, *trail))
+                for v in self._values[i]]

@@ -1,10 +1,19 @@
-"""Checks and normalises user input (lengths, flat values + offsets, lists of sequences)."""
+"""Checks and normalises user input (lengths, flat values + offsets, lists of sequences).
+
+The error policy of seqpack: bad data raises `InputError` (a ValueError) whose message names
+where the bad value is (file and line / record where known, else the example index); a bad
+argument raises a plain ValueError naming the argument, its value and the fix.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import numpy as np
+
+
+class InputError(ValueError):
+    """Bad input data: the message names the file and line / record (or the example)."""
 
 
 def check_lengths(lengths: object) -> np.ndarray:
@@ -20,7 +29,7 @@ def check_lengths(lengths: object) -> np.ndarray:
     bad = np.flatnonzero(arr < 0)
     if bad.size:
         i = int(bad[0])
-        raise ValueError(f"lengths[{i}]={int(arr[i])} must be >= 0")
+        raise InputError(f"lengths[{i}]={int(arr[i])} must be >= 0")
     return arr
 
 
@@ -40,7 +49,7 @@ def check_values(values: object, *, name: str = "values") -> np.ndarray:
         lo = int(arr.min())
         if lo < 0:
             i = int(np.argmax(arr < 0))
-            raise ValueError(f"{name}[{i}]={int(arr[i])} is a negative token id; ids must be >= 0")
+            raise InputError(f"{name}[{i}]={int(arr[i])} is a negative token id; ids must be >= 0")
     return arr
 
 
@@ -97,6 +106,6 @@ def ragged_from_sequences(sequences: Sequence[object]) -> tuple[np.ndarray, np.n
     if values.size and np.issubdtype(values.dtype, np.signedinteger) and values.min() < 0:
         k = int(np.argmax(values < 0))  # one pass over all tokens; name the sequence on failure
         i = int(np.searchsorted(offsets, k, side="right")) - 1
-        raise ValueError(f"sequences[{i}][{k - int(offsets[i])}]={int(values[k])} is a negative "
+        raise InputError(f"sequences[{i}][{k - int(offsets[i])}]={int(values[k])} is a negative "
                          "token id")
     return values, offsets

@@ -25,15 +25,8 @@ from typing import Any
 
 import numpy as np
 
-COUNTER_KEYS = (
-    "num_examples",
-    "input_tokens",
-    "truncated_tokens",
-    "truncated_examples",
-    "dropped_examples",
-    "dropped_tokens",
-    "empty_examples",
-)
+from seqpack.packer.contract import Counters
+from seqpack.packer.inputs import InputError
 
 
 class MultiStreamPlanner:
@@ -65,7 +58,7 @@ class MultiStreamPlanner:
         self.max_carry = max_carry
         self._rows: list[dict[str, Any]] = []  # open rows, oldest first
         self._windows = 0
-        self.counters = dict.fromkeys(COUNTER_KEYS, 0)
+        self.counters = Counters()
 
     def _aligned(self, lengths: np.ndarray) -> np.ndarray:
         a = self.alignment
@@ -74,29 +67,28 @@ class MultiStreamPlanner:
     def add(self, ids: list[int], lengths: np.ndarray) -> list[list[tuple]]:
         """Plans one window; lengths is i64[n, F]. Returns the final rows (pieces per row)."""
         lengths = np.asarray(lengths, np.int64).reshape(len(ids), self.caps.size)
-        c = self.counters
-        c["num_examples"] += len(ids)
-        c["input_tokens"] += int(lengths.sum())
+        c = {"num_examples": len(ids), "input_tokens": int(lengths.sum())}
         over = lengths > self.caps
         bad = over.any(axis=1)
         if bad.any():
             i = int(np.argmax(bad))
             f = int(np.argmax(over[i]))
             if self.overflow == "error":
-                raise ValueError(
+                raise InputError(
                     f"example {ids[i]} has {self.features[f]} length {int(lengths[i, f])} > "
                     f"{int(self.caps[f])}; pass overflow='truncate' or 'drop', or raise the length"
                 )
             if self.overflow == "truncate":
-                c["truncated_examples"] += int(bad.sum())
-                c["truncated_tokens"] += int((lengths - self.caps).clip(0).sum())
+                c["truncated_examples"] = int(bad.sum())
+                c["truncated_tokens"] = int((lengths - self.caps).clip(0).sum())
                 lengths = np.minimum(lengths, self.caps)
             else:
-                c["dropped_examples"] += int(bad.sum())
-                c["dropped_tokens"] += int(lengths[bad].sum())
+                c["dropped_examples"] = int(bad.sum())
+                c["dropped_tokens"] = int(lengths[bad].sum())
         keep = ~bad if self.overflow == "drop" else np.ones(len(ids), bool)
         empty = keep & (lengths == 0).any(axis=1)
-        c["empty_examples"] += int(empty.sum())
+        c["empty_examples"] = int(empty.sum())
+        self.counters = self.counters + Counters(**c)
         keep &= ~empty
         sizes = self._aligned(lengths)
         norm = (sizes / self.caps).sum(axis=1)
@@ -162,12 +154,12 @@ class MultiStreamPlanner:
             "windows": self._windows,
             "rows": [{"born": r["born"], "pieces": [list(p) for p in r["pieces"]]}
                      for r in self._rows],
-            "counters": dict(self.counters),
+            "counters": self.counters.to_dict(),
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._windows = int(state["windows"])
-        self.counters = {k: int(state["counters"][k]) for k in COUNTER_KEYS}
+        self.counters = Counters(**{k: int(v) for k, v in state["counters"].items()})
         self._rows = []
         for r in state["rows"]:
             pieces = [tuple(int(x) for x in p) for p in r["pieces"]]

@@ -18,7 +18,8 @@ import dataclasses
 import numpy as np
 
 from seqpack.packer.config import Overflow, PackConfig, Strategy
-from seqpack.packer.inputs import check_lengths
+from seqpack.packer.contract import Counters
+from seqpack.packer.inputs import InputError, check_lengths
 from seqpack.packer.strategies import (
     assign_best_fit,
     assign_best_fit_decreasing,
@@ -31,27 +32,6 @@ _ASSIGN = {
     Strategy.BEST_FIT: assign_best_fit,
     Strategy.BEST_FIT_DECREASING: assign_best_fit_decreasing,
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Counters:
-    """What did not go into the rows unchanged. Every cut or dropped token is here."""
-
-    num_examples: int = 0
-    input_tokens: int = 0
-    truncated_tokens: int = 0  # cut off over-length examples (overflow="truncate")
-    truncated_examples: int = 0
-    dropped_examples: int = 0  # over-length examples skipped (overflow="drop")
-    dropped_tokens: int = 0
-    split_examples: int = 0  # examples cut into several pieces (overflow="split", concat_split)
-    split_pieces: int = 0  # pieces those examples became
-    empty_examples: int = 0  # zero-length examples: never a segment
-
-    def to_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-    def __add__(self, other: Counters) -> Counters:
-        return Counters(**{k: v + getattr(other, k) for k, v in self.to_dict().items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +74,7 @@ def apply_overflow(lengths: np.ndarray, config: PackConfig, *, ids: np.ndarray |
     if num_over and config.overflow is Overflow.ERROR:
         i = int(np.argmax(over))
         name = int(ids[i]) if ids is not None else i
-        raise ValueError(
+        raise InputError(
             f"example {name} has length {int(lengths[i])} > seq_len={L} ({num_over} examples are "
             "over-length); pass overflow='truncate', 'split' or 'drop', or raise seq_len"
         )
@@ -141,7 +121,7 @@ def plan(lengths: object, config: PackConfig) -> PackPlan:
     else:
         example, start, length, counters = apply_overflow(lengths, config)
         sizes = -(-length // a) * a
-        row, num_rows = _ASSIGN[config.strategy](sizes, L, S)
+        row, num_rows = _ASSIGN[Strategy(config.strategy)](sizes, L, S)
     return order_pieces(example, start, length, row, num_rows, counters, config)
 
 

@@ -1,7 +1,7 @@
 """Compact checkpoint form of a planner state: open rows as one base64(zlib(i64)) string.
 
 `PackIterDataset` states travel with every element under `mp_prefetch` and into checkpoints;
-a planner's open rows as nested lists pickle slowly (~1 ms for 500 rows), one string does not.
+a planner's open rows as nested lists pickle slowly (benchmarks/README.md), one string does not.
 
 Example::
 

@@ -6,7 +6,8 @@ import dataclasses
 
 import numpy as np
 
-from seqpack.packer.plan import Counters, PackPlan
+from seqpack.packer.contract import Counters, keys, packed_features
+from seqpack.packer.plan import PackPlan
 
 _FILL_BINS = 20
 
@@ -74,14 +75,15 @@ def stats_from_lengths(
     )
 
 
-def _lengths_key(batch: dict) -> str:
-    keys = [k for k in batch if k.endswith("_segment_lengths")]
-    if len(keys) != 1:
+def _feature(batch: dict) -> str:
+    features = packed_features(batch)
+    if len(features) != 1:
+        found = [k for k in batch if k.endswith("_segment_lengths")]
         raise ValueError(
-            f"batch must hold exactly one '<feature>_segment_lengths' key, found {keys}; "
+            f"batch must hold exactly one '<feature>_segment_lengths' key, found {found}; "
             "pass feature= to pick one"
         )
-    return keys[0]
+    return features[0]
 
 
 def stats(
@@ -103,9 +105,10 @@ def stats(
         seg = np.zeros((batch.num_rows, max_segments), np.int64)
         seg[batch.row, batch.slot] = batch.length
         return stats_from_lengths(seg, seq_len, counters or batch.counters)
-    key = f"{feature}_segment_lengths" if feature else _lengths_key(batch)
-    if key not in batch:
-        raise ValueError(f"batch has no {key!r}; keys are {sorted(batch)}")
-    seg = np.asarray(batch[key])
-    values = np.asarray(batch[key[: -len("_segment_lengths")]])
+    k = keys(feature or _feature(batch))
+    missing = [name for name in (k.values, k.segment_lengths) if name not in batch]
+    if missing:
+        raise ValueError(f"batch has no {missing[0]!r}; keys are {sorted(batch)}")
+    seg = np.asarray(batch[k.segment_lengths])
+    values = np.asarray(batch[k.values])
     return stats_from_lengths(seg, int(values.shape[-1]), counters)

@@ -29,7 +29,7 @@ import numpy as np
 
 from seqpack.packer.assemble import build_rows
 from seqpack.packer.config import PackConfig, Strategy
-from seqpack.packer.inputs import check_lengths
+from seqpack.packer.inputs import InputError, check_lengths
 from seqpack.packer.plan import Counters, PackPlan, apply_overflow, order_pieces
 from seqpack.packer.strategies.best_fit import BestFitBins
 
@@ -68,7 +68,7 @@ class StreamPlanner:
     ) -> None:
         if config.strategy not in STREAM_STRATEGIES:
             raise ValueError(
-                f"strategy={config.strategy.value!r} cannot stream; use one of "
+                f"strategy={str(config.strategy)!r} cannot stream; use one of "
                 f"{[s.value for s in STREAM_STRATEGIES]} (concat_split: plan offline)"
             )
         if window < 1:
@@ -186,7 +186,7 @@ class StreamPlanner:
         self._bins = BestFitBins(self.config.seq_len, self.config.max_segments)
         self._pieces, self._born = {}, {}
         for row in state["rows"]:
-            pieces = [tuple(int(x) for x in p) for p in row["pieces"]]
+            pieces = [(int(i), int(s), int(m)) for i, s, m in row["pieces"]]
             used = sum(-(-m // a) * a for _, _, m in pieces)
             r = self._bins.add_row(self.config.seq_len - used, len(pieces))
             self._pieces[r] = pieces
@@ -219,7 +219,7 @@ def pack_stream(
         if tokens.dtype.kind == "i" and tokens.size and tokens.min() < 0:
             # Checked once per batch of rows instead of once per example: name the first one.
             bad = next(e for e, x in zip(p.example.tolist(), pieces) if x.size and x.min() < 0)
-            raise ValueError(f"example {bad} holds a negative token id {int(held[bad].min())}")
+            raise InputError(f"example {bad} holds a negative token id {int(held[bad].min())}")
         keys = list(batch)
         cols = [batch[k] for k in keys]
         for i in range(p.num_rows):

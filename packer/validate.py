@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from seqpack.packer.config import PackConfig
+from seqpack.packer.contract import SEGMENT_DTYPE, SOURCE_DTYPE
 
 
 def _fail(msg: str) -> None:
@@ -22,7 +23,7 @@ def validate(batch: dict, config: PackConfig) -> None:
     aligned, in range and not overlapping; unused slots hold the row's used length and source -1;
     segment ids, positions and padding tokens agree with lengths / offsets.
     """
-    k = config.keys()
+    k = config.keys().roles()
     L, S, a = config.seq_len, config.max_segments, config.segment_alignment
     missing = [name for name in k.values() if name not in batch]
     if missing:
@@ -39,10 +40,10 @@ def validate(batch: dict, config: PackConfig) -> None:
         if arrs[role].shape != (R, S):
             _fail(f"{k[role]} has shape {arrs[role].shape}, expected {(R, S)}")
     for role in ("segment_ids", "positions", "segment_lengths", "segment_offsets"):
-        if arrs[role].dtype != np.int32:
+        if arrs[role].dtype != SEGMENT_DTYPE:
             _fail(f"{k[role]} has dtype {arrs[role].dtype}, expected int32")
     for role in ("source_index", "source_start"):
-        if arrs[role].dtype != np.int64:
+        if arrs[role].dtype != SOURCE_DTYPE:
             _fail(f"{k[role]} has dtype {arrs[role].dtype}, expected int64")
     if not np.issubdtype(arrs["values"].dtype, np.integer):
         _fail(f"{k['values']} has dtype {arrs['values'].dtype}, expected integer token ids")

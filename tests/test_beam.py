@@ -13,7 +13,7 @@ from seqpack.packer import PackConfig
 from seqpack.pipelines.formats.inputs import InputError
 from seqpack.pipelines.offline.verify import verify
 from seqpack.pipelines.offline.writer import WriteOptions, pack_to_dir
-from tests.cli_helpers import (
+from tests.helpers.files import (
     dir_bytes,
     random_seqs,
     run_cli,
@@ -58,12 +58,12 @@ def test_one_and_two_workers_write_the_local_clis_bytes(corpus, tmp_path):
         out = tmp_path / f"beam{n}"
         manifest = pack_beam(paths, out, CONFIG, write_options=WRITE, beam_options=_workers(n),
                              quiet=True)
-        assert manifest == local_manifest
+        assert manifest.to_json() == local_manifest
         assert dir_bytes(out) == want, f"{n} worker(s)"
-        eff, local_eff = manifest["stats"]["efficiency"], local_manifest["stats"]["efficiency"]
+        eff, local_eff = manifest.stats["efficiency"], local_manifest["stats"]["efficiency"]
         assert abs(eff - local_eff) <= 1e-3 * local_eff
         report = verify(str(out))
-        assert report.ok and report.num_rows == manifest["num_rows"], report.violations
+        assert report.ok and report.num_rows == manifest.num_rows, report.violations
 
 
 def test_cli_runner_beam_matches_the_local_cli_and_verifies(tmp_path):
@@ -128,12 +128,12 @@ def test_resume_keeps_complete_shards_and_overwrite_is_required(corpus, tmp_path
     out = tmp_path / "out"
     manifest = pack_to_dir(paths, out, CONFIG, write_options=WRITE)
     # Make it an interrupted run: the intent file back, the manifest and the last shard gone.
-    intent = {k: v for k, v in manifest.items()
+    intent = {k: v for k, v in manifest.to_json().items()
               if k not in ("shard_num_rows", "stats", "example_length_histogram")}
     (out / "pack_intent.json").write_text(json.dumps(intent, indent=2) + "\n")
     os.remove(out / "manifest.json")
-    os.remove(out / manifest["shards"][-1])
-    kept = {n: os.stat(out / n).st_mtime_ns for n in manifest["shards"][:-1]}
+    os.remove(out / manifest.shards[-1])
+    kept = {n: os.stat(out / n).st_mtime_ns for n in manifest.shards[:-1]}
     pack_beam(paths, out, CONFIG, write_options=WRITE, resume=True, beam_options=_workers(2),
               quiet=True)
     assert dir_bytes(out) == dir_bytes(local)

@@ -12,7 +12,7 @@ from seqpack.packer import PackConfig
 from seqpack.pipelines.formats.inputs import InputError, ReadOptions
 from seqpack.pipelines.offline import beam_steps
 from seqpack.pipelines.offline.writer import WriteOptions, pack_to_dir
-from tests.cli_helpers import ROOT, dir_bytes, random_seqs, write_jsonl, write_parquet
+from tests.helpers.files import ROOT, dir_bytes, random_seqs, write_jsonl, write_parquet
 
 CONFIGS = {
     "bfd_split": (PackConfig(48, max_segments=6, overflow="split"), WriteOptions(shard_rows=4)),
@@ -62,7 +62,7 @@ def test_steps_in_any_order_give_the_local_bytes(tmp_path, name, seed):
     config, write_options = CONFIGS[name]
     paths = _inputs(tmp_path)
     local = pack_to_dir(paths, tmp_path / "local", config, write_options=write_options)
-    assert len(local["shards"]) >= 3  # several shards, so routing and merging are exercised
+    assert len(local.shards) >= 3  # several shards, so routing and merging are exercised
     manifest = _run_steps(paths, tmp_path / "steps", config, write_options,
                           np.random.default_rng(seed))
     assert manifest == local
@@ -110,13 +110,6 @@ def test_an_input_changed_between_the_passes_is_refused(tmp_path):
     write_jsonl(path, random_seqs(21, seed=6))
     with pytest.raises(InputError, match="changed while the job ran"):
         beam_steps.route_file(jobs[0], read)
-
-
-def test_gather_matches_slicing():
-    values = np.arange(100, 200, dtype=np.int32)
-    starts, lengths = np.array([5, 0, 90, 40]), np.array([3, 0, 10, 1])
-    want = np.concatenate([values[s : s + m] for s, m in zip(starts, lengths)])
-    np.testing.assert_array_equal(beam_steps.gather(values, starts, lengths), want)
 
 
 def test_the_core_modules_do_not_need_beam():

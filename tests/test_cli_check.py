@@ -6,21 +6,14 @@ import json
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from seqpack import cli
 from seqpack.packer import PackConfig, plan, stats
 from seqpack.pipelines.formats.records import decode_row, encode_row
-from tests.cli_helpers import random_seqs, write_jsonl, write_parquet
+from tests.helpers.files import invoke, random_seqs, write_jsonl, write_parquet
 
 SEQS = random_seqs(400, max_len=60, seed=2) + [list(range(150))]  # one over-length example
 
 
-def invoke(*args, ok=True):
-    result = CliRunner().invoke(cli.seqpack, [str(a) for a in args])
-    if ok:
-        assert result.exit_code == 0, (result.output, result.exception)
-    return result
 
 
 @pytest.fixture
@@ -205,7 +198,7 @@ def test_inspect_out_of_range(packed):
 
 
 def test_verify_notices_a_changed_tokenizer(tmp_path):
-    from tests.cli_helpers import write_tokenizer
+    from tests.helpers.files import write_tokenizer
 
     text = tmp_path / "a.txt"
     text.write_text("the cat sat\nthe dog ran on a mat\n")

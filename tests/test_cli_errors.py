@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
 import pytest
-from click.testing import CliRunner
 
-from seqpack import cli
-from tests.cli_helpers import write_arrayrecord, write_jsonl, write_parquet, write_tokenizer
+from tests.helpers import files
+from tests.helpers.files import write_arrayrecord, write_jsonl, write_parquet, write_tokenizer
+
+invoke = functools.partial(files.invoke, ok=False)  # these runs are meant to fail
 
 SEQS = [[1, 2, 3], [4, 5], [], [6, 7, 8, 9]]
 
 
-def invoke(*args):
-    return CliRunner().invoke(cli.seqpack, [str(a) for a in args])
 
 
 def assert_bad_input(result, *needles):

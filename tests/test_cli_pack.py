@@ -7,16 +7,15 @@ import os
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 
-from seqpack import cli
 from seqpack.packer import PackConfig, pack_ragged
 from seqpack.packer.inputs import ragged_from_sequences
 from seqpack.pipelines.formats.records import decode_row, encode_row
 from seqpack.pipelines.offline import writer
 from seqpack.pipelines.offline.verify import read_shard
-from tests.cli_helpers import (
+from tests.helpers.files import (
     dir_bytes,
+    invoke,
     random_seqs,
     write_arrayrecord,
     write_jsonl,
@@ -27,11 +26,6 @@ from tests.cli_helpers import (
 SEQS = random_seqs(300, max_len=40, seed=1)
 
 
-def invoke(*args, ok=True):
-    result = CliRunner().invoke(cli.seqpack, [str(a) for a in args])
-    if ok:
-        assert result.exit_code == 0, (result.output, result.exception)
-    return result
 
 
 def all_rows(out) -> dict[str, np.ndarray]:
@@ -109,7 +103,7 @@ def test_row_encoder_matches_encode_row(dtype):
 
 
 def test_packed_dir_reads_with_the_grain_source(tmp_path):
-    from seqpack.pipelines.datasets.arrayrecord import PackedArrayRecordSource
+    from seqpack.pipelines.datasets import PackedArrayRecordSource
 
     out = tmp_path / "out"
     invoke("pack", write_parquet(tmp_path / "a.parquet", SEQS), "-o", out, "--seq-len", 64,

@@ -7,8 +7,9 @@ import pyarrow as pa
 import pytest
 
 from seqpack.pipelines.formats import inputs as readers
+from seqpack.pipelines.formats import jsonl, text
 from seqpack.pipelines.formats.inputs import InputError, ReadOptions, fingerprint, read_corpus
-from tests.cli_helpers import random_seqs, write_jsonl, write_parquet
+from tests.helpers.files import random_seqs, write_jsonl, write_parquet
 
 SEQS = random_seqs(200, max_len=30, seed=7)
 
@@ -24,9 +25,10 @@ def test_jsonl_arrow_and_python_paths_agree(tmp_path, monkeypatch):
     lines = [f'{{"id": {i}, "tokens": {s}}}' for i, s in enumerate(SEQS)]
     lines[3:3] = ["", "   "]  # blank lines are skipped
     path.write_text("\r\n".join(lines) + "\r\n")
-    slow = readers._read_jsonl_python(str(path), "tokens")
-    monkeypatch.setattr(readers, "_read_jsonl_python", None)  # the Arrow path must not fall back
-    fast = readers.read_jsonl(str(path), "tokens")
+    chunk = jsonl.read_python(str(path), "tokens")
+    slow = readers.narrow(chunk.values), chunk.offsets
+    monkeypatch.setattr(jsonl, "read_python", None)  # the Arrow path must not fall back
+    fast = readers.read_file(str(path), "jsonl", ReadOptions())
     want_values, want_offsets = ragged(SEQS)
     for values, offsets in (fast, slow):
         assert values.dtype == np.int32
@@ -39,7 +41,7 @@ def test_jsonl_arrow_and_python_paths_agree(tmp_path, monkeypatch):
                                                (pa.uint32(), np.uint32)])
 def test_parquet_dtypes_and_row_groups(tmp_path, value_type, dtype):
     path = write_parquet(tmp_path / "a.parquet", SEQS, value_type=value_type)  # 3+ row groups
-    values, offsets = readers.read_parquet(path, "tokens")
+    values, offsets = readers.read_file(path, "parquet", ReadOptions())
     want_values, want_offsets = ragged(SEQS)
     assert values.dtype == dtype
     np.testing.assert_array_equal(values, want_values)
@@ -52,7 +54,7 @@ def test_parquet_large_list_and_big_ids(tmp_path):
     path = tmp_path / "big.parquet"
     seqs = [[1, 2**40], [3]]
     pq.write_table(pa.table({"tokens": pa.array(seqs, pa.large_list(pa.int64()))}), path)
-    values, offsets = readers.read_parquet(str(path), "tokens")
+    values, offsets = readers.read_file(str(path), "parquet", ReadOptions())
     assert values.dtype == np.int64 and values.tolist() == [1, 2**40, 3]
     assert offsets.tolist() == [0, 2, 3]
 
@@ -71,9 +73,9 @@ def test_several_files_concatenate_in_order(tmp_path):
 def test_text_units_and_bytes(tmp_path):
     path = tmp_path / "t.txt"
     path.write_bytes(b"ab\n\ncd e\n")
-    values, offsets = readers.read_text(str(path), None, "line")
+    values, offsets = text.read_text(str(path), None, "line")
     assert bytes(values) == b"abcd e" and offsets.tolist() == [0, 2, 6]
-    values, offsets = readers.read_text(str(path), None, "file")
+    values, offsets = text.read_text(str(path), None, "file")
     assert bytes(values) == b"ab\n\ncd e\n" and offsets.tolist() == [0, 9]
 
 
@@ -104,6 +106,6 @@ def test_unknown_format_or_unit_is_an_input_error():
 def test_read_text_paragraphs(tmp_path):
     path = tmp_path / "p.txt"
     path.write_bytes(b"a b\ncd\n\n\n  \nxyz\n\nq")
-    values, offsets = readers.read_text(str(path), None, "paragraph")
+    values, offsets = text.read_text(str(path), None, "paragraph")
     chunks = [bytes(values[offsets[i] : offsets[i + 1]]) for i in range(offsets.size - 1)]
     assert chunks == [b"a b\ncd", b"xyz", b"q"]

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from tests.cli_helpers import ROOT, dir_bytes, random_seqs, run_cli, write_jsonl, write_parquet
+from tests.helpers.files import ROOT, dir_bytes, random_seqs, run_cli, write_jsonl, write_parquet
 
 
 def test_help_is_fast_and_lists_the_commands():

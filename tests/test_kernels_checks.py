@@ -9,7 +9,7 @@ import pytest
 
 from seqpack import kernels
 from seqpack.kernels import CrossEntropyBlockSizes, GatherBlockSizes, SegmentBlockSizes
-from tests.kernels_helpers import CASES, L, case
+from tests.helpers.kernels import CASES, L, case
 
 
 @pytest.mark.parametrize("name", list(CASES))

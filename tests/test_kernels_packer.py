@@ -10,7 +10,7 @@ import numpy as np
 
 from seqpack import kernels
 from seqpack.kernels import reference
-from tests.kernels_helpers import CE_BLOCKS, GATHER_BLOCKS, INTERPRET, SEG_BLOCKS, run
+from tests.helpers.kernels import CE_BLOCKS, GATHER_BLOCKS, INTERPRET, SEG_BLOCKS, run
 
 SEQ_LEN, MAX_SEGMENTS, VOCAB = 128, 8, 300
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from seqpack import kernels
 from seqpack.kernels import SegmentBlockSizes, reference
-from tests.kernels_helpers import (
+from tests.helpers.kernels import (
     CASES,
     INTERPRET,
     SEG_BLOCKS,

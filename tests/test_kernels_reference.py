@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from seqpack.kernels import reference
-from tests.kernels_helpers import CASES, B, L, S, case, random_array
+from tests.helpers.kernels import CASES, B, L, S, case, random_array
 
 D = 8
 

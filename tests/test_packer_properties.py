@@ -17,7 +17,7 @@ from seqpack.packer import (
     stats,
     validate,
 )
-from tests.packer_helpers import check_lossless, corpus, expected_counters
+from tests.helpers.packer import check_lossless, corpus, expected_counters
 
 OFFLINE = ["first_fit", "best_fit", "best_fit_decreasing"]
 

@@ -9,7 +9,7 @@ import pytest
 from seqpack import packer
 from seqpack.pipelines import datasets as pipelines
 from seqpack.pipelines.datasets import ArraySource, SequentialIterDataset
-from tests.pipelines_helpers import assert_rows_equal, check_restore_every_step, random_lengths
+from tests.helpers.pipelines import assert_rows_equal, check_restore_every_step, random_lengths
 
 PAIRS = [
     (pipelines.FirstFitPackIterDataset, ge.FirstFitPackIterDataset),

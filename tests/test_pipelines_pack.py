@@ -10,7 +10,7 @@ import pytest
 
 from seqpack import packer
 from seqpack.pipelines.datasets import ArraySource, PackIterDataset, SequentialIterDataset
-from tests.pipelines_helpers import (
+from tests.helpers.pipelines import (
     assert_rows_equal,
     check_restore_every_step,
     iter_source,

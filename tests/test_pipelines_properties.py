@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from seqpack.packer import PackConfig, validate
 from seqpack.pipelines.datasets import ArraySource, PackIterDataset, SequentialIterDataset
-from tests.packer_helpers import check_lossless, corpus
+from tests.helpers.packer import check_lossless, corpus
 
 
 @st.composite

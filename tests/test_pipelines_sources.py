@@ -21,7 +21,8 @@ from seqpack.pipelines.datasets import (
     SequentialIterDataset,
 )
 from seqpack.pipelines.formats.records import decode_row, encode_row
-from tests.pipelines_helpers import ensure_flags_parsed
+from tests.helpers.files import write_manifest
+from tests.helpers.pipelines import ensure_flags_parsed
 
 ensure_flags_parsed()
 pa = pytest.importorskip("pyarrow")
@@ -163,8 +164,8 @@ def test_jsonl_round_trip(tmp_path):
     ('[1, 2, 3]', "expected a JSON object"),
     ('{"ids": [1, 2]}', "field 'tokens' is missing"),
     ('{"tokens": "1 2 3"}', "must be a list"),
-    ('{"tokens": [1, 2.5, 3]}', r"tokens\[1\]=2.5 is not an integer"),
-    ('{"tokens": [1, true]}', r"tokens\[1\]=True is not an integer"),
+    ('{"tokens": [1, 2.5, 3]}', r"tokens\[1\]=2.5 is not a non-negative integer"),
+    ('{"tokens": [1, true]}', r"tokens\[1\]=True is not a non-negative integer"),
     ('{"tokens": [1, -4]}', r"tokens\[1\]=-4 is not a valid token id"),
     ('{"tokens": [1, 99999999999]}', r"tokens\[1\]=99999999999 is not a valid"),
     ('{"tokens": [1, 2', "not valid JSON"),
@@ -177,7 +178,7 @@ def test_jsonl_bad_records_name_file_and_line(tmp_path, line, match):
     src[1]
     with pytest.raises(ValueError, match=match) as e:
         src[2]
-    assert f"{path} line 4 (record 2)" in str(e.value)
+    assert f"{path}:4 (record 2)" in str(e.value)
 
 
 # ---- Parquet ---------------------------------------------------------------------------------
@@ -229,9 +230,9 @@ def test_parquet_bad_records_name_file_and_record(tmp_path):
         ParquetSource(p)
     p = tmp_path / "str.parquet"
     pq.write_table(pa.table({"tokens": pa.array(["1 2", "3"])}), p)
-    with pytest.raises(ValueError, match=f"{p} record 0: column 'tokens' has type string"):
+    with pytest.raises(ValueError, match=f"{p}: column 'tokens' has type string"):
         ParquetSource(p)
-    with pytest.raises(ValueError, match=f"{p} record 0: column 'ids' is missing"):
+    with pytest.raises(ValueError, match=f"{p}: column 'ids' is missing"):
         ParquetSource(p, column="ids")
 
 
@@ -250,9 +251,8 @@ def test_packed_arrayrecord_round_trip_with_manifest(tmp_path):
     half = len(rows) // 2
     _write_arrayrecord(tmp_path / "rows-00000.arrayrecord", [encode_row(r) for r in rows[:half]])
     _write_arrayrecord(tmp_path / "rows-00001.arrayrecord", [encode_row(r) for r in rows[half:]])
-    (tmp_path / "manifest.json").write_text(json.dumps({
-        "shards": ["rows-00000.arrayrecord", "rows-00001.arrayrecord"], "seq_len": 64,
-        "max_segments": 8, "feature": "tokens"}))
+    write_manifest(tmp_path, ["rows-00000.arrayrecord", "rows-00001.arrayrecord"],
+                   [half, len(rows) - half], seq_len=64, max_segments=8)
     for src in (PackedArrayRecordSource(tmp_path),
                 PackedArrayRecordSource([tmp_path / "rows-00000.arrayrecord",
                                          tmp_path / "rows-00001.arrayrecord"])):
@@ -284,7 +284,6 @@ def test_arrayrecord_bad_records_name_file_and_index(tmp_path):
     packed = PackedArrayRecordSource(path)
     with pytest.raises(ValueError, match=f"{path} record 5: packed row lacks"):
         packed[5]
-    (tmp_path / "manifest.json").write_text(json.dumps({"shards": ["bad.arrayrecord"],
-                                                        "seq_len": 64}))
+    write_manifest(tmp_path, ["bad.arrayrecord"], [6], seq_len=64, max_segments=4)
     with pytest.raises(ValueError, match=f"{path} record 0: packed row has L=32"):
         PackedArrayRecordSource(tmp_path)[0]

@@ -10,7 +10,8 @@ import pytest
 from seqpack import packer
 from seqpack.pipelines.datasets import ArraySource, PackedArrayRecordSource, make_training_pipeline
 from seqpack.pipelines.formats.records import encode_row
-from tests.pipelines_helpers import assert_rows_equal, random_lengths, unique_corpus
+from tests.helpers.files import write_manifest
+from tests.helpers.pipelines import assert_rows_equal, random_lengths, unique_corpus
 
 ar = pytest.importorskip("array_record.python.array_record_module")
 
@@ -104,8 +105,8 @@ def test_packed_arrayrecord_input_skips_packing(tmp_path):
     for r in rows:
         w.write(encode_row(r))
     w.close()
-    (tmp_path / "manifest.json").write_text(json.dumps(
-        {"shards": ["rows-00000.arrayrecord"], "seq_len": 64, "max_segments": 8}))
+    write_manifest(tmp_path, ["rows-00000.arrayrecord"], [len(rows)], seq_len=64,
+                   max_segments=8)
     src = PackedArrayRecordSource(tmp_path)
     ds = make_training_pipeline(src, seq_len=64, batch_size=3, max_segments=8, shuffle_seed=0,
                                 num_epochs=1, shard_index=0, shard_count=1, drop_remainder=False)

@@ -41,7 +41,7 @@ class BestFitBins:
         """Places each size (in the given order) by best fit; returns the row of each."""
         keys, room, count = self.keys, self.room, self.count
         cap, smax, min_room = self.capacity, self.max_segments, self.min_room
-        out = []
+        out: list[int] = []
         append = out.append
         for s in sizes:
             i = bisect_left(keys, s << _SHIFT)

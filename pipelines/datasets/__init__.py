@@ -11,11 +11,14 @@ The only part of seqpack that imports grain (and so jax):
 - `make_training_pipeline`: shard, shuffle, pack, batch, prefetch.
 """
 
-from seqpack.pipelines.datasets.arrayrecord import ArrayRecordSource, PackedArrayRecordSource
 from seqpack.pipelines.datasets.dropin import BestFitPackIterDataset, FirstFitPackIterDataset
-from seqpack.pipelines.datasets.jsonl import JsonlSource
+from seqpack.pipelines.datasets.files import (
+    ArrayRecordSource,
+    JsonlSource,
+    PackedArrayRecordSource,
+    ParquetSource,
+)
 from seqpack.pipelines.datasets.pack import PackIterator, PackIterDataset
-from seqpack.pipelines.datasets.parquet import ParquetSource
 from seqpack.pipelines.datasets.sources import ArraySource, SequentialIterDataset
 from seqpack.pipelines.datasets.training import make_training_pipeline
 

@@ -22,6 +22,7 @@ import grain
 import numpy as np
 
 from seqpack.packer.grain_fit import BatchSpec, FitBatch
+from seqpack.pipelines.errors import InputError
 
 
 def _per_feature(struct: Any, features: Sequence[str], default: Any, name: str) -> tuple:
@@ -136,7 +137,7 @@ class DropinPackIterator(grain.DatasetIterator):
                 return element
             return {k: element[k] for k in self._keys}
         except (KeyError, TypeError, IndexError):
-            raise ValueError(
+            raise InputError(
                 f"element {type(element).__name__} "
                 f"{list(element) if isinstance(element, dict) else ''} lacks one of the "
                 f"packed/meta features {list(self._keys)}"

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from seqpack import packer
-from seqpack.packer.multi_stream import MultiStreamPlanner
-from seqpack.packer.scatter import Layout, fill_values, segment_arrays, source_arrays
+from seqpack.packer import MultiStreamPlanner
+from seqpack.packer.assemble import RowLayout, fill_rows, source_arrays, write_feature
 
 
 def gather(held: dict[int, list], ids: list[int], window: int) -> list[Any]:
@@ -53,16 +53,11 @@ class SingleLayout:
         pieces = [v[s : s + m] for v, s, m in zip(tokens, st, ln, strict=True)]
         dtype = pieces[0].dtype if pieces else np.int32
         batch = packer.build_rows(pieces, plan, self.config, dtype=dtype)
-        if self.meta:
-            layout = Layout(plan.row, plan.slot, plan.offset, plan.length, plan.num_rows)
-            dest = layout.destinations(self.config.seq_len)
-            for name in self.meta:
-                col = gather(held[name], ex, window)
-                mp = [v[s : s + m] for v, s, m in zip(col, st, ln, strict=True)]
-                batch[name] = fill_values(
-                    mp, layout, self.config.seq_len,
-                    dtype=mp[0].dtype if mp else np.int32, dest=dest,
-                )
+        for name in self.meta:
+            col = gather(held[name], ex, window)
+            mp = [v[s : s + m] for v, s, m in zip(col, st, ln, strict=True)]
+            batch[name] = fill_rows(mp, plan, self.config.seq_len,
+                                    dtype=mp[0].dtype if mp else np.int32)
         return batch
 
     def open_ids(self, state: dict) -> set[int]:
@@ -127,21 +122,19 @@ class MultiLayout:
             aligned = -(-length // a) * a
             excl = np.cumsum(aligned) - aligned
             offset = excl - np.repeat(excl[first], counts) if row.size else excl
-            layout = Layout(row, slot, offset, length, R)
-            dest = layout.destinations(L)
+            layout = RowLayout(row, slot, offset, length, R)
             col = gather(held[name], ids.tolist(), window)
             values = [v[:m] for v, m in zip(col, length.tolist(), strict=True)]
             dtype = values[0].dtype if values else np.int32
-            batch[name] = fill_values(values, layout, L, dtype=dtype, pad=self.pad_id, dest=dest)
-            batch.update(segment_arrays(layout, L, S, prefix=name, dest=dest))
+            batch.update(write_feature(values, layout, L, S, feature=name, dtype=dtype,
+                                       pad=self.pad_id))
             for meta_name, host in self.meta.items():
                 if host == name:
                     col = gather(held[meta_name], ids.tolist(), window)
                     mv = [v[:m] for v, m in zip(col, length.tolist(), strict=True)]
-                    batch[meta_name] = fill_values(
-                        mv, layout, L, dtype=mv[0].dtype if mv else np.int32, dest=dest
-                    )
-        layout = Layout(row, slot, row * 0, row * 0, R)
+                    batch[meta_name] = fill_rows(mv, layout, L,
+                                                 dtype=mv[0].dtype if mv else np.int32)
+        layout = RowLayout(row, slot, row * 0, row * 0, R)
         batch.update(source_arrays(layout, S, ids, np.zeros_like(ids)))
         return batch
 
@@ -149,4 +142,4 @@ class MultiLayout:
         return {int(p[0]) for row in state["rows"] for p in row["pieces"]}
 
     def counters(self) -> dict[str, int]:
-        return dict(self.planner.counters)
+        return self.planner.counters.to_dict()

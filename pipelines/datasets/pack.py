@@ -3,7 +3,7 @@
 Reads the parent in windows of `window` examples, plans each window with best fit decreasing
 into rows carried over between windows (`packer.StreamPlanner`; several features:
 `MultiStreamPlanner`), and yields contract rows (`[L]` / `[S]` arrays per packed feature, see
-DESIGN.md) as they become final.
+docs/contract.md) as they become final.
 
 Checkpoint state is small: the parent's state at a window boundary, the planner's state (ids and
 lengths of the open rows' pieces, no tokens), and counters. Restoring re-reads the parent from the
@@ -30,6 +30,7 @@ import numpy as np
 from seqpack import packer
 from seqpack.packer.state_codec import decode_planner_state, encode_planner_state
 from seqpack.pipelines.datasets.layouts import MultiLayout, SingleLayout
+from seqpack.pipelines.errors import InputError
 
 
 class PackIterator(grain.DatasetIterator):
@@ -114,7 +115,7 @@ class PackIterator(grain.DatasetIterator):
         return ids, cols
 
     def _bad_element(self, ident: int, e: Exception) -> None:
-        raise ValueError(
+        raise InputError(
             f"element {ident} of the parent lacks one of the features {list(self._ds.names)} "
             f"({type(e).__name__}: {e}); elements must be dicts of 1-D token arrays"
         ) from None
@@ -123,7 +124,7 @@ class PackIterator(grain.DatasetIterator):
     def _as_tokens(v: Any, ident: int, name: str) -> np.ndarray:
         arr = np.asarray(v)
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
-            raise ValueError(
+            raise InputError(
                 f"element {ident}: {name!r} must be a 1-D array of integer token ids, got "
                 f"shape {arr.shape} dtype {arr.dtype}"
             )
@@ -228,7 +229,7 @@ class PackIterator(grain.DatasetIterator):
         while self._next_id < window_first:
             ids, _ = self._read_window(keep=needed)
             if len(ids) < ds.window and self._next_id < window_first:
-                raise ValueError(
+                raise InputError(
                     f"restoring: the parent ended at element {self._next_id} while replaying up "
                     f"to {window_first}; the parent must yield the same elements after set_state"
                 )
@@ -342,7 +343,7 @@ class PackIterDataset(grain.IterDataset):
         for name, host in self.meta.items():
             for i, (m, h) in enumerate(zip(cols[name], cols[host], strict=True)):
                 if len(m) != len(h):
-                    raise ValueError(
+                    raise InputError(
                         f"element {first_id + i}: meta feature {name!r} has length {len(m)} but "
                         f"its host {host!r} has {len(h)}; they must match per example"
                     )

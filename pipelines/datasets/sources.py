@@ -4,7 +4,7 @@
 values + offsets), as a `grain.MapDataset` with random access. `SequentialIterDataset` walks a
 `MapDataset` in index order with a one-integer state; it is what the packing datasets read from
 in benchmarks and in `make_training_pipeline` (Grain's own `to_iter_dataset()` adds a thread pool
-and per-element statistics that cost ~7 us per example on one core).
+and per-element statistics, a cost per example measured in benchmarks/README.md).
 
 Example::
 

@@ -28,7 +28,8 @@ Worked example: ``{"tokens": np.array([7, 8], np.int32)}`` encodes to 48 bytes::
 
 The offline writer leaves out each packed feature's ``f_segment_ids`` and ``f_positions``: they
 are determined by ``f_segment_lengths`` / ``f_segment_offsets`` and would be two thirds of the
-bytes. `decode_row` rebuilds them (`restore_derived`), so readers always get the full contract
+bytes. `decode_row` rebuilds them (`packer.contract.restore_derived`), so readers always get the
+full contract
 row; every stored array is still a zero-copy view.
 
 Only bool, integer and floating dtypes are allowed (no objects). The record must end exactly
@@ -42,6 +43,8 @@ import struct
 from collections.abc import Mapping
 
 import numpy as np
+
+from seqpack.packer.contract import restore_derived
 
 MAGIC = b"SQP1"
 _HEAD = struct.Struct("<4sI")
@@ -84,42 +87,12 @@ def encode_row(row: Mapping[str, np.ndarray]) -> bytes:
     return b"".join(parts)
 
 
-_LENGTHS = "_segment_lengths"
-DERIVED = ("_segment_ids", "_positions")  # per-token arrays rebuilt from the [S] metadata
-
-
-def _features(row: Mapping[str, np.ndarray]) -> list[str]:
-    """Packed features of a row: f with f, f_segment_lengths and f_segment_offsets present."""
-    return [k[: -len(_LENGTHS)] for k in row if k.endswith(_LENGTHS)
-            and k[: -len(_LENGTHS)] in row and k[: -len(_LENGTHS)] + "_segment_offsets" in row]
-
-
-def strip_derived(row: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The row without f_segment_ids / f_positions, which `restore_derived` rebuilds exactly."""
-    drop = {f + d for f in _features(row) for d in DERIVED}
-    return {k: v for k, v in row.items() if k not in drop}
-
-
-def restore_derived(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Adds f_segment_ids / f_positions (rebuilt from lengths/offsets) where the record has none."""
-    from seqpack.packer import segment_ids_and_positions
-
-    for f in _features(row):
-        if all(f + d in row for d in DERIVED):
-            continue
-        ids, pos = segment_ids_and_positions(
-            row[f + _LENGTHS], row[f + "_segment_offsets"], row[f].shape[-1])
-        row.setdefault(f + "_segment_ids", ids)
-        row.setdefault(f + "_positions", pos)
-    return row
-
-
 def decode_row(buf: bytes | bytearray | memoryview, *, restore: bool = True
                ) -> dict[str, np.ndarray]:
     """Decodes an SQP1 record into name -> read-only array views of `buf` (zero copy).
 
     With `restore` (the default), packed features stored without their segment ids / positions
-    (see `strip_derived`) get them rebuilt from the segment lengths and offsets.
+    get them rebuilt from the segment lengths and offsets.
     """
     mv = memoryview(buf).cast("B")
     total = mv.nbytes

@@ -18,8 +18,8 @@ The job, one element per input file or per output shard; only lengths meet in on
 What moves: stage B gathers 8 bytes per example (the lengths) plus each input's fingerprint, and
 sends each input only its own pieces' places (48 bytes per piece); tokens move once, from the
 worker reading an input to the workers writing its shards. The planner holds the lengths and the
-plan, no tokens: measured 104 bytes per example held, 168 at peak (1M examples of chat_dev's
-lengths), so 30,590 examples take ~5 MB and 100 million ~17 GB, the limit of this design.
+plan, no tokens: about a hundred bytes per example (measured in benchmarks/README.md), which
+limits one job to about 10^8 examples.
 
 Efficiency and determinism: the plan is `packer.plan` itself, on the lengths in the local CLI's
 order (inputs in the order given, examples in file order), so every strategy packs exactly as
@@ -49,8 +49,6 @@ would find its own pack_intent.json and stop.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import json
 import logging
 import os
 import sys
@@ -59,9 +57,11 @@ import types
 from collections.abc import Iterable, Iterator, Sequence
 
 from seqpack.packer import PackConfig
-from seqpack.pipelines.formats.inputs import InputError, ReadOptions
+from seqpack.pipelines.errors import InputError, UsageError, require
+from seqpack.pipelines.formats.inputs import ReadOptions
+from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import beam_steps
-from seqpack.pipelines.offline.writer import MANIFEST, WriteOptions
+from seqpack.pipelines.offline.writer import WriteOptions
 
 _ERROR_FILE = "error.txt"
 _MAX_DEFAULT_WORKERS = 8
@@ -78,7 +78,7 @@ def _import_beam() -> types.ModuleType:
     guard = logging.NullHandler()
     root.addHandler(guard)
     try:
-        return importlib.import_module("apache_beam")
+        return require("apache_beam", "--runner beam")
     finally:
         root.removeHandler(guard)
 
@@ -98,7 +98,7 @@ def pipeline_options(beam_options: Sequence[str] = ()) -> PipelineOptions:
         key, eq, value = item.partition("=")
         key = key.strip().removeprefix("--")
         if not key or not key.replace("_", "a").isalnum() or (eq and not value):
-            raise ValueError(f"beam option {item!r} must be KEY=VALUE (or KEY for a flag), e.g. "
+            raise UsageError(f"beam option {item!r} must be KEY=VALUE (or KEY for a flag), e.g. "
                              "direct_num_workers=4 or runner=DataflowRunner")
         given[key] = value if eq else None
     runner = given.get("runner") or "DirectRunner"
@@ -205,7 +205,7 @@ def pack_beam(
     resume: bool = False,
     beam_options: Sequence[str] = (),
     quiet: bool = False,
-) -> dict:
+) -> Manifest:
     """`pipelines.writer.pack_to_dir` as a Beam job; returns the manifest dict.
 
     `beam_options`: Beam pipeline options as "KEY=VALUE" (see `pipeline_options`). `quiet`:
@@ -242,8 +242,7 @@ def pack_beam(
     finally:
         if log_path is not None and not keep_log:
             os.remove(log_path)
-    with open(os.path.join(output_dir, MANIFEST)) as f:
-        return json.load(f)
+    return read_manifest(output_dir)
 
 
 @contextlib.contextmanager

@@ -30,7 +30,10 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from seqpack.packer import Counters, PackConfig, PackPlan, plan
-from seqpack.pipelines.formats.inputs import InputError, ReadOptions, read_corpus
+from seqpack.packer.contract import ragged_arange
+from seqpack.pipelines.errors import InputError
+from seqpack.pipelines.formats.inputs import ReadOptions, read_corpus
+from seqpack.pipelines.formats.manifest import Manifest
 from seqpack.pipelines.offline.writer import (
     WriteOptions,
     commit_manifest,
@@ -63,7 +66,7 @@ class FileScan:
 class JobSummary:
     """The small, global part of the plan that the shard writers and the manifest step need."""
 
-    intent: dict  # pack_intent.json: config, inputs, shard names, row count
+    intent: Manifest  # pack_intent.json: config, inputs, shard names, row count
     results: dict  # the manifest's stats and example length histogram
     row_dtype: str  # dtype of the rows' tokens
     shard_rows: int
@@ -151,13 +154,6 @@ def split_plan(p: PackPlan, scans: Sequence[FileScan], *, dtype: np.dtype,
     return jobs
 
 
-def gather(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """values[starts[i] : starts[i] + lengths[i]] for every i, back to back (one fancy index)."""
-    total = int(lengths.sum())
-    excl = np.cumsum(lengths) - lengths
-    return values[np.repeat(starts - excl, lengths) + np.arange(total, dtype=np.int64)]
-
-
 def route_file(job: FileJob, options: ReadOptions) -> list[tuple[int, ShardPart]]:
     """Re-reads one input and cuts its pieces' tokens into one ShardPart per destination shard."""
     corpus = read_corpus([job.path], options)
@@ -169,7 +165,7 @@ def route_file(job: FileJob, options: ReadOptions) -> list[tuple[int, ShardPart]
     pieces = job.pieces[:, order]
     src = corpus.offsets[pieces[EXAMPLE] - job.first_example] + pieces[START]
     values = corpus.values.astype(job.dtype, copy=False)
-    tokens = gather(values, src, pieces[LENGTH])
+    tokens = values[ragged_arange(src, pieces[LENGTH])]
     shard = shard[order]
     keys, firsts = np.unique(shard, return_index=True)
     piece_cuts = np.append(firsts, shard.size)
@@ -189,7 +185,7 @@ def shard_plan(shard: int, parts: Iterable[ShardPart], summary: JobSummary,
     table = np.concatenate([part.pieces for part in parts], axis=1)
     tokens = np.concatenate([part.tokens for part in parts])
     r0 = shard * summary.shard_rows
-    num_rows = min(summary.shard_rows, summary.intent["num_rows"] - r0)
+    num_rows = min(summary.shard_rows, summary.intent.num_rows - r0)
     order = np.argsort((table[ROW] - r0) * config.max_segments + table[SLOT], kind="stable")
     starts = (np.cumsum(table[LENGTH]) - table[LENGTH])[order]
     table = table[:, order]
@@ -205,8 +201,8 @@ def write_shard_parts(shard: int, parts: Iterable[ShardPart], summary: JobSummar
                       output_dir: str, config: PackConfig, *, write_options: WriteOptions,
                       resume: bool = False) -> int:
     """Writes one shard from the parts its inputs sent; returns its row count."""
-    path = os.path.join(output_dir, summary.intent["shards"][shard])
-    num_rows = min(summary.shard_rows, summary.intent["num_rows"] - shard * summary.shard_rows)
+    path = os.path.join(output_dir, summary.intent.shards[shard])
+    num_rows = min(summary.shard_rows, summary.intent.num_rows - shard * summary.shard_rows)
     if resume and shard_complete(path, num_rows):
         return num_rows
     p, pieces = shard_plan(shard, parts, summary, config)
@@ -214,10 +210,11 @@ def write_shard_parts(shard: int, parts: Iterable[ShardPart], summary: JobSummar
     return num_rows
 
 
-def finish_job(rows: Iterable[tuple[int, int]], summary: JobSummary, output_dir: str) -> dict:
+def finish_job(rows: Iterable[tuple[int, int]], summary: JobSummary, output_dir: str
+               ) -> Manifest:
     """Writes manifest.json once every shard is written; returns the manifest."""
     by_shard = dict(rows)
-    names = summary.intent["shards"]
+    names = summary.intent.shards
     if sorted(by_shard) != list(range(len(names))):
         missing = sorted(set(range(len(names))) - set(by_shard))
         raise RuntimeError(f"shards {missing[:8]} were not written; the manifest is not written")

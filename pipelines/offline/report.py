@@ -24,6 +24,7 @@ import numpy as np
 
 from seqpack.packer import PackConfig, plan, stats
 from seqpack.packer.config import Strategy
+from seqpack.pipelines.errors import require
 
 STRATEGIES = tuple(s.value for s in Strategy)
 
@@ -102,13 +103,8 @@ def format_table(summaries: dict[str, dict], title: str = "") -> str:
 
 def plot_stats(path: str, length_hist: dict, per_strategy: dict[str, dict]) -> None:
     """Writes a PNG: example lengths, row fill, and segments per row histograms."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'seqpack[plotting]'") from None
+    require("matplotlib", "--plot").use("Agg")
+    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     edges = np.asarray(length_hist["edges"])
     axes[0].stairs(length_hist["counts"], edges, fill=True)
@@ -131,22 +127,22 @@ def format_row(row: dict[str, np.ndarray], config: PackConfig, *, start: int = 0
                count: int | None = None, width: int = 16) -> str:
     """One packed row: the segment table, then positions [start, start + count) in blocks."""
     k = config.keys()
-    lens = np.asarray(row[k["segment_lengths"]])
+    lens = np.asarray(row[k.segment_lengths])
     used = int((lens > 0).sum())
-    L = int(row[k["values"]].shape[0])
+    L = int(row[k.values].shape[0])
     lines = [f"{used} segments, {int(lens.sum())} of {L} tokens used", ""]
-    seg_cols = [("slot", np.arange(lens.size)), (k["segment_lengths"], lens),
-                (k["segment_offsets"], row[k["segment_offsets"]]),
-                (k["source_index"], row[k["source_index"]]),
-                (k["source_start"], row[k["source_start"]])]
+    seg_cols = [("slot", np.arange(lens.size)), (k.segment_lengths, lens),
+                (k.segment_offsets, row[k.segment_offsets]),
+                (k.source_index, row[k.source_index]),
+                (k.source_start, row[k.source_start])]
     lines += _block(seg_cols, 0, max(used, 1) if used < lens.size else lens.size, width)
     if used < lens.size:
         lines.append(f"(slots {used}..{lens.size - 1} unused: length 0, offset "
-                     f"{int(row[k['segment_offsets']][used])}, source -1)")
+                     f"{int(row[k.segment_offsets][used])}, source -1)")
     lines.append("")
     end = L if count is None else min(L, start + count)
-    tok_cols = [("position", np.arange(L)), (k["values"], row[k["values"]]),
-                (k["segment_ids"], row[k["segment_ids"]]), (k["positions"], row[k["positions"]])]
+    tok_cols = [("position", np.arange(L)), (k.values, row[k.values]),
+                (k.segment_ids, row[k.segment_ids]), (k.positions, row[k.positions])]
     lines += _block(tok_cols, max(0, start), end, width)
     return "\n".join(lines).rstrip()
 

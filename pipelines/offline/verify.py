@@ -19,25 +19,25 @@ collected (first `max_violations`) in the returned report.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from seqpack.packer import Counters, PackConfig, validate
+from seqpack.packer.contract import ragged_arange
 from seqpack.packer.stats import stats_from_lengths
-from seqpack.pipelines.formats.inputs import (
-    InputError,
-    ReadOptions,
+from seqpack.pipelines.errors import InputError
+from seqpack.pipelines.formats.arrayrecord import (
     close_quietly,
-    fingerprint,
+    decode,
     first_line,
-    open_arrayrecord,
-    read_corpus,
+    open_reader,
+    read_raw,
 )
-from seqpack.pipelines.formats.records import decode_row
-from seqpack.pipelines.offline.writer import FORMAT, MANIFEST, lengths_digest
+from seqpack.pipelines.formats.inputs import ReadOptions, fingerprint, read_corpus
+from seqpack.pipelines.formats.manifest import Manifest, read_manifest
+from seqpack.pipelines.offline.writer import lengths_digest
 
 
 @dataclasses.dataclass
@@ -52,42 +52,26 @@ class VerifyReport:
         return dataclasses.asdict(self)
 
 
-def load_manifest(output_dir: str) -> tuple[dict, PackConfig]:
+def load_manifest(output_dir: str) -> tuple[Manifest, PackConfig]:
     """The manifest of a packed directory and its PackConfig; InputError if there is none."""
-    path = os.path.join(output_dir, MANIFEST)
-    if not os.path.isdir(output_dir):
-        raise InputError(f"{output_dir}: no such directory")
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: missing; the directory is not a complete `seqpack pack` output "
-                         "(an interrupted run? finish it with `seqpack pack ... --resume`)")
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-        if manifest.get("format") != FORMAT:
-            raise ValueError(f"format is {manifest.get('format')!r}, not {FORMAT!r}")
-        config = PackConfig(**manifest["config"])
-        shards, rows = manifest["shards"], manifest["shard_num_rows"]
-        if len(shards) != len(rows):
-            raise ValueError(f"{len(shards)} shards but {len(rows)} row counts")
-    except (ValueError, KeyError, TypeError) as e:
-        raise InputError(f"{path}: not a seqpack manifest ({e})") from None
-    return manifest, config
+    manifest = read_manifest(output_dir)
+    return manifest, manifest.pack_config()
 
 
 def read_shard(output_dir: str, name: str, num_rows: int | None = None) -> dict[str, np.ndarray]:
     """All rows of one shard stacked into `[R, ...]` arrays; InputError if it is corrupt."""
     path = os.path.join(output_dir, name)
-    reader = open_arrayrecord(path)
+    reader = open_reader(path)
     try:
-        n = reader.num_records()
-        if num_rows is not None and n != num_rows:
-            raise InputError(f"{path}: holds {n} rows, the manifest says {num_rows}; "
-                             "the shard is incomplete or replaced")
-        rows = [decode_row(raw) for raw in reader.read_all()]
-    except RuntimeError as e:
-        raise InputError(f"{path}: corrupt shard ({first_line(e)})") from None
-    except ValueError as e:
-        raise InputError(f"{path}: corrupt record ({e})") from None
+        try:
+            n = reader.num_records()
+            if num_rows is not None and n != num_rows:
+                raise InputError(f"{path}: holds {n} rows, the manifest says {num_rows}; "
+                                 "the shard is incomplete or replaced")
+            raws = reader.read_all()
+        except RuntimeError as e:
+            raise InputError(f"{path}: corrupt shard ({first_line(e)})") from None
+        rows = [decode(raw, path, j) for j, raw in enumerate(raws)]
     finally:
         close_quietly(reader)
     if not rows:
@@ -99,37 +83,24 @@ def read_shard(output_dir: str, name: str, num_rows: int | None = None) -> dict[
         raise InputError(f"{path}: rows have different keys or shapes ({e})") from None
 
 
-def read_row(output_dir: str, index: int) -> tuple[dict[str, np.ndarray], dict, str, int]:
+def read_row(output_dir: str, index: int) -> tuple[dict[str, np.ndarray], Manifest, str, int]:
     """(row, manifest, shard name, record index) of packed row `index` (negative from the end)."""
     manifest, _ = load_manifest(output_dir)
-    total = int(sum(manifest["shard_num_rows"]))
+    counts = manifest.shard_num_rows or []
+    total = int(sum(counts))
     if not -total <= index < total:
         raise InputError(f"row {index} is out of range: {output_dir} holds {total} rows")
     index %= total
-    cum = np.cumsum([0, *manifest["shard_num_rows"]])
+    cum = np.cumsum([0, *counts])
     shard = int(np.searchsorted(cum, index, side="right")) - 1
-    name, j = manifest["shards"][shard], index - int(cum[shard])
+    name, j = manifest.shards[shard], index - int(cum[shard])
     path = os.path.join(output_dir, name)
-    reader = open_arrayrecord(path)
+    reader = open_reader(path)
     try:
-        row = decode_row(reader.read([j])[0])
-    except (RuntimeError, IndexError) as e:
-        msg = f"{path}: corrupt shard, cannot read record {j} ({first_line(e)})"
-        raise InputError(msg) from None
-    except ValueError as e:
-        raise InputError(f"{path} record {j}: corrupt record ({e})") from None
+        row = decode(read_raw(reader, path, [j])[0], path, j)
     finally:
         close_quietly(reader)
     return row, manifest, name, j
-
-
-def _ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """concat(arange(s, s + n) for s, n in zip(starts, lengths)), vectorized."""
-    total = int(lengths.sum())
-    if not total:
-        return np.zeros(0, np.int64)
-    first = np.cumsum(lengths) - lengths
-    return np.repeat(starts - first, lengths) + np.arange(total)
 
 
 class _Collector:
@@ -149,11 +120,11 @@ class _Collector:
 def _check_tokens(batch, config, values, offsets, lengths, shard, out: _Collector):
     """Segment tokens == source tokens; returns (example, start, length) of the used slots."""
     k = config.keys()
-    seg_len = batch[k["segment_lengths"]].astype(np.int64)
+    seg_len = batch[k.segment_lengths].astype(np.int64)
     used = seg_len > 0
     rows, slots = np.nonzero(used)
-    ex = batch[k["source_index"]][rows, slots]
-    st = batch[k["source_start"]][rows, slots]
+    ex = batch[k.source_index][rows, slots]
+    st = batch[k.source_start][rows, slots]
     ln = seg_len[rows, slots]
     bad = (ex < 0) | (ex >= lengths.size)
     bad[~bad] |= st[~bad] + ln[~bad] > lengths[ex[~bad]]
@@ -164,9 +135,9 @@ def _check_tokens(batch, config, values, offsets, lengths, shard, out: _Collecto
         keep = ~bad
         rows, slots, ex, st, ln = rows[keep], slots[keep], ex[keep], st[keep], ln[keep]
     L = config.seq_len
-    dst = _ragged_arange(rows * L + batch[k["segment_offsets"]][rows, slots], ln)
-    src = _ragged_arange(offsets[ex] + st, ln)
-    got = batch[k["values"]].reshape(-1)[dst]
+    dst = ragged_arange(rows * L + batch[k.segment_offsets][rows, slots], ln)
+    src = ragged_arange(offsets[ex] + st, ln)
+    got = batch[k.values].reshape(-1)[dst]
     diff = np.flatnonzero(got != values[src])
     if diff.size:
         d = int(diff[0])
@@ -225,7 +196,7 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
     """Checks a packed directory against its inputs (default: the paths in the manifest)."""
     manifest, config = load_manifest(output_dir)
     out = _Collector(max_violations)
-    recorded = manifest["inputs"]["files"]
+    recorded = manifest.inputs["files"]
     paths = list(inputs) if inputs else [f["path"] for f in recorded]
     if len(paths) != len(recorded):
         raise InputError(f"{len(paths)} inputs given, the manifest lists {len(recorded)}: "
@@ -238,19 +209,19 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
             if fp[key] != rec[key]:
                 out.add(f"input {i} ({path}): {key} {fp[key]} differs from the packed input's "
                         f"{rec[key]} ({rec['path']})")
-    options = ReadOptions(**manifest["inputs"]["read_options"])
-    tokenizer = manifest["inputs"].get("tokenizer")
+    options = ReadOptions(**manifest.inputs["read_options"])
+    tokenizer = manifest.inputs.get("tokenizer")
     if tokenizer and os.path.isfile(tokenizer["path"]):
         fp = fingerprint(tokenizer["path"])
         if fp["sha256_head_tail"] != tokenizer["sha256_head_tail"]:
             out.add(f"tokenizer {tokenizer['path']} changed since the run that packed the rows")
     corpus = read_corpus(paths, options)
     values, offsets, lengths = corpus.values, corpus.offsets, corpus.lengths
-    if lengths_digest(lengths) != manifest["inputs"]["lengths_sha256"]:
+    if lengths_digest(lengths) != manifest.inputs["lengths_sha256"]:
         out.add(f"the inputs' {lengths.size} example lengths differ from the packed inputs' "
-                f"{manifest['inputs']['num_examples']}")
+                f"{manifest.inputs['num_examples']}")
     pieces, seg_lengths, checked = [], [], 0
-    for name, num_rows in zip(manifest["shards"], manifest["shard_num_rows"]):
+    for name, num_rows in zip(manifest.shards, manifest.shard_num_rows):
         batch = read_shard(output_dir, name, num_rows)
         if not batch:
             continue
@@ -262,19 +233,19 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
             ex, st, ln, n = _check_tokens(batch, config, values, offsets, lengths, name, out)
         except (IndexError, KeyError, ValueError):
             continue
-        seg_lengths.append(batch[config.keys()["segment_lengths"]])
+        seg_lengths.append(batch[config.keys().segment_lengths])
         pieces.append((ex, st, ln))
         checked += n
     if pieces:
         ex, st, ln = (np.concatenate(x) for x in zip(*pieces))
-        counters = Counters(**manifest["stats"]["counters"])
+        counters = Counters(**manifest.stats["counters"])
         _check_coverage(ex, st, ln, lengths, config, counters, out)
     seg = np.concatenate(seg_lengths) if seg_lengths else np.zeros((0, config.max_segments))
     got = stats_from_lengths(seg, config.seq_len).to_dict()
     for key in ("num_rows", "num_segments", "real_tokens", "lower_bound_rows",
                 "segments_per_row", "row_fill_histogram"):
-        if got[key] != manifest["stats"][key]:
-            out.add(f"manifest stats {key}={manifest['stats'][key]} but the rows give {got[key]}")
+        if got[key] != manifest.stats[key]:
+            out.add(f"manifest stats {key}={manifest.stats[key]} but the rows give {got[key]}")
     return VerifyReport(ok=not out.items, violations=out.items,
-                        num_rows=int(sum(manifest["shard_num_rows"])),
+                        num_rows=int(sum(manifest.shard_num_rows)),
                         num_examples=int(lengths.size), tokens_checked=checked)

@@ -35,19 +35,24 @@ from typing import Protocol
 import numpy as np
 
 from seqpack.packer import PackConfig, PackPlan, build_rows, plan, stats
+from seqpack.pipelines.errors import InputError, UsageError, require
+from seqpack.pipelines.formats.arrayrecord import close_quietly, open_reader
 from seqpack.pipelines.formats.inputs import (
     Corpus,
-    InputError,
     ReadOptions,
     read_corpus,
     tokenizer_fingerprint,
 )
+from seqpack.pipelines.formats.manifest import (
+    INTENT,
+    MANIFEST,
+    Manifest,
+    read_record,
+    shard_names,
+    write_manifest,
+)
 from seqpack.pipelines.formats.records import decode_row, encode_row
 
-MANIFEST = "manifest.json"
-INTENT = "pack_intent.json"
-FORMAT = "seqpack-rows"
-VERSION = 1
 COMPRESSION = {"none": "uncompressed", "snappy": "snappy", "zstd": "zstd:3"}
 # Test-only: seconds to sleep after each finished shard, so tests can kill a run mid-way.
 DELAY_ENV = "SEQPACK_TEST_SHARD_DELAY"
@@ -67,7 +72,7 @@ class WriteOptions:
     compression: str = "none"  # a key of COMPRESSION
     fsync: bool = False  # fsync each shard before its rename (durability beyond process crashes)
     # Also store f_segment_ids / f_positions. Off: readers rebuild them from the [S] metadata
-    # (`records.restore_derived`), and the shards are about a third of the size.
+    # (`packer.contract.restore_derived`), and the shards are about a third of the size.
     store_derived: bool = False
 
     def __post_init__(self) -> None:
@@ -80,11 +85,6 @@ class WriteOptions:
     @property
     def arrayrecord_options(self) -> str:
         return f"group_size:1,{COMPRESSION[self.compression]}"
-
-
-def shard_names(num_rows: int, shard_rows: int) -> list[str]:
-    n = -(-num_rows // shard_rows)
-    return [f"rows-{i:05d}-of-{n:05d}.arrayrecord" for i in range(n)]
 
 
 def length_histogram(lengths: np.ndarray) -> dict:
@@ -117,39 +117,40 @@ def inputs_record(files: list[dict], lengths: np.ndarray, dtype: np.dtype,
     }
 
 
-def run_intent(config: PackConfig, inputs: dict, options: WriteOptions, num_rows: int) -> dict:
-    """``pack_intent.json``: what the run writes (the manifest without its results)."""
-    return _normalized({
-        "format": FORMAT,
-        "version": VERSION,
-        "record_encoding": "SQP1",
-        "feature": config.feature,
-        "seq_len": config.seq_len,
-        "max_segments": config.max_segments,
-        "config": config.to_dict(),
-        "inputs": inputs,
-        "writer_options": options.arrayrecord_options,
-        "stored_keys": [k for role, k in config.keys().items() if options.store_derived
-                        or role not in ("segment_ids", "positions")],
-        "shard_rows": options.shard_rows,
-        "num_rows": num_rows,
-        "shards": shard_names(num_rows, options.shard_rows),
-    })
+def run_intent(config: PackConfig, inputs: dict, options: WriteOptions, num_rows: int
+               ) -> Manifest:
+    """What the run writes (``pack_intent.json``: the manifest without its results)."""
+    return Manifest(
+        config=config.to_dict(),
+        inputs=json.loads(json.dumps(inputs)),
+        writer_options=options.arrayrecord_options,
+        stored_keys=stored_keys(config, options),
+        shard_rows=options.shard_rows,
+        num_rows=num_rows,
+        shards=shard_names(num_rows, options.shard_rows),
+    )
+
+
+def stored_keys(config: PackConfig, options: WriteOptions) -> list[str]:
+    """The contract keys each record holds (segment ids / positions only with store_derived)."""
+    k = config.keys()
+    derived = () if options.store_derived else k.derived
+    return [name for name in k.roles().values() if name not in derived]
 
 
 def manifest_results(p: PackPlan, config: PackConfig, lengths: np.ndarray) -> dict:
     """The manifest's ``stats`` and ``example_length_histogram``."""
-    return _normalized({
+    return json.loads(json.dumps({
         "stats": stats(p, seq_len=config.seq_len, max_segments=config.max_segments).to_dict(),
         "example_length_histogram": length_histogram(lengths),
-    })
+    }))
 
 
-def commit_manifest(output_dir: str, intent: dict, shard_num_rows: list[int],
-                    results: dict) -> dict:
+def commit_manifest(output_dir: str, intent: Manifest, shard_num_rows: list[int],
+                    results: dict) -> Manifest:
     """Writes ``manifest.json`` (from here on the run is complete), then drops the intent."""
-    manifest = _normalized({**intent, "shard_num_rows": shard_num_rows, **results})
-    _write_json(os.path.join(output_dir, MANIFEST), manifest)
+    manifest = intent.completed(shard_num_rows, results)
+    write_manifest(output_dir, manifest)
     os.remove(os.path.join(output_dir, INTENT))
     return manifest
 
@@ -162,41 +163,29 @@ def row_dtype(values_dtype: np.dtype, pad_id: int) -> np.dtype:
     return dtype
 
 
-def _normalized(obj: dict) -> dict:
-    return json.loads(json.dumps(obj))
-
-
-def _write_json(path: str, obj: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def _owned(name: str) -> bool:
     return name.startswith("rows-") and ".arrayrecord" in name or name in (
         MANIFEST, INTENT, MANIFEST + ".tmp", INTENT + ".tmp")
 
 
-def prepare_dir(output_dir: str, intent: dict, *, overwrite: bool, resume: bool) -> dict | None:
+def prepare_dir(output_dir: str, intent: Manifest, *, overwrite: bool, resume: bool
+                ) -> Manifest | None:
     """Readies the directory; returns the finished manifest when resuming a complete run."""
     if overwrite and resume:
-        raise ValueError("pass either --overwrite or --resume, not both")
+        raise UsageError("pass either --overwrite or --resume, not both")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise ValueError(f"{output_dir}: exists and is not a directory")
+        raise UsageError(f"{output_dir}: exists and is not a directory")
     os.makedirs(output_dir, exist_ok=True)
     names = os.listdir(output_dir)
     recorded = [n for n in (MANIFEST, INTENT) if n in names]
     if resume and recorded:
         path = os.path.join(output_dir, recorded[0])
-        with open(path) as f:
-            try:
-                old = json.load(f)
-            except ValueError:
-                raise ValueError(f"{path}: not valid JSON; rerun with --overwrite") from None
-        _check_same_run(path, {k: old.get(k) for k in intent}, intent)
-        if recorded[0] == MANIFEST:  # the run had finished
+        try:
+            old = read_record(path)
+        except InputError as e:
+            raise InputError(f"{e}; rerun with --overwrite") from None
+        _check_same_run(path, old.intent().to_json(), intent.to_json())
+        if old.complete:  # the run had finished
             if INTENT in names:  # killed between writing the manifest and this cleanup
                 os.remove(os.path.join(output_dir, INTENT))
             return old
@@ -204,18 +193,18 @@ def prepare_dir(output_dir: str, intent: dict, *, overwrite: bool, resume: bool)
         hint = "--overwrite to replace it" + ("" if resume else " or --resume to finish an "
                                                "interrupted run")
         what = "holds no interrupted run to resume" if resume else "exists and is not empty"
-        raise ValueError(f"{output_dir}: {what}; pass {hint}")
+        raise UsageError(f"{output_dir}: {what}; pass {hint}")
     for name in names:
         if _owned(name) and (overwrite or name.endswith(".tmp")):
             os.remove(os.path.join(output_dir, name))
-    _write_json(os.path.join(output_dir, INTENT), intent)
+    write_manifest(output_dir, intent)
     return None
 
 
 def _check_same_run(path: str, old: dict, new: dict) -> None:
     diff = [k for k in new if old.get(k) != new[k]]
     if diff:
-        raise ValueError(f"cannot resume: {', '.join(diff)} differ from the run recorded in "
+        raise UsageError(f"cannot resume: {', '.join(diff)} differ from the run recorded in "
                          f"{path}; rerun with --overwrite")
 
 
@@ -265,11 +254,8 @@ def sub_plan(p: PackPlan, bounds: np.ndarray, r0: int, r1: int) -> PackPlan:
 
 
 def _open_writer(path: str, options: str):
-    try:
-        from array_record.python.array_record_module import ArrayRecordWriter
-    except ImportError:
-        raise InputError("writing shards needs array-record: pip install 'seqpack[io]'") from None
-    return ArrayRecordWriter(path, options)
+    module = require("array_record.python.array_record_module", "writing shards")
+    return module.ArrayRecordWriter(path, options)
 
 
 def _fsync(path: str) -> None:
@@ -282,12 +268,10 @@ def _fsync(path: str) -> None:
 
 
 def shard_complete(path: str, num_rows: int) -> bool:
-    from seqpack.pipelines.formats.inputs import close_quietly, open_arrayrecord
-
     if not os.path.isfile(path):
         return False
     try:
-        reader = open_arrayrecord(path)
+        reader = open_reader(path)
     except InputError:
         return False
     try:
@@ -364,8 +348,8 @@ def pack_to_dir(
     overwrite: bool = False,
     resume: bool = False,
     progress: Progress | None = None,
-) -> dict:
-    """Reads, plans, writes shards, then the manifest; returns the manifest dict."""
+) -> Manifest:
+    """Reads, plans, writes shards, then the manifest; returns the manifest."""
     output_dir = os.fspath(output_dir)
     read_options = read_options or ReadOptions()
     write_options = write_options or WriteOptions()
@@ -380,6 +364,6 @@ def pack_to_dir(
         return done
     if progress:
         progress.start(p.num_rows, int(p.length.sum()))
-    rows = write_shards(corpus, p, config, output_dir, intent["shards"], write_options,
+    rows = write_shards(corpus, p, config, output_dir, intent.shards, write_options,
                         resume=resume, progress=progress)
     return commit_manifest(output_dir, intent, rows, manifest_results(p, config, corpus.lengths))

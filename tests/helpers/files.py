@@ -70,3 +70,31 @@ def run_cli(*args, env: dict | None = None, timeout: float = 120) -> subprocess.
 def dir_bytes(path: os.PathLike) -> dict[str, bytes]:
     """name -> bytes of every file in a directory."""
     return {n: pathlib.Path(path, n).read_bytes() for n in sorted(os.listdir(path))}
+
+
+def write_manifest(directory: os.PathLike, shards: list[str], shard_num_rows: list[int], *,
+                   seq_len: int, max_segments: int = 64, feature: str = "tokens") -> None:
+    """A complete manifest.json for hand-made shards (what `seqpack pack` would write)."""
+    from seqpack.packer import PackConfig
+    from seqpack.pipelines.formats.manifest import Manifest
+    from seqpack.pipelines.formats.manifest import write_manifest as write
+
+    config = PackConfig(seq_len, max_segments=max_segments, feature=feature)
+    write(str(directory), Manifest(
+        config=config.to_dict(), inputs={}, writer_options="group_size:1",
+        stored_keys=list(config.keys().roles().values()), shard_rows=max(shard_num_rows),
+        num_rows=sum(shard_num_rows), shards=shards, shard_num_rows=shard_num_rows, stats={},
+        example_length_histogram={}))
+
+
+def invoke(*args, ok: bool = True):
+    """`seqpack ARGS` in this process (click's CliRunner); ok=True asserts exit code 0."""
+    from click.testing import CliRunner
+
+    from seqpack import cli
+
+    result = CliRunner().invoke(cli.seqpack, [str(a) for a in args])
+    if ok:
+        assert result.exit_code == 0, (result.output, result.exception)
+    return result
+

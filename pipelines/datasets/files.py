@@ -1,0 +1,272 @@
+"""Grain sources over files: JSONL, Parquet and ArrayRecord, with random access.
+
+Each is a `grain.MapDataset` over the format readers in `pipelines.formats` (the same checks and
+errors as the offline CLI: `InputError` naming the file and the line or record).
+
+    JsonlSource("a.jsonl")[1]                        # {"tokens": array([101, 102], dtype=int32)}
+    ParquetSource(["p0.parquet", "p1.parquet"], column="tokens")
+    ArrayRecordSource("examples.arrayrecord")        # SQP1 records, decoded zero-copy
+    PackedArrayRecordSource("out/packed")            # a `seqpack pack` directory (manifest.json)
+
+Records are numbered across files in order. `PackedArrayRecordSource` reads the packed rows the
+offline writer produces (a directory holding ``manifest.json``, or shard files) and checks each
+row for the contract keys of its feature; `make_training_pipeline` batches it without packing.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from seqpack.packer.contract import keys
+from seqpack.pipelines.datasets.sources import as_path_list, locate, norm_index
+from seqpack.pipelines.errors import InputError
+from seqpack.pipelines.formats import arrayrecord, jsonl
+from seqpack.pipelines.formats.manifest import MANIFEST, Manifest, read_manifest
+from seqpack.pipelines.formats.parquet import ParquetTokens
+
+Paths = str | os.PathLike | Sequence[str | os.PathLike]
+
+
+class _PerProcess:
+    """Open handles (file descriptors, readers) that must not cross a fork or a pickle."""
+
+    def __init__(self) -> None:
+        self._handles: dict[int, Any] = {}
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        return state
+
+    def _handle(self, f: int, open_fn) -> Any:
+        if self._pid != os.getpid():
+            self._handles, self._pid = {}, os.getpid()
+        handle = self._handles.get(f)
+        if handle is None:
+            handle = self._handles[f] = open_fn(f)
+        return handle
+
+
+class JsonlSource(_PerProcess, grain.MapDataset):
+    """Examples from JSON Lines files; element = {feature: int array, **extra fields}.
+
+    paths:        one file or a list of files.
+    field:        the JSON key holding the token ids (a list of ints).
+    feature:      the element key for them (default: `field`).
+    dtype:        the token array dtype; ids must fit it.
+    extra_fields: further JSON keys copied into the element (scalars or lists become arrays).
+
+    On construction every file is scanned once for its line starts, so `source[i]` reads one line.
+    """
+
+    def __init__(self, paths: Paths, *, field: str = "tokens", feature: str | None = None,
+                 dtype: Any = np.int32, extra_fields: Sequence[str] = ()):
+        grain.MapDataset.__init__(self)
+        _PerProcess.__init__(self)
+        self._paths = as_path_list(paths, name="JsonlSource")
+        self._field, self._feature = field, feature or field
+        self._dtype = np.dtype(dtype)
+        if self._dtype.kind not in "iu":
+            raise ValueError(f"dtype={self._dtype} must be an integer dtype, e.g. np.int32")
+        self._extra = tuple(extra_fields)
+        self._index = [jsonl.line_index(p) for p in self._paths]
+        counts = [idx[0].size for idx in self._index]
+        self._cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self._cum[-1])
+
+    def __str__(self) -> str:
+        return f"JsonlSource({len(self._paths)} files, {len(self)} records)"
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        index = norm_index(index, len(self), str(self))
+        f, j = locate(self._cum, index)
+        starts, ends, line_no = self._index[f]
+        start, end = int(starts[j]), int(ends[j])
+        fd = self._handle(f, lambda f: os.open(self._paths[f], os.O_RDONLY))
+        raw = os.pread(fd, end - start, start)
+        where = f"{self._paths[f]}:{int(line_no[j])} (record {index})"
+        record = jsonl.parse_line(raw, self._field, where)
+        out = {self._feature: jsonl.tokens(record[self._field], self._field, where, self._dtype)}
+        for key in self._extra:
+            if key not in record:
+                raise InputError(f"{where}: extra field {key!r} is missing")
+            out[key] = np.asarray(record[key])
+        return out
+
+    def __del__(self):
+        for fd in getattr(self, "_handles", {}).values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class ParquetSource(grain.MapDataset):
+    """Examples from Parquet files; element = {feature: int array, **extra columns}.
+
+    paths:            one file or a list of files.
+    column:           the list<int> column holding the token ids.
+    feature:          the element key for them (default: `column`).
+    extra_columns:    further columns copied into each element (numeric scalars or lists).
+    cache_row_groups: how many decoded row groups to keep in memory.
+
+    A row group is read on first access and kept (a few at a time); every element is a numpy
+    view into its Arrow buffers.
+    """
+
+    def __init__(self, paths: Paths, *, column: str = "tokens", feature: str | None = None,
+                 extra_columns: Sequence[str] = (), cache_row_groups: int = 4):
+        super().__init__()
+        self._paths = as_path_list(paths, name="ParquetSource")
+        self._feature = feature or column
+        self._files = [ParquetTokens(p, column, extra_columns=extra_columns)
+                       for p in self._paths]
+        self._groups = [(f, g) for f, pf in enumerate(self._files)
+                        for g in range(len(pf.group_rows))]
+        flat = [r for pf in self._files for r in pf.group_rows]
+        self._group_cum = np.concatenate([[0], np.cumsum(flat)]).astype(np.int64)
+        self._cache_size = max(1, int(cache_row_groups))
+        self._cache: collections.OrderedDict = collections.OrderedDict()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cache"] = collections.OrderedDict()
+        return state
+
+    def __len__(self) -> int:
+        return int(self._group_cum[-1])
+
+    def __str__(self) -> str:
+        return f"ParquetSource({len(self._paths)} files, {len(self)} records)"
+
+    def _load(self, k: int) -> tuple[np.ndarray, list[int], dict[str, Any]]:
+        cached = self._cache.get(k)
+        if cached is not None:
+            self._cache.move_to_end(k)
+            return cached
+        f, g = self._groups[k]
+        chunk = self._files[f].read_group(g)
+        entry = (chunk.values, chunk.offsets.tolist(), chunk.extra)
+        self._cache[k] = entry
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return entry
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        index = norm_index(index, len(self), str(self))
+        k, j = locate(self._group_cum, index)
+        values, offsets, extra = self._load(k)
+        out: dict[str, Any] = {self._feature: values[offsets[j] : offsets[j + 1]]}
+        for name, col in extra.items():
+            v = col[j]
+            out[name] = np.asarray(v) if isinstance(v, (list, np.ndarray)) else v
+        return out
+
+
+def shard_paths(paths: Any) -> tuple[list[str], Manifest | None]:
+    """Shard files (and the manifest, if any) from a directory, one file or a list of files."""
+    if isinstance(paths, (str, os.PathLike)) and os.path.isdir(paths):
+        directory = os.fspath(paths)
+        if os.path.exists(os.path.join(directory, MANIFEST)):
+            manifest = read_manifest(directory)
+            return [os.path.join(directory, s) for s in manifest.shards], manifest
+        found = sorted(os.path.join(directory, n) for n in os.listdir(directory)
+                       if n.endswith((".arrayrecord", ".array_record")))
+        if not found:
+            raise InputError(f"{directory}: no manifest.json and no *.arrayrecord files")
+        return found, None
+    return as_path_list(paths, name="ArrayRecord source"), None
+
+
+class ArrayRecordSource(_PerProcess, grain.MapDataset):
+    """SQP1 records from ArrayRecord files, decoded to name -> numpy array dicts."""
+
+    def __init__(self, paths: Paths):
+        grain.MapDataset.__init__(self)
+        _PerProcess.__init__(self)
+        self._paths, self.manifest = shard_paths(paths)
+        counts = []
+        for path in self._paths:
+            reader = arrayrecord.open_reader(path, "readahead_buffer_size:0")
+            counts.append(reader.num_records())
+            arrayrecord.close_quietly(reader)
+        self._cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    @property
+    def paths(self) -> list[str]:
+        return list(self._paths)
+
+    def __len__(self) -> int:
+        return int(self._cum[-1])
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}({len(self._paths)} files, {len(self)} records)"
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        index = norm_index(index, len(self), str(self))
+        f, j = locate(self._cum, index)
+        path = self._paths[f]
+        reader = self._handle(
+            f, lambda f: arrayrecord.open_reader(self._paths[f], "readahead_buffer_size:0"))
+        row = arrayrecord.decode(arrayrecord.read_raw(reader, path, [j])[0], path, j)
+        try:
+            self._check(row)
+        except ValueError as e:
+            raise InputError(f"{path} record {j}: {e}") from None
+        return row
+
+    def _check(self, row: dict[str, np.ndarray]) -> None:
+        """Hook for subclasses: raise ValueError if a decoded record is malformed."""
+
+
+class PackedArrayRecordSource(ArrayRecordSource):
+    """Packed rows (contract keys of `feature`, `[L]` and `[S]` arrays) from ArrayRecord shards.
+
+    feature: the packed feature; defaults to the manifest's `feature`, else "tokens".
+    """
+
+    is_packed = True
+
+    def __init__(self, paths: Paths, *, feature: str | None = None):
+        super().__init__(paths)
+        m = self.manifest
+        self.feature = feature or (m.feature if m else "tokens")
+        self.seq_len = m.seq_len if m else None
+        self.max_segments = m.max_segments if m else None
+
+    def _check(self, row: dict[str, np.ndarray]) -> None:
+        k = keys(self.feature)
+        missing = [name for name in (*k.per_token, *k.per_slot) if name not in row]
+        if missing:
+            raise ValueError(
+                f"packed row lacks {missing} (has {sorted(row)}); is this a shard of packed rows "
+                f"of feature {self.feature!r}? pass feature=..."
+            )
+        L = row[k.values].shape[0] if row[k.values].ndim else -1
+        lengths = row[k.segment_lengths]
+        S = lengths.shape[0] if lengths.ndim else -1
+        for name in k.per_token:
+            if row[name].ndim != 1 or row[name].shape[0] != L:
+                raise ValueError(f"packed row: {name} has shape {row[name].shape}, expected ({L},)")
+        for name in (*k.per_slot, *[s for s in (k.source_index, k.source_start) if s in row]):
+            if row[name].ndim != 1 or row[name].shape[0] != S:
+                raise ValueError(f"packed row: {name} has shape {row[name].shape}, expected ({S},)")
+        if self.seq_len is not None and L != self.seq_len:
+            raise ValueError(f"packed row has L={L}, manifest says seq_len={self.seq_len}")
+        if self.max_segments is not None and S != self.max_segments:
+            raise ValueError(f"packed row has S={S}, manifest says {self.max_segments=}")

@@ -1,0 +1,102 @@
+"""ArrayRecord files of SQP1 records: open, read and decode with errors naming file and record.
+
+One reader for the offline CLI (example inputs: a 1-D integer array per record, read in chunks;
+packed shards in `offline.verify`) and the Grain `ArrayRecordSource` / `PackedArrayRecordSource`
+(random access). A file that cannot be opened, a corrupt chunk and a record that does not decode
+raise `InputError` naming the file and the record.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from seqpack.pipelines.errors import InputError, require
+from seqpack.pipelines.formats.chunks import Chunk, ragged
+from seqpack.pipelines.formats.records import decode_row
+
+_CHUNK_RECORDS = 4096
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else f"{type(e).__name__} with no message"
+
+
+def open_reader(path: str, options: str = "readahead_buffer_size:0,max_parallelism:0") -> Any:
+    """An ArrayRecordReader for random access; InputError if the file cannot be opened."""
+    module = require("array_record.python.array_record_module", "reading ArrayRecord files")
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: no such file")
+    try:
+        return module.ArrayRecordReader(path, options)
+    except RuntimeError as e:
+        raise InputError(f"{path}: corrupt ArrayRecord file ({first_line(e)})") from None
+
+
+def close_quietly(reader: Any) -> None:
+    """Closes an ArrayRecordReader; a reader that hit a corrupt file raises again on close."""
+    try:
+        reader.close()
+    except RuntimeError:
+        pass
+
+
+def read_raw(reader: Any, path: str, indices: list[int]) -> list[bytes]:
+    """Records `indices` of an open file; InputError naming the file and first record."""
+    try:
+        return reader.read(indices)
+    except (RuntimeError, IndexError) as e:
+        raise InputError(f"{path}: corrupt shard, cannot read record {indices[0]} "
+                         f"({first_line(e)})") from None
+
+
+def decode(raw: bytes, path: str, index: int) -> dict[str, np.ndarray]:
+    """One SQP1 record; InputError naming the file and record if it does not decode."""
+    try:
+        return decode_row(raw)
+    except ValueError as e:
+        raise InputError(f"{path} record {index}: {e}") from None
+
+
+def example_chunks(path: str, column: str) -> Iterator[Chunk]:
+    """The 1-D integer array `column` of every record, `_CHUNK_RECORDS` records per chunk."""
+    reader = open_reader(path)
+    try:
+        try:
+            n = reader.num_records()
+            if not n:
+                reader.read_all()  # a file that is no ArrayRecord at all reads as 0 records
+        except RuntimeError as e:
+            raise InputError(f"{path}: corrupt ArrayRecord file ({first_line(e)})") from None
+        for first in range(0, n, _CHUNK_RECORDS):
+            count = min(_CHUNK_RECORDS, n - first)
+            try:
+                raws = reader.read(list(range(first, first + count)))
+            except RuntimeError as e:
+                raise InputError(f"{path}: corrupt ArrayRecord file ({first_line(e)})") from None
+            seqs = [_example(decode(raw, path, first + i), column, path, first + i)
+                    for i, raw in enumerate(raws)]
+            dtype = np.result_type(*[s.dtype for s in seqs])
+            values, offsets = ragged(seqs, dtype)
+            yield Chunk(values, offsets, first)
+    finally:
+        close_quietly(reader)
+
+
+def _example(row: dict[str, np.ndarray], column: str, path: str, index: int) -> np.ndarray:
+    arr = row.get(column)
+    if arr is None:
+        raise InputError(f"{path} record {index}: array {column!r} is missing (has "
+                         f"{sorted(row)}); pass --column")
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InputError(f"{path} record {index}: {column!r} is {arr.dtype}{list(arr.shape)}, "
+                         "not a 1-D integer array of token ids")
+    if arr.size and arr.dtype.kind == "i" and int(arr.min()) < 0:
+        k = int(np.argmax(arr < 0))
+        raise InputError(f"{path} record {index}: {column}[{k}]={int(arr[k])} is a negative "
+                         "token id; ids must be >= 0")
+    return arr

@@ -1,0 +1,68 @@
+"""What every format reader yields: a chunk of consecutive records as ragged token ids.
+
+A file is read as a sequence of chunks (a Parquet row group, a range of ArrayRecord records, a
+whole JSONL or text file), each in the Arrow list layout: record `first + i` of the file is
+``values[offsets[i]:offsets[i + 1]]``. Readers check every chunk (names file and record on bad
+data); consumers concatenate chunks (the offline CLI) or cache them (the Grain sources).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """Records [first, first + n) of one file."""
+
+    values: np.ndarray  # X[N] token ids, >= 0
+    offsets: np.ndarray  # i64[n + 1]; need not start at 0
+    first: int  # index of the chunk's first record in its file
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # name -> per-record column
+
+    @property
+    def num_records(self) -> int:
+        return int(self.offsets.size - 1)
+
+    def tokens(self) -> np.ndarray:
+        """The chunk's tokens back to back (a view)."""
+        return self.values[int(self.offsets[0]) : int(self.offsets[-1])]
+
+
+def numpy_view(arr: Any) -> np.ndarray:
+    """A primitive integer Arrow array as a numpy view (Array.to_numpy would import pandas)."""
+    dtype = np.dtype(str(arr.type))
+    return np.frombuffer(arr.buffers()[1], dtype, len(arr) + arr.offset)[arr.offset :]
+
+
+def ragged(seqs: Sequence[np.ndarray], dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(values, offsets) of a list of 1-D arrays."""
+    lengths = np.fromiter((s.size for s in seqs), np.int64, len(seqs))
+    offsets = np.zeros(len(seqs) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if not seqs:
+        return np.zeros(0, dtype), offsets
+    return np.concatenate(seqs).astype(dtype, copy=False), offsets
+
+
+def concat(chunks: Sequence[Chunk]) -> tuple[np.ndarray, np.ndarray]:
+    """All chunks' records back to back: (values, offsets from 0)."""
+    if len(chunks) == 1 and chunks[0].offsets[0] == 0:
+        return chunks[0].values, chunks[0].offsets
+    if not chunks:
+        return np.zeros(0, np.int32), np.zeros(1, np.int64)
+    dtype = np.result_type(*[c.values.dtype for c in chunks])
+    values = np.concatenate([c.tokens() for c in chunks]).astype(dtype, copy=False)
+    lengths = np.concatenate([np.diff(c.offsets) for c in chunks])
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return values, offsets
+
+
+def record_of(offsets: np.ndarray, position: int) -> int:
+    """The record (index into `offsets`) holding flat token `position`."""
+    return int(np.searchsorted(offsets, position, side="right")) - 1

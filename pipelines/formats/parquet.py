@@ -1,0 +1,117 @@
+"""Parquet: token ids in a list<int> column, read one row group at a time through Arrow buffers.
+
+One reader for the offline CLI (`ParquetTokens.chunks()`, every row group in order) and the
+Grain `ParquetSource` (`read_group(g)`, random access, cached there). A row group's list column is
+taken apart into its Arrow buffers (flat values + offsets) with no per-token Python work.
+
+Checked, with `InputError` naming the file (and the record, i.e. the row in that file): the file
+is readable Parquet, the column exists and is a list of integers (a float column names its first
+non-integer token), no list and no token is null, no id is negative.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from seqpack.pipelines.errors import InputError, require
+from seqpack.pipelines.formats.chunks import Chunk, numpy_view, record_of
+
+
+def _pyarrow() -> tuple[Any, Any]:
+    return require("pyarrow", "reading Parquet"), require("pyarrow.parquet", "reading Parquet")
+
+
+class ParquetTokens:
+    """The token column (and optional extra columns) of one Parquet file."""
+
+    def __init__(self, path: str | os.PathLike, column: str, *,
+                 extra_columns: Sequence[str] = ()):
+        pa, pq = _pyarrow()
+        self.path, self.column, self.extra = os.fspath(path), column, tuple(extra_columns)
+        if not os.path.isfile(self.path):
+            raise InputError(f"{self.path}: no such file")
+        try:
+            self._file = pq.ParquetFile(self.path)  # not read_table: that loads pandas
+            schema = self._file.schema_arrow
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"{self.path}: not a readable Parquet file ({e})") from None
+        for name in (column, *self.extra):
+            if name not in schema.names:
+                raise InputError(f"{self.path}: column {name!r} is missing (columns: "
+                                 f"{schema.names[:8]}); pass --column (column= in Python) "
+                                 "naming the token list")
+        t = schema.field(column).type
+        is_list = pa.types.is_list(t) or pa.types.is_large_list(t)
+        if not (is_list and pa.types.is_integer(t.value_type)):
+            where = self._first_non_integer() if is_list and pa.types.is_floating(
+                t.value_type) else ""
+            raise InputError(f"{self.path}: column {column!r} has type {t}; every record must "
+                             f"be a list of integer token ids (list<int32> or list<int64>){where}")
+        meta = self._file.metadata
+        self.group_rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_file"] = None  # reopened on first use after unpickling
+        return state
+
+    @property
+    def num_records(self) -> int:
+        return sum(self.group_rows)
+
+    def _pf(self) -> Any:
+        if self._file is None:
+            _, pq = _pyarrow()
+            self._file = pq.ParquetFile(self.path)
+        return self._file
+
+    def _first_non_integer(self) -> str:
+        col = self._file.read(columns=[self.column]).column(0).combine_chunks()
+        values = col.values.to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(~np.isfinite(values) | (values != np.round(values)))
+        if not bad.size:
+            return ""
+        pos = int(bad[0])
+        return (f"; {self.path} record {record_of(col.offsets.to_numpy(), pos)}: "
+                f"token {values[pos].item()!r} is not an integer id")
+
+    def chunks(self) -> Iterator[Chunk]:
+        """Every row group, in order."""
+        for g in range(len(self.group_rows)):
+            yield self.read_group(g)
+
+    def read_group(self, g: int) -> Chunk:
+        """Row group g, checked; `extra` holds the extra columns as numpy arrays."""
+        pa, _ = _pyarrow()
+        first = sum(self.group_rows[:g])
+        try:
+            table = self._pf().read_row_group(g, columns=[self.column, *self.extra])
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"{self.path}: cannot read row group {g} ({e})") from None
+        col = table.column(self.column)
+        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+        if col.null_count:
+            i = int(np.argmax(col.is_null().to_numpy(zero_copy_only=False)))
+            raise InputError(f"{self.path} record {first + i}: column {self.column!r} is null; "
+                             "write an empty list for an empty example")
+        offsets = numpy_view(col.offsets).astype(np.int64)
+        child = col.values
+        if child.null_count:
+            pos = int(np.argmax(child.is_null().to_numpy(zero_copy_only=False)))
+            raise InputError(f"{self.path} record {first + record_of(offsets, pos)}: "
+                             "a token id is null")
+        values = numpy_view(child)
+        lo, hi = int(offsets[0]), int(offsets[-1])
+        if hi > lo and values.dtype.kind == "i":
+            neg = np.flatnonzero(values[lo:hi] < 0)
+            if neg.size:
+                pos = lo + int(neg[0])
+                raise InputError(f"{self.path} record {first + record_of(offsets, pos)}: token "
+                                 f"id {int(values[pos])} is negative; ids must be >= 0")
+        extra = {name: table.column(name).combine_chunks().to_numpy(zero_copy_only=False)
+                 for name in self.extra}
+        return Chunk(values, offsets, first, extra)

@@ -1,0 +1,76 @@
+"""Text: UTF-8 files, one example per file, non-blank line or paragraph; tokenized or bytes.
+
+With a `tokenizers` tokenizer.json the ids are the tokenizer's; without one, the UTF-8 bytes are
+the ids (0..255). Paragraphs are runs of non-blank lines, numbered by their first line, so a bad
+one is named ``path:line``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from seqpack.pipelines.errors import InputError, require
+from seqpack.pipelines.formats.arrayrecord import first_line
+from seqpack.pipelines.formats.chunks import Chunk
+
+
+def load_tokenizer(path: str) -> Any:
+    """A `tokenizers` Tokenizer from a tokenizer.json; InputError if it cannot be loaded."""
+    Tokenizer = require("tokenizers", "--tokenizer").Tokenizer
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: tokenizer file does not exist")
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises its own Exception subclass
+        raise InputError(f"{path}: not a readable tokenizer.json ({first_line(e)})") from None
+
+
+
+_PARAGRAPH = re.compile(rb"(?:[^\n]*\S[^\n]*(?:\n|$))+")
+
+
+def read_text(path: str, tokenizer: Any, text_unit: str) -> tuple[np.ndarray, np.ndarray]:
+    """One example per file, non-blank line or paragraph (lines between blank lines): tokenizer
+    ids, or UTF-8 bytes as ids. Returns (values, offsets)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if text_unit == "line":
+        numbered = [(k, line) for k, line in enumerate(data.split(b"\n"), 1) if line.strip()]
+    elif text_unit == "paragraph":  # runs of non-blank lines, numbered by their first line
+        numbered, line_no, pos = [], 1, 0
+        for m in _PARAGRAPH.finditer(data):
+            line_no += data.count(b"\n", pos, m.start())
+            pos = m.start()
+            numbered.append((line_no, m.group().rstrip(b"\n")))
+    else:
+        numbered = [(0, data)]
+    chunks = [c for _, c in numbered]
+    if tokenizer is None:
+        lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
+        values = np.frombuffer(b"".join(chunks), np.uint8)
+    else:
+        texts = []
+        for line_no, c in numbered:
+            try:
+                texts.append(c.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                where = f"{path}:{line_no}" if line_no else path
+                msg = f"{where}: not UTF-8 text ({e.reason} at byte {e.start})"
+                raise InputError(msg) from None
+        ids = [np.asarray(enc.ids, np.int64) for enc in tokenizer.encode_batch(texts)]
+        lengths = np.fromiter((a.size for a in ids), np.int64, len(ids))
+        values = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return values, offsets
+
+
+def read_chunks(path: str, tokenizer: Any, text_unit: str) -> Iterator[Chunk]:
+    """One chunk per file (`read_text`)."""
+    values, offsets = read_text(path, tokenizer, text_unit)
+    yield Chunk(values, offsets, 0)

@@ -1,0 +1,2 @@
+"""The one set of test helpers: `files` (input files, the CLI), `packer` (corpora, losslessness),
+`pipelines` (Grain sources, restore checks), `kernels` (cases, interpret mode)."""
