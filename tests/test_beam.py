@@ -48,6 +48,7 @@ def _workers(n: int) -> list[str]:
     return [f"direct_num_workers={n}"]
 
 
+@pytest.mark.slow
 def test_one_and_two_workers_write_the_local_clis_bytes(corpus, tmp_path):
     paths, local = corpus
     want = dir_bytes(local)
@@ -66,6 +67,7 @@ def test_one_and_two_workers_write_the_local_clis_bytes(corpus, tmp_path):
         assert report.ok and report.num_rows == manifest.num_rows, report.violations
 
 
+@pytest.mark.slow
 def test_cli_runner_beam_matches_the_local_cli_and_verifies(tmp_path):
     seqs = random_seqs(300, max_len=100, seed=7) + [list(range(250))]
     src = [write_jsonl(tmp_path / "a.jsonl", seqs[:170]), write_parquet(tmp_path / "b.parquet",
@@ -94,6 +96,7 @@ def test_cli_runner_beam_matches_the_local_cli_and_verifies(tmp_path):
     assert result.exit_code == 0 and result.output.startswith("OK:"), result.output
 
 
+@pytest.mark.slow
 def test_bad_record_is_one_error_line_naming_file_and_record(tmp_path):
     good = write_jsonl(tmp_path / "good.jsonl", random_seqs(30, seed=1))
     bad = tmp_path / "bad.jsonl"
@@ -108,6 +111,7 @@ def test_bad_record_is_one_error_line_naming_file_and_record(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_library_errors_name_the_record_or_example(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -123,6 +127,7 @@ def test_library_errors_name_the_record_or_example(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_resume_keeps_complete_shards_and_overwrite_is_required(corpus, tmp_path):
     paths, local = corpus
     out = tmp_path / "out"

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from seqpack import kernels
 from seqpack.kernels import reference
 from tests.helpers.kernels import (
+    BF16_SLOW,
     CASES,
     GATHER_BLOCKS,
     INTERPRET,
@@ -53,7 +54,7 @@ def _check(position, x, offsets, lengths, g, dtype):
     return out
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16_SLOW])
 @pytest.mark.parametrize("position", POSITIONS)
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference(name, position, dtype):
@@ -77,6 +78,7 @@ def test_picks_exact_tokens_and_zero_for_absent():
     np.testing.assert_array_equal(dx[1], 0)
 
 
+@pytest.mark.slow
 def test_2d_input_and_one_slot():
     rng = np.random.default_rng(1)
     x = random_array(rng, (B, L), jnp.float32)
@@ -88,6 +90,7 @@ def test_2d_input_and_one_slot():
     np.testing.assert_array_equal(out[:, 0], [x[0, 0], x[1, 40]])
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), alignment=st.sampled_from([1, 8]))
 def test_random_packed_rows(seed, alignment):

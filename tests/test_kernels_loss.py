@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from seqpack import kernels
 from seqpack.kernels import reference
 from tests.helpers.kernels import (
+    BF16_SLOW,
     CASES,
     CE_BLOCKS,
     INTERPRET,
@@ -79,7 +80,7 @@ def _check(normalize, logits, targets, offsets, lengths, mask, w, dtype, **kw):
     return loss, seg_loss, tokens, dlogits
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16_SLOW])
 @pytest.mark.parametrize("normalize", NORMALIZE)
 def test_matches_reference(normalize, dtype):
     rng = np.random.default_rng(0)
@@ -96,6 +97,7 @@ def test_edge_cases(name):
     _check("segments", logits, targets, offsets, lengths, mask, w, jnp.float32)
 
 
+@pytest.mark.slow
 def test_no_mask_no_z_loss_default_blocks():
     rng = np.random.default_rng(2)
     offsets, lengths = case("aligned_16")
@@ -135,6 +137,7 @@ def test_empty_batch_gives_zero(normalize):
     assert loss == 0.0 and not seg_loss.any() and not tokens.any() and not dlogits.any()
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), alignment=st.sampled_from([1, 16]))
 def test_random_packed_rows(seed, alignment):
@@ -173,6 +176,7 @@ def test_lowers_for_tpu(dtype):
                   meta)
 
 
+@pytest.mark.slow
 def test_one_slot_filling_the_row():
     rng = np.random.default_rng(5)
     offsets, lengths = metadata([[(0, L)], [(20, L - 20)]], 1)

@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from seqpack import kernels
 from seqpack.kernels import reference
@@ -38,6 +39,7 @@ def _reference(tokens, offsets, lengths, logits):
     return jax.value_and_grad(loss_fn)(logits)
 
 
+@pytest.mark.slow
 def test_packed_rows_from_packer():
     from seqpack.packer import PackConfig, pack
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from seqpack import kernels
 from seqpack.kernels import SegmentBlockSizes, reference
 from tests.helpers.kernels import (
+    BF16_SLOW,
     CASES,
     INTERPRET,
     SEG_BLOCKS,
@@ -53,7 +54,7 @@ def _check(op, x, offsets, lengths, g, dtype):
     assert_close(dx, dx_ref, dtype, "grad")
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16_SLOW])
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference_3d(name, op, dtype):
@@ -119,7 +120,7 @@ def test_max_gradient_splits_ties():
     _check("segment_max", x, offsets, lengths, g, jnp.float32)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16_SLOW])
 def test_broadcast_matches_reference(dtype):
     rng = np.random.default_rng(3)
     offsets, lengths = case("aligned_16")
@@ -135,6 +136,7 @@ def test_broadcast_matches_reference(dtype):
     assert_close(out2, ref[..., 0], dtype)
 
 
+@pytest.mark.slow
 def test_one_slot_and_odd_feature_width():
     """S = 1, D = 200 (partial lane block of 128), default token block larger than L."""
     rng = np.random.default_rng(4)
@@ -162,6 +164,7 @@ def test_jittable_and_auto_uses_reference_on_cpu():
         assert "pallas_call" in jaxpr
 
 
+@pytest.mark.slow
 @settings(max_examples=12, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), alignment=st.sampled_from([1, 4, 16]))
 def test_random_packed_rows(seed, alignment):
@@ -190,6 +193,7 @@ def test_lowers_for_tpu(shape, dtype):
     lower_tpu(jax.grad(lambda v, o, n: f(v, o, n).astype(jnp.float32).sum()), values, meta, meta)
 
 
+@pytest.mark.slow
 def test_row_shorter_than_one_chunk():
     """L = 5 < chunk and D = 3 < 128: one token block larger than the row, one narrow lane block."""
     rng = np.random.default_rng(6)

@@ -230,6 +230,7 @@ def _worker_expected(ds_fn, values, offsets, num_workers):
     return out
 
 
+@pytest.mark.slow
 def test_restore_at_every_step_with_worker_processes():
     lengths = random_lengths(np.random.default_rng(9), 40, high=60)
     values, offsets = unique_corpus(lengths)

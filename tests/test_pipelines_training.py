@@ -75,7 +75,7 @@ def test_defaults_shard_from_jax_and_epochs_reshuffle():
     assert sorted(seen) == sorted(list(range(60)) * 2)
 
 
-@pytest.mark.parametrize("worker_count", [0, 2])
+@pytest.mark.parametrize("worker_count", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_resume_after_n_steps_is_exact(worker_count):
     src, _, _ = _source(n=240, seed=6)
     kw = dict(seq_len=128, batch_size=2, shuffle_seed=7, num_epochs=1, shard_index=0,

@@ -10,6 +10,8 @@ import pytest
 from examples.tiny_lm import ModelConfig, init_params, loss_fn
 from seqpack.packer import PackConfig, pack
 
+pytestmark = pytest.mark.slow  # trains / compiles a model: seconds per case
+
 CFG = ModelConfig(vocab=61, dim=32, heads=2, layers=2, mlp=64, max_len=32)
 
 

@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from examples.tiny_lm import ModelConfig
 from examples.train_tiny_lm import build_pipeline, stdlib_corpus, train
+
+pytestmark = pytest.mark.slow  # trains / compiles a model: seconds per case
 
 MODEL = ModelConfig(dim=32, heads=2, layers=1, mlp=64, max_len=64)
 KW = dict(seq_len=64, batch_size=4, model=MODEL)

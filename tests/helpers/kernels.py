@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from seqpack.kernels import CrossEntropyBlockSizes, GatherBlockSizes, SegmentBlockSizes
@@ -125,3 +126,6 @@ def random_array(rng, shape, dtype, scale: float = 1.0) -> np.ndarray:
 def lower_tpu(f, *args):
     """Lowers f for TPU (Pallas -> Mosaic, block-shape rules checked) without a TPU attached."""
     return jax.jit(f).trace(*args).lower(lowering_platforms=("tpu",))
+
+# bfloat16 repeats every float32 case at several seconds each: run with the slow cases.
+BF16_SLOW = pytest.param(jnp.bfloat16, marks=pytest.mark.slow, id="bfloat16")
