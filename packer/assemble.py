@@ -98,11 +98,7 @@ def _place(layout: Layout, seq_len: int) -> _Placed:
 
 def _fill(pieces: Sequence[Any], placed: _Placed, num_rows: int, seq_len: int, *, dtype: Any,
           pad: Any) -> np.ndarray:
-    trail: tuple[int, ...] = ()
-    for x in pieces:
-        if np.ndim(x) > 1:
-            trail = tuple(np.shape(x)[1:])
-            break
+    trail = tuple(np.shape(pieces[0])[1:]) if len(pieces) else ()  # every piece has these
     if placed.order is not None:
         pieces = [pieces[i] for i in placed.order.tolist()]
     gaps = placed.run_lens[0::2]
