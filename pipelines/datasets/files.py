@@ -33,10 +33,18 @@ from seqpack.pipelines.formats.parquet import ParquetTokens
 Paths = str | os.PathLike | Sequence[str | os.PathLike]
 
 
-class _PerProcess:
-    """Open handles (file descriptors, readers) that must not cross a fork or a pickle."""
+class _FileSource(grain.MapDataset):
+    """Records numbered across files: `_cum` holds cumulative counts per file (or row group).
+
+    Open handles (file descriptors, readers) are per process: they do not cross a fork or a
+    pickle.
+    """
+
+    _paths: list[str]
+    _cum: np.ndarray  # i64[units + 1]
 
     def __init__(self) -> None:
+        super().__init__()
         self._handles: dict[int, Any] = {}
         self._pid = os.getpid()
 
@@ -53,8 +61,24 @@ class _PerProcess:
             handle = self._handles[f] = open_fn(f)
         return handle
 
+    def __len__(self) -> int:
+        return int(self._cum[-1])
 
-class JsonlSource(_PerProcess, grain.MapDataset):
+    def __str__(self) -> str:
+        return f"{type(self).__name__}({len(self._paths)} files, {len(self)} records)"
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        index = norm_index(index, len(self), str(self))
+        return self._get(index, *locate(self._cum, index))
+
+    def _get(self, index: int, unit: int, j: int) -> dict[str, Any]:
+        """Record `index`: record j of file (or row group) `unit`."""
+        raise NotImplementedError
+
+
+class JsonlSource(_FileSource):
     """Examples from JSON Lines files; element = {feature: int array, **extra fields}.
 
     paths:        one file or a list of files.
@@ -68,8 +92,7 @@ class JsonlSource(_PerProcess, grain.MapDataset):
 
     def __init__(self, paths: Paths, *, field: str = "tokens", feature: str | None = None,
                  dtype: Any = np.int32, extra_fields: Sequence[str] = ()):
-        grain.MapDataset.__init__(self)
-        _PerProcess.__init__(self)
+        super().__init__()
         self._paths = as_path_list(paths, name="JsonlSource")
         self._field, self._feature = field, feature or field
         self._dtype = np.dtype(dtype)
@@ -80,17 +103,7 @@ class JsonlSource(_PerProcess, grain.MapDataset):
         counts = [idx[0].size for idx in self._index]
         self._cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
-    def __len__(self) -> int:
-        return int(self._cum[-1])
-
-    def __str__(self) -> str:
-        return f"JsonlSource({len(self._paths)} files, {len(self)} records)"
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return self.slice(index)
-        index = norm_index(index, len(self), str(self))
-        f, j = locate(self._cum, index)
+    def _get(self, index: int, f: int, j: int) -> dict[str, Any]:
         starts, ends, line_no = self._index[f]
         start, end = int(starts[j]), int(ends[j])
         fd = self._handle(f, lambda f: os.open(self._paths[f], os.O_RDONLY))
@@ -112,7 +125,7 @@ class JsonlSource(_PerProcess, grain.MapDataset):
                 pass
 
 
-class ParquetSource(grain.MapDataset):
+class ParquetSource(_FileSource):
     """Examples from Parquet files; element = {feature: int array, **extra columns}.
 
     paths:            one file or a list of files.
@@ -135,20 +148,14 @@ class ParquetSource(grain.MapDataset):
         self._groups = [(f, g) for f, pf in enumerate(self._files)
                         for g in range(len(pf.group_rows))]
         flat = [r for pf in self._files for r in pf.group_rows]
-        self._group_cum = np.concatenate([[0], np.cumsum(flat)]).astype(np.int64)
+        self._cum = np.concatenate([[0], np.cumsum(flat)]).astype(np.int64)  # per row group
         self._cache_size = max(1, int(cache_row_groups))
         self._cache: collections.OrderedDict = collections.OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
+        state = super().__getstate__()
         state["_cache"] = collections.OrderedDict()
         return state
-
-    def __len__(self) -> int:
-        return int(self._group_cum[-1])
-
-    def __str__(self) -> str:
-        return f"ParquetSource({len(self._paths)} files, {len(self)} records)"
 
     def _load(self, k: int) -> tuple[np.ndarray, list[int], dict[str, Any]]:
         cached = self._cache.get(k)
@@ -163,11 +170,7 @@ class ParquetSource(grain.MapDataset):
             self._cache.popitem(last=False)
         return entry
 
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return self.slice(index)
-        index = norm_index(index, len(self), str(self))
-        k, j = locate(self._group_cum, index)
+    def _get(self, index: int, k: int, j: int) -> dict[str, Any]:
         values, offsets, extra = self._load(k)
         out: dict[str, Any] = {self._feature: values[offsets[j] : offsets[j + 1]]}
         for name, col in extra.items():
@@ -191,12 +194,11 @@ def shard_paths(paths: Any) -> tuple[list[str], Manifest | None]:
     return as_path_list(paths, name="ArrayRecord source"), None
 
 
-class ArrayRecordSource(_PerProcess, grain.MapDataset):
+class ArrayRecordSource(_FileSource):
     """SQP1 records from ArrayRecord files, decoded to name -> numpy array dicts."""
 
     def __init__(self, paths: Paths):
-        grain.MapDataset.__init__(self)
-        _PerProcess.__init__(self)
+        super().__init__()
         self._paths, self.manifest = shard_paths(paths)
         counts = []
         for path in self._paths:
@@ -209,17 +211,7 @@ class ArrayRecordSource(_PerProcess, grain.MapDataset):
     def paths(self) -> list[str]:
         return list(self._paths)
 
-    def __len__(self) -> int:
-        return int(self._cum[-1])
-
-    def __str__(self) -> str:
-        return f"{type(self).__name__}({len(self._paths)} files, {len(self)} records)"
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return self.slice(index)
-        index = norm_index(index, len(self), str(self))
-        f, j = locate(self._cum, index)
+    def _get(self, index: int, f: int, j: int) -> dict[str, Any]:
         path = self._paths[f]
         reader = self._handle(
             f, lambda f: arrayrecord.open_reader(self._paths[f], "readahead_buffer_size:0"))
