@@ -8,11 +8,12 @@
     seqpack verify packed/ data/*.parquet          # proves the rows lossless against the inputs
     seqpack inspect packed/ --row 0
 
-Each command parses its options, calls one library function (`pipelines.writer`,
-`pipelines.verify`, `pipelines.report`) and prints. Bad input (a malformed file, a missing
-column, a corrupt shard, ...) prints one `Error: ...` line on stderr and exits with code 2;
-`verify` exits with 1 when it finds violations. Nothing here imports jax; heavy modules are
-imported inside the commands so `seqpack --help` stays fast.
+Each command parses its options, calls one library function (`pipelines.offline.writer`,
+`.verify`, `.report`) and prints. Errors map to exit codes in one place (`_Group.invoke`): bad
+input (a malformed file, a missing column, a corrupt shard, ...), a bad option or a missing extra
+prints one `Error: ...` line on stderr and exits with 2; `verify` exits with 1 when it finds
+violations; Ctrl-C exits with 130; anything else is a bug and keeps its traceback. Nothing here
+imports jax; heavy modules are imported inside the commands so `seqpack --help` stays fast.
 """
 
 from __future__ import annotations
@@ -131,7 +132,12 @@ def _read_options(input_format, column, tokenizer, text_unit):
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="seqpack")
 def seqpack() -> None:
-    """Pack variable-length token sequences into fixed-size rows, offline, and check them."""
+    """Pack variable-length token sequences into fixed-size rows, offline, and check them.
+
+    \b
+    Exit codes: 0 ok; 1 verify found violations; 2 bad input, a bad option or a missing
+    extra (one `Error:` line); 130 interrupted.
+    """
 
 
 def main(args: list[str] | None = None) -> None:

@@ -41,7 +41,8 @@ class MissingDependency(ImportError):
 
 
 def install_hint(module: str) -> str:
-    package, extra = _PACKAGES[module.split(".")[0]]
+    top = module.split(".")[0]
+    package, extra = _PACKAGES.get(top, (top, None))
     target = f"'seqpack[{extra}]'" if extra else "seqpack (it is a core dependency)"
     return f"{package}: pip install {target}"
 

@@ -181,3 +181,54 @@ def test_usage_errors_exit_2(tmp_path):
     assert result.exit_code == 2 and "magic" in result.stderr
     result = invoke("pack", path, "-o", tmp_path / "o", "--seq-len", 10, "--segment-alignment", 3)
     assert_bad_input(result, "segment_alignment=3 must divide seq_len=10")
+
+
+def _failing_pack(monkeypatch, error: BaseException):
+    from seqpack.pipelines.offline import writer
+
+    def pack_to_dir(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(writer, "pack_to_dir", pack_to_dir)
+
+
+def test_error_policy_maps_exit_codes_in_one_place(tmp_path, monkeypatch):
+    from seqpack.pipelines.errors import MissingDependency, UsageError
+
+    src = write_jsonl(tmp_path / "a.jsonl", [[1, 2, 3]])
+    args = ("pack", src, "-o", tmp_path / "o")
+    _failing_pack(monkeypatch, MissingDependency("x needs pyarrow: pip install 'seqpack[io]'"))
+    assert_bad_input(invoke(*args), "pip install 'seqpack[io]'")
+    _failing_pack(monkeypatch, UsageError("pass --overwrite"))
+    assert_bad_input(invoke(*args), "pass --overwrite")
+    _failing_pack(monkeypatch, KeyboardInterrupt())
+    result = invoke(*args)
+    assert result.exit_code == 130 and "interrupted" in result.stderr
+    # A plain ValueError or KeyError from inside is a bug, not bad input: it keeps its traceback.
+    for bug in (ValueError("internal invariant"), KeyError("key")):
+        _failing_pack(monkeypatch, bug)
+        result = invoke(*args)
+        assert result.exit_code != 2 and result.exception is bug
+
+
+def test_bad_option_values_are_usage_errors(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", [[1, 2, 3]])
+    assert_bad_input(invoke("pack", src, "-o", tmp_path / "o", "--seq-len", 10,
+                            "--segment-alignment", 3), "segment_alignment=3 must divide")
+    assert_bad_input(invoke("pack", src, "-o", tmp_path / "o", "--feature", "not an id"),
+                     "feature='not an id'")
+
+
+def test_a_missing_extra_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    from seqpack.pipelines.errors import MissingDependency, require
+
+    for name in ("pyarrow", "pyarrow.parquet"):  # as if pyarrow were not installed
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(MissingDependency, match=r"reading Parquet needs pyarrow: pip install "
+                                                r"'seqpack\[io\]'"):
+        require("pyarrow.parquet", "reading Parquet")
+    path = tmp_path / "a.parquet"  # never opened: the reader needs pyarrow first
+    path.write_bytes(b"PAR1")
+    assert_bad_input(invoke("stats", path), "needs pyarrow", "seqpack[io]")
