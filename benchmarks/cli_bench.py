@@ -4,7 +4,7 @@ The real corpus (``../shared/data/chat_dev.npz``) is converted once to a Parquet
 ``input_ids: list<int32>`` column (pyarrow's default writer settings). Then, alternating, best of
 ``--repeats`` runs each, in one process, after a warm-up run of each:
 
-    seqpack   pipelines.writer.pack_to_dir, the function `seqpack pack` calls: read the Parquet
+    seqpack   offline.writer.pack_to_dir, the function `seqpack pack` calls: read the Parquet
               column, plan (best fit decreasing, global), assemble every row, encode SQP1 records,
               write ArrayRecord shards (uncompressed) + manifest.json
     trl       datasets.Dataset(pyarrow.parquet.read_table(...)) + trl.pack_dataset(..., "bfd")

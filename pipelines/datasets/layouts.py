@@ -5,7 +5,7 @@ Both turn a window of held examples into contract rows and expose the same small
 
 - `SingleLayout`: `packer.StreamPlanner` (best fit decreasing over windows, overflow incl.
   split) and `packer.build_rows` for the token rows.
-- `MultiLayout`: `multi_planner.MultiStreamPlanner`; every feature gets its own segment metadata,
+- `MultiLayout`: `packer.MultiStreamPlanner`; every feature gets its own segment metadata,
   the example's slot is shared.
 
 Per-token meta features (e.g. a loss mask) ride on a host feature: same length per example, the

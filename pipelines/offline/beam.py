@@ -206,7 +206,7 @@ def pack_beam(
     beam_options: Sequence[str] = (),
     quiet: bool = False,
 ) -> Manifest:
-    """`pipelines.writer.pack_to_dir` as a Beam job; returns the manifest dict.
+    """`offline.writer.pack_to_dir` as a Beam job; returns the manifest.
 
     `beam_options`: Beam pipeline options as "KEY=VALUE" (see `pipeline_options`). `quiet`:
     Beam's log output and its worker processes' stderr go to a temporary file, removed after the

@@ -1,6 +1,6 @@
 """The steps of the Beam packing job as plain functions: scan, plan, route tokens, write shards.
 
-`pipelines.beam` wires these into a pipeline; nothing here imports Beam, so each step runs (and
+`offline.beam` wires these into a pipeline; nothing here imports Beam, so each step runs (and
 is tested) on its own. What each step takes and gives, for n examples in P pieces::
 
     scan_file          one input         -> FileScan: fingerprint, counts, lengths i64[n_f], dtype
@@ -15,7 +15,7 @@ is tested) on its own. What each step takes and gives, for n examples in P piece
 Only lengths travel to the one place that plans (8 bytes per example); tokens travel once, from
 the worker reading an input to the worker writing the shard they land in.
 
-Same bytes as the local writer (`pipelines.writer.pack_to_dir`): the plan is `packer.plan` on the
+Same bytes as the local writer (`offline.writer.pack_to_dir`): the plan is `packer.plan` on the
 same lengths in the same order (inputs in the order given, examples in file order), the manifest
 comes from the writer's own functions, and a shard's pieces are sorted back into (row, slot)
 order and written by `writer.write_shard`, whatever order they arrive in.

@@ -1,9 +1,9 @@
 """Packs a corpus offline into ArrayRecord shards of packed rows plus ``manifest.json``.
 
 One global plan (all lengths at once, so best fit decreasing sees every example), then shard by
-shard: the shard's rows are assembled, encoded as SQP1 records (`pipelines.records`; every row of
-a run has the same layout, so the record header is computed once and rows are joined around it)
-and written to ``rows-00000-of-00012.arrayrecord.tmp``, renamed to its final name when complete.
+shard: the shard's rows are assembled, encoded as SQP1 records (`formats.records`; every row of a
+run has the same layout, so the record header is computed once and rows are joined around it) and
+written to ``rows-00000-of-00012.arrayrecord.tmp``, renamed to its final name when complete.
 
 Output directory::
 
