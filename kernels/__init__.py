@@ -8,6 +8,12 @@ is jitted (options static) and differentiable. `validate_segments` checks metada
 jit. kernels/reference.py holds the pure-jnp references.
 """
 
+try:
+    import jax  # noqa: F401
+except ImportError as e:  # kernels import nothing from the other layers, so no shared helper
+    raise ImportError(f"seqpack.kernels needs jax: pip install 'seqpack[jax]' ({e})") from None
+
+
 from seqpack.kernels import reference
 from seqpack.kernels.checks import validate_segments
 from seqpack.kernels.common import Impl, Normalize, SegmentBlockSizes

@@ -93,3 +93,16 @@ def test_folders_import_only_their_layers(folder):
             assert not hit, f"{path.relative_to(ROOT)} imports {name}"
             assert name.split(".")[0] not in {"packer", "pipelines", "kernels", "cli"}, \
                 f"{path.relative_to(ROOT)} imports {name}: import it as seqpack.{name}"
+
+
+@pytest.mark.parametrize("module,missing,extra", [
+    ("seqpack.pipelines.datasets", "grain", "seqpack[grain]"),
+    ("seqpack.kernels", "jax", "seqpack[jax]"),
+])
+def test_a_layer_without_its_extra_says_which_extra(module, missing, extra):
+    code = f"import sys; sys.modules[{missing!r}] = None; import {module}"
+    result = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.split(":")[0].endswith(("ImportError", "MissingDependency")), last
+    assert f"needs {missing}: pip install '{extra}'" in last, last

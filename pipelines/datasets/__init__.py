@@ -11,16 +11,20 @@ The only part of seqpack that imports grain (and so jax):
 - `make_training_pipeline`: shard, shuffle, pack, batch, prefetch.
 """
 
-from seqpack.pipelines.datasets.dropin import BestFitPackIterDataset, FirstFitPackIterDataset
-from seqpack.pipelines.datasets.files import (
+from seqpack.pipelines.errors import require
+
+require("grain", "seqpack.pipelines.datasets")  # one message naming the extra, if missing
+
+from seqpack.pipelines.datasets.dropin import BestFitPackIterDataset, FirstFitPackIterDataset  # noqa: E402
+from seqpack.pipelines.datasets.files import (  # noqa: E402
     ArrayRecordSource,
     JsonlSource,
     PackedArrayRecordSource,
     ParquetSource,
 )
-from seqpack.pipelines.datasets.pack import PackIterator, PackIterDataset
-from seqpack.pipelines.datasets.sources import ArraySource, SequentialIterDataset
-from seqpack.pipelines.datasets.training import make_training_pipeline
+from seqpack.pipelines.datasets.pack import PackIterator, PackIterDataset  # noqa: E402
+from seqpack.pipelines.datasets.sources import ArraySource, SequentialIterDataset  # noqa: E402
+from seqpack.pipelines.datasets.training import make_training_pipeline  # noqa: E402
 
 __all__ = [
     "ArrayRecordSource",
