@@ -14,8 +14,6 @@ from tests.helpers.files import invoke, random_seqs, write_jsonl, write_parquet
 SEQS = random_seqs(400, max_len=60, seed=2) + [list(range(150))]  # one over-length example
 
 
-
-
 @pytest.fixture
 def packed(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", SEQS)

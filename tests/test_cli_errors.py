@@ -16,8 +16,6 @@ invoke = functools.partial(files.invoke, ok=False)  # these runs are meant to fa
 SEQS = [[1, 2, 3], [4, 5], [], [6, 7, 8, 9]]
 
 
-
-
 def assert_bad_input(result, *needles):
     assert result.exit_code == 2, (result.output, result.exception)
     lines = result.stderr.strip().splitlines()

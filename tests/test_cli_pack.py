@@ -26,8 +26,6 @@ from tests.helpers.files import (
 SEQS = random_seqs(300, max_len=40, seed=1)
 
 
-
-
 def all_rows(out) -> dict[str, np.ndarray]:
     manifest = json.loads((out / "manifest.json").read_text())
     shards = [read_shard(str(out), n) for n in manifest["shards"]]

@@ -20,7 +20,8 @@ import numpy as np
 
 from seqpack import packer
 from seqpack.packer import MultiStreamPlanner
-from seqpack.packer.assemble import RowLayout, fill_rows, source_arrays, write_feature
+from seqpack.packer.assemble import fill_rows, source_arrays, write_feature
+from seqpack.packer.plan import order_pieces
 
 
 def gather(held: dict[int, list], ids: list[int], window: int) -> list[Any]:
@@ -68,28 +69,18 @@ class SingleLayout:
 
 
 class MultiLayout:
-    """Several packed features via `MultiStreamPlanner`."""
+    """Several packed features via `MultiStreamPlanner`; `configs` holds one per feature (the same
+    max_segments, alignment, overflow and pad_id)."""
 
-    def __init__(
-        self,
-        features: tuple[str, ...],
-        capacities: tuple[int, ...],
-        *,
-        max_segments: int,
-        alignment: int,
-        overflow: str,
-        pad_id: int,
-        window: int,
-        meta: dict[str, str],
-    ):
-        self.features = features
-        self.capacities = capacities
-        self.max_segments = max_segments
-        self.pad_id = pad_id
+    def __init__(self, configs: list[packer.PackConfig], *, window: int, meta: dict[str, str]):
+        cfg = configs[0]
+        self.configs = configs
+        self.features = tuple(c.feature for c in configs)
+        self.max_segments = cfg.max_segments
         self.meta = meta
         self.planner = MultiStreamPlanner(
-            features, capacities, max_segments=max_segments, alignment=alignment,
-            overflow=overflow, window=window,
+            self.features, tuple(c.seq_len for c in configs), max_segments=cfg.max_segments,
+            alignment=cfg.segment_alignment, overflow=str(cfg.overflow), window=window,
         )
 
     def window_lengths(self, cols: dict[str, list[Any]]) -> np.ndarray:
@@ -108,34 +99,28 @@ class MultiLayout:
     def build(self, rows: list[list[tuple]], held: dict[str, dict[int, list]], window: int) -> dict:
         """Contract rows for every feature (own layout each) + shared source index/start."""
         counts = np.fromiter((len(r) for r in rows), np.int64, len(rows))
-        flat = [p for r in rows for p in r]
         R, S = len(rows), self.max_segments
+        flat = [p for r in rows for p in r]  # (id, length per feature), in example order
         pieces = np.asarray(flat, np.int64).reshape(-1, 1 + len(self.features))
         row = np.repeat(np.arange(R, dtype=np.int64), counts)
-        first = np.cumsum(counts) - counts
-        slot = np.arange(row.size, dtype=np.int64) - np.repeat(first, counts)
         ids = pieces[:, 0]
+        starts = np.zeros_like(ids)
         batch: dict[str, np.ndarray] = {}
-        a = self.planner.alignment
-        for f, (name, L) in enumerate(zip(self.features, self.capacities, strict=True)):
-            length = pieces[:, 1 + f]
-            aligned = -(-length // a) * a
-            excl = np.cumsum(aligned) - aligned
-            offset = excl - np.repeat(excl[first], counts) if row.size else excl
-            layout = RowLayout(row, slot, offset, length, R)
-            col = gather(held[name], ids.tolist(), window)
-            values = [v[:m] for v, m in zip(col, length.tolist(), strict=True)]
+        for f, cfg in enumerate(self.configs):
+            # Each feature gets its own offsets; slots are the same (pieces in example order).
+            plan = order_pieces(ids, starts, pieces[:, 1 + f], row, R, packer.Counters(), cfg)
+            col = gather(held[cfg.feature], plan.example.tolist(), window)
+            values = [v[:m] for v, m in zip(col, plan.length.tolist(), strict=True)]
             dtype = values[0].dtype if values else np.int32
-            batch.update(write_feature(values, layout, L, S, feature=name, dtype=dtype,
-                                       pad=self.pad_id))
+            batch.update(write_feature(values, plan, cfg.seq_len, S, feature=cfg.feature,
+                                       dtype=dtype, pad=cfg.pad_id))
             for meta_name, host in self.meta.items():
-                if host == name:
-                    col = gather(held[meta_name], ids.tolist(), window)
-                    mv = [v[:m] for v, m in zip(col, length.tolist(), strict=True)]
-                    batch[meta_name] = fill_rows(mv, layout, L,
+                if host == cfg.feature:
+                    col = gather(held[meta_name], plan.example.tolist(), window)
+                    mv = [v[:m] for v, m in zip(col, plan.length.tolist(), strict=True)]
+                    batch[meta_name] = fill_rows(mv, plan, cfg.seq_len,
                                                  dtype=mv[0].dtype if mv else np.int32)
-        layout = RowLayout(row, slot, row * 0, row * 0, R)
-        batch.update(source_arrays(layout, S, ids, np.zeros_like(ids)))
+        batch.update(source_arrays(plan, S, plan.example, plan.start))
         return batch
 
     def open_ids(self, state: dict) -> set[int]:

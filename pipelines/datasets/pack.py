@@ -327,17 +327,7 @@ class PackIterDataset(grain.IterDataset):
     def make_layout(self) -> SingleLayout | MultiLayout:
         if len(self.features) == 1:
             return SingleLayout(self.configs[0], window=self.window, meta=self.meta)
-        cfg = self.configs[0]
-        return MultiLayout(
-            self.features,
-            tuple(c.seq_len for c in self.configs),
-            max_segments=cfg.max_segments,
-            alignment=cfg.segment_alignment,
-            overflow=cfg.overflow.value,
-            pad_id=cfg.pad_id,
-            window=self.window,
-            meta=self.meta,
-        )
+        return MultiLayout(self.configs, window=self.window, meta=self.meta)
 
     def check_meta_lengths(self, cols: dict[str, list], first_id: int) -> None:
         for name, host in self.meta.items():

@@ -30,7 +30,6 @@ def load_tokenizer(path: str) -> Any:
         raise InputError(f"{path}: not a readable tokenizer.json ({first_line(e)})") from None
 
 
-
 _PARAGRAPH = re.compile(rb"(?:[^\n]*\S[^\n]*(?:\n|$))+")
 
 
