@@ -75,7 +75,8 @@ class Manifest:
 
     def intent(self) -> Manifest:
         """This manifest without its results (what ``pack_intent.json`` holds)."""
-        return dataclasses.replace(self, **dict.fromkeys(_RESULTS))
+        return dataclasses.replace(self, shard_num_rows=None, stats=None,
+                                   example_length_histogram=None)
 
     def completed(self, shard_num_rows: list[int], results: dict[str, Any]) -> Manifest:
         """The complete manifest: row counts per shard plus `stats` and the length histogram."""
@@ -101,7 +102,7 @@ class Manifest:
                 raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
             if obj.get("format") != FORMAT:
                 raise ValueError(f"format is {obj.get('format')!r}, not {FORMAT!r}")
-            fields = {f.name: obj.get(f.name) for f in dataclasses.fields(cls)}
+            fields: dict[str, Any] = {f.name: obj.get(f.name) for f in dataclasses.fields(cls)}
             missing = [k for k, v in fields.items() if v is None and k not in _RESULTS]
             if missing:
                 raise ValueError(f"missing {missing}")

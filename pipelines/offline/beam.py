@@ -55,6 +55,7 @@ import sys
 import tempfile
 import types
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from seqpack.packer import PackConfig
 from seqpack.pipelines.errors import InputError, UsageError, require
@@ -83,11 +84,11 @@ def _import_beam() -> types.ModuleType:
         root.removeHandler(guard)
 
 
-beam = _import_beam()
-PipelineOptions = beam.options.pipeline_options.PipelineOptions
+beam: Any = _import_beam()  # imported at run time: no static types
+PipelineOptions: Any = beam.options.pipeline_options.PipelineOptions
 
 
-def pipeline_options(beam_options: Sequence[str] = ()) -> PipelineOptions:
+def pipeline_options(beam_options: Sequence[str] = ()) -> Any:
     """Beam `PipelineOptions` from "KEY=VALUE" / "KEY" strings, with this job's defaults.
 
     With no `runner`, or the DirectRunner: multi-processing mode, `direct_num_workers` = the CPU
@@ -111,7 +112,7 @@ def pipeline_options(beam_options: Sequence[str] = ()) -> PipelineOptions:
 
 
 def build_pipeline(
-    p: beam.Pipeline,
+    p: Any,  # a beam.Pipeline
     paths: Sequence[str],
     output_dir: str,
     config: PackConfig,
@@ -159,7 +160,7 @@ def _scan(element: tuple[int, str], read_options: ReadOptions) -> beam_steps.Fil
 
 def _plan(scans: list[beam_steps.FileScan], output_dir: str, config: PackConfig,
           read_options: ReadOptions, write_options: WriteOptions, overwrite: bool,
-          resume: bool) -> Iterator[beam_steps.FileJob | beam.pvalue.TaggedOutput]:
+          resume: bool) -> Iterator[Any]:  # FileJobs, or beam.pvalue.TaggedOutput
     try:
         summary, jobs = beam_steps.plan_job(scans, output_dir, config, read_options=read_options,
                                             write_options=write_options, overwrite=overwrite,

@@ -220,8 +220,9 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
     if lengths_digest(lengths) != manifest.inputs["lengths_sha256"]:
         out.add(f"the inputs' {lengths.size} example lengths differ from the packed inputs' "
                 f"{manifest.inputs['num_examples']}")
+    shard_num_rows, recorded_stats = manifest.shard_num_rows or [], manifest.stats or {}
     pieces, seg_lengths, checked = [], [], 0
-    for name, num_rows in zip(manifest.shards, manifest.shard_num_rows):
+    for name, num_rows in zip(manifest.shards, shard_num_rows, strict=True):
         batch = read_shard(output_dir, name, num_rows)
         if not batch:
             continue
@@ -238,14 +239,14 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
         checked += n
     if pieces:
         ex, st, ln = (np.concatenate(x) for x in zip(*pieces))
-        counters = Counters(**manifest.stats["counters"])
+        counters = Counters(**recorded_stats["counters"])
         _check_coverage(ex, st, ln, lengths, config, counters, out)
     seg = np.concatenate(seg_lengths) if seg_lengths else np.zeros((0, config.max_segments))
     got = stats_from_lengths(seg, config.seq_len).to_dict()
     for key in ("num_rows", "num_segments", "real_tokens", "lower_bound_rows",
                 "segments_per_row", "row_fill_histogram"):
-        if got[key] != manifest.stats[key]:
-            out.add(f"manifest stats {key}={manifest.stats[key]} but the rows give {got[key]}")
+        if got[key] != recorded_stats[key]:
+            out.add(f"manifest stats {key}={recorded_stats[key]} but the rows give {got[key]}")
     return VerifyReport(ok=not out.items, violations=out.items,
-                        num_rows=int(sum(manifest.shard_num_rows)),
+                        num_rows=int(sum(shard_num_rows)),
                         num_examples=int(lengths.size), tokens_checked=checked)
