@@ -79,11 +79,9 @@ def tokens(value: Any, field: str, where: str, dtype: np.dtype) -> np.ndarray:
     return arr.astype(dtype)
 
 
-def read_chunks(path: str, field: str, *, use_arrow: bool = True) -> Iterator[Chunk]:
+def read_chunks(path: str, field: str) -> Iterator[Chunk]:
     """The token lists of one JSONL file (one chunk per file: pyarrow parses it whole)."""
     try:
-        if not use_arrow:
-            raise ImportError("Python's parser asked for")
         import pyarrow as pa
         import pyarrow.compute as pc
         import pyarrow.json as pj
