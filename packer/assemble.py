@@ -74,7 +74,7 @@ Layout = RowLayout | PackPlan  # a plan is a layout too (plus where each piece c
 
 @dataclasses.dataclass(frozen=True)
 class _Placed:
-    """A layout's pieces in buffer order: flat starts, runs, and the permutation (or None)."""
+    """A layout's pieces in buffer order: their runs, slots, and the permutation (or None)."""
 
     order: np.ndarray | None
     run_lens: np.ndarray
