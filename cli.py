@@ -164,6 +164,12 @@ def main(args: list[str] | None = None) -> None:
 @click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1),
               help="Batch size for the steps-per-epoch figure.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Processes that read inputs and write shards; the output is the same for "
+                   "any number.  [default: the CPU count]")
+@click.option("--block-size", type=click.IntRange(min=1), default=None,
+              help="Examples planned together; larger corpora are planned per block of "
+                   "consecutive examples (bounded memory, a few rows more).  [default: 4194304]")
 @click.option("--runner", type=click.Choice(["local", "beam"]), default="local", show_default=True,
               help="local: in this process. beam: as an Apache Beam job, same output "
                    "(DirectRunner, one process per CPU, by default; needs seqpack[beam]).")
@@ -172,7 +178,7 @@ def main(args: list[str] | None = None) -> None:
                    "direct_num_workers=4 or runner=FlinkRunner.")
 def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
          feature, input_format, column, tokenizer, text_unit, shard_rows, compression, resume,
-         overwrite, fsync, batch_size, as_json, runner, beam_options):
+         overwrite, fsync, batch_size, as_json, workers, block_size, runner, beam_options):
     """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into ArrayRecord shards.
 
     With no INPUT, packs the built-in sample corpus: the top-level .py files of this Python's
@@ -194,6 +200,9 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
         raise click.UsageError("-o/--output is required when INPUT files are given")
     if beam_options and runner != "beam":
         raise click.UsageError("--beam-option needs --runner beam")
+    if workers and runner == "beam":
+        raise click.UsageError("--workers is for --runner local; Beam sizes its own workers "
+                               "(e.g. --beam-option direct_num_workers=8)")
     config = _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
                      feature)
     read_options = _read_options(input_format, column, tokenizer, text_unit)
@@ -204,13 +213,15 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
 
         manifest = pack_beam(inputs, output_dir, config, read_options=read_options,
                              write_options=write_options, overwrite=overwrite, resume=resume,
-                             beam_options=beam_options, quiet=not os.environ.get("SEQPACK_DEBUG"))
+                             beam_options=beam_options, quiet=not os.environ.get("SEQPACK_DEBUG"),
+                             block_size=block_size)
     else:
         progress = terminal_progress()
         with progress or contextlib.nullcontext():
             manifest = pack_to_dir(inputs, output_dir, config, read_options=read_options,
                                    write_options=write_options, overwrite=overwrite,
-                                   resume=resume, progress=progress)
+                                   resume=resume, progress=progress, workers=workers,
+                                   block_size=block_size)
     if as_json:
         click.echo(json.dumps({"output_dir": output_dir, "stats": manifest.stats}, indent=2))
         return

@@ -16,8 +16,10 @@ class InputError(ValueError):
     """Bad input data: the message names the file and line / record (or the example)."""
 
 
-def check_lengths(lengths: object) -> np.ndarray:
-    """Returns `lengths` as i64[n]; raises ValueError for anything that is not n >= 0 integers."""
+def check_lengths(lengths: object, *, first: int = 0) -> np.ndarray:
+    """Returns `lengths` as i64[n]; raises ValueError for anything that is not n >= 0 integers.
+
+    `first`: the index errors give `lengths[0]` (a block of a longer array)."""
     arr = np.asarray(lengths)
     if arr.ndim != 1:
         raise ValueError(f"lengths must be 1-D, got shape {arr.shape}; pass one length per example")
@@ -29,7 +31,7 @@ def check_lengths(lengths: object) -> np.ndarray:
     bad = np.flatnonzero(arr < 0)
     if bad.size:
         i = int(bad[0])
-        raise InputError(f"lengths[{i}]={int(arr[i])} must be >= 0")
+        raise InputError(f"lengths[{first + i}]={int(arr[i])} must be >= 0")
     return arr
 
 

@@ -4,6 +4,12 @@ A plan lists every piece that goes into the packed rows — which example it com
 the example it starts, how long it is, and the row and offset it lands at — plus counters for
 everything that did not make it in unchanged. `assemble` turns a plan into token rows.
 
+Blocks: past `block_size` examples (default `DEFAULT_BLOCK_SIZE`, about four million) the plan is
+made per block of consecutive examples, each block's rows after the previous block's. A block's
+plan depends on its lengths alone, so the result is the same however the blocks are scheduled,
+and a corpus of any size is planned holding one block's working memory. `plan_rows` keeps only
+the row of each piece (`RowAssignment`, 4 bytes a piece); `plan` expands that into a `PackPlan`.
+
 Worked example (seq_len 8, max_segments 4, overflow="split", best_fit_decreasing)::
 
     lengths:         5  11   0   3
@@ -14,6 +20,7 @@ Worked example (seq_len 8, max_segments 4, overflow="split", best_fit_decreasing
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -26,6 +33,8 @@ from seqpack.packer.strategies import (
     assign_first_fit,
     concat_split_pieces,
 )
+
+DEFAULT_BLOCK_SIZE = 1 << 22  # examples planned together; larger corpora are planned per block
 
 _ASSIGN = {
     Strategy.FIRST_FIT: assign_first_fit,
@@ -56,10 +65,12 @@ class PackPlan:
         return np.searchsorted(self.row, np.arange(self.num_rows + 1))
 
 
-def apply_overflow(lengths: np.ndarray, config: PackConfig, *, ids: np.ndarray | None = None):
+def apply_overflow(lengths: np.ndarray, config: PackConfig, *, ids: np.ndarray | None = None,
+                   first: int = 0):
     """Cuts lengths into pieces by the overflow policy; returns (example, start, length, counters).
 
-    `example` indexes `lengths`; `ids` (same size) only names examples in errors.
+    `example` indexes `lengths`; `ids` (same size) only names examples in errors, or `first` the
+    index of `lengths[0]`.
     """
     L = config.seq_len
     n = lengths.size
@@ -73,7 +84,7 @@ def apply_overflow(lengths: np.ndarray, config: PackConfig, *, ids: np.ndarray |
     )
     if num_over and config.overflow is Overflow.ERROR:
         i = int(np.argmax(over))
-        name = int(ids[i]) if ids is not None else i
+        name = int(ids[i]) if ids is not None else first + i
         raise InputError(
             f"example {name} has length {int(lengths[i])} > seq_len={L} ({num_over} examples are "
             "over-length); pass overflow='truncate', 'split' or 'drop', or raise seq_len"
@@ -102,27 +113,125 @@ def apply_overflow(lengths: np.ndarray, config: PackConfig, *, ids: np.ndarray |
     return example, start, piece_len, Counters(**c)
 
 
-def plan(lengths: object, config: PackConfig) -> PackPlan:
-    """Plans the packing of examples with these lengths (i64[n]) under `config`."""
-    lengths = check_lengths(lengths)
+@dataclasses.dataclass(frozen=True)
+class RowAssignment:
+    """A plan in compact form: the row of every piece, pieces in input order.
+
+    Input order is (example, start): the order `pieces` yields them in, which re-derives each
+    piece's example, start and length from the lengths and the config.
+    """
+
+    row: np.ndarray  # i32[P] (i64 past 2**31 pieces): the packed row of each piece
+    num_rows: int
+    counters: Counters
+    block_size: int  # examples per block the plan was made with
+
+    @property
+    def num_pieces(self) -> int:
+        return int(self.row.size)
+
+
+def _check_block_size(block_size: int | None) -> int:
+    if block_size is None:
+        return DEFAULT_BLOCK_SIZE
+    if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) \
+            or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be an int >= 1")
+    return int(block_size)
+
+
+def _blocks(lengths: object, block_size: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(first example, i64 lengths) of each block, checked block by block."""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1 or arr.size == 0:
+        yield 0, check_lengths(arr)
+        return
+    for first in range(0, arr.size, block_size):
+        yield first, check_lengths(arr[first : first + block_size], first=first)
+
+
+def _block_pieces(lengths: np.ndarray, config: PackConfig, first: int):
+    """One block's pieces in input order: (example, start, length, row or None, counters).
+
+    `example` is global (`first` + index in the block); `row` is given by concat_split only.
+    """
+    if config.strategy is not Strategy.CONCAT_SPLIT:
+        example, start, length, counters = apply_overflow(lengths, config, first=first)
+        return example + first, start, length, None, counters
     L, S, a = config.seq_len, config.max_segments, config.segment_alignment
-    if config.strategy is Strategy.CONCAT_SPLIT:
-        example, start, length, row = concat_split_pieces(lengths, L, S, a)
-        cut = np.flatnonzero(start > 0)
-        split_examples = np.unique(example[cut])
-        counters = Counters(
-            num_examples=int(lengths.size),
-            input_tokens=int(lengths.sum()),
-            empty_examples=int((lengths == 0).sum()),
-            split_examples=int(split_examples.size),
-            split_pieces=int(np.isin(example, split_examples).sum()),
-        )
-        num_rows = int(row[-1]) + 1 if row.size else 0
-    else:
-        example, start, length, counters = apply_overflow(lengths, config)
-        sizes = -(-length // a) * a
-        row, num_rows = _ASSIGN[Strategy(config.strategy)](sizes, L, S)
-    return order_pieces(example, start, length, row, num_rows, counters, config)
+    example, start, length, row = concat_split_pieces(lengths, L, S, a)
+    split_examples = np.unique(example[start > 0])
+    counters = Counters(
+        num_examples=int(lengths.size),
+        input_tokens=int(lengths.sum()),
+        empty_examples=int((lengths == 0).sum()),
+        split_examples=int(split_examples.size),
+        split_pieces=int(np.isin(example, split_examples).sum()),
+    )
+    return example + first, start, length, row, counters
+
+
+def _assign(length: np.ndarray, row: np.ndarray | None, config: PackConfig
+            ) -> tuple[np.ndarray, int]:
+    if row is not None:  # concat_split placed its pieces while cutting them
+        return row, int(row[-1]) + 1 if row.size else 0
+    a = config.segment_alignment
+    sizes = -(-length // a) * a
+    return _ASSIGN[Strategy(config.strategy)](sizes, config.seq_len, config.max_segments)
+
+
+def _planned_blocks(lengths: object, config: PackConfig, block_size: int):
+    """Per block: (example, start, length, row, counters, rows so far); a block's rows are
+    numbered after the earlier blocks'."""
+    base = 0
+    for first, block in _blocks(lengths, block_size):
+        example, start, length, row, counters = _block_pieces(block, config, first)
+        row, num_rows = _assign(length, row, config)
+        base += num_rows
+        yield example, start, length, row + (base - num_rows), counters, base
+
+
+def pieces(lengths: object, config: PackConfig, *, block_size: int | None = None
+           ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(example, start, length) i64 arrays of every piece, in input order, one block at a time.
+
+    The pieces a `RowAssignment` made with the same lengths, config and block size assigns.
+    """
+    for first, block in _blocks(lengths, _check_block_size(block_size)):
+        example, start, length, _, _ = _block_pieces(block, config, first)
+        yield example, start, length
+
+
+def plan_rows(lengths: object, config: PackConfig, *, block_size: int | None = None
+              ) -> RowAssignment:
+    """Plans the packing of examples with these lengths, keeping only each piece's row.
+
+    Holds the lengths, 4 bytes a piece for the result and one block's working memory.
+    """
+    block_size = _check_block_size(block_size)
+    rows: list[np.ndarray] = []
+    counters = Counters()
+    num_rows = 0
+    for _, _, _, row, c, rows_so_far in _planned_blocks(lengths, config, block_size):
+        rows.append(row)
+        counters = counters + c
+        num_rows = rows_so_far
+    total = sum(r.size for r in rows)
+    dtype = np.int32 if total < 2**31 else np.int64
+    out = np.empty(total, dtype)
+    at = 0
+    for r in rows:
+        out[at : at + r.size] = r
+        at += r.size
+    return RowAssignment(out, num_rows, counters, block_size)
+
+
+def plan(lengths: object, config: PackConfig, *, block_size: int | None = None) -> PackPlan:
+    """Plans the packing of examples with these lengths (i64[n]) under `config`."""
+    parts = list(_planned_blocks(lengths, config, _check_block_size(block_size)))
+    counters = sum((p[4] for p in parts), Counters())
+    example, start, length, row = (np.concatenate([p[i] for p in parts]) for i in range(4))
+    return order_pieces(example, start, length, row, parts[-1][5], counters, config)
 
 
 def order_pieces(example, start, length, row, num_rows, counters, config) -> PackPlan:

@@ -46,9 +46,22 @@ def stats_from_lengths(
 ) -> PackingStats:
     """Statistics from the per-row segment lengths alone."""
     seg = np.asarray(segment_lengths, np.int64).reshape(-1, np.shape(segment_lengths)[-1])
-    R, S = seg.shape
-    per_row = seg.sum(axis=1)
-    nseg = (seg > 0).sum(axis=1)
+    return _stats(seg.sum(axis=1), (seg > 0).sum(axis=1), seq_len, seg.shape[1], counters)
+
+
+def stats_of_pieces(row: np.ndarray, length: np.ndarray, num_rows: int, seq_len: int,
+                    max_segments: int, counters: Counters | None = None) -> PackingStats:
+    """Statistics from each piece's row and length (any order): 16 bytes a row, no [R, S]."""
+    row = np.asarray(row)
+    length = np.asarray(length, np.int64)
+    used = np.bincount(row, weights=length, minlength=num_rows).astype(np.int64)
+    nseg = np.bincount(row[length > 0], minlength=num_rows)
+    return _stats(used, nseg, seq_len, max_segments, counters)
+
+
+def _stats(per_row: np.ndarray, nseg: np.ndarray, seq_len: int, S: int,
+           counters: Counters | None) -> PackingStats:
+    R = int(per_row.size)
     real = int(per_row.sum())
     n = int(nseg.sum())
     cap = R * seq_len
@@ -59,7 +72,7 @@ def stats_from_lengths(
     qs = {"min": 0.0, "p1": 1.0, "p10": 10.0, "p50": 50.0, "p90": 90.0, "max": 100.0}
     quant = {k: float(np.percentile(fill, q)) if R else 0.0 for k, q in qs.items()}
     return PackingStats(
-        num_rows=int(R),
+        num_rows=R,
         seq_len=int(seq_len),
         max_segments=int(S),
         num_segments=n,
@@ -102,9 +115,8 @@ def stats(
     if isinstance(batch, PackPlan):
         if seq_len is None or max_segments is None:
             raise ValueError("stats(plan) needs seq_len= and max_segments=")
-        seg = np.zeros((batch.num_rows, max_segments), np.int64)
-        seg[batch.row, batch.slot] = batch.length
-        return stats_from_lengths(seg, seq_len, counters or batch.counters)
+        return stats_of_pieces(batch.row, batch.length, batch.num_rows, seq_len, max_segments,
+                               counters or batch.counters)
     k = keys(feature or _feature(batch))
     missing = [name for name in (k.values, k.segment_lengths) if name not in batch]
     if missing:

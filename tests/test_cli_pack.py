@@ -215,7 +215,7 @@ def test_existing_output_needs_overwrite_or_resume(tmp_path):
 
 def test_interrupted_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     src = write_jsonl(tmp_path / "a.jsonl", SEQS)
-    args = ["--seq-len", 64, "--max-segments", 8, "--shard-rows", 10]
+    args = ["--seq-len", 64, "--max-segments", 8, "--shard-rows", 10, "--workers", 1]
     invoke("pack", src, "-o", tmp_path / "clean", *args)
     real_open = writer._open_writer
     opened, fail_at = [], [4]

@@ -121,10 +121,11 @@ def test_bad_input_as_a_process(tmp_path):
 def test_progress_bar_on_a_terminal(tmp_path):
     import pty
 
-    src = write_jsonl(tmp_path / "a.jsonl", random_seqs(2000, max_len=200, seed=6))
+    srcs = [write_jsonl(tmp_path / f"{i}.jsonl", random_seqs(200, max_len=200, seed=i))
+            for i in range(10)]
     leader, follower = pty.openpty()
-    env = dict(os.environ, COLUMNS="120", TERM="xterm", SEQPACK_TEST_SHARD_DELAY="0.02")
-    proc = subprocess.Popen([sys.executable, "-m", "seqpack.cli", "pack", src,
+    env = dict(os.environ, COLUMNS="120", TERM="xterm", SEQPACK_TEST_SHARD_DELAY="0.05")
+    proc = subprocess.Popen([sys.executable, "-m", "seqpack.cli", "pack", *srcs,
                              "-o", tmp_path / "out", "--seq-len", "256", "--shard-rows", "50"],
                             cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=follower)
@@ -147,5 +148,6 @@ def test_progress_bar_on_a_terminal(tmp_path):
     reader.join(timeout=10)
     os.close(leader)
     assert proc.returncode == 0
-    assert b"tokens/s" in seen and b"rows" in seen and b"packing" in seen
+    assert b"tokens/s" in seen and b"rows" in seen and b"writing" in seen and b"eta" in seen
+    assert b"reading" in seen and b"MB/s" in seen  # pass 1 has its own bar
     assert b"tokens/s" not in stdout and b"efficiency" in stdout  # the bar stays on stderr

@@ -2,7 +2,8 @@
 
 No grain, no jax: each format's reader (`jsonl`, `parquet`, `arrayrecord`, `text` beside this
 module, shared with the Grain sources) yields checked chunks in the Arrow list layout the packer
-takes; `read_corpus` puts them back to back. Every file also gets a
+takes; `read_corpus` puts them back to back, `scan_file` streams one file chunk by chunk (its
+lengths for the plan, its tokens to a sink), holding one chunk at a time. Every file also gets a
 fingerprint for the manifest, so `verify` and `--resume` can tell whether an input changed.
 
 Formats (``--input-format``, or picked from the file extension):
@@ -15,10 +16,10 @@ Formats (``--input-format``, or picked from the file extension):
 
 Fingerprint (documented contract, stored per input in manifest.json)::
 
-    {"path": absolute path, "size": bytes,
-     "sha256_head_tail": sha256(size as u64 LE + first MiB + last MiB)}
+    {"path": absolute path, "size": bytes, "sha256": sha256 of the whole content}
 
-It is O(1) in the file size; `verify` still re-reads every token and compares it to the rows.
+A file edited in place (same size, any byte) gets another fingerprint; `--resume` and `verify`
+refuse it.
 
 Every bad input raises `InputError` (a ValueError) with one line naming the file and the line
 (JSONL, text) or record (Parquet, ArrayRecord).
@@ -31,7 +32,7 @@ import glob
 import hashlib
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,7 +48,6 @@ _EXTENSIONS = {
     ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
     ".arrayrecord": "arrayrecord", ".array_record": "arrayrecord",
 }
-_MIB = 1 << 20
 
 
 TEXT_UNITS = ("file", "line", "paragraph")
@@ -83,15 +83,11 @@ class Corpus:
 
 
 def fingerprint(path: str) -> dict:
-    """{"path", "size", "sha256_head_tail"} of a file (see the module docstring)."""
-    size = os.path.getsize(path)
-    h = hashlib.sha256(size.to_bytes(8, "little"))
+    """{"path", "size", "sha256"} of a file (see the module docstring)."""
     with open(path, "rb") as f:
-        h.update(f.read(_MIB))
-        if size > _MIB:
-            f.seek(max(_MIB, size - _MIB))
-            h.update(f.read(_MIB))
-    return {"path": os.path.abspath(path), "size": size, "sha256_head_tail": h.hexdigest()}
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        size = f.tell()
+    return {"path": os.path.abspath(path), "size": size, "sha256": digest}
 
 
 def detect_format(path: str, input_format: str | None) -> str:
@@ -151,12 +147,56 @@ def read_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None
 
 def narrow(values: np.ndarray) -> np.ndarray:
     """Token ids in the smallest of their dtype and int32 that holds them (ids are >= 0)."""
-    if values.size == 0:
-        return values.astype(np.int32)
-    if values.dtype.kind == "i" and values.dtype.itemsize > 4 \
-            and int(values.max()) <= np.iinfo(np.int32).max:
-        return values.astype(np.int32)
-    return values
+    top = int(values.max()) if values.size else 0
+    return values.astype(narrow_dtype(values.dtype, values.size, top), copy=False)
+
+
+def narrow_dtype(dtype: np.dtype, size: int, top: int) -> np.dtype:
+    """`narrow`'s dtype for `size` ids of `dtype` whose largest is `top`."""
+    dtype = np.dtype(dtype)
+    if size == 0 or dtype.kind == "i" and dtype.itemsize > 4 and top <= np.iinfo(np.int32).max:
+        return np.dtype(np.int32)
+    return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class FileScan:
+    """One input read chunk by chunk: what the plan and the manifest need from it."""
+
+    info: dict  # fingerprint + format, num_examples, num_tokens (the manifest's entry)
+    lengths: np.ndarray  # i64[n_f] example lengths, in file order
+    dtype: np.dtype  # the file's token dtype, as `read_file` gives it
+
+
+def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
+              sink: Callable[[np.ndarray], None] | None = None) -> FileScan:
+    """Reads one input chunk by chunk: lengths, dtype and fingerprint; tokens go to `sink`.
+
+    Holds one chunk at a time (a Parquet row group, a range of records, a JSONL or text file).
+    """
+    if not os.path.isfile(path):
+        raise InputError(f"{path}: no such file")
+    lengths, dtypes = [], []
+    top = num_tokens = 0
+    for chunk in file_chunks(path, fmt, options, tokenizer):
+        tokens = chunk.tokens()
+        lengths.append(np.diff(chunk.offsets))
+        dtypes.append(chunk.values.dtype)
+        if tokens.size:
+            top = max(top, int(tokens.max()))
+            num_tokens += tokens.size
+            if sink is not None:
+                sink(tokens)
+    lens = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+    dtype = np.result_type(*dtypes) if dtypes else np.dtype(np.int32)
+    info = fingerprint(path)
+    info.update(format=fmt, num_examples=int(lens.size), num_tokens=num_tokens)
+    return FileScan(info, lens.astype(np.int64, copy=False), narrow_dtype(dtype, num_tokens, top))
+
+
+def corpus_dtype(dtypes: Sequence[np.dtype]) -> np.dtype:
+    """The token dtype of inputs read back to back (as `read_corpus` makes it)."""
+    return np.result_type(*dtypes) if dtypes else np.dtype(np.int32)
 
 
 def tokenizer_fingerprint(path: str | None) -> dict | None:

@@ -9,7 +9,7 @@ object without its results (`shard_num_rows`, `stats`, `example_length_histogram
      "config": {...PackConfig...}, "inputs": {...read options, fingerprints, counts...},
      "writer_options": "group_size:1,uncompressed", "stored_keys": ["tokens", ...],
      "shard_rows": 1024, "num_rows": 5695,
-     "shards": ["rows-00000-of-00006.arrayrecord", ...],
+     "shards": ["rows-00000-of-00006.arrayrecord", ...], "plan_block_size": 4194304,
      "shard_num_rows": [1024, ...], "stats": {...}, "example_length_histogram": {...}}
 
 JSON is written to a temporary name and renamed, so a reader never sees half a file; the bytes
@@ -24,6 +24,7 @@ import os
 from typing import Any
 
 from seqpack.packer import PackConfig
+from seqpack.packer.plan import DEFAULT_BLOCK_SIZE
 from seqpack.pipelines.errors import InputError
 
 FORMAT = "seqpack-rows"
@@ -50,6 +51,7 @@ class Manifest:
     shard_rows: int
     num_rows: int
     shards: list[str]  # shard file names, relative to the directory
+    plan_block_size: int = DEFAULT_BLOCK_SIZE  # examples planned together (`packer.plan_rows`)
     shard_num_rows: list[int] | None = None  # None until the run is complete
     stats: dict[str, Any] | None = None  # PackingStats.to_dict()
     example_length_histogram: dict[str, Any] | None = None
@@ -103,6 +105,8 @@ class Manifest:
             if obj.get("format") != FORMAT:
                 raise ValueError(f"format is {obj.get('format')!r}, not {FORMAT!r}")
             fields: dict[str, Any] = {f.name: obj.get(f.name) for f in dataclasses.fields(cls)}
+            if fields["plan_block_size"] is None:  # written before blocks existed
+                fields["plan_block_size"] = DEFAULT_BLOCK_SIZE
             missing = [k for k, v in fields.items() if v is None and k not in _RESULTS]
             if missing:
                 raise ValueError(f"missing {missing}")

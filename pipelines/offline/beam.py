@@ -122,6 +122,7 @@ def build_pipeline(
     overwrite: bool = False,
     resume: bool = False,
     error_dir: str | None = None,
+    block_size: int | None = None,
 ) -> None:
     """Adds the packing job to Beam pipeline `p` (see the module docstring for its stages)."""
     scans = (
@@ -134,7 +135,8 @@ def build_pipeline(
         scans
         | "GatherLengths" >> beam.combiners.ToList()
         | "Plan" >> beam.FlatMap(_plan, output_dir, config, read_options, write_options,
-                                 overwrite, resume).with_outputs("summary", "error", main="files")
+                                 overwrite, resume, block_size)
+        .with_outputs("summary", "error", main="files")
     )
     summary = beam.pvalue.AsSingleton(planned.summary, default_value=None)
     _ = planned.error | "ReportError" >> beam.Map(_report_error, error_dir)
@@ -160,11 +162,11 @@ def _scan(element: tuple[int, str], read_options: ReadOptions) -> beam_steps.Fil
 
 def _plan(scans: list[beam_steps.FileScan], output_dir: str, config: PackConfig,
           read_options: ReadOptions, write_options: WriteOptions, overwrite: bool,
-          resume: bool) -> Iterator[Any]:  # FileJobs, or beam.pvalue.TaggedOutput
+          resume: bool, block_size: int | None) -> Iterator[Any]:  # FileJobs, or TaggedOutput
     try:
         summary, jobs = beam_steps.plan_job(scans, output_dir, config, read_options=read_options,
                                             write_options=write_options, overwrite=overwrite,
-                                            resume=resume)
+                                            resume=resume, block_size=block_size)
     except (ValueError, OSError) as e:
         yield beam.pvalue.TaggedOutput("error", " ".join(str(e).split()) or type(e).__name__)
         return
@@ -206,6 +208,7 @@ def pack_beam(
     resume: bool = False,
     beam_options: Sequence[str] = (),
     quiet: bool = False,
+    block_size: int | None = None,
 ) -> Manifest:
     """`offline.writer.pack_to_dir` as a Beam job; returns the manifest.
 
@@ -227,7 +230,8 @@ def pack_beam(
                 build_pipeline(p, paths, output_dir, config,
                                read_options=read_options or ReadOptions(),
                                write_options=write_options or WriteOptions(),
-                               overwrite=overwrite, resume=resume, error_dir=error_dir)
+                               overwrite=overwrite, resume=resume, error_dir=error_dir,
+                               block_size=block_size)
             error = os.path.join(error_dir, _ERROR_FILE)
             if os.path.exists(error):
                 with open(error) as f:

@@ -31,9 +31,12 @@ import numpy as np
 
 from seqpack.packer import Counters, PackConfig, PackPlan, plan
 from seqpack.packer.contract import ragged_arange
+from seqpack.packer.plan import DEFAULT_BLOCK_SIZE
 from seqpack.pipelines.errors import InputError
-from seqpack.pipelines.formats.inputs import ReadOptions, read_corpus
+from seqpack.pipelines.formats import inputs
+from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus
 from seqpack.pipelines.formats.manifest import Manifest
+from seqpack.pipelines.formats.text import load_tokenizer
 from seqpack.pipelines.offline.writer import (
     WriteOptions,
     commit_manifest,
@@ -96,11 +99,12 @@ class ShardPart:
 def scan_file(index: int, path: str, options: ReadOptions) -> FileScan:
     """Reads one input for its example lengths; a bad input gives a FileScan with `error`."""
     try:
-        corpus = read_corpus([path], options)
+        tokenizer = load_tokenizer(options.tokenizer) if options.tokenizer else None
+        scan = inputs.scan_file(path, detect_format(path, options.input_format), options,
+                                tokenizer)
     except (ValueError, OSError) as e:
         return FileScan(index, path, {}, np.zeros(0, np.int64), "", error=" ".join(str(e).split()))
-    return FileScan(index, path, corpus.files[0], corpus.lengths.astype(np.int64),
-                    corpus.values.dtype.str)
+    return FileScan(index, path, scan.info, scan.lengths, scan.dtype.str)
 
 
 def plan_job(
@@ -112,6 +116,7 @@ def plan_job(
     write_options: WriteOptions,
     overwrite: bool = False,
     resume: bool = False,
+    block_size: int | None = None,
 ) -> tuple[JobSummary | None, list[FileJob]]:
     """Plans the whole job on the lengths and readies the output directory.
 
@@ -127,13 +132,15 @@ def plan_job(
     lengths = np.concatenate([s.lengths for s in scans])
     if not lengths.any():
         raise InputError(f"the inputs hold no tokens ({lengths.size} examples); nothing to pack")
-    dtype = np.result_type(*[np.dtype(s.dtype) for s in scans])
-    p = plan(lengths, config)
-    inputs = inputs_record([s.info for s in scans], lengths, dtype, read_options)
-    intent = run_intent(config, inputs, write_options, p.num_rows)
+    dtype = inputs.corpus_dtype([np.dtype(s.dtype) for s in scans])
+    p = plan(lengths, config, block_size=block_size)
+    record = inputs_record([s.info for s in scans], lengths, dtype, read_options)
+    intent = run_intent(config, record, write_options, p.num_rows,
+                        block_size or DEFAULT_BLOCK_SIZE)
     if prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume) is not None:
         return None, []
-    summary = JobSummary(intent, manifest_results(p, config, lengths),
+    results = manifest_results(p.row, p.length, p.num_rows, p.counters, config, lengths)
+    summary = JobSummary(intent, results,
                          row_dtype(dtype, config.pad_id).str, write_options.shard_rows)
     return summary, split_plan(p, scans, dtype=dtype, shard_rows=write_options.shard_rows)
 

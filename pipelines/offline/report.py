@@ -161,20 +161,27 @@ def _block(cols, lo: int, hi: int, width: int) -> list[str]:
 
 
 class RichProgress:
-    """A transient rich progress bar on stderr: tokens packed, rows written, tokens/s."""
+    """A transient rich progress bar on stderr, per phase of the run: "reading" (input bytes)
+    then "writing" (tokens packed, rows written), each with its rate and time left."""
 
     def __init__(self):
         from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.bar = Progress(
             TextColumn("{task.description}"), BarColumn(),
-            TextColumn("{task.percentage:>3.0f}%"), TextColumn("{task.fields[rows]:,} rows"),
-            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(),
-            console=Console(stderr=True), transient=True,
+            TextColumn("{task.percentage:>3.0f}%"), TextColumn("{task.fields[detail]}"),
+            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("eta"),
+            TimeRemainingColumn(), console=Console(stderr=True), transient=True,
         )
-        self.task = self.bar.add_task("reading + planning", total=None, rows=0, rate="")
-        self.rows = 0
+        self.task = self.bar.add_task("starting", total=None, detail="", rate="")
+        self.unit = ""
 
     def __enter__(self):
         self.bar.start()
@@ -183,15 +190,15 @@ class RichProgress:
     def __exit__(self, *exc):
         self.bar.stop()
 
-    def start(self, total_rows: int, total_tokens: int) -> None:
-        self.bar.update(self.task, description="packing", total=total_tokens, completed=0)
+    def phase(self, name: str, total: int) -> None:
+        self.unit = " MB" if name == "reading" else "M tokens"
+        self.bar.reset(self.task, description=name, total=total, detail="", rate="")
 
-    def advance(self, rows: int, tokens: int) -> None:
-        self.rows += rows
-        self.bar.advance(self.task, tokens)
+    def advance(self, amount: int, rows: int = 0) -> None:
+        self.bar.advance(self.task, amount)
         speed = self.bar.tasks[0].speed
-        rate = f"{speed / 1e6:.1f}M tokens/s" if speed else ""
-        self.bar.update(self.task, rows=self.rows, rate=rate)
+        rate = f"{speed / 1e6:.1f}{self.unit}/s" if speed else ""
+        self.bar.update(self.task, detail=f"{rows:,} rows" if rows else "", rate=rate)
 
 
 def terminal_progress() -> RichProgress | None:

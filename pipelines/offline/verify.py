@@ -205,15 +205,15 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
         if not os.path.isfile(path):
             raise InputError(f"{path}: no such file")
         fp = fingerprint(path)
-        for key in ("size", "sha256_head_tail"):
-            if fp[key] != rec[key]:
+        for key in ("size", "sha256"):
+            if fp[key] != rec.get(key):
                 out.add(f"input {i} ({path}): {key} {fp[key]} differs from the packed input's "
                         f"{rec[key]} ({rec['path']})")
     options = ReadOptions(**manifest.inputs["read_options"])
     tokenizer = manifest.inputs.get("tokenizer")
     if tokenizer and os.path.isfile(tokenizer["path"]):
         fp = fingerprint(tokenizer["path"])
-        if fp["sha256_head_tail"] != tokenizer["sha256_head_tail"]:
+        if fp["sha256"] != tokenizer.get("sha256"):
             out.add(f"tokenizer {tokenizer['path']} changed since the run that packed the rows")
     corpus = read_corpus(paths, options)
     values, offsets, lengths = corpus.values, corpus.offsets, corpus.lengths

@@ -1,9 +1,21 @@
 """Packs a corpus offline into ArrayRecord shards of packed rows plus ``manifest.json``.
 
-One global plan (all lengths at once, so best fit decreasing sees every example), then shard by
-shard: the shard's rows are assembled, encoded as SQP1 records (`formats.records`; every row of a
-run has the same layout, so the record header is computed once and rows are joined around it) and
-written to ``rows-00000-of-00012.arrayrecord.tmp``, renamed to its final name when complete.
+Two passes, memory bounded by the number of examples, not tokens:
+
+1. read: every input is read once, chunk by chunk (`formats.inputs.scan_file`), in parallel over
+   inputs: its example lengths and fingerprint come back, its tokens go to raw spill files in
+   ``spill.tmp/`` (`offline.spill`).
+2. plan: one plan on all the lengths (`packer.plan_rows`: best fit decreasing sees every example
+   of a block of `block_size` examples, by default about four million), 4 bytes a piece.
+3. write: shard by shard, in parallel: the shard's pieces are gathered from the spill, its rows
+   assembled, encoded as SQP1 records (`formats.records`; every row of a run has the same layout,
+   so the record header is computed once and rows are joined around it) and written to
+   ``rows-00000-of-00012.arrayrecord.tmp``, renamed to its final name when complete.
+
+The main process holds about 40 bytes per example (lengths, the plan, each piece's source) and
+hands out one shard at a time to each worker; a worker holds one input chunk or one shard's rows.
+`workers` processes (default: the CPU count) read inputs and write shards; the bytes are the
+same for any number of workers, and the same as `packer.pack_ragged` on the whole corpus.
 
 Output directory::
 
@@ -16,31 +28,36 @@ Crash safety: a shard exists under its final name only when complete; the manife
 last (temporary name + rename), so a directory without ``manifest.json`` is never complete.
 `resume=True` keeps the complete shards of an interrupted run with the same inputs and options
 (checked against ``pack_intent.json``) and writes the rest; the result has the same bytes as an
-uninterrupted run (deterministic plan and writer, no timestamps in the manifest).
-
-Memory: the input tokens plus one shard of rows (``shard_rows * seq_len * 12`` bytes or so).
+uninterrupted run (deterministic plan and writer, no timestamps in the manifest). A resumed run
+reads the inputs again (pass 1 keeps nothing across runs: the spill is a cache of this run).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-from seqpack.packer import PackConfig, PackPlan, build_rows, plan, stats
+from seqpack.packer import Counters, PackConfig, PackPlan, build_rows
+from seqpack.packer.plan import RowAssignment, order_pieces, pieces, plan_rows
+from seqpack.packer.stats import stats_of_pieces
 from seqpack.pipelines.errors import InputError, UsageError, require
 from seqpack.pipelines.formats.arrayrecord import close_quietly, open_reader
 from seqpack.pipelines.formats.inputs import (
-    Corpus,
+    FileScan,
     ReadOptions,
-    read_corpus,
+    corpus_dtype,
+    detect_format,
+    scan_file,
     tokenizer_fingerprint,
 )
 from seqpack.pipelines.formats.manifest import (
@@ -52,16 +69,22 @@ from seqpack.pipelines.formats.manifest import (
     write_manifest,
 )
 from seqpack.pipelines.formats.records import decode_row, encode_row
+from seqpack.pipelines.formats.text import load_tokenizer
+from seqpack.pipelines.offline.spill import SPILL_DIR, Run, SpillReader, SpillWriter
 
 COMPRESSION = {"none": "uncompressed", "snappy": "snappy", "zstd": "zstd:3"}
-# Test-only: seconds to sleep after each finished shard, so tests can kill a run mid-way.
+# Test-only: seconds to sleep after each input read and each shard written, so tests can kill a
+# run mid-way or watch its progress.
 DELAY_ENV = "SEQPACK_TEST_SHARD_DELAY"
 _HIST_BINS = 50
 
 
 class Progress(Protocol):
-    def start(self, total_rows: int, total_tokens: int) -> None: ...
-    def advance(self, rows: int, tokens: int) -> None: ...
+    """What the writer reports: a phase ("reading": input bytes; "writing": tokens), then
+    progress through it (`rows` written so far, while writing)."""
+
+    def phase(self, name: str, total: int) -> None: ...
+    def advance(self, amount: int, rows: int = 0) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +121,6 @@ def lengths_digest(lengths: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(lengths, "<i8").tobytes()).hexdigest()
 
 
-def describe_inputs(corpus: Corpus, options: ReadOptions) -> dict:
-    """The manifest's ``inputs``: how they were read, fingerprints, counts."""
-    return inputs_record(corpus.files, corpus.lengths, corpus.values.dtype, options)
-
-
 def inputs_record(files: list[dict], lengths: np.ndarray, dtype: np.dtype,
                   options: ReadOptions) -> dict:
     """`describe_inputs` from its parts: per-file info, all example lengths, the token dtype."""
@@ -117,8 +135,8 @@ def inputs_record(files: list[dict], lengths: np.ndarray, dtype: np.dtype,
     }
 
 
-def run_intent(config: PackConfig, inputs: dict, options: WriteOptions, num_rows: int
-               ) -> Manifest:
+def run_intent(config: PackConfig, inputs: dict, options: WriteOptions, num_rows: int,
+               block_size: int) -> Manifest:
     """What the run writes (``pack_intent.json``: the manifest without its results)."""
     return Manifest(
         config=config.to_dict(),
@@ -128,6 +146,7 @@ def run_intent(config: PackConfig, inputs: dict, options: WriteOptions, num_rows
         shard_rows=options.shard_rows,
         num_rows=num_rows,
         shards=shard_names(num_rows, options.shard_rows),
+        plan_block_size=block_size,
     )
 
 
@@ -138,10 +157,13 @@ def stored_keys(config: PackConfig, options: WriteOptions) -> list[str]:
     return [name for name in k.roles().values() if name not in derived]
 
 
-def manifest_results(p: PackPlan, config: PackConfig, lengths: np.ndarray) -> dict:
-    """The manifest's ``stats`` and ``example_length_histogram``."""
+def manifest_results(row: np.ndarray, length: np.ndarray, num_rows: int, counters: Counters,
+                     config: PackConfig, lengths: np.ndarray) -> dict:
+    """The manifest's ``stats`` and ``example_length_histogram``, from each piece's row and
+    length (`PackPlan.row` / `.length`, or a `RowAssignment` and its pieces)."""
+    s = stats_of_pieces(row, length, num_rows, config.seq_len, config.max_segments, counters)
     return json.loads(json.dumps({
-        "stats": stats(p, seq_len=config.seq_len, max_segments=config.max_segments).to_dict(),
+        "stats": s.to_dict(),
         "example_length_histogram": length_histogram(lengths),
     }))
 
@@ -168,15 +190,30 @@ def _owned(name: str) -> bool:
         MANIFEST, INTENT, MANIFEST + ".tmp", INTENT + ".tmp")
 
 
-def prepare_dir(output_dir: str, intent: Manifest, *, overwrite: bool, resume: bool
-                ) -> Manifest | None:
-    """Readies the directory; returns the finished manifest when resuming a complete run."""
+def check_dir(output_dir: str, *, overwrite: bool, resume: bool) -> list[str]:
+    """Refuses what `prepare_dir` would refuse whatever the run; returns the directory's names.
+
+    Called before the inputs are read, so a wrong directory fails at once."""
     if overwrite and resume:
         raise UsageError("pass either --overwrite or --resume, not both")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UsageError(f"{output_dir}: exists and is not a directory")
+    names = sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []
+    recorded = [n for n in (MANIFEST, INTENT) if n in names]
+    if not (resume and recorded) and names and not overwrite \
+            and any(not n.endswith(".tmp") for n in names):
+        hint = "--overwrite to replace it" + ("" if resume else " or --resume to finish an "
+                                               "interrupted run")
+        what = "holds no interrupted run to resume" if resume else "exists and is not empty"
+        raise UsageError(f"{output_dir}: {what}; pass {hint}")
+    return names
+
+
+def prepare_dir(output_dir: str, intent: Manifest, *, overwrite: bool, resume: bool
+                ) -> Manifest | None:
+    """Readies the directory; returns the finished manifest when resuming a complete run."""
+    names = check_dir(output_dir, overwrite=overwrite, resume=resume)
     os.makedirs(output_dir, exist_ok=True)
-    names = os.listdir(output_dir)
     recorded = [n for n in (MANIFEST, INTENT) if n in names]
     if resume and recorded:
         path = os.path.join(output_dir, recorded[0])
@@ -189,11 +226,6 @@ def prepare_dir(output_dir: str, intent: Manifest, *, overwrite: bool, resume: b
             if INTENT in names:  # killed between writing the manifest and this cleanup
                 os.remove(os.path.join(output_dir, INTENT))
             return old
-    elif names and not overwrite and any(not n.endswith(".tmp") for n in names):
-        hint = "--overwrite to replace it" + ("" if resume else " or --resume to finish an "
-                                               "interrupted run")
-        what = "holds no interrupted run to resume" if resume else "exists and is not empty"
-        raise UsageError(f"{output_dir}: {what}; pass {hint}")
     for name in names:
         if _owned(name) and (overwrite or name.endswith(".tmp")):
             os.remove(os.path.join(output_dir, name))
@@ -242,15 +274,6 @@ class RowEncoder:
             for slot, a in zip(slots, arrays):
                 parts[slot] = a[r].data
             yield b"".join(parts)
-
-
-def sub_plan(p: PackPlan, bounds: np.ndarray, r0: int, r1: int) -> PackPlan:
-    """The pieces of rows [r0, r1) of plan `p`, rows renumbered from 0."""
-    a, b = int(bounds[r0]), int(bounds[r1])
-    return dataclasses.replace(
-        p, example=p.example[a:b], start=p.start[a:b], length=p.length[a:b],
-        row=p.row[a:b] - r0, slot=p.slot[a:b], offset=p.offset[a:b], num_rows=r1 - r0,
-    )
 
 
 def _open_writer(path: str, options: str):
@@ -305,37 +328,247 @@ def write_shard(path: str, pieces: Sequence[np.ndarray], p: PackPlan, config: Pa
     return encoder
 
 
-def write_shards(corpus: Corpus, p: PackPlan, config: PackConfig, output_dir: str,
-                 names: list[str], options: WriteOptions, *, resume: bool = False,
-                 progress: Progress | None = None) -> list[int]:
-    """Assembles and writes every shard not already complete; returns rows per shard."""
-    values, offsets = corpus.values, corpus.offsets
-    dtype = row_dtype(values.dtype, config.pad_id)
-    bounds = p.row_slices()
-    src = offsets[p.example] + p.start
+# -- the run: workers, pass 1 (read), plan, pass 2 (write) ---------------------------------------
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunContext:
+    """What every worker needs for pass 2, written once to the spill directory."""
+
+    output_dir: str
+    config: PackConfig
+    options: WriteOptions
+    dtype: str  # the rows' token dtype
+    runs: list[Run]  # the spill, inputs back to back
+
+
+@dataclasses.dataclass(frozen=True)
+class _ShardTask:
+    index: int
+    name: str
+    plan: PackPlan  # the shard's rows, numbered from 0
+    src: np.ndarray  # i64[P] global token position of each piece
+
+
+@functools.lru_cache(maxsize=2)
+def _context(path: str) -> tuple[_RunContext, SpillReader]:
+    import pickle
+
+    with open(path, "rb") as f:
+        context = pickle.load(f)
+    return context, SpillReader(context.runs)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str) -> Any:
+    return load_tokenizer(path)
+
+
+def _read_input(index: int, path: str, fmt: str, options: ReadOptions, spill_dir: str
+                ) -> tuple[FileScan, list[Run]]:
+    """Pass 1 for one input: scans it, its tokens to the spill."""
+    tokenizer = _tokenizer(options.tokenizer) if options.tokenizer and fmt == "text" else None
+    sink = SpillWriter(spill_dir, f"in-{index:06d}")
+    try:
+        scan = scan_file(path, fmt, options, tokenizer, sink)
+    finally:
+        runs = sink.close()
+    return scan, runs
+
+
+def _write_task(context_path: str, task: _ShardTask) -> tuple[int, int]:
+    """Pass 2 for one shard: gathers its pieces from the spill, writes it; (index, rows)."""
+    context, spill = _context(context_path)
+    p = task.plan
+    pieces = spill.pieces(task.src, p.length)
+    write_shard(os.path.join(context.output_dir, task.name), pieces, p, context.config,
+                context.options, dtype=np.dtype(context.dtype))
+    del pieces  # unmaps the spill
+    return task.index, p.num_rows
+
+
+def _init_worker() -> None:
+    """Worker processes die with the run (a killed `seqpack pack` leaves no writer behind)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:  # pragma: no cover - no glibc
+            pass
+
+
+class _Workers:
+    """Runs calls in up to `n` worker processes, in order, at most 2 per process in flight (so
+    results never pile up). The processes start on the first `map` with more than one call;
+    with n == 1, or one call, everything runs in this process."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.pool: Any = None
+
+    def map(self, fn: Callable[..., Any], calls: Sequence[tuple]) -> Iterator[Any]:
+        if self.pool is None and self.n > 1 and len(calls) > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() \
+                else "spawn"
+            self.pool = ProcessPoolExecutor(self.n, mp_context=multiprocessing.get_context(method),
+                                            initializer=_init_worker)
+        if self.pool is None:
+            for args in calls:
+                yield fn(*args)
+            return
+        from collections import deque
+
+        pending: deque = deque()
+        for args in calls:
+            pending.append(self.pool.submit(fn, *args))
+            if len(pending) >= 2 * self.n:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Lazy(Sequence):
+    """A generator with a known length: `_Workers.map` sizes its pool without building every
+    call (a shard's call holds its pieces) ahead of time."""
+
+    def __init__(self, items: Iterator[tuple], size: int):
+        self.items, self.size = items, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[tuple]:
+        return self.items
+
+    def __getitem__(self, i):  # pragma: no cover - Sequence's abstract method, never used
+        raise TypeError("a _Lazy sequence is iterated, not indexed")
+
+
+def read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str, workers: _Workers,
+                progress: Progress | None = None) -> tuple[list[FileScan], list[Run]]:
+    """Pass 1: every input scanned (in parallel), its tokens spilled; scans and runs in order."""
+    if not paths:
+        raise InputError("no input files given")
+    for path in paths:
+        if not os.path.isfile(path):
+            raise InputError(f"{path}: no such file")
+    if options.tokenizer:
+        load_tokenizer(options.tokenizer)  # a bad tokenizer fails here, once
+    if progress:
+        progress.phase("reading", sum(os.path.getsize(p) for p in paths))
+    calls = [(i, os.fspath(p), detect_format(os.fspath(p), options.input_format), options,
+              spill_dir) for i, p in enumerate(paths)]
+    scans, runs = [], []
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
-    encoder = None
-    rows_per_shard = []
-    for i, name in enumerate(names):
-        r0 = i * options.shard_rows
-        r1 = min(r0 + options.shard_rows, p.num_rows)
-        rows_per_shard.append(r1 - r0)
-        a, b = int(bounds[r0]), int(bounds[r1])
-        tokens = int(p.length[a:b].sum())
-        path = os.path.join(output_dir, name)
-        if resume and shard_complete(path, r1 - r0):
-            if progress:
-                progress.advance(r1 - r0, tokens)
-            continue
-        pieces = [values[s : s + m] for s, m in zip(src[a:b].tolist(), p.length[a:b].tolist())]
-        encoder = write_shard(path, pieces, sub_plan(p, bounds, r0, r1), config, options,
-                              dtype=dtype, encoder=encoder)
-        del pieces
+    for path, (scan, file_runs) in zip(paths, workers.map(_read_input, calls)):
+        scans.append(scan)
+        runs.extend(file_runs)
         if progress:
-            progress.advance(r1 - r0, tokens)
+            progress.advance(os.path.getsize(path))
         if delay:
             time.sleep(delay)
-    return rows_per_shard
+    return scans, runs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pieces:
+    """Every piece of a `RowAssignment`, sorted by row: where it comes from and where it goes."""
+
+    example: np.ndarray  # i64[P]
+    start: np.ndarray  # i32/i64[P]
+    length: np.ndarray  # i32/i64[P]
+    row: np.ndarray  # i32/i64[P], sorted
+    bounds: np.ndarray  # i64[R + 1]: pieces of row r are [bounds[r], bounds[r + 1])
+
+
+def _sorted_pieces(a: RowAssignment, lengths: np.ndarray, config: PackConfig) -> _Pieces:
+    small = np.int32 if int(lengths.max(initial=0)) < 2**31 else np.int64
+    example = np.empty(a.num_pieces, np.int64)
+    start = np.empty(a.num_pieces, small)
+    length = np.empty(a.num_pieces, small)
+    at = 0
+    for e, s, n in pieces(lengths, config, block_size=a.block_size):
+        example[at : at + e.size], start[at : at + e.size], length[at : at + e.size] = e, s, n
+        at += e.size
+    order = np.argsort(a.row, kind="stable")  # (row, example, start): a plan's piece order
+    example, start, length = example[order], start[order], length[order]
+    row = a.row[order]
+    del order
+    bounds = np.zeros(a.num_rows + 1, np.int64)
+    np.cumsum(np.bincount(row, minlength=a.num_rows), out=bounds[1:])
+    return _Pieces(example, start, length, row, bounds)
+
+
+def _shard_tasks(ps: _Pieces, offsets: np.ndarray, config: PackConfig, names: list[str],
+                 shard_rows: int, todo: list[int]) -> Iterator[_ShardTask]:
+    num_rows = ps.bounds.size - 1
+    for i in todo:
+        r0, r1 = i * shard_rows, min((i + 1) * shard_rows, num_rows)
+        a, b = int(ps.bounds[r0]), int(ps.bounds[r1])
+        example = ps.example[a:b]
+        start = ps.start[a:b].astype(np.int64)
+        p = order_pieces(example, start, ps.length[a:b].astype(np.int64),
+                         ps.row[a:b].astype(np.int64) - r0, r1 - r0, Counters(), config)
+        assert p.example is example or np.array_equal(p.example, example)
+        yield _ShardTask(i, names[i], p, offsets[example] + start)
+
+
+def write_shards(ps: _Pieces, offsets: np.ndarray, context: _RunContext, names: list[str],
+                 workers: _Workers, context_path: str, *, resume: bool = False,
+                 progress: Progress | None = None) -> list[int]:
+    """Pass 2: every shard not already complete, in parallel; returns rows per shard."""
+    shard_rows = context.options.shard_rows
+    num_rows = ps.bounds.size - 1
+    rows = [min(shard_rows, num_rows - i * shard_rows) for i in range(len(names))]
+    tokens = [int(ps.length[ps.bounds[i * shard_rows] : ps.bounds[i * shard_rows + r]].sum())
+              for i, r in enumerate(rows)]
+    if progress:
+        progress.phase("writing", sum(tokens))
+    todo, done = [], 0
+    for i, name in enumerate(names):
+        if resume and shard_complete(os.path.join(context.output_dir, name), rows[i]):
+            done += rows[i]
+            if progress:
+                progress.advance(tokens[i], done)
+        else:
+            todo.append(i)
+    delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+    tasks = _shard_tasks(ps, offsets, context.config, names, shard_rows, todo)
+    for i, n in workers.map(_write_task, _Lazy(((context_path, t) for t in tasks), len(todo))):
+        assert n == rows[i]
+        done += n
+        if progress:
+            progress.advance(tokens[i], done)
+        if delay:
+            time.sleep(delay)
+    return rows
+
+
+def _save_context(spill_dir: str, context: _RunContext) -> str:
+    import pickle
+
+    # A name of its own per run: workers cache the context by path.
+    path = os.path.join(spill_dir, f"context-{os.getpid()}-{time.time_ns()}.pickle")
+    with open(path, "wb") as f:
+        pickle.dump(context, f)
+    return path
 
 
 def pack_to_dir(
@@ -348,22 +581,56 @@ def pack_to_dir(
     overwrite: bool = False,
     resume: bool = False,
     progress: Progress | None = None,
+    workers: int | None = None,
+    block_size: int | None = None,
 ) -> Manifest:
-    """Reads, plans, writes shards, then the manifest; returns the manifest."""
+    """Reads, plans, writes shards, then the manifest; returns the manifest.
+
+    `workers`: processes that read inputs and write shards (default: the CPU count; 1 runs
+    everything in this process); the output does not depend on it. `block_size`: examples
+    planned together (`packer.plan_rows`); it is part of the run (recorded in the manifest).
+    """
     output_dir = os.fspath(output_dir)
     read_options = read_options or ReadOptions()
     write_options = write_options or WriteOptions()
-    corpus = read_corpus(paths, read_options)
-    if corpus.offsets[-1] == corpus.offsets[0]:
-        raise InputError(f"the inputs hold no tokens ({corpus.offsets.size - 1} examples); "
-                         "nothing to pack")
-    p = plan(corpus.lengths, config)
-    intent = run_intent(config, describe_inputs(corpus, read_options), write_options, p.num_rows)
-    done = prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume)
-    if done is not None:
-        return done
-    if progress:
-        progress.start(p.num_rows, int(p.length.sum()))
-    rows = write_shards(corpus, p, config, output_dir, intent.shards, write_options,
-                        resume=resume, progress=progress)
-    return commit_manifest(output_dir, intent, rows, manifest_results(p, config, corpus.lengths))
+    if workers is not None and (isinstance(workers, bool) or workers < 1):
+        raise UsageError(f"workers={workers!r} must be >= 1")
+    block_size = plan_rows(np.zeros(0, np.int64), config, block_size=block_size).block_size
+    check_dir(output_dir, overwrite=overwrite, resume=resume)
+    created = not os.path.isdir(output_dir)
+    spill_dir = os.path.join(output_dir, SPILL_DIR)
+    shutil.rmtree(spill_dir, ignore_errors=True)
+    os.makedirs(spill_dir)
+    pool = _Workers(workers or default_workers())
+    started = False
+    try:
+        scans, runs = read_inputs(paths, read_options, spill_dir, pool, progress)
+        lengths = np.concatenate([s.lengths for s in scans])
+        if not lengths.sum():
+            raise InputError(f"the inputs hold no tokens ({lengths.size} examples); nothing to "
+                             "pack")
+        assignment = plan_rows(lengths, config, block_size=block_size)
+        dtype = corpus_dtype([s.dtype for s in scans])
+        inputs = inputs_record([s.info for s in scans], lengths, dtype, read_options)
+        del scans
+        intent = run_intent(config, inputs, write_options, assignment.num_rows, block_size)
+        done = prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume)
+        if done is not None:
+            return done
+        started = True
+        ps = _sorted_pieces(assignment, lengths, config)
+        results = manifest_results(ps.row, ps.length, assignment.num_rows, assignment.counters,
+                                   config, lengths)
+        offsets = np.zeros(lengths.size + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        del lengths, assignment
+        context = _RunContext(output_dir, config, write_options,
+                              row_dtype(dtype, config.pad_id).str, runs)
+        rows = write_shards(ps, offsets, context, intent.shards, pool,
+                            _save_context(spill_dir, context), resume=resume, progress=progress)
+        return commit_manifest(output_dir, intent, rows, results)
+    finally:
+        pool.close()
+        shutil.rmtree(spill_dir, ignore_errors=True)
+        if created and not started and os.path.isdir(output_dir) and not os.listdir(output_dir):
+            os.rmdir(output_dir)

@@ -1,0 +1,102 @@
+"""The offline writer's token spill: every input's tokens, as read, in raw files on local disk.
+
+Pass 1 of `seqpack pack` reads each input once, in order, and appends its tokens to raw files
+(`SpillWriter`, one file per input and token dtype: a run); the plan is then made on the lengths
+alone. Pass 2 reads each shard's pieces straight from those files (`SpillReader.pieces`, one
+positioned read per piece, from the page cache while the spill fits in it), so no process ever
+holds more than one shard's tokens. The spill takes the corpus's token bytes on disk (2 bytes
+a token for uint16 ids) and lives in the output directory's ``spill.tmp/``, removed when the run
+ends.
+
+Positions are global: token `p` of the corpus (inputs back to back, in the order given) lives in
+the run whose [start, start + num_tokens) holds `p`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import BinaryIO
+
+import numpy as np
+
+SPILL_DIR = "spill.tmp"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One spill file: `num_tokens` ids of one dtype, back to back."""
+
+    path: str
+    dtype: str  # numpy dtype string, e.g. "<u2"
+    num_tokens: int
+
+
+class SpillWriter:
+    """Appends one input's tokens to run files named ``{prefix}-{k}.bin``."""
+
+    def __init__(self, directory: str, prefix: str):
+        self.directory, self.prefix = directory, prefix
+        self.runs: list[Run] = []
+        self._file: BinaryIO | None = None
+
+    def __call__(self, tokens: np.ndarray) -> None:
+        if not tokens.size:
+            return
+        dtype = tokens.dtype.str
+        if not self.runs or self.runs[-1].dtype != dtype:
+            self._close_file()
+            path = os.path.join(self.directory, f"{self.prefix}-{len(self.runs):04d}.bin")
+            self._file = open(path, "wb")
+            self.runs.append(Run(path, dtype, 0))
+        assert self._file is not None
+        self._file.write(np.ascontiguousarray(tokens).data)
+        last = self.runs[-1]
+        self.runs[-1] = dataclasses.replace(last, num_tokens=last.num_tokens + int(tokens.size))
+
+    def close(self) -> list[Run]:
+        """Closes the current file; returns the runs written, in order."""
+        self._close_file()
+        return self.runs
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class SpillReader:
+    """Gathers pieces of the corpus (global token positions) from the runs of every input."""
+
+    def __init__(self, runs: list[Run]):
+        self.runs = runs
+        sizes = np.array([r.num_tokens for r in runs], np.int64)
+        self.starts = np.concatenate(([0], np.cumsum(sizes)))
+
+    def pieces(self, src: np.ndarray, length: np.ndarray) -> list[np.ndarray]:
+        """The tokens of pieces [src[i], src[i] + length[i]), each as an array of its run's
+        dtype (read with `os.preadv`, a call per piece: no memory map, whose fault-around
+        would put 64 KiB of page cache into this process's resident set per piece)."""
+        src = np.asarray(src, np.int64)
+        length = np.asarray(length, np.int64)
+        which = np.searchsorted(self.starts, src, side="right") - 1
+        which = np.minimum(which, max(len(self.runs) - 1, 0))  # an empty piece at the very end
+        out: list[np.ndarray] = [np.zeros(0, np.int32)] * src.size
+        for r in np.unique(which).tolist():
+            run = self.runs[r]
+            dtype = np.dtype(run.dtype)
+            mine = np.flatnonzero(which == r)
+            n = length[mine]
+            buf = np.empty(int(n.sum()), dtype)
+            at = (np.cumsum(n) - n).tolist()
+            pos = ((src[mine] - self.starts[r]) * dtype.itemsize).tolist()
+            fd = os.open(run.path, os.O_RDONLY)
+            try:
+                for i, a, m, p in zip(mine.tolist(), at, n.tolist(), pos):
+                    view = buf[a : a + m]
+                    if os.preadv(fd, [view], p) != view.nbytes:
+                        raise OSError(f"{run.path}: short read at byte {p}")
+                    out[i] = view
+            finally:
+                os.close(fd)
+        return out

@@ -1,0 +1,204 @@
+"""The offline writer at scale: two passes through a spill, blocks, workers, bounded memory.
+
+Every run here is compared with an in-memory reference: `packer.plan` + `packer.assemble` on the
+whole corpus (the same bytes the writer made before it streamed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from seqpack.packer import PackConfig, assemble, plan
+from seqpack.packer.plan import plan_rows
+from seqpack.packer.stats import stats
+from seqpack.pipelines.formats.inputs import ReadOptions
+from seqpack.pipelines.formats.manifest import INTENT
+from seqpack.pipelines.offline.spill import SPILL_DIR
+from seqpack.pipelines.offline.verify import read_shard
+from seqpack.pipelines.offline.writer import pack_to_dir
+from tests.helpers.files import (
+    ROOT,
+    dir_bytes,
+    random_seqs,
+    run_cli,
+    write_arrayrecord,
+    write_jsonl,
+    write_parquet,
+)
+
+
+def _corpus(tmp_path, n_files: int = 3, n: int = 400, max_len: int = 120):
+    """Inputs in three formats (int32, int64 and uint16 ids), and their examples back to back."""
+    import pyarrow as pa
+
+    seqs, paths = [], []
+    for i in range(n_files):
+        part = random_seqs(n, max_len=max_len, seed=10 + i)
+        kind = i % 3
+        if kind == 0:
+            paths.append(write_parquet(tmp_path / f"{i}.parquet", part, value_type=pa.uint16()))
+        elif kind == 1:
+            paths.append(write_jsonl(tmp_path / f"{i}.jsonl", part))
+        else:
+            paths.append(write_arrayrecord(tmp_path / f"{i}.arrayrecord", part))
+        seqs += part
+    lengths = np.array([len(s) for s in seqs], np.int64)
+    offsets = np.concatenate(([0], np.cumsum(lengths)))
+    values = np.concatenate([np.asarray(s, np.int64) for s in seqs])
+    return paths, values, offsets
+
+
+def _rows(out) -> dict[str, np.ndarray]:
+    manifest = json.loads((out / "manifest.json").read_text())
+    parts = [read_shard(str(out), name, n)
+             for name, n in zip(manifest["shards"], manifest["shard_num_rows"])]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+@pytest.mark.parametrize("block_size", [None, 97])
+def test_two_passes_give_the_in_memory_rows(tmp_path, block_size):
+    paths, values, offsets = _corpus(tmp_path)
+    config = PackConfig(64, max_segments=6, overflow="split")
+    out = tmp_path / "out"
+    manifest = pack_to_dir(paths, out, config, workers=1, block_size=block_size,
+                           write_options=None)
+    p = plan(np.diff(offsets), config, block_size=block_size)
+    want = assemble(values.astype(np.int32), offsets, p, config)
+    got = _rows(out)
+    for key in ("tokens", "tokens_segment_lengths", "tokens_segment_offsets",
+                "segment_source_index", "segment_source_start"):
+        np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+    assert got["tokens"].dtype == np.int32  # uint16, int64 (narrowed) and int32 inputs together
+    assert manifest.stats == stats(p, seq_len=64, max_segments=6).to_dict()
+    assert manifest.plan_block_size == (block_size or plan_rows([], config).block_size)
+    assert not (out / SPILL_DIR).exists()
+    if block_size:  # blocks are planned apart: a few more rows than one global plan
+        assert p.num_rows >= plan(np.diff(offsets), config).num_rows
+
+
+def test_one_and_two_workers_write_the_same_bytes(tmp_path):
+    paths, _, _ = _corpus(tmp_path, n_files=4, n=300)
+    config = PackConfig(48, max_segments=4, overflow="truncate")
+    options = dict(read_options=ReadOptions())
+    pack_to_dir(paths, tmp_path / "one", config, workers=1, **options)
+    from seqpack.pipelines.offline.writer import WriteOptions
+
+    pack_to_dir(paths, tmp_path / "two", config, workers=2,
+                write_options=WriteOptions(shard_rows=37), **options)
+    pack_to_dir(paths, tmp_path / "one-small", config, workers=1,
+                write_options=WriteOptions(shard_rows=37), **options)
+    assert dir_bytes(tmp_path / "two") == dir_bytes(tmp_path / "one-small")
+    assert _rows(tmp_path / "two")["tokens"].tobytes() == _rows(tmp_path / "one")[
+        "tokens"].tobytes()
+
+
+def test_a_failed_read_leaves_no_directory_behind(tmp_path):
+    good = write_jsonl(tmp_path / "a.jsonl", random_seqs(20))
+    bad = tmp_path / "b.jsonl"
+    bad.write_text('{"tokens": [1, -2]}\n')
+    out = tmp_path / "out"
+    result = run_cli("pack", good, bad, "-o", out)
+    assert result.returncode == 2 and "b.jsonl" in result.stderr
+    assert not out.exists()
+
+
+def _kill_when(cmd: list, out, ready, env: dict) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "seqpack.cli", *map(str, cmd)], cwd=ROOT,
+                            env=dict(os.environ, **env), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None and not ready():
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sigkill_in_the_read_pass_then_resume(tmp_path, workers):
+    paths = [write_jsonl(tmp_path / f"{i}.jsonl", random_seqs(300, max_len=90, seed=i))
+             for i in range(6)]
+    args = ["--seq-len", 128, "--max-segments", 8, "--shard-rows", 30, "--workers", workers]
+    clean = tmp_path / "clean"
+    assert run_cli("pack", *paths, "-o", clean, *args).returncode == 0
+    out = tmp_path / "out"
+    spill = out / SPILL_DIR
+
+    def reading():  # inputs spilled, nothing planned yet
+        return spill.is_dir() and len(os.listdir(spill)) >= 2 and not (out / INTENT).exists()
+
+    _kill_when(["pack", *paths, "-o", out, *args], out, reading,
+               {"SEQPACK_TEST_SHARD_DELAY": "0.3"})
+    assert spill.is_dir() and not (out / INTENT).exists() and not (out / "manifest.json").exists()
+    result = run_cli("pack", *paths, "-o", out, *args, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert dir_bytes(out) == dir_bytes(clean)
+
+
+def test_sigkill_in_the_write_pass_with_workers_then_resume(tmp_path):
+    paths = [write_jsonl(tmp_path / f"{i}.jsonl", random_seqs(400, max_len=120, seed=i))
+             for i in range(3)]
+    args = ["--seq-len", 128, "--max-segments", 8, "--shard-rows", 20, "--workers", 2]
+    clean = tmp_path / "clean"
+    assert run_cli("pack", *paths, "-o", clean, *args).returncode == 0
+    out = tmp_path / "out"
+
+    def writing():
+        return out.is_dir() and any(n.endswith(".arrayrecord") for n in os.listdir(out))
+
+    _kill_when(["pack", *paths, "-o", out, *args], out, writing,
+               {"SEQPACK_TEST_SHARD_DELAY": "0.3"})
+    time.sleep(0.2)  # the workers die with the run (no shard appears after the kill)
+    names = set(os.listdir(out))
+    time.sleep(0.3)
+    assert set(os.listdir(out)) == names
+    assert (out / INTENT).exists() and not (out / "manifest.json").exists()
+    result = run_cli("pack", *paths, "-o", out, *args, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert dir_bytes(out) == dir_bytes(clean)
+
+
+def test_memory_is_bounded_by_examples_not_tokens(tmp_path):
+    """A corpus 4x the RSS budget it is packed in (peak RSS over a tiny run of the same shape)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    tiny, big = tmp_path / "tiny", tmp_path / "big"
+    tiny.mkdir()
+    big.mkdir()
+    budget = 40 << 20
+    lengths = rng.integers(100, 400, 12_000)
+    offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+    values = pa.array(rng.integers(0, 50_000, int(offsets[-1]), dtype=np.int32))
+    table = pa.table({"tokens": pa.ListArray.from_arrays(pa.array(offsets), values)})
+    num_files = 16  # 16 x 3M tokens x 4 bytes: 192 MB of token ids, 4.5x the budget
+    for i in range(num_files):
+        pq.write_table(table, big / f"{i:02d}.parquet")
+    pq.write_table(table.slice(0, 200), tiny / "0.parquet")
+    assert num_files * int(offsets[-1]) * 4 >= 4 * budget
+
+    def peak_rss(src) -> int:
+        files = sorted(str(p) for p in src.glob("*.parquet"))
+        code = ("import resource, sys; from seqpack.cli import main\n"
+                "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code\n"
+                "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+        result = subprocess.run([sys.executable, "-c", code, "pack", *files, "-o", src / "out",
+                                 "--seq-len", "512", "--max-segments", "16", "--workers", "1",
+                                 "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return int(result.stdout.split()[-1]) * 1024
+
+    base, peak = peak_rss(tiny), peak_rss(big)
+    print(f"peak RSS {peak >> 20} MiB, {(peak - base) >> 20} MiB over a tiny run")
+    assert peak - base <= budget, (base >> 20, peak >> 20)
+    manifest = json.loads((big / "out" / "manifest.json").read_text())
+    assert manifest["inputs"]["num_tokens"] == num_files * int(offsets[-1])
