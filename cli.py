@@ -267,14 +267,15 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
         per_strategy = {config.strategy.value: manifest.stats}
         hist, title = manifest.example_length_histogram, f"packed: {paths[0]}"
     else:
-        from seqpack.pipelines.formats.inputs import read_corpus
+        from seqpack.pipelines.formats.inputs import read_lengths
         from seqpack.pipelines.offline.writer import length_histogram
 
-        corpus = read_corpus(paths, _read_options(input_format, column, tokenizer, text_unit))
+        lengths, _ = read_lengths(paths, _read_options(input_format, column, tokenizer,
+                                                       text_unit))
         config = _config("best_fit_decreasing", seq_len, max_segments, overflow,
                          segment_alignment, pad_id, feature)
-        per_strategy = dry_run(corpus.lengths, config, strategies or STRATEGIES)
-        hist = length_histogram(corpus.lengths)
+        per_strategy = dry_run(lengths, config, strategies or STRATEGIES)
+        hist = length_histogram(lengths)
         title = (f"dry run: {len(paths)} input file(s), seq_len {seq_len}, max_segments "
                  f"{max_segments}, overflow {config.overflow.value}")
     summaries = {name: summary(s, batch_size) for name, s in per_strategy.items()}

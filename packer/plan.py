@@ -131,7 +131,8 @@ class RowAssignment:
         return int(self.row.size)
 
 
-def _check_block_size(block_size: int | None) -> int:
+def check_block_size(block_size: int | None) -> int:
+    """`block_size`, or the default for None; ValueError unless an int >= 1."""
     if block_size is None:
         return DEFAULT_BLOCK_SIZE
     if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) \
@@ -180,13 +181,21 @@ def _assign(length: np.ndarray, row: np.ndarray | None, config: PackConfig
     return _ASSIGN[Strategy(config.strategy)](sizes, config.seq_len, config.max_segments)
 
 
+def plan_block(lengths: np.ndarray, config: PackConfig, first: int = 0):
+    """Plans one block on its own: (example, start, length, row, num_rows, counters), pieces in
+    input order, examples numbered from `first`, rows from 0. `plan_rows` numbers each block's
+    rows after the previous blocks'; the Beam job plans blocks on different workers."""
+    example, start, length, row, counters = _block_pieces(lengths, config, first)
+    row, num_rows = _assign(length, row, config)
+    return example, start, length, row, num_rows, counters
+
+
 def _planned_blocks(lengths: object, config: PackConfig, block_size: int):
     """Per block: (example, start, length, row, counters, rows so far); a block's rows are
     numbered after the earlier blocks'."""
     base = 0
     for first, block in _blocks(lengths, block_size):
-        example, start, length, row, counters = _block_pieces(block, config, first)
-        row, num_rows = _assign(length, row, config)
+        example, start, length, row, num_rows, counters = plan_block(block, config, first)
         base += num_rows
         yield example, start, length, row + (base - num_rows), counters, base
 
@@ -197,7 +206,7 @@ def pieces(lengths: object, config: PackConfig, *, block_size: int | None = None
 
     The pieces a `RowAssignment` made with the same lengths, config and block size assigns.
     """
-    for first, block in _blocks(lengths, _check_block_size(block_size)):
+    for first, block in _blocks(lengths, check_block_size(block_size)):
         example, start, length, _, _ = _block_pieces(block, config, first)
         yield example, start, length
 
@@ -208,7 +217,7 @@ def plan_rows(lengths: object, config: PackConfig, *, block_size: int | None = N
 
     Holds the lengths, 4 bytes a piece for the result and one block's working memory.
     """
-    block_size = _check_block_size(block_size)
+    block_size = check_block_size(block_size)
     rows: list[np.ndarray] = []
     counters = Counters()
     num_rows = 0
@@ -228,7 +237,7 @@ def plan_rows(lengths: object, config: PackConfig, *, block_size: int | None = N
 
 def plan(lengths: object, config: PackConfig, *, block_size: int | None = None) -> PackPlan:
     """Plans the packing of examples with these lengths (i64[n]) under `config`."""
-    parts = list(_planned_blocks(lengths, config, _check_block_size(block_size)))
+    parts = list(_planned_blocks(lengths, config, check_block_size(block_size)))
     counters = sum((p[4] for p in parts), Counters())
     example, start, length, row = (np.concatenate([p[i] for p in parts]) for i in range(4))
     return order_pieces(example, start, length, row, parts[-1][5], counters, config)

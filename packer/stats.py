@@ -46,31 +46,62 @@ def stats_from_lengths(
 ) -> PackingStats:
     """Statistics from the per-row segment lengths alone."""
     seg = np.asarray(segment_lengths, np.int64).reshape(-1, np.shape(segment_lengths)[-1])
-    return _stats(seg.sum(axis=1), (seg > 0).sum(axis=1), seq_len, seg.shape[1], counters)
+    hists = _histograms(seg.sum(axis=1), (seg > 0).sum(axis=1), seq_len, seg.shape[1])
+    return stats_from_histograms(*hists, seq_len, counters)
 
 
 def stats_of_pieces(row: np.ndarray, length: np.ndarray, num_rows: int, seq_len: int,
                     max_segments: int, counters: Counters | None = None) -> PackingStats:
     """Statistics from each piece's row and length (any order): 16 bytes a row, no [R, S]."""
+    return stats_from_histograms(*row_histograms(row, length, num_rows, seq_len, max_segments),
+                                 seq_len, counters)
+
+
+def row_histograms(row: np.ndarray, length: np.ndarray, num_rows: int, seq_len: int,
+                   max_segments: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows holding u tokens, u = 0..L; rows holding k segments, k = 0..S): what the
+    statistics need of a set of rows. Histograms of parts of a packing add up."""
     row = np.asarray(row)
     length = np.asarray(length, np.int64)
     used = np.bincount(row, weights=length, minlength=num_rows).astype(np.int64)
     nseg = np.bincount(row[length > 0], minlength=num_rows)
-    return _stats(used, nseg, seq_len, max_segments, counters)
+    return _histograms(used, nseg, seq_len, max_segments)
 
 
-def _stats(per_row: np.ndarray, nseg: np.ndarray, seq_len: int, S: int,
-           counters: Counters | None) -> PackingStats:
-    R = int(per_row.size)
-    real = int(per_row.sum())
-    n = int(nseg.sum())
+def _histograms(used: np.ndarray, nseg: np.ndarray, seq_len: int, max_segments: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    return (np.bincount(used, minlength=seq_len + 1).astype(np.int64),
+            np.bincount(nseg, minlength=max_segments + 1).astype(np.int64))
+
+
+def _quantile(counts: np.ndarray, q: float) -> float:
+    """The q-th percentile (numpy's "linear" method) of the values 0..len(counts)-1 repeated
+    counts[v] times, without repeating them."""
+    n = int(counts.sum())
+    cum = np.cumsum(counts)
+    h = (n - 1) * q / 100.0
+    lo = int(np.floor(h))
+    hi = min(lo + 1, n - 1)
+    a, b = (float(np.searchsorted(cum, k, side="right")) for k in (lo, hi))
+    return a + (b - a) * (h - lo)
+
+
+def stats_from_histograms(used_hist: np.ndarray, nseg_hist: np.ndarray, seq_len: int,
+                          counters: Counters | None = None) -> PackingStats:
+    """Statistics from `row_histograms` (summed over any parts of a packing)."""
+    used_hist = np.asarray(used_hist, np.int64)
+    nseg_hist = np.asarray(nseg_hist, np.int64)
+    S = nseg_hist.size - 1
+    R = int(used_hist.sum())
+    real = int((used_hist * np.arange(used_hist.size)).sum())
+    n = int((nseg_hist * np.arange(nseg_hist.size)).sum())
     cap = R * seq_len
     eff = real / cap if cap else 0.0
     lb = lower_bound(real, n, seq_len, S)
-    fill = per_row / seq_len if R else np.zeros(0)
-    hist = np.histogram(fill, bins=_FILL_BINS, range=(0.0, 1.0))[0] if R else np.zeros(_FILL_BINS)
+    fills = np.arange(seq_len + 1) / seq_len
+    hist = np.histogram(fills, bins=_FILL_BINS, range=(0.0, 1.0), weights=used_hist)[0]
     qs = {"min": 0.0, "p1": 1.0, "p10": 10.0, "p50": 50.0, "p90": 90.0, "max": 100.0}
-    quant = {k: float(np.percentile(fill, q)) if R else 0.0 for k, q in qs.items()}
+    quant = {k: _quantile(used_hist, q) / seq_len if R else 0.0 for k, q in qs.items()}
     return PackingStats(
         num_rows=R,
         seq_len=int(seq_len),
@@ -81,7 +112,7 @@ def _stats(per_row: np.ndarray, nseg: np.ndarray, seq_len: int, S: int,
         padding_fraction=float(1.0 - eff) if cap else 0.0,
         lower_bound_rows=int(lb),
         rows_over_lower_bound=float(R / lb - 1.0) if lb else 0.0,
-        segments_per_row=np.bincount(nseg, minlength=S + 1).astype(int).tolist(),
+        segments_per_row=nseg_hist.astype(int).tolist(),
         row_fill_histogram=[int(x) for x in hist],
         row_fill_quantiles=quant,
         counters=(counters or Counters()).to_dict(),

@@ -76,7 +76,7 @@ def test_cli_runner_beam_matches_the_local_cli_and_verifies(tmp_path):
     src.append(str(tmp_path / "c.txt"))
     common = ["--seq-len", 96, "--max-segments", 6, "--overflow", "truncate", "--strategy",
               "first_fit", "--segment-alignment", 4, "--pad-id", 300, "--shard-rows", 9,
-              "--compression", "zstd"]
+              "--compression", "zstd", "--block-size", 64]  # 5 blocks, planned by the workers
     outputs = {}
     for runner, extra in (("local", []), ("beam", ["--beam-option", "direct_num_workers=2"])):
         out = tmp_path / runner

@@ -37,16 +37,31 @@ def _inputs(tmp_path) -> list[str]:
     ]
 
 
-def _run_steps(paths, out, config, write_options, rng) -> dict:
+def _run_steps(paths, out, config, write_options, rng, block_size=None) -> dict:
     """The job's stages in this process, each stage's elements in a shuffled order."""
     read = ReadOptions()
     order = rng.permutation(len(paths))
     scans = [beam_steps.scan_file(int(i), paths[i], read) for i in order]
-    summary, jobs = beam_steps.plan_job(scans, str(out), config, read_options=read,
-                                        write_options=write_options)
+    files = [beam_steps.summarize_file(s) for s in scans]
+    bs = block_size or 1 << 22
+    by_block: dict[int, list] = {}
+    for s in scans:
+        for block, piece in beam_steps.cut_blocks(s, files, bs):
+            by_block.setdefault(block, []).append(piece)
+    plans = [beam_steps.plan_block_slices(b, by_block[b][::-1], files, config, bs)
+             for b in rng.permutation(sorted(by_block)).tolist()]
+    summary = beam_steps.finish_plan(files, [p.summary for p in plans], str(out), config,
+                                     read_options=read, write_options=write_options,
+                                     block_size=bs)
+    by_file: dict[int, list] = {}
+    for p in plans:
+        for index, table in beam_steps.split_block(p, summary, files):
+            by_file.setdefault(index, []).append(table)
+    jobs = [beam_steps.file_job(i, t[::-1], files) for i, t in by_file.items()]
     by_shard: dict[int, list] = {}
     for k in rng.permutation(len(jobs)):
-        for shard, part in beam_steps.route_file(jobs[k], read):
+        for shard, part in beam_steps.route_file(jobs[k], read, summary.shard_rows,
+                                                 summary.row_dtype):
             by_shard.setdefault(shard, []).append(part)
     rows = []
     for shard in rng.permutation(sorted(by_shard)).tolist():
@@ -57,25 +72,28 @@ def _run_steps(paths, out, config, write_options, rng) -> dict:
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("seed", [0, 1])
-def test_steps_in_any_order_give_the_local_bytes(tmp_path, name, seed):
+@pytest.mark.parametrize("seed,block_size", [(0, None), (1, 17)])
+def test_steps_in_any_order_give_the_local_bytes(tmp_path, name, seed, block_size):
     config, write_options = CONFIGS[name]
     paths = _inputs(tmp_path)
-    local = pack_to_dir(paths, tmp_path / "local", config, write_options=write_options)
+    local = pack_to_dir(paths, tmp_path / "local", config, write_options=write_options,
+                        block_size=block_size, workers=1)
     assert len(local.shards) >= 3  # several shards, so routing and merging are exercised
     manifest = _run_steps(paths, tmp_path / "steps", config, write_options,
-                          np.random.default_rng(seed))
+                          np.random.default_rng(seed), block_size)
     assert manifest == local
     assert dir_bytes(tmp_path / "steps") == dir_bytes(tmp_path / "local")
 
 
-def test_split_plan_gives_each_piece_to_its_input_once(tmp_path):
+def test_blocks_give_each_piece_to_its_input_once(tmp_path):
     config, write_options = CONFIGS["bfd_split"]
     paths = _inputs(tmp_path)
     read = ReadOptions()
     scans = [beam_steps.scan_file(i, p, read) for i, p in enumerate(paths)]
-    summary, jobs = beam_steps.plan_job(scans, str(tmp_path / "o"), config, read_options=read,
-                                        write_options=write_options)
+    summary, jobs = beam_steps.plan_in_process(scans, str(tmp_path / "o"), config,
+                                               read_options=read, write_options=write_options,
+                                               block_size=23)
+    assert summary is not None and len(summary.row_base) == -(-96 // 23)  # 1 + 40 + 0 + 55
     assert [j.index for j in jobs] == [0, 1, 3]  # the empty input holds no piece
     firsts = np.cumsum([0] + [s.lengths.size for s in scans])
     for job in jobs:
@@ -83,8 +101,9 @@ def test_split_plan_gives_each_piece_to_its_input_once(tmp_path):
         assert job.first_example == firsts[job.index]
         assert ((ex >= firsts[job.index]) & (ex < firsts[job.index + 1])).all()
     table = np.concatenate([j.pieces for j in jobs], axis=1)
-    keys = table[beam_steps.ROW] * config.max_segments + table[beam_steps.SLOT]
-    assert np.unique(keys).size == keys.size == summary.results["stats"]["num_segments"]
+    key = table[beam_steps.EXAMPLE] * 1000 + table[beam_steps.START]
+    assert np.unique(key).size == key.size == summary.results["stats"]["num_segments"]
+    assert table[beam_steps.ROW].max() + 1 == summary.intent.num_rows
 
 
 def test_bad_input_becomes_a_scan_error_and_the_first_one_is_raised(tmp_path):
@@ -97,19 +116,20 @@ def test_bad_input_becomes_a_scan_error_and_the_first_one_is_raised(tmp_path):
     scans = [beam_steps.scan_file(i, str(p), read) for i, p in enumerate([good, bad1, bad2])]
     assert scans[0].error is None and "bad1.jsonl:2: tokens[1]=-2" in scans[1].error
     with pytest.raises(InputError, match=r"bad1\.jsonl:2"):
-        beam_steps.plan_job(scans[::-1], str(tmp_path / "o"), PackConfig(8), read_options=read,
-                            write_options=WriteOptions())
+        beam_steps.plan_in_process(scans[::-1], str(tmp_path / "o"), PackConfig(8),
+                                   read_options=read, write_options=WriteOptions())
     assert not (tmp_path / "o").exists()
 
 
 def test_an_input_changed_between_the_passes_is_refused(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", random_seqs(20, seed=5))
     read = ReadOptions()
-    _, jobs = beam_steps.plan_job([beam_steps.scan_file(0, path, read)], str(tmp_path / "o"),
-                                  PackConfig(64), read_options=read, write_options=WriteOptions())
+    summary, jobs = beam_steps.plan_in_process(
+        [beam_steps.scan_file(0, path, read)], str(tmp_path / "o"), PackConfig(64),
+        read_options=read, write_options=WriteOptions())
     write_jsonl(path, random_seqs(21, seed=6))
     with pytest.raises(InputError, match="changed while the job ran"):
-        beam_steps.route_file(jobs[0], read)
+        beam_steps.route_file(jobs[0], read, summary.shard_rows, summary.row_dtype)
 
 
 def test_the_core_modules_do_not_need_beam():

@@ -119,7 +119,8 @@ def read_corpus(paths: Sequence[str], options: ReadOptions) -> Corpus:
         values, offsets = read_file(path, fmt, options, tokenizer)
         info = fingerprint(path)
         info.update(format=fmt, num_examples=int(offsets.size - 1),
-                    num_tokens=int(offsets[-1] - offsets[0]))
+                    num_tokens=int(offsets[-1] - offsets[0]),
+                    lengths_sha256=lengths_sha256(np.diff(offsets)))
         parts.append((values, offsets))
         files.append(info)
     values, offsets = concat([Chunk(v, o, 0) for v, o in parts])
@@ -163,7 +164,7 @@ def narrow_dtype(dtype: np.dtype, size: int, top: int) -> np.dtype:
 class FileScan:
     """One input read chunk by chunk: what the plan and the manifest need from it."""
 
-    info: dict  # fingerprint + format, num_examples, num_tokens (the manifest's entry)
+    info: dict  # fingerprint + format, num_examples, num_tokens, lengths_sha256 (manifest entry)
     lengths: np.ndarray  # i64[n_f] example lengths, in file order
     dtype: np.dtype  # the file's token dtype, as `read_file` gives it
 
@@ -190,8 +191,31 @@ def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
     lens = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
     dtype = np.result_type(*dtypes) if dtypes else np.dtype(np.int32)
     info = fingerprint(path)
-    info.update(format=fmt, num_examples=int(lens.size), num_tokens=num_tokens)
+    info.update(format=fmt, num_examples=int(lens.size), num_tokens=num_tokens,
+                lengths_sha256=lengths_sha256(lens))
     return FileScan(info, lens.astype(np.int64, copy=False), narrow_dtype(dtype, num_tokens, top))
+
+
+def lengths_sha256(lengths: np.ndarray) -> str:
+    """sha256 of example lengths as little-endian int64: one input's entry in the manifest."""
+    return hashlib.sha256(np.ascontiguousarray(lengths, "<i8").tobytes()).hexdigest()
+
+
+def combined_lengths_sha256(files: Sequence[dict]) -> str:
+    """The manifest's digest of every example length, from each input's `lengths_sha256` (in
+    input order): computed input by input, so no step needs every length."""
+    return hashlib.sha256("".join(f["lengths_sha256"] for f in files).encode()).hexdigest()
+
+
+def read_lengths(paths: Sequence[str], options: ReadOptions) -> tuple[np.ndarray, list[dict]]:
+    """Every input's example lengths back to back (i64), and each file's manifest entry; the
+    tokens are read and dropped chunk by chunk (a dry run needs only the lengths)."""
+    if not paths:
+        raise InputError("no input files given")
+    tokenizer = text.load_tokenizer(options.tokenizer) if options.tokenizer else None
+    scans = [scan_file(os.fspath(p), detect_format(os.fspath(p), options.input_format), options,
+                       tokenizer) for p in paths]
+    return np.concatenate([s.lengths for s in scans]), [s.info for s in scans]
 
 
 def corpus_dtype(dtypes: Sequence[np.dtype]) -> np.dtype:

@@ -4,32 +4,33 @@
     seqpack pack data/*.parquet -o packed/ --runner beam --beam-option direct_num_workers=8
     seqpack pack ... --runner beam --beam-option runner=FlinkRunner --beam-option flink_master=...
 
-The job, one element per input file or per output shard; only lengths meet in one place::
+The job, one element per input, per block of examples or per output shard; nothing per example
+meets in one place::
 
     A  ScanLengths   per input  (parallel)  read the file -> fingerprint + example lengths i64[n_f]
-    B  Plan          once       (one worker) `packer.plan` on all lengths, in input order; ready
-                                             the output directory (pack_intent.json); split the
-                                             plan into each input's pieces (row, slot, offset)
+       CutBlocks     per input              its lengths cut into blocks of `block_size`
+                                            consecutive examples (global numbering)
+    B  PlanBlocks    per block  (parallel)  `packer.plan_block` on the block's lengths: pieces +
+                                            rows within the block, histograms for the stats
+       FinishPlan    once                   per-input and per-block summaries -> each block's
+                                            first row, the manifest's stats; pack_intent.json
+       SplitBlocks   per block  (parallel)  the block's pieces, rows made global, per input
     C  RouteTokens   per input  (parallel)  re-read the file, send each piece's tokens to its shard
-    D  WriteShards   per shard  (parallel)  sort the pieces into (row, slot) order, assemble and
-                                             write the shard as the local writer does
+    D  WriteShards   per shard  (parallel)  sort the pieces into (row, example) order, assemble
+                                            and write the shard as the local writer does
        WriteManifest once, after every shard: manifest.json (then the run is complete)
 
-What moves: stage B gathers 8 bytes per example (the lengths) plus each input's fingerprint, and
-sends each input only its own pieces' places (48 bytes per piece); tokens move once, from the
-worker reading an input to the workers writing its shards. The planner holds the lengths and the
-plan, no tokens: about a hundred bytes per example (measured in benchmarks/README.md), which
-limits one job to about 10^8 examples.
+What moves: a block's lengths (8 bytes per example) go to the worker planning it, its pieces
+(32 bytes per piece) to the inputs they come from; the one global step gets a summary per input
+and per block (histograms of a few KB). Tokens move once, from the worker reading an input to
+the workers writing its shards. A worker planning a block holds about 60 bytes per example of
+the block (`block_size`, by default 4,194,304 examples: a few hundred MB), whatever the corpus.
 
-Efficiency and determinism: the plan is `packer.plan` itself, on the lengths in the local CLI's
-order (inputs in the order given, examples in file order), so every strategy packs exactly as
-locally: the same rows, efficiency equal to the local `best_fit_decreasing` (0% apart, not just
-within 0.1%), whatever the number of workers. The output is byte-identical to the local CLI's:
-shards and manifest.json (no runner field; the manifest does not say how it was made).
-A per-size histogram would let the planner take O(distinct lengths) instead of O(examples) for
-best fit decreasing, but the manifest's `lengths_sha256` (a hash of the lengths in order), the
-slot order inside rows (by example index) and the order-dependent strategies (first_fit,
-best_fit, concat_split) all need the lengths in order, so they are gathered: lengths, not tokens.
+Efficiency and determinism: each block is planned exactly as `seqpack pack` plans it (the same
+`packer.plan_block` on the lengths in the local CLI's order: inputs in the order given, examples
+in file order), so every strategy packs as locally: the same rows, whatever the number of
+workers. The output is byte-identical to the local CLI's: shards and manifest.json (no runner
+field; the manifest does not say how it was made).
 
 Runners: DirectRunner in multi-processing mode by default (`direct_num_workers`: the CPU count,
 at most 8); any Beam pipeline option goes through `beam_options` ("KEY=VALUE", or "KEY" for a
@@ -57,7 +58,10 @@ import types
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from seqpack.packer import PackConfig
+from seqpack.packer.plan import check_block_size
 from seqpack.pipelines.errors import InputError, UsageError, require
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
@@ -125,25 +129,39 @@ def build_pipeline(
     block_size: int | None = None,
 ) -> None:
     """Adds the packing job to Beam pipeline `p` (see the module docstring for its stages)."""
+    block_size = check_block_size(block_size)
     scans = (
         p
         | "Inputs" >> beam.Create(list(enumerate(map(os.fspath, paths))))
         | "SpreadInputs" >> beam.Reshuffle()
         | "ScanLengths" >> beam.Map(_scan, read_options)
     )
-    planned = (
+    files = beam.pvalue.AsSingleton(
         scans
-        | "GatherLengths" >> beam.combiners.ToList()
-        | "Plan" >> beam.FlatMap(_plan, output_dir, config, read_options, write_options,
-                                 overwrite, resume, block_size)
-        .with_outputs("summary", "error", main="files")
+        | "SummarizeInputs" >> beam.Map(beam_steps.summarize_file)
+        | "GatherInputs" >> beam.combiners.ToList())
+    plans = (
+        scans
+        | "CutBlocks" >> beam.FlatMap(beam_steps.cut_blocks, files, block_size)
+        | "GroupBlocks" >> beam.GroupByKey()
+        | "PlanBlocks" >> beam.Map(_plan_block, files, config, block_size)
     )
-    summary = beam.pvalue.AsSingleton(planned.summary, default_value=None)
-    _ = planned.error | "ReportError" >> beam.Map(_report_error, error_dir)
+    finished = (
+        plans
+        | "BlockSummaries" >> beam.Map(lambda bp: bp.summary)
+        | "GatherBlocks" >> beam.combiners.ToList()
+        | "FinishPlan" >> beam.FlatMap(_finish_plan, files, output_dir, config, read_options,
+                                       write_options, block_size, overwrite, resume)
+        .with_outputs("error", main="summary")
+    )
+    summary = beam.pvalue.AsSingleton(finished.summary, default_value=None)
+    _ = finished.error | "ReportError" >> beam.Map(_report_error, error_dir)
     rows = (
-        planned.files
-        | "SpreadFiles" >> beam.Reshuffle()
-        | "RouteTokens" >> beam.FlatMap(beam_steps.route_file, read_options)
+        plans
+        | "SplitBlocks" >> beam.FlatMap(beam_steps.split_block, summary, files)
+        | "GroupByInput" >> beam.GroupByKey()
+        | "FileJobs" >> beam.Map(_file_job, files)
+        | "RouteTokens" >> beam.FlatMap(_route, summary, read_options)
         | "GroupByShard" >> beam.GroupByKey()
         | "WriteShards" >> beam.Map(_write_shard, summary, output_dir, config,
                                          write_options, resume)
@@ -160,19 +178,40 @@ def _scan(element: tuple[int, str], read_options: ReadOptions) -> beam_steps.Fil
     return beam_steps.scan_file(index, path, read_options)
 
 
-def _plan(scans: list[beam_steps.FileScan], output_dir: str, config: PackConfig,
-          read_options: ReadOptions, write_options: WriteOptions, overwrite: bool,
-          resume: bool, block_size: int | None) -> Iterator[Any]:  # FileJobs, or TaggedOutput
+def _plan_block(element: tuple[int, Iterable[beam_steps.BlockSlice]],
+                files: list[beam_steps.FileSummary], config: PackConfig,
+                block_size: int) -> beam_steps.BlockPlan:
+    block, slices = element
+    return beam_steps.plan_block_slices(block, slices, files, config, block_size)
+
+
+def _file_job(element: tuple[int, Iterable[np.ndarray]], files: list[beam_steps.FileSummary]
+              ) -> beam_steps.FileJob:
+    index, tables = element
+    return beam_steps.file_job(index, tables, files)
+
+
+def _finish_plan(blocks: list[beam_steps.BlockSummary], files: list[beam_steps.FileSummary],
+                 output_dir: str, config: PackConfig, read_options: ReadOptions,
+                 write_options: WriteOptions, block_size: int, overwrite: bool,
+                 resume: bool) -> Iterator[Any]:  # the JobSummary, or a TaggedOutput error
     try:
-        summary, jobs = beam_steps.plan_job(scans, output_dir, config, read_options=read_options,
-                                            write_options=write_options, overwrite=overwrite,
-                                            resume=resume, block_size=block_size)
+        summary = beam_steps.finish_plan(files, blocks, output_dir, config,
+                                         read_options=read_options, write_options=write_options,
+                                         block_size=block_size, overwrite=overwrite,
+                                         resume=resume)
     except (ValueError, OSError) as e:
         yield beam.pvalue.TaggedOutput("error", " ".join(str(e).split()) or type(e).__name__)
         return
     if summary is not None:
-        yield beam.pvalue.TaggedOutput("summary", summary)
-    yield from jobs
+        yield summary
+
+
+def _route(job: beam_steps.FileJob, summary: beam_steps.JobSummary | None,
+           read_options: ReadOptions) -> list[tuple[int, beam_steps.ShardPart]]:
+    if summary is None:
+        return []
+    return beam_steps.route_file(job, read_options, summary.shard_rows, summary.row_dtype)
 
 
 def _report_error(message: str, error_dir: str | None) -> None:

@@ -1,24 +1,35 @@
-"""The steps of the Beam packing job as plain functions: scan, plan, route tokens, write shards.
+"""The steps of the Beam packing job as plain functions: scan, plan per block, route, write.
 
 `offline.beam` wires these into a pipeline; nothing here imports Beam, so each step runs (and
 is tested) on its own. What each step takes and gives, for n examples in P pieces::
 
-    scan_file          one input         -> FileScan: fingerprint, counts, lengths i64[n_f], dtype
-    plan_job           every FileScan    -> JobSummary + one FileJob per input holding pieces:
-                                            its pieces' places, i64[6, P_f] (example, start,
-                                            length, row, slot, offset)
-    route_file         one FileJob       -> (shard, ShardPart) per shard the input feeds: the
-                                            pieces' places + their tokens, back to back
-    write_shard_parts  one shard's parts -> the shard file; returns its row count
-    finish_job         all row counts    -> manifest.json
+    scan_file          one input          -> FileScan: fingerprint, counts, lengths i64[n_f], dtype
+    summarize_file     one FileScan       -> FileSummary: the scan without its lengths (gathered
+                                             in one place: a few hundred bytes per input)
+    cut_blocks         one FileScan       -> (block, BlockSlice) per block of `block_size`
+                                             consecutive examples the input's examples fall in
+    plan_block         one block's slices -> BlockPlan: its pieces i64[4, P_b] (example, start,
+                                             length, row in the block) + BlockSummary (rows,
+                                             counters, histograms: a few KB)
+    finish_plan        every FileSummary
+                       + BlockSummary     -> JobSummary (row offset of each block, manifest
+                                             results) and pack_intent.json
+    split_block        one BlockPlan      -> (input, pieces with their final rows) per input
+    route_file         one input's pieces -> (shard, ShardPart) per shard the input feeds: the
+                                             pieces + their tokens, back to back
+    write_shard_parts  one shard's parts  -> the shard file; returns its row count
+    finish_job         all row counts     -> manifest.json
 
-Only lengths travel to the one place that plans (8 bytes per example); tokens travel once, from
-the worker reading an input to the worker writing the shard they land in.
+Nothing gathers per-example data in one place: each block is planned by the worker its lengths
+are grouped to (`block_size` examples, by default about four million: a few hundred MB), and
+the one global step sees a summary per input and per block. Tokens travel once, from the worker
+reading an input to the worker writing the shard they land in.
 
-Same bytes as the local writer (`offline.writer.pack_to_dir`): the plan is `packer.plan` on the
-same lengths in the same order (inputs in the order given, examples in file order), the manifest
-comes from the writer's own functions, and a shard's pieces are sorted back into (row, slot)
-order and written by `writer.write_shard`, whatever order they arrive in.
+Same bytes as the local writer (`offline.writer.pack_to_dir`): the blocks are `packer.plan_block`
+on the same lengths in the same order (inputs in the order given, examples in file order), the
+statistics are the sum of the blocks' histograms (as the local writer computes them), the
+manifest comes from the writer's own functions, and a shard's pieces are sorted back into
+(row, example) order and written by `writer.write_shard`, whatever order they arrive in.
 """
 
 from __future__ import annotations
@@ -29,9 +40,10 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from seqpack.packer import Counters, PackConfig, PackPlan, plan
+from seqpack.packer import Counters, PackConfig, PackPlan
 from seqpack.packer.contract import ragged_arange
-from seqpack.packer.plan import DEFAULT_BLOCK_SIZE
+from seqpack.packer.plan import check_block_size, order_pieces, plan_block
+from seqpack.packer.stats import row_histograms, stats_from_histograms
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats import inputs
 from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus
@@ -41,6 +53,7 @@ from seqpack.pipelines.offline.writer import (
     WriteOptions,
     commit_manifest,
     inputs_record,
+    length_histogram,
     manifest_results,
     prepare_dir,
     row_dtype,
@@ -49,20 +62,64 @@ from seqpack.pipelines.offline.writer import (
     write_shard,
 )
 
-# Rows of FileJob.pieces / ShardPart.pieces.
-EXAMPLE, START, LENGTH, ROW, SLOT, OFFSET = range(6)
+# Rows of the piece tables (BlockPlan, FileJob, ShardPart).
+EXAMPLE, START, LENGTH, ROW = range(4)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 @dataclasses.dataclass(frozen=True)
 class FileScan:
-    """Stage A's result for one input: what the plan needs from it (or why it cannot be read)."""
+    """One input's lengths (or why it cannot be read)."""
 
     index: int  # position of the input in the job's list
     path: str
-    info: dict  # the manifest's entry: fingerprint, format, num_examples, num_tokens
+    info: dict  # the manifest's entry: fingerprint, format, counts, lengths digest
     lengths: np.ndarray  # i64[n_f] example lengths, in file order
     dtype: str  # numpy dtype of the file's token ids
     error: str | None = None  # the InputError's message when the file could not be read
+
+
+@dataclasses.dataclass(frozen=True)
+class FileSummary:
+    """A FileScan without its lengths: what the job's one global step sees of an input."""
+
+    index: int
+    path: str
+    info: dict
+    num_examples: int
+    dtype: str
+    max_length: int
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSlice:
+    """Some consecutive examples of one block, from one input."""
+
+    first: int  # global index of the first example
+    lengths: np.ndarray  # i64
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSummary:
+    """What the global step needs of a planned block."""
+
+    block: int
+    num_rows: int
+    counters: Counters
+    used_hist: np.ndarray  # rows holding u tokens, u = 0..L
+    nseg_hist: np.ndarray  # rows holding k segments, k = 0..S
+    length_counts: np.ndarray  # the block's examples in the manifest's 50 length bins
+    error: str | None = None  # an InputError while planning (over-length with overflow="error")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    summary: BlockSummary
+    pieces: np.ndarray  # i64[4, P_b]: example (global), start, length, row (in the block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,105 +130,181 @@ class JobSummary:
     results: dict  # the manifest's stats and example length histogram
     row_dtype: str  # dtype of the rows' tokens
     shard_rows: int
+    row_base: list[int]  # first row of each block
 
 
 @dataclasses.dataclass(frozen=True)
 class FileJob:
-    """Stage C's work for one input: where each of its pieces goes."""
+    """Where each piece of one input goes."""
 
     index: int
     path: str
     info: dict  # from the scan; the re-read must match it (the file must not change mid-job)
     first_example: int  # global index of the file's first example
-    pieces: np.ndarray  # i64[6, P_f]: example (global), start, length, row, slot, offset
-    dtype: str  # the corpus's token dtype (all inputs together), as the local reader makes it
-    shard_rows: int
+    pieces: np.ndarray  # i64[4, P_f]: example (global), start, length, row (global)
 
 
 @dataclasses.dataclass(frozen=True)
 class ShardPart:
     """The pieces one input sends to one shard."""
 
-    pieces: np.ndarray  # i64[6, P]: as in FileJob, rows still global
+    pieces: np.ndarray  # i64[4, P]: as in FileJob
     tokens: np.ndarray  # the pieces' tokens back to back, in the corpus dtype
+
+
+# -- scan ------------------------------------------------------------------------------------
 
 
 def scan_file(index: int, path: str, options: ReadOptions) -> FileScan:
     """Reads one input for its example lengths; a bad input gives a FileScan with `error`."""
     try:
-        tokenizer = load_tokenizer(options.tokenizer) if options.tokenizer else None
-        scan = inputs.scan_file(path, detect_format(path, options.input_format), options,
-                                tokenizer)
+        fmt = detect_format(path, options.input_format)
+        tokenizer = load_tokenizer(options.tokenizer) if options.tokenizer and fmt == "text" \
+            else None
+        scan = inputs.scan_file(path, fmt, options, tokenizer)
     except (ValueError, OSError) as e:
-        return FileScan(index, path, {}, np.zeros(0, np.int64), "", error=" ".join(str(e).split()))
+        return FileScan(index, path, {}, np.zeros(0, np.int64), "", error=_one_line(e))
     return FileScan(index, path, scan.info, scan.lengths, scan.dtype.str)
 
 
-def plan_job(
-    scans: Iterable[FileScan],
+def summarize_file(scan: FileScan) -> FileSummary:
+    return FileSummary(scan.index, scan.path, scan.info, int(scan.lengths.size), scan.dtype,
+                       int(scan.lengths.max(initial=0)), scan.error)
+
+
+def _firsts(files: Sequence[FileSummary]) -> np.ndarray:
+    """Global index of each input's first example (inputs in job order), plus the total."""
+    counts = [f.num_examples for f in sorted(files, key=lambda f: f.index)]
+    return np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+
+
+def cut_blocks(scan: FileScan, files: Sequence[FileSummary], block_size: int
+               ) -> list[tuple[int, BlockSlice]]:
+    """The input's lengths cut at block boundaries; nothing when any input failed to read."""
+    if any(f.error is not None for f in files):
+        return []
+    first = int(_firsts(files)[scan.index])
+    out = []
+    at = 0
+    while at < scan.lengths.size:
+        block = (first + at) // block_size
+        end = min(scan.lengths.size, (block + 1) * block_size - first)
+        out.append((block, BlockSlice(first + at, scan.lengths[at:end])))
+        at = end
+    return out
+
+
+# -- plan --------------------------------------------------------------------------------------
+
+
+def plan_block_slices(block: int, slices: Iterable[BlockSlice], files: Sequence[FileSummary],
+                      config: PackConfig, block_size: int) -> BlockPlan:
+    """Plans one block from its slices (any order), as `packer.plan_rows` plans it."""
+    slices = sorted(slices, key=lambda s: s.first)
+    first = block * block_size
+    lengths = np.concatenate([s.lengths for s in slices]).astype(np.int64)
+    total = int(_firsts(files)[-1])
+    assert slices[0].first == first and lengths.size == min(block_size, total - first), block
+    L, S = config.seq_len, config.max_segments
+    top = max((f.max_length for f in files), default=0)
+    counts = np.array(length_histogram(lengths, top)["counts"], np.int64)
+    try:
+        example, start, length, row, num_rows, counters = plan_block(lengths, config, first)
+    except InputError as e:
+        empty = np.zeros(0, np.int64)
+        summary = BlockSummary(block, 0, Counters(), empty, empty, counts, error=_one_line(e))
+        return BlockPlan(summary, np.zeros((4, 0), np.int64))
+    used, nseg = row_histograms(row, length, num_rows, L, S)
+    summary = BlockSummary(block, num_rows, counters, used, nseg, counts)
+    return BlockPlan(summary, np.stack([example, start, length, row]).astype(np.int64))
+
+
+def finish_plan(
+    files: Iterable[FileSummary],
+    blocks: Iterable[BlockSummary],
     output_dir: str,
     config: PackConfig,
     *,
     read_options: ReadOptions,
     write_options: WriteOptions,
+    block_size: int,
     overwrite: bool = False,
     resume: bool = False,
-    block_size: int | None = None,
-) -> tuple[JobSummary | None, list[FileJob]]:
-    """Plans the whole job on the lengths and readies the output directory.
+) -> JobSummary | None:
+    """Sums the blocks up, writes pack_intent.json; None when `resume` finds the run complete.
 
-    Raises InputError for the first bad input (in input order), a ValueError for what the local
-    CLI rejects too (no tokens, over-length with overflow="error", a non-empty directory). Returns
-    (None, []) when `resume` finds the run already complete.
+    Raises InputError for the first bad input (in input order), then the first block's planning
+    error, then what the local CLI rejects too (no tokens, a non-empty directory).
     """
-    scans = sorted(scans, key=lambda s: s.index)
-    assert [s.index for s in scans] == list(range(len(scans))), "a scan is missing"
-    for s in scans:
-        if s.error is not None:
-            raise InputError(s.error)
-    lengths = np.concatenate([s.lengths for s in scans])
-    if not lengths.any():
-        raise InputError(f"the inputs hold no tokens ({lengths.size} examples); nothing to pack")
-    dtype = inputs.corpus_dtype([np.dtype(s.dtype) for s in scans])
-    p = plan(lengths, config, block_size=block_size)
-    record = inputs_record([s.info for s in scans], lengths, dtype, read_options)
-    intent = run_intent(config, record, write_options, p.num_rows,
-                        block_size or DEFAULT_BLOCK_SIZE)
+    files = sorted(files, key=lambda f: f.index)
+    assert [f.index for f in files] == list(range(len(files))), "an input is missing"
+    for f in files:
+        if f.error is not None:
+            raise InputError(f.error)
+    blocks = sorted(blocks, key=lambda b: b.block)
+    total = int(_firsts(files)[-1])
+    assert [b.block for b in blocks] == list(range(-(-total // block_size))), "a block is missing"
+    for b in blocks:
+        if b.error is not None:
+            raise InputError(b.error)
+    infos = [f.info for f in files]
+    num_tokens = sum(int(i["num_tokens"]) for i in infos)
+    if not num_tokens:
+        raise InputError(f"the inputs hold no tokens ({total} examples); nothing to pack")
+    dtype = inputs.corpus_dtype([np.dtype(f.dtype) for f in files])
+    num_rows = sum(b.num_rows for b in blocks)
+    intent = run_intent(config, inputs_record(infos, dtype, read_options), write_options,
+                        num_rows, block_size)
     if prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume) is not None:
-        return None, []
-    results = manifest_results(p.row, p.length, p.num_rows, p.counters, config, lengths)
-    summary = JobSummary(intent, results,
-                         row_dtype(dtype, config.pad_id).str, write_options.shard_rows)
-    return summary, split_plan(p, scans, dtype=dtype, shard_rows=write_options.shard_rows)
+        return None
+    counters = sum((b.counters for b in blocks), Counters())
+    stats = stats_from_histograms(sum(b.used_hist for b in blocks),  # type: ignore[arg-type]
+                                  sum(b.nseg_hist for b in blocks),  # type: ignore[arg-type]
+                                  config.seq_len, counters)
+    hist = length_histogram(np.zeros(0, np.int64), max(f.max_length for f in files))
+    hist["counts"] = [int(c) for c in sum(b.length_counts for b in blocks)]
+    base = np.concatenate(([0], np.cumsum([b.num_rows for b in blocks])))[:-1]
+    return JobSummary(intent, manifest_results(stats, hist), row_dtype(dtype, config.pad_id).str,
+                      write_options.shard_rows, [int(r) for r in base])
 
 
-def split_plan(p: PackPlan, scans: Sequence[FileScan], *, dtype: np.dtype,
-               shard_rows: int) -> list[FileJob]:
-    """One FileJob per input holding pieces (scans in input order)."""
-    bounds = np.cumsum([0] + [s.lengths.size for s in scans])
-    table = np.stack([p.example, p.start, p.length, p.row, p.slot, p.offset]).astype(np.int64)
-    file_of = np.searchsorted(bounds, p.example, side="right") - 1
-    order = np.argsort(file_of, kind="stable")
-    cuts = np.searchsorted(file_of[order], np.arange(len(scans) + 1))
-    jobs = []
-    for s, a, b in zip(scans, cuts[:-1].tolist(), cuts[1:].tolist()):
-        if b > a:
-            jobs.append(FileJob(s.index, s.path, s.info, int(bounds[s.index]),
-                                table[:, order[a:b]], np.dtype(dtype).str, shard_rows))
-    return jobs
+def split_block(bp: BlockPlan, summary: JobSummary | None, files: Sequence[FileSummary]
+                ) -> list[tuple[int, np.ndarray]]:
+    """The block's pieces, rows made global, cut by the input they come from."""
+    if summary is None or not bp.pieces.shape[1]:
+        return []
+    table = bp.pieces.copy()
+    table[ROW] += summary.row_base[bp.summary.block]
+    firsts = _firsts(files)
+    file_of = np.searchsorted(firsts, table[EXAMPLE], side="right") - 1
+    cuts = np.flatnonzero(np.diff(file_of)) + 1  # pieces are in example order
+    return [(int(file_of[a]), table[:, a:b])
+            for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), file_of.size])]
 
 
-def route_file(job: FileJob, options: ReadOptions) -> list[tuple[int, ShardPart]]:
+def file_job(index: int, tables: Iterable[np.ndarray], files: Sequence[FileSummary]
+             ) -> FileJob:
+    """One input's pieces from every block it feeds (any order)."""
+    f = next(f for f in files if f.index == index)
+    table = np.concatenate(list(tables), axis=1)
+    return FileJob(index, f.path, f.info, int(_firsts(files)[index]), table)
+
+
+# -- route and write -------------------------------------------------------------------------
+
+
+def route_file(job: FileJob, options: ReadOptions, shard_rows: int, dtype: str
+               ) -> list[tuple[int, ShardPart]]:
     """Re-reads one input and cuts its pieces' tokens into one ShardPart per destination shard."""
     corpus = read_corpus([job.path], options)
     if corpus.files[0] != job.info:
         raise InputError(f"{job.path}: changed while the job ran (was {job.info}, now "
                          f"{corpus.files[0]}); rerun on inputs that stay put")
-    shard = job.pieces[ROW] // job.shard_rows
+    shard = job.pieces[ROW] // shard_rows
     order = np.argsort(shard, kind="stable")
     pieces = job.pieces[:, order]
     src = corpus.offsets[pieces[EXAMPLE] - job.first_example] + pieces[START]
-    values = corpus.values.astype(job.dtype, copy=False)
+    values = corpus.values.astype(dtype, copy=False)
     tokens = values[ragged_arange(src, pieces[LENGTH])]
     shard = shard[order]
     keys, firsts = np.unique(shard, return_index=True)
@@ -187,20 +320,20 @@ def route_file(job: FileJob, options: ReadOptions) -> list[tuple[int, ShardPart]
 
 def shard_plan(shard: int, parts: Iterable[ShardPart], summary: JobSummary,
                config: PackConfig) -> tuple[PackPlan, list[np.ndarray]]:
-    """One shard's plan (rows from 0, pieces in (row, slot) order) and its pieces' tokens."""
+    """One shard's plan (rows from 0, pieces in (row, example) order) and its pieces' tokens."""
     parts = list(parts)
     table = np.concatenate([part.pieces for part in parts], axis=1)
     tokens = np.concatenate([part.tokens for part in parts])
     r0 = shard * summary.shard_rows
     num_rows = min(summary.shard_rows, summary.intent.num_rows - r0)
-    order = np.argsort((table[ROW] - r0) * config.max_segments + table[SLOT], kind="stable")
+    order = np.lexsort((table[EXAMPLE], table[ROW]))
     starts = (np.cumsum(table[LENGTH]) - table[LENGTH])[order]
     table = table[:, order]
     rows = table[ROW] - r0
     assert rows.size and rows[0] == 0 and rows[-1] == num_rows - 1, (shard, rows[:1], rows[-1:])
     pieces = [tokens[s : s + m] for s, m in zip(starts.tolist(), table[LENGTH].tolist())]
-    p = PackPlan(example=table[EXAMPLE], start=table[START], length=table[LENGTH], row=rows,
-                 slot=table[SLOT], offset=table[OFFSET], num_rows=num_rows, counters=Counters())
+    p = order_pieces(table[EXAMPLE], table[START], table[LENGTH], rows, num_rows, Counters(),
+                     config)
     return p, pieces
 
 
@@ -227,3 +360,25 @@ def finish_job(rows: Iterable[tuple[int, int]], summary: JobSummary, output_dir:
         raise RuntimeError(f"shards {missing[:8]} were not written; the manifest is not written")
     return commit_manifest(output_dir, summary.intent, [by_shard[k] for k in range(len(names))],
                            summary.results)
+
+
+def plan_in_process(scans: Sequence[FileScan], output_dir: str, config: PackConfig, *,
+                    read_options: ReadOptions, write_options: WriteOptions,
+                    block_size: int | None = None, overwrite: bool = False,
+                    resume: bool = False) -> tuple[JobSummary | None, list[FileJob]]:
+    """The planning steps one after another (tests, and a reading aid for the pipeline)."""
+    block_size = check_block_size(block_size)
+    files = [summarize_file(s) for s in scans]
+    by_block: dict[int, list[BlockSlice]] = {}
+    for s in scans:
+        for block, piece in cut_blocks(s, files, block_size):
+            by_block.setdefault(block, []).append(piece)
+    plans = [plan_block_slices(b, sl, files, config, block_size) for b, sl in by_block.items()]
+    summary = finish_plan(files, [p.summary for p in plans], output_dir, config,
+                          read_options=read_options, write_options=write_options,
+                          block_size=block_size, overwrite=overwrite, resume=resume)
+    by_file: dict[int, list[np.ndarray]] = {}
+    for p in plans:
+        for index, table in split_block(p, summary, files):
+            by_file.setdefault(index, []).append(table)
+    return summary, [file_job(i, t, files) for i, t in sorted(by_file.items())]

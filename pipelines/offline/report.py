@@ -22,22 +22,28 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from seqpack.packer import PackConfig, plan, stats
+from seqpack.packer import PackConfig
 from seqpack.packer.config import Strategy
+from seqpack.packer.plan import pieces, plan_rows
+from seqpack.packer.stats import stats_of_pieces
 from seqpack.pipelines.errors import require
 
 STRATEGIES = tuple(s.value for s in Strategy)
 
 
-def dry_run(lengths: np.ndarray, config: PackConfig, strategies: Sequence[str]) -> dict[str, dict]:
-    """strategy -> `PackingStats.to_dict()` of planning `lengths` with config + that strategy."""
+def dry_run(lengths: np.ndarray, config: PackConfig, strategies: Sequence[str], *,
+            block_size: int | None = None) -> dict[str, dict]:
+    """strategy -> `PackingStats.to_dict()` of planning `lengths` with config + that strategy
+    (`plan_rows`, as `seqpack pack` plans: a few bytes per example)."""
     import dataclasses
 
     out = {}
     for name in strategies:
         cfg = dataclasses.replace(config, strategy=name)
-        p = plan(lengths, cfg)
-        out[name] = stats(p, seq_len=cfg.seq_len, max_segments=cfg.max_segments).to_dict()
+        a = plan_rows(lengths, cfg, block_size=block_size)
+        length = np.concatenate([n for _, _, n in pieces(lengths, cfg, block_size=a.block_size)])
+        out[name] = stats_of_pieces(a.row, length, a.num_rows, cfg.seq_len, cfg.max_segments,
+                                    a.counters).to_dict()
     return out
 
 

@@ -35,9 +35,13 @@ from seqpack.pipelines.formats.arrayrecord import (
     open_reader,
     read_raw,
 )
-from seqpack.pipelines.formats.inputs import ReadOptions, fingerprint, read_corpus
+from seqpack.pipelines.formats.inputs import (
+    ReadOptions,
+    combined_lengths_sha256,
+    fingerprint,
+    read_corpus,
+)
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
-from seqpack.pipelines.offline.writer import lengths_digest
 
 
 @dataclasses.dataclass
@@ -217,7 +221,7 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
             out.add(f"tokenizer {tokenizer['path']} changed since the run that packed the rows")
     corpus = read_corpus(paths, options)
     values, offsets, lengths = corpus.values, corpus.offsets, corpus.lengths
-    if lengths_digest(lengths) != manifest.inputs["lengths_sha256"]:
+    if combined_lengths_sha256(corpus.files) != manifest.inputs["lengths_sha256"]:
         out.add(f"the inputs' {lengths.size} example lengths differ from the packed inputs' "
                 f"{manifest.inputs['num_examples']}")
     shard_num_rows, recorded_stats = manifest.shard_num_rows or [], manifest.stats or {}

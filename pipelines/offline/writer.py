@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import shutil
@@ -49,12 +48,13 @@ import numpy as np
 
 from seqpack.packer import Counters, PackConfig, PackPlan, build_rows
 from seqpack.packer.plan import RowAssignment, order_pieces, pieces, plan_rows
-from seqpack.packer.stats import stats_of_pieces
+from seqpack.packer.stats import PackingStats, stats_of_pieces
 from seqpack.pipelines.errors import InputError, UsageError, require
 from seqpack.pipelines.formats.arrayrecord import close_quietly, open_reader
 from seqpack.pipelines.formats.inputs import (
     FileScan,
     ReadOptions,
+    combined_lengths_sha256,
     corpus_dtype,
     detect_format,
     scan_file,
@@ -110,28 +110,27 @@ class WriteOptions:
         return f"group_size:1,{COMPRESSION[self.compression]}"
 
 
-def length_histogram(lengths: np.ndarray) -> dict:
-    """Example lengths in 50 equal bins over [0, max]: {"edges": [51], "counts": [50]}."""
-    top = max(int(lengths.max()) if lengths.size else 1, 1)
-    counts, edges = np.histogram(lengths, bins=_HIST_BINS, range=(0, top))
+def length_histogram(lengths: np.ndarray, top: int | None = None) -> dict:
+    """Example lengths in 50 equal bins over [0, max(top, 1)] (top: the longest example, by
+    default of `lengths`): {"edges": [51], "counts": [50]}. Counts of parts of a corpus
+    binned with the corpus's `top` add up to the corpus's."""
+    if top is None:
+        top = int(lengths.max()) if lengths.size else 1
+    counts, edges = np.histogram(lengths, bins=_HIST_BINS, range=(0, max(top, 1)))
     return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]}
 
 
-def lengths_digest(lengths: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(lengths, "<i8").tobytes()).hexdigest()
-
-
-def inputs_record(files: list[dict], lengths: np.ndarray, dtype: np.dtype,
-                  options: ReadOptions) -> dict:
-    """`describe_inputs` from its parts: per-file info, all example lengths, the token dtype."""
+def inputs_record(files: list[dict], dtype: np.dtype, options: ReadOptions) -> dict:
+    """The manifest's ``inputs``: how they were read, each input's entry (fingerprint, counts,
+    lengths digest), totals, the token dtype."""
     return {
         "read_options": dataclasses.asdict(options),
         "tokenizer": tokenizer_fingerprint(options.tokenizer),
         "files": files,
-        "num_examples": int(lengths.size),
-        "num_tokens": int(lengths.sum()),
+        "num_examples": sum(int(f["num_examples"]) for f in files),
+        "num_tokens": sum(int(f["num_tokens"]) for f in files),
         "token_dtype": np.dtype(dtype).str,
-        "lengths_sha256": lengths_digest(lengths),
+        "lengths_sha256": combined_lengths_sha256(files),
     }
 
 
@@ -157,15 +156,10 @@ def stored_keys(config: PackConfig, options: WriteOptions) -> list[str]:
     return [name for name in k.roles().values() if name not in derived]
 
 
-def manifest_results(row: np.ndarray, length: np.ndarray, num_rows: int, counters: Counters,
-                     config: PackConfig, lengths: np.ndarray) -> dict:
-    """The manifest's ``stats`` and ``example_length_histogram``, from each piece's row and
-    length (`PackPlan.row` / `.length`, or a `RowAssignment` and its pieces)."""
-    s = stats_of_pieces(row, length, num_rows, config.seq_len, config.max_segments, counters)
-    return json.loads(json.dumps({
-        "stats": s.to_dict(),
-        "example_length_histogram": length_histogram(lengths),
-    }))
+def manifest_results(stats: PackingStats, length_hist: dict) -> dict:
+    """The manifest's ``stats`` and ``example_length_histogram``."""
+    return json.loads(json.dumps({"stats": stats.to_dict(),
+                                  "example_length_histogram": length_hist}))
 
 
 def commit_manifest(output_dir: str, intent: Manifest, shard_num_rows: list[int],
@@ -611,7 +605,7 @@ def pack_to_dir(
                              "pack")
         assignment = plan_rows(lengths, config, block_size=block_size)
         dtype = corpus_dtype([s.dtype for s in scans])
-        inputs = inputs_record([s.info for s in scans], lengths, dtype, read_options)
+        inputs = inputs_record([s.info for s in scans], dtype, read_options)
         del scans
         intent = run_intent(config, inputs, write_options, assignment.num_rows, block_size)
         done = prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume)
@@ -619,8 +613,9 @@ def pack_to_dir(
             return done
         started = True
         ps = _sorted_pieces(assignment, lengths, config)
-        results = manifest_results(ps.row, ps.length, assignment.num_rows, assignment.counters,
-                                   config, lengths)
+        s = stats_of_pieces(ps.row, ps.length, assignment.num_rows, config.seq_len,
+                            config.max_segments, assignment.counters)
+        results = manifest_results(s, length_histogram(lengths))
         offsets = np.zeros(lengths.size + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
         del lengths, assignment
