@@ -389,16 +389,33 @@ def _write_task(context_path: str, task: _ShardTask) -> tuple[int, int]:
     return task.index, p.num_rows
 
 
-def _init_worker() -> None:
-    """Worker processes die with the run (a killed `seqpack pack` leaves no writer behind)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
+def _init_worker(run_pid: int) -> None:
+    """Worker processes die with the run: a killed `seqpack pack` leaves no writer behind.
 
+    A worker's parent is the fork server, not the run, so it watches the run's process itself
+    (a pidfd where Linux has one, else it polls) and exits when the run is gone.
+    """
+    import threading
+
+    def watch() -> None:
         try:
-            ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:  # pragma: no cover - no glibc
-            pass
+            fd = os.pidfd_open(run_pid)
+        except (AttributeError, OSError):
+            fd = None
+        if fd is not None:
+            import select
+
+            select.select([fd], [], [])  # readable once the process has exited
+        else:  # pragma: no cover - no pidfd (not Linux, or an old kernel)
+            while True:
+                time.sleep(0.5)
+                try:
+                    os.kill(run_pid, 0)
+                except ProcessLookupError:
+                    break
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="seqpack-run-watch").start()
 
 
 class _Workers:
@@ -418,7 +435,7 @@ class _Workers:
             method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() \
                 else "spawn"
             self.pool = ProcessPoolExecutor(self.n, mp_context=multiprocessing.get_context(method),
-                                            initializer=_init_worker)
+                                            initializer=_init_worker, initargs=(os.getpid(),))
         if self.pool is None:
             for args in calls:
                 yield fn(*args)
