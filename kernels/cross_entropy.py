@@ -316,7 +316,8 @@ def segment_cross_entropy(
     lies in a segment and `loss_mask` is set. per_segment_loss holds each slot's sum of counted
     token losses (its mean is per_segment_loss / max(per_segment_tokens, 1)); empty slots hold 0.
     `normalize`: "tokens" (sum / counted tokens), "segments" (mean over non-empty segments of the
-    segment means) or "none" (sum); an empty batch gives loss 0.
+    segment means) or "none" (sum); an empty batch gives loss 0. `impl`: common.resolve_impl;
+    `block_sizes`: CrossEntropyBlockSizes for the TPU kernels, GpuBlockSizes for the GPU ones.
     """
     normalize = parse_enum(Normalize, "normalize", normalize)
     num_segments = _check(logits, targets, segment_offsets, segment_lengths, loss_mask, z_loss)
