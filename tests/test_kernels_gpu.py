@@ -165,9 +165,9 @@ def test_cross_entropy_empty_batch():
     assert not tokens.any()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16_SLOW])
 def test_cross_entropy_odd_length(dtype):
+    """L = 37 (odd, a partial 16-token block), S = 3 slots padded to 4."""
     offsets, lengths = metadata([[(0, 9), (9, 1), (20, 17)], [(3, 30)]], 3)
     _check_cross_entropy(offsets, lengths, dtype, seq_len=37)
 
