@@ -21,6 +21,8 @@ Columns, per kernel and implementation:
   call (inputs excluded, outputs and temporaries included). The peak never decreases in a process,
   so on a GPU or TPU each row runs in a fresh subprocess (`--row`); "-" where the backend keeps no
   statistics (CPU).
+- err: max |output - reference output| over max |reference output|, after the timing (so it
+  checks the compiled kernels on the hardware at hand, at the benchmark's sizes).
 - DMA model (TPU family only): bytes the TPU kernels' DMA schedule fetches (replayed on the host
   with the same block sizes and index maps) over the minimum; below 1 where padding blocks are
   skipped (rows are filled to `--fill` of L on average).
@@ -241,14 +243,19 @@ def rows(inp: Inputs, impl: str, interpret: bool) -> dict[str, dict]:
 
 def measure(inp: Inputs, impl: str, interpret: bool, name: str, which: str,
             repeats: int) -> dict:
-    """ms, temp bytes and peak extra bytes (None without memory statistics) of one row."""
+    """ms, temp bytes, peak extra bytes (None without memory statistics) and error of one row."""
     row = rows(inp, impl, interpret)[name]
     fn, args = jax.jit(row[which]), row["args"]
     before = in_use()
     ms = time_call(fn, *args, repeats=repeats)
     after = in_use()
     peak = None if before is None or after is None else after[1] - before[0]
-    return {"ms": ms, "temp": temp_bytes(row[which], *args), "peak": peak}
+    err = None
+    if which != "reference":  # after the peak was read: the reference's memory is not counted
+        got = np.asarray(fn(*args), np.float32)
+        want = np.asarray(jax.jit(row["reference"])(*args), np.float32)
+        err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+    return {"ms": ms, "temp": temp_bytes(row[which], *args), "peak": peak, "err": err}
 
 
 def main() -> None:
@@ -296,7 +303,7 @@ def main() -> None:
           f"dtype={sz.dtype.name} used={float(inp.lengths.sum() / (sz.batch * sz.seq_len)):.0%}")
     print(f"copy bandwidth (x + 1, read + write): {copy / 1e9:.1f} GB/s")
     header = (f"{'kernel':22} {'impl':10} {'ms':>9} {'GB/s':>8} {'% copy':>7} {'temp MiB':>9} "
-              f"{'peak MiB':>9} {'DMA model':>9}")
+              f"{'peak MiB':>9} {'err':>8} {'DMA model':>9}")
     print(header)
     print("-" * len(header))
     for name, row in rows(inp, impl, interpret).items():
@@ -315,6 +322,7 @@ def main() -> None:
             model = row["model"] if which == "pallas" and row["model"] is not None else None
             print(f"{name:22} {which:10} {result['ms']:9.3f} {rate / 1e9:8.2f} "
                   f"{rate / copy:7.1%} {result['temp'] / MIB:9.1f} {peak:>9} "
+                  f"{'-' if result['err'] is None else format(result['err'], '.1e'):>8} "
                   f"{'-' if model is None else f'{model:.2f}':>9}")
     if optax is None:
         print("\noptax is not installed: no optax rows (pip install optax to compare).")
