@@ -152,6 +152,8 @@ class GpuBlockSizes:
     ce_block_tokens x block_vocab: the logits tile of the cross-entropy kernels (16 x 512: the same
       8192 elements, and the exp / where temporaries stay in registers).
     num_warps: warps per program (Triton's `num_warps`).
+    token_splits: programs per segment in the reduce kernel, taking its tiles in turn (tile c goes
+      to program c % token_splits), so one long segment still spreads over several SMs.
     Defaults are chosen by register budget, not tuned on hardware (see benchmarks/README.md).
     """
 
@@ -160,11 +162,15 @@ class GpuBlockSizes:
     ce_block_tokens: int = 16
     block_vocab: int = 512
     num_warps: int = 4
+    token_splits: int = 4
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not _power_of_two(value):
+            if field.name == "token_splits":
+                if value < 1:
+                    raise ValueError(f"token_splits={value} must be >= 1")
+            elif not _power_of_two(value):
                 raise ValueError(f"{field.name}={value} must be a power of two (Triton tiles)")
 
 

@@ -6,9 +6,10 @@ global memory; the kernels load power-of-two tiles at computed positions with ma
 masked-off element is never read, so padding and out-of-range rows cost no memory traffic and can
 hold anything, NaN included). A slot takes part iff its length is > 0, whatever its offset.
 
-    reduce     grid (B, S, D / bd)      one program per segment and lane block: loops over the
-                                        segment's rows in [bl, bd] tiles, accumulates in f32
-                                        registers, reduces the tile at the end (sum or max)
+    reduce     grid (B, S, D / bd, n)   n = token_splits programs per segment and lane block,
+                                        each looping over every n-th [bl, bd] tile of the
+                                        segment's rows, accumulating in f32 registers; the tile,
+                                        then the n partial results (jnp) are reduced (sum or max)
     broadcast  grid (B, L / bl, D / bd) one program per output tile: each row's slot is the first
                                         slot covering it (a [bl, sp] compare against the starts
                                         and ends), then a gather-load of values[b, slot, lanes];
@@ -16,8 +17,8 @@ hold anything, NaN included). A slot takes part iff its length is > 0, whatever 
     gather     grid (B, D / bd)         one program per row and lane block: the [sp] picked
                                         positions (`common.target_position`), one gather-load
 
-Example, reduce with bl = 4, segment (offset 5, length 6) in a row of L = 12: the program loops
-twice, over rows 5..8 and 9..12; row 11 ends the segment, so the load mask drops rows 11 and 12.
+Example, reduce with bl = 4, n = 2, segment (offset 5, length 6) in a row of L = 12: program 0
+reads rows 5..8, program 1 rows 9..12, where the load mask drops rows 11 and 12 (past the end).
 """
 
 from __future__ import annotations
@@ -74,25 +75,27 @@ def compiler_params(blocks: GpuBlockSizes) -> plgpu.CompilerParams:
 
 def _reduce_kernel(offsets_ref, lengths_ref, x_ref, out_ref, *, mode: Mode, seq_len: int,
                    dim: int, bl: int, bd: int) -> None:
-    # offsets, lengths i32[B, sp]; x [B, L, D]; out f32[B, S, D]
-    b, j, d = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    # offsets, lengths i32[B, sp]; x [B, L, D]; out f32[B, S, n, D]
+    b, j, d, split = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    splits = pl.num_programs(3)
     start = jnp.clip(offsets_ref[b, j], 0, seq_len)
     end = jnp.clip(offsets_ref[b, j] + lengths_ref[b, j], start, seq_len)
     cols = d * bd + jnp.arange(bd)
     col_ok = cols < dim
     init = 0.0 if mode == "sum" else -jnp.inf
 
-    def step(c, acc):
-        first = start + c * bl
+    def step(i, acc):
+        first = start + (split + i * splits) * bl
         keep = ((first + jnp.arange(bl)) < end)[:, None] & col_ok[None, :]
         values = plgpu.load(x_ref.at[b, pl.ds(first, bl), pl.ds(d * bd, bd)], mask=keep,
                             other=init).astype(jnp.float32)
         return acc + values if mode == "sum" else jnp.maximum(acc, values)
 
     num_tiles = lax.div(end - start + (bl - 1), bl)
-    acc = lax.fori_loop(0, num_tiles, step, jnp.full((bl, bd), init, jnp.float32))
+    mine = lax.div(jnp.maximum(num_tiles - split, 0) + (splits - 1), splits)  # tiles split + i n
+    acc = lax.fori_loop(0, mine, step, jnp.full((bl, bd), init, jnp.float32))
     total = jnp.sum(acc, axis=0) if mode == "sum" else jnp.max(acc, axis=0)
-    plgpu.store(out_ref.at[b, j, pl.ds(d * bd, bd)], total, mask=col_ok)
+    plgpu.store(out_ref.at[b, j, split, pl.ds(d * bd, bd)], total, mask=col_ok)
 
 
 def reduce_call(
@@ -108,15 +111,17 @@ def reduce_call(
     """Runs the GPU reduce kernel (no checks, no VJP: see kernels/segment_ops.py)."""
     batch, seq_len, dim = x.shape
     bl, bd = tile(seq_len, blocks.block_tokens), tile(dim, blocks.block_features)
+    splits = min(blocks.token_splits, pl.cdiv(seq_len, bl))
     kernel = functools.partial(_reduce_kernel, mode=mode, seq_len=seq_len, dim=dim, bl=bl, bd=bd)
-    return pl.pallas_call(
+    partial = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((batch, num_segments, dim), jnp.float32),
-        grid=(batch, num_segments, pl.cdiv(dim, bd)),
+        out_shape=jax.ShapeDtypeStruct((batch, num_segments, splits, dim), jnp.float32),
+        grid=(batch, num_segments, pl.cdiv(dim, bd), splits),
         compiler_params=compiler_params(blocks),
         interpret=interpret,
         name=f"segment_{mode}_gpu",
     )(offsets, lengths, x)
+    return partial.sum(2) if mode == "sum" else partial.max(2)
 
 
 def _broadcast_kernel(offsets_ref, lengths_ref, values_ref, out_ref, *, seq_len: int, dim: int,

@@ -232,3 +232,5 @@ def test_impl_errors_reach_the_caller():
                                       impl="pallas_tpu", block_sizes=GPU_BLOCKS)
     with pytest.raises(ValueError, match="block_vocab=100 must be a power of two"):
         kernels.GpuBlockSizes(block_vocab=100)
+    with pytest.raises(ValueError, match="token_splits=0 must be >= 1"):
+        kernels.GpuBlockSizes(token_splits=0)

@@ -137,8 +137,10 @@ BF16_SLOW = pytest.param(jnp.bfloat16, marks=pytest.mark.slow, id="bfloat16")
 
 
 # GPU (Triton) kernels: small power-of-two tiles so that L = 100 spans several blocks, D = 128 two
-# lane blocks and V = 300 three vocabulary tiles, the last of each partial.
-GPU_BLOCKS = GpuBlockSizes(block_tokens=16, block_features=64, ce_block_tokens=16, block_vocab=128)
+# lane blocks and V = 300 three vocabulary tiles, the last of each partial; three programs per
+# segment in the reduce kernel (tiles 0, 3, ... / 1, 4, ... / 2, 5, ...; some get none).
+GPU_BLOCKS = GpuBlockSizes(block_tokens=16, block_features=64, ce_block_tokens=16, block_vocab=128,
+                           token_splits=3)
 TRITON_CALL = "xla.gpu.triton"  # the custom call a Pallas GPU kernel lowers to for CUDA
 
 
