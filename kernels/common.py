@@ -64,12 +64,14 @@ _NATIVE = {"tpu": Impl.PALLAS_TPU, "gpu": Impl.PALLAS_GPU}
 def resolve_impl(impl: Impl | str, interpret: Interpret) -> Impl:
     """`impl` -> REFERENCE, PALLAS_TPU or PALLAS_GPU for the current backend, or a ValueError.
 
-        impl         tpu          gpu          cpu, no interpret   cpu, interpret=
-        auto         pallas_tpu   pallas_gpu   reference           pallas_tpu (gpu: interpret=True
-        pallas       pallas_tpu   pallas_gpu   ValueError          pallas_tpu  on a GPU backend)
+        impl         on tpu       on gpu       on cpu              on cpu with interpret=
+        auto         pallas_tpu   pallas_gpu   reference           pallas_tpu
+        pallas       pallas_tpu   pallas_gpu   ValueError          pallas_tpu
         pallas_tpu   pallas_tpu   ValueError   pallas_tpu *        pallas_tpu
         pallas_gpu   ValueError   pallas_gpu   pallas_gpu *        pallas_gpu (interpret=True only)
 
+    With `interpret=` on a TPU or GPU backend, the backend's own family runs interpreted; the
+    ValueErrors name the backend and the choices.
     * accepted so the kernel can be lowered for its platform ahead of time
     (`jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))` / `("cuda",)`); running it on
     the CPU needs `interpret=`. `pltpu.InterpretParams` is TPU semantics, so it selects the TPU
