@@ -1,11 +1,14 @@
-"""Pallas TPU kernels over packed rows: per-segment reduce, gather, broadcast and cross-entropy.
+"""Pallas kernels (TPU, GPU) over packed rows: per-segment reduce, gather, broadcast, cross-entropy.
 
 All functions take the packed-row metadata (docs/contract.md), `segment_offsets` / `segment_lengths`
-i32[B, S], and treat every segment as its own example (padding and empty slots excluded). Options:
-`impl="auto" | "pallas" | "reference"` (auto: Pallas on TPU, the jnp reference elsewhere) and
-`interpret=` (True or `pltpu.InterpretParams()`) to run the Pallas kernels on CPU. Every function
-is jitted (options static) and differentiable. `validate_segments` checks metadata values before
-jit. kernels/reference.py holds the pure-jnp references.
+i32[B, S], and treat every segment as its own example (padding and empty slots excluded). A slot is
+defined by (offset, length) alone: length 0 means unused, whatever its offset, so metadata from any
+packer works; `segment_metadata` builds it from [B, L] segment ids (Grain / MaxText).
+Options: `impl="auto" | "pallas" | "pallas_tpu" | "pallas_gpu" | "reference"` (auto: the TPU kernels
+on TPU, the GPU (Triton) kernels on GPU, the jnp reference elsewhere; see common.resolve_impl) and
+`interpret=` (True, or `pltpu.InterpretParams()` for the TPU kernels) to run either Pallas family
+on CPU. Every function is jitted (options static) and differentiable. `validate_segments` checks
+metadata values before jit. kernels/reference.py holds the pure-jnp references.
 """
 
 try:
@@ -16,14 +19,16 @@ except ImportError as e:  # kernels import nothing from the other layers, so no 
 
 from seqpack.kernels import reference
 from seqpack.kernels.checks import validate_segments
-from seqpack.kernels.common import Impl, Normalize, SegmentBlockSizes
+from seqpack.kernels.common import GpuBlockSizes, Impl, Normalize, SegmentBlockSizes
 from seqpack.kernels.cross_entropy import CrossEntropyBlockSizes, segment_cross_entropy
 from seqpack.kernels.gather import GatherBlockSizes, segment_gather
+from seqpack.kernels.metadata import segment_metadata
 from seqpack.kernels.segment_ops import segment_broadcast, segment_max, segment_mean, segment_sum
 
 __all__ = [
     "CrossEntropyBlockSizes",
     "GatherBlockSizes",
+    "GpuBlockSizes",
     "Impl",
     "Normalize",
     "SegmentBlockSizes",
@@ -33,6 +38,7 @@ __all__ = [
     "segment_gather",
     "segment_max",
     "segment_mean",
+    "segment_metadata",
     "segment_sum",
     "validate_segments",
 ]

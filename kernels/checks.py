@@ -60,10 +60,11 @@ def check_tokens_input(name: str, x: jax.Array, *, feature_axis: bool = True) ->
 
 
 def check_smem(batch: int, num_segments: int) -> None:
-    """The flattened offsets + lengths (2 x B x S i32) must fit the SMEM budget."""
-    needed = 2 * 4 * batch * num_segments
+    """The flattened offsets + lengths (2 x B x S i32) and row ends (B i32) must fit the budget."""
+    per_row = 4 * (2 * num_segments + 1)
+    needed = per_row * batch
     if needed > SMEM_METADATA_BUDGET_BYTES:
-        max_rows = max(SMEM_METADATA_BUDGET_BYTES // (2 * 4 * num_segments), 1)
+        max_rows = max(SMEM_METADATA_BUDGET_BYTES // per_row, 1)
         raise ValueError(
             f"B * S = {batch} * {num_segments} metadata entries need {needed} bytes of SMEM, over "
             f"the {SMEM_METADATA_BUDGET_BYTES}-byte budget; call the kernel on chunks of at most "

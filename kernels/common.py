@@ -42,8 +42,10 @@ E = TypeVar("E", bound=enum.Enum)
 class Impl(enum.StrEnum):
     """Which implementation a public kernel function runs."""
 
-    AUTO = "auto"  # Pallas on TPU, the XLA reference elsewhere
-    PALLAS = "pallas"  # Pallas everywhere (on CPU only with `interpret=`)
+    AUTO = "auto"  # the current backend's kernel on TPU and GPU, the XLA reference elsewhere
+    PALLAS = "pallas"  # the current backend's kernel (on CPU: the TPU kernel, with `interpret=`)
+    PALLAS_TPU = "pallas_tpu"  # the Pallas TPU (Mosaic) kernel
+    PALLAS_GPU = "pallas_gpu"  # the Pallas GPU (Triton) kernel
     REFERENCE = "reference"  # the pure-jnp reference in kernels/reference.py
 
 
@@ -56,14 +58,58 @@ def parse_enum(cls: type[E], name: str, value: object) -> E:
         raise ValueError(f"{name}={value!r} is not known; pass one of {choices}") from None
 
 
-def use_pallas(impl: Impl | str, interpret: Interpret) -> bool:
-    """Resolves `impl`: True when the Pallas kernel should run (auto: on TPU or if interpreting)."""
+_NATIVE = {"tpu": Impl.PALLAS_TPU, "gpu": Impl.PALLAS_GPU}
+
+
+def resolve_impl(impl: Impl | str, interpret: Interpret) -> Impl:
+    """`impl` -> REFERENCE, PALLAS_TPU or PALLAS_GPU for the current backend, or a ValueError.
+
+        impl         on tpu       on gpu       on cpu              on cpu with interpret=
+        auto         pallas_tpu   pallas_gpu   reference           pallas_tpu
+        pallas       pallas_tpu   pallas_gpu   ValueError          pallas_tpu
+        pallas_tpu   pallas_tpu   ValueError   pallas_tpu *        pallas_tpu
+        pallas_gpu   ValueError   pallas_gpu   pallas_gpu *        pallas_gpu (interpret=True only)
+
+    With `interpret=` on a TPU or GPU backend, the backend's own family runs interpreted; the
+    ValueErrors name the backend and the choices.
+    * accepted so the kernel can be lowered for its platform ahead of time
+    (`jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))` / `("cuda",)`); running it on
+    the CPU needs `interpret=`. `pltpu.InterpretParams` is TPU semantics, so it selects the TPU
+    kernel under "auto" / "pallas" and is refused with "pallas_gpu".
+    """
     impl = parse_enum(Impl, "impl", impl)
+    backend = jax.default_backend()
+    choices = ", ".join(repr(m.value) for m in Impl)
+    tpu_interpreter = isinstance(interpret, pltpu.InterpretParams)
     if impl is Impl.REFERENCE:
-        return False
-    if impl is Impl.PALLAS:
-        return True
-    return jax.default_backend() == "tpu" or bool(interpret)
+        return impl
+    if impl in (Impl.AUTO, Impl.PALLAS):
+        if tpu_interpreter:
+            return Impl.PALLAS_TPU
+        if backend in _NATIVE:
+            return _NATIVE[backend]
+        if interpret:
+            return Impl.PALLAS_TPU
+        if impl is Impl.AUTO:
+            return Impl.REFERENCE
+        raise ValueError(
+            f"impl='pallas' has no kernel on the {backend!r} backend (Pallas kernels exist for "
+            f"'tpu' and 'gpu'); pass impl='reference', or interpret=True to simulate a kernel "
+            f"family on the CPU (impl='pallas_tpu' or 'pallas_gpu'). Choices: {choices}"
+        )
+    if impl is Impl.PALLAS_GPU and tpu_interpreter:
+        raise ValueError(
+            "impl='pallas_gpu' cannot run under pltpu.InterpretParams (the TPU interpreter); "
+            "pass interpret=True"
+        )
+    foreign = {Impl.PALLAS_TPU: "gpu", Impl.PALLAS_GPU: "tpu"}[impl]
+    if backend == foreign and not interpret:
+        raise ValueError(
+            f"impl={impl.value!r} cannot run on the {backend!r} backend; pass impl='auto' or "
+            f"'pallas' (the {backend!r} kernel), 'reference', or interpret=True. Choices: "
+            f"{choices}"
+        )
+    return impl
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +139,60 @@ class SegmentBlockSizes:
             )
         if self.block_features <= 0 or self.block_features % LANES:
             raise ValueError(f"{self.block_features=} must be a positive multiple of {LANES}")
+
+
+def _power_of_two(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuBlockSizes:
+    """Tile sizes of the Pallas GPU (Triton) kernels; every size a power of two (Triton's rule).
+
+    block_tokens x block_features: the [rows, lanes] tile the reduce, broadcast and gather kernels
+      load per step (32 x 256 = 8192 elements: 64 f32 registers per thread at 4 warps).
+    ce_block_tokens x block_vocab: the logits tile of the cross-entropy kernels (16 x 512: the same
+      8192 elements, and the exp / where temporaries stay in registers).
+    num_warps: warps per program (Triton's `num_warps`).
+    token_splits: programs per segment in the reduce kernel, taking its tiles in turn (tile c goes
+      to program c % token_splits), so one long segment still spreads over several SMs.
+    Defaults are chosen by register budget, not tuned on hardware (see benchmarks/README.md).
+    """
+
+    block_tokens: int = 32
+    block_features: int = 256
+    ce_block_tokens: int = 16
+    block_vocab: int = 512
+    num_warps: int = 4
+    token_splits: int = 4
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "token_splits":
+                if value < 1:
+                    raise ValueError(f"token_splits={value} must be >= 1")
+            elif not _power_of_two(value):
+                raise ValueError(f"{field.name}={value} must be a power of two (Triton tiles)")
+
+
+def pick_block_sizes(block_sizes, impl: Impl, tpu_type: type, name: str):
+    """The block sizes for the resolved `impl`: the family's default when None, else checked."""
+    if impl is Impl.REFERENCE:
+        return None
+    want = GpuBlockSizes if impl is Impl.PALLAS_GPU else tpu_type
+    if block_sizes is None:
+        return want()
+    if not isinstance(block_sizes, want):
+        raise ValueError(
+            f"block_sizes={block_sizes!r} does not fit impl={impl.value!r} in {name}; pass a "
+            f"{want.__name__} (or None for its defaults)"
+        )
+    return block_sizes
+
+
+def next_power_of_two(x: int) -> int:
+    return 1 << max(x - 1, 0).bit_length()
 
 
 def round_up(x: int, m: int) -> int:
@@ -149,16 +249,24 @@ def block_interval(
     return lo, hi
 
 
-def row_end(offsets_ref, lengths_ref, row: jax.Array, num_segments: int) -> jax.Array:
-    """Used length of a row: the end of its last slot (slots are in order and never overlap)."""
-    last = row * num_segments + (num_segments - 1)
-    return offsets_ref[last] + lengths_ref[last]
+def row_ends(
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+    seq_len: int,
+) -> jax.Array:  # i32[B]
+    """Used length of each row: the largest end of a non-empty slot, within [0, L].
+
+    Slots with length 0 are ignored whatever their offset (cu_seqlens-style metadata often pads
+    them with offset 0), and slot order does not matter.
+    """
+    ends = segment_offsets.astype(jnp.int32) + segment_lengths.astype(jnp.int32)
+    used = jnp.max(jnp.where(segment_lengths > 0, ends, 0), axis=1)
+    return jnp.clip(used, 0, seq_len)
 
 
-def last_used_block(offsets_ref, lengths_ref, row: jax.Array, num_segments: int, block: int):
+def last_used_block(ends_ref, row: jax.Array, block: int):
     """Index of the last token block holding any segment token (0 for an empty row)."""
-    end = row_end(offsets_ref, lengths_ref, row, num_segments)
-    return jnp.maximum(cdiv_nonneg(jnp.maximum(end, 0), block) - 1, 0)
+    return jnp.maximum(cdiv_nonneg(ends_ref[row], block) - 1, 0)
 
 
 def chunk_mask(start: jax.Array, lo: jax.Array, hi: jax.Array, shape: tuple[int, int]) -> jax.Array:

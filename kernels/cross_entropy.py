@@ -12,9 +12,10 @@ Backward, grid `(B, L / bl, V / bv)` all "parallel": the per-segment cotangents 
 weights `w` (the broadcast kernel, times the mask), and each logits tile gets
 `w * ((1 + 2 z_loss lse) * exp(x - lse) - onehot(target))`, zero where `w == 0`.
 
-Both kernels read offsets/lengths from SMEM (scalar prefetch) to skip token blocks past the row's
-used length: the index maps clamp those steps to the last fetched block (no DMA) and the kernels
-only write zeros there.
+Both kernels read offsets/lengths and each row's used length (`common.row_ends`: the largest end
+of a non-empty slot) from SMEM (scalar prefetch) to skip token blocks past it: the index maps clamp
+those steps to the last fetched block (no DMA) and the kernels only write zeros there. On GPU the
+same math runs as Triton kernels (kernels/gpu_cross_entropy.py); `impl` picks the family.
 
 Normalization (`normalize=`) is plain jnp on the `[B, S]` sums (kernels.reference.normalize_loss),
 so its gradient comes from autodiff and reaches the kernel as the per-segment cotangent:
@@ -35,10 +36,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from seqpack.kernels import reference
+from seqpack.kernels import gpu_cross_entropy, reference
 from seqpack.kernels.broadcast import broadcast_call
 from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata, check_smem
 from seqpack.kernels.common import (
+    GpuBlockSizes,
     Impl,
     Interpret,
     Normalize,
@@ -46,10 +48,12 @@ from seqpack.kernels.common import (
     flat_metadata,
     last_used_block,
     parse_enum,
-    row_end,
+    pick_block_sizes,
+    resolve_impl,
+    row_ends,
     token_block,
-    use_pallas,
 )
+from seqpack.kernels.gpu_segment import padded_metadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,29 +85,30 @@ class _Static:
     block_tokens: int
     block_vocab: int
     interpret: Interpret
+    gpu: GpuBlockSizes | None = None  # set: the GPU (Triton) kernels run instead
 
     @property
     def grid(self) -> tuple[int, int]:
         return pl.cdiv(self.seq_len, self.block_tokens), pl.cdiv(self.vocab, self.block_vocab)
 
-    def logits_index(self, b, t, v, offsets_ref, lengths_ref):
+    def logits_index(self, b, t, v, offsets_ref, lengths_ref, used_ref):
         """(b, t, v), or the row's last fetched tile for blocks past its used length."""
-        last = last_used_block(offsets_ref, lengths_ref, b, self.num_segments, self.block_tokens)
+        last = last_used_block(used_ref, b, self.block_tokens)
         skip = t > last
         return b, jnp.where(skip, last, t), jnp.where(skip, self.grid[1] - 1, v)
 
-    def column_index(self, b, t, v, offsets_ref, lengths_ref):
-        last = last_used_block(offsets_ref, lengths_ref, b, self.num_segments, self.block_tokens)
+    def column_index(self, b, t, v, offsets_ref, lengths_ref, used_ref):
+        last = last_used_block(used_ref, b, self.block_tokens)
         return b, jnp.minimum(t, last), 0
 
 
-def _forward_kernel(offsets_ref, lengths_ref, logits_ref, targets_ref, mask_ref, starts_ref,
-                    ends_ref, loss_ref, count_ref, lse_ref, m_ref, s_ref, tgt_ref, *,
+def _forward_kernel(offsets_ref, lengths_ref, used_ref, logits_ref, targets_ref, mask_ref,
+                    starts_ref, ends_ref, loss_ref, count_ref, lse_ref, m_ref, s_ref, tgt_ref, *,
                     st: _Static) -> None:
     # logits [bl, bv]; targets, mask, lse, m, s, tgt [bl, 1]; starts, ends, loss, count [1, S]
     b, t, v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bl, bv = logits_ref.shape
-    used = t * bl < row_end(offsets_ref, lengths_ref, b, st.num_segments)
+    used = t * bl < used_ref[b]
 
     @pl.when((t == 0) & (v == 0))
     def _init_row():
@@ -146,7 +151,7 @@ def _forward_kernel(offsets_ref, lengths_ref, logits_ref, targets_ref, mask_ref,
         lse_ref[...] = jnp.zeros(lse_ref.shape, jnp.float32)
 
 
-def _forward_call(logits, targets, mask, offsets, lengths, *, st: _Static):
+def _forward_call(logits, targets, mask, offsets, lengths, used, *, st: _Static):
     """-> per-slot loss sums f32[B, S], counted tokens f32[B, S], per-token lse f32[B, L, 1]."""
     batch = logits.shape[0]
     nseg, bl, bv = st.num_segments, st.block_tokens, st.block_vocab
@@ -162,7 +167,7 @@ def _forward_call(logits, targets, mask, offsets, lengths, *, st: _Static):
             jax.ShapeDtypeStruct((batch, st.seq_len, 1), jnp.float32),
         ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=(batch, *st.grid),
             in_specs=[pl.BlockSpec((None, bl, bv), st.logits_index), column, column, per_row,
                       per_row],
@@ -181,16 +186,16 @@ def _forward_call(logits, targets, mask, offsets, lengths, *, st: _Static):
         ),
         interpret=st.interpret,
         name="segment_cross_entropy_fwd",
-    )(offsets, lengths, logits, targets, mask, starts, ends)
+    )(offsets, lengths, used, logits, targets, mask, starts, ends)
     return loss[:, 0], count[:, 0], lse
 
 
-def _backward_kernel(offsets_ref, lengths_ref, logits_ref, targets_ref, lse_ref, w_ref, dl_ref,
-                     *, st: _Static) -> None:
+def _backward_kernel(offsets_ref, lengths_ref, used_ref, logits_ref, targets_ref, lse_ref, w_ref,
+                     dl_ref, *, st: _Static) -> None:
     # logits, dl [bl, bv]; targets, lse, w [bl, 1]
     b, t, v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bl, bv = logits_ref.shape
-    used = t * bl < row_end(offsets_ref, lengths_ref, b, st.num_segments)
+    used = t * bl < used_ref[b]
 
     @pl.when(used)
     def _grad():
@@ -206,7 +211,7 @@ def _backward_kernel(offsets_ref, lengths_ref, logits_ref, targets_ref, lse_ref,
         dl_ref[...] = jnp.zeros(dl_ref.shape, dl_ref.dtype)
 
 
-def _backward_call(logits, targets, lse, weights, offsets, lengths, *, st: _Static):
+def _backward_call(logits, targets, lse, weights, offsets, lengths, used, *, st: _Static):
     batch = logits.shape[0]
     bl, bv = st.block_tokens, st.block_vocab
     column = pl.BlockSpec((None, bl, 1), st.column_index)
@@ -214,7 +219,7 @@ def _backward_call(logits, targets, lse, weights, offsets, lengths, *, st: _Stat
         functools.partial(_backward_kernel, st=st),
         out_shape=jax.ShapeDtypeStruct(logits.shape, logits.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=(batch, *st.grid),
             in_specs=[pl.BlockSpec((None, bl, bv), st.logits_index), column, column, column],
             out_specs=pl.BlockSpec((None, bl, bv), lambda b, t, v, *_: (b, t, v)),
@@ -229,29 +234,43 @@ def _backward_call(logits, targets, lse, weights, offsets, lengths, *, st: _Stat
         ),
         interpret=st.interpret,
         name="segment_cross_entropy_bwd",
-    )(offsets, lengths, logits, targets, lse, weights)
+    )(offsets, lengths, used, logits, targets, lse, weights)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _pallas_ce(logits, targets, mask, offsets, lengths, st: _Static):
-    loss, count, _ = _forward_call(logits, targets, mask, offsets, lengths, st=st)
+def _forward(logits, targets, mask, offsets, lengths, used, st: _Static):
+    """-> per-slot loss sums f32[B, S], counted tokens f32[B, S], per-token lse (the residual)."""
+    if st.gpu is not None:
+        return gpu_cross_entropy.forward_call(
+            logits, targets, mask, offsets, lengths, num_segments=st.num_segments,
+            z_loss=st.z_loss, blocks=st.gpu, interpret=bool(st.interpret))
+    return _forward_call(logits, targets, mask, offsets, lengths, used, st=st)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _pallas_ce(logits, targets, mask, offsets, lengths, used, st: _Static):
+    loss, count, _ = _forward(logits, targets, mask, offsets, lengths, used, st)
     return loss, count
 
 
-def _pallas_ce_fwd(logits, targets, mask, offsets, lengths, st):
-    loss, count, lse = _forward_call(logits, targets, mask, offsets, lengths, st=st)
-    return (loss, count), (logits, targets, mask, offsets, lengths, lse)
+def _pallas_ce_fwd(logits, targets, mask, offsets, lengths, used, st):
+    loss, count, lse = _forward(logits, targets, mask, offsets, lengths, used, st)
+    return (loss, count), (logits, targets, mask, offsets, lengths, used, lse)
 
 
 def _pallas_ce_bwd(st, residuals, cotangents):
-    logits, targets, mask, offsets, lengths, lse = residuals
+    logits, targets, mask, offsets, lengths, used, lse = residuals
     g_loss, _ = cotangents  # counts are piecewise constant: no gradient
+    if st.gpu is not None:
+        dlogits = gpu_cross_entropy.backward_call(
+            logits, targets, mask, lse, g_loss, offsets, lengths, z_loss=st.z_loss,
+            blocks=st.gpu, interpret=bool(st.interpret))
+        return dlogits, None, None, None, None, None
     weights = broadcast_call(g_loss[:, :, None], offsets, lengths, seq_len=st.seq_len,
                              out_dtype=jnp.float32, block_sizes=SegmentBlockSizes(),
                              interpret=st.interpret)
     weights = jnp.where(mask > 0, weights, 0.0)
-    dlogits = _backward_call(logits, targets, lse, weights, offsets, lengths, st=st)
-    return dlogits, None, None, None, None
+    dlogits = _backward_call(logits, targets, lse, weights, offsets, lengths, used, st=st)
+    return dlogits, None, None, None, None, None
 
 
 _pallas_ce.defvjp(_pallas_ce_fwd, _pallas_ce_bwd)
@@ -289,7 +308,7 @@ def segment_cross_entropy(
     z_loss: float = 0.0,
     impl: Impl | str = "auto",
     interpret: Interpret = False,
-    block_sizes: CrossEntropyBlockSizes | None = None,
+    block_sizes: CrossEntropyBlockSizes | GpuBlockSizes | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[], f32[B, S], i32[B, S]
     """Segment-aware cross-entropy: (loss, per_segment_loss, per_segment_tokens).
 
@@ -297,34 +316,41 @@ def segment_cross_entropy(
     lies in a segment and `loss_mask` is set. per_segment_loss holds each slot's sum of counted
     token losses (its mean is per_segment_loss / max(per_segment_tokens, 1)); empty slots hold 0.
     `normalize`: "tokens" (sum / counted tokens), "segments" (mean over non-empty segments of the
-    segment means) or "none" (sum); an empty batch gives loss 0.
+    segment means) or "none" (sum); an empty batch gives loss 0. `impl`: common.resolve_impl;
+    `block_sizes`: CrossEntropyBlockSizes for the TPU kernels, GpuBlockSizes for the GPU ones.
     """
     normalize = parse_enum(Normalize, "normalize", normalize)
     num_segments = _check(logits, targets, segment_offsets, segment_lengths, loss_mask, z_loss)
-    if not use_pallas(impl, interpret):
+    impl = resolve_impl(impl, interpret)
+    blocks = pick_block_sizes(block_sizes, impl, CrossEntropyBlockSizes, "segment_cross_entropy")
+    if impl is Impl.REFERENCE:
         return reference.segment_cross_entropy(
             logits, targets, segment_offsets, segment_lengths, normalize=normalize,
             loss_mask=loss_mask, z_loss=z_loss,
         )
     batch, seq_len, vocab = logits.shape
-    check_smem(batch, num_segments)
-    blocks = block_sizes or CrossEntropyBlockSizes()
-    st = _Static(
-        seq_len=seq_len,
-        vocab=vocab,
-        num_segments=num_segments,
-        z_loss=float(z_loss),
-        block_tokens=token_block(seq_len, blocks.block_tokens, 16),
-        block_vocab=vocab if vocab <= blocks.block_vocab else blocks.block_vocab,
-        interpret=interpret,
-    )
-    if loss_mask is None:
-        mask = jnp.ones((batch, seq_len, 1), jnp.float32)
+    mask = (jnp.ones((batch, seq_len), jnp.float32) if loss_mask is None
+            else (loss_mask != 0).astype(jnp.float32))
+    targets = targets.astype(jnp.int32)
+    used = row_ends(segment_offsets, segment_lengths, seq_len)
+    if impl is Impl.PALLAS_GPU:
+        st = _Static(seq_len, vocab, num_segments, float(z_loss), blocks.ce_block_tokens,
+                     blocks.block_vocab, interpret, gpu=blocks)
+        offsets, lengths = padded_metadata(segment_offsets, segment_lengths)
     else:
-        mask = (loss_mask != 0).astype(jnp.float32)[:, :, None]
-    offsets, lengths = flat_metadata(segment_offsets, segment_lengths)
-    per_segment_loss, count = _pallas_ce(logits, targets.astype(jnp.int32)[:, :, None], mask,
-                                         offsets, lengths, st)
+        check_smem(batch, num_segments)
+        st = _Static(
+            seq_len=seq_len,
+            vocab=vocab,
+            num_segments=num_segments,
+            z_loss=float(z_loss),
+            block_tokens=token_block(seq_len, blocks.block_tokens, 16),
+            block_vocab=vocab if vocab <= blocks.block_vocab else blocks.block_vocab,
+            interpret=interpret,
+        )
+        offsets, lengths = flat_metadata(segment_offsets, segment_lengths)
+        targets, mask = targets[:, :, None], mask[:, :, None]
+    per_segment_loss, count = _pallas_ce(logits, targets, mask, offsets, lengths, used, st)
     count = lax.stop_gradient(count)
     loss = reference.normalize_loss(per_segment_loss, count, normalize)
     return loss, per_segment_loss, count.astype(jnp.int32)

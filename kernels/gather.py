@@ -15,6 +15,7 @@ Example, rows = 8, position = "last", slots (offset, length) = (0, 5), (5, 7), (
     slot 2: empty   tile of p = clip(12 - 1) = 11, output 0
 
 The VJP scatters the cotangent back with the broadcast kernel over one-token "segments" [p, p + 1).
+On GPU, `gpu_segment.gather_call` picks all slots of a row in one gather-load instead.
 """
 
 from __future__ import annotations
@@ -28,18 +29,20 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from seqpack.kernels import reference
+from seqpack.kernels import gpu_segment, reference
 from seqpack.kernels.broadcast import broadcast_call
 from seqpack.kernels.checks import check_metadata, check_smem, check_tokens_input
 from seqpack.kernels.common import (
+    GpuBlockSizes,
     Impl,
     Interpret,
     SegmentBlockSizes,
     feature_block,
     flat_metadata,
     gather_offset,
+    pick_block_sizes,
+    resolve_impl,
     target_position,
-    use_pallas,
 )
 
 
@@ -75,6 +78,9 @@ def _gather_kernel(offsets_ref, lengths_ref, x_ref, out_ref, *, num_segments: in
 
 
 def _gather_call(x, offsets, lengths, *, st: _Static):  # f[B, L, D] -> f[B, S, D]
+    if isinstance(st.block_sizes, GpuBlockSizes):
+        return gpu_segment.gather_call(x, offsets, lengths, num_segments=st.num_segments, k=st.k,
+                                       blocks=st.block_sizes, interpret=bool(st.interpret))
     batch, seq_len, dim = x.shape
     rows = _tile_rows(x.dtype, seq_len)
     bd = feature_block(dim, st.block_sizes.block_features)
@@ -115,7 +121,7 @@ class _Static:
     num_segments: int
     k: int
     dtype: jnp.dtype
-    block_sizes: GatherBlockSizes
+    block_sizes: GatherBlockSizes | GpuBlockSizes
     interpret: Interpret
 
 
@@ -131,8 +137,14 @@ def _pallas_gather_fwd(x, offsets, lengths, st):
 def _pallas_gather_bwd(st, residuals, g):
     offsets, lengths = residuals
     pos, valid = target_position(offsets, lengths, st.k, st.seq_len)
-    dx = broadcast_call(g, pos, valid.astype(jnp.int32), seq_len=st.seq_len, out_dtype=st.dtype,
-                        block_sizes=SegmentBlockSizes(), interpret=st.interpret)
+    if isinstance(st.block_sizes, GpuBlockSizes):  # metadata padded to sp slots, g has S
+        dx = gpu_segment.broadcast_call(g, pos, valid.astype(jnp.int32), seq_len=st.seq_len,
+                                        out_dtype=st.dtype, blocks=st.block_sizes,
+                                        interpret=bool(st.interpret))
+    else:
+        dx = broadcast_call(g, pos, valid.astype(jnp.int32), seq_len=st.seq_len,
+                            out_dtype=st.dtype, block_sizes=SegmentBlockSizes(),
+                            interpret=st.interpret)
     return dx, None, None
 
 
@@ -148,7 +160,7 @@ def segment_gather(
     position: str | int = "last",
     impl: Impl | str = "auto",
     interpret: Interpret = False,
-    block_sizes: GatherBlockSizes | None = None,
+    block_sizes: GatherBlockSizes | GpuBlockSizes | None = None,
 ) -> jax.Array:  # f[B, S] or f[B, S, D]
     """The first, last or k-th token of each segment (k < 0 counts from the end, -1 = last).
 
@@ -158,11 +170,16 @@ def segment_gather(
     check_tokens_input("x", x)
     batch, seq_len = x.shape[:2]
     num_segments = check_metadata(segment_offsets, segment_lengths, batch)
-    if not use_pallas(impl, interpret):
+    impl = resolve_impl(impl, interpret)
+    blocks = pick_block_sizes(block_sizes, impl, GatherBlockSizes, "segment_gather")
+    if impl is Impl.REFERENCE:
         return reference.segment_gather(x, segment_offsets, segment_lengths, position=position)
-    check_smem(batch, num_segments)
-    st = _Static(seq_len, num_segments, k, jnp.dtype(x.dtype), block_sizes or GatherBlockSizes(),
-                 interpret)
+    if impl is Impl.PALLAS_GPU:
+        metadata = gpu_segment.padded_metadata(segment_offsets, segment_lengths)
+    else:
+        check_smem(batch, num_segments)
+        metadata = flat_metadata(segment_offsets, segment_lengths)
+    st = _Static(seq_len, num_segments, k, jnp.dtype(x.dtype), blocks, interpret)
     x3 = x if x.ndim == 3 else x[:, :, None]
-    out = _pallas_gather(x3, *flat_metadata(segment_offsets, segment_lengths), st)
+    out = _pallas_gather(x3, *metadata, st)
     return out if x.ndim == 3 else out[..., 0]

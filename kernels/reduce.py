@@ -1,16 +1,17 @@
 """Pallas TPU kernel reducing each packed segment of a row (sum or max) over its tokens.
 
-Grid `(B, D / bd, L / bl)`, semantics `("parallel", "parallel", "arbitrary")`. Offsets and lengths
-are scalar-prefetched into SMEM. At token block `t` the kernel walks the S slots, clips each
-segment to the block (`common.block_interval`) and reads only the chunks it covers with
-`pl.ds(start, chunk)` at a chunk-aligned start; an iota mask keeps the segment's rows. The
-per-row accumulator is the `[S, 1, bd]` output block itself, resident across the trailing
-"arbitrary" token axis, indexed on its leading (untiled) axis by the slot `j`.
+Grid `(B, D / bd, L / bl)`, semantics `("parallel", "parallel", "arbitrary")`. Offsets, lengths
+and each row's used length (`common.row_ends`) are scalar-prefetched into SMEM. At token block `t`
+the kernel walks the S slots, clips each segment to the block (`common.block_interval`) and reads
+only the chunks it covers with `pl.ds(start, chunk)` at a chunk-aligned start; an iota mask keeps
+the segment's rows. The per-row accumulator is the `[S, 1, bd]` output block itself, resident
+across the trailing "arbitrary" token axis, indexed on its leading (untiled) axis by the slot `j`.
 
 Work per block is O(bl * bd + segments_in_block * 2 * chunk * bd): each token row is read about
 once, plus at most two partially covered chunks per segment. Blocks after the row's used length
-(the end of its last slot) are neither computed nor fetched: the index map clamps them to the
-last used block, and Pallas skips the DMA when the block index does not change.
+(the largest end of a non-empty slot, so empty slots may hold any offset, e.g. 0) are neither
+computed nor fetched: the index map clamps them to the last used block, and Pallas skips the DMA
+when the block index does not change.
 
 Example, L = 10, bl = 4, chunk = 4 (toy sizes), segments [0, 3) and [5, 9):
 
@@ -40,7 +41,6 @@ from seqpack.kernels.common import (
     chunk_mask,
     feature_block,
     last_used_block,
-    row_end,
     token_block,
 )
 
@@ -50,6 +50,7 @@ Mode = Literal["sum", "max"]
 def _reduce_kernel(
     offsets_ref,  # SMEM i32[B * S]
     lengths_ref,  # SMEM i32[B * S]
+    ends_ref,  # SMEM i32[B], the used length of each row
     x_ref,  # VMEM [bl, bd]
     out_ref,  # VMEM f32[S, 1, bd], resident over the token axis
     *,
@@ -69,7 +70,7 @@ def _reduce_kernel(
 
     base = t * block_tokens
 
-    @pl.when(base < row_end(offsets_ref, lengths_ref, row, num_segments))
+    @pl.when(base < ends_ref[row])
     def _accumulate():
         def segment(j, carry):
             idx = row * num_segments + j
@@ -107,6 +108,7 @@ def reduce_call(
     x: jax.Array,  # f[B, L, D]
     offsets: jax.Array,  # i32[B * S]
     lengths: jax.Array,  # i32[B * S]
+    ends: jax.Array,  # i32[B], common.row_ends
     *,
     num_segments: int,
     mode: Mode,
@@ -121,8 +123,8 @@ def reduce_call(
     bd = feature_block(dim, min(block_sizes.block_features, max(LANES, acc_lanes)))
     num_token_blocks = pl.cdiv(seq_len, bl)
 
-    def x_index(b, d, t, offsets_ref, lengths_ref):
-        last = last_used_block(offsets_ref, lengths_ref, b, num_segments, bl)
+    def x_index(b, d, t, offsets_ref, lengths_ref, ends_ref):
+        last = last_used_block(ends_ref, b, bl)
         return b, jnp.minimum(t, last), d
 
     kernel = functools.partial(
@@ -137,7 +139,7 @@ def reduce_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((batch, num_segments, 1, dim), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=(batch, pl.cdiv(dim, bd), num_token_blocks),
             in_specs=[pl.BlockSpec((None, bl, bd), x_index)],
             out_specs=pl.BlockSpec((None, num_segments, 1, bd), lambda b, d, t, *_: (b, 0, 0, d)),
@@ -152,5 +154,5 @@ def reduce_call(
         ),
         interpret=interpret,
         name=f"segment_{mode}",
-    )(offsets, lengths, x)
+    )(offsets, lengths, ends, x)
     return out[:, :, 0, :]

@@ -48,7 +48,7 @@ def test_validate_rejects_traced_and_mismatched():
         kernels.validate_segments(np.zeros((1, 2)), np.zeros((1, 2)), seq_len=12)
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("impl", ["reference", "pallas_tpu", "pallas_gpu"])
 def test_static_shape_and_dtype_errors(impl):
     x = np.zeros((2, L, 8), np.float32)
     offsets, lengths = case("mixed")
@@ -71,8 +71,9 @@ def test_static_shape_and_dtype_errors(impl):
 def test_smem_budget_says_how_to_chunk():
     x = jax.ShapeDtypeStruct((4096, 64), jnp.float32)
     meta = jax.ShapeDtypeStruct((4096, 64), jnp.int32)
-    with pytest.raises(ValueError, match=r"call the kernel on chunks of at most 512 rows"):
-        jax.eval_shape(lambda x, o, n: kernels.segment_sum(x, o, n, impl="pallas"), x, meta, meta)
+    with pytest.raises(ValueError, match=r"call the kernel on chunks of at most 508 rows"):
+        jax.eval_shape(lambda x, o, n: kernels.segment_sum(x, o, n, impl="pallas_tpu"),
+                       x, meta, meta)
     # The reference has no SMEM limit.
     out = jax.eval_shape(lambda x, o, n: kernels.segment_sum(x, o, n, impl="reference"),
                          x, meta, meta)

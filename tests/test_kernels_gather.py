@@ -115,7 +115,8 @@ def test_lowers_for_tpu(shape, dtype):
     x = jnp.zeros(shape, dtype)
     meta = jnp.zeros((4, 16), jnp.int32)
     for position in ("first", "last", 3):
-        f = lambda x, o, n, p=position: kernels.segment_gather(x, o, n, position=p, impl="pallas")
+        f = lambda x, o, n, p=position: kernels.segment_gather(x, o, n, position=p,
+                                                               impl="pallas_tpu")
         lower_tpu(f, x, meta, meta)
         lower_tpu(jax.grad(lambda x, o, n, f=f: f(x, o, n).astype(jnp.float32).sum()),
                   x, meta, meta)

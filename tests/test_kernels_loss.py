@@ -170,7 +170,7 @@ def test_lowers_for_tpu(dtype):
     meta = jnp.zeros((4, 16), jnp.int32)
     for normalize in NORMALIZE:
         f = lambda lg, t, o, n, m=normalize: kernels.segment_cross_entropy(
-            lg, t, o, n, normalize=m, z_loss=1e-4, loss_mask=t > 0, impl="pallas")
+            lg, t, o, n, normalize=m, z_loss=1e-4, loss_mask=t > 0, impl="pallas_tpu")
         lower_tpu(f, logits, targets, meta, meta)
         lower_tpu(jax.grad(lambda lg, t, o, n, f=f: f(lg, t, o, n)[0]), logits, targets, meta,
                   meta)

@@ -183,12 +183,12 @@ def test_lowers_for_tpu(shape, dtype):
     x = jnp.zeros(shape, dtype)
     meta = jnp.zeros((4, 16), jnp.int32)
     for op in OPS:
-        f = lambda x, o, n, op=op: getattr(kernels, op)(x, o, n, impl="pallas")
+        f = lambda x, o, n, op=op: getattr(kernels, op)(x, o, n, impl="pallas_tpu")
         lower_tpu(f, x, meta, meta)
         lower_tpu(jax.grad(lambda x, o, n, f=f: f(x, o, n).astype(jnp.float32).sum()),
                   x, meta, meta)
     values = jnp.zeros((4, 16, *shape[2:]), dtype)
-    f = lambda v, o, n: kernels.segment_broadcast(v, o, n, seq_len=1000, impl="pallas")
+    f = lambda v, o, n: kernels.segment_broadcast(v, o, n, seq_len=1000, impl="pallas_tpu")
     lower_tpu(f, values, meta, meta)
     lower_tpu(jax.grad(lambda v, o, n: f(v, o, n).astype(jnp.float32).sum()), values, meta, meta)
 

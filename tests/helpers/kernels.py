@@ -1,4 +1,4 @@
-"""Helpers shared by the kernel tests: packed-row metadata builders, tolerances, TPU lowering."""
+"""Kernel test helpers: packed-row metadata builders, tolerances, TPU and CUDA lowering."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from seqpack.kernels import CrossEntropyBlockSizes, GatherBlockSizes, SegmentBlockSizes
+from seqpack.kernels import (
+    CrossEntropyBlockSizes,
+    GatherBlockSizes,
+    GpuBlockSizes,
+    SegmentBlockSizes,
+)
 
 # Pallas interpret mode runs the kernel body in io_callbacks that themselves dispatch jax ops. With
 # async CPU dispatch, a computation queued behind a running interpreted kernel (e.g. a cast of its
@@ -129,3 +134,21 @@ def lower_tpu(f, *args):
 
 # bfloat16 repeats every float32 case at several seconds each: run with the slow cases.
 BF16_SLOW = pytest.param(jnp.bfloat16, marks=pytest.mark.slow, id="bfloat16")
+
+
+# GPU (Triton) kernels: small power-of-two tiles so that L = 100 spans several blocks, D = 128 two
+# lane blocks and V = 300 three vocabulary tiles, the last of each partial; three programs per
+# segment in the reduce kernel (tiles 0, 3, ... / 1, 4, ... / 2, 5, ...; some get none).
+GPU_BLOCKS = GpuBlockSizes(block_tokens=16, block_features=64, ce_block_tokens=16, block_vocab=128,
+                           token_splits=3)
+TRITON_CALL = "xla.gpu.triton"  # the custom call a Pallas GPU kernel lowers to for CUDA
+
+
+def lower_cuda(f, *args) -> str:
+    """StableHLO text of f lowered for CUDA (Pallas -> Triton) without a GPU attached."""
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def zero_padded(offsets, lengths):
+    """The same segments with unused slots at offset 0 (cu_seqlens-style padding)."""
+    return np.where(lengths > 0, offsets, 0).astype(np.int32), lengths
