@@ -186,7 +186,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     """
     from seqpack.pipelines.formats.inputs import sample_files
     from seqpack.pipelines.offline.report import format_table, summary, terminal_progress
-    from seqpack.pipelines.offline.writer import WriteOptions, pack_to_dir
+    from seqpack.pipelines.offline.writer import WriteOptions, default_workers, pack_to_dir
 
     sample = not inputs
     if sample:
@@ -220,7 +220,8 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
         with progress or contextlib.nullcontext():
             manifest = pack_to_dir(inputs, output_dir, config, read_options=read_options,
                                    write_options=write_options, overwrite=overwrite,
-                                   resume=resume, progress=progress, workers=workers,
+                                   resume=resume, progress=progress,
+                                   workers=workers or default_workers(),
                                    block_size=block_size)
     if as_json:
         click.echo(json.dumps({"output_dir": output_dir, "stats": manifest.stats}, indent=2))

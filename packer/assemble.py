@@ -116,16 +116,24 @@ def fill_rows(pieces: Sequence[Any], layout: Layout, seq_len: int, *, dtype: Any
     return _fill(pieces, _place(layout, seq_len), layout.num_rows, seq_len, dtype=dtype, pad=pad)
 
 
-def write_feature(pieces: Sequence[Any], layout: Layout, seq_len: int, max_segments: int, *,
-                  feature: str, dtype: Any, pad: Any = 0,
-                  derived: bool = True) -> dict[str, np.ndarray]:
+def write_feature(pieces: Sequence[Any] | None, layout: Layout, seq_len: int,
+                  max_segments: int, *, feature: str, dtype: Any, pad: Any = 0,
+                  derived: bool = True, values: np.ndarray | None = None
+                  ) -> dict[str, np.ndarray]:
     """One packed feature's contract arrays: values `[R, L, ...]`, segment ids and positions
-    `[R, L]` (unless `derived=False`: storage rebuilds them) and lengths / offsets `[R, S]`."""
+    `[R, L]` (unless `derived=False`: storage rebuilds them) and lengths / offsets `[R, S]`.
+
+    `values`: the `[R, L]` values already in place (each piece at its row and offset, `pad`
+    elsewhere: `fill_rows`'s result), when the caller wrote them itself; `pieces` is then None."""
     k = keys(feature)
     R, L, S = layout.num_rows, seq_len, max_segments
-    placed = _place(layout, L)
-    out = {k.values: _fill(pieces, placed, R, L, dtype=dtype, pad=pad)}
+    placed = _place(layout, L) if values is None or derived else None
+    if values is None:
+        assert pieces is not None and placed is not None
+        values = _fill(pieces, placed, R, L, dtype=dtype, pad=pad)
+    out = {k.values: values}
     if derived:
+        assert placed is not None
         seg_ids, positions = ids_and_positions_of_runs(placed.run_lens, placed.slots, L)
         out[k.segment_ids] = seg_ids.reshape(R, L)
         out[k.positions] = positions.reshape(R, L)
@@ -154,12 +162,14 @@ def source_arrays(layout: Layout, max_segments: int, example: np.ndarray,
     return {k.source_index: index, k.source_start: starts}
 
 
-def build_rows(pieces: Sequence[np.ndarray], p: PackPlan, config: PackConfig, *, dtype: Any,
-               derived: bool = True) -> dict[str, np.ndarray]:
-    """The batch dict (`[R, L]` / `[R, S]`) of plan `p`; `pieces[i]` holds its i-th piece."""
+def build_rows(pieces: Sequence[np.ndarray] | None, p: PackPlan, config: PackConfig, *,
+               dtype: Any, derived: bool = True, values: np.ndarray | None = None
+               ) -> dict[str, np.ndarray]:
+    """The batch dict (`[R, L]` / `[R, S]`) of plan `p`; `pieces[i]` holds its i-th piece (or
+    `values` holds the `[R, L]` tokens already in place: see `write_feature`)."""
     batch = write_feature(pieces, p, config.seq_len, config.max_segments, feature=config.feature,
                           dtype=np.int32 if dtype is None else dtype, pad=config.pad_id,
-                          derived=derived)
+                          derived=derived, values=values)
     batch.update(source_arrays(p, config.max_segments, p.example, p.start))
     return batch
 

@@ -2,9 +2,9 @@
 
 Pass 1 of `seqpack pack` reads each input once, in order, and appends its tokens to raw files
 (`SpillWriter`, one file per input and token dtype: a run); the plan is then made on the lengths
-alone. Pass 2 reads each shard's pieces straight from those files (`SpillReader.pieces`, one
-positioned read per piece, from the page cache while the spill fits in it), so no process ever
-holds more than one shard's tokens. The spill takes the corpus's token bytes on disk (2 bytes
+alone. Pass 2 reads each shard's pieces straight from those files into the shard's rows
+(`SpillReader.read_into`, one positioned read per piece, from the page cache while the spill
+fits in it), so no process ever holds more than one shard's tokens. The spill takes the corpus's token bytes on disk (2 bytes
 a token for uint16 ids) and lives in the output directory's ``spill.tmp/``, removed when the run
 ends.
 
@@ -73,30 +73,31 @@ class SpillReader:
         sizes = np.array([r.num_tokens for r in runs], np.int64)
         self.starts = np.concatenate(([0], np.cumsum(sizes)))
 
-    def pieces(self, src: np.ndarray, length: np.ndarray) -> list[np.ndarray]:
-        """The tokens of pieces [src[i], src[i] + length[i]), each as an array of its run's
-        dtype (read with `os.preadv`, a call per piece: no memory map, whose fault-around
-        would put 64 KiB of page cache into this process's resident set per piece)."""
+    def read_into(self, out: np.ndarray, dst: np.ndarray, src: np.ndarray,
+                  length: np.ndarray) -> None:
+        """Reads pieces [src[i], src[i] + length[i]) of the corpus into out[dst[i]:][:length[i]]
+        (`out` 1-D; cast to its dtype), one positioned read per piece: no memory map, whose
+        fault-around would put 64 KiB of page cache into this process's resident set per piece.
+
+        A piece lies inside one example, so inside one run."""
         src = np.asarray(src, np.int64)
         length = np.asarray(length, np.int64)
+        keep = length > 0
+        src, dst, length = src[keep], np.asarray(dst, np.int64)[keep], length[keep]
         which = np.searchsorted(self.starts, src, side="right") - 1
-        which = np.minimum(which, max(len(self.runs) - 1, 0))  # an empty piece at the very end
-        out: list[np.ndarray] = [np.zeros(0, np.int32)] * src.size
         for r in np.unique(which).tolist():
             run = self.runs[r]
             dtype = np.dtype(run.dtype)
             mine = np.flatnonzero(which == r)
-            n = length[mine]
-            buf = np.empty(int(n.sum()), dtype)
-            at = (np.cumsum(n) - n).tolist()
             pos = ((src[mine] - self.starts[r]) * dtype.itemsize).tolist()
+            direct = dtype == out.dtype
             fd = os.open(run.path, os.O_RDONLY)
             try:
-                for i, a, m, p in zip(mine.tolist(), at, n.tolist(), pos):
-                    view = buf[a : a + m]
+                for d, m, p in zip(dst[mine].tolist(), length[mine].tolist(), pos):
+                    view = out[d : d + m] if direct else np.empty(m, dtype)
                     if os.preadv(fd, [view], p) != view.nbytes:
                         raise OSError(f"{run.path}: short read at byte {p}")
-                    out[i] = view
+                    if not direct:
+                        out[d : d + m] = view
             finally:
                 os.close(fd)
-        return out

@@ -299,15 +299,18 @@ def shard_complete(path: str, num_rows: int) -> bool:
         close_quietly(reader)
 
 
-def write_shard(path: str, pieces: Sequence[np.ndarray], p: PackPlan, config: PackConfig,
-                options: WriteOptions, *, dtype: np.dtype,
-                encoder: RowEncoder | None = None) -> RowEncoder:
+def write_shard(path: str, pieces: Sequence[np.ndarray] | None, p: PackPlan,
+                config: PackConfig, options: WriteOptions, *, dtype: np.dtype,
+                encoder: RowEncoder | None = None, values: np.ndarray | None = None
+                ) -> RowEncoder:
     """Assembles the rows of plan `p` (one shard's rows, numbered from 0) and writes them.
 
-    `pieces[i]` holds the tokens of the plan's i-th piece. Writes `path.tmp`, renamed to `path`
-    when complete; returns the encoder, for the next shard of the run (same row layout).
+    `pieces[i]` holds the tokens of the plan's i-th piece (or `values` the rows' tokens already
+    in place, see `packer.build_rows`). Writes `path.tmp`, renamed to `path` when complete;
+    returns the encoder, for the next shard of the run (same row layout).
     """
-    batch = build_rows(pieces, p, config, dtype=dtype, derived=options.store_derived)
+    batch = build_rows(pieces, p, config, dtype=dtype, derived=options.store_derived,
+                       values=values)
     encoder = encoder or RowEncoder(batch)
     writer = _open_writer(path + ".tmp", options.arrayrecord_options)
     for record in encoder.records(batch):
@@ -381,11 +384,11 @@ def _read_input(index: int, path: str, fmt: str, options: ReadOptions, spill_dir
 def _write_task(context_path: str, task: _ShardTask) -> tuple[int, int]:
     """Pass 2 for one shard: gathers its pieces from the spill, writes it; (index, rows)."""
     context, spill = _context(context_path)
-    p = task.plan
-    pieces = spill.pieces(task.src, p.length)
-    write_shard(os.path.join(context.output_dir, task.name), pieces, p, context.config,
-                context.options, dtype=np.dtype(context.dtype))
-    del pieces  # unmaps the spill
+    p, config = task.plan, context.config
+    values = np.full(p.num_rows * config.seq_len, config.pad_id, np.dtype(context.dtype))
+    spill.read_into(values, p.row * config.seq_len + p.offset, task.src, p.length)
+    write_shard(os.path.join(context.output_dir, task.name), None, p, config, context.options,
+                dtype=values.dtype, values=values.reshape(p.num_rows, config.seq_len))
     return task.index, p.num_rows
 
 
@@ -432,9 +435,14 @@ class _Workers:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
-            method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() \
-                else "spawn"
-            self.pool = ProcessPoolExecutor(self.n, mp_context=multiprocessing.get_context(method),
+            if "forkserver" in multiprocessing.get_all_start_methods():
+                context = multiprocessing.get_context("forkserver")
+                # The fork server imports the writer (numpy, pyarrow, array_record) once; each
+                # worker is a fork of it.
+                context.set_forkserver_preload([__name__, "pyarrow.parquet"])
+            else:  # pragma: no cover - not on Linux
+                context = multiprocessing.get_context("spawn")
+            self.pool = ProcessPoolExecutor(self.n, mp_context=context,
                                             initializer=_init_worker, initargs=(os.getpid(),))
         if self.pool is None:
             for args in calls:
@@ -597,8 +605,10 @@ def pack_to_dir(
 ) -> Manifest:
     """Reads, plans, writes shards, then the manifest; returns the manifest.
 
-    `workers`: processes that read inputs and write shards (default: the CPU count; 1 runs
-    everything in this process); the output does not depend on it. `block_size`: examples
+    `workers`: processes that read inputs and write shards (1, the default, runs everything in
+    this process; `seqpack pack` passes the CPU count); the output does not depend on it. A
+    script calling this with workers > 1 needs the ``if __name__ == "__main__":`` guard
+    (the workers start through multiprocessing's fork server, which imports the main module). `block_size`: examples
     planned together (`packer.plan_rows`); it is part of the run (recorded in the manifest).
     """
     output_dir = os.fspath(output_dir)
@@ -612,7 +622,7 @@ def pack_to_dir(
     spill_dir = os.path.join(output_dir, SPILL_DIR)
     shutil.rmtree(spill_dir, ignore_errors=True)
     os.makedirs(spill_dir)
-    pool = _Workers(workers or default_workers())
+    pool = _Workers(workers or 1)
     started = False
     try:
         scans, runs = read_inputs(paths, read_options, spill_dir, pool, progress)
