@@ -4,9 +4,9 @@ Pass 1 of `seqpack pack` reads each input once, in order, and appends its tokens
 (`SpillWriter`, one file per input and token dtype: a run); the plan is then made on the lengths
 alone. Pass 2 reads each shard's pieces straight from those files into the shard's rows
 (`SpillReader.read_into`, one positioned read per piece, from the page cache while the spill
-fits in it), so no process ever holds more than one shard's tokens. The spill takes the corpus's token bytes on disk (2 bytes
-a token for uint16 ids) and lives in the output directory's ``spill.tmp/``, removed when the run
-ends.
+fits in it), so no process ever holds more than one shard's tokens. The spill takes the
+corpus's token bytes on disk (2 bytes a token for uint16 ids) and lives in the output
+directory's ``spill.tmp/``, removed when the run ends.
 
 Positions are global: token `p` of the corpus (inputs back to back, in the order given) lives in
 the run whose [start, start + num_tokens) holds `p`.

@@ -608,8 +608,9 @@ def pack_to_dir(
     `workers`: processes that read inputs and write shards (1, the default, runs everything in
     this process; `seqpack pack` passes the CPU count); the output does not depend on it. A
     script calling this with workers > 1 needs the ``if __name__ == "__main__":`` guard
-    (the workers start through multiprocessing's fork server, which imports the main module). `block_size`: examples
-    planned together (`packer.plan_rows`); it is part of the run (recorded in the manifest).
+    (the workers start through multiprocessing's fork server, which imports the main module).
+    `block_size`: examples planned together (`packer.plan_rows`); it is part of the run
+    (recorded in the manifest).
     """
     output_dir = os.fspath(output_dir)
     read_options = read_options or ReadOptions()
