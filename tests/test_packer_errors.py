@@ -86,7 +86,7 @@ def test_bad_sequences():
 def test_bad_stream_input_names_the_example():
     with pytest.raises(ValueError, match=r"example 1 must be a 1-D array of integer token ids"):
         list(pack_stream([np.array([1]), np.array([0.5])], PackConfig(8)))
-    with pytest.raises(ValueError, match=r"example 0 holds a negative token id -1"):
+    with pytest.raises(ValueError, match=r"example 0: token id -1 at position 0 is negative"):
         list(pack_stream([np.array([-1])], PackConfig(8)))
     with pytest.raises(ValueError, match=r"example 1 has length 9 > seq_len=8"):
         list(pack_stream([np.array([1]), np.arange(9)], PackConfig(8)))

@@ -21,7 +21,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from seqpack.packer.grain_fit import BatchSpec, FitBatch
+from seqpack.packer.grain_fit import BatchSpec, FitBatch, element_dtypes
 from seqpack.pipelines.errors import InputError
 
 
@@ -116,6 +116,8 @@ class DropinPackIterator(grain.DatasetIterator):
         self._order: Any = None
         self._next_row = 0
         self._counter = 0
+        self._dtypes: list[np.dtype] | None = None  # one per packed feature, for the whole run
+        self._read = 0  # parent elements read since the start or the last set_state
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -143,13 +145,22 @@ class DropinPackIterator(grain.DatasetIterator):
                 f"packed/meta features {list(self._keys)}"
             ) from None
 
+    def _new_batch(self, element: dict[str, Any]) -> FitBatch:
+        if self._dtypes is None:
+            self._dtypes = element_dtypes(element, self._spec)
+        return FitBatch(element, self._spec, self._dtypes)
+
+    def _add(self, element: dict[str, Any]) -> bool:
+        try:
+            return self._batch.try_add(element)
+        except InputError as e:
+            raise InputError(f"parent element {self._read - 1}: {e}") from None
+
     def _finalize(self, element_for_shapes: dict[str, Any] | None) -> None:
         self._packed, self._num_rows = self._batch.finalize()
         if self._shuffle_bins:
             self._shuffle()
-        self._batch = (
-            None if element_for_shapes is None else FitBatch(element_for_shapes, self._spec)
-        )
+        self._batch = None if element_for_shapes is None else self._new_batch(element_for_shapes)
 
     def _shuffle(self) -> None:
         n = self._num_rows
@@ -176,13 +187,14 @@ class DropinPackIterator(grain.DatasetIterator):
                     return
                 raise
             element = select(element)
+            self._read += 1
             if self._batch is None:
-                self._batch = FitBatch(element, self._spec)
-            if self._batch.try_add(element):
+                self._batch = self._new_batch(element)
+            if self._add(element):
                 continue
             self._finalize(element)
             self._next_batch_parent_state = prior_state
-            if not self._batch.try_add(element):
+            if not self._add(element):
                 raise ValueError(
                     "Could not add element to empty packed batch! Packed batch has"
                     f" packing sequence_lengths: {self._spec.capacities}"
