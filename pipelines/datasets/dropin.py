@@ -21,6 +21,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from seqpack.packer.contract import check_not_packed
 from seqpack.packer.grain_fit import BatchSpec, FitBatch, element_dtypes
 from seqpack.pipelines.errors import InputError
 
@@ -186,6 +187,8 @@ class DropinPackIterator(grain.DatasetIterator):
                     self._next_batch_parent_state = prior_state
                     return
                 raise
+            if self._read == 0:
+                check_not_packed(element, self._spec.segment_features, "element 0 of the parent")
             element = select(element)
             self._read += 1
             if self._batch is None:

@@ -28,6 +28,7 @@ import grain
 import numpy as np
 
 from seqpack import packer
+from seqpack.packer.contract import check_not_packed
 from seqpack.packer.inputs import check_pad, fit_dtype, row_dtype
 from seqpack.packer.state_codec import decode_planner_state, encode_planner_state
 from seqpack.pipelines.datasets.layouts import MultiLayout, SingleLayout
@@ -77,7 +78,11 @@ class PackIterator(grain.DatasetIterator):
             vals = cols[ds.names[0]]
             append, key = vals.append, ds.names[0]
             try:
-                for _ in range(ds.window):
+                if first == 0:
+                    element = next(parent)
+                    self._check_not_packed(element)
+                    append(element[key])
+                for _ in range(ds.window - (first == 0)):
                     append(next(parent)[key])
             except StopIteration:
                 self._exhausted = True
@@ -89,6 +94,8 @@ class PackIterator(grain.DatasetIterator):
             try:
                 for _ in range(ds.window):
                     element = next(parent)
+                    if first + count == 0:
+                        self._check_not_packed(element)
                     try:
                         for n in ds.names:
                             cols[n].append(element[n])
@@ -118,6 +125,9 @@ class PackIterator(grain.DatasetIterator):
                     col = [v if first + i in keep else None for i, v in enumerate(col)]
                 self._held[n][k] = col
         return ids, cols
+
+    def _check_not_packed(self, element: Any) -> None:
+        check_not_packed(element, self._ds.features, "element 0 of the parent")
 
     def _bad_element(self, ident: int, e: Exception) -> None:
         raise InputError(
