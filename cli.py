@@ -101,9 +101,14 @@ def _reading_options(f):
         click.option("--input-format", type=click.Choice(_FORMATS), default=None,
                      help="Input file format.  [default: from the extension; text otherwise]"),
         click.option("--column", "--field", "column", default="tokens", show_default=True,
-                     help="Parquet column / JSONL field / ArrayRecord array of token ids."),
+                     help="Parquet column / JSONL field / ArrayRecord array of token ids (of "
+                          "text, with --tokenizer)."),
         click.option("--tokenizer", type=click.Path(dir_okay=False), default=None,
-                     help="tokenizers tokenizer.json for text inputs (default: UTF-8 bytes)."),
+                     help="tokenizers tokenizer.json: tokenizes text files and the text "
+                          "--field of JSONL / --column of Parquet (default: text files as "
+                          "UTF-8 bytes). Its padding and truncation are switched off: rows are "
+                          "padded by packing, long examples follow --overflow. An error with "
+                          "token-id inputs."),
         click.option("--text-unit", type=click.Choice(["file", "line", "paragraph"]),
                      default="file", show_default=True,
                      help="Text inputs: one example per file, non-blank line or paragraph "
