@@ -22,7 +22,8 @@ from seqpack.packer import (
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(seq_len=0), r"seq_len=0 must be >= 1"),
+        (dict(seq_len=0), r"seq_len=0 must be in \[1, 2147483647\]"),
+        (dict(seq_len=2**31), r"seq_len=2147483648 must be in \[1, 2147483647\]: .* int32"),
         (dict(seq_len=8, max_segments=0), r"max_segments=0 must be >= 1"),
         (dict(seq_len=10, segment_alignment=4), r"segment_alignment=4 must divide seq_len=10"),
         (dict(seq_len=8, strategy="magic"), r"strategy='magic' is not known; use one of"),
