@@ -34,7 +34,7 @@ _INF = 1 << 62
 class BatchSpec:
     """What every batch of one drop-in shares (derived from Grain's constructor arguments)."""
 
-    features: tuple[str, ...]  # packed features (keys of length_struct)
+    features: tuple[Any, ...]  # packed features: names, or paths (tuples) of nested leaves
     capacities: tuple[int, ...]
     alignments: tuple[int, ...]
     paddings: tuple[Any, ...]  # None -> zeros
