@@ -12,8 +12,10 @@ Each command parses its options, calls one library function (`pipelines.offline.
 `.verify`, `.report`) and prints. Errors map to exit codes in one place (`_Group.invoke`): bad
 input (a malformed file, a missing column, a corrupt shard, ...), a bad option or a missing extra
 prints one `Error: ...` line on stderr and exits with 2; `verify` exits with 1 when it finds
-violations; Ctrl-C exits with 130; anything else is a bug and keeps its traceback. Nothing here
-imports jax; heavy modules are imported inside the commands so `seqpack --help` stays fast.
+violations; Ctrl-C exits with 130 (naming the `--resume` command of an interrupted pack); click's
+own usage errors are one `Error:` line too; anything else is a bug and keeps its traceback.
+Nothing here imports jax; heavy modules are imported inside the commands so `seqpack --help`
+stays fast.
 """
 
 from __future__ import annotations
@@ -207,7 +209,7 @@ def seqpack() -> None:
 
     \b
     Exit codes: 0 ok; 1 verify found violations; 2 bad input, a bad option or a missing
-    extra (one `Error:` line); 130 interrupted.
+    extra (one `Error:` line); 130 interrupted (an interrupted pack names its --resume command).
     """
 
 

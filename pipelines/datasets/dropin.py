@@ -10,6 +10,10 @@ packed feature `f` that is not a meta feature, the contract's `f_segment_lengths
     ds = pipelines.BestFitPackIterDataset(ds, length_struct={"tokens": 2048},
                                           num_packing_bins=1024)
 
+One dtype per packed feature for the whole run (the first element's): an element whose values it
+cannot hold raises `InputError` naming it (Grain's buffers take each batch's first element's dtype
+and wrap). A parent whose elements are already packed (`f_segment_ids`) is refused.
+
 `length_struct` is a dict feature -> int, or, as in Grain, a tree of dicts whose nested parts
 sit under meta features (Grain re-keys only top-level features with segment ids): the nested
 leaves are packed like any meta feature (values only, the same bins) and come back nested::
