@@ -100,6 +100,10 @@ def ragged_from_sequences(sequences: Sequence[object]) -> tuple[np.ndarray, np.n
     nonempty = [a for a in arrays if a.size]
     if nonempty:
         dtype = np.result_type(*[a.dtype for a in nonempty])
+        if dtype.kind not in "iub":  # numpy promotes uint64 + int64 to float64: never for ids
+            dtype = np.dtype(np.uint64)
+            nonempty = [fit_dtype(a, dtype, f"sequences[{i}]")
+                        for i, a in enumerate(arrays) if a.size]
         values = np.concatenate(nonempty).astype(dtype, copy=False)
     else:
         values = np.zeros(0, np.int32)

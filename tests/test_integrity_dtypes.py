@@ -111,7 +111,7 @@ def test_pad_id_the_dtype_cannot_hold_is_a_value_error():
         datasets.PackIterDataset(_parent([]), seq_len=8, pad_id=300, dtype=np.uint8)
 
 
-_DTYPES = [np.uint8, np.uint16, np.int32, np.int64]
+_DTYPES = [np.uint8, np.uint16, np.int32, np.int64, np.uint64]
 
 
 @settings(max_examples=60, deadline=None)
@@ -142,3 +142,12 @@ def _range(dtype):
 
 def _segments_batch(batch):
     return _segments([{k: v[i] for k, v in batch.items()} for i in range(len(batch["tokens"]))])
+
+
+def test_pack_never_promotes_ids_to_float():
+    # numpy's result_type(uint64, int64) is float64: ids beyond 2**53 would lose digits.
+    batch = pack([np.array([2**63 + 5], np.uint64), np.array([2], np.int64)], PackConfig(4))
+    assert batch["tokens"].dtype == np.uint64
+    assert sorted(_segments_batch(batch).values()) == [[2], [2**63 + 5]]
+    with pytest.raises(InputError, match=r"sequences\[1\]: token id -2 .* negative"):
+        pack([np.array([1], np.uint64), np.array([-2], np.int64)], PackConfig(4))
