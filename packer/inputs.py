@@ -99,9 +99,8 @@ def ragged_from_sequences(sequences: Sequence[object]) -> tuple[np.ndarray, np.n
     np.cumsum(lengths, out=offsets[1:])
     nonempty = [a for a in arrays if a.size]
     if nonempty:
-        dtype = np.result_type(*[a.dtype for a in nonempty])
-        if dtype.kind not in "iub":  # numpy promotes uint64 + int64 to float64: never for ids
-            dtype = np.dtype(np.uint64)
+        dtype = common_id_dtype([a.dtype for a in nonempty])
+        if dtype == np.uint64:  # int64 examples cast to it: a negative id must not wrap
             nonempty = [fit_dtype(a, dtype, f"sequences[{i}]")
                         for i, a in enumerate(arrays) if a.size]
         values = np.concatenate(nonempty).astype(dtype, copy=False)
@@ -113,6 +112,13 @@ def ragged_from_sequences(sequences: Sequence[object]) -> tuple[np.ndarray, np.n
         raise InputError(f"sequences[{i}][{k - int(offsets[i])}]={int(values[k])} is a negative "
                          "token id")
     return values, offsets
+
+
+def common_id_dtype(dtypes: Sequence[np.dtype]) -> np.dtype:
+    """The dtype that holds token ids of all `dtypes` (integer): numpy's promotion, except that
+    uint64 with a signed dtype gives uint64 (ids are >= 0), not numpy's float64."""
+    dtype = np.result_type(*dtypes)
+    return np.dtype(np.uint64) if dtype.kind == "f" else dtype
 
 
 def row_dtype(dtype: object, *, name: str = "dtype") -> np.dtype:

@@ -151,3 +151,16 @@ def test_pack_never_promotes_ids_to_float():
     assert sorted(_segments_batch(batch).values()) == [[2], [2**63 + 5]]
     with pytest.raises(InputError, match=r"sequences\[1\]: token id -2 .* negative"):
         pack([np.array([1], np.uint64), np.array([-2], np.int64)], PackConfig(4))
+
+
+def test_inputs_of_uint64_and_int64_ids_read_as_uint64(tmp_path):
+    import pyarrow as pa
+
+    from seqpack.pipelines.formats.inputs import ReadOptions, read_corpus
+    from tests.helpers.files import write_jsonl, write_parquet
+
+    big = 2**63 + 5  # before: both files read into one float64 corpus, the big id rounded
+    a = write_parquet(tmp_path / "a.parquet", [[big, 1]], value_type=pa.uint64())
+    b = write_jsonl(tmp_path / "b.jsonl", [[2, 3]])
+    corpus = read_corpus([a, b], ReadOptions())
+    assert corpus.values.dtype == np.uint64 and corpus.values.tolist() == [big, 1, 2, 3]

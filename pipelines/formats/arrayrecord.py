@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from seqpack.packer.inputs import common_id_dtype
 from seqpack.pipelines.errors import InputError, require
 from seqpack.pipelines.formats.chunks import Chunk, ragged
 from seqpack.pipelines.formats.records import decode_row
@@ -90,7 +91,7 @@ def example_chunks(path: str, column: str) -> Iterator[Chunk]:
                 raise InputError(f"{path}: corrupt ArrayRecord file ({first_line(e)})") from None
             seqs = [_example(decode(raw, path, first + i), column, path, first + i)
                     for i, raw in enumerate(raws)]
-            dtype = np.result_type(*[s.dtype for s in seqs])
+            dtype = common_id_dtype([s.dtype for s in seqs])  # ids checked >= 0 above
             values, offsets = ragged(seqs, dtype)
             yield Chunk(values, offsets, first)
     finally:
