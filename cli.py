@@ -12,8 +12,10 @@ Each command parses its options, calls one library function (`pipelines.offline.
 `.verify`, `.report`) and prints. Errors map to exit codes in one place (`_Group.invoke`): bad
 input (a malformed file, a missing column, a corrupt shard, ...), a bad option or a missing extra
 prints one `Error: ...` line on stderr and exits with 2; `verify` exits with 1 when it finds
-violations; Ctrl-C exits with 130; anything else is a bug and keeps its traceback. Nothing here
-imports jax; heavy modules are imported inside the commands so `seqpack --help` stays fast.
+violations; Ctrl-C exits with 130 (naming the `--resume` command of an interrupted pack); click's
+own usage errors are one `Error:` line too; anything else is a bug and keeps its traceback.
+Nothing here imports jax; heavy modules are imported inside the commands so `seqpack --help`
+stays fast.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import sys
 
 import click
@@ -45,18 +48,56 @@ def _bad_input(e: BaseException) -> bool:
     return isinstance(e, (InputError, UsageError, MissingDependency, OSError))
 
 
+def _resume_hint(ctx: click.Context, args: list[str]) -> str:
+    """For a `pack` interrupted after it started writing: the command that finishes the run.
+    `args`: the command line after `seqpack`."""
+    if not args or args[0] != "pack":
+        return ""
+    from seqpack.pipelines.formats.manifest import INTENT, MANIFEST
+
+    try:
+        with pack.make_context("pack", list(args[1:]), parent=ctx,
+                               resilient_parsing=True) as sub:
+            out = sub.params.get("output_dir")
+    except click.ClickException:
+        return ""
+    if not out or not os.path.isfile(os.path.join(out, INTENT)) \
+            or os.path.isfile(os.path.join(out, MANIFEST)):
+        return ""
+    again = [a for a in args if a not in ("--resume", "--overwrite")]
+    return f"; finish the run with: seqpack {shlex.join([*again, '--resume'])}"
+
+
 class _Group(click.Group):
     """Maps errors to exit codes: bad input, usage and missing extras print one `Error:` line
-    and exit with 2; Ctrl-C exits with 130; anything else is a bug and keeps its traceback.
+    and exit with 2 (click's own usage errors too: no usage block); Ctrl-C exits with 130 and,
+    for an interrupted `pack`, names the `--resume` command that finishes it; anything else is a
+    bug and keeps its traceback.
 
     Set SEQPACK_DEBUG=1 to get the traceback of bad input too.
     """
 
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:  # the group's own options
+            raise BadInput(e.format_message()) from None
+
     def invoke(self, ctx: click.Context):
+        # The subcommand's arguments, taken before click consumes them (click 8.2 renamed
+        # protected_args to _protected_args).
+        protected = vars(ctx).get("_protected_args", vars(ctx).get("protected_args", []))
+        args = [*protected, *ctx.args]
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:
-            raise Interrupted("interrupted") from None
+            raise Interrupted("interrupted" + _resume_hint(ctx, args)) from None
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:  # a subcommand's options and arguments
+            raise BadInput(e.format_message()) from None
         except Exception as e:
             if isinstance(e, click.ClickException | click.exceptions.Exit | click.Abort) \
                     or os.environ.get("SEQPACK_DEBUG") or not _bad_input(e):
@@ -101,9 +142,14 @@ def _reading_options(f):
         click.option("--input-format", type=click.Choice(_FORMATS), default=None,
                      help="Input file format.  [default: from the extension; text otherwise]"),
         click.option("--column", "--field", "column", default="tokens", show_default=True,
-                     help="Parquet column / JSONL field / ArrayRecord array of token ids."),
+                     help="Parquet column / JSONL field / ArrayRecord array of token ids (of "
+                          "text, with --tokenizer)."),
         click.option("--tokenizer", type=click.Path(dir_okay=False), default=None,
-                     help="tokenizers tokenizer.json for text inputs (default: UTF-8 bytes)."),
+                     help="tokenizers tokenizer.json: tokenizes text files and the text "
+                          "--field of JSONL / --column of Parquet (default: text files as "
+                          "UTF-8 bytes). Its padding and truncation are switched off: rows are "
+                          "padded by packing, long examples follow --overflow. An error with "
+                          "token-id inputs."),
         click.option("--text-unit", type=click.Choice(["file", "line", "paragraph"]),
                      default="file", show_default=True,
                      help="Text inputs: one example per file, non-blank line or paragraph "
@@ -122,6 +168,33 @@ def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id
                   pad_id=pad_id, feature=feature)
 
 
+def _available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux: MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _check_row_memory(config) -> None:
+    """A packed row must be allocatable: checked before anything is written."""
+    from seqpack.pipelines.errors import UsageError
+
+    need = config.seq_len * 16  # tokens (<= 8 bytes) + int32 segment ids and positions
+    available = _available_memory()
+    if available is not None and need > available:
+        raise UsageError(f"--seq-len {config.seq_len}: one packed row needs {need / 2**30:.1f} "
+                         f"GiB, more than the {available / 2**30:.1f} GiB of memory available; "
+                         "pick a smaller --seq-len")
+
+
 def _read_options(input_format, column, tokenizer, text_unit):
     from seqpack.pipelines.formats.inputs import ReadOptions
 
@@ -136,7 +209,7 @@ def seqpack() -> None:
 
     \b
     Exit codes: 0 ok; 1 verify found violations; 2 bad input, a bad option or a missing
-    extra (one `Error:` line); 130 interrupted.
+    extra (one `Error:` line); 130 interrupted (an interrupted pack names its --resume command).
     """
 
 
@@ -205,6 +278,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
                                "(e.g. --beam-option direct_num_workers=8)")
     config = _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
                      feature)
+    _check_row_memory(config)
     read_options = _read_options(input_format, column, tokenizer, text_unit)
     write_options = _usage(WriteOptions, shard_rows=shard_rows, compression=compression,
                            fsync=fsync)
@@ -323,8 +397,8 @@ def verify(output_dir, inputs, max_violations, as_json):
 
 @seqpack.command()
 @click.argument("output_dir", type=click.Path())
-@click.option("--row", "row_index", required=True, type=int, help="Row number (negative: "
-              "from the end).")
+@click.option("--row", "row_index", required=True, type=int, help="Row number, from 0; "
+              "negative counts from the end (-1: the last row).")
 @click.option("--start", default=0, show_default=True, type=click.IntRange(min=0),
               help="First token position shown.")
 @click.option("--count", default=None, type=click.IntRange(min=1),
@@ -342,8 +416,8 @@ def inspect(output_dir, row_index, start, count, width, as_json):
         click.echo(json.dumps({k: v.tolist() for k, v in row.items()}))
         return
     config = manifest.pack_config()
-    click.echo(f"row {row_index} of {manifest.num_rows:,} ({shard} record {record}): ",
-               nl=False)
+    index = row_index % manifest.num_rows  # -1: the last row (read_row checked the range)
+    click.echo(f"row {index} of {manifest.num_rows:,} ({shard} record {record}): ", nl=False)
     click.echo(format_row(row, config, start=start, count=count, width=width))
 
 

@@ -41,7 +41,12 @@ from seqpack.packer.contract import (
     runs,
     segment_ids_and_positions,
 )
-from seqpack.packer.inputs import check_offsets, check_values, ragged_from_sequences
+from seqpack.packer.inputs import (
+    check_offsets,
+    check_pad,
+    check_values,
+    ragged_from_sequences,
+)
 from seqpack.packer.plan import PackPlan, plan
 
 __all__ = [
@@ -98,6 +103,7 @@ def _place(layout: Layout, seq_len: int) -> _Placed:
 
 def _fill(pieces: Sequence[Any], placed: _Placed, num_rows: int, seq_len: int, *, dtype: Any,
           pad: Any) -> np.ndarray:
+    check_pad(pad, dtype)
     trail = tuple(np.shape(pieces[0])[1:]) if len(pieces) else ()  # every piece has these
     if placed.order is not None:
         pieces = [pieces[i] for i in placed.order.tolist()]

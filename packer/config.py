@@ -7,6 +7,8 @@ import enum
 
 from seqpack.packer.contract import FeatureKeys
 
+MAX_SEQ_LEN = 2**31 - 1  # segment offsets, lengths and positions are contract.SEGMENT_DTYPE, int32
+
 
 class Strategy(enum.StrEnum):
     """How examples are assigned to rows (all plan on lengths alone)."""
@@ -68,8 +70,9 @@ class PackConfig:
                 except ImportError:  # pragma: no cover
                     pass
                 raise ValueError(f"{name}={value!r} must be an int")
-        if self.seq_len < 1:
-            raise ValueError(f"seq_len={self.seq_len} must be >= 1")
+        if not 1 <= self.seq_len <= MAX_SEQ_LEN:
+            raise ValueError(f"seq_len={self.seq_len} must be in [1, {MAX_SEQ_LEN}]: segment "
+                             "offsets, lengths and positions are int32")
         if self.max_segments < 1:
             raise ValueError(f"max_segments={self.max_segments} must be >= 1")
         if self.segment_alignment < 1:

@@ -23,9 +23,11 @@ docs/contract.md documents the contract for users; this module is its one home i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
+
+from seqpack.packer.inputs import InputError
 
 SEGMENT_DTYPE = np.dtype(np.int32)  # segment ids, positions, lengths and offsets
 SOURCE_DTYPE = np.dtype(np.int64)  # segment_source_index / segment_source_start
@@ -85,6 +87,22 @@ def packed_features(row: Mapping[str, object]) -> list[str]:
             if f in row and f + _OFFSETS in row:
                 out.append(f)
     return out
+
+
+def check_not_packed(element: object, features: Sequence[str], where: str) -> None:
+    """InputError when `element` (a dict) is already a packed row of one of `features`: it
+    carries that feature's segment ids or positions. Packing a packed row again makes every row
+    one segment and loses the segment boundaries."""
+    if not isinstance(element, Mapping):
+        return
+    for f in features:
+        k = keys(f)
+        found = [name for name in (k.segment_ids, k.positions) if name in element]
+        if found:
+            raise InputError(
+                f"{where} is already packed (it has {found[0]!r}); pack once: drop one of the "
+                "two packers (a packed source goes to batching directly)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)

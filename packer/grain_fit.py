@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from seqpack.packer.assemble import RowLayout, fill_rows, write_feature
-from seqpack.packer.inputs import InputError
+from seqpack.packer.inputs import InputError, fit_dtype
 
 _INF = 1 << 62
 
@@ -34,7 +34,7 @@ _INF = 1 << 62
 class BatchSpec:
     """What every batch of one drop-in shares (derived from Grain's constructor arguments)."""
 
-    features: tuple[str, ...]  # packed features (keys of length_struct)
+    features: tuple[Any, ...]  # packed features: names, or paths (tuples) of nested leaves
     capacities: tuple[int, ...]
     alignments: tuple[int, ...]
     paddings: tuple[Any, ...]  # None -> zeros
@@ -52,21 +52,32 @@ def _length(x: Any) -> int:
     return 1 if np.ndim(x) == 0 else len(x)
 
 
-class FitBatch:
-    """Bins being filled; `try_add` places one example or reports that none fits."""
+def element_dtypes(element: dict[str, Any], spec: BatchSpec) -> list[np.dtype]:
+    """The dtype of each packed feature of `element` (Grain's buffers take the first one's)."""
+    out = []
+    for k in spec.features:
+        x = element[k]
+        out.append(np.dtype(np.int64) if np.ndim(x) == 0 and isinstance(x, int)
+                   else np.asarray(x).dtype)
+    return out
 
-    def __init__(self, element_for_shapes: dict[str, Any], spec: BatchSpec):
+
+class FitBatch:
+    """Bins being filled; `try_add` places one example or reports that none fits.
+
+    `dtypes`: the row dtype of each feature, fixed for the whole run (default: the dtypes of
+    `element_for_shapes`). An example of another dtype is cast only if every value fits;
+    otherwise `InputError`, never a silent wrap.
+    """
+
+    def __init__(self, element_for_shapes: dict[str, Any], spec: BatchSpec,
+                 dtypes: list[np.dtype] | None = None):
         self.spec = spec
         nb = spec.num_bins
-        self._dtypes, self._trails = [], []
-        for k in spec.features:
-            x = element_for_shapes[k]
-            if np.ndim(x) == 0:
-                self._dtypes.append(np.int64 if isinstance(x, int) else np.asarray(x).dtype)
-                self._trails.append(())
-            else:
-                self._dtypes.append(np.asarray(x).dtype)
-                self._trails.append(tuple(np.shape(x)[1:]))
+        self._dtypes = list(dtypes) if dtypes is not None else element_dtypes(
+            element_for_shapes, spec)
+        self._trails = [() if np.ndim(element_for_shapes[k]) == 0
+                        else tuple(np.shape(element_for_shapes[k])[1:]) for k in spec.features]
         self._count = [0] * nb
         self._rows: list[int] = []
         self._slots: list[int] = []
@@ -103,7 +114,7 @@ class FitBatch:
         spec = self.spec
         if len(spec.features) == 1:
             return self._try_add_single(element)
-        xs = [element[k] for k in spec.features]
+        xs = [self._coerce(i, element[k]) for i, k in enumerate(spec.features)]
         lens = np.fromiter((_length(x) for x in xs), np.int64, len(xs))
         if np.any(lens > self._caps_col[:, 0]):
             self._too_long(lens.tolist())
@@ -124,6 +135,8 @@ class FitBatch:
     def _try_add_single(self, element: dict[str, Any]) -> bool:
         # One feature: the hot path, kept inline (this runs once per example).
         x = element[self._key]
+        if type(x) is not np.ndarray or x.dtype is not self._dtypes[0]:
+            x = self._coerce(0, x)
         n = x.shape[0] if type(x) is np.ndarray and x.ndim else _length(x)
         if n > self._cap:
             self._too_long([n])
@@ -180,6 +193,15 @@ class FitBatch:
                 tree[node] = v
                 node >>= 1
         return True
+
+    def _coerce(self, i: int, x: Any) -> Any:
+        """Feature i's value in the run's dtype (checked: a value that does not fit raises)."""
+        arr = np.asarray(x)
+        dtype = self._dtypes[i]
+        if arr.dtype == dtype:
+            return x
+        return fit_dtype(arr, dtype, f"feature {self.spec.features[i]!r}", token_ids=False,
+                         origin=" (the dtype of the run's first element)")
 
     def _commit(self, b: int, element: dict[str, Any]) -> None:
         self._rows.append(b)

@@ -101,7 +101,10 @@ def ragged_from_sequences(sequences: Sequence[object]) -> tuple[np.ndarray, np.n
     np.cumsum(lengths, out=offsets[1:])
     nonempty = [a for a in arrays if a.size]
     if nonempty:
-        dtype = np.result_type(*[a.dtype for a in nonempty])
+        dtype = common_id_dtype([a.dtype for a in nonempty])
+        if dtype == np.uint64:  # int64 examples cast to it: a negative id must not wrap
+            nonempty = [fit_dtype(a, dtype, f"sequences[{i}]")
+                        for i, a in enumerate(arrays) if a.size]
         values = np.concatenate(nonempty).astype(dtype, copy=False)
     else:
         values = np.zeros(0, np.int32)
@@ -111,3 +114,72 @@ def ragged_from_sequences(sequences: Sequence[object]) -> tuple[np.ndarray, np.n
         raise InputError(f"sequences[{i}][{k - int(offsets[i])}]={int(values[k])} is a negative "
                          "token id")
     return values, offsets
+
+
+def common_id_dtype(dtypes: Sequence[np.dtype]) -> np.dtype:
+    """The dtype that holds token ids of all `dtypes` (integer): numpy's promotion, except that
+    uint64 with a signed dtype gives uint64 (ids are >= 0), not numpy's float64."""
+    dtype = np.result_type(*dtypes)
+    return np.dtype(np.uint64) if dtype.kind == "f" else dtype
+
+
+def row_dtype(dtype: object, *, name: str = "dtype") -> np.dtype:
+    """`dtype` as the numpy dtype of a run's token rows; ValueError unless it is an integer one."""
+    try:
+        dt = np.dtype(dtype)  # type: ignore[call-overload]
+    except TypeError:
+        raise ValueError(f"{name}={dtype!r} is not a numpy dtype; pass e.g. np.int32") from None
+    if dt.kind not in "iu":
+        raise ValueError(f"{name}={dt} must be an integer dtype for token ids, e.g. np.int32")
+    return dt
+
+
+def _bounds(dtype: np.dtype) -> tuple[int, int]:
+    if dtype.kind == "b":
+        return 0, 1
+    info = np.iinfo(dtype)
+    return int(info.min), int(info.max)
+
+
+def fit_dtype(arr: np.ndarray, dtype: np.dtype, where: str, *, token_ids: bool = True,
+              origin: str = "") -> np.ndarray:
+    """`arr` as `dtype`, the one row dtype of a run; never a silent wrap.
+
+    Raises `InputError` naming `where` (e.g. "example 7") when a value does not fit `dtype`,
+    or, for token ids, is negative. `origin` says where the run's dtype came from.
+    """
+    if arr.dtype == dtype:
+        bad_neg = token_ids and arr.dtype.kind == "i" and arr.size and int(arr.min()) < 0
+        if not bad_neg:
+            return arr
+    elif dtype.kind not in "iub":
+        return arr.astype(dtype)  # float rows (Grain features that are not token ids)
+    elif arr.dtype.kind not in "iub":
+        raise InputError(f"{where}: values of dtype {arr.dtype} cannot go into rows of {dtype}"
+                         f"{origin}; pass integer arrays")
+    lo, hi = _bounds(dtype)
+    if token_ids:
+        lo = max(lo, 0)
+    if arr.size:
+        # Compared as Python ints, so no dtype promotion can wrap the check itself.
+        small, large = int(arr.min()), int(arr.max())
+        if small < lo or large > hi:
+            k = int(np.argmax(arr < lo)) if small < lo else int(np.argmax(arr > hi))
+            v = int(arr[k])
+            if token_ids and v < 0:
+                raise InputError(f"{where}: token id {v} at position {k} is negative; ids "
+                                 "must be >= 0")
+            what = "token id" if token_ids else "value"
+            raise InputError(f"{where}: {what} {v} at position {k} does not fit the rows' "
+                             f"dtype {dtype} (values must be in [{lo}, {hi}]){origin}")
+    return arr.astype(dtype, copy=False)
+
+
+def check_pad(pad: object, dtype: object, *, name: str = "pad_id") -> None:
+    """ValueError when an integer `pad` does not fit the integer row dtype `dtype`."""
+    dt = np.dtype(dtype)  # type: ignore[call-overload]
+    if dt.kind in "iub" and isinstance(pad, (int, np.integer)) and not isinstance(pad, bool):
+        lo, hi = _bounds(dt)
+        if not lo <= int(pad) <= hi:
+            raise ValueError(f"{name}={int(pad)} does not fit the rows' dtype {dt} (range "
+                             f"[{lo}, {hi}]); pick a {name} in range or wider token ids")

@@ -29,7 +29,7 @@ import numpy as np
 
 from seqpack.packer.assemble import build_rows
 from seqpack.packer.config import PackConfig, Strategy
-from seqpack.packer.inputs import InputError, check_lengths
+from seqpack.packer.inputs import check_lengths, check_pad, fit_dtype, row_dtype
 from seqpack.packer.plan import Counters, PackPlan, apply_overflow, order_pieces
 from seqpack.packer.strategies.best_fit import BestFitBins
 
@@ -196,30 +196,39 @@ class StreamPlanner:
 
 
 def pack_stream(
-    iterable: Iterable[object], config: PackConfig, *, window: int = 1024, **planner_kwargs
+    iterable: Iterable[object], config: PackConfig, *, window: int = 1024,
+    dtype: object = None, **planner_kwargs
 ) -> Iterator[dict[str, np.ndarray]]:
     """Packs token arrays online; yields one row dict (`[L]` / `[S]` arrays) as rows become final.
 
     `segment_source_index` holds each example's position in `iterable`. Memory is bounded by
     the window and the open rows (see `StreamPlanner`).
+
+    One token dtype for every row: `dtype`, else the first non-empty example's. Every example is
+    checked against it: an id it cannot hold (or a negative one) raises `InputError` naming the
+    example, never wraps.
     """
     planner = StreamPlanner(config, window=window, **planner_kwargs)
     held: dict[int, np.ndarray] = {}  # tokens of examples that may still be in open rows
     order: deque[int] = deque()
     ids: list[int] = []
-    dtype = None
+    run_dtype = None if dtype is None else row_dtype(dtype)
+    origin = ""
+    if run_dtype is not None:
+        check_pad(config.pad_id, run_dtype)
+        origin = " (dtype= of pack_stream)"
 
     def emit(p: PackPlan) -> Iterator[dict[str, np.ndarray]]:
         if not p.num_rows:
             return
         pieces = [held[e][s : s + m] for e, s, m in
                   zip(p.example.tolist(), p.start.tolist(), p.length.tolist())]
-        batch = build_rows(pieces, p, config, dtype=dtype)
+        batch = build_rows(pieces, p, config, dtype=run_dtype or np.dtype(np.int32))
         tokens = batch[config.feature]
         if tokens.dtype.kind == "i" and tokens.size and tokens.min() < 0:
             # Checked once per batch of rows instead of once per example: name the first one.
             bad = next(e for e, x in zip(p.example.tolist(), pieces) if x.size and x.min() < 0)
-            raise InputError(f"example {bad} holds a negative token id {int(held[bad].min())}")
+            fit_dtype(held[bad], held[bad].dtype, f"example {bad}")  # raises, naming the id
         keys = list(batch)
         cols = [batch[k] for k in keys]
         for i in range(p.num_rows):
@@ -238,8 +247,13 @@ def pack_stream(
                 f"example {i} must be a 1-D array of integer token ids, got shape {arr.shape} "
                 f"dtype {arr.dtype}"
             )
-        if dtype is None and arr.size:
-            dtype = arr.dtype
+        if arr.size:
+            if run_dtype is None:
+                run_dtype = arr.dtype
+                check_pad(config.pad_id, run_dtype)
+                origin = " (the first example's dtype; pass dtype= for a wider one)"
+            elif arr.dtype != run_dtype:  # same dtype: the negative check runs per batch
+                arr = fit_dtype(arr, run_dtype, f"example {i}", origin=origin)
         held[i] = arr
         order.append(i)
         ids.append(i)

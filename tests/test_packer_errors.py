@@ -22,7 +22,8 @@ from seqpack.packer import (
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(seq_len=0), r"seq_len=0 must be >= 1"),
+        (dict(seq_len=0), r"seq_len=0 must be in \[1, 2147483647\]"),
+        (dict(seq_len=2**31), r"seq_len=2147483648 must be in \[1, 2147483647\]: .* int32"),
         (dict(seq_len=8, max_segments=0), r"max_segments=0 must be >= 1"),
         (dict(seq_len=10, segment_alignment=4), r"segment_alignment=4 must divide seq_len=10"),
         (dict(seq_len=8, strategy="magic"), r"strategy='magic' is not known; use one of"),
@@ -86,7 +87,7 @@ def test_bad_sequences():
 def test_bad_stream_input_names_the_example():
     with pytest.raises(ValueError, match=r"example 1 must be a 1-D array of integer token ids"):
         list(pack_stream([np.array([1]), np.array([0.5])], PackConfig(8)))
-    with pytest.raises(ValueError, match=r"example 0 holds a negative token id -1"):
+    with pytest.raises(ValueError, match=r"example 0: token id -1 at position 0 is negative"):
         list(pack_stream([np.array([-1])], PackConfig(8)))
     with pytest.raises(ValueError, match=r"example 1 has length 9 > seq_len=8"):
         list(pack_stream([np.array([1]), np.arange(9)], PackConfig(8)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grain
 import grain.experimental as ge
 import numpy as np
 import pytest
@@ -157,3 +158,63 @@ def test_more_segments_than_max_segments_raises():
     rows = list(pipelines.FirstFitPackIterDataset(ds, length_struct={"tokens": 16},
                                                   num_packing_bins=1, max_sequences_per_bin=4))
     assert [r["tokens_segment_lengths"].shape for r in rows] == [(4,)] * 3
+
+
+# ---- nested length_struct (dicts of dicts), as Grain accepts them -----------------------------
+
+
+def _nested_source(seed: int, n: int):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        m, k = int(rng.integers(0, 20)), int(rng.integers(1, 12))
+        out.append({"tokens": rng.integers(0, 99, m).astype(np.int32),
+                    "extras": {"mask": rng.integers(0, 2, m).astype(np.int8),
+                               "aux": {"ids": rng.integers(0, 9, k).astype(np.int64)}},
+                    "ignored": np.arange(3)})
+    return grain.MapDataset.source(out).to_iter_dataset()
+
+
+def _flat(row: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in row.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}/"))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+NESTED = {"tokens": 24, "extras": {"mask": 24, "aux": {"ids": 16}}}
+NESTED_CASES = [
+    dict(num_packing_bins=3),
+    dict(num_packing_bins=5, shuffle_bins=False, max_sequences_per_bin=3),
+    dict(num_packing_bins=4, pack_alignment_struct={"tokens": 4, "extras": {"mask": 4,
+                                                                            "aux": {"ids": 2}}},
+         padding_struct={"tokens": 7, "extras": {"mask": 0, "aux": {"ids": 5}}}),
+]
+
+
+@pytest.mark.parametrize("ours_cls,grain_cls", PAIRS, ids=["first_fit", "best_fit"])
+@pytest.mark.parametrize("case", range(len(NESTED_CASES)))
+def test_nested_length_struct_rows_equal_grain(ours_cls, grain_cls, case):
+    ds = _nested_source(case, 120)
+    kw = dict(length_struct=NESTED, meta_features=("extras",), **NESTED_CASES[case])
+    theirs = [_flat(r) for r in grain_cls(ds, **kw)]
+    ours = list(ours_cls(ds, **kw))
+    assert set(ours[0]["extras"]) == {"mask", "aux"} and set(ours[0]["extras"]["aux"]) == {"ids"}
+    assert_rows_equal([_flat(r) for r in ours], theirs, keys=set(theirs[0]))
+    assert "extras_segment_ids" not in ours[0] and "tokens_segment_lengths" in ours[0]
+
+
+@pytest.mark.parametrize("ours_cls,grain_cls", PAIRS, ids=["first_fit", "best_fit"])
+def test_nested_length_struct_needs_a_meta_feature(ours_cls, grain_cls):
+    ds = _nested_source(9, 10)
+    with pytest.raises(ValueError, match="Perhaps it should be marked as a meta feature"):
+        list(grain_cls(ds, length_struct=NESTED, num_packing_bins=2))
+    with pytest.raises(ValueError, match=r"length_struct\['extras'\] is a nested dict.*add "
+                                         "'extras' to meta_features"):
+        ours_cls(ds, length_struct=NESTED, num_packing_bins=2)
+    with pytest.raises(ValueError, match="padding_struct=.* structure of length_struct"):
+        ours_cls(ds, length_struct=NESTED, num_packing_bins=2, meta_features=("extras",),
+                 padding_struct={"tokens": 0, "extras": 0})

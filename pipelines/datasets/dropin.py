@@ -10,27 +10,84 @@ packed feature `f` that is not a meta feature, the contract's `f_segment_lengths
     ds = pipelines.BestFitPackIterDataset(ds, length_struct={"tokens": 2048},
                                           num_packing_bins=1024)
 
-Supported: `length_struct` a flat dict feature -> int (what Grain's row re-keying supports).
+One dtype per packed feature for the whole run (the first element's): an element whose values it
+cannot hold raises `InputError` naming it (Grain's buffers take each batch's first element's dtype
+and wrap). A parent whose elements are already packed (`f_segment_ids`) is refused.
+
+`length_struct` is a dict feature -> int, or, as in Grain, a tree of dicts whose nested parts
+sit under meta features (Grain re-keys only top-level features with segment ids): the nested
+leaves are packed like any meta feature (values only, the same bins) and come back nested::
+
+    length_struct={"tokens": 2048, "extras": {"mask": 2048, "weights": 2048}},
+    meta_features=["extras"]     # row["extras"]["mask"]: [L]; no extras_segment_ids
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grain
 import numpy as np
 
-from seqpack.packer.grain_fit import BatchSpec, FitBatch
+from seqpack.packer.contract import check_not_packed
+from seqpack.packer.grain_fit import BatchSpec, FitBatch, element_dtypes
 from seqpack.pipelines.errors import InputError
 
+Key = Any  # a top-level feature name, or a tuple path to a nested leaf of length_struct
 
-def _per_feature(struct: Any, features: Sequence[str], default: Any, name: str) -> tuple:
+
+def _leaves(struct: Mapping[str, Any]) -> list[tuple[Key, Any]]:
+    """(key, leaf) of a tree of dicts: the name for a top-level leaf, the path for a nested one
+    (dict order; Grain's tree order does not change which bin an example takes)."""
+    out: list[tuple[Key, Any]] = []
+
+    def walk(node: Mapping[str, Any], path: tuple[str, ...]) -> None:
+        for k, v in node.items():
+            if isinstance(v, Mapping):
+                if not v:
+                    raise ValueError(f"length_struct at {(*path, k)} is an empty dict")
+                walk(v, (*path, k))
+            else:
+                out.append(((*path, k) if path else k, v))
+
+    walk(struct, ())
+    return out
+
+
+def get_leaf(tree: Any, key: Key) -> Any:
+    """The leaf `key` (a name or a path) of a tree of dicts."""
+    if isinstance(key, tuple):
+        for k in key:
+            tree = tree[k]
+        return tree
+    return tree[key]
+
+
+def nest(flat: dict[Key, Any]) -> dict[str, Any]:
+    """{path: v} -> nested dicts (top-level names stay as they are)."""
+    out: dict[str, Any] = {}
+    for key, v in flat.items():
+        if not isinstance(key, tuple):
+            out[key] = v
+            continue
+        node = out
+        for k in key[:-1]:
+            node = node.setdefault(k, {})
+        node[key[-1]] = v
+    return out
+
+
+def _per_feature(struct: Any, features: Sequence[Key], default: Any, name: str) -> tuple:
     if struct is None:
         return tuple(default for _ in features)
-    if not isinstance(struct, dict) or set(struct) != set(features):
-        raise ValueError(f"{name}={struct!r} must be a dict with the keys of length_struct")
-    return tuple(struct[k] for k in features)
+    try:
+        if not isinstance(struct, Mapping) or len(_leaves(struct)) != len(features):
+            raise KeyError
+        return tuple(get_leaf(struct, k) for k in features)
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{name}={struct!r} must be a dict with the structure of "
+                         "length_struct") from None
 
 
 def make_spec(
@@ -44,18 +101,24 @@ def make_spec(
     max_segments: int | None,
     best_fit: bool,
 ) -> BatchSpec:
-    if not isinstance(length_struct, dict) or not length_struct:
+    if not isinstance(length_struct, Mapping) or not length_struct:
         raise ValueError(
             f"length_struct={length_struct!r} must be a non-empty dict feature -> length, "
             "e.g. {'inputs': 2048, 'targets': 2048}"
         )
-    features = tuple(length_struct)
+    leaves = _leaves(length_struct)
+    features = tuple(k for k, _ in leaves)
     caps = []
-    for k in features:
-        v = length_struct[k]
+    for k, v in leaves:
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"length_struct[{k!r}]={v!r} must be a positive int")
         caps.append(int(v))
+    for k in features:
+        if isinstance(k, tuple) and k[0] not in meta_features:
+            raise ValueError(
+                f"length_struct[{k[0]!r}] is a nested dict: packed with segment ids it cannot be "
+                f"(Grain raises for it too); add {k[0]!r} to meta_features to pack its values"
+            )
     if isinstance(num_packing_bins, bool) or int(num_packing_bins) < 1:
         raise ValueError(f"{num_packing_bins=} must be a positive int")
     if max_sequences_per_bin is not None and max_sequences_per_bin <= 0:
@@ -76,7 +139,8 @@ def make_spec(
         capacities=tuple(caps),
         alignments=aligns,
         paddings=_per_feature(padding_struct, features, None, "padding_struct"),
-        segment_features=tuple(k for k in features if k not in meta_features),
+        segment_features=tuple(k for k in features
+                               if not isinstance(k, tuple) and k not in meta_features),
         nonseq_meta=tuple(k for k in meta_features if k not in length_struct),
         num_bins=int(num_packing_bins),
         max_sequences_per_bin=max_sequences_per_bin,
@@ -104,7 +168,8 @@ class DropinPackIterator(grain.DatasetIterator):
         self._group_by = shuffle_bins_group_by_feature
         self._keys = spec.features + spec.nonseq_meta
         # One feature, no meta: elements go to the batch as they are (no per-element copy).
-        self._raw = len(self._keys) == 1
+        self._raw = len(self._keys) == 1 and isinstance(self._keys[0], str)
+        self._nested = any(isinstance(k, tuple) for k in self._keys)
         self._reset()
 
     def _reset(self) -> None:
@@ -116,6 +181,8 @@ class DropinPackIterator(grain.DatasetIterator):
         self._order: Any = None
         self._next_row = 0
         self._counter = 0
+        self._dtypes: list[np.dtype] | None = None  # one per packed feature, for the whole run
+        self._read = 0  # parent elements read since the start or the last set_state
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -135,6 +202,8 @@ class DropinPackIterator(grain.DatasetIterator):
             if self._raw:
                 element[self._keys[0]]
                 return element
+            if self._nested:
+                return {k: get_leaf(element, k) for k in self._keys}
             return {k: element[k] for k in self._keys}
         except (KeyError, TypeError, IndexError):
             raise InputError(
@@ -143,13 +212,22 @@ class DropinPackIterator(grain.DatasetIterator):
                 f"packed/meta features {list(self._keys)}"
             ) from None
 
+    def _new_batch(self, element: dict[str, Any]) -> FitBatch:
+        if self._dtypes is None:
+            self._dtypes = element_dtypes(element, self._spec)
+        return FitBatch(element, self._spec, self._dtypes)
+
+    def _add(self, element: dict[str, Any]) -> bool:
+        try:
+            return self._batch.try_add(element)
+        except InputError as e:
+            raise InputError(f"parent element {self._read - 1}: {e}") from None
+
     def _finalize(self, element_for_shapes: dict[str, Any] | None) -> None:
         self._packed, self._num_rows = self._batch.finalize()
         if self._shuffle_bins:
             self._shuffle()
-        self._batch = (
-            None if element_for_shapes is None else FitBatch(element_for_shapes, self._spec)
-        )
+        self._batch = None if element_for_shapes is None else self._new_batch(element_for_shapes)
 
     def _shuffle(self) -> None:
         n = self._num_rows
@@ -175,14 +253,17 @@ class DropinPackIterator(grain.DatasetIterator):
                     self._next_batch_parent_state = prior_state
                     return
                 raise
+            if self._read == 0:
+                check_not_packed(element, self._spec.segment_features, "element 0 of the parent")
             element = select(element)
+            self._read += 1
             if self._batch is None:
-                self._batch = FitBatch(element, self._spec)
-            if self._batch.try_add(element):
+                self._batch = self._new_batch(element)
+            if self._add(element):
                 continue
             self._finalize(element)
             self._next_batch_parent_state = prior_state
-            if not self._batch.try_add(element):
+            if not self._add(element):
                 raise ValueError(
                     "Could not add element to empty packed batch! Packed batch has"
                     f" packing sequence_lengths: {self._spec.capacities}"
@@ -194,6 +275,8 @@ class DropinPackIterator(grain.DatasetIterator):
             self._fill()
         r = self._order[self._next_row] if self._shuffle_bins else self._next_row
         row = {k: v[r] for k, v in self._packed.items()}
+        if self._nested:
+            row = nest(row)
         self._next_row += 1
         self._counter += 1
         if self._next_row >= self._num_rows:

@@ -27,7 +27,13 @@ from seqpack.packer.contract import keys
 from seqpack.pipelines.datasets.sources import as_path_list, locate, norm_index
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats import arrayrecord, jsonl
-from seqpack.pipelines.formats.manifest import MANIFEST, Manifest, read_manifest
+from seqpack.pipelines.formats.manifest import (
+    INTENT,
+    MANIFEST,
+    Manifest,
+    check_unique_shards,
+    read_manifest,
+)
 from seqpack.pipelines.formats.parquet import ParquetTokens
 
 Paths = str | os.PathLike | Sequence[str | os.PathLike]
@@ -179,12 +185,19 @@ class ParquetSource(_FileSource):
         return out
 
 
-def shard_paths(paths: Any) -> tuple[list[str], Manifest | None]:
-    """Shard files (and the manifest, if any) from a directory, one file or a list of files."""
+def shard_paths(paths: Any, *, packed: bool = False) -> tuple[list[str], Manifest | None]:
+    """Shard files (and the manifest, if any) from a directory, one file or a list of files.
+
+    A directory of packed rows (`packed`, or one holding a pack's intent file) needs its
+    manifest: without one it is an interrupted `seqpack pack` run and is refused with the CLI's
+    message. A manifest listing a shard twice is refused.
+    """
     if isinstance(paths, (str, os.PathLike)) and os.path.isdir(paths):
         directory = os.fspath(paths)
-        if os.path.exists(os.path.join(directory, MANIFEST)):
-            manifest = read_manifest(directory)
+        if packed or os.path.exists(os.path.join(directory, MANIFEST)) \
+                or os.path.exists(os.path.join(directory, INTENT)):
+            manifest = read_manifest(directory)  # InputError naming what is missing
+            check_unique_shards(manifest, os.path.join(directory, MANIFEST))
             return [os.path.join(directory, s) for s in manifest.shards], manifest
         found = sorted(os.path.join(directory, n) for n in os.listdir(directory)
                        if n.endswith((".arrayrecord", ".array_record")))
@@ -197,14 +210,20 @@ def shard_paths(paths: Any) -> tuple[list[str], Manifest | None]:
 class ArrayRecordSource(_FileSource):
     """SQP1 records from ArrayRecord files, decoded to name -> numpy array dicts."""
 
+    _packed = False
+
     def __init__(self, paths: Paths):
         super().__init__()
-        self._paths, self.manifest = shard_paths(paths)
+        self._paths, self.manifest = shard_paths(paths, packed=self._packed)
+        expected = self.manifest.shard_num_rows if self.manifest else None
         counts = []
-        for path in self._paths:
+        for f, path in enumerate(self._paths):
             reader = arrayrecord.open_reader(path, "readahead_buffer_size:0")
-            counts.append(reader.num_records())
-            arrayrecord.close_quietly(reader)
+            try:
+                counts.append(arrayrecord.num_records(reader, path,
+                                                      expected[f] if expected else None))
+            finally:
+                arrayrecord.close_quietly(reader)
         self._cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
     @property
@@ -233,6 +252,7 @@ class PackedArrayRecordSource(ArrayRecordSource):
     """
 
     is_packed = True
+    _packed = True
 
     def __init__(self, paths: Paths, *, feature: str | None = None):
         super().__init__(paths)

@@ -47,18 +47,20 @@ class SingleLayout:
     def finish(self) -> packer.PackPlan:
         return self.planner.finish_plan()
 
-    def build(self, plan: packer.PackPlan, held: dict[str, dict[int, list]], window: int) -> dict:
-        """Contract rows `[R, L]` / `[R, S]` (+ meta `[R, L]`) for the plan's rows."""
+    def build(self, plan: packer.PackPlan, held: dict[str, dict[int, list]], window: int,
+              dtypes: dict[str, np.dtype]) -> dict:
+        """Contract rows `[R, L]` / `[R, S]` (+ meta `[R, L]`) for the plan's rows; `dtypes`
+        holds the run's dtype of each name (values already cast to it)."""
         ex, st, ln = plan.example.tolist(), plan.start.tolist(), plan.length.tolist()
         tokens = gather(held[self.feature], ex, window)
         pieces = [v[s : s + m] for v, s, m in zip(tokens, st, ln, strict=True)]
-        dtype = pieces[0].dtype if pieces else np.int32
-        batch = packer.build_rows(pieces, plan, self.config, dtype=dtype)
+        batch = packer.build_rows(pieces, plan, self.config,
+                                  dtype=dtypes.get(self.feature, np.int32))
         for name in self.meta:
             col = gather(held[name], ex, window)
             mp = [v[s : s + m] for v, s, m in zip(col, st, ln, strict=True)]
             batch[name] = fill_rows(mp, plan, self.config.seq_len,
-                                    dtype=mp[0].dtype if mp else np.int32)
+                                    dtype=dtypes.get(name, np.int32))
         return batch
 
     def open_ids(self, state: dict) -> set[int]:
@@ -96,7 +98,8 @@ class MultiLayout:
     def finish(self) -> list[list[tuple]]:
         return self.planner.finish()
 
-    def build(self, rows: list[list[tuple]], held: dict[str, dict[int, list]], window: int) -> dict:
+    def build(self, rows: list[list[tuple]], held: dict[str, dict[int, list]], window: int,
+              dtypes: dict[str, np.dtype]) -> dict:
         """Contract rows for every feature (own layout each) + shared source index/start."""
         counts = np.fromiter((len(r) for r in rows), np.int64, len(rows))
         R, S = len(rows), self.max_segments
@@ -111,15 +114,14 @@ class MultiLayout:
             plan = order_pieces(ids, starts, pieces[:, 1 + f], row, R, packer.Counters(), cfg)
             col = gather(held[cfg.feature], plan.example.tolist(), window)
             values = [v[:m] for v, m in zip(col, plan.length.tolist(), strict=True)]
-            dtype = values[0].dtype if values else np.int32
             batch.update(write_feature(values, plan, cfg.seq_len, S, feature=cfg.feature,
-                                       dtype=dtype, pad=cfg.pad_id))
+                                       dtype=dtypes.get(cfg.feature, np.int32), pad=cfg.pad_id))
             for meta_name, host in self.meta.items():
                 if host == cfg.feature:
                     col = gather(held[meta_name], plan.example.tolist(), window)
                     mv = [v[:m] for v, m in zip(col, plan.length.tolist(), strict=True)]
                     batch[meta_name] = fill_rows(mv, plan, cfg.seq_len,
-                                                 dtype=mv[0].dtype if mv else np.int32)
+                                                 dtype=dtypes.get(meta_name, np.int32))
         batch.update(source_arrays(plan, S, plan.example, plan.start))
         return batch
 

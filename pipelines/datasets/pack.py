@@ -28,6 +28,8 @@ import grain
 import numpy as np
 
 from seqpack import packer
+from seqpack.packer.contract import check_not_packed
+from seqpack.packer.inputs import check_pad, fit_dtype, row_dtype
 from seqpack.packer.state_codec import decode_planner_state, encode_planner_state
 from seqpack.pipelines.datasets.layouts import MultiLayout, SingleLayout
 from seqpack.pipelines.errors import InputError
@@ -61,6 +63,8 @@ class PackIterator(grain.DatasetIterator):
         self._emitted = 0
         self._order: list[int] | None = None
         self._rows_emitted = 0
+        # The one dtype per name for the whole run (restored from the state).
+        self._dtypes: dict[str, np.dtype] = dict(ds.dtypes)
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -74,7 +78,11 @@ class PackIterator(grain.DatasetIterator):
             vals = cols[ds.names[0]]
             append, key = vals.append, ds.names[0]
             try:
-                for _ in range(ds.window):
+                if first == 0:
+                    element = next(parent)
+                    self._check_not_packed(element)
+                    append(element[key])
+                for _ in range(ds.window - (first == 0)):
                     append(next(parent)[key])
             except StopIteration:
                 self._exhausted = True
@@ -86,6 +94,8 @@ class PackIterator(grain.DatasetIterator):
             try:
                 for _ in range(ds.window):
                     element = next(parent)
+                    if first + count == 0:
+                        self._check_not_packed(element)
                     try:
                         for n in ds.names:
                             cols[n].append(element[n])
@@ -105,6 +115,8 @@ class PackIterator(grain.DatasetIterator):
             elif count and not all(v.dtype.kind in "iub" for v in col):
                 i = next(i for i, v in enumerate(col) if v.dtype.kind not in "iub")
                 self._as_tokens(col[i], first + i, n)
+        for n in ds.names:
+            self._fit_column(cols[n], n, first)
         if count:
             k = first // ds.window
             for n in ds.names:
@@ -113,6 +125,9 @@ class PackIterator(grain.DatasetIterator):
                     col = [v if first + i in keep else None for i, v in enumerate(col)]
                 self._held[n][k] = col
         return ids, cols
+
+    def _check_not_packed(self, element: Any) -> None:
+        check_not_packed(element, self._ds.features, "element 0 of the parent")
 
     def _bad_element(self, ident: int, e: Exception) -> None:
         raise InputError(
@@ -129,6 +144,34 @@ class PackIterator(grain.DatasetIterator):
                 f"shape {arr.shape} dtype {arr.dtype}"
             )
         return arr if arr.size else arr.astype(np.int32)
+
+    def _fit_column(self, col: list, name: str, first: int) -> None:
+        """Casts a window's values of `name` to the run's dtype (fixed by the first non-empty
+        element unless given); InputError naming the element for a value it cannot hold."""
+        dtype = self._dtypes.get(name)
+        if dtype is None:
+            nonempty = next((v for v in col if v.size), None)
+            if nonempty is None:
+                return
+            dtype = self._dtypes[name] = nonempty.dtype
+            if name in self._ds.features:
+                check_pad(self._ds.configs[0].pad_id, dtype)
+        token_ids = name in self._ds.features
+        for i, v in enumerate(col):
+            if v.dtype != dtype and v.size:
+                col[i] = fit_dtype(v, dtype, f"element {first + i}: {name!r}",
+                                          token_ids=token_ids, origin=self._ds.dtype_origin(name))
+
+    def _check_negative(self, batch: dict[str, np.ndarray]) -> None:
+        """Token ids are >= 0: one pass over the window's rows; names the first bad element."""
+        for f in self._ds.features:
+            rows = batch.get(f)
+            if rows is None or rows.dtype.kind != "i" or not rows.size or rows.min() >= 0:
+                continue
+            for k in sorted(self._held[f]):
+                for i, v in enumerate(self._held[f][k]):
+                    if v is not None and v.size and v.min() < 0:
+                        fit_dtype(v, v.dtype, f"element {k * self._ds.window + i}: {f!r}")
 
     # ---- planning ---------------------------------------------------------------------------
 
@@ -164,9 +207,11 @@ class PackIterator(grain.DatasetIterator):
             "replay_from": replay_from,
             "window_first": window_first,
             "planner": before,
+            "dtypes": {n: dt.str for n, dt in self._dtypes.items()},
         }
         self._snap_encoded = None
-        batch = layout.build(plan, self._held, ds.window)
+        batch = layout.build(plan, self._held, ds.window, self._dtypes)
+        self._check_negative(batch)
         self._planner_state = layout.planner.get_state()
         self._oldest = layout.planner.oldest_open_id()
         oldest = self._next_id if self._oldest is None else self._oldest
@@ -220,6 +265,7 @@ class PackIterator(grain.DatasetIterator):
             self._start_state = state["parent"]
             return
         ds, layout = self._ds, self._layout
+        self._dtypes.update({n: np.dtype(d) for n, d in state.get("dtypes", {}).items()})
         layout.planner.set_state(decode_planner_state(state["planner"]))
         self._planner_state = layout.planner.get_state()
         self._oldest = layout.planner.oldest_open_id()
@@ -261,6 +307,10 @@ class PackIterDataset(grain.IterDataset):
                        example, padded with 0, no metadata): a list (host: the first packed
                        feature) or {meta: host feature}.
     pad_id:            token written into padding.
+    dtype:             the token dtype of every row of the packed features; default: the first
+                       non-empty element's. One dtype per run: every element is checked against
+                       it, and an id it cannot hold (or a negative one) raises `InputError`
+                       naming the element instead of wrapping.
 
     `segment_source_index` holds each segment's position in the parent's stream (0, 1, ... per
     iterator; per worker under `mp_prefetch`).
@@ -282,6 +332,7 @@ class PackIterDataset(grain.IterDataset):
         meta_features: Sequence[str] | Mapping[str, str] = (),
         pad_id: int = 0,
         feature: str = "tokens",
+        dtype: Any = None,
     ):
         super().__init__(parent)
         if (seq_len is None) == (length_struct is None):
@@ -322,7 +373,17 @@ class PackIterDataset(grain.IterDataset):
                     f"strategy={cfg.strategy.value!r}: several features pack with "
                     "'best_fit_decreasing' only"
                 )
+        self.dtypes: dict[str, np.dtype] = {}
+        if dtype is not None:
+            dt = row_dtype(dtype)
+            check_pad(pad_id, dt)
+            self.dtypes = dict.fromkeys(self.features, dt)
         self.make_layout()  # validates the combination early
+
+    def dtype_origin(self, name: str) -> str:
+        if name in self.dtypes:
+            return " (dtype= of PackIterDataset)"
+        return " (the first element's dtype; pass dtype= for a wider one)"
 
     def make_layout(self) -> SingleLayout | MultiLayout:
         if len(self.features) == 1:

@@ -18,9 +18,13 @@ Example::
 
 from __future__ import annotations
 
+import atexit
+import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import grain
+import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset
 
 from seqpack.pipelines.datasets.pack import PackIterDataset
@@ -36,6 +40,70 @@ def ensure_flags_parsed() -> None:
 
     if not flags.FLAGS.is_parsed():
         flags.FLAGS.mark_as_parsed()
+
+
+# Clean shutdown. An iterator that a global still holds at interpreter exit is collected during
+# module teardown, when Grain's prefetch modules have lost their globals (`queue`, `dataset` are
+# None): its __del__ -> close() fails ("Exception ignored in DatasetIterator.__del__ ...
+# 'NoneType' object has no attribute 'Empty'"), and Grain's prefetch close() is not idempotent.
+# So the live iterators of these pipelines are closed at exit, before teardown, and the close()
+# of every iterator in their chain made a no-op for the __del__ that follows. (Batches from
+# worker processes are copied out of shared memory, whose arrays fail the same way.)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_iterators() -> None:
+    for it in list(_LIVE):
+        try:
+            it.close()
+        except Exception:  # noqa: BLE001 - best effort at exit; the process is ending anyway
+            pass
+        chain, seen = [it], set()
+        while chain:
+            node = chain.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            node.close = _closed  # __del__ at teardown calls close() again
+            for v in vars(node).values():  # parents, and the per-worker iterators of mp
+                for p in (v if isinstance(v, (list, tuple)) else (v,)):
+                    if isinstance(p, grain.DatasetIterator):
+                        chain.append(p)
+
+
+def _closed() -> None:
+    """close() of an iterator already closed at exit."""
+
+
+def _own_memory(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch with plain numpy arrays (copies of a worker's shared-memory arrays)."""
+    return {k: np.array(v) for k, v in batch.items()}
+
+
+class _ClosedAtExit(grain.IterDataset):
+    """Passes its parent through; its iterators are closed at interpreter exit (see `_LIVE`)."""
+
+    def __iter__(self) -> grain.DatasetIterator:
+        it = self._parent.__iter__()
+        _LIVE.add(it)
+        return it
+
+    def __str__(self) -> str:
+        return "ClosedAtExit"
+
+
+def _source_feature(source: Any) -> str:
+    """The feature to pack when none is given: a packed source's, the only key of the source's
+    elements, else "tokens"."""
+    feature = getattr(source, "feature", None)
+    if isinstance(feature, str):
+        return feature
+    if len(source):
+        first = source[0]
+        if isinstance(first, Mapping) and len(first) == 1:
+            return next(iter(first))
+    return "tokens"
 
 
 def _process_shard() -> tuple[int, int]:
@@ -57,7 +125,7 @@ def make_training_pipeline(
     shard_index: int | None = None,
     shard_count: int | None = None,
     worker_count: int = 0,
-    feature: str = "tokens",
+    feature: str | None = None,
     strategy: str = "best_fit_decreasing",
     window: int = 1024,
     overflow: str = "error",
@@ -76,7 +144,11 @@ def make_training_pipeline(
     num_epochs:    passes over the (shuffled, reshuffled each epoch) shard; None = forever.
     worker_count:  > 0 packs in that many processes (`mp_prefetch`), each on a slice of the
                    shard; 0 packs in this process behind a prefetch thread.
+    feature:       the element key of the token ids; default: the only key of the source's
+                   elements (a single-column source is taken as it comes), else "tokens".
     Further options go to `PackIterDataset`.
+
+    Iterators still open at interpreter exit are closed then (no "Exception ignored" noise).
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"{batch_size=} must be a positive int")
@@ -91,6 +163,8 @@ def make_training_pipeline(
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"{shard_index=} must be in [0, {shard_count=})")
 
+    if feature is None:
+        feature = _source_feature(source)
     packed = bool(getattr(source, "is_packed", False))
     if packed:
         src_len = getattr(source, "seq_len", None)
@@ -123,11 +197,11 @@ def make_training_pipeline(
     it_ds = it_ds.batch(batch_size, drop_remainder=drop_remainder)
     if worker_count > 0:
         ensure_flags_parsed()
-        return it_ds.mp_prefetch(
+        it_ds = it_ds.mp_prefetch(
             grain.MultiprocessingOptions(
                 num_workers=worker_count, per_worker_buffer_size=worker_buffer_size
             )
-        )
-    if prefetch_buffer_size > 0:
-        return ThreadPrefetchIterDataset(it_ds, prefetch_buffer_size=prefetch_buffer_size)
-    return it_ds
+        ).map(_own_memory)
+    elif prefetch_buffer_size > 0:
+        it_ds = ThreadPrefetchIterDataset(it_ds, prefetch_buffer_size=prefetch_buffer_size)
+    return _ClosedAtExit(it_ds)

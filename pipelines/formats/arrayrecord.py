@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from seqpack.packer.inputs import common_id_dtype
 from seqpack.pipelines.errors import InputError, require
 from seqpack.pipelines.formats.chunks import Chunk, ragged
 from seqpack.pipelines.formats.records import decode_row
@@ -45,6 +46,21 @@ def close_quietly(reader: Any) -> None:
         pass
 
 
+def num_records(reader: Any, path: str, expected: int | None = None) -> int:
+    """Records in an open file, checked: a file that is no ArrayRecord (it reads as 0 records)
+    or that holds another count than `expected` (the manifest's) raises `InputError`."""
+    try:
+        n = reader.num_records()
+        if not n and os.path.getsize(path):
+            reader.read_all()  # raises for a file that is no ArrayRecord at all
+    except RuntimeError as e:
+        raise InputError(f"{path}: corrupt ArrayRecord file ({first_line(e)})") from None
+    if expected is not None and n != expected:
+        raise InputError(f"{path}: holds {n} records, the manifest says {expected}; the shard "
+                         "is incomplete or replaced")
+    return n
+
+
 def read_raw(reader: Any, path: str, indices: list[int]) -> list[bytes]:
     """Records `indices` of an open file; InputError naming the file and first record."""
     try:
@@ -66,12 +82,7 @@ def example_chunks(path: str, column: str) -> Iterator[Chunk]:
     """The 1-D integer array `column` of every record, `_CHUNK_RECORDS` records per chunk."""
     reader = open_reader(path)
     try:
-        try:
-            n = reader.num_records()
-            if not n:
-                reader.read_all()  # a file that is no ArrayRecord at all reads as 0 records
-        except RuntimeError as e:
-            raise InputError(f"{path}: corrupt ArrayRecord file ({first_line(e)})") from None
+        n = num_records(reader, path)
         for first in range(0, n, _CHUNK_RECORDS):
             count = min(_CHUNK_RECORDS, n - first)
             try:
@@ -80,7 +91,7 @@ def example_chunks(path: str, column: str) -> Iterator[Chunk]:
                 raise InputError(f"{path}: corrupt ArrayRecord file ({first_line(e)})") from None
             seqs = [_example(decode(raw, path, first + i), column, path, first + i)
                     for i, raw in enumerate(raws)]
-            dtype = np.result_type(*[s.dtype for s in seqs])
+            dtype = common_id_dtype([s.dtype for s in seqs])  # ids checked >= 0 above
             values, offsets = ragged(seqs, dtype)
             yield Chunk(values, offsets, first)
     finally:

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from seqpack.packer.inputs import common_id_dtype
+
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
@@ -46,7 +48,8 @@ def ragged(seqs: Sequence[np.ndarray], dtype: Any) -> tuple[np.ndarray, np.ndarr
     np.cumsum(lengths, out=offsets[1:])
     if not seqs:
         return np.zeros(0, dtype), offsets
-    return np.concatenate(seqs).astype(dtype, copy=False), offsets
+    # Each cast first: np.concatenate itself would promote uint64 with int64 to float64.
+    return np.concatenate([s.astype(dtype, copy=False) for s in seqs]), offsets
 
 
 def concat(chunks: Sequence[Chunk]) -> tuple[np.ndarray, np.ndarray]:
@@ -55,8 +58,8 @@ def concat(chunks: Sequence[Chunk]) -> tuple[np.ndarray, np.ndarray]:
         return chunks[0].values, chunks[0].offsets
     if not chunks:
         return np.zeros(0, np.int32), np.zeros(1, np.int64)
-    dtype = np.result_type(*[c.values.dtype for c in chunks])
-    values = np.concatenate([c.tokens() for c in chunks]).astype(dtype, copy=False)
+    dtype = common_id_dtype([c.values.dtype for c in chunks])  # ids checked >= 0 by readers
+    values = np.concatenate([c.tokens().astype(dtype, copy=False) for c in chunks])
     lengths = np.concatenate([np.diff(c.offsets) for c in chunks])
     offsets = np.zeros(lengths.size + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])

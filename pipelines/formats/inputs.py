@@ -59,7 +59,8 @@ class ReadOptions:
 
     input_format: str | None = None  # None: from each file's extension
     column: str = "tokens"  # JSONL field / Parquet column / ArrayRecord array name
-    tokenizer: str | None = None  # tokenizer.json for text; None: bytes are the tokens
+    tokenizer: str | None = None  # tokenizer.json for text files / JSONL fields / Parquet
+    # columns of text (padding and truncation switched off); None: token ids, text as bytes
     text_unit: str = "file"  # text: one example per "file", "line" or "paragraph"
 
     def __post_init__(self) -> None:
@@ -131,10 +132,13 @@ def file_chunks(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None
                 ) -> Iterator[Chunk]:
     """The checked chunks of one input file in format `fmt`."""
     if fmt == "jsonl":
-        return jsonl.read_chunks(path, options.column)
+        return jsonl.read_chunks(path, options.column, tokenizer)
     if fmt == "parquet":
-        return parquet.ParquetTokens(path, options.column).chunks()
+        return parquet.ParquetTokens(path, options.column, tokenizer=tokenizer).chunks()
     if fmt == "arrayrecord":
+        if tokenizer is not None:
+            raise InputError(f"{path}: ArrayRecord records hold token ids; --tokenizer is for "
+                             "text (text files, JSONL text fields, Parquet text columns)")
         return arrayrecord.example_chunks(path, options.column)
     return text.read_chunks(path, tokenizer, options.text_unit)
 

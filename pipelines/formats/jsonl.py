@@ -3,6 +3,10 @@
     {"tokens": [101, 7592, 102], "id": 3}
     {"tokens": [101, 102]}
 
+With a tokenizer (`--tokenizer`), the field holds text instead, tokenized here:
+
+    {"text": "the cat sat", "id": 3}
+
 Blank lines are skipped and are not records. `read_chunks` reads a whole file as ragged chunks
 (pyarrow's parser when installed; Python's, which names the bad line, otherwise or on error);
 `line_index` + `parse_line` + `tokens` give random access to one record (`JsonlSource`).
@@ -23,6 +27,7 @@ import numpy as np
 
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.chunks import Chunk, numpy_view, ragged
+from seqpack.pipelines.formats.text import encode
 
 
 def line_index(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -60,8 +65,9 @@ def parse_line(raw: bytes, field: str, where: str) -> dict[str, Any]:
 def tokens(value: Any, field: str, where: str, dtype: np.dtype) -> np.ndarray:
     """A record's token list as a `dtype` array; InputError for anything but valid ids."""
     if not isinstance(value, list):
+        hint = "; text is tokenized with --tokenizer" if isinstance(value, str) else ""
         raise InputError(f"{where}: field {field!r} must be a list of token ids, "
-                         f"got {type(value).__name__}")
+                         f"got {type(value).__name__}{hint}")
     if not value:
         return np.zeros(0, dtype)
     for k, t in enumerate(value):
@@ -79,8 +85,12 @@ def tokens(value: Any, field: str, where: str, dtype: np.dtype) -> np.ndarray:
     return arr.astype(dtype)
 
 
-def read_chunks(path: str, field: str) -> Iterator[Chunk]:
-    """The token lists of one JSONL file (one chunk per file: pyarrow parses it whole)."""
+def read_chunks(path: str, field: str, tokenizer: Any = None) -> Iterator[Chunk]:
+    """The token lists of one JSONL file (one chunk per file: pyarrow parses it whole), or with
+    a tokenizer its tokenized text field."""
+    if tokenizer is not None:
+        yield read_text_field(path, field, tokenizer)
+        return
     try:
         import pyarrow as pa
         import pyarrow.compute as pc
@@ -99,6 +109,26 @@ def read_chunks(path: str, field: str) -> Iterator[Chunk]:
         yield read_python(path, field)
         return
     yield Chunk(numpy_view(col.values), numpy_view(col.offsets).astype(np.int64), 0)
+
+
+def read_text_field(path: str, field: str, tokenizer: Any) -> Chunk:
+    """The text field of every record, tokenized; InputError naming the line of a record whose
+    field is not a string (token ids with a tokenizer are an error, not silently kept)."""
+    texts = []
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            where = f"{path}:{line_no}"
+            value = parse_line(raw, field, where)[field]
+            if not isinstance(value, str):
+                what = "token ids" if isinstance(value, list) else type(value).__name__
+                raise InputError(f"{where}: field {field!r} holds {what}, not text; --tokenizer "
+                                 "tokenizes a text field (drop --tokenizer for token ids, or "
+                                 "point --field at the text)")
+            texts.append(value)
+    values, offsets = encode(tokenizer, texts)
+    return Chunk(values, offsets, 0)
 
 
 def read_python(path: str, field: str) -> Chunk:

@@ -164,3 +164,12 @@ def write_manifest(directory: str, manifest: Manifest) -> None:
     """Writes ``manifest.json`` (complete) or ``pack_intent.json`` (an intent)."""
     name = MANIFEST if manifest.complete else INTENT
     write_json(os.path.join(directory, name), manifest.to_json())
+
+
+def check_unique_shards(manifest: Manifest, where: str) -> None:
+    """InputError if the manifest lists a shard more than once (its rows would be read twice)."""
+    seen: set[str] = set()
+    for name in manifest.shards:
+        if name in seen:
+            raise InputError(f"{where}: not a seqpack manifest (shard {name!r} is listed twice)")
+        seen.add(name)

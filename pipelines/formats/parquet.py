@@ -4,6 +4,9 @@ One reader for the offline CLI (`ParquetTokens.chunks()`, every record in order,
 Grain `ParquetSource` (`read_group(g)`, random access, cached there). A row group's list column is
 taken apart into its Arrow buffers (flat values + offsets) with no per-token Python work.
 
+With a tokenizer (`--tokenizer`) the column holds text (string / large_string) instead, tokenized
+here, one row group at a time.
+
 Checked, with `InputError` naming the file (and the record, i.e. the row in that file): the file
 is readable Parquet, the column exists and is a list of integers (a float column names its first
 non-integer token), no list and no token is null, no id is negative.
@@ -19,6 +22,7 @@ import numpy as np
 
 from seqpack.pipelines.errors import InputError, require
 from seqpack.pipelines.formats.chunks import Chunk, numpy_view, record_of
+from seqpack.pipelines.formats.text import encode
 
 
 def _pyarrow() -> tuple[Any, Any]:
@@ -37,9 +41,10 @@ class ParquetTokens:
     """The token column (and optional extra columns) of one Parquet file."""
 
     def __init__(self, path: str | os.PathLike, column: str, *,
-                 extra_columns: Sequence[str] = ()):
+                 extra_columns: Sequence[str] = (), tokenizer: Any = None):
         pa, pq = _pyarrow()
         self.path, self.column, self.extra = os.fspath(path), column, tuple(extra_columns)
+        self.tokenizer = tokenizer
         if not os.path.isfile(self.path):
             raise InputError(f"{self.path}: no such file")
         try:
@@ -54,7 +59,16 @@ class ParquetTokens:
                                  "naming the token list")
         t = schema.field(column).type
         is_list = pa.types.is_list(t) or pa.types.is_large_list(t)
-        if not (is_list and pa.types.is_integer(t.value_type)):
+        is_text = pa.types.is_string(t) or pa.types.is_large_string(t)
+        if tokenizer is not None and not is_text:
+            raise InputError(f"{self.path}: column {column!r} has type {t}, not text; --tokenizer "
+                             "tokenizes a text column (drop --tokenizer for token ids, or point "
+                             "--column at the text)")
+        if tokenizer is None and is_text:
+            raise InputError(f"{self.path}: column {column!r} has type {t}, text: pass "
+                             "--tokenizer tokenizer.json to tokenize it, or --column naming "
+                             "token ids")
+        if tokenizer is None and not (is_list and pa.types.is_integer(t.value_type)):
             where = self._first_non_integer() if is_list and pa.types.is_floating(
                 t.value_type) else ""
             raise InputError(f"{self.path}: column {column!r} has type {t}; every record must "
@@ -120,6 +134,16 @@ class ParquetTokens:
         """The records of a table or record batch whose first record is `first`, checked."""
         col = table.column(self.column)
         col = col.chunk(0) if getattr(col, "num_chunks", 0) == 1 else _array(col)
+        extra = {name: _array(table.column(name)).to_numpy(zero_copy_only=False)
+                 for name in self.extra}
+        if self.tokenizer is not None:
+            texts = col.to_pylist()
+            if col.null_count:
+                i = texts.index(None)
+                raise InputError(f"{self.path} record {first + i}: column {self.column!r} is "
+                                 "null; write an empty string for an empty example")
+            values, offsets = encode(self.tokenizer, texts)
+            return Chunk(values, offsets, first, extra)
         if col.null_count:
             i = int(np.argmax(col.is_null().to_numpy(zero_copy_only=False)))
             raise InputError(f"{self.path} record {first + i}: column {self.column!r} is null; "
@@ -138,6 +162,4 @@ class ParquetTokens:
                 pos = lo + int(neg[0])
                 raise InputError(f"{self.path} record {first + record_of(offsets, pos)}: token "
                                  f"id {int(values[pos])} is negative; ids must be >= 0")
-        extra = {name: _array(table.column(name)).to_numpy(zero_copy_only=False)
-                 for name in self.extra}
         return Chunk(values, offsets, first, extra)

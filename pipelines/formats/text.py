@@ -2,7 +2,13 @@
 
 With a `tokenizers` tokenizer.json the ids are the tokenizer's; without one, the UTF-8 bytes are
 the ids (0..255). Paragraphs are runs of non-blank lines, numbered by their first line, so a bad
-one is named ``path:line``.
+one is named ``path:line``. `encode` is the one place texts become ids (text files here, text
+fields of JSONL and text columns of Parquet there).
+
+A loaded tokenizer has its padding and truncation switched off: a tokenizer.json saved for
+inference often pads every text to a fixed length and cuts longer ones, which would put pad ids
+into examples as real tokens and lose the cut ones without a count. Packing pads; overflow is
+the packer's `--overflow` policy, counted.
 """
 
 from __future__ import annotations
@@ -25,9 +31,22 @@ def load_tokenizer(path: str) -> Any:
     if not os.path.isfile(path):
         raise InputError(f"{path}: tokenizer file does not exist")
     try:
-        return Tokenizer.from_file(path)
+        tokenizer = Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises its own Exception subclass
         raise InputError(f"{path}: not a readable tokenizer.json ({first_line(e)})") from None
+    tokenizer.no_padding()  # see the module docstring
+    tokenizer.no_truncation()
+    return tokenizer
+
+
+def encode(tokenizer: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """The ids of `texts` (values, offsets); i64 values."""
+    ids = [np.asarray(enc.ids, np.int64) for enc in tokenizer.encode_batch(texts)]
+    lengths = np.fromiter((a.size for a in ids), np.int64, len(ids))
+    values = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return values, offsets
 
 
 _PARAGRAPH = re.compile(rb"(?:[^\n]*\S[^\n]*(?:\n|$))+")
@@ -49,10 +68,7 @@ def read_text(path: str, tokenizer: Any, text_unit: str) -> tuple[np.ndarray, np
     else:
         numbered = [(0, data)]
     chunks = [c for _, c in numbered]
-    if tokenizer is None:
-        lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
-        values = np.frombuffer(b"".join(chunks), np.uint8)
-    else:
+    if tokenizer is not None:
         texts = []
         for line_no, c in numbered:
             try:
@@ -61,9 +77,9 @@ def read_text(path: str, tokenizer: Any, text_unit: str) -> tuple[np.ndarray, np
                 where = f"{path}:{line_no}" if line_no else path
                 msg = f"{where}: not UTF-8 text ({e.reason} at byte {e.start})"
                 raise InputError(msg) from None
-        ids = [np.asarray(enc.ids, np.int64) for enc in tokenizer.encode_batch(texts)]
-        lengths = np.fromiter((a.size for a in ids), np.int64, len(ids))
-        values = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        return encode(tokenizer, texts)
+    lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
+    values = np.frombuffer(b"".join(chunks), np.uint8)
     offsets = np.zeros(lengths.size + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return values, offsets

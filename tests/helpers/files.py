@@ -49,13 +49,20 @@ def write_arrayrecord(path: os.PathLike, seqs, *, column: str = "tokens") -> str
     return str(path)
 
 
-def write_tokenizer(path: os.PathLike) -> str:
-    """A word-level tokenizer.json: whitespace split, 8 words + [UNK]."""
+def write_tokenizer(path: os.PathLike, *, pad_to: int | None = None) -> str:
+    """A word-level tokenizer.json: whitespace split, 8 words + [UNK] (+ [PAD] = 9).
+
+    pad_to: saved with padding and truncation to this length switched on, as tokenizers saved
+    for inference often are.
+    """
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = ["[UNK]", "the", "cat", "sat", "on", "a", "mat", "dog", "ran"]
+    words = ["[UNK]", "the", "cat", "sat", "on", "a", "mat", "dog", "ran", "[PAD]"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if pad_to:
+        tok.enable_padding(pad_id=9, pad_token="[PAD]", length=pad_to)
+        tok.enable_truncation(max_length=pad_to)
     tok.save(str(path))
     return str(path)
 

@@ -1,0 +1,97 @@
+"""Tokenizers: padding and truncation switched off when loaded; text fields of JSONL and text
+columns of Parquet tokenized with --field/--column + --tokenizer; --tokenizer with token ids is
+an error (exit 2), never silently ignored."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.files import (
+    invoke,
+    write_arrayrecord,
+    write_jsonl,
+    write_parquet,
+    write_tokenizer,
+)
+from tests.test_cli_pack import all_rows, assert_same_rows, expected_rows
+
+LINES = ["the cat sat on a mat", "the dog ran", "a cat " * 12 + "sat"]  # 3, 3 and 25 words
+IDS = [[1, 2, 3, 4, 5, 6], [1, 7, 8], [5, 2] * 12 + [3]]
+
+
+@pytest.fixture
+def padded(tmp_path):
+    """A tokenizer.json saved with padding and truncation to 16 tokens on."""
+    return write_tokenizer(tmp_path / "padded.json", pad_to=16)
+
+
+def _pack(tmp_path, *inputs, extra=()):
+    out = tmp_path / "out"
+    invoke("pack", *inputs, "-o", out, "--seq-len", 32, "--max-segments", 4, "--overwrite",
+           *extra)
+    return out
+
+
+def _write_text_parquet(path, texts, column="text"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({column: pa.array(texts, type=pa.string()), "n": range(len(texts))}),
+                   path, row_group_size=2)
+    return path
+
+
+def test_padding_and_truncation_are_switched_off(tmp_path, padded):
+    text = tmp_path / "a.txt"
+    text.write_text("\n".join(LINES) + "\n")
+    out = _pack(tmp_path, text, extra=("--tokenizer", padded, "--text-unit", "line"))
+    # Before: every example 16 tokens ([PAD] = 9 counted as real), the 25-word line cut to 16.
+    assert_same_rows(all_rows(out), expected_rows(IDS, seq_len=32, max_segments=4))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["stats"]["counters"]["truncated_tokens"] == 0
+    assert invoke("verify", out).stdout.startswith("OK:")
+
+
+def test_jsonl_text_field_and_parquet_text_column_are_tokenized(tmp_path, padded):
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t, "id": i}) + "\n"
+                             for i, t in enumerate(LINES)))
+    parquet = _write_text_parquet(tmp_path / "b.parquet", LINES[::-1])
+    out = _pack(tmp_path, jsonl, parquet, extra=("--field", "text", "--tokenizer", padded))
+    assert_same_rows(all_rows(out), expected_rows(IDS + IDS[::-1], seq_len=32, max_segments=4))
+    assert invoke("verify", out).stdout.startswith("OK:")  # re-tokenizes the same way
+
+
+def test_tokenizer_with_token_ids_is_an_error(tmp_path, padded):
+    seqs = [[1, 2, 3], [4, 5]]
+    jsonl = write_jsonl(tmp_path / "ids.jsonl", seqs)
+    cases = {
+        jsonl: f"{jsonl}:1: field 'tokens' holds token ids, not text; --tokenizer tokenizes",
+        write_parquet(tmp_path / "ids.parquet", seqs):
+            "column 'tokens' has type list<element: int32>, not text; --tokenizer",
+        write_arrayrecord(tmp_path / "ids.arrayrecord", seqs):
+            "ArrayRecord records hold token ids; --tokenizer is for text",
+    }
+    for path, message in cases.items():
+        # Before: exit 0, --tokenizer silently ignored.
+        result = invoke("pack", path, "-o", tmp_path / "o", "--tokenizer", padded, ok=False)
+        assert result.exit_code == 2, result.output
+        assert result.output.startswith("Error: ") and message in result.output
+        assert result.output.count("\n") == 1
+
+
+def test_text_without_a_tokenizer_says_to_pass_one(tmp_path):
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text(json.dumps({"text": "the cat"}) + "\n")
+    parquet = _write_text_parquet(tmp_path / "b.parquet", ["the cat"])
+    for path, message in ((jsonl, "got str; text is tokenized with --tokenizer"),
+                          (parquet, "has type string, text: pass --tokenizer")):
+        result = invoke("pack", path, "-o", tmp_path / "o", "--field", "text", ok=False)
+        assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_help_says_padding_and_truncation_are_off():
+    text = " ".join(invoke("pack", "--help").output.split())
+    assert "padding and truncation are switched off" in text

@@ -1,0 +1,148 @@
+"""README.md's Python snippets run as written and do what they say.
+
+Each ```python block of the README runs in a fresh namespace holding only the context below (the
+names a snippet takes from its surroundings, as the README says), in a directory holding
+`train.jsonl`; then the check matched by a call the snippet makes asserts what its text claims.
+A new snippet needs a check here: an unmatched block fails.
+
+Context: `source` (random-access, `{"inputs": ids, "targets": ids}` examples), `L`, `batch_size`;
+for the kernels snippet `logits` `[B, L, V]`, `targets` `[B, L]`, `batch` (packed rows) and
+`next_token_in_same_segment` `[B, L]`.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import grain
+import numpy as np
+import pytest
+
+from seqpack import packer
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+L, BATCH = 64, 4
+
+
+def _blocks() -> list[str]:
+    return BLOCK.findall(README.read_text(encoding="utf-8"))
+
+
+def _source():
+    rng = np.random.default_rng(0)
+    return [{"inputs": rng.integers(1, 500, int(rng.integers(1, L // 3))).astype(np.int32),
+             "targets": rng.integers(1, 500, int(rng.integers(1, L // 3))).astype(np.int32)}
+            for _ in range(300)]
+
+
+def _segments(row, feature="tokens"):
+    lens, offs = row[f"{feature}_segment_lengths"], row[f"{feature}_segment_offsets"]
+    return [row[feature][o : o + n].tolist() for o, n in zip(offs, lens, strict=True) if n]
+
+
+def check_packer(ns):
+    batch, values, offsets = ns["batch"], ns["values"], ns["offsets"]
+    assert batch["tokens"].shape == (1, 2048)  # three short examples: one row
+    want = sorted(values[a:b].tolist() for a, b in zip(offsets[:-1], offsets[1:]))
+    assert sorted(_segments({k: v[0] for k, v in batch.items()})) == want
+
+
+def check_dropin(ns):
+    ours = next(iter(ns["ds"]))
+    parent = grain.MapDataset.source(_source()).shuffle(seed=0).repeat(None).to_iter_dataset()
+    theirs = next(iter(grain.experimental.FirstFitPackIterDataset(
+        parent, length_struct={"inputs": L, "targets": L}, num_packing_bins=BATCH).batch(BATCH)))
+    for k in theirs:  # "identical rows"
+        np.testing.assert_array_equal(ours[k], theirs[k], err_msg=k)
+    assert ours["inputs_segment_lengths"].shape[0] == BATCH  # "+ *_segment_lengths/offsets"
+    assert ours["inputs_segment_ids"].max() > 1  # packed once: several segments per row
+
+
+def check_pack_iter_dataset(ns):
+    b = next(iter(ns["ds"]))
+    assert b["inputs"].shape == (BATCH, L) and b["targets_segment_lengths"].shape == (BATCH, 64)
+    assert b["inputs_segment_ids"].max() > 1
+
+
+def check_training_pipeline(ns):
+    assert ns["batch"]["tokens"].shape == (8, 2048)
+    packer.validate({k: v for k, v in ns["batch"].items()}, packer.PackConfig(2048))
+    it, state = ns["it"], ns["state"]
+    after = next(it)
+    it.set_state(state)  # "exact resume"
+    again = next(it)
+    for k in after:
+        np.testing.assert_array_equal(after[k], again[k], err_msg=k)
+
+
+def check_kernels(ns):
+    loss, per_segment, tokens = ns["loss"], ns["per_segment_loss"], ns["per_segment_tokens"]
+    assert np.isfinite(float(loss)) and float(loss) > 0
+    assert int(np.asarray(tokens).sum()) == int(np.asarray(ns["next_token_in_same_segment"]).sum())
+    assert np.asarray(per_segment).shape == ns["batch"]["tokens_segment_lengths"].shape
+
+
+CHECKS = {
+    "pack_ragged(": check_packer,
+    "datasets.FirstFitPackIterDataset(": check_dropin,
+    "datasets.PackIterDataset(": check_pack_iter_dataset,
+    "make_training_pipeline(": check_training_pipeline,
+    "segment_cross_entropy(": check_kernels,
+}
+
+
+def _context(block: str) -> dict:
+    ns: dict = {"L": L, "batch_size": BATCH, "source": _source()}
+    if "segment_cross_entropy(" in block:
+        import jax
+
+        rows = packer.pack([np.arange(1, n) for n in (20, 7, 30, 12, 25)],
+                           packer.PackConfig(L, max_segments=8))
+        seg = rows["tokens_segment_ids"]
+        ns["batch"] = rows
+        ns["logits"] = jax.random.normal(jax.random.key(0), (*seg.shape, 32))
+        ns["targets"] = np.roll(rows["tokens"], -1, axis=1) % 32
+        ns["next_token_in_same_segment"] = (seg > 0) & (seg == np.roll(seg, -1, axis=1))
+        ns["next_token_in_same_segment"][:, -1] = False
+    return ns
+
+
+@pytest.fixture
+def in_data_dir(tmp_path, monkeypatch):
+    rng = np.random.default_rng(1)
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for _ in range(200):
+            f.write(json.dumps({"tokens": rng.integers(0, 999, int(rng.integers(1, 300))).tolist()})
+                    + "\n")
+    monkeypatch.chdir(tmp_path)
+
+
+def test_every_snippet_has_a_check():
+    blocks = _blocks()
+    assert len(blocks) == len(CHECKS)
+    for block in blocks:
+        assert sum(call in block for call in CHECKS) == 1, block
+
+
+@pytest.mark.parametrize("call", list(CHECKS))
+def test_snippet_runs_and_does_what_it_says(call, in_data_dir):
+    (block,) = [b for b in _blocks() if call in b]
+    ns = _context(block)
+    exec(compile(block, f"README.md snippet {call}", "exec"), ns)  # noqa: S102 - our README
+    CHECKS[call](ns)
+
+
+def test_the_grain_snippet_with_its_before_line_live_refuses_to_pack_twice(in_data_dir):
+    from seqpack.pipelines.errors import InputError
+
+    (block,) = [b for b in _blocks() if "datasets.FirstFitPackIterDataset(" in b]
+    live = re.sub(r"^# before: ", "", block, flags=re.M)  # Grain's packer, then seqpack's
+    live = re.sub(r"^#( +num_packing_bins)", r" \1", live, flags=re.M)
+    assert live.count("FirstFitPackIterDataset(") == 2 and "# before" not in live
+    ns = _context(live)
+    exec(compile(live, "README.md snippet, both packers live", "exec"), ns)  # noqa: S102
+    with pytest.raises(InputError, match="already packed"):  # before: every row one segment
+        next(iter(ns["ds"]))
