@@ -159,8 +159,7 @@ def scan_file(index: int, path: str, options: ReadOptions) -> FileScan:
     """Reads one input for its example lengths; a bad input gives a FileScan with `error`."""
     try:
         fmt = detect_format(path, options.input_format)
-        tokenizer = load_tokenizer(options.tokenizer) if options.tokenizer and fmt == "text" \
-            else None
+        tokenizer = load_tokenizer(options.tokenizer) if options.tokenizer else None
         scan = inputs.scan_file(path, fmt, options, tokenizer)
     except (ValueError, OSError) as e:
         return FileScan(index, path, {}, np.zeros(0, np.int64), "", error=_one_line(e))

@@ -372,7 +372,7 @@ def _tokenizer(path: str) -> Any:
 def _read_input(index: int, path: str, fmt: str, options: ReadOptions, spill_dir: str
                 ) -> tuple[FileScan, list[Run]]:
     """Pass 1 for one input: scans it, its tokens to the spill."""
-    tokenizer = _tokenizer(options.tokenizer) if options.tokenizer and fmt == "text" else None
+    tokenizer = _tokenizer(options.tokenizer) if options.tokenizer else None
     sink = SpillWriter(spill_dir, f"in-{index:06d}")
     try:
         scan = scan_file(path, fmt, options, tokenizer, sink)
