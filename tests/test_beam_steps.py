@@ -66,7 +66,7 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None) -> dict:
     rows = []
     for shard in rng.permutation(sorted(by_shard)).tolist():
         parts = [by_shard[shard][i] for i in rng.permutation(len(by_shard[shard]))]
-        rows.append((shard, beam_steps.write_shard_parts(
+        rows.append((shard, *beam_steps.write_shard_parts(
             shard, parts, summary, str(out), config, write_options=write_options)))
     return beam_steps.finish_job(rows[::-1], summary, str(out))
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from seqpack.packer import PackConfig, plan, stats
+from seqpack.pipelines.formats.manifest import signed
 from seqpack.pipelines.formats.records import decode_row, encode_row
 from tests.helpers.files import invoke, random_seqs, write_jsonl, write_parquet
 
@@ -115,7 +116,7 @@ def test_verify_finds_a_missing_row(packed):
     m = manifest_of(out)
     rewrite_shard(out, m["shards"][0], lambda rows: rows[1:])
     m["shard_num_rows"][0] -= 1
-    (out / "manifest.json").write_text(json.dumps(m))
+    (out / "manifest.json").write_text(json.dumps(signed(m)))
     result = invoke("verify", out, src, ok=False)
     assert result.exit_code == 1
     assert "tokens are not in any row" in result.stdout
@@ -140,7 +141,7 @@ def test_verify_finds_broken_contract_and_counters(packed):
 
     rewrite_shard(out, m["shards"][0], edit)
     m["stats"]["counters"]["split_examples"] = 0
-    (out / "manifest.json").write_text(json.dumps(m))
+    (out / "manifest.json").write_text(json.dumps(signed(m)))
     out_text = invoke("verify", out, src, ok=False).stdout
     assert "violates the row contract" in out_text and "row 0 position 0" in out_text
     assert "manifest counter split_examples=0 but the rows give 1" in out_text

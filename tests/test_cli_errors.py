@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from seqpack.pipelines.formats.manifest import signed
 from tests.helpers import files
 from tests.helpers.files import write_arrayrecord, write_jsonl, write_parquet, write_tokenizer
 
@@ -150,7 +151,9 @@ def test_corrupt_shard(tmp_path, damage):
     else:
         data = bytearray(b"x" * 70000)
     shard.write_bytes(bytes(data))
-    assert_bad_input(invoke("verify", out, src), manifest["shards"][1], "corrupt")
+    result = invoke("verify", out, src, ok=False)  # a violation (exit 1), not bad input
+    assert result.exit_code == 1 and f"{manifest['shards'][1]}: size or sha256 differs" \
+        in result.stdout and "cannot be decoded" in result.stdout
     assert_bad_input(invoke("inspect", out, "--row", 5), manifest["shards"][1])
 
 
@@ -159,8 +162,9 @@ def test_shard_missing_or_short(tmp_path):
     os.remove(out / manifest["shards"][0])
     assert_bad_input(invoke("verify", out, src), manifest["shards"][0], "no such file")
     manifest["shard_num_rows"][1] += 1
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    assert_bad_input(invoke("inspect", out, "--row", 0), "no such file")
+    (out / "manifest.json").write_text(json.dumps(signed(manifest)))
+    assert_bad_input(invoke("inspect", out, "--row", 0), manifest["shards"][0],
+                     "missing; the manifest lists it")
 
 
 def test_not_a_packed_dir(tmp_path):

@@ -13,7 +13,7 @@ import pytest
 
 from seqpack.pipelines.datasets import ArrayRecordSource, PackedArrayRecordSource
 from seqpack.pipelines.errors import InputError
-from seqpack.pipelines.formats.manifest import INTENT, MANIFEST
+from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, signed
 from tests.helpers.files import invoke, random_seqs, write_jsonl
 
 
@@ -60,7 +60,7 @@ def test_a_shard_listed_twice_is_refused(packed, tmp_path):
     manifest = json.loads((out / MANIFEST).read_text())
     manifest["shards"][1] = manifest["shards"][0]
     manifest["shard_num_rows"][1] = manifest["shard_num_rows"][0]
-    (out / MANIFEST).write_text(json.dumps(manifest))
+    (out / MANIFEST).write_text(json.dumps(signed(manifest)))
     with pytest.raises(InputError, match=f"shard '{manifest['shards'][0]}' is listed twice"):
         PackedArrayRecordSource(out)
 
@@ -79,8 +79,8 @@ def test_a_corrupt_record_names_shard_and_record(packed, tmp_path):
 
 
 @pytest.mark.parametrize("content, error", [
-    (b"", r"holds 0 records, the manifest says \d+; the shard is incomplete or replaced"),
-    (os.urandom(70000), r"corrupt ArrayRecord file"),
+    (b"", r"0 bytes, the manifest says \d+; the shard is damaged or replaced"),
+    (os.urandom(70000), r"70000 bytes, the manifest says \d+; the shard is damaged or replaced"),
 ])
 def test_a_shard_that_is_not_the_manifests_is_refused(packed, tmp_path, content, error):
     out = _copy(packed, tmp_path)

@@ -85,7 +85,14 @@ def check_kernels(ns):
     assert np.asarray(per_segment).shape == ns["batch"]["tokens_segment_lengths"].shape
 
 
+def check_segment_metadata(ns):
+    batch = ns["batch"]
+    np.testing.assert_array_equal(np.asarray(ns["lengths"]), batch["inputs_segment_lengths"])
+    np.testing.assert_array_equal(np.asarray(ns["offsets"]), batch["inputs_segment_offsets"])
+
+
 CHECKS = {
+    "segment_metadata(": check_segment_metadata,
     "pack_ragged(": check_packer,
     "datasets.FirstFitPackIterDataset(": check_dropin,
     "datasets.PackIterDataset(": check_pack_iter_dataset,
@@ -96,6 +103,9 @@ CHECKS = {
 
 def _context(block: str) -> dict:
     ns: dict = {"L": L, "batch_size": BATCH, "source": _source()}
+    if "segment_metadata(" in block:  # a Grain-style batch: [B, L] segment ids under "inputs"
+        ns["batch"] = packer.pack([np.arange(1, n) for n in (20, 7, 30, 12, 25, 60)],
+                                  packer.PackConfig(L, max_segments=64, feature="inputs"))
     if "segment_cross_entropy(" in block:
         import jax
 

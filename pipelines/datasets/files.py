@@ -31,7 +31,6 @@ from seqpack.pipelines.formats.manifest import (
     INTENT,
     MANIFEST,
     Manifest,
-    check_unique_shards,
     read_manifest,
 )
 from seqpack.pipelines.formats.parquet import ParquetTokens
@@ -190,14 +189,13 @@ def shard_paths(paths: Any, *, packed: bool = False) -> tuple[list[str], Manifes
 
     A directory of packed rows (`packed`, or one holding a pack's intent file) needs its
     manifest: without one it is an interrupted `seqpack pack` run and is refused with the CLI's
-    message. A manifest listing a shard twice is refused.
+    message; so is a manifest that does not match itself or its shards (`read_manifest`).
     """
     if isinstance(paths, (str, os.PathLike)) and os.path.isdir(paths):
         directory = os.fspath(paths)
         if packed or os.path.exists(os.path.join(directory, MANIFEST)) \
                 or os.path.exists(os.path.join(directory, INTENT)):
-            manifest = read_manifest(directory)  # InputError naming what is missing
-            check_unique_shards(manifest, os.path.join(directory, MANIFEST))
+            manifest = read_manifest(directory)  # InputError naming what is missing or wrong
             return [os.path.join(directory, s) for s in manifest.shards], manifest
         found = sorted(os.path.join(directory, n) for n in os.listdir(directory)
                        if n.endswith((".arrayrecord", ".array_record")))

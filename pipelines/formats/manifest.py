@@ -10,7 +10,15 @@ object without its results (`shard_num_rows`, `stats`, `example_length_histogram
      "writer_options": "group_size:1,uncompressed", "stored_keys": ["tokens", ...],
      "shard_rows": 1024, "num_rows": 5695,
      "shards": ["rows-00000-of-00006.arrayrecord", ...], "plan_block_size": 4194304,
-     "shard_num_rows": [1024, ...], "stats": {...}, "example_length_histogram": {...}}
+     "shard_num_rows": [1024, ...], "stats": {...}, "example_length_histogram": {...},
+     "shard_bytes": [8421376, ...], "shard_sha256": ["9f2c...", ...],
+     "manifest_sha256": "51ab..."}
+
+Integrity: a complete manifest records each shard's size and sha256, and `manifest_sha256`, the
+sha256 of its own JSON without that key (compact, keys in the order above); `read_manifest`
+refuses a manifest that does not match itself, lists a shard twice or names a shard outside
+the directory (a path, `..`, a URL), or whose shards are missing or of another size; `verify`
+and `seqpack pack --resume` also re-hash every shard.
 
 JSON is written to a temporary name and renamed, so a reader never sees half a file; the bytes
 depend only on the content (no timestamps), so a resumed run writes the same manifest.
@@ -19,6 +27,7 @@ depend only on the content (no timestamps), so a resumed run writes the same man
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from typing import Any
@@ -32,7 +41,9 @@ VERSION = 1
 RECORD_ENCODING = "SQP1"
 MANIFEST = "manifest.json"
 INTENT = "pack_intent.json"
-_RESULTS = ("shard_num_rows", "stats", "example_length_histogram")
+_RESULTS = ("shard_num_rows", "stats", "example_length_histogram", "shard_bytes",
+            "shard_sha256")
+SELF_DIGEST = "manifest_sha256"
 
 
 def shard_names(num_rows: int, shard_rows: int) -> list[str]:
@@ -55,6 +66,8 @@ class Manifest:
     shard_num_rows: list[int] | None = None  # None until the run is complete
     stats: dict[str, Any] | None = None  # PackingStats.to_dict()
     example_length_histogram: dict[str, Any] | None = None
+    shard_bytes: list[int] | None = None  # size of each shard file
+    shard_sha256: list[str] | None = None  # sha256 of each shard file
 
     @property
     def complete(self) -> bool:
@@ -80,9 +93,13 @@ class Manifest:
         return dataclasses.replace(self, shard_num_rows=None, stats=None,
                                    example_length_histogram=None)
 
-    def completed(self, shard_num_rows: list[int], results: dict[str, Any]) -> Manifest:
-        """The complete manifest: row counts per shard plus `stats` and the length histogram."""
-        return dataclasses.replace(self, shard_num_rows=list(shard_num_rows), **results)
+    def completed(self, shard_num_rows: list[int], results: dict[str, Any],
+                  digests: list[tuple[int, str]]) -> Manifest:
+        """The complete manifest: row counts per shard, `stats`, the length histogram and each
+        shard's (size, sha256)."""
+        return dataclasses.replace(self, shard_num_rows=list(shard_num_rows),
+                                   shard_bytes=[int(b) for b, _ in digests],
+                                   shard_sha256=[h for _, h in digests], **results)
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object (plain types, fixed key order)."""
@@ -94,7 +111,10 @@ class Manifest:
         if not self.complete:
             for key in _RESULTS:
                 del obj[key]
-        return json.loads(json.dumps(obj))
+        obj = json.loads(json.dumps(obj))
+        if self.complete:
+            obj[SELF_DIGEST] = _self_digest(obj)
+        return obj
 
     @classmethod
     def from_json(cls, obj: Any, where: str) -> Manifest:
@@ -115,12 +135,65 @@ class Manifest:
             shards = manifest.shards
             if not isinstance(shards, list) or not all(isinstance(s, str) for s in shards):
                 raise ValueError("'shards' must be a list of file names")
-            rows = manifest.shard_num_rows
-            if rows is not None and len(rows) != len(shards):
-                raise ValueError(f"{len(shards)} shards but {len(rows)} row counts")
+            for name in shards:
+                check_shard_name(name)
+            if len(set(shards)) != len(shards):
+                twice = next(n for n in shards if shards.count(n) > 1)
+                raise ValueError(f"shard {twice!r} is listed twice")
+            if manifest.complete:
+                for key in ("shard_num_rows", "shard_bytes", "shard_sha256"):
+                    got = getattr(manifest, key)
+                    if not isinstance(got, list) or len(got) != len(shards):
+                        raise ValueError(f"{len(shards)} shards but {key} is {str(got)[:40]}")
+                recorded = obj.get(SELF_DIGEST)
+                body = {k: v for k, v in obj.items() if k != SELF_DIGEST}
+                if recorded != _self_digest(body):
+                    raise ValueError(f"{SELF_DIGEST} does not match its content (the file was "
+                                     "edited or damaged)" if recorded else f"no {SELF_DIGEST}")
         except (ValueError, KeyError, TypeError) as e:
             raise InputError(f"{where}: not a seqpack manifest ({e})") from None
         return manifest
+
+
+def _self_digest(obj: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(obj, separators=(",", ":")).encode()).hexdigest()
+
+
+def signed(obj: dict[str, Any]) -> dict[str, Any]:
+    """A manifest JSON object with its `manifest_sha256` (re)computed: for tools (and tests)
+    that edit a manifest on purpose."""
+    body = {k: v for k, v in obj.items() if k != SELF_DIGEST}
+    return {**body, SELF_DIGEST: _self_digest(body)}
+
+
+def check_shard_name(name: str) -> None:
+    """ValueError unless `name` is a plain file name inside the directory (no path, no `..`,
+    no URL, nothing hidden)."""
+    if not name or name != os.path.basename(name) or "/" in name or "\\" in name \
+            or ":" in name or name.startswith(".") or name in (MANIFEST, INTENT):
+        raise ValueError(f"shard name {name!r} is not a file name inside the directory")
+
+
+def file_digest(path: str) -> tuple[int, str]:
+    """(size, sha256) of a file."""
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+        return f.tell(), digest
+
+
+def check_shard_files(directory: str, manifest: Manifest) -> None:
+    """InputError unless every shard exists with the size the manifest records."""
+    for name, size in zip(manifest.shards, manifest.shard_bytes or []):
+        path = os.path.join(directory, name)
+        try:
+            got = os.path.getsize(path)
+        except OSError:
+            raise InputError(f"{path}: missing; the manifest lists it (rerun `seqpack pack ... "
+                             "--resume` to restore it)") from None
+        if got != size:
+            raise InputError(f"{path}: {got} bytes, the manifest says {size}; the shard is "
+                             "damaged or replaced (rerun `seqpack pack ... --resume` to rewrite "
+                             "it)")
 
 
 def read_json(path: str) -> Any:
@@ -140,8 +213,9 @@ def write_json(path: str, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def read_manifest(directory: str | os.PathLike) -> Manifest:
-    """The complete manifest of a packed directory; InputError if there is none."""
+def read_manifest(directory: str | os.PathLike, *, check_shards: bool = True) -> Manifest:
+    """The complete manifest of a packed directory; InputError if there is none, it does not
+    match itself, or (`check_shards`) a shard is missing or of another size."""
     directory = os.fspath(directory)
     path = os.path.join(directory, MANIFEST)
     if not os.path.isdir(directory):
@@ -152,6 +226,8 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     manifest = Manifest.from_json(read_json(path), path)
     if not manifest.complete:
         raise InputError(f"{path}: not a seqpack manifest (no shard_num_rows)")
+    if check_shards:
+        check_shard_files(directory, manifest)
     return manifest
 
 
@@ -164,12 +240,3 @@ def write_manifest(directory: str, manifest: Manifest) -> None:
     """Writes ``manifest.json`` (complete) or ``pack_intent.json`` (an intent)."""
     name = MANIFEST if manifest.complete else INTENT
     write_json(os.path.join(directory, name), manifest.to_json())
-
-
-def check_unique_shards(manifest: Manifest, where: str) -> None:
-    """InputError if the manifest lists a shard more than once (its rows would be read twice)."""
-    seen: set[str] = set()
-    for name in manifest.shards:
-        if name in seen:
-            raise InputError(f"{where}: not a seqpack manifest (shard {name!r} is listed twice)")
-        seen.add(name)

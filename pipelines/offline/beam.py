@@ -66,7 +66,7 @@ from seqpack.pipelines.errors import InputError, UsageError, require
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import beam_steps
-from seqpack.pipelines.offline.writer import WriteOptions
+from seqpack.pipelines.offline.writer import DirLock, WriteOptions, check_dir
 
 _ERROR_FILE = "error.txt"
 _MAX_DEFAULT_WORKERS = 8
@@ -223,14 +223,14 @@ def _report_error(message: str, error_dir: str | None) -> None:
 
 def _write_shard(element: tuple[int, Iterable[beam_steps.ShardPart]],
                  summary: beam_steps.JobSummary, output_dir: str, config: PackConfig,
-                 write_options: WriteOptions, resume: bool) -> tuple[int, int]:
+                 write_options: WriteOptions, resume: bool) -> tuple[int, int, tuple[int, str]]:
     shard, parts = element
-    rows = beam_steps.write_shard_parts(shard, parts, summary, output_dir, config,
-                                        write_options=write_options, resume=resume)
-    return shard, rows
+    rows, digest = beam_steps.write_shard_parts(shard, parts, summary, output_dir, config,
+                                                write_options=write_options, resume=resume)
+    return shard, rows, digest
 
 
-def _finish(rows: list[tuple[int, int]], summary: beam_steps.JobSummary | None,
+def _finish(rows: list[tuple[int, int, tuple[int, str]]], summary: beam_steps.JobSummary | None,
             output_dir: str) -> None:
     if summary is not None:  # None: an error was reported, or a resumed run was complete
         beam_steps.finish_job(rows, summary, output_dir)
@@ -259,12 +259,15 @@ def pack_beam(
         raise InputError("no input files given")
     output_dir = os.fspath(output_dir)
     options = pipeline_options(beam_options)
+    check_dir(output_dir, overwrite=overwrite, resume=resume)
+    created = not os.path.isdir(output_dir)
+    os.makedirs(output_dir, exist_ok=True)
     log_path, keep_log = None, False
     if quiet:
         fd, log_path = tempfile.mkstemp(prefix="seqpack-beam-", suffix=".log")
         os.close(fd)
     try:
-        with tempfile.TemporaryDirectory(prefix="seqpack-beam-") as error_dir:
+        with DirLock(output_dir), tempfile.TemporaryDirectory(prefix="seqpack-beam-") as error_dir:
             with _output_to(log_path), beam.Pipeline(options=options) as p:
                 build_pipeline(p, paths, output_dir, config,
                                read_options=read_options or ReadOptions(),
@@ -286,6 +289,8 @@ def pack_beam(
     finally:
         if log_path is not None and not keep_log:
             os.remove(log_path)
+        if created and os.path.isdir(output_dir) and not os.listdir(output_dir):
+            os.rmdir(output_dir)
     return read_manifest(output_dir)
 
 

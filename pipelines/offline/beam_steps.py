@@ -58,7 +58,7 @@ from seqpack.pipelines.offline.writer import (
     prepare_dir,
     row_dtype,
     run_intent,
-    shard_complete,
+    shard_done,
     write_shard,
 )
 
@@ -338,27 +338,32 @@ def shard_plan(shard: int, parts: Iterable[ShardPart], summary: JobSummary,
 
 def write_shard_parts(shard: int, parts: Iterable[ShardPart], summary: JobSummary,
                       output_dir: str, config: PackConfig, *, write_options: WriteOptions,
-                      resume: bool = False) -> int:
-    """Writes one shard from the parts its inputs sent; returns its row count."""
+                      resume: bool = False) -> tuple[int, tuple[int, str]]:
+    """Writes one shard from the parts its inputs sent (unless `resume` finds it written and
+    intact); returns its row count and (size, sha256)."""
     path = os.path.join(output_dir, summary.intent.shards[shard])
     num_rows = min(summary.shard_rows, summary.intent.num_rows - shard * summary.shard_rows)
-    if resume and shard_complete(path, num_rows):
-        return num_rows
+    kept = shard_done(path, num_rows) if resume else None
+    if kept is not None:
+        return num_rows, kept
     p, pieces = shard_plan(shard, parts, summary, config)
-    write_shard(path, pieces, p, config, write_options, dtype=np.dtype(summary.row_dtype))
-    return num_rows
+    return num_rows, write_shard(path, pieces, p, config, write_options,
+                                 dtype=np.dtype(summary.row_dtype))
 
 
-def finish_job(rows: Iterable[tuple[int, int]], summary: JobSummary, output_dir: str
-               ) -> Manifest:
-    """Writes manifest.json once every shard is written; returns the manifest."""
-    by_shard = dict(rows)
+def finish_job(rows: Iterable[tuple[int, int, tuple[int, str]]], summary: JobSummary,
+               output_dir: str) -> Manifest:
+    """Writes manifest.json once every shard is written; returns the manifest.
+
+    `rows`: (shard, row count, (size, sha256)) of every shard, any order."""
+    by_shard = {k: (n, d) for k, n, d in rows}
     names = summary.intent.shards
     if sorted(by_shard) != list(range(len(names))):
         missing = sorted(set(range(len(names))) - set(by_shard))
         raise RuntimeError(f"shards {missing[:8]} were not written; the manifest is not written")
-    return commit_manifest(output_dir, summary.intent, [by_shard[k] for k in range(len(names))],
-                           summary.results)
+    done = [by_shard[k] for k in range(len(names))]
+    return commit_manifest(output_dir, summary.intent, [n for n, _ in done], summary.results,
+                           [tuple(d) for _, d in done])  # type: ignore[misc]
 
 
 def plan_in_process(scans: Sequence[FileScan], output_dir: str, config: PackConfig, *,

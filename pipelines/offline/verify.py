@@ -3,6 +3,7 @@
 `verify(output_dir, inputs)` re-reads the inputs (the way the manifest says they were read) and
 checks, shard by shard:
 
+    0. every shard's size and sha256 match the manifest (which matches its own digest);
     1. each input's fingerprint and the example lengths match the manifest;
     2. every shard decodes, holds the manifest's row count, and satisfies the row contract
        (`packer.validate`: shapes, dtypes, slot order, offsets, segment ids, positions, padding);
@@ -41,7 +42,7 @@ from seqpack.pipelines.formats.inputs import (
     fingerprint,
     read_corpus,
 )
-from seqpack.pipelines.formats.manifest import Manifest, read_manifest
+from seqpack.pipelines.formats.manifest import Manifest, file_digest, read_manifest
 
 
 @dataclasses.dataclass
@@ -198,8 +199,18 @@ def _check_coverage(ex, st, ln, lengths, config, counters: Counters, out: _Colle
 def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
            max_violations: int = 20) -> VerifyReport:
     """Checks a packed directory against its inputs (default: the paths in the manifest)."""
-    manifest, config = load_manifest(output_dir)
+    manifest = read_manifest(output_dir, check_shards=False)  # damaged shards are violations
+    config = manifest.pack_config()
     out = _Collector(max_violations)
+    damaged = set()
+    for name, size, sha in zip(manifest.shards, manifest.shard_bytes or [],
+                               manifest.shard_sha256 or []):
+        path = os.path.join(output_dir, name)
+        if os.path.isfile(path) and file_digest(path) != (size, sha):
+            damaged.add(name)
+            out.add(f"{name}: size or sha256 differs from the manifest's ({size} bytes, "
+                    f"{sha[:12]}...): the shard was damaged or replaced after the run "
+                    "(`seqpack pack ... --resume` rewrites it)")
     recorded = manifest.inputs["files"]
     paths = list(inputs) if inputs else [f["path"] for f in recorded]
     if len(paths) != len(recorded):
@@ -227,7 +238,13 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
     shard_num_rows, recorded_stats = manifest.shard_num_rows or [], manifest.stats or {}
     pieces, seg_lengths, checked = [], [], 0
     for name, num_rows in zip(manifest.shards, shard_num_rows, strict=True):
-        batch = read_shard(output_dir, name, num_rows)
+        try:
+            batch = read_shard(output_dir, name, num_rows)
+        except InputError as e:
+            if name not in damaged:  # a shard the manifest vouches for must decode
+                raise
+            out.add(f"{name}: cannot be decoded ({e})")
+            continue
         if not batch:
             continue
         try:

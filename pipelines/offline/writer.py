@@ -34,11 +34,13 @@ reads the inputs again (pass 1 keeps nothing across runs: the spill is a cache o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -50,7 +52,6 @@ from seqpack.packer import Counters, PackConfig, PackPlan, build_rows
 from seqpack.packer.plan import RowAssignment, order_pieces, pieces, plan_rows
 from seqpack.packer.stats import PackingStats, stats_of_pieces
 from seqpack.pipelines.errors import InputError, UsageError, require
-from seqpack.pipelines.formats.arrayrecord import close_quietly, open_reader
 from seqpack.pipelines.formats.inputs import (
     FileScan,
     ReadOptions,
@@ -64,6 +65,7 @@ from seqpack.pipelines.formats.manifest import (
     INTENT,
     MANIFEST,
     Manifest,
+    file_digest,
     read_record,
     shard_names,
     write_manifest,
@@ -73,6 +75,8 @@ from seqpack.pipelines.formats.text import load_tokenizer
 from seqpack.pipelines.offline.spill import SPILL_DIR, Run, SpillReader, SpillWriter
 
 COMPRESSION = {"none": "uncompressed", "snappy": "snappy", "zstd": "zstd:3"}
+DONE = ".done"  # a shard's completion record: rows-....arrayrecord.done
+LOCK = "pack.lock"
 # Test-only: seconds to sleep after each input read and each shard written, so tests can kill a
 # run mid-way or watch its progress.
 DELAY_ENV = "SEQPACK_TEST_SHARD_DELAY"
@@ -163,11 +167,15 @@ def manifest_results(stats: PackingStats, length_hist: dict) -> dict:
 
 
 def commit_manifest(output_dir: str, intent: Manifest, shard_num_rows: list[int],
-                    results: dict) -> Manifest:
-    """Writes ``manifest.json`` (from here on the run is complete), then drops the intent."""
-    manifest = intent.completed(shard_num_rows, results)
+                    results: dict, digests: list[tuple[int, str]]) -> Manifest:
+    """Writes ``manifest.json`` (from here on the run is complete), then drops the intent and
+    the shards' completion records."""
+    manifest = intent.completed(shard_num_rows, results, digests)
     write_manifest(output_dir, manifest)
     os.remove(os.path.join(output_dir, INTENT))
+    for name in intent.shards:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(output_dir, name + DONE))
     return manifest
 
 
@@ -184,6 +192,79 @@ def _owned(name: str) -> bool:
         MANIFEST, INTENT, MANIFEST + ".tmp", INTENT + ".tmp")
 
 
+class DirLock:
+    """One writer per output directory: ``pack.lock`` created exclusively, holding the owner's
+    pid, host and process start time; removed when the run ends.
+
+    A lock whose owner is gone (same host, the pid is dead or is another process now) is stale
+    and taken over; a lock from another host is never guessed at: the error says how to clear
+    it."""
+
+    def __init__(self, directory: str):
+        self.path = os.path.join(directory, LOCK)
+        self.held = False
+
+    def __enter__(self) -> DirLock:
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time()}
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                owner = self._owner()
+                if owner is not None and not _stale(owner):
+                    raise UsageError(
+                        f"{os.path.dirname(self.path)}: another seqpack run (pid "
+                        f"{owner.get('pid')} on {owner.get('host')}) is writing here; wait for "
+                        f"it, or remove {self.path} if that run is gone") from None
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path)  # stale (or unreadable): the owner is gone
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise UsageError(f"{self.path}: could not take the lock (another run keeps taking it)")
+
+    def _owner(self) -> dict | None:
+        try:
+            with open(self.path) as f:
+                owner = json.load(f)
+            return owner if isinstance(owner, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.held:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+            self.held = False
+
+
+def _start_time(pid: int | None = None) -> str | None:
+    """A process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _stale(owner: dict) -> bool:
+    if owner.get("host") != socket.gethostname():
+        return False
+    pid = owner.get("pid")
+    if not isinstance(pid, int):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    started = owner.get("started")
+    return started is not None and _start_time(pid) not in (None, started)
+
+
 def check_dir(output_dir: str, *, overwrite: bool, resume: bool) -> list[str]:
     """Refuses what `prepare_dir` would refuse whatever the run; returns the directory's names.
 
@@ -192,7 +273,8 @@ def check_dir(output_dir: str, *, overwrite: bool, resume: bool) -> list[str]:
         raise UsageError("pass either --overwrite or --resume, not both")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UsageError(f"{output_dir}: exists and is not a directory")
-    names = sorted(os.listdir(output_dir)) if os.path.isdir(output_dir) else []
+    names = sorted(n for n in os.listdir(output_dir) if n != LOCK) \
+        if os.path.isdir(output_dir) else []
     recorded = [n for n in (MANIFEST, INTENT) if n in names]
     if not (resume and recorded) and names and not overwrite \
             and any(not n.endswith(".tmp") for n in names):
@@ -219,12 +301,34 @@ def prepare_dir(output_dir: str, intent: Manifest, *, overwrite: bool, resume: b
         if old.complete:  # the run had finished
             if INTENT in names:  # killed between writing the manifest and this cleanup
                 os.remove(os.path.join(output_dir, INTENT))
-            return old
+            if _demote_if_damaged(output_dir, old) is None:
+                return old
+            names = sorted(os.listdir(output_dir))
     for name in names:
         if _owned(name) and (overwrite or name.endswith(".tmp")):
             os.remove(os.path.join(output_dir, name))
     write_manifest(output_dir, intent)
     return None
+
+
+def _demote_if_damaged(output_dir: str, manifest: Manifest) -> list[str] | None:
+    """Re-hashes a complete run's shards; when some are missing or differ from the manifest,
+    turns the run back into an interrupted one whose good shards are kept (their completion
+    records written from the manifest) and returns the bad shards' names; None if all match."""
+    digests = list(zip(manifest.shard_bytes or [], manifest.shard_sha256 or []))
+    bad = []
+    for name, want in zip(manifest.shards, digests):
+        path = os.path.join(output_dir, name)
+        if not os.path.isfile(path) or file_digest(path) != tuple(want):
+            bad.append(name)
+    if not bad:
+        return None
+    write_manifest(output_dir, manifest.intent())
+    for name, rows, want in zip(manifest.shards, manifest.shard_num_rows or [], digests):
+        if name not in bad:
+            _write_done(os.path.join(output_dir, name), rows, tuple(want))  # type: ignore[arg-type]
+    os.remove(os.path.join(output_dir, MANIFEST))
+    return bad
 
 
 def _check_same_run(path: str, old: dict, new: dict) -> None:
@@ -284,34 +388,42 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def shard_complete(path: str, num_rows: int) -> bool:
-    if not os.path.isfile(path):
-        return False
+def _write_done(path: str, rows: int, digest: tuple[int, str]) -> None:
+    """The completion record of a shard: written after the shard, atomically."""
+    tmp = path + DONE + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"rows": rows, "bytes": digest[0], "sha256": digest[1]}, f)
+    os.replace(tmp, path + DONE)
+
+
+def shard_done(path: str, num_rows: int) -> tuple[int, str] | None:
+    """(size, sha256) of a shard that a run finished writing and that is intact: its completion
+    record exists and matches the file's content; None otherwise (the shard is rewritten)."""
     try:
-        reader = open_reader(path)
-    except InputError:
-        return False
-    try:
-        return reader.num_records() == num_rows
-    except RuntimeError:
-        return False
-    finally:
-        close_quietly(reader)
+        with open(path + DONE) as f:
+            done = json.load(f)
+        digest = file_digest(path)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(done, dict) or done.get("rows") != num_rows \
+            or [done.get("bytes"), done.get("sha256")] != list(digest):
+        return None
+    return digest
 
 
 def write_shard(path: str, pieces: Sequence[np.ndarray] | None, p: PackPlan,
                 config: PackConfig, options: WriteOptions, *, dtype: np.dtype,
-                encoder: RowEncoder | None = None, values: np.ndarray | None = None
-                ) -> RowEncoder:
+                values: np.ndarray | None = None) -> tuple[int, str]:
     """Assembles the rows of plan `p` (one shard's rows, numbered from 0) and writes them.
 
     `pieces[i]` holds the tokens of the plan's i-th piece (or `values` the rows' tokens already
-    in place, see `packer.build_rows`). Writes `path.tmp`, renamed to `path` when complete;
-    returns the encoder, for the next shard of the run (same row layout).
+    in place, see `packer.build_rows`). Writes `path.tmp`, renamed to `path` when complete, then
+    the shard's completion record (`path` + ".done": rows, size, sha256); returns (size,
+    sha256).
     """
     batch = build_rows(pieces, p, config, dtype=dtype, derived=options.store_derived,
                        values=values)
-    encoder = encoder or RowEncoder(batch)
+    encoder = RowEncoder(batch)
     writer = _open_writer(path + ".tmp", options.arrayrecord_options)
     for record in encoder.records(batch):
         writer.write(record)
@@ -322,7 +434,9 @@ def write_shard(path: str, pieces: Sequence[np.ndarray] | None, p: PackPlan,
     os.replace(path + ".tmp", path)
     if options.fsync:
         _fsync(os.path.dirname(path) or ".")  # the rename itself
-    return encoder
+    digest = file_digest(path)
+    _write_done(path, p.num_rows, digest)
+    return digest
 
 
 # -- the run: workers, pass 1 (read), plan, pass 2 (write) ---------------------------------------
@@ -381,15 +495,17 @@ def _read_input(index: int, path: str, fmt: str, options: ReadOptions, spill_dir
     return scan, runs
 
 
-def _write_task(context_path: str, task: _ShardTask) -> tuple[int, int]:
-    """Pass 2 for one shard: gathers its pieces from the spill, writes it; (index, rows)."""
+def _write_task(context_path: str, task: _ShardTask) -> tuple[int, int, tuple[int, str]]:
+    """Pass 2 for one shard: gathers its pieces from the spill, writes it; (index, rows,
+    (size, sha256))."""
     context, spill = _context(context_path)
     p, config = task.plan, context.config
     values = np.full(p.num_rows * config.seq_len, config.pad_id, np.dtype(context.dtype))
     spill.read_into(values, p.row * config.seq_len + p.offset, task.src, p.length)
-    write_shard(os.path.join(context.output_dir, task.name), None, p, config, context.options,
-                dtype=values.dtype, values=values.reshape(p.num_rows, config.seq_len))
-    return task.index, p.num_rows
+    digest = write_shard(os.path.join(context.output_dir, task.name), None, p, config,
+                         context.options, dtype=values.dtype,
+                         values=values.reshape(p.num_rows, config.seq_len))
+    return task.index, p.num_rows, digest
 
 
 def _init_worker(run_pid: int) -> None:
@@ -551,8 +667,10 @@ def _shard_tasks(ps: _Pieces, offsets: np.ndarray, config: PackConfig, names: li
 
 def write_shards(ps: _Pieces, offsets: np.ndarray, context: _RunContext, names: list[str],
                  workers: _Workers, context_path: str, *, resume: bool = False,
-                 progress: Progress | None = None) -> list[int]:
-    """Pass 2: every shard not already complete, in parallel; returns rows per shard."""
+                 progress: Progress | None = None
+                 ) -> tuple[list[int], list[tuple[int, str]]]:
+    """Pass 2: every shard not already complete and intact, in parallel; returns the rows and
+    (size, sha256) of each shard."""
     shard_rows = context.options.shard_rows
     num_rows = ps.bounds.size - 1
     rows = [min(shard_rows, num_rows - i * shard_rows) for i in range(len(names))]
@@ -561,8 +679,11 @@ def write_shards(ps: _Pieces, offsets: np.ndarray, context: _RunContext, names: 
     if progress:
         progress.phase("writing", sum(tokens))
     todo, done = [], 0
+    digests: list[tuple[int, str]] = [(0, "")] * len(names)
     for i, name in enumerate(names):
-        if resume and shard_complete(os.path.join(context.output_dir, name), rows[i]):
+        kept = shard_done(os.path.join(context.output_dir, name), rows[i]) if resume else None
+        if kept is not None:
+            digests[i] = kept
             done += rows[i]
             if progress:
                 progress.advance(tokens[i], done)
@@ -570,14 +691,16 @@ def write_shards(ps: _Pieces, offsets: np.ndarray, context: _RunContext, names: 
             todo.append(i)
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     tasks = _shard_tasks(ps, offsets, context.config, names, shard_rows, todo)
-    for i, n in workers.map(_write_task, _Lazy(((context_path, t) for t in tasks), len(todo))):
+    calls = _Lazy(((context_path, t) for t in tasks), len(todo))
+    for i, n, digest in workers.map(_write_task, calls):
         assert n == rows[i]
+        digests[i] = digest
         done += n
         if progress:
             progress.advance(tokens[i], done)
         if delay:
             time.sleep(delay)
-    return rows
+    return rows, digests
 
 
 def _save_context(spill_dir: str, context: _RunContext) -> str:
@@ -620,12 +743,15 @@ def pack_to_dir(
     block_size = plan_rows(np.zeros(0, np.int64), config, block_size=block_size).block_size
     check_dir(output_dir, overwrite=overwrite, resume=resume)
     created = not os.path.isdir(output_dir)
+    os.makedirs(output_dir, exist_ok=True)
     spill_dir = os.path.join(output_dir, SPILL_DIR)
-    shutil.rmtree(spill_dir, ignore_errors=True)
-    os.makedirs(spill_dir)
     pool = _Workers(workers or 1)
     started = False
+    lock = DirLock(output_dir)
     try:
+        lock.__enter__()  # one run per directory, from here to the end
+        shutil.rmtree(spill_dir, ignore_errors=True)
+        os.makedirs(spill_dir)
         scans, runs = read_inputs(paths, read_options, spill_dir, pool, progress)
         lengths = np.concatenate([s.lengths for s in scans])
         if not lengths.sum():
@@ -649,11 +775,14 @@ def pack_to_dir(
         del lengths, assignment
         context = _RunContext(output_dir, config, write_options,
                               row_dtype(dtype, config.pad_id).str, runs)
-        rows = write_shards(ps, offsets, context, intent.shards, pool,
-                            _save_context(spill_dir, context), resume=resume, progress=progress)
-        return commit_manifest(output_dir, intent, rows, results)
+        rows, digests = write_shards(ps, offsets, context, intent.shards, pool,
+                                     _save_context(spill_dir, context), resume=resume,
+                                     progress=progress)
+        return commit_manifest(output_dir, intent, rows, results, digests)
     finally:
         pool.close()
-        shutil.rmtree(spill_dir, ignore_errors=True)
+        if lock.held:
+            shutil.rmtree(spill_dir, ignore_errors=True)
+        lock.__exit__()
         if created and not started and os.path.isdir(output_dir) and not os.listdir(output_dir):
             os.rmdir(output_dir)

@@ -83,15 +83,18 @@ def write_manifest(directory: os.PathLike, shards: list[str], shard_num_rows: li
                    seq_len: int, max_segments: int = 64, feature: str = "tokens") -> None:
     """A complete manifest.json for hand-made shards (what `seqpack pack` would write)."""
     from seqpack.packer import PackConfig
-    from seqpack.pipelines.formats.manifest import Manifest
+    from seqpack.pipelines.formats.manifest import Manifest, file_digest
     from seqpack.pipelines.formats.manifest import write_manifest as write
 
     config = PackConfig(seq_len, max_segments=max_segments, feature=feature)
+    digests = [file_digest(os.path.join(directory, s)) if os.path.isfile(
+        os.path.join(directory, s)) else (0, "") for s in shards]
     write(str(directory), Manifest(
         config=config.to_dict(), inputs={}, writer_options="group_size:1",
         stored_keys=list(config.keys().roles().values()), shard_rows=max(shard_num_rows),
         num_rows=sum(shard_num_rows), shards=shards, shard_num_rows=shard_num_rows, stats={},
-        example_length_histogram={}))
+        example_length_histogram={}, shard_bytes=[b for b, _ in digests],
+        shard_sha256=[h for _, h in digests]))
 
 
 def invoke(*args, ok: bool = True):
