@@ -121,7 +121,7 @@ class RowAssignment:
     piece's example, start and length from the lengths and the config.
     """
 
-    row: np.ndarray  # i32[P] (i64 past 2**31 pieces): the packed row of each piece
+    row: np.ndarray  # i32[P] (i64 past 2**31 rows): the packed row of each piece
     num_rows: int
     counters: Counters
     block_size: int  # examples per block the plan was made with
@@ -222,16 +222,12 @@ def plan_rows(lengths: object, config: PackConfig, *, block_size: int | None = N
     counters = Counters()
     num_rows = 0
     for _, _, _, row, c, rows_so_far in _planned_blocks(lengths, config, block_size):
-        rows.append(row)
+        # 4 bytes a piece as soon as the block is planned (rows stay far below 2**31)
+        rows.append(row.astype(np.int32) if rows_so_far < 2**31 else row)
         counters = counters + c
         num_rows = rows_so_far
-    total = sum(r.size for r in rows)
-    dtype = np.int32 if total < 2**31 else np.int64
-    out = np.empty(total, dtype)
-    at = 0
-    for r in rows:
-        out[at : at + r.size] = r
-        at += r.size
+    out = rows[0] if len(rows) == 1 else np.concatenate(rows)
+    del rows
     return RowAssignment(out, num_rows, counters, block_size)
 
 

@@ -123,3 +123,34 @@ def test_stream_planner_state_restores_exactly(config, lengths, window, data):
     flat = lambda rs: [(r.index.tolist(), r.start.tolist(), r.length.tolist(),  # noqa: E731
                         r.offset.tolist()) for batch in rs for r in batch]
     assert flat(got) == flat(expected)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.one_of(configs(), configs(strategies=("concat_split",), overflows=("error",))),
+       lengths_st, st.integers(1, 25))
+def test_blocked_plans_are_lossless_ordered_and_match_plan_rows(config, lengths, block_size):
+    from seqpack.packer.plan import pieces, plan_rows
+
+    values, offsets = corpus(lengths)
+    p = plan(np.diff(offsets), config, block_size=block_size)
+    batch = assemble(values, offsets, p, config)
+    validate(batch, config)
+    check_lossless(batch, values, offsets, config,
+                   cut_anywhere=config.strategy.value == "concat_split")
+    if p.num_pieces:  # a block's rows come after every row of the blocks before it
+        block = p.example // block_size
+        first_row = np.full(block.max() + 1, p.num_rows)
+        np.minimum.at(first_row, block, p.row)
+        last_row = np.full(block.max() + 1, -1)
+        np.maximum.at(last_row, block, p.row)
+        used = np.unique(block)
+        assert (last_row[used][:-1] < first_row[used][1:]).all()
+    a = plan_rows(np.diff(offsets), config, block_size=block_size)
+    example = np.concatenate([e for e, _, _ in pieces(np.diff(offsets), config,
+                                                      block_size=block_size)])
+    order = np.argsort(a.row, kind="stable")
+    assert a.num_rows == p.num_rows and a.counters == p.counters
+    np.testing.assert_array_equal(a.row[order], p.row)
+    np.testing.assert_array_equal(example[order], p.example)
+    again = plan(np.diff(offsets), config, block_size=block_size)  # deterministic
+    np.testing.assert_array_equal(again.row, p.row)
