@@ -101,13 +101,19 @@ def apply_overflow(lengths: np.ndarray, config: PackConfig, *, ids: np.ndarray |
         c["dropped_examples"] = num_over
         c["dropped_tokens"] = int(lengths[over].sum())
         return keep, np.zeros(keep.size, np.int64), lengths[keep], Counters(**c)
-    # SPLIT: pieces of at most L, each its own segment.
+    # SPLIT: pieces of at most L, each its own segment (in place where it can: a few bytes a
+    # piece of temporaries).
     num_pieces = -(-lengths // L)
     example = np.repeat(np.arange(n, dtype=np.int64), num_pieces)
-    first = np.cumsum(num_pieces) - num_pieces
-    k = np.arange(example.size, dtype=np.int64) - first[example]
-    start = k * L
-    piece_len = np.minimum(lengths[example] - start, L)
+    first = np.cumsum(num_pieces)
+    first -= num_pieces
+    start = np.arange(example.size, dtype=np.int64)
+    start -= first[example]
+    del first
+    start *= L
+    piece_len = lengths[example]
+    piece_len -= start
+    np.minimum(piece_len, L, out=piece_len)
     c["split_examples"] = num_over
     c["split_pieces"] = int(num_pieces[over].sum())
     return example, start, piece_len, Counters(**c)
@@ -177,7 +183,7 @@ def _assign(length: np.ndarray, row: np.ndarray | None, config: PackConfig
     if row is not None:  # concat_split placed its pieces while cutting them
         return row, int(row[-1]) + 1 if row.size else 0
     a = config.segment_alignment
-    sizes = -(-length // a) * a
+    sizes = length if a == 1 else -(-length // a) * a
     return _ASSIGN[Strategy(config.strategy)](sizes, config.seq_len, config.max_segments)
 
 
@@ -202,13 +208,18 @@ def _planned_blocks(lengths: object, config: PackConfig, block_size: int):
 
 def pieces(lengths: object, config: PackConfig, *, block_size: int | None = None
            ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(example, start, length) i64 arrays of every piece, in input order, one block at a time.
+    """(example, start, length) i64 arrays of every piece, in input order, a part at a time.
 
     The pieces a `RowAssignment` made with the same lengths, config and block size assigns.
+    Cutting examples into pieces is per example (but for concat_split, which cuts the block's
+    stream), so the parts are at most 2**18 examples: a few MB of temporaries.
     """
-    for first, block in _blocks(lengths, check_block_size(block_size)):
-        example, start, length, _, _ = _block_pieces(block, config, first)
-        yield example, start, length
+    block_size = check_block_size(block_size)
+    part = block_size if config.strategy is Strategy.CONCAT_SPLIT else min(block_size, 1 << 18)
+    for first, block in _blocks(lengths, block_size):
+        for a in range(0, max(block.size, 1), part):
+            example, start, length, _, _ = _block_pieces(block[a : a + part], config, first + a)
+            yield example, start, length
 
 
 def plan_rows(lengths: object, config: PackConfig, *, block_size: int | None = None
@@ -221,11 +232,17 @@ def plan_rows(lengths: object, config: PackConfig, *, block_size: int | None = N
     rows: list[np.ndarray] = []
     counters = Counters()
     num_rows = 0
-    for _, _, _, row, c, rows_so_far in _planned_blocks(lengths, config, block_size):
+    for first, block in _blocks(lengths, block_size):
+        example, start, length, row, c = _block_pieces(block, config, first)
+        del example, start, block  # only the pieces' lengths are planned on
+        row, block_rows = _assign(length, row, config)
+        del length
+        row += num_rows
+        num_rows += block_rows
         # 4 bytes a piece as soon as the block is planned (rows stay far below 2**31)
-        rows.append(row.astype(np.int32) if rows_so_far < 2**31 else row)
+        rows.append(row.astype(np.int32) if num_rows < 2**31 else row)
+        del row
         counters = counters + c
-        num_rows = rows_so_far
     out = rows[0] if len(rows) == 1 else np.concatenate(rows)
     del rows
     return RowAssignment(out, num_rows, counters, block_size)

@@ -62,9 +62,18 @@ def row_histograms(row: np.ndarray, length: np.ndarray, num_rows: int, seq_len: 
     """(rows holding u tokens, u = 0..L; rows holding k segments, k = 0..S): what the
     statistics need of a set of rows. Histograms of parts of a packing add up."""
     row = np.asarray(row)
-    length = np.asarray(length, np.int64)
-    used = np.bincount(row, weights=length, minlength=num_rows).astype(np.int64)
-    nseg = np.bincount(row[length > 0], minlength=num_rows)
+    length = np.asarray(length)
+    used = np.zeros(num_rows, np.int64)
+    nseg = np.zeros(num_rows, np.int64)
+    step = 1 << 20  # a million pieces at a time: temporaries stay small
+    for a in range(0, row.size, step):
+        r, n = row[a : a + step], length[a : a + step]
+        lo = int(r.min())  # sorted rows (a plan's order) make each chunk's range short
+        r = r - lo
+        got = np.bincount(r, weights=n).astype(np.int64)
+        used[lo : lo + got.size] += got
+        got = np.bincount(r[n > 0])
+        nseg[lo : lo + got.size] += got
     return _histograms(used, nseg, seq_len, max_segments)
 
 

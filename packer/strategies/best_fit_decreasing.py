@@ -33,21 +33,27 @@ from seqpack.packer.strategies.best_fit import _MASK, _SHIFT
 _SEGMENT_BOUND_RATIO = 0.9
 
 
-def _bfd_sorted(sizes_desc: list[int], capacity: int, max_segments: int) -> tuple[list[int], int]:
-    """Best fit over sizes already sorted largest first; returns (row per piece, rows)."""
-    n = len(sizes_desc)
-    out = [0] * n
+def _bfd_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int
+                ) -> tuple[np.ndarray, int]:
+    """Best fit over sizes already sorted largest first; returns (row per piece, rows).
+
+    Works run by run (pieces of one size): Python steps per run and per row a run touches,
+    numpy per piece, so memory is a few bytes a piece.
+    """
+    n = int(sizes_desc.size)
+    out = np.empty(n, np.int32 if n < 2**31 else np.int64)  # rows <= pieces
+    if n == 0:
+        return out, 0
+    cut = np.flatnonzero(sizes_desc[1:] != sizes_desc[:-1]) + 1
+    starts = [0, *cut.tolist()]
+    ends = [*cut.tolist(), n]
+    run_sizes = sizes_desc[starts].tolist()
     keys: list[int] = []  # sorted `room << 32 | row` of rows that can still take a piece
     count: list[int] = []
-    min_size = sizes_desc[-1] if n else 1  # rooms smaller than every piece are closed for good
+    min_size = int(sizes_desc[-1])  # rooms smaller than every piece are closed for good
     num_rows = 0
-    i = 0
-    while i < n:
-        s = sizes_desc[i]
-        j = i + 1
-        while j < n and sizes_desc[j] == s:
-            j += 1
-        # Place the run sizes_desc[i:j] of equal pieces.
+    for s, i, j in zip(run_sizes, starts, ends):
+        # Place the run sizes_desc[i:j] of equal pieces: first into open rows, by best fit.
         k = bisect_left(keys, s << _SHIFT)
         touched = []
         while i < j and k < len(keys):
@@ -55,26 +61,36 @@ def _bfd_sorted(sizes_desc: list[int], capacity: int, max_segments: int) -> tupl
             r = key & _MASK
             room = key >> _SHIFT
             take = min(room // s, max_segments - count[r], j - i)
-            out[i : i + take] = [r] * take
+            out[i : i + take] = r
             i += take
             count[r] += take
-            touched.append((k, r, room - take * s))
+            touched.append((r, room - take * s))
             k += 1
         # Update the rows the run went into (remove their keys, re-insert the new rooms).
         if touched:
-            del keys[touched[0][0] : touched[-1][0] + 1]
-            for _, r, room in touched:
+            del keys[k - len(touched) : k]
+            for r, room in touched:
                 if room >= min_size and count[r] < max_segments:
                     insort(keys, (room << _SHIFT) | r)
         if i < j:  # the rest of the run opens new rows, each taking as many as fit
             per_row = min(capacity // s, max_segments)
             full, rest = divmod(j - i, per_row)
-            for take in [per_row] * full + ([rest] if rest else []):
-                out[i : i + take] = [num_rows] * take
-                i += take
-                room = capacity - take * s
-                count.append(take)
-                if room >= min_size and take < max_segments:
+            out[i : i + full * per_row] = num_rows + np.arange(full * per_row) // per_row
+            i += full * per_row
+            room = capacity - per_row * s
+            if full and room >= min_size and per_row < max_segments:
+                # New rows have the highest numbers: their equal keys go in one block.
+                new = [(room << _SHIFT) | r for r in range(num_rows, num_rows + full)]
+                at = bisect_left(keys, new[0])
+                keys[at:at] = new
+            count.extend([per_row] * full)
+            num_rows += full
+            if rest:
+                out[i : i + rest] = num_rows
+                i += rest
+                room = capacity - rest * s
+                count.append(rest)
+                if room >= min_size and rest < max_segments:
                     insort(keys, (room << _SHIFT) | num_rows)
                 num_rows += 1
     return out, num_rows
@@ -121,11 +137,15 @@ def assign_best_fit_decreasing(
     n = sizes.size
     if n == 0:
         return np.zeros(0, np.int64), 0
-    order = np.argsort(-sizes, kind="stable")
+    small = sizes.astype(np.int32) if capacity < 2**31 else sizes  # sizes <= capacity
+    small *= -1
+    order = np.argsort(small, kind="stable")  # largest first, ties in input order
+    del small
     sizes_desc = sizes[order]
-    rows_desc, num_rows = _bfd_sorted(sizes_desc.tolist(), capacity, max_segments)
+    rows_desc, num_rows = _bfd_sorted(sizes_desc, capacity, max_segments)
     rows = np.empty(n, np.int64)
     rows[order] = rows_desc
+    del rows_desc
     slot_bound = -(-n // max_segments)
     token_bound = -(-int(sizes.sum()) // capacity)
     if num_rows > slot_bound and slot_bound >= _SEGMENT_BOUND_RATIO * token_bound:

@@ -634,16 +634,20 @@ class _Pieces:
 
 
 def _sorted_pieces(a: RowAssignment, lengths: np.ndarray, config: PackConfig) -> _Pieces:
+    """12 bytes a piece (16 past 2**31 examples), plus the row; the piece order is a plan's:
+    (row, example, start)."""
     small = np.int32 if int(lengths.max(initial=0)) < 2**31 else np.int64
-    example = np.empty(a.num_pieces, np.int64)
+    example = np.empty(a.num_pieces, np.int32 if lengths.size < 2**31 else np.int64)
     start = np.empty(a.num_pieces, small)
     length = np.empty(a.num_pieces, small)
     at = 0
     for e, s, n in pieces(lengths, config, block_size=a.block_size):
         example[at : at + e.size], start[at : at + e.size], length[at : at + e.size] = e, s, n
         at += e.size
-    order = np.argsort(a.row, kind="stable")  # (row, example, start): a plan's piece order
-    example, start, length = example[order], start[order], length[order]
+    order = np.argsort(a.row, kind="stable")
+    example = example[order]  # one array at a time: one extra copy alive, not three
+    start = start[order]
+    length = length[order]
     row = a.row[order]
     del order
     bounds = np.zeros(a.num_rows + 1, np.int64)
@@ -657,7 +661,7 @@ def _shard_tasks(ps: _Pieces, offsets: np.ndarray, config: PackConfig, names: li
     for i in todo:
         r0, r1 = i * shard_rows, min((i + 1) * shard_rows, num_rows)
         a, b = int(ps.bounds[r0]), int(ps.bounds[r1])
-        example = ps.example[a:b]
+        example = ps.example[a:b].astype(np.int64)
         start = ps.start[a:b].astype(np.int64)
         p = order_pieces(example, start, ps.length[a:b].astype(np.int64),
                          ps.row[a:b].astype(np.int64) - r0, r1 - r0, Counters(), config)
@@ -753,14 +757,16 @@ def pack_to_dir(
         shutil.rmtree(spill_dir, ignore_errors=True)
         os.makedirs(spill_dir)
         scans, runs = read_inputs(paths, read_options, spill_dir, pool, progress)
+        infos, dtype = [s.info for s in scans], corpus_dtype([s.dtype for s in scans])
         lengths = np.concatenate([s.lengths for s in scans])
+        del scans
         if not lengths.sum():
             raise InputError(f"the inputs hold no tokens ({lengths.size} examples); nothing to "
                              "pack")
+        if lengths.max() < 2**31:
+            lengths = lengths.astype(np.int32)  # 4 bytes an example from here on
         assignment = plan_rows(lengths, config, block_size=block_size)
-        dtype = corpus_dtype([s.dtype for s in scans])
-        inputs = inputs_record([s.info for s in scans], dtype, read_options)
-        del scans
+        inputs = inputs_record(infos, dtype, read_options)
         intent = run_intent(config, inputs, write_options, assignment.num_rows, block_size)
         done = prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume)
         if done is not None:
