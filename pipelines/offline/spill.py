@@ -4,9 +4,10 @@ Pass 1 of `seqpack pack` reads each input once, in order, and appends its tokens
 (`SpillWriter`, one file per input and token dtype: a run); the plan is then made on the lengths
 alone. Pass 2 reads each shard's pieces straight from those files into the shard's rows
 (`SpillReader.read_into`, one positioned read per piece, from the page cache while the spill
-fits in it), so no process ever holds more than one shard's tokens. The spill takes the
-corpus's token bytes on disk (2 bytes a token for uint16 ids) and lives in the output
-directory's ``spill.tmp/``, removed when the run ends.
+fits in it), so no process ever holds more than one shard's tokens. Ids are spilled in the
+narrowest unsigned dtype that holds them (2 bytes a token for a vocabulary under 65536, whatever
+the input's type); the spill lives in the output directory's ``spill.tmp/``, removed when the
+run ends.
 
 Positions are global: token `p` of the corpus (inputs back to back, in the order given) lives in
 the run whose [start, start + num_tokens) holds `p`.
@@ -43,6 +44,14 @@ class SpillWriter:
     def __call__(self, tokens: np.ndarray) -> None:
         if not tokens.size:
             return
+        # The narrowest unsigned dtype that holds the ids (they are >= 0), never narrower than
+        # the current run's: a vocabulary under 65536 spills 2 bytes a token whatever its
+        # Parquet type. The rows' dtype is decided elsewhere; the values are the same.
+        need = np.min_scalar_type(int(tokens.max()))
+        if self.runs and np.dtype(self.runs[-1].dtype).itemsize >= need.itemsize:
+            need = np.dtype(self.runs[-1].dtype)
+        if need.itemsize < tokens.dtype.itemsize:
+            tokens = tokens.astype(need)
         dtype = tokens.dtype.str
         if not self.runs or self.runs[-1].dtype != dtype:
             self._close_file()
@@ -90,14 +99,19 @@ class SpillReader:
             dtype = np.dtype(run.dtype)
             mine = np.flatnonzero(which == r)
             pos = ((src[mine] - self.starts[r]) * dtype.itemsize).tolist()
+            n = length[mine]
             direct = dtype == out.dtype
+            # Straight into the rows, or into one buffer of the run's dtype, widened at once.
+            buf = out if direct else np.empty(int(n.sum()), dtype)
+            at = dst[mine] if direct else np.cumsum(n) - n
             fd = os.open(run.path, os.O_RDONLY)
             try:
-                for d, m, p in zip(dst[mine].tolist(), length[mine].tolist(), pos):
-                    view = out[d : d + m] if direct else np.empty(m, dtype)
+                for a, m, p in zip(at.tolist(), n.tolist(), pos):
+                    view = buf[a : a + m]
                     if os.preadv(fd, [view], p) != view.nbytes:
                         raise OSError(f"{run.path}: short read at byte {p}")
-                    if not direct:
-                        out[d : d + m] = view
             finally:
                 os.close(fd)
+            if not direct:
+                for d, a, m in zip(dst[mine].tolist(), at.tolist(), n.tolist()):
+                    out[d : d + m] = buf[a : a + m]
