@@ -105,11 +105,11 @@ def apply_overflow(lengths: np.ndarray, config: PackConfig, *, ids: np.ndarray |
     # piece of temporaries).
     num_pieces = -(-lengths // L)
     example = np.repeat(np.arange(n, dtype=np.int64), num_pieces)
-    first = np.cumsum(num_pieces)
-    first -= num_pieces
+    first_piece = np.cumsum(num_pieces)
+    first_piece -= num_pieces
     start = np.arange(example.size, dtype=np.int64)
-    start -= first[example]
-    del first
+    start -= first_piece[example]
+    del first_piece
     start *= L
     piece_len = lengths[example]
     piece_len -= start

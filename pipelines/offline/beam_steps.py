@@ -257,11 +257,11 @@ def finish_plan(
     if prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume) is not None:
         return None
     counters = sum((b.counters for b in blocks), Counters())
-    stats = stats_from_histograms(sum(b.used_hist for b in blocks),  # type: ignore[arg-type]
-                                  sum(b.nseg_hist for b in blocks),  # type: ignore[arg-type]
-                                  config.seq_len, counters)
+    used = np.sum([b.used_hist for b in blocks if b.used_hist.size], axis=0)
+    nseg = np.sum([b.nseg_hist for b in blocks if b.nseg_hist.size], axis=0)
+    stats = stats_from_histograms(used, nseg, config.seq_len, counters)
     hist = length_histogram(np.zeros(0, np.int64), max(f.max_length for f in files))
-    hist["counts"] = [int(c) for c in sum(b.length_counts for b in blocks)]
+    hist["counts"] = [int(c) for c in np.sum([b.length_counts for b in blocks], axis=0)]
     base = np.concatenate(([0], np.cumsum([b.num_rows for b in blocks])))[:-1]
     return JobSummary(intent, manifest_results(stats, hist), row_dtype(dtype, config.pad_id).str,
                       write_options.shard_rows, [int(r) for r in base])

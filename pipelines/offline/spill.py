@@ -107,7 +107,7 @@ class SpillReader:
             fd = os.open(run.path, os.O_RDONLY)
             try:
                 for a, m, p in zip(at.tolist(), n.tolist(), pos):
-                    view = buf[a : a + m]
+                    view = buf[a : a + m].data
                     if os.preadv(fd, [view], p) != view.nbytes:
                         raise OSError(f"{run.path}: short read at byte {p}")
             finally:

@@ -551,6 +551,7 @@ class _Workers:
             import multiprocessing
             from concurrent.futures import ProcessPoolExecutor
 
+            context: Any
             if "forkserver" in multiprocessing.get_all_start_methods():
                 context = multiprocessing.get_context("forkserver")
                 # The fork server imports the writer (numpy, pyarrow, array_record) once; each
