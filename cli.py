@@ -183,16 +183,26 @@ def _available_memory() -> int | None:
         return None
 
 
-def _check_row_memory(config) -> None:
-    """A packed row must be allocatable: checked before anything is written."""
+def _check_row_memory(config, shard_rows: int = 1, workers: int = 1) -> None:
+    """A packed row, and a shard of rows in each worker, must be allocatable: checked before
+    anything is written."""
     from seqpack.pipelines.errors import UsageError
 
-    need = config.seq_len * 16  # tokens (<= 8 bytes) + int32 segment ids and positions
+    row = config.seq_len * 16  # tokens (<= 8 bytes) + int32 segment ids and positions
     available = _available_memory()
-    if available is not None and need > available:
-        raise UsageError(f"--seq-len {config.seq_len}: one packed row needs {need / 2**30:.1f} "
+    if available is None:
+        return
+    if row > available:
+        raise UsageError(f"--seq-len {config.seq_len}: one packed row needs {row / 2**30:.1f} "
                          f"GiB, more than the {available / 2**30:.1f} GiB of memory available; "
                          "pick a smaller --seq-len")
+    need = row * shard_rows * workers  # each worker assembles one shard at a time
+    if need > available:
+        fit = max(1, available // (row * workers))
+        raise UsageError(f"--shard-rows {shard_rows} x --seq-len {config.seq_len} x {workers} "
+                         f"worker(s) needs {need / 2**30:.1f} GiB, more than the "
+                         f"{available / 2**30:.1f} GiB of memory available; pass --shard-rows "
+                         f"{fit} or fewer (or fewer --workers)")
 
 
 def _read_options(input_format, column, tokenizer, text_unit):
@@ -278,7 +288,9 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
                                "(e.g. --beam-option direct_num_workers=8)")
     config = _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
                      feature)
-    _check_row_memory(config)
+    if runner == "local":
+        workers = workers or default_workers()
+    _check_row_memory(config, shard_rows, workers or 1)
     read_options = _read_options(input_format, column, tokenizer, text_unit)
     write_options = _usage(WriteOptions, shard_rows=shard_rows, compression=compression,
                            fsync=fsync)
@@ -295,7 +307,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
             manifest = pack_to_dir(inputs, output_dir, config, read_options=read_options,
                                    write_options=write_options, overwrite=overwrite,
                                    resume=resume, progress=progress,
-                                   workers=workers or default_workers(),
+                                   workers=workers,
                                    block_size=block_size)
     if as_json:
         click.echo(json.dumps({"output_dir": output_dir, "stats": manifest.stats}, indent=2))

@@ -58,6 +58,10 @@ def test_seq_len_bounds_are_checked_before_anything_is_written(tmp_path, monkeyp
     assert result.exit_code == 2
     assert "--seq-len 100000000: one packed row needs 1.5 GiB, more than the 1.0 GiB" \
         in result.output
+    result = invoke("pack", src, "-o", out, "--seq-len", 1_000_000, "--workers", 2, ok=False)
+    assert result.exit_code == 2  # 1024 rows of 16 MB in each of 2 workers: 32 GiB
+    assert "--shard-rows 1024 x --seq-len 1000000 x 2 worker(s) needs 30.5 GiB" in result.output
+    assert "pass --shard-rows 33 or fewer" in result.output
     assert not out.exists()
 
 
