@@ -167,7 +167,8 @@ def test_sigkill_in_the_write_pass_with_workers_then_resume(tmp_path):
 
 
 def test_memory_is_bounded_by_examples_not_tokens(tmp_path):
-    """A corpus 4x the RSS budget it is packed in (peak RSS over a tiny run of the same shape)."""
+    """A corpus 4x the RSS budget it is packed and verified in (peak RSS over a tiny run of
+    the same shape)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -175,30 +176,36 @@ def test_memory_is_bounded_by_examples_not_tokens(tmp_path):
     tiny, big = tmp_path / "tiny", tmp_path / "big"
     tiny.mkdir()
     big.mkdir()
-    budget = 40 << 20
+    budget = 32 << 20
     lengths = rng.integers(100, 400, 12_000)
     offsets = np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
     values = pa.array(rng.integers(0, 50_000, int(offsets[-1]), dtype=np.int32))
     table = pa.table({"tokens": pa.ListArray.from_arrays(pa.array(offsets), values)})
-    num_files = 16  # 16 x 3M tokens x 4 bytes: 192 MB of token ids, 4.5x the budget
+    num_files = 12  # 12 x 3M tokens x 4 bytes: 144 MB of token ids, 4.3x the budget
     for i in range(num_files):
         pq.write_table(table, big / f"{i:02d}.parquet")
     pq.write_table(table.slice(0, 200), tiny / "0.parquet")
     assert num_files * int(offsets[-1]) * 4 >= 4 * budget
 
-    def peak_rss(src) -> int:
-        files = sorted(str(p) for p in src.glob("*.parquet"))
+    def peak_rss(*args) -> int:
         code = ("import resource, sys; from seqpack.cli import main\n"
                 "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert not e.code\n"
                 "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
-        result = subprocess.run([sys.executable, "-c", code, "pack", *files, "-o", src / "out",
-                                 "--seq-len", "512", "--max-segments", "16", "--workers", "1",
-                                 "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        result = subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT,
+                                capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr
         return int(result.stdout.split()[-1]) * 1024
 
-    base, peak = peak_rss(tiny), peak_rss(big)
-    print(f"peak RSS {peak >> 20} MiB, {(peak - base) >> 20} MiB over a tiny run")
+    def pack(src) -> int:
+        files = sorted(str(p) for p in src.glob("*.parquet"))
+        return peak_rss("pack", *files, "-o", src / "out", "--seq-len", "512", "--max-segments",
+                        "16", "--workers", "1", "--json")
+
+    base, peak = pack(tiny), pack(big)
+    print(f"pack: peak RSS {peak >> 20} MiB, {(peak - base) >> 20} MiB over a tiny run")
+    assert peak - base <= budget, (base >> 20, peak >> 20)
+    base, peak = peak_rss("verify", tiny / "out"), peak_rss("verify", big / "out")
+    print(f"verify: peak RSS {peak >> 20} MiB, {(peak - base) >> 20} MiB over a tiny run")
     assert peak - base <= budget, (base >> 20, peak >> 20)
     manifest = json.loads((big / "out" / "manifest.json").read_text())
     assert manifest["inputs"]["num_tokens"] == num_files * int(offsets[-1])

@@ -70,10 +70,12 @@ def read_raw(reader: Any, path: str, indices: list[int]) -> list[bytes]:
                          f"({first_line(e)})") from None
 
 
-def decode(raw: bytes, path: str, index: int) -> dict[str, np.ndarray]:
-    """One SQP1 record; InputError naming the file and record if it does not decode."""
+def decode(raw: bytes, path: str, index: int, *, restore: bool = True
+           ) -> dict[str, np.ndarray]:
+    """One SQP1 record; InputError naming the file and record if it does not decode.
+    `restore=False` leaves out the derived segment ids / positions (see `decode_row`)."""
     try:
-        return decode_row(raw)
+        return decode_row(raw, restore=restore)
     except ValueError as e:
         raise InputError(f"{path} record {index}: {e}") from None
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from collections.abc import Sequence
 
 import numpy as np
 
 from seqpack.packer import Counters, PackConfig, validate
-from seqpack.packer.contract import ragged_arange
-from seqpack.packer.stats import stats_from_lengths
+from seqpack.packer.contract import ragged_arange, restore_derived
+from seqpack.packer.stats import stats_from_histograms
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.arrayrecord import (
     close_quietly,
@@ -39,10 +40,13 @@ from seqpack.pipelines.formats.arrayrecord import (
 from seqpack.pipelines.formats.inputs import (
     ReadOptions,
     combined_lengths_sha256,
+    detect_format,
     fingerprint,
-    read_corpus,
+    scan_file,
 )
 from seqpack.pipelines.formats.manifest import Manifest, file_digest, read_manifest
+from seqpack.pipelines.formats.text import load_tokenizer
+from seqpack.pipelines.offline.spill import Run, SpillReader, SpillWriter
 
 
 @dataclasses.dataclass
@@ -76,16 +80,17 @@ def read_shard(output_dir: str, name: str, num_rows: int | None = None) -> dict[
             raws = reader.read_all()
         except RuntimeError as e:
             raise InputError(f"{path}: corrupt shard ({first_line(e)})") from None
-        rows = [decode(raw, path, j) for j, raw in enumerate(raws)]
+        rows = [decode(raw, path, j, restore=False) for j, raw in enumerate(raws)]
     finally:
         close_quietly(reader)
     if not rows:
         return {}
     keys = list(rows[0])
     try:
-        return {k: np.stack([r[k] for r in rows]) for k in keys}
+        batch = {k: np.stack([r[k] for r in rows]) for k in keys}
     except (KeyError, ValueError) as e:
         raise InputError(f"{path}: rows have different keys or shapes ({e})") from None
+    return restore_derived(batch)  # once for the shard, not per row
 
 
 def read_row(output_dir: str, index: int) -> tuple[dict[str, np.ndarray], Manifest, str, int]:
@@ -122,8 +127,9 @@ class _Collector:
         return len(self.items) >= self.limit
 
 
-def _check_tokens(batch, config, values, offsets, lengths, shard, out: _Collector):
-    """Segment tokens == source tokens; returns (example, start, length) of the used slots."""
+def _check_tokens(batch, config, spill: SpillReader, offsets, lengths, shard, out: _Collector):
+    """Segment tokens == source tokens (read from the spill); returns (example, start, length)
+    of the used slots."""
     k = config.keys()
     seg_len = batch[k.segment_lengths].astype(np.int64)
     used = seg_len > 0
@@ -141,18 +147,47 @@ def _check_tokens(batch, config, values, offsets, lengths, shard, out: _Collecto
         rows, slots, ex, st, ln = rows[keep], slots[keep], ex[keep], st[keep], ln[keep]
     L = config.seq_len
     dst = ragged_arange(rows * L + batch[k.segment_offsets][rows, slots], ln)
-    src = ragged_arange(offsets[ex] + st, ln)
     got = batch[k.values].reshape(-1)[dst]
-    diff = np.flatnonzero(got != values[src])
+    want = np.empty(got.size, got.dtype if got.dtype.kind in "iu" else np.int64)
+    spill.read_into(want, np.cumsum(ln) - ln, offsets[ex] + st, ln)
+    diff = np.flatnonzero(got != want)
     if diff.size:
         d = int(diff[0])
         seg = int(np.searchsorted(np.cumsum(ln), d, side="right"))
         r, s = int(rows[seg]), int(slots[seg])
         pos = int(dst[d] - r * L)
-        out.add(f"{shard} row {r} slot {s} position {pos}: token {got[d]} != {values[src[d]]}, "
-                f"token {int(src[d] - offsets[ex[seg]])} of example {ex[seg]} "
-                f"({diff.size} tokens differ in this shard)")
+        within = int(st[seg] + d - (np.cumsum(ln)[seg] - ln[seg]))
+        out.add(f"{shard} row {r} slot {s} position {pos}: token {got[d]} != {want[d]}, "
+                f"token {within} of example {ex[seg]} ({diff.size} tokens differ in this "
+                "shard)")
     return ex, st, ln, int(ln.sum())
+
+
+def _read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str
+                 ) -> tuple[list[dict], np.ndarray, list[Run]]:
+    """The inputs read once, chunk by chunk: each one's manifest entry (fingerprint, counts,
+    lengths digest), every example length, and their tokens spilled to `spill_dir` (what the
+    rows are compared against, a shard at a time: memory bounded by examples, not tokens)."""
+    tokenizer = load_tokenizer(options.tokenizer) if options.tokenizer else None
+    files, lengths, runs = [], [], []
+    for i, path in enumerate(paths):
+        sink = SpillWriter(spill_dir, f"in-{i:06d}")
+        try:
+            scan = scan_file(path, detect_format(path, options.input_format), options,
+                             tokenizer, sink)
+        finally:
+            runs += sink.close()
+        files.append(scan.info)
+        lengths.append(scan.lengths)
+    return files, np.concatenate(lengths) if lengths else np.zeros(0, np.int64), runs
+
+
+def row_histograms_of(seg: np.ndarray, config: PackConfig) -> tuple[np.ndarray, np.ndarray]:
+    """`packer.stats` row histograms of `[R, S]` segment lengths."""
+    used = seg.sum(axis=1)
+    nseg = (seg > 0).sum(axis=1)
+    return (np.bincount(used, minlength=config.seq_len + 1),
+            np.bincount(nseg, minlength=config.max_segments + 1))
 
 
 def _check_coverage(ex, st, ln, lengths, config, counters: Counters, out: _Collector) -> None:
@@ -216,54 +251,59 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
     if len(paths) != len(recorded):
         raise InputError(f"{len(paths)} inputs given, the manifest lists {len(recorded)}: "
                          + ", ".join(f["path"] for f in recorded))
-    for i, (path, rec) in enumerate(zip(paths, recorded)):
-        if not os.path.isfile(path):
-            raise InputError(f"{path}: no such file")
-        fp = fingerprint(path)
-        for key in ("size", "sha256"):
-            if fp[key] != rec.get(key):
-                out.add(f"input {i} ({path}): {key} {fp[key]} differs from the packed input's "
-                        f"{rec[key]} ({rec['path']})")
     options = ReadOptions(**manifest.inputs["read_options"])
     tokenizer = manifest.inputs.get("tokenizer")
     if tokenizer and os.path.isfile(tokenizer["path"]):
         fp = fingerprint(tokenizer["path"])
         if fp["sha256"] != tokenizer.get("sha256"):
             out.add(f"tokenizer {tokenizer['path']} changed since the run that packed the rows")
-    corpus = read_corpus(paths, options)
-    values, offsets, lengths = corpus.values, corpus.offsets, corpus.lengths
-    if combined_lengths_sha256(corpus.files) != manifest.inputs["lengths_sha256"]:
-        out.add(f"the inputs' {lengths.size} example lengths differ from the packed inputs' "
-                f"{manifest.inputs['num_examples']}")
-    shard_num_rows, recorded_stats = manifest.shard_num_rows or [], manifest.stats or {}
-    pieces, seg_lengths, checked = [], [], 0
-    for name, num_rows in zip(manifest.shards, shard_num_rows, strict=True):
-        try:
-            batch = read_shard(output_dir, name, num_rows)
-        except InputError as e:
-            if name not in damaged:  # a shard the manifest vouches for must decode
-                raise
-            out.add(f"{name}: cannot be decoded ({e})")
-            continue
-        if not batch:
-            continue
-        try:
-            validate(batch, config)
-        except ValueError as e:
-            out.add(f"{name}: {e}")
-        try:  # still compare tokens and count pieces where the segment metadata allows it
-            ex, st, ln, n = _check_tokens(batch, config, values, offsets, lengths, name, out)
-        except (IndexError, KeyError, ValueError):
-            continue
-        seg_lengths.append(batch[config.keys().segment_lengths])
-        pieces.append((ex, st, ln))
-        checked += n
+    with tempfile.TemporaryDirectory(prefix="seqpack-verify-") as spill_dir:
+        files, lengths, runs = _read_inputs(paths, options, spill_dir)
+        for i, (path, info, rec) in enumerate(zip(paths, files, recorded)):
+            for key in ("size", "sha256"):
+                if info[key] != rec.get(key):
+                    out.add(f"input {i} ({path}): {key} {info[key]} differs from the packed "
+                            f"input's {rec[key]} ({rec['path']})")
+        if combined_lengths_sha256(files) != manifest.inputs["lengths_sha256"]:
+            out.add(f"the inputs' {lengths.size} example lengths differ from the packed inputs' "
+                    f"{manifest.inputs['num_examples']}")
+        offsets = np.zeros(lengths.size + 1, np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        spill = SpillReader(runs)
+        shard_num_rows, recorded_stats = manifest.shard_num_rows or [], manifest.stats or {}
+        pieces, checked = [], 0
+        used_hist = np.zeros(config.seq_len + 1, np.int64)
+        nseg_hist = np.zeros(config.max_segments + 1, np.int64)
+        for name, num_rows in zip(manifest.shards, shard_num_rows, strict=True):
+            try:
+                batch = read_shard(output_dir, name, num_rows)
+            except InputError as e:
+                if name not in damaged:  # a shard the manifest vouches for must decode
+                    raise
+                out.add(f"{name}: cannot be decoded ({e})")
+                continue
+            if not batch:
+                continue
+            try:
+                validate(batch, config)
+            except ValueError as e:
+                out.add(f"{name}: {e}")
+            try:  # still compare tokens and count pieces where the segment metadata allows it
+                ex, st, ln, n = _check_tokens(batch, config, spill, offsets, lengths, name, out)
+            except (IndexError, KeyError, ValueError):
+                continue
+            seg = batch[config.keys().segment_lengths].astype(np.int64)
+            hists = row_histograms_of(seg, config)
+            used_hist += hists[0]
+            nseg_hist += hists[1]
+            pieces.append((ex, st, ln))
+            checked += n
     if pieces:
         ex, st, ln = (np.concatenate(x) for x in zip(*pieces))
+        del pieces
         counters = Counters(**recorded_stats["counters"])
         _check_coverage(ex, st, ln, lengths, config, counters, out)
-    seg = np.concatenate(seg_lengths) if seg_lengths else np.zeros((0, config.max_segments))
-    got = stats_from_lengths(seg, config.seq_len).to_dict()
+    got = stats_from_histograms(used_hist, nseg_hist, config.seq_len).to_dict()
     for key in ("num_rows", "num_segments", "real_tokens", "lower_bound_rows",
                 "segments_per_row", "row_fill_histogram"):
         if got[key] != recorded_stats[key]:
