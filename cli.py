@@ -6,6 +6,7 @@
     seqpack stats packed/                          # the packed run's statistics
     seqpack stats data/*.parquet --column input_ids --plot stats.png   # dry run, per strategy
     seqpack verify packed/ data/*.parquet          # proves the rows lossless against the inputs
+    seqpack pack 'gs://bucket/data/*.parquet' -o packed/   # URL inputs (seqpack[cloud]), quoted
     seqpack inspect packed/ --row 0
 
 Each command parses its options, calls one library function (`pipelines.offline.writer`,
@@ -168,6 +169,16 @@ def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id
                   pad_id=pad_id, feature=feature)
 
 
+def _expand(paths: tuple[str, ...]) -> list[str]:
+    """INPUT arguments with their URL globs expanded (`gs://b/data/*.parquet`: sorted object
+    URLs; quote them, the shell expands only local paths). fsspec is imported only for URLs."""
+    if not any("://" in p for p in paths):
+        return list(paths)
+    from seqpack.pipelines.storage import expand
+
+    return expand(paths)
+
+
 def _available_memory() -> int | None:
     """Bytes of memory available to a new allocation (Linux: MemAvailable), or None."""
     try:
@@ -254,6 +265,8 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
          overwrite, fsync, batch_size, as_json, workers, block_size, runner, beam_options):
     """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into ArrayRecord shards.
 
+    INPUT may be URLs (gs://, s3://, ...; needs seqpack[cloud]); quote URL globs.
+
     With no INPUT, packs the built-in sample corpus: the top-level .py files of this Python's
     standard library, byte-tokenized, one example per paragraph (no download).
     """
@@ -262,6 +275,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     from seqpack.pipelines.offline.writer import WriteOptions, default_workers, pack_to_dir
 
     sample = not inputs
+    inputs = _expand(inputs)
     if sample:
         import tempfile
 
@@ -335,6 +349,7 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
         summary,
     )
 
+    paths = _expand(paths)
     if len(paths) == 1 and os.path.isdir(paths[0]):
         from seqpack.pipelines.offline.verify import load_manifest
 
@@ -380,7 +395,7 @@ def verify(output_dir, inputs, max_violations, as_json):
     """
     from seqpack.pipelines.offline.verify import verify as run_verify
 
-    report = run_verify(output_dir, inputs, max_violations=max_violations)
+    report = run_verify(output_dir, _expand(inputs), max_violations=max_violations)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     elif report.ok:

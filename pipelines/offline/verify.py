@@ -28,6 +28,7 @@ import numpy as np
 from seqpack.packer import Counters, PackConfig, validate
 from seqpack.packer.contract import ragged_arange
 from seqpack.packer.stats import stats_from_lengths
+from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.arrayrecord import (
     close_quietly,
@@ -216,21 +217,21 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
     if len(paths) != len(recorded):
         raise InputError(f"{len(paths)} inputs given, the manifest lists {len(recorded)}: "
                          + ", ".join(f["path"] for f in recorded))
-    for i, (path, rec) in enumerate(zip(paths, recorded)):
-        if not os.path.isfile(path):
-            raise InputError(f"{path}: no such file")
-        fp = fingerprint(path)
+    for path in paths:
+        if not storage.exists(path):
+            raise InputError(f"{path}: no such {'object' if storage.is_url(path) else 'file'}")
+    options = ReadOptions(**manifest.inputs["read_options"])
+    corpus = read_corpus(paths, options)  # each input read once (a URL: downloaded once)
+    for i, (path, fp, rec) in enumerate(zip(paths, corpus.files, recorded)):
         for key in ("size", "sha256"):
             if fp[key] != rec.get(key):
                 out.add(f"input {i} ({path}): {key} {fp[key]} differs from the packed input's "
                         f"{rec[key]} ({rec['path']})")
-    options = ReadOptions(**manifest.inputs["read_options"])
     tokenizer = manifest.inputs.get("tokenizer")
     if tokenizer and os.path.isfile(tokenizer["path"]):
         fp = fingerprint(tokenizer["path"])
         if fp["sha256"] != tokenizer.get("sha256"):
             out.add(f"tokenizer {tokenizer['path']} changed since the run that packed the rows")
-    corpus = read_corpus(paths, options)
     values, offsets, lengths = corpus.values, corpus.offsets, corpus.lengths
     if combined_lengths_sha256(corpus.files) != manifest.inputs["lengths_sha256"]:
         out.add(f"the inputs' {lengths.size} example lengths differ from the packed inputs' "
