@@ -179,6 +179,16 @@ def _expand(paths: tuple[str, ...]) -> list[str]:
     return expand(paths)
 
 
+def _packed_dir(path: str) -> bool:
+    """A directory, or a URL prefix holding manifest.json (a packed output on object storage)."""
+    if "://" not in path:
+        return os.path.isdir(path)
+    from seqpack.pipelines import storage
+    from seqpack.pipelines.formats.manifest import MANIFEST
+
+    return storage.exists(storage.join(path, MANIFEST))
+
+
 def _available_memory() -> int | None:
     """Bytes of memory available to a new allocation (Linux: MemAvailable), or None."""
     try:
@@ -350,7 +360,7 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
     )
 
     paths = _expand(paths)
-    if len(paths) == 1 and os.path.isdir(paths[0]):
+    if len(paths) == 1 and _packed_dir(paths[0]):
         from seqpack.pipelines.offline.verify import load_manifest
 
         manifest, config = load_manifest(paths[0])

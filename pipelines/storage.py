@@ -47,7 +47,7 @@ from typing import Any
 from seqpack.pipelines.errors import InputError, require
 
 __all__ = ["cache_root", "cached_copy", "exists", "expand", "glob", "is_url", "join", "local_copy",
-           "named", "read_bytes", "read_json", "size"]
+           "named", "read_bytes", "read_json", "size", "sizes"]
 
 BLOCK = 8 << 20  # bytes per read while copying an object
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -80,6 +80,9 @@ def filesystem(url: str) -> tuple[Any, str]:
         options["token"] = "anon"  # the emulator checks no credentials; don't look for any
     if client:
         require(client, f"{url}")
+        # Every call asks the store: another process may have replaced an object since this
+        # process listed its prefix (fsspec instances, and their listings, live as long as it).
+        options["use_listings_cache"] = False
     try:
         fs = fsspec.filesystem(scheme, **options)
     except ValueError as e:  # an unknown protocol
@@ -144,6 +147,21 @@ def size(path: str) -> int:
             raise InputError(f"{path}: no such file")
         return os.path.getsize(path)
     return int(_info(path)["size"])
+
+
+def sizes(prefix: str) -> dict[str, int]:
+    """name -> bytes of the objects directly under a URL prefix (one listing request, paged by
+    the store), or of the files in a local directory."""
+    if not is_url(prefix):
+        return {n: os.path.getsize(os.path.join(prefix, n)) for n in os.listdir(prefix)
+                if os.path.isfile(os.path.join(prefix, n))}
+    fs, path = filesystem(prefix)
+    try:
+        listing = fs.ls(path.rstrip("/"), detail=True, refresh=True)
+    except FileNotFoundError:
+        return {}
+    return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"]) for e in listing
+            if e.get("type") != "directory"}
 
 
 def join(base: str, name: str) -> str:

@@ -84,6 +84,10 @@ def test_a_missing_object_names_its_url(store, tmp_path):
         storage.expand(store.url("nope/*.parquet"))
     result = invoke("stats", url, ok=False)
     assert result.exit_code == 2 and url in result.output, result.output
+    bad = store.url("bad.jsonl")  # a bad record: the error names the URL, not the local copy
+    store.fs.pipe_file(bad.split("://", 1)[1], b'{"tokens": [1]}\n{"tokens": [2, "x"]}\n')
+    result = invoke("stats", bad, ok=False)
+    assert result.exit_code == 2 and f"{bad}:2" in result.output, result.output
 
 
 def test_stats_dry_run_on_urls_equals_local(store, inputs):
@@ -115,6 +119,9 @@ def test_pack_from_urls_gives_the_local_shards_and_verifies(store, inputs, tmp_p
         for f in m["inputs"]["files"]:
             del f["path"]
     assert m_local == m_remote
+    # --resume of the complete run re-reads the URLs and keeps every byte
+    invoke("pack", *urls, "-o", tmp_path / "remote", *args, "--workers", 1, "--resume")
+    assert dir_bytes(tmp_path / "remote") == remote
     # verify reads the manifest's URLs (a real subprocess: the environment carries the server)
     done = run_cli("verify", tmp_path / "remote")
     assert done.returncode == 0 and done.stdout.startswith("OK"), done.stdout + done.stderr
@@ -149,6 +156,10 @@ def test_packed_source_reads_a_remote_packed_dir(store, packed, tmp_path):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     cached = sorted(str(p) for p in (tmp_path / "cache").rglob("*.arrayrecord"))
     assert len(cached) == len(src.manifest.shards)
+    # stats (the manifest) and inspect (one shard) read a remote packed dir too
+    for args in (["stats", "--json"], ["inspect", "--row", -1, "--json"]):
+        a = invoke(args[0], packed, *args[1:]).stdout
+        assert invoke(args[0], url, *args[1:]).stdout == a
     # a bit flipped in a remote shard (same size): refused, the shard named
     name = src.manifest.shards[1]
     key = f"{store.prefix}/packed/{name}"
@@ -159,6 +170,9 @@ def test_packed_source_reads_a_remote_packed_dir(store, packed, tmp_path):
         PackedArrayRecordSource(url, cache_dir=tmp_path / "fresh")
     # the checked copies already cached are still the manifest's bytes: served as they are
     assert len(PackedArrayRecordSource(url, cache_dir=tmp_path / "cache")) == len(local)
+    store.fs.rm_file(key)  # a missing remote shard: named too
+    with pytest.raises(InputError, match=f"{url}/{name}: missing"):
+        PackedArrayRecordSource(url, cache_dir=tmp_path / "fresh")
     # a prefix with no manifest: not a complete pack output; no shards either: nothing to read
     with pytest.raises(InputError, match=f"{store.url('empty')}/manifest.json: missing"):
         PackedArrayRecordSource(store.url("empty"), cache_dir=tmp_path / "cache")

@@ -183,13 +183,14 @@ def file_digest(path: str) -> tuple[int, str]:
 
 
 def check_shard_files(directory: str, manifest: Manifest) -> None:
-    """InputError unless every shard exists with the size the manifest records (a directory or
-    a URL prefix: one metadata request per shard)."""
+    """InputError unless every shard exists with the size the manifest records (a directory,
+    or a URL prefix: one listing)."""
+    listed = storage.sizes(directory) if storage.is_url(directory) else None
     for name, size in zip(manifest.shards, manifest.shard_bytes or []):
         path = storage.join(directory, name)
         try:
-            got = storage.size(path)
-        except InputError:
+            got = os.path.getsize(path) if listed is None else listed[name]
+        except (OSError, KeyError):
             raise InputError(f"{path}: missing; the manifest lists it (rerun `seqpack pack ... "
                              "--resume` to restore it)") from None
         if got != size:

@@ -100,12 +100,13 @@ def read_row(output_dir: str, index: int) -> tuple[dict[str, np.ndarray], Manife
     cum = np.cumsum([0, *counts])
     shard = int(np.searchsorted(cum, index, side="right")) - 1
     name, j = manifest.shards[shard], index - int(cum[shard])
-    path = os.path.join(output_dir, name)
-    reader = open_reader(path)
-    try:
-        row = decode(read_raw(reader, path, [j])[0], path, j)
-    finally:
-        close_quietly(reader)
+    path = storage.join(output_dir, name)
+    with storage.local_copy(path) as local, storage.named(local, path):  # a URL: one shard
+        reader = open_reader(local)
+        try:
+            row = decode(read_raw(reader, local, [j])[0], local, j)
+        finally:
+            close_quietly(reader)
     return row, manifest, name, j
 
 
