@@ -44,7 +44,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from seqpack.pipelines.errors import InputError, require
+from seqpack.pipelines.errors import InputError, MissingDependency, require
 
 __all__ = ["cache_root", "cached_copy", "exists", "expand", "glob", "is_url", "join", "local_copy",
            "named", "read_bytes", "read_json", "size", "sizes"]
@@ -87,6 +87,8 @@ def filesystem(url: str) -> tuple[Any, str]:
         fs = fsspec.filesystem(scheme, **options)
     except ValueError as e:  # an unknown protocol
         raise InputError(f"{url}: {e}") from None
+    except ImportError as e:  # a protocol whose client is not installed (az://: adlfs, ...)
+        raise MissingDependency(f"{url} needs the fsspec client of {scheme}:// ({e})") from None
     return fs, fs._strip_protocol(url)
 
 

@@ -8,14 +8,14 @@ errors as the offline CLI: `InputError` naming the file and the line or record).
     ArrayRecordSource("examples.arrayrecord")        # SQP1 records, decoded zero-copy
     PackedArrayRecordSource("out/packed")            # a `seqpack pack` directory (manifest.json)
 
-Paths may be URLs (gs://, s3://, any fsspec protocol; needs ``seqpack[cloud]``): each object
-is downloaded once into a local cache (`cache_dir=`, default ``$XDG_CACHE_HOME/seqpack`` or
-``~/.cache/seqpack``; `pipelines.storage.cached_copy`) and read from there, since the readers
-need local files. The cost: one download per file, disk for all of them. For
-``PackedArrayRecordSource("gs://bucket/packed/")`` the manifest is read and checked remotely
-(its own digest, shard names, shard sizes) and every shard is checked against the manifest's
-size and sha256 as it is downloaded: a damaged remote shard is refused, named. Errors name the
-URL, not the cached copy.
+Paths may be URLs (gs://, s3://, any fsspec protocol; needs ``seqpack[cloud]``): each object is
+downloaded once into a local cache (`cache_dir=`, default ``$SEQPACK_CACHE_DIR``, else
+``$XDG_CACHE_HOME/seqpack`` or ``~/.cache/seqpack``; `pipelines.storage.cached_copy`) and read
+from there, since the readers need local files. The cost: one download per file, disk for all of
+them. For ``PackedArrayRecordSource("gs://bucket/packed/")`` the manifest is read and checked
+remotely (its own digest, shard names, shard sizes) and every shard is checked against the
+manifest's size and sha256 as it is downloaded: a damaged remote shard is refused, named. Errors
+name the URL, not the cached copy.
 
 Records are numbered across files in order. `PackedArrayRecordSource` reads the packed rows the
 offline writer produces (a directory holding ``manifest.json``, or shard files) and checks each
