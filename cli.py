@@ -295,6 +295,9 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
         output_dir = output_dir or tempfile.mkdtemp(prefix="seqpack-sample-")
     elif output_dir is None:
         raise click.UsageError("-o/--output is required when INPUT files are given")
+    if output_dir and "://" in output_dir:
+        raise click.UsageError(f"-o {output_dir}: writing to object storage is not supported "
+                               "yet; pack to a local directory and upload it")
     if beam_options and runner != "beam":
         raise click.UsageError("--beam-option needs --runner beam")
     if workers and runner == "beam":
@@ -405,6 +408,9 @@ def verify(output_dir, inputs, max_violations, as_json):
     """
     from seqpack.pipelines.offline.verify import verify as run_verify
 
+    if "://" in output_dir:
+        raise click.UsageError(f"{output_dir}: verify reads a local packed directory (its "
+                               "inputs may be URLs); copy the output here first")
     report = run_verify(output_dir, _expand(inputs), max_violations=max_violations)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))

@@ -205,3 +205,14 @@ def test_a_url_without_the_cloud_extra_names_it(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     last = result.stderr.strip().splitlines()[-1]
     assert "MissingDependency" in last and "pip install 'seqpack[cloud]'" in last, last
+
+
+def test_outputs_on_object_storage_are_refused_not_written_locally(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    src = write_jsonl(tmp_path / "a.jsonl", random_seqs(5))
+    for args in (["pack", src, "-o", "gs://bucket/packed/"], ["verify", "s3://bucket/packed/"]):
+        result = invoke(*args, ok=False)
+        assert result.exit_code == 2, result.output
+        assert "not supported yet" in result.output or "copy the output here" in result.output
+    assert os.listdir(tmp_path) == ["a.jsonl"]  # no ./gs: directory
+
