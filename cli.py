@@ -6,6 +6,7 @@
     seqpack stats packed/                          # the packed run's statistics
     seqpack stats data/*.parquet --column input_ids --plot stats.png   # dry run, per strategy
     seqpack verify packed/ data/*.parquet          # proves the rows lossless against the inputs
+    seqpack pack 'gs://bucket/data/*.parquet' -o packed/   # URL inputs (seqpack[cloud]), quoted
     seqpack inspect packed/ --row 0
 
 Each command parses its options, calls one library function (`pipelines.offline.writer`,
@@ -168,6 +169,26 @@ def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id
                   pad_id=pad_id, feature=feature)
 
 
+def _expand(paths: tuple[str, ...]) -> list[str]:
+    """INPUT arguments with their URL globs expanded (`gs://b/data/*.parquet`: sorted object
+    URLs; quote them, the shell expands only local paths). fsspec is imported only for URLs."""
+    if not any("://" in p for p in paths):
+        return list(paths)
+    from seqpack.pipelines.storage import expand
+
+    return expand(paths)
+
+
+def _packed_dir(path: str) -> bool:
+    """A directory, or a URL prefix holding manifest.json (a packed output on object storage)."""
+    if "://" not in path:
+        return os.path.isdir(path)
+    from seqpack.pipelines import storage
+    from seqpack.pipelines.formats.manifest import MANIFEST
+
+    return storage.exists(storage.join(path, MANIFEST))
+
+
 def _available_memory() -> int | None:
     """Bytes of memory available to a new allocation (Linux: MemAvailable), or None."""
     try:
@@ -264,6 +285,8 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
          overwrite, fsync, batch_size, as_json, workers, block_size, runner, beam_options):
     """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into ArrayRecord shards.
 
+    INPUT may be URLs (gs://, s3://, ...; needs seqpack[cloud]); quote URL globs.
+
     With no INPUT, packs the built-in sample corpus: the top-level .py files of this Python's
     standard library, byte-tokenized, one example per paragraph (no download).
     """
@@ -272,6 +295,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     from seqpack.pipelines.offline.writer import WriteOptions, default_workers, pack_to_dir
 
     sample = not inputs
+    inputs = _expand(inputs)
     if sample:
         import tempfile
 
@@ -281,6 +305,9 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
         output_dir = output_dir or tempfile.mkdtemp(prefix="seqpack-sample-")
     elif output_dir is None:
         raise click.UsageError("-o/--output is required when INPUT files are given")
+    if output_dir and "://" in output_dir:
+        raise click.UsageError(f"-o {output_dir}: writing to object storage is not supported "
+                               "yet; pack to a local directory and upload it")
     if beam_options and runner != "beam":
         raise click.UsageError("--beam-option needs --runner beam")
     if workers and runner == "beam":
@@ -347,7 +374,8 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
         summary,
     )
 
-    if len(paths) == 1 and os.path.isdir(paths[0]):
+    paths = _expand(paths)
+    if len(paths) == 1 and _packed_dir(paths[0]):
         from seqpack.pipelines.offline.verify import load_manifest
 
         manifest, config = load_manifest(paths[0])
@@ -392,7 +420,10 @@ def verify(output_dir, inputs, max_violations, as_json):
     """
     from seqpack.pipelines.offline.verify import verify as run_verify
 
-    report = run_verify(output_dir, inputs, max_violations=max_violations)
+    if "://" in output_dir:
+        raise click.UsageError(f"{output_dir}: verify reads a local packed directory (its "
+                               "inputs may be URLs); copy the output here first")
+    report = run_verify(output_dir, _expand(inputs), max_violations=max_violations)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     elif report.ok:

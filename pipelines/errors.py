@@ -29,6 +29,9 @@ _PACKAGES = {
     "apache_beam": ("apache-beam", "beam"),
     "grain": ("grain", "grain"),
     "jax": ("jax", "jax"),
+    "fsspec": ("fsspec", "cloud"),
+    "gcsfs": ("gcsfs", "cloud"),
+    "s3fs": ("s3fs", "cloud"),
 }
 
 

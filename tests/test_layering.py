@@ -106,3 +106,22 @@ def test_a_layer_without_its_extra_says_which_extra(module, missing, extra):
     last = result.stderr.strip().splitlines()[-1]
     assert last.split(":")[0].endswith(("ImportError", "MissingDependency")), last
     assert f"needs {missing}: pip install '{extra}'" in last, last
+
+
+CLOUD = {"fsspec", "gcsfs", "s3fs", "botocore", "aiobotocore", "google"}
+
+
+def test_object_storage_clients_load_only_when_a_url_is_used():
+    """pipelines/storage.py imports fsspec and gcsfs/s3fs when it meets a URL: the core
+    install, the CLI's --help and local paths never load them."""
+    code = ("import sys, contextlib, seqpack.cli, seqpack.pipelines.storage as s, "
+            "seqpack.pipelines.formats.inputs, seqpack.pipelines.offline.verify\n"
+            "with contextlib.suppress(SystemExit):\n"
+            "    seqpack.cli.main(['--help'])\n"
+            "assert s.expand(['a.jsonl', 'x/*.parquet']) == ['a.jsonl', 'x/*.parquet']\n"
+            "print('MODULES', *sorted(sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True,
+                         check=True).stdout
+    loaded = set(out.split("MODULES", 1)[1].split())
+    assert "seqpack.pipelines.storage" in loaded
+    assert not _tops(loaded) & CLOUD, sorted(_tops(loaded) & CLOUD)

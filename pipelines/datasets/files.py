@@ -8,6 +8,15 @@ errors as the offline CLI: `InputError` naming the file and the line or record).
     ArrayRecordSource("examples.arrayrecord")        # SQP1 records, decoded zero-copy
     PackedArrayRecordSource("out/packed")            # a `seqpack pack` directory (manifest.json)
 
+Paths may be URLs (gs://, s3://, any fsspec protocol; needs ``seqpack[cloud]``): each object is
+downloaded once into a local cache (`cache_dir=`, default ``$SEQPACK_CACHE_DIR``, else
+``$XDG_CACHE_HOME/seqpack`` or ``~/.cache/seqpack``; `pipelines.storage.cached_copy`) and read
+from there, since the readers need local files. The cost: one download per file, disk for all of
+them. For ``PackedArrayRecordSource("gs://bucket/packed/")`` the manifest is read and checked
+remotely (its own digest, shard names, shard sizes) and every shard is checked against the
+manifest's size and sha256 as it is downloaded: a damaged remote shard is refused, named. Errors
+name the URL, not the cached copy.
+
 Records are numbered across files in order. `PackedArrayRecordSource` reads the packed rows the
 offline writer produces (a directory holding ``manifest.json``, or shard files) and checks each
 row for the contract keys of its feature; `make_training_pipeline` batches it without packing.
@@ -24,6 +33,7 @@ import grain
 import numpy as np
 
 from seqpack.packer.contract import keys
+from seqpack.pipelines import storage
 from seqpack.pipelines.datasets.sources import as_path_list, locate, norm_index
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats import arrayrecord, jsonl
@@ -45,7 +55,8 @@ class _FileSource(grain.MapDataset):
     pickle.
     """
 
-    _paths: list[str]
+    _paths: list[str]  # local files, read
+    _names: list[str]  # what errors name: the same paths, or the URLs they were copied from
     _cum: np.ndarray  # i64[units + 1]
 
     def __init__(self) -> None:
@@ -91,20 +102,26 @@ class JsonlSource(_FileSource):
     feature:      the element key for them (default: `field`).
     dtype:        the token array dtype; ids must fit it.
     extra_fields: further JSON keys copied into the element (scalars or lists become arrays).
+    cache_dir:    where URL inputs are copied (see the module docstring).
 
     On construction every file is scanned once for its line starts, so `source[i]` reads one line.
     """
 
     def __init__(self, paths: Paths, *, field: str = "tokens", feature: str | None = None,
-                 dtype: Any = np.int32, extra_fields: Sequence[str] = ()):
+                 dtype: Any = np.int32, extra_fields: Sequence[str] = (),
+                 cache_dir: str | os.PathLike | None = None):
         super().__init__()
-        self._paths = as_path_list(paths, name="JsonlSource")
+        self._names = as_path_list(paths, name="JsonlSource")
+        self._paths = [storage.cached_copy(p, cache_dir=cache_dir) for p in self._names]
         self._field, self._feature = field, feature or field
         self._dtype = np.dtype(dtype)
         if self._dtype.kind not in "iu":
             raise ValueError(f"dtype={self._dtype} must be an integer dtype, e.g. np.int32")
         self._extra = tuple(extra_fields)
-        self._index = [jsonl.line_index(p) for p in self._paths]
+        self._index = []
+        for local, name in zip(self._paths, self._names):
+            with storage.named(local, name):
+                self._index.append(jsonl.line_index(local))
         counts = [idx[0].size for idx in self._index]
         self._cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
@@ -113,7 +130,7 @@ class JsonlSource(_FileSource):
         start, end = int(starts[j]), int(ends[j])
         fd = self._handle(f, lambda f: os.open(self._paths[f], os.O_RDONLY))
         raw = os.pread(fd, end - start, start)
-        where = f"{self._paths[f]}:{int(line_no[j])} (record {index})"
+        where = f"{self._names[f]}:{int(line_no[j])} (record {index})"
         record = jsonl.parse_line(raw, self._field, where)
         out = {self._feature: jsonl.tokens(record[self._field], self._field, where, self._dtype)}
         for key in self._extra:
@@ -138,18 +155,23 @@ class ParquetSource(_FileSource):
     feature:          the element key for them (default: `column`).
     extra_columns:    further columns copied into each element (numeric scalars or lists).
     cache_row_groups: how many decoded row groups to keep in memory.
+    cache_dir:        where URL inputs are copied (see the module docstring).
 
     A row group is read on first access and kept (a few at a time); every element is a numpy
     view into its Arrow buffers.
     """
 
     def __init__(self, paths: Paths, *, column: str = "tokens", feature: str | None = None,
-                 extra_columns: Sequence[str] = (), cache_row_groups: int = 4):
+                 extra_columns: Sequence[str] = (), cache_row_groups: int = 4,
+                 cache_dir: str | os.PathLike | None = None):
         super().__init__()
-        self._paths = as_path_list(paths, name="ParquetSource")
+        self._names = as_path_list(paths, name="ParquetSource")
+        self._paths = [storage.cached_copy(p, cache_dir=cache_dir) for p in self._names]
         self._feature = feature or column
-        self._files = [ParquetTokens(p, column, extra_columns=extra_columns)
-                       for p in self._paths]
+        self._files = []
+        for local, name in zip(self._paths, self._names):
+            with storage.named(local, name):
+                self._files.append(ParquetTokens(local, column, extra_columns=extra_columns))
         self._groups = [(f, g) for f, pf in enumerate(self._files)
                         for g in range(len(pf.group_rows))]
         flat = [r for pf in self._files for r in pf.group_rows]
@@ -168,7 +190,8 @@ class ParquetSource(_FileSource):
             self._cache.move_to_end(k)
             return cached
         f, g = self._groups[k]
-        chunk = self._files[f].read_group(g)
+        with storage.named(self._paths[f], self._names[f]):
+            chunk = self._files[f].read_group(g)
         entry = (chunk.values, chunk.offsets.tolist(), chunk.extra)
         self._cache[k] = entry
         if len(self._cache) > self._cache_size:
@@ -184,44 +207,75 @@ class ParquetSource(_FileSource):
         return out
 
 
-def shard_paths(paths: Any, *, packed: bool = False) -> tuple[list[str], Manifest | None]:
-    """Shard files (and the manifest, if any) from a directory, one file or a list of files.
+def shard_paths(paths: Any, *, packed: bool = False, cache_dir: str | os.PathLike | None = None
+                ) -> tuple[list[str], list[str], Manifest | None]:
+    """(local shard files, their names, the manifest if any) from a directory, one file or a
+    list of files; URLs are copied into the cache (`storage.cached_copy`).
 
     A directory of packed rows (`packed`, or one holding a pack's intent file) needs its
     manifest: without one it is an interrupted `seqpack pack` run and is refused with the CLI's
     message; so is a manifest that does not match itself or its shards (`read_manifest`).
     """
+    if isinstance(paths, str) and storage.is_url(paths) and not storage.exists(paths):
+        return _remote_shards(paths.rstrip("/"), packed=packed, cache_dir=cache_dir)
     if isinstance(paths, (str, os.PathLike)) and os.path.isdir(paths):
         directory = os.fspath(paths)
         if packed or os.path.exists(os.path.join(directory, MANIFEST)) \
                 or os.path.exists(os.path.join(directory, INTENT)):
             manifest = read_manifest(directory)  # InputError naming what is missing or wrong
-            return [os.path.join(directory, s) for s in manifest.shards], manifest
+            found = [os.path.join(directory, s) for s in manifest.shards]
+            return found, found, manifest
         found = sorted(os.path.join(directory, n) for n in os.listdir(directory)
                        if n.endswith((".arrayrecord", ".array_record")))
         if not found:
             raise InputError(f"{directory}: no manifest.json and no *.arrayrecord files")
-        return found, None
-    return as_path_list(paths, name="ArrayRecord source"), None
+        return found, found, None
+    names = as_path_list(paths, name="ArrayRecord source")
+    return [storage.cached_copy(p, cache_dir=cache_dir) for p in names], names, None
+
+
+def _remote_shards(prefix: str, *, packed: bool, cache_dir: str | os.PathLike | None
+                   ) -> tuple[list[str], list[str], Manifest | None]:
+    """`shard_paths` for a URL prefix: the manifest read and checked remotely (`read_manifest`),
+    each shard downloaded into the cache and checked against its size and sha256."""
+    if packed or storage.exists(storage.join(prefix, MANIFEST)) \
+            or storage.exists(storage.join(prefix, INTENT)):
+        manifest = read_manifest(prefix)  # InputError naming what is missing or wrong
+        names = [storage.join(prefix, s) for s in manifest.shards]
+        local = [storage.cached_copy(url, cache_dir=cache_dir, expect=(size, sha))
+                 for url, size, sha in zip(names, manifest.shard_bytes or [],
+                                           manifest.shard_sha256 or [], strict=True)]
+        return local, names, manifest
+    names = sorted(storage.glob(storage.join(prefix, "*.arrayrecord"))
+                   + storage.glob(storage.join(prefix, "*.array_record")))
+    if not names:
+        raise InputError(f"{prefix}: no manifest.json and no *.arrayrecord objects")
+    return [storage.cached_copy(p, cache_dir=cache_dir) for p in names], names, None
 
 
 class ArrayRecordSource(_FileSource):
-    """SQP1 records from ArrayRecord files, decoded to name -> numpy array dicts."""
+    """SQP1 records from ArrayRecord files, decoded to name -> numpy array dicts.
+
+    paths:     a directory (with or without manifest.json), a URL prefix, files or URLs.
+    cache_dir: where URLs are copied (see the module docstring).
+    """
 
     _packed = False
 
-    def __init__(self, paths: Paths):
+    def __init__(self, paths: Paths, *, cache_dir: str | os.PathLike | None = None):
         super().__init__()
-        self._paths, self.manifest = shard_paths(paths, packed=self._packed)
+        self._paths, self._names, self.manifest = shard_paths(paths, packed=self._packed,
+                                                              cache_dir=cache_dir)
         expected = self.manifest.shard_num_rows if self.manifest else None
         counts = []
-        for f, path in enumerate(self._paths):
-            reader = arrayrecord.open_reader(path, "readahead_buffer_size:0")
-            try:
-                counts.append(arrayrecord.num_records(reader, path,
-                                                      expected[f] if expected else None))
-            finally:
-                arrayrecord.close_quietly(reader)
+        for f, (path, name) in enumerate(zip(self._paths, self._names)):
+            with storage.named(path, name):
+                reader = arrayrecord.open_reader(path, "readahead_buffer_size:0")
+                try:
+                    counts.append(arrayrecord.num_records(reader, path,
+                                                          expected[f] if expected else None))
+                finally:
+                    arrayrecord.close_quietly(reader)
         self._cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
     @property
@@ -229,7 +283,7 @@ class ArrayRecordSource(_FileSource):
         return list(self._paths)
 
     def _get(self, index: int, f: int, j: int) -> dict[str, Any]:
-        path = self._paths[f]
+        path = self._names[f]  # errors name the URL of a cached copy
         reader = self._handle(
             f, lambda f: arrayrecord.open_reader(self._paths[f], "readahead_buffer_size:0"))
         row = arrayrecord.decode(arrayrecord.read_raw(reader, path, [j])[0], path, j)
@@ -246,14 +300,16 @@ class ArrayRecordSource(_FileSource):
 class PackedArrayRecordSource(ArrayRecordSource):
     """Packed rows (contract keys of `feature`, `[L]` and `[S]` arrays) from ArrayRecord shards.
 
-    feature: the packed feature; defaults to the manifest's `feature`, else "tokens".
+    feature:   the packed feature; defaults to the manifest's `feature`, else "tokens".
+    cache_dir: where the shards of a URL prefix are copied (see the module docstring).
     """
 
     is_packed = True
     _packed = True
 
-    def __init__(self, paths: Paths, *, feature: str | None = None):
-        super().__init__(paths)
+    def __init__(self, paths: Paths, *, feature: str | None = None,
+                 cache_dir: str | os.PathLike | None = None):
+        super().__init__(paths, cache_dir=cache_dir)
         m = self.manifest
         self.feature = feature or (m.feature if m else "tokens")
         self.seq_len = m.seq_len if m else None

@@ -16,7 +16,13 @@ Formats (``--input-format``, or picked from the file extension):
 
 Fingerprint (documented contract, stored per input in manifest.json)::
 
-    {"path": absolute path, "size": bytes, "sha256": sha256 of the whole content}
+    {"path": absolute path or URL, "size": bytes, "sha256": sha256 of the whole content}
+
+Inputs may be URLs (gs://, s3://, any fsspec protocol; `pipelines.storage`): each is downloaded
+to a local temporary file (one at a time per process, streamed in blocks, removed after it is
+read) and read like a local file; its manifest entry keeps the URL as `path`, and the size and
+sha256 of the object's bytes, so `verify` and `--resume` treat it like a file. Errors name the
+URL, not the temporary file.
 
 A file edited in place (same size, any byte) gets another fingerprint; `--resume` and `verify`
 refuse it.
@@ -27,6 +33,7 @@ Every bad input raises `InputError` (a ValueError) with one line naming the file
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -37,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats import arrayrecord, jsonl, parquet, text
 from seqpack.pipelines.formats.chunks import Chunk, concat
@@ -84,11 +92,26 @@ class Corpus:
 
 
 def fingerprint(path: str) -> dict:
-    """{"path", "size", "sha256"} of a file (see the module docstring)."""
-    with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "sha256").hexdigest()
-        size = f.tell()
-    return {"path": os.path.abspath(path), "size": size, "sha256": digest}
+    """{"path", "size", "sha256"} of a file or an object (see the module docstring)."""
+    with local_input(path) as local:
+        with open(local, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            size = f.tell()
+    return {"path": fingerprint_path(path), "size": size, "sha256": digest}
+
+
+@contextlib.contextmanager
+def local_input(path: str) -> Iterator[str]:
+    """A local file to read `path` from: the path itself, or a URL's temporary download
+    (removed on exit). InputError if it is missing; an InputError raised while reading the
+    download names the URL, not the temporary file."""
+    if not storage.is_url(path):
+        if not os.path.isfile(path):
+            raise InputError(f"{path}: no such file")
+        yield path
+        return
+    with storage.local_copy(path) as local, storage.named(local, path):
+        yield local
 
 
 def detect_format(path: str, input_format: str | None) -> str:
@@ -114,11 +137,11 @@ def read_corpus(paths: Sequence[str], options: ReadOptions) -> Corpus:
     parts, files = [], []
     for path in paths:
         path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise InputError(f"{path}: no such file")
         fmt = detect_format(path, options.input_format)
-        values, offsets = read_file(path, fmt, options, tokenizer)
-        info = fingerprint(path)
+        with local_input(path) as local:
+            values, offsets = read_file(local, fmt, options, tokenizer)
+            info = fingerprint(local)
+        info["path"] = fingerprint_path(path)
         info.update(format=fmt, num_examples=int(offsets.size - 1),
                     num_tokens=int(offsets[-1] - offsets[0]),
                     lengths_sha256=lengths_sha256(np.diff(offsets)))
@@ -178,9 +201,21 @@ def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
     """Reads one input chunk by chunk: lengths, dtype and fingerprint; tokens go to `sink`.
 
     Holds one chunk at a time (a Parquet row group, a range of records, a JSONL or text file).
+    A URL is read from a temporary local copy (see the module docstring).
     """
-    if not os.path.isfile(path):
-        raise InputError(f"{path}: no such file")
+    with local_input(path) as local:
+        scan = _scan_local(local, fmt, options, tokenizer, sink)
+    scan.info["path"] = fingerprint_path(path)
+    return scan
+
+
+def fingerprint_path(path: str) -> str:
+    """The `path` of an input's manifest entry: its absolute path, or its URL."""
+    return path if storage.is_url(path) else os.path.abspath(path)
+
+
+def _scan_local(path: str, fmt: str, options: ReadOptions, tokenizer: Any,
+                sink: Callable[[np.ndarray], None] | None) -> FileScan:
     lengths, dtypes = [], []
     top = num_tokens = 0
     for chunk in file_chunks(path, fmt, options, tokenizer):

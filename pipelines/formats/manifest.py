@@ -34,6 +34,7 @@ from typing import Any
 
 from seqpack.packer import PackConfig
 from seqpack.packer.plan import DEFAULT_BLOCK_SIZE
+from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 
 FORMAT = "seqpack-rows"
@@ -182,12 +183,14 @@ def file_digest(path: str) -> tuple[int, str]:
 
 
 def check_shard_files(directory: str, manifest: Manifest) -> None:
-    """InputError unless every shard exists with the size the manifest records."""
+    """InputError unless every shard exists with the size the manifest records (a directory,
+    or a URL prefix: one listing)."""
+    listed = storage.sizes(directory) if storage.is_url(directory) else None
     for name, size in zip(manifest.shards, manifest.shard_bytes or []):
-        path = os.path.join(directory, name)
+        path = storage.join(directory, name)
         try:
-            got = os.path.getsize(path)
-        except OSError:
+            got = os.path.getsize(path) if listed is None else listed[name]
+        except (OSError, KeyError):
             raise InputError(f"{path}: missing; the manifest lists it (rerun `seqpack pack ... "
                              "--resume` to restore it)") from None
         if got != size:
@@ -197,9 +200,9 @@ def check_shard_files(directory: str, manifest: Manifest) -> None:
 
 
 def read_json(path: str) -> Any:
+    """A JSON file or object (URL)."""
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(storage.read_bytes(path))
     except ValueError as e:
         raise InputError(f"{path}: not a seqpack manifest (not valid JSON: {e})") from None
 
@@ -214,13 +217,14 @@ def write_json(path: str, obj: dict[str, Any]) -> None:
 
 
 def read_manifest(directory: str | os.PathLike, *, check_shards: bool = True) -> Manifest:
-    """The complete manifest of a packed directory; InputError if there is none, it does not
-    match itself, or (`check_shards`) a shard is missing or of another size."""
+    """The complete manifest of a packed directory (or URL prefix: gs://bucket/packed/);
+    InputError if there is none, it does not match itself, or (`check_shards`) a shard is
+    missing or of another size."""
     directory = os.fspath(directory)
-    path = os.path.join(directory, MANIFEST)
-    if not os.path.isdir(directory):
+    path = storage.join(directory, MANIFEST)
+    if not storage.is_url(directory) and not os.path.isdir(directory):
         raise InputError(f"{directory}: no such directory")
-    if not os.path.isfile(path):
+    if not storage.exists(path):
         raise InputError(f"{path}: missing; the directory is not a complete `seqpack pack` output "
                          "(an interrupted run? finish it with `seqpack pack ... --resume`)")
     manifest = Manifest.from_json(read_json(path), path)

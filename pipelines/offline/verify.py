@@ -29,6 +29,7 @@ import numpy as np
 from seqpack.packer import Counters, PackConfig, validate
 from seqpack.packer.contract import ragged_arange, restore_derived
 from seqpack.packer.stats import stats_from_histograms
+from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.arrayrecord import (
     close_quietly,
@@ -104,12 +105,13 @@ def read_row(output_dir: str, index: int) -> tuple[dict[str, np.ndarray], Manife
     cum = np.cumsum([0, *counts])
     shard = int(np.searchsorted(cum, index, side="right")) - 1
     name, j = manifest.shards[shard], index - int(cum[shard])
-    path = os.path.join(output_dir, name)
-    reader = open_reader(path)
-    try:
-        row = decode(read_raw(reader, path, [j])[0], path, j)
-    finally:
-        close_quietly(reader)
+    path = storage.join(output_dir, name)
+    with storage.local_copy(path) as local, storage.named(local, path):  # a URL: one shard
+        reader = open_reader(local)
+        try:
+            row = decode(read_raw(reader, local, [j])[0], local, j)
+        finally:
+            close_quietly(reader)
     return row, manifest, name, j
 
 
@@ -251,6 +253,9 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
     if len(paths) != len(recorded):
         raise InputError(f"{len(paths)} inputs given, the manifest lists {len(recorded)}: "
                          + ", ".join(f["path"] for f in recorded))
+    for path in paths:
+        if not storage.exists(path):
+            raise InputError(f"{path}: no such {'object' if storage.is_url(path) else 'file'}")
     options = ReadOptions(**manifest.inputs["read_options"])
     tokenizer = manifest.inputs.get("tokenizer")
     if tokenizer and os.path.isfile(tokenizer["path"]):

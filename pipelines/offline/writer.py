@@ -51,6 +51,7 @@ import numpy as np
 from seqpack.packer import Counters, PackConfig, PackPlan, build_rows
 from seqpack.packer.plan import RowAssignment, order_pieces, pieces, plan_rows
 from seqpack.packer.stats import PackingStats, stats_of_pieces
+from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError, UsageError, require
 from seqpack.pipelines.formats.inputs import (
     FileScan,
@@ -602,22 +603,20 @@ def read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str, work
     """Pass 1: every input scanned (in parallel), its tokens spilled; scans and runs in order."""
     if not paths:
         raise InputError("no input files given")
-    for path in paths:
-        if not os.path.isfile(path):
-            raise InputError(f"{path}: no such file")
+    sizes = [storage.size(os.fspath(p)) for p in paths]  # InputError naming a missing input
     if options.tokenizer:
         load_tokenizer(options.tokenizer)  # a bad tokenizer fails here, once
     if progress:
-        progress.phase("reading", sum(os.path.getsize(p) for p in paths))
+        progress.phase("reading", sum(sizes))
     calls = [(i, os.fspath(p), detect_format(os.fspath(p), options.input_format), options,
               spill_dir) for i, p in enumerate(paths)]
     scans, runs = [], []
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
-    for path, (scan, file_runs) in zip(paths, workers.map(_read_input, calls)):
+    for nbytes, (scan, file_runs) in zip(sizes, workers.map(_read_input, calls)):
         scans.append(scan)
         runs.extend(file_runs)
         if progress:
-            progress.advance(os.path.getsize(path))
+            progress.advance(nbytes)
         if delay:
             time.sleep(delay)
     return scans, runs

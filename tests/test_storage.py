@@ -1,0 +1,218 @@
+"""Object storage (gs://, s3://) for everything that reads, against real local servers.
+
+gcp-storage-emulator and moto run as subprocesses (tests/helpers/cloud.py); every test runs on
+both. Inputs, the CLI (stats, pack, verify) and the Grain sources must give what the same files
+give locally, and errors name the URL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from seqpack.pipelines import storage
+from seqpack.pipelines.errors import InputError
+from tests.helpers.cloud import gcs, gcs_server, s3, s3_server  # noqa: F401
+from tests.helpers.files import (
+    dir_bytes,
+    invoke,
+    random_seqs,
+    run_cli,
+    write_jsonl,
+    write_parquet,
+)
+
+
+@pytest.fixture(params=["gs", "s3"])
+def store(request):
+    return request.getfixturevalue("gcs" if request.param == "gs" else "s3")
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """Two Parquet files and a JSONL file, locally."""
+    d = tmp_path / "in"
+    d.mkdir()
+    return [write_parquet(d / "a.parquet", random_seqs(60, seed=1)),
+            write_parquet(d / "b.parquet", random_seqs(50, seed=2)),
+            write_jsonl(d / "c.jsonl", random_seqs(40, seed=3))]
+
+
+def test_glob_size_exists_and_local_copy(store, inputs, tmp_path):
+    base = store.upload(os.path.dirname(inputs[0]), store.url("in"))
+    assert storage.is_url(base) and not storage.is_url(inputs[0])
+    found = storage.expand(base + "/*.parquet")
+    assert found == [base + "/a.parquet", base + "/b.parquet"]
+    # local paths (their globs included: the shell's job) and plain URLs stay as they are
+    assert storage.expand([inputs[2], str(tmp_path / "*.x"), found[0]]) == \
+        [inputs[2], str(tmp_path / "*.x"), found[0]]
+    assert storage.exists(found[0]) and not storage.exists(base + "/nope.parquet")
+    assert storage.size(found[1]) == os.path.getsize(inputs[1])
+    with storage.local_copy(found[0], dir=str(tmp_path)) as local:
+        assert pathlib.Path(local).read_bytes() == pathlib.Path(inputs[0]).read_bytes()
+    assert not os.path.exists(local)
+    assert [n for n in os.listdir(tmp_path) if n != "in"] == []  # nothing left behind
+
+
+def test_cached_copy_is_reused_until_the_object_changes(store, inputs, tmp_path):
+    url = store.upload(inputs[2], store.url("c.jsonl"))
+    cache = tmp_path / "cache"
+    first = storage.cached_copy(url, cache_dir=cache)
+    assert pathlib.Path(first).read_bytes() == pathlib.Path(inputs[2]).read_bytes()
+    os.utime(first, (1, 1))  # a download would give a new mtime
+    assert storage.cached_copy(url, cache_dir=cache) == first
+    assert os.stat(first).st_mtime == 1
+    store.fs.pipe_file(url.split("://", 1)[1], b'{"tokens": [1, 2]}\n')  # a new version
+    again = storage.cached_copy(url, cache_dir=cache)
+    assert again != first and pathlib.Path(again).read_bytes() == b'{"tokens": [1, 2]}\n'
+
+
+def test_a_missing_object_names_its_url(store, tmp_path):
+    url = store.url("nope/missing.parquet")
+    for call in (lambda: storage.size(url), lambda: storage.read_json(url),
+                 lambda: storage.cached_copy(url, cache_dir=tmp_path),
+                 lambda: storage.local_copy(url).__enter__()):
+        with pytest.raises(InputError, match=f"{url}: no such object"):
+            call()
+    with pytest.raises(InputError, match="no objects match"):
+        storage.expand(store.url("nope/*.parquet"))
+    result = invoke("stats", url, ok=False)
+    assert result.exit_code == 2 and url in result.output, result.output
+    bad = store.url("bad.jsonl")  # a bad record: the error names the URL, not the local copy
+    store.fs.pipe_file(bad.split("://", 1)[1], b'{"tokens": [1]}\n{"tokens": [2, "x"]}\n')
+    result = invoke("stats", bad, ok=False)
+    assert result.exit_code == 2 and f"{bad}:2" in result.output, result.output
+
+
+def test_stats_dry_run_on_urls_equals_local(store, inputs):
+    base = store.upload(os.path.dirname(inputs[0]), store.url("in"))
+    args = ["--seq-len", 64, "--max-segments", 8, "--overflow", "split", "--json"]
+    local = json.loads(invoke("stats", *inputs, *args).stdout)
+    remote = json.loads(invoke("stats", base + "/*.parquet", base + "/c.jsonl", *args).stdout)
+    assert remote == local
+
+
+def test_pack_from_urls_gives_the_local_shards_and_verifies(store, inputs, tmp_path):
+    base = store.upload(os.path.dirname(inputs[0]), store.url("in"))
+    args = ["--seq-len", 64, "--max-segments", 8, "--overflow", "split", "--shard-rows", 10]
+    invoke("pack", *inputs, "-o", tmp_path / "local", *args, "--workers", 1)
+    urls = [base + "/*.parquet", base + "/c.jsonl"]
+    # a real subprocess: the writer's forkserver workers take the environment of the process
+    # that starts the forkserver (once per process), so this one must carry the server's
+    done = run_cli("pack", *urls, "-o", tmp_path / "remote", *args, "--workers", 2)
+    assert done.returncode == 0, done.stderr
+    local, remote = dir_bytes(tmp_path / "local"), dir_bytes(tmp_path / "remote")
+    assert local.keys() == remote.keys() and len(local) > 3
+    shards = [n for n in local if n.endswith(".arrayrecord")]
+    assert all(local[n] == remote[n] for n in shards)
+    m_local, m_remote = json.loads(local["manifest.json"]), json.loads(remote["manifest.json"])
+    paths = [f["path"] for f in m_remote["inputs"]["files"]]
+    assert paths == [base + "/a.parquet", base + "/b.parquet", base + "/c.jsonl"]
+    for m in (m_local, m_remote):  # the manifests differ only in the inputs' paths
+        del m["manifest_sha256"]
+        for f in m["inputs"]["files"]:
+            del f["path"]
+    assert m_local == m_remote
+    # --resume of the complete run re-reads the URLs and keeps every byte
+    invoke("pack", *urls, "-o", tmp_path / "remote", *args, "--workers", 1, "--resume")
+    assert dir_bytes(tmp_path / "remote") == remote
+    # verify reads the manifest's URLs (a real subprocess: the environment carries the server)
+    done = run_cli("verify", tmp_path / "remote")
+    assert done.returncode == 0 and done.stdout.startswith("OK"), done.stdout + done.stderr
+    # ... and a changed remote input is a violation naming it
+    store.fs.pipe_file(paths[2].split("://", 1)[1], b'{"tokens": [1, 2, 3]}\n')
+    result = invoke("verify", tmp_path / "remote", ok=False)
+    assert result.exit_code == 1 and paths[2] in result.output, result.output
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """A local `seqpack pack` output of two Parquet files, 3+ shards."""
+    d = tmp_path_factory.mktemp("packed")
+    srcs = [write_parquet(d / f"{i}.parquet", random_seqs(80, seed=i)) for i in range(2)]
+    invoke("pack", *srcs, "-o", d / "out", "--seq-len", 64, "--max-segments", 8, "--overflow",
+           "split", "--shard-rows", 12, "--workers", 1)
+    return d / "out"
+
+
+def _rows(src) -> list[dict]:
+    return [src[i] for i in range(len(src))]
+
+
+def test_packed_source_reads_a_remote_packed_dir(store, packed, tmp_path):
+    from seqpack.pipelines.datasets import ArrayRecordSource, PackedArrayRecordSource
+
+    url = store.upload(packed, store.url("packed"))
+    local = _rows(PackedArrayRecordSource(str(packed)))
+    src = PackedArrayRecordSource(url + "/", cache_dir=tmp_path / "cache")
+    assert src.seq_len == 64 and len(src) == len(local)
+    for a, b in zip(local, _rows(src)):
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    cached = sorted(str(p) for p in (tmp_path / "cache").rglob("*.arrayrecord"))
+    assert len(cached) == len(src.manifest.shards)
+    # stats (the manifest) and inspect (one shard) read a remote packed dir too
+    for args in (["stats", "--json"], ["inspect", "--row", -1, "--json"]):
+        a = invoke(args[0], packed, *args[1:]).stdout
+        assert invoke(args[0], url, *args[1:]).stdout == a
+    # a bit flipped in a remote shard (same size): refused, the shard named
+    name = src.manifest.shards[1]
+    key = f"{store.prefix}/packed/{name}"
+    data = bytearray(store.fs.cat_file(key))
+    data[len(data) // 2] ^= 1
+    store.fs.pipe_file(key, bytes(data))
+    with pytest.raises(InputError, match=f"{url}/{name}: .*damaged or replaced"):
+        PackedArrayRecordSource(url, cache_dir=tmp_path / "fresh")
+    # the checked copies already cached are still the manifest's bytes: served as they are
+    assert len(PackedArrayRecordSource(url, cache_dir=tmp_path / "cache")) == len(local)
+    store.fs.rm_file(key)  # a missing remote shard: named too
+    with pytest.raises(InputError, match=f"{url}/{name}: missing"):
+        PackedArrayRecordSource(url, cache_dir=tmp_path / "fresh")
+    # a prefix with no manifest: not a complete pack output; no shards either: nothing to read
+    with pytest.raises(InputError, match=f"{store.url('empty')}/manifest.json: missing"):
+        PackedArrayRecordSource(store.url("empty"), cache_dir=tmp_path / "cache")
+    with pytest.raises(InputError, match="no manifest.json and no"):
+        ArrayRecordSource(store.url("empty"), cache_dir=tmp_path / "cache")
+
+
+def test_file_sources_read_urls_like_files(store, inputs, tmp_path):
+    from seqpack.pipelines.datasets import JsonlSource, ParquetSource
+
+    base = store.upload(os.path.dirname(inputs[0]), store.url("in"))
+    cache = tmp_path / "cache"
+    for make, local, remote in [
+        (ParquetSource, inputs[:2], [base + "/a.parquet", base + "/b.parquet"]),
+        (JsonlSource, inputs[2], base + "/c.jsonl"),
+    ]:
+        a, b = _rows(make(local)), _rows(make(remote, cache_dir=cache))
+        assert len(a) == len(b) > 0
+        assert all(np.array_equal(x["tokens"], y["tokens"]) for x, y in zip(a, b))
+    bad = store.url("bad.jsonl")
+    store.fs.pipe_file(bad.split("://", 1)[1], b'{"tokens": [1]}\n{"tokens": [2, "x"]}\n')
+    with pytest.raises(InputError, match=f"{bad}:2"):
+        JsonlSource(bad, cache_dir=cache)[1]
+
+
+def test_a_url_without_the_cloud_extra_names_it(tmp_path):
+    code = ("import sys; sys.modules['fsspec'] = None\n"
+            "from seqpack.pipelines import storage\n"
+            "storage.size('gs://bucket/a.parquet')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    last = result.stderr.strip().splitlines()[-1]
+    assert "MissingDependency" in last and "pip install 'seqpack[cloud]'" in last, last
+
+
+def test_outputs_on_object_storage_are_refused_not_written_locally(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    src = write_jsonl(tmp_path / "a.jsonl", random_seqs(5))
+    for args in (["pack", src, "-o", "gs://bucket/packed/"], ["verify", "s3://bucket/packed/"]):
+        result = invoke(*args, ok=False)
+        assert result.exit_code == 2, result.output
+        assert "not supported yet" in result.output or "copy the output here" in result.output
+    assert os.listdir(tmp_path) == ["a.jsonl"]  # no ./gs: directory
+
