@@ -85,13 +85,15 @@ def test_sigkill_mid_run_then_resume_gives_the_same_bytes(tmp_path):
     done: list[str] = []
     while not done and time.time() < deadline and proc.poll() is None:
         if out.exists():
-            done = [n for n in os.listdir(out) if n.endswith(".arrayrecord")]
+            done = [n for n in os.listdir(out) if n.endswith(".arrayrecord.done")]
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
     names = os.listdir(out)
-    complete = sorted(n for n in names if n.endswith(".arrayrecord"))
+    # Complete: shards with their completion record (a shard renamed in the instant of the kill,
+    # before its record was written, is rewritten by the resume).
+    complete = sorted(n for n in names if n.endswith(".arrayrecord") and n + ".done" in names)
     assert "manifest.json" not in names and "pack_intent.json" in names
     assert 1 <= len(complete) < num_shards
     kept = {n: os.stat(out / n).st_mtime_ns for n in complete}
