@@ -1,7 +1,8 @@
 """seqpack's packer: plans packings on lengths alone and writes contract rows (pure numpy).
 
 - `contract`: the packed-row contract (key names, dtypes, counters, derived arrays).
-- `plan` (lengths only) and the strategies; `StreamPlanner` / `pack_stream` online;
+- `plan` / `plan_rows` (lengths only, per block past `DEFAULT_BLOCK_SIZE` examples) and the
+  strategies; `StreamPlanner` / `pack_stream` online;
   `MultiStreamPlanner` for several features; `grain_fit` for Grain-exact bins.
 - `assemble`: the one row writer (`build_rows`, `write_feature`); `pack_ragged` / `pack`.
 - `stats`, `validate`.
@@ -13,7 +14,7 @@ from seqpack.packer.config import Overflow, PackConfig, Strategy
 from seqpack.packer.contract import Counters, FeatureKeys, segment_ids_and_positions
 from seqpack.packer.inputs import InputError
 from seqpack.packer.multi_stream import MultiStreamPlanner
-from seqpack.packer.plan import PackPlan, plan
+from seqpack.packer.plan import PackPlan, RowAssignment, plan, plan_rows
 from seqpack.packer.stats import PackingStats, lower_bound, stats
 from seqpack.packer.stream import RowPlan, StreamPlanner, pack_stream
 from seqpack.packer.validate import validate
@@ -27,6 +28,7 @@ __all__ = [
     "PackConfig",
     "PackPlan",
     "PackingStats",
+    "RowAssignment",
     "RowPlan",
     "Strategy",
     "StreamPlanner",
@@ -38,6 +40,7 @@ __all__ = [
     "pack_ragged",
     "pack_stream",
     "plan",
+    "plan_rows",
     "segment_ids_and_positions",
     "stats",
     "validate",

@@ -249,7 +249,9 @@ def plan_rows(lengths: object, config: PackConfig, *, block_size: int | None = N
 
 
 def plan(lengths: object, config: PackConfig, *, block_size: int | None = None) -> PackPlan:
-    """Plans the packing of examples with these lengths (i64[n]) under `config`."""
+    """Plans the packing of examples with these lengths (i64[n]) under `config`; past
+    `block_size` examples (default `DEFAULT_BLOCK_SIZE`) per block (see the module docstring).
+    48 bytes a piece: `plan_rows` is the compact form for corpora of any size."""
     parts = list(_planned_blocks(lengths, config, check_block_size(block_size)))
     counters = sum((p[4] for p in parts), Counters())
     example, start, length, row = (np.concatenate([p[i] for p in parts]) for i in range(4))
