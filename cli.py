@@ -252,8 +252,8 @@ def main(args: list[str] | None = None) -> None:
 @seqpack.command()
 @click.argument("inputs", nargs=-1, type=click.Path(dir_okay=False))
 @click.option("-o", "--output", "output_dir", type=click.Path(file_okay=False), default=None,
-              help="Output directory.  [required with INPUT; default: a new temporary "
-                   "directory for the built-in sample]")
+              help="Output directory, or a gs:// / s3:// prefix (seqpack[cloud]).  [required "
+                   "with INPUT; default: a new temporary directory for the built-in sample]")
 @click.option("--strategy", type=click.Choice(_STRATEGIES), default="best_fit_decreasing",
               show_default=True)
 @_packing_options
@@ -305,9 +305,6 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
         output_dir = output_dir or tempfile.mkdtemp(prefix="seqpack-sample-")
     elif output_dir is None:
         raise click.UsageError("-o/--output is required when INPUT files are given")
-    if output_dir and "://" in output_dir:
-        raise click.UsageError(f"-o {output_dir}: writing to object storage is not supported "
-                               "yet; pack to a local directory and upload it")
     if beam_options and runner != "beam":
         raise click.UsageError("--beam-option needs --runner beam")
     if workers and runner == "beam":

@@ -66,6 +66,7 @@ from seqpack.pipelines.errors import InputError, UsageError, require
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import beam_steps
+from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.writer import DirLock, WriteOptions, check_dir
 
 _ERROR_FILE = "error.txt"
@@ -259,15 +260,15 @@ def pack_beam(
         raise InputError("no input files given")
     output_dir = os.fspath(output_dir)
     options = pipeline_options(beam_options)
-    check_dir(output_dir, overwrite=overwrite, resume=resume)
-    created = not os.path.isdir(output_dir)
-    os.makedirs(output_dir, exist_ok=True)
+    out = OutputDir(output_dir)
+    check_dir(out, overwrite=overwrite, resume=resume)
+    created = out.makedirs()
     log_path, keep_log = None, False
     if quiet:
         fd, log_path = tempfile.mkstemp(prefix="seqpack-beam-", suffix=".log")
         os.close(fd)
     try:
-        with DirLock(output_dir), tempfile.TemporaryDirectory(prefix="seqpack-beam-") as error_dir:
+        with DirLock(out), tempfile.TemporaryDirectory(prefix="seqpack-beam-") as error_dir:
             with _output_to(log_path), beam.Pipeline(options=options) as p:
                 build_pipeline(p, paths, output_dir, config,
                                read_options=read_options or ReadOptions(),

@@ -35,7 +35,6 @@ manifest comes from the writer's own functions, and a shard's pieces are sorted 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -49,6 +48,7 @@ from seqpack.pipelines.formats import inputs
 from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus
 from seqpack.pipelines.formats.manifest import Manifest
 from seqpack.pipelines.formats.text import load_tokenizer
+from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.writer import (
     WriteOptions,
     commit_manifest,
@@ -341,14 +341,18 @@ def write_shard_parts(shard: int, parts: Iterable[ShardPart], summary: JobSummar
                       resume: bool = False) -> tuple[int, tuple[int, str]]:
     """Writes one shard from the parts its inputs sent (unless `resume` finds it written and
     intact); returns its row count and (size, sha256)."""
-    path = os.path.join(output_dir, summary.intent.shards[shard])
+    name = summary.intent.shards[shard]
     num_rows = min(summary.shard_rows, summary.intent.num_rows - shard * summary.shard_rows)
-    kept = shard_done(path, num_rows) if resume else None
-    if kept is not None:
-        return num_rows, kept
-    p, pieces = shard_plan(shard, parts, summary, config)
-    return num_rows, write_shard(path, pieces, p, config, write_options,
-                                 dtype=np.dtype(summary.row_dtype))
+    out = OutputDir(output_dir)
+    try:
+        kept = shard_done(out, name, num_rows) if resume else None
+        if kept is not None:
+            return num_rows, kept
+        p, pieces = shard_plan(shard, parts, summary, config)
+        return num_rows, write_shard(out, name, pieces, p, config, write_options,
+                                     dtype=np.dtype(summary.row_dtype))
+    finally:
+        out.close()
 
 
 def finish_job(rows: Iterable[tuple[int, int, tuple[int, str]]], summary: JobSummary,

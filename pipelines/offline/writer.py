@@ -42,7 +42,6 @@ keeps nothing across runs: the spill is a cache of this run).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import json
@@ -75,12 +74,11 @@ from seqpack.pipelines.formats.manifest import (
     MANIFEST,
     Manifest,
     file_digest,
-    read_record,
     shard_names,
-    write_manifest,
 )
 from seqpack.pipelines.formats.records import decode_row, encode_row
 from seqpack.pipelines.formats.text import load_tokenizer
+from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.spill import SPILL_DIR, Run, SpillReader, SpillWriter
 
 COMPRESSION = {"none": "uncompressed", "snappy": "snappy", "zstd": "zstd:3"}
@@ -175,17 +173,21 @@ def manifest_results(stats: PackingStats, length_hist: dict) -> dict:
                                   "example_length_histogram": length_hist}))
 
 
-def commit_manifest(output_dir: str, intent: Manifest, shard_num_rows: list[int],
+def commit_manifest(output_dir: str | OutputDir, intent: Manifest, shard_num_rows: list[int],
                     results: dict, digests: list[tuple[int, str]]) -> Manifest:
     """Writes ``manifest.json`` (from here on the run is complete), then drops the intent and
     the shards' completion records."""
+    out = _out(output_dir)
     manifest = intent.completed(shard_num_rows, results, digests)
-    write_manifest(output_dir, manifest)
-    os.remove(os.path.join(output_dir, INTENT))
+    out.write_json(MANIFEST, manifest.to_json())
+    out.remove(INTENT)
     for name in intent.shards:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(output_dir, name + DONE))
+        out.remove(name + DONE)
     return manifest
+
+
+def _out(output_dir: str | OutputDir) -> OutputDir:
+    return output_dir if isinstance(output_dir, OutputDir) else OutputDir(output_dir)
 
 
 def row_dtype(values_dtype: np.dtype, pad_id: int) -> np.dtype:
@@ -209,43 +211,37 @@ class DirLock:
     and taken over; a lock from another host is never guessed at: the error says how to clear
     it."""
 
-    def __init__(self, directory: str):
-        self.path = os.path.join(directory, LOCK)
+    def __init__(self, directory: str | OutputDir):
+        self.out = _out(directory)
+        self.path = self.out.path(LOCK)
         self.held = False
 
     def __enter__(self) -> DirLock:
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time()}
         for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
+            if not self.out.create_json(LOCK, me):
                 owner = self._owner()
                 if owner is not None and not _stale(owner):
                     raise UsageError(
-                        f"{os.path.dirname(self.path)}: another seqpack run (pid "
-                        f"{owner.get('pid')} on {owner.get('host')}) is writing here; wait for "
-                        f"it, or remove {self.path} if that run is gone") from None
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self.path)  # stale (or unreadable): the owner is gone
+                        f"{self.out.location}: another seqpack run (pid {owner.get('pid')} on "
+                        f"{owner.get('host')}) is writing here; wait for it, or remove "
+                        f"{self.path} if that run is gone")
+                self.out.remove(LOCK)  # stale (or unreadable): the owner is gone
                 continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
             self.held = True
             return self
         raise UsageError(f"{self.path}: could not take the lock (another run keeps taking it)")
 
     def _owner(self) -> dict | None:
         try:
-            with open(self.path) as f:
-                owner = json.load(f)
+            owner = self.out.read_json(LOCK)
             return owner if isinstance(owner, dict) else None
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # InputError is a ValueError
             return None
 
     def __exit__(self, *exc: object) -> None:
         if self.held:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self.path)
+            self.out.remove(LOCK)
             self.held = False
 
 
@@ -274,16 +270,16 @@ def _stale(owner: dict) -> bool:
     return started is not None and _start_time(pid) not in (None, started)
 
 
-def check_dir(output_dir: str, *, overwrite: bool, resume: bool) -> list[str]:
+def check_dir(output_dir: str | OutputDir, *, overwrite: bool, resume: bool) -> list[str]:
     """Refuses what `prepare_dir` would refuse whatever the run; returns the directory's names.
 
     Called before the inputs are read, so a wrong directory fails at once."""
+    out = _out(output_dir)
     if overwrite and resume:
         raise UsageError("pass either --overwrite or --resume, not both")
-    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise UsageError(f"{output_dir}: exists and is not a directory")
-    names = sorted(n for n in os.listdir(output_dir) if n != LOCK) \
-        if os.path.isdir(output_dir) else []
+    out.check_usable()
+    output_dir = out.location
+    names = [n for n in out.names() if n != LOCK]
     recorded = [n for n in (MANIFEST, INTENT) if n in names]
     if not (resume and recorded) and names and not overwrite \
             and any(not n.endswith(".tmp") for n in names):
@@ -294,49 +290,47 @@ def check_dir(output_dir: str, *, overwrite: bool, resume: bool) -> list[str]:
     return names
 
 
-def prepare_dir(output_dir: str, intent: Manifest, *, overwrite: bool, resume: bool
-                ) -> Manifest | None:
+def prepare_dir(output_dir: str | OutputDir, intent: Manifest, *, overwrite: bool,
+                resume: bool) -> Manifest | None:
     """Readies the directory; returns the finished manifest when resuming a complete run."""
-    names = check_dir(output_dir, overwrite=overwrite, resume=resume)
-    os.makedirs(output_dir, exist_ok=True)
+    out = _out(output_dir)
+    names = check_dir(out, overwrite=overwrite, resume=resume)
+    out.makedirs()
     recorded = [n for n in (MANIFEST, INTENT) if n in names]
     if resume and recorded:
-        path = os.path.join(output_dir, recorded[0])
+        path = out.path(recorded[0])
         try:
-            old = read_record(path)
+            old = Manifest.from_json(out.read_json(recorded[0]), path)
         except InputError as e:
             raise InputError(f"{e}; rerun with --overwrite") from None
         _check_same_run(path, old.intent().to_json(), intent.to_json())
         if old.complete:  # the run had finished
             if INTENT in names:  # killed between writing the manifest and this cleanup
-                os.remove(os.path.join(output_dir, INTENT))
-            if _demote_if_damaged(output_dir, old) is None:
+                out.remove(INTENT)
+            if _demote_if_damaged(out, old) is None:
                 return old
-            names = sorted(os.listdir(output_dir))
+            names = out.names()
     for name in names:
         if _owned(name) and (overwrite or name.endswith(".tmp")):
-            os.remove(os.path.join(output_dir, name))
-    write_manifest(output_dir, intent)
+            out.remove(name)
+    out.write_json(INTENT, intent.to_json())
     return None
 
 
-def _demote_if_damaged(output_dir: str, manifest: Manifest) -> list[str] | None:
+def _demote_if_damaged(out: OutputDir, manifest: Manifest) -> list[str] | None:
     """Re-hashes a complete run's shards; when some are missing or differ from the manifest,
     turns the run back into an interrupted one whose good shards are kept (their completion
     records written from the manifest) and returns the bad shards' names; None if all match."""
     digests = list(zip(manifest.shard_bytes or [], manifest.shard_sha256 or []))
-    bad = []
-    for name, want in zip(manifest.shards, digests):
-        path = os.path.join(output_dir, name)
-        if not os.path.isfile(path) or file_digest(path) != tuple(want):
-            bad.append(name)
+    bad = [name for name, want in zip(manifest.shards, digests)
+           if out.digest(name) != tuple(want)]
     if not bad:
         return None
-    write_manifest(output_dir, manifest.intent())
+    out.write_json(INTENT, manifest.intent().to_json())
     for name, rows, want in zip(manifest.shards, manifest.shard_num_rows or [], digests):
         if name not in bad:
-            _write_done(os.path.join(output_dir, name), rows, tuple(want))  # type: ignore[arg-type]
-    os.remove(os.path.join(output_dir, MANIFEST))
+            _write_done(out, name, rows, tuple(want))  # type: ignore[arg-type]
+    out.remove(MANIFEST)
     return bad
 
 
@@ -397,39 +391,40 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _write_done(path: str, rows: int, digest: tuple[int, str]) -> None:
-    """The completion record of a shard: written after the shard, atomically."""
-    tmp = path + DONE + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump({"rows": rows, "bytes": digest[0], "sha256": digest[1]}, f)
-    os.replace(tmp, path + DONE)
+def _write_done(out: OutputDir, name: str, rows: int, digest: tuple[int, str]) -> None:
+    """The completion record of a shard: written after the shard, whole."""
+    out.write_json(name + DONE, {"rows": rows, "bytes": digest[0], "sha256": digest[1]})
 
 
-def shard_done(path: str, num_rows: int) -> tuple[int, str] | None:
+def shard_done(output_dir: str | OutputDir, name: str, num_rows: int
+               ) -> tuple[int, str] | None:
     """(size, sha256) of a shard that a run finished writing and that is intact: its completion
-    record exists and matches the file's content; None otherwise (the shard is rewritten)."""
+    record exists and matches the shard's content; None otherwise (the shard is rewritten)."""
+    out = _out(output_dir)
     try:
-        with open(path + DONE) as f:
-            done = json.load(f)
-        digest = file_digest(path)
-    except (OSError, ValueError):
+        done = out.read_json(name + DONE)
+    except (OSError, ValueError):  # missing, or not JSON (InputError is a ValueError)
         return None
-    if not isinstance(done, dict) or done.get("rows") != num_rows \
-            or [done.get("bytes"), done.get("sha256")] != list(digest):
+    if not isinstance(done, dict) or done.get("rows") != num_rows:
+        return None
+    digest = out.digest(name)
+    if digest is None or [done.get("bytes"), done.get("sha256")] != list(digest):
         return None
     return digest
 
 
-def write_shard(path: str, pieces: Sequence[np.ndarray] | None, p: PackPlan,
-                config: PackConfig, options: WriteOptions, *, dtype: np.dtype,
+def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndarray] | None,
+                p: PackPlan, config: PackConfig, options: WriteOptions, *, dtype: np.dtype,
                 values: np.ndarray | None = None) -> tuple[int, str]:
     """Assembles the rows of plan `p` (one shard's rows, numbered from 0) and writes them.
 
     `pieces[i]` holds the tokens of the plan's i-th piece (or `values` the rows' tokens already
-    in place, see `packer.build_rows`). Writes `path.tmp`, renamed to `path` when complete, then
-    the shard's completion record (`path` + ".done": rows, size, sha256); returns (size,
-    sha256).
+    in place, see `packer.build_rows`). Writes ``name.tmp`` in the output's staging directory,
+    published as `name` when complete (a rename, or an upload), then the shard's completion
+    record (`name` + ".done": rows, size, sha256); returns (size, sha256).
     """
+    out = _out(output_dir)
+    path = os.path.join(out.staging(), name)
     batch = build_rows(pieces, p, config, dtype=dtype, derived=options.store_derived,
                        values=values)
     encoder = RowEncoder(batch)
@@ -440,11 +435,11 @@ def write_shard(path: str, pieces: Sequence[np.ndarray] | None, p: PackPlan,
     del batch
     if options.fsync:
         _fsync(path + ".tmp")
-    os.replace(path + ".tmp", path)
-    if options.fsync:
-        _fsync(os.path.dirname(path) or ".")  # the rename itself
-    digest = file_digest(path)
-    _write_done(path, p.num_rows, digest)
+    digest = file_digest(path + ".tmp")
+    out.publish(path + ".tmp", name)
+    if options.fsync and not out.remote:
+        _fsync(out.location)  # the rename itself
+    _write_done(out, name, p.num_rows, digest)
     return digest
 
 
@@ -464,6 +459,7 @@ class _RunContext:
     """What every worker needs for pass 2, written once to the spill directory."""
 
     output_dir: str
+    stage: str  # where shards are written before they are published (output_dir when local)
     config: PackConfig
     options: WriteOptions
     dtype: str  # the rows' token dtype
@@ -511,8 +507,8 @@ def _write_task(context_path: str, task: _ShardTask) -> tuple[int, int, tuple[in
     p, config = task.plan, context.config
     values = np.full(p.num_rows * config.seq_len, config.pad_id, np.dtype(context.dtype))
     spill.read_into(values, p.row * config.seq_len + p.offset, task.src, p.length)
-    digest = write_shard(os.path.join(context.output_dir, task.name), None, p, config,
-                         context.options, dtype=values.dtype,
+    out = OutputDir(context.output_dir, stage=context.stage)
+    digest = write_shard(out, task.name, None, p, config, context.options, dtype=values.dtype,
                          values=values.reshape(p.num_rows, config.seq_len))
     return task.index, p.num_rows, digest
 
@@ -676,9 +672,10 @@ def write_shards(ps: _Pieces, offsets: np.ndarray, context: _RunContext, names: 
     if progress:
         progress.phase("writing", sum(tokens))
     todo, done = [], 0
+    out = OutputDir(context.output_dir, stage=context.stage)
     digests: list[tuple[int, str]] = [(0, "")] * len(names)
     for i, name in enumerate(names):
-        kept = shard_done(os.path.join(context.output_dir, name), rows[i]) if resume else None
+        kept = shard_done(out, name, rows[i]) if resume else None
         if kept is not None:
             digests[i] = kept
             done += rows[i]
@@ -738,13 +735,13 @@ def pack_to_dir(
     if workers is not None and (isinstance(workers, bool) or workers < 1):
         raise UsageError(f"workers={workers!r} must be >= 1")
     block_size = plan_rows(np.zeros(0, np.int64), config, block_size=block_size).block_size
-    check_dir(output_dir, overwrite=overwrite, resume=resume)
-    created = not os.path.isdir(output_dir)
-    os.makedirs(output_dir, exist_ok=True)
-    spill_dir = os.path.join(output_dir, SPILL_DIR)
+    out = OutputDir(output_dir)
+    check_dir(out, overwrite=overwrite, resume=resume)
+    created = out.makedirs()
+    spill_dir = os.path.join(out.staging(), SPILL_DIR)  # a local directory either way
     pool = _Workers(workers or 1)
     started = False
-    lock = DirLock(output_dir)
+    lock = DirLock(out)
     try:
         lock.__enter__()  # one run per directory, from here to the end
         shutil.rmtree(spill_dir, ignore_errors=True)
@@ -761,7 +758,7 @@ def pack_to_dir(
         assignment = plan_rows(lengths, config, block_size=block_size)
         inputs = inputs_record(infos, dtype, read_options)
         intent = run_intent(config, inputs, write_options, assignment.num_rows, block_size)
-        done = prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume)
+        done = prepare_dir(out, intent, overwrite=overwrite, resume=resume)
         if done is not None:
             return done
         started = True
@@ -772,16 +769,17 @@ def pack_to_dir(
         offsets = np.zeros(lengths.size + 1, np.int64)
         np.cumsum(lengths, out=offsets[1:])
         del lengths, assignment
-        context = _RunContext(output_dir, config, write_options,
+        context = _RunContext(output_dir, out.staging(), config, write_options,
                               row_dtype(dtype, config.pad_id).str, runs)
         rows, digests = write_shards(ps, offsets, context, intent.shards, pool,
                                      _save_context(spill_dir, context), resume=resume,
                                      progress=progress)
-        return commit_manifest(output_dir, intent, rows, results, digests)
+        return commit_manifest(out, intent, rows, results, digests)
     finally:
         pool.close()
         if lock.held:
             shutil.rmtree(spill_dir, ignore_errors=True)
         lock.__exit__()
+        out.close()
         if created and not started and os.path.isdir(output_dir) and not os.listdir(output_dir):
             os.rmdir(output_dir)
