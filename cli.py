@@ -417,9 +417,6 @@ def verify(output_dir, inputs, max_violations, as_json):
     """
     from seqpack.pipelines.offline.verify import verify as run_verify
 
-    if "://" in output_dir:
-        raise click.UsageError(f"{output_dir}: verify reads a local packed directory (its "
-                               "inputs may be URLs); copy the output here first")
     report = run_verify(output_dir, _expand(inputs), max_violations=max_violations)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))

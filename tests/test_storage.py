@@ -208,11 +208,11 @@ def test_a_url_without_the_cloud_extra_names_it(tmp_path):
     assert "MissingDependency" in last and "pip install 'seqpack[cloud]'" in last, last
 
 
-def test_verify_of_a_remote_output_is_refused_not_read_locally(tmp_path, monkeypatch):
+def test_a_remote_output_path_is_never_written_locally(tmp_path, monkeypatch, store):
     monkeypatch.chdir(tmp_path)
-    result = invoke("verify", "s3://bucket/packed/", ok=False)
-    assert result.exit_code == 2 and "copy the output here" in result.output, result.output
-    assert os.listdir(tmp_path) == []  # no ./s3: directory
+    result = invoke("verify", store.url("nothing-here/"), ok=False)
+    assert result.exit_code == 2 and "nothing-here" in result.output, result.output
+    assert os.listdir(tmp_path) == []  # no ./gs: or ./s3: directory
 
 
 
@@ -232,6 +232,8 @@ def test_pack_to_object_storage_gives_the_local_bytes(store, inputs, tmp_path):
     assert result.returncode == 0, result.stderr
     assert _objects(store, out) == dir_bytes(local)  # no lock, records or staging left behind
     assert run_cli("stats", out).returncode == 0
+    result = run_cli("verify", out)  # the remote output against the local inputs it names
+    assert result.returncode == 0 and result.stdout.startswith("OK:"), result.stderr
     from seqpack.pipelines.datasets import PackedArrayRecordSource
 
     src = PackedArrayRecordSource(out, cache_dir=tmp_path / "cache")
@@ -254,6 +256,8 @@ def test_a_damaged_remote_shard_is_rewritten_by_resume_and_a_lock_refuses(store,
     data = bytearray(store.fs.cat(inside + name))
     data[len(data) // 2] ^= 1
     store.fs.pipe(inside + name, bytes(data))
+    result = run_cli("verify", out)
+    assert result.returncode == 1 and f"{name}: size or sha256 differs" in result.stdout
     result = run_cli("pack", *inputs, "-o", out, *args, "--resume")
     assert result.returncode == 0, result.stderr
     assert _objects(store, out) == dir_bytes(local)
@@ -297,15 +301,23 @@ def test_sigkill_mid_run_on_object_storage_then_resume(store, tmp_path):
 
 
 @pytest.mark.slow
-def test_beam_job_writes_to_object_storage(store, inputs, tmp_path):
+def test_url_to_url_round_trips_local_and_beam_give_the_local_bytes(store, inputs, tmp_path):
     pytest.importorskip("apache_beam")
     from seqpack.packer import PackConfig
     from seqpack.pipelines.offline.beam import pack_beam
     from seqpack.pipelines.offline.writer import WriteOptions, pack_to_dir
 
+    urls = [store.upload(p, store.url("in/" + os.path.basename(p))) for p in inputs]
     config, write = PackConfig(64, max_segments=8, overflow="split"), WriteOptions(shard_rows=9)
-    pack_to_dir(inputs, tmp_path / "local", config, write_options=write)
+    pack_to_dir(urls, tmp_path / "local", config, write_options=write)  # URL in, local out
+    want = dir_bytes(tmp_path / "local")
     out = store.url("beam/")
-    pack_beam(inputs, out, config, write_options=write, beam_options=["direct_num_workers=2"],
+    pack_beam(urls, out, config, write_options=write, beam_options=["direct_num_workers=2"],
               quiet=True)
-    assert _objects(store, out) == dir_bytes(tmp_path / "local")
+    assert _objects(store, out) == want
+    out = store.url("cli/")
+    result = run_cli("pack", *urls, "-o", out, "--seq-len", 64, "--max-segments", 8,
+                     "--overflow", "split", "--shard-rows", 9, "--workers", 2)
+    assert result.returncode == 0, result.stderr
+    assert _objects(store, out) == want
+    assert run_cli("verify", out).returncode == 0  # remote output against remote inputs

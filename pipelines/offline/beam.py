@@ -34,17 +34,17 @@ field; the manifest does not say how it was made).
 
 Runners: DirectRunner in multi-processing mode by default (`direct_num_workers`: the CPU count,
 at most 8); any Beam pipeline option goes through `beam_options` ("KEY=VALUE", or "KEY" for a
-flag). Workers read the inputs and write the output directory with plain file I/O, so on a
-cluster both must be on a filesystem every worker (and this driver, which reads the manifest)
-sees, e.g. a shared mount.
+flag). Workers read the inputs and write the output through their paths or URLs (`gs://`,
+`s3://`: `offline.outdir.OutputDir`), so on a cluster (Dataflow, Flink, Spark) inputs and output
+on object storage need no shared filesystem; a local output directory must be one every worker
+sees. Steps exchange data only through Beam and the output location.
 
 Errors: a bad input or a rejected option (what the local CLI rejects) fails the job with an
-`InputError` / `ValueError` naming the file and record, raised here in the driver; the workers
-report it as data (through a file in a temporary directory) instead of crashing, so a CLI run
-prints one `Error:` line. On a runner whose workers cannot see that directory, the job fails
-with the same message in the runner's error. `resume` and `overwrite` work as locally (the shard
-writers skip complete shards), except that a runner retrying the planning step without `resume`
-would find its own pack_intent.json and stop.
+`InputError` / `ValueError` naming the file and record, raised here in the driver; the worker
+that finds it writes it to ``OUTPUT/pack_error.json`` instead of crashing, the driver reads and
+removes it, so a CLI run prints one `Error:` line. `resume` and `overwrite` work as locally (the
+shard writers keep intact complete shards), except that a runner retrying the planning step
+without `resume` would find its own pack_intent.json and stop.
 """
 
 from __future__ import annotations
@@ -67,9 +67,8 @@ from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import beam_steps
 from seqpack.pipelines.offline.outdir import OutputDir
-from seqpack.pipelines.offline.writer import DirLock, WriteOptions, check_dir
+from seqpack.pipelines.offline.writer import ERROR, DirLock, WriteOptions, check_dir
 
-_ERROR_FILE = "error.txt"
 _MAX_DEFAULT_WORKERS = 8
 
 
@@ -126,10 +125,13 @@ def build_pipeline(
     write_options: WriteOptions,
     overwrite: bool = False,
     resume: bool = False,
-    error_dir: str | None = None,
+    report_errors: bool = True,
     block_size: int | None = None,
 ) -> None:
-    """Adds the packing job to Beam pipeline `p` (see the module docstring for its stages)."""
+    """Adds the packing job to Beam pipeline `p` (see the module docstring for its stages).
+
+    `report_errors`: a rejected input is written to ``OUTPUT/pack_error.json`` (which
+    `pack_beam` reads and raises), not raised in the worker; False fails the job with it."""
     block_size = check_block_size(block_size)
     scans = (
         p
@@ -156,7 +158,7 @@ def build_pipeline(
         .with_outputs("error", main="summary")
     )
     summary = beam.pvalue.AsSingleton(finished.summary, default_value=None)
-    _ = finished.error | "ReportError" >> beam.Map(_report_error, error_dir)
+    _ = finished.error | "ReportError" >> beam.Map(_report_error, output_dir, report_errors)
     rows = (
         plans
         | "SplitBlocks" >> beam.FlatMap(beam_steps.split_block, summary, files)
@@ -215,11 +217,10 @@ def _route(job: beam_steps.FileJob, summary: beam_steps.JobSummary | None,
     return beam_steps.route_file(job, read_options, summary.shard_rows, summary.row_dtype)
 
 
-def _report_error(message: str, error_dir: str | None) -> None:
-    if error_dir is None or not os.path.isdir(error_dir):
+def _report_error(message: str, output_dir: str, report: bool) -> None:
+    if not report:
         raise InputError(message)  # fails the job; the runner's error carries the message
-    with open(os.path.join(error_dir, _ERROR_FILE), "w") as f:
-        f.write(message)
+    OutputDir(output_dir).write_json(ERROR, {"error": message})
 
 
 def _write_shard(element: tuple[int, Iterable[beam_steps.ShardPart]],
@@ -268,17 +269,17 @@ def pack_beam(
         fd, log_path = tempfile.mkstemp(prefix="seqpack-beam-", suffix=".log")
         os.close(fd)
     try:
-        with DirLock(out), tempfile.TemporaryDirectory(prefix="seqpack-beam-") as error_dir:
+        with DirLock(out):
+            out.remove(ERROR)  # a report of an earlier job
             with _output_to(log_path), beam.Pipeline(options=options) as p:
                 build_pipeline(p, paths, output_dir, config,
                                read_options=read_options or ReadOptions(),
                                write_options=write_options or WriteOptions(),
-                               overwrite=overwrite, resume=resume, error_dir=error_dir,
-                               block_size=block_size)
-            error = os.path.join(error_dir, _ERROR_FILE)
-            if os.path.exists(error):
-                with open(error) as f:
-                    raise InputError(f.read())
+                               overwrite=overwrite, resume=resume, block_size=block_size)
+            if out.exists(ERROR):
+                message = out.read_json(ERROR).get("error", "a worker rejected an input")
+                out.remove(ERROR)
+                raise InputError(message)
     except InputError:
         raise
     except Exception as e:

@@ -45,8 +45,9 @@ from seqpack.pipelines.formats.inputs import (
     fingerprint,
     scan_file,
 )
-from seqpack.pipelines.formats.manifest import Manifest, file_digest, read_manifest
+from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.formats.text import load_tokenizer
+from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.spill import Run, SpillReader, SpillWriter
 
 
@@ -69,8 +70,14 @@ def load_manifest(output_dir: str) -> tuple[Manifest, PackConfig]:
 
 
 def read_shard(output_dir: str, name: str, num_rows: int | None = None) -> dict[str, np.ndarray]:
-    """All rows of one shard stacked into `[R, ...]` arrays; InputError if it is corrupt."""
-    path = os.path.join(output_dir, name)
+    """All rows of one shard stacked into `[R, ...]` arrays; InputError if it is corrupt.
+    A shard on object storage is read from a temporary local copy."""
+    url = storage.join(output_dir, name)
+    with storage.local_copy(url) as local, storage.named(local, url):
+        return _read_local_shard(local, num_rows)
+
+
+def _read_local_shard(path: str, num_rows: int | None) -> dict[str, np.ndarray]:
     reader = open_reader(path)
     try:
         try:
@@ -240,10 +247,11 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
     config = manifest.pack_config()
     out = _Collector(max_violations)
     damaged = set()
+    location = OutputDir(output_dir)
     for name, size, sha in zip(manifest.shards, manifest.shard_bytes or [],
                                manifest.shard_sha256 or []):
-        path = os.path.join(output_dir, name)
-        if os.path.isfile(path) and file_digest(path) != (size, sha):
+        got = location.digest(name)
+        if got is not None and got != (size, sha):
             damaged.add(name)
             out.add(f"{name}: size or sha256 differs from the manifest's ({size} bytes, "
                     f"{sha[:12]}...): the shard was damaged or replaced after the run "

@@ -84,6 +84,7 @@ from seqpack.pipelines.offline.spill import SPILL_DIR, Run, SpillReader, SpillWr
 COMPRESSION = {"none": "uncompressed", "snappy": "snappy", "zstd": "zstd:3"}
 DONE = ".done"  # a shard's completion record: rows-....arrayrecord.done
 LOCK = "pack.lock"
+ERROR = "pack_error.json"  # the Beam job's report of a rejected input (read by its driver)
 # Test-only: seconds to sleep after each input read and each shard written, so tests can kill a
 # run mid-way or watch its progress.
 DELAY_ENV = "SEQPACK_TEST_SHARD_DELAY"
@@ -279,7 +280,7 @@ def check_dir(output_dir: str | OutputDir, *, overwrite: bool, resume: bool) -> 
         raise UsageError("pass either --overwrite or --resume, not both")
     out.check_usable()
     output_dir = out.location
-    names = [n for n in out.names() if n != LOCK]
+    names = [n for n in out.names() if n not in (LOCK, ERROR)]
     recorded = [n for n in (MANIFEST, INTENT) if n in names]
     if not (resume and recorded) and names and not overwrite \
             and any(not n.endswith(".tmp") for n in names):
