@@ -250,8 +250,8 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
     location = OutputDir(output_dir)
     for name, size, sha in zip(manifest.shards, manifest.shard_bytes or [],
                                manifest.shard_sha256 or []):
-        got = location.digest(name)
-        if got is not None and got != (size, sha):
+        digest = location.digest(name)
+        if digest is not None and digest != (size, sha):
             damaged.add(name)
             out.add(f"{name}: size or sha256 differs from the manifest's ({size} bytes, "
                     f"{sha[:12]}...): the shard was damaged or replaced after the run "
