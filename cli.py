@@ -6,7 +6,7 @@
     seqpack stats packed/                          # the packed run's statistics
     seqpack stats data/*.parquet --column input_ids --plot stats.png   # dry run, per strategy
     seqpack verify packed/ data/*.parquet          # proves the rows lossless against the inputs
-    seqpack pack 'gs://bucket/data/*.parquet' -o packed/   # URL inputs (seqpack[cloud]), quoted
+    seqpack pack 'gs://bucket/data/*.parquet' -o gs://bucket/packed/   # URLs (seqpack[cloud])
     seqpack inspect packed/ --row 0
 
 Each command parses its options, calls one library function (`pipelines.offline.writer`,
