@@ -58,9 +58,6 @@ class OutputDir:
         elif os.path.exists(self.location) and not os.path.isdir(self.location):
             raise UsageError(f"{self.location}: exists and is not a directory")
 
-    def exists_dir(self) -> bool:
-        return bool(self.names()) if self.remote else os.path.isdir(self.location)
-
     def names(self) -> list[str]:
         """The names directly under the location (sorted); none for a missing one."""
         if not self.remote:
