@@ -45,9 +45,14 @@ def stats_from_lengths(
     counters: Counters | None = None,
 ) -> PackingStats:
     """Statistics from the per-row segment lengths alone."""
+    return stats_from_histograms(*length_histograms(segment_lengths, seq_len), seq_len, counters)
+
+
+def length_histograms(segment_lengths: np.ndarray, seq_len: int
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """`row_histograms` of rows given by their `[R, S]` segment lengths."""
     seg = np.asarray(segment_lengths, np.int64).reshape(-1, np.shape(segment_lengths)[-1])
-    hists = _histograms(seg.sum(axis=1), (seg > 0).sum(axis=1), seq_len, seg.shape[1])
-    return stats_from_histograms(*hists, seq_len, counters)
+    return _histograms(seg.sum(axis=1), (seg > 0).sum(axis=1), seq_len, seg.shape[1])
 
 
 def stats_of_pieces(row: np.ndarray, length: np.ndarray, num_rows: int, seq_len: int,

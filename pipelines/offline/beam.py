@@ -204,7 +204,7 @@ def _finish_plan(blocks: list[beam_steps.BlockSummary], files: list[beam_steps.F
                                          block_size=block_size, overwrite=overwrite,
                                          resume=resume)
     except (ValueError, OSError) as e:
-        yield beam.pvalue.TaggedOutput("error", " ".join(str(e).split()) or type(e).__name__)
+        yield beam.pvalue.TaggedOutput("error", beam_steps.one_line(e))
         return
     if summary is not None:
         yield summary

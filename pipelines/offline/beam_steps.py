@@ -66,7 +66,8 @@ from seqpack.pipelines.offline.writer import (
 EXAMPLE, START, LENGTH, ROW = range(4)
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
+    """An error's message on one line (what a CLI run prints after `Error:`)."""
     return " ".join(str(e).split()) or type(e).__name__
 
 
@@ -162,7 +163,7 @@ def scan_file(index: int, path: str, options: ReadOptions) -> FileScan:
         tokenizer = load_tokenizer(options.tokenizer) if options.tokenizer else None
         scan = inputs.scan_file(path, fmt, options, tokenizer)
     except (ValueError, OSError) as e:
-        return FileScan(index, path, {}, np.zeros(0, np.int64), "", error=_one_line(e))
+        return FileScan(index, path, {}, np.zeros(0, np.int64), "", error=one_line(e))
     return FileScan(index, path, scan.info, scan.lengths, scan.dtype.str)
 
 
@@ -211,7 +212,7 @@ def plan_block_slices(block: int, slices: Iterable[BlockSlice], files: Sequence[
         example, start, length, row, num_rows, counters = plan_block(lengths, config, first)
     except InputError as e:
         empty = np.zeros(0, np.int64)
-        summary = BlockSummary(block, 0, Counters(), empty, empty, counts, error=_one_line(e))
+        summary = BlockSummary(block, 0, Counters(), empty, empty, counts, error=one_line(e))
         return BlockPlan(summary, np.zeros((4, 0), np.int64))
     used, nseg = row_histograms(row, length, num_rows, L, S)
     summary = BlockSummary(block, num_rows, counters, used, nseg, counts)

@@ -28,7 +28,7 @@ import numpy as np
 
 from seqpack.packer import Counters, PackConfig, validate
 from seqpack.packer.contract import ragged_arange, restore_derived
-from seqpack.packer.stats import stats_from_histograms
+from seqpack.packer.stats import length_histograms, stats_from_histograms
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.arrayrecord import (
@@ -191,14 +191,6 @@ def _read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str
     return files, np.concatenate(lengths) if lengths else np.zeros(0, np.int64), runs
 
 
-def row_histograms_of(seg: np.ndarray, config: PackConfig) -> tuple[np.ndarray, np.ndarray]:
-    """`packer.stats` row histograms of `[R, S]` segment lengths."""
-    used = seg.sum(axis=1)
-    nseg = (seg > 0).sum(axis=1)
-    return (np.bincount(used, minlength=config.seq_len + 1),
-            np.bincount(nseg, minlength=config.max_segments + 1))
-
-
 def _check_coverage(ex, st, ln, lengths, config, counters: Counters, out: _Collector) -> None:
     """Each example's pieces tile [0, kept) once; the rest matches the policy and counters."""
     order = np.lexsort((st, ex))
@@ -305,8 +297,7 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
                 ex, st, ln, n = _check_tokens(batch, config, spill, offsets, lengths, name, out)
             except (IndexError, KeyError, ValueError):
                 continue
-            seg = batch[config.keys().segment_lengths].astype(np.int64)
-            hists = row_histograms_of(seg, config)
+            hists = length_histograms(batch[config.keys().segment_lengths], config.seq_len)
             used_hist += hists[0]
             nseg_hist += hists[1]
             pieces.append((ex, st, ln))
