@@ -292,7 +292,8 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     """
     from seqpack.pipelines.formats.inputs import sample_files
     from seqpack.pipelines.offline.report import format_table, summary, terminal_progress
-    from seqpack.pipelines.offline.writer import WriteOptions, default_workers, pack_to_dir
+    from seqpack.pipelines.offline.workers import default_workers
+    from seqpack.pipelines.offline.writer import WriteOptions, pack_to_dir
 
     sample = not inputs
     inputs = _expand(inputs)

@@ -10,6 +10,7 @@ import pytest
 
 from seqpack.packer import PackConfig, pack_ragged
 from seqpack.packer.inputs import ragged_from_sequences
+from seqpack.pipelines.formats.manifest import INTENT
 from seqpack.pipelines.formats.records import decode_row, encode_row
 from seqpack.pipelines.offline import writer
 from seqpack.pipelines.offline.verify import read_shard
@@ -231,7 +232,7 @@ def test_interrupted_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     result = invoke("pack", src, "-o", out, *args, ok=False)
     assert result.exit_code == 2 and "No space left" in result.stderr
     names = sorted(os.listdir(out))
-    assert "manifest.json" not in names and writer.INTENT in names
+    assert "manifest.json" not in names and INTENT in names
     assert len([n for n in names if n.endswith(".arrayrecord")]) == 3
     (out / "rows-00003-of-00099.arrayrecord.tmp").write_bytes(b"half a shard")
     opened.clear()
@@ -278,4 +279,4 @@ def test_resume_needs_an_interrupted_run(tmp_path):
     assert result.exit_code == 2 and "holds no interrupted run" in result.stderr
     fresh = tmp_path / "fresh"
     invoke("pack", src, "-o", fresh, "--seq-len", 64, "--resume")  # nothing there: a fresh run
-    assert (fresh / "manifest.json").exists() and not (fresh / writer.INTENT).exists()
+    assert (fresh / "manifest.json").exists() and not (fresh / INTENT).exists()

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, signed
-from seqpack.pipelines.offline.writer import DONE, LOCK
+from seqpack.pipelines.offline.outdir import DONE, LOCK
 from tests.helpers.files import ROOT, dir_bytes, invoke, random_seqs, run_cli, write_jsonl
 
 ARGS = ["--seq-len", 64, "--max-segments", 8, "--shard-rows", 10, "--workers", 1]

@@ -66,8 +66,8 @@ from seqpack.pipelines.errors import InputError, UsageError, require
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import beam_steps
-from seqpack.pipelines.offline.outdir import OutputDir
-from seqpack.pipelines.offline.writer import ERROR, DirLock, WriteOptions, check_dir
+from seqpack.pipelines.offline.outdir import ERROR, DirLock, OutputDir, check_dir
+from seqpack.pipelines.offline.writer import WriteOptions
 
 _MAX_DEFAULT_WORKERS = 8
 

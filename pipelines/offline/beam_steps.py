@@ -48,17 +48,19 @@ from seqpack.pipelines.formats import inputs
 from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus
 from seqpack.pipelines.formats.manifest import Manifest
 from seqpack.pipelines.formats.text import load_tokenizer
-from seqpack.pipelines.offline.outdir import OutputDir
+from seqpack.pipelines.offline.outdir import (
+    OutputDir,
+    commit_manifest,
+    prepare_dir,
+    shard_done,
+)
 from seqpack.pipelines.offline.writer import (
     WriteOptions,
-    commit_manifest,
     inputs_record,
     length_histogram,
     manifest_results,
-    prepare_dir,
     row_dtype,
     run_intent,
-    shard_done,
     write_shard,
 )
 

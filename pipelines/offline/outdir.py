@@ -11,6 +11,10 @@ The writer (and the Beam job) speak to an `OutputDir` only, so both kinds work t
                                ifGenerationMatch=0), after a read that refuses a live owner
 
 Objects are listed without a cache, so what another process wrote is seen.
+
+What a run keeps there, and trusts only after checking, also lives here: the lock (`DirLock`),
+the intent and manifest (`check_dir`, `prepare_dir`, `commit_manifest`) and each shard's
+completion record (`shard_done`).
 """
 
 from __future__ import annotations
@@ -20,12 +24,18 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
 from typing import Any
 
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError, UsageError
 from seqpack.pipelines.formats import manifest as manifest_io
+from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, Manifest
+
+DONE = ".done"  # a shard's completion record: rows-....arrayrecord.done
+LOCK = "pack.lock"
+ERROR = "pack_error.json"  # the Beam job's report of a rejected input (read by its driver)
 
 
 class OutputDir:
@@ -176,3 +186,188 @@ class OutputDir:
 def _json_bytes(obj: Any) -> bytes:
     """The bytes `formats.manifest.write_json` writes."""
     return (json.dumps(obj, indent=2) + "\n").encode()
+
+
+# -- what a run keeps in its output location --------------------------------------------------
+
+
+def commit_manifest(output_dir: str | OutputDir, intent: Manifest, shard_num_rows: list[int],
+                    results: dict, digests: list[tuple[int, str]]) -> Manifest:
+    """Writes ``manifest.json`` (from here on the run is complete), then drops the intent and
+    the shards' completion records."""
+    out = as_output_dir(output_dir)
+    manifest = intent.completed(shard_num_rows, results, digests)
+    out.write_json(MANIFEST, manifest.to_json())
+    out.remove(INTENT)
+    for name in intent.shards:
+        out.remove(name + DONE)
+    return manifest
+
+
+def as_output_dir(output_dir: str | OutputDir) -> OutputDir:
+    return output_dir if isinstance(output_dir, OutputDir) else OutputDir(output_dir)
+
+
+def _owned(name: str) -> bool:
+    return name.startswith("rows-") and ".arrayrecord" in name or name in (
+        MANIFEST, INTENT, MANIFEST + ".tmp", INTENT + ".tmp")
+
+
+class DirLock:
+    """One writer per output directory: ``pack.lock`` created exclusively, holding the owner's
+    pid, host and process start time; removed when the run ends.
+
+    A lock whose owner is gone (same host, the pid is dead or is another process now) is stale
+    and taken over; a lock from another host is never guessed at: the error says how to clear
+    it."""
+
+    def __init__(self, directory: str | OutputDir):
+        self.out = as_output_dir(directory)
+        self.path = self.out.path(LOCK)
+        self.held = False
+
+    def __enter__(self) -> DirLock:
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time()}
+        for _ in range(3):
+            if not self.out.create_json(LOCK, me):
+                owner = self._owner()
+                if owner is not None and not _stale(owner):
+                    raise UsageError(
+                        f"{self.out.location}: another seqpack run (pid {owner.get('pid')} on "
+                        f"{owner.get('host')}) is writing here; wait for it, or remove "
+                        f"{self.path} if that run is gone")
+                self.out.remove(LOCK)  # stale (or unreadable): the owner is gone
+                continue
+            self.held = True
+            return self
+        raise UsageError(f"{self.path}: could not take the lock (another run keeps taking it)")
+
+    def _owner(self) -> dict | None:
+        try:
+            owner = self.out.read_json(LOCK)
+            return owner if isinstance(owner, dict) else None
+        except (OSError, ValueError):  # InputError is a ValueError
+            return None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.held:
+            self.out.remove(LOCK)
+            self.held = False
+
+
+def _start_time(pid: int | None = None) -> str | None:
+    """A process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _stale(owner: dict) -> bool:
+    if owner.get("host") != socket.gethostname():
+        return False
+    pid = owner.get("pid")
+    if not isinstance(pid, int):
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    started = owner.get("started")
+    return started is not None and _start_time(pid) not in (None, started)
+
+
+def check_dir(output_dir: str | OutputDir, *, overwrite: bool, resume: bool) -> list[str]:
+    """Refuses what `prepare_dir` would refuse whatever the run; returns the directory's names.
+
+    Called before the inputs are read, so a wrong directory fails at once."""
+    out = as_output_dir(output_dir)
+    if overwrite and resume:
+        raise UsageError("pass either --overwrite or --resume, not both")
+    out.check_usable()
+    output_dir = out.location
+    names = [n for n in out.names() if n not in (LOCK, ERROR)]
+    recorded = [n for n in (MANIFEST, INTENT) if n in names]
+    if not (resume and recorded) and names and not overwrite \
+            and any(not n.endswith(".tmp") for n in names):
+        hint = "--overwrite to replace it" + ("" if resume else " or --resume to finish an "
+                                               "interrupted run")
+        what = "holds no interrupted run to resume" if resume else "exists and is not empty"
+        raise UsageError(f"{output_dir}: {what}; pass {hint}")
+    return names
+
+
+def prepare_dir(output_dir: str | OutputDir, intent: Manifest, *, overwrite: bool,
+                resume: bool) -> Manifest | None:
+    """Readies the directory; returns the finished manifest when resuming a complete run."""
+    out = as_output_dir(output_dir)
+    names = check_dir(out, overwrite=overwrite, resume=resume)
+    out.makedirs()
+    recorded = [n for n in (MANIFEST, INTENT) if n in names]
+    if resume and recorded:
+        path = out.path(recorded[0])
+        try:
+            old = Manifest.from_json(out.read_json(recorded[0]), path)
+        except InputError as e:
+            raise InputError(f"{e}; rerun with --overwrite") from None
+        _check_same_run(path, old.intent().to_json(), intent.to_json())
+        if old.complete:  # the run had finished
+            if INTENT in names:  # killed between writing the manifest and this cleanup
+                out.remove(INTENT)
+            if _demote_if_damaged(out, old) is None:
+                return old
+            names = out.names()
+    for name in names:
+        if _owned(name) and (overwrite or name.endswith(".tmp")):
+            out.remove(name)
+    out.write_json(INTENT, intent.to_json())
+    return None
+
+
+def _demote_if_damaged(out: OutputDir, manifest: Manifest) -> list[str] | None:
+    """Re-hashes a complete run's shards; when some are missing or differ from the manifest,
+    turns the run back into an interrupted one whose good shards are kept (their completion
+    records written from the manifest) and returns the bad shards' names; None if all match."""
+    digests = list(zip(manifest.shard_bytes or [], manifest.shard_sha256 or []))
+    bad = [name for name, want in zip(manifest.shards, digests)
+           if out.digest(name) != tuple(want)]
+    if not bad:
+        return None
+    out.write_json(INTENT, manifest.intent().to_json())
+    for name, rows, want in zip(manifest.shards, manifest.shard_num_rows or [], digests):
+        if name not in bad:
+            write_done(out, name, rows, tuple(want))  # type: ignore[arg-type]
+    out.remove(MANIFEST)
+    return bad
+
+
+def _check_same_run(path: str, old: dict, new: dict) -> None:
+    diff = [k for k in new if old.get(k) != new[k]]
+    if diff:
+        raise UsageError(f"cannot resume: {', '.join(diff)} differ from the run recorded in "
+                         f"{path}; rerun with --overwrite")
+
+
+def write_done(out: OutputDir, name: str, rows: int, digest: tuple[int, str]) -> None:
+    """The completion record of a shard: written after the shard, whole."""
+    out.write_json(name + DONE, {"rows": rows, "bytes": digest[0], "sha256": digest[1]})
+
+
+def shard_done(output_dir: str | OutputDir, name: str, num_rows: int
+               ) -> tuple[int, str] | None:
+    """(size, sha256) of a shard that a run finished writing and that is intact: its completion
+    record exists and matches the shard's content; None otherwise (the shard is rewritten)."""
+    out = as_output_dir(output_dir)
+    try:
+        done = out.read_json(name + DONE)
+    except (OSError, ValueError):  # missing, or not JSON (InputError is a ValueError)
+        return None
+    if not isinstance(done, dict) or done.get("rows") != num_rows:
+        return None
+    digest = out.digest(name)
+    if digest is None or [done.get("bytes"), done.get("sha256")] != list(digest):
+        return None
+    return digest

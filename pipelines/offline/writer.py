@@ -47,10 +47,9 @@ import functools
 import json
 import os
 import shutil
-import socket
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -70,21 +69,26 @@ from seqpack.pipelines.formats.inputs import (
     tokenizer_fingerprint,
 )
 from seqpack.pipelines.formats.manifest import (
-    INTENT,
-    MANIFEST,
     Manifest,
     file_digest,
     shard_names,
 )
 from seqpack.pipelines.formats.records import decode_row, encode_row
 from seqpack.pipelines.formats.text import load_tokenizer
-from seqpack.pipelines.offline.outdir import OutputDir
+from seqpack.pipelines.offline.outdir import (
+    DirLock,
+    OutputDir,
+    as_output_dir,
+    check_dir,
+    commit_manifest,
+    prepare_dir,
+    shard_done,
+    write_done,
+)
 from seqpack.pipelines.offline.spill import SPILL_DIR, Run, SpillReader, SpillWriter
+from seqpack.pipelines.offline.workers import Workers
 
 COMPRESSION = {"none": "uncompressed", "snappy": "snappy", "zstd": "zstd:3"}
-DONE = ".done"  # a shard's completion record: rows-....arrayrecord.done
-LOCK = "pack.lock"
-ERROR = "pack_error.json"  # the Beam job's report of a rejected input (read by its driver)
 # Test-only: seconds to sleep after each input read and each shard written, so tests can kill a
 # run mid-way or watch its progress.
 DELAY_ENV = "SEQPACK_TEST_SHARD_DELAY"
@@ -174,172 +178,12 @@ def manifest_results(stats: PackingStats, length_hist: dict) -> dict:
                                   "example_length_histogram": length_hist}))
 
 
-def commit_manifest(output_dir: str | OutputDir, intent: Manifest, shard_num_rows: list[int],
-                    results: dict, digests: list[tuple[int, str]]) -> Manifest:
-    """Writes ``manifest.json`` (from here on the run is complete), then drops the intent and
-    the shards' completion records."""
-    out = _out(output_dir)
-    manifest = intent.completed(shard_num_rows, results, digests)
-    out.write_json(MANIFEST, manifest.to_json())
-    out.remove(INTENT)
-    for name in intent.shards:
-        out.remove(name + DONE)
-    return manifest
-
-
-def _out(output_dir: str | OutputDir) -> OutputDir:
-    return output_dir if isinstance(output_dir, OutputDir) else OutputDir(output_dir)
-
-
 def row_dtype(values_dtype: np.dtype, pad_id: int) -> np.dtype:
     """The rows' token dtype: the inputs' dtype, widened when it cannot hold `pad_id`."""
     dtype = np.dtype(values_dtype)
     if not np.can_cast(np.min_scalar_type(pad_id), dtype):
         dtype = np.result_type(dtype, np.min_scalar_type(pad_id))
     return dtype
-
-
-def _owned(name: str) -> bool:
-    return name.startswith("rows-") and ".arrayrecord" in name or name in (
-        MANIFEST, INTENT, MANIFEST + ".tmp", INTENT + ".tmp")
-
-
-class DirLock:
-    """One writer per output directory: ``pack.lock`` created exclusively, holding the owner's
-    pid, host and process start time; removed when the run ends.
-
-    A lock whose owner is gone (same host, the pid is dead or is another process now) is stale
-    and taken over; a lock from another host is never guessed at: the error says how to clear
-    it."""
-
-    def __init__(self, directory: str | OutputDir):
-        self.out = _out(directory)
-        self.path = self.out.path(LOCK)
-        self.held = False
-
-    def __enter__(self) -> DirLock:
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time()}
-        for _ in range(3):
-            if not self.out.create_json(LOCK, me):
-                owner = self._owner()
-                if owner is not None and not _stale(owner):
-                    raise UsageError(
-                        f"{self.out.location}: another seqpack run (pid {owner.get('pid')} on "
-                        f"{owner.get('host')}) is writing here; wait for it, or remove "
-                        f"{self.path} if that run is gone")
-                self.out.remove(LOCK)  # stale (or unreadable): the owner is gone
-                continue
-            self.held = True
-            return self
-        raise UsageError(f"{self.path}: could not take the lock (another run keeps taking it)")
-
-    def _owner(self) -> dict | None:
-        try:
-            owner = self.out.read_json(LOCK)
-            return owner if isinstance(owner, dict) else None
-        except (OSError, ValueError):  # InputError is a ValueError
-            return None
-
-    def __exit__(self, *exc: object) -> None:
-        if self.held:
-            self.out.remove(LOCK)
-            self.held = False
-
-
-def _start_time(pid: int | None = None) -> str | None:
-    """A process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
-    try:
-        with open(f"/proc/{pid or os.getpid()}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _stale(owner: dict) -> bool:
-    if owner.get("host") != socket.gethostname():
-        return False
-    pid = owner.get("pid")
-    if not isinstance(pid, int):
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    started = owner.get("started")
-    return started is not None and _start_time(pid) not in (None, started)
-
-
-def check_dir(output_dir: str | OutputDir, *, overwrite: bool, resume: bool) -> list[str]:
-    """Refuses what `prepare_dir` would refuse whatever the run; returns the directory's names.
-
-    Called before the inputs are read, so a wrong directory fails at once."""
-    out = _out(output_dir)
-    if overwrite and resume:
-        raise UsageError("pass either --overwrite or --resume, not both")
-    out.check_usable()
-    output_dir = out.location
-    names = [n for n in out.names() if n not in (LOCK, ERROR)]
-    recorded = [n for n in (MANIFEST, INTENT) if n in names]
-    if not (resume and recorded) and names and not overwrite \
-            and any(not n.endswith(".tmp") for n in names):
-        hint = "--overwrite to replace it" + ("" if resume else " or --resume to finish an "
-                                               "interrupted run")
-        what = "holds no interrupted run to resume" if resume else "exists and is not empty"
-        raise UsageError(f"{output_dir}: {what}; pass {hint}")
-    return names
-
-
-def prepare_dir(output_dir: str | OutputDir, intent: Manifest, *, overwrite: bool,
-                resume: bool) -> Manifest | None:
-    """Readies the directory; returns the finished manifest when resuming a complete run."""
-    out = _out(output_dir)
-    names = check_dir(out, overwrite=overwrite, resume=resume)
-    out.makedirs()
-    recorded = [n for n in (MANIFEST, INTENT) if n in names]
-    if resume and recorded:
-        path = out.path(recorded[0])
-        try:
-            old = Manifest.from_json(out.read_json(recorded[0]), path)
-        except InputError as e:
-            raise InputError(f"{e}; rerun with --overwrite") from None
-        _check_same_run(path, old.intent().to_json(), intent.to_json())
-        if old.complete:  # the run had finished
-            if INTENT in names:  # killed between writing the manifest and this cleanup
-                out.remove(INTENT)
-            if _demote_if_damaged(out, old) is None:
-                return old
-            names = out.names()
-    for name in names:
-        if _owned(name) and (overwrite or name.endswith(".tmp")):
-            out.remove(name)
-    out.write_json(INTENT, intent.to_json())
-    return None
-
-
-def _demote_if_damaged(out: OutputDir, manifest: Manifest) -> list[str] | None:
-    """Re-hashes a complete run's shards; when some are missing or differ from the manifest,
-    turns the run back into an interrupted one whose good shards are kept (their completion
-    records written from the manifest) and returns the bad shards' names; None if all match."""
-    digests = list(zip(manifest.shard_bytes or [], manifest.shard_sha256 or []))
-    bad = [name for name, want in zip(manifest.shards, digests)
-           if out.digest(name) != tuple(want)]
-    if not bad:
-        return None
-    out.write_json(INTENT, manifest.intent().to_json())
-    for name, rows, want in zip(manifest.shards, manifest.shard_num_rows or [], digests):
-        if name not in bad:
-            _write_done(out, name, rows, tuple(want))  # type: ignore[arg-type]
-    out.remove(MANIFEST)
-    return bad
-
-
-def _check_same_run(path: str, old: dict, new: dict) -> None:
-    diff = [k for k in new if old.get(k) != new[k]]
-    if diff:
-        raise UsageError(f"cannot resume: {', '.join(diff)} differ from the run recorded in "
-                         f"{path}; rerun with --overwrite")
 
 
 class RowEncoder:
@@ -392,28 +236,6 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _write_done(out: OutputDir, name: str, rows: int, digest: tuple[int, str]) -> None:
-    """The completion record of a shard: written after the shard, whole."""
-    out.write_json(name + DONE, {"rows": rows, "bytes": digest[0], "sha256": digest[1]})
-
-
-def shard_done(output_dir: str | OutputDir, name: str, num_rows: int
-               ) -> tuple[int, str] | None:
-    """(size, sha256) of a shard that a run finished writing and that is intact: its completion
-    record exists and matches the shard's content; None otherwise (the shard is rewritten)."""
-    out = _out(output_dir)
-    try:
-        done = out.read_json(name + DONE)
-    except (OSError, ValueError):  # missing, or not JSON (InputError is a ValueError)
-        return None
-    if not isinstance(done, dict) or done.get("rows") != num_rows:
-        return None
-    digest = out.digest(name)
-    if digest is None or [done.get("bytes"), done.get("sha256")] != list(digest):
-        return None
-    return digest
-
-
 def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndarray] | None,
                 p: PackPlan, config: PackConfig, options: WriteOptions, *, dtype: np.dtype,
                 values: np.ndarray | None = None) -> tuple[int, str]:
@@ -424,7 +246,7 @@ def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndar
     published as `name` when complete (a rename, or an upload), then the shard's completion
     record (`name` + ".done": rows, size, sha256); returns (size, sha256).
     """
-    out = _out(output_dir)
+    out = as_output_dir(output_dir)
     path = os.path.join(out.staging(), name)
     batch = build_rows(pieces, p, config, dtype=dtype, derived=options.store_derived,
                        values=values)
@@ -440,19 +262,11 @@ def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndar
     out.publish(path + ".tmp", name)
     if options.fsync and not out.remote:
         _fsync(out.location)  # the rename itself
-    _write_done(out, name, p.num_rows, digest)
+    write_done(out, name, p.num_rows, digest)
     return digest
 
 
 # -- the run: workers, pass 1 (read), plan, pass 2 (write) ---------------------------------------
-
-
-def default_workers() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -514,81 +328,7 @@ def _write_task(context_path: str, task: _ShardTask) -> tuple[int, int, tuple[in
     return task.index, p.num_rows, digest
 
 
-def _init_worker(run_pid: int) -> None:
-    """Worker processes die with the run: a killed `seqpack pack` leaves no writer behind.
-
-    A worker's parent is the fork server, not the run, so it watches the run's process itself
-    (a pidfd where Linux has one, else it polls) and exits when the run is gone.
-    """
-    import threading
-
-    def watch() -> None:
-        try:
-            fd = os.pidfd_open(run_pid)
-        except (AttributeError, OSError):
-            fd = None
-        if fd is not None:
-            import select
-
-            select.select([fd], [], [])  # readable once the process has exited
-        else:  # pragma: no cover - no pidfd (not Linux, or an old kernel)
-            while True:
-                time.sleep(0.5)
-                try:
-                    os.kill(run_pid, 0)
-                except ProcessLookupError:
-                    break
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="seqpack-run-watch").start()
-
-
-class _Workers:
-    """Runs calls in up to `n` worker processes, in order, at most 2 per process in flight (so
-    results never pile up). The processes start on the first `map` with more than one call;
-    with n == 1, or one call, everything runs in this process."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self.pool: Any = None
-
-    def map(self, fn: Callable[..., Any], calls: Iterable[tuple], count: int) -> Iterator[Any]:
-        """fn(*call) for each of the `count` calls (made lazily: a shard's call holds its
-        pieces), results in order."""
-        if self.pool is None and self.n > 1 and count > 1:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
-            context: Any
-            if "forkserver" in multiprocessing.get_all_start_methods():
-                context = multiprocessing.get_context("forkserver")
-                # The fork server imports the writer (numpy, pyarrow, array_record) once; each
-                # worker is a fork of it.
-                context.set_forkserver_preload([__name__, "pyarrow.parquet"])
-            else:  # pragma: no cover - not on Linux
-                context = multiprocessing.get_context("spawn")
-            self.pool = ProcessPoolExecutor(self.n, mp_context=context,
-                                            initializer=_init_worker, initargs=(os.getpid(),))
-        if self.pool is None:
-            for args in calls:
-                yield fn(*args)
-            return
-        from collections import deque
-
-        pending: deque = deque()
-        for args in calls:
-            pending.append(self.pool.submit(fn, *args))
-            if len(pending) >= 2 * self.n:
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str, workers: _Workers,
+def read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str, workers: Workers,
                 progress: Progress | None = None) -> tuple[list[FileScan], list[Run]]:
     """Pass 1: every input scanned (in parallel), its tokens spilled; scans and runs in order."""
     if not paths:
@@ -660,7 +400,7 @@ def _shard_tasks(ps: _Pieces, offsets: np.ndarray, config: PackConfig, names: li
 
 
 def write_shards(ps: _Pieces, offsets: np.ndarray, context: _RunContext, names: list[str],
-                 workers: _Workers, context_path: str, *, resume: bool = False,
+                 workers: Workers, context_path: str, *, resume: bool = False,
                  progress: Progress | None = None
                  ) -> tuple[list[int], list[tuple[int, str]]]:
     """Pass 2: every shard not already complete and intact, in parallel; returns the rows and
@@ -740,7 +480,7 @@ def pack_to_dir(
     check_dir(out, overwrite=overwrite, resume=resume)
     created = out.makedirs()
     spill_dir = os.path.join(out.staging(), SPILL_DIR)  # a local directory either way
-    pool = _Workers(workers or 1)
+    pool = Workers(workers or 1)
     started = False
     lock = DirLock(out)
     try:
