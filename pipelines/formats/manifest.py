@@ -45,6 +45,7 @@ INTENT = "pack_intent.json"
 _RESULTS = ("shard_num_rows", "stats", "example_length_histogram", "shard_bytes",
             "shard_sha256")
 SELF_DIGEST = "manifest_sha256"
+_OPTIONAL = ("row_order", "columns")  # None in outputs written before they existed
 
 
 def shard_names(num_rows: int, shard_rows: int) -> list[str]:
@@ -69,6 +70,14 @@ class Manifest:
     example_length_histogram: dict[str, Any] | None = None
     shard_bytes: list[int] | None = None  # size of each shard file
     shard_sha256: list[str] | None = None  # sha256 of each shard file
+    # How the plan's rows were put in order (`packer.order`): {"mode": "plan" | "shuffle" |
+    # "balanced", "seed", "data_parallel", "batch_size", "cost_model"}; None: the plan's order
+    # (outputs written before row orders existed).
+    row_order: dict[str, Any] | None = None
+    # Columns packed with the token feature under its segment layout, in order: [{"name": key
+    # in the rows, "source": field/column read, "dtype": numpy dtype.str, "pad": int}]; None:
+    # the token feature alone.
+    columns: list[dict[str, Any]] | None = None
 
     @property
     def complete(self) -> bool:
@@ -128,7 +137,8 @@ class Manifest:
             fields: dict[str, Any] = {f.name: obj.get(f.name) for f in dataclasses.fields(cls)}
             if fields["plan_block_size"] is None:  # written before blocks existed
                 fields["plan_block_size"] = DEFAULT_BLOCK_SIZE
-            missing = [k for k, v in fields.items() if v is None and k not in _RESULTS]
+            missing = [k for k, v in fields.items() if v is None and k not in _RESULTS
+                       and k not in _OPTIONAL]
             if missing:
                 raise ValueError(f"missing {missing}")
             manifest = cls(**fields)
