@@ -9,12 +9,15 @@
     seqpack pack 'gs://bucket/data/*.parquet' -o gs://bucket/packed/   # URLs (seqpack[cloud])
     seqpack inspect packed/ --row 0
 
-Each command parses its options, calls one library function (`pipelines.offline.writer`,
+Each command parses its options, calls one library function (`pipelines.offline.pack`,
 `.verify`, `.report`) and prints. Errors map to exit codes in one place (`_Group.invoke`): bad
-input (a malformed file, a missing column, a corrupt shard, ...), a bad option or a missing extra
-prints one `Error: ...` line on stderr and exits with 2; `verify` exits with 1 when it finds
-violations; Ctrl-C exits with 130 (naming the `--resume` command of an interrupted pack); click's
-own usage errors are one `Error:` line too; anything else is a bug and keeps its traceback.
+input (a malformed file, a missing column, a corrupt shard, ...), a bad option, a missing extra
+or what the system refused (a full disk, no permission, a killed worker: `RunFailed`) prints one
+`Error: ...` line on stderr and exits with 2; `verify` exits with 1 when it finds violations;
+Ctrl-C exits with 130 and SIGTERM with 143 (naming the `--resume` command of an interrupted
+pack, or saying that its output is complete); a reader of stdout that goes away (`| head`) ends
+the command quietly with 141; click's own usage errors are one `Error:` line too; anything else
+is a bug and keeps its traceback.
 Nothing here imports jax; heavy modules are imported inside the commands so `seqpack --help`
 stays fast.
 """
@@ -42,6 +45,24 @@ class Interrupted(click.ClickException):
     exit_code = 130
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (schedulers, `timeout`, container stops), handled like Ctrl-C."""
+
+
+_SIGNALLED: list[int] = []
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    """The first SIGINT / SIGTERM ends the command (KeyboardInterrupt / Terminated); later ones
+    are ignored while it cleans up (a second Ctrl-C would only add a traceback)."""
+    import signal
+
+    if _SIGNALLED:
+        return
+    _SIGNALLED.append(signum)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
 def _bad_input(e: BaseException) -> bool:
     """The one place that decides: bad input or usage (exit 2), or a bug (a traceback)."""
     from seqpack.pipelines.errors import InputError, MissingDependency, UsageError
@@ -50,10 +71,11 @@ def _bad_input(e: BaseException) -> bool:
 
 
 def _resume_hint(ctx: click.Context, args: list[str]) -> str:
-    """For a `pack` interrupted after it started writing: the command that finishes the run.
-    `args`: the command line after `seqpack`."""
+    """For a `pack` that stopped after it started writing: the command that finishes the run,
+    or that its output is complete. `args`: the command line after `seqpack`."""
     if not args or args[0] != "pack":
         return ""
+    from seqpack.pipelines import storage
     from seqpack.pipelines.formats.manifest import INTENT, MANIFEST
 
     try:
@@ -62,8 +84,13 @@ def _resume_hint(ctx: click.Context, args: list[str]) -> str:
             out = sub.params.get("output_dir")
     except click.ClickException:
         return ""
-    if not out or not os.path.isfile(os.path.join(out, INTENT)) \
-            or os.path.isfile(os.path.join(out, MANIFEST)):
+    try:
+        if not out:
+            return ""
+        if not storage.exists(storage.join(out, INTENT)):
+            complete = storage.exists(storage.join(out, MANIFEST))
+            return f"; the output at {out} is complete" if complete else ""
+    except Exception:  # noqa: BLE001 - a hint must never hide the error it goes with
         return ""
     again = [a for a in args if a not in ("--resume", "--overwrite")]
     return f"; finish the run with: seqpack {shlex.join([*again, '--resume'])}"
@@ -91,20 +118,36 @@ class _Group(click.Group):
         # protected_args to _protected_args).
         protected = vars(ctx).get("_protected_args", vars(ctx).get("protected_args", []))
         args = [*protected, *ctx.args]
+        from seqpack.pipelines.errors import RunFailed, one_line
+
         try:
             return super().invoke(ctx)
-        except KeyboardInterrupt:
-            raise Interrupted("interrupted" + _resume_hint(ctx, args)) from None
+        except KeyboardInterrupt as e:
+            error = Interrupted(("terminated (SIGTERM)" if isinstance(e, Terminated) else
+                                 "interrupted") + _resume_hint(ctx, args))
+            error.exit_code = 143 if isinstance(e, Terminated) else 130
+            raise error from None
         except click.exceptions.NoArgsIsHelpError:
             raise
         except click.UsageError as e:  # a subcommand's options and arguments
             raise BadInput(e.format_message()) from None
+        except BrokenPipeError:  # stdout's reader went away (`seqpack ... | head`)
+            _quiet_stdout()
+            raise click.exceptions.Exit(141) from None
         except Exception as e:
             if isinstance(e, click.ClickException | click.exceptions.Exit | click.Abort) \
                     or os.environ.get("SEQPACK_DEBUG") or not _bad_input(e):
                 raise
-            text = " ".join(str(e).split()) or type(e).__name__
-            raise BadInput(text) from None
+            hint = _resume_hint(ctx, args) if isinstance(e, RunFailed) else ""
+            raise BadInput(one_line(e).removesuffix(".") + hint) from None
+
+
+def _quiet_stdout() -> None:
+    """Points stdout at /dev/null, so the interpreter's final flush raises nothing."""
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
 
 
 def _usage(build, *args, **kwargs):
@@ -189,43 +232,6 @@ def _packed_dir(path: str) -> bool:
     return storage.exists(storage.join(path, MANIFEST))
 
 
-def _available_memory() -> int | None:
-    """Bytes of memory available to a new allocation (Linux: MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _check_row_memory(config, shard_rows: int = 1, workers: int = 1) -> None:
-    """A packed row, and a shard of rows in each worker, must be allocatable: checked before
-    anything is written."""
-    from seqpack.pipelines.errors import UsageError
-
-    row = config.seq_len * 16  # tokens (<= 8 bytes) + int32 segment ids and positions
-    available = _available_memory()
-    if available is None:
-        return
-    if row > available:
-        raise UsageError(f"--seq-len {config.seq_len}: one packed row needs {row / 2**30:.1f} "
-                         f"GiB, more than the {available / 2**30:.1f} GiB of memory available; "
-                         "pick a smaller --seq-len")
-    need = row * shard_rows * workers  # each worker assembles one shard at a time
-    if need > available:
-        fit = max(1, available // (row * workers))
-        raise UsageError(f"--shard-rows {shard_rows} x --seq-len {config.seq_len} x {workers} "
-                         f"worker(s) needs {need / 2**30:.1f} GiB, more than the "
-                         f"{available / 2**30:.1f} GiB of memory available; pass --shard-rows "
-                         f"{fit} or fewer (or fewer --workers)")
-
-
 def _read_options(input_format, column, tokenizer, text_unit):
     from seqpack.pipelines.formats.inputs import ReadOptions
 
@@ -245,7 +251,11 @@ def seqpack() -> None:
 
 
 def main(args: list[str] | None = None) -> None:
-    """The `seqpack` console script."""
+    """The `seqpack` console script: SIGINT and SIGTERM end a command with its one message."""
+    import signal
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
     seqpack.main(args=args, prog_name="seqpack")
 
 
@@ -269,8 +279,9 @@ def main(args: list[str] | None = None) -> None:
               help="Batch size for the steps-per-epoch figure.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Processes that read inputs and write shards; the output is the same for "
-                   "any number.  [default: the CPU count]")
+              help="Processes that read inputs and write shards (with --runner beam: the "
+                   "DirectRunner's direct_num_workers); the output is the same for any number. "
+                   " [default: the CPU count]")
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
               help="Examples planned together; larger corpora are planned per block of "
                    "consecutive examples (bounded memory, a few rows more).  [default: 4194304]")
@@ -291,9 +302,9 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     standard library, byte-tokenized, one example per paragraph (no download).
     """
     from seqpack.pipelines.formats.inputs import sample_files
+    from seqpack.pipelines.offline import PackJob, WriteOptions
+    from seqpack.pipelines.offline import pack as run
     from seqpack.pipelines.offline.report import format_table, summary, terminal_progress
-    from seqpack.pipelines.offline.workers import default_workers
-    from seqpack.pipelines.offline.writer import WriteOptions, pack_to_dir
 
     sample = not inputs
     inputs = _expand(inputs)
@@ -306,34 +317,20 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
         output_dir = output_dir or tempfile.mkdtemp(prefix="seqpack-sample-")
     elif output_dir is None:
         raise click.UsageError("-o/--output is required when INPUT files are given")
-    if beam_options and runner != "beam":
-        raise click.UsageError("--beam-option needs --runner beam")
-    if workers and runner == "beam":
-        raise click.UsageError("--workers is for --runner local; Beam sizes its own workers "
-                               "(e.g. --beam-option direct_num_workers=8)")
+    if resume and overwrite:
+        raise click.UsageError("pass either --overwrite or --resume, not both")
     config = _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
                      feature)
-    if runner == "local":
-        workers = workers or default_workers()
-    _check_row_memory(config, shard_rows, workers or 1)
-    read_options = _read_options(input_format, column, tokenizer, text_unit)
-    write_options = _usage(WriteOptions, shard_rows=shard_rows, compression=compression,
-                           fsync=fsync)
-    if runner == "beam":
-        from seqpack.pipelines.offline.beam import pack_beam  # MissingDependency without beam
-
-        manifest = pack_beam(inputs, output_dir, config, read_options=read_options,
-                             write_options=write_options, overwrite=overwrite, resume=resume,
-                             beam_options=beam_options, quiet=not os.environ.get("SEQPACK_DEBUG"),
-                             block_size=block_size)
-    else:
-        progress = terminal_progress()
-        with progress or contextlib.nullcontext():
-            manifest = pack_to_dir(inputs, output_dir, config, read_options=read_options,
-                                   write_options=write_options, overwrite=overwrite,
-                                   resume=resume, progress=progress,
-                                   workers=workers,
-                                   block_size=block_size)
+    job = _usage(PackJob, inputs, output_dir, config,
+                 read_options=_read_options(input_format, column, tokenizer, text_unit),
+                 write_options=_usage(WriteOptions, shard_rows=shard_rows,
+                                      compression=compression, fsync=fsync),
+                 block_size=block_size, workers=workers,
+                 existing="resume" if resume else "overwrite" if overwrite else "refuse")
+    progress = terminal_progress() if runner == "local" else None
+    with progress or contextlib.nullcontext():
+        manifest = run(job, runner=runner, progress=progress, beam_options=beam_options,
+                       quiet=not os.environ.get("SEQPACK_DEBUG"))
     if as_json:
         click.echo(json.dumps({"output_dir": output_dir, "stats": manifest.stats}, indent=2))
         return
@@ -381,7 +378,7 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
         hist, title = manifest.example_length_histogram, f"packed: {paths[0]}"
     else:
         from seqpack.pipelines.formats.inputs import read_lengths
-        from seqpack.pipelines.offline.writer import length_histogram
+        from seqpack.pipelines.offline.record import length_histogram
 
         lengths, _ = read_lengths(paths, _read_options(input_format, column, tokenizer,
                                                        text_unit))
@@ -409,16 +406,20 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
 @click.option("--max-violations", default=20, show_default=True, type=click.IntRange(min=1),
               help="Stop listing after this many violations.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def verify(output_dir, inputs, max_violations, as_json):
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Processes that read the inputs and check shards.  [default: the CPU count]")
+def verify(output_dir, inputs, max_violations, as_json, workers):
     """Prove OUTPUT_DIR lossless against its INPUT files (default: the manifest's paths).
 
     Every input token must appear exactly once, in order within its segment, or be counted as
     truncated / dropped by the manifest; every row must satisfy the row contract. Exits with 1
     and lists the first violations otherwise.
     """
+    from seqpack.pipelines.offline import default_workers
     from seqpack.pipelines.offline.verify import verify as run_verify
 
-    report = run_verify(output_dir, _expand(inputs), max_violations=max_violations)
+    report = run_verify(output_dir, _expand(inputs), max_violations=max_violations,
+                        workers=workers or default_workers())
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     elif report.ok:

@@ -7,18 +7,22 @@
   is not KEY=VALUE). The CLI treats it like bad input.
 - `MissingDependency` (an ImportError): an optional package is not installed; the message names
   the package and the extra that brings it (`pip install 'seqpack[io]'`).
+- `RunFailed` (an OSError): the system stopped a run (a disk full or out of inodes, no
+  permission, a worker process killed); the message names the file and what to do, and the
+  output is left in a state that `seqpack pack ... --resume` finishes. The CLI exits with 2.
 
 Anything else (a plain ValueError from deep inside, a KeyError, ...) is a bug, not bad input.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
 import types
 
 from seqpack.packer.inputs import InputError
 
-__all__ = ["InputError", "MissingDependency", "UsageError", "require"]
+__all__ = ["InputError", "MissingDependency", "RunFailed", "UsageError", "one_line", "require"]
 
 # import name -> (distribution, the seqpack extra that installs it; None: the core install)
 _PACKAGES = {
@@ -56,3 +60,44 @@ def require(module: str, what: str) -> types.ModuleType:
         return importlib.import_module(module)
     except ImportError as e:
         raise MissingDependency(f"{what} needs {install_hint(module)} ({e})") from None
+
+
+def one_line(e: BaseException) -> str:
+    """An error's message on one line (white space folded), or its type's name."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+# What to do about an error the system raised, by errno; matched by message for the RuntimeErrors
+# of array_record, which carry the C library's text.
+_ADVICE = {
+    errno.ENOSPC: ("No space left on device", "free space on that disk (or write elsewhere)"),
+    errno.EDQUOT: ("Disk quota exceeded", "free space within the quota"),
+    errno.EFBIG: ("File too large", "raise the file size limit (ulimit -f) or pass a smaller "
+                  "--shard-rows"),
+    errno.EACCES: ("Permission denied", "make it writable"),
+    errno.EPERM: ("Operation not permitted", "make it writable"),
+    errno.EROFS: ("Read-only file system", "write to a writable file system"),
+    errno.EMFILE: ("Too many open files", "raise the open file limit (ulimit -n)"),
+}
+
+
+class RunFailed(OSError):
+    """The system stopped a run; the message names the file and what to do (see the module)."""
+
+    @classmethod
+    def of(cls, e: BaseException, path: str, what: str) -> RunFailed:
+        """`path: what (reason); advice`, from the OSError / RuntimeError `e`."""
+        if isinstance(e, RunFailed):
+            return e
+        code = e.errno if isinstance(e, OSError) else None
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e)
+        advice = _ADVICE.get(code or 0, ("", ""))[1] or next(
+            (fix for text, fix in _ADVICE.values() if text.lower() in reason.lower()), "")
+        if code is None and advice:
+            code = next(k for k, (_, fix) in _ADVICE.items() if fix == advice)
+            reason = _ADVICE[code][0]
+        failed = cls(code or 0, f"{path}: {what} ({reason})" + (f"; {advice}" if advice else ""))
+        return failed
+
+    def __str__(self) -> str:
+        return str(self.args[1] if len(self.args) > 1 else self.args[0])

@@ -11,8 +11,9 @@ from click.testing import CliRunner
 from seqpack import cli
 from seqpack.packer import PackConfig
 from seqpack.pipelines.formats.inputs import InputError
+from seqpack.pipelines.offline import PackJob, WriteOptions
+from seqpack.pipelines.offline.local import pack_to_dir
 from seqpack.pipelines.offline.verify import verify
-from seqpack.pipelines.offline.writer import WriteOptions, pack_to_dir
 from tests.helpers.files import (
     dir_bytes,
     random_seqs,
@@ -40,12 +41,8 @@ def corpus(tmp_path_factory) -> tuple[list[str], str]:
         write_arrayrecord(d / "c.arrayrecord", random_seqs(90, max_len=90, seed=3)),
     ]
     local = d / "local"
-    pack_to_dir(paths, local, CONFIG, write_options=WRITE)
+    pack_to_dir(PackJob(paths, local, CONFIG, write_options=WRITE, workers=1))
     return paths, str(local)
-
-
-def _workers(n: int) -> list[str]:
-    return [f"direct_num_workers={n}"]
 
 
 @pytest.mark.slow
@@ -57,7 +54,7 @@ def test_one_and_two_workers_write_the_local_clis_bytes(corpus, tmp_path):
         "split_examples"] > 0
     for n in (1, 2):
         out = tmp_path / f"beam{n}"
-        manifest = pack_beam(paths, out, CONFIG, write_options=WRITE, beam_options=_workers(n),
+        manifest = pack_beam(PackJob(paths, out, CONFIG, write_options=WRITE, workers=n),
                              quiet=True)
         assert manifest.to_json() == local_manifest
         assert dir_bytes(out) == want, f"{n} worker(s)"
@@ -120,10 +117,11 @@ def test_library_errors_name_the_record_or_example(tmp_path):
     pq.write_table(pa.table({"tokens": pa.array([[1, 2], None, [3]], pa.list_(pa.int32()))}),
                    path)
     with pytest.raises(InputError, match=r"nulls\.parquet record 1: column 'tokens' is null"):
-        pack_beam([path], tmp_path / "o", CONFIG, beam_options=_workers(2), quiet=True)
+        pack_beam(PackJob([path], tmp_path / "o", CONFIG, workers=2), quiet=True)
     long = write_jsonl(tmp_path / "long.jsonl", [[1] * 5, [2] * 80])
-    with pytest.raises(ValueError, match=r"example 1 has length 80 > seq_len=64"):
-        pack_beam([long], tmp_path / "o", PackConfig(64), beam_options=_workers(2), quiet=True)
+    with pytest.raises(ValueError, match=r"long\.jsonl: example 1 \(counting from 0\) has 80 "
+                                         r"tokens, more than seq_len 64"):
+        pack_beam(PackJob([long], tmp_path / "o", PackConfig(64), workers=2), quiet=True)
     assert not (tmp_path / "o").exists()
 
 
@@ -131,18 +129,18 @@ def test_library_errors_name_the_record_or_example(tmp_path):
 def test_resume_keeps_complete_shards_and_overwrite_is_required(corpus, tmp_path):
     paths, local = corpus
     out = tmp_path / "out"
-    manifest = pack_to_dir(paths, out, CONFIG, write_options=WRITE)
+    manifest = pack_to_dir(PackJob(paths, out, CONFIG, write_options=WRITE, workers=1))
     # Damage the complete run: the last shard gone. --resume turns it back into an interrupted
     # run whose intact shards are kept (their completion records written from the manifest).
     os.remove(out / manifest.shards[-1])
     kept = {n: os.stat(out / n).st_mtime_ns for n in manifest.shards[:-1]}
-    pack_beam(paths, out, CONFIG, write_options=WRITE, resume=True, beam_options=_workers(2),
+    pack_beam(PackJob(paths, out, CONFIG, write_options=WRITE, existing="resume", workers=2),
               quiet=True)
     assert dir_bytes(out) == dir_bytes(local)
     assert {n: os.stat(out / n).st_mtime_ns for n in kept} == kept  # not rewritten
     with pytest.raises(ValueError, match="exists and is not empty; pass --overwrite"):
-        pack_beam(paths, out, CONFIG, write_options=WRITE, beam_options=_workers(2), quiet=True)
-    pack_beam(paths, out, CONFIG, write_options=WRITE, overwrite=True, beam_options=_workers(1),
+        pack_beam(PackJob(paths, out, CONFIG, write_options=WRITE, workers=2), quiet=True)
+    pack_beam(PackJob(paths, out, CONFIG, write_options=WRITE, existing="overwrite", workers=1),
               quiet=True)
     assert dir_bytes(out) == dir_bytes(local)
 

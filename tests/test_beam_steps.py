@@ -1,4 +1,4 @@
-"""The Beam job's steps without Beam: in any arrival order they rebuild the local writer's bytes."""
+"""The Beam job's steps without Beam: in any arrival order they rebuild the local runner's bytes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from seqpack.packer import PackConfig
 from seqpack.pipelines.formats.inputs import InputError, ReadOptions
-from seqpack.pipelines.offline import beam_steps
-from seqpack.pipelines.offline.writer import WriteOptions, pack_to_dir
+from seqpack.pipelines.offline import PackJob, WriteOptions, beam_steps
+from seqpack.pipelines.offline.local import pack_to_dir
 from tests.helpers.files import ROOT, dir_bytes, random_seqs, write_jsonl, write_parquet
 
 CONFIGS = {
@@ -40,19 +40,19 @@ def _inputs(tmp_path) -> list[str]:
 def _run_steps(paths, out, config, write_options, rng, block_size=None) -> dict:
     """The job's stages in this process, each stage's elements in a shuffled order."""
     read = ReadOptions()
+    job = PackJob(paths, out, config, write_options=write_options,
+                  block_size=block_size or 1 << 22)
     order = rng.permutation(len(paths))
     scans = [beam_steps.scan_file(int(i), paths[i], read) for i in order]
-    files = [beam_steps.summarize_file(s) for s in scans]
-    bs = block_size or 1 << 22
+    files = [beam_steps.summarize_file(s, config) for s in scans]
+    bs = job.block_size
     by_block: dict[int, list] = {}
     for s in scans:
         for block, piece in beam_steps.cut_blocks(s, files, bs):
             by_block.setdefault(block, []).append(piece)
     plans = [beam_steps.plan_block_slices(b, by_block[b][::-1], files, config, bs)
              for b in rng.permutation(sorted(by_block)).tolist()]
-    summary = beam_steps.finish_plan(files, [p.summary for p in plans], str(out), config,
-                                     read_options=read, write_options=write_options,
-                                     block_size=bs)
+    summary = beam_steps.finish_plan(files, [p.summary for p in plans], job)
     by_file: dict[int, list] = {}
     for p in plans:
         for index, table in beam_steps.split_block(p, summary, files):
@@ -76,8 +76,8 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None) -> dict:
 def test_steps_in_any_order_give_the_local_bytes(tmp_path, name, seed, block_size):
     config, write_options = CONFIGS[name]
     paths = _inputs(tmp_path)
-    local = pack_to_dir(paths, tmp_path / "local", config, write_options=write_options,
-                        block_size=block_size, workers=1)
+    local = pack_to_dir(PackJob(paths, tmp_path / "local", config, write_options=write_options,
+                                block_size=block_size or 1 << 22, workers=1))
     assert len(local.shards) >= 3  # several shards, so routing and merging are exercised
     manifest = _run_steps(paths, tmp_path / "steps", config, write_options,
                           np.random.default_rng(seed), block_size)
@@ -90,9 +90,8 @@ def test_blocks_give_each_piece_to_its_input_once(tmp_path):
     paths = _inputs(tmp_path)
     read = ReadOptions()
     scans = [beam_steps.scan_file(i, p, read) for i, p in enumerate(paths)]
-    summary, jobs = beam_steps.plan_in_process(scans, str(tmp_path / "o"), config,
-                                               read_options=read, write_options=write_options,
-                                               block_size=23)
+    summary, jobs = beam_steps.plan_in_process(
+        scans, PackJob(paths, tmp_path / "o", config, write_options=write_options, block_size=23))
     assert summary is not None and len(summary.row_base) == -(-96 // 23)  # 1 + 40 + 0 + 55
     assert [j.index for j in jobs] == [0, 1, 3]  # the empty input holds no piece
     firsts = np.cumsum([0] + [s.lengths.size for s in scans])
@@ -116,8 +115,7 @@ def test_bad_input_becomes_a_scan_error_and_the_first_one_is_raised(tmp_path):
     scans = [beam_steps.scan_file(i, str(p), read) for i, p in enumerate([good, bad1, bad2])]
     assert scans[0].error is None and "bad1.jsonl:2: tokens[1]=-2" in scans[1].error
     with pytest.raises(InputError, match=r"bad1\.jsonl:2"):
-        beam_steps.plan_in_process(scans[::-1], str(tmp_path / "o"), PackConfig(8),
-                                   read_options=read, write_options=WriteOptions())
+        beam_steps.plan_in_process(scans[::-1], PackJob([good], tmp_path / "o", PackConfig(8)))
     assert not (tmp_path / "o").exists()
 
 
@@ -125,15 +123,14 @@ def test_an_input_changed_between_the_passes_is_refused(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", random_seqs(20, seed=5))
     read = ReadOptions()
     summary, jobs = beam_steps.plan_in_process(
-        [beam_steps.scan_file(0, path, read)], str(tmp_path / "o"), PackConfig(64),
-        read_options=read, write_options=WriteOptions())
+        [beam_steps.scan_file(0, path, read)], PackJob([path], tmp_path / "o", PackConfig(64)))
     write_jsonl(path, random_seqs(21, seed=6))
     with pytest.raises(InputError, match="changed while the job ran"):
         beam_steps.route_file(jobs[0], read, summary.shard_rows, summary.row_dtype)
 
 
 def test_the_core_modules_do_not_need_beam():
-    code = ("import sys, seqpack.cli, seqpack.pipelines.offline.writer, "
+    code = ("import sys, seqpack.cli, seqpack.pipelines.offline.local, "
             "seqpack.pipelines.offline.verify, seqpack.pipelines.offline.beam_steps; "
             "print('apache_beam' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -122,9 +122,14 @@ def test_arrayrecord_input_problems(tmp_path):
 
 
 def test_over_length_with_overflow_error_and_empty_input(tmp_path):
-    path = write_jsonl(tmp_path / "a.jsonl", [list(range(100))])
-    assert_bad_input(invoke("pack", path, "-o", tmp_path / "o", "--seq-len", 64),
-                     "example 0 has length 100 > seq_len=64")
+    ok = write_jsonl(tmp_path / "ok.jsonl", [[1, 2]])
+    path = write_jsonl(tmp_path / "a.jsonl", [[1], [2], list(range(100)), list(range(70))])
+    # In the CLI's words, naming the file and the record (before: "example 2 has length 100
+    # > seq_len=64 ...; pass overflow='truncate', 'split' or 'drop'", with no file).
+    assert_bad_input(invoke("pack", ok, path, "-o", tmp_path / "o", "--seq-len", 64),
+                     f"{path}: example 2 (counting from 0) has 100 tokens, more than seq_len 64 "
+                     "(2 over-length example(s) in the inputs); pass --overflow truncate, split "
+                     "or drop", "or a larger --seq-len")
     empty = write_jsonl(tmp_path / "e.jsonl", [[], []])
     assert_bad_input(invoke("pack", empty, "-o", tmp_path / "o"), "no tokens")
     assert not os.path.exists(tmp_path / "o" / "manifest.json")
@@ -186,12 +191,12 @@ def test_usage_errors_exit_2(tmp_path):
 
 
 def _failing_pack(monkeypatch, error: BaseException):
-    from seqpack.pipelines.offline import writer
+    from seqpack.pipelines import offline
 
-    def pack_to_dir(*args, **kwargs):
+    def pack(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(writer, "pack_to_dir", pack_to_dir)
+    monkeypatch.setattr(offline, "pack", pack)
 
 
 def test_error_policy_maps_exit_codes_in_one_place(tmp_path, monkeypatch):

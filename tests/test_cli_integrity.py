@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from seqpack import cli
 from tests.helpers.files import ROOT, invoke, random_seqs, run_cli, write_jsonl
 
 
@@ -53,7 +52,9 @@ def test_seq_len_bounds_are_checked_before_anything_is_written(tmp_path, monkeyp
     result = invoke("pack", src, "-o", out, "--seq-len", 3_000_000_000, ok=False)
     assert result.exit_code == 2 and result.output.count("\n") == 1
     assert "seq_len=3000000000 must be in [1, 2147483647]" in result.output
-    monkeypatch.setattr(cli, "_available_memory", lambda: 2**30)
+    from seqpack.pipelines.offline import job
+
+    monkeypatch.setattr(job, "available_memory", lambda: 2**30)
     result = invoke("pack", src, "-o", out, "--seq-len", 100_000_000, ok=False)
     assert result.exit_code == 2
     assert "--seq-len 100000000: one packed row needs 1.5 GiB, more than the 1.0 GiB" \

@@ -1,4 +1,4 @@
-"""The offline writer at scale: two passes through a spill, blocks, workers, bounded memory.
+"""The offline job at scale: two passes through a spill, blocks, workers, bounded memory.
 
 Every run here is compared with an in-memory reference: `packer.plan` + `packer.assemble` on the
 whole corpus (the same bytes the writer made before it streamed).
@@ -21,9 +21,10 @@ from seqpack.packer.plan import plan_rows
 from seqpack.packer.stats import stats
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import INTENT
+from seqpack.pipelines.offline import PackJob, WriteOptions
+from seqpack.pipelines.offline.local import pack_to_dir
 from seqpack.pipelines.offline.spill import SPILL_DIR
 from seqpack.pipelines.offline.verify import read_shard
-from seqpack.pipelines.offline.writer import pack_to_dir
 from tests.helpers.files import (
     ROOT,
     dir_bytes,
@@ -68,8 +69,8 @@ def test_two_passes_give_the_in_memory_rows(tmp_path, block_size):
     paths, values, offsets = _corpus(tmp_path)
     config = PackConfig(64, max_segments=6, overflow="split")
     out = tmp_path / "out"
-    manifest = pack_to_dir(paths, out, config, workers=1, block_size=block_size,
-                           write_options=None)
+    manifest = pack_to_dir(PackJob(paths, out, config, workers=1,
+                                   block_size=block_size or plan_rows([], config).block_size))
     p = plan(np.diff(offsets), config, block_size=block_size)
     want = assemble(values.astype(np.int32), offsets, p, config)
     got = _rows(out)
@@ -88,13 +89,12 @@ def test_one_and_two_workers_write_the_same_bytes(tmp_path):
     paths, _, _ = _corpus(tmp_path, n_files=4, n=300)
     config = PackConfig(48, max_segments=4, overflow="truncate")
     options = dict(read_options=ReadOptions())
-    pack_to_dir(paths, tmp_path / "one", config, workers=1, **options)
-    from seqpack.pipelines.offline.writer import WriteOptions
-
-    pack_to_dir(paths, tmp_path / "two", config, workers=2,
-                write_options=WriteOptions(shard_rows=37), **options)
-    pack_to_dir(paths, tmp_path / "one-small", config, workers=1,
-                write_options=WriteOptions(shard_rows=37), **options)
+    pack_to_dir(PackJob(paths, tmp_path / "one", config, workers=1, **options))
+    small = WriteOptions(shard_rows=37)
+    pack_to_dir(PackJob(paths, tmp_path / "two", config, workers=2, write_options=small,
+                        **options))
+    pack_to_dir(PackJob(paths, tmp_path / "one-small", config, workers=1, write_options=small,
+                        **options))
     assert dir_bytes(tmp_path / "two") == dir_bytes(tmp_path / "one-small")
     assert _rows(tmp_path / "two")["tokens"].tobytes() == _rows(tmp_path / "one")[
         "tokens"].tobytes()

@@ -304,16 +304,16 @@ def test_sigkill_mid_run_on_object_storage_then_resume(store, tmp_path):
 def test_url_to_url_round_trips_local_and_beam_give_the_local_bytes(store, inputs, tmp_path):
     pytest.importorskip("apache_beam")
     from seqpack.packer import PackConfig
+    from seqpack.pipelines.offline import PackJob, WriteOptions
     from seqpack.pipelines.offline.beam import pack_beam
-    from seqpack.pipelines.offline.writer import WriteOptions, pack_to_dir
+    from seqpack.pipelines.offline.local import pack_to_dir
 
     urls = [store.upload(p, store.url("in/" + os.path.basename(p))) for p in inputs]
     config, write = PackConfig(64, max_segments=8, overflow="split"), WriteOptions(shard_rows=9)
-    pack_to_dir(urls, tmp_path / "local", config, write_options=write)  # URL in, local out
+    pack_to_dir(PackJob(urls, tmp_path / "local", config, write_options=write, workers=1))
     want = dir_bytes(tmp_path / "local")
     out = store.url("beam/")
-    pack_beam(urls, out, config, write_options=write, beam_options=["direct_num_workers=2"],
-              quiet=True)
+    pack_beam(PackJob(urls, out, config, write_options=write, workers=2), quiet=True)
     assert _objects(store, out) == want
     out = store.url("cli/")
     result = run_cli("pack", *urls, "-o", out, "--seq-len", 64, "--max-segments", 8,

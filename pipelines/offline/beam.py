@@ -61,13 +61,13 @@ from typing import Any
 import numpy as np
 
 from seqpack.packer import PackConfig
-from seqpack.packer.plan import check_block_size
-from seqpack.pipelines.errors import InputError, UsageError, require
+from seqpack.pipelines.errors import InputError, UsageError, one_line, require
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import beam_steps
-from seqpack.pipelines.offline.outdir import ERROR, DirLock, OutputDir, check_dir
-from seqpack.pipelines.offline.writer import WriteOptions
+from seqpack.pipelines.offline.job import PackJob, default_workers, output_session
+from seqpack.pipelines.offline.outdir import ERROR, OutputDir
+from seqpack.pipelines.offline.shards import WriteOptions
 
 _MAX_DEFAULT_WORKERS = 8
 
@@ -92,11 +92,12 @@ beam: Any = _import_beam()  # imported at run time: no static types
 PipelineOptions: Any = beam.options.pipeline_options.PipelineOptions
 
 
-def pipeline_options(beam_options: Sequence[str] = ()) -> Any:
+def pipeline_options(beam_options: Sequence[str] = (), workers: int | None = None) -> Any:
     """Beam `PipelineOptions` from "KEY=VALUE" / "KEY" strings, with this job's defaults.
 
-    With no `runner`, or the DirectRunner: multi-processing mode, `direct_num_workers` = the CPU
-    count (at most 8); harness logs from WARNING up. Any of these can be overridden.
+    With no `runner`, or the DirectRunner: multi-processing mode, `direct_num_workers` =
+    `workers` (the job's; None: the CPU count, at most 8); harness logs from WARNING up. Any of
+    these can be overridden.
     """
     given: dict[str, str | None] = {}
     for item in beam_options:
@@ -110,38 +111,28 @@ def pipeline_options(beam_options: Sequence[str] = ()) -> Any:
     defaults = {"default_sdk_harness_log_level": "WARNING"}
     if runner in ("DirectRunner", "direct"):
         defaults["direct_running_mode"] = "multi_processing"
-        defaults["direct_num_workers"] = str(min(os.cpu_count() or 1, _MAX_DEFAULT_WORKERS))
+        defaults["direct_num_workers"] = str(workers or min(default_workers(),
+                                                            _MAX_DEFAULT_WORKERS))
     flags = [f"--{k}={v}" if v is not None else f"--{k}" for k, v in {**defaults, **given}.items()]
     return PipelineOptions(flags)
 
 
-def build_pipeline(
-    p: Any,  # a beam.Pipeline
-    paths: Sequence[str],
-    output_dir: str,
-    config: PackConfig,
-    *,
-    read_options: ReadOptions,
-    write_options: WriteOptions,
-    overwrite: bool = False,
-    resume: bool = False,
-    report_errors: bool = True,
-    block_size: int | None = None,
-) -> None:
-    """Adds the packing job to Beam pipeline `p` (see the module docstring for its stages).
+def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True) -> None:
+    """Adds the packing `job` to Beam pipeline `p` (see the module docstring for its stages).
 
     `report_errors`: a rejected input is written to ``OUTPUT/pack_error.json`` (which
     `pack_beam` reads and raises), not raised in the worker; False fails the job with it."""
-    block_size = check_block_size(block_size)
+    config, block_size, output_dir = job.config, job.block_size, job.output
+    read_options, write_options = job.read_options, job.write_options
     scans = (
         p
-        | "Inputs" >> beam.Create(list(enumerate(map(os.fspath, paths))))
+        | "Inputs" >> beam.Create(list(enumerate(job.inputs)))
         | "SpreadInputs" >> beam.Reshuffle()
         | "ScanLengths" >> beam.Map(_scan, read_options)
     )
     files = beam.pvalue.AsSingleton(
         scans
-        | "SummarizeInputs" >> beam.Map(beam_steps.summarize_file)
+        | "SummarizeInputs" >> beam.Map(beam_steps.summarize_file, config)
         | "GatherInputs" >> beam.combiners.ToList())
     plans = (
         scans
@@ -153,8 +144,7 @@ def build_pipeline(
         plans
         | "BlockSummaries" >> beam.Map(lambda bp: bp.summary)
         | "GatherBlocks" >> beam.combiners.ToList()
-        | "FinishPlan" >> beam.FlatMap(_finish_plan, files, output_dir, config, read_options,
-                                       write_options, block_size, overwrite, resume)
+        | "FinishPlan" >> beam.FlatMap(_finish_plan, files, job)
         .with_outputs("error", main="summary")
     )
     summary = beam.pvalue.AsSingleton(finished.summary, default_value=None)
@@ -167,7 +157,7 @@ def build_pipeline(
         | "RouteTokens" >> beam.FlatMap(_route, summary, read_options)
         | "GroupByShard" >> beam.GroupByKey()
         | "WriteShards" >> beam.Map(_write_shard, summary, output_dir, config,
-                                         write_options, resume)
+                                         write_options, job.resume)
     )
     _ = (
         rows
@@ -195,16 +185,11 @@ def _file_job(element: tuple[int, Iterable[np.ndarray]], files: list[beam_steps.
 
 
 def _finish_plan(blocks: list[beam_steps.BlockSummary], files: list[beam_steps.FileSummary],
-                 output_dir: str, config: PackConfig, read_options: ReadOptions,
-                 write_options: WriteOptions, block_size: int, overwrite: bool,
-                 resume: bool) -> Iterator[Any]:  # the JobSummary, or a TaggedOutput error
+                 job: PackJob) -> Iterator[Any]:  # the JobSummary, or a TaggedOutput error
     try:
-        summary = beam_steps.finish_plan(files, blocks, output_dir, config,
-                                         read_options=read_options, write_options=write_options,
-                                         block_size=block_size, overwrite=overwrite,
-                                         resume=resume)
+        summary = beam_steps.finish_plan(files, blocks, job)
     except (ValueError, OSError) as e:
-        yield beam.pvalue.TaggedOutput("error", beam_steps.one_line(e))
+        yield beam.pvalue.TaggedOutput("error", one_line(e))
         return
     if summary is not None:
         yield summary
@@ -238,62 +223,47 @@ def _finish(rows: list[tuple[int, int, tuple[int, str]]], summary: beam_steps.Jo
         beam_steps.finish_job(rows, summary, output_dir)
 
 
-def pack_beam(
-    paths: Sequence[str],
-    output_dir: str,
-    config: PackConfig,
-    *,
-    read_options: ReadOptions | None = None,
-    write_options: WriteOptions | None = None,
-    overwrite: bool = False,
-    resume: bool = False,
-    beam_options: Sequence[str] = (),
-    quiet: bool = False,
-    block_size: int | None = None,
-) -> Manifest:
-    """`offline.writer.pack_to_dir` as a Beam job; returns the manifest.
+def pack_beam(job: PackJob, *, beam_options: Sequence[str] = (), quiet: bool = False
+              ) -> Manifest:
+    """`offline.local.pack_to_dir` as a Beam job; returns the manifest.
 
-    `beam_options`: Beam pipeline options as "KEY=VALUE" (see `pipeline_options`). `quiet`:
-    Beam's log output and its worker processes' stderr go to a temporary file, removed after the
-    run unless the job failed unexpectedly (the error names it).
+    `beam_options`: Beam pipeline options as "KEY=VALUE" (see `pipeline_options`; the
+    DirectRunner runs `job.workers` processes). `quiet`: Beam's log output and its worker
+    processes' stderr go to a temporary file, removed after the run unless the job failed
+    unexpectedly (the error names it).
     """
-    if not paths:
-        raise InputError("no input files given")
-    output_dir = os.fspath(output_dir)
-    options = pipeline_options(beam_options)
-    out = OutputDir(output_dir)
-    check_dir(out, overwrite=overwrite, resume=resume)
-    created = out.makedirs()
+    options = pipeline_options(beam_options, job.workers)
     log_path, keep_log = None, False
     if quiet:
         fd, log_path = tempfile.mkstemp(prefix="seqpack-beam-", suffix=".log")
         os.close(fd)
     try:
-        with DirLock(out):
+        with output_session(job) as out:
             out.remove(ERROR)  # a report of an earlier job
             with _output_to(log_path), beam.Pipeline(options=options) as p:
-                build_pipeline(p, paths, output_dir, config,
-                               read_options=read_options or ReadOptions(),
-                               write_options=write_options or WriteOptions(),
-                               overwrite=overwrite, resume=resume, block_size=block_size)
+                build_pipeline(p, job)
             if out.exists(ERROR):
                 message = out.read_json(ERROR).get("error", "a worker rejected an input")
                 out.remove(ERROR)
                 raise InputError(message)
-    except InputError:
+    except (InputError, UsageError):
         raise
     except Exception as e:
         if log_path is None:
             raise
         keep_log = True
-        last = str(e).strip().splitlines()[-1:] or [type(e).__name__]
-        raise RuntimeError(f"the Beam job failed: {last[0]} (Beam's log: {log_path})") from e
+        raise RuntimeError(f"the Beam job failed: {_cause(e)} (Beam's log: {log_path})") from e
     finally:
         if log_path is not None and not keep_log:
             os.remove(log_path)
-        if created and os.path.isdir(output_dir) and not os.listdir(output_dir):
-            os.rmdir(output_dir)
-    return read_manifest(output_dir)
+    return read_manifest(job.output)
+
+
+def _cause(e: BaseException) -> str:
+    """The innermost exception of a Beam failure, as "Type: message" on one line."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return f"{type(e).__name__}: {one_line(e)}"
 
 
 @contextlib.contextmanager

@@ -25,11 +25,11 @@ are grouped to (`block_size` examples, by default about four million: a few hund
 the one global step sees a summary per input and per block. Tokens travel once, from the worker
 reading an input to the worker writing the shard they land in.
 
-Same bytes as the local writer (`offline.writer.pack_to_dir`): the blocks are `packer.plan_block`
+Same bytes as the local runner (`offline.local.pack_to_dir`): the blocks are `packer.plan_block`
 on the same lengths in the same order (inputs in the order given, examples in file order), the
 statistics are the sum of the blocks' histograms (as the local writer computes them), the
 manifest comes from the writer's own functions, and a shard's pieces are sorted back into
-(row, example) order and written by `writer.write_shard`, whatever order they arrive in.
+(row, example) order and written by `shards.write_shard`, whatever order they arrive in.
 """
 
 from __future__ import annotations
@@ -41,36 +41,32 @@ import numpy as np
 
 from seqpack.packer import Counters, PackConfig, PackPlan
 from seqpack.packer.contract import ragged_arange
-from seqpack.packer.plan import check_block_size, order_pieces, plan_block
+from seqpack.packer.plan import order_pieces, plan_block
 from seqpack.packer.stats import row_histograms, stats_from_histograms
-from seqpack.pipelines.errors import InputError
+from seqpack.pipelines.errors import InputError, one_line
 from seqpack.pipelines.formats import inputs
 from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus
 from seqpack.pipelines.formats.manifest import Manifest
 from seqpack.pipelines.formats.text import load_tokenizer
+from seqpack.pipelines.offline.job import PackJob
 from seqpack.pipelines.offline.outdir import (
     OutputDir,
     commit_manifest,
     prepare_dir,
     shard_done,
 )
-from seqpack.pipelines.offline.writer import (
-    WriteOptions,
+from seqpack.pipelines.offline.record import (
+    check_overlength,
+    first_overlength,
     inputs_record,
     length_histogram,
     manifest_results,
-    row_dtype,
     run_intent,
-    write_shard,
 )
+from seqpack.pipelines.offline.shards import WriteOptions, row_dtype, write_shard
 
 # Rows of the piece tables (BlockPlan, FileJob, ShardPart).
 EXAMPLE, START, LENGTH, ROW = range(4)
-
-
-def one_line(e: BaseException) -> str:
-    """An error's message on one line (what a CLI run prints after `Error:`)."""
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +92,8 @@ class FileSummary:
     dtype: str
     max_length: int
     error: str | None = None
+    # (index, length, count) of its first example over seq_len with overflow="error"
+    overlength: tuple[int, int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +167,10 @@ def scan_file(index: int, path: str, options: ReadOptions) -> FileScan:
     return FileScan(index, path, scan.info, scan.lengths, scan.dtype.str)
 
 
-def summarize_file(scan: FileScan) -> FileSummary:
+def summarize_file(scan: FileScan, config: PackConfig) -> FileSummary:
     return FileSummary(scan.index, scan.path, scan.info, int(scan.lengths.size), scan.dtype,
-                       int(scan.lengths.max(initial=0)), scan.error)
+                       int(scan.lengths.max(initial=0)), scan.error,
+                       first_overlength(scan.lengths, config))
 
 
 def _firsts(files: Sequence[FileSummary]) -> np.ndarray:
@@ -221,28 +220,20 @@ def plan_block_slices(block: int, slices: Iterable[BlockSlice], files: Sequence[
     return BlockPlan(summary, np.stack([example, start, length, row]).astype(np.int64))
 
 
-def finish_plan(
-    files: Iterable[FileSummary],
-    blocks: Iterable[BlockSummary],
-    output_dir: str,
-    config: PackConfig,
-    *,
-    read_options: ReadOptions,
-    write_options: WriteOptions,
-    block_size: int,
-    overwrite: bool = False,
-    resume: bool = False,
-) -> JobSummary | None:
+def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], job: PackJob
+                ) -> JobSummary | None:
     """Sums the blocks up, writes pack_intent.json; None when `resume` finds the run complete.
 
     Raises InputError for the first bad input (in input order), then the first block's planning
     error, then what the local CLI rejects too (no tokens, a non-empty directory).
     """
+    config, block_size = job.config, job.block_size
     files = sorted(files, key=lambda f: f.index)
     assert [f.index for f in files] == list(range(len(files))), "an input is missing"
     for f in files:
         if f.error is not None:
             raise InputError(f.error)
+    check_overlength([f.path for f in files], [f.overlength for f in files], config)
     blocks = sorted(blocks, key=lambda b: b.block)
     total = int(_firsts(files)[-1])
     assert [b.block for b in blocks] == list(range(-(-total // block_size))), "a block is missing"
@@ -255,9 +246,9 @@ def finish_plan(
         raise InputError(f"the inputs hold no tokens ({total} examples); nothing to pack")
     dtype = inputs.corpus_dtype([np.dtype(f.dtype) for f in files])
     num_rows = sum(b.num_rows for b in blocks)
-    intent = run_intent(config, inputs_record(infos, dtype, read_options), write_options,
-                        num_rows, block_size)
-    if prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume) is not None:
+    intent = run_intent(config, inputs_record(infos, dtype, job.read_options),
+                        job.write_options, num_rows, block_size)
+    if prepare_dir(job.output, intent, overwrite=job.overwrite, resume=job.resume) is not None:
         return None
     counters = sum((b.counters for b in blocks), Counters())
     used = np.sum([b.used_hist for b in blocks if b.used_hist.size], axis=0)
@@ -267,7 +258,7 @@ def finish_plan(
     hist["counts"] = [int(c) for c in np.sum([b.length_counts for b in blocks], axis=0)]
     base = np.concatenate(([0], np.cumsum([b.num_rows for b in blocks])))[:-1]
     return JobSummary(intent, manifest_results(stats, hist), row_dtype(dtype, config.pad_id).str,
-                      write_options.shard_rows, [int(r) for r in base])
+                      job.write_options.shard_rows, [int(r) for r in base])
 
 
 def split_block(bp: BlockPlan, summary: JobSummary | None, files: Sequence[FileSummary]
@@ -373,21 +364,17 @@ def finish_job(rows: Iterable[tuple[int, int, tuple[int, str]]], summary: JobSum
                            [tuple(d) for _, d in done])  # type: ignore[misc]
 
 
-def plan_in_process(scans: Sequence[FileScan], output_dir: str, config: PackConfig, *,
-                    read_options: ReadOptions, write_options: WriteOptions,
-                    block_size: int | None = None, overwrite: bool = False,
-                    resume: bool = False) -> tuple[JobSummary | None, list[FileJob]]:
+def plan_in_process(scans: Sequence[FileScan], job: PackJob
+                    ) -> tuple[JobSummary | None, list[FileJob]]:
     """The planning steps one after another (tests, and a reading aid for the pipeline)."""
-    block_size = check_block_size(block_size)
-    files = [summarize_file(s) for s in scans]
+    config, block_size = job.config, job.block_size
+    files = [summarize_file(s, config) for s in scans]
     by_block: dict[int, list[BlockSlice]] = {}
     for s in scans:
         for block, piece in cut_blocks(s, files, block_size):
             by_block.setdefault(block, []).append(piece)
     plans = [plan_block_slices(b, sl, files, config, block_size) for b, sl in by_block.items()]
-    summary = finish_plan(files, [p.summary for p in plans], output_dir, config,
-                          read_options=read_options, write_options=write_options,
-                          block_size=block_size, overwrite=overwrite, resume=resume)
+    summary = finish_plan(files, [p.summary for p in plans], job)
     by_file: dict[int, list[np.ndarray]] = {}
     for p in plans:
         for index, table in split_block(p, summary, files):

@@ -148,6 +148,51 @@ class OutputDir:
             raise
         return True
 
+    def read_versioned(self, name: str) -> tuple[Any, str | None]:
+        """(JSON content, version) of an object: the version (S3 ETag, GCS generation) read
+        before and after the content, so the two belong together; (None, None) if missing."""
+        fs, inside = self._fs()
+        key = f"{inside}/{name}"
+        for _ in range(5):
+            try:
+                before = _version(fs.info(key, refresh=True))
+                data = fs.cat_file(key)
+                after = _version(fs.info(key, refresh=True))
+            except FileNotFoundError:
+                return None, None
+            if before == after:
+                try:
+                    return json.loads(data), before
+                except ValueError:
+                    return None, before
+        return None, None
+
+    def replace_json_if(self, name: str, obj: Any, version: str | None) -> bool:
+        """Replaces object `name` with `obj` only if it is still at `version` (None: only if
+        it is absent); False if another writer changed it first."""
+        if version is None:
+            return self.create_json(name, obj)
+        fs, inside = self._fs()
+        bucket, _, key = f"{inside}/{name}".partition("/")
+        try:
+            if type(fs).__name__ == "S3FileSystem":
+                fs.call_s3("put_object", Bucket=bucket, Key=key, Body=_json_bytes(obj),
+                           IfMatch=version)
+                fs.invalidate_cache()
+                return True
+            if type(fs).__name__ == "GCSFileSystem":
+                fs.call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=version)
+            else:  # no precondition to lean on: delete, then create if absent
+                fs.rm_file(f"{inside}/{name}")
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001 - each client has its own precondition error
+            if "412" in str(e) or "precondition" in str(e).lower():
+                return False
+            raise
+        fs.invalidate_cache()
+        return self.create_json(name, obj)
+
     def remove(self, name: str) -> None:
         if not self.remote:
             with contextlib.suppress(FileNotFoundError):
@@ -183,6 +228,11 @@ class OutputDir:
             self._own_stage = False
 
 
+def _version(info: dict) -> str | None:
+    version = info.get("ETag") or info.get("etag") or info.get("generation")
+    return None if version is None else str(version)
+
+
 def _json_bytes(obj: Any) -> bytes:
     """The bytes `formats.manifest.write_json` writes."""
     return (json.dumps(obj, indent=2) + "\n").encode()
@@ -214,45 +264,111 @@ def _owned(name: str) -> bool:
 
 
 class DirLock:
-    """One writer per output directory: ``pack.lock`` created exclusively, holding the owner's
-    pid, host and process start time; removed when the run ends.
+    """One writer per output: ``pack.lock`` holds the owner's pid, host and process start time
+    and is removed when the run ends.
 
-    A lock whose owner is gone (same host, the pid is dead or is another process now) is stale
-    and taken over; a lock from another host is never guessed at: the error says how to clear
-    it."""
+    Local directory: the lock is an `flock` on ``pack.lock``, which the kernel releases when its
+    owner dies however it dies, so taking over a killed run's lock is one atomic step: of many
+    runs started together, exactly one gets it, and the others are refused (never both, never
+    one removing the other's fresh lock). After the flock, the file must still be the one at
+    the path (a run that ends removes it). A lock whose file names another host is never taken
+    (a shared filesystem whose flock does not reach across hosts): the error says how to clear it.
+
+    Object storage (no flock): the lock is an object created only if absent (S3 If-None-Match,
+    GCS ifGenerationMatch=0). Taking over a stale one (its owner, on this host, is gone) replaces
+    it only if it is still the object that was read (S3 If-Match on its ETag; elsewhere a
+    delete and a create-if-absent, so two racers cannot both create it)."""
 
     def __init__(self, directory: str | OutputDir):
         self.out = as_output_dir(directory)
         self.path = self.out.path(LOCK)
         self.held = False
+        self._fd: int | None = None
 
     def __enter__(self) -> DirLock:
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time()}
-        for _ in range(3):
-            if not self.out.create_json(LOCK, me):
-                owner = self._owner()
-                if owner is not None and not _stale(owner):
-                    raise UsageError(
-                        f"{self.out.location}: another seqpack run (pid {owner.get('pid')} on "
-                        f"{owner.get('host')}) is writing here; wait for it, or remove "
-                        f"{self.path} if that run is gone")
-                self.out.remove(LOCK)  # stale (or unreadable): the owner is gone
-                continue
-            self.held = True
-            return self
-        raise UsageError(f"{self.path}: could not take the lock (another run keeps taking it)")
-
-    def _owner(self) -> dict | None:
-        try:
-            owner = self.out.read_json(LOCK)
-            return owner if isinstance(owner, dict) else None
-        except (OSError, ValueError):  # InputError is a ValueError
-            return None
+        self.acquire()
+        return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.held:
-            self.out.remove(LOCK)
-            self.held = False
+        self.release()
+
+    def acquire(self) -> None:
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time()}
+        if self.out.remote:
+            self._acquire_object(me)
+        else:
+            self._acquire_file(me)
+        self.held = True
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        try:
+            self.out.remove(LOCK)  # while the flock is held: no one can take the old file
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def _busy(self, owner: dict | None) -> UsageError:
+        owner = owner or {}
+        return UsageError(f"{self.out.location}: another seqpack run (pid {owner.get('pid')} on "
+                          f"{owner.get('host')}) is writing here; wait for it, or remove "
+                          f"{self.path} if that run is gone")
+
+    def _acquire_file(self, me: dict) -> None:
+        import fcntl
+
+        for _ in range(100):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                owner = _parse_owner(_read_fd(fd))
+                os.close(fd)
+                raise self._busy(owner) from None
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if not same:  # the run that held it removed it meanwhile: take the new file
+                os.close(fd)
+                continue
+            owner = _parse_owner(_read_fd(fd))
+            if owner is not None and not _stale(owner) and owner.get("pid") != os.getpid():
+                os.close(fd)  # a live owner that holds no flock (another host, an old seqpack)
+                raise self._busy(owner)
+            data = json.dumps(me).encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+            self._fd = fd
+            return
+        raise UsageError(f"{self.path}: could not take the lock (other runs keep taking it)")
+
+    def _acquire_object(self, me: dict) -> None:
+        for _ in range(3):
+            if self.out.create_json(LOCK, me):
+                return
+            owner, version = self.out.read_versioned(LOCK)
+            owner = owner if isinstance(owner, dict) else None
+            if owner is not None and not _stale(owner):
+                raise self._busy(owner)
+            if self.out.replace_json_if(LOCK, me, version):  # stale: the owner is gone
+                return
+        raise UsageError(f"{self.path}: could not take the lock (another run keeps taking it)")
+
+
+def _read_fd(fd: int) -> bytes:
+    return os.pread(fd, 1 << 16, 0)
+
+
+def _parse_owner(data: bytes) -> dict | None:
+    try:
+        owner = json.loads(data) if data.strip() else None
+    except ValueError:
+        return None
+    return owner if isinstance(owner, dict) else None
 
 
 def _start_time(pid: int | None = None) -> str | None:

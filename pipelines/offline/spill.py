@@ -7,7 +7,7 @@ alone. Pass 2 reads each shard's pieces straight from those files into the shard
 fits in it), so no process ever holds more than one shard's tokens. Ids are spilled in the
 narrowest unsigned dtype that holds them (2 bytes a token for a vocabulary under 65536, whatever
 the input's type); the spill lives in the output directory's ``spill.tmp/``, removed when the
-run ends.
+run ends. A spill the disk cannot hold fails the run with `RunFailed` naming the file.
 
 Positions are global: token `p` of the corpus (inputs back to back, in the order given) lives in
 the run whose [start, start + num_tokens) holds `p`.
@@ -20,6 +20,8 @@ import os
 from typing import BinaryIO
 
 import numpy as np
+
+from seqpack.pipelines.errors import RunFailed
 
 SPILL_DIR = "spill.tmp"
 
@@ -53,13 +55,17 @@ class SpillWriter:
         if need.itemsize < tokens.dtype.itemsize:
             tokens = tokens.astype(need)
         dtype = tokens.dtype.str
-        if not self.runs or self.runs[-1].dtype != dtype:
-            self._close_file()
-            path = os.path.join(self.directory, f"{self.prefix}-{len(self.runs):04d}.bin")
-            self._file = open(path, "wb")
-            self.runs.append(Run(path, dtype, 0))
-        assert self._file is not None
-        self._file.write(np.ascontiguousarray(tokens).data)
+        try:
+            if not self.runs or self.runs[-1].dtype != dtype:
+                self._close_file()
+                path = os.path.join(self.directory, f"{self.prefix}-{len(self.runs):04d}.bin")
+                self.runs.append(Run(path, dtype, 0))
+                self._file = open(path, "wb")
+            assert self._file is not None
+            self._file.write(np.ascontiguousarray(tokens).data)
+        except OSError as e:
+            raise RunFailed.of(e, self.runs[-1].path, "cannot write the spill of the inputs' "
+                               "tokens") from None
         last = self.runs[-1]
         self.runs[-1] = dataclasses.replace(last, num_tokens=last.num_tokens + int(tokens.size))
 
@@ -70,8 +76,12 @@ class SpillWriter:
 
     def _close_file(self) -> None:
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            f, self._file = self._file, None
+            try:
+                f.close()  # flushes: a full disk may show only here
+            except OSError as e:
+                raise RunFailed.of(e, f.name, "cannot write the spill of the inputs' tokens") \
+                    from None
 
 
 class SpillReader:

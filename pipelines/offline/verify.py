@@ -20,8 +20,10 @@ collected (first `max_violations`) in the returned report.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,17 +40,12 @@ from seqpack.pipelines.formats.arrayrecord import (
     open_reader,
     read_raw,
 )
-from seqpack.pipelines.formats.inputs import (
-    ReadOptions,
-    combined_lengths_sha256,
-    detect_format,
-    fingerprint,
-    scan_file,
-)
+from seqpack.pipelines.formats.inputs import ReadOptions, combined_lengths_sha256, fingerprint
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
-from seqpack.pipelines.formats.text import load_tokenizer
 from seqpack.pipelines.offline.outdir import OutputDir
-from seqpack.pipelines.offline.spill import Run, SpillReader, SpillWriter
+from seqpack.pipelines.offline.read import read_inputs
+from seqpack.pipelines.offline.spill import Run, SpillReader
+from seqpack.pipelines.offline.workers import Workers
 
 
 @dataclasses.dataclass
@@ -136,9 +133,9 @@ class _Collector:
         return len(self.items) >= self.limit
 
 
-def _check_tokens(batch, config, spill: SpillReader, offsets, lengths, shard, out: _Collector):
-    """Segment tokens == source tokens (read from the spill); returns (example, start, length)
-    of the used slots."""
+def _check_tokens(batch, config, spill: SpillReader, offsets, shard, out: _Collector):
+    """Segment tokens == source tokens (read from the spill; `offsets`: i64[n + 1] of the
+    examples); returns (example, start, length) of the used slots and the tokens checked."""
     k = config.keys()
     seg_len = batch[k.segment_lengths].astype(np.int64)
     used = seg_len > 0
@@ -146,12 +143,14 @@ def _check_tokens(batch, config, spill: SpillReader, offsets, lengths, shard, ou
     ex = batch[k.source_index][rows, slots]
     st = batch[k.source_start][rows, slots]
     ln = seg_len[rows, slots]
-    bad = (ex < 0) | (ex >= lengths.size)
-    bad[~bad] |= st[~bad] + ln[~bad] > lengths[ex[~bad]]
+    n = offsets.shape[0] - 1
+    bad = (ex < 0) | (ex >= n)
+    good = ~bad
+    bad[good] |= st[good] + ln[good] > offsets[ex[good] + 1] - offsets[ex[good]]
     if bad.any():
         i = int(np.argmax(bad))
         out.add(f"{shard} row {rows[i]} slot {slots[i]}: source example {ex[i]} [{st[i]}, "
-                f"{st[i] + ln[i]}) is not inside the {lengths.size} input examples")
+                f"{st[i] + ln[i]}) is not inside the {n} input examples")
         keep = ~bad
         rows, slots, ex, st, ln = rows[keep], slots[keep], ex[keep], st[keep], ln[keep]
     L = config.seq_len
@@ -170,25 +169,6 @@ def _check_tokens(batch, config, spill: SpillReader, offsets, lengths, shard, ou
                 f"token {within} of example {ex[seg]} ({diff.size} tokens differ in this "
                 "shard)")
     return ex, st, ln, int(ln.sum())
-
-
-def _read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str
-                 ) -> tuple[list[dict], np.ndarray, list[Run]]:
-    """The inputs read once, chunk by chunk: each one's manifest entry (fingerprint, counts,
-    lengths digest), every example length, and their tokens spilled to `spill_dir` (what the
-    rows are compared against, a shard at a time: memory bounded by examples, not tokens)."""
-    tokenizer = load_tokenizer(options.tokenizer) if options.tokenizer else None
-    files, lengths, runs = [], [], []
-    for i, path in enumerate(paths):
-        sink = SpillWriter(spill_dir, f"in-{i:06d}")
-        try:
-            scan = scan_file(path, detect_format(path, options.input_format), options,
-                             tokenizer, sink)
-        finally:
-            runs += sink.close()
-        files.append(scan.info)
-        lengths.append(scan.lengths)
-    return files, np.concatenate(lengths) if lengths else np.zeros(0, np.int64), runs
 
 
 def _check_coverage(ex, st, ln, lengths, config, counters: Counters, out: _Collector) -> None:
@@ -232,22 +212,114 @@ def _check_coverage(ex, st, ln, lengths, config, counters: Counters, out: _Colle
             out.add(f"manifest counter {key}={have.get(key)} but the rows give {value}")
 
 
-def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
-           max_violations: int = 20) -> VerifyReport:
-    """Checks a packed directory against its inputs (default: the paths in the manifest)."""
+@dataclasses.dataclass(frozen=True)
+class _VerifyContext:
+    """What every worker checking a shard needs, written once to the temporary directory."""
+
+    output_dir: str
+    config: PackConfig
+    runs: list[Run]  # the inputs' tokens, spilled by pass 1
+    offsets_path: str  # i64[n + 1] example offsets (np.save; memory-mapped by the workers)
+
+
+@dataclasses.dataclass
+class _ShardCheck:
+    """What checking one shard found."""
+
+    violations: list[str]
+    pieces: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # (example, start, length)
+    used_hist: np.ndarray | None
+    nseg_hist: np.ndarray | None
+    tokens: int = 0
+
+
+@functools.lru_cache(maxsize=2)
+def _verify_context(path: str) -> tuple[_VerifyContext, SpillReader, np.ndarray]:
+    import pickle
+
+    with open(path, "rb") as f:
+        context = pickle.load(f)
+    return context, SpillReader(context.runs), np.load(context.offsets_path, mmap_mode="r")
+
+
+def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int, str],
+                 limit: int) -> _ShardCheck:
+    """One shard, in a worker: its digest, decoding, the row contract, tokens against the spill."""
+    context, spill, offsets = _verify_context(context_path)
+    config, out = context.config, _Collector(limit)
+    found = OutputDir(context.output_dir).digest(name)
+    damaged = found is not None and found != tuple(digest)
+    if damaged:
+        out.add(f"{name}: size or sha256 differs from the manifest's ({digest[0]} bytes, "
+                f"{digest[1][:12]}...): the shard was damaged or replaced after the run "
+                "(`seqpack pack ... --resume` rewrites it)")
+    try:
+        batch = read_shard(context.output_dir, name, num_rows)
+    except InputError as e:
+        if not damaged:  # a shard the manifest vouches for must decode
+            raise
+        out.add(f"{name}: cannot be decoded ({e})")
+        return _ShardCheck(out.items, None, None, None)
+    if not batch:
+        return _ShardCheck(out.items, None, None, None)
+    try:
+        validate(batch, config)
+    except ValueError as e:
+        out.add(f"{name}: {e}")
+    try:  # still compare tokens and count pieces where the segment metadata allows it
+        ex, st, ln, n = _check_tokens(batch, config, spill, offsets, name, out)
+    except (IndexError, KeyError, ValueError):
+        return _ShardCheck(out.items, None, None, None)
+    used, nseg = length_histograms(batch[config.keys().segment_lengths], config.seq_len)
+    return _ShardCheck(out.items, (ex, st, ln), used, nseg, n)
+
+
+def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violations: int = 20,
+           workers: int = 1) -> VerifyReport:
+    """Checks a packed directory against its inputs (default: the paths in the manifest).
+
+    `workers` processes read the inputs (pass 1 of `seqpack pack`, `offline.read`) and check
+    the shards, one at a time each; the report does not depend on it."""
     manifest = read_manifest(output_dir, check_shards=False)  # damaged shards are violations
     config = manifest.pack_config()
     out = _Collector(max_violations)
-    damaged = set()
-    location = OutputDir(output_dir)
-    for name, size, sha in zip(manifest.shards, manifest.shard_bytes or [],
-                               manifest.shard_sha256 or []):
-        digest = location.digest(name)
-        if digest is not None and digest != (size, sha):
-            damaged.add(name)
-            out.add(f"{name}: size or sha256 differs from the manifest's ({size} bytes, "
-                    f"{sha[:12]}...): the shard was damaged or replaced after the run "
-                    "(`seqpack pack ... --resume` rewrites it)")
+    paths = _input_paths(manifest, inputs)
+    options = ReadOptions(**manifest.inputs["read_options"])
+    _check_tokenizer(manifest, out)
+    pool = Workers(workers)
+    try:
+        with tempfile.TemporaryDirectory(prefix="seqpack-verify-") as spill_dir:
+            scans, runs = read_inputs(paths, options, spill_dir, pool)
+            lengths = np.concatenate([s.lengths for s in scans])
+            _check_inputs(paths, [s.info for s in scans], lengths, manifest, out)
+            offsets = np.zeros(lengths.size + 1, np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            np.save(os.path.join(spill_dir, "offsets.npy"), offsets)
+            del offsets, scans
+            context = _save(spill_dir, _VerifyContext(output_dir, config, runs,
+                                                      os.path.join(spill_dir, "offsets.npy")))
+            checks = _check_shards(manifest, context, pool, out)
+    except BaseException:
+        pool.close(kill=True)
+        raise
+    pool.close()
+    _check_results(checks, lengths, manifest, out)
+    return VerifyReport(ok=not out.items, violations=out.items,
+                        num_rows=int(sum(manifest.shard_num_rows or [])),
+                        num_examples=int(lengths.size),
+                        tokens_checked=sum(c.tokens for c in checks))
+
+
+def _save(directory: str, context: _VerifyContext) -> str:
+    import pickle
+
+    path = os.path.join(directory, f"context-{os.getpid()}-{time.time_ns()}.pickle")
+    with open(path, "wb") as f:
+        pickle.dump(context, f)
+    return path
+
+
+def _input_paths(manifest: Manifest, inputs: Sequence[str] | None) -> list[str]:
     recorded = manifest.inputs["files"]
     paths = list(inputs) if inputs else [f["path"] for f in recorded]
     if len(paths) != len(recorded):
@@ -256,62 +328,59 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *,
     for path in paths:
         if not storage.exists(path):
             raise InputError(f"{path}: no such {'object' if storage.is_url(path) else 'file'}")
-    options = ReadOptions(**manifest.inputs["read_options"])
+    return paths
+
+
+def _check_tokenizer(manifest: Manifest, out: _Collector) -> None:
     tokenizer = manifest.inputs.get("tokenizer")
     if tokenizer and os.path.isfile(tokenizer["path"]):
         fp = fingerprint(tokenizer["path"])
         if fp["sha256"] != tokenizer.get("sha256"):
             out.add(f"tokenizer {tokenizer['path']} changed since the run that packed the rows")
-    with tempfile.TemporaryDirectory(prefix="seqpack-verify-") as spill_dir:
-        files, lengths, runs = _read_inputs(paths, options, spill_dir)
-        for i, (path, info, rec) in enumerate(zip(paths, files, recorded)):
-            for key in ("size", "sha256"):
-                if info[key] != rec.get(key):
-                    out.add(f"input {i} ({path}): {key} {info[key]} differs from the packed "
-                            f"input's {rec[key]} ({rec['path']})")
-        if combined_lengths_sha256(files) != manifest.inputs["lengths_sha256"]:
-            out.add(f"the inputs' {lengths.size} example lengths differ from the packed inputs' "
-                    f"{manifest.inputs['num_examples']}")
-        offsets = np.zeros(lengths.size + 1, np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        spill = SpillReader(runs)
-        shard_num_rows, recorded_stats = manifest.shard_num_rows or [], manifest.stats or {}
-        pieces, checked = [], 0
-        used_hist = np.zeros(config.seq_len + 1, np.int64)
-        nseg_hist = np.zeros(config.max_segments + 1, np.int64)
-        for name, num_rows in zip(manifest.shards, shard_num_rows, strict=True):
-            try:
-                batch = read_shard(output_dir, name, num_rows)
-            except InputError as e:
-                if name not in damaged:  # a shard the manifest vouches for must decode
-                    raise
-                out.add(f"{name}: cannot be decoded ({e})")
-                continue
-            if not batch:
-                continue
-            try:
-                validate(batch, config)
-            except ValueError as e:
-                out.add(f"{name}: {e}")
-            try:  # still compare tokens and count pieces where the segment metadata allows it
-                ex, st, ln, n = _check_tokens(batch, config, spill, offsets, lengths, name, out)
-            except (IndexError, KeyError, ValueError):
-                continue
-            hists = length_histograms(batch[config.keys().segment_lengths], config.seq_len)
-            used_hist += hists[0]
-            nseg_hist += hists[1]
-            pieces.append((ex, st, ln))
-            checked += n
+
+
+def _check_inputs(paths: Sequence[str], files: list[dict], lengths: np.ndarray,
+                  manifest: Manifest, out: _Collector) -> None:
+    """Each input's fingerprint and the example lengths against the manifest's."""
+    for i, (path, info, rec) in enumerate(zip(paths, files, manifest.inputs["files"])):
+        for key in ("size", "sha256"):
+            if info[key] != rec.get(key):
+                out.add(f"input {i} ({path}): {key} {info[key]} differs from the packed "
+                        f"input's {rec[key]} ({rec['path']})")
+    if combined_lengths_sha256(files) != manifest.inputs["lengths_sha256"]:
+        out.add(f"the inputs' {lengths.size} example lengths differ from the packed inputs' "
+                f"{manifest.inputs['num_examples']}")
+
+
+def _check_shards(manifest: Manifest, context_path: str, pool: Workers, out: _Collector
+                  ) -> list[_ShardCheck]:
+    """Every shard checked by a worker; their violations collected in shard order."""
+    digests = list(zip(manifest.shard_bytes or [], manifest.shard_sha256 or []))
+    calls = [(context_path, name, rows, digest, out.limit) for name, rows, digest in
+             zip(manifest.shards, manifest.shard_num_rows or [], digests, strict=True)]
+    checks = []
+    for check in pool.map(_check_shard, calls, len(calls), what="checking shards"):
+        for v in check.violations:
+            out.add(v)
+        checks.append(check)
+    return checks
+
+
+def _check_results(checks: list[_ShardCheck], lengths: np.ndarray, manifest: Manifest,
+                   out: _Collector) -> None:
+    """Coverage of every example over all shards, and the manifest's stats against the rows."""
+    config = manifest.pack_config()
+    recorded = manifest.stats or {}
+    pieces = [c.pieces for c in checks if c.pieces is not None]
     if pieces:
         ex, st, ln = (np.concatenate(x) for x in zip(*pieces))
-        del pieces
-        counters = Counters(**recorded_stats["counters"])
-        _check_coverage(ex, st, ln, lengths, config, counters, out)
-    got = stats_from_histograms(used_hist, nseg_hist, config.seq_len).to_dict()
+        _check_coverage(ex, st, ln, lengths, config, Counters(**recorded["counters"]), out)
+    used = sum((c.used_hist for c in checks if c.used_hist is not None),
+               np.zeros(config.seq_len + 1, np.int64))
+    nseg = sum((c.nseg_hist for c in checks if c.nseg_hist is not None),
+               np.zeros(config.max_segments + 1, np.int64))
+    got = stats_from_histograms(used, nseg, config.seq_len).to_dict()
     for key in ("num_rows", "num_segments", "real_tokens", "lower_bound_rows",
                 "segments_per_row", "row_fill_histogram"):
-        if got[key] != recorded_stats[key]:
-            out.add(f"manifest stats {key}={recorded_stats[key]} but the rows give {got[key]}")
-    return VerifyReport(ok=not out.items, violations=out.items,
-                        num_rows=int(sum(shard_num_rows)),
-                        num_examples=int(lengths.size), tokens_checked=checked)
+        if got[key] != recorded[key]:
+            out.add(f"manifest stats {key}={recorded[key]} but the rows give {got[key]}")

@@ -1,0 +1,170 @@
+"""One packing run, described once: `PackJob`, and the output session both runners open.
+
+    job = PackJob(["a.parquet", "b.parquet"], "packed/", PackConfig(2048, overflow="split"),
+                  read_options=ReadOptions(column="input_ids"), existing="resume", workers=8)
+    manifest = offline.pack(job)                       # the local runner (`offline.local`)
+    manifest = offline.pack(job, runner="beam")        # the same bytes as a Beam job
+
+A job holds what decides the output (inputs, config, how inputs are read and rows stored, the
+plan's block size) and how the run treats what is already there (`existing`: refuse a
+non-empty output, resume an interrupted run, or overwrite); `workers` only decides how fast
+(local worker processes, or the DirectRunner's `direct_num_workers`; None: every CPU). The
+local runner, the Beam job, its steps and the CLI all take the job, not a bag of parameters.
+
+`output_session(job)` is the one place an output is opened and closed, for both runners: it
+refuses an unusable output before any input is read, creates the directory, holds the output's
+lock (`outdir.DirLock`: one writer per output) for the whole run, and on the way out removes the
+lock, the local spill, a remote output's staging directory, and a directory it created that
+stayed empty. A failing cleanup step never hides the error that ended the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import os
+import shutil
+from collections.abc import Iterator, Sequence
+
+from seqpack.packer import PackConfig
+from seqpack.packer.plan import DEFAULT_BLOCK_SIZE, check_block_size
+from seqpack.pipelines.errors import UsageError
+from seqpack.pipelines.formats.inputs import ReadOptions
+from seqpack.pipelines.offline.outdir import DirLock, OutputDir, check_dir
+from seqpack.pipelines.offline.shards import WriteOptions
+from seqpack.pipelines.offline.spill import SPILL_DIR
+
+
+class Existing(enum.Enum):
+    """What a run does with an output that already holds something."""
+
+    REFUSE = "refuse"  # a non-empty output is an error (the default)
+    RESUME = "resume"  # finish an interrupted run (or repair a complete one)
+    OVERWRITE = "overwrite"  # remove what seqpack wrote there, then pack
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on: the default `workers` of both runners."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@dataclasses.dataclass(frozen=True)
+class PackJob:
+    """One packing run (see the module docstring)."""
+
+    inputs: Sequence[str]  # files or URLs, in order (stored as a tuple of str)
+    output: str  # a directory, or a gs:// / s3:// prefix
+    config: PackConfig
+    _: dataclasses.KW_ONLY
+    read_options: ReadOptions = dataclasses.field(default_factory=ReadOptions)
+    write_options: WriteOptions = dataclasses.field(default_factory=WriteOptions)
+    block_size: int = DEFAULT_BLOCK_SIZE  # examples planned together (`packer.plan_rows`)
+    existing: Existing | str = Existing.REFUSE
+    workers: int | None = None  # None: every CPU (`default_workers`)
+
+    def __post_init__(self) -> None:
+        inputs = tuple(os.fspath(p) for p in self.inputs)
+        if not inputs:
+            raise UsageError("no input files given")
+        object.__setattr__(self, "inputs", inputs)
+        object.__setattr__(self, "output", os.fspath(self.output))
+        try:
+            object.__setattr__(self, "existing", Existing(self.existing))
+            object.__setattr__(self, "block_size", check_block_size(self.block_size))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        w = self.workers
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise UsageError(f"workers={w!r} must be an int >= 1 (or None: every CPU)")
+
+    @property
+    def resume(self) -> bool:
+        return self.existing is Existing.RESUME
+
+    @property
+    def overwrite(self) -> bool:
+        return self.existing is Existing.OVERWRITE
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers or default_workers()
+
+    def check_memory(self) -> None:
+        """UsageError unless one packed row, and one shard of rows in each worker, fit in the
+        memory available now; checked before anything is read or written."""
+        L = self.config.seq_len
+        row = L * 16  # tokens (<= 8 bytes) + int32 segment ids and positions
+        available = available_memory()
+        if available is None:
+            return
+        if row > available:
+            raise UsageError(f"--seq-len {L}: one packed row needs {row / 2**30:.1f} GiB, more "
+                             f"than the {available / 2**30:.1f} GiB of memory available; pick "
+                             "a smaller --seq-len")
+        shard_rows, workers = self.write_options.shard_rows, self.num_workers
+        need = row * shard_rows * workers  # each worker assembles one shard at a time
+        if need > available:
+            fit = max(1, available // (row * workers))
+            raise UsageError(f"--shard-rows {shard_rows} x --seq-len {L} x {workers} worker(s) "
+                             f"needs {need / 2**30:.1f} GiB, more than the "
+                             f"{available / 2**30:.1f} GiB of memory available; pass "
+                             f"--shard-rows {fit} or fewer (or fewer --workers)")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux: MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def output_session(job: PackJob) -> Iterator[OutputDir]:
+    """The output, checked, created and locked for the run (see the module docstring)."""
+    out = OutputDir(job.output)
+    check_dir(out, overwrite=job.overwrite, resume=job.resume)
+    created = out.makedirs()
+    lock = DirLock(out)
+    ok = False
+    try:
+        lock.acquire()
+        yield out
+        ok = True
+    finally:
+        steps = [out.close]
+        if lock.held:  # the spill is this run's only while it holds the lock
+            steps.insert(0, lambda: shutil.rmtree(os.path.join(out.staging(), SPILL_DIR),
+                                                  ignore_errors=True))
+            steps.insert(1, lock.release)
+        if created:
+            steps.append(lambda: _remove_if_empty(job.output))
+        _run_cleanup(steps, raise_errors=ok)
+
+
+def _run_cleanup(steps: list, *, raise_errors: bool) -> None:
+    """Runs every step; the first OSError is raised only when nothing else ended the run."""
+    first: OSError | None = None
+    for step in steps:
+        try:
+            step()
+        except OSError as e:
+            first = first or e
+    if first is not None and raise_errors:
+        raise first
+
+
+def _remove_if_empty(path: str) -> None:
+    if os.path.isdir(path) and not os.listdir(path):
+        os.rmdir(path)

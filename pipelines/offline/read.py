@@ -1,0 +1,89 @@
+"""Pass 1 of the offline job, shared by `seqpack pack` and `seqpack verify`: every input read
+once, in parallel over inputs, its lengths and fingerprint kept, its tokens spilled.
+
+    read_inputs(paths, options, spill_dir, workers)  ->  [FileScan per input], [spill Run]
+
+Each input is scanned chunk by chunk (`formats.inputs.scan_file`: one chunk in memory at a
+time) by one worker process, which appends its tokens to raw spill files in `spill_dir`
+(`offline.spill`); the scans come back in input order, so the lengths and the spill are the same
+for any number of workers. Memory in this process: the lengths (8 bytes an example).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from seqpack.pipelines import storage
+from seqpack.pipelines.errors import InputError
+from seqpack.pipelines.formats.inputs import FileScan, ReadOptions, detect_format, scan_file
+from seqpack.pipelines.formats.text import load_tokenizer
+from seqpack.pipelines.offline.spill import Run, SpillWriter
+from seqpack.pipelines.offline.workers import Workers
+
+# Test-only: seconds to sleep after each input read and each shard written, so tests can stop a
+# run mid-way or watch its progress.
+DELAY_ENV = "SEQPACK_TEST_SHARD_DELAY"
+
+
+class Progress(Protocol):
+    """What a run reports: a phase ("reading": input bytes; "writing": tokens), then progress
+    through it (`rows` written so far, while writing)."""
+
+    def phase(self, name: str, total: int) -> None: ...
+    def advance(self, amount: int, rows: int = 0) -> None: ...
+
+
+def delay_seconds() -> float:
+    return float(os.environ.get(DELAY_ENV, "0") or 0)
+
+
+def _tokenizer(path: str) -> Any:
+    """The tokenizer at `path`, loaded once per process while the file stays the same."""
+    st = os.stat(path)
+    return _load_tokenizer(path, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tokenizer(path: str, size: int, mtime_ns: int) -> Any:
+    return load_tokenizer(path)
+
+
+def _read_input(index: int, path: str, fmt: str, options: ReadOptions, spill_dir: str
+                ) -> tuple[FileScan, list[Run]]:
+    """Pass 1 for one input: scans it, its tokens to the spill."""
+    tokenizer = _tokenizer(options.tokenizer) if options.tokenizer else None
+    sink = SpillWriter(spill_dir, f"in-{index:06d}")
+    try:
+        scan = scan_file(path, fmt, options, tokenizer, sink)
+    finally:
+        runs = sink.close()
+    return scan, runs
+
+
+def read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str, workers: Workers,
+                progress: Progress | None = None) -> tuple[list[FileScan], list[Run]]:
+    """Every input scanned (in parallel), its tokens spilled; scans and runs in input order."""
+    if not paths:
+        raise InputError("no input files given")
+    sizes = [storage.size(os.fspath(p)) for p in paths]  # InputError naming a missing input
+    if options.tokenizer:
+        load_tokenizer(options.tokenizer)  # a bad tokenizer fails here, once
+    if progress:
+        progress.phase("reading", sum(sizes))
+    calls = [(i, os.fspath(p), detect_format(os.fspath(p), options.input_format), options,
+              spill_dir) for i, p in enumerate(paths)]
+    scans, runs = [], []
+    delay = delay_seconds()
+    for nbytes, (scan, file_runs) in zip(sizes, workers.map(_read_input, calls, len(calls),
+                                                            what="reading the inputs")):
+        scans.append(scan)
+        runs.extend(file_runs)
+        if progress:
+            progress.advance(nbytes)
+        if delay:
+            time.sleep(delay)
+    return scans, runs

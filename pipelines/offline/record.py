@@ -1,0 +1,103 @@
+"""The run record: what a run writes about itself (the intent, then the manifest's results).
+
+Both runners build the record with these functions, so their manifests are byte-identical:
+
+    inputs_record     how the inputs were read, each input's manifest entry, totals, token dtype
+    run_intent        pack_intent.json: the manifest without its results (config, inputs,
+                      writer options, stored keys, shard names, block size)
+    manifest_results  the results a complete manifest adds: stats, the example length histogram
+    check_overlength  with overflow="error", the first over-length example named by its file
+
+Where the record lives and how it is trusted (`--resume`, completion records) is
+`offline.outdir`'s business; the manifest type and its checks are `formats.manifest`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+from seqpack.packer import PackConfig
+from seqpack.packer.config import Overflow
+from seqpack.packer.stats import PackingStats
+from seqpack.pipelines.errors import InputError
+from seqpack.pipelines.formats.inputs import (
+    ReadOptions,
+    combined_lengths_sha256,
+    tokenizer_fingerprint,
+)
+from seqpack.pipelines.formats.manifest import Manifest, shard_names
+from seqpack.pipelines.offline.shards import WriteOptions, stored_keys
+
+_HIST_BINS = 50
+
+
+def length_histogram(lengths: np.ndarray, top: int | None = None) -> dict:
+    """Example lengths in 50 equal bins over [0, max(top, 1)] (top: the longest example, by
+    default of `lengths`): {"edges": [51], "counts": [50]}. Counts of parts of a corpus
+    binned with the corpus's `top` add up to the corpus's."""
+    if top is None:
+        top = int(lengths.max()) if lengths.size else 1
+    counts, edges = np.histogram(lengths, bins=_HIST_BINS, range=(0, max(top, 1)))
+    return {"edges": [float(e) for e in edges], "counts": [int(c) for c in counts]}
+
+
+def inputs_record(files: list[dict], dtype: np.dtype, options: ReadOptions) -> dict:
+    """The manifest's ``inputs``: how they were read, each input's entry (fingerprint, counts,
+    lengths digest), totals, the token dtype."""
+    return {
+        "read_options": dataclasses.asdict(options),
+        "tokenizer": tokenizer_fingerprint(options.tokenizer),
+        "files": files,
+        "num_examples": sum(int(f["num_examples"]) for f in files),
+        "num_tokens": sum(int(f["num_tokens"]) for f in files),
+        "token_dtype": np.dtype(dtype).str,
+        "lengths_sha256": combined_lengths_sha256(files),
+    }
+
+
+def run_intent(config: PackConfig, inputs: dict, options: WriteOptions, num_rows: int,
+               block_size: int) -> Manifest:
+    """What the run writes (``pack_intent.json``: the manifest without its results)."""
+    return Manifest(
+        config=config.to_dict(),
+        inputs=json.loads(json.dumps(inputs)),
+        writer_options=options.arrayrecord_options,
+        stored_keys=stored_keys(config, options),
+        shard_rows=options.shard_rows,
+        num_rows=num_rows,
+        shards=shard_names(num_rows, options.shard_rows),
+        plan_block_size=block_size,
+    )
+
+
+def manifest_results(stats: PackingStats, length_hist: dict) -> dict:
+    """The manifest's ``stats`` and ``example_length_histogram``."""
+    return json.loads(json.dumps({"stats": stats.to_dict(),
+                                  "example_length_histogram": length_hist}))
+
+
+def first_overlength(lengths: np.ndarray, config: PackConfig) -> tuple[int, int, int] | None:
+    """(index, length) of one input's first example longer than seq_len, and how many are, when
+    the overflow policy refuses them; None otherwise."""
+    if config.overflow is not Overflow.ERROR or config.strategy.value == "concat_split":
+        return None
+    over = np.flatnonzero(lengths > config.seq_len)
+    return (int(over[0]), int(lengths[over[0]]), int(over.size)) if over.size else None
+
+
+def check_overlength(paths: Sequence[str], found: Sequence[tuple[int, int, int] | None],
+                     config: PackConfig) -> None:
+    """InputError naming the file and record of the first over-length example, given each
+    input's `first_overlength` (in input order)."""
+    total = sum(hit[2] for hit in found if hit is not None)
+    for path, hit in zip(paths, found):
+        if hit is not None:
+            raise InputError(
+                f"{path}: example {hit[0]} (counting from 0) has {hit[1]} tokens, more than "
+                f"seq_len {config.seq_len} ({total} over-length example(s) in the inputs); pass "
+                "--overflow truncate, split or drop to keep them (overflow= in Python), or a "
+                "larger --seq-len")
