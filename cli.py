@@ -88,8 +88,9 @@ def _resume_hint(ctx: click.Context, args: list[str]) -> str:
         if not out:
             return ""
         if not storage.exists(storage.join(out, INTENT)):
-            complete = storage.exists(storage.join(out, MANIFEST))
-            return f"; the output at {out} is complete" if complete else ""
+            if storage.exists(storage.join(out, MANIFEST)):
+                return f"; the output at {out} is complete"
+            return "; nothing was written yet: run the same command again"
     except Exception:  # noqa: BLE001 - a hint must never hide the error it goes with
         return ""
     again = [a for a in args if a not in ("--resume", "--overwrite")]

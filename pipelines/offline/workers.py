@@ -6,9 +6,10 @@ with at most two per process in flight, and end with the run:
 
 - a worker ignores SIGINT and SIGTERM: Ctrl-C reaches every process of the terminal's group, but
   only the run decides what happens (it kills its workers and exits with one message). The fork
-  server is started with SIGINT ignored too (an interrupt while it imports would print "Fatal
-  Python error: init_import_site"), and with its stderr on /dev/null (a fork server that loses
-  the run mid-request prints "EOFError: Ran out of input"), unless SEQPACK_DEBUG is set;
+  server and multiprocessing's resource tracker are started with SIGINT ignored too (an
+  interrupt while they import would print "Fatal Python error: init_import_site"), and with
+  their stderr on /dev/null (a fork server that loses the run mid-request prints "EOFError: Ran
+  out of input"), unless SEQPACK_DEBUG is set;
 - each worker watches the run's pid and exits when the run is gone, so a killed `seqpack pack`
   leaves no writer behind;
 - a worker that dies (the kernel's OOM killer, a signal) fails the run with `RunFailed` saying
@@ -70,7 +71,7 @@ def _init_worker(run_pid: int, environ: dict[str, str]) -> None:
 def _start_forkserver(context: Any) -> None:
     """Starts multiprocessing's fork server (once per process) shielded from interrupts and,
     unless SEQPACK_DEBUG is set, with its stderr on /dev/null (see the module docstring)."""
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     context.set_forkserver_preload(_PRELOAD)
     saved = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -81,6 +82,7 @@ def _start_forkserver(context: Any) -> None:
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, 2)
             os.close(null)
+        resource_tracker.ensure_running()
         forkserver.ensure_running()
     finally:
         if stderr is not None:
