@@ -1,4 +1,5 @@
-"""The Beam job's steps without Beam: in any arrival order they rebuild the local writer's bytes."""
+"""The Beam job's steps without Beam: in any arrival order, and with the steps that write files
+run again as a runner retries a bundle, they rebuild the local writer's bytes."""
 
 from __future__ import annotations
 
@@ -37,8 +38,13 @@ def _inputs(tmp_path) -> list[str]:
     ]
 
 
-def _run_steps(paths, out, config, write_options, rng, block_size=None) -> dict:
-    """The job's stages in this process, each stage's elements in a shuffled order."""
+def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=False) -> dict:
+    """The job's stages in this process, each stage's elements in a shuffled order.
+
+    `retries`: each step that writes to the output (finish_plan, write_shard_parts, finish_job)
+    runs twice for some of its elements, as when a runner retries a bundle whose outputs were
+    lost after its side effects happened (Beam may run a DoFn more than once per element; only
+    the outputs of one attempt are kept)."""
     read = ReadOptions()
     order = rng.permutation(len(paths))
     scans = [beam_steps.scan_file(int(i), paths[i], read) for i in order]
@@ -50,9 +56,10 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None) -> dict:
             by_block.setdefault(block, []).append(piece)
     plans = [beam_steps.plan_block_slices(b, by_block[b][::-1], files, config, bs)
              for b in rng.permutation(sorted(by_block)).tolist()]
-    summary = beam_steps.finish_plan(files, [p.summary for p in plans], str(out), config,
-                                     read_options=read, write_options=write_options,
-                                     block_size=bs)
+    for _ in range(1 + retries):
+        summary = beam_steps.finish_plan(files, [p.summary for p in plans], str(out), config,
+                                         read_options=read, write_options=write_options,
+                                         block_size=bs)
     by_file: dict[int, list] = {}
     for p in plans:
         for index, table in beam_steps.split_block(p, summary, files):
@@ -63,24 +70,30 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None) -> dict:
         for shard, part in beam_steps.route_file(jobs[k], read, summary.shard_rows,
                                                  summary.row_dtype):
             by_shard.setdefault(shard, []).append(part)
-    rows = []
-    for shard in rng.permutation(sorted(by_shard)).tolist():
+    rows = {}
+    shards = rng.permutation(sorted(by_shard)).tolist()
+    if retries:  # a third of the shards written again, later, their parts in another order
+        shards += rng.permutation(shards)[: len(shards) // 3 + 1].tolist()
+    for shard in shards:
         parts = [by_shard[shard][i] for i in rng.permutation(len(by_shard[shard]))]
-        rows.append((shard, *beam_steps.write_shard_parts(
-            shard, parts, summary, str(out), config, write_options=write_options)))
-    return beam_steps.finish_job(rows[::-1], summary, str(out))
+        rows[shard] = (shard, *beam_steps.write_shard_parts(
+            shard, parts, summary, str(out), config, write_options=write_options))
+    for _ in range(1 + retries):
+        manifest = beam_steps.finish_job(list(rows.values())[::-1], summary, str(out))
+    return manifest
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("seed,block_size", [(0, None), (1, 17)])
-def test_steps_in_any_order_give_the_local_bytes(tmp_path, name, seed, block_size):
+@pytest.mark.parametrize("seed,block_size,retries", [(0, None, False), (1, 17, False),
+                                                     (2, 17, True)])
+def test_steps_in_any_order_give_the_local_bytes(tmp_path, name, seed, block_size, retries):
     config, write_options = CONFIGS[name]
     paths = _inputs(tmp_path)
     local = pack_to_dir(paths, tmp_path / "local", config, write_options=write_options,
                         block_size=block_size, workers=1)
     assert len(local.shards) >= 3  # several shards, so routing and merging are exercised
     manifest = _run_steps(paths, tmp_path / "steps", config, write_options,
-                          np.random.default_rng(seed), block_size)
+                          np.random.default_rng(seed), block_size, retries)
     assert manifest == local
     assert dir_bytes(tmp_path / "steps") == dir_bytes(tmp_path / "local")
 

@@ -35,6 +35,7 @@ manifest comes from the writer's own functions, and a shard's pieces are sorted 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -46,7 +47,7 @@ from seqpack.packer.stats import row_histograms, stats_from_histograms
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats import inputs
 from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus
-from seqpack.pipelines.formats.manifest import Manifest
+from seqpack.pipelines.formats.manifest import INTENT, Manifest
 from seqpack.pipelines.formats.text import load_tokenizer
 from seqpack.pipelines.offline.outdir import (
     OutputDir,
@@ -257,7 +258,13 @@ def finish_plan(
     num_rows = sum(b.num_rows for b in blocks)
     intent = run_intent(config, inputs_record(infos, dtype, read_options), write_options,
                         num_rows, block_size)
-    if prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume) is not None:
+    # A runner may run this step again (Beam retries a bundle whose outputs were lost, and may
+    # recompute any PCollection), and prepare_dir is not idempotent: a second attempt without
+    # `resume` would find the first one's pack_intent.json and refuse the directory. The driver
+    # (offline.beam.pack_beam) checked the directory under its lock before the job started, so
+    # an intent equal to this one is this job's own, and the retry goes on as a resume of it.
+    again = not (resume or overwrite) and _holds_intent(output_dir, intent)
+    if prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume or again) is not None:
         return None
     counters = sum((b.counters for b in blocks), Counters())
     used = np.sum([b.used_hist for b in blocks if b.used_hist.size], axis=0)
@@ -268,6 +275,18 @@ def finish_plan(
     base = np.concatenate(([0], np.cumsum([b.num_rows for b in blocks])))[:-1]
     return JobSummary(intent, manifest_results(stats, hist), row_dtype(dtype, config.pad_id).str,
                       write_options.shard_rows, [int(r) for r in base])
+
+
+def _holds_intent(output_dir: str, intent: Manifest) -> bool:
+    """Whether the output's pack_intent.json is `intent` (the one this job writes)."""
+    out = OutputDir(output_dir)
+    try:
+        want = json.loads(json.dumps(intent.to_json()))  # tuples as the file holds them: lists
+        return bool(out.exists(INTENT) and out.read_json(INTENT) == want)
+    except (OSError, ValueError):
+        return False
+    finally:
+        out.close()
 
 
 def split_block(bp: BlockPlan, summary: JobSummary | None, files: Sequence[FileSummary]
