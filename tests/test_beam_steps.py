@@ -3,6 +3,7 @@ run again as a runner retries a bundle, they rebuild the local writer's bytes.""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -38,13 +39,15 @@ def _inputs(tmp_path) -> list[str]:
     ]
 
 
-def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=False) -> dict:
+def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=False,
+               overwrite=False) -> dict:
     """The job's stages in this process, each stage's elements in a shuffled order.
 
-    `retries`: each step that writes to the output (finish_plan, write_shard_parts, finish_job)
-    runs twice for some of its elements, as when a runner retries a bundle whose outputs were
-    lost after its side effects happened (Beam may run a DoFn more than once per element; only
-    the outputs of one attempt are kept)."""
+    `retries`: the steps that write to the output run again, as a runner may run them (Beam
+    retries a bundle whose outputs were lost, and may recompute any PCollection; only one
+    attempt's outputs are kept): finish_plan twice before the shards, then again halfway
+    through the shards and after the manifest (a side input recomputed for a later step), a
+    third of the shards written twice (their parts in another order), finish_job twice."""
     read = ReadOptions()
     order = rng.permutation(len(paths))
     scans = [beam_steps.scan_file(int(i), paths[i], read) for i in order]
@@ -56,10 +59,14 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=
             by_block.setdefault(block, []).append(piece)
     plans = [beam_steps.plan_block_slices(b, by_block[b][::-1], files, config, bs)
              for b in rng.permutation(sorted(by_block)).tolist()]
+
+    def finish_plan():
+        return beam_steps.finish_plan(files, [p.summary for p in plans], str(out), config,
+                                      read_options=read, write_options=write_options,
+                                      block_size=bs, overwrite=overwrite)
+
     for _ in range(1 + retries):
-        summary = beam_steps.finish_plan(files, [p.summary for p in plans], str(out), config,
-                                         read_options=read, write_options=write_options,
-                                         block_size=bs)
+        summary = finish_plan()
     by_file: dict[int, list] = {}
     for p in plans:
         for index, table in beam_steps.split_block(p, summary, files):
@@ -72,28 +79,36 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=
             by_shard.setdefault(shard, []).append(part)
     rows = {}
     shards = rng.permutation(sorted(by_shard)).tolist()
-    if retries:  # a third of the shards written again, later, their parts in another order
+    if retries:
         shards += rng.permutation(shards)[: len(shards) // 3 + 1].tolist()
-    for shard in shards:
+    for i, shard in enumerate(shards):
+        if retries and i == len(shards) // 2:
+            assert finish_plan() == summary  # recomputed: the shards written so far stay
         parts = [by_shard[shard][i] for i in rng.permutation(len(by_shard[shard]))]
         rows[shard] = (shard, *beam_steps.write_shard_parts(
             shard, parts, summary, str(out), config, write_options=write_options))
     for _ in range(1 + retries):
         manifest = beam_steps.finish_job(list(rows.values())[::-1], summary, str(out))
+    if retries:
+        assert finish_plan() is None  # the run is complete (re-hashed, kept)
     return manifest
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("seed,block_size,retries", [(0, None, False), (1, 17, False),
-                                                     (2, 17, True)])
-def test_steps_in_any_order_give_the_local_bytes(tmp_path, name, seed, block_size, retries):
+@pytest.mark.parametrize("seed,block_size,retries,overwrite", [
+    (0, None, False, False), (1, 17, False, False), (2, 17, True, False), (3, None, True, True)])
+def test_steps_in_any_order_give_the_local_bytes(tmp_path, name, seed, block_size, retries,
+                                                 overwrite):
     config, write_options = CONFIGS[name]
     paths = _inputs(tmp_path)
     local = pack_to_dir(paths, tmp_path / "local", config, write_options=write_options,
                         block_size=block_size, workers=1)
     assert len(local.shards) >= 3  # several shards, so routing and merging are exercised
+    if overwrite:  # another run's output, replaced
+        pack_to_dir(paths[1:], tmp_path / "steps", config, workers=1,
+                    write_options=dataclasses.replace(write_options, shard_rows=2))
     manifest = _run_steps(paths, tmp_path / "steps", config, write_options,
-                          np.random.default_rng(seed), block_size, retries)
+                          np.random.default_rng(seed), block_size, retries, overwrite)
     assert manifest == local
     assert dir_bytes(tmp_path / "steps") == dir_bytes(tmp_path / "local")
 

@@ -35,7 +35,6 @@ manifest comes from the writer's own functions, and a shard's pieces are sorted 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -47,7 +46,7 @@ from seqpack.packer.stats import row_histograms, stats_from_histograms
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats import inputs
 from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus
-from seqpack.pipelines.formats.manifest import INTENT, Manifest
+from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, Manifest
 from seqpack.pipelines.formats.text import load_tokenizer
 from seqpack.pipelines.offline.outdir import (
     OutputDir,
@@ -258,13 +257,16 @@ def finish_plan(
     num_rows = sum(b.num_rows for b in blocks)
     intent = run_intent(config, inputs_record(infos, dtype, read_options), write_options,
                         num_rows, block_size)
-    # A runner may run this step again (Beam retries a bundle whose outputs were lost, and may
-    # recompute any PCollection), and prepare_dir is not idempotent: a second attempt without
-    # `resume` would find the first one's pack_intent.json and refuse the directory. The driver
-    # (offline.beam.pack_beam) checked the directory under its lock before the job started, so
-    # an intent equal to this one is this job's own, and the retry goes on as a resume of it.
-    again = not (resume or overwrite) and _holds_intent(output_dir, intent)
-    if prepare_dir(output_dir, intent, overwrite=overwrite, resume=resume or again) is not None:
+    # The directory is prepared once. A runner may run this step again: Beam retries a bundle
+    # whose outputs were lost, and may recompute any PCollection (a side input for each step
+    # reading it, even after the shards were written). prepare_dir is not idempotent: again
+    # without `resume` it refuses the directory, again with `overwrite` it deletes the shards
+    # written since. So when the output already records this very run (this job's earlier
+    # attempt, or an identical run being overwritten), the step goes on as a resume of it:
+    # nothing is deleted, and the shard writers rewrite every shard (the bytes of a fresh run).
+    again = not resume and _records_run(output_dir, intent)
+    if prepare_dir(output_dir, intent, overwrite=overwrite and not again,
+                   resume=resume or again) is not None:
         return None
     counters = sum((b.counters for b in blocks), Counters())
     used = np.sum([b.used_hist for b in blocks if b.used_hist.size], axis=0)
@@ -277,16 +279,19 @@ def finish_plan(
                       write_options.shard_rows, [int(r) for r in base])
 
 
-def _holds_intent(output_dir: str, intent: Manifest) -> bool:
-    """Whether the output's pack_intent.json is `intent` (the one this job writes)."""
+def _records_run(output_dir: str, intent: Manifest) -> bool:
+    """Whether the output's pack_intent.json, or its complete manifest.json, is of `intent`."""
     out = OutputDir(output_dir)
     try:
-        want = json.loads(json.dumps(intent.to_json()))  # tuples as the file holds them: lists
-        return bool(out.exists(INTENT) and out.read_json(INTENT) == want)
-    except (OSError, ValueError):
-        return False
+        for name in (INTENT, MANIFEST):
+            if out.exists(name) and Manifest.from_json(
+                    out.read_json(name), out.path(name)).intent().to_json() == intent.to_json():
+                return True
+    except (OSError, ValueError):  # unreadable: not this run (prepare_dir reports it)
+        pass
     finally:
         out.close()
+    return False
 
 
 def split_block(bp: BlockPlan, summary: JobSummary | None, files: Sequence[FileSummary]
