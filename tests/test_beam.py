@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from seqpack import cli
 from seqpack.packer import PackConfig
+from seqpack.pipelines.errors import UsageError
 from seqpack.pipelines.formats.inputs import InputError
 from seqpack.pipelines.offline import PackJob, WriteOptions
 from seqpack.pipelines.offline.local import pack_to_dir
@@ -160,6 +161,15 @@ def test_pipeline_options_defaults_and_overrides():
     for bad in ("=2", "direct num workers=2", "runner="):
         with pytest.raises(ValueError, match="must be KEY=VALUE"):
             pipeline_options([bad])
+
+
+def test_the_dask_runner_is_refused_by_any_of_its_names():
+    # Why: tests/test_beam_dask.py reproduces its faults on a real cluster.
+    for name in ("DaskRunner", "dask", "apache_beam.runners.dask.dask_runner.DaskRunner"):
+        with pytest.raises(UsageError, match=f"runner={name}: Beam's Dask runner cannot run "
+                                             "this job: it gives a side input each element"):
+            pipeline_options([f"runner={name}", "dask_client_address=127.0.0.1:8786"])
+    assert pipeline_options(["runner=DataflowRunner"]) is not None  # others go through
 
 
 def test_beam_option_without_runner_beam_is_a_usage_error(tmp_path):

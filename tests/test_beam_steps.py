@@ -1,7 +1,9 @@
-"""The Beam job's steps without Beam: in any arrival order they rebuild the local runner's bytes."""
+"""The Beam job's steps without Beam: in any arrival order, and with the steps that write files
+run again as a runner retries a bundle, they rebuild the local runner's bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -37,11 +39,18 @@ def _inputs(tmp_path) -> list[str]:
     ]
 
 
-def _run_steps(paths, out, config, write_options, rng, block_size=None) -> dict:
-    """The job's stages in this process, each stage's elements in a shuffled order."""
+def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=False,
+               overwrite=False) -> dict:
+    """The job's stages in this process, each stage's elements in a shuffled order.
+
+    `retries`: the steps that write to the output run again, as a runner may run them (Beam
+    retries a bundle whose outputs were lost, and may recompute any PCollection; only one
+    attempt's outputs are kept): finish_plan twice before the shards, then again halfway
+    through the shards and after the manifest (a side input recomputed for a later step), a
+    third of the shards written twice (their parts in another order), finish_job twice."""
     read = ReadOptions()
     job = PackJob(paths, out, config, write_options=write_options,
-                  block_size=block_size or 1 << 22)
+                  block_size=block_size or 1 << 22, existing="overwrite" if overwrite else "refuse")
     order = rng.permutation(len(paths))
     scans = [beam_steps.scan_file(int(i), paths[i], read) for i in order]
     files = [beam_steps.summarize_file(s, config) for s in scans]
@@ -52,7 +61,12 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None) -> dict:
             by_block.setdefault(block, []).append(piece)
     plans = [beam_steps.plan_block_slices(b, by_block[b][::-1], files, config, bs)
              for b in rng.permutation(sorted(by_block)).tolist()]
-    summary = beam_steps.finish_plan(files, [p.summary for p in plans], job)
+
+    def finish_plan():
+        return beam_steps.finish_plan(files, [p.summary for p in plans], job)
+
+    for _ in range(1 + retries):
+        summary = finish_plan()
     by_file: dict[int, list] = {}
     for p in plans:
         for index, table in beam_steps.split_block(p, summary, files):
@@ -63,26 +77,49 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None) -> dict:
         for shard, part in beam_steps.route_file(jobs[k], read, summary.shard_rows,
                                                  summary.row_dtype):
             by_shard.setdefault(shard, []).append(part)
-    rows = []
-    for shard in rng.permutation(sorted(by_shard)).tolist():
+    rows = {}
+    shards = rng.permutation(sorted(by_shard)).tolist()
+    if retries:
+        shards += rng.permutation(shards)[: len(shards) // 3 + 1].tolist()
+    for i, shard in enumerate(shards):
+        if retries and i == len(shards) // 2:
+            assert finish_plan() == summary  # recomputed: the shards written so far stay
         parts = [by_shard[shard][i] for i in rng.permutation(len(by_shard[shard]))]
-        rows.append((shard, *beam_steps.write_shard_parts(
-            shard, parts, summary, str(out), config, write_options=write_options)))
-    return beam_steps.finish_job(rows[::-1], summary, str(out))
+        rows[shard] = (shard, *beam_steps.write_shard_parts(
+            shard, parts, summary, str(out), config, write_options=write_options))
+    for _ in range(1 + retries):
+        manifest = beam_steps.finish_job(list(rows.values())[::-1], summary, str(out))
+    if retries:
+        assert finish_plan() is None  # the run is complete (re-hashed, kept)
+    return manifest
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-@pytest.mark.parametrize("seed,block_size", [(0, None), (1, 17)])
-def test_steps_in_any_order_give_the_local_bytes(tmp_path, name, seed, block_size):
+def _check_steps(tmp_path, name, seed, block_size, *, retries=False, overwrite=False):
     config, write_options = CONFIGS[name]
     paths = _inputs(tmp_path)
     local = pack_to_dir(PackJob(paths, tmp_path / "local", config, write_options=write_options,
                                 block_size=block_size or 1 << 22, workers=1))
     assert len(local.shards) >= 3  # several shards, so routing and merging are exercised
+    if overwrite:  # another run's output, replaced
+        pack_to_dir(PackJob(paths[1:], tmp_path / "steps", config, workers=1,
+                            write_options=dataclasses.replace(write_options, shard_rows=2)))
     manifest = _run_steps(paths, tmp_path / "steps", config, write_options,
-                          np.random.default_rng(seed), block_size)
+                          np.random.default_rng(seed), block_size, retries, overwrite)
     assert manifest == local
     assert dir_bytes(tmp_path / "steps") == dir_bytes(tmp_path / "local")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("seed,block_size", [(0, None), (1, 17)])
+def test_steps_in_any_order_give_the_local_bytes(tmp_path, name, seed, block_size):
+    _check_steps(tmp_path, name, seed, block_size)
+
+
+@pytest.mark.parametrize("name,seed,block_size,overwrite", [
+    ("bfd_split", 2, 17, False), ("first_fit_aligned_wide_pad", 3, None, True)])
+def test_steps_run_again_give_the_local_bytes(tmp_path, name, seed, block_size, overwrite):
+    """As a runner may run them: the directory is prepared once, shards rewritten alike."""
+    _check_steps(tmp_path, name, seed, block_size, retries=True, overwrite=overwrite)
 
 
 def test_blocks_give_each_piece_to_its_input_once(tmp_path):

@@ -43,8 +43,17 @@ Errors: a bad input or a rejected option (what the local CLI rejects) fails the 
 `InputError` / `ValueError` naming the file and record, raised here in the driver; the worker
 that finds it writes it to ``OUTPUT/pack_error.json`` instead of crashing, the driver reads and
 removes it, so a CLI run prints one `Error:` line. `resume` and `overwrite` work as locally (the
-shard writers keep intact complete shards), except that a runner retrying the planning step
-without `resume` would find its own pack_intent.json and stop.
+shard writers keep intact complete shards). The steps that write files (FinishPlan, WriteShards,
+WriteManifest) may be run again, as Beam allows (a retried bundle; a recomputed PCollection,
+even after the shards were written): each run writes the same bytes, and FinishPlan prepares
+the directory only once (`beam_steps.finish_plan`).
+
+Refused runners: Beam's Dask runner (`apache_beam.runners.dask`, checked on apache-beam 2.77
+against a `dask.distributed` cluster) breaks the Beam model: a PCollection read both as a main
+input and, through later steps, as a side input reaches the side input twice (each DoFn keeps
+its outputs in one list, shipped inside the task graph and never emptied per bundle, and the side
+input is recomputed from that graph after the main input filled the list); tagged outputs reach
+every consumer of the step; only the pipeline's last leaf is run. `pipeline_options` refuses it.
 """
 
 from __future__ import annotations
@@ -70,6 +79,14 @@ from seqpack.pipelines.offline.outdir import ERROR, OutputDir
 from seqpack.pipelines.offline.shards import WriteOptions
 
 _MAX_DEFAULT_WORKERS = 8
+# Runners this job refuses (the `runner` option's last dotted part, lower case), and why; see the
+# module docstring (tests/test_beam_dask.py reproduces the Dask runner's faults with plain Beam).
+_REFUSED_RUNNERS = dict.fromkeys(
+    ("daskrunner", "dask"),
+    "Beam's Dask runner cannot run this job: it gives a side input each element twice when the "
+    "same PCollection also feeds a main input, sends a step's tagged outputs to all its "
+    "consumers and runs only the pipeline's last step, so the job would fail or write wrong "
+    "shards; use the DirectRunner, or Dataflow, Flink or Spark")
 
 
 def _import_beam() -> types.ModuleType:
@@ -97,7 +114,8 @@ def pipeline_options(beam_options: Sequence[str] = (), workers: int | None = Non
 
     With no `runner`, or the DirectRunner: multi-processing mode, `direct_num_workers` =
     `workers` (the job's; None: the CPU count, at most 8); harness logs from WARNING up. Any of
-    these can be overridden.
+    these can be overridden. A refused runner (`_REFUSED_RUNNERS`: Beam's Dask runner) is a
+    UsageError.
     """
     given: dict[str, str | None] = {}
     for item in beam_options:
@@ -108,6 +126,9 @@ def pipeline_options(beam_options: Sequence[str] = (), workers: int | None = Non
                              "direct_num_workers=4 or runner=DataflowRunner")
         given[key] = value if eq else None
     runner = given.get("runner") or "DirectRunner"
+    refused = _REFUSED_RUNNERS.get(runner.rsplit(".", 1)[-1].lower())
+    if refused:
+        raise UsageError(f"--beam-option runner={runner}: {refused}")
     defaults = {"default_sdk_harness_log_level": "WARNING"}
     if runner in ("DirectRunner", "direct"):
         defaults["direct_running_mode"] = "multi_processing"

@@ -46,7 +46,7 @@ from seqpack.packer.stats import row_histograms, stats_from_histograms
 from seqpack.pipelines.errors import InputError, one_line
 from seqpack.pipelines.formats import inputs
 from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus
-from seqpack.pipelines.formats.manifest import Manifest
+from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, Manifest
 from seqpack.pipelines.formats.text import load_tokenizer
 from seqpack.pipelines.offline.job import PackJob
 from seqpack.pipelines.offline.outdir import (
@@ -248,7 +248,16 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
     num_rows = sum(b.num_rows for b in blocks)
     intent = run_intent(config, inputs_record(infos, dtype, job.read_options),
                         job.write_options, num_rows, block_size)
-    if prepare_dir(job.output, intent, overwrite=job.overwrite, resume=job.resume) is not None:
+    # The directory is prepared once. A runner may run this step again: Beam retries a bundle
+    # whose outputs were lost, and may recompute any PCollection (a side input for each step
+    # reading it, even after the shards were written). prepare_dir is not idempotent: again
+    # without `resume` it refuses the directory, again with `overwrite` it deletes the shards
+    # written since. So when the output already records this very run (this job's earlier
+    # attempt, or an identical run being overwritten), the step goes on as a resume of it:
+    # nothing is deleted, and the shard writers rewrite every shard (the bytes of a fresh run).
+    again = not job.resume and _records_run(job.output, intent)
+    if prepare_dir(job.output, intent, overwrite=job.overwrite and not again,
+                   resume=job.resume or again) is not None:
         return None
     counters = sum((b.counters for b in blocks), Counters())
     used = np.sum([b.used_hist for b in blocks if b.used_hist.size], axis=0)
@@ -259,6 +268,21 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
     base = np.concatenate(([0], np.cumsum([b.num_rows for b in blocks])))[:-1]
     return JobSummary(intent, manifest_results(stats, hist), row_dtype(dtype, config.pad_id).str,
                       job.write_options.shard_rows, [int(r) for r in base])
+
+
+def _records_run(output_dir: str, intent: Manifest) -> bool:
+    """Whether the output's pack_intent.json, or its complete manifest.json, is of `intent`."""
+    out = OutputDir(output_dir)
+    try:
+        for name in (INTENT, MANIFEST):
+            if out.exists(name) and Manifest.from_json(
+                    out.read_json(name), out.path(name)).intent().to_json() == intent.to_json():
+                return True
+    except (OSError, ValueError):  # unreadable: not this run (prepare_dir reports it)
+        pass
+    finally:
+        out.close()
+    return False
 
 
 def split_block(bp: BlockPlan, summary: JobSummary | None, files: Sequence[FileSummary]

@@ -49,10 +49,11 @@ def _executable(name: str) -> str:
     return found
 
 
-def _start(args: list[str], ready_url: str, log_path: str) -> subprocess.Popen:
+def _start(args: list[str], ready_url: str, log_path: str, *,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
     """Starts a server and waits until `ready_url` answers (any HTTP status)."""
     log = open(log_path, "wb")  # closed by _stop
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     proc.log = log  # type: ignore[attr-defined]
     deadline = time.monotonic() + _STARTUP_S
     while True:
