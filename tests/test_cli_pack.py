@@ -239,7 +239,7 @@ def test_interrupted_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     fail_at[0] = 0
     invoke("pack", src, "-o", out, *args, "--resume")
     names = json.loads((out / "manifest.json").read_text())["shards"]
-    assert opened == [n + ".tmp" for n in names[3:]]  # the 3 complete shards were kept
+    assert [o.rsplit(".", 2)[0] for o in opened] == names[3:]  # the 3 complete shards were kept
     assert dir_bytes(out) == dir_bytes(tmp_path / "clean")
 
 

@@ -4,7 +4,7 @@ Both runners write every shard through `write_shard` (the local runner from its 
 job from the parts its inputs send): the rows of one shard are assembled by `packer.build_rows`,
 encoded as SQP1 records (`formats.records`; every row of a run has the same layout, so
 `RowEncoder` computes the record header once and joins each row's arrays around it) and written
-to ``name.tmp`` in the output's staging directory, then published under `name` (a rename, or an
+to ``name.<attempt>.tmp`` in the output's staging directory, then published under `name` (a rename, or an
 upload) and followed by the shard's completion record ``name.done`` (rows, size, sha256: what
 ``--resume`` trusts).
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import secrets
 import sys
 from collections.abc import Iterator, Sequence
 
@@ -125,13 +126,15 @@ def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndar
     """Assembles the rows of plan `p` (one shard's rows, numbered from 0) and writes them.
 
     `pieces[i]` holds the tokens of the plan's i-th piece (or `values` the rows' tokens already
-    in place, see `packer.build_rows`). Writes ``name.tmp`` in the output's staging directory,
-    published as `name` when complete (a rename, or an upload), then the shard's completion
-    record (`name` + ".done": rows, size, sha256); returns (size, sha256). RunFailed naming the
-    file when the system refuses the write.
+    in place, see `packer.build_rows`). Writes ``name.<attempt>.tmp`` in the output's staging
+    directory, published as `name` when complete (a rename, or an upload), then the shard's
+    completion record (`name` + ".done": rows, size, sha256); returns (size, sha256). RunFailed
+    naming the file when the system refuses the write.
     """
     out = as_output_dir(output_dir)
-    tmp = os.path.join(out.staging(), name) + ".tmp"
+    # A name of its own per attempt: a runner may run two attempts of one shard at once
+    # (Dataflow's backup tasks); each publishes a complete file under `name`, the same bytes.
+    tmp = os.path.join(out.staging(), f"{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     batch = build_rows(pieces, p, config, dtype=dtype, derived=options.store_derived,
                        values=values)
     try:
