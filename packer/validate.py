@@ -24,7 +24,16 @@ def validate(batch: dict, config: PackConfig) -> None:
     segment ids, positions and padding tokens agree with lengths / offsets.
     """
     k = config.keys().roles()
-    L, S, a = config.seq_len, config.max_segments, config.segment_alignment
+    arrs = _arrays(batch, k, config)
+    lengths = arrs["segment_lengths"].astype(np.int64)
+    offsets = arrs["segment_offsets"].astype(np.int64)
+    _check_slots(lengths, offsets, arrs["source_index"], arrs["source_start"], config)
+    _check_derived(arrs, k, lengths, offsets, config)
+
+
+def _arrays(batch: dict, k: dict[str, str], config: PackConfig) -> dict[str, np.ndarray]:
+    """role -> `[R, ...]` array, after checking keys, shapes and dtypes."""
+    L, S = config.seq_len, config.max_segments
     missing = [name for name in k.values() if name not in batch]
     if missing:
         _fail(f"missing keys {missing}; has {sorted(batch)}")
@@ -47,10 +56,13 @@ def validate(batch: dict, config: PackConfig) -> None:
             _fail(f"{k[role]} has dtype {arrs[role].dtype}, expected int64")
     if not np.issubdtype(arrs["values"].dtype, np.integer):
         _fail(f"{k['values']} has dtype {arrs['values'].dtype}, expected integer token ids")
+    return arrs
 
-    lengths = arrs["segment_lengths"].astype(np.int64)
-    offsets = arrs["segment_offsets"].astype(np.int64)
-    src, src_start = arrs["source_index"], arrs["source_start"]
+
+def _check_slots(lengths: np.ndarray, offsets: np.ndarray, src: np.ndarray,
+                 src_start: np.ndarray, config: PackConfig) -> None:
+    """Slot order, offsets (range, overlap, alignment, unused slots) and sources; all [R, S]."""
+    L, S, a = config.seq_len, config.max_segments, config.segment_alignment
     where = lambda rc: f"row {rc[0]} slot {rc[1]}"  # noqa: E731
 
     if (lengths < 0).any():
@@ -89,7 +101,13 @@ def validate(batch: dict, config: PackConfig) -> None:
         rc = _first(bad)
         _fail(f"{where(rc)}: segment_source_start {src_start[rc]} (>= 0, unused 0)")
 
-    # Expected segment ids and positions, rebuilt from lengths / offsets.
+
+def _check_derived(arrs: dict[str, np.ndarray], k: dict[str, str], lengths: np.ndarray,
+                   offsets: np.ndarray, config: PackConfig) -> None:
+    """Segment ids, positions and padding tokens against what lengths / offsets give."""
+    R, L = arrs["values"].shape
+    used = lengths > 0
+    ends = offsets + lengths
     seg_of = np.zeros((R, L + 1), np.int64)
     rows, slots = np.nonzero(used)
     np.add.at(seg_of, (rows, offsets[rows, slots]), slots + 1)
