@@ -48,20 +48,13 @@ from seqpack.pipelines.formats import inputs
 from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus
 from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, Manifest
 from seqpack.pipelines.formats.text import load_tokenizer
+from seqpack.pipelines.offline import record
 from seqpack.pipelines.offline.job import PackJob
 from seqpack.pipelines.offline.outdir import (
     OutputDir,
     commit_manifest,
     prepare_dir,
     shard_done,
-)
-from seqpack.pipelines.offline.record import (
-    check_overlength,
-    first_overlength,
-    inputs_record,
-    length_histogram,
-    manifest_results,
-    run_intent,
 )
 from seqpack.pipelines.offline.shards import WriteOptions, row_dtype, write_shard
 
@@ -170,7 +163,7 @@ def scan_file(index: int, path: str, options: ReadOptions) -> FileScan:
 def summarize_file(scan: FileScan, config: PackConfig) -> FileSummary:
     return FileSummary(scan.index, scan.path, scan.info, int(scan.lengths.size), scan.dtype,
                        int(scan.lengths.max(initial=0)), scan.error,
-                       first_overlength(scan.lengths, config))
+                       record.first_overlength(scan.lengths, config))
 
 
 def _firsts(files: Sequence[FileSummary]) -> np.ndarray:
@@ -208,7 +201,7 @@ def plan_block_slices(block: int, slices: Iterable[BlockSlice], files: Sequence[
     assert slices[0].first == first and lengths.size == min(block_size, total - first), block
     L, S = config.seq_len, config.max_segments
     top = max((f.max_length for f in files), default=0)
-    counts = np.array(length_histogram(lengths, top)["counts"], np.int64)
+    counts = np.array(record.length_histogram(lengths, top)["counts"], np.int64)
     try:
         example, start, length, row, num_rows, counters = plan_block(lengths, config, first)
     except InputError as e:
@@ -233,7 +226,7 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
     for f in files:
         if f.error is not None:
             raise InputError(f.error)
-    check_overlength([f.path for f in files], [f.overlength for f in files], config)
+    record.check_overlength([f.path for f in files], [f.overlength for f in files], config)
     blocks = sorted(blocks, key=lambda b: b.block)
     total = int(_firsts(files)[-1])
     assert [b.block for b in blocks] == list(range(-(-total // block_size))), "a block is missing"
@@ -246,8 +239,8 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
         raise InputError(f"the inputs hold no tokens ({total} examples); nothing to pack")
     dtype = inputs.corpus_dtype([np.dtype(f.dtype) for f in files])
     num_rows = sum(b.num_rows for b in blocks)
-    intent = run_intent(config, inputs_record(infos, dtype, job.read_options),
-                        job.write_options, num_rows, block_size)
+    intent = record.run_intent(config, record.inputs_record(infos, dtype, job.read_options),
+                               job.write_options, num_rows, block_size)
     # The directory is prepared once. A runner may run this step again: Beam retries a bundle
     # whose outputs were lost, and may recompute any PCollection (a side input for each step
     # reading it, even after the shards were written). prepare_dir is not idempotent: again
@@ -263,11 +256,12 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
     used = np.sum([b.used_hist for b in blocks if b.used_hist.size], axis=0)
     nseg = np.sum([b.nseg_hist for b in blocks if b.nseg_hist.size], axis=0)
     stats = stats_from_histograms(used, nseg, config.seq_len, counters)
-    hist = length_histogram(np.zeros(0, np.int64), max(f.max_length for f in files))
+    hist = record.length_histogram(np.zeros(0, np.int64), max(f.max_length for f in files))
     hist["counts"] = [int(c) for c in np.sum([b.length_counts for b in blocks], axis=0)]
     base = np.concatenate(([0], np.cumsum([b.num_rows for b in blocks])))[:-1]
-    return JobSummary(intent, manifest_results(stats, hist), row_dtype(dtype, config.pad_id).str,
-                      job.write_options.shard_rows, [int(r) for r in base])
+    return JobSummary(intent, record.manifest_results(stats, hist),
+                      row_dtype(dtype, config.pad_id).str, job.write_options.shard_rows,
+                      [int(r) for r in base])
 
 
 def _records_run(output_dir: str, intent: Manifest) -> bool:

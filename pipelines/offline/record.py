@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from seqpack.packer import PackConfig
-from seqpack.packer.config import Overflow
+from seqpack.packer.config import Overflow, Strategy
 from seqpack.packer.stats import PackingStats
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.inputs import (
@@ -83,7 +83,7 @@ def manifest_results(stats: PackingStats, length_hist: dict) -> dict:
 def first_overlength(lengths: np.ndarray, config: PackConfig) -> tuple[int, int, int] | None:
     """(index, length) of one input's first example longer than seq_len, and how many are, when
     the overflow policy refuses them; None otherwise."""
-    if config.overflow is not Overflow.ERROR or config.strategy.value == "concat_split":
+    if config.overflow is not Overflow.ERROR or Strategy(config.strategy) is Strategy.CONCAT_SPLIT:
         return None
     over = np.flatnonzero(lengths > config.seq_len)
     return (int(over[0]), int(lengths[over[0]]), int(over.size)) if over.size else None

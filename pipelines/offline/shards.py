@@ -4,9 +4,9 @@ Both runners write every shard through `write_shard` (the local runner from its 
 job from the parts its inputs send): the rows of one shard are assembled by `packer.build_rows`,
 encoded as SQP1 records (`formats.records`; every row of a run has the same layout, so
 `RowEncoder` computes the record header once and joins each row's arrays around it) and written
-to ``name.<attempt>.tmp`` in the output's staging directory, then published under `name` (a rename, or an
-upload) and followed by the shard's completion record ``name.done`` (rows, size, sha256: what
-``--resume`` trusts).
+to ``name.<attempt>.tmp`` in the output's staging directory, then published under `name` (a
+rename, or an upload) and followed by the shard's completion record ``name.done`` (rows, size,
+sha256: what ``--resume`` trusts).
 
 A shard that cannot be written (disk full, out of inodes, no permission) raises `RunFailed`
 naming the file; its ``.tmp`` is removed, so what is left is a state ``--resume`` finishes.
