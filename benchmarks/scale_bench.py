@@ -11,7 +11,8 @@ synthetic lognormal corpus of the same size without it), written once as k Parqu
              (`pq.read_table`), then the same number of bytes as the run's output is written to
              a file beside it: what any packer must at least read and write
 
-and the packed output's rows against the lower bound. Then the planner alone
+then `seqpack verify OUT --workers N` on the output (wall time against pack's, peak RSS), and
+the packed output's rows against the lower bound. Then the planner alone
 (`packer.plan_rows`, the one `seqpack pack` uses) on synthetic lengths, in a subprocess: peak RSS
 and time, with the lengths held as int32.
 
@@ -187,7 +188,10 @@ def main() -> None:
                    "--workers", str(w), "--json"]
             seconds, peak, _ = run_measured(cmd)
             manifest = json.loads((out / "manifest.json").read_text())
-            results[w] = (seconds, peak, manifest, dir_bytes(out), dir_digest(out))
+            check, check_peak, _ = run_measured([sys.executable, "-m", "seqpack.cli", "verify",
+                                                 str(out), "--workers", str(w)])
+            results[w] = (seconds, peak, manifest, dir_bytes(out), dir_digest(out), check,
+                          check_peak)
             shutil.rmtree(out)
         first = results[args.workers[0]]
         floor = io_floor(paths[:k], first[3], work)
@@ -195,9 +199,10 @@ def main() -> None:
         s = first[2]["stats"]
         tokens = first[2]["inputs"]["num_tokens"]
         examples = first[2]["inputs"]["num_examples"]
-        for w, (seconds, peak, *_) in results.items():
+        for w, (seconds, peak, _, _, _, check, check_peak) in results.items():
             rows_out.append([
                 f"{k}x", f"{tokens / 1e6:,.0f}M", f"{examples:,}", w, f"{seconds:.1f}",
+                f"{check:.1f}", f"{check / seconds:.2f}x", f"{check_peak / 2**20:,.0f}",
                 f"{tokens / seconds / 1e6:.1f}M", f"{peak / 2**20:,.0f}",
                 f"{seconds / floor:.2f}x", f"{results[args.workers[0]][0] / seconds:.2f}x",
                 f"{s['num_rows']:,}", f"{s['lower_bound_rows']:,}",
@@ -206,7 +211,8 @@ def main() -> None:
         print(f"k={k}: inputs {in_bytes / 2**20:,.0f} MiB, output {first[3] / 2**20:,.0f} MiB, "
               f"I/O floor {floor:.1f} s", flush=True)
     print_table("seqpack pack (L=2048, best_fit_decreasing, split) on k x chat_dev as Parquet",
-                ["corpus", "tokens", "examples", "workers", "wall s", "tokens/s",
+                ["corpus", "tokens", "examples", "workers", "wall s", "verify s",
+                 "verify / pack", "verify peak MiB", "tokens/s",
                  "peak RSS MiB", "wall / I/O floor", f"speed-up vs {args.workers[0]}",
                  "rows", "lower bound", "over bound", "same bytes"], rows_out)
     if args.plan_examples:

@@ -16,19 +16,27 @@ def _first(mask: np.ndarray) -> tuple[int, ...]:
     return tuple(int(i) for i in np.argwhere(mask)[0])
 
 
-def validate(batch: dict, config: PackConfig) -> None:
+def validate(batch: dict, config: PackConfig, *, derived: bool = True, padding: bool = True
+             ) -> None:
     """Raises ValueError for the first contract violation in `batch` (a `[R, ...]` dict or a row).
 
     Checked: keys, shapes and dtypes; lengths >= 0 with used slots first; offsets non-decreasing,
     aligned, in range and not overlapping; unused slots hold the row's used length and source -1;
-    segment ids, positions and padding tokens agree with lengths / offsets.
+    segment ids, positions and padding tokens agree with lengths / offsets. `derived=False`:
+    the batch need not hold the segment ids and positions (rows as stored, before
+    `contract.restore_derived` rebuilds them from these very lengths and offsets).
+    `padding=False`: the padding tokens are left to the caller (`seqpack verify` compares every
+    position of the rows with what the writer should have written).
     """
     k = config.keys().roles()
+    if not derived:
+        k = {role: name for role, name in k.items() if role not in ("segment_ids", "positions")}
     arrs = _arrays(batch, k, config)
     lengths = arrs["segment_lengths"].astype(np.int64)
     offsets = arrs["segment_offsets"].astype(np.int64)
     _check_slots(lengths, offsets, arrs["source_index"], arrs["source_start"], config)
-    _check_derived(arrs, k, lengths, offsets, config)
+    if padding or "segment_ids" in arrs or "positions" in arrs:
+        _check_derived(arrs, k, lengths, offsets, config, padding)
 
 
 def _arrays(batch: dict, k: dict[str, str], config: PackConfig) -> dict[str, np.ndarray]:
@@ -43,13 +51,13 @@ def _arrays(batch: dict, k: dict[str, str], config: PackConfig) -> dict[str, np.
         arrs = {role: x[None] for role, x in arrs.items()}
     R = arrs["values"].shape[0]
     for role in ("values", "segment_ids", "positions"):
-        if arrs[role].shape != (R, L):
+        if role in arrs and arrs[role].shape != (R, L):
             _fail(f"{k[role]} has shape {arrs[role].shape}, expected {(R, L)}")
     for role in ("segment_lengths", "segment_offsets", "source_index", "source_start"):
         if arrs[role].shape != (R, S):
             _fail(f"{k[role]} has shape {arrs[role].shape}, expected {(R, S)}")
     for role in ("segment_ids", "positions", "segment_lengths", "segment_offsets"):
-        if arrs[role].dtype != SEGMENT_DTYPE:
+        if role in arrs and arrs[role].dtype != SEGMENT_DTYPE:
             _fail(f"{k[role]} has dtype {arrs[role].dtype}, expected int32")
     for role in ("source_index", "source_start"):
         if arrs[role].dtype != SOURCE_DTYPE:
@@ -103,29 +111,37 @@ def _check_slots(lengths: np.ndarray, offsets: np.ndarray, src: np.ndarray,
 
 
 def _check_derived(arrs: dict[str, np.ndarray], k: dict[str, str], lengths: np.ndarray,
-                   offsets: np.ndarray, config: PackConfig) -> None:
-    """Segment ids, positions and padding tokens against what lengths / offsets give."""
+                   offsets: np.ndarray, config: PackConfig, padding: bool) -> None:
+    """Segment ids and positions (when the batch holds them) and padding tokens against what
+    lengths / offsets give."""
     R, L = arrs["values"].shape
-    used = lengths > 0
-    ends = offsets + lengths
-    seg_of = np.zeros((R, L + 1), np.int64)
-    rows, slots = np.nonzero(used)
-    np.add.at(seg_of, (rows, offsets[rows, slots]), slots + 1)
-    np.add.at(seg_of, (rows, ends[rows, slots]), -(slots + 1))
-    want_ids = np.cumsum(seg_of, axis=1)[:, :L]
-    start_of = np.zeros((R, L + 1), np.int64)
-    np.add.at(start_of, (rows, offsets[rows, slots]), offsets[rows, slots] + 1)
-    np.add.at(start_of, (rows, ends[rows, slots]), -(offsets[rows, slots] + 1))
-    seg_start = np.cumsum(start_of, axis=1)[:, :L] - 1
-    want_pos = np.where(want_ids > 0, np.arange(L)[None, :] - seg_start, 0)
-    for role, want in (("segment_ids", want_ids), ("positions", want_pos)):
+    rows, slots = np.nonzero(lengths > 0)
+    starts, ends = offsets[rows, slots], offsets[rows, slots] + lengths[rows, slots]
+    want_ids = _runs(rows, starts, ends, slots + 1, R, L)
+    checks = [("segment_ids", want_ids)] if "segment_ids" in arrs else []
+    if "positions" in arrs:
+        seg_start = _runs(rows, starts, ends, starts + 1, R, L) - 1
+        checks.append(("positions", np.where(want_ids > 0, np.arange(L)[None, :] - seg_start, 0)))
+    for role, want in checks:
         bad = arrs[role] != want
         if bad.any():
             r, p = _first(bad)
             _fail(f"row {r} position {p}: {k[role]} is {arrs[role][r, p]}, expected {want[r, p]} "
                   "from the segment lengths / offsets")
-    bad = (want_ids == 0) & (arrs["values"] != config.pad_id)
-    if bad.any():
+    bad = (want_ids == 0) & (arrs["values"] != config.pad_id) if padding else None
+    if bad is not None and bad.any():
         r, p = _first(bad)
         _fail(f"row {r} position {p}: padding holds token {arrs['values'][r, p]}, expected "
               f"pad_id {config.pad_id}")
+
+
+def _runs(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, value: np.ndarray, R: int,
+          L: int) -> np.ndarray:
+    """i64[R, L]: `value[i]` on [starts[i], ends[i]) of row rows[i] (non-empty runs that do not
+    overlap), 0 elsewhere: +value at each start, -value at each end, summed along the row (the
+    starts are distinct, and so are the ends)."""
+    width = L + 1
+    delta = np.zeros(R * width, np.int64)
+    delta[rows * width + starts] = value
+    delta[rows * width + ends] -= value
+    return np.cumsum(delta.reshape(R, width), axis=1)[:, :L]

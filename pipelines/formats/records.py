@@ -40,7 +40,7 @@ caller adds the file name and record index).
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -143,3 +143,39 @@ def decode_row(buf: bytes | bytearray | memoryview, *, restore: bool = True
     if pos != total:
         raise ValueError(f"record has {total - pos} trailing bytes after {count} arrays")
     return restore_derived(out) if restore else out
+
+
+def decode_batch(raws: Sequence[bytes]) -> dict[str, np.ndarray]:
+    """Records of one layout (the same names, dtypes and shapes: every row of a packed run)
+    stacked into name -> `[R, ...]` arrays in one pass, without restoring derived keys.
+
+    The first record is decoded in full (`decode_row`); every other must have its size and all
+    its header bytes (everything outside the arrays' data), so each array is a column of one
+    `[R, record size]` byte matrix. Records of other layouts are decoded one by one. ValueError
+    as `decode_row` for a corrupt record (the caller names the file and record).
+    """
+    if not raws:
+        return {}
+    first = decode_row(raws[0], restore=False)
+    size = len(raws[0])
+    if any(len(r) != size for r in raws):
+        return _stack([decode_row(r, restore=False) for r in raws])
+    matrix = np.frombuffer(b"".join(raws), np.uint8).reshape(len(raws), size)
+    base = np.frombuffer(raws[0], np.uint8).ctypes.data
+    header = np.ones(size, bool)
+    spans = {}
+    for name, view in first.items():
+        start = view.ctypes.data - base if view.nbytes else 0
+        header[start : start + view.nbytes] = False
+        spans[name] = (start, view)
+    if not (matrix[:, header] == matrix[0, header]).all():
+        return _stack([decode_row(r, restore=False) for r in raws])
+    return {name: matrix[:, start : start + view.nbytes].copy().view(view.dtype).reshape(
+        (len(raws), *view.shape)) for name, (start, view) in spans.items()}
+
+
+def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    keys = list(rows[0])
+    if any(list(r) != keys for r in rows):
+        raise ValueError(f"records hold different arrays ({keys} and others)")
+    return {k: np.stack([r[k] for r in rows]) for k in keys}

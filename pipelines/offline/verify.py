@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from seqpack.packer import Counters, PackConfig, validate
-from seqpack.packer.contract import ragged_arange, restore_derived
+from seqpack.packer.contract import restore_derived
 from seqpack.packer.stats import length_histograms, stats_from_histograms
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
@@ -42,6 +42,7 @@ from seqpack.pipelines.formats.arrayrecord import (
 )
 from seqpack.pipelines.formats.inputs import ReadOptions, combined_lengths_sha256, fingerprint
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
+from seqpack.pipelines.formats.records import decode_batch
 from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.read import read_inputs
 from seqpack.pipelines.offline.spill import Run, SpillReader
@@ -66,12 +67,15 @@ def load_manifest(output_dir: str) -> tuple[Manifest, PackConfig]:
     return manifest, manifest.pack_config()
 
 
-def read_shard(output_dir: str, name: str, num_rows: int | None = None) -> dict[str, np.ndarray]:
+def read_shard(output_dir: str, name: str, num_rows: int | None = None, *,
+               restore: bool = True) -> dict[str, np.ndarray]:
     """All rows of one shard stacked into `[R, ...]` arrays; InputError if it is corrupt.
-    A shard on object storage is read from a temporary local copy."""
+    `restore=False`: the arrays as stored (no segment ids / positions rebuilt). A shard on
+    object storage is read from a temporary local copy."""
     url = storage.join(output_dir, name)
     with storage.local_copy(url) as local, storage.named(local, url):
-        return _read_local_shard(local, num_rows)
+        batch = _read_local_shard(local, num_rows)
+    return restore_derived(batch) if restore and batch else batch
 
 
 def _read_local_shard(path: str, num_rows: int | None) -> dict[str, np.ndarray]:
@@ -85,17 +89,14 @@ def _read_local_shard(path: str, num_rows: int | None) -> dict[str, np.ndarray]:
             raws = reader.read_all()
         except RuntimeError as e:
             raise InputError(f"{path}: corrupt shard ({first_line(e)})") from None
-        rows = [decode(raw, path, j, restore=False) for j, raw in enumerate(raws)]
     finally:
         close_quietly(reader)
-    if not rows:
-        return {}
-    keys = list(rows[0])
     try:
-        batch = {k: np.stack([r[k] for r in rows]) for k in keys}
-    except (KeyError, ValueError) as e:
-        raise InputError(f"{path}: rows have different keys or shapes ({e})") from None
-    return restore_derived(batch)  # once for the shard, not per row
+        return decode_batch(raws)  # every row of a run has one layout: one pass, no per-row work
+    except ValueError:
+        for j, raw in enumerate(raws):  # the record that does not decode, by name
+            decode(raw, path, j, restore=False)
+        raise InputError(f"{path}: rows have different keys or shapes") from None
 
 
 def read_row(output_dir: str, index: int) -> tuple[dict[str, np.ndarray], Manifest, str, int]:
@@ -134,15 +135,17 @@ class _Collector:
 
 
 def _check_tokens(batch, config, spill: SpillReader, offsets, shard, out: _Collector):
-    """Segment tokens == source tokens (read from the spill; `offsets`: i64[n + 1] of the
-    examples); returns (example, start, length) of the used slots and the tokens checked."""
+    """Every position of the rows: segment tokens == source tokens (read from the spill;
+    `offsets`: i64[n + 1] of the examples), padding == pad_id. The rows the writer should have
+    written are rebuilt from the segment metadata and compared whole. Returns (example, start,
+    length) of the used slots and the tokens checked."""
     k = config.keys()
     seg_len = batch[k.segment_lengths].astype(np.int64)
-    used = seg_len > 0
-    rows, slots = np.nonzero(used)
+    rows, slots = np.nonzero(seg_len > 0)
     ex = batch[k.source_index][rows, slots]
     st = batch[k.source_start][rows, slots]
     ln = seg_len[rows, slots]
+    at = batch[k.segment_offsets][rows, slots].astype(np.int64)
     n = offsets.shape[0] - 1
     bad = (ex < 0) | (ex >= n)
     good = ~bad
@@ -152,22 +155,25 @@ def _check_tokens(batch, config, spill: SpillReader, offsets, shard, out: _Colle
         out.add(f"{shard} row {rows[i]} slot {slots[i]}: source example {ex[i]} [{st[i]}, "
                 f"{st[i] + ln[i]}) is not inside the {n} input examples")
         keep = ~bad
-        rows, slots, ex, st, ln = rows[keep], slots[keep], ex[keep], st[keep], ln[keep]
+        rows, slots, ex, st, ln, at = (x[keep] for x in (rows, slots, ex, st, ln, at))
     L = config.seq_len
-    dst = ragged_arange(rows * L + batch[k.segment_offsets][rows, slots], ln)
-    got = batch[k.values].reshape(-1)[dst]
-    want = np.empty(got.size, got.dtype if got.dtype.kind in "iu" else np.int64)
-    spill.read_into(want, np.cumsum(ln) - ln, offsets[ex] + st, ln)
-    diff = np.flatnonzero(got != want)
+    got = batch[k.values].reshape(-1)
+    wide = np.uint64 if got.dtype == np.uint64 else np.int64  # no id wraps into the rows' dtype
+    want = np.full(got.size, config.pad_id, wide)
+    spill.read_into(want, rows * L + at, offsets[ex] + st, ln)
+    diff = np.flatnonzero(got.astype(wide, copy=False) != want)
     if diff.size:
-        d = int(diff[0])
-        seg = int(np.searchsorted(np.cumsum(ln), d, side="right"))
-        r, s = int(rows[seg]), int(slots[seg])
-        pos = int(dst[d] - r * L)
-        within = int(st[seg] + d - (np.cumsum(ln)[seg] - ln[seg]))
-        out.add(f"{shard} row {r} slot {s} position {pos}: token {got[d]} != {want[d]}, "
-                f"token {within} of example {ex[seg]} ({diff.size} tokens differ in this "
-                "shard)")
+        r, pos = divmod(int(diff[0]), L)
+        mine = np.flatnonzero((rows == r) & (at <= pos) & (pos < at + ln))
+        if mine.size:
+            i = int(mine[0])
+            out.add(f"{shard} row {r} slot {slots[i]} position {pos}: token {got[diff[0]]} != "
+                    f"{want[diff[0]]}, token {st[i] + pos - at[i]} of example {ex[i]} "
+                    f"({diff.size} positions differ in this shard)")
+        else:
+            out.add(f"{shard} row {r} position {pos}: padding holds token {got[diff[0]]}, "
+                    f"expected pad_id {config.pad_id} ({diff.size} positions differ in this "
+                    "shard)")
     return ex, st, ln, int(ln.sum())
 
 
@@ -254,7 +260,7 @@ def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int,
                 f"{digest[1][:12]}...): the shard was damaged or replaced after the run "
                 "(`seqpack pack ... --resume` rewrites it)")
     try:
-        batch = read_shard(context.output_dir, name, num_rows)
+        batch = read_shard(context.output_dir, name, num_rows, restore=False)
     except InputError as e:
         if not damaged:  # a shard the manifest vouches for must decode
             raise
@@ -262,8 +268,10 @@ def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int,
         return _ShardCheck(out.items, None, None, None)
     if not batch:
         return _ShardCheck(out.items, None, None, None)
+    # Segment ids / positions only where stored (else they are made from what is checked);
+    # padding with the tokens, position by position (`_check_tokens`).
     try:
-        validate(batch, config)
+        validate(batch, config, derived=config.keys().segment_ids in batch, padding=False)
     except ValueError as e:
         out.add(f"{name}: {e}")
     try:  # still compare tokens and count pieces where the segment metadata allows it
