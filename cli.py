@@ -170,13 +170,14 @@ def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id
 
 
 def _expand(paths: tuple[str, ...]) -> list[str]:
-    """INPUT arguments with their URL globs expanded (`gs://b/data/*.parquet`: sorted object
-    URLs; quote them, the shell expands only local paths). fsspec is imported only for URLs."""
-    if not any("://" in p for p in paths):
-        return list(paths)
-    from seqpack.pipelines.storage import expand
+    """INPUT arguments as input files (`formats.paths.expand_inputs`: directories, quoted local
+    and URL globs, sorted; a file given twice is refused); one seqpack output directory stays
+    as it is (stats). fsspec is imported only for URLs."""
+    from seqpack.pipelines.formats.paths import expand_inputs, is_output_dir
 
-    return expand(paths)
+    if len(paths) == 1 and is_output_dir(paths[0]):
+        return list(paths)
+    return expand_inputs(paths)
 
 
 def _packed_dir(path: str) -> bool:
