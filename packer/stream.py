@@ -235,6 +235,8 @@ def pack_stream(
     def name_first_bad() -> None:
         # Examples of the run's dtype are checked for negative ids only when their rows are
         # built, so on any failure the first bad example may be one still held: raise for it.
+        if run_dtype is None:  # only empty examples so far
+            return
         for e in sorted(held):
             fit_dtype(held[e], run_dtype, f"example {e}", origin=origin)
 

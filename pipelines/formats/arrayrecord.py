@@ -9,6 +9,7 @@ and the record.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -118,9 +119,13 @@ def _aligned(rows: list[dict[str, np.ndarray]], seqs: list[np.ndarray], column: 
     dtype = np.result_type(*dtypes) if dtypes else np.dtype(np.int32)
     if dtype.kind == "f":  # uint64 with signed arrays: int64 if every value fits it
         dtype = np.dtype(np.int64)
-        cols = [check_range(c, dtype, lambda k, i=i: f"{path} record {first + i}: {name}[{k}]",
+        cols = [check_range(c, dtype, functools.partial(_where, path, first + i, name),
                             token_ids=False) for i, c in enumerate(cols)]
     return ragged(cols, dtype)[0]
+
+
+def _where(path: str, index: int, name: str, k: int) -> str:
+    return f"{path} record {index}: {name}[{k}]"
 
 
 def _example(row: dict[str, np.ndarray], column: str, path: str, index: int, *,

@@ -29,7 +29,7 @@ import gzip
 import os
 import re
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import Any, Protocol
 
 from seqpack.pipelines.errors import InputError, require
 
@@ -48,6 +48,14 @@ _RIEGELI = bytes.fromhex(  # the first 64 bytes of every Riegeli (ArrayRecord) f
     "91bac23c9287e1a90000000000000000e19f13c0e9b1c372"
     "73000000000000000000000000000000")
 _GZIP, _ZSTD = b"\x1f\x8b", b"\x28\xb5\x2f\xfd"
+
+
+class Readable(Protocol):
+    """What `open_stream` yields: a binary stream to read from."""
+
+    def read(self, size: int = -1, /) -> bytes: ...
+
+
 _HINT = "pass --input-format (jsonl, parquet, arrayrecord, text; bytes packs its raw bytes)"
 
 
@@ -118,7 +126,7 @@ def _utf8_prefix(head: bytes) -> bool:
 
 
 @contextlib.contextmanager
-def open_stream(path: str) -> Iterator[IO[bytes]]:
+def open_stream(path: str) -> Iterator[Readable]:
     """A binary stream of a local file's bytes, decompressed when they are gzip or zstd."""
     with open(path, "rb") as raw:
         kind = compression(raw.read(4))
@@ -127,11 +135,11 @@ def open_stream(path: str) -> Iterator[IO[bytes]]:
             yield raw
         elif kind == "gzip":
             with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
-                yield _Checked(stream, path)  # type: ignore[arg-type]
+                yield _Checked(stream, path)
         else:
             pa = require("pyarrow", "reading zstd-compressed inputs")
             with pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd") as stream:
-                yield _Checked(stream, path)  # type: ignore[arg-type]
+                yield _Checked(stream, path)
 
 
 class _Checked:

@@ -333,14 +333,15 @@ def column_dtype(dtypes: Sequence[np.dtype], value_range: tuple[int, int], *, na
 
 
 def extra_corpus_dtypes(scans: Sequence[FileScan]) -> dict[str, np.dtype]:
-    """Each extra column's dtype for inputs read back to back (as `read_corpus` makes them)."""
+    """Each extra column's dtype for inputs read back to back (as `read_corpus` makes them):
+    the promotion of the dtypes of the inputs holding tokens (see `column_dtype`)."""
     names = scans[0].extra_dtypes if scans else {}
+    used = [s for s in scans if s.info["num_tokens"]] or list(scans[:1])
     out = {}
     for n in names:
-        used = [s for s in scans if s.info["num_tokens"]] or list(scans)
         lo = min(s.extra_ranges[n][0] for s in used)
         hi = max(s.extra_ranges[n][1] for s in used)
-        out[n] = column_dtype([s.extra_dtypes[n] for s in scans], (lo, hi), narrow=False,
+        out[n] = column_dtype([s.extra_dtypes[n] for s in used], (lo, hi), narrow=False,
                               name=n)
     return out
 

@@ -28,14 +28,14 @@ import json
 import mmap
 import os
 from collections.abc import Iterator, Sequence
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 
 from seqpack.packer.inputs import check_range
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.chunks import Chunk, check_aligned, numpy_view, ragged
-from seqpack.pipelines.formats.detect import compression, open_stream
+from seqpack.pipelines.formats.detect import Readable, compression, open_stream
 from seqpack.pipelines.formats.text import encode
 
 BLOCK_BYTES = 16 << 20  # whole lines parsed at a time (about 2M short token ids)
@@ -121,8 +121,10 @@ def read_chunks(path: str, field: str, tokenizer: Any = None, *,
             yield chunk
 
 
-def line_blocks(stream: IO[bytes], size: int = BLOCK_BYTES) -> Iterator[tuple[bytes, int]]:
-    """(whole lines, number of the first one) of a stream, about `size` bytes at a time."""
+def line_blocks(stream: Readable, size: int | None = None) -> Iterator[tuple[bytes, int]]:
+    """(whole lines, number of the first one) of a stream, about `size` bytes at a time
+    (default `BLOCK_BYTES`)."""
+    size = size or BLOCK_BYTES
     line, tail = 1, b""
     while True:
         data = stream.read(size)
