@@ -23,41 +23,29 @@ from seqpack.pipelines.formats.inputs import ReadOptions, read_corpus, read_leng
 from seqpack.pipelines.formats.parquet import ParquetTokens
 from tests.helpers import files
 from tests.helpers.files import random_seqs, write_arrayrecord, write_jsonl, write_parquet
+from tests.test_cli_errors import assert_bad_input
 
 SEQS = random_seqs(40, max_len=12, seed=5)
 invoke = functools.partial(files.invoke, ok=False)
-
-
-def assert_one_error_line(result, *needles):
-    assert result.exit_code == 2, (result.output, result.exception)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
-    assert "Traceback" not in result.output
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def _values(corpus):
     return [corpus.values[a:b].tolist() for a, b in zip(corpus.offsets[:-1], corpus.offsets[1:])]
 
 
-BAD_IDS = {  # the third line's token list -> what the error says after "bad.jsonl:3: "
-    "null_inside": ("[1, null, 3]", "tokens[1]=None is not a non-negative integer"),
-    "null_alone": ("[null]", "tokens[0]=None is not a non-negative integer"),
-    "two_pow_63": ("[5, 9223372036854775808]", "tokens[1]=9223372036854775808 is not a valid "
-                                               "token id for int64"),
-    "two_pow_64": ("[18446744073709551616]", "tokens[0]=18446744073709551616 is not a valid"),
-    "negative": ("[0, -1]", "tokens[1]=-1 is not a valid token id"),
-    "float": ("[1.5]", "tokens[0]=1.5 is not a non-negative integer"),
-    "integral_float": ("[2, 1.0]", "tokens[1]=1.0 is not"),
-    "string": ('["7"]', "tokens[0]='7' is not"),
-    "bool": ("[true]", "tokens[0]=True is not"),
-}
-
-
-@pytest.mark.parametrize("case", sorted(BAD_IDS))
-def test_bad_jsonl_ids_are_refused_naming_file_and_line(tmp_path, case):
-    ids, message = BAD_IDS[case]
+@pytest.mark.parametrize("ids, message", [  # the third line's token ids; the error after it
+    ("[1, null, 3]", "tokens[1]=None is not a non-negative integer"),
+    ("[null]", "tokens[0]=None is not a non-negative integer"),
+    ("[5, 9223372036854775808]", "tokens[1]=9223372036854775808 is not a valid token id for "
+                                 "int64"),
+    ("[18446744073709551616]", "tokens[0]=18446744073709551616 is not a valid"),
+    ("[0, -1]", "tokens[1]=-1 is not a valid token id"),
+    ("[1.5]", "tokens[0]=1.5 is not a non-negative integer"),
+    ("[2, 1.0]", "tokens[1]=1.0 is not"),
+    ('["7"]', "tokens[0]='7' is not"),
+    ("[true]", "tokens[0]=True is not"),
+])
+def test_bad_jsonl_ids_are_refused_naming_file_and_line(tmp_path, ids, message):
     path = tmp_path / "bad.jsonl"
     path.write_text(f'{{"tokens": [1]}}\n\n{{"tokens": {ids}}}\n')
     with pytest.raises(InputError, match=re.escape(f"{path}:3: {message}")):
@@ -70,8 +58,8 @@ def test_bad_jsonl_ids_are_refused_naming_file_and_line(tmp_path, case):
 def test_the_cli_refuses_a_null_id_in_one_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"tokens": [1, 2]}\n{"tokens": [null]}\n')
-    assert_one_error_line(invoke("pack", path, "-o", tmp_path / "out", "--workers", "1"),
-                          "bad.jsonl:2: tokens[0]=None")
+    assert_bad_input(invoke("pack", path, "-o", tmp_path / "out", "--workers", "1"),
+                     "bad.jsonl:2: tokens[0]=None")
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 
@@ -91,6 +79,25 @@ def test_parquet_null_ids_name_their_record_in_any_batch(tmp_path):
         list(reader.chunks(batch_rows=2))
     with pytest.raises(InputError, match=f"{path} record 5: a token id is null"):
         reader.read_group(0)
+
+
+@pytest.mark.parametrize("array, message", [
+    (np.array([1.0, 2.0]), "'tokens' is float64[2], not a 1-D integer array of token ids"),
+    (np.array([True]), "'tokens' is bool[1], not a 1-D integer array"),
+    (np.array([3, -1], np.int16), "tokens[1]=-1 is a negative token id"),
+])
+def test_arrayrecord_ids_that_are_not_token_ids_name_the_record(tmp_path, array, message):
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    from seqpack.pipelines.formats.records import encode_row
+
+    path = tmp_path / "x.arrayrecord"
+    w = ArrayRecordWriter(str(path), "group_size:1")
+    for row in ({"tokens": np.array([1, 2], np.int32)}, {"tokens": array}):
+        w.write(encode_row(row))
+    w.close()
+    with pytest.raises(InputError, match=re.escape(f"{path} record 1: {message}")):
+        read_corpus([str(path)], ReadOptions())
 
 
 def _formats(tmp_path):
@@ -174,7 +181,7 @@ def test_unrecognized_content_is_refused_not_packed_as_bytes(tmp_path):
     with pytest.raises(InputError, match=f"{path}: cannot tell the input format .*"
                                          "--input-format"):
         read_corpus([str(path)], ReadOptions())
-    assert_one_error_line(invoke("stats", path), "blob.bin: cannot tell the input format")
+    assert_bad_input(invoke("stats", path), "blob.bin: cannot tell the input format")
     # Asked for explicitly, the raw bytes are the ids.
     corpus = read_corpus([str(path)], ReadOptions(input_format="bytes"))
     assert corpus.values.dtype == np.uint8 and bytes(corpus.values) == path.read_bytes()
@@ -199,7 +206,7 @@ def test_text_that_is_not_utf8_is_refused_unless_bytes_are_asked_for(tmp_path):
     corpus = read_corpus([str(path)], ReadOptions(input_format="bytes", text_unit="line"))
     assert [bytes(corpus.values[a:b]) for a, b in zip(corpus.offsets[:-1], corpus.offsets[1:])
             ] == data.split(b"\n")[:2]
-    assert_one_error_line(invoke("stats", path), "a.txt:2: not UTF-8 text")
+    assert_bad_input(invoke("stats", path), "a.txt:2: not UTF-8 text")
     notes = tmp_path / "notes"  # UTF-8 text without an extension: text
     notes.write_text("ein Beispiel: grüße\n")
     corpus = read_corpus([str(notes)], ReadOptions())

@@ -13,6 +13,7 @@ from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.paths import expand_inputs, is_output_dir
 from tests.helpers import files
 from tests.helpers.files import write_jsonl
+from tests.test_cli_errors import assert_bad_input
 
 invoke = functools.partial(files.invoke, ok=False)
 
@@ -68,10 +69,8 @@ def test_the_cli_takes_directories_and_globs_and_refuses_repeats(tmp_path, data)
         os.remove(data / name)
     result = files.invoke("stats", data, "--seq-len", "8", "--json")  # a.jsonl + b.jsonl
     assert json.loads(result.output)["summary"]["best_fit"]["examples"] == 3
-    result = invoke("pack", data / "a.jsonl", data / "a.jsonl", "-o", tmp_path / "o")
-    assert result.exit_code == 2 and "Traceback" not in result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: ") and "given twice" in lines[0]
+    assert_bad_input(invoke("pack", data / "a.jsonl", data / "a.jsonl", "-o", tmp_path / "o"),
+                     "a.jsonl: given twice as an input")
     glob = str(data / "*.jsonl")
     packed = files.invoke("pack", glob, "-o", tmp_path / "g", "--seq-len", "8", "--workers", "1")
     assert packed.exit_code == 0
