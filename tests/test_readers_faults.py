@@ -240,9 +240,15 @@ def test_format_by_name():
 
 
 def test_jsonl_fast_and_slow_paths_agree_on_valid_input(tmp_path, monkeypatch):
-    path = write_jsonl(tmp_path / "a.jsonl", SEQS + [[2**40, 0]])
+    long = list(range(140_000))  # one line longer than pyarrow's 1 MiB parse block
+    path = write_jsonl(tmp_path / "a.jsonl", SEQS + [[2**40, 0], long] + SEQS)
+    slow_calls = []
+    python_reader = jsonl._read_python
+    monkeypatch.setattr(jsonl, "_read_python", lambda *a: slow_calls.append(a) or
+                        python_reader(*a))
     fast = read_corpus([path], ReadOptions())
+    assert not slow_calls  # valid input never needs the Python reader
     monkeypatch.setattr(jsonl, "_read_arrow", lambda *a: None)
     slow = read_corpus([path], ReadOptions())
-    assert _values(fast) == _values(slow) == SEQS + [[2**40, 0]]
+    assert _values(fast) == _values(slow) == SEQS + [[2**40, 0], long] + SEQS
     assert fast.values.dtype == slow.values.dtype == np.int64

@@ -72,5 +72,10 @@ def test_the_cli_takes_directories_and_globs_and_refuses_repeats(tmp_path, data)
     assert_bad_input(invoke("pack", data / "a.jsonl", data / "a.jsonl", "-o", tmp_path / "o"),
                      "a.jsonl: given twice as an input")
     glob = str(data / "*.jsonl")
-    packed = files.invoke("pack", glob, "-o", tmp_path / "g", "--seq-len", "8", "--workers", "1")
-    assert packed.exit_code == 0
+    files.invoke("pack", glob, "-o", tmp_path / "g", "--seq-len", "8", "--workers", "1")
+    files.invoke("pack", data, "-o", tmp_path / "d", "--seq-len", "8", "--workers", "1")
+    manifests = [json.loads((tmp_path / d / "manifest.json").read_text()) for d in "gd"]
+    assert [[f["path"] for f in m["inputs"]["files"]] for m in manifests] == [
+        [str(data / "a.jsonl"), str(data / "b.jsonl")]] * 2
+    assert_bad_input(invoke("pack", tmp_path / "g", "-o", tmp_path / "o"),
+                     "g: a seqpack output directory, not an input")

@@ -98,13 +98,15 @@ class ReadOptions:
             raise InputError(f"columns {list(names)} must be distinct non-empty names (the "
                              "first is the token column)")
         if self.extra_columns and self.tokenizer:
-            raise InputError("extra columns cannot be read with a tokenizer: tokenized lengths "
-                             "would not match them; pack token ids with their columns")
+            raise InputError(f"extra columns {list(self.extra_columns)} cannot be read with "
+                             "--tokenizer (tokenized lengths would not match them): pack token "
+                             "ids with their columns, or give one --column")
         if self.extra_columns and self.input_format in ("text", "bytes"):
-            raise InputError(f"input format {self.input_format} has one column; extra columns "
-                             "need JSONL, Parquet or ArrayRecord inputs")
+            raise InputError(f"--input-format {self.input_format} has one column; extra "
+                             f"columns {list(self.extra_columns)} need JSONL, Parquet or "
+                             "ArrayRecord inputs")
         if self.input_format == "bytes" and self.tokenizer:
-            raise InputError("input format bytes packs raw bytes; drop the tokenizer, or read "
+            raise InputError("--input-format bytes packs raw bytes; drop --tokenizer, or read "
                              "the files as text")
 
 

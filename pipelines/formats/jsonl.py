@@ -154,7 +154,13 @@ def _read_arrow(block: bytes, fields: tuple[str, ...], first: int) -> Chunk | No
     schema = pa.schema([(name, pa.list_(pa.int64())) for name in fields])
     opts = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
     try:
-        table = pj.read_json(pa.BufferReader(block), parse_options=opts)
+        try:
+            table = pj.read_json(pa.BufferReader(block), parse_options=opts)
+        except pa.ArrowInvalid as e:
+            if "straddl" not in str(e):  # a line longer than pyarrow's block: one block
+                raise
+            one = pj.ReadOptions(block_size=len(block) + 1)
+            table = pj.read_json(pa.BufferReader(block), parse_options=opts, read_options=one)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None
     cols = [table.column(i).combine_chunks() for i in range(len(fields))]
