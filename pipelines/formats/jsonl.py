@@ -95,8 +95,8 @@ def tokens(value: Any, field: str, where: str, dtype: np.dtype, *, token_ids: bo
             raise InputError(f"{where}: {field}[{k}]={t!r} is not "
                              + ("a non-negative integer token id" if token_ids else
                                 "an integer"))
-    fits = -(2**63) <= min(value) and max(value) < 2**63  # else: Python ints, exact
-    return check_range(np.asarray(value) if fits else value, np.dtype(dtype),
+    arr = np.asarray(value)  # int64 / uint64; float64 or object beyond: checked as Python ints
+    return check_range(arr if arr.dtype.kind in "iu" else value, np.dtype(dtype),
                        lambda k: f"{where}: {field}[{k}]", token_ids=token_ids)
 
 
