@@ -213,14 +213,17 @@ def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id
                   pad_id=pad_id, feature=feature)
 
 
-def _expand(paths: tuple[str, ...]) -> list[str]:
-    """INPUT arguments with their URL globs expanded (`gs://b/data/*.parquet`: sorted object
-    URLs; quote them, the shell expands only local paths). fsspec is imported only for URLs."""
-    if not any("://" in p for p in paths):
-        return list(paths)
-    from seqpack.pipelines.storage import expand
+def _expand(paths: tuple[str, ...], *, allow_duplicates: bool = False,
+            output_ok: bool = False) -> list[str]:
+    """INPUT arguments as input files (`formats.paths.expand_inputs`: directories, quoted local
+    and URL globs, sorted; a file given twice is refused unless `allow_duplicates`); with
+    `output_ok` one seqpack output directory stays as it is (stats). fsspec is imported only
+    for URLs."""
+    from seqpack.pipelines.formats.paths import expand_inputs, is_output_dir
 
-    return expand(paths)
+    if output_ok and len(paths) == 1 and is_output_dir(paths[0]):
+        return list(paths)
+    return expand_inputs(paths, allow_duplicates=allow_duplicates)
 
 
 def _packed_dir(path: str) -> bool:
@@ -261,7 +264,7 @@ def main(args: list[str] | None = None) -> None:
 
 
 @seqpack.command()
-@click.argument("inputs", nargs=-1, type=click.Path(dir_okay=False))
+@click.argument("inputs", nargs=-1, type=click.Path())  # directories: expand_inputs
 @click.option("-o", "--output", "output_dir", type=click.Path(file_okay=False), default=None,
               help="Output directory, or a gs:// / s3:// prefix (seqpack[cloud]).  [required "
                    "with INPUT; default: a new temporary directory for the built-in sample]")
@@ -370,7 +373,7 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
         summary,
     )
 
-    paths = _expand(paths)
+    paths = _expand(paths, output_ok=True)
     if len(paths) == 1 and _packed_dir(paths[0]):
         from seqpack.pipelines.offline.verify import load_manifest
 
@@ -419,8 +422,9 @@ def verify(output_dir, inputs, max_violations, as_json, workers):
     from seqpack.pipelines.offline import default_workers
     from seqpack.pipelines.offline.verify import verify as run_verify
 
-    report = run_verify(output_dir, _expand(inputs), max_violations=max_violations,
-                        workers=workers or default_workers())
+    # (a repeat is checked against the manifest's inputs, which may hold one)
+    report = run_verify(output_dir, _expand(inputs, allow_duplicates=True),
+                        max_violations=max_violations, workers=workers or default_workers())
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     elif report.ok:

@@ -7,7 +7,7 @@ argument raises a plain ValueError naming the argument, its value and the fix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -173,6 +173,29 @@ def fit_dtype(arr: np.ndarray, dtype: np.dtype, where: str, *, token_ids: bool =
             raise InputError(f"{where}: {what} {v} at position {k} does not fit the rows' "
                              f"dtype {dtype} (values must be in [{lo}, {hi}]){origin}")
     return arr.astype(dtype, copy=False)
+
+
+def check_range(values: np.ndarray | list[int], dtype: np.dtype, where: Callable[[int], str],
+                *, token_ids: bool = True) -> np.ndarray:
+    """`values` (an integer array, or a list of Python ints of any size) as a `dtype` array.
+
+    Raises `InputError` "{where(k)}={v} is not a valid token id for {dtype} ..." for the first
+    value `dtype` cannot hold, and for token ids (`token_ids`) the first negative one; compared
+    as Python ints, never wrapped.
+    """
+    lo, hi = _bounds(dtype)
+    if token_ids:
+        lo = max(lo, 0)
+    if len(values):
+        arr = isinstance(values, np.ndarray)
+        small = int(values.min() if arr else min(values))  # type: ignore[union-attr]
+        large = int(values.max() if arr else max(values))  # type: ignore[union-attr]
+        if small < lo or large > hi:
+            k = next(k for k, v in enumerate(values) if not lo <= int(v) <= hi)
+            what = ("token id", "ids") if token_ids else ("value", "values")
+            raise InputError(f"{where(k)}={int(values[k])} is not a valid {what[0]} for {dtype} "
+                             f"({what[1]} must be in [{lo}, {hi}])")
+    return np.asarray(values, dtype)
 
 
 def check_pad(pad: object, dtype: object, *, name: str = "pad_id") -> None:

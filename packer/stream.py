@@ -29,7 +29,7 @@ import numpy as np
 
 from seqpack.packer.assemble import build_rows
 from seqpack.packer.config import PackConfig, Strategy
-from seqpack.packer.inputs import check_lengths, check_pad, fit_dtype, row_dtype
+from seqpack.packer.inputs import InputError, check_lengths, check_pad, fit_dtype, row_dtype
 from seqpack.packer.plan import Counters, PackPlan, apply_overflow, order_pieces
 from seqpack.packer.strategies.best_fit import BestFitBins
 
@@ -226,13 +226,19 @@ def pack_stream(
         batch = build_rows(pieces, p, config, dtype=run_dtype or np.dtype(np.int32))
         tokens = batch[config.feature]
         if tokens.dtype.kind == "i" and tokens.size and tokens.min() < 0:
-            # Checked once per batch of rows instead of once per example: name the first one.
-            bad = next(e for e, x in zip(p.example.tolist(), pieces) if x.size and x.min() < 0)
-            fit_dtype(held[bad], held[bad].dtype, f"example {bad}")  # raises, naming the id
+            name_first_bad()  # checked once per batch of rows instead of once per example
         keys = list(batch)
         cols = [batch[k] for k in keys]
         for i in range(p.num_rows):
             yield {k: c[i] for k, c in zip(keys, cols)}
+
+    def name_first_bad() -> None:
+        # Examples of the run's dtype are checked for negative ids only when their rows are
+        # built, so on any failure the first bad example may be one still held: raise for it.
+        if run_dtype is None:  # only empty examples so far
+            return
+        for e in sorted(held):
+            fit_dtype(held[e], run_dtype, f"example {e}", origin=origin)
 
     def release() -> None:
         # Every id seen so far is planned; only those in open rows are still needed.
@@ -253,7 +259,11 @@ def pack_stream(
                 check_pad(config.pad_id, run_dtype)
                 origin = " (the first example's dtype; pass dtype= for a wider one)"
             elif arr.dtype != run_dtype:  # same dtype: the negative check runs per batch
-                arr = fit_dtype(arr, run_dtype, f"example {i}", origin=origin)
+                try:
+                    arr = fit_dtype(arr, run_dtype, f"example {i}", origin=origin)
+                except InputError:
+                    name_first_bad()  # an earlier, still unchecked example comes first
+                    raise
         held[i] = arr
         order.append(i)
         ids.append(i)

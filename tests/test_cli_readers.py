@@ -27,7 +27,7 @@ def test_jsonl_arrow_and_python_paths_agree(tmp_path, monkeypatch):
     path.write_text("\r\n".join(lines) + "\r\n")
     chunk = jsonl.read_python(str(path), "tokens")
     slow = readers.narrow(chunk.values), chunk.offsets
-    monkeypatch.setattr(jsonl, "read_python", None)  # the Arrow path must not fall back
+    monkeypatch.setattr(jsonl, "_read_python", None)  # the Arrow path must not fall back
     fast = readers.read_file(str(path), "jsonl", ReadOptions())
     want_values, want_offsets = ragged(SEQS)
     for values, offsets in (fast, slow):

@@ -1,22 +1,24 @@
 """ArrayRecord files of SQP1 records: open, read and decode with errors naming file and record.
 
-One reader for the offline CLI (example inputs: a 1-D integer array per record, read in chunks;
-packed shards in `offline.verify`) and the Grain `ArrayRecordSource` / `PackedArrayRecordSource`
-(random access). A file that cannot be opened, a corrupt chunk and a record that does not decode
-raise `InputError` naming the file and the record.
+One reader for the offline CLI (example inputs: a 1-D integer array per record, read in chunks,
+with further arrays as long as it, such as labels; packed shards in `offline.verify`) and the
+Grain `ArrayRecordSource` / `PackedArrayRecordSource` (random access). A file that cannot be
+opened, a corrupt chunk and a record that does not decode raise `InputError` naming the file
+and the record.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from seqpack.packer.inputs import common_id_dtype
+from seqpack.packer.inputs import check_range, common_id_dtype
 from seqpack.pipelines.errors import InputError, require
-from seqpack.pipelines.formats.chunks import Chunk, ragged
+from seqpack.pipelines.formats.chunks import Chunk, check_aligned, ragged
 from seqpack.pipelines.formats.records import decode_row
 
 _CHUNK_RECORDS = 4096
@@ -80,8 +82,11 @@ def decode(raw: bytes, path: str, index: int, *, restore: bool = True
         raise InputError(f"{path} record {index}: {e}") from None
 
 
-def example_chunks(path: str, column: str) -> Iterator[Chunk]:
-    """The 1-D integer array `column` of every record, `_CHUNK_RECORDS` records per chunk."""
+def example_chunks(path: str, column: str, *, aligned_columns: Sequence[str] = ()
+                   ) -> Iterator[Chunk]:
+    """The 1-D integer array `column` of every record, `_CHUNK_RECORDS` records per chunk;
+    `aligned_columns`: further 1-D integer arrays (any sign, as long as `column`'s) of each
+    record, as `Chunk.extra_values` in the records' common dtype."""
     reader = open_reader(path)
     try:
         n = num_records(reader, path)
@@ -91,24 +96,49 @@ def example_chunks(path: str, column: str) -> Iterator[Chunk]:
                 raws = reader.read(list(range(first, first + count)))
             except RuntimeError as e:
                 raise InputError(f"{path}: corrupt ArrayRecord file ({first_line(e)})") from None
-            seqs = [_example(decode(raw, path, first + i), column, path, first + i)
-                    for i, raw in enumerate(raws)]
+            rows = [decode(raw, path, first + i) for i, raw in enumerate(raws)]
+            seqs = [_example(row, column, path, first + i) for i, row in enumerate(rows)]
             dtype = common_id_dtype([s.dtype for s in seqs])  # ids checked >= 0 above
             values, offsets = ragged(seqs, dtype)
-            yield Chunk(values, offsets, first)
+            extra = {name: _aligned(rows, seqs, column, name, path, first)
+                     for name in aligned_columns}
+            yield Chunk(values, offsets, first, extra_values=extra)
     finally:
         close_quietly(reader)
 
 
-def _example(row: dict[str, np.ndarray], column: str, path: str, index: int) -> np.ndarray:
+def _aligned(rows: list[dict[str, np.ndarray]], seqs: list[np.ndarray], column: str, name: str,
+             path: str, first: int) -> np.ndarray:
+    """Array `name` of every record, checked against its tokens, back to back."""
+    cols = []
+    for i, (row, seq) in enumerate(zip(rows, seqs)):
+        arr = _example(row, name, path, first + i, token_ids=False)
+        check_aligned(f"{path} record {first + i}", column, seq.size, name, arr.size)
+        cols.append(arr)
+    dtypes = [c.dtype for c in cols]
+    dtype = np.result_type(*dtypes) if dtypes else np.dtype(np.int32)
+    if dtype.kind == "f":  # uint64 with signed arrays: int64 if every value fits it
+        dtype = np.dtype(np.int64)
+        cols = [check_range(c, dtype, functools.partial(_where, path, first + i, name),
+                            token_ids=False) for i, c in enumerate(cols)]
+    return ragged(cols, dtype)[0]
+
+
+def _where(path: str, index: int, name: str, k: int) -> str:
+    return f"{path} record {index}: {name}[{k}]"
+
+
+def _example(row: dict[str, np.ndarray], column: str, path: str, index: int, *,
+             token_ids: bool = True) -> np.ndarray:
     arr = row.get(column)
     if arr is None:
         raise InputError(f"{path} record {index}: array {column!r} is missing (has "
-                         f"{sorted(row)}); pass --column")
+                         f"{sorted(row)}); pass --column naming arrays the records hold")
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        what = "token ids" if token_ids else "integers"
         raise InputError(f"{path} record {index}: {column!r} is {arr.dtype}{list(arr.shape)}, "
-                         "not a 1-D integer array of token ids")
-    if arr.size and arr.dtype.kind == "i" and int(arr.min()) < 0:
+                         f"not a 1-D integer array of {what}")
+    if token_ids and arr.size and arr.dtype.kind == "i" and int(arr.min()) < 0:
         k = int(np.argmax(arr < 0))
         raise InputError(f"{path} record {index}: {column}[{k}]={int(arr[k])} is a negative "
                          "token id; ids must be >= 0")

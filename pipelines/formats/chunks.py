@@ -1,9 +1,13 @@
 """What every format reader yields: a chunk of consecutive records as ragged token ids.
 
 A file is read as a sequence of chunks (a Parquet row group, a range of ArrayRecord records, a
-whole JSONL or text file), each in the Arrow list layout: record `first + i` of the file is
+block of JSONL lines, a text file), each in the Arrow list layout: record `first + i` of the file is
 ``values[offsets[i]:offsets[i + 1]]``. Readers check every chunk (names file and record on bad
 data); consumers concatenate chunks (the offline CLI) or cache them (the Grain sources).
+
+Extra columns read with the tokens (labels, masks: `ReadOptions.extra_columns`) travel as flat
+values sharing the token offsets: ``extra_values[name][offsets[i]:offsets[i + 1]]`` is record
+`first + i`'s column `name`, as long as its tokens (checked by the readers, `check_aligned`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from seqpack.packer.inputs import common_id_dtype
+from seqpack.packer.inputs import InputError, common_id_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +29,8 @@ class Chunk:
     offsets: np.ndarray  # i64[n + 1]; need not start at 0
     first: int  # index of the chunk's first record in its file
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # name -> per-record column
+    # name -> X[N] an extra column's values (any integers), sharing `offsets` with `values`
+    extra_values: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def num_records(self) -> int:
@@ -33,6 +39,18 @@ class Chunk:
     def tokens(self) -> np.ndarray:
         """The chunk's tokens back to back (a view)."""
         return self.values[int(self.offsets[0]) : int(self.offsets[-1])]
+
+    def column(self, name: str) -> np.ndarray:
+        """Extra column `name`'s values back to back (a view), as many as `tokens()`."""
+        return self.extra_values[name][int(self.offsets[0]) : int(self.offsets[-1])]
+
+
+def check_aligned(where: str, column: str, length: int, name: str, other: int) -> None:
+    """InputError naming `where` (file and record) unless column `name` of a record holds as
+    many values (`other`) as its token column (`length`)."""
+    if other != length:
+        raise InputError(f"{where}: {name!r} holds {other} values but {column!r} holds "
+                         f"{length}; every column of a record must be as long as its tokens")
 
 
 def numpy_view(arr: Any) -> np.ndarray:

@@ -10,6 +10,11 @@ here, one row group at a time.
 Checked, with `InputError` naming the file (and the record, i.e. the row in that file): the file
 is readable Parquet, the column exists and is a list of integers (a float column names its first
 non-integer token), no list and no token is null, no id is negative.
+
+Aligned columns (`aligned_columns`: labels, masks) are list<int> columns of any integer type,
+kept as it is, any sign, one value per token: null lists or values and a record whose list is
+not as long as its token list are refused the same way. They come back as
+`Chunk.extra_values`; `extra_columns` (the Grain source's per-record extras) as `Chunk.extra`.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from seqpack.pipelines.errors import InputError, require
-from seqpack.pipelines.formats.chunks import Chunk, numpy_view, record_of
+from seqpack.pipelines.formats.chunks import Chunk, check_aligned, numpy_view, record_of
 from seqpack.pipelines.formats.text import encode
 
 
@@ -41,10 +46,15 @@ class ParquetTokens:
     """The token column (and optional extra columns) of one Parquet file."""
 
     def __init__(self, path: str | os.PathLike, column: str, *,
-                 extra_columns: Sequence[str] = (), tokenizer: Any = None):
+                 extra_columns: Sequence[str] = (), tokenizer: Any = None,
+                 aligned_columns: Sequence[str] = ()):
         pa, pq = _pyarrow()
         self.path, self.column, self.extra = os.fspath(path), column, tuple(extra_columns)
+        self.aligned = tuple(aligned_columns)
         self.tokenizer = tokenizer
+        if tokenizer is not None and self.aligned:
+            raise InputError(f"{self.path}: extra columns cannot be read with --tokenizer (the "
+                             "tokenized lengths would not match them)")
         if not os.path.isfile(self.path):
             raise InputError(f"{self.path}: no such file")
         try:
@@ -52,11 +62,20 @@ class ParquetTokens:
             schema = self._file.schema_arrow
         except (pa.ArrowException, OSError) as e:
             raise InputError(f"{self.path}: not a readable Parquet file ({e})") from None
-        for name in (column, *self.extra):
+        for name in (column, *self.extra, *self.aligned):
             if name not in schema.names:
+                what = ("naming the token list" if name == column else "naming columns the "
+                        "file holds")
                 raise InputError(f"{self.path}: column {name!r} is missing (columns: "
                                  f"{schema.names[:8]}); pass --column (column= in Python) "
-                                 "naming the token list")
+                                 f"{what}")
+        for name in self.aligned:
+            t = schema.field(name).type
+            if not ((pa.types.is_list(t) or pa.types.is_large_list(t))
+                    and pa.types.is_integer(t.value_type)):
+                raise InputError(f"{self.path}: column {name!r} has type {t}; an extra column "
+                                 "must be a list of integers per record (cast bools or floats "
+                                 "to int8 / int32)")
         t = schema.field(column).type
         is_list = pa.types.is_list(t) or pa.types.is_large_list(t)
         is_text = pa.types.is_string(t) or pa.types.is_large_string(t)
@@ -108,7 +127,7 @@ class ParquetTokens:
         row group of 47 MB of tokens takes about 220 MB, 4096 records about 60 MB).
         """
         pa, pq = _pyarrow()
-        columns = [self.column, *self.extra]
+        columns = [self.column, *self.extra, *self.aligned]
         first = 0
         try:
             pf = pq.ParquetFile(self.path, pre_buffer=False, buffer_size=1 << 20)
@@ -125,7 +144,8 @@ class ParquetTokens:
         pa, _ = _pyarrow()
         first = sum(self.group_rows[:g])
         try:
-            table = self._pf().read_row_group(g, columns=[self.column, *self.extra])
+            table = self._pf().read_row_group(g, columns=[self.column, *self.extra,
+                                                          *self.aligned])
         except (pa.ArrowException, OSError) as e:
             raise InputError(f"{self.path}: cannot read row group {g} ({e})") from None
         return self._checked(table, first)
@@ -144,17 +164,7 @@ class ParquetTokens:
                                  "null; write an empty string for an empty example")
             values, offsets = encode(self.tokenizer, texts)
             return Chunk(values, offsets, first, extra)
-        if col.null_count:
-            i = int(np.argmax(col.is_null().to_numpy(zero_copy_only=False)))
-            raise InputError(f"{self.path} record {first + i}: column {self.column!r} is null; "
-                             "write an empty list for an empty example")
-        offsets = numpy_view(col.offsets).astype(np.int64)
-        child = col.values
-        if child.null_count:
-            pos = int(np.argmax(child.is_null().to_numpy(zero_copy_only=False)))
-            raise InputError(f"{self.path} record {first + record_of(offsets, pos)}: "
-                             "a token id is null")
-        values = numpy_view(child)
+        offsets, values = self._list(col, self.column, first)
         lo, hi = int(offsets[0]), int(offsets[-1])
         if hi > lo and values.dtype.kind == "i":
             neg = np.flatnonzero(values[lo:hi] < 0)
@@ -162,4 +172,32 @@ class ParquetTokens:
                 pos = lo + int(neg[0])
                 raise InputError(f"{self.path} record {first + record_of(offsets, pos)}: token "
                                  f"id {int(values[pos])} is negative; ids must be >= 0")
-        return Chunk(values, offsets, first, extra)
+        aligned = {}
+        for name in self.aligned:
+            other, aligned[name] = self._list(_array(table.column(name)), name, first)
+            lengths, others = np.diff(offsets), np.diff(other)
+            if not np.array_equal(lengths, others):
+                i = int(np.argmax(lengths != others))
+                check_aligned(f"{self.path} record {first + i}", self.column, int(lengths[i]),
+                              name, int(others[i]))
+            shift, vals = int(other[0]) - lo, aligned[name]  # to share the token offsets:
+            if shift:
+                aligned[name] = (vals[shift:] if shift > 0 else
+                                 np.concatenate([np.zeros(-shift, vals.dtype), vals]))
+        return Chunk(values, offsets, first, extra, extra_values=aligned)
+
+    def _list(self, col: Any, name: str, first: int) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets i64[n + 1], flat values) of a list column, refusing nulls by record."""
+        if col.null_count:
+            i = int(np.argmax(col.is_null().to_numpy(zero_copy_only=False)))
+            raise InputError(f"{self.path} record {first + i}: column {name!r} is null; "
+                             "write an empty list for an empty example")
+        offsets = numpy_view(col.offsets).astype(np.int64)
+        lo, hi = int(offsets[0]), int(offsets[-1])
+        child = col.values.slice(lo, hi - lo)  # .values ignores the list's own slicing
+        if child.null_count:
+            pos = lo + int(np.argmax(child.is_null().to_numpy(zero_copy_only=False)))
+            what = "a token id" if name == self.column else f"a value of column {name!r}"
+            raise InputError(f"{self.path} record {first + record_of(offsets, pos)}: "
+                             f"{what} is null")
+        return offsets, numpy_view(col.values)

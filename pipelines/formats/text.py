@@ -1,9 +1,12 @@
 """Text: UTF-8 files, one example per file, non-blank line or paragraph; tokenized or bytes.
 
 With a `tokenizers` tokenizer.json the ids are the tokenizer's; without one, the UTF-8 bytes are
-the ids (0..255). Paragraphs are runs of non-blank lines, numbered by their first line, so a bad
-one is named ``path:line``. `encode` is the one place texts become ids (text files here, text
-fields of JSONL and text columns of Parquet there).
+the ids (0..255). Text that is not UTF-8 is refused, naming the line and byte; the input format
+``bytes`` (`raw=True`) packs a file's bytes as they are (no UTF-8 check, no decompression).
+Text may be gzip- or zstd-compressed (`detect.open_stream`). Paragraphs are runs of non-blank
+lines, numbered by their first line, so a bad one is named ``path:line``. `encode` is the one
+place texts become ids (text files here, text fields of JSONL and text columns of Parquet
+there).
 
 A loaded tokenizer has its padding and truncation switched off: a tokenizer.json saved for
 inference often pads every text to a fixed length and cuts longer ones, which would put pad ids
@@ -23,6 +26,7 @@ import numpy as np
 from seqpack.pipelines.errors import InputError, require
 from seqpack.pipelines.formats.arrayrecord import first_line
 from seqpack.pipelines.formats.chunks import Chunk
+from seqpack.pipelines.formats.detect import open_stream
 
 
 def load_tokenizer(path: str) -> Any:
@@ -52,11 +56,22 @@ def encode(tokenizer: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
 _PARAGRAPH = re.compile(rb"(?:[^\n]*\S[^\n]*(?:\n|$))+")
 
 
-def read_text(path: str, tokenizer: Any, text_unit: str) -> tuple[np.ndarray, np.ndarray]:
+def read_text(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
+              ) -> tuple[np.ndarray, np.ndarray]:
     """One example per file, non-blank line or paragraph (lines between blank lines): tokenizer
-    ids, or UTF-8 bytes as ids. Returns (values, offsets)."""
-    with open(path, "rb") as f:
-        data = f.read()
+    ids, or UTF-8 bytes as ids (`raw`: the file's bytes, whatever they are). Returns (values,
+    offsets)."""
+    if raw:
+        if tokenizer is not None:
+            raise InputError(f"{path}: the input format bytes packs raw bytes; drop --tokenizer "
+                             "(or read the file as text)")
+        with open(path, "rb") as f:
+            data = f.read()
+    else:
+        with open_stream(path) as f:
+            data = f.read()
+        check_utf8(data, path, hint="" if tokenizer is not None else
+                   "; pass --input-format bytes (input_format='bytes') to pack its raw bytes")
     if text_unit == "line":
         numbered = [(k, line) for k, line in enumerate(data.split(b"\n"), 1) if line.strip()]
     elif text_unit == "paragraph":  # runs of non-blank lines, numbered by their first line
@@ -69,15 +84,7 @@ def read_text(path: str, tokenizer: Any, text_unit: str) -> tuple[np.ndarray, np
         numbered = [(0, data)]
     chunks = [c for _, c in numbered]
     if tokenizer is not None:
-        texts = []
-        for line_no, c in numbered:
-            try:
-                texts.append(c.decode("utf-8"))
-            except UnicodeDecodeError as e:
-                where = f"{path}:{line_no}" if line_no else path
-                msg = f"{where}: not UTF-8 text ({e.reason} at byte {e.start})"
-                raise InputError(msg) from None
-        return encode(tokenizer, texts)
+        return encode(tokenizer, [c.decode("utf-8") for c in chunks])  # checked above
     lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
     values = np.frombuffer(b"".join(chunks), np.uint8)
     offsets = np.zeros(lengths.size + 1, np.int64)
@@ -85,7 +92,18 @@ def read_text(path: str, tokenizer: Any, text_unit: str) -> tuple[np.ndarray, np
     return values, offsets
 
 
-def read_chunks(path: str, tokenizer: Any, text_unit: str) -> Iterator[Chunk]:
+def check_utf8(data: bytes, path: str, *, hint: str = "") -> None:
+    """InputError naming ``path:line`` and the byte unless `data` is UTF-8."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise InputError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start} of the "
+                         f"file){hint}") from None
+
+
+def read_chunks(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
+                ) -> Iterator[Chunk]:
     """One chunk per file (`read_text`)."""
-    values, offsets = read_text(path, tokenizer, text_unit)
+    values, offsets = read_text(path, tokenizer, text_unit, raw=raw)
     yield Chunk(values, offsets, 0)

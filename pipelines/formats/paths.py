@@ -1,0 +1,123 @@
+"""Input arguments as users hold them, turned into the list of input files read in that order.
+
+    expand_inputs(["data/", "more/*.jsonl.gz", "gs://bucket/x/*.parquet", "a.parquet"])
+
+- a local directory: its files whose name says a known format (`detect.format_by_name`:
+  .jsonl / .ndjson / .json, .parquet, .arrayrecord / .array_record and their shard names, .txt,
+  each also .gz / .zst), sorted by name; names starting with "." or "_" (``_SUCCESS``,
+  ``_metadata``, ``.crc`` files) are skipped and subdirectories are not read. A seqpack output
+  directory (its manifest, intent, lock, spill or shards) is refused: it is not an input.
+- a local glob (``*``, ``?``, ``[...]``; ``**`` recursive) that is not itself an existing path:
+  every file it matches, sorted, as a shell would give them (directories it matches are
+  skipped, as URL globs skip them); InputError if nothing matches.
+- a URL glob: the sorted objects it matches (`storage.expand`); a URL ending in "/": the
+  objects under it of a known format by name, sorted.
+- anything else as it is (a missing file is named by the reader).
+
+The same file given twice (the same path, or another name for it: ``./a``, a symlink, a hard
+link; a URL spelled the same) is refused unless `allow_duplicates`: packing it twice is
+rarely meant.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from collections.abc import Sequence
+
+from seqpack.pipelines import storage
+from seqpack.pipelines.errors import InputError
+from seqpack.pipelines.formats.detect import format_by_name
+
+OUTPUT_FILES = ("manifest.json", "pack_intent.json")  # formats.manifest's MANIFEST, INTENT
+_OUTPUT_NAMES = re.compile(r"^(rows-\d+-of-\d+\.arrayrecord.*|pack\.lock|spill\.tmp|"
+                           r"manifest\.json|pack_intent\.json)$")  # what `seqpack pack` writes
+_GLOB = re.compile(r"[*?[]")
+
+
+def expand_inputs(args: Sequence[str | os.PathLike], *, allow_duplicates: bool = False
+                  ) -> list[str]:
+    """The input files that `args` name, in order (see the module docstring); InputError for a
+    directory or glob holding none, and for a file given twice unless `allow_duplicates`."""
+    out: list[str] = []
+    for arg in args:
+        path = os.fspath(arg)
+        if storage.is_url(path):
+            out.extend(_url_files(path) if path.endswith("/") else storage.expand(path))
+        elif os.path.isdir(path):
+            out.extend(_directory_files(path))
+        elif not os.path.exists(path) and _GLOB.search(path):
+            out.extend(_glob_files(path))
+        else:
+            out.append(path)
+    if not allow_duplicates:
+        check_distinct(out)
+    return out
+
+
+def is_output_dir(path: str) -> bool:
+    """Whether `path` is a seqpack output (a directory or URL prefix holding its manifest or
+    intent), which `stats`, `inspect` and `verify` read as a whole."""
+    if storage.is_url(path):
+        return format_by_name(path) is None and any(
+            storage.exists(storage.join(path.rstrip("/"), n)) for n in OUTPUT_FILES)
+    return os.path.isdir(path) and any(_OUTPUT_NAMES.match(n) for n in os.listdir(path))
+
+
+def check_distinct(paths: Sequence[str]) -> None:
+    """InputError naming the first file that `paths` hold twice (under any name)."""
+    seen: dict[object, str] = {}
+    for path in paths:
+        key = _identity(path)
+        if key in seen:
+            also = "" if seen[key] == path else f" (also given as {seen[key]})"
+            raise InputError(f"{path}: given twice as an input{also}; each input is read once: "
+                             "drop the repeat, or pass --allow-duplicates (allow_duplicates="
+                             "True in Python) to read it again")
+        seen[key] = path
+
+
+def _identity(path: str) -> object:
+    if storage.is_url(path):
+        return ("url", path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ("path", os.path.realpath(path))
+    return ("file", st.st_dev, st.st_ino)
+
+
+def _is_input_name(name: str) -> bool:
+    """Whether a name in a directory listing is an input's: a known format, not hidden."""
+    return name[:1] not in "._" and format_by_name(name) is not None
+
+
+def _directory_files(path: str) -> list[str]:
+    if is_output_dir(path):
+        raise InputError(f"{path}: a seqpack output directory, not an input (read it with "
+                         "seqpack stats / inspect / verify; pack its inputs)")
+    files = sorted(n for n in os.listdir(path)
+                   if _is_input_name(n) and os.path.isfile(os.path.join(path, n)))
+    if not files:
+        subdirs = any(os.path.isdir(os.path.join(path, n)) for n in os.listdir(path))
+        hint = f"; subdirectories are not read: pass '{os.path.join(path, '*', '*')}'" \
+            if subdirs else ""
+        raise InputError(f"{path}: a directory with no input files (.jsonl, .parquet, "
+                         f".arrayrecord, .txt, also .gz / .zst){hint}")
+    return [os.path.join(path, n) for n in files]
+
+
+def _glob_files(pattern: str) -> list[str]:
+    files = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    if not files:
+        raise InputError(f"{pattern}: no files match")
+    return files
+
+
+def _url_files(prefix: str) -> list[str]:
+    files = [u for u in storage.glob(prefix + "*") if _is_input_name(u.rsplit("/", 1)[-1])]
+    if not files:
+        raise InputError(f"{prefix}: no objects of a known input format under it (.jsonl, "
+                         ".parquet, .arrayrecord, .txt, also .gz / .zst)")
+    return files
