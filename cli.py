@@ -34,7 +34,7 @@ import click
 
 _STRATEGIES = ["best_fit_decreasing", "best_fit", "first_fit", "concat_split"]
 _OVERFLOWS = ["error", "truncate", "split", "drop"]
-_FORMATS = ["jsonl", "parquet", "arrayrecord", "text"]
+_FORMATS = ["jsonl", "parquet", "arrayrecord", "text", "bytes"]
 
 
 class BadInput(click.ClickException):
@@ -185,10 +185,14 @@ def _packing_options(f):
 def _reading_options(f):
     options = [
         click.option("--input-format", type=click.Choice(_FORMATS), default=None,
-                     help="Input file format.  [default: from the extension; text otherwise]"),
-        click.option("--column", "--field", "column", default="tokens", show_default=True,
+                     help="Input file format (bytes: any file's raw bytes as ids 0..255).  "
+                          "[default: from the name, else from the content; refused otherwise]"),
+        click.option("--column", "--field", "columns", multiple=True, default=["tokens"],
+                     show_default=True,
                      help="Parquet column / JSONL field / ArrayRecord array of token ids (of "
-                          "text, with --tokenizer)."),
+                          "text, with --tokenizer). Repeat it for columns packed with the "
+                          "tokens under the same segments (any integers: labels, masks), "
+                          "e.g. --column input_ids --column labels."),
         click.option("--tokenizer", type=click.Path(dir_okay=False), default=None,
                      help="tokenizers tokenizer.json: tokenizes text files and the text "
                           "--field of JSONL / --column of Parquet (default: text files as "
@@ -236,11 +240,26 @@ def _packed_dir(path: str) -> bool:
     return storage.exists(storage.join(path, MANIFEST))
 
 
-def _read_options(input_format, column, tokenizer, text_unit):
+def _read_options(input_format, columns, tokenizer, text_unit):
     from seqpack.pipelines.formats.inputs import ReadOptions
 
-    return _usage(ReadOptions, input_format=input_format, column=column, tokenizer=tokenizer,
-                  text_unit=text_unit)
+    return _usage(ReadOptions, input_format=input_format, column=columns[0],
+                  extra_columns=tuple(columns[1:]), tokenizer=tokenizer, text_unit=text_unit)
+
+
+def _pads(items: tuple[str, ...]) -> dict[str, int]:
+    """--pad NAME=VALUE options as {name: pad}."""
+    pads = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        try:
+            pads[name.strip()] = int(value)
+        except ValueError:
+            raise click.UsageError(f"--pad {item!r} must be NAME=INTEGER, e.g. --pad "
+                                   "labels=-100") from None
+        if not eq or not name.strip():
+            raise click.UsageError(f"--pad {item!r} must be NAME=INTEGER, e.g. --pad labels=-100")
+    return pads
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -295,12 +314,18 @@ def main(args: list[str] | None = None) -> None:
 @click.option("--beam-option", "beam_options", multiple=True, metavar="KEY=VALUE",
               help="A Beam pipeline option for --runner beam (repeatable), e.g. "
                    "direct_num_workers=4 or runner=FlinkRunner.")
+@click.option("--pad", "pads", multiple=True, metavar="NAME=VALUE",
+              help="Padding of an extra --column (repeatable), e.g. labels=-100.  [default: 0]")
+@click.option("--allow-duplicates", is_flag=True,
+              help="Pack an input given twice (or through a link) twice, instead of refusing.")
 def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
-         feature, input_format, column, tokenizer, text_unit, shard_rows, compression, resume,
-         overwrite, fsync, batch_size, as_json, workers, block_size, runner, beam_options):
+         feature, input_format, columns, tokenizer, text_unit, shard_rows, compression, resume,
+         overwrite, fsync, batch_size, as_json, workers, block_size, runner, beam_options, pads,
+         allow_duplicates):
     """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into ArrayRecord shards.
 
-    INPUT may be URLs (gs://, s3://, ...; needs seqpack[cloud]); quote URL globs.
+    INPUT may be files, directories (their files of a known format, sorted), local or URL
+    globs (gs://, s3://, ...; URLs need seqpack[cloud]); quote globs.
 
     With no INPUT, packs the built-in sample corpus: the top-level .py files of this Python's
     standard library, byte-tokenized, one example per paragraph (no download).
@@ -311,7 +336,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     from seqpack.pipelines.offline.report import format_table, summary, terminal_progress
 
     sample = not inputs
-    inputs = _expand(inputs)
+    inputs = _expand(inputs, allow_duplicates=allow_duplicates)
     if sample:
         import tempfile
 
@@ -326,11 +351,12 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     config = _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
                      feature)
     job = _usage(PackJob, inputs, output_dir, config,
-                 read_options=_read_options(input_format, column, tokenizer, text_unit),
+                 read_options=_read_options(input_format, columns, tokenizer, text_unit),
                  write_options=_usage(WriteOptions, shard_rows=shard_rows,
                                       compression=compression, fsync=fsync),
                  block_size=block_size, workers=workers,
-                 existing="resume" if resume else "overwrite" if overwrite else "refuse")
+                 existing="resume" if resume else "overwrite" if overwrite else "refuse",
+                 pads=_pads(pads))
     progress = terminal_progress() if runner == "local" else None
     with progress or contextlib.nullcontext():
         manifest = run(job, runner=runner, progress=progress, beam_options=beam_options,
@@ -357,8 +383,10 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write histograms (example lengths, row fill, segments per row) to this PNG.")
+@click.option("--allow-duplicates", is_flag=True, help="Count an input given twice twice.")
 def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment, pad_id, feature,
-          input_format, column, tokenizer, text_unit, batch_size, as_json, plot):
+          input_format, columns, tokenizer, text_unit, batch_size, as_json, plot,
+          allow_duplicates):
     """Packing statistics of a packed directory, or a dry run on raw input files.
 
     For a directory written by `seqpack pack`, reads its manifest (the packing options are
@@ -373,7 +401,7 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
         summary,
     )
 
-    paths = _expand(paths, output_ok=True)
+    paths = _expand(paths, output_ok=True, allow_duplicates=allow_duplicates)
     if len(paths) == 1 and _packed_dir(paths[0]):
         from seqpack.pipelines.offline.verify import load_manifest
 
@@ -384,7 +412,7 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
         from seqpack.pipelines.formats.inputs import read_lengths
         from seqpack.pipelines.offline.record import length_histogram
 
-        lengths, _ = read_lengths(paths, _read_options(input_format, column, tokenizer,
+        lengths, _ = read_lengths(paths, _read_options(input_format, columns, tokenizer,
                                                        text_unit))
         config = _config("best_fit_decreasing", seq_len, max_segments, overflow,
                          segment_alignment, pad_id, feature)
@@ -462,7 +490,8 @@ def inspect(output_dir, row_index, start, count, width, as_json):
     config = manifest.pack_config()
     index = row_index % manifest.num_rows  # -1: the last row (read_row checked the range)
     click.echo(f"row {index} of {manifest.num_rows:,} ({shard} record {record}): ", nl=False)
-    click.echo(format_row(row, config, start=start, count=count, width=width))
+    click.echo(format_row(row, config, start=start, count=count, width=width,
+                          columns=[c["name"] for c in manifest.columns or []]))
 
 
 if __name__ == "__main__":

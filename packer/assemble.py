@@ -27,7 +27,7 @@ piece of length 0 (the Grain drop-ins keep empty examples as slots) is such a sl
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -169,14 +169,23 @@ def source_arrays(layout: Layout, max_segments: int, example: np.ndarray,
 
 
 def build_rows(pieces: Sequence[np.ndarray] | None, p: PackPlan, config: PackConfig, *,
-               dtype: Any, derived: bool = True, values: np.ndarray | None = None
-               ) -> dict[str, np.ndarray]:
+               dtype: Any, derived: bool = True, values: np.ndarray | None = None,
+               columns: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """The batch dict (`[R, L]` / `[R, S]`) of plan `p`; `pieces[i]` holds its i-th piece (or
-    `values` holds the `[R, L]` tokens already in place: see `write_feature`)."""
+    `values` holds the `[R, L]` tokens already in place: see `write_feature`).
+
+    `columns`: further columns packed under the same segment layout (labels, masks), each
+    `[R, L]` with its values at the tokens' positions and its own pad elsewhere (`fill_rows`
+    with the same plan); they join the batch under their names, after the contract's keys."""
     batch = write_feature(pieces, p, config.seq_len, config.max_segments, feature=config.feature,
                           dtype=np.int32 if dtype is None else dtype, pad=config.pad_id,
                           derived=derived, values=values)
     batch.update(source_arrays(p, config.max_segments, p.example, p.start))
+    for name, column in (columns or {}).items():
+        if name in batch or np.shape(column)[:2] != (p.num_rows, config.seq_len):
+            raise ValueError(f"column {name!r}: shape {np.shape(column)} must be "
+                             f"{(p.num_rows, config.seq_len)} and its name not a contract key")
+        batch[name] = column
     return batch
 
 

@@ -40,6 +40,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from seqpack.packer import Counters, PackConfig, PackPlan
+from seqpack.packer.assemble import fill_rows
 from seqpack.packer.contract import ragged_arange
 from seqpack.packer.plan import order_pieces, plan_block
 from seqpack.packer.stats import row_histograms, stats_from_histograms
@@ -72,6 +73,8 @@ class FileScan:
     lengths: np.ndarray  # i64[n_f] example lengths, in file order
     dtype: str  # numpy dtype of the file's token ids
     error: str | None = None  # the InputError's message when the file could not be read
+    extra_dtypes: dict = dataclasses.field(default_factory=dict)  # extra column -> its dtype
+    extra_ranges: dict = dataclasses.field(default_factory=dict)  # extra column -> (min, max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +90,8 @@ class FileSummary:
     error: str | None = None
     # (index, length, count) of its first example over seq_len with overflow="error"
     overlength: tuple[int, int, int] | None = None
+    extra_dtypes: dict = dataclasses.field(default_factory=dict)  # as in FileScan
+    extra_ranges: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +149,7 @@ class ShardPart:
 
     pieces: np.ndarray  # i64[4, P]: as in FileJob
     tokens: np.ndarray  # the pieces' tokens back to back, in the corpus dtype
+    columns: dict = dataclasses.field(default_factory=dict)  # extra column -> values, as tokens
 
 
 # -- scan ------------------------------------------------------------------------------------
@@ -157,13 +163,15 @@ def scan_file(index: int, path: str, options: ReadOptions) -> FileScan:
         scan = inputs.scan_file(path, fmt, options, tokenizer)
     except (ValueError, OSError) as e:
         return FileScan(index, path, {}, np.zeros(0, np.int64), "", error=one_line(e))
-    return FileScan(index, path, scan.info, scan.lengths, scan.dtype.str)
+    return FileScan(index, path, scan.info, scan.lengths, scan.dtype.str,
+                    extra_dtypes=scan.extra_dtypes, extra_ranges=scan.extra_ranges)
 
 
 def summarize_file(scan: FileScan, config: PackConfig) -> FileSummary:
     return FileSummary(scan.index, scan.path, scan.info, int(scan.lengths.size), scan.dtype,
                        int(scan.lengths.max(initial=0)), scan.error,
-                       record.first_overlength(scan.lengths, config))
+                       record.first_overlength(scan.lengths, config), scan.extra_dtypes,
+                       scan.extra_ranges)
 
 
 def _firsts(files: Sequence[FileSummary]) -> np.ndarray:
@@ -239,8 +247,9 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
         raise InputError(f"the inputs hold no tokens ({total} examples); nothing to pack")
     dtype = inputs.corpus_dtype([np.dtype(f.dtype) for f in files])
     num_rows = sum(b.num_rows for b in blocks)
-    intent = record.run_intent(config, record.inputs_record(infos, dtype, job.read_options),
-                               job.write_options, num_rows, block_size)
+    columns = record.column_entries(job, inputs.extra_corpus_dtypes(files))  # type: ignore
+    intent = record.run_intent(job, record.inputs_record(infos, dtype, job.read_options),
+                               num_rows, columns)
     # The directory is prepared once. A runner may run this step again: Beam retries a bundle
     # whose outputs were lost, and may recompute any PCollection (a side input for each step
     # reading it, even after the shards were written). prepare_dir is not idempotent: again
@@ -315,14 +324,16 @@ def route_file(job: FileJob, options: ReadOptions, shard_rows: int, dtype: str
     order = np.argsort(shard, kind="stable")
     pieces = job.pieces[:, order]
     src = corpus.offsets[pieces[EXAMPLE] - job.first_example] + pieces[START]
-    values = corpus.values.astype(dtype, copy=False)
-    tokens = values[ragged_arange(src, pieces[LENGTH])]
+    at = ragged_arange(src, pieces[LENGTH])
+    tokens = corpus.values.astype(dtype, copy=False)[at]
+    columns = {name: values[at] for name, values in corpus.extra_values.items()}
     shard = shard[order]
     keys, firsts = np.unique(shard, return_index=True)
     piece_cuts = np.append(firsts, shard.size)
     token_cuts = np.concatenate(([0], np.cumsum(pieces[LENGTH])))[piece_cuts]
     return [
-        (int(k), ShardPart(pieces[:, a:b], tokens[ta:tb]))
+        (int(k), ShardPart(pieces[:, a:b], tokens[ta:tb],
+                           {name: col[ta:tb] for name, col in columns.items()}))
         for k, a, b, ta, tb in zip(keys.tolist(), piece_cuts[:-1].tolist(),
                                    piece_cuts[1:].tolist(), token_cuts[:-1].tolist(),
                                    token_cuts[1:].tolist())
@@ -330,11 +341,14 @@ def route_file(job: FileJob, options: ReadOptions, shard_rows: int, dtype: str
 
 
 def shard_plan(shard: int, parts: Iterable[ShardPart], summary: JobSummary,
-               config: PackConfig) -> tuple[PackPlan, list[np.ndarray]]:
-    """One shard's plan (rows from 0, pieces in (row, example) order) and its pieces' tokens."""
+               config: PackConfig) -> tuple[PackPlan, list[np.ndarray], dict[str, np.ndarray]]:
+    """One shard's plan (rows from 0, pieces in (row, example) order), its pieces' tokens, and
+    each extra column's `[R, L]` values in place (its pad elsewhere)."""
     parts = list(parts)
     table = np.concatenate([part.pieces for part in parts], axis=1)
     tokens = np.concatenate([part.tokens for part in parts])
+    values = {c["name"]: np.concatenate([part.columns[c["name"]] for part in parts])
+              for c in summary.intent.columns or []}
     r0 = shard * summary.shard_rows
     num_rows = min(summary.shard_rows, summary.intent.num_rows - r0)
     order = np.lexsort((table[EXAMPLE], table[ROW]))
@@ -342,10 +356,14 @@ def shard_plan(shard: int, parts: Iterable[ShardPart], summary: JobSummary,
     table = table[:, order]
     rows = table[ROW] - r0
     assert rows.size and rows[0] == 0 and rows[-1] == num_rows - 1, (shard, rows[:1], rows[-1:])
-    pieces = [tokens[s : s + m] for s, m in zip(starts.tolist(), table[LENGTH].tolist())]
+    cuts = list(zip(starts.tolist(), table[LENGTH].tolist()))
+    pieces = [tokens[s : s + m] for s, m in cuts]
     p = order_pieces(table[EXAMPLE], table[START], table[LENGTH], rows, num_rows, Counters(),
                      config)
-    return p, pieces
+    columns = {c["name"]: fill_rows([values[c["name"]][s : s + m] for s, m in cuts], p,
+                                    config.seq_len, dtype=np.dtype(c["dtype"]), pad=c["pad"])
+               for c in summary.intent.columns or []}
+    return p, pieces, columns
 
 
 def write_shard_parts(shard: int, parts: Iterable[ShardPart], summary: JobSummary,
@@ -360,9 +378,9 @@ def write_shard_parts(shard: int, parts: Iterable[ShardPart], summary: JobSummar
         kept = shard_done(out, name, num_rows) if resume else None
         if kept is not None:
             return num_rows, kept
-        p, pieces = shard_plan(shard, parts, summary, config)
+        p, pieces, columns = shard_plan(shard, parts, summary, config)
         return num_rows, write_shard(out, name, pieces, p, config, write_options,
-                                     dtype=np.dtype(summary.row_dtype))
+                                     dtype=np.dtype(summary.row_dtype), columns=columns)
     finally:
         out.close()
 

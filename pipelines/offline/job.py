@@ -25,7 +25,7 @@ import dataclasses
 import enum
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from seqpack.packer import PackConfig
 from seqpack.packer.plan import DEFAULT_BLOCK_SIZE, check_block_size
@@ -65,6 +65,8 @@ class PackJob:
     block_size: int = DEFAULT_BLOCK_SIZE  # examples planned together (`packer.plan_rows`)
     existing: Existing | str = Existing.REFUSE
     workers: int | None = None  # None: every CPU (`default_workers`)
+    # The pad of each extra column (`read_options.extra_columns`: labels, masks), default 0.
+    pads: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         inputs = tuple(os.fspath(p) for p in self.inputs)
@@ -80,6 +82,26 @@ class PackJob:
         w = self.workers
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise UsageError(f"workers={w!r} must be an int >= 1 (or None: every CPU)")
+        self._check_columns()
+
+    def _check_columns(self) -> None:
+        extra = tuple(self.read_options.extra_columns)
+        unknown = [n for n in self.pads if n not in extra]
+        if unknown:
+            raise UsageError(f"--pad {unknown[0]}=...: {unknown[0]!r} is not an extra --column "
+                             f"(they are {list(extra)})")
+        taken = [n for n in extra if n in self.config.keys().roles().values()]
+        if taken:
+            raise UsageError(f"--column {taken[0]}: the rows already have a key {taken[0]!r} "
+                             f"(the token feature {self.config.feature!r}'s); pass another "
+                             "--feature")
+        pads = {}
+        for name in extra:
+            pad = self.pads.get(name, 0)
+            if isinstance(pad, bool) or not isinstance(pad, int):
+                raise UsageError(f"--pad {name}={pad!r} must be an integer")
+            pads[name] = int(pad)
+        object.__setattr__(self, "pads", pads)
 
     @property
     def resume(self) -> bool:

@@ -54,13 +54,14 @@ from seqpack.packer import Counters, PackConfig, PackPlan
 from seqpack.packer.plan import RowAssignment, order_pieces, pieces, plan_rows
 from seqpack.packer.stats import stats_of_pieces
 from seqpack.pipelines.errors import InputError
-from seqpack.pipelines.formats.inputs import FileScan, corpus_dtype
+from seqpack.pipelines.formats.inputs import FileScan, corpus_dtype, extra_corpus_dtypes
 from seqpack.pipelines.formats.manifest import Manifest
 from seqpack.pipelines.offline.job import PackJob, output_session
 from seqpack.pipelines.offline.outdir import OutputDir, commit_manifest, prepare_dir, shard_done
 from seqpack.pipelines.offline.read import Progress, delay_seconds, read_inputs
 from seqpack.pipelines.offline.record import (
     check_overlength,
+    column_entries,
     first_overlength,
     inputs_record,
     length_histogram,
@@ -96,12 +97,12 @@ def pack_to_dir(job: PackJob, *, progress: Progress | None = None) -> Manifest:
 def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
          progress: Progress | None) -> Manifest:
     config = job.config
-    scans, runs = read_inputs(job.inputs, job.read_options, spill_dir, pool, progress)
-    lengths, inputs = _corpus(job, scans)
+    read = read_inputs(job.inputs, job.read_options, spill_dir, pool, progress)
+    lengths, inputs = _corpus(job, read.scans)
     dtype = np.dtype(inputs["token_dtype"])
-    del scans
+    columns = column_entries(job, extra_corpus_dtypes(read.scans))
     assignment = plan_rows(lengths, config, block_size=job.block_size)
-    intent = run_intent(config, inputs, job.write_options, assignment.num_rows, job.block_size)
+    intent = run_intent(job, inputs, assignment.num_rows, columns)
     done = prepare_dir(out, intent, overwrite=job.overwrite, resume=job.resume)
     if done is not None:
         return done
@@ -113,7 +114,9 @@ def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
     np.cumsum(lengths, out=offsets[1:])
     del lengths, assignment
     context = _RunContext(out.location, out.staging(), config, job.write_options,
-                          row_dtype(dtype, config.pad_id).str, runs)
+                          row_dtype(dtype, config.pad_id).str, read.runs,
+                          [(c["name"], c["dtype"], c["pad"], read.column_runs[c["name"]])
+                           for c in columns])
     rows, digests = write_shards(ps, offsets, context, intent.shards, pool,
                                  _save_context(spill_dir, context), resume=job.resume,
                                  progress=progress)
@@ -145,6 +148,7 @@ class _RunContext:
     options: WriteOptions
     dtype: str  # the rows' token dtype
     runs: list[Run]  # the spill, inputs back to back
+    columns: list[tuple[str, str, int, list[Run]]]  # extra columns: name, dtype, pad, spill
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,24 +160,35 @@ class _ShardTask:
 
 
 @functools.lru_cache(maxsize=2)
-def _context(path: str) -> tuple[_RunContext, SpillReader]:
+def _context(path: str) -> tuple[_RunContext, SpillReader, dict[str, SpillReader]]:
     import pickle
 
     with open(path, "rb") as f:
         context = pickle.load(f)
-    return context, SpillReader(context.runs)
+    columns = {name: SpillReader(runs) for name, _, _, runs in context.columns}
+    return context, SpillReader(context.runs), columns
 
 
 def _write_task(context_path: str, task: _ShardTask) -> tuple[int, int, tuple[int, str]]:
-    """Pass 2 for one shard: gathers its pieces from the spill, writes it; (index, rows,
-    (size, sha256))."""
-    context, spill = _context(context_path)
+    """Pass 2 for one shard: gathers its pieces (tokens, then each extra column at the same
+    positions) from the spill straight into its rows, writes it; (index, rows, (size,
+    sha256))."""
+    context, spill, column_spills = _context(context_path)
     p, config = task.plan, context.config
-    values = np.full(p.num_rows * config.seq_len, config.pad_id, np.dtype(context.dtype))
-    spill.read_into(values, p.row * config.seq_len + p.offset, task.src, p.length)
+    R, L = p.num_rows, config.seq_len
+    dst = p.row * L + p.offset
+
+    def gather(reader: SpillReader, dtype: str, pad: int) -> np.ndarray:
+        values = np.full(R * L, pad, np.dtype(dtype))
+        reader.read_into(values, dst, task.src, p.length)
+        return values.reshape(R, L)
+
+    values = gather(spill, context.dtype, config.pad_id)
+    columns = {name: gather(column_spills[name], dtype, pad)
+               for name, dtype, pad, _ in context.columns}
     out = OutputDir(context.output_dir, stage=context.stage)
     digest = write_shard(out, task.name, None, p, config, context.options, dtype=values.dtype,
-                         values=values.reshape(p.num_rows, config.seq_len))
+                         values=values, columns=columns)
     return task.index, p.num_rows, digest
 
 

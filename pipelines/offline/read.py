@@ -1,16 +1,19 @@
 """Pass 1 of the offline job, shared by `seqpack pack` and `seqpack verify`: every input read
 once, in parallel over inputs, its lengths and fingerprint kept, its tokens spilled.
 
-    read_inputs(paths, options, spill_dir, workers)  ->  [FileScan per input], [spill Run]
+    read_inputs(paths, options, spill_dir, workers)  ->  Pass1(scans, runs, column_runs)
 
 Each input is scanned chunk by chunk (`formats.inputs.scan_file`: one chunk in memory at a
 time) by one worker process, which appends its tokens to raw spill files in `spill_dir`
-(`offline.spill`); the scans come back in input order, so the lengths and the spill are the same
-for any number of workers. Memory in this process: the lengths (8 bytes an example).
+(`offline.spill`), and each extra column's values (`ReadOptions.extra_columns`: labels, masks)
+to spill files of their own, at the same positions as the tokens; the scans come back in input
+order, so the lengths and the spill are the same for any number of workers. Memory in this
+process: the lengths (8 bytes an example).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
@@ -52,20 +55,32 @@ def _load_tokenizer(path: str, size: int, mtime_ns: int) -> Any:
     return load_tokenizer(path)
 
 
+@dataclasses.dataclass(frozen=True)
+class Pass1:
+    """What pass 1 gives: each input's scan, and the spill (inputs back to back)."""
+
+    scans: list[FileScan]
+    runs: list[Run]  # the tokens
+    column_runs: dict[str, list[Run]]  # each extra column's values, at the tokens' positions
+
+
 def _read_input(index: int, path: str, fmt: str, options: ReadOptions, spill_dir: str
-                ) -> tuple[FileScan, list[Run]]:
-    """Pass 1 for one input: scans it, its tokens to the spill."""
+                ) -> tuple[FileScan, list[Run], dict[str, list[Run]]]:
+    """Pass 1 for one input: scans it, its tokens (and extra columns) to the spill."""
     tokenizer = _tokenizer(options.tokenizer) if options.tokenizer else None
     sink = SpillWriter(spill_dir, f"in-{index:06d}")
+    columns = {name: SpillWriter(spill_dir, f"in-{index:06d}-c{j}", signed=True)
+               for j, name in enumerate(options.extra_columns)}
     try:
-        scan = scan_file(path, fmt, options, tokenizer, sink)
+        scan = scan_file(path, fmt, options, tokenizer, sink, column_sinks=columns)
     finally:
         runs = sink.close()
-    return scan, runs
+        column_runs = {name: w.close() for name, w in columns.items()}
+    return scan, runs, column_runs
 
 
 def read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str, workers: Workers,
-                progress: Progress | None = None) -> tuple[list[FileScan], list[Run]]:
+                progress: Progress | None = None) -> Pass1:
     """Every input scanned (in parallel), its tokens spilled; scans and runs in input order."""
     if not paths:
         raise InputError("no input files given")
@@ -76,14 +91,16 @@ def read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str, work
         progress.phase("reading", sum(sizes))
     calls = [(i, os.fspath(p), detect_format(os.fspath(p), options.input_format), options,
               spill_dir) for i, p in enumerate(paths)]
-    scans, runs = [], []
+    done = Pass1([], [], {name: [] for name in options.extra_columns})
     delay = delay_seconds()
-    for nbytes, (scan, file_runs) in zip(sizes, workers.map(_read_input, calls, len(calls),
-                                                            what="reading the inputs")):
-        scans.append(scan)
-        runs.extend(file_runs)
+    for nbytes, (scan, runs, column_runs) in zip(sizes, workers.map(
+            _read_input, calls, len(calls), what="reading the inputs")):
+        done.scans.append(scan)
+        done.runs.extend(runs)
+        for name, more in column_runs.items():
+            done.column_runs[name].extend(more)
         if progress:
             progress.advance(nbytes)
         if delay:
             time.sleep(delay)
-    return scans, runs
+    return done

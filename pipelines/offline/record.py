@@ -4,7 +4,7 @@ Both runners build the record with these functions, so their manifests are byte-
 
     inputs_record     how the inputs were read, each input's manifest entry, totals, token dtype
     run_intent        pack_intent.json: the manifest without its results (config, inputs,
-                      writer options, stored keys, shard names, block size)
+                      writer options, stored keys, shard names, block size, extra columns)
     manifest_results  the results a complete manifest adds: stats, the example length histogram
     check_overlength  with overflow="error", the first over-length example named by its file
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -30,7 +30,8 @@ from seqpack.pipelines.formats.inputs import (
     tokenizer_fingerprint,
 )
 from seqpack.pipelines.formats.manifest import Manifest, shard_names
-from seqpack.pipelines.offline.shards import WriteOptions, stored_keys
+from seqpack.pipelines.offline.job import PackJob
+from seqpack.pipelines.offline.shards import row_dtype, stored_keys
 
 _HIST_BINS = 50
 
@@ -59,19 +60,29 @@ def inputs_record(files: list[dict], dtype: np.dtype, options: ReadOptions) -> d
     }
 
 
-def run_intent(config: PackConfig, inputs: dict, options: WriteOptions, num_rows: int,
-               block_size: int) -> Manifest:
-    """What the run writes (``pack_intent.json``: the manifest without its results)."""
+def run_intent(job: PackJob, inputs: dict, num_rows: int,
+               columns: list[dict] | None = None) -> Manifest:
+    """What the run writes (``pack_intent.json``: the manifest without its results);
+    `columns`: the extra columns' entries (`column_entries`)."""
+    options = job.write_options
     return Manifest(
-        config=config.to_dict(),
+        config=job.config.to_dict(),
         inputs=json.loads(json.dumps(inputs)),
         writer_options=options.arrayrecord_options,
-        stored_keys=stored_keys(config, options),
+        stored_keys=stored_keys(job.config, options, [c["name"] for c in columns or []]),
         shard_rows=options.shard_rows,
         num_rows=num_rows,
         shards=shard_names(num_rows, options.shard_rows),
-        plan_block_size=block_size,
+        plan_block_size=job.block_size,
+        columns=columns or None,
     )
+
+
+def column_entries(job: PackJob, dtypes: Mapping[str, np.dtype]) -> list[dict]:
+    """The manifest's ``columns``: each extra column's row key, source field / column, rows'
+    dtype (the inputs', widened to hold its pad) and pad, in `--column` order."""
+    return [{"name": name, "source": name, "dtype": row_dtype(dtypes[name], pad).str, "pad": pad}
+            for name, pad in job.pads.items()]
 
 
 def manifest_results(stats: PackingStats, length_hist: dict) -> dict:

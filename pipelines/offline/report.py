@@ -130,8 +130,10 @@ def plot_stats(path: str, length_hist: dict, per_strategy: dict[str, dict]) -> N
 
 
 def format_row(row: dict[str, np.ndarray], config: PackConfig, *, start: int = 0,
-               count: int | None = None, width: int = 16) -> str:
-    """One packed row: the segment table, then positions [start, start + count) in blocks."""
+               count: int | None = None, width: int = 16,
+               columns: Sequence[str] = ()) -> str:
+    """One packed row: the segment table, then positions [start, start + count) in blocks:
+    tokens, each extra column (`columns`: labels, masks), segment ids, positions."""
     k = config.keys()
     lens = np.asarray(row[k.segment_lengths])
     used = int((lens > 0).sum())
@@ -148,6 +150,7 @@ def format_row(row: dict[str, np.ndarray], config: PackConfig, *, start: int = 0
     lines.append("")
     end = L if count is None else min(L, start + count)
     tok_cols = [("position", np.arange(L)), (k.values, row[k.values]),
+                *((name, row[name]) for name in columns),
                 (k.segment_ids, row[k.segment_ids]), (k.positions, row[k.positions])]
     lines += _block(tok_cols, max(0, start), end, width)
     return "\n".join(lines).rstrip()

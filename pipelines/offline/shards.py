@@ -19,7 +19,7 @@ import dataclasses
 import os
 import secrets
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -55,11 +55,13 @@ class WriteOptions:
         return f"group_size:1,{COMPRESSION[self.compression]}"
 
 
-def stored_keys(config: PackConfig, options: WriteOptions) -> list[str]:
-    """The contract keys each record holds (segment ids / positions only with store_derived)."""
+def stored_keys(config: PackConfig, options: WriteOptions, columns: Sequence[str] = ()
+                ) -> list[str]:
+    """The keys each record holds: the contract's (segment ids / positions only with
+    store_derived), then each extra column's."""
     k = config.keys()
     derived = () if options.store_derived else k.derived
-    return [name for name in k.roles().values() if name not in derived]
+    return [name for name in k.roles().values() if name not in derived] + list(columns)
 
 
 def row_dtype(values_dtype: np.dtype, pad_id: int) -> np.dtype:
@@ -122,11 +124,13 @@ def _fsync(path: str) -> None:
 
 def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndarray] | None,
                 p: PackPlan, config: PackConfig, options: WriteOptions, *, dtype: np.dtype,
-                values: np.ndarray | None = None) -> tuple[int, str]:
+                values: np.ndarray | None = None,
+                columns: Mapping[str, np.ndarray] | None = None) -> tuple[int, str]:
     """Assembles the rows of plan `p` (one shard's rows, numbered from 0) and writes them.
 
     `pieces[i]` holds the tokens of the plan's i-th piece (or `values` the rows' tokens already
-    in place, see `packer.build_rows`). Writes ``name.<attempt>.tmp`` in the output's staging
+    in place, see `packer.build_rows`); `columns` each extra column's `[R, L]` values in place
+    (`packer.fill_rows`). Writes ``name.<attempt>.tmp`` in the output's staging
     directory, published as `name` when complete (a rename, or an upload), then the shard's
     completion record (`name` + ".done": rows, size, sha256); returns (size, sha256). RunFailed
     naming the file when the system refuses the write.
@@ -136,7 +140,7 @@ def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndar
     # (Dataflow's backup tasks); each publishes a complete file under `name`, the same bytes.
     tmp = os.path.join(out.staging(), f"{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     batch = build_rows(pieces, p, config, dtype=dtype, derived=options.store_derived,
-                       values=values)
+                       values=values, columns=columns)
     try:
         _write_records(tmp, RowEncoder(batch).records(batch), options)
         del batch

@@ -36,20 +36,22 @@ class Run:
 
 
 class SpillWriter:
-    """Appends one input's tokens to run files named ``{prefix}-{k}.bin``."""
+    """Appends one input's tokens (or one extra column's values: `signed`) to run files named
+    ``{prefix}-{k}.bin``."""
 
-    def __init__(self, directory: str, prefix: str):
-        self.directory, self.prefix = directory, prefix
+    def __init__(self, directory: str, prefix: str, *, signed: bool = False):
+        self.directory, self.prefix, self.signed = directory, prefix, signed
         self.runs: list[Run] = []
         self._file: BinaryIO | None = None
 
     def __call__(self, tokens: np.ndarray) -> None:
         if not tokens.size:
             return
-        # The narrowest unsigned dtype that holds the ids (they are >= 0), never narrower than
-        # the current run's: a vocabulary under 65536 spills 2 bytes a token whatever its
-        # Parquet type. The rows' dtype is decided elsewhere; the values are the same.
-        need = np.min_scalar_type(int(tokens.max()))
+        # The narrowest dtype that holds the values (unsigned for token ids, >= 0), never
+        # narrower than the current run's: a vocabulary under 65536 spills 2 bytes a token
+        # whatever its Parquet type, labels in [-100, 30000] 2 bytes too. The rows' dtype is
+        # decided elsewhere; the values are the same.
+        need = _narrowest(int(tokens.min()) if self.signed else 0, int(tokens.max()))
         if self.runs and np.dtype(self.runs[-1].dtype).itemsize >= need.itemsize:
             need = np.dtype(self.runs[-1].dtype)
         if need.itemsize < tokens.dtype.itemsize:
@@ -82,6 +84,13 @@ class SpillWriter:
             except OSError as e:
                 raise RunFailed.of(e, f.name, "cannot write the spill of the inputs' tokens") \
                     from None
+
+
+def _narrowest(lo: int, hi: int) -> np.dtype:
+    """The narrowest integer dtype holding [lo, hi]: unsigned when lo >= 0, else signed."""
+    kinds = (np.uint8, np.uint16, np.uint32, np.uint64) if lo >= 0 else \
+        (np.int8, np.int16, np.int32, np.int64)
+    return next(np.dtype(t) for t in kinds if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max)
 
 
 class SpillReader:

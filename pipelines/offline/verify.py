@@ -134,11 +134,13 @@ class _Collector:
         return len(self.items) >= self.limit
 
 
-def _check_tokens(batch, config, spill: SpillReader, offsets, shard, out: _Collector):
-    """Every position of the rows: segment tokens == source tokens (read from the spill;
-    `offsets`: i64[n + 1] of the examples), padding == pad_id. The rows the writer should have
-    written are rebuilt from the segment metadata and compared whole. Returns (example, start,
-    length) of the used slots and the tokens checked."""
+def _check_tokens(batch, config, spills: dict[str, tuple[SpillReader, int]], offsets, shard,
+                  out: _Collector):
+    """Every position of the rows, for the token feature and each extra column: segment values
+    == source values (read from the spill, `spills`: row key -> (reader, pad); `offsets`:
+    i64[n + 1] of the examples), padding == the pad. The rows the writer should have written
+    are rebuilt from the segment metadata and compared whole. Returns (example, start, length)
+    of the used slots and the tokens checked."""
     k = config.keys()
     seg_len = batch[k.segment_lengths].astype(np.int64)
     rows, slots = np.nonzero(seg_len > 0)
@@ -157,23 +159,24 @@ def _check_tokens(batch, config, spill: SpillReader, offsets, shard, out: _Colle
         keep = ~bad
         rows, slots, ex, st, ln, at = (x[keep] for x in (rows, slots, ex, st, ln, at))
     L = config.seq_len
-    got = batch[k.values].reshape(-1)
-    wide = np.uint64 if got.dtype == np.uint64 else np.int64  # no id wraps into the rows' dtype
-    want = np.full(got.size, config.pad_id, wide)
-    spill.read_into(want, rows * L + at, offsets[ex] + st, ln)
-    diff = np.flatnonzero(got.astype(wide, copy=False) != want)
-    if diff.size:
+    for key, (reader, pad) in spills.items():
+        got = batch[key].reshape(-1)
+        wide = np.uint64 if got.dtype == np.uint64 else np.int64  # no value wraps into the rows'
+        want = np.full(got.size, pad, wide)
+        reader.read_into(want, rows * L + at, offsets[ex] + st, ln)
+        diff = np.flatnonzero(got.astype(wide, copy=False) != want)
+        if not diff.size:
+            continue
         r, pos = divmod(int(diff[0]), L)
         mine = np.flatnonzero((rows == r) & (at <= pos) & (pos < at + ln))
+        what = f"{diff.size} positions of {key!r} differ in this shard"
         if mine.size:
             i = int(mine[0])
-            out.add(f"{shard} row {r} slot {slots[i]} position {pos}: token {got[diff[0]]} != "
-                    f"{want[diff[0]]}, token {st[i] + pos - at[i]} of example {ex[i]} "
-                    f"({diff.size} positions differ in this shard)")
+            out.add(f"{shard} row {r} slot {slots[i]} position {pos}: {key} {got[diff[0]]} != "
+                    f"{want[diff[0]]}, value {st[i] + pos - at[i]} of example {ex[i]} ({what})")
         else:
-            out.add(f"{shard} row {r} position {pos}: padding holds token {got[diff[0]]}, "
-                    f"expected pad_id {config.pad_id} ({diff.size} positions differ in this "
-                    "shard)")
+            out.add(f"{shard} row {r} position {pos}: {key} padding holds {got[diff[0]]}, "
+                    f"expected the pad {pad} ({what})")
     return ex, st, ln, int(ln.sum())
 
 
@@ -225,6 +228,8 @@ class _VerifyContext:
     output_dir: str
     config: PackConfig
     runs: list[Run]  # the inputs' tokens, spilled by pass 1
+    columns: list[tuple[str, int, list[Run]]]  # extra columns: name, pad, spill
+    stored_keys: list[str]  # what every record holds (the manifest's)
     offsets_path: str  # i64[n + 1] example offsets (np.save; memory-mapped by the workers)
 
 
@@ -240,18 +245,21 @@ class _ShardCheck:
 
 
 @functools.lru_cache(maxsize=2)
-def _verify_context(path: str) -> tuple[_VerifyContext, SpillReader, np.ndarray]:
+def _verify_context(path: str) -> tuple[_VerifyContext, dict[str, tuple[SpillReader, int]],
+                                        np.ndarray]:
     import pickle
 
     with open(path, "rb") as f:
         context = pickle.load(f)
-    return context, SpillReader(context.runs), np.load(context.offsets_path, mmap_mode="r")
+    spills = {context.config.keys().values: (SpillReader(context.runs), context.config.pad_id)}
+    spills.update((name, (SpillReader(runs), pad)) for name, pad, runs in context.columns)
+    return context, spills, np.load(context.offsets_path, mmap_mode="r")
 
 
 def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int, str],
                  limit: int) -> _ShardCheck:
     """One shard, in a worker: its digest, decoding, the row contract, tokens against the spill."""
-    context, spill, offsets = _verify_context(context_path)
+    context, spills, offsets = _verify_context(context_path)
     config, out = context.config, _Collector(limit)
     found = OutputDir(context.output_dir).digest(name)
     damaged = found is not None and found != tuple(digest)
@@ -268,6 +276,10 @@ def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int,
         return _ShardCheck(out.items, None, None, None)
     if not batch:
         return _ShardCheck(out.items, None, None, None)
+    missing = [key for key in context.stored_keys if key not in batch]
+    if missing:
+        out.add(f"{name}: the rows lack {missing}, which the manifest says every record holds")
+        return _ShardCheck(out.items, None, None, None)
     # Segment ids / positions only where stored (else they are made from what is checked);
     # padding with the tokens, position by position (`_check_tokens`).
     try:
@@ -275,7 +287,7 @@ def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int,
     except ValueError as e:
         out.add(f"{name}: {e}")
     try:  # still compare tokens and count pieces where the segment metadata allows it
-        ex, st, ln, n = _check_tokens(batch, config, spill, offsets, name, out)
+        ex, st, ln, n = _check_tokens(batch, config, spills, offsets, name, out)
     except (IndexError, KeyError, ValueError):
         return _ShardCheck(out.items, None, None, None)
     used, nseg = length_histograms(batch[config.keys().segment_lengths], config.seq_len)
@@ -297,15 +309,18 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
     pool = Workers(workers)
     try:
         with tempfile.TemporaryDirectory(prefix="seqpack-verify-") as spill_dir:
-            scans, runs = read_inputs(paths, options, spill_dir, pool)
+            read = read_inputs(paths, options, spill_dir, pool)
+            scans, columns = read.scans, manifest.columns or []
             lengths = np.concatenate([s.lengths for s in scans])
             _check_inputs(paths, [s.info for s in scans], lengths, manifest, out)
             offsets = np.zeros(lengths.size + 1, np.int64)
             np.cumsum(lengths, out=offsets[1:])
             np.save(os.path.join(spill_dir, "offsets.npy"), offsets)
             del offsets, scans
-            context = _save(spill_dir, _VerifyContext(output_dir, config, runs,
-                                                      os.path.join(spill_dir, "offsets.npy")))
+            context = _save(spill_dir, _VerifyContext(
+                output_dir, config, read.runs,
+                [(c["name"], c["pad"], read.column_runs[c["source"]]) for c in columns],
+                manifest.stored_keys, os.path.join(spill_dir, "offsets.npy")))
             checks = _check_shards(manifest, context, pool, out)
     except BaseException:
         pool.close(kill=True)
