@@ -143,7 +143,7 @@ class OutputDir:
         try:
             fs.pipe(f"{inside}/{name}", data, mode="create")
         except (FileExistsError, OSError) as e:
-            if isinstance(e, FileExistsError) or "precondition" in str(e).lower():
+            if isinstance(e, FileExistsError) or _precondition_failed(e):
                 return False
             raise
         return True
@@ -187,7 +187,7 @@ class OutputDir:
         except FileNotFoundError:
             pass
         except Exception as e:  # noqa: BLE001 - each client has its own precondition error
-            if "412" in str(e) or "precondition" in str(e).lower():
+            if _precondition_failed(e):
                 return False
             raise
         fs.invalidate_cache()
@@ -226,6 +226,12 @@ class OutputDir:
             shutil.rmtree(self._stage, ignore_errors=True)
             self._stage = None
             self._own_stage = False
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """Whether a store refused a conditional write (HTTP 412, in each client's words)."""
+    text = str(e).lower().replace("-", "")
+    return "412" in text or "precondition" in text
 
 
 def _version(info: dict) -> str | None:
