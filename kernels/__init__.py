@@ -1,4 +1,5 @@
-"""Pallas kernels (TPU, GPU) over packed rows: per-segment reduce, gather, broadcast, cross-entropy.
+"""Pallas kernels (TPU, GPU) over packed rows: per-segment reduce, gather, broadcast, cross-entropy,
+and segment attention (`segment_attention`: only the blocks its segments need).
 
 All functions take the packed-row metadata (docs/contract.md), `segment_offsets` / `segment_lengths`
 i32[B, S], and treat every segment as its own example (padding and empty slots excluded). A slot is
@@ -18,6 +19,11 @@ except ImportError as e:  # kernels import nothing from the other layers, so no 
 
 
 from seqpack.kernels import reference
+from seqpack.kernels.attention import (
+    AttentionBlockSizes,
+    GpuAttentionBlockSizes,
+    segment_attention,
+)
 from seqpack.kernels.checks import validate_segments
 from seqpack.kernels.common import GpuBlockSizes, Impl, Normalize, SegmentBlockSizes
 from seqpack.kernels.cross_entropy import CrossEntropyBlockSizes, segment_cross_entropy
@@ -26,13 +32,16 @@ from seqpack.kernels.metadata import segment_metadata
 from seqpack.kernels.segment_ops import segment_broadcast, segment_max, segment_mean, segment_sum
 
 __all__ = [
+    "AttentionBlockSizes",
     "CrossEntropyBlockSizes",
     "GatherBlockSizes",
+    "GpuAttentionBlockSizes",
     "GpuBlockSizes",
     "Impl",
     "Normalize",
     "SegmentBlockSizes",
     "reference",
+    "segment_attention",
     "segment_broadcast",
     "segment_cross_entropy",
     "segment_gather",

@@ -184,11 +184,15 @@ class GpuBlockSizes:
                 raise ValueError(f"{field.name}={value} must be a power of two (Triton tiles)")
 
 
-def pick_block_sizes(block_sizes, impl: Impl, tpu_type: type, name: str):
-    """The block sizes for the resolved `impl`: the family's default when None, else checked."""
+def pick_block_sizes(block_sizes, impl: Impl, tpu_type: type, name: str,
+                     gpu_type: type | None = None):
+    """The block sizes for the resolved `impl`: the family's default when None, else checked.
+
+    gpu_type: the GPU family's block-size class (default GpuBlockSizes).
+    """
     if impl is Impl.REFERENCE:
         return None
-    want = GpuBlockSizes if impl is Impl.PALLAS_GPU else tpu_type
+    want = (gpu_type or GpuBlockSizes) if impl is Impl.PALLAS_GPU else tpu_type
     if block_sizes is None:
         return want()
     if not isinstance(block_sizes, want):
