@@ -220,6 +220,7 @@ def visited_block_pairs(
     v: jax.Array,  # f[B, L, K, D]
     segment_offsets: jax.Array,  # int[B, S]
     segment_lengths: jax.Array,  # int[B, S]
+    do: jax.Array | None = None,  # f[B, L, H, D], the output's cotangent (default ones)
     *,
     causal: bool = True,
     scale: float | None = None,
@@ -227,11 +228,13 @@ def visited_block_pairs(
     interpret: Interpret = False,
     block_sizes: AttentionBlockSizes | GpuAttentionBlockSizes | None = None,
 ) -> dict[str, jax.Array]:
-    """Debug: how many block pairs each kernel computed, counted inside the kernels.
+    """Debug: the kernels' results and how many block pairs each kernel computed.
 
-    Runs the forward and both backward kernels (do = 1) with a counter output: {"fwd": i32[B, H,
-    nq], "dq": i32[B, H, nq'], "dkv": i32[B, K, nk'] (summed over the G query heads of the group),
-    and the schedule's ranges "lo", "hi" (forward), "lo_bwd", "hi_bwd"} for tests and benchmarks.
+    Runs the forward and both backward kernels with a counter output (+1 at every computed step,
+    inside the kernel): {"visits_fwd": i32[B, H, nq], "visits_dq": i32[B, H, nq'],
+    "visits_dkv": i32[B, K, nk'] (summed over the G query heads of the group), the results "o",
+    "dq", "dk", "dv", and the schedule's ranges "lo", "hi" (forward block sizes), "lo_bwd",
+    "hi_bwd"}, for tests and benchmarks.
     """
     setup = _setup(q, k, v, segment_offsets, segment_lengths, causal=causal, scale=scale,
                    impl=impl, interpret=interpret, block_sizes=block_sizes, count_visits=True)
@@ -239,7 +242,9 @@ def visited_block_pairs(
         raise ValueError("visited_block_pairs counts the Pallas kernels' visits; pass "
                          "impl='pallas_tpu' or 'pallas_gpu' (with interpret= on a CPU)")
     sched, cfg = setup
-    o, lse, fwd = _forward(q, k, v, sched, cfg)
-    _, dq, dkv = _backward(q, k, v, o, lse, jnp.ones_like(o), sched, cfg)
-    return {"fwd": fwd, "dq": dq, "dkv": dkv, "lo": sched.lo, "hi": sched.hi,
+    o, lse, visits_fwd = _forward(q, k, v, sched, cfg)
+    do = jnp.ones_like(o) if do is None else do
+    (dq, dk, dv), visits_dq, visits_dkv = _backward(q, k, v, o, lse, do, sched, cfg)
+    return {"visits_fwd": visits_fwd, "visits_dq": visits_dq, "visits_dkv": visits_dkv, "o": o,
+            "dq": dq, "dk": dk, "dv": dv, "lo": sched.lo, "hi": sched.hi,
             "lo_bwd": sched.lo_bwd, "hi_bwd": sched.hi_bwd}
