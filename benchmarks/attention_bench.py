@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import DATA, print_table
+from benchmarks.kernels_bench import time_call
 from seqpack import kernels
 from seqpack.kernels import attention_schedule as sched
 from seqpack.packer import PackConfig, pack_ragged
@@ -174,16 +173,6 @@ def implementations(backend: str, sizes: dict, *, gpu_blocks, tpu_blocks) -> dic
     return impls
 
 
-def time_ms(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def _peak() -> float | None:
     kind = jax.devices()[0].device_kind
     return next((p for name, p in PEAK_BF16.items() if name in kind), None)
@@ -204,8 +193,8 @@ def timing_rows(impls: dict, q, k, v, g, offsets, lengths, repeats: int) -> list
             f = jax.jit(lambda q, k, v, fwd=fwd: fwd(q, k, v, offsets, lengths))
             loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)  # noqa: E731
             both = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-            t_fwd = time_ms(f, q, k, v, repeats=repeats)
-            t_both = time_ms(both, q, k, v, repeats=repeats)
+            t_fwd = time_call(f, q, k, v, repeats=repeats)
+            t_both = time_call(both, q, k, v, repeats=repeats)
             got = np.asarray(f(q, k, v)[:1], np.float32)
             err = float(np.abs(got[0][inside] - want).max() / max(np.abs(want).max(), 1e-30))
         except Exception as e:  # an alternative this backend / jax lacks: say why, go on

@@ -10,6 +10,10 @@ on TPU, the GPU (Triton) kernels on GPU, the jnp reference elsewhere; see common
 `interpret=` (True, or `pltpu.InterpretParams()` for the TPU kernels) to run either Pallas family
 on CPU. Every function is jitted (options static) and differentiable. `validate_segments` checks
 metadata values before jit. kernels/reference.py holds the pure-jnp references.
+
+Files: per op a public module with checks, dispatch and the custom VJP (segment_ops.py, gather.py,
+cross_entropy.py, attention.py) and beside it its kernels, <op>_tpu.py (Mosaic) and <op>_gpu.py
+(Triton); metadata.py puts the row metadata in each family's layout (common.py says more).
 """
 
 try:

@@ -52,18 +52,27 @@ class AttentionBlockSizes:
     kernel). 256 x 256 keeps the f32 score tile (256 KiB) and a (256, D) f32 accumulator far inside
     scoped VMEM, while chat segments (~380 tokens) still leave most of the triangle unvisited
     (benchmarks/attention_bench.py tabulates visited pairs per block size). Not yet tuned on TPU.
+
+    narrow_steps: the step axis of a grid is static, L / b, and steps past a range only cost the
+    grid loop (no copy, no compute), but L / b of them per block add up; when L / b is larger,
+    a second grid of `narrow_steps` steps is compiled and runs (`lax.cond`) whenever every range
+    of the batch fits it: ranges of up to 8 blocks of 256 hold segments of ~1.8k tokens. None:
+    the full grid only.
     """
 
     block_q: int = 256
     block_kv: int = 256
     block_q_bwd: int = 256
     block_kv_bwd: int = 256
+    narrow_steps: int | None = 8
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
+            value = getattr(self, name)
             if value <= 0 or value % LANES:
-                raise ValueError(f"{field.name}={value} must be a positive multiple of {LANES}")
+                raise ValueError(f"{name}={value} must be a positive multiple of {LANES}")
+        if self.narrow_steps is not None and self.narrow_steps < 1:
+            raise ValueError(f"narrow_steps={self.narrow_steps} must be >= 1 (or None)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,12 +168,13 @@ def _config(q, k, *, causal, scale, blocks, interpret, impl, count_visits) -> At
     else:
         fit = lambda b: min(b, round_up(seq_len, LANES))  # noqa: E731
         gpu = None
+    narrow = None if gpu is not None else blocks.narrow_steps
     return AttentionConfig(
         seq_len=seq_len, heads=heads, kv_heads=k.shape[2], head_dim=dim, causal=causal,
         scale=float(dim**-0.5 if scale is None else scale), block_q=fit(blocks.block_q),
         block_kv=fit(blocks.block_kv), block_q_bwd=fit(blocks.block_q_bwd),
         block_kv_bwd=fit(blocks.block_kv_bwd), interpret=interpret, gpu=gpu,
-        count_visits=count_visits)
+        narrow_steps=narrow, count_visits=count_visits)
 
 
 def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, interpret,

@@ -55,6 +55,14 @@ def _tile(ref, b, head, base, n, ok, d_ok, dp):
                       mask=ok[:, None] & d_ok[None, :], other=0.0)
 
 
+def _query_block(start_ref, end_ref, q_ref, b, h, i, bq: int, cfg: AttentionConfig):
+    """Positions, segment bounds, in-segment flags and the q tile of query block i of head h."""
+    dp, d_ok = _dims(cfg)
+    q_pos, q_start, q_ok = _rows(start_ref, b, i * bq, bq)
+    q_end = end_ref[b, pl.ds(i * bq, bq)]
+    return q_pos, q_start, q_end, q_ok, _tile(q_ref, b, h, i * bq, bq, q_ok, d_ok, dp)
+
+
 def _allowed(q_pos, q_start, q_end, k_pos, causal: bool):
     allowed = (k_pos[None, :] >= q_start[:, None]) & (k_pos[None, :] < q_end[:, None])
     return allowed & (k_pos[None, :] <= q_pos[:, None]) if causal else allowed
@@ -68,9 +76,7 @@ def _forward_kernel(lo_ref, hi_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_r
     bq, bk = cfg.block_q, cfg.block_kv
     dp, d_ok = _dims(cfg)
     kh = lax.div(h, cfg.groups)
-    q_pos, q_start, q_ok = _rows(start_ref, b, i * bq, bq)
-    q_end = end_ref[b, pl.ds(i * bq, bq)]
-    q = _tile(q_ref, b, h, i * bq, bq, q_ok, d_ok, dp)
+    q_pos, q_start, q_end, _, q = _query_block(start_ref, end_ref, q_ref, b, h, i, bq, cfg)
 
     def body(kb, carry):
         acc, m, total, n = carry
@@ -106,9 +112,7 @@ def _dq_kernel(lo_ref, hi_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, 
     bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
     dp, d_ok = _dims(cfg)
     kh = lax.div(h, cfg.groups)
-    q_pos, q_start, q_ok = _rows(start_ref, b, i * bq, bq)
-    q_end = end_ref[b, pl.ds(i * bq, bq)]
-    q = _tile(q_ref, b, h, i * bq, bq, q_ok, d_ok, dp)
+    q_pos, q_start, q_end, q_ok, q = _query_block(start_ref, end_ref, q_ref, b, h, i, bq, cfg)
     do = _tile(do_ref, b, h, i * bq, bq, q_ok, d_ok, dp)
     lse = plgpu.load(lse_ref.at[b, h, pl.ds(i * bq, bq)], mask=q_ok, other=0.0)
     di = plgpu.load(di_ref.at[b, h, pl.ds(i * bq, bq)], mask=q_ok, other=0.0)
@@ -145,9 +149,7 @@ def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, start_ref, end_ref, q_ref, k_r
 
     def pair(h, i, carry):
         dk, dv, n = carry
-        q_pos, q_start, q_ok = _rows(start_ref, b, i * bq, bq)
-        q_end = end_ref[b, pl.ds(i * bq, bq)]
-        q = _tile(q_ref, b, h, i * bq, bq, q_ok, d_ok, dp)
+        q_pos, q_start, q_end, q_ok, q = _query_block(start_ref, end_ref, q_ref, b, h, i, bq, cfg)
         do = _tile(do_ref, b, h, i * bq, bq, q_ok, d_ok, dp)
         lse = plgpu.load(lse_ref.at[b, h, pl.ds(i * bq, bq)], mask=q_ok, other=0.0)
         di = plgpu.load(di_ref.at[b, h, pl.ds(i * bq, bq)], mask=q_ok, other=0.0)

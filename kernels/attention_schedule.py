@@ -66,6 +66,7 @@ class AttentionConfig:
     block_kv_bwd: int
     interpret: Interpret
     gpu: tuple[int, int] | None = None  # (num_warps, num_stages) of the Triton kernels
+    narrow_steps: int | None = None  # TPU: the narrow grid's steps (AttentionBlockSizes)
     count_visits: bool = False  # kernels also return how many block pairs they computed (tests)
 
     @property

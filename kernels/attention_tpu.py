@@ -1,12 +1,14 @@
 """Pallas TPU (Mosaic) forward kernel of segment attention: flash attention over the schedule.
 
-Grid `(B, H, nq, nk)`, semantics ("parallel", "parallel", "parallel", "arbitrary"); nq = L / bq
-query blocks, and a key axis of nk = L / bk steps (static: the longest range is data). The
+Grid `(B, H, nq, W)`, semantics ("parallel", "parallel", "parallel", "arbitrary"); nq = L / bq
+query blocks, and a static key axis of W steps: W = nk = L / bk always fits a range, and when
+`narrow_steps` < nk a second grid of W = narrow_steps is compiled too and runs (`lax.cond`)
+whenever the batch's longest range fits it, so short segments do not pay for L / bk steps. The
 block schedule (attention_schedule.py: key blocks [lo_i, hi_i) of query block i) is
 scalar-prefetched into SMEM, so the key/value index maps are data-dependent: step j of query
 block i loads key block lo_i + j while j < hi_i - lo_i, and the range's last block again for the
 steps past it, so the block index repeats and Pallas issues no copy; `pl.when` skips their
-compute. Worked example, one row, L = 16, bq = bk = 4 (the schedule module's), nk = 4 steps:
+compute. Worked example, one row, L = 16, bq = bk = 4 (the schedule module's), W = nk = 4:
 
     query block  [lo, hi)   key block at steps j = 0 1 2 3   computed   copies
     0            [0, 1)                         0 0 0 0      j = 0      1
@@ -104,6 +106,15 @@ def rows_in_segments(start_ref, base: jax.Array, rows: int) -> jax.Array:  # boo
     return start_ref[...] <= base + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
 
 
+def range_step(lo_ref, hi_ref, num_q_blocks: int):
+    """(query block i, step j, the range's first key block lo, whether step j computes) of a
+    (B, H, nq, W) grid step over the scalar-prefetched ranges."""
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    idx = b * num_q_blocks + i
+    lo = lo_ref[idx]
+    return i, j, lo, j < hi_ref[idx] - lo
+
+
 def count_visit(visits_ref, first: jax.Array, computed: jax.Array) -> None:
     """Debug counter: zeroed at `first`, +1 on every computed step."""
     if visits_ref is None:
@@ -119,15 +130,12 @@ def count_visit(visits_ref, first: jax.Array, computed: jax.Array) -> None:
 
 
 def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, qe_ref, ks_ref, o_ref, lse_ref,
-                    *rest, cfg: AttentionConfig) -> None:
+                    *rest, cfg: AttentionConfig, steps: int) -> None:
     # lo, hi SMEM i32[B * nq]; q [bq, D]; k, v [bk, D]; qs, qe i32[bq, 1]; ks i32[bk, 1];
     # o [bq, D]; lse f32[bq, 1]; rest: (visits i32[8, 128]), m, l f32[bq, 1], acc f32[bq, D]
     visits_ref, (m_ref, l_ref, acc_ref) = (rest[0] if cfg.count_visits else None), rest[-3:]
-    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     bq, bk = cfg.block_q, cfg.block_kv
-    idx = b * cfg.blocks(bq) + i
-    lo = lo_ref[idx]
-    computed = j < hi_ref[idx] - lo
+    i, j, lo, computed = range_step(lo_ref, hi_ref, cfg.blocks(bq))
     count_visit(visits_ref, j == 0, computed)
 
     @pl.when(j == 0)
@@ -152,7 +160,7 @@ def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, qe_ref, ks_ref,
         acc_ref[...] = alpha * acc_ref[...] + pv
         m_ref[...] = m_new
 
-    @pl.when(j == cfg.blocks(bk) - 1)
+    @pl.when(j == steps - 1)
     def _finish():
         seen = l_ref[...] > 0.0
         total = jnp.where(seen, l_ref[...], 1.0)
@@ -160,8 +168,22 @@ def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, qe_ref, ks_ref,
         lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(total), 0.0)
 
 
+def narrow_or_full(call, counts: jax.Array, full: int, cfg: AttentionConfig):
+    """call(steps) with the full step axis, or (cfg.narrow_steps < full) a `lax.cond` between a
+    grid of narrow_steps steps, taken when every range (`counts`) fits, and the full one."""
+    narrow = cfg.narrow_steps
+    if narrow is None or narrow >= full:
+        return call(full)
+    return lax.cond(jnp.max(counts) <= narrow, lambda: call(narrow), lambda: call(full))
+
+
 def forward(q, k, v, sched: Schedule, cfg: AttentionConfig):
     """-> o [B, L, H, D], lse f32[B, H, L, 1] (and visits i32[B, H, nq] when counting)."""
+    call = functools.partial(_forward_call, q, k, v, sched, cfg)
+    return narrow_or_full(call, sched.hi - sched.lo, cfg.blocks(cfg.block_kv), cfg)
+
+
+def _forward_call(q, k, v, sched: Schedule, cfg: AttentionConfig, steps: int):
     batch = q.shape[0]
     bq, bk = cfg.block_q, cfg.block_kv
     nq, nk, groups = cfg.blocks(bq), cfg.blocks(bk), cfg.groups
@@ -186,11 +208,11 @@ def forward(q, k, v, sched: Schedule, cfg: AttentionConfig):
     start, end = sched.start[:, :, None], sched.end[:, :, None]
     useful = 4 * batch * cfg.heads * cfg.seq_len**2 * cfg.head_dim // (2 if cfg.causal else 1)
     outs = pl.pallas_call(
-        functools.partial(_forward_kernel, cfg=cfg),
+        functools.partial(_forward_kernel, cfg=cfg, steps=steps),
         out_shape=out_shapes,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(batch, cfg.heads, nq, nk),
+            grid=(batch, cfg.heads, nq, steps),
             in_specs=[q_spec, head_spec(cfg, bk, kv_index), head_spec(cfg, bk, kv_index),
                       q_bounds, q_bounds, column(bk, kv_bounds_index)],
             out_specs=out_specs,

@@ -3,12 +3,13 @@
 Both recompute `p = exp(s - lse)` from the forward's logsumexp and use `di = rowsum(do * o)`
 (jnp, f32); `ds = p * (do v^T - di)`. They visit exactly the forward's pairs of blocks (with the
 backward block sizes), skipping the others the same way: data-dependent index maps over a static
-step axis that repeat the range's last block (no copy) and `pl.when` around the compute.
+step axis of W steps (L / b, or the narrow grid when the ranges fit: attention_tpu.py) that
+repeat the range's last block (no copy), and `pl.when` around the compute.
 
-    dq   grid (B, H, nq, nk), ("parallel",) * 3 + ("arbitrary",): step j of query block i
+    dq   grid (B, H, nq, W), ("parallel",) * 3 + ("arbitrary",): step j of query block i
          visits key block lo_i + j (attention_tpu.py's schedule); dq += ds k * scale, in f32
          VMEM scratch, written at the last step.
-    dkv  grid (B, K, nk, G, nq), ("parallel",) * 3 + ("arbitrary",) * 2: key block k of key head
+    dkv  grid (B, K, nk, G, W), ("parallel",) * 3 + ("arbitrary",) * 2: key block k of key head
          kh is resident over the G query heads of its group and step j visits query block
          qlo_k + j of `transpose_ranges` (computed only if lo_i <= k < hi_i, so an empty query
          block inside the range costs no compute either). It works transposed, keys on rows
@@ -42,21 +43,20 @@ from seqpack.kernels.attention_tpu import (
     from_kernel,
     head_spec,
     kernel_shape,
+    narrow_or_full,
     pair_mask,
+    range_step,
     rows_in_segments,
     to_kernel,
 )
 
 
 def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, qs_ref, qe_ref,
-               ks_ref, dq_ref, *rest, cfg: AttentionConfig) -> None:
+               ks_ref, dq_ref, *rest, cfg: AttentionConfig, steps: int) -> None:
     # q, do, dq [bq, D]; k, v [bk, D]; lse, di f32[bq, 1]; qs, qe i32[bq, 1]; ks i32[bk, 1]
     visits_ref, acc_ref = (rest[0] if cfg.count_visits else None), rest[-1]
-    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
-    idx = b * cfg.blocks(bq) + i
-    lo = lo_ref[idx]
-    computed = j < hi_ref[idx] - lo
+    i, j, lo, computed = range_step(lo_ref, hi_ref, cfg.blocks(bq))
     count_visit(visits_ref, j == 0, computed)
 
     @pl.when(j == 0)
@@ -75,14 +75,14 @@ def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, qs_
         acc_ref[...] += lax.dot_general(ds.astype(k.dtype), k, NN,
                                         preferred_element_type=jnp.float32)
 
-    @pl.when(j == cfg.blocks(bk) - 1)
+    @pl.when(j == steps - 1)
     def _finish():
         dq_ref[...] = (acc_ref[...] * cfg.scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref,
                 qs_row_ref, qe_row_ref, qs_ref, dk_ref, dv_ref, *rest,
-                cfg: AttentionConfig) -> None:
+                cfg: AttentionConfig, steps: int) -> None:
     # q, do [bq, D]; k, v, dk, dv [bk, D]; lse, di f32[1, bq]; qs_row, qe_row i32[1, bq];
     # qs i32[bq, 1]; rest: (visits), dk_acc, dv_acc f32[bk, D]
     visits_ref, (dk_acc, dv_acc) = (rest[0] if cfg.count_visits else None), rest[-2:]
@@ -119,13 +119,13 @@ def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, l
         dk_acc[...] += lax.dot_general(dst.astype(q.dtype), q, NN,
                                        preferred_element_type=jnp.float32)
 
-    @pl.when((g == cfg.groups - 1) & (j == nq - 1))
+    @pl.when((g == cfg.groups - 1) & (j == steps - 1))
     def _finish():
         dk_ref[...] = (dk_acc[...] * cfg.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _dq(q, k, v, do, lse, di, sched: Schedule, cfg: AttentionConfig):
+def _dq(q, k, v, do, lse, di, sched: Schedule, cfg: AttentionConfig, steps: int):
     batch = q.shape[0]
     bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
     nq, nk, groups = cfg.blocks(bq), cfg.blocks(bk), cfg.groups
@@ -147,11 +147,11 @@ def _dq(q, k, v, do, lse, di, sched: Schedule, cfg: AttentionConfig):
                                       lambda b, h, i, j, *_: (b, h, i, 0)))
     start, end = sched.start[:, :, None], sched.end[:, :, None]
     outs = pl.pallas_call(
-        functools.partial(_dq_kernel, cfg=cfg),
+        functools.partial(_dq_kernel, cfg=cfg, steps=steps),
         out_shape=out_shapes,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(batch, cfg.heads, nq, nk),
+            grid=(batch, cfg.heads, nq, steps),
             in_specs=[q_spec, kv_spec, kv_spec, q_spec, column, column, q_bounds, q_bounds,
                       k_bounds],
             out_specs=out_specs,
@@ -166,7 +166,7 @@ def _dq(q, k, v, do, lse, di, sched: Schedule, cfg: AttentionConfig):
     return outs if cfg.count_visits else (outs[0],)
 
 
-def _dkv(q, k, v, do, lse_row, di_row, sched: Schedule, cfg: AttentionConfig):
+def _dkv(q, k, v, do, lse_row, di_row, sched: Schedule, cfg: AttentionConfig, steps: int):
     batch = q.shape[0]
     bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
     nq, nk, groups = cfg.blocks(bq), cfg.blocks(bk), cfg.groups
@@ -193,11 +193,11 @@ def _dkv(q, k, v, do, lse_row, di_row, sched: Schedule, cfg: AttentionConfig):
                                       lambda b, kh, kb, g, j, *_: (b, kh, kb, 0)))
     start, end = sched.start[:, None, :], sched.end[:, None, :]
     return pl.pallas_call(
-        functools.partial(_dkv_kernel, cfg=cfg),
+        functools.partial(_dkv_kernel, cfg=cfg, steps=steps),
         out_shape=out_shapes,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
-            grid=(batch, cfg.kv_heads, nk, groups, nq),
+            grid=(batch, cfg.kv_heads, nk, groups, steps),
             in_specs=[q_spec, kv_spec, kv_spec, q_spec, row, row, q_bounds_row, q_bounds_row,
                       q_bounds],
             out_specs=out_specs,
@@ -221,9 +221,12 @@ def backward(q, k, v, o, lse, do, sched: Schedule, cfg: AttentionConfig):
     di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, L, H]
     di = di.transpose(0, 2, 1)[..., None]  # [B, H, L, 1]
     qk, kk, vk, dok = (to_kernel(x, cfg) for x in (q, k, v, do))
-    dq_out = _dq(qk, kk, vk, dok, lse, di, sched, cfg)
+    dq_out = narrow_or_full(functools.partial(_dq, qk, kk, vk, dok, lse, di, sched, cfg),
+                            sched.hi_bwd - sched.lo_bwd, cfg.blocks(cfg.block_kv_bwd), cfg)
     row = lambda x: x.reshape(batch, cfg.heads, 1, cfg.seq_len)  # noqa: E731
-    dkv_out = _dkv(qk, kk, vk, dok, row(lse), row(di), sched, cfg)
+    dkv_out = narrow_or_full(
+        functools.partial(_dkv, qk, kk, vk, dok, row(lse), row(di), sched, cfg),
+        sched.qhi_bwd - sched.qlo_bwd, cfg.blocks(cfg.block_q_bwd), cfg)
     grads = (from_kernel(dq_out[0], cfg), from_kernel(dkv_out[0], cfg),
              from_kernel(dkv_out[1], cfg))
     if cfg.count_visits:

@@ -159,8 +159,10 @@ def test_head_layouts(family, heads, kv_heads, dim):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("blocks", [
-    kernels.GpuAttentionBlockSizes(16, 64, 64, 16), kernels.GpuAttentionBlockSizes(64, 16, 16, 32),
-    kernels.AttentionBlockSizes(128, 256, 256, 128), kernels.AttentionBlockSizes(256, 128, 128, 256),
+    kernels.GpuAttentionBlockSizes(16, 64, 64, 16),
+    kernels.GpuAttentionBlockSizes(64, 16, 16, 32),
+    kernels.AttentionBlockSizes(128, 256, 256, 128),
+    kernels.AttentionBlockSizes(256, 128, 128, 256),
 ])
 def test_unequal_block_sizes(blocks):
     """bq != bk: ranges may hold key blocks of padding only, and the dk/dv kernel's query ranges
@@ -175,6 +177,23 @@ def test_unequal_block_sizes(blocks):
     np.testing.assert_array_equal(np.asarray(counted["visits_fwd"])[:, 0], fwd)
     np.testing.assert_array_equal(np.asarray(counted["visits_dq"])[:, 0], dq)
     np.testing.assert_array_equal(np.asarray(counted["visits_dkv"])[:, 0], dkv)
+
+
+@pytest.mark.slow
+def test_tpu_narrow_grid():
+    """narrow_steps = 1: row 0's ranges all hold one block (the narrow grid runs); with row 3 (a
+    range of two) the full grid runs. Same values and counts either way."""
+    blocks = kernels.AttentionBlockSizes(128, 128, 128, 128, narrow_steps=1)
+    for rows in ([ROWS[0]], TPU_ROWS):
+        args, outside = _inputs(F32, rows=rows)
+        counted = jax.tree.map(np.asarray, attention.visited_block_pairs(
+            *args, **dict(TPU, block_sizes=blocks)))
+        _assert_matches([counted[n] for n in ("o", "dq", "dk", "dv")],
+                        _fn("reference", True)(*args), F32, outside)
+        fwd, dq, dkv = _expected_visits(counted, H // K)
+        np.testing.assert_array_equal(counted["visits_fwd"][:, 0], fwd)
+        np.testing.assert_array_equal(counted["visits_dq"][:, 0], dq)
+        np.testing.assert_array_equal(counted["visits_dkv"][:, 0], dkv)
 
 
 @pytest.mark.slow
@@ -212,14 +231,18 @@ def _loss(q, k, v, offsets, lengths, **kw):
 
 @pytest.mark.parametrize("dim", [128, pytest.param(64, marks=pytest.mark.slow)])
 def test_lowers_for_tpu(dim):
-    """Mosaic block-shape rules, forward and backward (D = 128: folded heads; 64: head-major)."""
-    q = jnp.zeros((2, 1000, 8, dim), jnp.bfloat16)
-    kv = jnp.zeros((2, 1000, 2, dim), jnp.bfloat16)
-    meta = jnp.zeros((2, 16), jnp.int32)
-    for causal in (True, False):
-        grad = jax.grad(functools.partial(_loss, impl="pallas_tpu", causal=causal), (0, 1, 2))
-        text = lower_tpu(grad, q, kv, kv, meta, meta).as_text()
-        assert text.count("tpu_custom_call") == 3  # forward, dq, dk/dv
+    """Mosaic block-shape rules, forward and backward (D = 128: folded heads; 64: head-major).
+
+    L = 1000: one grid per kernel; L = 4096 (16 blocks of 256 > narrow_steps = 8): a narrow and a
+    full grid per kernel."""
+    for seq_len, kernels_per_pass in ((1000, 1), (4096, 2)):
+        q = jnp.zeros((2, seq_len, 8, dim), jnp.bfloat16)
+        kv = jnp.zeros((2, seq_len, 2, dim), jnp.bfloat16)
+        meta = jnp.zeros((2, 16), jnp.int32)
+        for causal in (True, False):
+            grad = jax.grad(functools.partial(_loss, impl="pallas_tpu", causal=causal), (0, 1, 2))
+            text = lower_tpu(grad, q, kv, kv, meta, meta).as_text()
+            assert text.count("tpu_custom_call") == 3 * kernels_per_pass  # forward, dq, dk/dv
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(F32, marks=pytest.mark.slow)])
@@ -254,6 +277,8 @@ def test_input_checks():
                block_sizes=kernels.AttentionBlockSizes())
     with pytest.raises(ValueError, match="block_kv=100 must be a positive multiple of 128"):
         kernels.AttentionBlockSizes(block_kv=100)
+    with pytest.raises(ValueError, match="narrow_steps=0 must be >= 1"):
+        kernels.AttentionBlockSizes(narrow_steps=0)
     with pytest.raises(ValueError, match="block_q=8 must be a power of two >= 16"):
         kernels.GpuAttentionBlockSizes(block_q=8)
     with pytest.raises(ValueError, match="counts the Pallas kernels"):
