@@ -115,6 +115,12 @@ def range_step(lo_ref, hi_ref, num_q_blocks: int):
     return i, j, lo, j < hi_ref[idx] - lo
 
 
+def visit_output(batch: int, heads: int, blocks: int, index):
+    """Shape and BlockSpec of the debug counter: one (8, 128) i32 tile per (row, head, block)."""
+    return (jax.ShapeDtypeStruct((batch, heads, blocks * VISIT_TILE[0], VISIT_TILE[1]), jnp.int32),
+            pl.BlockSpec((None, None, *VISIT_TILE), index))
+
+
 def count_visit(visits_ref, first: jax.Array, computed: jax.Array) -> None:
     """Debug counter: zeroed at `first`, +1 on every computed step."""
     if visits_ref is None:
@@ -202,9 +208,9 @@ def _forward_call(q, k, v, sched: Schedule, cfg: AttentionConfig, steps: int):
                   jax.ShapeDtypeStruct((batch, cfg.heads, cfg.seq_len, 1), jnp.float32)]
     out_specs = [q_spec, pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j, *_: (b, h, i, 0))]
     if cfg.count_visits:
-        out_shapes.append(jax.ShapeDtypeStruct((batch, cfg.heads, nq * 8, 128), jnp.int32))
-        out_specs.append(pl.BlockSpec((None, None, *VISIT_TILE),
-                                      lambda b, h, i, j, *_: (b, h, i, 0)))
+        shape, spec = visit_output(batch, cfg.heads, nq, lambda b, h, i, j, *_: (b, h, i, 0))
+        out_shapes.append(shape)
+        out_specs.append(spec)
     start, end = sched.start[:, :, None], sched.end[:, :, None]
     useful = 4 * batch * cfg.heads * cfg.seq_len**2 * cfg.head_dim // (2 if cfg.causal else 1)
     outs = pl.pallas_call(

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -38,7 +37,6 @@ from seqpack.kernels.attention_schedule import AttentionConfig, Schedule, step_b
 from seqpack.kernels.attention_tpu import (
     NN,
     NT,
-    VISIT_TILE,
     count_visit,
     from_kernel,
     head_spec,
@@ -48,6 +46,7 @@ from seqpack.kernels.attention_tpu import (
     range_step,
     rows_in_segments,
     to_kernel,
+    visit_output,
 )
 
 
@@ -142,9 +141,9 @@ def _dq(q, k, v, do, lse, di, sched: Schedule, cfg: AttentionConfig, steps: int)
                                                                       0))
     out_shapes, out_specs = [kernel_shape(cfg, batch, cfg.heads, q.dtype)], [q_spec]
     if cfg.count_visits:
-        out_shapes.append(jax.ShapeDtypeStruct((batch, cfg.heads, nq * 8, 128), jnp.int32))
-        out_specs.append(pl.BlockSpec((None, None, *VISIT_TILE),
-                                      lambda b, h, i, j, *_: (b, h, i, 0)))
+        shape, spec = visit_output(batch, cfg.heads, nq, lambda b, h, i, j, *_: (b, h, i, 0))
+        out_shapes.append(shape)
+        out_specs.append(spec)
     start, end = sched.start[:, :, None], sched.end[:, :, None]
     outs = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg, steps=steps),
@@ -188,9 +187,10 @@ def _dkv(q, k, v, do, lse_row, di_row, sched: Schedule, cfg: AttentionConfig, st
     kv_shape = kernel_shape(cfg, batch, cfg.kv_heads, k.dtype)
     out_shapes, out_specs = [kv_shape, kv_shape], [kv_spec, kv_spec]
     if cfg.count_visits:
-        out_shapes.append(jax.ShapeDtypeStruct((batch, cfg.kv_heads, nk * 8, 128), jnp.int32))
-        out_specs.append(pl.BlockSpec((None, None, *VISIT_TILE),
-                                      lambda b, kh, kb, g, j, *_: (b, kh, kb, 0)))
+        shape, spec = visit_output(batch, cfg.kv_heads, nk,
+                                   lambda b, kh, kb, g, j, *_: (b, kh, kb, 0))
+        out_shapes.append(shape)
+        out_specs.append(spec)
     start, end = sched.start[:, None, :], sched.end[:, None, :]
     return pl.pallas_call(
         functools.partial(_dkv_kernel, cfg=cfg, steps=steps),
