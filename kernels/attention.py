@@ -6,7 +6,8 @@ A token attends to the earlier tokens (causal) or all tokens of its own segment;
 every segment give 0. The kernels visit only the pairs of (query block, key block) that hold
 tokens of one segment (attention_schedule.py: the schedule, its worked example and its bound),
 where a masked kernel computes the whole causal triangle: on chat rows at L = 8192 (mean ~380
-tokens a segment) about a tenth of it at blocks of 128 (benchmarks/attention_bench.py).
+tokens a segment) about an eighth of it at blocks of 128, a thirtieth at L = 32768
+(benchmarks/attention_bench.py).
 
     TPU (Mosaic)   attention_tpu.py (forward), attention_tpu_bwd.py (dq, dk / dv): the schedule
                    is scalar-prefetched; data-dependent index maps repeat the last block of a
