@@ -281,7 +281,10 @@ def main() -> None:
 
     # Interpret-mode callbacks dispatch jax ops themselves; inline CPU dispatch avoids a deadlock
     # between them and queued computations on small machines.
-    jax.config.update("jax_cpu_enable_async_dispatch", False)
+    try:
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    except AttributeError:  # an option this jax (e.g. a device's newer one) does not have
+        pass
     backend = jax.default_backend()
     on_cpu = backend not in ("tpu", "gpu")
     family = args.family or ("gpu" if on_cpu else backend)

@@ -1,8 +1,11 @@
 """A tiny decoder-only transformer in plain JAX that trains on packed rows.
 
-Each packed segment is its own example: attention is causal *within* a segment (segment ids),
-positions restart per segment (the packed rows' positions), and the loss comes from
+Each packed segment is its own example: attention is causal *within* a segment
+(`kernels.segment_attention`, which computes only the blocks the row's segments need), positions
+restart per segment (the packed rows' positions), and the loss comes from
 `kernels.segment_cross_entropy` with next-token targets that never cross a segment boundary.
+Both kernels take the rows' segment offsets and lengths; rows that carry only segment ids (Grain's
+own packers, MaxText) get them from `kernels.segment_metadata` (see `batch_metadata`).
 Parameters are a flat dict of arrays; the optimizer is a small Adam, so the example needs
 nothing beyond jax and numpy.
 """
@@ -16,6 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from seqpack import kernels
+from seqpack.kernels.common import Interpret
+
+AttentionBlocks = kernels.AttentionBlockSizes | kernels.GpuAttentionBlockSizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +32,12 @@ class ModelConfig:
     layers: int = 4
     mlp: int = 512
     max_len: int = 256  # positions are < max_len (the packed seq_len)
+    # kernels.segment_attention options: "auto" runs the Pallas kernels on TPU and GPU and the
+    # jnp reference elsewhere; tests pass a Pallas family with `attention_interpret` on CPU.
+    attention_impl: str = "auto"
+    attention_interpret: Interpret = False
+    attention_block_sizes: AttentionBlocks | None = None
+    max_segments: int = 64  # for rows without offsets / lengths (see batch_metadata)
 
 
 def init_params(key: jax.Array, cfg: ModelConfig) -> dict[str, jax.Array]:
@@ -50,35 +62,36 @@ def _rms_norm(x: jax.Array, w: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * w
 
 
-def attention_mask(segment_ids: jax.Array) -> jax.Array:  # i32[B, L] -> bool[B, 1, L, L]
-    """Causal within a segment; a padding token sees only itself (keeps softmax finite)."""
-    L = segment_ids.shape[-1]
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    causal = jnp.tril(jnp.ones((L, L), bool))
-    real = (segment_ids > 0)[:, :, None]
-    eye = jnp.eye(L, dtype=bool)
-    return ((same & causal & real) | eye)[:, None]
+def attention(
+    q: jax.Array,  # f32[B, L, H, hd]
+    k: jax.Array,  # f32[B, L, H, hd]
+    v: jax.Array,  # f32[B, L, H, hd]
+    segment_offsets: jax.Array,  # i32[B, S]
+    segment_lengths: jax.Array,  # i32[B, S]
+    cfg: ModelConfig,
+) -> jax.Array:  # f32[B, L, H, hd]
+    """Causal attention within each segment; padding tokens get 0."""
+    return kernels.segment_attention(q, k, v, segment_offsets, segment_lengths, causal=True,
+                                     impl=cfg.attention_impl, interpret=cfg.attention_interpret,
+                                     block_sizes=cfg.attention_block_sizes)
 
 
 def forward(
     params: dict[str, jax.Array],
     tokens: jax.Array,  # i32[B, L]
-    segment_ids: jax.Array,  # i32[B, L]
     positions: jax.Array,  # i32[B, L]
+    segment_offsets: jax.Array,  # i32[B, S]
+    segment_lengths: jax.Array,  # i32[B, S]
     cfg: ModelConfig,
 ) -> jax.Array:  # f32[B, L, V]
     B, L = tokens.shape
     hd = cfg.dim // cfg.heads
     x = params["embed"][tokens] + params["pos_embed"][positions]
-    mask = attention_mask(segment_ids)
     for i in range(cfg.layers):
         h = _rms_norm(x, params[f"l{i}.norm1"])
         q, k, v = jnp.split(h @ params[f"l{i}.qkv"], 3, axis=-1)
-        q, k, v = (t.reshape(B, L, cfg.heads, hd).transpose(0, 2, 1, 3) for t in (q, k, v))
-        scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) * hd**-0.5
-        scores = jnp.where(mask, scores, -jnp.inf)
-        att = jax.nn.softmax(scores, axis=-1)
-        o = jnp.einsum("bhqk,bhkd->bhqd", att, v).transpose(0, 2, 1, 3).reshape(B, L, cfg.dim)
+        q, k, v = (t.reshape(B, L, cfg.heads, hd) for t in (q, k, v))
+        o = attention(q, k, v, segment_offsets, segment_lengths, cfg).reshape(B, L, cfg.dim)
         x = x + o @ params[f"l{i}.proj"]
         h = _rms_norm(x, params[f"l{i}.norm2"])
         x = x + jax.nn.gelu(h @ params[f"l{i}.up"]) @ params[f"l{i}.down"]
@@ -93,16 +106,27 @@ def next_token_targets(tokens: jax.Array, segment_ids: jax.Array):
     return targets, (segment_ids > 0) & (nxt == segment_ids)
 
 
+def batch_metadata(batch: dict, cfg: ModelConfig, feature: str = "tokens"):
+    """(segment_offsets, segment_lengths) i32[B, S]: the batch's own, or built from its segment ids
+    (rows of Grain's packers carry only `<feature>_segment_ids`; S = cfg.max_segments)."""
+    if f"{feature}_segment_offsets" in batch:
+        return (jnp.asarray(batch[f"{feature}_segment_offsets"]),
+                jnp.asarray(batch[f"{feature}_segment_lengths"]))
+    return kernels.segment_metadata(jnp.asarray(batch[f"{feature}_segment_ids"]),
+                                    max_segments=cfg.max_segments)
+
+
 def loss_fn(params, batch: dict, cfg: ModelConfig, *, normalize: str = "tokens",
             feature: str = "tokens"):
     """(loss, (per_segment_loss [B, S], per_segment_tokens [B, S])) for a packed batch."""
     tokens = jnp.asarray(batch[feature], jnp.int32)
     seg = jnp.asarray(batch[f"{feature}_segment_ids"])
-    logits = forward(params, tokens, seg, jnp.asarray(batch[f"{feature}_positions"]), cfg)
+    offsets, lengths = batch_metadata(batch, cfg, feature)
+    logits = forward(params, tokens, jnp.asarray(batch[f"{feature}_positions"]), offsets, lengths,
+                     cfg)
     targets, mask = next_token_targets(tokens, seg)
     loss, per_seg, count = kernels.segment_cross_entropy(
-        logits, targets, jnp.asarray(batch[f"{feature}_segment_offsets"]),
-        jnp.asarray(batch[f"{feature}_segment_lengths"]), normalize=normalize, loss_mask=mask,
+        logits, targets, offsets, lengths, normalize=normalize, loss_mask=mask,
     )
     return loss, (per_seg, count)
 

@@ -1,4 +1,5 @@
-"""Pallas kernels (TPU, GPU) over packed rows: per-segment reduce, gather, broadcast, cross-entropy.
+"""Pallas kernels (TPU, GPU) over packed rows: per-segment reduce, gather, broadcast, cross-entropy,
+and segment attention (`segment_attention`: only the blocks its segments need).
 
 All functions take the packed-row metadata (docs/contract.md), `segment_offsets` / `segment_lengths`
 i32[B, S], and treat every segment as its own example (padding and empty slots excluded). A slot is
@@ -9,6 +10,10 @@ on TPU, the GPU (Triton) kernels on GPU, the jnp reference elsewhere; see common
 `interpret=` (True, or `pltpu.InterpretParams()` for the TPU kernels) to run either Pallas family
 on CPU. Every function is jitted (options static) and differentiable. `validate_segments` checks
 metadata values before jit. kernels/reference.py holds the pure-jnp references.
+
+Files: per op a public module with checks, dispatch and the custom VJP (segment_ops.py, gather.py,
+cross_entropy.py, attention.py) and beside it its kernels, <op>_tpu.py (Mosaic) and <op>_gpu.py
+(Triton); metadata.py puts the row metadata in each family's layout (common.py says more).
 """
 
 try:
@@ -18,6 +23,11 @@ except ImportError as e:  # kernels import nothing from the other layers, so no 
 
 
 from seqpack.kernels import reference
+from seqpack.kernels.attention import (
+    AttentionBlockSizes,
+    GpuAttentionBlockSizes,
+    segment_attention,
+)
 from seqpack.kernels.checks import validate_segments
 from seqpack.kernels.common import GpuBlockSizes, Impl, Normalize, SegmentBlockSizes
 from seqpack.kernels.cross_entropy import CrossEntropyBlockSizes, segment_cross_entropy
@@ -26,13 +36,16 @@ from seqpack.kernels.metadata import segment_metadata
 from seqpack.kernels.segment_ops import segment_broadcast, segment_max, segment_mean, segment_sum
 
 __all__ = [
+    "AttentionBlockSizes",
     "CrossEntropyBlockSizes",
     "GatherBlockSizes",
+    "GpuAttentionBlockSizes",
     "GpuBlockSizes",
     "Impl",
     "Normalize",
     "SegmentBlockSizes",
     "reference",
+    "segment_attention",
     "segment_broadcast",
     "segment_cross_entropy",
     "segment_gather",

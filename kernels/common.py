@@ -1,6 +1,12 @@
-"""Shared pieces of the segment kernels: impl dispatch, block sizes, metadata, in-kernel masks.
+"""Shared pieces of the kernels: impl dispatch, block sizes, tile sizes, in-kernel masks.
 
-Every Pallas kernel in this package walks a row of `L` tokens in blocks of `block_tokens` and, for
+Layout of the package: per op a public module with the checks, the dispatch and the custom VJP
+(`segment_ops.py`, `gather.py`, `cross_entropy.py`, `attention.py`), and beside it the kernels of
+each family, `<op>_tpu.py` (Mosaic) and `<op>_gpu.py` (Triton); `metadata.py` prepares the row
+metadata in each family's layout, `checks.py` validates inputs, `reference.py` holds the pure-jnp
+references. This module holds what several of them share.
+
+The segment kernels walk a row of `L` tokens in blocks of `block_tokens` and, for
 each segment `j` (`segment_offsets[j]`, `segment_lengths[j]` read from SMEM), clips the segment to
 the block. Worked example, `block_tokens = 8`, block `t = 1` covers positions 8..15:
 
@@ -25,7 +31,9 @@ from typing import TypeVar
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
 
 # Two i32 arrays of B * S entries are scalar-prefetched into SMEM (1 MiB on TPU v4+, 16 KiB on
 # v2/v3). Keep them to a quarter of the v4+ SMEM so the compiler's own scalars still fit.
@@ -176,11 +184,15 @@ class GpuBlockSizes:
                 raise ValueError(f"{field.name}={value} must be a power of two (Triton tiles)")
 
 
-def pick_block_sizes(block_sizes, impl: Impl, tpu_type: type, name: str):
-    """The block sizes for the resolved `impl`: the family's default when None, else checked."""
+def pick_block_sizes(block_sizes, impl: Impl, tpu_type: type, name: str,
+                     gpu_type: type | None = None):
+    """The block sizes for the resolved `impl`: the family's default when None, else checked.
+
+    gpu_type: the GPU family's block-size class (default GpuBlockSizes).
+    """
     if impl is Impl.REFERENCE:
         return None
-    want = GpuBlockSizes if impl is Impl.PALLAS_GPU else tpu_type
+    want = (gpu_type or GpuBlockSizes) if impl is Impl.PALLAS_GPU else tpu_type
     if block_sizes is None:
         return want()
     if not isinstance(block_sizes, want):
@@ -219,17 +231,6 @@ def feature_block(dim: int, requested: int) -> int:
     return requested // LANES * LANES
 
 
-def flat_metadata(
-    segment_offsets: jax.Array,  # int[B, S]
-    segment_lengths: jax.Array,  # int[B, S]
-) -> tuple[jax.Array, jax.Array]:
-    """1-D i32 copies for SMEM (2-D SMEM arrays pad their minor dimension to 128 words)."""
-    return (
-        segment_offsets.astype(jnp.int32).reshape(-1),
-        segment_lengths.astype(jnp.int32).reshape(-1),
-    )
-
-
 def cdiv_nonneg(a: jax.Array, b: int) -> jax.Array:
     """ceil(a / b) for a >= 0, without the `sign` op `//` lowers through."""
     return lax.div(a + (b - 1), b)
@@ -247,21 +248,6 @@ def block_interval(
     lo = jnp.clip(start - base, 0, block)
     hi = jnp.clip(end - base, 0, block)
     return lo, hi
-
-
-def row_ends(
-    segment_offsets: jax.Array,  # int[B, S]
-    segment_lengths: jax.Array,  # int[B, S]
-    seq_len: int,
-) -> jax.Array:  # i32[B]
-    """Used length of each row: the largest end of a non-empty slot, within [0, L].
-
-    Slots with length 0 are ignored whatever their offset (cu_seqlens-style metadata often pads
-    them with offset 0), and slot order does not matter.
-    """
-    ends = segment_offsets.astype(jnp.int32) + segment_lengths.astype(jnp.int32)
-    used = jnp.max(jnp.where(segment_lengths > 0, ends, 0), axis=1)
-    return jnp.clip(used, 0, seq_len)
 
 
 def last_used_block(ends_ref, row: jax.Array, block: int):
@@ -301,3 +287,29 @@ def target_position(
     index = k if k >= 0 else length + k
     valid = (length > 0) & (index >= 0) & (index < length)
     return jnp.clip(offset + index, 0, seq_len - 1), valid
+
+
+# -- GPU (Triton) helpers -------------------------------------------------------------------------
+def tile(size: int, requested: int) -> int:
+    """A power-of-two tile edge: `requested`, or `size` rounded up to a power of two if smaller."""
+    return min(requested, next_power_of_two(size))
+
+
+def slot_membership(offsets_ref, lengths_ref, row, positions):
+    """[n, sp] bool: position i lies in slot j of `row` (slots of length 0 cover nothing)."""
+    sp = offsets_ref.shape[1]
+    starts = offsets_ref[row, pl.ds(0, sp)]
+    ends = starts + lengths_ref[row, pl.ds(0, sp)]
+    pos = positions[:, None]
+    return (pos >= starts[None, :]) & (pos < ends[None, :])
+
+
+def first_slot(member):
+    """[n, sp] membership -> [n] i32 index of the first covering slot, sp where none covers."""
+    sp = member.shape[1]
+    slots = lax.broadcasted_iota(jnp.int32, member.shape, 1)
+    return jnp.min(jnp.where(member, slots, sp), axis=1)
+
+
+def compiler_params(blocks: GpuBlockSizes) -> plgpu.CompilerParams:
+    return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2)

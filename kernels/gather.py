@@ -1,21 +1,11 @@
-"""Pallas TPU kernel picking one token per segment (first, last or k-th): pooling for heads.
+"""Public segment_gather: one token per segment (first, last or k-th), with its custom VJP.
 
-Grid `(B, D / bd, S)`, all "parallel". The x BlockSpec's index map is data-dependent: it reads the
-slot's offset and length from the scalar-prefetched SMEM metadata, computes the picked position
-`p` (`common.target_position`) and loads the `rows`-row tile holding it, `(b, p // rows, d)`. The
-kernel keeps row `p % rows` with an iota mask (a sum over one kept row and zeros, exact in f32),
-so no dynamic sublane indexing is needed. `rows` is the dtype's native tile height (8 for 32-bit,
-16 for 16-bit): the smallest block Mosaic accepts, so each step moves rows x bd elements. When
-consecutive slots pick from the same tile, the block index repeats and Pallas skips the DMA.
+    segment_gather   x f[B, L(, D)] -> f[B, S(, D)]
+    VJP              dx = the cotangent scattered back to the picked tokens: the broadcast kernel
+                     over one-token "segments" [p, p + 1) (0 elsewhere)
 
-Example, rows = 8, position = "last", slots (offset, length) = (0, 5), (5, 7), (12, 0):
-
-    slot 0: p = 4   tile 0, row 4
-    slot 1: p = 11  tile 1, row 3
-    slot 2: empty   tile of p = clip(12 - 1) = 11, output 0
-
-The VJP scatters the cotangent back with the broadcast kernel over one-token "segments" [p, p + 1).
-On GPU, `gpu_segment.gather_call` picks all slots of a row in one gather-load instead.
+`impl` (common.resolve_impl) picks the TPU kernel (gather_tpu.py, a data-dependent index map per
+slot), the GPU kernel (gather_gpu.py, one gather-load per row) or kernels/reference.py.
 """
 
 from __future__ import annotations
@@ -25,25 +15,20 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from seqpack.kernels import gpu_segment, reference
-from seqpack.kernels.broadcast import broadcast_call
+from seqpack.kernels import gather_gpu, gather_tpu, reference, segment_ops_gpu, segment_ops_tpu
 from seqpack.kernels.checks import check_metadata, check_smem, check_tokens_input
 from seqpack.kernels.common import (
     GpuBlockSizes,
     Impl,
     Interpret,
     SegmentBlockSizes,
-    feature_block,
-    flat_metadata,
     gather_offset,
     pick_block_sizes,
     resolve_impl,
     target_position,
 )
+from seqpack.kernels.metadata import flat_metadata, padded_metadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,60 +46,6 @@ class GatherBlockSizes:
             raise ValueError(f"{self.block_features=} must be a positive multiple of 128")
 
 
-def _tile_rows(dtype: jnp.dtype, seq_len: int) -> int:
-    rows = 8 * 4 // max(jnp.dtype(dtype).itemsize, 1)
-    return seq_len if seq_len < rows else rows
-
-
-def _gather_kernel(offsets_ref, lengths_ref, x_ref, out_ref, *, num_segments: int, seq_len: int,
-                   k: int, rows: int) -> None:
-    # x_ref: VMEM [rows, bd], out_ref: VMEM [1, bd]
-    row, j = pl.program_id(0), pl.program_id(2)
-    idx = row * num_segments + j
-    pos, valid = target_position(offsets_ref[idx], lengths_ref[idx], k, seq_len)
-    keep = lax.broadcasted_iota(jnp.int32, x_ref.shape, 0) == lax.rem(pos, rows)
-    picked = jnp.sum(jnp.where(keep, x_ref[...].astype(jnp.float32), 0.0), axis=0, keepdims=True)
-    out_ref[...] = jnp.where(valid, picked, 0.0).astype(out_ref.dtype)
-
-
-def _gather_call(x, offsets, lengths, *, st: _Static):  # f[B, L, D] -> f[B, S, D]
-    if isinstance(st.block_sizes, GpuBlockSizes):
-        return gpu_segment.gather_call(x, offsets, lengths, num_segments=st.num_segments, k=st.k,
-                                       blocks=st.block_sizes, interpret=bool(st.interpret))
-    batch, seq_len, dim = x.shape
-    rows = _tile_rows(x.dtype, seq_len)
-    bd = feature_block(dim, st.block_sizes.block_features)
-
-    def x_index(b, d, j, offsets_ref, lengths_ref):
-        idx = b * st.num_segments + j
-        pos, _ = target_position(offsets_ref[idx], lengths_ref[idx], st.k, seq_len)
-        return b, lax.div(pos, rows), d
-
-    kernel = functools.partial(_gather_kernel, num_segments=st.num_segments, seq_len=seq_len,
-                               k=st.k, rows=rows)
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((batch, st.num_segments, 1, dim), x.dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(batch, pl.cdiv(dim, bd), st.num_segments),
-            in_specs=[pl.BlockSpec((None, rows, bd), x_index)],
-            out_specs=pl.BlockSpec((None, None, 1, bd), lambda b, d, j, *_: (b, j, 0, d)),
-        ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel")
-        ),
-        cost_estimate=pl.CostEstimate(
-            flops=0,
-            transcendentals=0,
-            bytes_accessed=2 * batch * st.num_segments * rows * dim * x.dtype.itemsize,
-        ),
-        interpret=st.interpret,
-        name="segment_gather",
-    )(offsets, lengths, x)
-    return out[:, :, 0, :]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Static:
     seq_len: int
@@ -124,27 +55,36 @@ class _Static:
     block_sizes: GatherBlockSizes | GpuBlockSizes
     interpret: Interpret
 
+    def gather(self, x, offsets, lengths):  # f[B, L, D] -> f[B, S, D]
+        if isinstance(self.block_sizes, GpuBlockSizes):
+            return gather_gpu.gather_call(x, offsets, lengths, num_segments=self.num_segments,
+                                          k=self.k, blocks=self.block_sizes,
+                                          interpret=bool(self.interpret))
+        return gather_tpu.gather_call(x, offsets, lengths, num_segments=self.num_segments,
+                                      k=self.k, block_features=self.block_sizes.block_features,
+                                      interpret=self.interpret)
+
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _pallas_gather(x, offsets, lengths, st: _Static):
-    return _gather_call(x, offsets, lengths, st=st)
+    return st.gather(x, offsets, lengths)
 
 
 def _pallas_gather_fwd(x, offsets, lengths, st):
-    return _gather_call(x, offsets, lengths, st=st), (offsets, lengths)
+    return st.gather(x, offsets, lengths), (offsets, lengths)
 
 
 def _pallas_gather_bwd(st, residuals, g):
     offsets, lengths = residuals
     pos, valid = target_position(offsets, lengths, st.k, st.seq_len)
     if isinstance(st.block_sizes, GpuBlockSizes):  # metadata padded to sp slots, g has S
-        dx = gpu_segment.broadcast_call(g, pos, valid.astype(jnp.int32), seq_len=st.seq_len,
-                                        out_dtype=st.dtype, blocks=st.block_sizes,
-                                        interpret=bool(st.interpret))
+        dx = segment_ops_gpu.broadcast_call(g, pos, valid.astype(jnp.int32), seq_len=st.seq_len,
+                                            out_dtype=st.dtype, blocks=st.block_sizes,
+                                            interpret=bool(st.interpret))
     else:
-        dx = broadcast_call(g, pos, valid.astype(jnp.int32), seq_len=st.seq_len,
-                            out_dtype=st.dtype, block_sizes=SegmentBlockSizes(),
-                            interpret=st.interpret)
+        dx = segment_ops_tpu.broadcast_call(g, pos, valid.astype(jnp.int32), seq_len=st.seq_len,
+                                            out_dtype=st.dtype, block_sizes=SegmentBlockSizes(),
+                                            interpret=st.interpret)
     return dx, None, None
 
 
@@ -175,7 +115,7 @@ def segment_gather(
     if impl is Impl.REFERENCE:
         return reference.segment_gather(x, segment_offsets, segment_lengths, position=position)
     if impl is Impl.PALLAS_GPU:
-        metadata = gpu_segment.padded_metadata(segment_offsets, segment_lengths)
+        metadata = padded_metadata(segment_offsets, segment_lengths)
     else:
         check_smem(batch, num_segments)
         metadata = flat_metadata(segment_offsets, segment_lengths)

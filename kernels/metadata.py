@@ -1,9 +1,10 @@
-"""Packed-row metadata from [B, L] segment ids (Grain, MaxText, seqio): offsets and lengths [B, S].
+"""Packed-row metadata: from [B, L] segment ids, and in the layout each kernel family reads.
 
-Packers such as Grain's `FirstFitPackIterDataset` give each row `segment_ids` numbered 1..n in row
-order with 0 on padding, not offsets and lengths. `segment_metadata` turns them into the kernels'
-metadata under jit: slot j describes segment id j + 1 (its first position, its token count), and
-slots with no tokens get length 0 and the row's used length as offset (the row contract):
+Packers such as Grain's `FirstFitPackIterDataset` give each row `segment_ids` numbered 1..n in
+row order with 0 on padding, not offsets and lengths. `segment_metadata` (public) turns them into
+the kernels' metadata under jit: slot j describes segment id j + 1 (its first position, its
+token count), and slots with no tokens get length 0 and the row's used length as offset (the row
+contract):
 
     segment_ids      [1, 1, 1, 0, 2, 2, 0, 0]      max_segments = 3
     segment_offsets  [0, 4, 6]
@@ -11,6 +12,13 @@ slots with no tokens get length 0 and the row's used length as offset (the row c
 
 Each id must cover one contiguous run (as packers write them); ids above `max_segments` (and
 negative ids) are not counted, so pass the packer's segment cap.
+
+The kernels take the metadata in one of two layouts (every op module picks by kernel family):
+
+    flat_metadata     TPU: 1-D i32[B * S] offsets and lengths, scalar-prefetched into SMEM
+    padded_metadata   GPU: i32[B, sp], sp = S rounded up to a power of two (Triton tiles), extra
+                      slots of length 0
+    row_ends          both: i32[B] used length of each row (largest end of a non-empty slot)
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from seqpack.kernels.common import next_power_of_two
 
 
 @functools.partial(jax.jit, static_argnames=("max_segments",))
@@ -45,3 +55,40 @@ def segment_metadata(
     starts = jnp.full(shape, seq_len, jnp.int32).at[rows, bucket].min(positions)[:, 1:]
     used = jnp.max(jnp.where(lengths > 0, starts + lengths, 0), axis=1, keepdims=True)
     return jnp.where(lengths > 0, starts, used), lengths
+
+
+def flat_metadata(
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+) -> tuple[jax.Array, jax.Array]:  # i32[B * S], i32[B * S]
+    """1-D i32 copies for SMEM (2-D SMEM arrays pad their minor dimension to 128 words)."""
+    return (
+        segment_offsets.astype(jnp.int32).reshape(-1),
+        segment_lengths.astype(jnp.int32).reshape(-1),
+    )
+
+
+def padded_metadata(
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+) -> tuple[jax.Array, jax.Array]:  # i32[B, sp], i32[B, sp]
+    """i32 copies padded to a power-of-two number of slots (offset 0, length 0: ignored)."""
+    num_segments = segment_offsets.shape[1]
+    pad = ((0, 0), (0, next_power_of_two(num_segments) - num_segments))
+    return (jnp.pad(segment_offsets.astype(jnp.int32), pad),
+            jnp.pad(jnp.maximum(segment_lengths.astype(jnp.int32), 0), pad))
+
+
+def row_ends(
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+    seq_len: int,
+) -> jax.Array:  # i32[B]
+    """Used length of each row: the largest end of a non-empty slot, within [0, L].
+
+    Slots with length 0 are ignored whatever their offset (cu_seqlens-style metadata often pads
+    them with offset 0), and slot order does not matter.
+    """
+    ends = segment_offsets.astype(jnp.int32) + segment_lengths.astype(jnp.int32)
+    used = jnp.max(jnp.where(segment_lengths > 0, ends, 0), axis=1)
+    return jnp.clip(used, 0, seq_len)

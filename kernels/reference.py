@@ -1,5 +1,7 @@
 """Pure-jnp references of the segment kernels (`jax.ops.segment_sum` style); XLA on any backend.
 
+The attention reference at the end is dense: a [B, L, L] mask from the same slot-of-token map.
+
 Each token is mapped to its slot (or to a dump bucket `S` for padding), then an XLA segment op
 reduces over the flattened `B * (S + 1)` buckets. Worked example, one row, L = 8, S = 3:
 
@@ -178,3 +180,42 @@ def segment_cross_entropy(
     per_segment_tokens = per_slot(counted.astype(jnp.int32))
     loss = normalize_loss(per_segment_loss, per_segment_tokens, normalize)
     return loss, per_segment_loss, per_segment_tokens
+
+
+def segment_attention(
+    q: jax.Array,  # f[B, L, H, D]
+    k: jax.Array,  # f[B, L, K, D], H % K == 0
+    v: jax.Array,  # f[B, L, K, D]
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> jax.Array:  # f[B, L, H, D]
+    """Dense masked attention in f32: each token over its own segment (causal: up to itself).
+
+    Query head h uses key/value head h // (H / K); tokens outside every segment give 0. The
+    [B, H, L, L] scores are materialized: a reference for tests, and the XLA baseline.
+    """
+    batch, seq_len, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    num_segments = segment_offsets.shape[1]
+    scale = dim**-0.5 if scale is None else scale
+    ids = segment_index(segment_offsets, segment_lengths, seq_len)
+    inside = ids < num_segments
+    # Tokens outside segments are zeroed first, so whatever they hold (even NaN) reaches neither
+    # the output nor a gradient (a masked score times a NaN value would still be NaN).
+    zero = lambda x: jnp.where(inside[:, :, None, None], x, 0).astype(jnp.float32)  # noqa: E731
+    qf = zero(q).reshape(batch, seq_len, kv_heads, heads // kv_heads, dim)
+    kf, vf = zero(k), zero(v)
+    mask = (ids[:, :, None] == ids[:, None, :]) & inside[:, :, None]  # [B, L(query), L(key)]
+    if causal:
+        mask &= jnp.tril(jnp.ones((seq_len, seq_len), bool))
+    mask = mask[:, None, None]  # [B, 1, 1, L, L] against scores [B, K, G, L, L]
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qf, kf) * scale
+    s = jnp.where(mask, s, -1e30)
+    p = jnp.where(mask, jnp.exp(s - jax.lax.stop_gradient(s.max(-1, keepdims=True))), 0.0)
+    total = p.sum(-1, keepdims=True)
+    p = p / jnp.where(total > 0, total, 1.0)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p, vf)
+    return out.reshape(batch, seq_len, heads, dim).astype(q.dtype)

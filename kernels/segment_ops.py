@@ -10,8 +10,8 @@ VJPs (a `pallas_call` with scalar prefetch has no JVP rule, hence `jax.custom_vj
     max        dx = [x == broadcast(max)] * broadcast(g / ties)   (ties split evenly, as jnp.max)
     broadcast  dvalues = sum(g)
 
-`impl` (common.resolve_impl) picks the TPU kernels (reduce.py, broadcast.py), the GPU kernels
-(gpu_segment.py) or kernels/reference.py; all functions are jitted with their options static.
+`impl` (common.resolve_impl) picks the TPU kernels (segment_ops_tpu.py), the GPU kernels
+(segment_ops_gpu.py) or kernels/reference.py; all functions are jitted with their options static.
 """
 
 from __future__ import annotations
@@ -22,20 +22,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from seqpack.kernels import gpu_segment, reference
-from seqpack.kernels.broadcast import broadcast_call
+from seqpack.kernels import reference, segment_ops_gpu, segment_ops_tpu
 from seqpack.kernels.checks import check_metadata, check_smem, check_tokens_input
 from seqpack.kernels.common import (
     GpuBlockSizes,
     Impl,
     Interpret,
     SegmentBlockSizes,
-    flat_metadata,
     pick_block_sizes,
     resolve_impl,
-    row_ends,
 )
-from seqpack.kernels.reduce import Mode, reduce_call
+from seqpack.kernels.metadata import flat_metadata, padded_metadata, row_ends
+from seqpack.kernels.segment_ops_tpu import Mode
 
 _STATIC = ("impl", "interpret", "block_sizes")
 Metadata = tuple[jax.Array, jax.Array, jax.Array]  # offsets, lengths, row ends (TPU) / unused (GPU)
@@ -45,9 +43,9 @@ Metadata = tuple[jax.Array, jax.Array, jax.Array]  # offsets, lengths, row ends 
 class _Static:
     """Static (hashable) configuration carried through custom_vjp as a nondiff argument.
 
-    The kernel family follows the block sizes: GpuBlockSizes runs kernels/gpu_segment.py (metadata
-    i32[B, sp] from `padded_metadata`), SegmentBlockSizes the TPU kernels (flat i32[B * S] metadata
-    and the rows' used lengths, scalar-prefetched).
+    The kernel family follows the block sizes: GpuBlockSizes runs kernels/segment_ops_gpu.py
+    (metadata i32[B, sp] from `padded_metadata`), SegmentBlockSizes the TPU kernels in
+    segment_ops_tpu.py (flat i32[B * S] metadata and the rows' used lengths, scalar-prefetched).
     """
 
     seq_len: int
@@ -60,21 +58,23 @@ class _Static:
         """f[B, L, D] -> f32[B, S, D]."""
         offsets, lengths, ends = meta
         if isinstance(self.block_sizes, GpuBlockSizes):
-            return gpu_segment.reduce_call(x, offsets, lengths, num_segments=self.num_segments,
-                                           mode=mode, blocks=self.block_sizes,
-                                           interpret=bool(self.interpret))
-        return reduce_call(x, offsets, lengths, ends, num_segments=self.num_segments, mode=mode,
-                           block_sizes=self.block_sizes, interpret=self.interpret)
+            return segment_ops_gpu.reduce_call(x, offsets, lengths, num_segments=self.num_segments,
+                                               mode=mode, blocks=self.block_sizes,
+                                               interpret=bool(self.interpret))
+        return segment_ops_tpu.reduce_call(x, offsets, lengths, ends,
+                                           num_segments=self.num_segments, mode=mode,
+                                           block_sizes=self.block_sizes, interpret=self.interpret)
 
     def broadcast(self, values: jax.Array, meta: Metadata,
                   out_dtype: jnp.dtype) -> jax.Array:  # f[B, S, D] -> out_dtype[B, L, D]
         offsets, lengths, _ = meta
         if isinstance(self.block_sizes, GpuBlockSizes):
-            return gpu_segment.broadcast_call(values, offsets, lengths, seq_len=self.seq_len,
-                                              out_dtype=out_dtype, blocks=self.block_sizes,
-                                              interpret=bool(self.interpret))
-        return broadcast_call(values, offsets, lengths, seq_len=self.seq_len, out_dtype=out_dtype,
-                              block_sizes=self.block_sizes, interpret=self.interpret)
+            return segment_ops_gpu.broadcast_call(values, offsets, lengths, seq_len=self.seq_len,
+                                                  out_dtype=out_dtype, blocks=self.block_sizes,
+                                                  interpret=bool(self.interpret))
+        return segment_ops_tpu.broadcast_call(values, offsets, lengths, seq_len=self.seq_len,
+                                              out_dtype=out_dtype, block_sizes=self.block_sizes,
+                                              interpret=self.interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -142,7 +142,7 @@ def _setup(segment_offsets, segment_lengths, *, seq_len, dtype, impl, interpret,
     batch, num_segments = segment_offsets.shape
     ends = row_ends(segment_offsets, segment_lengths, seq_len)
     if impl is Impl.PALLAS_GPU:
-        meta = (*gpu_segment.padded_metadata(segment_offsets, segment_lengths), ends)
+        meta = (*padded_metadata(segment_offsets, segment_lengths), ends)
     else:
         check_smem(batch, num_segments)
         meta = (*flat_metadata(segment_offsets, segment_lengths), ends)

@@ -1,18 +1,34 @@
 """Packing does not change the math: packed rows give each document's loss and the gradients
-of examples trained one by one (each alone in a padded row), for both loss normalizations."""
+of examples trained one by one (each alone in a padded row), for both loss normalizations, with
+the model's attention from kernels.segment_attention: its jnp reference (impl="auto" on CPU) and
+both Pallas families in interpret mode, whose schedule skips the blocks other documents hold."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
 import pytest
 
 from examples.tiny_lm import ModelConfig, init_params, loss_fn
+from seqpack import kernels
 from seqpack.packer import PackConfig, pack
+from tests.helpers.kernels import INTERPRET
 
 pytestmark = pytest.mark.slow  # trains / compiles a model: seconds per case
 
 CFG = ModelConfig(vocab=61, dim=32, heads=2, layers=2, mlp=64, max_len=32)
+# GPU tiles of 16 tokens: a packed row of 32 is two query blocks, and the pair (1, 0) is skipped
+# wherever no document crosses token 16. The TPU kernels' blocks are 128 (one block per row).
+ATTENTION = {
+    "reference": CFG,
+    "pallas_gpu": dataclasses.replace(CFG, attention_impl="pallas_gpu", attention_interpret=True,
+                                      attention_block_sizes=kernels.GpuAttentionBlockSizes(
+                                          16, 16, 16, 16)),
+    "pallas_tpu": dataclasses.replace(CFG, attention_impl="pallas_tpu",
+                                      attention_interpret=INTERPRET),
+}
 
 
 def _examples(seed=0, n=11):
@@ -20,8 +36,11 @@ def _examples(seed=0, n=11):
     return [rng.integers(0, CFG.vocab, int(m)).astype(np.int32) for m in rng.integers(1, 22, n)]
 
 
-@pytest.mark.parametrize("normalize", ["tokens", "segments"])
-def test_packed_equals_one_by_one(normalize):
+@pytest.mark.parametrize(("normalize", "attention"), [
+    ("tokens", "reference"), ("segments", "reference"), ("tokens", "pallas_gpu"),
+    ("segments", "pallas_tpu")])
+def test_packed_equals_one_by_one(normalize, attention):
+    cfg = ATTENTION[attention]
     examples = _examples()
     params = init_params(jax.random.key(0), CFG)
     packed = pack(examples, PackConfig(32, max_segments=6))
@@ -30,8 +49,8 @@ def test_packed_equals_one_by_one(normalize):
     assert alone["tokens"].shape[0] == len(examples)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (lp, (seg_p, cnt_p)), gp = grad_fn(params, packed, CFG, normalize=normalize)
-    (lu, (seg_u, cnt_u)), gu = grad_fn(params, alone, CFG, normalize=normalize)
+    (lp, (seg_p, cnt_p)), gp = grad_fn(params, packed, cfg, normalize=normalize)
+    (lu, (seg_u, cnt_u)), gu = grad_fn(params, alone, cfg, normalize=normalize)
 
     # Per-document losses and token counts agree document by document.
     src_p = packed["segment_source_index"]
@@ -48,6 +67,19 @@ def test_packed_equals_one_by_one(normalize):
         np.testing.assert_allclose(gp[k], gu[k], rtol=1e-4, atol=2e-6, err_msg=k)
 
 
+def test_rows_with_only_segment_ids_give_the_same_losses():
+    """Rows as Grain's packers write them (segment ids, no offsets / lengths): the model derives
+    the metadata with kernels.segment_metadata and gets the same per-segment losses."""
+    examples = _examples(2)
+    params = init_params(jax.random.key(2), CFG)
+    packed = pack(examples, PackConfig(32, max_segments=6))
+    grain_style = {k: v for k, v in packed.items() if not k.endswith(("_offsets", "_lengths"))}
+    loss, (seg, _) = loss_fn(params, packed, CFG)
+    loss_ids, (seg_ids, _) = loss_fn(params, grain_style, dataclasses.replace(CFG, max_segments=6))
+    np.testing.assert_allclose(loss_ids, loss, rtol=1e-6)
+    np.testing.assert_allclose(seg_ids, seg, rtol=1e-6, atol=1e-6)
+
+
 def test_cross_contamination_would_be_caught(monkeypatch):
     # The check above is not vacuous: with attention allowed across documents (causal only),
     # the packed per-document losses no longer match the one-by-one losses.
@@ -60,12 +92,13 @@ def test_cross_contamination_would_be_caught(monkeypatch):
     packed = pack(examples, PackConfig(32, max_segments=6))
     alone = pack(examples, PackConfig(32, max_segments=1))
     _, (seg_u, _) = loss_fn(params, alone, CFG)
+    real = lm.attention
 
-    def causal_only(segment_ids):
-        L = segment_ids.shape[-1]
-        return jnp.broadcast_to(jnp.tril(jnp.ones((L, L), bool)), (segment_ids.shape[0], 1, L, L))
+    def causal_only(q, k, v, offsets, lengths, cfg):  # one "segment" spanning each whole row
+        whole = jnp.full((q.shape[0], 1), q.shape[1], jnp.int32)
+        return real(q, k, v, jnp.zeros_like(whole), whole, cfg)
 
-    monkeypatch.setattr(lm, "attention_mask", causal_only)
+    monkeypatch.setattr(lm, "attention", causal_only)
     _, (seg_p, _) = loss_fn(params, packed, CFG)
     src = packed["segment_source_index"]
     later = [(r, j) for (r, j), e in np.ndenumerate(src) if e >= 0 and j > 0]

@@ -1,11 +1,12 @@
-"""Pallas TPU kernel reducing each packed segment of a row (sum or max) over its tokens.
+"""Pallas TPU kernels of the per-segment ops: reduce (sum / max over a segment) and broadcast.
 
-Grid `(B, D / bd, L / bl)`, semantics `("parallel", "parallel", "arbitrary")`. Offsets, lengths
-and each row's used length (`common.row_ends`) are scalar-prefetched into SMEM. At token block `t`
-the kernel walks the S slots, clips each segment to the block (`common.block_interval`) and reads
-only the chunks it covers with `pl.ds(start, chunk)` at a chunk-aligned start; an iota mask keeps
-the segment's rows. The per-row accumulator is the `[S, 1, bd]` output block itself, resident
-across the trailing "arbitrary" token axis, indexed on its leading (untiled) axis by the slot `j`.
+Reduce, grid `(B, D / bd, L / bl)`, semantics `("parallel", "parallel", "arbitrary")`. Offsets,
+lengths and each row's used length (`metadata.row_ends`) are scalar-prefetched into SMEM. At
+token block `t` the kernel walks the S slots, clips each segment to the block
+(`common.block_interval`) and reads only the chunks it covers with `pl.ds(start, chunk)` at a
+chunk-aligned start; an iota mask keeps the segment's rows. The per-row accumulator is the
+`[S, 1, bd]` output block itself, resident across the trailing "arbitrary" token axis, indexed on
+its leading (untiled) axis by the slot `j`.
 
 Work per block is O(bl * bd + segments_in_block * 2 * chunk * bd): each token row is read about
 once, plus at most two partially covered chunks per segment. Blocks after the row's used length
@@ -18,6 +19,20 @@ Example, L = 10, bl = 4, chunk = 4 (toy sizes), segments [0, 3) and [5, 9):
     block t=0 rows 0..3: slot 0 lo=0 hi=3 -> chunk 0, rows 0..2 kept
     block t=1 rows 4..7: slot 1 lo=1 hi=4 -> chunk 0, rows 5..7 kept
     block t=2 rows 8..9: slot 1 lo=0 hi=1 -> chunk 0, row 8 kept (rows 10, 11 are past L: masked)
+
+Broadcast: the transpose of the segment sum, so it is the backward pass of the reductions and of
+the cross-entropy (per-segment cotangents become per-token weights), and of the gather (with
+one-token "segments" at the gathered positions). Public as `kernels.segment_broadcast`.
+
+Its grid `(B, D / bd, L / bl)` is all "parallel": every output block is written exactly once. A
+block is zeroed, then for each slot `j` clipped to it (`common.block_interval`) the covered chunks
+are read-modified-written with `pl.ds(start, chunk)` and an iota mask, so neighbouring segments
+that share a chunk keep each other's rows. The `[S, 1, bd]` values block of a row stays in VMEM.
+
+Example, L = 8, bl = 8, chunk = 4 (toy sizes), values [a, b], segments [1, 3) and [4, 7):
+
+    chunk 0 (rows 0..3): slot 0 writes rows 1, 2          -> 0 a a 0
+    chunk 1 (rows 4..7): slot 1 writes rows 4, 5, 6       -> b b b 0
 """
 
 from __future__ import annotations
@@ -108,7 +123,7 @@ def reduce_call(
     x: jax.Array,  # f[B, L, D]
     offsets: jax.Array,  # i32[B * S]
     lengths: jax.Array,  # i32[B * S]
-    ends: jax.Array,  # i32[B], common.row_ends
+    ends: jax.Array,  # i32[B], metadata.row_ends
     *,
     num_segments: int,
     mode: Mode,
@@ -156,3 +171,91 @@ def reduce_call(
         name=f"segment_{mode}",
     )(offsets, lengths, ends, x)
     return out[:, :, 0, :]
+
+
+def _broadcast_kernel(
+    offsets_ref,  # SMEM i32[B * S]
+    lengths_ref,  # SMEM i32[B * S]
+    values_ref,  # VMEM [S, 1, bd]
+    out_ref,  # VMEM [bl, bd]
+    *,
+    num_segments: int,
+    seq_len: int,
+    block_tokens: int,
+    chunk: int,
+) -> None:
+    row, t = pl.program_id(0), pl.program_id(2)
+    width = out_ref.shape[-1]
+    base = t * block_tokens
+    out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+    def segment(j, carry):
+        idx = row * num_segments + j
+        lo, hi = block_interval(offsets_ref[idx], lengths_ref[idx], base, block_tokens, seq_len)
+
+        @pl.when(hi > lo)
+        def _write_segment():
+            value = values_ref[j].astype(jnp.float32)  # [1, bd]
+
+            def chunk_step(c, carry):
+                start = pl.multiple_of(c * chunk, chunk)
+                keep = chunk_mask(start, lo, hi, (chunk, width))
+                current = out_ref[pl.ds(start, chunk), :].astype(jnp.float32)
+                out_ref[pl.ds(start, chunk), :] = jnp.where(keep, value, current).astype(
+                    out_ref.dtype
+                )
+                return carry
+
+            lax.fori_loop(lax.div(lo, chunk), cdiv_nonneg(hi, chunk), chunk_step, 0)
+
+        return carry
+
+    lax.fori_loop(0, num_segments, segment, 0)
+
+
+def broadcast_call(
+    values: jax.Array,  # f[B, S, D]
+    offsets: jax.Array,  # i32[B * S]
+    lengths: jax.Array,  # i32[B * S]
+    *,
+    seq_len: int,
+    out_dtype: jnp.dtype,
+    block_sizes: SegmentBlockSizes,
+    interpret: Interpret,
+) -> jax.Array:  # out_dtype[B, L, D]
+    """Runs the broadcast kernel (no checks, no VJP: see kernels/segment_ops.py)."""
+    batch, num_segments, dim = values.shape
+    chunk = block_sizes.chunk
+    bl = token_block(seq_len, block_sizes.block_tokens, chunk)
+    bd = feature_block(dim, block_sizes.block_features)
+    kernel = functools.partial(
+        _broadcast_kernel,
+        num_segments=num_segments,
+        seq_len=seq_len,
+        block_tokens=bl,
+        chunk=chunk,
+    )
+    out_itemsize = jnp.dtype(out_dtype).itemsize
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((batch, seq_len, dim), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(batch, pl.cdiv(dim, bd), pl.cdiv(seq_len, bl)),
+            in_specs=[
+                pl.BlockSpec((None, num_segments, 1, bd), lambda b, d, t, *_: (b, 0, 0, d))
+            ],
+            out_specs=pl.BlockSpec((None, bl, bd), lambda b, d, t, *_: (b, t, d)),
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel")
+        ),
+        cost_estimate=pl.CostEstimate(
+            flops=0,
+            transcendentals=0,
+            bytes_accessed=values.size * values.dtype.itemsize
+            + batch * seq_len * dim * out_itemsize,
+        ),
+        interpret=interpret,
+        name="segment_broadcast",
+    )(offsets, lengths, values[:, :, None, :])

@@ -1,10 +1,11 @@
-"""Pallas GPU (Triton) kernels over packed rows: per-segment reduce, broadcast and gather.
+"""Pallas GPU (Triton) kernels of the per-segment ops: reduce (sum / max) and broadcast.
 
 GPU Pallas has no scalar prefetch: the metadata travels as ordinary i32 inputs, padded to a power
-of two `sp >= S` slots with length-0 slots (`padded_metadata`), and every ref is the whole array in
-global memory; the kernels load power-of-two tiles at computed positions with masked loads (a
-masked-off element is never read, so padding and out-of-range rows cost no memory traffic and can
-hold anything, NaN included). A slot takes part iff its length is > 0, whatever its offset.
+of two `sp >= S` slots with length-0 slots (`metadata.padded_metadata`), and every ref is the
+whole array in global memory; the kernels load power-of-two tiles at computed positions with
+masked loads (a masked-off element is never read, so padding and out-of-range rows cost no memory
+traffic and can hold anything, NaN included). A slot takes part iff its length is > 0, whatever
+its offset.
 
     reduce     grid (B, S, D / bd, n)   n = token_splits programs per segment and lane block,
                                         each looping over every n-th [bl, bd] tile of the
@@ -14,8 +15,6 @@ hold anything, NaN included). A slot takes part iff its length is > 0, whatever 
                                         slot covering it (a [bl, sp] compare against the starts
                                         and ends), then a gather-load of values[b, slot, lanes];
                                         rows of no segment get 0. Every output element is written.
-    gather     grid (B, D / bd)         one program per row and lane block: the [sp] picked
-                                        positions (`common.target_position`), one gather-load
 
 Example, reduce with bl = 4, n = 2, segment (offset 5, length 6) in a row of L = 12: program 0
 reads rows 5..8, program 1 rows 9..12, where the load mask drops rows 11 and 12 (past the end).
@@ -32,45 +31,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from seqpack.kernels.common import GpuBlockSizes, next_power_of_two, target_position
+from seqpack.kernels.common import (
+    GpuBlockSizes,
+    compiler_params,
+    first_slot,
+    slot_membership,
+    tile,
+)
 
 Mode = Literal["sum", "max"]
-
-
-def padded_metadata(
-    segment_offsets: jax.Array,  # int[B, S]
-    segment_lengths: jax.Array,  # int[B, S]
-) -> tuple[jax.Array, jax.Array]:  # i32[B, sp], i32[B, sp]
-    """i32 copies padded to a power-of-two number of slots (offset 0, length 0: ignored)."""
-    num_segments = segment_offsets.shape[1]
-    pad = ((0, 0), (0, next_power_of_two(num_segments) - num_segments))
-    return (jnp.pad(segment_offsets.astype(jnp.int32), pad),
-            jnp.pad(jnp.maximum(segment_lengths.astype(jnp.int32), 0), pad))
-
-
-def tile(size: int, requested: int) -> int:
-    """A power-of-two tile edge: `requested`, or `size` rounded up to a power of two if smaller."""
-    return min(requested, next_power_of_two(size))
-
-
-def slot_membership(offsets_ref, lengths_ref, row, positions):
-    """[n, sp] bool: position i lies in slot j of `row` (slots of length 0 cover nothing)."""
-    sp = offsets_ref.shape[1]
-    starts = offsets_ref[row, pl.ds(0, sp)]
-    ends = starts + lengths_ref[row, pl.ds(0, sp)]
-    pos = positions[:, None]
-    return (pos >= starts[None, :]) & (pos < ends[None, :])
-
-
-def first_slot(member):
-    """[n, sp] membership -> [n] i32 index of the first covering slot, sp where none covers."""
-    sp = member.shape[1]
-    slots = lax.broadcasted_iota(jnp.int32, member.shape, 1)
-    return jnp.min(jnp.where(member, slots, sp), axis=1)
-
-
-def compiler_params(blocks: GpuBlockSizes) -> plgpu.CompilerParams:
-    return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2)
 
 
 def _reduce_kernel(offsets_ref, lengths_ref, x_ref, out_ref, *, mode: Mode, seq_len: int,
@@ -161,43 +130,3 @@ def broadcast_call(
         interpret=interpret,
         name="segment_broadcast_gpu",
     )(offsets, lengths, values)
-
-
-def _gather_kernel(offsets_ref, lengths_ref, x_ref, out_ref, *, k: int, seq_len: int, dim: int,
-                   bd: int) -> None:
-    # offsets, lengths i32[B, sp]; x [B, L, D]; out [B, sp, D]
-    b, d = pl.program_id(0), pl.program_id(1)
-    sp = offsets_ref.shape[1]
-    pos, valid = target_position(offsets_ref[b, pl.ds(0, sp)], lengths_ref[b, pl.ds(0, sp)], k,
-                                 seq_len)
-    cols = d * bd + jnp.arange(bd)
-    col_ok = cols < dim
-    picked = plgpu.load(x_ref.at[b, pos[:, None], cols[None, :]],
-                        mask=valid[:, None] & col_ok[None, :], other=0.0)
-    plgpu.store(out_ref.at[b, pl.ds(0, sp), pl.ds(d * bd, bd)], picked.astype(out_ref.dtype),
-                mask=col_ok[None, :])
-
-
-def gather_call(
-    x: jax.Array,  # f[B, L, D]
-    offsets: jax.Array,  # i32[B, sp], padded_metadata
-    lengths: jax.Array,  # i32[B, sp]
-    *,
-    num_segments: int,
-    k: int,
-    blocks: GpuBlockSizes,
-    interpret: bool,
-) -> jax.Array:  # f[B, S, D]
-    """Runs the GPU gather kernel (no checks, no VJP: see kernels/gather.py)."""
-    batch, seq_len, dim = x.shape
-    bd = tile(dim, blocks.block_features)
-    kernel = functools.partial(_gather_kernel, k=k, seq_len=seq_len, dim=dim, bd=bd)
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((batch, offsets.shape[1], dim), x.dtype),
-        grid=(batch, pl.cdiv(dim, bd)),
-        compiler_params=compiler_params(blocks),
-        interpret=interpret,
-        name="segment_gather_gpu",
-    )(offsets, lengths, x)
-    return out[:, :num_segments]

@@ -4,7 +4,7 @@ The logits are read tile by tile in their own dtype and never copied: no f32 `[B
 exists at any point (the backward writes dlogits in the logits' dtype, the only `[B, L, V]` output).
 
 Forward, grid `(B, L / bl)`: a program takes `bl` tokens of a row, finds each token's slots with a
-`[bl, sp]` compare against the row's segment starts and ends (`gpu_segment.slot_membership`; a
+`[bl, sp]` compare against the row's segment starts and ends (`common.slot_membership`; a
 length-0 slot covers nothing), and runs an online log-sum-exp over `[bl, bv]` logits tiles (running
 max `m`, rescaled sum `s`, target logit picked by an iota compare). Tokens not counted (padding,
 `loss_mask` 0) are masked out of every load, so their logits are never read (NaN there is
@@ -30,8 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from seqpack.kernels.common import GpuBlockSizes
-from seqpack.kernels.gpu_segment import compiler_params, slot_membership, tile
+from seqpack.kernels.common import GpuBlockSizes, compiler_params, slot_membership, tile
 
 
 def _counted_tokens(offsets_ref, lengths_ref, mask_ref, b, t, bl, seq_len):
@@ -84,7 +83,7 @@ def forward_call(
     logits: jax.Array,  # f[B, L, V]
     targets: jax.Array,  # i32[B, L]
     mask: jax.Array,  # f32[B, L], 1 where the loss counts
-    offsets: jax.Array,  # i32[B, sp], gpu_segment.padded_metadata
+    offsets: jax.Array,  # i32[B, sp], metadata.padded_metadata
     lengths: jax.Array,  # i32[B, sp]
     *,
     num_segments: int,

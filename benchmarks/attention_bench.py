@@ -1,0 +1,275 @@
+"""Benchmark segment attention on real packed rows: block pairs visited, time and useful TFLOP/s.
+
+    python -m benchmarks.attention_bench          # pairs table (CPU); timings on a GPU / TPU
+    python -m benchmarks.attention_bench --smoke  # tiny sizes on any backend (interpret on a CPU)
+    benchmarks/device_run.sh                      # this and kernels_bench --gpu-sizes (a device)
+
+Rows are chat_dev packed with seqpack.packer (best-fit decreasing, long examples split) at each
+`--seq-lens`. Pairs table, per block size b (bq = bk = b), means per row:
+- visited: (query block, key block) pairs the kernels compute (attention_schedule: the ranges);
+- bound: sum over segments of m(m + 1) / 2, m = blocks a segment touches;
+- triangle: nq(nq + 1) / 2, what a masked kernel computes (splash with segment ids, jax's Pallas
+  GPU attention, cuDNN with a mask); `x fewer`: triangle / visited;
+- used: useful (query, key) entries over the b^2 entries of the visited pairs;
+- TPU copies: key blocks the TPU forward fetches per row and head (host replay of its index map).
+Timings (a GPU or TPU, or --smoke): fwd and fwd + bwd of `B` rows sampled from the packing
+(seeded), ms (median) and TFLOP/s of the USEFUL work only, 4 D H sum_l l(l + 1) / 2 forward and
+2.5x that backward, the same count for every row, so rates compare like with like; against
+jax.nn.dot_product_attention with the segment mask (cuDNN; XLA), cuDNN's packed layout (segment
+offsets, when this jax has it), jax's Pallas GPU attention with segment_ids, and the XLA
+reference. Dense XLA rows run one batch row at a time (lax.map): [H, L, L] scores per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import DATA, print_table
+from benchmarks.kernels_bench import time_call
+from seqpack import kernels
+from seqpack.kernels import attention_schedule as sched
+from seqpack.packer import PackConfig, pack_ragged
+
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}  # dense bf16 FLOP/s
+FULL = dict(batch=8, seq_len=8192, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16")
+SMOKE = dict(batch=2, seq_len=256, heads=4, kv_heads=2, head_dim=32, dtype="float32")
+
+
+def packed_rows(path, seq_len: int, limit: int | None = None):
+    """(offsets, lengths) i32[R, S] of chat_dev packed at L = seq_len (S = L / 32)."""
+    z = np.load(path)
+    tokens, offsets = z["tokens"], z["offsets"].astype(np.int64)
+    if limit:
+        tokens, offsets = tokens[: offsets[limit]], offsets[: limit + 1]
+    cfg = PackConfig(seq_len, max_segments=max(seq_len // 32, 1), overflow="split")
+    batch = pack_ragged(tokens, offsets, cfg)
+    return batch["tokens_segment_offsets"], batch["tokens_segment_lengths"]
+
+
+@functools.partial(jax.jit, static_argnames=("seq_len", "block"))
+def _ranges(offsets, lengths, *, seq_len, block):
+    nb = -(-seq_len // block)
+    start, end = sched.token_bounds(offsets, lengths, seq_len, nb * block)
+    return sched.block_ranges(start, end, block_q=block, block_kv=block, num_q_blocks=nb,
+                              causal=True)
+
+
+def pairs_rows(offsets, lengths, seq_len: int, blocks: list[int]) -> list[list]:
+    lengths64 = lengths.astype(np.int64)
+    useful = (lengths64 * (lengths64 + 1) // 2).sum(axis=1)  # causal (query, key) entries
+    out = []
+    for b in blocks:
+        lo, hi = (np.asarray(x) for x in _ranges(offsets, lengths, seq_len=seq_len, block=b))
+        visited = sched.visited_pairs(lo, hi)
+        bound = sched.pair_bound(offsets, lengths, block=b, causal=True)
+        tri = sched.causal_triangle(seq_len, b)
+        nb = -(-seq_len // b)
+        copies = np.concatenate([sched.fetched_blocks(lo[i:i + 64], hi[i:i + 64], nb)
+                                 for i in range(0, len(lo), 64)]) if nb <= 256 else None
+        out.append([seq_len, b, len(lo), f"{(lengths > 0).sum(1).mean():.1f}",
+                    f"{visited.mean():.0f}", f"{bound.mean():.0f}", tri,
+                    f"{visited.mean() / tri:.1%}", f"{tri / visited.mean():.1f}x",
+                    f"{useful.sum() / (visited.sum() * b * b):.1%}",
+                    "-" if copies is None else f"{copies.mean():.0f}"])
+    return out
+
+
+def random_qkv(sizes: dict):
+    """q, k, v and the output cotangent g: normal, in the benchmark dtype."""
+    batch, seq_len = sizes["batch"], sizes["seq_len"]
+    dtype = jnp.dtype(sizes["dtype"])
+    keys = jax.random.split(jax.random.key(0), 4)
+    shape = lambda n: (batch, seq_len, n, sizes["head_dim"])  # noqa: E731
+    q = jax.random.normal(keys[0], shape(sizes["heads"]), dtype)
+    k = jax.random.normal(keys[1], shape(sizes["kv_heads"]), dtype)
+    v = jax.random.normal(keys[2], shape(sizes["kv_heads"]), dtype)
+    return q, k, v, jax.random.normal(keys[3], q.shape, dtype)
+
+
+def per_row(fn):
+    """fn(q, k, v, offsets, lengths) one batch row at a time (lax.map): bounded memory."""
+    def run(q, k, v, offsets, lengths):
+        one = lambda args: fn(*(a[None] for a in args))[0]  # noqa: E731
+        return jax.lax.map(one, (q, k, v, offsets, lengths))
+
+    return run
+
+
+def _segment_ids(offsets, lengths, seq_len):  # i32[B, L]: 1..n, 0 outside segments
+    ids = kernels.reference.segment_index(offsets, lengths, seq_len)
+    return jnp.where(ids < offsets.shape[1], ids + 1, 0)
+
+
+def _mask(offsets, lengths, seq_len):  # bool[B, 1, L, L]: same segment, causal applied apart
+    ids = _segment_ids(offsets, lengths, seq_len)
+    return ((ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] > 0))[:, None]
+
+
+def _dpa(implementation):
+    def run(q, k, v, offsets, lengths):
+        return jax.nn.dot_product_attention(q, k, v, mask=_mask(offsets, lengths, q.shape[1]),
+                                            is_causal=True, implementation=implementation)
+
+    return run
+
+
+def _cudnn_packed(q, k, v, offsets, lengths):
+    """cuDNN's packed layout (segment offsets and lengths: it skips, as FlashAttention varlen)."""
+    from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+
+    used = lengths > 0
+    seqlen = jnp.where(used, lengths, -1).astype(jnp.int32)
+    starts = jnp.pad(jnp.where(used, offsets, -1), ((0, 0), (0, 1)), constant_values=-1)
+    return dot_product_attention(q, k, v, q_seqlen=seqlen, kv_seqlen=seqlen,
+                                 q_offsets=starts.astype(jnp.int32),
+                                 kv_offsets=starts.astype(jnp.int32),
+                                 scale=q.shape[-1] ** -0.5, mask_type=MaskType.PADDING_CAUSAL)
+
+
+def _jax_pallas_gpu(interpret: bool):
+    def run(q, k, v, offsets, lengths):
+        from jax.experimental.pallas.ops.gpu import attention as jax_attention
+
+        groups = q.shape[2] // k.shape[2]  # no grouped-query heads there: repeat k, v
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+        ids = _segment_ids(offsets, lengths, q.shape[1])
+        return jax_attention.mha(q, k, v, ids, sm_scale=q.shape[-1] ** -0.5, causal=True,
+                                 interpret=interpret)
+
+    return run
+
+
+def _blocks(spec: str, cls):
+    return cls(*(int(x) for x in spec.split(",")))
+
+
+def implementations(backend: str, sizes: dict, *, gpu_blocks, tpu_blocks) -> dict:
+    """name -> fn(q, k, v, offsets, lengths): seqpack first (the rate others compare to)."""
+    impls = {}
+    on_cpu = backend not in ("gpu", "tpu")
+    if backend == "tpu":
+        for spec in tpu_blocks:
+            blocks = _blocks(spec, kernels.AttentionBlockSizes)
+            impls[f"seqpack pallas_tpu {spec}"] = functools.partial(
+                kernels.segment_attention, impl="pallas_tpu", block_sizes=blocks)
+    else:
+        for spec in gpu_blocks[:1] if on_cpu else gpu_blocks:
+            blocks = _blocks(spec, kernels.GpuAttentionBlockSizes)
+            impls[f"seqpack pallas_gpu {spec}"] = functools.partial(
+                kernels.segment_attention, impl="pallas_gpu", interpret=on_cpu,
+                block_sizes=blocks)
+    if backend == "gpu":
+        impls["jax.nn dpa cudnn (mask)"] = _dpa("cudnn")
+        impls["cudnn packed (offsets)"] = _cudnn_packed
+    if backend != "tpu":
+        impls["jax pallas gpu mha (ids)"] = _jax_pallas_gpu(on_cpu)
+    impls["jax.nn dpa xla (mask, per row)"] = per_row(_dpa("xla"))
+    impls["XLA reference (per row)"] = per_row(kernels.reference.segment_attention)
+    return impls
+
+
+def _peak() -> float | None:
+    kind = jax.devices()[0].device_kind
+    return next((p for name, p in PEAK_BF16.items() if name in kind), None)
+
+
+def timing_rows(impls: dict, q, k, v, g, offsets, lengths, repeats: int) -> list[list]:
+    lengths64 = np.asarray(lengths).astype(np.int64)
+    fwd_flops = 4 * q.shape[2] * q.shape[3] * float((lengths64 * (lengths64 + 1) // 2).sum())
+    both_flops = 3.5 * fwd_flops
+    peak = _peak()
+    inside = np.asarray(kernels.reference.segment_index(offsets[:1], lengths[:1], q.shape[1]))
+    inside = (inside < offsets.shape[1])[0]
+    want = np.asarray(per_row(kernels.reference.segment_attention)(
+        q[:1], k[:1], v[:1], offsets[:1], lengths[:1]), np.float32)[0][inside]
+    rows, base = [], None
+    for name, fwd in impls.items():
+        try:
+            f = jax.jit(lambda q, k, v, fwd=fwd: fwd(q, k, v, offsets, lengths))
+            loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)  # noqa: E731
+            both = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            t_fwd = time_call(f, q, k, v, repeats=repeats)
+            t_both = time_call(both, q, k, v, repeats=repeats)
+            got = np.asarray(f(q, k, v)[:1], np.float32)
+            err = float(np.abs(got[0][inside] - want).max() / max(np.abs(want).max(), 1e-30))
+        except Exception as e:  # an alternative this backend / jax lacks: say why, go on
+            rows.append([name, "-", "-", "-", "-", "-", "-", f"{type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:60] if str(e) else ''}"])
+            continue
+        base = base or t_both
+        rows.append([name, f"{t_fwd:.3f}", f"{t_both:.3f}", f"{fwd_flops / t_fwd / 1e9:.3g}",
+                     f"{both_flops / t_both / 1e9:.3g}",
+                     "-" if peak is None else f"{both_flops / (t_both * 1e-3) / peak:.0%}",
+                     f"{t_both / base:.2f}x", f"{err:.1e}"])
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=str(DATA / "chat_dev.npz"))
+    parser.add_argument("--smoke", action="store_true", help=f"tiny sizes: {SMOKE}")
+    parser.add_argument("--seq-lens", default=None, help="pairs table L's (default 8192,32768)")
+    parser.add_argument("--blocks", default="64,128,256,512", help="pairs table block sizes")
+    parser.add_argument("--no-timing", action="store_true", help="the pairs table only")
+    parser.add_argument("--gpu-blocks", nargs="*", default=["64,64,64,64", "128,64,64,64"],
+                        help="GpuAttentionBlockSizes to time: bq,bk,bq_bwd,bk_bwd each")
+    parser.add_argument("--tpu-blocks", nargs="*", default=["256,256,256,256", "512,512,256,256"])
+    parser.add_argument("--repeats", type=int, default=None, help="default 10, CPU 2")
+    for key, value in FULL.items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None)
+    args = parser.parse_args()
+    try:  # interpret-mode callbacks dispatch jax ops: inline CPU dispatch avoids a deadlock
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+    except AttributeError:  # an option this jax does not have
+        pass
+    sizes = {k: getattr(args, k) or (SMOKE if args.smoke else FULL)[k] for k in FULL}
+    limit = 3000 if args.smoke else None
+    seq_lens = [int(x) for x in (args.seq_lens or ("512,2048" if args.smoke else "8192,32768"))
+                .split(",")]
+    blocks = [int(x) for x in args.blocks.split(",")]
+    print(f"corpus {args.data}{f' (first {limit} examples)' if limit else ''}; causal")
+    table = []
+    for seq_len in seq_lens:
+        offsets, lengths = packed_rows(args.data, seq_len, limit)
+        table += pairs_rows(offsets, lengths, seq_len, [b for b in blocks if b <= seq_len])
+    print_table("Block pairs per row (bq = bk = b): visited by segment_attention vs the causal "
+                "triangle", ["L", "b", "rows", "segments", "visited", "bound", "triangle",
+                             "visited/tri", "x fewer", "used", "TPU copies"], table)
+
+    backend = jax.default_backend()
+    if args.no_timing or (backend not in ("gpu", "tpu") and not args.smoke):
+        print(f"\nNo timings: backend {backend!r} (use --smoke for a CPU run at tiny sizes).")
+        return
+    offsets, lengths = packed_rows(args.data, sizes["seq_len"], limit)
+    pick = np.random.default_rng(0).choice(len(offsets), sizes["batch"], replace=False)
+    offsets, lengths = offsets[np.sort(pick)], lengths[np.sort(pick)]
+    q, k, v, g = random_qkv(sizes)
+    impls = implementations(backend, sizes, gpu_blocks=args.gpu_blocks,
+                                tpu_blocks=args.tpu_blocks)
+    on_cpu = backend not in ("gpu", "tpu")
+    device = jax.devices()[0].device_kind
+    print(f"\nbackend={backend} device={device} B={sizes['batch']} L={sizes['seq_len']} "
+          f"H={sizes['heads']} K={sizes['kv_heads']} D={sizes['head_dim']} {sizes['dtype']}; "
+          f"rows {np.sort(pick).tolist()}, {int((lengths > 0).sum())} segments"
+          + ("; INTERPRET MODE: times are not performance figures" if on_cpu else ""))
+    rows = timing_rows(impls, q, k, v, g, jnp.asarray(offsets), jnp.asarray(lengths),
+                       args.repeats or (2 if on_cpu else 10))
+    print_table("segment attention, useful FLOPs only (vs seqpack: fwd+bwd time over the first "
+                "row's; err: forward, row 0, vs the reference)",
+                ["impl", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "fwd+bwd TFLOP/s", "% peak",
+                 "vs seqpack", "err"], rows)
+    ours = [float(r[2]) for r in rows if r[0].startswith("seqpack") and r[2] != "-"]
+    masked = [float(r[2]) for r in rows if not r[0].startswith(("seqpack", "cudnn packed"))
+              and r[2] != "-"]
+    if ours and masked and not on_cpu:
+        print(f"\nfastest seqpack fwd+bwd vs the fastest masked alternative: "
+              f"{min(masked) / min(ours):.2f}x faster (target on H200: >= 5x)")
+
+
+if __name__ == "__main__":
+    main()

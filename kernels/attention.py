@@ -1,0 +1,261 @@
+"""Public segment_attention: attention within packed segments, whose schedule follows the segments.
+
+    segment_attention   q f[B, L, H, D], k, v f[B, L, K, D] (H % K == 0) -> f[B, L, H, D]
+
+A token attends to the earlier tokens (causal) or all tokens of its own segment; tokens outside
+every segment give 0. The kernels visit only the pairs of (query block, key block) that hold
+tokens of one segment (attention_schedule.py: the schedule, its worked example and its bound),
+where a masked kernel computes the whole causal triangle: on chat rows at L = 8192 (mean ~380
+tokens a segment) about an eighth of it at blocks of 128, a thirtieth at L = 32768
+(benchmarks/attention_bench.py).
+
+    TPU (Mosaic)   attention_tpu.py (forward), attention_tpu_bwd.py (dq, dk / dv): the schedule
+                   is scalar-prefetched; data-dependent index maps repeat the last block of a
+                   range (no copy) and `pl.when` skips the compute of the steps past it
+    GPU (Triton)   attention_gpu.py: the same schedule as loop bounds (`lax.fori_loop`)
+    reference      kernels/reference.py: dense and masked, on any backend
+
+Forward and backward are a `custom_vjp` (dq, dk, dv; no gradient for the metadata), flash
+attention style: an online softmax in f32 whatever the input dtype (bfloat16, float16, float32),
+the f32 logsumexp saved for the backward, which recomputes the probabilities. Matmul inputs stay
+in the input dtype with f32 accumulation (probabilities are cast to it for `p @ v`, as in every
+flash kernel), so bfloat16 agrees with the f32 reference to bfloat16 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from seqpack.kernels import attention_gpu, attention_tpu, attention_tpu_bwd, reference
+from seqpack.kernels.attention_schedule import AttentionConfig, Schedule, make_schedule
+from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata
+from seqpack.kernels.common import (
+    LANES,
+    SMEM_METADATA_BUDGET_BYTES,
+    Impl,
+    Interpret,
+    next_power_of_two,
+    pick_block_sizes,
+    resolve_impl,
+    round_up,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlockSizes:
+    """Block sizes of the TPU kernels: query and key rows per block, forward and backward.
+
+    Multiples of 128 (lanes: the (bq, bk) score tile and the (1, bq) logsumexp rows of the dk / dv
+    kernel). 256 x 256 keeps the f32 score tile (256 KiB) and a (256, D) f32 accumulator far inside
+    scoped VMEM, while chat segments (~380 tokens) still leave most of the triangle unvisited
+    (benchmarks/attention_bench.py tabulates visited pairs per block size). Not yet tuned on TPU.
+
+    narrow_steps: the step axis of a grid is static, L / b, and steps past a range only cost the
+    grid loop (no copy, no compute), but L / b of them per block add up; when L / b is larger,
+    a second grid of `narrow_steps` steps is compiled and runs (`lax.cond`) whenever every range
+    of the batch fits it: ranges of up to 8 blocks of 256 hold segments of ~1.8k tokens. None:
+    the full grid only.
+    """
+
+    block_q: int = 256
+    block_kv: int = 256
+    block_q_bwd: int = 256
+    block_kv_bwd: int = 256
+    narrow_steps: int | None = 8
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
+            value = getattr(self, name)
+            if value <= 0 or value % LANES:
+                raise ValueError(f"{name}={value} must be a positive multiple of {LANES}")
+        if self.narrow_steps is not None and self.narrow_steps < 1:
+            raise ValueError(f"narrow_steps={self.narrow_steps} must be >= 1 (or None)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuAttentionBlockSizes:
+    """Tile sizes of the Triton kernels: powers of two >= 16 (Triton's dot), plus launch options.
+
+    num_warps None: 4 for D <= 64, else 8 (jax's Pallas GPU attention does the same). Defaults are
+    chosen by register budget (a 64 x 64 f32 score tile and a 64 x D accumulator per program),
+    not yet tuned on hardware (benchmarks/device_run.sh measures them).
+    """
+
+    block_q: int = 64
+    block_kv: int = 64
+    block_q_bwd: int = 64
+    block_kv_bwd: int = 64
+    num_warps: int | None = None
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two >= 16 (Triton tiles)")
+        if self.num_warps is not None and self.num_warps < 1:
+            raise ValueError(f"num_warps={self.num_warps} must be >= 1 (or None)")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+
+
+def _forward(q, k, v, sched: Schedule, cfg: AttentionConfig):
+    family = attention_gpu if cfg.gpu is not None else attention_tpu
+    return family.forward(q, k, v, sched, cfg)
+
+
+def _backward(q, k, v, o, lse, do, sched: Schedule, cfg: AttentionConfig):
+    family = attention_gpu if cfg.gpu is not None else attention_tpu_bwd
+    return family.backward(q, k, v, o, lse, do, sched, cfg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _pallas_attention(q, k, v, sched: Schedule, cfg: AttentionConfig):
+    return _forward(q, k, v, sched, cfg)[0]
+
+
+def _pallas_attention_fwd(q, k, v, sched, cfg):
+    o, lse = _forward(q, k, v, sched, cfg)
+    return o, (q, k, v, sched, o, lse)
+
+
+def _pallas_attention_bwd(cfg, residuals, do):
+    q, k, v, sched, o, lse = residuals
+    dq, dk, dv = _backward(q, k, v, o, lse, do, sched, cfg)
+    return dq, dk, dv, None
+
+
+_pallas_attention.defvjp(_pallas_attention_fwd, _pallas_attention_bwd)
+
+
+def _check(q, k, v, segment_offsets, segment_lengths) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4 or jnp.dtype(x.dtype) not in FLOAT_DTYPES:
+            raise ValueError(f"{name}.shape={x.shape} dtype={x.dtype} must be float "
+                             f"{'[B, L, H, D]' if name == 'q' else '[B, L, K, D]'}")
+    if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must match, in q's "
+                         f"dtype {q.dtype}")
+    batch, seq_len, heads, dim = q.shape
+    if k.shape[:2] != (batch, seq_len) or k.shape[3] != dim or heads % k.shape[2]:
+        raise ValueError(f"k.shape={k.shape} must be [B, L, K, D] = [{batch}, {seq_len}, K, {dim}]"
+                         f" with K dividing the H={heads} query heads (grouped-query attention)")
+    if seq_len < 1 or dim < 1:
+        raise ValueError(f"q.shape={q.shape} needs L >= 1 and D >= 1")
+    check_metadata(segment_offsets, segment_lengths, batch)
+
+
+def _check_smem(batch: int, cfg: AttentionConfig) -> None:
+    """The scalar-prefetched ranges (the dk / dv kernel's: 2 x (nq' + nk') i32 a row) fit SMEM."""
+    per_row = 4 * 2 * max(cfg.blocks(cfg.block_q),
+                          cfg.blocks(cfg.block_q_bwd) + cfg.blocks(cfg.block_kv_bwd))
+    if per_row * batch > SMEM_METADATA_BUDGET_BYTES:
+        raise ValueError(
+            f"B={batch} rows of L={cfg.seq_len} need {per_row * batch} bytes of block ranges in "
+            f"SMEM, over the {SMEM_METADATA_BUDGET_BYTES}-byte budget; pass larger block sizes, "
+            f"or call on chunks of at most {max(SMEM_METADATA_BUDGET_BYTES // per_row, 1)} rows")
+
+
+def _config(q, k, *, causal, scale, blocks, interpret, impl, count_visits) -> AttentionConfig:
+    _, seq_len, heads, dim = q.shape
+    if impl is Impl.PALLAS_GPU:
+        fit = lambda b: max(16, min(b, next_power_of_two(seq_len)))  # noqa: E731
+        warps = blocks.num_warps or (4 if dim <= 64 else 8)
+        gpu = (warps, blocks.num_stages)
+    else:
+        fit = lambda b: min(b, round_up(seq_len, LANES))  # noqa: E731
+        gpu = None
+    narrow = None if gpu is not None else blocks.narrow_steps
+    return AttentionConfig(
+        seq_len=seq_len, heads=heads, kv_heads=k.shape[2], head_dim=dim, causal=causal,
+        scale=float(dim**-0.5 if scale is None else scale), block_q=fit(blocks.block_q),
+        block_kv=fit(blocks.block_kv), block_q_bwd=fit(blocks.block_q_bwd),
+        block_kv_bwd=fit(blocks.block_kv_bwd), interpret=interpret, gpu=gpu,
+        narrow_steps=narrow, count_visits=count_visits)
+
+
+def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, interpret,
+           block_sizes, count_visits=False):
+    """Checks; None for the reference, else (Schedule, AttentionConfig)."""
+    _check(q, k, v, segment_offsets, segment_lengths)
+    impl = resolve_impl(impl, interpret)
+    blocks = pick_block_sizes(block_sizes, impl, AttentionBlockSizes, "segment_attention",
+                              gpu_type=GpuAttentionBlockSizes)
+    if impl is Impl.REFERENCE:
+        return None
+    cfg = _config(q, k, causal=causal, scale=scale, blocks=blocks, interpret=interpret,
+                  impl=impl, count_visits=count_visits)
+    if cfg.gpu is None:
+        _check_smem(q.shape[0], cfg)
+    return make_schedule(segment_offsets, segment_lengths, cfg), cfg
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("causal", "scale", "impl", "interpret", "block_sizes"))
+def segment_attention(
+    q: jax.Array,  # f[B, L, H, D]
+    k: jax.Array,  # f[B, L, K, D], H % K == 0
+    v: jax.Array,  # f[B, L, K, D]
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    impl: Impl | str = "auto",
+    interpret: Interpret = False,
+    block_sizes: AttentionBlockSizes | GpuAttentionBlockSizes | None = None,
+) -> jax.Array:  # f[B, L, H, D]
+    """softmax(q k^T * scale) v within each segment (scale default D^-0.5); 0 outside segments.
+
+    Query head h uses key/value head h // (H / K). `impl`: common.resolve_impl; `block_sizes`:
+    AttentionBlockSizes for the TPU kernels, GpuAttentionBlockSizes for the GPU ones.
+    """
+    setup = _setup(q, k, v, segment_offsets, segment_lengths, causal=causal, scale=scale,
+                   impl=impl, interpret=interpret, block_sizes=block_sizes)
+    if setup is None:
+        return reference.segment_attention(q, k, v, segment_offsets, segment_lengths,
+                                           causal=causal, scale=scale)
+    sched, cfg = setup
+    return _pallas_attention(q, k, v, sched, cfg)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("causal", "scale", "impl", "interpret", "block_sizes"))
+def visited_block_pairs(
+    q: jax.Array,  # f[B, L, H, D]
+    k: jax.Array,  # f[B, L, K, D]
+    v: jax.Array,  # f[B, L, K, D]
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+    do: jax.Array | None = None,  # f[B, L, H, D], the output's cotangent (default ones)
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    impl: Impl | str = "pallas",
+    interpret: Interpret = False,
+    block_sizes: AttentionBlockSizes | GpuAttentionBlockSizes | None = None,
+) -> dict[str, jax.Array]:
+    """Debug: the kernels' results and how many block pairs each kernel computed.
+
+    Runs the forward and both backward kernels with a counter output (+1 at every computed step,
+    inside the kernel): {"visits_fwd": i32[B, H, nq], "visits_dq": i32[B, H, nq'],
+    "visits_dkv": i32[B, K, nk'] (summed over the G query heads of the group), the results "o",
+    "dq", "dk", "dv", and the schedule's ranges "lo", "hi" (forward block sizes), "lo_bwd",
+    "hi_bwd"}, for tests and benchmarks.
+    """
+    setup = _setup(q, k, v, segment_offsets, segment_lengths, causal=causal, scale=scale,
+                   impl=impl, interpret=interpret, block_sizes=block_sizes, count_visits=True)
+    if setup is None:
+        raise ValueError("visited_block_pairs counts the Pallas kernels' visits; pass "
+                         "impl='pallas_tpu' or 'pallas_gpu' (with interpret= on a CPU)")
+    sched, cfg = setup
+    o, lse, visits_fwd = _forward(q, k, v, sched, cfg)
+    do = jnp.ones_like(o) if do is None else do
+    (dq, dk, dv), visits_dq, visits_dkv = _backward(q, k, v, o, lse, do, sched, cfg)
+    return {"visits_fwd": visits_fwd, "visits_dq": visits_dq, "visits_dkv": visits_dkv, "o": o,
+            "dq": dq, "dk": dk, "dv": dv, "lo": sched.lo, "hi": sched.hi,
+            "lo_bwd": sched.lo_bwd, "hi_bwd": sched.hi_bwd}

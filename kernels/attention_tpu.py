@@ -1,0 +1,239 @@
+"""Pallas TPU (Mosaic) forward kernel of segment attention: flash attention over the schedule.
+
+Grid `(B, H, nq, W)`, semantics ("parallel", "parallel", "parallel", "arbitrary"); nq = L / bq
+query blocks, and a static key axis of W steps: W = nk = L / bk always fits a range, and when
+`narrow_steps` < nk a second grid of W = narrow_steps is compiled too and runs (`lax.cond`)
+whenever the batch's longest range fits it, so short segments do not pay for L / bk steps. The
+block schedule (attention_schedule.py: key blocks [lo_i, hi_i) of query block i) is
+scalar-prefetched into SMEM, so the key/value index maps are data-dependent: step j of query
+block i loads key block lo_i + j while j < hi_i - lo_i, and the range's last block again for the
+steps past it, so the block index repeats and Pallas issues no copy; `pl.when` skips their
+compute. Worked example, one row, L = 16, bq = bk = 4 (the schedule module's), W = nk = 4:
+
+    query block  [lo, hi)   key block at steps j = 0 1 2 3   computed   copies
+    0            [0, 1)                         0 0 0 0      j = 0      1
+    1            [0, 2)                         0 1 1 1      j = 0, 1   1 (block 1; 0 is current)
+    2            [2, 3)                         2 2 2 2      j = 0      1
+    3            [2, 4)                         2 3 3 3      j = 0, 1   1 (block 3)
+
+Each computed step is one online-softmax update (running max `m`, sum `l`, f32 accumulator in
+VMEM scratch) on `s = q k^T * scale`, masked with `where` (never by multiplying) to the pairs
+(r, c) with `start(r) <= c < end(r)` and `c <= r` when causal: the per-token segment bounds are
+(bq, 1) / (bk, 1) int32 blocks, compared against iotas of the true positions. Value rows outside
+every segment (padding, and the undefined rows past L of a partial block) are zeroed before
+`p @ v`, so they never reach a sum. The last step writes `o = acc / l` (0 for tokens outside
+every segment) and the f32 logsumexp `m + log l` the backward needs.
+
+Layout: heads ride in the lane dimension when D % 128 == 0 (q [B, L, H * D] by a free reshape,
+block (bq, D) at lane block h); otherwise q, k, v are transposed to [B, H, L, D] (a copy).
+Grouped-query heads: query head h reads key/value head h // (H / K).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from seqpack.kernels.attention_schedule import AttentionConfig, Schedule, step_block
+
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: max/exp never see -inf - -inf
+NT = (((1,), (1,)), ((), ()))  # a @ b.T
+NN = (((1,), (0,)), ((), ()))  # a @ b
+VISIT_TILE = (8, 128)  # one (8, 128) i32 tile per counted block (debug output)
+
+
+def folded(cfg: AttentionConfig) -> bool:
+    return cfg.head_dim % 128 == 0
+
+
+def to_kernel(x: jax.Array, cfg: AttentionConfig) -> jax.Array:
+    """[B, L, N, D] -> [B, L, N * D] (folded, free) or [B, N, L, D] (a transpose)."""
+    batch, seq_len, heads, dim = x.shape
+    return x.reshape(batch, seq_len, heads * dim) if folded(cfg) else x.transpose(0, 2, 1, 3)
+
+
+def from_kernel(y: jax.Array, cfg: AttentionConfig) -> jax.Array:
+    """The inverse of `to_kernel`: back to [B, L, N, D]."""
+    if folded(cfg):
+        return y.reshape(y.shape[0], y.shape[1], -1, cfg.head_dim)
+    return y.transpose(0, 2, 1, 3)
+
+
+def head_spec(cfg: AttentionConfig, rows: int, index) -> pl.BlockSpec:
+    """BlockSpec of a (rows, D) block of head n, row block t; index(*grid, *refs) -> (b, n, t)."""
+    dim = cfg.head_dim
+    if folded(cfg):
+        def folded_index(*args):
+            b, n, t = index(*args)
+            return b, t, n
+
+        return pl.BlockSpec((None, rows, dim), folded_index)
+
+    def head_major_index(*args):
+        b, n, t = index(*args)
+        return b, n, t, 0
+
+    return pl.BlockSpec((None, None, rows, dim), head_major_index)
+
+
+def kernel_shape(cfg: AttentionConfig, batch: int, heads: int, dtype) -> jax.ShapeDtypeStruct:
+    """The kernel-layout shape of a [B, L, heads, D] array (see `to_kernel`)."""
+    if folded(cfg):
+        return jax.ShapeDtypeStruct((batch, cfg.seq_len, heads * cfg.head_dim), dtype)
+    return jax.ShapeDtypeStruct((batch, heads, cfg.seq_len, cfg.head_dim), dtype)
+
+
+def pair_mask(q_base, k_base, q_start, q_end, shape, causal: bool, *, keys_on_rows=False):
+    """Allowed (query, key) entries of a block pair from the query tokens' segment bounds.
+
+    shape (bq, bk) with q_start / q_end (bq, 1); keys_on_rows: shape (bk, bq), bounds (1, bq).
+    """
+    q_axis, k_axis = (1, 0) if keys_on_rows else (0, 1)
+    q_pos = q_base + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    k_pos = k_base + lax.broadcasted_iota(jnp.int32, shape, k_axis)
+    allowed = (k_pos >= q_start) & (k_pos < q_end)
+    return allowed & (k_pos <= q_pos) if causal else allowed
+
+
+def rows_in_segments(start_ref, base: jax.Array, rows: int) -> jax.Array:  # bool[rows, 1]
+    """Rows of a block that lie in a segment (start <= position): padding and rows past L not."""
+    return start_ref[...] <= base + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+
+
+def range_step(lo_ref, hi_ref, num_q_blocks: int):
+    """(query block i, step j, the range's first key block lo, whether step j computes) of a
+    (B, H, nq, W) grid step over the scalar-prefetched ranges."""
+    b, i, j = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    idx = b * num_q_blocks + i
+    lo = lo_ref[idx]
+    return i, j, lo, j < hi_ref[idx] - lo
+
+
+def visit_output(batch: int, heads: int, blocks: int, index):
+    """Shape and BlockSpec of the debug counter: one (8, 128) i32 tile per (row, head, block)."""
+    return (jax.ShapeDtypeStruct((batch, heads, blocks * VISIT_TILE[0], VISIT_TILE[1]), jnp.int32),
+            pl.BlockSpec((None, None, *VISIT_TILE), index))
+
+
+def count_visit(visits_ref, first: jax.Array, computed: jax.Array) -> None:
+    """Debug counter: zeroed at `first`, +1 on every computed step."""
+    if visits_ref is None:
+        return
+
+    @pl.when(first)
+    def _zero():
+        visits_ref[...] = jnp.zeros(visits_ref.shape, jnp.int32)
+
+    @pl.when(computed)
+    def _add():
+        visits_ref[...] += 1
+
+
+def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, qe_ref, ks_ref, o_ref, lse_ref,
+                    *rest, cfg: AttentionConfig, steps: int) -> None:
+    # lo, hi SMEM i32[B * nq]; q [bq, D]; k, v [bk, D]; qs, qe i32[bq, 1]; ks i32[bk, 1];
+    # o [bq, D]; lse f32[bq, 1]; rest: (visits i32[8, 128]), m, l f32[bq, 1], acc f32[bq, D]
+    visits_ref, (m_ref, l_ref, acc_ref) = (rest[0] if cfg.count_visits else None), rest[-3:]
+    bq, bk = cfg.block_q, cfg.block_kv
+    i, j, lo, computed = range_step(lo_ref, hi_ref, cfg.blocks(bq))
+    count_visit(visits_ref, j == 0, computed)
+
+    @pl.when(j == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, MASK_VALUE, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(computed)
+    def _pair():
+        k_base = (lo + j) * bk
+        s = lax.dot_general(q_ref[...], k_ref[...], NT, preferred_element_type=jnp.float32)
+        allowed = pair_mask(i * bq, k_base, qs_ref[...], qe_ref[...], (bq, bk), cfg.causal)
+        s = jnp.where(allowed, s * cfg.scale, MASK_VALUE)
+        m_prev = m_ref[...]
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        p = jnp.where(allowed, jnp.exp(s - m_new), 0.0)
+        alpha = jnp.exp(m_prev - m_new)
+        l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
+        v = jnp.where(rows_in_segments(ks_ref, k_base, bk), v_ref[...], 0)
+        pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
+        acc_ref[...] = alpha * acc_ref[...] + pv
+        m_ref[...] = m_new
+
+    @pl.when(j == steps - 1)
+    def _finish():
+        seen = l_ref[...] > 0.0
+        total = jnp.where(seen, l_ref[...], 1.0)
+        o_ref[...] = (acc_ref[...] / total).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(total), 0.0)
+
+
+def narrow_or_full(call, counts: jax.Array, full: int, cfg: AttentionConfig):
+    """call(steps) with the full step axis, or (cfg.narrow_steps < full) a `lax.cond` between a
+    grid of narrow_steps steps, taken when every range (`counts`) fits, and the full one."""
+    narrow = cfg.narrow_steps
+    if narrow is None or narrow >= full:
+        return call(full)
+    return lax.cond(jnp.max(counts) <= narrow, lambda: call(narrow), lambda: call(full))
+
+
+def forward(q, k, v, sched: Schedule, cfg: AttentionConfig):
+    """-> o [B, L, H, D], lse f32[B, H, L, 1] (and visits i32[B, H, nq] when counting)."""
+    call = functools.partial(_forward_call, q, k, v, sched, cfg)
+    return narrow_or_full(call, sched.hi - sched.lo, cfg.blocks(cfg.block_kv), cfg)
+
+
+def _forward_call(q, k, v, sched: Schedule, cfg: AttentionConfig, steps: int):
+    batch = q.shape[0]
+    bq, bk = cfg.block_q, cfg.block_kv
+    nq, nk, groups = cfg.blocks(bq), cfg.blocks(bk), cfg.groups
+
+    def kv_index(b, h, i, j, lo_ref, hi_ref):
+        idx = b * nq + i
+        return b, lax.div(h, groups), step_block(lo_ref[idx], hi_ref[idx], j, nk)
+
+    def kv_bounds_index(b, h, i, j, lo_ref, hi_ref):
+        return b, kv_index(b, h, i, j, lo_ref, hi_ref)[2], 0
+
+    q_spec = head_spec(cfg, bq, lambda b, h, i, j, *_: (b, h, i))
+    column = lambda rows, index: pl.BlockSpec((None, rows, 1), index)  # noqa: E731
+    q_bounds = column(bq, lambda b, h, i, j, *_: (b, i, 0))
+    out_shapes = [kernel_shape(cfg, batch, cfg.heads, q.dtype),
+                  jax.ShapeDtypeStruct((batch, cfg.heads, cfg.seq_len, 1), jnp.float32)]
+    out_specs = [q_spec, pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j, *_: (b, h, i, 0))]
+    if cfg.count_visits:
+        shape, spec = visit_output(batch, cfg.heads, nq, lambda b, h, i, j, *_: (b, h, i, 0))
+        out_shapes.append(shape)
+        out_specs.append(spec)
+    start, end = sched.start[:, :, None], sched.end[:, :, None]
+    useful = 4 * batch * cfg.heads * cfg.seq_len**2 * cfg.head_dim // (2 if cfg.causal else 1)
+    outs = pl.pallas_call(
+        functools.partial(_forward_kernel, cfg=cfg, steps=steps),
+        out_shape=out_shapes,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(batch, cfg.heads, nq, steps),
+            in_specs=[q_spec, head_spec(cfg, bk, kv_index), head_spec(cfg, bk, kv_index),
+                      q_bounds, q_bounds, column(bk, kv_bounds_index)],
+            out_specs=out_specs,
+            scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
+                            pltpu.VMEM((bq, cfg.head_dim), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        cost_estimate=pl.CostEstimate(flops=useful, transcendentals=useful // (4 * cfg.head_dim),
+                                      bytes_accessed=4 * q.size * q.dtype.itemsize),
+        interpret=cfg.interpret,
+        name="segment_attention_fwd",
+    )(sched.lo.reshape(-1), sched.hi.reshape(-1), to_kernel(q, cfg), to_kernel(k, cfg),
+      to_kernel(v, cfg), start, end, start)
+    o, lse = from_kernel(outs[0], cfg), outs[1]
+    if cfg.count_visits:
+        return o, lse, outs[2][:, :, ::8, 0]
+    return o, lse

@@ -1,0 +1,234 @@
+"""Pallas TPU (Mosaic) backward kernels of segment attention: dq by query block, dk/dv by key block.
+
+Both recompute `p = exp(s - lse)` from the forward's logsumexp and use `di = rowsum(do * o)`
+(jnp, f32); `ds = p * (do v^T - di)`. They visit exactly the forward's pairs of blocks (with the
+backward block sizes), skipping the others the same way: data-dependent index maps over a static
+step axis of W steps (L / b, or the narrow grid when the ranges fit: attention_tpu.py) that
+repeat the range's last block (no copy), and `pl.when` around the compute.
+
+    dq   grid (B, H, nq, W), ("parallel",) * 3 + ("arbitrary",): step j of query block i
+         visits key block lo_i + j (attention_tpu.py's schedule); dq += ds k * scale, in f32
+         VMEM scratch, written at the last step.
+    dkv  grid (B, K, nk, G, W), ("parallel",) * 3 + ("arbitrary",) * 2: key block k of key head
+         kh is resident over the G query heads of its group and step j visits query block
+         qlo_k + j of `transpose_ranges` (computed only if lo_i <= k < hi_i, so an empty query
+         block inside the range costs no compute either). It works transposed, keys on rows
+         (s^T = k q^T, (bk, bq)), as splash attention does: dv += p^T do and dk += ds^T q * scale
+         are plain (bk, bq) @ (bq, D) products, with lse / di as (1, bq) rows.
+
+Worked example, the schedule module's row (bq = bk = 4, ranges [0,1) [0,2) [2,3) [2,4)): the dkv
+kernel gets query ranges [0, 2) for key block 0, [1, 2) for 1, [2, 4) for 2 and [3, 4) for 3:
+the same six pairs, grouped by key block.
+
+Rows outside every segment (padding, rows past L of a partial block) are zeroed where they enter
+a product: k in dq (ds k), q and do in dkv (ds^T q, p^T do); every other use is masked by `where`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from seqpack.kernels.attention_schedule import AttentionConfig, Schedule, step_block
+from seqpack.kernels.attention_tpu import (
+    NN,
+    NT,
+    count_visit,
+    from_kernel,
+    head_spec,
+    kernel_shape,
+    narrow_or_full,
+    pair_mask,
+    range_step,
+    rows_in_segments,
+    to_kernel,
+    visit_output,
+)
+
+
+def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, qs_ref, qe_ref,
+               ks_ref, dq_ref, *rest, cfg: AttentionConfig, steps: int) -> None:
+    # q, do, dq [bq, D]; k, v [bk, D]; lse, di f32[bq, 1]; qs, qe i32[bq, 1]; ks i32[bk, 1]
+    visits_ref, acc_ref = (rest[0] if cfg.count_visits else None), rest[-1]
+    bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
+    i, j, lo, computed = range_step(lo_ref, hi_ref, cfg.blocks(bq))
+    count_visit(visits_ref, j == 0, computed)
+
+    @pl.when(j == 0)
+    def _init():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(computed)
+    def _pair():
+        k_base = (lo + j) * bk
+        k = jnp.where(rows_in_segments(ks_ref, k_base, bk), k_ref[...], 0)
+        s = lax.dot_general(q_ref[...], k, NT, preferred_element_type=jnp.float32) * cfg.scale
+        allowed = pair_mask(i * bq, k_base, qs_ref[...], qe_ref[...], (bq, bk), cfg.causal)
+        p = jnp.where(allowed, jnp.exp(s - lse_ref[...]), 0.0)
+        dp = lax.dot_general(do_ref[...], v_ref[...], NT, preferred_element_type=jnp.float32)
+        ds = jnp.where(allowed, p * (dp - di_ref[...]), 0.0)
+        acc_ref[...] += lax.dot_general(ds.astype(k.dtype), k, NN,
+                                        preferred_element_type=jnp.float32)
+
+    @pl.when(j == steps - 1)
+    def _finish():
+        dq_ref[...] = (acc_ref[...] * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref,
+                qs_row_ref, qe_row_ref, qs_ref, dk_ref, dv_ref, *rest,
+                cfg: AttentionConfig, steps: int) -> None:
+    # q, do [bq, D]; k, v, dk, dv [bk, D]; lse, di f32[1, bq]; qs_row, qe_row i32[1, bq];
+    # qs i32[bq, 1]; rest: (visits), dk_acc, dv_acc f32[bk, D]
+    visits_ref, (dk_acc, dv_acc) = (rest[0] if cfg.count_visits else None), rest[-2:]
+    b, kb, g, j = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
+    nq = cfg.blocks(bq)
+    kidx = b * cfg.blocks(bk) + kb
+    qlo = qlo_ref[kidx]
+    qb = qlo + j
+    qidx = b * nq + jnp.minimum(qb, nq - 1)
+    computed = (j < qhi_ref[kidx] - qlo) & (lo_ref[qidx] <= kb) & (kb < hi_ref[qidx])
+    first = (g == 0) & (j == 0)
+    count_visit(visits_ref, first, computed)
+
+    @pl.when(first)
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    @pl.when(computed)
+    def _pair():
+        q_base, k_base = qb * bq, kb * bk
+        live = rows_in_segments(qs_ref, q_base, bq)
+        q = jnp.where(live, q_ref[...], 0)
+        do = jnp.where(live, do_ref[...], 0)
+        st = lax.dot_general(k_ref[...], q, NT, preferred_element_type=jnp.float32) * cfg.scale
+        allowed = pair_mask(q_base, k_base, qs_row_ref[...], qe_row_ref[...], (bk, bq),
+                            cfg.causal, keys_on_rows=True)
+        pt = jnp.where(allowed, jnp.exp(st - lse_ref[...]), 0.0)
+        dv_acc[...] += lax.dot_general(pt.astype(do.dtype), do, NN,
+                                       preferred_element_type=jnp.float32)
+        dpt = lax.dot_general(v_ref[...], do, NT, preferred_element_type=jnp.float32)
+        dst = jnp.where(allowed, pt * (dpt - di_ref[...]), 0.0)
+        dk_acc[...] += lax.dot_general(dst.astype(q.dtype), q, NN,
+                                       preferred_element_type=jnp.float32)
+
+    @pl.when((g == cfg.groups - 1) & (j == steps - 1))
+    def _finish():
+        dk_ref[...] = (dk_acc[...] * cfg.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _dq(q, k, v, do, lse, di, sched: Schedule, cfg: AttentionConfig, steps: int):
+    batch = q.shape[0]
+    bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
+    nq, nk, groups = cfg.blocks(bq), cfg.blocks(bk), cfg.groups
+
+    def kv_block(b, i, j, lo_ref, hi_ref):
+        return step_block(lo_ref[b * nq + i], hi_ref[b * nq + i], j, nk)
+
+    q_spec = head_spec(cfg, bq, lambda b, h, i, j, *_: (b, h, i))
+    kv_spec = head_spec(cfg, bk, lambda b, h, i, j, *refs: (b, lax.div(h, groups),
+                                                             kv_block(b, i, j, *refs)))
+    column = pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j, *_: (b, h, i, 0))
+    q_bounds = pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0))
+    k_bounds = pl.BlockSpec((None, bk, 1), lambda b, h, i, j, *refs: (b, kv_block(b, i, j, *refs),
+                                                                      0))
+    out_shapes, out_specs = [kernel_shape(cfg, batch, cfg.heads, q.dtype)], [q_spec]
+    if cfg.count_visits:
+        shape, spec = visit_output(batch, cfg.heads, nq, lambda b, h, i, j, *_: (b, h, i, 0))
+        out_shapes.append(shape)
+        out_specs.append(spec)
+    start, end = sched.start[:, :, None], sched.end[:, :, None]
+    outs = pl.pallas_call(
+        functools.partial(_dq_kernel, cfg=cfg, steps=steps),
+        out_shape=out_shapes,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(batch, cfg.heads, nq, steps),
+            in_specs=[q_spec, kv_spec, kv_spec, q_spec, column, column, q_bounds, q_bounds,
+                      k_bounds],
+            out_specs=out_specs,
+            scratch_shapes=[pltpu.VMEM((bq, cfg.head_dim), jnp.float32)],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=cfg.interpret,
+        name="segment_attention_dq",
+    )(sched.lo_bwd.reshape(-1), sched.hi_bwd.reshape(-1), q, k, v, do, lse, di, start, end,
+      start)
+    return outs if cfg.count_visits else (outs[0],)
+
+
+def _dkv(q, k, v, do, lse_row, di_row, sched: Schedule, cfg: AttentionConfig, steps: int):
+    batch = q.shape[0]
+    bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
+    nq, nk, groups = cfg.blocks(bq), cfg.blocks(bk), cfg.groups
+
+    def q_block(b, kb, j, qlo_ref, qhi_ref, *_):
+        return step_block(qlo_ref[b * nk + kb], qhi_ref[b * nk + kb], j, nq)
+
+    def q_index(b, kh, kb, g, j, *refs):
+        return b, kh * groups + g, q_block(b, kb, j, *refs)
+
+    q_spec = head_spec(cfg, bq, q_index)
+    kv_spec = head_spec(cfg, bk, lambda b, kh, kb, g, j, *_: (b, kh, kb))
+    row = pl.BlockSpec((None, None, 1, bq), lambda b, kh, kb, g, j, *refs: (
+        b, kh * groups + g, 0, q_block(b, kb, j, *refs)))
+    q_bounds_row = pl.BlockSpec((None, 1, bq), lambda b, kh, kb, g, j, *refs: (
+        b, 0, q_block(b, kb, j, *refs)))
+    q_bounds = pl.BlockSpec((None, bq, 1), lambda b, kh, kb, g, j, *refs: (
+        b, q_block(b, kb, j, *refs), 0))
+    kv_shape = kernel_shape(cfg, batch, cfg.kv_heads, k.dtype)
+    out_shapes, out_specs = [kv_shape, kv_shape], [kv_spec, kv_spec]
+    if cfg.count_visits:
+        shape, spec = visit_output(batch, cfg.kv_heads, nk,
+                                   lambda b, kh, kb, g, j, *_: (b, kh, kb, 0))
+        out_shapes.append(shape)
+        out_specs.append(spec)
+    start, end = sched.start[:, None, :], sched.end[:, None, :]
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, cfg=cfg, steps=steps),
+        out_shape=out_shapes,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(batch, cfg.kv_heads, nk, groups, steps),
+            in_specs=[q_spec, kv_spec, kv_spec, q_spec, row, row, q_bounds_row, q_bounds_row,
+                      q_bounds],
+            out_specs=out_specs,
+            scratch_shapes=[pltpu.VMEM((bk, cfg.head_dim), jnp.float32)] * 2,
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
+        interpret=cfg.interpret,
+        name="segment_attention_dkv",
+    )(sched.qlo_bwd.reshape(-1), sched.qhi_bwd.reshape(-1), sched.lo_bwd.reshape(-1),
+      sched.hi_bwd.reshape(-1), q, k, v, do, lse_row, di_row, start, end,
+      sched.start[:, :, None])
+
+
+def backward(q, k, v, o, lse, do, sched: Schedule, cfg: AttentionConfig):
+    """-> dq, dk, dv like q, k, v (and visits of the dq, dkv kernels when counting).
+
+    lse: f32[B, H, L, 1] from attention_tpu.forward.
+    """
+    batch = q.shape[0]
+    di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, L, H]
+    di = di.transpose(0, 2, 1)[..., None]  # [B, H, L, 1]
+    qk, kk, vk, dok = (to_kernel(x, cfg) for x in (q, k, v, do))
+    dq_out = narrow_or_full(functools.partial(_dq, qk, kk, vk, dok, lse, di, sched, cfg),
+                            sched.hi_bwd - sched.lo_bwd, cfg.blocks(cfg.block_kv_bwd), cfg)
+    row = lambda x: x.reshape(batch, cfg.heads, 1, cfg.seq_len)  # noqa: E731
+    dkv_out = narrow_or_full(
+        functools.partial(_dkv, qk, kk, vk, dok, row(lse), row(di), sched, cfg),
+        sched.qhi_bwd - sched.qlo_bwd, cfg.blocks(cfg.block_q_bwd), cfg)
+    grads = (from_kernel(dq_out[0], cfg), from_kernel(dkv_out[0], cfg),
+             from_kernel(dkv_out[1], cfg))
+    if cfg.count_visits:
+        return grads, dq_out[1][:, :, ::8, 0], dkv_out[2][:, :, ::8, 0]
+    return grads
