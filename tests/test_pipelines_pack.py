@@ -197,7 +197,8 @@ def test_meta_feature_shares_the_host_layout():
         assert "loss_mask_segment_ids" not in row
     bad = SequentialIterDataset(ArraySource({"tokens": (values, offsets),
                                              "loss_mask": (mask[:-1], offsets - (offsets > 0))}))
-    with pytest.raises(ValueError, match="column 'loss_mask' has length 2 but the feature 'tokens' it is packed with has 3"):
+    with pytest.raises(ValueError, match="column 'loss_mask' has length 2 but the feature "
+                                         "'tokens' it is packed with has 3"):
         list(PackIterDataset(bad, seq_len=64, meta_features=["loss_mask"]))
 
 

@@ -45,9 +45,10 @@ def check_shape(source: Any, seq_len: int | None, max_segments: int | None) -> N
 
 def check_columns(source: Any, columns: Sequence[Column], *, explicit_pads: Iterable[str]
                   ) -> list[Column]:
-    """The label / mask `columns` given for a packed source, checked against its manifest
-    (each must be a key of the rows; a pad given explicitly must be the manifest's), plus the
-    manifest's columns that carry a "role" ("labels" / "mask") and are not given."""
+    """The `columns` given for a packed source, checked against its manifest (each must be a
+    key of the rows; a pad given explicitly must be the manifest's), plus the manifest's columns
+    that carry a "role" ("labels" / "mask" / "values"). A manifest column with neither is a
+    ValueError: what it means for `loss_tokens` is never guessed."""
     manifest = getattr(source, "manifest", None)
     listed = {str(c["name"]): c for c in (getattr(manifest, "columns", None) or [])}
     keys = set(getattr(manifest, "stored_keys", None) or []) | set(listed)
@@ -64,16 +65,22 @@ def check_columns(source: Any, columns: Sequence[Column], *, explicit_pads: Iter
     feature = str(getattr(source, "feature", "tokens"))
     out = list(columns)
     for name, entry in listed.items():
-        role = entry.get("role")
-        if name not in given and role in (Role.LABELS.value, Role.MASK.value):
-            out.append(Column(name, feature, int(entry["pad"]), Role(role)))
+        if name in given:
+            continue
+        if entry.get("role") not in {r.value for r in Role}:
+            raise ValueError(
+                f"the packed rows hold the column {name!r} (pad {entry.get('pad')}); say what "
+                f"it means for loss_tokens: label_features=[{name!r}] (-100 takes no loss), "
+                f"mask_features=[{name!r}] (0 takes no loss) or meta_features=[{name!r}]")
+        out.append(Column(name, feature, int(entry["pad"]), Role(entry["role"])))
     return out
 
 
-def balanced_layout(source: Any, *, batch_size: int, shard_count: int, drop_remainder: bool
-                    ) -> tuple[int, int]:
-    """(D, b) of a balanced dataset read by `shard_count` hosts with host batches of
-    `batch_size` rows; ValueError naming every number when they do not fit together."""
+def balanced_layout(source: Any, *, batch_size: int, shard_count: int, drop_remainder: bool,
+                    local_devices: int | None) -> tuple[int, int]:
+    """(D, b) of a balanced dataset read by `shard_count` hosts (of `local_devices` devices
+    each, when known) with host batches of `batch_size` rows; ValueError naming every number
+    when they do not fit together."""
     order = getattr(getattr(source, "manifest", None), "row_order", None) or {}
     D, b = int(order["data_parallel"]), int(order["batch_size"])
     what = (f"the dataset is balanced for data_parallel={D} ranks of batch_size={b} rows per "
@@ -82,6 +89,11 @@ def balanced_layout(source: Any, *, batch_size: int, shard_count: int, drop_rema
         raise ValueError(f"{what}; shard_count={shard_count} hosts must divide {D} (hosts x "
                          "local devices = data_parallel); pass balanced_steps=False to read "
                          "it as plain rows")
+    if local_devices is not None and shard_count * local_devices != D:
+        raise ValueError(f"{what}, but {shard_count} processes x {local_devices} local devices "
+                         f"= {shard_count * local_devices} ranks; repack for this topology, "
+                         "pass shard_index / shard_count to read it as if it were (each "
+                         f"host {D // shard_count} ranks' rows), or balanced_steps=False")
     per_host = D // shard_count * b
     if batch_size != per_host:
         raise ValueError(f"{what}; batch_size={batch_size} is the rows per host per step: each "
@@ -124,9 +136,11 @@ class HostSteps(grain.MapDataset):
 
 def packed_batches(source: Any, *, batch_size: int, shuffle_seed: int, num_epochs: int | None,
                    shard_index: int, shard_count: int, drop_remainder: bool,
-                   balanced_steps: bool | None) -> grain.IterDataset:
+                   balanced_steps: bool | None, local_devices: int | None
+                   ) -> grain.IterDataset:
     """Batches of packed rows (see the module docstring); `balanced_steps` None follows the
-    manifest, False reads a balanced dataset as plain rows."""
+    manifest, False reads a balanced dataset as plain rows; `local_devices` (None: unknown)
+    is checked against a balanced layout."""
     rows = source if isinstance(source, grain.MapDataset) else grain.MapDataset.source(source)
     if balanced_steps is None:
         balanced_steps = is_balanced(source)
@@ -135,7 +149,7 @@ def packed_batches(source: Any, *, batch_size: int, shuffle_seed: int, num_epoch
                          "row_order (pack with --data-parallel D --batch-size b)")
     if balanced_steps:
         D, b = balanced_layout(source, batch_size=batch_size, shard_count=shard_count,
-                               drop_remainder=drop_remainder)
+                               drop_remainder=drop_remainder, local_devices=local_devices)
         steps = HostSteps(rows, step_rows=D * b, first=shard_index * batch_size,
                           count=batch_size).shuffle(seed=shuffle_seed)
         return SequentialIterDataset(steps if num_epochs == 1 else steps.repeat(num_epochs))

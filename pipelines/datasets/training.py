@@ -116,22 +116,23 @@ def _source_feature(source: Any, declared: set[str]) -> str:
     return "tokens"
 
 
-def _process_shard() -> tuple[int, int]:
+def _process_shard() -> tuple[int, int, int | None]:
     try:
         import jax
     except ImportError:  # single host without jax: one shard
-        return 0, 1
-    return jax.process_index(), jax.process_count()
+        return 0, 1, None
+    return jax.process_index(), jax.process_count(), jax.local_device_count()
 
 
-def _shard(shard_index: int | None, shard_count: int | None) -> tuple[int, int]:
+def _shard(shard_index: int | None, shard_count: int | None) -> tuple[int, int, int | None]:
+    """(this host's shard, the shard count, its local devices if known: from jax by default)."""
     if (shard_index is None) != (shard_count is None):
         raise ValueError(f"pass both or neither of {shard_index=} and {shard_count=}")
     if shard_index is None or shard_count is None:
         return _process_shard()
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"{shard_index=} must be in [0, {shard_count=})")
-    return shard_index, shard_count
+    return shard_index, shard_count, None
 
 
 def _check_counts(batch_size: int, num_epochs: int | None, worker_count: int,
@@ -147,14 +148,14 @@ def _check_counts(batch_size: int, num_epochs: int | None, worker_count: int,
                          "equal slice of the host batch per local device)")
 
 
-def _example_batches(source: Any, *, shard: tuple[int, int], seq_len: int | None,
+def _example_batches(source: Any, *, shard: tuple[int, int, int | None], seq_len: int | None,
                      batch_size: int, shuffle_seed: int, num_epochs: int | None,
                      drop_remainder: bool, **pack: Any) -> grain.IterDataset:
     """Examples -> shard -> shuffle -> repeat -> PackIterDataset -> batch."""
     if seq_len is None:
         raise ValueError("seq_len=None: pass the row length L (only packed sources carry one)")
     ds = source if isinstance(source, grain.MapDataset) else grain.MapDataset.source(source)
-    shard_index, shard_count = shard
+    shard_index, shard_count, _ = shard
     ds = ds[shard_index::shard_count]
     if len(ds) == 0:
         raise ValueError(
@@ -168,10 +169,12 @@ def _example_batches(source: Any, *, shard: tuple[int, int], seq_len: int | None
 
 
 def _loss_tokens(source: Any, feature: str, *, label_features: ColumnSpec,
-                 mask_features: ColumnSpec, next_token: bool) -> LossTokens:
+                 mask_features: ColumnSpec, meta_features: ColumnSpec, next_token: bool
+                 ) -> LossTokens:
     """How `loss_tokens` is counted: from the label / mask columns given (for a packed source
     checked against its manifest, plus the columns the manifest gives a "role")."""
-    cols = columns_from((feature,), label_features=label_features, mask_features=mask_features)
+    cols = columns_from((feature,), label_features=label_features, mask_features=mask_features,
+                        meta_features=meta_features)
     if getattr(source, "is_packed", False):
         cols = packed.check_columns(source, cols, explicit_pads={
             n for spec in (label_features, mask_features) if isinstance(spec, Mapping)
@@ -261,7 +264,7 @@ def make_training_pipeline(
         ds = packed.packed_batches(
             source, batch_size=batch_size, shuffle_seed=shuffle_seed, num_epochs=num_epochs,
             shard_index=shard[0], shard_count=shard[1], drop_remainder=drop_remainder,
-            balanced_steps=balanced_steps)
+            balanced_steps=balanced_steps, local_devices=shard[2])
     else:
         ds = _example_batches(
             source, shard=shard, seq_len=seq_len, batch_size=batch_size,
@@ -272,7 +275,8 @@ def make_training_pipeline(
             label_features=label_features, mask_features=mask_features,
             meta_features=meta_features, drop_features=drop_features)
     ds = ds.map(_loss_tokens(source, feature, label_features=label_features,
-                             mask_features=mask_features, next_token=next_token_loss))
+                             mask_features=mask_features, meta_features=meta_features,
+                             next_token=next_token_loss))
     if balance_ranks is not None:
         from seqpack.pipelines.datasets.balance import BalanceRanks
 
