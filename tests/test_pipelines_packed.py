@@ -175,3 +175,33 @@ def test_balanced_resume_at_every_step(tmp_path):
     make = lambda: iter(make_training_pipeline(src, **_kw(batch_size=4, num_epochs=None,
                                                           shard_index=1, shard_count=2)))
     check_restore_every_step(make, max_rows=10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("balanced", [False, True])
+def test_worker_processes_read_every_row_once_and_resume(tmp_path, balanced):
+    if balanced:
+        stored, src = _balanced(tmp_path)
+        kw = _kw(batch_size=4, shard_index=1, shard_count=2, worker_count=2)
+    else:
+        stored = _packed_dir(tmp_path)
+        src, kw = PackedArrayRecordSource(tmp_path), _kw(worker_count=2, drop_remainder=False)
+    ids = _row_id(stored)
+    it = iter(make_training_pipeline(src, **kw))
+    batches, states = [], [it.get_state()]
+    for b in it:
+        batches.append(b)
+        states.append(json.loads(json.dumps(it.get_state())))
+    it.close()
+    got = sorted(i for b in batches for i in ids(b))
+    if balanced:  # host 1 of 2: ranks 2 and 3 of every whole step
+        steps = len(stored) // (D * B)
+        assert got == sorted(i for s in range(steps) for i in range((s * D + 2) * B,
+                                                                       (s * D + 4) * B))
+    else:
+        assert got == list(range(len(stored)))
+    for step in (1, len(batches) // 2):
+        restored = iter(make_training_pipeline(src, **kw))
+        restored.set_state(states[step])
+        assert ids(next(restored)) == ids(batches[step])
+        restored.close()

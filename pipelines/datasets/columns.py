@@ -28,6 +28,8 @@ import enum
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from seqpack.pipelines.errors import InputError
 
 IGNORE_INDEX = -100  # the label of a position that takes no loss (PyTorch, Hugging Face)
@@ -128,3 +130,18 @@ def check_declared(element: Any, declared: Iterable[str], drop: Iterable[str], w
             f"with label_features={{{extra[0]!r}: -100}}, mask_features=[{extra[0]!r}] or "
             f"meta_features=[{extra[0]!r}], or drop them on purpose with "
             f"drop_features={extra!r}")
+
+
+def check_lengths(cols: Mapping[str, list], hosts: Mapping[str, str], first: int) -> None:
+    """InputError naming the element and both lengths when a column's value is not as long as
+    its host feature's (`cols`: name -> values of a window whose first element is `first`)."""
+    for name, host in hosts.items():
+        n = len(cols[name])
+        m = np.fromiter(map(len, cols[name]), np.int64, n)
+        h = np.fromiter(map(len, cols[host]), np.int64, n)
+        bad = np.flatnonzero(m != h)
+        if bad.size:
+            i = int(bad[0])
+            raise InputError(
+                f"element {first + i}: column {name!r} has length {m[i]} but the "
+                f"feature {host!r} it is packed with has {h[i]}; they must match per example")

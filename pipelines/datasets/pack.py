@@ -31,7 +31,12 @@ from seqpack import packer
 from seqpack.packer.contract import check_not_packed
 from seqpack.packer.inputs import check_pad, fit_dtype, row_dtype
 from seqpack.packer.state_codec import decode_planner_state, encode_planner_state
-from seqpack.pipelines.datasets.columns import ColumnSpec, check_declared, columns_from
+from seqpack.pipelines.datasets.columns import (
+    ColumnSpec,
+    check_declared,
+    check_lengths,
+    columns_from,
+)
 from seqpack.pipelines.datasets.layouts import MultiLayout, SingleLayout
 from seqpack.pipelines.errors import InputError
 
@@ -198,7 +203,7 @@ class PackIterator(grain.DatasetIterator):
             ids, cols = self._read_window()
             if ids:
                 lengths = layout.window_lengths(cols)
-                ds.check_meta_lengths(cols, ids[0])
+                check_lengths(cols, ds.meta, ids[0])
                 plan = layout.add(ids, lengths)
                 phase, window_first = "window", ids[0]
         if plan is None:
@@ -403,16 +408,6 @@ class PackIterDataset(grain.IterDataset):
             return SingleLayout(self.configs[0], window=self.window, meta=self.meta,
                                 pads=self.pads)
         return MultiLayout(self.configs, window=self.window, meta=self.meta, pads=self.pads)
-
-    def check_meta_lengths(self, cols: dict[str, list], first_id: int) -> None:
-        for name, host in self.meta.items():
-            for i, (m, h) in enumerate(zip(cols[name], cols[host], strict=True)):
-                if len(m) != len(h):
-                    raise InputError(
-                        f"element {first_id + i}: column {name!r} has length {len(m)} but the "
-                        f"feature {host!r} it is packed with has {len(h)}; they must match per "
-                        "example"
-                    )
 
     def __iter__(self) -> PackIterator:
         return PackIterator(self._parent.__iter__(), self)

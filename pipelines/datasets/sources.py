@@ -128,7 +128,7 @@ class ArraySource(grain.MapDataset):
             name, values, offsets = self._single
             i = index if 0 <= index < self._n else norm_index(index, self._n, str(self))
             return {name: values[offsets[i] : offsets[i + 1]]}
-        i = norm_index(index, self._n, str(self))
+        i = index if 0 <= index < self._n else norm_index(index, self._n, str(self))
         out = {name: values[offsets[i] : offsets[i + 1]] for name, values, offsets in self._ragged}
         for name, arr in self._scalar:
             out[name] = arr[i]
