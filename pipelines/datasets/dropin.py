@@ -140,6 +140,7 @@ class DropinPackIterator(grain.DatasetIterator):
         """Token ids are >= 0: one pass over the batch's real tokens; names the first element
         holding a negative one (labels belong in label_features, which may be negative)."""
         spec, packed = self._spec, self._packed
+        assert packed is not None
         for i, f in enumerate(spec.features):
             if f not in spec.segment_features or packed[f].dtype.kind != "i":
                 continue

@@ -33,6 +33,7 @@ import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset
 
 from seqpack.pipelines.datasets import packed
+from seqpack.pipelines.datasets.balance import BalanceRanks
 from seqpack.pipelines.datasets.columns import ColumnSpec, Role, columns_from, loss_feature
 from seqpack.pipelines.datasets.loss import LossTokens
 from seqpack.pipelines.datasets.pack import PackIterDataset
@@ -229,30 +230,21 @@ def make_training_pipeline(
     prefetch_buffer_size: int = 2,
     worker_buffer_size: int = 1,
 ) -> grain.IterDataset:
-    """Returns a Grain `IterDataset` of packed `[B, L]` / `[B, S]` numpy batches, plus
-    `loss_tokens` `[B]` (see loss.py).
+    """A Grain `IterDataset` of packed `[B, L]` / `[B, S]` numpy batches + `loss_tokens` `[B]`.
 
-    source:        a `grain.MapDataset` or any random-access source (`__len__`, `__getitem__`)
-                   of example dicts; or a `PackedArrayRecordSource` of packed rows, batched
-                   without packing (packed.py): seq_len / max_segments come from its manifest
-                   (a different one given is a ValueError), every column reaches the batch.
+    source:       a random-access source (`grain.MapDataset`, or `__len__` + `__getitem__`) of
+                  example dicts, or a `PackedArrayRecordSource` (packed.py: no second packing;
+                  seq_len / max_segments from its manifest, a different one is a ValueError).
     shard_index, shard_count: this host's shard (every example or row in exactly one shard).
-    num_epochs:    passes over the (shuffled, reshuffled each epoch) data; None = forever.
-    worker_count:  > 0 packs in that many processes (`mp_prefetch`), each on a slice of the
-                   shard; 0 packs in this process behind a prefetch thread.
-    feature:       the element key of the token ids; default: the only key of the source's
-                   elements that is not a column or dropped, else "tokens".
+    num_epochs:   passes over the data, reshuffled each epoch; None = forever.
+    worker_count: > 0 packs in that many processes (`mp_prefetch`); 0: a prefetch thread.
+    feature:      the token ids' key; default: the only other key of the elements, or "tokens".
     label_features, mask_features, meta_features: columns packed with the tokens (columns.py);
-                   every other key of the elements must be in `drop_features` (else InputError).
-    next_token_loss: how `loss_tokens` counts (loss.LossTokens.next_token).
-    balance_ranks: N: orders each batch so its N equal slices (one per local device) carry
-                   near-equal cost under `cost_model` (balance.BalanceRanks).
-    balanced_steps: for a packed source balanced offline: None follows its manifest, False
-                   reads it as plain rows.
-    Further options go to `PackIterDataset` (shuffle_rows: on by default; its seed is
-    shuffle_seed).
-
-    Iterators still open at interpreter exit are closed then (no "Exception ignored" noise).
+                  any other key of the elements must be in `drop_features` (else InputError).
+    next_token_loss: how `loss_tokens` counts (loss.py). balance_ranks, cost_model: balance.py.
+    balanced_steps: a packed source balanced offline: None follows its manifest, False reads
+                  it as plain rows. The other options go to `PackIterDataset` (seeded by
+                  shuffle_seed). Iterators still open at interpreter exit are closed then.
     """
     _check_counts(batch_size, num_epochs, worker_count, balance_ranks)
     shard = _shard(shard_index, shard_count)
@@ -278,8 +270,6 @@ def make_training_pipeline(
                              mask_features=mask_features, meta_features=meta_features,
                              next_token=next_token_loss))
     if balance_ranks is not None:
-        from seqpack.pipelines.datasets.balance import BalanceRanks
-
         ds = ds.map(BalanceRanks(balance_ranks, feature=feature, cost_model=cost_model))
     ds = _prefetch(ds, worker_count=worker_count, worker_buffer_size=worker_buffer_size,
                    prefetch_buffer_size=prefetch_buffer_size)
