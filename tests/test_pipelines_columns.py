@@ -194,3 +194,23 @@ def test_grain_drops_what_the_dropins_drop():
     theirs = next(iter(ge.FirstFitPackIterDataset(ds, length_struct={"tokens": 64},
                                                   num_packing_bins=2)))
     assert set(theirs) <= set(row) and "labels" not in row and "ignored" not in row
+
+
+def test_columns_ride_on_the_feature_named_with_several_packed_features():
+    rng = np.random.default_rng(6)
+    li, lt = random_lengths(rng, 60, high=20), random_lengths(rng, 60, high=10)
+    vi, oi, _, _ = sft_corpus(li)
+    vt, ot, labels, _ = sft_corpus(lt, seed=2)
+    src = ArraySource({"inputs": (vi, oi), "targets": (vt, ot), "labels": (labels, ot)},
+                      value_columns=["labels"])
+    rows = list(PackIterDataset(SequentialIterDataset(src), length_struct={"inputs": 32,
+                                                                          "targets": 16},
+                                window=8, label_features={"labels": ("targets", -7)}))
+    for row in rows:
+        real = row["targets_segment_ids"] > 0
+        assert (row["labels"][~real] == -7).all() and row["labels"].shape == (16,)
+        for j in np.flatnonzero(row["targets_segment_lengths"]):
+            o, m = row["targets_segment_offsets"][j], row["targets_segment_lengths"][j]
+            a = int(row["targets"][o]) - 1
+            np.testing.assert_array_equal(row["labels"][o : o + m], labels[a : a + m])
+    assert sum(int(r["targets_segment_lengths"].sum()) for r in rows) == lt.sum()
