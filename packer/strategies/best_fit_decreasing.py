@@ -1,30 +1,27 @@
-"""Best fit decreasing in two dimensions: the offline, near-optimal strategy (tokens and slots).
+"""Best fit decreasing: the offline, near-optimal strategy (tokens and segment slots).
 
-A row has two limits, `capacity` tokens and `max_segments` slots. Plain best fit decreasing
-(largest piece first, into the row it leaves with the least room) packs the big pieces tightly
-and leaves the shortest ones for last, when the rows have room but no slots or slots but no
-room: at L=8192 / S=64 the last rows hold 64 short pieces at 59% fill. Here every row is in
-one of two pools, judged against `a`, the mean size of the pieces still to come:
+A row holds `capacity` tokens in at most `max_segments` slots; the plan is measured against the
+tight lower bound of `packer.bounds`. Three passes, each kept only if the ones before it are
+further from the bound than `gate` (0.05%, at least one row), the best plan winning:
 
-* slot-short: room > free slots * a (the pieces to come would leave it under-filled), and
-* token-short: the rest.
+1. plain best fit decreasing (largest first, into the row it leaves with the least room), run by
+   run of equal sizes (below): the best plan wherever the segment cap hardly binds;
+2. where the slots bind for the whole corpus (`ceil(n / S)` is at least 90% of the token bound),
+   worst fit into the bound's rows (`_worst_fit_sorted`): every row a mix of big and small;
+3. the two-dimensional pass (`strategies.two_pool`), which keeps slots for the short tail.
+   Corpora whose slot bound is 15% to 90% of the token bound start with it: plain BFD fails
+   there, its last rows filling their slots with short pieces long before their tokens.
 
-Pieces come largest first; each goes by best fit into a slot-short row if one fits it (big
-pieces go where slots are scarce), else by best fit into any row, else into a new row. The
-rows the tight lower bound (`packer.bounds`) says are needed are open from the start, empty:
-while empty rows count as slot-short (L > S * a: the rest of the corpus is short pieces) they
-take pieces before token-short rows do, which spreads the short tail over many rows instead of
-piling it into the last ones. As `a` falls, rows move from token-short to slot-short (a heap of
-the mean `room / free slots` at which each row changes pool).
+Then `strategies.repair` moves pieces out of the emptiest rows while the plan is above the gate.
 
-Pieces of equal size come in runs, and a run is placed without a search per piece: best fit
-puts consecutive equal pieces into the same row while it keeps room, slots and pool, so each row
-takes as many as it can at once (Python steps per run and per row a run touches, numpy per
-piece: a few bytes a piece).
+Plain BFD by runs: pieces of equal size are placed without a search per piece: best fit puts
+consecutive equal pieces into the same row until it is full, so each open row takes
+`min(room // s, S - count)` of the run in order of (room, row), and the rest open new rows
+holding `min(capacity // s, S)` each.
 
-Worked example (capacity 10, max_segments 4; bound 3 rows, open from the start)::
+Worked example (capacity 10, max_segments 4)::
 
-    sizes (input order):    3  7  5  5  2  8
+    sizes (input order):   3  7  5  5  2  8
     sorted (largest first): 8  7  5  5  3  2
     rows:                   0  1  2  2  1  0     row 0 = [8, 2], row 1 = [7, 3], row 2 = [5, 5]
 """
@@ -32,169 +29,140 @@ Worked example (capacity 10, max_segments 4; bound 3 rows, open from the start):
 from __future__ import annotations
 
 import heapq
-import math
 from bisect import bisect_left, insort
 
 import numpy as np
 
 from seqpack.packer.bounds import tight_lower_bound
+from seqpack.packer.strategies.best_fit import _MASK, _SHIFT
+from seqpack.packer.strategies.repair import repair
+from seqpack.packer.strategies.two_pool import two_pool_sorted
 
-_SHIFT = 40  # keys `room << _SHIFT | row`
-_MASK = (1 << _SHIFT) - 1
-_CLOSED, _SLOT, _TOKEN = 0, 1, 2
-
-
-class _Rows:
-    """Rows' rooms and counts, the two pools (sorted keys) and the pool-change heap."""
-
-    def __init__(self, capacity: int, max_segments: int, min_size: int, empty: int) -> None:
-        self.L, self.S, self.min_size = capacity, max_segments, min_size
-        self.room: list[int] = []
-        self.count: list[int] = []
-        self.pool = bytearray()
-        self.version: list[int] = []
-        self.slot: list[int] = []  # keys of slot-short rows
-        self.token: list[int] = []  # keys of token-short rows
-        self.heap: list[tuple[float, int, int]] = []  # (-room / free, version, row)
-        self.empty = empty  # rows open from the start and still empty
-
-    def open(self, take: int, s: int) -> int:
-        r = len(self.room)
-        self.room.append(self.L - take * s)
-        self.count.append(take)
-        self.pool.append(_CLOSED)
-        self.version.append(0)
-        return r
-
-    def file(self, r: int, a: float) -> None:
-        """Puts row r (in no pool) into the pool its room and free slots give at mean a."""
-        room, free = self.room[r], self.S - self.count[r]
-        if room < self.min_size or free == 0:
-            self.pool[r] = _CLOSED
-        elif room > free * a:
-            self.pool[r] = _SLOT
-            insort(self.slot, (room << _SHIFT) | r)
-        else:
-            self.pool[r] = _TOKEN
-            insort(self.token, (room << _SHIFT) | r)
-            self.version[r] += 1
-            heapq.heappush(self.heap, (-room / free, self.version[r], r))
-
-    def file_block(self, first: int, num: int, a: float) -> None:
-        """`file` for rows first .. first + num - 1, all in the same state (new rows)."""
-        room, free = self.room[first], self.S - self.count[first]
-        if room < self.min_size or free == 0:
-            return  # closed: pool bytes are already _CLOSED
-        keys = [(room << _SHIFT) | r for r in range(first, first + num)]
-        target = self.slot if room > free * a else self.token
-        at = bisect_left(target, keys[0])  # the highest row numbers: one block of equal rooms
-        target[at:at] = keys
-        if target is self.slot:
-            self.pool[first : first + num] = bytes([_SLOT]) * num
-            return
-        self.pool[first : first + num] = bytes([_TOKEN]) * num
-        for r in range(first, first + num):
-            self.version[r] += 1
-            heapq.heappush(self.heap, (-room / free, self.version[r], r))
-
-    def migrate(self, a: float) -> None:
-        """Moves the token-short rows that a (falling) mean has made slot-short."""
-        heap, token, version, pool = self.heap, self.token, self.version, self.pool
-        while heap and -heap[0][0] > a:
-            _, v, r = heapq.heappop(heap)
-            if pool[r] != _TOKEN or version[r] != v:
-                continue  # stale entry: the row took pieces since
-            key = (self.room[r] << _SHIFT) | r
-            del token[bisect_left(token, key)]
-            pool[r] = _SLOT
-            insort(self.slot, key)
+_WORST_FIT_RATIO = 0.9  # try worst fit when the slot bound is at least this share of the token one
+_TWO_POOL_FIRST = 0.15  # ... and the two-pool pass first from this share on
 
 
-def _fill(rows: _Rows, keys: list[int], out: np.ndarray, s: int, i: int, j: int,
-          limit) -> tuple[int, list[int]]:
-    """Best fit of pieces out[i:j] (size s) into the rows of `keys` in order of room; each row
-    takes up to limit(room, free) of them. Returns (next i, rows touched), their keys removed."""
-    k = k0 = bisect_left(keys, s << _SHIFT)
-    touched = []
-    S, count, room = rows.S, rows.count, rows.room
-    while i < j and k < len(keys):
-        r = keys[k] & _MASK
-        free = S - count[r]
-        take = min(room[r] // s, free, j - i, limit(room[r], free))
-        out[i : i + take] = r
-        i += take
-        count[r] += take
-        room[r] -= take * s
-        touched.append(r)
-        k += 1
-    del keys[k0:k]
-    return i, touched
+def _bfd_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int
+                ) -> tuple[np.ndarray, int]:
+    """Best fit over sizes already sorted largest first; returns (row per piece, rows).
 
-
-def _two_pool_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int, num_rows: int
-                     ) -> tuple[np.ndarray, int]:
-    """Places sizes sorted largest first (see the module docstring) with `num_rows` rows open
-    from the start; returns (row per piece, rows used). Rows are numbered as they first fill."""
+    Works run by run (pieces of one size): Python steps per run and per row a run touches,
+    numpy per piece, so memory is a few bytes a piece.
+    """
     n = int(sizes_desc.size)
     out = np.empty(n, np.int32 if n < 2**31 else np.int64)  # rows <= pieces
     if n == 0:
         return out, 0
-    L, S = capacity, max_segments
     cut = np.flatnonzero(sizes_desc[1:] != sizes_desc[:-1]) + 1
-    starts, ends = [0, *cut.tolist()], [*cut.tolist(), n]
-    tail = np.cumsum(sizes_desc[::-1])[::-1]  # tail[i] = sum of sizes_desc[i:]
-    rows = _Rows(L, S, int(sizes_desc[-1]), num_rows)
-    for s, i, j in zip(sizes_desc[starts].tolist(), starts, ends):
-        a = float(tail[j]) / (n - j) if j < n else float(s)  # mean of the pieces after the run
-        rows.migrate(a)
-        if s > a:
-            def limit(room: int, free: int, s: int = s, a: float = a) -> int:
-                return max(1, math.ceil((room - free * a) / (s - a)))  # stays slot-short
+    starts = [0, *cut.tolist()]
+    ends = [*cut.tolist(), n]
+    run_sizes = sizes_desc[starts].tolist()
+    keys: list[int] = []  # sorted `room << 32 | row` of rows that can still take a piece
+    count: list[int] = []
+    min_size = int(sizes_desc[-1])  # rooms smaller than every piece are closed for good
+    num_rows = 0
+    for s, i, j in zip(run_sizes, starts, ends):
+        # Place the run sizes_desc[i:j] of equal pieces: first into open rows, by best fit.
+        k = bisect_left(keys, s << _SHIFT)
+        touched = []
+        while i < j and k < len(keys):
+            key = keys[k]
+            r = key & _MASK
+            room = key >> _SHIFT
+            take = min(room // s, max_segments - count[r], j - i)
+            out[i : i + take] = r
+            i += take
+            count[r] += take
+            touched.append((r, room - take * s))
+            k += 1
+        # Update the rows the run went into (remove their keys, re-insert the new rooms).
+        if touched:
+            del keys[k - len(touched) : k]
+            for r, room in touched:
+                if room >= min_size and count[r] < max_segments:
+                    insort(keys, (room << _SHIFT) | r)
+        if i < j:  # the rest of the run opens new rows, each taking as many as fit
+            per_row = min(capacity // s, max_segments)
+            full, rest = divmod(j - i, per_row)
+            out[i : i + full * per_row] = num_rows + np.arange(full * per_row) // per_row
+            i += full * per_row
+            room = capacity - per_row * s
+            if full and room >= min_size and per_row < max_segments:
+                # New rows have the highest numbers: their equal keys go in one block.
+                new = [(room << _SHIFT) | r for r in range(num_rows, num_rows + full)]
+                at = bisect_left(keys, new[0])
+                keys[at:at] = new
+            count.extend([per_row] * full)
+            num_rows += full
+            if rest:
+                out[i : i + rest] = num_rows
+                i += rest
+                room = capacity - rest * s
+                count.append(rest)
+                if room >= min_size and rest < max_segments:
+                    insort(keys, (room << _SHIFT) | num_rows)
+                num_rows += 1
+    return out, num_rows
+
+
+def _worst_fit_sorted(sizes_desc: list[int], capacity: int, max_segments: int, num_rows: int):
+    """Each piece (largest first) into the open row with the most room; opens rows as needed.
+
+    Starting from `num_rows` empty rows, this deals big pieces out one per row and lets small
+    pieces top up the emptiest rows: loads stay balanced and every row's slots get used.
+    """
+    heap = [(-capacity, r) for r in range(num_rows)]  # (-room, row) of rows with a free slot
+    room = [capacity] * num_rows
+    count = [0] * num_rows
+    out = [0] * len(sizes_desc)
+    for i, s in enumerate(sizes_desc):
+        if heap and -heap[0][0] >= s:
+            r = heap[0][1]
+            room[r] -= s
+            count[r] += 1
+            if count[r] < max_segments:
+                heapq.heapreplace(heap, (-room[r], r))
+            else:
+                heapq.heappop(heap)
         else:
-            def limit(room: int, free: int) -> int:
-                return n
-        i, touched = _fill(rows, rows.slot, out, s, i, j, limit)
-        for r in touched:
-            rows.file(r, a)
-        if i < j and rows.empty and L > S * a:  # empty rows are slot-short: open them
-            i = _open_rows(rows, out, s, i, j, a, min(L // s, S, limit(L, S)), cap=rows.empty)
-        if i < j:
-            i, touched = _fill(rows, rows.token, out, s, i, j, lambda room, free: n)
-            for r in touched:
-                rows.file(r, a)
-        if i < j:
-            _open_rows(rows, out, s, i, j, a, min(L // s, S), cap=None)
-    return out, len(rows.room)
+            r = len(room)
+            room.append(capacity - s)
+            count.append(1)
+            if max_segments > 1:
+                heapq.heappush(heap, (-room[r], r))
+        out[i] = r
+    used = sorted({r for r in out})  # rows that stayed empty are dropped and renumbered
+    if len(used) < len(room):
+        remap = {r: k for k, r in enumerate(used)}
+        out = [remap[r] for r in out]
+    return out, len(used)
 
 
-def _open_rows(rows: _Rows, out: np.ndarray, s: int, i: int, j: int, a: float, per_row: int,
-               *, cap: int | None) -> int:
-    """Opens rows for out[i:j] (size s), `per_row` each (the last takes the rest), at most `cap`
-    rows (None: as many as needed). Returns the next i."""
-    full = (j - i) // per_row if cap is None else min(cap, (j - i) // per_row)
-    if full:
-        first = len(rows.room)
-        out[i : i + full * per_row] = first + np.arange(full * per_row) // per_row
-        i += full * per_row
-        rows.room.extend([rows.L - per_row * s] * full)
-        rows.count.extend([per_row] * full)
-        rows.pool.extend(bytes(full))
-        rows.version.extend([0] * full)
-        rows.file_block(first, full, a)
-    rows.empty = max(0, rows.empty - full)
-    if i < j and (cap is None or cap > full):
-        r = rows.open(j - i, s)
-        out[i:j] = r
-        i = j
-        rows.file(r, a)
-        rows.empty = max(0, rows.empty - 1)
-    return i
+def gate(bound: int) -> int:
+    """The most rows a pass may leave before the next one runs: bound + 0.05%, at least + 1."""
+    return bound + max(1, bound // 2000)
+
+
+def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int):
+    """The passes in the order they run (see the module docstring), lazily."""
+    n = int(sizes_desc.size)
+    slot_bound = -(-n // max_segments)
+    token_bound = -(-int(sizes_desc.sum()) // capacity)
+    two_pool = lambda: two_pool_sorted(sizes_desc, capacity, max_segments, bound)  # noqa: E731
+    plain = lambda: _bfd_sorted(sizes_desc, capacity, max_segments)  # noqa: E731
+    if slot_bound >= _WORST_FIT_RATIO * token_bound:  # slots bind for the whole corpus
+        wf = lambda: _worst_fit_sorted(sizes_desc.tolist(), capacity, max_segments,  # noqa: E731
+                                       slot_bound)
+        return [plain, wf, two_pool]
+    if slot_bound >= _TWO_POOL_FIRST * token_bound:
+        return [two_pool, plain]
+    return [plain, two_pool]
 
 
 def assign_best_fit_decreasing(
     sizes: np.ndarray, capacity: int, max_segments: int
 ) -> tuple[np.ndarray, int]:
-    """Best fit decreasing in two dimensions; returns (row per piece, rows)."""
+    """Best fit decreasing (the passes of the module docstring); returns (row per piece, rows)."""
     sizes = np.asarray(sizes, np.int64)
     n = sizes.size
     if n == 0:
@@ -205,7 +173,18 @@ def assign_best_fit_decreasing(
     del small
     sizes_desc = sizes[order]
     bound = tight_lower_bound(sizes_desc, capacity, max_segments)
-    rows_desc, num_rows = _two_pool_sorted(sizes_desc, capacity, max_segments, bound)
+    best: tuple[object, int] | None = None
+    for run in _passes(sizes_desc, capacity, max_segments, bound):
+        got, num = run()
+        if best is None or num < best[1]:
+            best = (got, num)
+        if best[1] <= gate(bound):
+            break
+    assert best is not None
+    rows_desc, num_rows = np.asarray(best[0]), best[1]
+    if num_rows > gate(bound):
+        rows_desc, num_rows = repair(sizes_desc, rows_desc, num_rows, capacity, max_segments,
+                                     target=bound)
     rows = np.empty(n, np.int64)
     rows[order] = rows_desc
     return rows, num_rows
