@@ -160,9 +160,13 @@ def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int
 
 
 def assign_best_fit_decreasing(
-    sizes: np.ndarray, capacity: int, max_segments: int
+    sizes: np.ndarray, capacity: int, max_segments: int, *, slack: int | None = None,
+    repair_rows: bool = True,
 ) -> tuple[np.ndarray, int]:
-    """Best fit decreasing (the passes of the module docstring); returns (row per piece, rows)."""
+    """Best fit decreasing (the passes of the module docstring); returns (row per piece, rows).
+
+    `slack`: rows over the tight bound at which the passes stop (default `gate`: 0.05%, at
+    least one); 0 runs them all unless one reaches the bound."""
     sizes = np.asarray(sizes, np.int64)
     n = sizes.size
     if n == 0:
@@ -173,16 +177,17 @@ def assign_best_fit_decreasing(
     del small
     sizes_desc = sizes[order]
     bound = tight_lower_bound(sizes_desc, capacity, max_segments)
+    enough = gate(bound) if slack is None else bound + slack
     best: tuple[object, int] | None = None
     for run in _passes(sizes_desc, capacity, max_segments, bound):
         got, num = run()
         if best is None or num < best[1]:
             best = (got, num)
-        if best[1] <= gate(bound):
+        if best[1] <= enough:
             break
     assert best is not None
     rows_desc, num_rows = np.asarray(best[0]), best[1]
-    if num_rows > gate(bound):
+    if repair_rows and num_rows > enough:
         rows_desc, num_rows = repair(sizes_desc, rows_desc, num_rows, capacity, max_segments,
                                      target=bound)
     rows = np.empty(n, np.int64)

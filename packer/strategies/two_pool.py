@@ -48,10 +48,13 @@ _LONG_RUN, _SHORT_RUN, _SPREAD = 64, 16, 8
 
 
 def _limit(room: int, free: int, s: int, a: float) -> int:
-    """How many pieces of size s a slot-short row takes before it turns token-short."""
-    if s <= a:
+    """How many pieces of size s a row of its preferred pool takes before it leaves it: a
+    slot-short row (room > free * a) for s > a, a token-short one for s < a."""
+    if s == a:
         return free
-    return max(1, math.ceil((room - free * a) / (s - a)))
+    if s > a:
+        return max(1, math.ceil((room - free * a) / (s - a)))
+    return max(1, math.floor((free * a - room) / (a - s)) + 1)
 
 
 class _Rows:
@@ -129,14 +132,16 @@ class _Rows:
         S, count, room = self.S, self.count, self.room
         touched = []
         end = len(keys)
-        slot = a is not None and s > a
+        big, small = a is not None and s > a, a is not None and s < a
         while i < j and k < end:
             r = keys[k] & _MASK
             rm = room[r]
             free = S - count[r]
             take = min(rm // s, free, j - i)
-            if slot:
+            if big:
                 take = min(take, max(1, math.ceil((rm - free * a) / (s - a))))
+            elif small:
+                take = min(take, max(1, math.floor((free * a - rm) / (a - s)) + 1))
             out[i : i + take] = r
             i += take
             count[r] += take
@@ -147,16 +152,19 @@ class _Rows:
         return i, touched
 
     def place(self, out: np.ndarray, s: int, i: int, j: int, a: float) -> None:
-        """Places the run out[i:j] of pieces of size s (see the module docstring)."""
+        """Places the run out[i:j] of pieces of size s (see the module docstring): pieces of at
+        least the mean prefer slot-short rows, smaller ones token-short rows."""
         self.migrate(a)
-        i, touched = self._fill(self.slot, out, s, i, j, a)
+        big = s >= a
+        first, second = (self.slot, self.token) if big else (self.token, self.slot)
+        i, touched = self._fill(first, out, s, i, j, a)
         for r in touched:
             self.file(r, a)
-        if i < j and self.empty and self.L > self.S * a:  # empty rows are slot-short
+        if i < j and self.empty and (self.L > self.S * a) == big:  # empty rows preferred
             per_row = min(self.L // s, self.S, _limit(self.L, self.S, s, a))
             i = self.open_rows(out, s, i, j, a, per_row, cap=self.empty)
         if i < j:
-            i, touched = self._fill(self.token, out, s, i, j, None)
+            i, touched = self._fill(second, out, s, i, j, None)
             for r in touched:
                 self.file(r, a)
         if i < j:
@@ -240,9 +248,13 @@ class _ArrayRows:
         rm, free = room[r], S - count[r]
         slot = rm > free * a
         take = np.minimum(rm // s, free)
+        big = s >= a
         if s > a:
             lim = np.maximum(1, np.ceil((rm - free * a) / (s - a))).astype(np.int64)
             take1 = np.where(slot, np.minimum(take, lim), 0)
+        elif s < a:
+            lim = np.maximum(1, np.floor((free * a - rm) / (a - s)) + 1).astype(np.int64)
+            take1 = np.where(slot, 0, np.minimum(take, lim))
         else:
             take1 = np.where(slot, take, 0)
         i, used1 = _deal(out, r, take1, i, j)
@@ -251,7 +263,7 @@ class _ArrayRows:
         gone = used1 > 0
         touched = r[gone]
         first = self.num_rows
-        if i < j and self.empty and self.L > S * a:
+        if i < j and self.empty and (self.L > S * a) == big:
             per_row = min(self.L // s, S, _limit(self.L, S, s, a))
             i = self._open(out, s, i, j, per_row, cap=self.empty)
             room, count = self.room, self.count
@@ -336,3 +348,31 @@ def two_pool_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int, nu
             rows = rows.lists(a)
         rows.place(out, s, i, j, a)
     return out, rows.num_rows
+
+
+def place_window(sizes_desc: np.ndarray, rooms: list[int], counts: list[int], capacity: int,
+                 max_segments: int, *, future: tuple[float, float], min_size: int, empty: int
+                 ) -> tuple[np.ndarray, list[int], list[int]]:
+    """Online form: places sizes sorted largest first into open rows (rooms / counts, rows
+    0..m-1) and new rows (m.., `empty` of them open from the start). The mean of the pieces
+    still to come counts `future` = (tokens, pieces) beyond this window's. Returns (row per
+    piece, rooms, counts of every row)."""
+    n = int(sizes_desc.size)
+    rows = _Rows(capacity, max_segments, min_size, empty)
+    rows.room, rows.count = list(rooms), list(counts)
+    rows.pool, rows.version = bytearray(len(rooms)), [0] * len(rooms)
+    out = np.empty(n, np.int64)
+    fut_t, fut_n = future
+    tail = np.cumsum(sizes_desc[::-1])[::-1] if n else sizes_desc
+    a0 = (fut_t / fut_n) if fut_n else float(sizes_desc[-1] if n else 1)
+    for r in range(len(rooms)):
+        rows.file(r, a0 if not n else (float(tail[0]) + fut_t) / (n + fut_n))
+    if n:
+        cut = np.flatnonzero(sizes_desc[1:] != sizes_desc[:-1]) + 1
+        starts, ends = [0, *cut.tolist()], [*cut.tolist(), n]
+        for s, i, j in zip(sizes_desc[starts].tolist(), starts, ends):
+            left = (n - j) + fut_n
+            a = (float(tail[j]) if j < n else 0.0) + fut_t
+            a = a / left if left else float(s)
+            rows.place(out, s, i, j, a)
+    return out, rows.room, rows.count
