@@ -14,7 +14,9 @@ pieces go where slots are scarce), else by best fit into any row, else into a ne
 the tight lower bound (`packer.bounds`) says are needed are open from the start, empty: while
 empty rows count as slot-short (L > S * a: the rest of the corpus is short pieces) they take
 pieces before token-short rows do, which deals the short tail out over every row instead of
-piling it into the last ones. Rows used stay below the bound's count plus what the sizes force.
+piling it into the last ones. (Offline every piece is at least `a`, the mean of the smaller
+pieces after it; online, where `a` also counts pieces of windows to come, a piece below `a`
+prefers token-short rows instead, the other way round.)
 
 Pieces of equal size come in runs, and a run is placed without a search per piece: best fit
 puts consecutive equal pieces into the same row while it keeps room, slots and pool, so each row
@@ -25,10 +27,11 @@ open rows. Both place exactly the same rows.
 
 Worked example (capacity 10, max_segments 4; bound 3 rows, open from the start)::
 
-    sizes (input order):    3  7  5  5  2  8
-    sorted (largest first): 8  7  5  5  3  2
-    mean of the rest:       4.4 3.75 3.3 2.5 2 -
-    rows:                   0  1  2  2  1  0     row 0 = [8, 2], row 1 = [7, 3], row 2 = [5, 5]
+    sizes (input order):    3    7    5    5    2    8
+    sorted (largest first): 8    7    5    5    3    2
+    a (mean after the run): 4.4  3.75 2.5  2.5  2    2
+    rows:                   0    1    2    2    1    0   row 0 = [8, 2], row 1 = [7, 3], row 2 = [5, 5]
+    (no row is slot-short: room 2 of 3 free slots, room 3 of 3, never more than free * a)
 """
 
 from __future__ import annotations
@@ -125,14 +128,16 @@ class _Rows:
             insort(self.slot, key)
 
     def _fill(self, keys: list[int], out: np.ndarray, s: int, i: int, j: int, a: float | None
-              ) -> int:
+              ) -> tuple[int, list[int]]:
         """Best fit of out[i:j] (size s) into the rows of `keys` in order of room, each taking
-        what fits (and, with `a`, what keeps it slot-short); re-files the rows touched."""
+        what fits (and, with `a`, what keeps it in its pool); returns (next i, rows touched),
+        their keys removed."""
         k = k0 = bisect_left(keys, s << _SHIFT)
         S, count, room = self.S, self.count, self.room
-        touched = []
+        touched: list[int] = []
         end = len(keys)
         big, small = a is not None and s > a, a is not None and s < a
+        a = 0.0 if a is None else a
         while i < j and k < end:
             r = keys[k] & _MASK
             rm = room[r]
@@ -350,29 +355,3 @@ def two_pool_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int, nu
     return out, rows.num_rows
 
 
-def place_window(sizes_desc: np.ndarray, rooms: list[int], counts: list[int], capacity: int,
-                 max_segments: int, *, future: tuple[float, float], min_size: int, empty: int
-                 ) -> tuple[np.ndarray, list[int], list[int]]:
-    """Online form: places sizes sorted largest first into open rows (rooms / counts, rows
-    0..m-1) and new rows (m.., `empty` of them open from the start). The mean of the pieces
-    still to come counts `future` = (tokens, pieces) beyond this window's. Returns (row per
-    piece, rooms, counts of every row)."""
-    n = int(sizes_desc.size)
-    rows = _Rows(capacity, max_segments, min_size, empty)
-    rows.room, rows.count = list(rooms), list(counts)
-    rows.pool, rows.version = bytearray(len(rooms)), [0] * len(rooms)
-    out = np.empty(n, np.int64)
-    fut_t, fut_n = future
-    tail = np.cumsum(sizes_desc[::-1])[::-1] if n else sizes_desc
-    a0 = (fut_t / fut_n) if fut_n else float(sizes_desc[-1] if n else 1)
-    for r in range(len(rooms)):
-        rows.file(r, a0 if not n else (float(tail[0]) + fut_t) / (n + fut_n))
-    if n:
-        cut = np.flatnonzero(sizes_desc[1:] != sizes_desc[:-1]) + 1
-        starts, ends = [0, *cut.tolist()], [*cut.tolist(), n]
-        for s, i, j in zip(sizes_desc[starts].tolist(), starts, ends):
-            left = (n - j) + fut_n
-            a = (float(tail[j]) if j < n else 0.0) + fut_t
-            a = a / left if left else float(s)
-            rows.place(out, s, i, j, a)
-    return out, rows.room, rows.count
