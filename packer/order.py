@@ -16,9 +16,10 @@ different workers; the local writer runs the same functions, so both give the sa
 
 1. `block_layout(costs, order, block=j)` — per block of plan rows, from the block's row costs:
    its full steps, rows in rank layout (4 bytes a row), and its leftover rows (< D*b).
-   b = 1: rows sorted by cost, D consecutive rows a step. b > 1: rows dealt out largest first
-   in snake order into groups of b (a rank's rows), groups sorted by cost, D consecutive groups
-   a step. Within a step the ranks are shuffled; leftovers are a spread sample by cost.
+   Rows sorted by cost, D * b consecutive rows a step (rows of like cost share a step: the only
+   way a step of one row per rank can be even); inside a step the rows are dealt to the ranks
+   in snake order (the D heaviest one each, the next D the other way round, ...), then the
+   ranks are shuffled. The leftovers are a spread sample by cost.
 2. `global_order(summaries, order)` — from each block's `summary()` (row count, leftover rows
    and their costs: small): arranges all leftovers like a block, permutes all full steps
    (`Permutation` over steps) and returns a compact `GlobalOrder`.
@@ -162,16 +163,11 @@ def _arrange(costs: np.ndarray, D: int, b: int, rng: np.random.Generator
         leftover, desc = desc[left], desc[~left]
     else:
         leftover = desc[:0]
-    if b == 1:
-        groups = desc.reshape(full * D, 1)
-    else:
-        K = full * D
-        i = np.arange(desc.size)
-        pos = i % K
-        g = np.where((i // K) % 2 == 0, pos, K - 1 - pos)  # snake: big and small rows mixed
-        groups = desc[np.lexsort((i, g))].reshape(K, b)
-        sums = costs[groups].sum(axis=1)
-        groups = groups[np.argsort(-sums, kind="stable")]
+    # Step q: the q-th D*b rows by cost; inside it, rows dealt to the ranks in snake order (the
+    # layer of the D heaviest one each, the next layer the other way round, ...).
+    layers = desc.reshape(full, b, D)
+    layers[:, 1::2, :] = layers[:, 1::2, ::-1]
+    groups = layers.transpose(0, 2, 1).reshape(full * D, b)
     steps = groups.reshape(full, D, b)
     ranks = np.argsort(rng.random((full, D)), axis=1)  # ranks shuffled inside each step
     steps = np.take_along_axis(steps, ranks[:, :, None], axis=1)
