@@ -6,13 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytest.importorskip("seqpack.packer.order")
-pytest.importorskip("seqpack.packer.cost")
-
-from seqpack.packer.cost import CostModel  # noqa: E402
-from seqpack.pipelines.datasets import ArraySource, make_training_pipeline  # noqa: E402
-from seqpack.pipelines.datasets.balance import BalanceRanks, row_costs  # noqa: E402
-from tests.helpers.pipelines import check_restore_every_step, unique_corpus  # noqa: E402
+from seqpack.packer.cost import CostModel
+from seqpack.pipelines.datasets import ArraySource, BalanceRanks, make_training_pipeline
+from seqpack.pipelines.datasets.balance import row_costs
+from tests.helpers.pipelines import check_restore_every_step, unique_corpus
 
 N, B = 4, 16  # 4 local devices, 4 rows each
 
@@ -44,7 +41,7 @@ def test_two_heavy_rows_go_to_different_slices():
 
 
 def test_balanced_batches_hold_the_same_rows_with_near_equal_slices():
-    src, model = _source(), CostModel()
+    src, model = _source(), CostModel(d_model=16)  # k = 192: attention dominates at L = 1024
     plain = list(make_training_pipeline(src, **_kw()))
     balanced = list(make_training_pipeline(src, **_kw(balance_ranks=N, cost_model=model)))
     assert len(plain) == len(balanced) > 10
@@ -53,12 +50,13 @@ def test_balanced_batches_hold_the_same_rows_with_near_equal_slices():
         assert key(p) == key(b)  # the same rows, reordered within the batch
     before = np.mean([_max_over_mean(b, model) for b in plain])
     after = np.mean([_max_over_mean(b, model) for b in balanced])
-    assert after <= 1 + (before - 1) / 2, (before, after)
+    assert before > 1.1 and after < 1.03, (before, after)  # measured: 1.20 -> 1.01
 
 
 def test_balanced_pipeline_resumes_exactly():
-    src = _source(600)
-    make = lambda: iter(make_training_pipeline(src, **_kw(balance_ranks=N, num_epochs=2)))
+    src = _source(300)
+    make = lambda: iter(make_training_pipeline(src, **_kw(balance_ranks=N, num_epochs=2,
+                                                          prefetch_buffer_size=0)))
     check_restore_every_step(make, max_rows=8)
 
 

@@ -3,14 +3,14 @@ near-equal work, so the devices of a step finish together.
 
 A row's work is its cost under a cost model (`packer.cost.CostModel`: per segment
 c(l) = l * (1 + l / k), or tokens), not its token count. `BalanceRanks(N)` is a map over
-batches: it reorders a `[B, ...]` batch by `packer.order.balance_slices(costs, N)`, a
+batches: it reorders a `[B, ...]` batch by `packer.balance.balance_slices(costs, N)`, a
 permutation whose consecutive slices of B / N rows have near-equal total cost. It is a pure
 function of the batch, so exact resume is untouched (a restored pipeline reorders the same
 batches the same way). Worked example (B = 4, N = 2, costs of rows 0..3 = 9, 8, 1, 2)::
 
     in order          slices [9, 8] [1, 2]    totals 17, 3    max/mean 1.70
     balanced          slices [9, 1] [8, 2]    totals 10, 10   max/mean 1.00
-    (permutation [0, 2, 1, 3]; device i takes slice i)
+    (permutation [0, 2, 1, 3]: device i takes slice i)
 
 Use it in `make_training_pipeline(..., balance_ranks=N)`, or after any packer's batches:
 ``PackIterDataset(...).batch(B).map(BalanceRanks(N))``. A batch whose size N does not divide
@@ -24,18 +24,16 @@ from typing import Any
 
 import numpy as np
 
+from seqpack.packer.balance import balance_slices
 from seqpack.packer.contract import keys
+from seqpack.packer.cost import CostModel
 
 
-def row_costs(cost_model: Any, segment_lengths: np.ndarray) -> np.ndarray:  # f64[B]
-    """Each row's cost: the sum of its segments' costs (`segment_lengths`: i32[B, S])."""
-    return np.asarray(cost_model.row_costs(np.asarray(segment_lengths)), np.float64)
-
-
-def default_cost_model() -> Any:
-    from seqpack.packer.cost import CostModel
-
-    return CostModel()
+def row_costs(cost_model: CostModel, segment_lengths: np.ndarray) -> np.ndarray:  # f64[B]
+    """Each row's cost: the sum of its segments' costs (`segment_lengths`: i32[B, S]; unused
+    slots have length 0 and cost 0)."""
+    lengths = np.asarray(segment_lengths)
+    return cost_model.segment_costs(lengths.reshape(-1)).reshape(lengths.shape).sum(-1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,17 +42,16 @@ class BalanceRanks:
 
     ranks: int
     feature: str = "tokens"
-    cost_model: Any = None  # packer.cost.CostModel; None: its default
+    cost_model: CostModel | None = None  # None: CostModel() (attention, d_model 4096)
 
     def __post_init__(self) -> None:
         if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 1:
             raise ValueError(f"ranks={self.ranks!r} must be a positive int")
         if self.cost_model is None:
-            object.__setattr__(self, "cost_model", default_cost_model())
+            object.__setattr__(self, "cost_model", CostModel())
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        from seqpack.packer.order import balance_slices
-
+        assert self.cost_model is not None
         lengths = batch[keys(self.feature).segment_lengths]  # [B, S]
         if lengths.shape[0] % self.ranks:  # a last, short batch (drop_remainder=False)
             return batch

@@ -32,6 +32,7 @@ import grain
 import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset
 
+from seqpack.packer.cost import CostModel
 from seqpack.pipelines.datasets import packed
 from seqpack.pipelines.datasets.balance import BalanceRanks
 from seqpack.pipelines.datasets.columns import ColumnSpec, Role, columns_from, loss_feature
@@ -218,7 +219,7 @@ def make_training_pipeline(
     drop_features: Sequence[str] = (),
     next_token_loss: bool = True,
     balance_ranks: int | None = None,
-    cost_model: Any = None,
+    cost_model: CostModel | None = None,
     balanced_steps: bool | None = None,
     strategy: str = "best_fit_decreasing",
     window: int = 1024,
