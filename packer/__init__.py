@@ -5,37 +5,65 @@
   strategies; `StreamPlanner` / `pack_stream` online;
   `MultiStreamPlanner` for several features; `grain_fit` for Grain-exact bins.
 - `assemble`: the one row writer (`build_rows`, `write_feature`); `pack_ragged` / `pack`.
-- `stats`, `validate`.
+- `stats` (with the rows' cost, `cost.CostModel`), `validate`, `bounds.tight_lower_bound`.
+- `order`: the one ordering stage (`RowOrder`: shuffle, plan or balanced steps; `block_layout`,
+  `global_order`); `balance`: `balance_slices` (online) and `step_balance` (the metric).
 """
 
 from seqpack.packer import contract
 from seqpack.packer.assemble import assemble, build_rows, pack, pack_ragged
+from seqpack.packer.balance import balance_slices, step_balance
+from seqpack.packer.bounds import tight_lower_bound
 from seqpack.packer.config import Overflow, PackConfig, Strategy
 from seqpack.packer.contract import Counters, FeatureKeys, segment_ids_and_positions
+from seqpack.packer.cost import CostKind, CostModel
 from seqpack.packer.inputs import InputError
 from seqpack.packer.multi_stream import MultiStreamPlanner
+from seqpack.packer.order import (
+    BlockLayout,
+    GlobalOrder,
+    OrderMode,
+    RowOrder,
+    block_layout,
+    global_order,
+    ordered,
+)
+from seqpack.packer.permute import Permutation
 from seqpack.packer.plan import PackPlan, RowAssignment, plan, plan_rows
-from seqpack.packer.stats import PackingStats, lower_bound, stats
+from seqpack.packer.stats import CostSummary, PackingStats, cost_summary, lower_bound, stats
 from seqpack.packer.stream import RowPlan, StreamPlanner, pack_stream
 from seqpack.packer.validate import validate
 
 __all__ = [
+    "BlockLayout",
+    "CostKind",
+    "CostModel",
+    "CostSummary",
     "Counters",
     "FeatureKeys",
+    "GlobalOrder",
     "InputError",
     "MultiStreamPlanner",
+    "OrderMode",
     "Overflow",
     "PackConfig",
     "PackPlan",
     "PackingStats",
+    "Permutation",
     "RowAssignment",
+    "RowOrder",
     "RowPlan",
     "Strategy",
     "StreamPlanner",
     "assemble",
+    "balance_slices",
+    "block_layout",
     "build_rows",
     "contract",
+    "cost_summary",
+    "global_order",
     "lower_bound",
+    "ordered",
     "pack",
     "pack_ragged",
     "pack_stream",
@@ -43,5 +71,7 @@ __all__ = [
     "plan_rows",
     "segment_ids_and_positions",
     "stats",
+    "step_balance",
+    "tight_lower_bound",
     "validate",
 ]

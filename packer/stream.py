@@ -1,19 +1,19 @@
-"""Online packing with bounded memory: best fit decreasing over windows, carrying rows over.
+"""Online packing with bounded memory: each window is planned with the rows still open, re-planned.
 
-Examples arrive one window at a time (default 1024). Each window is sorted by size, largest first,
-and placed by best fit into the rows still open from earlier windows or into new rows. A row is
-emitted once it is full (no room, or every segment slot used); under-filled rows are carried over
-into the next window, where its pieces may close their gaps, instead of being emitted half empty.
-Memory stays bounded: at most `max_open_rows` rows stay open (the fullest beyond that are emitted)
-and no row stays open for more than `max_carry` windows, so every example leaves within
-`max_carry + 1` windows of arriving.
+Examples arrive one window at a time (default 1024). The pieces of the window and those of the
+rows left open by earlier windows are planned together by the offline planner (best fit
+decreasing with all its passes: `strategies.best_fit_decreasing`), so pieces carried over are
+placed again with the new ones instead of being stuck in a half-empty row. Rows with no room
+for another piece are emitted; of the others the least filled are kept open, up to
+`max_open_rows` rows and two windows of pieces, and the rest are emitted too. Memory stays
+bounded: at most two windows of pieces stay open, and no piece stays open for more than
+`max_carry` windows, so every example leaves within `max_carry + 1` windows of arriving.
 
-Worked example (seq_len 8, max_segments 4, window 3, max_open_rows 1)::
+Worked example (seq_len 8, max_segments 4, window 3)::
 
-    window 0:  lengths 5 2 6      sorted 6 5 2 -> row 0 = [6, 2] (full: emitted), row 1 = [5]
-                                  row 1 is carried over (room 3)
-    window 1:  lengths 3 4 1      sorted 4 3 1 -> row 1 += 3 (full: emitted), row 2 = [4, 1]
-    finish:                       row 2 emitted
+    window 0:  lengths 5 2 6        planned 6 2 | 5      -> [6, 2] full: emitted; [5] kept open
+    window 1:  lengths 3 4 1 + [5]  planned 4 3 1 | 5    -> [4, 3, 1] full: emitted; [5] open
+    finish:                                              -> [5] emitted
 
 `StreamPlanner` plans lengths only (the Grain pipeline keeps the tokens); `pack_stream` is the
 whole online packer over an iterable of token arrays.
@@ -31,7 +31,8 @@ from seqpack.packer.assemble import build_rows
 from seqpack.packer.config import PackConfig, Strategy
 from seqpack.packer.inputs import InputError, check_lengths, check_pad, fit_dtype, row_dtype
 from seqpack.packer.plan import Counters, PackPlan, apply_overflow, order_pieces
-from seqpack.packer.strategies.best_fit import BestFitBins
+from seqpack.packer.strategies.best_fit import assign_best_fit
+from seqpack.packer.strategies.best_fit_decreasing import assign_best_fit_decreasing
 
 STREAM_STRATEGIES = (Strategy.BEST_FIT_DECREASING, Strategy.BEST_FIT)
 
@@ -81,15 +82,16 @@ class StreamPlanner:
         if self.max_open_rows < 0:
             raise ValueError(f"max_open_rows={self.max_open_rows} must be >= 0")
         self.max_carry = max_carry
-        self._bins = BestFitBins(config.seq_len, config.max_segments)
-        self._pieces: dict[int, list[tuple[int, int, int]]] = {}  # row -> (id, start, length)
-        self._born: dict[int, int] = {}  # row -> window it opened in
+        # Pieces of the open rows, sorted by (born, id, start): i64[P, 4] (id, start, length,
+        # window it arrived in); the rows themselves are planned again with every window.
+        self._held = np.zeros((0, 4), np.int64)
+        self._open_rows = 0
         self._windows = 0
         self.counters = Counters()
 
     # -- planning ------------------------------------------------------------------------------
     def add(self, ids: object, lengths: object) -> list[RowPlan]:
-        """Plans one window of examples; returns the rows that became final (oldest first)."""
+        """Plans one window of examples; returns the rows that became final."""
         return rows_from_plan(self.add_plan(ids, lengths))
 
     def finish(self) -> list[RowPlan]:
@@ -102,95 +104,88 @@ class StreamPlanner:
         lengths = check_lengths(lengths)
         if ids.shape != lengths.shape:
             raise ValueError(f"ids {ids.shape} and lengths {lengths.shape} must have one shape")
-        cfg = self.config
-        example, start, length, counters = apply_overflow(lengths, cfg, ids=ids)
+        example, start, length, counters = apply_overflow(lengths, self.config, ids=ids)
         self.counters = self.counters + counters
-        a = cfg.segment_alignment
-        sizes = -(-length // a) * a
-        if cfg.strategy is Strategy.BEST_FIT_DECREASING:
-            order = np.argsort(-sizes, kind="stable")
-            example, start, length = example[order], start[order], length[order]
-            sizes = sizes[order]
-        rows = self._bins.place(sizes.tolist())
-        pieces, born, w = self._pieces, self._born, self._windows
-        for r, piece in zip(rows, zip(ids[example].tolist(), start.tolist(), length.tolist())):
-            lst = pieces.get(r)
-            if lst is None:
-                pieces[r] = [piece]
-                born[r] = w
-            else:
-                lst.append(piece)
-        self._windows = w + 1
-        return self._emit(final_only=True)
+        new = np.stack([ids[example], start, length,
+                        np.full(example.size, self._windows, np.int64)], axis=1)
+        self._windows += 1
+        return self._plan(np.concatenate([self._held, new]), final=False)
 
     def finish_plan(self) -> PackPlan:
         """`finish`, returning the rows as one `PackPlan`."""
-        return self._emit(final_only=False)
+        return self._plan(self._held, final=True)
 
-    def _emit(self, *, final_only: bool) -> PackPlan:
-        bins = self._bins
-        if final_only:
-            smax, oldest = self.config.max_segments, self._windows - self.max_carry
-            room, count, born = bins.room, bins.count, self._born
-            done = [
-                r for r in self._pieces
-                if room[r] < bins.min_room or count[r] >= smax or born[r] < oldest
-            ]
-            excess = len(self._pieces) - len(done) - self.max_open_rows
-            if excess > 0:
-                done_set = set(done)
-                rest = [r for r in self._pieces if r not in done_set]
-                rest.sort(key=lambda r: (room[r], r))
-                done.extend(rest[:excess])
-            done.sort()
-        else:
-            done = sorted(self._pieces)
-        flat: list[tuple[int, int, int]] = []
-        counts = []
-        for r in done:
-            lst = self._pieces.pop(r)
-            del self._born[r]
-            bins.forget(r)
-            flat.extend(lst)
-            counts.append(len(lst))
-        arr = np.asarray(flat, np.int64).reshape(-1, 3)
-        row = np.repeat(np.arange(len(done), dtype=np.int64), counts)
-        return order_pieces(
-            arr[:, 0], arr[:, 1], arr[:, 2], row, len(done), Counters(), self.config
-        )
+    def _plan(self, pieces: np.ndarray, *, final: bool) -> PackPlan:
+        """Plans `pieces` (i64[P, 4]), emits the rows that are final and keeps the rest open."""
+        cfg = self.config
+        a = cfg.segment_alignment
+        sizes = -(-pieces[:, 2] // a) * a
+        if cfg.strategy is Strategy.BEST_FIT:
+            row, num_rows = assign_best_fit(sizes, cfg.seq_len, cfg.max_segments)
+        else:  # every pass, down to the bound: windows are small
+            row, num_rows = assign_best_fit_decreasing(sizes, cfg.seq_len, cfg.max_segments,
+                                                       slack=0, repair_rows=final)
+        emit = np.ones(num_rows, bool) if final else self._final_rows(pieces, sizes, row,
+                                                                      num_rows)
+        out = emit[row]
+        held = pieces[~out]
+        self._held = held[np.lexsort((held[:, 1], held[:, 0], held[:, 3]))]
+        self._open_rows = int(num_rows - emit.sum())
+        number = np.cumsum(emit) - 1
+        done = pieces[out]
+        return order_pieces(done[:, 0], done[:, 1], done[:, 2], number[row[out]],
+                            int(emit.sum()), Counters(), cfg)
+
+    def _final_rows(self, pieces: np.ndarray, sizes: np.ndarray, row: np.ndarray,
+                    num_rows: int) -> np.ndarray:
+        """bool[num_rows]: rows to emit. Kept open: rows with room for the smallest piece (a
+        row full in slots too: planned again, its pieces may pack better) that hold no piece
+        due (`max_carry`), least filled first, up to `max_open_rows` rows and 2 * `window`
+        pieces (so a window plans at most three windows of pieces)."""
+        cfg = self.config
+        used = np.bincount(row, weights=sizes, minlength=num_rows)
+        count = np.bincount(row, minlength=num_rows)
+        smallest = int(sizes.min()) if sizes.size else 1
+        emit = cfg.seq_len - used < smallest  # slot-full rows may stay: planned again
+        due = pieces[:, 3] <= self._windows - 1 - self.max_carry
+        emit[row[due]] = True
+        keep = np.flatnonzero(~emit)
+        keep = keep[np.lexsort((keep, used[keep]))][: self.max_open_rows]  # least filled first
+        keep = keep[np.cumsum(count[keep]) <= 2 * self.window]
+        emit[:] = True
+        emit[keep] = False
+        return emit
 
     # -- state ---------------------------------------------------------------------------------
     def oldest_open_id(self) -> int | None:
         """The smallest example id in any open row, or None when no row is open."""
-        ids = [p[0] for lst in self._pieces.values() for p in lst]
-        return min(ids) if ids else None
+        return int(self._held[:, 0].min()) if self._held.size else None
 
     @property
     def num_open_rows(self) -> int:
-        return len(self._pieces)
+        return self._open_rows
 
     def get_state(self) -> dict:
-        """JSON-serializable state: the open rows' pieces (ids, no tokens) and the counters."""
+        """JSON-serializable state: the open pieces (ids, no tokens) by the window they arrived
+        in (one entry of "rows" per window), the number of open rows and the counters."""
+        held = self._held
+        cuts = np.flatnonzero(np.diff(held[:, 3])) + 1 if held.size else np.zeros(0, np.int64)
+        groups = np.split(held, cuts) if held.size else []
         return {
             "windows": self._windows,
-            "rows": [
-                {"born": self._born[r], "pieces": [list(p) for p in self._pieces[r]]}
-                for r in sorted(self._pieces)
-            ],
+            "rows": [{"born": int(g[0, 3]), "pieces": g[:, :3].tolist()} for g in groups],
+            "open_rows": self._open_rows,
             "counters": self.counters.to_dict(),
         }
 
     def set_state(self, state: dict) -> None:
         """Restores a state from `get_state` (on a planner with the same config)."""
-        a = self.config.segment_alignment
-        self._bins = BestFitBins(self.config.seq_len, self.config.max_segments)
-        self._pieces, self._born = {}, {}
-        for row in state["rows"]:
-            pieces = [(int(i), int(s), int(m)) for i, s, m in row["pieces"]]
-            used = sum(-(-m // a) * a for _, _, m in pieces)
-            r = self._bins.add_row(self.config.seq_len - used, len(pieces))
-            self._pieces[r] = pieces
-            self._born[r] = int(row["born"])
+        parts = [np.concatenate([np.asarray(r["pieces"], np.int64).reshape(-1, 3),
+                                 np.full((len(r["pieces"]), 1), int(r["born"]), np.int64)],
+                                axis=1) for r in state["rows"]]
+        held = np.concatenate(parts) if parts else np.zeros((0, 4), np.int64)
+        self._held = held[np.lexsort((held[:, 1], held[:, 0], held[:, 3]))]
+        self._open_rows = int(state.get("open_rows", len(state["rows"])))
         self._windows = int(state["windows"])
         self.counters = Counters(**state["counters"])
 

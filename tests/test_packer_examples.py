@@ -117,11 +117,12 @@ def test_stream_planner_worked_example():
     rows = planner.add([0, 1, 2], [5, 2, 6])
     assert [r.index.tolist() for r in rows] == [[1, 2]]  # [6, 2] full, [5] carried over
     assert planner.num_open_rows == 1 and planner.oldest_open_id() == 0
-    rows = planner.add([3, 4, 5], [3, 4, 1])
-    assert [r.index.tolist() for r in rows] == [[0, 3]]  # 5 + 3 = 8: full
+    rows = planner.add([3, 4, 5], [3, 4, 1])  # planned again with the open [5]
+    assert [r.index.tolist() for r in rows] == [[3, 4, 5]]  # 3 + 4 + 1 = 8: full
+    assert rows[0].offset.tolist() == [0, 3, 7]
+    assert planner.num_open_rows == 1 and planner.oldest_open_id() == 0
     rows = planner.finish()
-    assert [r.index.tolist() for r in rows] == [[4, 5]]
-    assert rows[0].offset.tolist() == [0, 4]
+    assert [r.index.tolist() for r in rows] == [[0]]
 
 
 @pytest.mark.parametrize("max_carry", [0, 1, 2])

@@ -197,7 +197,8 @@ def test_meta_feature_shares_the_host_layout():
         assert "loss_mask_segment_ids" not in row
     bad = SequentialIterDataset(ArraySource({"tokens": (values, offsets),
                                              "loss_mask": (mask[:-1], offsets - (offsets > 0))}))
-    with pytest.raises(ValueError, match="meta feature 'loss_mask' has length"):
+    with pytest.raises(ValueError, match="column 'loss_mask' has length 2 but the feature "
+                                         "'tokens' it is packed with has 3"):
         list(PackIterDataset(bad, seq_len=64, meta_features=["loss_mask"]))
 
 
@@ -214,7 +215,7 @@ def test_bad_elements_and_arguments():
         PackIterDataset(ds, seq_len=64, length_struct={"tokens": 64})
     with pytest.raises(ValueError, match="concat_split"):
         PackIterDataset(ds, seq_len=64, strategy="concat_split")
-    with pytest.raises(ValueError, match="host must be a packed feature"):
+    with pytest.raises(ValueError, match="the feature must be a packed feature"):
         PackIterDataset(ds, seq_len=64, meta_features={"mask": "inputs"})
 
 

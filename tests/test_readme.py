@@ -7,7 +7,9 @@ A new snippet needs a check here: an unmatched block fails.
 
 Context: `source` (random-access, `{"inputs": ids, "targets": ids}` examples), `L`, `batch_size`;
 for the kernels snippet `logits` `[B, L, V]`, `targets` `[B, L]`, `batch` (packed rows) and
-`next_token_in_same_segment` `[B, L]`.
+`next_token_in_same_segment` `[B, L]`; for the fine-tuning snippet `sft.parquet` (tokens and
+labels, -100 on prompts) and `model` (batch -> logits); for the packed-input snippet `packed/`
+(a packed directory with a labels column).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import pytest
 
 from seqpack import packer
+from seqpack.pipelines import datasets
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
@@ -70,12 +73,35 @@ def check_pack_iter_dataset(ns):
 def check_training_pipeline(ns):
     assert ns["batch"]["tokens"].shape == (8, 2048)
     packer.validate({k: v for k, v in ns["batch"].items()}, packer.PackConfig(2048))
-    it, state = ns["it"], ns["state"]
+    _resumes(ns["it"], ns["state"])
+
+
+def _resumes(it, state):
     after = next(it)
     it.set_state(state)  # "exact resume"
     again = next(it)
     for k in after:
         np.testing.assert_array_equal(after[k], again[k], err_msg=k)
+
+
+def check_fine_tuning(ns):
+    batch, mask = ns["batch"], ns["mask"]
+    real = batch["tokens_segment_ids"] > 0
+    assert (batch["labels"][~real] == -100).all() and (batch["labels"][real] == -100).any()
+    assert "labels_segment_ids" not in batch
+    np.testing.assert_array_equal(batch["loss_tokens"], mask.sum(1))
+    assert 0 < batch["loss_tokens"].sum() < real.sum()  # prompts take no loss
+    assert np.isclose(float(ns["loss"]), float(np.asarray(ns["per_segment_loss"]).sum())
+                      / batch["loss_tokens"].sum())
+
+
+def check_packed_input(ns):
+    batch = ns["batch"]
+    assert batch["tokens"].shape == (8, L) and batch["tokens_segment_lengths"].shape == (8, 8)
+    assert {"labels", "loss_tokens", "tokens_segment_ids"} <= set(batch)  # every column
+    it = ns["it"]
+    state = it.get_state()
+    _resumes(it, state)
 
 
 def check_kernels(ns):
@@ -96,8 +122,10 @@ CHECKS = {
     "pack_ragged(": check_packer,
     "datasets.FirstFitPackIterDataset(": check_dropin,
     "datasets.PackIterDataset(": check_pack_iter_dataset,
-    "make_training_pipeline(": check_training_pipeline,
-    "segment_cross_entropy(": check_kernels,
+    "datasets.JsonlSource(": check_training_pipeline,
+    "datasets.LossTokens(": check_fine_tuning,
+    "datasets.PackedArrayRecordSource(": check_packed_input,
+    "loss_mask=next_token_in_same_segment": check_kernels,
 }
 
 
@@ -106,7 +134,12 @@ def _context(block: str) -> dict:
     if "segment_metadata(" in block:  # a Grain-style batch: [B, L] segment ids under "inputs"
         ns["batch"] = packer.pack([np.arange(1, n) for n in (20, 7, 30, 12, 25, 60)],
                                   packer.PackConfig(L, max_segments=64, feature="inputs"))
-    if "segment_cross_entropy(" in block:
+    if "datasets.LossTokens(" in block:
+        _sft_parquet("sft.parquet")
+        ns["model"] = _model
+    if "datasets.PackedArrayRecordSource(" in block:
+        _packed_dir("packed")
+    if "loss_mask=next_token_in_same_segment" in block:
         import jax
 
         rows = packer.pack([np.arange(1, n) for n in (20, 7, 30, 12, 25)],
@@ -118,6 +151,38 @@ def _context(block: str) -> dict:
         ns["next_token_in_same_segment"] = (seg > 0) & (seg == np.roll(seg, -1, axis=1))
         ns["next_token_in_same_segment"][:, -1] = False
     return ns
+
+
+def _sft_parquet(path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(2)
+    tokens = [rng.integers(0, 32, int(rng.integers(2, 30))).tolist() for _ in range(60)]
+    labels = [[-100] * int(rng.integers(1, len(t))) + t[len(t) // 2 :] for t in tokens]
+    labels = [lab[: len(t)] + t[len(lab) :] for lab, t in zip(labels, tokens)]
+    pq.write_table(pa.table({"tokens": tokens, "labels": labels}), path)
+
+
+def _model(batch):
+    """Random logits [B, L, 32] for a batch (the fine-tuning snippet's model)."""
+    import jax
+
+    return jax.random.normal(jax.random.key(0), (*batch["tokens"].shape, 32))
+
+
+def _packed_dir(path):
+    import os
+
+    from tests.helpers.pipelines import sft_corpus, sft_source, write_packed
+
+    os.makedirs(path)
+    values, offsets, labels, mask = sft_corpus(np.random.default_rng(3).integers(1, L, 200))
+    rows = list(datasets.PackIterDataset(
+        datasets.SequentialIterDataset(sft_source(values, offsets, labels, mask)), seq_len=L,
+        max_segments=8, label_features=["labels"], drop_features=["mask"]))
+    write_packed(path, rows, seq_len=L, max_segments=8, shard_rows=16,
+                 columns={"labels": -100})
 
 
 @pytest.fixture

@@ -1,17 +1,23 @@
-"""Best fit decreasing: the offline, near-optimal strategy (sort by size, then best fit).
+"""Best fit decreasing: the offline, near-optimal strategy (tokens and segment slots).
 
-Two regimes, both planned on sizes alone:
+A row holds `capacity` tokens in at most `max_segments` slots; the plan is measured against the
+tight lower bound of `packer.bounds`. Three passes, each kept only if the ones before it are
+further from the bound than `gate` (0.05%, at least one row), the best plan winning:
 
-* token-bound (the usual case, `n / S` rows would hold the pieces' slots easily): pieces sorted by
-  size, largest first, each placed by best fit. Pieces of equal size come in runs, and a run is
-  placed without a search per piece: best fit puts consecutive equal pieces into the same row
-  until it is full, so each open row takes `min(room // s, S - count)` of the run in order of
-  (room, row), and the rest open new rows holding `min(capacity // s, S)` each.
-* segment-bound (`ceil(n / S)` rows are needed anyway for the slots): best fit by size would pack
-  the big pieces tightly together and leave their rows' slots unused. Instead the pieces, largest
-  first, go by worst fit into `ceil(n / S)` rows (the row with the most room, rows opened only
-  when nothing fits), which gives every row a balanced mix of big and small pieces and uses its
-  slots. Both plans are made and the one with fewer rows is kept.
+1. plain best fit decreasing (largest first, into the row it leaves with the least room), run by
+   run of equal sizes (below): the best plan wherever the segment cap hardly binds;
+2. where the slots bind for the whole corpus (`ceil(n / S)` is at least 90% of the token bound),
+   worst fit into the bound's rows (`_worst_fit_sorted`): every row a mix of big and small;
+3. the two-dimensional pass (`strategies.two_pool`), which keeps slots for the short tail.
+   Corpora whose slot bound is 15% to 90% of the token bound start with it: plain BFD fails
+   there, its last rows filling their slots with short pieces long before their tokens.
+
+Then `strategies.repair` moves pieces out of the emptiest rows while the plan is above the gate.
+
+Plain BFD by runs: pieces of equal size are placed without a search per piece: best fit puts
+consecutive equal pieces into the same row until it is full, so each open row takes
+`min(room // s, S - count)` of the run in order of (room, row), and the rest open new rows
+holding `min(capacity // s, S)` each.
 
 Worked example (capacity 10, max_segments 4)::
 
@@ -27,10 +33,13 @@ from bisect import bisect_left, insort
 
 import numpy as np
 
+from seqpack.packer.bounds import tight_lower_bound
 from seqpack.packer.strategies.best_fit import _MASK, _SHIFT
+from seqpack.packer.strategies.repair import repair
+from seqpack.packer.strategies.two_pool import two_pool_sorted
 
-# Try the segment-bound plan when the slot bound is at least this fraction of the token bound.
-_SEGMENT_BOUND_RATIO = 0.9
+_WORST_FIT_RATIO = 0.9  # try worst fit when the slot bound is at least this share of the token one
+_TWO_POOL_FIRST = 0.15  # ... and the two-pool pass first from this share on
 
 
 def _bfd_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int
@@ -129,28 +138,58 @@ def _worst_fit_sorted(sizes_desc: list[int], capacity: int, max_segments: int, n
     return out, len(used)
 
 
+def gate(bound: int) -> int:
+    """The most rows a pass may leave before the next one runs: bound + 0.05%, at least + 1."""
+    return bound + max(1, bound // 2000)
+
+
+def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int):
+    """The passes in the order they run (see the module docstring), lazily."""
+    n = int(sizes_desc.size)
+    slot_bound = -(-n // max_segments)
+    token_bound = -(-int(sizes_desc.sum()) // capacity)
+    two_pool = lambda: two_pool_sorted(sizes_desc, capacity, max_segments, bound)  # noqa: E731
+    plain = lambda: _bfd_sorted(sizes_desc, capacity, max_segments)  # noqa: E731
+    if slot_bound >= _WORST_FIT_RATIO * token_bound:  # slots bind for the whole corpus
+        wf = lambda: _worst_fit_sorted(sizes_desc.tolist(), capacity, max_segments,  # noqa: E731
+                                       slot_bound)
+        return [plain, wf, two_pool]
+    if slot_bound >= _TWO_POOL_FIRST * token_bound:
+        return [two_pool, plain]
+    return [plain, two_pool]
+
+
 def assign_best_fit_decreasing(
-    sizes: np.ndarray, capacity: int, max_segments: int
+    sizes: np.ndarray, capacity: int, max_segments: int, *, slack: int | None = None,
+    repair_rows: bool = True,
 ) -> tuple[np.ndarray, int]:
-    """Best fit decreasing (with a segment-bound fallback); returns (row per piece, rows)."""
+    """Best fit decreasing (the passes of the module docstring); returns (row per piece, rows).
+
+    `slack`: rows over the tight bound at which the passes stop (default `gate`: 0.05%, at
+    least one); 0 runs them all unless one reaches the bound."""
     sizes = np.asarray(sizes, np.int64)
     n = sizes.size
     if n == 0:
         return np.zeros(0, np.int64), 0
-    small = sizes.astype(np.int32) if capacity < 2**31 else sizes  # sizes <= capacity
+    small = sizes.astype(np.int32) if capacity < 2**31 else sizes.copy()  # sizes <= capacity
     small *= -1
     order = np.argsort(small, kind="stable")  # largest first, ties in input order
     del small
     sizes_desc = sizes[order]
-    rows_desc, num_rows = _bfd_sorted(sizes_desc, capacity, max_segments)
+    bound = tight_lower_bound(sizes_desc, capacity, max_segments)
+    enough = gate(bound) if slack is None else bound + slack
+    best: tuple[object, int] | None = None
+    for run in _passes(sizes_desc, capacity, max_segments, bound):
+        got, num = run()
+        if best is None or num < best[1]:
+            best = (got, num)
+        if best[1] <= enough:
+            break
+    assert best is not None
+    rows_desc, num_rows = np.asarray(best[0]), best[1]
+    if repair_rows and num_rows > enough:
+        rows_desc, num_rows = repair(sizes_desc, rows_desc, num_rows, capacity, max_segments,
+                                     target=bound)
     rows = np.empty(n, np.int64)
     rows[order] = rows_desc
-    del rows_desc
-    slot_bound = -(-n // max_segments)
-    token_bound = -(-int(sizes.sum()) // capacity)
-    if num_rows > slot_bound and slot_bound >= _SEGMENT_BOUND_RATIO * token_bound:
-        wf_desc, wf_num = _worst_fit_sorted(sizes_desc.tolist(), capacity, max_segments, slot_bound)
-        if wf_num < num_rows:
-            rows[order] = wf_desc
-            return rows, wf_num
     return rows, num_rows

@@ -8,13 +8,19 @@ The only part of seqpack that imports grain (and so jax):
 - Sources (`grain.MapDataset`s with random access): `ArraySource`, `JsonlSource`,
   `ParquetSource`, `ArrayRecordSource`, `PackedArrayRecordSource`; `SequentialIterDataset` walks
   one in order.
-- `make_training_pipeline`: shard, shuffle, pack, batch, prefetch.
+- `make_training_pipeline`: shard, shuffle, pack, batch, prefetch; or, over packed rows,
+  shuffle per epoch, shard, batch (balanced datasets by whole steps).
+- Columns packed with the tokens (`label_features`, `mask_features`: columns.py) and the loss
+  tokens per row that make a packed per-token mean exact (`LossTokens`, loss.py); host batches
+  whose per-device slices carry near-equal cost (`BalanceRanks`, balance.py).
 """
 
 from seqpack.pipelines.errors import require
 
 require("grain", "seqpack.pipelines.datasets")  # one message naming the extra, if missing
 
+from seqpack.pipelines.datasets.balance import BalanceRanks  # noqa: E402
+from seqpack.pipelines.datasets.columns import IGNORE_INDEX  # noqa: E402
 from seqpack.pipelines.datasets.dropin import BestFitPackIterDataset, FirstFitPackIterDataset  # noqa: E402
 from seqpack.pipelines.datasets.files import (  # noqa: E402
     ArrayRecordSource,
@@ -22,16 +28,20 @@ from seqpack.pipelines.datasets.files import (  # noqa: E402
     PackedArrayRecordSource,
     ParquetSource,
 )
+from seqpack.pipelines.datasets.loss import LossTokens  # noqa: E402
 from seqpack.pipelines.datasets.pack import PackIterator, PackIterDataset  # noqa: E402
 from seqpack.pipelines.datasets.sources import ArraySource, SequentialIterDataset  # noqa: E402
 from seqpack.pipelines.datasets.training import make_training_pipeline  # noqa: E402
 
 __all__ = [
+    "IGNORE_INDEX",
     "ArrayRecordSource",
     "ArraySource",
+    "BalanceRanks",
     "BestFitPackIterDataset",
     "FirstFitPackIterDataset",
     "JsonlSource",
+    "LossTokens",
     "PackIterDataset",
     "PackIterator",
     "PackedArrayRecordSource",

@@ -12,7 +12,16 @@ packed feature `f` that is not a meta feature, the contract's `f_segment_lengths
 
 One dtype per packed feature for the whole run (the first element's): an element whose values it
 cannot hold raises `InputError` naming it (Grain's buffers take each batch's first element's dtype
-and wrap). A parent whose elements are already packed (`f_segment_ids`) is refused.
+and wrap), and so does a negative token id in a feature with segment ids. A parent whose
+elements are already packed (`f_segment_ids`) is refused. Keys outside `length_struct` and
+`meta_features` are left out, as Grain does.
+
+Labels and masks (any integers, e.g. -100) ride on a token feature's layout and are padded with
+their own pad; each must have the feature's length (else `InputError` naming the element)::
+
+    ds = pipelines.BestFitPackIterDataset(ds, length_struct={"tokens": 2048},
+                                          num_packing_bins=1024, label_features={"labels": -100})
+    # row["labels"]: [L], -100 on padding; the same bins as Grain with labels as a meta feature
 
 `length_struct` is a dict feature -> int, or, as in Grain, a tree of dicts whose nested parts
 sit under meta features (Grain re-keys only top-level features with segment ids): the nested
@@ -24,7 +33,7 @@ leaves are packed like any meta feature (values only, the same bins) and come ba
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grain
@@ -32,121 +41,10 @@ import numpy as np
 
 from seqpack.packer.contract import check_not_packed
 from seqpack.packer.grain_fit import BatchSpec, FitBatch, element_dtypes
+from seqpack.packer.inputs import fit_dtype
+from seqpack.pipelines.datasets.columns import Column, ColumnSpec
+from seqpack.pipelines.datasets.grain_args import add_columns, get_leaf, make_spec, nest
 from seqpack.pipelines.errors import InputError
-
-Key = Any  # a top-level feature name, or a tuple path to a nested leaf of length_struct
-
-
-def _leaves(struct: Mapping[str, Any]) -> list[tuple[Key, Any]]:
-    """(key, leaf) of a tree of dicts: the name for a top-level leaf, the path for a nested one
-    (dict order; Grain's tree order does not change which bin an example takes)."""
-    out: list[tuple[Key, Any]] = []
-
-    def walk(node: Mapping[str, Any], path: tuple[str, ...]) -> None:
-        for k, v in node.items():
-            if isinstance(v, Mapping):
-                if not v:
-                    raise ValueError(f"length_struct at {(*path, k)} is an empty dict")
-                walk(v, (*path, k))
-            else:
-                out.append(((*path, k) if path else k, v))
-
-    walk(struct, ())
-    return out
-
-
-def get_leaf(tree: Any, key: Key) -> Any:
-    """The leaf `key` (a name or a path) of a tree of dicts."""
-    if isinstance(key, tuple):
-        for k in key:
-            tree = tree[k]
-        return tree
-    return tree[key]
-
-
-def nest(flat: dict[Key, Any]) -> dict[str, Any]:
-    """{path: v} -> nested dicts (top-level names stay as they are)."""
-    out: dict[str, Any] = {}
-    for key, v in flat.items():
-        if not isinstance(key, tuple):
-            out[key] = v
-            continue
-        node = out
-        for k in key[:-1]:
-            node = node.setdefault(k, {})
-        node[key[-1]] = v
-    return out
-
-
-def _per_feature(struct: Any, features: Sequence[Key], default: Any, name: str) -> tuple:
-    if struct is None:
-        return tuple(default for _ in features)
-    try:
-        if not isinstance(struct, Mapping) or len(_leaves(struct)) != len(features):
-            raise KeyError
-        return tuple(get_leaf(struct, k) for k in features)
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(f"{name}={struct!r} must be a dict with the structure of "
-                         "length_struct") from None
-
-
-def make_spec(
-    *,
-    length_struct: Any,
-    num_packing_bins: int,
-    meta_features: Sequence[str],
-    pack_alignment_struct: Any,
-    padding_struct: Any,
-    max_sequences_per_bin: int | None,
-    max_segments: int | None,
-    best_fit: bool,
-) -> BatchSpec:
-    if not isinstance(length_struct, Mapping) or not length_struct:
-        raise ValueError(
-            f"length_struct={length_struct!r} must be a non-empty dict feature -> length, "
-            "e.g. {'inputs': 2048, 'targets': 2048}"
-        )
-    leaves = _leaves(length_struct)
-    features = tuple(k for k, _ in leaves)
-    caps = []
-    for k, v in leaves:
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"length_struct[{k!r}]={v!r} must be a positive int")
-        caps.append(int(v))
-    for k in features:
-        if isinstance(k, tuple) and k[0] not in meta_features:
-            raise ValueError(
-                f"length_struct[{k[0]!r}] is a nested dict: packed with segment ids it cannot be "
-                f"(Grain raises for it too); add {k[0]!r} to meta_features to pack its values"
-            )
-    if isinstance(num_packing_bins, bool) or int(num_packing_bins) < 1:
-        raise ValueError(f"{num_packing_bins=} must be a positive int")
-    if max_sequences_per_bin is not None and max_sequences_per_bin <= 0:
-        raise ValueError(
-            "If specified, `max_sequences_per_bin` must be a positive integer,"
-            f" but got {max_sequences_per_bin}."
-        )
-    aligns = tuple(int(a) for a in _per_feature(pack_alignment_struct, features, 1,
-                                                "pack_alignment_struct"))
-    if any(a < 1 for a in aligns):
-        raise ValueError(f"pack_alignment_struct={pack_alignment_struct!r} must be >= 1")
-    if max_segments is None:
-        max_segments = max_sequences_per_bin or 64
-    if max_segments < 1:
-        raise ValueError(f"{max_segments=} must be >= 1")
-    return BatchSpec(
-        features=features,
-        capacities=tuple(caps),
-        alignments=aligns,
-        paddings=_per_feature(padding_struct, features, None, "padding_struct"),
-        segment_features=tuple(k for k in features
-                               if not isinstance(k, tuple) and k not in meta_features),
-        nonseq_meta=tuple(k for k in meta_features if k not in length_struct),
-        num_bins=int(num_packing_bins),
-        max_sequences_per_bin=max_sequences_per_bin,
-        max_segments=int(max_segments),
-        best_fit=best_fit,
-    )
 
 
 class DropinPackIterator(grain.DatasetIterator):
@@ -157,12 +55,14 @@ class DropinPackIterator(grain.DatasetIterator):
         parent: grain.DatasetIterator,
         *,
         spec: BatchSpec,
+        columns: tuple[Column, ...] = (),
         seed: int,
         shuffle_bins: bool,
         shuffle_bins_group_by_feature: str | None,
     ):
         super().__init__(parent)
         self._spec = spec
+        self._columns = [(c.name, c.feature) for c in columns]
         self._seed = seed
         self._shuffle_bins = shuffle_bins
         self._group_by = shuffle_bins_group_by_feature
@@ -183,6 +83,7 @@ class DropinPackIterator(grain.DatasetIterator):
         self._counter = 0
         self._dtypes: list[np.dtype] | None = None  # one per packed feature, for the whole run
         self._read = 0  # parent elements read since the start or the last set_state
+        self._added: list[tuple[int, dict[str, Any]]] = []  # (read number, element) per batch
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -219,12 +120,43 @@ class DropinPackIterator(grain.DatasetIterator):
 
     def _add(self, element: dict[str, Any]) -> bool:
         try:
-            return self._batch.try_add(element)
+            added = self._batch.try_add(element)
         except InputError as e:
             raise InputError(f"parent element {self._read - 1}: {e}") from None
+        if added:
+            self._added.append((self._read - 1, element))
+        return added
+
+    def _check_columns(self, element: dict[str, Any]) -> None:
+        for name, host in self._columns:
+            n, m = np.shape(element[name])[:1], np.shape(element[host])[:1]
+            if n != m:
+                raise InputError(
+                    f"parent element {self._read - 1}: column {name!r} has length "
+                    f"{n[0] if n else 1} but the feature {host!r} it is packed with has "
+                    f"{m[0] if m else 1}; they must match per example")
+
+    def _check_token_ids(self) -> None:
+        """Token ids are >= 0: one pass over the batch's real tokens; names the first element
+        holding a negative one (labels belong in label_features, which may be negative)."""
+        spec, packed = self._spec, self._packed
+        assert packed is not None
+        for i, f in enumerate(spec.features):
+            if f not in spec.segment_features or packed[f].dtype.kind != "i":
+                continue
+            values, pad = packed[f], spec.paddings[i]
+            real = values if pad is None or pad >= 0 else values[packed[f + "_segment_ids"] > 0]
+            if not real.size or real.min() >= 0:
+                continue
+            for read, element in self._added:
+                fit_dtype(np.asarray(element[f]), packed[f].dtype,
+                          f"parent element {read}: {f!r} (negative labels go in label_features)")
+            raise InputError(f"a packed row of {f!r} holds a negative token id")
 
     def _finalize(self, element_for_shapes: dict[str, Any] | None) -> None:
         self._packed, self._num_rows = self._batch.finalize()
+        self._check_token_ids()
+        self._added = []
         if self._shuffle_bins:
             self._shuffle()
         self._batch = None if element_for_shapes is None else self._new_batch(element_for_shapes)
@@ -257,6 +189,8 @@ class DropinPackIterator(grain.DatasetIterator):
                 check_not_packed(element, self._spec.segment_features, "element 0 of the parent")
             element = select(element)
             self._read += 1
+            if self._columns:
+                self._check_columns(element)
             if self._batch is None:
                 self._batch = self._new_batch(element)
             if self._add(element):
@@ -305,11 +239,15 @@ class _DropinPackIterDataset(grain.IterDataset):
         padding_struct: Any = None,
         max_sequences_per_bin: int | None = None,
         max_segments: int | None = None,
+        label_features: ColumnSpec = (),
+        mask_features: ColumnSpec = (),
     ):
         """Grain's arguments, plus `max_segments` = S of the segment lengths/offsets keys
-        (default: `max_sequences_per_bin`, else 64; a row with more segments raises)."""
+        (default: `max_sequences_per_bin`, else 64; a row with more segments raises), and
+        label / mask columns packed with a segment feature's layout (`columns.py`: a list, or
+        {name: pad}, or {name: (feature, pad)}; pads default to -100 / 0)."""
         super().__init__(parent)
-        self._spec = make_spec(
+        spec = make_spec(
             length_struct=length_struct,
             num_packing_bins=num_packing_bins,
             meta_features=meta_features,
@@ -319,6 +257,8 @@ class _DropinPackIterDataset(grain.IterDataset):
             max_segments=max_segments,
             best_fit=self._BEST_FIT,
         )
+        self._spec, self._columns = add_columns(spec, label_features=label_features,
+                                                mask_features=mask_features)
         self._seed = seed
         self._shuffle_bins = shuffle_bins
         self._group_by = shuffle_bins_group_by_feature
@@ -327,6 +267,7 @@ class _DropinPackIterDataset(grain.IterDataset):
         return DropinPackIterator(
             self._parent.__iter__(),
             spec=self._spec,
+            columns=self._columns,
             seed=self._seed,
             shuffle_bins=self._shuffle_bins,
             shuffle_bins_group_by_feature=self._group_by,

@@ -302,6 +302,10 @@ class PackedArrayRecordSource(ArrayRecordSource):
 
     feature:   the packed feature; defaults to the manifest's `feature`, else "tokens".
     cache_dir: where the shards of a URL prefix are copied (see the module docstring).
+
+    Every stored array of a row is in the element (the manifest's `stored_keys`, plus the
+    segment ids / positions rebuilt on read); `columns` names the extra columns packed with the
+    feature (`Manifest.columns`: labels, masks), each checked to be `[L]`.
     """
 
     is_packed = True
@@ -314,6 +318,7 @@ class PackedArrayRecordSource(ArrayRecordSource):
         self.feature = feature or (m.feature if m else "tokens")
         self.seq_len = m.seq_len if m else None
         self.max_segments = m.max_segments if m else None
+        self.columns = [str(c["name"]) for c in (m.columns or [])] if m else []
 
     def _check(self, row: dict[str, np.ndarray]) -> None:
         k = keys(self.feature)
@@ -326,7 +331,10 @@ class PackedArrayRecordSource(ArrayRecordSource):
         L = row[k.values].shape[0] if row[k.values].ndim else -1
         lengths = row[k.segment_lengths]
         S = lengths.shape[0] if lengths.ndim else -1
-        for name in k.per_token:
+        for name in self.columns:
+            if name not in row:
+                raise ValueError(f"packed row lacks the column {name!r} its manifest lists")
+        for name in (*k.per_token, *self.columns):
             if row[name].ndim != 1 or row[name].shape[0] != L:
                 raise ValueError(f"packed row: {name} has shape {row[name].shape}, expected ({L},)")
         for name in (*k.per_slot, *[s for s in (k.source_index, k.source_start) if s in row]):

@@ -8,8 +8,8 @@ Both turn a window of held examples into contract rows and expose the same small
 - `MultiLayout`: `packer.MultiStreamPlanner`; every feature gets its own segment metadata,
   the example's slot is shared.
 
-Per-token meta features (e.g. a loss mask) ride on a host feature: same length per example, the
-host's offsets, padded with 0, no metadata of their own.
+Columns (labels, masks, other per-token values; `columns.py`) ride on a host feature: same
+length per example, the host's offsets, padded with their own pad, no metadata of their own.
 """
 
 from __future__ import annotations
@@ -32,10 +32,12 @@ def gather(held: dict[int, list], ids: list[int], window: int) -> list[Any]:
 class SingleLayout:
     """One packed feature via `packer.StreamPlanner`."""
 
-    def __init__(self, config: packer.PackConfig, *, window: int, meta: dict[str, str]):
+    def __init__(self, config: packer.PackConfig, *, window: int, meta: dict[str, str],
+                 pads: dict[str, int]):
         self.config = config
         self.feature = config.feature
         self.meta = list(meta)  # all hosted by `feature`
+        self.pads = pads
         self.planner = packer.StreamPlanner(config, window=window)
 
     def window_lengths(self, cols: dict[str, list[Any]]) -> list[int]:
@@ -60,7 +62,7 @@ class SingleLayout:
             col = gather(held[name], ex, window)
             mp = [v[s : s + m] for v, s, m in zip(col, st, ln, strict=True)]
             batch[name] = fill_rows(mp, plan, self.config.seq_len,
-                                    dtype=dtypes.get(name, np.int32))
+                                    dtype=dtypes.get(name, np.int32), pad=self.pads[name])
         return batch
 
     def open_ids(self, state: dict) -> set[int]:
@@ -74,8 +76,10 @@ class MultiLayout:
     """Several packed features via `MultiStreamPlanner`; `configs` holds one per feature (the same
     max_segments, alignment, overflow and pad_id)."""
 
-    def __init__(self, configs: list[packer.PackConfig], *, window: int, meta: dict[str, str]):
+    def __init__(self, configs: list[packer.PackConfig], *, window: int, meta: dict[str, str],
+                 pads: dict[str, int]):
         cfg = configs[0]
+        self.pads = pads
         self.configs = configs
         self.features = tuple(c.feature for c in configs)
         self.max_segments = cfg.max_segments
@@ -121,7 +125,8 @@ class MultiLayout:
                     col = gather(held[meta_name], plan.example.tolist(), window)
                     mv = [v[:m] for v, m in zip(col, plan.length.tolist(), strict=True)]
                     batch[meta_name] = fill_rows(mv, plan, cfg.seq_len,
-                                                 dtype=dtypes.get(meta_name, np.int32))
+                                                 dtype=dtypes.get(meta_name, np.int32),
+                                                 pad=self.pads[meta_name])
         batch.update(source_arrays(plan, S, plan.example, plan.start))
         return batch
 

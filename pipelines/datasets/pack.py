@@ -31,6 +31,12 @@ from seqpack import packer
 from seqpack.packer.contract import check_not_packed
 from seqpack.packer.inputs import check_pad, fit_dtype, row_dtype
 from seqpack.packer.state_codec import decode_planner_state, encode_planner_state
+from seqpack.pipelines.datasets.columns import (
+    ColumnSpec,
+    check_declared,
+    check_lengths,
+    columns_from,
+)
 from seqpack.pipelines.datasets.layouts import MultiLayout, SingleLayout
 from seqpack.pipelines.errors import InputError
 
@@ -127,7 +133,10 @@ class PackIterator(grain.DatasetIterator):
         return ids, cols
 
     def _check_not_packed(self, element: Any) -> None:
-        check_not_packed(element, self._ds.features, "element 0 of the parent")
+        ds = self._ds
+        check_not_packed(element, ds.features, "element 0 of the parent")
+        if isinstance(element, Mapping) and all(n in element for n in ds.names):
+            check_declared(element, ds.names, ds.drop_features, "element 0 of the parent")
 
     def _bad_element(self, ident: int, e: Exception) -> None:
         raise InputError(
@@ -135,12 +144,12 @@ class PackIterator(grain.DatasetIterator):
             f"({type(e).__name__}: {e}); elements must be dicts of 1-D token arrays"
         ) from None
 
-    @staticmethod
-    def _as_tokens(v: Any, ident: int, name: str) -> np.ndarray:
+    def _as_tokens(self, v: Any, ident: int, name: str) -> np.ndarray:
         arr = np.asarray(v)
         if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
+            what = "integer token ids" if name in self._ds.features else "integers"
             raise InputError(
-                f"element {ident}: {name!r} must be a 1-D array of integer token ids, got "
+                f"element {ident}: {name!r} must be a 1-D array of {what}, got "
                 f"shape {arr.shape} dtype {arr.dtype}"
             )
         return arr if arr.size else arr.astype(np.int32)
@@ -156,6 +165,8 @@ class PackIterator(grain.DatasetIterator):
             dtype = self._dtypes[name] = nonempty.dtype
             if name in self._ds.features:
                 check_pad(self._ds.configs[0].pad_id, dtype)
+            else:
+                check_pad(self._ds.pads[name], dtype, name=f"the pad of column {name!r}")
         token_ids = name in self._ds.features
         for i, v in enumerate(col):
             if v.dtype != dtype and v.size:
@@ -192,7 +203,7 @@ class PackIterator(grain.DatasetIterator):
             ids, cols = self._read_window()
             if ids:
                 lengths = layout.window_lengths(cols)
-                ds.check_meta_lengths(cols, ids[0])
+                check_lengths(cols, ds.meta, ids[0])
                 plan = layout.add(ids, lengths)
                 phase, window_first = "window", ids[0]
         if plan is None:
@@ -302,15 +313,23 @@ class PackIterDataset(grain.IterDataset):
     overflow:          "error" | "truncate" | "split" | "drop" for examples longer than L;
                        counted in the iterator's `counters`.
     segment_alignment: segment offsets are multiples of this.
-    shuffle_rows:      shuffle the rows each window emits (seeded by `seed` and the position).
-    meta_features:     per-token features riding on a packed feature's layout (same length per
-                       example, padded with 0, no metadata): a list (host: the first packed
-                       feature) or {meta: host feature}.
+    shuffle_rows:      shuffle the rows each window emits (seeded by `seed` and the position),
+                       so rows leave in no particular order of length or segment count (on by
+                       default; False: the planner's order, longest examples first per window).
+    label_features:    per-token label columns packed with a feature's segment layout (same
+                       length per example, any integers such as -100): a list (pad -100, host:
+                       the first packed feature) or {name: pad} or {name: (host, pad)}.
+    mask_features:     the same for 0/1 loss masks (default pad 0).
+    meta_features:     the same for other per-token values (pad 0): a list or {name: host}.
+                       (Columns and their roles: `pipelines.datasets.columns`.)
+    drop_features:     keys of the parent's elements left out on purpose. Any other key that
+                       is neither packed nor a column raises `InputError` on element 0.
     pad_id:            token written into padding.
     dtype:             the token dtype of every row of the packed features; default: the first
                        non-empty element's. One dtype per run: every element is checked against
                        it, and an id it cannot hold (or a negative one) raises `InputError`
-                       naming the element instead of wrapping.
+                       naming the element instead of wrapping. Columns keep their own dtype (the
+                       first element's), range-checked the same way but free to be negative.
 
     `segment_source_index` holds each segment's position in the parent's stream (0, 1, ... per
     iterator; per worker under `mp_prefetch`).
@@ -327,9 +346,12 @@ class PackIterDataset(grain.IterDataset):
         window: int = 1024,
         overflow: str = "error",
         segment_alignment: int = 1,
-        shuffle_rows: bool = False,
+        shuffle_rows: bool = True,
         seed: int = 0,
-        meta_features: Sequence[str] | Mapping[str, str] = (),
+        label_features: ColumnSpec = (),
+        mask_features: ColumnSpec = (),
+        meta_features: ColumnSpec = (),
+        drop_features: Sequence[str] = (),
         pad_id: int = 0,
         feature: str = "tokens",
         dtype: Any = None,
@@ -353,16 +375,12 @@ class PackIterDataset(grain.IterDataset):
             )
             for f in self.features
         ]
-        if not isinstance(meta_features, Mapping):
-            meta_features = dict.fromkeys(meta_features, self.features[0])
-        for name, host in meta_features.items():
-            if host not in self.features or name in self.features:
-                raise ValueError(
-                    f"meta feature {name!r} -> {host!r}: the host must be a packed feature "
-                    f"({list(self.features)}) and the meta feature must not be one"
-                )
-        self.meta = dict(meta_features)
+        self.columns = columns_from(self.features, label_features=label_features,
+                                    mask_features=mask_features, meta_features=meta_features)
+        self.meta = {c.name: c.feature for c in self.columns}  # column -> its host feature
+        self.pads = {c.name: c.pad for c in self.columns}
         self.names = self.features + tuple(self.meta)
+        self.drop_features = tuple(drop_features)
         self.window = window
         self.shuffle_rows = bool(shuffle_rows)
         self.seed = int(seed)
@@ -387,17 +405,9 @@ class PackIterDataset(grain.IterDataset):
 
     def make_layout(self) -> SingleLayout | MultiLayout:
         if len(self.features) == 1:
-            return SingleLayout(self.configs[0], window=self.window, meta=self.meta)
-        return MultiLayout(self.configs, window=self.window, meta=self.meta)
-
-    def check_meta_lengths(self, cols: dict[str, list], first_id: int) -> None:
-        for name, host in self.meta.items():
-            for i, (m, h) in enumerate(zip(cols[name], cols[host], strict=True)):
-                if len(m) != len(h):
-                    raise InputError(
-                        f"element {first_id + i}: meta feature {name!r} has length {len(m)} but "
-                        f"its host {host!r} has {len(h)}; they must match per example"
-                    )
+            return SingleLayout(self.configs[0], window=self.window, meta=self.meta,
+                                pads=self.pads)
+        return MultiLayout(self.configs, window=self.window, meta=self.meta, pads=self.pads)
 
     def __iter__(self) -> PackIterator:
         return PackIterator(self._parent.__iter__(), self)

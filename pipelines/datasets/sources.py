@@ -52,10 +52,12 @@ class ArraySource(grain.MapDataset):
     columns: name -> (values, offsets) for a ragged column (values X[N], offsets i64[n + 1],
              example i is values[offsets[i]:offsets[i + 1]]), or name -> array[n] for a
              per-example scalar column (e.g. an example id). All columns need the same n.
+    value_columns: ragged columns of any integers (labels with -100, masks); the other ragged
+             columns hold token ids, checked >= 0.
     Elements are views into `values` (no copy).
     """
 
-    def __init__(self, columns: Mapping[str, Any]):
+    def __init__(self, columns: Mapping[str, Any], *, value_columns: Sequence[str] = ()):
         super().__init__()
         if not columns:
             raise ValueError("columns={} is empty; pass at least one column, e.g. tokens")
@@ -65,7 +67,13 @@ class ArraySource(grain.MapDataset):
         for name, col in columns.items():
             if isinstance(col, tuple):
                 values, offsets = col
-                values = check_values(values, name=f"columns[{name!r}] values")
+                if name in value_columns:
+                    values = np.asarray(values)
+                    if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
+                        raise ValueError(f"columns[{name!r}] values must be a 1-D integer "
+                                         f"array, got shape {values.shape} dtype {values.dtype}")
+                else:
+                    values = check_values(values, name=f"columns[{name!r}] values")
                 offsets = check_offsets(offsets, values.size)
                 self._ragged.append((name, values, offsets))
                 size = offsets.size - 1
@@ -120,7 +128,7 @@ class ArraySource(grain.MapDataset):
             name, values, offsets = self._single
             i = index if 0 <= index < self._n else norm_index(index, self._n, str(self))
             return {name: values[offsets[i] : offsets[i + 1]]}
-        i = norm_index(index, self._n, str(self))
+        i = index if 0 <= index < self._n else norm_index(index, self._n, str(self))
         out = {name: values[offsets[i] : offsets[i + 1]] for name, values, offsets in self._ragged}
         for name, arr in self._scalar:
             out[name] = arr[i]

@@ -28,6 +28,22 @@ def unique_corpus(lengths, *, dtype=np.int32) -> tuple[np.ndarray, np.ndarray]:
     return (np.arange(int(offsets[-1])) + 1).astype(dtype), offsets
 
 
+def sft_corpus(lengths, seed: int = 0):
+    """tokens unique (1..N); labels = tokens but -100 on a random prompt; mask = 1 on answers."""
+    values, offsets = unique_corpus(lengths)
+    rng = np.random.default_rng(seed)
+    labels = values.astype(np.int64)
+    for a, b in zip(offsets[:-1], offsets[1:]):
+        labels[a : a + int(rng.integers(0, b - a + 1))] = -100
+    mask = (labels != -100).astype(np.int8)
+    return values, offsets, labels, mask
+
+
+def sft_source(values, offsets, labels, mask, **extra) -> ArraySource:
+    return ArraySource({"tokens": (values, offsets), "labels": (labels, offsets),
+                        "mask": (mask, offsets), **extra}, value_columns=["labels", "mask"])
+
+
 def iter_source(values, offsets, *, feature: str = "tokens") -> SequentialIterDataset:
     return SequentialIterDataset(ArraySource.from_ragged(values, offsets, feature=feature))
 
@@ -81,3 +97,42 @@ def check_restore_every_step(make_iter: Callable[[], Any], *, max_rows: int | No
                 break
         assert_rows_equal(tail, want)  # at the natural end: nothing more either
     return rows
+
+
+def write_packed(directory, rows: list[dict[str, np.ndarray]], *, seq_len: int, max_segments: int,
+                 shard_rows: int, columns: dict[str, int] | None = None,
+                 row_order: dict | None = None) -> list[dict[str, np.ndarray]]:
+    """A complete packed directory (what `seqpack pack` writes) holding `rows` in order: shards
+    of `shard_rows` without the derived [L] keys, a signed manifest with `columns` ({name: pad})
+    and `row_order`. Returns the rows as stored + restored (what a reader yields)."""
+    import os
+
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    from seqpack.packer import PackConfig
+    from seqpack.pipelines.formats.manifest import Manifest, file_digest, shard_names
+    from seqpack.pipelines.formats.manifest import write_manifest as write
+    from seqpack.pipelines.formats.records import encode_row
+
+    config = PackConfig(seq_len, max_segments=max_segments)
+    k = config.keys()
+    stored = [n for n in k.roles().values() if n not in k.derived] + list(columns or {})
+    names = shard_names(len(rows), shard_rows)
+    counts = []
+    for i, name in enumerate(names):
+        w = ArrayRecordWriter(os.path.join(directory, name), "group_size:1")
+        part = rows[i * shard_rows : (i + 1) * shard_rows]
+        for r in part:
+            w.write(encode_row({n: r[n] for n in stored}))
+        w.close()
+        counts.append(len(part))
+    digests = [file_digest(os.path.join(directory, n)) for n in names]
+    cols = None if columns is None else [
+        {"name": n, "source": n, "dtype": rows[0][n].dtype.str, "pad": int(p)}
+        for n, p in columns.items()]
+    write(str(directory), Manifest(
+        config=config.to_dict(), inputs={}, writer_options="group_size:1", stored_keys=stored,
+        shard_rows=shard_rows, num_rows=len(rows), shards=names, shard_num_rows=counts,
+        stats={}, example_length_histogram={}, shard_bytes=[b for b, _ in digests],
+        shard_sha256=[h for _, h in digests], row_order=row_order, columns=cols))
+    return [{n: r[n] for n in [*k.roles().values(), *(columns or {})]} for r in rows]

@@ -1,0 +1,72 @@
+"""Lower bounds on the number of rows any packing needs (tokens and segment slots both count).
+
+A row holds at most `L = capacity` tokens in at most `S = max_segments` pieces, so no packing of
+pieces with sizes `s` needs fewer than
+
+    simple bound   max(ceil(sum(s) / L), ceil(len(s) / S))
+
+rows. It is loose where the sizes interact with the two limits: pieces longer than L/2 never
+share a row with each other, and a piece close to L leaves room only for the smallest pieces,
+whose slots then go unused. `tight_lower_bound` adds, for every threshold `a <= L/2` (Martello
+and Toth's L2 bound, extended with slots):
+
+    J1 = pieces > L - a       each its own row; room left for pieces < a only
+    J2 = pieces in (L/2, L-a] each its own row
+    J3 = pieces in [a, L/2]   fit only into J2 rows' room or other rows
+    tokens: |J1| + |J2| + ceil(max(0, sum(J3) - (|J2| L - sum(J2))) / L)
+    slots:  |J1| + max(|J2|, ceil((|J2| + |J3| + max(0, n_small - A)) / S))
+
+where `n_small` counts the pieces < a and `A` bounds how many of them the J1 rows can take: a J1
+row with room `c` holds at most `min(S - 1, k(c))` of them, `k(c)` being how many of the smallest
+pieces sum to at most `c`.
+
+Worked example (L 10, S 2; sizes 10 10 10 1 1 1 1)::
+
+    simple bound:  max(ceil(34 / 10), ceil(7 / 2)) = 4
+    a = 1:         J1 = {10, 10, 10} (no room at all), J3 = {1, 1, 1, 1}: 3 + ceil(4 / 2) = 5
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def lower_bound(total_tokens: int, num_segments: int, seq_len: int, max_segments: int) -> int:
+    """No packing needs fewer rows: max(ceil(tokens / L), ceil(segments / S))."""
+    return max(-(-total_tokens // seq_len), -(-num_segments // max_segments))
+
+
+def tight_lower_bound(sizes: object, capacity: int, max_segments: int) -> int:
+    """The bound of the module docstring for pieces of these sizes (each in [1, capacity]).
+
+    Vectorised over the thresholds: O(n log n) for n pieces, a few arrays of n.
+    """
+    s = np.sort(np.asarray(sizes, np.int64))  # ascending
+    n = int(s.size)
+    if n == 0:
+        return 0
+    L, S = int(capacity), int(max_segments)
+    if s[0] < 1 or s[-1] > L:
+        raise ValueError(f"sizes must lie in [1, {L}], got [{int(s[0])}, {int(s[-1])}]")
+    cs = np.zeros(n + 1, np.int64)
+    np.cumsum(s, out=cs[1:])
+    best = lower_bound(int(cs[-1]), n, L, S)
+    alphas = np.unique(np.concatenate([[0], s[s <= L // 2]]))
+    n_small = np.searchsorted(s, alphas, side="left")  # pieces < a
+    i_half = int(np.searchsorted(s, L // 2, side="right"))  # pieces <= L/2
+    i_j2 = np.searchsorted(s, L - alphas, side="right")  # pieces <= L - a
+    n_j1 = n - i_j2
+    n_j2 = i_j2 - i_half
+    n_j3 = i_half - n_small
+    t_j3 = cs[i_half] - cs[n_small]
+    t_j2 = cs[i_j2] - cs[i_half]
+    tokens = n_j1 + n_j2 + np.maximum(0, -(-(t_j3 - (n_j2 * L - t_j2)) // L))
+    # A J1 row (pieces in descending order: a prefix) takes at most min(S - 1, k(room)) of the
+    # smallest pieces; summed over the prefix and capped by how many small pieces there are.
+    desc = s[::-1]
+    k = np.searchsorted(cs, L - desc, side="right") - 1
+    g = np.zeros(n + 1, np.int64)
+    np.cumsum(np.minimum(S - 1, k), out=g[1:])
+    absorbed = np.minimum(n_small, g[n_j1])
+    slots = n_j1 + np.maximum(n_j2, -(-(n_j2 + n_j3 + np.maximum(0, n_small - absorbed)) // S))
+    return max(best, int(tokens.max()), int(slots.max()))

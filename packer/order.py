@@ -1,0 +1,331 @@
+"""The ordering stage: the ONE place packed rows get their output order.
+
+The planner numbers rows its own way (best fit decreasing: longest examples first), which no
+consumer should see. `RowOrder` says how output row o is chosen among the plan's rows:
+
+* `SHUFFLE` (default): a seeded pseudo-random permutation of the rows (`packer.permute`, a
+  Feistel network evaluated per index), so every contiguous range of rows has the same mix.
+* `PLAN`: the planner's order.
+* `BALANCED` (`data_parallel` D, `batch_size` b): rank r of step s reads output rows
+  [(s*D + r)*b, (s*D + r + 1)*b); the D ranks of every step carry near-equal cost under
+  `cost` (`packer.cost`), and the steps come in a seeded random order. The row count is
+  unchanged. When the rows are not a multiple of D*b, the last, incomplete step comes last.
+
+Two levels, so that nothing per row meets in one place (the Beam job plans blocks of examples on
+different workers; the local writer runs the same functions, so both give the same order):
+
+1. `block_layout(costs, order, block=j)` — per block of plan rows, from the block's row costs:
+   its full steps, rows in rank layout (4 bytes a row), and its leftover rows (< D*b).
+   Rows sorted by cost, D * b consecutive rows a step (rows of like cost share a step: the only
+   way a step of one row per rank can be even); inside a step the rows are dealt to the ranks
+   in snake order (the D heaviest one each, the next D the other way round, ...), then the
+   ranks are shuffled. The leftovers are a spread sample by cost.
+2. `global_order(summaries, order)` — from each block's `summary()` (row count, leftover rows
+   and their costs: small): arranges all leftovers like a block, permutes all full steps
+   (`Permutation` over steps) and returns a compact `GlobalOrder`.
+3. `GlobalOrder.plan_rows_at(out_start, out_stop, layouts)` — the plan rows of output rows
+   [out_start, out_stop) (what one shard's writer needs), and its inverse
+   `output_positions(plan_rows, layouts)` (what a worker routing a block's pieces needs).
+   SHUFFLE and PLAN need no layouts (O(1) memory); BALANCED the layouts of the blocks queried.
+
+Worked example (BALANCED, D = 2, b = 1; one block of 7 rows; costs by plan row)::
+
+    costs:        r0 9   r1 1   r2 5   r3 8   r4 2   r5 4   r6 6
+    sorted:       r0 9  r3 8  r6 6  r2 5  r5 4  r4 2  r1 1
+    leftover:     1 row (7 % 2): the middle of the sorted order, r2
+    steps:        [r0, r3]  [r6, r5]  [r4, r1]    (pairs of neighbours: max/mean 1.06, 1.2, 1.33)
+    ranks:        shuffled inside each step: [r0, r3]  [r5, r6]  [r4, r1]
+    output:       steps permuted by the seed (0), the incomplete step [r2] last:
+                  r4 r1 | r0 r3 | r5 r6 | r2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+from functools import cached_property
+
+import numpy as np
+
+from seqpack.packer.cost import CostModel
+from seqpack.packer.permute import Permutation
+
+_ROW_SALT, _STEP_SALT, _RANK_SALT = 0, 1, 2
+
+
+class OrderMode(enum.StrEnum):
+    """How output rows are ordered (see the module docstring)."""
+
+    SHUFFLE = "shuffle"
+    PLAN = "plan"
+    BALANCED = "balanced"
+
+
+@dataclasses.dataclass(frozen=True)
+class RowOrder:
+    """The output order of packed rows; `to_dict` goes into the manifest as `row_order`."""
+
+    mode: OrderMode | str = OrderMode.SHUFFLE
+    seed: int = 0
+    data_parallel: int | None = None  # D: ranks per step (BALANCED only)
+    batch_size: int = 1  # b: rows per rank per step (BALANCED only)
+    cost: CostModel = dataclasses.field(default_factory=CostModel)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "mode", OrderMode(self.mode))
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in OrderMode)
+            raise ValueError(f"mode={self.mode!r} is not known; use one of {choices}") from None
+        for name in ("seed", "batch_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | np.integer):
+                raise ValueError(f"{name}={v!r} must be an int")
+            object.__setattr__(self, name, int(v))
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed={self.seed} must be in [0, 2**63)")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size={self.batch_size} must be >= 1")
+        D = self.data_parallel
+        if self.mode is OrderMode.BALANCED:
+            if isinstance(D, bool) or not isinstance(D, int | np.integer) or D < 1:
+                raise ValueError(f"data_parallel={D!r} must be an int >= 1 with mode='balanced' "
+                                 "(the number of data-parallel ranks)")
+            object.__setattr__(self, "data_parallel", int(D))
+        elif D is not None or self.batch_size != 1:
+            raise ValueError(f"data_parallel={D!r} and batch_size={self.batch_size} are for "
+                             f"mode='balanced' only (mode={str(self.mode)!r})")
+        if not isinstance(self.cost, CostModel):
+            raise ValueError(f"cost={self.cost!r} must be a CostModel")
+
+    @property
+    def step_rows(self) -> int:
+        """Rows per step, D * b (1 unless BALANCED)."""
+        return (self.data_parallel or 1) * self.batch_size
+
+    def to_dict(self) -> dict:
+        return {"mode": str(self.mode), "seed": self.seed, "data_parallel": self.data_parallel,
+                "batch_size": self.batch_size, "cost": self.cost.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> RowOrder:
+        d = dict(d)
+        unknown = set(d) - {"mode", "seed", "data_parallel", "batch_size", "cost"}
+        if unknown:
+            raise ValueError(f"unknown row_order fields {sorted(unknown)}")
+        if "cost" in d:
+            d["cost"] = CostModel.from_dict(d["cost"])
+        return cls(**d)
+
+
+# -- level 1: one block ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockLayout:
+    """One block's rows (local indices 0..num_rows-1) in output layout; see `block_layout`."""
+
+    block: int
+    num_rows: int
+    rows: np.ndarray  # i32[f * D * b]: step q, rank r, slot i at (q * D + r) * b + i
+    leftover: np.ndarray  # i32[m]: rows left for the global step (m < D * b)
+    leftover_costs: np.ndarray  # f64[m]
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.rows.size)
+
+    def summary(self) -> BlockLayout:
+        """What the global step needs (no per-row arrays but the leftovers)."""
+        return BlockLayout(self.block, self.num_rows, np.zeros(0, np.int32), self.leftover,
+                           self.leftover_costs)
+
+    @cached_property
+    def where(self) -> np.ndarray:
+        """i64[num_rows]: position of each local row in `rows`, -1 for leftovers."""
+        out = np.full(self.num_rows, -1, np.int64)
+        out[self.rows] = np.arange(self.rows.size)
+        return out
+
+
+def _arrange(costs: np.ndarray, D: int, b: int, rng: np.random.Generator
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """(rows in rank layout for the full steps, leftover rows) of rows with these costs."""
+    n = costs.size
+    G = D * b
+    full, m = divmod(n, G)
+    desc = np.argsort(-costs, kind="stable")
+    if m:  # a spread sample by cost stays for the global step
+        pick = ((np.arange(m) + 0.5) * n / m).astype(np.int64)
+        left = np.zeros(n, bool)
+        left[pick] = True
+        leftover, desc = desc[left], desc[~left]
+    else:
+        leftover = desc[:0]
+    # Step q: the q-th D*b rows by cost; inside it, rows dealt to the ranks in snake order (the
+    # layer of the D heaviest one each, the next layer the other way round, ...).
+    layers = desc.reshape(full, b, D)
+    layers[:, 1::2, :] = layers[:, 1::2, ::-1]
+    groups = layers.transpose(0, 2, 1).reshape(full * D, b)
+    steps = groups.reshape(full, D, b)
+    ranks = np.argsort(rng.random((full, D)), axis=1)  # ranks shuffled inside each step
+    steps = np.take_along_axis(steps, ranks[:, :, None], axis=1)
+    return steps.reshape(-1), leftover
+
+
+def block_layout(costs: object, order: RowOrder, *, block: int = 0) -> BlockLayout:
+    """Level 1: the layout of one block of plan rows with these costs (f64[n], local order)."""
+    costs = np.asarray(costs, np.float64)
+    if costs.ndim != 1:
+        raise ValueError(f"costs must be 1-D (one per row), got shape {costs.shape}")
+    n = costs.size
+    if order.mode is not OrderMode.BALANCED:
+        empty = np.zeros(0, np.int32)
+        return BlockLayout(block, n, empty, empty, np.zeros(0))
+    rng = np.random.default_rng([order.seed, _RANK_SALT, block])
+    rows, leftover = _arrange(costs, order.step_rows // order.batch_size, order.batch_size, rng)
+    return BlockLayout(block, n, rows.astype(np.int32), leftover.astype(np.int32),
+                       costs[leftover])
+
+
+# -- level 2: every block ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GlobalOrder:
+    """The compact global order: O(blocks + leftover rows); see the module docstring."""
+
+    order: RowOrder
+    num_rows: int
+    row_base: np.ndarray  # i64[B + 1]: block j's plan rows are [row_base[j], row_base[j + 1])
+    step_base: np.ndarray  # i64[B + 1]: block j's full steps, among all blocks' steps
+    leftover_rows: np.ndarray  # i64[M]: plan rows of the leftover steps, in rank layout
+
+    @property
+    def num_full_steps(self) -> int:
+        """Full steps (D * b rows each), the last incomplete step not counted."""
+        G = self.order.step_rows
+        return int(self.step_base[-1]) + self.leftover_rows.size // G
+
+    @cached_property
+    def _steps(self) -> Permutation:
+        return Permutation(self.num_full_steps, self.order.seed, _STEP_SALT)
+
+    @cached_property
+    def _rows(self) -> Permutation:
+        return Permutation(self.num_rows, self.order.seed, _ROW_SALT)
+
+    @cached_property
+    def _leftover_sorted(self) -> tuple[np.ndarray, np.ndarray]:
+        k = np.argsort(self.leftover_rows, kind="stable")
+        return self.leftover_rows[k], k
+
+    def plan_rows_at(self, out_start: int, out_stop: int,
+                     layouts: Sequence[BlockLayout] | Mapping[int, BlockLayout] | None = None
+                     ) -> np.ndarray:
+        """i64[out_stop - out_start]: the plan row of each output row in [out_start, out_stop).
+        BALANCED needs the layouts of the blocks those rows come from (indexed by block)."""
+        if not 0 <= out_start <= out_stop <= self.num_rows:
+            raise ValueError(f"output rows [{out_start}, {out_stop}) must lie in "
+                             f"[0, {self.num_rows}]")
+        out = np.arange(out_start, out_stop, dtype=np.int64)
+        mode = self.order.mode
+        if mode is OrderMode.PLAN:
+            return out
+        if mode is OrderMode.SHUFFLE:
+            return self._rows(out)
+        G = self.order.step_rows
+        step, within = np.divmod(out, G)
+        full = step < self.num_full_steps
+        src_step = np.zeros_like(step)
+        src_step[full] = self._steps(step[full])
+        res = np.empty_like(out)
+        blocks_steps = int(self.step_base[-1])
+        in_block = full & (src_step < blocks_steps)
+        if in_block.any():
+            blk = np.searchsorted(self.step_base, src_step[in_block], side="right") - 1
+            q = src_step[in_block] - self.step_base[blk]
+            w = within[in_block]
+            local = np.empty(blk.size, np.int64)
+            for j in np.unique(blk).tolist():
+                sel = blk == j
+                local[sel] = _layout(layouts, j).rows[q[sel] * G + w[sel]]
+            res[in_block] = self.row_base[blk] + local
+        rest = ~in_block
+        k = np.where(full[rest], src_step[rest] - blocks_steps, step[rest] - blocks_steps)
+        res[rest] = self.leftover_rows[k * G + within[rest]]
+        return res
+
+    def output_positions(self, plan_rows: object,
+                         layouts: Sequence[BlockLayout] | Mapping[int, BlockLayout] | None = None
+                         ) -> np.ndarray:
+        """i64: the output row of each plan row (the inverse of `plan_rows_at`)."""
+        p = np.asarray(plan_rows, np.int64)
+        if p.size and (p.min() < 0 or p.max() >= self.num_rows):
+            raise ValueError(f"plan rows must lie in [0, {self.num_rows})")
+        mode = self.order.mode
+        if mode is OrderMode.PLAN:
+            return p.copy()
+        if mode is OrderMode.SHUFFLE:
+            return self._rows.inverse(p)
+        G = self.order.step_rows
+        out = np.empty_like(p)
+        blk = np.searchsorted(self.row_base, p, side="right") - 1
+        pos = np.full(p.size, -1, np.int64)
+        for j in np.unique(blk).tolist():
+            sel = blk == j
+            pos[sel] = _layout(layouts, j).where[p[sel] - self.row_base[j]]
+        inb = pos >= 0
+        step = self.step_base[blk[inb]] + pos[inb] // G
+        out[inb] = self._steps.inverse(step) * G + pos[inb] % G
+        if (~inb).any():
+            keys, k = self._leftover_sorted
+            at = k[np.searchsorted(keys, p[~inb])]
+            lstep, w = np.divmod(at, G)
+            lstep = lstep + int(self.step_base[-1])
+            full = lstep < self.num_full_steps
+            st = lstep.copy()
+            st[full] = self._steps.inverse(lstep[full])
+            out[~inb] = st * G + w
+        return out
+
+
+def _layout(layouts, j: int) -> BlockLayout:
+    if layouts is None:
+        raise ValueError("mode='balanced' needs the blocks' layouts (block_layout) to answer")
+    lay = layouts[j]
+    if lay.block != j:
+        raise ValueError(f"the layout of block {lay.block} was given for block {j}")
+    if lay.rows.size + lay.leftover.size != lay.num_rows:
+        raise ValueError(f"block {j}: a summary() was given; pass block_layout's result")
+    return lay
+
+
+def global_order(summaries: Sequence[BlockLayout], order: RowOrder) -> GlobalOrder:
+    """Level 2: the global order from every block's `summary()` (any order; blocks 0..B-1)."""
+    summaries = sorted(summaries, key=lambda s: s.block)
+    if [s.block for s in summaries] != list(range(len(summaries))):
+        raise ValueError(f"summaries of blocks {[s.block for s in summaries]} must be of blocks "
+                         f"0..{len(summaries) - 1}, each once")
+    counts = np.array([s.num_rows for s in summaries], np.int64)
+    row_base = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    G = order.step_rows
+    steps = np.array([(s.num_rows - s.leftover.size) // G for s in summaries], np.int64)
+    step_base = np.concatenate([[0], np.cumsum(steps)]).astype(np.int64)
+    leftover_rows = np.zeros(0, np.int64)
+    if order.mode is OrderMode.BALANCED and summaries:
+        rows = np.concatenate([row_base[s.block] + s.leftover.astype(np.int64)
+                               for s in summaries])
+        costs = np.concatenate([s.leftover_costs for s in summaries])
+        rng = np.random.default_rng([order.seed, _RANK_SALT, len(summaries)])
+        full, tail = _arrange(costs, order.data_parallel or 1, order.batch_size, rng)
+        leftover_rows = np.concatenate([rows[full], rows[np.sort(tail)]])
+    return GlobalOrder(order, int(row_base[-1]), row_base, step_base, leftover_rows)
+
+
+def ordered(costs_per_block: Sequence[object], order: RowOrder
+            ) -> tuple[GlobalOrder, list[BlockLayout]]:
+    """Both levels at once, for callers that hold every block's row costs (tests, one block)."""
+    layouts = [block_layout(c, order, block=j) for j, c in enumerate(costs_per_block)]
+    return global_order([lay.summary() for lay in layouts], order), layouts

@@ -1,0 +1,173 @@
+"""Repair pass: empties the least-filled rows of a plan into the room the other rows have left.
+
+Greedy plans leave a little room in many rows (at most the smallest piece, for best fit): on a
+corpus whose pieces are never short (GSM8K, 55 tokens and up) that adds up to whole rows. This
+pass takes the least-filled row (the victim) and places each of its pieces, largest first:
+
+* into the row with the least room that fits it and has a free slot, else
+* in place of a smaller piece `x` of a row with room >= size - x (the row only gets fuller, its
+  slot count does not change), and places `x` the same way: an ejection chain; pieces get
+  strictly smaller along it, so it ends, and it is cut after `_DEPTH` swaps.
+
+If every piece finds a place the row is gone; otherwise every move of that attempt is undone
+and the next victim is tried, up to `_FAILURES` failures in a row. Work is bounded (`_BUDGET`
+array elements per piece of the plan), so the pass costs at most a few plain passes.
+
+Worked example (capacity 10, max_segments 3; the plan has 3 rows, the bound is 2)::
+
+    rows:      A = [6, 3]   B = [5, 4]   C = [2]        victim C (load 2)
+    piece 2:   no row has room 2 (A: 1, B: 1) -> swap with A's 3? 3 > 2, no: with a smaller
+               piece x >= 2 - 1 in a row of room 1: none; B's 4? no -> direct into ...
+    rows:      A = [6, 3, 1] ... (see tests/test_packer_examples.py for one that succeeds)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_DEPTH = 8  # swaps along one ejection chain
+_FAILURES = 3  # victims that may fail in a row before the pass stops
+_BUDGET = 400  # array elements looked at per piece of the plan, in all
+_ROWS, _PIECES = 4, 16  # rows B, and pieces of each, that _open_room tries
+
+
+class _State:
+    """Rows' rooms and counts, each piece's row, and an undo log of moves."""
+
+    def __init__(self, sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
+                 max_segments: int) -> None:
+        self.size = sizes
+        self.row = rows.astype(np.int64)
+        self.S = max_segments
+        self.room = capacity - np.bincount(self.row, weights=sizes, minlength=num_rows
+                                           ).astype(np.int64)
+        self.count = np.bincount(self.row, minlength=num_rows).astype(np.int64)
+        self.alive = np.ones(num_rows, bool)
+        self.log: list[tuple[int, int]] = []  # (piece, row it left)
+        self.work = 0
+
+    def move(self, p: int, to: int) -> None:
+        frm = int(self.row[p])
+        s = int(self.size[p])
+        self.log.append((p, frm))
+        self.row[p] = to
+        self.room[frm] += s
+        self.count[frm] -= 1
+        self.room[to] -= s
+        self.count[to] += 1
+
+    def undo(self, mark: int) -> None:
+        while len(self.log) > mark:
+            p, frm = self.log.pop()
+            to = int(self.row[p])
+            s = int(self.size[p])
+            self.row[p] = frm
+            self.room[to] += s
+            self.count[to] -= 1
+            self.room[frm] -= s
+            self.count[frm] += 1
+
+
+def _place(st: _State, p: int, victim: int, roomy: np.ndarray, depth: int) -> bool:
+    """Places piece p (now in the victim row or displaced) outside the victim; see above."""
+    s = int(st.size[p])
+    rows = st.row[roomy]
+    room = st.room[rows]
+    st.work += 3 * roomy.size
+    fits = (room >= s) & (st.count[rows] < st.S) & (rows != victim)
+    if fits.any():
+        k = np.flatnonzero(fits)
+        best = k[np.lexsort((rows[k], room[k]))[0]]  # least room, then lowest row
+        st.move(p, int(rows[best]))
+        return True
+    if _open_room(st, p, victim, roomy, rows, room):
+        return True
+    if depth >= _DEPTH:
+        return False
+    sizes = st.size[roomy]
+    swap = (sizes < s) & (sizes + room >= s) & (rows != victim) & st.alive[rows]
+    if not swap.any():
+        return False
+    k = np.flatnonzero(swap)
+    x = int(roomy[k[np.lexsort((roomy[k], sizes[k]))[0]]])  # the smallest piece, then lowest
+    mark = len(st.log)
+    to = int(st.row[x])
+    st.move(x, victim)  # x waits in the victim row (its room is not looked at)
+    st.move(p, to)
+    if _place(st, x, victim, roomy, depth + 1):
+        return True
+    st.undo(mark)
+    return False
+
+
+def _open_room(st: _State, p: int, victim: int, roomy: np.ndarray, rows: np.ndarray,
+               room: np.ndarray) -> bool:
+    """Makes room for piece p in a row B with a free slot: swaps a piece y of B for a smaller
+    piece x of a row A with room >= y - x, so that B gains y - x >= s - room(B); then p goes in.
+    Tries the _ROWS roomiest rows B, each's _PIECES largest pieces."""
+    s = int(st.size[p])
+    cand = np.flatnonzero((st.count < st.S) & st.alive & (st.room < s))
+    cand = cand[cand != victim]
+    if not cand.size:
+        return False
+    order = np.lexsort((cand, -st.room[cand]))[:_ROWS]
+    sizes = st.size[roomy]
+    for b in cand[order].tolist():
+        need = s - int(st.room[b])
+        ys = np.flatnonzero(st.row == b)
+        st.work += st.row.size
+        ys = ys[np.argsort(-st.size[ys], kind="stable")][:_PIECES]
+        for y in ys.tolist():
+            sy = int(st.size[y])
+            diff = sy - sizes
+            ok = (diff >= need) & (diff <= room) & (rows != b) & (rows != victim)
+            st.work += 4 * roomy.size
+            if not ok.any():
+                continue
+            k = np.flatnonzero(ok)
+            x = int(roomy[k[np.lexsort((roomy[k], diff[k]))[0]]])
+            a = int(st.row[x])
+            st.move(x, b)
+            st.move(y, a)
+            st.move(p, b)
+            return True
+    return False
+
+
+def repair(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
+           max_segments: int, *, target: int) -> tuple[np.ndarray, int]:
+    """Empties rows of the plan (pieces of `sizes`, i64[P], in rows `rows`, i64[P]) while it has
+    more than `target`; returns (row per piece, rows), rows renumbered in their old order."""
+    if num_rows <= target or not sizes.size:
+        return rows, num_rows
+    st = _State(np.asarray(sizes, np.int64), rows, num_rows, capacity, max_segments)
+    budget = _BUDGET * int(sizes.size)
+    failures = 0
+    left = num_rows
+    tried = np.zeros(num_rows, bool)
+    while left > target and failures < _FAILURES and st.work < budget:
+        load = np.where(st.alive & ~tried, capacity - st.room, np.iinfo(np.int64).max)
+        victim = int(np.argmin(load))  # the least-filled row, the lowest on ties
+        if load[victim] == np.iinfo(np.int64).max:
+            break
+        tried[victim] = True
+        st.work += 2 * num_rows
+        roomy = np.flatnonzero(st.room[st.row] > 0)  # pieces whose row has room
+        mark = len(st.log)
+        ok = True
+        for p in sorted(np.flatnonzero(st.row == victim).tolist(), key=lambda q: -st.size[q]):
+            if st.row[p] == victim and not _place(st, p, victim, roomy, 0):
+                ok = False
+                break
+        if ok and st.count[victim] == 0:
+            st.alive[victim] = False
+            left -= 1
+            failures = 0
+            st.log.clear()
+        else:
+            st.undo(mark)
+            failures += 1
+    if left == num_rows:
+        return rows, num_rows
+    renumber = np.cumsum(st.alive) - 1
+    return renumber[st.row], left

@@ -1,0 +1,357 @@
+"""Best fit decreasing in two dimensions (tokens and slots): the slot-aware pass of BFD.
+
+A row has two limits, `capacity` tokens and `max_segments` slots. Plain best fit decreasing
+(largest piece first, into the row it leaves with the least room) packs the big pieces tightly
+and leaves the shortest ones for last, when the rows have room but no slots: at L=8192 / S=64
+the last rows of chat_dev held 64 short pieces at 59% fill. Here every row is judged against
+`a`, the mean size of the pieces still to come:
+
+* slot-short: room > free slots * a (the pieces to come would leave it under-filled), and
+* token-short: the rest.
+
+Pieces come largest first; each goes by best fit into a slot-short row if one fits it (big
+pieces go where slots are scarce), else by best fit into any row, else into a new row. The rows
+the tight lower bound (`packer.bounds`) says are needed are open from the start, empty: while
+empty rows count as slot-short (L > S * a: the rest of the corpus is short pieces) they take
+pieces before token-short rows do, which deals the short tail out over every row instead of
+piling it into the last ones. (Offline every piece is at least `a`, the mean of the smaller
+pieces after it; online, where `a` also counts pieces of windows to come, a piece below `a`
+prefers token-short rows instead, the other way round.)
+
+Pieces of equal size come in runs, and a run is placed without a search per piece: best fit
+puts consecutive equal pieces into the same row while it keeps room, slots and pool, so each row
+takes as many as it can at once. Short runs go row by row over sorted lists (the pools, and a
+heap of the mean `room / free` at which a token-short row turns slot-short as `a` falls); long
+runs, which the tail deals out one piece per row, go through numpy over one sorted array of the
+open rows. Both place exactly the same rows.
+
+Worked example (capacity 10, max_segments 4; bound 3 rows, open from the start)::
+
+    sizes (input order):    3    7    5    5    2    8
+    sorted (largest first): 8    7    5    5    3    2
+    a (mean after the run): 4.4  3.75 2.5  2.5  2    2
+    rows:                   0    1    2    2    1    0   row 0 = [8, 2], row 1 = [7, 3], row 2 = [5, 5]
+    (no row is slot-short: room 2 of 3 free slots, room 3 of 3, never more than free * a)
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left, insort
+
+import numpy as np
+
+_SHIFT = 40  # keys `room << _SHIFT | row` (rooms below 2**23, rows below 2**40)
+_MASK = (1 << _SHIFT) - 1
+_CLOSED, _SLOT, _TOKEN = 0, 1, 2
+# A run of at least _LONG_RUN pieces, with at least one per _SPREAD open rows, goes to numpy;
+# back to lists below _SHORT_RUN pieces or one per 4 * _SPREAD open rows.
+_LONG_RUN, _SHORT_RUN, _SPREAD = 64, 16, 8
+
+
+def _limit(room: int, free: int, s: int, a: float) -> int:
+    """How many pieces of size s a row of its preferred pool takes before it leaves it: a
+    slot-short row (room > free * a) for s > a, a token-short one for s < a."""
+    if s == a:
+        return free
+    if s > a:
+        return max(1, math.ceil((room - free * a) / (s - a)))
+    return max(1, math.floor((free * a - room) / (a - s)) + 1)
+
+
+class _Rows:
+    """Rows as lists: rooms, counts, the two pools (sorted keys) and the pool-change heap."""
+
+    def __init__(self, capacity: int, max_segments: int, min_size: int, empty: int) -> None:
+        self.L, self.S, self.min_size = capacity, max_segments, min_size
+        self.room: list[int] = []
+        self.count: list[int] = []
+        self.pool = bytearray()
+        self.version: list[int] = []
+        self.slot: list[int] = []  # keys of slot-short rows
+        self.token: list[int] = []  # keys of token-short rows
+        self.heap: list[tuple[float, int, int]] = []  # (-room / free, version, row)
+        self.empty = empty  # rows open from the start and still empty
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.room)
+
+    def file(self, r: int, a: float) -> None:
+        """Puts row r (in no pool) into the pool its room and free slots give at mean a."""
+        room, free = self.room[r], self.S - self.count[r]
+        v = self.version[r] + 1  # every earlier heap entry of the row is stale from here on
+        self.version[r] = v
+        if room < self.min_size or free == 0:
+            self.pool[r] = _CLOSED
+        elif room > free * a:
+            self.pool[r] = _SLOT
+            insort(self.slot, (room << _SHIFT) | r)
+        else:
+            self.pool[r] = _TOKEN
+            insort(self.token, (room << _SHIFT) | r)
+            if room > free * self.min_size:  # else no mean to come turns it slot-short
+                heapq.heappush(self.heap, (-room / free, v, r))
+
+    def file_block(self, first: int, num: int, a: float) -> None:
+        """`file` for rows first .. first + num - 1, new rows all in the same state."""
+        room, free = self.room[first], self.S - self.count[first]
+        if room < self.min_size or free == 0:
+            return  # closed: their pool bytes are _CLOSED already
+        keys = [(room << _SHIFT) | r for r in range(first, first + num)]
+        slot = room > free * a
+        target = self.slot if slot else self.token
+        at = bisect_left(target, keys[0])  # the highest row numbers: one block of equal rooms
+        target[at:at] = keys
+        self.pool[first : first + num] = bytes([_SLOT if slot else _TOKEN]) * num
+        if not slot and room > free * self.min_size:
+            heap, version, q = self.heap, self.version, -room / free
+            for r in range(first, first + num):
+                version[r] += 1
+                heapq.heappush(heap, (q, version[r], r))
+
+    def migrate(self, a: float) -> None:
+        """Moves the token-short rows that a (falling) mean has made slot-short."""
+        heap, version, pool, room, count = self.heap, self.version, self.pool, self.room, self.count
+        while heap and -heap[0][0] > a:
+            _, v, r = heap[0]
+            if pool[r] != _TOKEN or version[r] != v:
+                heapq.heappop(heap)  # stale: the row took pieces since
+                continue
+            if not room[r] > (self.S - count[r]) * a:
+                break  # the quotient rounded up: the exact test decides (as in _ArrayRows)
+            heapq.heappop(heap)
+            key = (room[r] << _SHIFT) | r
+            del self.token[bisect_left(self.token, key)]
+            pool[r] = _SLOT
+            insort(self.slot, key)
+
+    def _fill(self, keys: list[int], out: np.ndarray, s: int, i: int, j: int, a: float | None
+              ) -> tuple[int, list[int]]:
+        """Best fit of out[i:j] (size s) into the rows of `keys` in order of room, each taking
+        what fits (and, with `a`, what keeps it in its pool); returns (next i, rows touched),
+        their keys removed."""
+        k = k0 = bisect_left(keys, s << _SHIFT)
+        S, count, room = self.S, self.count, self.room
+        touched: list[int] = []
+        end = len(keys)
+        big, small = a is not None and s > a, a is not None and s < a
+        a = 0.0 if a is None else a
+        while i < j and k < end:
+            r = keys[k] & _MASK
+            rm = room[r]
+            free = S - count[r]
+            take = min(rm // s, free, j - i)
+            if big:
+                take = min(take, max(1, math.ceil((rm - free * a) / (s - a))))
+            elif small:
+                take = min(take, max(1, math.floor((free * a - rm) / (a - s)) + 1))
+            out[i : i + take] = r
+            i += take
+            count[r] += take
+            room[r] = rm - take * s
+            touched.append(r)
+            k += 1
+        del keys[k0:k]
+        return i, touched
+
+    def place(self, out: np.ndarray, s: int, i: int, j: int, a: float) -> None:
+        """Places the run out[i:j] of pieces of size s (see the module docstring): pieces of at
+        least the mean prefer slot-short rows, smaller ones token-short rows."""
+        self.migrate(a)
+        big = s >= a
+        first, second = (self.slot, self.token) if big else (self.token, self.slot)
+        i, touched = self._fill(first, out, s, i, j, a)
+        for r in touched:
+            self.file(r, a)
+        if i < j and self.empty and (self.L > self.S * a) == big:  # empty rows preferred
+            per_row = min(self.L // s, self.S, _limit(self.L, self.S, s, a))
+            i = self.open_rows(out, s, i, j, a, per_row, cap=self.empty)
+        if i < j:
+            i, touched = self._fill(second, out, s, i, j, None)
+            for r in touched:
+                self.file(r, a)
+        if i < j:
+            self.open_rows(out, s, i, j, a, min(self.L // s, self.S), cap=None)
+
+    def open_rows(self, out: np.ndarray, s: int, i: int, j: int, a: float, per_row: int, *,
+                  cap: int | None) -> int:
+        """Opens rows for out[i:j], `per_row` pieces each (the last takes the rest), at most
+        `cap` rows (None: as many as needed); returns the next i."""
+        full, rest = divmod(j - i, per_row)
+        if cap is not None and full >= cap:
+            full, rest = cap, 0
+        first = len(self.room)
+        if full:
+            out[i : i + full * per_row] = first + np.arange(full * per_row) // per_row
+            i += full * per_row
+            self.room.extend([self.L - per_row * s] * full)
+            self.count.extend([per_row] * full)
+            self.pool.extend(bytes(full))
+            self.version.extend([0] * full)
+        if rest:
+            out[i : i + rest] = first + full
+            i += rest
+            self.room.append(self.L - rest * s)
+            self.count.append(rest)
+            self.pool.append(_CLOSED)
+            self.version.append(0)
+        self.empty = max(0, self.empty - full - (1 if rest else 0))
+        if full:
+            self.file_block(first, full, a)
+        if rest:
+            self.file(first + full, a)
+        return i
+
+
+class _ArrayRows:
+    """Rows as numpy arrays, every open row in one array of sorted keys (pools by test)."""
+
+    def __init__(self, lists: _Rows) -> None:
+        self.L, self.S, self.min_size, self.empty = lists.L, lists.S, lists.min_size, lists.empty
+        self.num_rows = lists.num_rows
+        size = max(16, 2 * self.num_rows)
+        self.room = np.zeros(size, np.int64)
+        self.count = np.zeros(size, np.int64)
+        self.room[: self.num_rows] = lists.room
+        self.count[: self.num_rows] = lists.count
+        self.keys = np.sort(np.array(lists.slot + lists.token, np.int64))
+
+    def lists(self, a: float) -> _Rows:
+        """The same rows as `_Rows`, pools filed at mean a."""
+        rows = _Rows(self.L, self.S, self.min_size, self.empty)
+        R = self.num_rows
+        rows.room, rows.count = self.room[:R].tolist(), self.count[:R].tolist()
+        r = self.keys & _MASK
+        room, free = self.room[r], self.S - self.count[r]
+        slot = room > free * a
+        rows.slot = self.keys[slot].tolist()
+        rows.token = self.keys[~slot].tolist()
+        pool = np.zeros(R, np.uint8)
+        pool[r] = np.where(slot, _SLOT, _TOKEN)
+        rows.pool = bytearray(pool.tobytes())
+        rows.version = [0] * R
+        live = ~slot & (room > free * self.min_size)
+        rows.heap = list(zip((-(room[live] / free[live])).tolist(), [0] * int(live.sum()),
+                             r[live].tolist()))
+        heapq.heapify(rows.heap)
+        return rows
+
+    def _grow(self, need: int) -> None:
+        if need > self.room.size:
+            size = max(need, 2 * self.room.size)
+            self.room = np.concatenate([self.room, np.zeros(size - self.room.size, np.int64)])
+            self.count = np.concatenate([self.count, np.zeros(size - self.count.size, np.int64)])
+
+    def place(self, out: np.ndarray, s: int, i: int, j: int, a: float) -> None:
+        """`_Rows.place`, with numpy."""
+        keys, room, count, S = self.keys, self.room, self.count, self.S
+        p = int(np.searchsorted(keys, s << _SHIFT))
+        cand = keys[p:]
+        r = cand & _MASK
+        rm, free = room[r], S - count[r]
+        slot = rm > free * a
+        take = np.minimum(rm // s, free)
+        big = s >= a
+        if s > a:
+            lim = np.maximum(1, np.ceil((rm - free * a) / (s - a))).astype(np.int64)
+            take1 = np.where(slot, np.minimum(take, lim), 0)
+        elif s < a:
+            lim = np.maximum(1, np.floor((free * a - rm) / (a - s)) + 1).astype(np.int64)
+            take1 = np.where(slot, 0, np.minimum(take, lim))
+        else:
+            take1 = np.where(slot, take, 0)
+        i, used1 = _deal(out, r, take1, i, j)
+        room[r] -= used1 * s
+        count[r] += used1
+        gone = used1 > 0
+        touched = r[gone]
+        first = self.num_rows
+        if i < j and self.empty and (self.L > S * a) == big:
+            per_row = min(self.L // s, S, _limit(self.L, S, s, a))
+            i = self._open(out, s, i, j, per_row, cap=self.empty)
+            room, count = self.room, self.count
+            touched = np.concatenate([touched, np.arange(first, self.num_rows)])
+        if i < j:  # best fit over every row that fits: untouched ones and the touched ones
+            fit = touched[(room[touched] >= s) & (count[touched] < S)]
+            order2 = np.sort(np.concatenate([cand[~gone], (room[fit] << _SHIFT) | fit]))
+            r2 = order2 & _MASK
+            take2 = np.minimum(room[r2] // s, S - count[r2])
+            i, used2 = _deal(out, r2, take2, i, j)
+            room[r2] -= used2 * s
+            count[r2] += used2
+            hit = r2[used2 > 0]
+            gone |= np.isin(r, hit)
+            touched = np.union1d(touched, hit)
+        if i < j:
+            start = self.num_rows
+            i = self._open(out, s, i, j, min(self.L // s, S), cap=None)
+            room, count = self.room, self.count
+            touched = np.concatenate([touched, np.arange(start, self.num_rows)])
+        keep = touched[(room[touched] >= self.min_size) & (count[touched] < S)]
+        self.keys = np.sort(np.concatenate([keys[:p], cand[~gone],
+                                            (room[keep] << _SHIFT) | keep]), kind="stable")
+
+    def _open(self, out: np.ndarray, s: int, i: int, j: int, per_row: int, *,
+              cap: int | None) -> int:
+        full, rest = divmod(j - i, per_row)
+        if cap is not None and full >= cap:
+            full, rest = cap, 0
+        first = self.num_rows
+        num = full + (1 if rest else 0)
+        self._grow(first + num)
+        out[i : i + full * per_row] = first + np.arange(full * per_row) // per_row
+        self.room[first : first + full] = self.L - per_row * s
+        self.count[first : first + full] = per_row
+        if rest:
+            out[i + full * per_row : j] = first + full
+            self.room[first + full] = self.L - rest * s
+            self.count[first + full] = rest
+        self.num_rows += num
+        self.empty = max(0, self.empty - num)
+        return i + full * per_row + rest
+
+
+def _deal(out: np.ndarray, rows: np.ndarray, take: np.ndarray, i: int, j: int
+          ) -> tuple[int, np.ndarray]:
+    """Gives rows[0], rows[1], ... up to take[k] of the pieces out[i:j] each, in order; returns
+    (next i, pieces each row got)."""
+    cs = np.cumsum(take)
+    want = j - i
+    if cs.size == 0 or cs[-1] <= want:
+        used = take
+    else:
+        m = int(np.searchsorted(cs, want))  # row m gets the last pieces
+        used = np.zeros_like(take)
+        used[:m] = take[:m]
+        used[m] = want - (int(cs[m - 1]) if m else 0)
+    got = int(used.sum())
+    out[i : i + got] = np.repeat(rows, used)
+    return i + got, used
+
+
+def two_pool_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int, num_rows: int
+                     ) -> tuple[np.ndarray, int]:
+    """Places sizes sorted largest first (see the module docstring) with `num_rows` rows open
+    from the start; returns (row per piece, rows used). Rows are numbered as they first fill."""
+    n = int(sizes_desc.size)
+    out = np.empty(n, np.int32 if n < 2**31 else np.int64)  # rows <= pieces
+    if n == 0:
+        return out, 0
+    cut = np.flatnonzero(sizes_desc[1:] != sizes_desc[:-1]) + 1
+    starts, ends = [0, *cut.tolist()], [*cut.tolist(), n]
+    tail = np.cumsum(sizes_desc[::-1])[::-1]  # tail[i] = sum of sizes_desc[i:]
+    rows: _Rows | _ArrayRows = _Rows(capacity, max_segments, int(sizes_desc[-1]), num_rows)
+    for s, i, j in zip(sizes_desc[starts].tolist(), starts, ends):
+        a = float(tail[j]) / (n - j) if j < n else float(s)  # mean of the pieces after the run
+        k = j - i
+        if isinstance(rows, _Rows):
+            if k >= _LONG_RUN and _SPREAD * k >= len(rows.slot) + len(rows.token):
+                rows = _ArrayRows(rows)
+        elif k < _SHORT_RUN or 4 * _SPREAD * k < rows.keys.size:
+            rows = rows.lists(a)
+        rows.place(out, s, i, j, a)
+    return out, rows.num_rows
+
+

@@ -1,0 +1,162 @@
+"""Packed rows (the output of `seqpack pack`) as a training input: no second packing.
+
+Rows are shuffled over the whole dataset once per epoch (seeded, reshuffled every epoch), then
+dealt to hosts (host h of H takes positions h, h + H, ... of the epoch's order, so every row is
+in exactly one shard per epoch), batched and prefetched; the state is Grain's (one index).
+
+Balanced datasets (`seqpack pack --data-parallel D --batch-size b`, manifest
+``row_order = {"mode": "balanced", "data_parallel": D, "batch_size": b, ...}``) are laid out so
+that rank r of step s reads rows [(s*D + r)*b, (s*D + r + 1)*b). Read with H hosts of n local
+devices each (H * n = D, global rank r = h * n + local device), host h's batch of step s is the
+n*b rows [(s*D + h*n)*b, (s*D + (h + 1)*n)*b): its ranks' rows, back to back, so splitting the
+host batch into n equal slices in local-device order gives every rank its balanced rows. The
+per-epoch shuffle moves whole steps (D*b rows), the same permutation on every host. Worked
+example (D = 4, b = 2, H = 2, so n = 2 and batch_size = 4)::
+
+    rows      0 1 | 2 3 | 4 5 | 6 7 || 8 9 | 10 11 | 12 13 | 14 15     (two steps)
+    ranks     r0    r1    r2    r3  || r0    r1      r2      r3
+    host 0    step 0: rows 0-3        step 1: rows 8-11
+    host 1    step 0: rows 4-7        step 1: rows 12-15
+    epoch order of steps (seeded): e.g. [1, 0] -> host 0 reads rows 8-11, then 0-3
+
+The rows of a final partial step are not read (every rank of a step needs b rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from seqpack.pipelines.datasets.columns import Column, Role
+from seqpack.pipelines.datasets.sources import SequentialIterDataset
+
+
+def check_shape(source: Any, seq_len: int | None, max_segments: int | None) -> None:
+    """ValueError when a given seq_len / max_segments differs from the packed rows'."""
+    for name, given in (("seq_len", seq_len), ("max_segments", max_segments)):
+        have = getattr(source, name, None)
+        if given is not None and have is not None and given != have:
+            raise ValueError(f"{name}={given} but the packed rows have {name}={have} (from "
+                             f"their manifest); pass {name}={have} or leave it out")
+
+
+def check_columns(source: Any, columns: Sequence[Column], *, explicit_pads: Iterable[str]
+                  ) -> list[Column]:
+    """The `columns` given for a packed source, checked against its manifest (each must be a
+    key of the rows; a pad given explicitly must be the manifest's), plus the manifest's columns
+    that carry a "role" ("labels" / "mask" / "values"). A manifest column with neither is a
+    ValueError: what it means for `loss_tokens` is never guessed."""
+    manifest = getattr(source, "manifest", None)
+    listed = {str(c["name"]): c for c in (getattr(manifest, "columns", None) or [])}
+    keys = set(getattr(manifest, "stored_keys", None) or []) | set(listed)
+    explicit = set(explicit_pads)
+    for c in columns:
+        if manifest is not None and c.name not in keys:
+            raise ValueError(f"column {c.name!r} is not in the packed rows (their keys: "
+                             f"{sorted(keys)})")
+        pad = listed.get(c.name, {}).get("pad")
+        if c.name in explicit and pad is not None and int(pad) != c.pad:
+            raise ValueError(f"column {c.name!r}: pad={c.pad} given but the packed rows' "
+                             f"manifest says pad={int(pad)}")
+    given = {c.name for c in columns}
+    feature = str(getattr(source, "feature", "tokens"))
+    out = list(columns)
+    for name, entry in listed.items():
+        if name in given:
+            continue
+        if entry.get("role") not in {r.value for r in Role}:
+            raise ValueError(
+                f"the packed rows hold the column {name!r} (pad {entry.get('pad')}); say what "
+                f"it means for loss_tokens: label_features=[{name!r}] (-100 takes no loss), "
+                f"mask_features=[{name!r}] (0 takes no loss) or meta_features=[{name!r}]")
+        out.append(Column(name, feature, int(entry["pad"]), Role(entry["role"])))
+    return out
+
+
+def balanced_layout(source: Any, *, batch_size: int, shard_count: int, drop_remainder: bool,
+                    local_devices: int | None) -> tuple[int, int]:
+    """(D, b) of a balanced dataset read by `shard_count` hosts (of `local_devices` devices
+    each, when known) with host batches of `batch_size` rows; ValueError naming every number
+    when they do not fit together."""
+    order = getattr(getattr(source, "manifest", None), "row_order", None) or {}
+    D, b = int(order["data_parallel"]), int(order["batch_size"])
+    what = (f"the dataset is balanced for data_parallel={D} ranks of batch_size={b} rows per "
+            f"step (manifest row_order)")
+    if D % shard_count:
+        raise ValueError(f"{what}; shard_count={shard_count} hosts must divide {D} (hosts x "
+                         "local devices = data_parallel); pass balanced_steps=False to read "
+                         "it as plain rows")
+    if local_devices is not None and shard_count * local_devices != D:
+        raise ValueError(f"{what}, but {shard_count} processes x {local_devices} local devices "
+                         f"= {shard_count * local_devices} ranks; repack for this topology, "
+                         "pass shard_index / shard_count to read it as if it were (each "
+                         f"host {D // shard_count} ranks' rows), or balanced_steps=False")
+    per_host = D // shard_count * b
+    if batch_size != per_host:
+        raise ValueError(f"{what}; batch_size={batch_size} is the rows per host per step: each "
+                         f"of shard_count={shard_count} hosts reads its {D // shard_count} "
+                         f"ranks' {b} rows, so pass batch_size={per_host}")
+    if not drop_remainder:
+        raise ValueError(f"{what}; drop_remainder=False: a balanced dataset is read in whole "
+                         "steps only (pass drop_remainder=True)")
+    if len(source) < D * b:
+        raise ValueError(f"{what} but holds {len(source)} rows, less than one step ({D * b})")
+    return D, b
+
+
+def is_balanced(source: Any) -> bool:
+    order = getattr(getattr(source, "manifest", None), "row_order", None)
+    return isinstance(order, Mapping) and order.get("mode") == "balanced"
+
+
+class HostSteps(grain.MapDataset):
+    """Element k: host `shard_index`'s batch of step k of a balanced dataset (rows stacked)."""
+
+    def __init__(self, rows: grain.MapDataset, *, step_rows: int, first: int, count: int):
+        super().__init__(rows)
+        self._rows, self._step_rows, self._first, self._count = rows, step_rows, first, count
+        self._n = len(rows) // step_rows
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        base = (int(index) % self._n) * self._step_rows + self._first
+        rows = [self._rows[base + i] for i in range(self._count)]
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def __str__(self) -> str:
+        return f"HostSteps(steps={self._n}, rows {self._first}..+{self._count} of each)"
+
+
+def packed_batches(source: Any, *, batch_size: int, shuffle_seed: int, num_epochs: int | None,
+                   shard_index: int, shard_count: int, drop_remainder: bool,
+                   balanced_steps: bool | None, local_devices: int | None
+                   ) -> grain.IterDataset:
+    """Batches of packed rows (see the module docstring); `balanced_steps` None follows the
+    manifest, False reads a balanced dataset as plain rows; `local_devices` (None: unknown)
+    is checked against a balanced layout."""
+    rows = source if isinstance(source, grain.MapDataset) else grain.MapDataset.source(source)
+    if balanced_steps is None:
+        balanced_steps = is_balanced(source)
+    elif balanced_steps and not is_balanced(source):
+        raise ValueError("balanced_steps=True but the packed rows' manifest has no balanced "
+                         "row_order (pack with --data-parallel D --batch-size b)")
+    if balanced_steps:
+        D, b = balanced_layout(source, batch_size=batch_size, shard_count=shard_count,
+                               drop_remainder=drop_remainder, local_devices=local_devices)
+        steps = HostSteps(rows, step_rows=D * b, first=shard_index * batch_size,
+                          count=batch_size).shuffle(seed=shuffle_seed)
+        return SequentialIterDataset(steps if num_epochs == 1 else steps.repeat(num_epochs))
+    if len(rows) < shard_count:
+        raise ValueError(f"{len(rows)} packed rows cannot be dealt to {shard_count} hosts")
+    rows = rows.shuffle(seed=shuffle_seed)
+    if num_epochs != 1:
+        rows = rows.repeat(num_epochs)
+    return SequentialIterDataset(rows[shard_index::shard_count]).batch(
+        batch_size, drop_remainder=drop_remainder)

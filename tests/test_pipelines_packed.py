@@ -1,0 +1,207 @@
+"""make_training_pipeline over packed rows (a `seqpack pack` output): no second packing, a global
+shuffle per epoch dealt to hosts, every column in the batch, shape from the manifest, exact
+resume; balanced datasets read by whole steps, each host its ranks' rows."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from seqpack import packer
+from seqpack.pipelines.datasets import (
+    PackedArrayRecordSource,
+    PackIterDataset,
+    make_training_pipeline,
+)
+from seqpack.pipelines.datasets import SequentialIterDataset as Seq
+from seqpack.pipelines.formats.manifest import MANIFEST, signed
+from tests.helpers.pipelines import (
+    check_restore_every_step,
+    random_lengths,
+    sft_corpus,
+    sft_source,
+    write_packed,
+)
+
+pytest.importorskip("array_record.python.array_record_module")
+L, S = 32, 8
+
+
+def _packed_dir(path, n: int = 120, *, row_order=None, shard_rows: int = 7, tail=None):
+    values, offsets, labels, mask = sft_corpus(random_lengths(np.random.default_rng(0), n,
+                                                              high=L), seed=1)
+    rows = list(PackIterDataset(Seq(sft_source(values, offsets, labels, mask)), seq_len=L,
+                                max_segments=S, window=16, label_features=["labels"],
+                                drop_features=["mask"]))
+    if tail is not None:  # whole steps of `tail[0]` rows, then tail[1] rows
+        rows = rows[: (len(rows) // tail[0] - 1) * tail[0] + tail[1]]
+    return write_packed(path, rows, seq_len=L, max_segments=S, shard_rows=shard_rows,
+                        columns={"labels": -100}, row_order=row_order)
+
+
+def _row_id(stored):
+    """Stored row number of each row, from its (unique) segment source indices."""
+    index = {tuple(r["segment_source_index"].tolist()): i for i, r in enumerate(stored)}
+    return lambda batch: [index[tuple(s)] for s in batch["segment_source_index"].tolist()]
+
+
+def _kw(**over):
+    return {**dict(batch_size=2, shuffle_seed=5, num_epochs=1, shard_index=0, shard_count=1,
+                   label_features=["labels"]), **over}
+
+
+def test_rows_are_shuffled_per_epoch_and_dealt_to_hosts(tmp_path):
+    stored = _packed_dir(tmp_path)
+    src, ids, N, H = PackedArrayRecordSource(tmp_path), _row_id(stored), len(stored), 3
+    per_host = [[i for b in make_training_pipeline(
+        src, **_kw(num_epochs=2, shard_index=h, shard_count=H, drop_remainder=False))
+        for i in ids(b)] for h in range(H)]
+    order = [None] * (2 * N)  # host h's k-th row sits at position k * H + h of the global order
+    for h, seq in enumerate(per_host):
+        for k, i in enumerate(seq):
+            order[k * H + h] = i
+    first, second = order[:N], order[N:]
+    assert sorted(first) == sorted(second) == list(range(N))  # each row once per epoch
+    assert first != second and first != sorted(first)  # shuffled, and reshuffled
+
+
+def test_every_column_reaches_the_batch_with_loss_tokens(tmp_path):
+    stored = _packed_dir(tmp_path)
+    src = PackedArrayRecordSource(tmp_path)
+    assert src.columns == ["labels"] and src.seq_len == L and src.max_segments == S
+    ids = _row_id(stored)
+    batches = list(make_training_pipeline(src, **_kw(drop_remainder=False)))
+    assert set(batches[0]) == set(stored[0]) | {"loss_tokens"}
+    for b in batches:
+        packer.validate({k: v for k, v in b.items() if k not in ("labels", "loss_tokens")},
+                        packer.PackConfig(L, max_segments=S))
+        for r, i in enumerate(ids(b)):
+            for k, v in stored[i].items():
+                np.testing.assert_array_equal(b[k][r], v, err_msg=k)
+        seg, lab = b["tokens_segment_ids"], b["labels"]
+        want = ((seg[:, :-1] > 0) & (seg[:, 1:] == seg[:, :-1]) & (lab[:, 1:] != -100)).sum(1)
+        np.testing.assert_array_equal(b["loss_tokens"], want)
+    assert sorted(i for b in batches for i in ids(b)) == list(range(len(stored)))
+
+
+def test_shape_and_columns_are_checked_against_the_manifest(tmp_path):
+    _packed_dir(tmp_path)
+    src = PackedArrayRecordSource(tmp_path)
+    with pytest.raises(ValueError, match="seq_len=64 but the packed rows have seq_len=32"):
+        make_training_pipeline(src, seq_len=64, **_kw())
+    with pytest.raises(ValueError, match="max_segments=64 but the packed rows have "
+                                         "max_segments=8"):
+        make_training_pipeline(src, seq_len=L, max_segments=64, **_kw())
+    with pytest.raises(ValueError, match="column 'labels': pad=0 given but the packed rows' "
+                                         "manifest says pad=-100"):
+        make_training_pipeline(src, **_kw(label_features={"labels": 0}))
+    with pytest.raises(ValueError, match="column 'mask' is not in the packed rows"):
+        make_training_pipeline(src, **_kw(mask_features=["mask"]))
+    with pytest.raises(ValueError, match="the packed rows hold the column 'labels' \\(pad -100\\); "
+                                         "say what it means for loss_tokens"):
+        make_training_pipeline(src, **_kw(label_features=()))
+    # A manifest column with a role counts for the loss without being named.
+    path = tmp_path / MANIFEST
+    obj = json.loads(path.read_text())
+    obj["columns"][0]["role"] = "labels"
+    path.write_text(json.dumps(signed(obj)))
+    b = next(iter(make_training_pipeline(PackedArrayRecordSource(tmp_path),
+                                         **_kw(label_features=()))))
+    no_labels = next(iter(make_training_pipeline(src, **_kw(label_features=(),
+                                                            meta_features=["labels"]))))
+    assert (b["loss_tokens"] < no_labels["loss_tokens"]).any()
+    assert (b["loss_tokens"] <= no_labels["loss_tokens"]).all()
+
+
+def test_resume_at_every_step(tmp_path):
+    _packed_dir(tmp_path)
+    src = PackedArrayRecordSource(tmp_path)
+    make = lambda: iter(make_training_pipeline(src, **_kw(num_epochs=2, shard_index=1,
+                                                          shard_count=2)))
+    check_restore_every_step(make, max_rows=12)
+
+
+D, B = 4, 2  # a dataset balanced for 4 ranks of 2 rows per step
+
+
+def _balanced(tmp_path):
+    order = {"mode": "balanced", "seed": 0, "data_parallel": D, "batch_size": B,
+             "cost_model": {"kind": "tokens"}}
+    stored = _packed_dir(tmp_path, n=200, row_order=order, tail=(D * B, 3))
+    assert len(stored) % (D * B) == 3  # a partial last step
+    return stored, PackedArrayRecordSource(tmp_path)
+
+
+@pytest.mark.parametrize("hosts", [1, 2, 4])
+def test_balanced_rows_reach_their_ranks_by_whole_steps(tmp_path, hosts):
+    stored, src = _balanced(tmp_path)
+    ids, steps, n = _row_id(stored), len(stored) // (D * B), D // hosts
+    seen = []  # per host: the step of each batch
+    for h in range(hosts):
+        epoch_steps = []
+        for batch in make_training_pipeline(src, **_kw(batch_size=n * B, num_epochs=2,
+                                                       shard_index=h, shard_count=hosts)):
+            got = ids(batch)
+            s = got[0] // (D * B)  # host h's batch of step s: its ranks' rows, in rank order
+            assert got == list(range((s * D + h * n) * B, (s * D + (h + 1) * n) * B))
+            epoch_steps.append(s)
+        seen.append(epoch_steps)
+    assert all(s == seen[0] for s in seen)  # every host the same step order
+    first, second = seen[0][:steps], seen[0][steps:]
+    assert sorted(first) == sorted(second) == list(range(steps))  # whole steps; tail unread
+    assert first != second
+
+
+def test_balanced_layout_arithmetic_is_checked(tmp_path):
+    stored, src = _balanced(tmp_path)
+    with pytest.raises(ValueError, match="shard_count=3 hosts must divide 4"):
+        make_training_pipeline(src, **_kw(batch_size=2, shard_count=3))
+    with pytest.raises(ValueError, match="batch_size=2 is the rows per host per step: each of "
+                                         "shard_count=2 hosts reads its 2 ranks' 2 rows, so "
+                                         "pass batch_size=4"):
+        make_training_pipeline(src, **_kw(batch_size=2, shard_count=2))
+    with pytest.raises(ValueError, match="drop_remainder=False"):
+        make_training_pipeline(src, **_kw(batch_size=8, drop_remainder=False))
+    with pytest.raises(ValueError, match="1 processes x 1 local devices = 1 ranks"):
+        make_training_pipeline(src, batch_size=8, shuffle_seed=0, num_epochs=1)  # jax: 1 CPU
+    rows = list(make_training_pipeline(src, **_kw(batch_size=1, balanced_steps=False)))
+    assert len(rows) == len(stored)  # read as plain rows: all of them
+
+
+def test_balanced_resume_at_every_step(tmp_path):
+    _, src = _balanced(tmp_path)
+    make = lambda: iter(make_training_pipeline(src, **_kw(batch_size=4, num_epochs=None,
+                                                          shard_index=1, shard_count=2)))
+    check_restore_every_step(make, max_rows=10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("balanced", [False, True])
+def test_worker_processes_read_every_row_once_and_resume(tmp_path, balanced):
+    if balanced:
+        stored, src = _balanced(tmp_path)
+        kw = _kw(batch_size=4, shard_index=1, shard_count=2, worker_count=2)
+    else:
+        stored = _packed_dir(tmp_path)
+        src, kw = PackedArrayRecordSource(tmp_path), _kw(worker_count=2, drop_remainder=False)
+    ids = _row_id(stored)
+    it = iter(make_training_pipeline(src, **kw))
+    batches, states = [], [it.get_state()]
+    for b in it:
+        batches.append(b)
+        states.append(json.loads(json.dumps(it.get_state())))
+    it.close()
+    got = sorted(i for b in batches for i in ids(b))
+    if balanced:  # host 1 of 2: ranks 2 and 3 of every whole step
+        steps = len(stored) // (D * B)
+        assert got == sorted(i for s in range(steps) for i in range((s * D + 2) * B,
+                                                                       (s * D + 4) * B))
+    else:
+        assert got == list(range(len(stored)))
+    for step in (1, len(batches) // 2):
+        restored = iter(make_training_pipeline(src, **kw))
+        restored.set_state(states[step])
+        assert ids(next(restored)) == ids(batches[step])
+        restored.close()
