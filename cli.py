@@ -247,19 +247,20 @@ def _read_options(input_format, columns, tokenizer, text_unit):
                   extra_columns=tuple(columns[1:]), tokenizer=tokenizer, text_unit=text_unit)
 
 
-def _pads(items: tuple[str, ...]) -> dict[str, int]:
-    """--pad NAME=VALUE options as {name: pad}."""
-    pads = {}
+def _pads(items: tuple[str, ...], option: str, kind: type) -> dict:
+    """--pad NAME=VALUE / --role NAME=ROLE options as {name: value}."""
+    example = "labels=-100" if kind is int else "labels=mask"
+    out = {}
     for item in items:
         name, eq, value = item.partition("=")
         try:
-            pads[name.strip()] = int(value)
+            out[name.strip()] = kind(value)
         except ValueError:
-            raise click.UsageError(f"--pad {item!r} must be NAME=INTEGER, e.g. --pad "
-                                   "labels=-100") from None
-        if not eq or not name.strip():
-            raise click.UsageError(f"--pad {item!r} must be NAME=INTEGER, e.g. --pad labels=-100")
-    return pads
+            eq = ""
+        if not eq or not name.strip() or not value:
+            raise click.UsageError(f"--{option} {item!r} must be NAME=" + (
+                "INTEGER" if kind is int else "ROLE") + f", e.g. --{option} {example}")
+    return out
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -316,12 +317,17 @@ def main(args: list[str] | None = None) -> None:
                    "direct_num_workers=4 or runner=FlinkRunner.")
 @click.option("--pad", "pads", multiple=True, metavar="NAME=VALUE",
               help="Padding of an extra --column (repeatable), e.g. labels=-100.  [default: 0]")
+@click.option("--role", "roles", multiple=True, metavar="NAME=ROLE",
+              help="What an extra --column means for the loss (repeatable): labels (-100 takes "
+                   "no loss), mask (0 takes no loss) or values; recorded in the manifest for "
+                   "the training pipeline.  [default: from the name: *labels, *mask*, else "
+                   "values]")
 @click.option("--allow-duplicates", is_flag=True,
               help="Pack an input given twice (or through a link) twice, instead of refusing.")
 def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
          feature, input_format, columns, tokenizer, text_unit, shard_rows, compression, resume,
          overwrite, fsync, batch_size, as_json, workers, block_size, runner, beam_options, pads,
-         allow_duplicates):
+         roles, allow_duplicates):
     """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into ArrayRecord shards.
 
     INPUT may be files, directories (their files of a known format, sorted), local or URL
@@ -356,7 +362,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
                                       compression=compression, fsync=fsync),
                  block_size=block_size, workers=workers,
                  existing="resume" if resume else "overwrite" if overwrite else "refuse",
-                 pads=_pads(pads))
+                 pads=_pads(pads, "pad", int), roles=_pads(roles, "role", str))
     progress = terminal_progress() if runner == "local" else None
     with progress or contextlib.nullcontext():
         manifest = run(job, runner=runner, progress=progress, beam_options=beam_options,

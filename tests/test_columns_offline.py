@@ -104,8 +104,8 @@ def test_every_column_of_every_segment_is_its_source_slice(tmp_path_factory, see
     _check_columns(rows, cols, {"labels": -100, "mask": 0})
     assert rows["labels"].dtype == rows["mask"].dtype == np.int32  # JSONL's int32 + Parquet's
     assert manifest.columns == [
-        {"name": "labels", "source": "labels", "dtype": "<i4", "pad": -100},
-        {"name": "mask", "source": "mask", "dtype": "<i4", "pad": 0}]
+        {"name": "labels", "source": "labels", "dtype": "<i4", "pad": -100, "role": "labels"},
+        {"name": "mask", "source": "mask", "dtype": "<i4", "pad": 0, "role": "mask"}]
     assert manifest.stored_keys[-2:] == ["labels", "mask"]
     assert verify(str(tmp_path / "out")).ok
 
@@ -192,6 +192,7 @@ def test_the_cli_packs_labels_and_refuses_bad_columns(tmp_path):
         in result.stderr and "holds 2" in result.stderr
     for args, needle in ((["--pad", "mask=0"], "'mask' is not an extra --column"),
                          (["--pad", "labels"], "must be NAME=INTEGER"),
+                         (["--role", "labels=loss"], "the role must be one of"),
                          (["--column", "tokens_segment_lengths"], "already have a key")):
         result = invoke("pack", good, "-o", tmp_path / "o3", "--column", "input_ids",
                         "--column", "labels", *args, ok=False)

@@ -44,6 +44,16 @@ class Existing(enum.Enum):
     OVERWRITE = "overwrite"  # remove what seqpack wrote there, then pack
 
 
+ROLES = ("labels", "mask", "values")
+
+
+def default_role(name: str) -> str:
+    """An extra column's role from its name: `labels` (`*labels`), `mask` (`*mask*`), or
+    `values`."""
+    low = name.lower()
+    return "labels" if low.endswith("labels") else "mask" if "mask" in low else "values"
+
+
 def default_workers() -> int:
     """The CPUs this process may run on: the default `workers` of both runners."""
     try:
@@ -67,6 +77,10 @@ class PackJob:
     workers: int | None = None  # None: every CPU (`default_workers`)
     # The pad of each extra column (`read_options.extra_columns`: labels, masks), default 0.
     pads: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # What each extra column means for a loss (recorded in the manifest, read by the training
+    # pipeline's `loss_tokens`): "labels" (-100 takes no loss), "mask" (0 takes no loss) or
+    # "values"; by default from the name (`*labels` -> labels, `*mask*` -> mask, else values).
+    roles: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         inputs = tuple(os.fspath(p) for p in self.inputs)
@@ -95,13 +109,20 @@ class PackJob:
             raise UsageError(f"--column {taken[0]}: the rows already have a key {taken[0]!r} "
                              f"(the token feature {self.config.feature!r}'s); pass another "
                              "--feature")
-        pads = {}
+        pads, roles = {}, {}
         for name in extra:
             pad = self.pads.get(name, 0)
             if isinstance(pad, bool) or not isinstance(pad, int):
                 raise UsageError(f"--pad {name}={pad!r} must be an integer")
             pads[name] = int(pad)
+            roles[name] = self.roles.get(name, default_role(name))
+            if roles[name] not in ROLES:
+                raise UsageError(f"--role {name}={roles[name]}: the role must be one of {ROLES}")
+        for name in self.roles:
+            if name not in extra:
+                raise UsageError(f"--role {name}=...: {name!r} is not an extra --column")
         object.__setattr__(self, "pads", pads)
+        object.__setattr__(self, "roles", roles)
 
     @property
     def resume(self) -> bool:

@@ -80,9 +80,9 @@ def run_intent(job: PackJob, inputs: dict, num_rows: int,
 
 def column_entries(job: PackJob, dtypes: Mapping[str, np.dtype]) -> list[dict]:
     """The manifest's ``columns``: each extra column's row key, source field / column, rows'
-    dtype (the inputs', widened to hold its pad) and pad, in `--column` order."""
-    return [{"name": name, "source": name, "dtype": row_dtype(dtypes[name], pad).str, "pad": pad}
-            for name, pad in job.pads.items()]
+    dtype (the inputs', widened to hold its pad), pad and role, in `--column` order."""
+    return [{"name": name, "source": name, "dtype": row_dtype(dtypes[name], pad).str, "pad": pad,
+             "role": job.roles[name]} for name, pad in job.pads.items()]
 
 
 def manifest_results(stats: PackingStats, length_hist: dict) -> dict:
