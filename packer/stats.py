@@ -163,11 +163,12 @@ def stats_from_lengths(
     *,
     cost: CostModel | None = None,
 ) -> PackingStats:
-    """Statistics from the per-row segment lengths alone (costs under `cost`, default
-    `CostModel()`)."""
+    """Statistics from the per-row segment lengths alone; with `cost`, the rows' costs too."""
     seg = np.asarray(segment_lengths, np.int64).reshape(-1, np.shape(segment_lengths)[-1])
-    row = np.repeat(np.arange(seg.shape[0]), seg.shape[1])
-    c = cost_summary(row, seg.reshape(-1), seg.shape[0], seq_len, cost)
+    c = None
+    if cost is not None:
+        row = np.repeat(np.arange(seg.shape[0]), seg.shape[1])
+        c = cost_summary(row, seg.reshape(-1), seg.shape[0], seq_len, cost)
     return stats_from_histograms(*length_histograms(seg, seq_len), seq_len, counters, costs=c)
 
 
@@ -181,11 +182,11 @@ def length_histograms(segment_lengths: np.ndarray, seq_len: int
 def stats_of_pieces(row: np.ndarray, length: np.ndarray, num_rows: int, seq_len: int,
                     max_segments: int, counters: Counters | None = None, *,
                     cost: CostModel | None = None) -> PackingStats:
-    """Statistics from each piece's row and length (any order): 24 bytes a row, no [R, S].
-    Costs under `cost` (default `CostModel()`)."""
+    """Statistics from each piece's row and length (any order): 16 bytes a row, no [R, S]
+    (24 with `cost`: the rows' costs too, as `cost_summary` gives them)."""
+    c = None if cost is None else cost_summary(row, length, num_rows, seq_len, cost)
     return stats_from_histograms(*row_histograms(row, length, num_rows, seq_len, max_segments),
-                                 seq_len, counters,
-                                 costs=cost_summary(row, length, num_rows, seq_len, cost))
+                                 seq_len, counters, costs=c)
 
 
 def row_histograms(row: np.ndarray, length: np.ndarray, num_rows: int, seq_len: int,
@@ -282,7 +283,7 @@ def stats(
     cost: CostModel | None = None,
 ) -> PackingStats:
     """Statistics of a packed batch (contract dict) or of a `PackPlan` (with its counters);
-    row costs under `cost` (default `CostModel()`).
+    with `cost` (a `CostModel`) the rows' attention and cost too (else those fields are None).
 
     A plan does not know seq_len / max_segments: pass them. A batch knows both from its shapes;
     pass `counters` (e.g. `plan(...).counters`) to include truncated / dropped / split counts.

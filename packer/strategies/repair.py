@@ -5,6 +5,8 @@ corpus whose pieces are never short (GSM8K, 55 tokens and up) that adds up to wh
 pass takes the least-filled row (the victim) and places each of its pieces, largest first:
 
 * into the row with the least room that fits it and has a free slot, else
+* into a row B with a free slot after making room there: a piece y of B swaps with a smaller
+  piece x of a row A that has room for y - x (`_open_room`), else
 * in place of a smaller piece `x` of a row with room >= size - x (the row only gets fuller, its
   slot count does not change), and places `x` the same way: an ejection chain; pieces get
   strictly smaller along it, so it ends, and it is cut after `_DEPTH` swaps.
@@ -15,10 +17,10 @@ array elements per piece of the plan), so the pass costs at most a few plain pas
 
 Worked example (capacity 10, max_segments 3; the plan has 3 rows, the bound is 2)::
 
-    rows:      A = [6, 3]   B = [5, 4]   C = [2]        victim C (load 2)
-    piece 2:   no row has room 2 (A: 1, B: 1) -> swap with A's 3? 3 > 2, no: with a smaller
-               piece x >= 2 - 1 in a row of room 1: none; B's 4? no -> direct into ...
-    rows:      A = [6, 3, 1] ... (see tests/test_packer_examples.py for one that succeeds)
+    rows:          A = [6, 3]  (room 1)   B = [5, 4]  (room 1)   C = [2]    victim: C
+    piece 2:       no row has room 2; no smaller piece to swap it for
+    open room:     A (room 1) needs 1 more: its 6 for B's 5 (B has room 1 for the difference)
+    rows:          A = [5, 3, 2]  B = [6, 4]                     C is gone: 2 rows
 """
 
 from __future__ import annotations

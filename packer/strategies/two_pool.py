@@ -30,8 +30,9 @@ Worked example (capacity 10, max_segments 4; bound 3 rows, open from the start):
     sizes (input order):    3    7    5    5    2    8
     sorted (largest first): 8    7    5    5    3    2
     a (mean after the run): 4.4  3.75 2.5  2.5  2    2
-    rows:                   0    1    2    2    1    0   row 0 = [8, 2], row 1 = [7, 3], row 2 = [5, 5]
-    (no row is slot-short: room 2 of 3 free slots, room 3 of 3, never more than free * a)
+    rows:                   0    1    2    2    1    0
+    row 0 = [8, 2], row 1 = [7, 3], row 2 = [5, 5]; no row is ever slot-short (room 2 with 3
+    free slots, room 3 with 3: never more than free * a)
 """
 
 from __future__ import annotations

@@ -1,0 +1,115 @@
+"""The two-dimensional planner: tight bound, two-pool pass (lists and numpy), repair, cascade."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from seqpack.packer import PackConfig, StreamPlanner, plan, tight_lower_bound
+from seqpack.packer.bounds import lower_bound
+from seqpack.packer.strategies import best_fit_decreasing as bfd
+from seqpack.packer.strategies import repair as repair_mod
+from seqpack.packer.strategies import two_pool
+
+instances = st.integers(2, 40).flatmap(lambda L: st.tuples(
+    st.just(L), st.integers(1, 6), st.lists(st.integers(1, L), min_size=1, max_size=70)))
+
+
+def _check(sizes, rows, num_rows, L, S):
+    """Every piece in a row; rows 0..num_rows-1 all used; capacity and cap respected."""
+    rows = np.asarray(rows)
+    assert rows.shape == (len(sizes),)
+    assert sorted(set(rows.tolist())) == list(range(num_rows))
+    assert np.bincount(rows, weights=sizes).max() <= L
+    assert np.bincount(rows).max() <= S
+
+
+@settings(max_examples=120, deadline=None)
+@given(instances)
+def test_cascade_packs_within_limits_at_or_above_the_bound(inst):
+    L, S, sizes = inst
+    sizes = np.asarray(sizes, np.int64)
+    rows, n = bfd.assign_best_fit_decreasing(sizes, L, S)
+    _check(sizes, rows, n, L, S)
+    bound = tight_lower_bound(sizes, L, S)
+    assert lower_bound(int(sizes.sum()), sizes.size, L, S) <= bound <= n
+    again = bfd.assign_best_fit_decreasing(sizes, L, S)  # deterministic
+    assert again[1] == n and np.array_equal(again[0], rows)
+
+
+@settings(max_examples=120, deadline=None)
+@given(instances, st.integers(0, 5))
+def test_two_pool_lists_and_numpy_place_the_same_rows(inst, extra):
+    L, S, sizes = inst
+    desc = np.sort(np.asarray(sizes, np.int64))[::-1]
+    open_rows = tight_lower_bound(desc, L, S) + extra
+    got = {}
+    for mode, (long_run, short_run) in {"lists": (10**9, 0), "numpy": (0, 0),
+                                        "mixed": (3, 2)}.items():
+        saved = two_pool._LONG_RUN, two_pool._SHORT_RUN, two_pool._SPREAD
+        two_pool._LONG_RUN, two_pool._SHORT_RUN, two_pool._SPREAD = long_run, short_run, 10**9
+        try:
+            got[mode] = two_pool.two_pool_sorted(desc, L, S, open_rows)
+        finally:
+            two_pool._LONG_RUN, two_pool._SHORT_RUN, two_pool._SPREAD = saved
+        _check(desc, *got[mode], L, S)
+    for mode in ("numpy", "mixed"):
+        assert got[mode][1] == got["lists"][1]
+        assert np.array_equal(got[mode][0], got["lists"][0]), mode
+
+
+@settings(max_examples=100, deadline=None)
+@given(instances)
+def test_repair_keeps_every_piece_and_never_adds_rows(inst):
+    L, S, sizes = inst
+    sizes = np.asarray(sizes, np.int64)
+    desc = np.sort(sizes)[::-1]
+    rows, n = bfd._bfd_sorted(desc, L, S)
+    fixed, m = repair_mod.repair(desc, np.asarray(rows, np.int64), n, L, S, target=0)
+    _check(desc, fixed, m, L, S)
+    assert tight_lower_bound(desc, L, S) <= m <= n
+
+
+def test_tight_bound_worked_example():
+    # 10 10 10 fill their rows; the four 1s need two more rows of two slots
+    assert lower_bound(34, 7, 10, 2) == 4
+    assert tight_lower_bound([10, 10, 10, 1, 1, 1, 1], 10, 2) == 5
+    with pytest.raises(ValueError, match=r"sizes must lie in \[1, 10\]"):
+        tight_lower_bound([11], 10, 2)
+
+
+def test_repair_worked_example():
+    # the example of strategies/repair.py: capacity 10, 3 slots, bound 2
+    sizes = np.array([6, 3, 5, 4, 2])
+    rows = np.array([0, 0, 1, 1, 2])  # A = [6, 3], B = [5, 4], C = [2]
+    fixed, m = repair_mod.repair(sizes, rows, 3, 10, 3, target=2)
+    assert m == 2
+    assert fixed.tolist() == [1, 0, 0, 1, 0]  # A = [3, 5, 2], B = [6, 4]
+
+
+@pytest.mark.parametrize("L, S", [(512, 8), (4096, 64)])
+def test_two_dimensional_passes_reach_the_bound_where_the_cap_binds(L, S):
+    # short dialogue turns (mean ~40): plain best fit decreasing fills the last rows' slots
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(rng.geometric(1 / 40, 20_000), L)
+    p = plan(lengths, PackConfig(L, max_segments=S))
+    bound = tight_lower_bound(lengths, L, S)
+    assert p.num_rows <= bound + max(1, bound // 1000)
+    rows, n = bfd._bfd_sorted(np.sort(lengths)[::-1], L, S)  # plain BFD: far from it
+    assert n > p.num_rows
+
+
+def test_stream_planner_near_the_bound_where_the_cap_binds():
+    rng = np.random.default_rng(1)
+    lengths = np.minimum(rng.geometric(1 / 40, 30_000), 512)
+    cfg = PackConfig(512, max_segments=8)
+    planner = StreamPlanner(cfg)
+    rows = 0
+    for a in range(0, lengths.size, 1024):
+        rows += planner.add_plan(np.arange(a, min(a + 1024, lengths.size)),
+                                 lengths[a : a + 1024]).num_rows
+    rows += planner.finish_plan().num_rows
+    bound = tight_lower_bound(lengths, 512, 8)
+    assert rows <= bound * 1.003 + 1
