@@ -59,7 +59,7 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=
     for s in scans:
         for block, piece in beam_steps.cut_blocks(s, files, bs):
             by_block.setdefault(block, []).append(piece)
-    plans = [beam_steps.plan_block_slices(b, by_block[b][::-1], files, config, bs)
+    plans = [beam_steps.plan_block_slices(b, by_block[b][::-1], files, job)
              for b in rng.permutation(sorted(by_block)).tolist()]
 
     def finish_plan():
@@ -83,7 +83,10 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=
         shards += rng.permutation(shards)[: len(shards) // 3 + 1].tolist()
     for i, shard in enumerate(shards):
         if retries and i == len(shards) // 2:
-            assert finish_plan() == summary  # recomputed: the shards written so far stay
+            again = finish_plan()  # recomputed: the shards written so far stay
+            assert dataclasses.replace(again, order=None) == dataclasses.replace(
+                summary, order=None)
+            assert repr(again.order) == repr(summary.order)
         parts = [by_shard[shard][i] for i in rng.permutation(len(by_shard[shard]))]
         rows[shard] = (shard, *beam_steps.write_shard_parts(
             shard, parts, summary, str(out), config, write_options=write_options))

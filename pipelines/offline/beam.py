@@ -159,7 +159,7 @@ def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True) -> None:
         scans
         | "CutBlocks" >> beam.FlatMap(beam_steps.cut_blocks, files, block_size)
         | "GroupBlocks" >> beam.GroupByKey()
-        | "PlanBlocks" >> beam.Map(_plan_block, files, config, block_size)
+        | "PlanBlocks" >> beam.Map(_plan_block, files, job)
     )
     finished = (
         plans
@@ -193,10 +193,9 @@ def _scan(element: tuple[int, str], read_options: ReadOptions) -> beam_steps.Fil
 
 
 def _plan_block(element: tuple[int, Iterable[beam_steps.BlockSlice]],
-                files: list[beam_steps.FileSummary], config: PackConfig,
-                block_size: int) -> beam_steps.BlockPlan:
+                files: list[beam_steps.FileSummary], job: PackJob) -> beam_steps.BlockPlan:
     block, slices = element
-    return beam_steps.plan_block_slices(block, slices, files, config, block_size)
+    return beam_steps.plan_block_slices(block, slices, files, job)
 
 
 def _file_job(element: tuple[int, Iterable[np.ndarray]], files: list[beam_steps.FileSummary]

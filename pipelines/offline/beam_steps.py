@@ -35,6 +35,8 @@ manifest comes from the writer's own functions, and a shard's pieces are sorted 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -42,8 +44,14 @@ import numpy as np
 from seqpack.packer import Counters, PackConfig, PackPlan
 from seqpack.packer.assemble import fill_rows
 from seqpack.packer.contract import ragged_arange
+from seqpack.packer.order import BlockLayout, GlobalOrder, OrderMode, block_layout, global_order
 from seqpack.packer.plan import order_pieces, plan_block
-from seqpack.packer.stats import row_histograms, stats_from_histograms
+from seqpack.packer.stats import (
+    CostSummary,
+    cost_summary,
+    row_histograms,
+    stats_from_histograms,
+)
 from seqpack.pipelines.errors import InputError, one_line
 from seqpack.pipelines.formats import inputs
 from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus
@@ -113,12 +121,15 @@ class BlockSummary:
     nseg_hist: np.ndarray  # rows holding k segments, k = 0..S
     length_counts: np.ndarray  # the block's examples in the manifest's 50 length bins
     error: str | None = None  # an InputError while planning (over-length with overflow="error")
+    layout: BlockLayout | None = None  # the block's `packer.order` summary (leftover rows)
+    costs: CostSummary | None = None  # its rows' costs under the run's cost model
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockPlan:
     summary: BlockSummary
     pieces: np.ndarray  # i64[4, P_b]: example (global), start, length, row (in the block)
+    layout: BlockLayout | None = None  # where its rows go in the output (`packer.order`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +141,7 @@ class JobSummary:
     row_dtype: str  # dtype of the rows' tokens
     shard_rows: int
     row_base: list[int]  # first row of each block
+    order: GlobalOrder | None = None  # the output order (`packer.order`; compact)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +212,10 @@ def cut_blocks(scan: FileScan, files: Sequence[FileSummary], block_size: int
 
 
 def plan_block_slices(block: int, slices: Iterable[BlockSlice], files: Sequence[FileSummary],
-                      config: PackConfig, block_size: int) -> BlockPlan:
-    """Plans one block from its slices (any order), as `packer.plan_rows` plans it."""
+                      job: PackJob) -> BlockPlan:
+    """Plans one block from its slices (any order), as `packer.plan_rows` plans it, and lays
+    its rows out for the output order (`packer.order.block_layout` on the rows' costs)."""
+    config, block_size, order = job.config, job.block_size, job.order
     slices = sorted(slices, key=lambda s: s.first)
     first = block * block_size
     lengths = np.concatenate([s.lengths for s in slices]).astype(np.int64)
@@ -217,8 +231,13 @@ def plan_block_slices(block: int, slices: Iterable[BlockSlice], files: Sequence[
         summary = BlockSummary(block, 0, Counters(), empty, empty, counts, error=one_line(e))
         return BlockPlan(summary, np.zeros((4, 0), np.int64))
     used, nseg = row_histograms(row, length, num_rows, L, S)
-    summary = BlockSummary(block, num_rows, counters, used, nseg, counts)
-    return BlockPlan(summary, np.stack([example, start, length, row]).astype(np.int64))
+    costs = order.cost.row_costs(row, length, num_rows) \
+        if order.mode is OrderMode.BALANCED else np.zeros(num_rows)
+    layout = block_layout(costs, order, block=block)
+    summary = BlockSummary(block, num_rows, counters, used, nseg, counts,
+                           layout=layout.summary(),
+                           costs=cost_summary(row, length, num_rows, L, order.cost))
+    return BlockPlan(summary, np.stack([example, start, length, row]).astype(np.int64), layout)
 
 
 def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], job: PackJob
@@ -264,13 +283,15 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
     counters = sum((b.counters for b in blocks), Counters())
     used = np.sum([b.used_hist for b in blocks if b.used_hist.size], axis=0)
     nseg = np.sum([b.nseg_hist for b in blocks if b.nseg_hist.size], axis=0)
-    stats = stats_from_histograms(used, nseg, config.seq_len, counters)
+    costs = functools.reduce(operator.add, [b.costs for b in blocks if b.costs is not None])
+    stats = stats_from_histograms(used, nseg, config.seq_len, counters, costs=costs)
     hist = record.length_histogram(np.zeros(0, np.int64), max(f.max_length for f in files))
     hist["counts"] = [int(c) for c in np.sum([b.length_counts for b in blocks], axis=0)]
     base = np.concatenate(([0], np.cumsum([b.num_rows for b in blocks])))[:-1]
+    order = global_order([b.layout for b in blocks if b.layout is not None], job.order)
     return JobSummary(intent, record.manifest_results(stats, hist),
                       row_dtype(dtype, config.pad_id).str, job.write_options.shard_rows,
-                      [int(r) for r in base])
+                      [int(r) for r in base], order)
 
 
 def _records_run(output_dir: str, intent: Manifest) -> bool:
@@ -290,11 +311,14 @@ def _records_run(output_dir: str, intent: Manifest) -> bool:
 
 def split_block(bp: BlockPlan, summary: JobSummary | None, files: Sequence[FileSummary]
                 ) -> list[tuple[int, np.ndarray]]:
-    """The block's pieces, rows made global, cut by the input they come from."""
+    """The block's pieces, rows made global and put in the output order, cut by the input they
+    come from."""
     if summary is None or not bp.pieces.shape[1]:
         return []
     table = bp.pieces.copy()
     table[ROW] += summary.row_base[bp.summary.block]
+    if summary.order is not None and bp.layout is not None:
+        table[ROW] = summary.order.output_positions(table[ROW], {bp.summary.block: bp.layout})
     firsts = _firsts(files)
     file_of = np.searchsorted(firsts, table[EXAMPLE], side="right") - 1
     cuts = np.flatnonzero(np.diff(file_of)) + 1  # pieces are in example order
@@ -409,7 +433,7 @@ def plan_in_process(scans: Sequence[FileScan], job: PackJob
     for s in scans:
         for block, piece in cut_blocks(s, files, block_size):
             by_block.setdefault(block, []).append(piece)
-    plans = [plan_block_slices(b, sl, files, config, block_size) for b, sl in by_block.items()]
+    plans = [plan_block_slices(b, sl, files, job) for b, sl in by_block.items()]
     summary = finish_plan(files, [p.summary for p in plans], job)
     by_file: dict[int, list[np.ndarray]] = {}
     for p in plans:

@@ -6,7 +6,8 @@
     manifest = offline.pack(job, runner="beam")        # the same bytes as a Beam job
 
 A job holds what decides the output (inputs, config, how inputs are read and rows stored, the
-plan's block size) and how the run treats what is already there (`existing`: refuse a
+plan's block size, extra columns' pads and roles, the rows' output order) and how the run
+treats what is already there (`existing`: refuse a
 non-empty output, resume an interrupted run, or overwrite); `workers` only decides how fast
 (local worker processes, or the DirectRunner's `direct_num_workers`; None: every CPU). The
 local runner, the Beam job, its steps and the CLI all take the job, not a bag of parameters.
@@ -28,6 +29,7 @@ import shutil
 from collections.abc import Iterator, Mapping, Sequence
 
 from seqpack.packer import PackConfig
+from seqpack.packer.order import RowOrder
 from seqpack.packer.plan import DEFAULT_BLOCK_SIZE, check_block_size
 from seqpack.pipelines.errors import UsageError
 from seqpack.pipelines.formats.inputs import ReadOptions
@@ -81,6 +83,9 @@ class PackJob:
     # pipeline's `loss_tokens`): "labels" (-100 takes no loss), "mask" (0 takes no loss) or
     # "values"; by default from the name (`*labels` -> labels, `*mask*` -> mask, else values).
     roles: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # The output order of the plan's rows (`packer.order`): a seeded shuffle by default, the
+    # plan's order, or balanced data-parallel steps.
+    order: RowOrder = dataclasses.field(default_factory=RowOrder)
 
     def __post_init__(self) -> None:
         inputs = tuple(os.fspath(p) for p in self.inputs)
@@ -97,6 +102,8 @@ class PackJob:
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
             raise UsageError(f"workers={w!r} must be an int >= 1 (or None: every CPU)")
         self._check_columns()
+        if not isinstance(self.order, RowOrder):
+            raise UsageError(f"order={self.order!r} must be a packer.order.RowOrder")
 
     def _check_columns(self) -> None:
         extra = tuple(self.read_options.extra_columns)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import os
 import shutil
 import time
@@ -51,8 +52,15 @@ from collections.abc import Iterator
 import numpy as np
 
 from seqpack.packer import Counters, PackConfig, PackPlan
+from seqpack.packer.cost import CostModel
+from seqpack.packer.order import OrderMode, RowOrder, block_layout, global_order
 from seqpack.packer.plan import RowAssignment, order_pieces, pieces, plan_rows
-from seqpack.packer.stats import stats_of_pieces
+from seqpack.packer.stats import (
+    CostSummary,
+    cost_summary,
+    row_histograms,
+    stats_from_histograms,
+)
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.inputs import FileScan, corpus_dtype, extra_corpus_dtypes
 from seqpack.pipelines.formats.manifest import Manifest
@@ -106,9 +114,10 @@ def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
     done = prepare_dir(out, intent, overwrite=job.overwrite, resume=job.resume)
     if done is not None:
         return done
-    ps = _sorted_pieces(assignment, lengths, config)
-    s = stats_of_pieces(ps.row, ps.length, assignment.num_rows, config.seq_len,
-                        config.max_segments, assignment.counters)
+    ps, costs = _sorted_pieces(assignment, lengths, config, job.order)
+    s = stats_from_histograms(*row_histograms(ps.row, ps.length, assignment.num_rows,
+                                              config.seq_len, config.max_segments),
+                              config.seq_len, assignment.counters, costs=costs)
     results = manifest_results(s, length_histogram(lengths))
     offsets = np.zeros(lengths.size + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -199,13 +208,15 @@ class _Pieces:
     example: np.ndarray  # i64[P]
     start: np.ndarray  # i32/i64[P]
     length: np.ndarray  # i32/i64[P]
-    row: np.ndarray  # i32/i64[P], sorted
-    bounds: np.ndarray  # i64[R + 1]: pieces of row r are [bounds[r], bounds[r + 1])
+    row: np.ndarray  # i64[P]: output row (the plan's row put in the run's order), sorted
+    bounds: np.ndarray  # i64[R + 1]: pieces of output row r are [bounds[r], bounds[r + 1])
 
 
-def _sorted_pieces(a: RowAssignment, lengths: np.ndarray, config: PackConfig) -> _Pieces:
-    """12 bytes a piece (16 past 2**31 examples), plus the row; the piece order is a plan's:
-    (row, example, start)."""
+def _sorted_pieces(a: RowAssignment, lengths: np.ndarray, config: PackConfig,
+                   order: RowOrder) -> tuple[_Pieces, CostSummary]:
+    """12 bytes a piece (16 past 2**31 examples), plus the row, its output row (`order`); the
+    piece order is (output row, example, start): within a row, the plan's. And the rows' cost
+    summary, block by block as the Beam job sums it."""
     small = np.int32 if int(lengths.max(initial=0)) < 2**31 else np.int64
     example = np.empty(a.num_pieces, np.int32 if lengths.size < 2**31 else np.int64)
     start = np.empty(a.num_pieces, small)
@@ -214,15 +225,61 @@ def _sorted_pieces(a: RowAssignment, lengths: np.ndarray, config: PackConfig) ->
     for e, s, n in pieces(lengths, config, block_size=a.block_size):
         example[at : at + e.size], start[at : at + e.size], length[at : at + e.size] = e, s, n
         at += e.size
-    order = np.argsort(a.row, kind="stable")
-    example = example[order]  # one array at a time: one extra copy alive, not three
-    start = start[order]
-    length = length[order]
-    row = a.row[order]
-    del order
+    blocks = _Blocks.of(a, example, lengths.size)
+    costs = blocks.cost_summary(a, length, config.seq_len, order.cost)
+    row = output_rows(a, length, blocks, order)[a.row]
+    by_row = np.argsort(row, kind="stable")
+    example = example[by_row]  # one array at a time: one extra copy alive, not three
+    start = start[by_row]
+    length = length[by_row]
+    row = row[by_row]
+    del by_row
     bounds = np.zeros(a.num_rows + 1, np.int64)
     np.cumsum(np.bincount(row, minlength=a.num_rows), out=bounds[1:])
-    return _Pieces(example, start, length, row, bounds)
+    return _Pieces(example, start, length, row, bounds), costs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Blocks:
+    """The plan's blocks (`block_size` consecutive examples each): their pieces and rows."""
+
+    pieces: np.ndarray  # i64[B + 1]: block j's pieces (input order) are [pieces[j], pieces[j+1])
+    rows: np.ndarray  # i64[B + 1]: block j's plan rows are [rows[j], rows[j + 1])
+
+    @classmethod
+    def of(cls, a: RowAssignment, example: np.ndarray, num_examples: int) -> _Blocks:
+        n = -(-num_examples // a.block_size)
+        firsts = np.arange(n + 1, dtype=np.int64) * a.block_size
+        pieces = np.searchsorted(example, firsts).astype(np.int64)
+        rows = np.zeros(n + 1, np.int64)
+        for j in range(n):  # a block's rows follow the previous block's
+            mine = a.row[pieces[j] : pieces[j + 1]]
+            rows[j + 1] = int(mine.max()) + 1 if mine.size else rows[j]
+        return cls(pieces, rows)
+
+    def cost_summary(self, a: RowAssignment, length: np.ndarray, seq_len: int,
+                     model: CostModel) -> CostSummary:
+        """The rows' `CostSummary`, one block after another (the Beam job's sum)."""
+        parts = [cost_summary(a.row[p0:p1] - r0, length[p0:p1], r1 - r0, seq_len, model)
+                 for p0, p1, r0, r1 in zip(self.pieces[:-1].tolist(), self.pieces[1:].tolist(),
+                                           self.rows[:-1].tolist(), self.rows[1:].tolist())]
+        return functools.reduce(operator.add, parts)
+
+
+def output_rows(a: RowAssignment, length: np.ndarray, blocks: _Blocks, order: RowOrder
+                ) -> np.ndarray:
+    """i64[R]: the output row of each plan row under `order`, block by block of the plan
+    (`packer.order`: each block's layout from its rows' costs, then the global step) exactly
+    as the Beam job computes it. `length`: the plan's pieces' lengths, in input order."""
+    if order.mode is OrderMode.PLAN:
+        return np.arange(a.num_rows, dtype=np.int64)
+    base = blocks.rows
+    costs = order.cost.row_costs(a.row, length, a.num_rows) \
+        if order.mode is OrderMode.BALANCED else np.zeros(a.num_rows)
+    layouts = [block_layout(costs[base[j]:base[j + 1]], order, block=j)
+               for j in range(base.size - 1)]
+    g = global_order([lay.summary() for lay in layouts], order)
+    return g.output_positions(np.arange(a.num_rows), layouts)
 
 
 def _shard_tasks(ps: _Pieces, offsets: np.ndarray, config: PackConfig, names: list[str],

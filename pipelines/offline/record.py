@@ -74,6 +74,7 @@ def run_intent(job: PackJob, inputs: dict, num_rows: int,
         num_rows=num_rows,
         shards=shard_names(num_rows, options.shard_rows),
         plan_block_size=job.block_size,
+        row_order=job.order.to_dict(),
         columns=columns or None,
     )
 
