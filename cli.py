@@ -240,6 +240,34 @@ def _packed_dir(path: str) -> bool:
     return storage.exists(storage.join(path, MANIFEST))
 
 
+def _cost_options(f):
+    options = [
+        click.option("--cost-model", type=click.Choice(["attention", "tokens"]),
+                     default="attention", show_default=True,
+                     help="A row's work: per segment c(l) = l (1 + l / k) with k = 12 * "
+                          "--d-model (dense layers + causal attention), or its tokens."),
+        click.option("--d-model", default=4096, show_default=True, type=click.IntRange(min=1),
+                     help="The model's width, for --cost-model attention."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _row_order(row_order, seed, data_parallel, batch_size, cost_model, d_model):
+    from seqpack.packer.cost import CostModel
+    from seqpack.packer.order import RowOrder
+
+    if data_parallel is not None and row_order == "plan":
+        raise click.UsageError("--data-parallel orders the rows itself; leave out --row-order "
+                               "plan")
+    cost = _usage(CostModel, kind=cost_model, d_model=d_model)
+    if data_parallel is None:
+        return _usage(RowOrder, mode=row_order, seed=seed, cost=cost)
+    return _usage(RowOrder, mode="balanced", seed=seed, data_parallel=data_parallel,
+                  batch_size=batch_size or 1, cost=cost)
+
+
 def _read_options(input_format, columns, tokenizer, text_unit):
     from seqpack.pipelines.formats.inputs import ReadOptions
 
@@ -299,8 +327,20 @@ def main(args: list[str] | None = None) -> None:
 @click.option("--resume", is_flag=True, help="Finish an interrupted run into OUTPUT.")
 @click.option("--overwrite", is_flag=True, help="Replace an existing OUTPUT.")
 @click.option("--fsync", is_flag=True, help="fsync each shard before it is renamed complete.")
-@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1),
-              help="Batch size for the steps-per-epoch figure.")
+@click.option("--row-order", type=click.Choice(["shuffle", "plan"]), default="shuffle",
+              show_default=True,
+              help="Order of the rows: a seeded shuffle (every shard and range of rows holds the "
+                   "same mix of long and short examples), or the planner's (longest first).")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Seed of the row order.")
+@click.option("--data-parallel", type=click.IntRange(min=1), default=None, metavar="D",
+              help="Balance steps for D data-parallel ranks: rank r of step s reads rows "
+                   "[(s*D + r)*b, (s*D + r + 1)*b) with b = --batch-size, and the D ranks of "
+                   "every step carry near-equal cost (--cost-model); steps in a seeded order.")
+@click.option("--batch-size", default=None, type=click.IntRange(min=1),
+              help="Rows per rank per step with --data-parallel (default 1); otherwise the "
+                   "batch of the steps-per-epoch figure (default 32).")
+@_cost_options
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Processes that read inputs and write shards (with --runner beam: the "
@@ -326,8 +366,8 @@ def main(args: list[str] | None = None) -> None:
               help="Pack an input given twice (or through a link) twice, instead of refusing.")
 def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
          feature, input_format, columns, tokenizer, text_unit, shard_rows, compression, resume,
-         overwrite, fsync, batch_size, as_json, workers, block_size, runner, beam_options, pads,
-         roles, allow_duplicates):
+         overwrite, fsync, row_order, seed, data_parallel, batch_size, cost_model, d_model,
+         as_json, workers, block_size, runner, beam_options, pads, roles, allow_duplicates):
     """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into ArrayRecord shards.
 
     INPUT may be files, directories (their files of a known format, sorted), local or URL
@@ -362,7 +402,9 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
                                       compression=compression, fsync=fsync),
                  block_size=block_size, workers=workers,
                  existing="resume" if resume else "overwrite" if overwrite else "refuse",
-                 pads=_pads(pads, "pad", int), roles=_pads(roles, "role", str))
+                 pads=_pads(pads, "pad", int), roles=_pads(roles, "role", str),
+                 order=_row_order(row_order, seed, data_parallel, batch_size, cost_model,
+                                  d_model))
     progress = terminal_progress() if runner == "local" else None
     with progress or contextlib.nullcontext():
         manifest = run(job, runner=runner, progress=progress, beam_options=beam_options,
@@ -375,7 +417,8 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     click.echo(f"packed {what}: {manifest.inputs['num_examples']:,} examples -> "
                f"{manifest.num_rows:,} rows in {len(manifest.shards)} shard(s) at "
                f"{output_dir}\n")
-    click.echo(format_table({strategy: summary(manifest.stats, batch_size)}))
+    step = (data_parallel or 1) * (batch_size or (1 if data_parallel else 32))
+    click.echo(format_table({strategy: summary(manifest.stats, step)}))
 
 
 @seqpack.command()
@@ -384,15 +427,17 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
               help="Dry run: strategies to compare (repeatable).  [default: all four]")
 @_packing_options
 @_reading_options
-@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1),
-              help="Batch size for the steps-per-epoch figure.")
+@click.option("--batch-size", default=None, type=click.IntRange(min=1),
+              help="Batch size for the steps-per-epoch figure.  [default: a balanced output's "
+                   "step, else 32]")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write histograms (example lengths, row fill, segments per row) to this PNG.")
 @click.option("--allow-duplicates", is_flag=True, help="Count an input given twice twice.")
+@_cost_options
 def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment, pad_id, feature,
           input_format, columns, tokenizer, text_unit, batch_size, as_json, plot,
-          allow_duplicates):
+          allow_duplicates, cost_model, d_model):
     """Packing statistics of a packed directory, or a dry run on raw input files.
 
     For a directory written by `seqpack pack`, reads its manifest (the packing options are
@@ -413,6 +458,9 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
 
         manifest, config = load_manifest(paths[0])
         per_strategy = {config.strategy.value: manifest.stats}
+        order = manifest.row_order or {}
+        if order.get("mode") == "balanced" and batch_size is None:  # a step: D ranks x b rows
+            batch_size = int(order["data_parallel"]) * int(order["batch_size"])
         hist, title = manifest.example_length_histogram, f"packed: {paths[0]}"
     else:
         from seqpack.pipelines.formats.inputs import read_lengths
@@ -422,11 +470,14 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
                                                        text_unit))
         config = _config("best_fit_decreasing", seq_len, max_segments, overflow,
                          segment_alignment, pad_id, feature)
-        per_strategy = dry_run(lengths, config, strategies or STRATEGIES)
+        from seqpack.packer.cost import CostModel
+
+        per_strategy = dry_run(lengths, config, strategies or STRATEGIES,
+                               cost=_usage(CostModel, kind=cost_model, d_model=d_model))
         hist = length_histogram(lengths)
         title = (f"dry run: {len(paths)} input file(s), seq_len {seq_len}, max_segments "
                  f"{max_segments}, overflow {config.overflow.value}")
-    summaries = {name: summary(s, batch_size) for name, s in per_strategy.items()}
+    summaries = {name: summary(s, batch_size or 32) for name, s in per_strategy.items()}
     if plot:
         plot_stats(plot, hist, per_strategy)
     if as_json:

@@ -230,15 +230,15 @@ def _report_error(message: str, output_dir: str, report: bool) -> None:
 
 def _write_shard(element: tuple[int, Iterable[beam_steps.ShardPart]],
                  summary: beam_steps.JobSummary, output_dir: str, config: PackConfig,
-                 write_options: WriteOptions, resume: bool) -> tuple[int, int, tuple[int, str]]:
+                 write_options: WriteOptions, resume: bool
+                 ) -> tuple[int, int, tuple[int, str], np.ndarray]:
     shard, parts = element
-    rows, digest = beam_steps.write_shard_parts(shard, parts, summary, output_dir, config,
-                                                write_options=write_options, resume=resume)
-    return shard, rows, digest
+    return (shard, *beam_steps.write_shard_parts(shard, parts, summary, output_dir, config,
+                                                 write_options=write_options, resume=resume))
 
 
-def _finish(rows: list[tuple[int, int, tuple[int, str]]], summary: beam_steps.JobSummary | None,
-            output_dir: str) -> None:
+def _finish(rows: list[tuple[int, int, tuple[int, str], np.ndarray]],
+            summary: beam_steps.JobSummary | None, output_dir: str) -> None:
     if summary is not None:  # None: an error was reported, or a resumed run was complete
         beam_steps.finish_job(rows, summary, output_dir)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import operator
 from collections.abc import Iterable, Sequence
 
@@ -392,36 +393,43 @@ def shard_plan(shard: int, parts: Iterable[ShardPart], summary: JobSummary,
 
 def write_shard_parts(shard: int, parts: Iterable[ShardPart], summary: JobSummary,
                       output_dir: str, config: PackConfig, *, write_options: WriteOptions,
-                      resume: bool = False) -> tuple[int, tuple[int, str]]:
+                      resume: bool = False) -> tuple[int, tuple[int, str], np.ndarray]:
     """Writes one shard from the parts its inputs sent (unless `resume` finds it written and
-    intact); returns its row count and (size, sha256)."""
+    intact); returns its row count, (size, sha256) and its rows' part of the order profile
+    (`record.order_profile`)."""
+    parts = list(parts)
     name = summary.intent.shards[shard]
     num_rows = min(summary.shard_rows, summary.intent.num_rows - shard * summary.shard_rows)
+    table = np.concatenate([part.pieces for part in parts], axis=1)
+    profile = record.order_profile(table[ROW], table[LENGTH], summary.intent.num_rows)
     out = OutputDir(output_dir)
     try:
         kept = shard_done(out, name, num_rows) if resume else None
         if kept is not None:
-            return num_rows, kept
+            return num_rows, kept, profile
         p, pieces, columns = shard_plan(shard, parts, summary, config)
         return num_rows, write_shard(out, name, pieces, p, config, write_options,
-                                     dtype=np.dtype(summary.row_dtype), columns=columns)
+                                     dtype=np.dtype(summary.row_dtype), columns=columns), profile
     finally:
         out.close()
 
 
-def finish_job(rows: Iterable[tuple[int, int, tuple[int, str]]], summary: JobSummary,
-               output_dir: str) -> Manifest:
+def finish_job(rows: Iterable[tuple[int, int, tuple[int, str], np.ndarray]],
+               summary: JobSummary, output_dir: str) -> Manifest:
     """Writes manifest.json once every shard is written; returns the manifest.
 
-    `rows`: (shard, row count, (size, sha256)) of every shard, any order."""
-    by_shard = {k: (n, d) for k, n, d in rows}
+    `rows`: (shard, row count, (size, sha256), order profile) of every shard, any order."""
+    by_shard = {k: (n, d, prof) for k, n, d, prof in rows}
     names = summary.intent.shards
     if sorted(by_shard) != list(range(len(names))):
         missing = sorted(set(range(len(names))) - set(by_shard))
         raise RuntimeError(f"shards {missing[:8]} were not written; the manifest is not written")
     done = [by_shard[k] for k in range(len(names))]
-    return commit_manifest(output_dir, summary.intent, [n for n, _ in done], summary.results,
-                           [tuple(d) for _, d in done])  # type: ignore[misc]
+    profile = np.sum([prof for _, _, prof in done], axis=0)
+    results = json.loads(json.dumps(summary.results))
+    results["stats"]["along_output"] = record.along_output(profile, summary.intent.num_rows)
+    return commit_manifest(output_dir, summary.intent, [n for n, _, _ in done], results,
+                           [tuple(d) for _, d, _ in done])  # type: ignore[misc]
 
 
 def plan_in_process(scans: Sequence[FileScan], job: PackJob

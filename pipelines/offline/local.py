@@ -68,12 +68,14 @@ from seqpack.pipelines.offline.job import PackJob, output_session
 from seqpack.pipelines.offline.outdir import OutputDir, commit_manifest, prepare_dir, shard_done
 from seqpack.pipelines.offline.read import Progress, delay_seconds, read_inputs
 from seqpack.pipelines.offline.record import (
+    along_output,
     check_overlength,
     column_entries,
     first_overlength,
     inputs_record,
     length_histogram,
     manifest_results,
+    order_profile,
     run_intent,
 )
 from seqpack.pipelines.offline.shards import WriteOptions, row_dtype, write_shard
@@ -118,7 +120,8 @@ def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
     s = stats_from_histograms(*row_histograms(ps.row, ps.length, assignment.num_rows,
                                               config.seq_len, config.max_segments),
                               config.seq_len, assignment.counters, costs=costs)
-    results = manifest_results(s, length_histogram(lengths))
+    results = manifest_results(s, length_histogram(lengths), along_output(
+        order_profile(ps.row, ps.length, assignment.num_rows), assignment.num_rows))
     offsets = np.zeros(lengths.size + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     del lengths, assignment

@@ -86,10 +86,47 @@ def column_entries(job: PackJob, dtypes: Mapping[str, np.dtype]) -> list[dict]:
              "role": job.roles[name]} for name, pad in job.pads.items()]
 
 
-def manifest_results(stats: PackingStats, length_hist: dict) -> dict:
-    """The manifest's ``stats`` and ``example_length_histogram``."""
-    return json.loads(json.dumps({"stats": stats.to_dict(),
-                                  "example_length_histogram": length_hist}))
+def manifest_results(stats: PackingStats, length_hist: dict, along: dict | None = None
+                     ) -> dict:
+    """The manifest's ``stats`` (with `along`: its ``along_output``) and
+    ``example_length_histogram``."""
+    s = stats.to_dict()
+    if along is not None:
+        s["along_output"] = along
+    return json.loads(json.dumps({"stats": s, "example_length_histogram": length_hist}))
+
+
+PROFILE_PARTS = 10  # the output is profiled in tenths
+
+
+def order_profile(row: np.ndarray, length: np.ndarray, num_rows: int) -> np.ndarray:
+    """i64[10, 2]: per tenth of the output rows (row r in tenth r * 10 // R), its segments and
+    tokens, from the pieces' output rows and lengths; parts of the output add up.
+    Row composition along the output (`along_output` in the stats) shows that an order is
+    flat: the planner's puts the longest examples first."""
+    row = np.asarray(row, np.int64)
+    out = np.zeros((PROFILE_PARTS, 2), np.int64)
+    if not num_rows:
+        return out
+    part = row * PROFILE_PARTS // num_rows
+    out[:, 0] = np.bincount(part, minlength=PROFILE_PARTS)
+    out[:, 1] = np.bincount(part, weights=np.asarray(length, np.float64),
+                            minlength=PROFILE_PARTS).astype(np.int64)
+    return out
+
+
+def profile_rows(num_rows: int) -> np.ndarray:
+    """i64[10]: how many of `num_rows` output rows fall in each tenth."""
+    return np.diff(-(-np.arange(PROFILE_PARTS + 1) * num_rows // PROFILE_PARTS))
+
+
+def along_output(profile: np.ndarray, num_rows: int) -> dict:
+    """The stats' ``along_output``: mean segments and tokens per row in each tenth of the rows."""
+    rows = profile_rows(num_rows)
+    safe = np.maximum(rows, 1)
+    return {"rows": rows.tolist(),
+            "segments_per_row": [round(float(x), 4) for x in profile[:, 0] / safe],
+            "tokens_per_row": [round(float(x), 2) for x in profile[:, 1] / safe]}
 
 
 def first_overlength(lengths: np.ndarray, config: PackConfig) -> tuple[int, int, int] | None:

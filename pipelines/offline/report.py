@@ -24,6 +24,7 @@ import numpy as np
 
 from seqpack.packer import PackConfig
 from seqpack.packer.config import Strategy
+from seqpack.packer.cost import CostModel
 from seqpack.packer.plan import pieces, plan_rows
 from seqpack.packer.stats import stats_of_pieces
 from seqpack.pipelines.errors import require
@@ -32,9 +33,10 @@ STRATEGIES = tuple(s.value for s in Strategy)
 
 
 def dry_run(lengths: np.ndarray, config: PackConfig, strategies: Sequence[str], *,
-            block_size: int | None = None) -> dict[str, dict]:
+            block_size: int | None = None, cost: CostModel | None = None) -> dict[str, dict]:
     """strategy -> `PackingStats.to_dict()` of planning `lengths` with config + that strategy
-    (`plan_rows`, as `seqpack pack` plans: a few bytes per example)."""
+    (`plan_rows`, as `seqpack pack` plans: a few bytes per example), with the rows' costs
+    under `cost` (default `CostModel()`)."""
     import dataclasses
 
     out = {}
@@ -43,7 +45,7 @@ def dry_run(lengths: np.ndarray, config: PackConfig, strategies: Sequence[str], 
         a = plan_rows(lengths, cfg, block_size=block_size)
         length = np.concatenate([n for _, _, n in pieces(lengths, cfg, block_size=a.block_size)])
         out[name] = stats_of_pieces(a.row, length, a.num_rows, cfg.seq_len, cfg.max_segments,
-                                    a.counters).to_dict()
+                                    a.counters, cost=cost or CostModel()).to_dict()
     return out
 
 
@@ -69,6 +71,11 @@ def summary(s: dict, batch_size: int) -> dict:
         "examples": c["num_examples"],
         "batch_size": batch_size,
         "steps_per_epoch": -(-rows // batch_size),
+        # attention over the segments against attention over whole rows (sum l^2 / L^2)
+        "attention_fraction": s.get("attention_fraction"),
+        "row_cost_max_over_mean": s.get("row_cost_max_over_mean"),
+        "row_cost_p50": (s.get("row_cost_quantiles") or {}).get("p50"),
+        "along_output": (s.get("along_output") or {}).get("segments_per_row"),
     }
 
 
@@ -88,16 +95,30 @@ _ROWS = [
     ("split examples", "split_examples", "{:,}"),
     ("pieces of split examples", "split_pieces", "{:,}"),
     ("steps / epoch", "steps_per_epoch", "{:,}"),
+    ("attention vs whole rows", "attention_fraction", "{:.2%}"),
+    ("row cost p50 (tokens)", "row_cost_p50", "{:,.0f}"),
+    ("row cost max / mean", "row_cost_max_over_mean", "{:.2f}"),
+    ("segments / row by tenth", "along_output", "{}"),
 ]
+
+
+def _cell(fmt: str, value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return " ".join(f"{v:.1f}" for v in value)
+    return fmt.format(value)
 
 
 def format_table(summaries: dict[str, dict], title: str = "") -> str:
     """Plain aligned text: one column per entry of `summaries` (e.g. per strategy)."""
     names = list(summaries)
-    cells = [[fmt.format(summaries[n][key]) for n in names] for _, key, fmt in _ROWS]
-    labels = [label for label, _, _ in _ROWS]
+    rows = [r for r in _ROWS if any(summaries[n].get(r[1]) is not None for n in names)]
+    cells = [[_cell(fmt, summaries[n].get(key)) for n in names] for _, key, fmt in rows]
+    labels = [label for label, _, _ in rows]
     batch = {summaries[n]["batch_size"] for n in names}
-    labels[-1] += f" (batch {batch.pop()})" if len(batch) == 1 else ""
+    at = labels.index("steps / epoch")
+    labels[at] += f" (batch {batch.pop()})" if len(batch) == 1 else ""
     w0 = max(map(len, labels))
     widths = [max(len(n), *(len(row[i]) for row in cells)) for i, n in enumerate(names)]
     lines = [title] if title else []
