@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from seqpack.packer import PackConfig, plan, stats
+from seqpack.packer.cost import CostModel
 from seqpack.pipelines.formats.manifest import signed
 from seqpack.pipelines.formats.records import decode_row, encode_row
 from tests.helpers.files import invoke, random_seqs, write_jsonl, write_parquet
@@ -68,7 +69,8 @@ def test_stats_dry_run_per_strategy_matches_the_planner(tmp_path):
     lengths = np.array([len(s) for s in SEQS])
     for name, got in data["stats"].items():
         cfg = PackConfig(64, max_segments=8, strategy=name, overflow="truncate")
-        assert got == stats(plan(lengths, cfg), seq_len=64, max_segments=8).to_dict()
+        assert got == stats(plan(lengths, cfg), seq_len=64, max_segments=8,
+                            cost=CostModel()).to_dict()
         assert data["summary"][name]["steps_per_epoch"] == -(-got["num_rows"] // 4)
     assert data["summary"]["best_fit_decreasing"]["truncated_tokens"] == 150 - 64
     assert sum(data["example_length_histogram"]["counts"]) == len(SEQS)
@@ -212,4 +214,4 @@ def test_verify_notices_a_changed_tokenizer(tmp_path):
     tok.write_text(json.dumps(spec))
     result = invoke("verify", out, ok=False)
     assert result.exit_code == 1 and "tokenizer" in result.stdout and "changed" in result.stdout
-    assert "token 7 != 2" in result.stdout  # the row holds "dog" = 7, which now encodes as 2
+    assert "tokens 2 != 7" in result.stdout  # the row holds "cat" = 2, which now encodes as 7

@@ -29,7 +29,8 @@ def padded(tmp_path):
 
 def _pack(tmp_path, *inputs, extra=()):
     out = tmp_path / "out"
-    invoke("pack", *inputs, "-o", out, "--seq-len", 32, "--max-segments", 4, "--overwrite",
+    invoke("pack", *inputs, "-o", out, "--row-order", "plan", "--seq-len", 32, "--max-segments",
+           4, "--overwrite",
            *extra)
     return out
 

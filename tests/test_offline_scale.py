@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 from seqpack.packer import PackConfig, assemble, plan
+from seqpack.packer.cost import CostModel
+from seqpack.packer.order import RowOrder
 from seqpack.packer.plan import plan_rows
 from seqpack.packer.stats import stats
 from seqpack.pipelines.formats.inputs import ReadOptions
@@ -69,7 +71,7 @@ def test_two_passes_give_the_in_memory_rows(tmp_path, block_size):
     paths, values, offsets = _corpus(tmp_path)
     config = PackConfig(64, max_segments=6, overflow="split")
     out = tmp_path / "out"
-    manifest = pack_to_dir(PackJob(paths, out, config, workers=1,
+    manifest = pack_to_dir(PackJob(paths, out, config, workers=1, order=RowOrder("plan"),
                                    block_size=block_size or plan_rows([], config).block_size))
     p = plan(np.diff(offsets), config, block_size=block_size)
     want = assemble(values.astype(np.int32), offsets, p, config)
@@ -78,7 +80,13 @@ def test_two_passes_give_the_in_memory_rows(tmp_path, block_size):
                 "segment_source_index", "segment_source_start"):
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
     assert got["tokens"].dtype == np.int32  # uint16, int64 (narrowed) and int32 inputs together
-    assert manifest.stats == stats(p, seq_len=64, max_segments=6).to_dict()
+    got_stats = dict(manifest.stats)
+    tenths = got_stats.pop("along_output")["rows"]
+    assert sum(tenths) == p.num_rows and max(tenths) - min(tenths) <= 1
+    want_stats = stats(p, seq_len=64, max_segments=6, cost=CostModel()).to_dict()
+    for key in ("cost_total", "row_cost_max_over_mean"):  # costs summed block by block
+        assert got_stats.pop(key) == pytest.approx(want_stats.pop(key))
+    assert got_stats == want_stats
     assert manifest.plan_block_size == (block_size or plan_rows([], config).block_size)
     assert not (out / SPILL_DIR).exists()
     if block_size:  # blocks are planned apart: a few more rows than one global plan
