@@ -117,14 +117,21 @@ def batch_metadata(batch: dict, cfg: ModelConfig, feature: str = "tokens"):
 
 
 def loss_fn(params, batch: dict, cfg: ModelConfig, *, normalize: str = "tokens",
-            feature: str = "tokens"):
-    """(loss, (per_segment_loss [B, S], per_segment_tokens [B, S])) for a packed batch."""
+            feature: str = "tokens", labels: str | None = None):
+    """(loss, (per_segment_loss [B, S], per_segment_tokens [B, S])) for a packed batch.
+
+    `labels`: a label column packed with the tokens (SFT: -100 on the prompt); position p,
+    which predicts token p + 1, takes a loss only where labels[p + 1] != -100 (the positions
+    the batch's `loss_tokens` counts)."""
     tokens = jnp.asarray(batch[feature], jnp.int32)
     seg = jnp.asarray(batch[f"{feature}_segment_ids"])
     offsets, lengths = batch_metadata(batch, cfg, feature)
     logits = forward(params, tokens, jnp.asarray(batch[f"{feature}_positions"]), offsets, lengths,
                      cfg)
     targets, mask = next_token_targets(tokens, seg)
+    if labels is not None:
+        lab = jnp.asarray(batch[labels])
+        mask &= jnp.concatenate([lab[:, 1:], jnp.full_like(lab[:, :1], -100)], axis=1) != -100
     loss, per_seg, count = kernels.segment_cross_entropy(
         logits, targets, offsets, lengths, normalize=normalize, loss_mask=mask,
     )
@@ -146,15 +153,43 @@ def adam_update(params, grads, state, *, lr=3e-3, b1=0.9, b2=0.98, eps=1e-9):
     return new, {"m": m, "v": v, "t": t}
 
 
-def make_train_step(cfg: ModelConfig, *, normalize: str = "tokens", lr: float = 3e-3):
+def make_train_step(cfg: ModelConfig, *, normalize: str = "tokens", lr: float = 3e-3,
+                    labels: str | None = None, micro_batches: int = 1):
+    """A jitted Adam step. With `micro_batches` > 1 (and `normalize="tokens"`), the batch is cut
+    into that many micro-batches whose summed losses and gradients are divided by the whole
+    batch's `loss_tokens` (one global denominator: the per-token mean of the unpacked
+    examples, whatever the split), as a data-parallel step divides by the psum of its ranks'."""
+
+    def grads_of(params, batch):
+        if micro_batches == 1:
+            (loss, (_, count)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                params, batch, cfg, normalize=normalize, labels=labels)
+            return loss, grads, count.sum()
+        total = jnp.sum(batch["loss_tokens"]).astype(jnp.float32)
+        summed = lambda p, mb: loss_fn(p, mb, cfg, normalize="none", labels=labels)  # noqa: E731
+        loss, grads, count = 0.0, None, 0
+        for part in _split(batch, micro_batches):
+            (l_mb, (_, c_mb)), g_mb = jax.value_and_grad(summed, has_aux=True)(params, part)
+            loss, count = loss + l_mb, count + c_mb.sum()
+            grads = g_mb if grads is None else jax.tree.map(jnp.add, grads, g_mb)
+        return loss / total, jax.tree.map(lambda g: g / total, grads), count
+
     @jax.jit
     def step(params, opt_state, batch):
-        (loss, (_, count)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, batch, cfg, normalize=normalize)
+        loss, grads, count = grads_of(params, batch)
         params, opt_state = adam_update(params, grads, opt_state, lr=lr)
-        return params, opt_state, loss, count.sum()
+        return params, opt_state, loss, count
 
     return step
+
+
+def _split(batch: dict, parts: int) -> list[dict]:
+    """The batch's rows in `parts` consecutive micro-batches (per-row arrays only)."""
+    B = next(iter(batch.values())).shape[0]
+    if B % parts:
+        raise ValueError(f"a batch of {B} rows does not split into {parts} micro-batches")
+    n = B // parts
+    return [{k: v[i * n : (i + 1) * n] for k, v in batch.items()} for i in range(parts)]
 
 
 def flatten_state(params, opt_state) -> dict[str, np.ndarray]:

@@ -3,6 +3,7 @@
     python -m examples.train_tiny_lm --steps 300                   # a couple of minutes on CPU
     python -m examples.train_tiny_lm --steps 300 --checkpoint-dir /tmp/ckpt --save-every 100
     python -m examples.train_tiny_lm --steps 400 --checkpoint-dir /tmp/ckpt --resume
+    python -m examples.train_tiny_lm --steps 300 --sft --micro-batches 2   # labels, exact mean
 
 Data: Python's own standard library sources, byte-tokenized (vocab 256), one example per
 paragraph (the CLI's built-in sample) — no download. The input pipeline is
@@ -11,6 +12,13 @@ restricts attention to segments and takes positions from the packed rows; the lo
 `kernels.segment_cross_entropy`. A checkpoint holds the parameters, the optimizer state, the step
 and the Grain iterator state, so a resumed run continues with exactly the batches (and losses) of
 an uninterrupted one.
+
+`--sft`: the same paragraphs as supervised fine-tuning data: the first line is the prompt
+(labels -100, no loss), the rest the response. Labels are packed with the tokens
+(`label_features`), every batch carries `loss_tokens` (the positions the loss counts, per
+row), and with `--micro-batches k` each step sums the k micro-batches' losses and divides by
+the batch's total `loss_tokens`: the per-token mean of the unpacked examples, exactly, however
+the batch is split (as a data-parallel step over hosts divides by the psum).
 """
 
 from __future__ import annotations
@@ -49,11 +57,27 @@ def stdlib_corpus(max_examples: int = 3000) -> list[np.ndarray]:
     return out[:max_examples]
 
 
+def sft_corpus(examples: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """Each paragraph as an SFT example: its first line the prompt (labels -100), the rest the
+    response (labels = the tokens)."""
+    out = []
+    for e in examples:
+        newline = np.flatnonzero(e == ord("\n"))
+        prompt = int(newline[0]) + 1 if newline.size else 0
+        labels = e.copy()
+        labels[:prompt] = -100
+        out.append({"tokens": e, "labels": labels})
+    return out
+
+
 def build_pipeline(examples, *, seq_len: int, batch_size: int, seed: int = 0):
-    source = grain.MapDataset.source([{"tokens": e} for e in examples])
+    """The training pipeline over `examples`: token arrays, or SFT dicts (`sft_corpus`)."""
+    sft = bool(examples) and isinstance(examples[0], dict)
+    rows = examples if sft else [{"tokens": e} for e in examples]
     return make_training_pipeline(
-        source, seq_len=seq_len, batch_size=batch_size, max_segments=16, shuffle_seed=seed,
-        num_epochs=None, shard_index=0, shard_count=1, overflow="split", prefetch_buffer_size=0,
+        grain.MapDataset.source(rows), seq_len=seq_len, batch_size=batch_size, max_segments=16,
+        shuffle_seed=seed, num_epochs=None, shard_index=0, shard_count=1, overflow="split",
+        prefetch_buffer_size=0, label_features={"labels": -100} if sft else (),
     )
 
 
@@ -96,11 +120,15 @@ def train(
     resume: bool = False,
     log_every: int = 0,
     model: ModelConfig | None = None,
-    examples: list[np.ndarray] | None = None,
+    examples: list | None = None,
+    sft: bool = False,
+    micro_batches: int = 1,
 ) -> list[float]:
     """Trains until `steps` (counting restored steps); returns the losses of the steps it ran."""
     cfg = model or ModelConfig(max_len=seq_len)
     examples = stdlib_corpus() if examples is None else examples
+    if sft:
+        examples = sft_corpus(examples)
     iterator = iter(build_pipeline(examples, seq_len=seq_len, batch_size=batch_size, seed=seed))
     ckpt = pathlib.Path(checkpoint_dir) if checkpoint_dir else None
     if resume and ckpt and (ckpt / "meta.json").exists():
@@ -108,7 +136,8 @@ def train(
     else:
         params = init_params(jax.random.key(seed), cfg)
         opt_state, step = adam_init(params), 0
-    train_step = make_train_step(cfg)
+    train_step = make_train_step(cfg, labels="labels" if sft else None,
+                                 micro_batches=micro_batches)
     losses: list[float] = []
     tokens_seen, t0 = 0, time.perf_counter()
     while step < steps:
@@ -138,10 +167,12 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=0)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--log-every", type=int, default=25)
+    ap.add_argument("--sft", action="store_true", help="labels -100 on each paragraph's first line")
+    ap.add_argument("--micro-batches", type=int, default=1)
     a = ap.parse_args()
     losses = train(a.steps, seq_len=a.seq_len, batch_size=a.batch_size, seed=a.seed,
                    checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume,
-                   log_every=a.log_every)
+                   log_every=a.log_every, sft=a.sft, micro_batches=a.micro_batches)
     if losses:
         k = max(1, len(losses) // 10)
         print(f"mean loss: first {k} steps {np.mean(losses[:k]):.4f}, "

@@ -105,3 +105,59 @@ def test_cross_contamination_would_be_caught(monkeypatch):
     assert later, "some document must follow another in its row"
     diffs = [abs(float(seg_p[r, j]) - float(seg_u[src[r, j], 0])) for r, j in later]
     assert max(diffs) > 1e-3
+
+
+def test_sft_micro_batches_give_the_unpacked_per_token_mean():
+    """Labels packed with the tokens (SFT: -100 on the prompt), `loss_tokens` from the training
+    pipeline: a batch cut into micro-batches, each summing its loss and divided by the whole
+    batch's loss_tokens, gives the per-token mean (and gradient) of the examples unpacked."""
+    import grain
+
+    from examples.tiny_lm import _split
+    from examples.train_tiny_lm import sft_corpus
+    from seqpack.pipelines.datasets import make_training_pipeline
+
+    rng = np.random.default_rng(3)
+    examples = [rng.integers(1, CFG.vocab, int(m)).astype(np.int32)
+                for m in rng.integers(3, 20, 16)]
+    for e in examples:  # a "newline" ends each prompt
+        e[int(rng.integers(0, e.size - 1))] = ord("\n") % CFG.vocab
+    cfg = dataclasses.replace(CFG, vocab=max(CFG.vocab, ord("\n") + 1))
+    rows = sft_corpus(examples)
+    ds = make_training_pipeline(grain.MapDataset.source(rows), seq_len=32, batch_size=4,
+                                max_segments=6, shuffle_seed=0, num_epochs=1,
+                                shard_index=0, shard_count=1, label_features={"labels": -100},
+                                prefetch_buffer_size=0)
+    batch = next(iter(ds))
+    params = init_params(jax.random.key(1), cfg)
+    summed = lambda p, b: loss_fn(p, b, cfg, normalize="none", labels="labels")[0]  # noqa: E731
+    grad = jax.value_and_grad(summed)
+    total = float(batch["loss_tokens"].sum())
+    # one denominator for every part: the whole batch's loss tokens
+    parts = [grad(params, part) for part in _split(batch, 2)]
+    loss = sum(float(v) for v, _ in parts) / total
+    grads = {k: sum(g[k] for _, g in parts) / total for k in params}
+    # the examples this batch holds, unpacked: one per padded row, per-token mean
+    docs = [(batch["tokens"][r, a : a + n], batch["labels"][r, a : a + n])
+            for (r, j), n in np.ndenumerate(batch["tokens_segment_lengths"]) if n > 0
+            for a in [batch["tokens_segment_offsets"][r, j]]]
+    assert len(docs) > batch["tokens"].shape[0]  # really packed
+    alone = pack([t for t, _ in docs], PackConfig(32, max_segments=1))
+    alone["labels"] = np.full_like(alone["tokens"], -100)
+    for r, i in enumerate(alone["segment_source_index"][:, 0]):
+        alone["labels"][r, : docs[i][1].size] = docs[i][1]
+    (want, (_, count)), want_g = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, alone, cfg, normalize="tokens", labels="labels")
+    assert int(count.sum()) == total  # loss_tokens counts what the loss counts
+    np.testing.assert_allclose(loss, float(want), rtol=1e-5)
+    for k in params:
+        np.testing.assert_allclose(grads[k], want_g[k], rtol=1e-4, atol=2e-6, err_msg=k)
+
+
+def test_the_example_trains_on_sft_data_with_micro_batches():
+    from examples.train_tiny_lm import stdlib_corpus, train
+
+    cfg = ModelConfig(dim=32, heads=2, layers=1, mlp=64, max_len=64)
+    losses = train(6, seq_len=64, batch_size=4, model=cfg, examples=stdlib_corpus(200),
+                   sft=True, micro_batches=2)
+    assert len(losses) == 6 and all(np.isfinite(losses)) and losses[-1] < losses[0]
