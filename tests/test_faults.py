@@ -195,7 +195,7 @@ def test_a_refused_shard_is_the_error_even_when_cleanup_fails_too(corpus, tmp_pa
 
 def _take(path: str, go, results, done) -> None:
     from seqpack.pipelines.errors import UsageError
-    from seqpack.pipelines.offline.outdir import DirLock
+    from seqpack.pipelines.offline.lock import DirLock
 
     lock = DirLock(path)
     go.wait()

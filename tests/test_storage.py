@@ -325,7 +325,7 @@ def test_url_to_url_round_trips_local_and_beam_give_the_local_bytes(store, input
 
 def _take_remote(url: str, go, results, done) -> None:
     from seqpack.pipelines.errors import UsageError
-    from seqpack.pipelines.offline.outdir import DirLock
+    from seqpack.pipelines.offline.lock import DirLock
 
     lock = DirLock(url)
     go.wait()

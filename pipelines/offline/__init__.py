@@ -9,7 +9,8 @@ Arranged by role::
     beam.py       the Beam runner (`pack_beam`) and beam_steps.py, its steps as plain functions
     shards.py     shard encoding and writing (both runners)
     record.py     the run record: intent, inputs record, manifest results
-    outdir.py     where a run writes (local or object storage): lock, intent, completion records
+    outdir.py     where a run writes (local or object storage): intent, completion records
+    lock.py       one writer per output (flock locally, conditional writes on object storage)
     spill.py      pass 1's token spill;  workers.py  the worker processes
     verify.py     proves an output lossless;  report.py  what the CLI shows
 

@@ -14,7 +14,7 @@ local runner, the Beam job, its steps and the CLI all take the job, not a bag of
 
 `output_session(job)` is the one place an output is opened and closed, for both runners: it
 refuses an unusable output before any input is read, creates the directory, holds the output's
-lock (`outdir.DirLock`: one writer per output) for the whole run, and on the way out removes the
+lock (`lock.DirLock`: one writer per output) for the whole run, and on the way out removes the
 lock, the local spill, a remote output's staging directory, and a directory it created that
 stayed empty. A failing cleanup step never hides the error that ended the run.
 """
@@ -33,7 +33,8 @@ from seqpack.packer.order import RowOrder
 from seqpack.packer.plan import DEFAULT_BLOCK_SIZE, check_block_size
 from seqpack.pipelines.errors import UsageError
 from seqpack.pipelines.formats.inputs import ReadOptions
-from seqpack.pipelines.offline.outdir import DirLock, OutputDir, check_dir
+from seqpack.pipelines.offline.lock import DirLock
+from seqpack.pipelines.offline.outdir import OutputDir, check_dir
 from seqpack.pipelines.offline.shards import WriteOptions
 from seqpack.pipelines.offline.spill import SPILL_DIR
 
