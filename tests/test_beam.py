@@ -151,7 +151,10 @@ def test_pipeline_options_defaults_and_overrides():
 
     default = pipeline_options().view_as(DirectOptions)
     assert default.direct_running_mode == "multi_processing"
-    assert 1 <= default.direct_num_workers <= 8
+    from seqpack.pipelines.offline import default_workers
+
+    assert default.direct_num_workers == default_workers()  # the local runner's default
+    assert pipeline_options(workers=3).view_as(DirectOptions).direct_num_workers == 3
     given = pipeline_options(["direct_num_workers=2", "--direct_running_mode=multi_threading"])
     assert given.view_as(DirectOptions).direct_num_workers == 2
     assert given.view_as(DirectOptions).direct_running_mode == "multi_threading"

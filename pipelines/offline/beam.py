@@ -32,8 +32,8 @@ in file order), so every strategy packs as locally: the same rows, whatever the 
 workers. The output is byte-identical to the local CLI's: shards and manifest.json (no runner
 field; the manifest does not say how it was made).
 
-Runners: DirectRunner in multi-processing mode by default (`direct_num_workers`: the CPU count,
-at most 8); any Beam pipeline option goes through `beam_options` ("KEY=VALUE", or "KEY" for a
+Runners: DirectRunner in multi-processing mode by default (`direct_num_workers`: the job's
+`workers`, by default the CPU count, as locally); any Beam pipeline option goes through `beam_options` ("KEY=VALUE", or "KEY" for a
 flag). Workers read the inputs and write the output through their paths or URLs (`gs://`,
 `s3://`: `offline.outdir.OutputDir`), so on a cluster (Dataflow, Flink, Spark) inputs and output
 on object storage need no shared filesystem; a local output directory must be one every worker
@@ -78,7 +78,6 @@ from seqpack.pipelines.offline.job import PackJob, default_workers, output_sessi
 from seqpack.pipelines.offline.outdir import ERROR, OutputDir
 from seqpack.pipelines.offline.shards import WriteOptions
 
-_MAX_DEFAULT_WORKERS = 8
 # Runners this job refuses (the `runner` option's last dotted part, lower case), and why; see the
 # module docstring (tests/test_beam_dask.py reproduces the Dask runner's faults with plain Beam).
 _REFUSED_RUNNERS = dict.fromkeys(
@@ -113,9 +112,9 @@ def pipeline_options(beam_options: Sequence[str] = (), workers: int | None = Non
     """Beam `PipelineOptions` from "KEY=VALUE" / "KEY" strings, with this job's defaults.
 
     With no `runner`, or the DirectRunner: multi-processing mode, `direct_num_workers` =
-    `workers` (the job's; None: the CPU count, at most 8); harness logs from WARNING up. Any of
-    these can be overridden. A refused runner (`_REFUSED_RUNNERS`: Beam's Dask runner) is a
-    UsageError.
+    `workers` (the job's; None: the CPU count, as for the local runner); harness logs from
+    WARNING up. Any of these can be overridden. A refused runner (`_REFUSED_RUNNERS`: Beam's
+    Dask runner) is a UsageError.
     """
     given: dict[str, str | None] = {}
     for item in beam_options:
@@ -132,8 +131,7 @@ def pipeline_options(beam_options: Sequence[str] = (), workers: int | None = Non
     defaults = {"default_sdk_harness_log_level": "WARNING"}
     if runner in ("DirectRunner", "direct"):
         defaults["direct_running_mode"] = "multi_processing"
-        defaults["direct_num_workers"] = str(workers or min(default_workers(),
-                                                            _MAX_DEFAULT_WORKERS))
+        defaults["direct_num_workers"] = str(workers or default_workers())
     flags = [f"--{k}={v}" if v is not None else f"--{k}" for k, v in {**defaults, **given}.items()]
     return PipelineOptions(flags)
 
