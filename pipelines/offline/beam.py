@@ -34,8 +34,9 @@ field; the manifest does not say how it was made).
 
 Runners: DirectRunner in multi-processing mode by default (`direct_num_workers`: the job's
 `workers`, by default the CPU count, as locally); any Beam pipeline option goes through
-`beam_options` ("KEY=VALUE", or "KEY" for a flag). Workers read the inputs and write the output through their paths or URLs (`gs://`,
-`s3://`: `offline.outdir.OutputDir`), so on a cluster (Dataflow, Flink, Spark) inputs and output
+`beam_options` ("KEY=VALUE", or "KEY" for a flag). Workers read the inputs and write the
+output through their paths or URLs (`gs://`, `s3://`: `offline.outdir.OutputDir`), so on a
+cluster (Dataflow, Flink, Spark) inputs and output
 on object storage need no shared filesystem; a local output directory must be one every worker
 sees. Steps exchange data only through Beam and the output location.
 
