@@ -180,3 +180,25 @@ def test_the_training_pipeline_gives_each_rank_its_balanced_rows(packed, tmp_pat
     for k in range(steps):  # host h of a step holds ranks 2h, 2h + 1 of one written step
         step = np.concatenate([seen[0][k], seen[1][k]])
         assert step.tobytes() in by_step
+
+
+@pytest.mark.slow
+def test_a_killed_balanced_run_resumes_to_the_same_bytes(tmp_path):
+    import os
+    import signal
+
+    from tests.helpers.files import run_cli
+    from tests.helpers.runs import finish, start, wait_for
+
+    paths = _corpus(tmp_path)
+    args = ["--seq-len", 64, "--max-segments", 16, "--overflow", "split", "--shard-rows", 8,
+            "--data-parallel", 4, "--batch-size", 2, "--d-model", 16, "--workers", 2]
+    assert run_cli("pack", *paths, "-o", tmp_path / "clean", *args).returncode == 0
+    out = tmp_path / "out"
+    run = start("pack", *paths, "-o", out, *args, env={"SEQPACK_TEST_SHARD_DELAY": "0.2"})
+    wait_for(lambda: out.is_dir() and any(n.endswith(".done") for n in os.listdir(out)), run)
+    os.killpg(run.pid, signal.SIGKILL)
+    finish(run)
+    result = run_cli("pack", *paths, "-o", out, *args, "--resume")
+    assert result.returncode == 0, result.stderr
+    assert dir_bytes(out) == dir_bytes(tmp_path / "clean")
