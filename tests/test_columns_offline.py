@@ -209,3 +209,28 @@ def test_the_beam_job_packs_every_column_as_locally(tmp_path):
     pack_beam(_job(paths, tmp_path / "beam", workers=2), quiet=True)
     assert dir_bytes(tmp_path / "beam") == dir_bytes(tmp_path / "local")
     assert verify(str(tmp_path / "beam")).ok
+
+
+def test_the_training_pipeline_reads_the_columns_by_their_recorded_roles(tmp_path):
+    pytest.importorskip("grain")
+    from seqpack.pipelines.datasets import (
+        LossTokens,
+        PackedArrayRecordSource,
+        make_training_pipeline,
+    )
+
+    paths, _ = _write(tmp_path, np.random.default_rng(4))
+    out = tmp_path / "out"
+    invoke("pack", *paths, "-o", out, "--seq-len", 32, "--max-segments", 4, "--overflow",
+           "split", "--column", "input_ids", "--column", "labels", "--column", "mask",
+           "--pad", "labels=-100", "--workers", 1)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [(c["name"], c["role"]) for c in manifest["columns"]] == [("labels", "labels"),
+                                                                    ("mask", "mask")]
+    ds = make_training_pipeline(PackedArrayRecordSource(str(out)), batch_size=4, shuffle_seed=0,
+                                num_epochs=1, shard_index=0, shard_count=1)
+    batch = next(iter(ds))
+    assert batch["labels"].shape == batch["mask"].shape == batch["tokens"].shape
+    want = LossTokens(labels=("labels",), masks=("mask",)).count(batch)
+    np.testing.assert_array_equal(batch["loss_tokens"], want)
+    assert (want < LossTokens().count(batch)).all()  # the prompts take no loss
