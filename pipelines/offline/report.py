@@ -73,6 +73,7 @@ def summary(s: dict, batch_size: int) -> dict:
         "steps_per_epoch": -(-rows // batch_size),
         # attention over the segments against attention over whole rows (sum l^2 / L^2)
         "attention_fraction": s.get("attention_fraction"),
+        "row_attention_p50": (s.get("row_attention_quantiles") or {}).get("p50"),
         "row_cost_max_over_mean": s.get("row_cost_max_over_mean"),
         "row_cost_p50": (s.get("row_cost_quantiles") or {}).get("p50"),
         "along_output": (s.get("along_output") or {}).get("segments_per_row"),
@@ -96,6 +97,7 @@ _ROWS = [
     ("pieces of split examples", "split_pieces", "{:,}"),
     ("steps / epoch", "steps_per_epoch", "{:,}"),
     ("attention vs whole rows", "attention_fraction", "{:.2%}"),
+    ("  per row, p50", "row_attention_p50", "{:.2%}"),
     ("row cost p50 (tokens)", "row_cost_p50", "{:,.0f}"),
     ("row cost max / mean", "row_cost_max_over_mean", "{:.2f}"),
     ("segments / row by tenth", "along_output", "{}"),
