@@ -151,6 +151,7 @@ def test_sigkill_in_the_read_pass_then_resume(tmp_path, workers):
     assert dir_bytes(out) == dir_bytes(clean)
 
 
+@pytest.mark.slow  # seconds of subprocesses; the fault tests cover the fast path
 def test_sigkill_in_the_write_pass_with_workers_then_resume(tmp_path):
     paths = [write_jsonl(tmp_path / f"{i}.jsonl", random_seqs(400, max_len=120, seed=i))
              for i in range(3)]

@@ -223,6 +223,7 @@ def _objects(store, url: str) -> dict[str, bytes]:
     return {p.rsplit("/", 1)[-1]: fs.cat(p) for p in sorted(found)}
 
 
+@pytest.mark.slow  # seconds of subprocesses; the fault tests cover the fast path
 def test_pack_to_object_storage_gives_the_local_bytes(store, inputs, tmp_path):
     local = tmp_path / "local"
     args = ["--seq-len", 64, "--max-segments", 8, "--shard-rows", 10, "--workers", 2]
@@ -266,6 +267,7 @@ def test_a_damaged_remote_shard_is_rewritten_by_resume_and_a_lock_refuses(store,
     assert result.returncode == 2 and "another seqpack run" in result.stderr
 
 
+@pytest.mark.slow  # seconds of subprocesses; the fault tests cover the fast path
 def test_sigkill_mid_run_on_object_storage_then_resume(store, tmp_path):
     import signal
     import time
