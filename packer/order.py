@@ -48,6 +48,7 @@ from functools import cached_property
 
 import numpy as np
 
+from seqpack.packer.config import _enum_value
 from seqpack.packer.cost import CostModel
 from seqpack.packer.permute import Permutation
 
@@ -73,11 +74,7 @@ class RowOrder:
     cost: CostModel = dataclasses.field(default_factory=CostModel)
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "mode", OrderMode(self.mode))
-        except ValueError:
-            choices = ", ".join(repr(m.value) for m in OrderMode)
-            raise ValueError(f"mode={self.mode!r} is not known; use one of {choices}") from None
+        object.__setattr__(self, "mode", _enum_value(OrderMode, "mode", self.mode))
         for name in ("seed", "batch_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | np.integer):
@@ -143,8 +140,9 @@ class BlockLayout:
 
     @cached_property
     def where(self) -> np.ndarray:
-        """i64[num_rows]: position of each local row in `rows`, -1 for leftovers."""
-        out = np.full(self.num_rows, -1, np.int64)
+        """i32[num_rows]: position of each local row in `rows`, -1 for leftovers (built on the
+        first `output_positions` query: 4 more bytes a row)."""
+        out = np.full(self.num_rows, -1, np.int32 if self.num_rows < 2**31 else np.int64)
         out[self.rows] = np.arange(self.rows.size)
         return out
 
@@ -275,7 +273,7 @@ class GlobalOrder:
         pos = np.full(p.size, -1, np.int64)
         for j in np.unique(blk).tolist():
             sel = blk == j
-            pos[sel] = _layout(layouts, j).where[p[sel] - self.row_base[j]]
+            pos[sel] = _layout(layouts, j).where[p[sel] - self.row_base[j]].astype(np.int64)
         inb = pos >= 0
         step = self.step_base[blk[inb]] + pos[inb] // G
         out[inb] = self._steps.inverse(step) * G + pos[inb] % G

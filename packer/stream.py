@@ -125,8 +125,9 @@ class StreamPlanner:
         else:  # every pass, down to the bound: windows are small
             row, num_rows = assign_best_fit_decreasing(sizes, cfg.seq_len, cfg.max_segments,
                                                        slack=0, repair_rows=final)
-        emit = np.ones(num_rows, bool) if final else self._final_rows(pieces, sizes, row,
-                                                                      num_rows)
+        emit = np.ones(num_rows, bool)
+        if not final:
+            emit, row = self._final_rows(pieces, sizes, row, num_rows)
         out = emit[row]
         held = pieces[~out]
         self._held = held[np.lexsort((held[:, 1], held[:, 0], held[:, 3]))]
@@ -137,24 +138,37 @@ class StreamPlanner:
                             int(emit.sum()), Counters(), cfg)
 
     def _final_rows(self, pieces: np.ndarray, sizes: np.ndarray, row: np.ndarray,
-                    num_rows: int) -> np.ndarray:
-        """bool[num_rows]: rows to emit. Kept open: rows with room for the smallest piece (a
-        row full in slots too: planned again, its pieces may pack better) that hold no piece
-        due (`max_carry`), least filled first, up to `max_open_rows` rows and 2 * `window`
-        pieces (so a window plans at most three windows of pieces)."""
+                    num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(bool[num_rows]: rows to emit, row per piece). Kept open: rows with room for the
+        smallest piece (a row full in slots too: planned again, its pieces may pack better),
+        least filled first, up to `max_open_rows` rows and 2 * `window` pieces (or 2 rows of
+        tokens, when rows take more than a window). A piece due (open `max_carry` windows)
+        trades places with a younger piece of at least its size in an emitted row; a row still
+        holding one is emitted."""
         cfg = self.config
         used = np.bincount(row, weights=sizes, minlength=num_rows)
         count = np.bincount(row, minlength=num_rows)
         smallest = int(sizes.min()) if sizes.size else 1
-        emit = cfg.seq_len - used < smallest  # slot-full rows may stay: planned again
-        due = pieces[:, 3] <= self._windows - 1 - self.max_carry
-        emit[row[due]] = True
-        keep = np.flatnonzero(~emit)
+        keep = np.flatnonzero(cfg.seq_len - used >= smallest)
         keep = keep[np.lexsort((keep, used[keep]))][: self.max_open_rows]  # least filled first
-        keep = keep[np.cumsum(count[keep]) <= 2 * self.window]
-        emit[:] = True
+        pieces_before = np.cumsum(count[keep]) - count[keep]
+        tokens_before = np.cumsum(used[keep]) - used[keep]
+        keep = keep[(pieces_before + count[keep] <= 2 * self.window)
+                    | (tokens_before < 2 * cfg.seq_len)]
+        emit = np.ones(num_rows, bool)
         emit[keep] = False
-        return emit
+        age = self._windows - 1 - pieces[:, 3]
+        due = age >= self.max_carry
+        old = age >= (self.max_carry + 1) // 2
+        if (old & ~emit[row]).any() and emit.any():  # old pieces leave by full rows, early
+            row = _trade(row, sizes, old & ~emit[row], ~old & emit[row],
+                         np.zeros(num_rows), exact=True)
+        stuck = due & ~emit[row]
+        if stuck.any():
+            used = np.bincount(row, weights=sizes, minlength=num_rows)
+            row = _trade(row, sizes, stuck, ~due & emit[row], cfg.seq_len - used)
+            emit[row[due]] = True
+        return emit, row
 
     # -- state ---------------------------------------------------------------------------------
     def oldest_open_id(self) -> int | None:
@@ -188,6 +202,39 @@ class StreamPlanner:
         self._open_rows = int(state.get("open_rows", len(state["rows"])))
         self._windows = int(state["windows"])
         self.counters = Counters(**state["counters"])
+
+
+def _trade(row: np.ndarray, sizes: np.ndarray, stuck: np.ndarray, free: np.ndarray,
+           room: np.ndarray, *, exact: bool = False) -> np.ndarray:
+    """Trades rows between `stuck` pieces (in rows kept open) and `free` ones (in rows emitted):
+    each stuck piece of size x, smallest first, takes the place of the smallest unused free
+    piece of size y >= x whose difference its own row has room for (`room`, f64[rows]: the
+    kept row gains y - x, the emitted one loses it; counts do not change). `exact`: y = x only
+    (no row changes its load)."""
+    row = row.copy()
+    room = room.copy()
+    s_idx, f_idx = np.flatnonzero(stuck), np.flatnonzero(free)
+    s_idx = s_idx[np.argsort(sizes[s_idx], kind="stable")]
+    f_idx = f_idx[np.argsort(sizes[f_idx], kind="stable")]
+    f_sizes = sizes[f_idx].tolist()
+    k = 0
+    for a in s_idx.tolist():
+        x = int(sizes[a])
+        while k < len(f_sizes) and f_sizes[k] < x:
+            k += 1
+        if k == len(f_sizes):
+            break
+        b = int(f_idx[k])
+        y = f_sizes[k]
+        if exact and y != x:
+            continue
+        if y - x > room[row[a]]:
+            continue  # this row cannot take the bigger piece; the row will be emitted
+        room[row[a]] -= y - x
+        room[row[b]] += y - x
+        row[a], row[b] = row[b], row[a]
+        k += 1
+    return row
 
 
 def pack_stream(
