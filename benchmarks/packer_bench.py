@@ -155,22 +155,30 @@ MAIN_BFD = "packer/strategies/best_fit_decreasing.py"
 
 
 BASELINE = "f002f8b"  # the packer before the two-dimensional planner (plain BFD + worst fit)
+MAIN_STREAM = "packer/stream.py"
+
+
+def _baseline_module(rev: str, path: str, name: str):
+    """The module at `path` as of git revision `rev`, loaded into this process (or None)."""
+    try:
+        src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    mod = types.ModuleType(name)
+    exec(compile(src, f"{rev}:{path}", "exec"), mod.__dict__)
+    return mod
 
 
 def baseline_bfd(rev: str):
     """assign_best_fit_decreasing as of git revision `rev`, or None outside a git checkout."""
-    try:
-        src = subprocess.run(["git", "show", f"{rev}:{MAIN_BFD}"], capture_output=True,
-                             text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    mod = types.ModuleType("baseline_best_fit_decreasing")
-    exec(compile(src, f"{rev}:{MAIN_BFD}", "exec"), mod.__dict__)
-    return mod.assign_best_fit_decreasing
+    mod = _baseline_module(rev, MAIN_BFD, "baseline_best_fit_decreasing")
+    return None if mod is None else mod.assign_best_fit_decreasing
 
 
-def stream_rows(lengths: np.ndarray, cfg: PackConfig, window: int = 1024) -> int:
-    planner = StreamPlanner(cfg, window=window)
+def stream_rows(lengths: np.ndarray, cfg: PackConfig, window: int = 1024,
+                planner_cls=StreamPlanner) -> int:
+    planner = planner_cls(cfg, window=window)
     rows = 0
     for a in range(0, lengths.size, window):
         rows += planner.add_plan(np.arange(a, min(a + window, lengths.size)),
@@ -197,7 +205,13 @@ def _over(rows: int, bound: int) -> str:
     return f"{rows - bound:+d} ({(rows / bound - 1) * 100:+.2f}%)"
 
 
-def grid(name, lengths, Ls, Ss, old, with_stream):
+def _time_stream(lengths, cfg, planner_cls):
+    t0 = time.perf_counter()
+    rows = stream_rows(lengths, cfg, planner_cls=planner_cls)
+    return time.perf_counter() - t0, rows
+
+
+def grid(name, lengths, Ls, Ss, old, with_stream, old_stream=None):
     table, speed = [], []
     new = plan_mod._ASSIGN[Strategy.BEST_FIT_DECREASING]
     for L in Ls:
@@ -216,12 +230,20 @@ def grid(name, lengths, Ls, Ss, old, with_stream):
                                                strategy="best_fit")).num_rows
             ff = plan_rows(lengths, PackConfig(L, max_segments=S, overflow="split",
                                                strategy="first_fit")).num_rows
-            st = _over(stream_rows(lengths, cfg), tight) if with_stream else "-"
+            st = st_old = "-"
+            ts_new = ts_old = float("nan")
+            if with_stream:
+                ts_new, rows = _time_stream(lengths, cfg, StreamPlanner)
+                st = _over(rows, tight)
+                if old_stream is not None:
+                    ts_old, rows = _time_stream(lengths, cfg, old_stream)
+                    st_old = _over(rows, tight)
             table.append([L, S, simple, tight, _over(r_new, tight),
                           _over(r_old, tight) if old else "-", _over(bf, tight),
-                          _over(ff, tight), st])
+                          _over(ff, tight), st, st_old])
             speed.append([L, S, f"{t_new * 1e3:.1f}", f"{t_old * 1e3:.1f}",
-                          f"{t_new / t_old:.2f}x" if old else "-"])
+                          f"{t_new / t_old:.2f}x" if old else "-", f"{ts_new * 1e3:.0f}",
+                          f"{ts_old * 1e3:.0f}", f"{ts_new / ts_old:.2f}x"])
     return table, speed
 
 
@@ -230,14 +252,18 @@ def run_grid(args) -> None:
     Ls = args.grid_seq_len or [2048, 8192, 32768, 131072]
     Ss = args.grid_max_segments or [8, 64, 256, 4096]
     old = baseline_bfd(args.baseline)
+    mod = _baseline_module(args.baseline, MAIN_STREAM, "baseline_stream")
+    old_stream = None if mod is None else mod.StreamPlanner
     for name, lengths in load_lengths(args.corpus).items():
-        table, speed = grid(name, lengths, Ls, Ss, old, not args.no_stream)
+        table, speed = grid(name, lengths, Ls, Ss, old, not args.no_stream, old_stream)
         print_table(f"{name}: {lengths.size} examples, {int(lengths.sum())} tokens; rows over "
                     "the tight bound", ["L", "S", "simple bound", "tight bound",
                                         "best_fit_decreasing", "baseline BFD", "best_fit",
-                                        "first_fit", "StreamPlanner"], table)
-        print_table(f"{name}: plan_rows time, best_fit_decreasing, ms (best of 3)",
-                    ["L", "S", "this branch", f"baseline {args.baseline}", "ratio"], speed)
+                                        "first_fit", "StreamPlanner", "baseline stream"], table)
+        print_table(f"{name}: plan_rows time, best_fit_decreasing, ms (best of 3); "
+                    "StreamPlanner ms (one pass)",
+                    ["L", "S", "plan", f"plan {args.baseline}", "ratio", "stream",
+                     f"stream {args.baseline}", "ratio"], speed)
         t_new = sum(float(r[2]) for r in speed)
         t_old = sum(float(r[3]) for r in speed)
         print(f"{name}: total {t_new:.0f} ms against the baseline's {t_old:.0f} ms "
