@@ -2,7 +2,7 @@
 
 A row holds `capacity` tokens in at most `max_segments` slots; the plan is measured against the
 tight lower bound of `packer.bounds`. Three passes, each run only if the ones before it are
-further from the bound than `gate` (0.05%, rounded down), the best plan winning:
+further from the bound than `gate` (0.05%, at least one row), the best plan winning:
 
 1. plain best fit decreasing (largest first, into the row it leaves with the least room), run by
    run of equal sizes (below): the best plan wherever the segment cap hardly binds;
@@ -140,9 +140,9 @@ def _worst_fit_sorted(sizes_desc: list[int], capacity: int, max_segments: int, n
 
 
 def gate(bound: int) -> int:
-    """The most rows a pass may leave before the next one runs: the bound + 0.05% (rounded
-    down: the bound itself below 2,000 rows)."""
-    return bound + bound // 2000
+    """The most rows a pass may leave before the next one runs: the bound + 0.05%, at least
+    + 1 (one row on a plan of fewer than 2,000)."""
+    return bound + max(1, bound // 2000)
 
 
 def repair_target(bound: int) -> int:
