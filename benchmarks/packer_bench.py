@@ -1,6 +1,16 @@
 """Packer benchmark: seqpack strategies vs Grain's packers and TRL's pack_dataset, same data.
 
     python -m benchmarks.packer_bench [--corpus chat_dev] [--seq-len 2048] [--max-segments 64]
+    python -m benchmarks.packer_bench --grid [--corpus chat_turns] [--grid-seq-len 8192 ...]
+
+`--grid`: per corpus of benchmarks/corpora.py (chat_dev, gsm8k_train, stdlib_source,
+chat_turns) and cell of L in {2k, 8k, 32k, 128k} x S in {8, 64, 256, 4096}: the simple bound
+max(ceil(T/L), ceil(n/S)), the tight bound (`packer.bounds`) and rows over the tight bound for
+best_fit_decreasing (the offline default), the baseline's best_fit_decreasing, best_fit,
+first_fit and `StreamPlanner` (window 1024, its defaults), overflow split; then `plan_rows` time
+with this best_fit_decreasing against the baseline's (`--baseline`, default f002f8b: the packer
+before the two-dimensional planner; its module loaded from `git show REV:...` into this
+process, the two timed alternately, best of 3).
 
 One table per corpus (../shared/data/*.npz, or a synthetic lognormal corpus when absent):
 strategy, rows, lower bound, efficiency, examples/s, tokens/s. Everything runs in this process on
@@ -12,12 +22,27 @@ Grain and TRL are measured only when installed.
 from __future__ import annotations
 
 import argparse
+import importlib
+import subprocess
 import time
+import types
 
 import numpy as np
 
 from benchmarks.common import best_time, corpora, fmt_rate, pin_one_core, print_table
-from seqpack.packer import PackConfig, StreamPlanner, lower_bound, pack_ragged, pack_stream
+from benchmarks.corpora import lengths as load_lengths
+from seqpack.packer import (
+    PackConfig,
+    StreamPlanner,
+    lower_bound,
+    pack_ragged,
+    pack_stream,
+    plan_rows,
+    tight_lower_bound,
+)
+from seqpack.packer.config import Strategy
+
+plan_mod = importlib.import_module("seqpack.packer.plan")
 
 
 def _row(name, rows, lb, real, L, seconds, n, tokens, note=""):
@@ -126,6 +151,125 @@ def bench_trl(tokens, offsets, L, lb):
     return out
 
 
+MAIN_BFD = "packer/strategies/best_fit_decreasing.py"
+
+
+BASELINE = "f002f8b"  # the packer before the two-dimensional planner (plain BFD + worst fit)
+MAIN_STREAM = "packer/stream.py"
+
+
+def _baseline_module(rev: str, path: str, name: str):
+    """The module at `path` as of git revision `rev`, loaded into this process (or None)."""
+    try:
+        src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    mod = types.ModuleType(name)
+    exec(compile(src, f"{rev}:{path}", "exec"), mod.__dict__)
+    return mod
+
+
+def baseline_bfd(rev: str):
+    """assign_best_fit_decreasing as of git revision `rev`, or None outside a git checkout."""
+    mod = _baseline_module(rev, MAIN_BFD, "baseline_best_fit_decreasing")
+    return None if mod is None else mod.assign_best_fit_decreasing
+
+
+def stream_rows(lengths: np.ndarray, cfg: PackConfig, window: int = 1024,
+                planner_cls=StreamPlanner) -> int:
+    planner = planner_cls(cfg, window=window)
+    rows = 0
+    for a in range(0, lengths.size, window):
+        rows += planner.add_plan(np.arange(a, min(a + window, lengths.size)),
+                                 lengths[a : a + window]).num_rows
+    return rows + planner.finish_plan().num_rows
+
+
+def _time_plan(lengths, cfg, assign, repeats=3):
+    """Best time of plan_rows with best_fit_decreasing's assign swapped for `assign`."""
+    saved = plan_mod._ASSIGN[Strategy.BEST_FIT_DECREASING]
+    plan_mod._ASSIGN[Strategy.BEST_FIT_DECREASING] = assign
+    try:
+        best, rows = float("inf"), 0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            rows = plan_rows(lengths, cfg).num_rows
+            best = min(best, time.perf_counter() - t0)
+        return best, rows
+    finally:
+        plan_mod._ASSIGN[Strategy.BEST_FIT_DECREASING] = saved
+
+
+def _over(rows: int, bound: int) -> str:
+    return f"{rows - bound:+d} ({(rows / bound - 1) * 100:+.2f}%)"
+
+
+def _time_stream(lengths, cfg, planner_cls):
+    t0 = time.perf_counter()
+    rows = stream_rows(lengths, cfg, planner_cls=planner_cls)
+    return time.perf_counter() - t0, rows
+
+
+def grid(name, lengths, Ls, Ss, old, with_stream, old_stream=None):
+    table, speed = [], []
+    new = plan_mod._ASSIGN[Strategy.BEST_FIT_DECREASING]
+    for L in Ls:
+        full = lengths // L  # overflow split: pieces of L, and the rest
+        sizes = np.concatenate([np.full(int(full.sum()), L), (lengths % L)[lengths % L > 0]])
+        for S in Ss:
+            cfg = PackConfig(L, max_segments=S, overflow="split")
+            tight = tight_lower_bound(sizes, L, S)
+            simple = lower_bound(int(sizes.sum()), sizes.size, L, S)
+            # alternate new and old so both see the same machine load
+            t_new, r_new = _time_plan(lengths, cfg, new)
+            t_old, r_old = _time_plan(lengths, cfg, old) if old else (float("nan"), 0)
+            t_new2, _ = _time_plan(lengths, cfg, new)
+            t_new = min(t_new, t_new2)
+            bf = plan_rows(lengths, PackConfig(L, max_segments=S, overflow="split",
+                                               strategy="best_fit")).num_rows
+            ff = plan_rows(lengths, PackConfig(L, max_segments=S, overflow="split",
+                                               strategy="first_fit")).num_rows
+            st = st_old = "-"
+            ts_new = ts_old = float("nan")
+            if with_stream:
+                ts_new, rows = _time_stream(lengths, cfg, StreamPlanner)
+                st = _over(rows, tight)
+                if old_stream is not None:
+                    ts_old, rows = _time_stream(lengths, cfg, old_stream)
+                    st_old = _over(rows, tight)
+            table.append([L, S, simple, tight, _over(r_new, tight),
+                          _over(r_old, tight) if old else "-", _over(bf, tight),
+                          _over(ff, tight), st, st_old])
+            speed.append([L, S, f"{t_new * 1e3:.1f}", f"{t_old * 1e3:.1f}",
+                          f"{t_new / t_old:.2f}x" if old else "-", f"{ts_new * 1e3:.0f}",
+                          f"{ts_old * 1e3:.0f}", f"{ts_new / ts_old:.2f}x"])
+    return table, speed
+
+
+def run_grid(args) -> None:
+    """`--grid`: rows over the tight bound per (L, S) and strategy, plan time against main."""
+    Ls = args.grid_seq_len or [2048, 8192, 32768, 131072]
+    Ss = args.grid_max_segments or [8, 64, 256, 4096]
+    old = baseline_bfd(args.baseline)
+    mod = _baseline_module(args.baseline, MAIN_STREAM, "baseline_stream")
+    old_stream = None if mod is None else mod.StreamPlanner
+    for name, lengths in load_lengths(args.corpus).items():
+        table, speed = grid(name, lengths, Ls, Ss, old, not args.no_stream, old_stream)
+        print_table(f"{name}: {lengths.size} examples, {int(lengths.sum())} tokens; rows over "
+                    "the tight bound", ["L", "S", "simple bound", "tight bound",
+                                        "best_fit_decreasing", "baseline BFD", "best_fit",
+                                        "first_fit", "StreamPlanner", "baseline stream"], table)
+        print_table(f"{name}: plan_rows time, best_fit_decreasing, ms (best of 3); "
+                    "StreamPlanner ms (one pass)",
+                    ["L", "S", "plan", f"plan {args.baseline}", "ratio", "stream",
+                     f"stream {args.baseline}", "ratio"], speed)
+        t_new = sum(float(r[2]) for r in speed)
+        t_old = sum(float(r[3]) for r in speed)
+        print(f"{name}: total {t_new:.0f} ms against the baseline's {t_old:.0f} ms "
+              f"({t_new / t_old:.2f}x)")
+
+
 def _parse_rate(text: str) -> float:
     scale = {"M": 1e6, "k": 1e3}.get(text[-1], 1.0)
     return float(text.rstrip("Mk")) * scale
@@ -138,8 +282,17 @@ def main() -> None:
     ap.add_argument("--max-segments", type=int, default=64)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--no-baselines", action="store_true", help="skip Grain and TRL")
+    ap.add_argument("--grid", action="store_true", help="the (L, S) grid (see the docstring)")
+    ap.add_argument("--grid-seq-len", type=int, action="append")
+    ap.add_argument("--grid-max-segments", type=int, action="append")
+    ap.add_argument("--no-stream", action="store_true", help="--grid without StreamPlanner")
+    ap.add_argument("--baseline", default=BASELINE, help="git revision timed against (default: "
+                    "the packer before the two-dimensional planner)")
     args = ap.parse_args()
     print(f"seqpack packer benchmark ({pin_one_core()})")
+    if args.grid:
+        run_grid(args)
+        return
     L, S = args.seq_len, args.max_segments
     header = ["packer", "rows", "lower bound", "rows vs LB", "efficiency", "examples/s",
               "tokens/s", "note"]

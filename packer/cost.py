@@ -31,6 +31,8 @@ import enum
 
 import numpy as np
 
+from seqpack.packer.config import _enum_value
+
 
 class CostKind(enum.StrEnum):
     """How a segment's length turns into work."""
@@ -47,11 +49,7 @@ class CostModel:
     d_model: int = 4096
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "kind", CostKind(self.kind))
-        except ValueError:
-            choices = ", ".join(repr(k.value) for k in CostKind)
-            raise ValueError(f"kind={self.kind!r} is not known; use one of {choices}") from None
+        object.__setattr__(self, "kind", _enum_value(CostKind, "kind", self.kind))
         d = self.d_model
         if isinstance(d, bool) or not isinstance(d, int | np.integer) or d < 1:
             raise ValueError(f"d_model={d!r} must be an int >= 1 (the model's hidden width)")

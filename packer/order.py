@@ -19,7 +19,7 @@ different workers; the local writer runs the same functions, so both give the sa
    Rows sorted by cost, D * b consecutive rows a step (rows of like cost share a step: the only
    way a step of one row per rank can be even); inside a step the rows are dealt to the ranks
    in snake order (the D heaviest one each, the next D the other way round, ...), then the
-   ranks are shuffled. The leftovers are a spread sample by cost.
+   ranks are shuffled. The leftovers are the block's cheapest rows (the sparse low tail).
 2. `global_order(summaries, order)` — from each block's `summary()` (row count, leftover rows
    and their costs: small): arranges all leftovers like a block, permutes all full steps
    (`Permutation` over steps) and returns a compact `GlobalOrder`.
@@ -32,11 +32,11 @@ Worked example (BALANCED, D = 2, b = 1; one block of 7 rows; costs by plan row):
 
     costs:        r0 9   r1 1   r2 5   r3 8   r4 2   r5 4   r6 6
     sorted:       r0 9  r3 8  r6 6  r2 5  r5 4  r4 2  r1 1
-    leftover:     1 row (7 % 2): the middle of the sorted order, r2
-    steps:        [r0, r3]  [r6, r5]  [r4, r1]    (pairs of neighbours: max/mean 1.06, 1.2, 1.33)
-    ranks:        shuffled inside each step: [r0, r3]  [r5, r6]  [r4, r1]
-    output:       steps permuted by the seed (0), the incomplete step [r2] last:
-                  r4 r1 | r0 r3 | r5 r6 | r2
+    leftover:     1 row (7 % 2): the cheapest, r1
+    steps:        [r0, r3]  [r6, r2]  [r5, r4]    (pairs of neighbours: max/mean 1.06, 1.09, 1.33)
+    ranks:        shuffled inside each step: [r0, r3]  [r2, r6]  [r5, r4]
+    output:       steps permuted by the seed (0), the incomplete step [r1] last:
+                  r5 r4 | r0 r3 | r2 r6 | r1
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from functools import cached_property
 
 import numpy as np
 
+from seqpack.packer.config import _enum_value
 from seqpack.packer.cost import CostModel
 from seqpack.packer.permute import Permutation
 
@@ -73,11 +74,7 @@ class RowOrder:
     cost: CostModel = dataclasses.field(default_factory=CostModel)
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "mode", OrderMode(self.mode))
-        except ValueError:
-            choices = ", ".join(repr(m.value) for m in OrderMode)
-            raise ValueError(f"mode={self.mode!r} is not known; use one of {choices}") from None
+        object.__setattr__(self, "mode", _enum_value(OrderMode, "mode", self.mode))
         for name in ("seed", "batch_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | np.integer):
@@ -143,8 +140,9 @@ class BlockLayout:
 
     @cached_property
     def where(self) -> np.ndarray:
-        """i64[num_rows]: position of each local row in `rows`, -1 for leftovers."""
-        out = np.full(self.num_rows, -1, np.int64)
+        """i32[num_rows]: position of each local row in `rows`, -1 for leftovers (built on the
+        first `output_positions` query: 4 more bytes a row)."""
+        out = np.full(self.num_rows, -1, np.int32 if self.num_rows < 2**31 else np.int64)
         out[self.rows] = np.arange(self.rows.size)
         return out
 
@@ -156,13 +154,9 @@ def _arrange(costs: np.ndarray, D: int, b: int, rng: np.random.Generator
     G = D * b
     full, m = divmod(n, G)
     desc = np.argsort(-costs, kind="stable")
-    if m:  # a spread sample by cost stays for the global step
-        pick = ((np.arange(m) + 0.5) * n / m).astype(np.int64)
-        left = np.zeros(n, bool)
-        left[pick] = True
-        leftover, desc = desc[left], desc[~left]
-    else:
-        leftover = desc[:0]
+    # The m cheapest rows stay for the global step: the sparse low tail (short last rows of
+    # the plan) would make the spread of a full step widest.
+    desc, leftover = desc[: full * G], desc[full * G :]
     # Step q: the q-th D*b rows by cost; inside it, rows dealt to the ranks in snake order (the
     # layer of the D heaviest one each, the next layer the other way round, ...).
     layers = desc.reshape(full, b, D)
@@ -275,7 +269,7 @@ class GlobalOrder:
         pos = np.full(p.size, -1, np.int64)
         for j in np.unique(blk).tolist():
             sel = blk == j
-            pos[sel] = _layout(layouts, j).where[p[sel] - self.row_base[j]]
+            pos[sel] = _layout(layouts, j).where[p[sel] - self.row_base[j]].astype(np.int64)
         inb = pos >= 0
         step = self.step_base[blk[inb]] + pos[inb] // G
         out[inb] = self._steps.inverse(step) * G + pos[inb] % G

@@ -1,19 +1,26 @@
-"""Online packing with bounded memory: each window is planned with the rows still open, re-planned.
+"""Online packing with bounded memory: windows of examples into rows kept open across windows.
 
-Examples arrive one window at a time (default 1024). The pieces of the window and those of the
-rows left open by earlier windows are planned together by the offline planner (best fit
-decreasing with all its passes: `strategies.best_fit_decreasing`), so pieces carried over are
-placed again with the new ones instead of being stuck in a half-empty row. Rows with no room
-for another piece are emitted; of the others the least filled are kept open, up to
-`max_open_rows` rows and two windows of pieces, and the rest are emitted too. Memory stays
-bounded: at most two windows of pieces stay open, and no piece stays open for more than
-`max_carry` windows, so every example leaves within `max_carry + 1` windows of arriving.
+Examples arrive one window at a time (default 1024). Where the segment cap binds, the pieces of
+the window and those of the rows left open by earlier windows are planned together by the
+offline planner (best fit decreasing with all its passes: `strategies.best_fit_decreasing`),
+so pieces carried over are placed again with the new ones instead of being stuck in a row whose
+slots they fill; rows with no room for another piece are emitted, of the others the least
+filled are kept open (up to `max_open_rows` rows and two windows of pieces, or two rows' worth
+of tokens). Where the cap hardly binds (L < 0.15 S x the mean piece), or a row takes more than
+a quarter of a window's pieces, the open rows stay as they are and the window's pieces go into
+them by best fit, largest first; rows are emitted once full (no room, or every slot used) or
+beyond `max_open_rows` (the fullest first). Either way no piece stays open for more than
+`max_carry` windows (a piece due trades places with a younger one of an emitted row where it
+can, else its row is emitted), so every example leaves within `max_carry + 1` windows of
+arriving.
 
-Worked example (seq_len 8, max_segments 4, window 3)::
+Worked example (seq_len 8, max_segments 4, window 3, max_open_rows 1; rows take two pieces of
+the three of a window: the open rows are extended)::
 
-    window 0:  lengths 5 2 6        planned 6 2 | 5      -> [6, 2] full: emitted; [5] kept open
-    window 1:  lengths 3 4 1 + [5]  planned 4 3 1 | 5    -> [4, 3, 1] full: emitted; [5] open
-    finish:                                              -> [5] emitted
+    window 0:  lengths 5 2 6      sorted 6 5 2 -> row 0 = [6, 2] (full: emitted), row 1 = [5]
+                                  row 1 is carried over (room 3)
+    window 1:  lengths 3 4 1      sorted 4 3 1 -> row 1 += 3 (full: emitted), row 2 = [4, 1]
+    finish:                       row 2 emitted
 
 `StreamPlanner` plans lengths only (the Grain pipeline keeps the tokens); `pack_stream` is the
 whole online packer over an iterable of token arrays.
@@ -31,10 +38,11 @@ from seqpack.packer.assemble import build_rows
 from seqpack.packer.config import PackConfig, Strategy
 from seqpack.packer.inputs import InputError, check_lengths, check_pad, fit_dtype, row_dtype
 from seqpack.packer.plan import Counters, PackPlan, apply_overflow, order_pieces
-from seqpack.packer.strategies.best_fit import assign_best_fit
+from seqpack.packer.strategies.best_fit import BestFitBins
 from seqpack.packer.strategies.best_fit_decreasing import assign_best_fit_decreasing
 
 STREAM_STRATEGIES = (Strategy.BEST_FIT_DECREASING, Strategy.BEST_FIT)
+_ID, _START, _LEN, _BORN, _ROW = range(5)  # columns of StreamPlanner._held
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +90,9 @@ class StreamPlanner:
         if self.max_open_rows < 0:
             raise ValueError(f"max_open_rows={self.max_open_rows} must be >= 0")
         self.max_carry = max_carry
-        # Pieces of the open rows, sorted by (born, id, start): i64[P, 4] (id, start, length,
-        # window it arrived in); the rows themselves are planned again with every window.
-        self._held = np.zeros((0, 4), np.int64)
+        # Pieces of the open rows, i64[P, 5]: id, start, length, window it arrived in, open row
+        # (0..num_open_rows-1), sorted by (row, born, id, start).
+        self._held = np.zeros((0, 5), np.int64)
         self._open_rows = 0
         self._windows = 0
         self.counters = Counters()
@@ -107,7 +115,8 @@ class StreamPlanner:
         example, start, length, counters = apply_overflow(lengths, self.config, ids=ids)
         self.counters = self.counters + counters
         new = np.stack([ids[example], start, length,
-                        np.full(example.size, self._windows, np.int64)], axis=1)
+                        np.full(example.size, self._windows, np.int64),
+                        np.full(example.size, -1, np.int64)], axis=1)
         self._windows += 1
         return self._plan(np.concatenate([self._held, new]), final=False)
 
@@ -116,78 +125,188 @@ class StreamPlanner:
         return self._plan(self._held, final=True)
 
     def _plan(self, pieces: np.ndarray, *, final: bool) -> PackPlan:
-        """Plans `pieces` (i64[P, 4]), emits the rows that are final and keeps the rest open."""
+        """Plans `pieces` (i64[P, 5], see `_held`), emits the final rows, keeps the rest open."""
         cfg = self.config
         a = cfg.segment_alignment
-        sizes = -(-pieces[:, 2] // a) * a
-        if cfg.strategy is Strategy.BEST_FIT:
-            row, num_rows = assign_best_fit(sizes, cfg.seq_len, cfg.max_segments)
-        else:  # every pass, down to the bound: windows are small
+        sizes = -(-pieces[:, _LEN] // a) * a
+        if not final and self._extends(sizes):
+            row, num_rows = self._extend(pieces, sizes)
+            emit = self._final_extended(pieces, sizes, row, num_rows)
+        else:  # planned again, oldest first among equal sizes
+            order = np.lexsort((pieces[:, _START], pieces[:, _ID], pieces[:, _BORN]))
+            pieces, sizes = pieces[order], sizes[order]
             row, num_rows = assign_best_fit_decreasing(sizes, cfg.seq_len, cfg.max_segments,
                                                        slack=0, repair_rows=final)
-        emit = np.ones(num_rows, bool) if final else self._final_rows(pieces, sizes, row,
-                                                                      num_rows)
+            emit = np.ones(num_rows, bool)
+            if not final:
+                emit, row = self._final_rows(pieces, sizes, row, num_rows)
         out = emit[row]
-        held = pieces[~out]
-        self._held = held[np.lexsort((held[:, 1], held[:, 0], held[:, 3]))]
-        self._open_rows = int(num_rows - emit.sum())
+        held = pieces[~out].copy()
+        kept = np.flatnonzero(~emit)
+        label = np.full(num_rows, -1, np.int64)
+        label[kept] = np.arange(kept.size)
+        held[:, _ROW] = label[row[~out]]
+        self._held = held[np.lexsort((held[:, _START], held[:, _ID], held[:, _BORN],
+                                      held[:, _ROW]))]
+        self._open_rows = int(kept.size)
         number = np.cumsum(emit) - 1
         done = pieces[out]
-        return order_pieces(done[:, 0], done[:, 1], done[:, 2], number[row[out]],
+        return order_pieces(done[:, _ID], done[:, _START], done[:, _LEN], number[row[out]],
                             int(emit.sum()), Counters(), cfg)
 
+    def _extends(self, sizes: np.ndarray) -> bool:
+        """Whether this window only adds pieces to the open rows (best fit, as they are) instead
+        of planning everything again: with best_fit, and where the slots hardly bind
+        (L < 0.15 S x the mean piece) or a row takes more than a quarter of a window's pieces
+        while slots do not bind (rows then grow over several windows)."""
+        cfg = self.config
+        if cfg.strategy is Strategy.BEST_FIT:
+            return True
+        if not sizes.size:
+            return False
+        mean = float(sizes.mean())
+        slots = cfg.seq_len / (cfg.max_segments * mean)
+        per_row = min(cfg.max_segments, cfg.seq_len / mean)
+        return slots < 0.15 or (self.window <= 4 * per_row and slots < 1)
+
+    def _extend(self, pieces: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, int]:
+        """Rows of the pieces: open rows keep theirs; new pieces (row -1) go by best fit, largest
+        first (best_fit: in order), into the open rows or new ones."""
+        cfg = self.config
+        bins = BestFitBins(cfg.seq_len, cfg.max_segments)
+        row = pieces[:, _ROW].copy()
+        old = row >= 0
+        m = int(row[old].max()) + 1 if old.any() else 0
+        used = np.bincount(row[old], weights=sizes[old], minlength=m).astype(np.int64)
+        count = np.bincount(row[old], minlength=m)
+        for r in range(m):
+            bins.add_row(cfg.seq_len - int(used[r]), int(count[r]))
+        new = np.flatnonzero(~old)
+        if cfg.strategy is Strategy.BEST_FIT_DECREASING:
+            new = new[np.argsort(-sizes[new], kind="stable")]
+        row[new] = bins.place(sizes[new].tolist())
+        return row, bins.next_row
+
+    def _final_extended(self, pieces: np.ndarray, sizes: np.ndarray, row: np.ndarray,
+                        num_rows: int) -> np.ndarray:
+        """bool[num_rows]: rows to emit after `_extend`: full (no room or every slot used),
+        holding a piece due (open `max_carry` windows), or beyond `max_open_rows` (the
+        fullest first)."""
+        cfg = self.config
+        used = np.bincount(row, weights=sizes, minlength=num_rows)
+        count = np.bincount(row, minlength=num_rows)
+        emit = (used >= cfg.seq_len) | (count >= cfg.max_segments)
+        emit[row[pieces[:, _BORN] <= self._windows - 1 - self.max_carry]] = True
+        rest = np.flatnonzero(~emit)
+        excess = rest.size - self.max_open_rows
+        if excess > 0:
+            emit[rest[np.lexsort((rest, -used[rest]))][:excess]] = True
+        return emit
+
     def _final_rows(self, pieces: np.ndarray, sizes: np.ndarray, row: np.ndarray,
-                    num_rows: int) -> np.ndarray:
-        """bool[num_rows]: rows to emit. Kept open: rows with room for the smallest piece (a
-        row full in slots too: planned again, its pieces may pack better) that hold no piece
-        due (`max_carry`), least filled first, up to `max_open_rows` rows and 2 * `window`
-        pieces (so a window plans at most three windows of pieces)."""
+                    num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """(bool[num_rows]: rows to emit, row per piece). Kept open: rows with room for the
+        smallest piece (a row full in slots too: planned again, its pieces may pack better),
+        least filled first, up to `max_open_rows` rows and 2 * `window` pieces (or 2 rows of
+        tokens, when rows take more than a window). Pieces open half of `max_carry` windows
+        trade places with younger pieces of their size in emitted rows (the smallest pieces,
+        placed last, would otherwise stay behind); a piece due (open `max_carry` windows)
+        with a younger piece of at least its size; a row still holding one is emitted."""
         cfg = self.config
         used = np.bincount(row, weights=sizes, minlength=num_rows)
         count = np.bincount(row, minlength=num_rows)
         smallest = int(sizes.min()) if sizes.size else 1
-        emit = cfg.seq_len - used < smallest  # slot-full rows may stay: planned again
-        due = pieces[:, 3] <= self._windows - 1 - self.max_carry
-        emit[row[due]] = True
-        keep = np.flatnonzero(~emit)
+        keep = np.flatnonzero(cfg.seq_len - used >= smallest)
         keep = keep[np.lexsort((keep, used[keep]))][: self.max_open_rows]  # least filled first
-        keep = keep[np.cumsum(count[keep]) <= 2 * self.window]
-        emit[:] = True
+        pieces_before = np.cumsum(count[keep]) - count[keep]
+        tokens_before = np.cumsum(used[keep]) - used[keep]
+        keep = keep[(pieces_before + count[keep] <= 2 * self.window)
+                    | (tokens_before < 2 * cfg.seq_len)]
+        emit = np.ones(num_rows, bool)
         emit[keep] = False
-        return emit
+        age = self._windows - 1 - pieces[:, _BORN]
+        due = age >= self.max_carry
+        old = age >= (self.max_carry + 1) // 2
+        if (old & ~emit[row]).any() and emit.any():  # old pieces leave by full rows, early
+            row = _trade(row, sizes, old & ~emit[row], ~old & emit[row],
+                         np.zeros(num_rows), exact=True)
+        stuck = due & ~emit[row]
+        if stuck.any():
+            used = np.bincount(row, weights=sizes, minlength=num_rows)
+            row = _trade(row, sizes, stuck, ~due & emit[row], cfg.seq_len - used)
+            emit[row[due]] = True
+        return emit, row
 
     # -- state ---------------------------------------------------------------------------------
     def oldest_open_id(self) -> int | None:
         """The smallest example id in any open row, or None when no row is open."""
-        return int(self._held[:, 0].min()) if self._held.size else None
+        return int(self._held[:, _ID].min()) if self._held.size else None
 
     @property
     def num_open_rows(self) -> int:
         return self._open_rows
 
     def get_state(self) -> dict:
-        """JSON-serializable state: the open pieces (ids, no tokens) by the window they arrived
-        in (one entry of "rows" per window), the number of open rows and the counters."""
+        """JSON-serializable state: the open rows, each its pieces as (id, start, length, window
+        it arrived in) and "born" the earliest of those windows, and the counters."""
         held = self._held
-        cuts = np.flatnonzero(np.diff(held[:, 3])) + 1 if held.size else np.zeros(0, np.int64)
+        cuts = np.flatnonzero(np.diff(held[:, _ROW])) + 1 if held.size else np.zeros(0, int)
         groups = np.split(held, cuts) if held.size else []
         return {
             "windows": self._windows,
-            "rows": [{"born": int(g[0, 3]), "pieces": g[:, :3].tolist()} for g in groups],
-            "open_rows": self._open_rows,
+            "rows": [{"born": int(g[:, _BORN].min()), "pieces": g[:, :4].tolist()}
+                     for g in groups],
             "counters": self.counters.to_dict(),
         }
 
     def set_state(self, state: dict) -> None:
-        """Restores a state from `get_state` (on a planner with the same config)."""
-        parts = [np.concatenate([np.asarray(r["pieces"], np.int64).reshape(-1, 3),
-                                 np.full((len(r["pieces"]), 1), int(r["born"]), np.int64)],
-                                axis=1) for r in state["rows"]]
-        held = np.concatenate(parts) if parts else np.zeros((0, 4), np.int64)
-        self._held = held[np.lexsort((held[:, 1], held[:, 0], held[:, 3]))]
-        self._open_rows = int(state.get("open_rows", len(state["rows"])))
+        """Restores a state from `get_state` (on a planner with the same config). Pieces of
+        three numbers (states before pieces kept their window) take their row's "born"."""
+        parts = []
+        for k, r in enumerate(state["rows"]):
+            p = np.asarray(r["pieces"], np.int64).reshape(len(r["pieces"]), -1)
+            if p.shape[1] == 3:
+                p = np.concatenate([p, np.full((len(p), 1), int(r["born"]), np.int64)], axis=1)
+            parts.append(np.concatenate([p[:, :4], np.full((len(p), 1), k, np.int64)], axis=1))
+        held = np.concatenate(parts) if parts else np.zeros((0, 5), np.int64)
+        self._held = held[np.lexsort((held[:, _START], held[:, _ID], held[:, _BORN],
+                                      held[:, _ROW]))]
+        self._open_rows = len(parts)
         self._windows = int(state["windows"])
         self.counters = Counters(**state["counters"])
+
+
+def _trade(row: np.ndarray, sizes: np.ndarray, stuck: np.ndarray, free: np.ndarray,
+           room: np.ndarray, *, exact: bool = False) -> np.ndarray:
+    """Trades rows between `stuck` pieces (in rows kept open) and `free` ones (in rows emitted):
+    each stuck piece of size x, smallest first, takes the place of the smallest unused free
+    piece of size y >= x whose difference its own row has room for (`room`, f64[rows]: the
+    kept row gains y - x, the emitted one loses it; counts do not change). `exact`: y = x only
+    (no row changes its load)."""
+    row = row.copy()
+    room = room.copy()
+    s_idx, f_idx = np.flatnonzero(stuck), np.flatnonzero(free)
+    s_idx = s_idx[np.argsort(sizes[s_idx], kind="stable")]
+    f_idx = f_idx[np.argsort(sizes[f_idx], kind="stable")]
+    f_sizes = sizes[f_idx].tolist()
+    k = 0
+    for a in s_idx.tolist():
+        x = int(sizes[a])
+        while k < len(f_sizes) and f_sizes[k] < x:
+            k += 1
+        if k == len(f_sizes):
+            break
+        b = int(f_idx[k])
+        y = f_sizes[k]
+        if exact and y != x:
+            continue
+        if y - x > room[row[a]]:
+            continue  # this row cannot take the bigger piece; the row will be emitted
+        room[row[a]] -= y - x
+        room[row[b]] += y - x
+        row[a], row[b] = row[b], row[a]
+        k += 1
+    return row
 
 
 def pack_stream(

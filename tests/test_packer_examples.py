@@ -117,12 +117,22 @@ def test_stream_planner_worked_example():
     rows = planner.add([0, 1, 2], [5, 2, 6])
     assert [r.index.tolist() for r in rows] == [[1, 2]]  # [6, 2] full, [5] carried over
     assert planner.num_open_rows == 1 and planner.oldest_open_id() == 0
-    rows = planner.add([3, 4, 5], [3, 4, 1])  # planned again with the open [5]
-    assert [r.index.tolist() for r in rows] == [[3, 4, 5]]  # 3 + 4 + 1 = 8: full
-    assert rows[0].offset.tolist() == [0, 3, 7]
-    assert planner.num_open_rows == 1 and planner.oldest_open_id() == 0
+    rows = planner.add([3, 4, 5], [3, 4, 1])  # a row takes a third of a window: extended
+    assert [r.index.tolist() for r in rows] == [[0, 3]]  # 5 + 3 = 8: full
     rows = planner.finish()
-    assert [r.index.tolist() for r in rows] == [[0]]
+    assert [r.index.tolist() for r in rows] == [[4, 5]]
+    assert rows[0].offset.tolist() == [0, 4]
+
+
+def test_stream_planner_plans_open_rows_again_where_slots_bind():
+    # seq_len 8, 2 slots: pieces of mean 3 need 1.3 slots per row's worth of tokens
+    planner = StreamPlanner(PackConfig(8, max_segments=2), window=8)
+    rows = planner.add(list(range(8)), [7, 1, 1, 5, 2, 6, 3, 4])
+    assert [r.length.tolist() for r in rows] == [[7, 1], [2, 6], [5, 3]]  # full rows out
+    assert planner.num_open_rows == 1 and planner.oldest_open_id() == 2  # [1, 4] stays open
+    rows = planner.add([8, 9], [4, 3])  # planned again with the open row's pieces
+    assert [r.index.tolist() for r in rows] == [[7, 8]]  # 4 + 4: the open row gave up its 4
+    assert [p[0] for row in planner.get_state()["rows"] for p in row["pieces"]] == [2, 9]
 
 
 @pytest.mark.parametrize("max_carry", [0, 1, 2])

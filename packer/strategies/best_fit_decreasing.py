@@ -1,7 +1,7 @@
 """Best fit decreasing: the offline, near-optimal strategy (tokens and segment slots).
 
 A row holds `capacity` tokens in at most `max_segments` slots; the plan is measured against the
-tight lower bound of `packer.bounds`. Three passes, each kept only if the ones before it are
+tight lower bound of `packer.bounds`. Three passes, each run only if the ones before it are
 further from the bound than `gate` (0.05%, at least one row), the best plan winning:
 
 1. plain best fit decreasing (largest first, into the row it leaves with the least room), run by
@@ -12,7 +12,8 @@ further from the bound than `gate` (0.05%, at least one row), the best plan winn
    Corpora whose slot bound is 15% to 90% of the token bound start with it: plain BFD fails
    there, its last rows filling their slots with short pieces long before their tokens.
 
-Then `strategies.repair` moves pieces out of the emptiest rows while the plan is above the gate.
+Then, while the plan is above `repair_target` (0.1%, at least one row), `strategies.repair`
+moves pieces out of the emptiest rows into the room the others have left.
 
 Plain BFD by runs: pieces of equal size are placed without a search per piece: best fit puts
 consecutive equal pieces into the same row until it is full, so each open row takes
@@ -139,8 +140,14 @@ def _worst_fit_sorted(sizes_desc: list[int], capacity: int, max_segments: int, n
 
 
 def gate(bound: int) -> int:
-    """The most rows a pass may leave before the next one runs: bound + 0.05%, at least + 1."""
+    """The most rows a pass may leave before the next one runs: the bound + 0.05%, at least
+    + 1 (one row on a plan of fewer than 2,000)."""
     return bound + max(1, bound // 2000)
+
+
+def repair_target(bound: int) -> int:
+    """The rows the repair pass works down to: the bound + 0.1%, at least + 1."""
+    return bound + max(1, bound // 1000)
 
 
 def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int):
@@ -165,8 +172,8 @@ def assign_best_fit_decreasing(
 ) -> tuple[np.ndarray, int]:
     """Best fit decreasing (the passes of the module docstring); returns (row per piece, rows).
 
-    `slack`: rows over the tight bound at which the passes stop (default `gate`: 0.05%, at
-    least one); 0 runs them all unless one reaches the bound."""
+    `slack`: rows over the tight bound at which the passes and the repair stop (default: `gate`
+    and `repair_target`); 0 runs them all unless one reaches the bound."""
     sizes = np.asarray(sizes, np.int64)
     n = sizes.size
     if n == 0:
@@ -178,6 +185,7 @@ def assign_best_fit_decreasing(
     sizes_desc = sizes[order]
     bound = tight_lower_bound(sizes_desc, capacity, max_segments)
     enough = gate(bound) if slack is None else bound + slack
+    target = repair_target(bound) if slack is None else bound + slack
     best: tuple[object, int] | None = None
     for run in _passes(sizes_desc, capacity, max_segments, bound):
         got, num = run()
@@ -187,9 +195,9 @@ def assign_best_fit_decreasing(
             break
     assert best is not None
     rows_desc, num_rows = np.asarray(best[0]), best[1]
-    if repair_rows and num_rows > enough:
+    if repair_rows and num_rows > target:
         rows_desc, num_rows = repair(sizes_desc, rows_desc, num_rows, capacity, max_segments,
-                                     target=bound)
+                                     target=target)
     rows = np.empty(n, np.int64)
     rows[order] = rows_desc
     return rows, num_rows

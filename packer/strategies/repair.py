@@ -117,22 +117,20 @@ def _open_room(st: _State, p: int, victim: int, roomy: np.ndarray, rows: np.ndar
     for b in cand[order].tolist():
         need = s - int(st.room[b])
         ys = np.flatnonzero(st.row == b)
-        st.work += st.row.size
         ys = ys[np.argsort(-st.size[ys], kind="stable")][:_PIECES]
-        for y in ys.tolist():
-            sy = int(st.size[y])
-            diff = sy - sizes
-            ok = (diff >= need) & (diff <= room) & (rows != b) & (rows != victim)
-            st.work += 4 * roomy.size
-            if not ok.any():
-                continue
-            k = np.flatnonzero(ok)
-            x = int(roomy[k[np.lexsort((roomy[k], diff[k]))[0]]])
-            a = int(st.row[x])
-            st.move(x, b)
-            st.move(y, a)
-            st.move(p, b)
-            return True
+        st.work += st.row.size + ys.size * roomy.size
+        diff = st.size[ys][:, None] - sizes[None, :]  # [y, x]: what B would gain
+        ok = (diff >= need) & (diff <= room) & ((rows != b) & (rows != victim))
+        if not ok.any():
+            continue
+        first = int(np.argmax(ok.any(axis=1)))  # the largest y that can go ...
+        k = int(np.argmin(np.where(ok[first], diff[first], np.iinfo(np.int64).max)))
+        y, x = int(ys[first]), int(roomy[k])  # ... for the x that gains least but enough
+        a = int(st.row[x])
+        st.move(x, b)
+        st.move(y, a)
+        st.move(p, b)
+        return True
     return False
 
 

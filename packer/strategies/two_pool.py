@@ -45,7 +45,6 @@ import numpy as np
 
 _SHIFT = 40  # keys `room << _SHIFT | row` (rooms below 2**23, rows below 2**40)
 _MASK = (1 << _SHIFT) - 1
-_CLOSED, _SLOT, _TOKEN = 0, 1, 2
 # A run of at least _LONG_RUN pieces, with at least one per _SPREAD open rows, goes to numpy;
 # back to lists below _SHORT_RUN pieces or one per 4 * _SPREAD open rows.
 _LONG_RUN, _SHORT_RUN, _SPREAD = 64, 16, 8
@@ -68,7 +67,6 @@ class _Rows:
         self.L, self.S, self.min_size = capacity, max_segments, min_size
         self.room: list[int] = []
         self.count: list[int] = []
-        self.pool = bytearray()
         self.version: list[int] = []
         self.slot: list[int] = []  # keys of slot-short rows
         self.token: list[int] = []  # keys of token-short rows
@@ -81,31 +79,36 @@ class _Rows:
 
     def file(self, r: int, a: float) -> None:
         """Puts row r (in no pool) into the pool its room and free slots give at mean a."""
-        room, free = self.room[r], self.S - self.count[r]
-        v = self.version[r] + 1  # every earlier heap entry of the row is stale from here on
-        self.version[r] = v
-        if room < self.min_size or free == 0:
-            self.pool[r] = _CLOSED
-        elif room > free * a:
-            self.pool[r] = _SLOT
-            insort(self.slot, (room << _SHIFT) | r)
-        else:
-            self.pool[r] = _TOKEN
-            insort(self.token, (room << _SHIFT) | r)
-            if room > free * self.min_size:  # else no mean to come turns it slot-short
-                heapq.heappush(self.heap, (-room / free, v, r))
+        self.refile([r], a)
+
+    def refile(self, rows: list[int], a: float) -> None:
+        """`file` for each of `rows` (taken out of their pools)."""
+        room_, count, version, S, min_size = self.room, self.count, self.version, self.S, \
+            self.min_size
+        slot, token, heap = self.slot, self.token, self.heap
+        for r in rows:
+            room, free = room_[r], S - count[r]
+            v = version[r] + 1  # every earlier heap entry of the row is stale from here on
+            version[r] = v
+            if room < min_size or free == 0:
+                continue  # closed
+            if room > free * a:
+                insort(slot, (room << _SHIFT) | r)
+            else:
+                insort(token, (room << _SHIFT) | r)
+                if room > free * min_size:  # else no mean to come turns it slot-short
+                    heapq.heappush(heap, (-room / free, v, r))
 
     def file_block(self, first: int, num: int, a: float) -> None:
         """`file` for rows first .. first + num - 1, new rows all in the same state."""
         room, free = self.room[first], self.S - self.count[first]
         if room < self.min_size or free == 0:
-            return  # closed: their pool bytes are _CLOSED already
+            return  # closed
         keys = [(room << _SHIFT) | r for r in range(first, first + num)]
         slot = room > free * a
         target = self.slot if slot else self.token
         at = bisect_left(target, keys[0])  # the highest row numbers: one block of equal rooms
         target[at:at] = keys
-        self.pool[first : first + num] = bytes([_SLOT if slot else _TOKEN]) * num
         if not slot and room > free * self.min_size:
             heap, version, q = self.heap, self.version, -room / free
             for r in range(first, first + num):
@@ -114,19 +117,23 @@ class _Rows:
 
     def migrate(self, a: float) -> None:
         """Moves the token-short rows that a (falling) mean has made slot-short."""
-        heap, version, pool, room, count = self.heap, self.version, self.pool, self.room, self.count
+        heap = self.heap
+        if not heap or -heap[0][0] <= a:
+            return
+        version, room, count, token, slot = self.version, self.room, self.count, self.token, \
+            self.slot
         while heap and -heap[0][0] > a:
             _, v, r = heap[0]
-            if pool[r] != _TOKEN or version[r] != v:
-                heapq.heappop(heap)  # stale: the row took pieces since
+            if version[r] != v:
+                heapq.heappop(heap)  # stale: the row took pieces (or changed pool) since
                 continue
             if not room[r] > (self.S - count[r]) * a:
                 break  # the quotient rounded up: the exact test decides (as in _ArrayRows)
             heapq.heappop(heap)
             key = (room[r] << _SHIFT) | r
-            del self.token[bisect_left(self.token, key)]
-            pool[r] = _SLOT
-            insort(self.slot, key)
+            del token[bisect_left(token, key)]
+            version[r] = v + 1
+            insort(slot, key)
 
     def _fill(self, keys: list[int], out: np.ndarray, s: int, i: int, j: int, a: float | None
               ) -> tuple[int, list[int]]:
@@ -164,15 +171,13 @@ class _Rows:
         big = s >= a
         first, second = (self.slot, self.token) if big else (self.token, self.slot)
         i, touched = self._fill(first, out, s, i, j, a)
-        for r in touched:
-            self.file(r, a)
+        self.refile(touched, a)
         if i < j and self.empty and (self.L > self.S * a) == big:  # empty rows preferred
             per_row = min(self.L // s, self.S, _limit(self.L, self.S, s, a))
             i = self.open_rows(out, s, i, j, a, per_row, cap=self.empty)
         if i < j:
             i, touched = self._fill(second, out, s, i, j, None)
-            for r in touched:
-                self.file(r, a)
+            self.refile(touched, a)
         if i < j:
             self.open_rows(out, s, i, j, a, min(self.L // s, self.S), cap=None)
 
@@ -189,14 +194,12 @@ class _Rows:
             i += full * per_row
             self.room.extend([self.L - per_row * s] * full)
             self.count.extend([per_row] * full)
-            self.pool.extend(bytes(full))
             self.version.extend([0] * full)
         if rest:
             out[i : i + rest] = first + full
             i += rest
             self.room.append(self.L - rest * s)
             self.count.append(rest)
-            self.pool.append(_CLOSED)
             self.version.append(0)
         self.empty = max(0, self.empty - full - (1 if rest else 0))
         if full:
@@ -229,9 +232,6 @@ class _ArrayRows:
         slot = room > free * a
         rows.slot = self.keys[slot].tolist()
         rows.token = self.keys[~slot].tolist()
-        pool = np.zeros(R, np.uint8)
-        pool[r] = np.where(slot, _SLOT, _TOKEN)
-        rows.pool = bytearray(pool.tobytes())
         rows.version = [0] * R
         live = ~slot & (room > free * self.min_size)
         rows.heap = list(zip((-(room[live] / free[live])).tolist(), [0] * int(live.sum()),
