@@ -147,7 +147,8 @@ def decode_row(buf: bytes | bytearray | memoryview, *, restore: bool = True
 
 def decode_batch(raws: Sequence[bytes]) -> dict[str, np.ndarray]:
     """Records of one layout (the same names, dtypes and shapes: every row of a packed run)
-    stacked into name -> `[R, ...]` arrays in one pass, without restoring derived keys.
+    stacked into name -> `[R, ...]` read-only arrays in one pass (views of one buffer holding
+    the records back to back), without restoring derived keys.
 
     The first record is decoded in full (`decode_row`); every other must have its size and all
     its header bytes (everything outside the arrays' data), so each array is a column of one
@@ -170,7 +171,9 @@ def decode_batch(raws: Sequence[bytes]) -> dict[str, np.ndarray]:
         spans[name] = (start, view)
     if not (matrix[:, header] == matrix[0, header]).all():
         return _stack([decode_row(r, restore=False) for r in raws])
-    return {name: matrix[:, start : start + view.nbytes].copy().view(view.dtype).reshape(
+    # Views of the byte matrix: a column slice is contiguous within each row (every array's data
+    # is 8-byte aligned in its record), so it is viewed in its dtype without a copy.
+    return {name: matrix[:, start : start + view.nbytes].view(view.dtype).reshape(
         (len(raws), *view.shape)) for name, (start, view) in spans.items()}
 
 

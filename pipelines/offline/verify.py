@@ -161,7 +161,10 @@ def _check_tokens(batch, config, spills: dict[str, tuple[SpillReader, int]], off
     L = config.seq_len
     for key, (reader, pad) in spills.items():
         got = batch[key].reshape(-1)
-        wide = np.uint64 if got.dtype == np.uint64 else np.int64  # no value wraps into the rows'
+        # Compared in the rows' dtype when every spilled value fits it (no value can wrap into
+        # it unseen), else widened.
+        fits = all(np.can_cast(np.dtype(run.dtype), got.dtype) for run in reader.runs)
+        wide = got.dtype if fits else np.uint64 if got.dtype == np.uint64 else np.int64
         want = np.full(got.size, pad, wide)
         reader.read_into(want, rows * L + at, offsets[ex] + st, ln)
         diff = np.flatnonzero(got.astype(wide, copy=False) != want)
@@ -259,20 +262,25 @@ def _verify_context(path: str) -> tuple[_VerifyContext, dict[str, tuple[SpillRea
 def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int, str],
                  limit: int) -> _ShardCheck:
     """One shard, in a worker: its digest, decoding, the row contract, tokens against the spill."""
+    from concurrent.futures import ThreadPoolExecutor
+
     context, spills, offsets = _verify_context(context_path)
     config, out = context.config, _Collector(limit)
-    found = OutputDir(context.output_dir).digest(name)
-    damaged = found is not None and found != tuple(digest)
+    with ThreadPoolExecutor(1) as hasher:  # sha256 (no GIL) while the shard is decoded
+        found = hasher.submit(OutputDir(context.output_dir).digest, name)
+        try:
+            batch, error = read_shard(context.output_dir, name, num_rows, restore=False), None
+        except InputError as e:
+            batch, error = {}, e
+        damaged = found.result() not in (None, tuple(digest))
     if damaged:
         out.add(f"{name}: size or sha256 differs from the manifest's ({digest[0]} bytes, "
                 f"{digest[1][:12]}...): the shard was damaged or replaced after the run "
                 "(`seqpack pack ... --resume` rewrites it)")
-    try:
-        batch = read_shard(context.output_dir, name, num_rows, restore=False)
-    except InputError as e:
+    if error is not None:
         if not damaged:  # a shard the manifest vouches for must decode
-            raise
-        out.add(f"{name}: cannot be decoded ({e})")
+            raise error
+        out.add(f"{name}: cannot be decoded ({error})")
         return _ShardCheck(out.items, None, None, None)
     if not batch:
         return _ShardCheck(out.items, None, None, None)
