@@ -158,7 +158,7 @@ def test_verify_checks_every_column(tmp_path, column, where):
     out = tmp_path / "out"
     pack_to_dir(_job(paths, out, workers=1))
     name = json.loads((out / "manifest.json").read_text())["shards"][-1]  # has padding
-    rows = read_shard(str(out), name, restore=False)
+    rows = {k: v.copy() for k, v in read_shard(str(out), name, restore=False).items()}
     covered = rows["labels"] != -100 if where == "segment" else \
         np.arange(CONFIG.seq_len)[None] >= rows["tokens_segment_lengths"].sum(1)[:, None]
     r, j = np.argwhere(covered)[0]

@@ -69,7 +69,8 @@ def load_manifest(output_dir: str) -> tuple[Manifest, PackConfig]:
 
 def read_shard(output_dir: str, name: str, num_rows: int | None = None, *,
                restore: bool = True) -> dict[str, np.ndarray]:
-    """All rows of one shard stacked into `[R, ...]` arrays; InputError if it is corrupt.
+    """All rows of one shard stacked into `[R, ...]` read-only arrays; InputError if it is
+    corrupt.
     `restore=False`: the arrays as stored (no segment ids / positions rebuilt). A shard on
     object storage is read from a temporary local copy."""
     url = storage.join(output_dir, name)
