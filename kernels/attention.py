@@ -38,9 +38,9 @@ from seqpack.kernels.common import (
     SMEM_METADATA_BUDGET_BYTES,
     Impl,
     Interpret,
+    check_multiple,
     next_power_of_two,
-    pick_block_sizes,
-    resolve_impl,
+    resolve,
     round_up,
 )
 
@@ -69,9 +69,7 @@ class AttentionBlockSizes:
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
-            value = getattr(self, name)
-            if value <= 0 or value % LANES:
-                raise ValueError(f"{name}={value} must be a positive multiple of {LANES}")
+            check_multiple(name, getattr(self, name), LANES, " (lanes)")
         if self.narrow_steps is not None and self.narrow_steps < 1:
             raise ValueError(f"narrow_steps={self.narrow_steps} must be >= 1 (or None)")
 
@@ -182,9 +180,8 @@ def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, in
            block_sizes, count_visits=False):
     """Checks; None for the reference, else (Schedule, AttentionConfig)."""
     _check(q, k, v, segment_offsets, segment_lengths)
-    impl = resolve_impl(impl, interpret)
-    blocks = pick_block_sizes(block_sizes, impl, AttentionBlockSizes, "segment_attention",
-                              gpu_type=GpuAttentionBlockSizes)
+    impl, blocks = resolve(impl, interpret, block_sizes, AttentionBlockSizes, "segment_attention",
+                           gpu_type=GpuAttentionBlockSizes)
     if impl is Impl.REFERENCE:
         return None
     cfg = _config(q, k, causal=causal, scale=scale, blocks=blocks, interpret=interpret,

@@ -33,7 +33,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from seqpack.kernels.attention_schedule import AttentionConfig, Schedule
 from seqpack.kernels.attention_tpu import MASK_VALUE
-from seqpack.kernels.common import next_power_of_two
+from seqpack.kernels.common import next_power_of_two, triton_call
 
 
 def _dims(cfg: AttentionConfig):
@@ -187,14 +187,9 @@ def _call(kernel, grid, out_shapes, cfg: AttentionConfig, name: str, *args):
     if cfg.count_visits:
         out_shapes = [*out_shapes, jax.ShapeDtypeStruct((batch, heads, blocks), jnp.int32)]
     num_warps, num_stages = cfg.gpu or (4, 2)
-    return pl.pallas_call(
-        functools.partial(kernel, cfg=cfg),
-        out_shape=out_shapes,
-        grid=grid,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=bool(cfg.interpret),
-        name=name,
-    )(*args)
+    return triton_call(functools.partial(kernel, cfg=cfg), out_shape=out_shapes, grid=grid,
+                       num_warps=num_warps, num_stages=num_stages, interpret=cfg.interpret,
+                       name=name)(*args)
 
 
 def forward(q, k, v, sched: Schedule, cfg: AttentionConfig):

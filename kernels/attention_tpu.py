@@ -32,6 +32,7 @@ Grouped-query heads: query head h reads key/value head h // (H / K).
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,7 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)  # finite: max/exp never see
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 NN = (((1,), (0,)), ((), ()))  # a @ b
 VISIT_TILE = (8, 128)  # one (8, 128) i32 tile per counted block (debug output)
+Semantics = Literal["parallel", "arbitrary"]
 
 
 def folded(cfg: AttentionConfig) -> bool:
@@ -115,10 +117,33 @@ def range_step(lo_ref, hi_ref, num_q_blocks: int):
     return i, j, lo, j < hi_ref[idx] - lo
 
 
-def visit_output(batch: int, heads: int, blocks: int, index):
-    """Shape and BlockSpec of the debug counter: one (8, 128) i32 tile per (row, head, block)."""
-    return (jax.ShapeDtypeStruct((batch, heads, blocks * VISIT_TILE[0], VISIT_TILE[1]), jnp.int32),
-            pl.BlockSpec((None, None, *VISIT_TILE), index))
+def schedule_call(kernel, cfg: AttentionConfig, steps: int, grid: tuple[int, ...], *,
+                  num_scalar_prefetch: int, in_specs, out_shapes, out_specs, scratch_shapes,
+                  name: str, cost_estimate: pl.CostEstimate | None = None):
+    """pallas_call of one of the attention kernels: grid (B, heads, blocks, *steps), the first
+    three axes "parallel", the step axes "arbitrary", the schedule's first `num_scalar_prefetch`
+    operands in SMEM. When counting, a last output: the debug counter, one (8, 128) i32 tile per
+    (row, head, block), read back as `out[:, :, ::8, 0]`."""
+    out_shapes, out_specs = list(out_shapes), list(out_specs)
+    if cfg.count_visits:
+        batch, heads, blocks = grid[:3]
+        out_shapes.append(jax.ShapeDtypeStruct((batch, heads, blocks * VISIT_TILE[0],
+                                                VISIT_TILE[1]), jnp.int32))
+        out_specs.append(pl.BlockSpec((None, None, *VISIT_TILE), lambda *g: (*g[:3], 0)))
+    parallel: Semantics = "parallel"
+    arbitrary: Semantics = "arbitrary"
+    semantics = (parallel,) * 3 + (arbitrary,) * (len(grid) - 3)
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg, steps=steps),
+        out_shape=out_shapes,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=num_scalar_prefetch, grid=grid, in_specs=in_specs,
+            out_specs=out_specs, scratch_shapes=scratch_shapes),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        cost_estimate=cost_estimate,
+        interpret=cfg.interpret,
+        name=name,
+    )
 
 
 def count_visit(visits_ref, first: jax.Array, computed: jax.Array) -> None:
@@ -207,29 +232,17 @@ def _forward_call(q, k, v, sched: Schedule, cfg: AttentionConfig, steps: int):
     out_shapes = [kernel_shape(cfg, batch, cfg.heads, q.dtype),
                   jax.ShapeDtypeStruct((batch, cfg.heads, cfg.seq_len, 1), jnp.float32)]
     out_specs = [q_spec, pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j, *_: (b, h, i, 0))]
-    if cfg.count_visits:
-        shape, spec = visit_output(batch, cfg.heads, nq, lambda b, h, i, j, *_: (b, h, i, 0))
-        out_shapes.append(shape)
-        out_specs.append(spec)
     start, end = sched.start[:, :, None], sched.end[:, :, None]
     useful = 4 * batch * cfg.heads * cfg.seq_len**2 * cfg.head_dim // (2 if cfg.causal else 1)
-    outs = pl.pallas_call(
-        functools.partial(_forward_kernel, cfg=cfg, steps=steps),
-        out_shape=out_shapes,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(batch, cfg.heads, nq, steps),
-            in_specs=[q_spec, head_spec(cfg, bk, kv_index), head_spec(cfg, bk, kv_index),
-                      q_bounds, q_bounds, column(bk, kv_bounds_index)],
-            out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
-                            pltpu.VMEM((bq, cfg.head_dim), jnp.float32)],
-        ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+    outs = schedule_call(
+        _forward_kernel, cfg, steps, (batch, cfg.heads, nq, steps), num_scalar_prefetch=2,
+        in_specs=[q_spec, head_spec(cfg, bk, kv_index), head_spec(cfg, bk, kv_index), q_bounds,
+                  q_bounds, column(bk, kv_bounds_index)],
+        out_shapes=out_shapes, out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
+                        pltpu.VMEM((bq, cfg.head_dim), jnp.float32)],
         cost_estimate=pl.CostEstimate(flops=useful, transcendentals=useful // (4 * cfg.head_dim),
                                       bytes_accessed=4 * q.size * q.dtype.itemsize),
-        interpret=cfg.interpret,
         name="segment_attention_fwd",
     )(sched.lo.reshape(-1), sched.hi.reshape(-1), to_kernel(q, cfg), to_kernel(k, cfg),
       to_kernel(v, cfg), start, end, start)

@@ -45,8 +45,8 @@ from seqpack.kernels.attention_tpu import (
     pair_mask,
     range_step,
     rows_in_segments,
+    schedule_call,
     to_kernel,
-    visit_output,
 )
 
 
@@ -139,26 +139,12 @@ def _dq(q, k, v, do, lse, di, sched: Schedule, cfg: AttentionConfig, steps: int)
     q_bounds = pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0))
     k_bounds = pl.BlockSpec((None, bk, 1), lambda b, h, i, j, *refs: (b, kv_block(b, i, j, *refs),
                                                                       0))
-    out_shapes, out_specs = [kernel_shape(cfg, batch, cfg.heads, q.dtype)], [q_spec]
-    if cfg.count_visits:
-        shape, spec = visit_output(batch, cfg.heads, nq, lambda b, h, i, j, *_: (b, h, i, 0))
-        out_shapes.append(shape)
-        out_specs.append(spec)
     start, end = sched.start[:, :, None], sched.end[:, :, None]
-    outs = pl.pallas_call(
-        functools.partial(_dq_kernel, cfg=cfg, steps=steps),
-        out_shape=out_shapes,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
-            grid=(batch, cfg.heads, nq, steps),
-            in_specs=[q_spec, kv_spec, kv_spec, q_spec, column, column, q_bounds, q_bounds,
-                      k_bounds],
-            out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((bq, cfg.head_dim), jnp.float32)],
-        ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=cfg.interpret,
+    outs = schedule_call(
+        _dq_kernel, cfg, steps, (batch, cfg.heads, nq, steps), num_scalar_prefetch=2,
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, column, column, q_bounds, q_bounds, k_bounds],
+        out_shapes=[kernel_shape(cfg, batch, cfg.heads, q.dtype)], out_specs=[q_spec],
+        scratch_shapes=[pltpu.VMEM((bq, cfg.head_dim), jnp.float32)],
         name="segment_attention_dq",
     )(sched.lo_bwd.reshape(-1), sched.hi_bwd.reshape(-1), q, k, v, do, lse, di, start, end,
       start)
@@ -185,27 +171,13 @@ def _dkv(q, k, v, do, lse_row, di_row, sched: Schedule, cfg: AttentionConfig, st
     q_bounds = pl.BlockSpec((None, bq, 1), lambda b, kh, kb, g, j, *refs: (
         b, q_block(b, kb, j, *refs), 0))
     kv_shape = kernel_shape(cfg, batch, cfg.kv_heads, k.dtype)
-    out_shapes, out_specs = [kv_shape, kv_shape], [kv_spec, kv_spec]
-    if cfg.count_visits:
-        shape, spec = visit_output(batch, cfg.kv_heads, nk,
-                                   lambda b, kh, kb, g, j, *_: (b, kh, kb, 0))
-        out_shapes.append(shape)
-        out_specs.append(spec)
     start, end = sched.start[:, None, :], sched.end[:, None, :]
-    return pl.pallas_call(
-        functools.partial(_dkv_kernel, cfg=cfg, steps=steps),
-        out_shape=out_shapes,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(batch, cfg.kv_heads, nk, groups, steps),
-            in_specs=[q_spec, kv_spec, kv_spec, q_spec, row, row, q_bounds_row, q_bounds_row,
-                      q_bounds],
-            out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((bk, cfg.head_dim), jnp.float32)] * 2,
-        ),
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
-        interpret=cfg.interpret,
+    return schedule_call(
+        _dkv_kernel, cfg, steps, (batch, cfg.kv_heads, nk, groups, steps), num_scalar_prefetch=4,
+        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row, row, q_bounds_row, q_bounds_row,
+                  q_bounds],
+        out_shapes=[kv_shape, kv_shape], out_specs=[kv_spec, kv_spec],
+        scratch_shapes=[pltpu.VMEM((bk, cfg.head_dim), jnp.float32)] * 2,
         name="segment_attention_dkv",
     )(sched.qlo_bwd.reshape(-1), sched.qhi_bwd.reshape(-1), sched.lo_bwd.reshape(-1),
       sched.hi_bwd.reshape(-1), q, k, v, do, lse_row, di_row, start, end,

@@ -1,10 +1,13 @@
-"""Shared pieces of the kernels: impl dispatch, block sizes, tile sizes, in-kernel masks.
+"""Shared pieces of the kernels: impl dispatch, block sizes, tile sizes, in-kernel masks, launch.
 
 Layout of the package: per op a public module with the checks, the dispatch and the custom VJP
 (`segment_ops.py`, `gather.py`, `cross_entropy.py`, `attention.py`), and beside it the kernels of
 each family, `<op>_tpu.py` (Mosaic) and `<op>_gpu.py` (Triton); `metadata.py` prepares the row
 metadata in each family's layout, `checks.py` validates inputs, `reference.py` holds the pure-jnp
-references. This module holds what several of them share.
+references. This module holds what several of them share: `resolve` (the implementation and its
+block sizes), the block-size classes and their checks, `SegmentCall` (the static configuration of
+the reduce / broadcast kernels, which the gather and cross-entropy backwards call too), tile
+sizes, masks, and `triton_call` (how every GPU kernel is launched).
 
 The segment kernels walk a row of `L` tokens in blocks of `block_tokens` and, for
 each segment `j` (`segment_offsets[j]`, `segment_lengths[j]` read from SMEM), clips the segment to
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -120,6 +123,12 @@ def resolve_impl(impl: Impl | str, interpret: Interpret) -> Impl:
     return impl
 
 
+def check_multiple(name: str, value: int, multiple: int, why: str = "") -> None:
+    """The block-size rule of the Mosaic (TPU) kernels: a positive multiple of `multiple`."""
+    if value <= 0 or value % multiple:
+        raise ValueError(f"{name}={value} must be a positive multiple of {multiple}{why}")
+
+
 @dataclasses.dataclass(frozen=True)
 class SegmentBlockSizes:
     """Block sizes of the segment reduce and broadcast kernels.
@@ -139,14 +148,9 @@ class SegmentBlockSizes:
     chunk: int = 32
 
     def __post_init__(self) -> None:
-        if self.chunk <= 0 or self.chunk % 16:
-            raise ValueError(f"{self.chunk=} must be a positive multiple of 16 (bf16 tile rows)")
-        if self.block_tokens <= 0 or self.block_tokens % self.chunk:
-            raise ValueError(
-                f"{self.block_tokens=} must be a positive multiple of chunk={self.chunk}"
-            )
-        if self.block_features <= 0 or self.block_features % LANES:
-            raise ValueError(f"{self.block_features=} must be a positive multiple of {LANES}")
+        check_multiple("chunk", self.chunk, 16, " (bf16 tile rows)")
+        check_multiple("block_tokens", self.block_tokens, self.chunk, f" (chunk={self.chunk})")
+        check_multiple("block_features", self.block_features, LANES, " (lanes)")
 
 
 def _power_of_two(x: int) -> bool:
@@ -184,23 +188,58 @@ class GpuBlockSizes:
                 raise ValueError(f"{field.name}={value} must be a power of two (Triton tiles)")
 
 
-def pick_block_sizes(block_sizes, impl: Impl, tpu_type: type, name: str,
-                     gpu_type: type | None = None):
-    """The block sizes for the resolved `impl`: the family's default when None, else checked.
+def resolve(impl: Impl | str, interpret: Interpret, block_sizes, tpu_type: type, name: str,
+            gpu_type: type | None = None) -> tuple[Impl, Any]:
+    """(resolve_impl(impl, interpret), the block sizes for it): the family's default when
+    `block_sizes` is None, else checked against the family; None for the reference.
 
     gpu_type: the GPU family's block-size class (default GpuBlockSizes).
     """
+    impl = resolve_impl(impl, interpret)
     if impl is Impl.REFERENCE:
-        return None
+        return impl, None
     want = (gpu_type or GpuBlockSizes) if impl is Impl.PALLAS_GPU else tpu_type
     if block_sizes is None:
-        return want()
+        return impl, want()
     if not isinstance(block_sizes, want):
         raise ValueError(
             f"block_sizes={block_sizes!r} does not fit impl={impl.value!r} in {name}; pass a "
             f"{want.__name__} (or None for its defaults)"
         )
-    return block_sizes
+    return impl, block_sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentCall:
+    """Static (hashable) configuration of one call of the reduce / broadcast kernels, carried
+    through custom_vjp as a nondiff argument.
+
+    The kernel family follows the block sizes: GpuBlockSizes runs kernels/segment_ops_gpu.py
+    (metadata i32[B, sp] from `metadata.padded_metadata`), SegmentBlockSizes the TPU kernels in
+    segment_ops_tpu.py (flat i32[B * S] metadata and the rows' used lengths, scalar-prefetched).
+    """
+
+    seq_len: int
+    num_segments: int
+    dtype: jnp.dtype  # of the differentiated input: the dtype of its cotangent
+    block_sizes: SegmentBlockSizes | GpuBlockSizes
+    interpret: Interpret
+
+    @property
+    def gpu(self) -> GpuBlockSizes | None:
+        """The Triton tile sizes when the GPU family runs, else None."""
+        return self.block_sizes if isinstance(self.block_sizes, GpuBlockSizes) else None
+
+    @property
+    def tpu(self) -> SegmentBlockSizes:
+        """The TPU block sizes (only when the TPU family runs)."""
+        assert isinstance(self.block_sizes, SegmentBlockSizes)
+        return self.block_sizes
+
+
+def per_slot(a: jax.Array, ndim: int) -> jax.Array:
+    """[B, S] -> broadcastable against [B, S, D] when the data has `ndim` = 3 dimensions."""
+    return a.reshape(a.shape + (1,) * (ndim - 2))
 
 
 def next_power_of_two(x: int) -> int:
@@ -311,5 +350,11 @@ def first_slot(member):
     return jnp.min(jnp.where(member, slots, sp), axis=1)
 
 
-def compiler_params(blocks: GpuBlockSizes) -> plgpu.CompilerParams:
-    return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=2)
+def triton_call(kernel, *, out_shape, grid: tuple[int, ...], num_warps: int, interpret: Interpret,
+                name: str, num_stages: int = 2):
+    """`pl.pallas_call` of a GPU (Triton) kernel: no BlockSpecs, every ref is the whole array in
+    global memory and the kernel loads and stores tiles with masks at computed positions."""
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=grid,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=bool(interpret), name=name)

@@ -26,20 +26,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqpack.kernels import cross_entropy_gpu, cross_entropy_tpu, reference, segment_ops_tpu
-from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata, check_smem
+from seqpack.kernels import cross_entropy_gpu, cross_entropy_tpu, reference, segment_ops
+from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata
 from seqpack.kernels.common import (
+    LANES,
     GpuBlockSizes,
     Impl,
     Interpret,
     Normalize,
     SegmentBlockSizes,
+    SegmentCall,
+    check_multiple,
     parse_enum,
-    pick_block_sizes,
-    resolve_impl,
+    resolve,
     token_block,
 )
-from seqpack.kernels.metadata import flat_metadata, padded_metadata, row_ends
+from seqpack.kernels.metadata import family_metadata, row_ends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +58,8 @@ class CrossEntropyBlockSizes:
     block_vocab: int = 2048
 
     def __post_init__(self) -> None:
-        if self.block_tokens <= 0 or self.block_tokens % 16:
-            raise ValueError(f"{self.block_tokens=} must be a positive multiple of 16")
-        if self.block_vocab <= 0 or self.block_vocab % 128:
-            raise ValueError(f"{self.block_vocab=} must be a positive multiple of 128")
+        check_multiple("block_tokens", self.block_tokens, 16, " (bf16 tile rows)")
+        check_multiple("block_vocab", self.block_vocab, LANES, " (lanes)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,10 +103,9 @@ def _pallas_ce_bwd(st, residuals, cotangents):
             blocks=st.gpu, interpret=bool(st.interpret))
         return dlogits, None, None, None, None, None
     assert st.tpu is not None
-    weights = segment_ops_tpu.broadcast_call(g_loss[:, :, None], offsets, lengths,
-                                             seq_len=st.tpu.seq_len, out_dtype=jnp.float32,
-                                             block_sizes=SegmentBlockSizes(),
-                                             interpret=st.interpret)
+    scatter = SegmentCall(st.tpu.seq_len, st.num_segments, jnp.dtype(jnp.float32),
+                          SegmentBlockSizes(), st.interpret)
+    weights = segment_ops.broadcast(g_loss[:, :, None], (offsets, lengths), jnp.float32, scatter)
     weights = jnp.where(mask > 0, weights, 0.0)
     dlogits = cross_entropy_tpu.backward_call(logits, targets, lse, weights, offsets, lengths,
                                               used, st=st.tpu)
@@ -161,8 +160,8 @@ def segment_cross_entropy(
     """
     normalize = parse_enum(Normalize, "normalize", normalize)
     num_segments = _check(logits, targets, segment_offsets, segment_lengths, loss_mask, z_loss)
-    impl = resolve_impl(impl, interpret)
-    blocks = pick_block_sizes(block_sizes, impl, CrossEntropyBlockSizes, "segment_cross_entropy")
+    impl, blocks = resolve(impl, interpret, block_sizes, CrossEntropyBlockSizes,
+                           "segment_cross_entropy")
     if impl is Impl.REFERENCE:
         return reference.segment_cross_entropy(
             logits, targets, segment_offsets, segment_lengths, normalize=normalize,
@@ -173,11 +172,10 @@ def segment_cross_entropy(
             else (loss_mask != 0).astype(jnp.float32))
     targets = targets.astype(jnp.int32)
     used = row_ends(segment_offsets, segment_lengths, seq_len)
+    offsets, lengths = family_metadata(segment_offsets, segment_lengths, impl)
     if impl is Impl.PALLAS_GPU:
         st = _Static(num_segments, float(z_loss), interpret, gpu=blocks)
-        offsets, lengths = padded_metadata(segment_offsets, segment_lengths)
     else:
-        check_smem(batch, num_segments)
         tiling = cross_entropy_tpu.Tiling(
             seq_len=seq_len,
             vocab=vocab,
@@ -188,7 +186,6 @@ def segment_cross_entropy(
             interpret=interpret,
         )
         st = _Static(num_segments, float(z_loss), interpret, tpu=tiling)
-        offsets, lengths = flat_metadata(segment_offsets, segment_lengths)
         targets, mask = targets[:, :, None], mask[:, :, None]
     per_segment_loss, count = _pallas_ce(logits, targets, mask, offsets, lengths, used, st)
     count = lax.stop_gradient(count)

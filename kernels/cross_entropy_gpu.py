@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from seqpack.kernels.common import GpuBlockSizes, compiler_params, slot_membership, tile
+from seqpack.kernels.common import GpuBlockSizes, slot_membership, tile, triton_call
 
 
 def _counted_tokens(offsets_ref, lengths_ref, mask_ref, b, t, bl, seq_len):
@@ -97,13 +97,10 @@ def forward_call(
     kernel = functools.partial(_forward_kernel, seq_len=seq_len, vocab=vocab, z_loss=z_loss,
                                bl=bl, bv=bv)
     partial_sums = jax.ShapeDtypeStruct((batch, num_blocks, sp), jnp.float32)
-    lse, loss, count = pl.pallas_call(
-        kernel,
-        out_shape=(jax.ShapeDtypeStruct((batch, seq_len), jnp.float32), partial_sums,
-                   partial_sums),
-        grid=(batch, num_blocks),
-        compiler_params=compiler_params(blocks),
-        interpret=interpret,
+    lse, loss, count = triton_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((batch, seq_len), jnp.float32), partial_sums,
+                           partial_sums),
+        grid=(batch, num_blocks), num_warps=blocks.num_warps, interpret=interpret,
         name="segment_cross_entropy_fwd_gpu",
     )(offsets, lengths, logits, targets, mask)
     return loss.sum(1)[:, :num_segments], count.sum(1)[:, :num_segments], lse
@@ -150,11 +147,8 @@ def backward_call(
     g = jnp.pad(g_loss.astype(jnp.float32), ((0, 0), (0, offsets.shape[1] - g_loss.shape[1])))
     kernel = functools.partial(_backward_kernel, seq_len=seq_len, vocab=vocab, z_loss=z_loss,
                                bl=bl, bv=bv)
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct(logits.shape, logits.dtype),
-        grid=(batch, pl.cdiv(seq_len, bl), pl.cdiv(vocab, bv)),
-        compiler_params=compiler_params(blocks),
-        interpret=interpret,
-        name="segment_cross_entropy_bwd_gpu",
+    return triton_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(logits.shape, logits.dtype),
+        grid=(batch, pl.cdiv(seq_len, bl), pl.cdiv(vocab, bv)), num_warps=blocks.num_warps,
+        interpret=interpret, name="segment_cross_entropy_bwd_gpu",
     )(offsets, lengths, logits, targets, mask, lse, g)

@@ -16,19 +16,21 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from seqpack.kernels import gather_gpu, gather_tpu, reference, segment_ops_gpu, segment_ops_tpu
-from seqpack.kernels.checks import check_metadata, check_smem, check_tokens_input
+from seqpack.kernels import gather_gpu, gather_tpu, reference, segment_ops
+from seqpack.kernels.checks import check_metadata, check_tokens_input
 from seqpack.kernels.common import (
+    LANES,
     GpuBlockSizes,
     Impl,
     Interpret,
     SegmentBlockSizes,
+    SegmentCall,
+    check_multiple,
     gather_offset,
-    pick_block_sizes,
-    resolve_impl,
+    resolve,
     target_position,
 )
-from seqpack.kernels.metadata import flat_metadata, padded_metadata
+from seqpack.kernels.metadata import family_metadata
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,27 +44,27 @@ class GatherBlockSizes:
     block_features: int = 2048
 
     def __post_init__(self) -> None:
-        if self.block_features <= 0 or self.block_features % 128:
-            raise ValueError(f"{self.block_features=} must be a positive multiple of 128")
+        check_multiple("block_features", self.block_features, LANES, " (lanes)")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    seq_len: int
-    num_segments: int
+    """Static configuration (a custom_vjp nondiff argument): the picked token `k` (gather_offset),
+    the gather kernel's block sizes, and the backward's broadcast call (same L, S, dtype)."""
+
     k: int
-    dtype: jnp.dtype
     block_sizes: GatherBlockSizes | GpuBlockSizes
-    interpret: Interpret
+    scatter: SegmentCall
 
     def gather(self, x, offsets, lengths):  # f[B, L, D] -> f[B, S, D]
+        interpret = self.scatter.interpret
         if isinstance(self.block_sizes, GpuBlockSizes):
-            return gather_gpu.gather_call(x, offsets, lengths, num_segments=self.num_segments,
-                                          k=self.k, blocks=self.block_sizes,
-                                          interpret=bool(self.interpret))
-        return gather_tpu.gather_call(x, offsets, lengths, num_segments=self.num_segments,
-                                      k=self.k, block_features=self.block_sizes.block_features,
-                                      interpret=self.interpret)
+            out = gather_gpu.gather_call(x, offsets, lengths, k=self.k, blocks=self.block_sizes,
+                                         interpret=bool(interpret))
+            return out[:, :self.scatter.num_segments]  # drop the padding slots
+        return gather_tpu.gather_call(x, offsets, lengths, k=self.k,
+                                      block_features=self.block_sizes.block_features,
+                                      interpret=interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -75,16 +77,9 @@ def _pallas_gather_fwd(x, offsets, lengths, st):
 
 
 def _pallas_gather_bwd(st, residuals, g):
-    offsets, lengths = residuals
-    pos, valid = target_position(offsets, lengths, st.k, st.seq_len)
-    if isinstance(st.block_sizes, GpuBlockSizes):  # metadata padded to sp slots, g has S
-        dx = segment_ops_gpu.broadcast_call(g, pos, valid.astype(jnp.int32), seq_len=st.seq_len,
-                                            out_dtype=st.dtype, blocks=st.block_sizes,
-                                            interpret=bool(st.interpret))
-    else:
-        dx = segment_ops_tpu.broadcast_call(g, pos, valid.astype(jnp.int32), seq_len=st.seq_len,
-                                            out_dtype=st.dtype, block_sizes=SegmentBlockSizes(),
-                                            interpret=st.interpret)
+    offsets, lengths = residuals  # in the family's layout (GPU: padded to sp slots, g has S)
+    pos, valid = target_position(offsets, lengths, st.k, st.scatter.seq_len)
+    dx = segment_ops.broadcast(g, (pos, valid.astype(jnp.int32)), st.scatter.dtype, st.scatter)
     return dx, None, None
 
 
@@ -110,16 +105,14 @@ def segment_gather(
     check_tokens_input("x", x)
     batch, seq_len = x.shape[:2]
     num_segments = check_metadata(segment_offsets, segment_lengths, batch)
-    impl = resolve_impl(impl, interpret)
-    blocks = pick_block_sizes(block_sizes, impl, GatherBlockSizes, "segment_gather")
+    impl, blocks = resolve(impl, interpret, block_sizes, GatherBlockSizes, "segment_gather")
     if impl is Impl.REFERENCE:
         return reference.segment_gather(x, segment_offsets, segment_lengths, position=position)
-    if impl is Impl.PALLAS_GPU:
-        metadata = padded_metadata(segment_offsets, segment_lengths)
-    else:
-        check_smem(batch, num_segments)
-        metadata = flat_metadata(segment_offsets, segment_lengths)
-    st = _Static(seq_len, num_segments, k, jnp.dtype(x.dtype), blocks, interpret)
+    metadata = family_metadata(segment_offsets, segment_lengths, impl)
+    # The backward scatters with the broadcast kernel: the TPU one at its own block sizes.
+    scatter_blocks = blocks if impl is Impl.PALLAS_GPU else SegmentBlockSizes()
+    scatter = SegmentCall(seq_len, num_segments, jnp.dtype(x.dtype), scatter_blocks, interpret)
+    st = _Static(k, blocks, scatter)
     x3 = x if x.ndim == 3 else x[:, :, None]
     out = _pallas_gather(x3, *metadata, st)
     return out if x.ndim == 3 else out[..., 0]

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from seqpack.kernels.common import GpuBlockSizes, compiler_params, target_position, tile
+from seqpack.kernels.common import GpuBlockSizes, target_position, tile, triton_call
 
 
 def _gather_kernel(offsets_ref, lengths_ref, x_ref, out_ref, *, k: int, seq_len: int, dim: int,
@@ -40,21 +40,16 @@ def gather_call(
     offsets: jax.Array,  # i32[B, sp], padded_metadata
     lengths: jax.Array,  # i32[B, sp]
     *,
-    num_segments: int,
     k: int,
     blocks: GpuBlockSizes,
     interpret: bool,
-) -> jax.Array:  # f[B, S, D]
+) -> jax.Array:  # f[B, sp, D], the padding slots (past S) hold 0
     """Runs the GPU gather kernel (no checks, no VJP: see kernels/gather.py)."""
     batch, seq_len, dim = x.shape
     bd = tile(dim, blocks.block_features)
-    kernel = functools.partial(_gather_kernel, k=k, seq_len=seq_len, dim=dim, bd=bd)
-    out = pl.pallas_call(
-        kernel,
+    return triton_call(
+        functools.partial(_gather_kernel, k=k, seq_len=seq_len, dim=dim, bd=bd),
         out_shape=jax.ShapeDtypeStruct((batch, offsets.shape[1], dim), x.dtype),
-        grid=(batch, pl.cdiv(dim, bd)),
-        compiler_params=compiler_params(blocks),
-        interpret=interpret,
+        grid=(batch, pl.cdiv(dim, bd)), num_warps=blocks.num_warps, interpret=interpret,
         name="segment_gather_gpu",
     )(offsets, lengths, x)
-    return out[:, :num_segments]

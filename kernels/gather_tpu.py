@@ -52,13 +52,13 @@ def gather_call(
     offsets: jax.Array,  # i32[B * S], metadata.flat_metadata
     lengths: jax.Array,  # i32[B * S]
     *,
-    num_segments: int,
     k: int,
     block_features: int,
     interpret: Interpret,
 ) -> jax.Array:  # f[B, S, D]
     """Runs the TPU gather kernel (no checks, no VJP: see kernels/gather.py)."""
     batch, seq_len, dim = x.shape
+    num_segments = offsets.shape[0] // batch
     rows = _tile_rows(x.dtype, seq_len)
     bd = feature_block(dim, block_features)
 

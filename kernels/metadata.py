@@ -19,6 +19,8 @@ The kernels take the metadata in one of two layouts (every op module picks by ke
     padded_metadata   GPU: i32[B, sp], sp = S rounded up to a power of two (Triton tiles), extra
                       slots of length 0
     row_ends          both: i32[B] used length of each row (largest end of a non-empty slot)
+
+`family_metadata` picks the layout for a resolved `Impl` (and checks the TPU layout fits SMEM).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from seqpack.kernels.common import next_power_of_two
+from seqpack.kernels.checks import check_smem
+from seqpack.kernels.common import Impl, next_power_of_two
 
 
 @functools.partial(jax.jit, static_argnames=("max_segments",))
@@ -77,6 +80,18 @@ def padded_metadata(
     pad = ((0, 0), (0, next_power_of_two(num_segments) - num_segments))
     return (jnp.pad(segment_offsets.astype(jnp.int32), pad),
             jnp.pad(jnp.maximum(segment_lengths.astype(jnp.int32), 0), pad))
+
+
+def family_metadata(
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+    impl: Impl,  # PALLAS_TPU or PALLAS_GPU (resolved)
+) -> tuple[jax.Array, jax.Array]:  # i32[B, sp] (GPU) or i32[B * S] (TPU), twice
+    """Offsets and lengths in the layout the kernel family of `impl` reads."""
+    if impl is Impl.PALLAS_GPU:
+        return padded_metadata(segment_offsets, segment_lengths)
+    check_smem(*segment_offsets.shape)
+    return flat_metadata(segment_offsets, segment_lengths)
 
 
 def row_ends(

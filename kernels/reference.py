@@ -20,7 +20,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from seqpack.kernels.common import Normalize, gather_offset, parse_enum, target_position
+from seqpack.kernels.common import (
+    Normalize,
+    gather_offset,
+    parse_enum,
+    per_slot,
+    target_position,
+)
 
 
 def segment_index(
@@ -48,15 +54,27 @@ def _bucket_reduce(op, x, segment_offsets, segment_lengths):
     return out.reshape(batch, num_segments + 1, *x.shape[2:])[:, :num_segments]
 
 
+def _segment_totals(x, segment_offsets, segment_lengths):  # f[B, L(, D)] -> f32[B, S(, D)]
+    return _bucket_reduce(jax.ops.segment_sum, x.astype(jnp.float32), segment_offsets,
+                          segment_lengths)
+
+
+def mean_of_sums(
+    totals: jax.Array,  # f32[B, S] or f32[B, S, D], per-segment sums
+    segment_lengths: jax.Array,  # int[B, S]
+) -> jax.Array:  # f32, like totals
+    """Per-segment sums divided by the segment lengths; 0 for empty slots (length <= 0)."""
+    count = jnp.maximum(segment_lengths, 1).astype(jnp.float32)
+    return totals / per_slot(count, totals.ndim)
+
+
 def segment_sum(
     x: jax.Array,  # f[B, L] or f[B, L, D]
     segment_offsets: jax.Array,  # int[B, S]
     segment_lengths: jax.Array,  # int[B, S]
 ) -> jax.Array:  # f[B, S] or f[B, S, D]
     """Sum of each segment's tokens; 0 for empty slots."""
-    out = _bucket_reduce(jax.ops.segment_sum, x.astype(jnp.float32), segment_offsets,
-                         segment_lengths)
-    return out.astype(x.dtype)
+    return _segment_totals(x, segment_offsets, segment_lengths).astype(x.dtype)
 
 
 def segment_mean(
@@ -65,11 +83,8 @@ def segment_mean(
     segment_lengths: jax.Array,  # int[B, S]
 ) -> jax.Array:  # f[B, S] or f[B, S, D]
     """Mean of each segment's tokens; 0 for empty slots."""
-    total = _bucket_reduce(jax.ops.segment_sum, x.astype(jnp.float32), segment_offsets,
-                           segment_lengths)
-    count = jnp.maximum(segment_lengths, 1).astype(jnp.float32)
-    count = count.reshape(count.shape + (1,) * (x.ndim - 2))
-    return (total / count).astype(x.dtype)
+    totals = _segment_totals(x, segment_offsets, segment_lengths)
+    return mean_of_sums(totals, segment_lengths).astype(x.dtype)
 
 
 def segment_max(
@@ -85,7 +100,7 @@ def segment_max(
     """
     out = _bucket_reduce(jax.ops.segment_max, x.astype(jnp.float32), segment_offsets,
                          segment_lengths)
-    nonempty = (segment_lengths > 0).reshape(segment_lengths.shape + (1,) * (x.ndim - 2))
+    nonempty = per_slot(segment_lengths > 0, x.ndim)
     return jnp.where(nonempty, out, fill_value).astype(x.dtype)
 
 

@@ -31,13 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from seqpack.kernels.common import (
-    GpuBlockSizes,
-    compiler_params,
-    first_slot,
-    slot_membership,
-    tile,
-)
+from seqpack.kernels.common import SegmentCall, first_slot, slot_membership, tile, triton_call
 
 Mode = Literal["sum", "max"]
 
@@ -69,26 +63,23 @@ def _reduce_kernel(offsets_ref, lengths_ref, x_ref, out_ref, *, mode: Mode, seq_
 
 def reduce_call(
     x: jax.Array,  # f[B, L, D]
-    offsets: jax.Array,  # i32[B, sp], padded_metadata
+    offsets: jax.Array,  # i32[B, sp], metadata.padded_metadata
     lengths: jax.Array,  # i32[B, sp]
     *,
-    num_segments: int,
     mode: Mode,
-    blocks: GpuBlockSizes,
-    interpret: bool,
+    st: SegmentCall,
 ) -> jax.Array:  # f32[B, S, D]; sum: 0 for empty slots, max: -inf for empty slots
     """Runs the GPU reduce kernel (no checks, no VJP: see kernels/segment_ops.py)."""
     batch, seq_len, dim = x.shape
+    blocks = st.gpu
+    assert blocks is not None
     bl, bd = tile(seq_len, blocks.block_tokens), tile(dim, blocks.block_features)
     splits = min(blocks.token_splits, pl.cdiv(seq_len, bl))
-    kernel = functools.partial(_reduce_kernel, mode=mode, seq_len=seq_len, dim=dim, bl=bl, bd=bd)
-    partial = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((batch, num_segments, splits, dim), jnp.float32),
-        grid=(batch, num_segments, pl.cdiv(dim, bd), splits),
-        compiler_params=compiler_params(blocks),
-        interpret=interpret,
-        name=f"segment_{mode}_gpu",
+    partial = triton_call(
+        functools.partial(_reduce_kernel, mode=mode, seq_len=seq_len, dim=dim, bl=bl, bd=bd),
+        out_shape=jax.ShapeDtypeStruct((batch, st.num_segments, splits, dim), jnp.float32),
+        grid=(batch, st.num_segments, pl.cdiv(dim, bd), splits), num_warps=blocks.num_warps,
+        interpret=st.interpret, name=f"segment_{mode}_gpu",
     )(offsets, lengths, x)
     return partial.sum(2) if mode == "sum" else partial.max(2)
 
@@ -110,23 +101,20 @@ def _broadcast_kernel(offsets_ref, lengths_ref, values_ref, out_ref, *, seq_len:
 
 def broadcast_call(
     values: jax.Array,  # f[B, S, D]
-    offsets: jax.Array,  # i32[B, sp], padded_metadata
+    offsets: jax.Array,  # i32[B, sp], metadata.padded_metadata
     lengths: jax.Array,  # i32[B, sp]
     *,
-    seq_len: int,
     out_dtype: jnp.dtype,
-    blocks: GpuBlockSizes,
-    interpret: bool,
+    st: SegmentCall,
 ) -> jax.Array:  # out_dtype[B, L, D]
     """Runs the GPU broadcast kernel (no checks, no VJP: see kernels/segment_ops.py)."""
     batch, _, dim = values.shape
+    blocks, seq_len = st.gpu, st.seq_len
+    assert blocks is not None
     bl, bd = tile(seq_len, blocks.block_tokens), tile(dim, blocks.block_features)
-    kernel = functools.partial(_broadcast_kernel, seq_len=seq_len, dim=dim, bl=bl, bd=bd)
-    return pl.pallas_call(
-        kernel,
+    return triton_call(
+        functools.partial(_broadcast_kernel, seq_len=seq_len, dim=dim, bl=bl, bd=bd),
         out_shape=jax.ShapeDtypeStruct((batch, seq_len, dim), out_dtype),
-        grid=(batch, pl.cdiv(seq_len, bl), pl.cdiv(dim, bd)),
-        compiler_params=compiler_params(blocks),
-        interpret=interpret,
-        name="segment_broadcast_gpu",
+        grid=(batch, pl.cdiv(seq_len, bl), pl.cdiv(dim, bd)), num_warps=blocks.num_warps,
+        interpret=st.interpret, name="segment_broadcast_gpu",
     )(offsets, lengths, values)

@@ -37,7 +37,9 @@ Example, L = 8, bl = 8, chunk = 4 (toy sizes), values [a, b], segments [1, 3) an
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -49,8 +51,7 @@ from jax.experimental.pallas import tpu as pltpu
 from seqpack.kernels.common import (
     ACCUMULATOR_BUDGET_BYTES,
     LANES,
-    Interpret,
-    SegmentBlockSizes,
+    SegmentCall,
     block_interval,
     cdiv_nonneg,
     chunk_mask,
@@ -62,6 +63,47 @@ from seqpack.kernels.common import (
 Mode = Literal["sum", "max"]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Walk:
+    """How both kernels walk a row: its S slots, clipped to token blocks of `block_tokens` rows,
+    each read in aligned chunks of `chunk` rows (common.py's worked example)."""
+
+    num_segments: int
+    seq_len: int
+    block_tokens: int
+    chunk: int
+
+    @classmethod
+    def of(cls, st: SegmentCall, num_segments: int) -> _Walk:
+        blocks = st.tpu
+        bl = token_block(st.seq_len, blocks.block_tokens, blocks.chunk)
+        return cls(num_segments, st.seq_len, bl, blocks.chunk)
+
+    def segments(self, offsets_ref, lengths_ref, row, base,
+                 body: Callable[[jax.Array, jax.Array, jax.Array], None]) -> None:
+        """body(j, lo, hi) for every slot j of `row` holding rows of the token block that starts
+        at `base`; [lo, hi) is block-local (common.block_interval)."""
+
+        def segment(j, carry):
+            idx = row * self.num_segments + j
+            lo, hi = block_interval(offsets_ref[idx], lengths_ref[idx], base, self.block_tokens,
+                                    self.seq_len)
+            pl.when(hi > lo)(functools.partial(body, j, lo, hi))
+            return carry
+
+        lax.fori_loop(0, self.num_segments, segment, 0)
+
+    def chunks(self, lo, hi, step, init):
+        """fori_loop of step(start, carry) over the chunk-aligned starts of the chunks covering
+        the block-local rows [lo, hi)."""
+
+        def chunk_step(c, carry):
+            return step(pl.multiple_of(c * self.chunk, self.chunk), carry)
+
+        return lax.fori_loop(lax.div(lo, self.chunk), cdiv_nonneg(hi, self.chunk), chunk_step,
+                             init)
+
+
 def _reduce_kernel(
     offsets_ref,  # SMEM i32[B * S]
     lengths_ref,  # SMEM i32[B * S]
@@ -70,92 +112,61 @@ def _reduce_kernel(
     out_ref,  # VMEM f32[S, 1, bd], resident over the token axis
     *,
     mode: Mode,
-    num_segments: int,
-    seq_len: int,
-    block_tokens: int,
-    chunk: int,
+    walk: _Walk,
 ) -> None:
     row, t = pl.program_id(0), pl.program_id(2)
     width = out_ref.shape[-1]
     init = 0.0 if mode == "sum" else -jnp.inf
+    combine = jnp.add if mode == "sum" else jnp.maximum
+    reduce = jnp.sum if mode == "sum" else jnp.max
 
     @pl.when(t == 0)
     def _init():
         out_ref[...] = jnp.full(out_ref.shape, init, jnp.float32)
 
-    base = t * block_tokens
+    base = t * walk.block_tokens
+
+    def reduce_segment(j, lo, hi):
+        def chunk_step(start, acc):
+            values = x_ref[pl.ds(start, walk.chunk), :].astype(jnp.float32)
+            keep = chunk_mask(start, lo, hi, (walk.chunk, width))
+            return combine(acc, reduce(jnp.where(keep, values, init), axis=0, keepdims=True))
+
+        acc = walk.chunks(lo, hi, chunk_step, jnp.full((1, width), init, jnp.float32))
+        out_ref[j] = combine(out_ref[j], acc)
 
     @pl.when(base < ends_ref[row])
     def _accumulate():
-        def segment(j, carry):
-            idx = row * num_segments + j
-            lo, hi = block_interval(offsets_ref[idx], lengths_ref[idx], base, block_tokens, seq_len)
-
-            @pl.when(hi > lo)
-            def _reduce_segment():
-                def chunk_step(c, acc):
-                    start = pl.multiple_of(c * chunk, chunk)
-                    values = x_ref[pl.ds(start, chunk), :].astype(jnp.float32)
-                    keep = chunk_mask(start, lo, hi, (chunk, width))
-                    if mode == "sum":
-                        return acc + jnp.sum(jnp.where(keep, values, 0.0), axis=0, keepdims=True)
-                    return jnp.maximum(
-                        acc, jnp.max(jnp.where(keep, values, -jnp.inf), axis=0, keepdims=True)
-                    )
-
-                acc = lax.fori_loop(
-                    lax.div(lo, chunk),
-                    cdiv_nonneg(hi, chunk),
-                    chunk_step,
-                    jnp.full((1, width), init, jnp.float32),
-                )
-                if mode == "sum":
-                    out_ref[j] = out_ref[j] + acc
-                else:
-                    out_ref[j] = jnp.maximum(out_ref[j], acc)
-
-            return carry
-
-        lax.fori_loop(0, num_segments, segment, 0)
+        walk.segments(offsets_ref, lengths_ref, row, base, reduce_segment)
 
 
 def reduce_call(
     x: jax.Array,  # f[B, L, D]
-    offsets: jax.Array,  # i32[B * S]
+    offsets: jax.Array,  # i32[B * S], metadata.flat_metadata
     lengths: jax.Array,  # i32[B * S]
     ends: jax.Array,  # i32[B], metadata.row_ends
     *,
-    num_segments: int,
     mode: Mode,
-    block_sizes: SegmentBlockSizes,
-    interpret: Interpret,
+    st: SegmentCall,
 ) -> jax.Array:  # f32[B, S, D]; sum: 0 for empty slots, max: -inf for empty slots
     """Runs the reduce kernel (no checks, no VJP: see kernels/segment_ops.py)."""
     batch, seq_len, dim = x.shape
-    chunk = block_sizes.chunk
-    bl = token_block(seq_len, block_sizes.block_tokens, chunk)
+    num_segments = st.num_segments
+    walk = _Walk.of(st, num_segments)
+    bl = walk.block_tokens
     acc_lanes = ACCUMULATOR_BUDGET_BYTES // (2 * num_segments * 8 * 4) // LANES * LANES
-    bd = feature_block(dim, min(block_sizes.block_features, max(LANES, acc_lanes)))
-    num_token_blocks = pl.cdiv(seq_len, bl)
+    bd = feature_block(dim, min(st.tpu.block_features, max(LANES, acc_lanes)))
 
     def x_index(b, d, t, offsets_ref, lengths_ref, ends_ref):
         last = last_used_block(ends_ref, b, bl)
         return b, jnp.minimum(t, last), d
 
-    kernel = functools.partial(
-        _reduce_kernel,
-        mode=mode,
-        num_segments=num_segments,
-        seq_len=seq_len,
-        block_tokens=bl,
-        chunk=chunk,
-    )
     out = pl.pallas_call(
-        kernel,
+        functools.partial(_reduce_kernel, mode=mode, walk=walk),
         out_shape=jax.ShapeDtypeStruct((batch, num_segments, 1, dim), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
-            grid=(batch, pl.cdiv(dim, bd), num_token_blocks),
+            grid=(batch, pl.cdiv(dim, bd), pl.cdiv(seq_len, bl)),
             in_specs=[pl.BlockSpec((None, bl, bd), x_index)],
             out_specs=pl.BlockSpec((None, num_segments, 1, bd), lambda b, d, t, *_: (b, 0, 0, d)),
         ),
@@ -167,7 +178,7 @@ def reduce_call(
             transcendentals=0,
             bytes_accessed=x.size * x.dtype.itemsize + batch * num_segments * dim * 4,
         ),
-        interpret=interpret,
+        interpret=st.interpret,
         name=f"segment_{mode}",
     )(offsets, lengths, ends, x)
     return out[:, :, 0, :]
@@ -179,69 +190,47 @@ def _broadcast_kernel(
     values_ref,  # VMEM [S, 1, bd]
     out_ref,  # VMEM [bl, bd]
     *,
-    num_segments: int,
-    seq_len: int,
-    block_tokens: int,
-    chunk: int,
+    walk: _Walk,
 ) -> None:
     row, t = pl.program_id(0), pl.program_id(2)
     width = out_ref.shape[-1]
-    base = t * block_tokens
     out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
-    def segment(j, carry):
-        idx = row * num_segments + j
-        lo, hi = block_interval(offsets_ref[idx], lengths_ref[idx], base, block_tokens, seq_len)
+    def write_segment(j, lo, hi):
+        value = values_ref[j].astype(jnp.float32)  # [1, bd]
 
-        @pl.when(hi > lo)
-        def _write_segment():
-            value = values_ref[j].astype(jnp.float32)  # [1, bd]
+        def chunk_step(start, carry):
+            keep = chunk_mask(start, lo, hi, (walk.chunk, width))
+            current = out_ref[pl.ds(start, walk.chunk), :].astype(jnp.float32)
+            out_ref[pl.ds(start, walk.chunk), :] = jnp.where(keep, value, current).astype(
+                out_ref.dtype
+            )
+            return carry
 
-            def chunk_step(c, carry):
-                start = pl.multiple_of(c * chunk, chunk)
-                keep = chunk_mask(start, lo, hi, (chunk, width))
-                current = out_ref[pl.ds(start, chunk), :].astype(jnp.float32)
-                out_ref[pl.ds(start, chunk), :] = jnp.where(keep, value, current).astype(
-                    out_ref.dtype
-                )
-                return carry
+        walk.chunks(lo, hi, chunk_step, 0)
 
-            lax.fori_loop(lax.div(lo, chunk), cdiv_nonneg(hi, chunk), chunk_step, 0)
-
-        return carry
-
-    lax.fori_loop(0, num_segments, segment, 0)
+    walk.segments(offsets_ref, lengths_ref, row, t * walk.block_tokens, write_segment)
 
 
 def broadcast_call(
     values: jax.Array,  # f[B, S, D]
-    offsets: jax.Array,  # i32[B * S]
+    offsets: jax.Array,  # i32[B * S], metadata.flat_metadata
     lengths: jax.Array,  # i32[B * S]
     *,
-    seq_len: int,
     out_dtype: jnp.dtype,
-    block_sizes: SegmentBlockSizes,
-    interpret: Interpret,
+    st: SegmentCall,
 ) -> jax.Array:  # out_dtype[B, L, D]
     """Runs the broadcast kernel (no checks, no VJP: see kernels/segment_ops.py)."""
     batch, num_segments, dim = values.shape
-    chunk = block_sizes.chunk
-    bl = token_block(seq_len, block_sizes.block_tokens, chunk)
-    bd = feature_block(dim, block_sizes.block_features)
-    kernel = functools.partial(
-        _broadcast_kernel,
-        num_segments=num_segments,
-        seq_len=seq_len,
-        block_tokens=bl,
-        chunk=chunk,
-    )
-    out_itemsize = jnp.dtype(out_dtype).itemsize
+    walk = _Walk.of(st, num_segments)
+    bl, bd = walk.block_tokens, feature_block(dim, st.tpu.block_features)
+    out_bytes = batch * st.seq_len * dim * jnp.dtype(out_dtype).itemsize
     return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((batch, seq_len, dim), out_dtype),
+        functools.partial(_broadcast_kernel, walk=walk),
+        out_shape=jax.ShapeDtypeStruct((batch, st.seq_len, dim), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(batch, pl.cdiv(dim, bd), pl.cdiv(seq_len, bl)),
+            grid=(batch, pl.cdiv(dim, bd), pl.cdiv(st.seq_len, bl)),
             in_specs=[
                 pl.BlockSpec((None, num_segments, 1, bd), lambda b, d, t, *_: (b, 0, 0, d))
             ],
@@ -253,9 +242,8 @@ def broadcast_call(
         cost_estimate=pl.CostEstimate(
             flops=0,
             transcendentals=0,
-            bytes_accessed=values.size * values.dtype.itemsize
-            + batch * seq_len * dim * out_itemsize,
+            bytes_accessed=values.size * values.dtype.itemsize + out_bytes,
         ),
-        interpret=interpret,
+        interpret=st.interpret,
         name="segment_broadcast",
     )(offsets, lengths, values[:, :, None, :])

@@ -35,8 +35,8 @@ def check_lengths(lengths: object, *, first: int = 0) -> np.ndarray:
     return arr
 
 
-def check_values(values: object, *, name: str = "values") -> np.ndarray:
-    """Returns `values` as a 1-D integer array of non-negative token ids (dtype kept)."""
+def _id_array(values: object, name: str) -> np.ndarray:
+    """`values` as an array, if it is 1-D and (unless empty) of an integer dtype."""
     arr = np.asarray(values)
     if arr.ndim != 1:
         raise ValueError(f"{name} must be 1-D token ids, got shape {arr.shape}; flatten it first")
@@ -45,6 +45,12 @@ def check_values(values: object, *, name: str = "values") -> np.ndarray:
             f"{name} must hold integer token ids, got dtype {arr.dtype}; "
             "tokenize first or cast with .astype(np.int32)"
         )
+    return arr
+
+
+def check_values(values: object, *, name: str = "values") -> np.ndarray:
+    """Returns `values` as a 1-D integer array of non-negative token ids (dtype kept)."""
+    arr = _id_array(values, name)
     if arr.size == 0 and not np.issubdtype(arr.dtype, np.integer):
         arr = arr.astype(np.int32)
     if arr.size and np.issubdtype(arr.dtype, np.signedinteger):
@@ -85,17 +91,7 @@ def check_offsets(offsets: object, num_values: int) -> np.ndarray:
 
 def ragged_from_sequences(sequences: Sequence[object]) -> tuple[np.ndarray, np.ndarray]:
     """Concatenates a list of 1-D integer arrays into (values, offsets)."""
-    arrays = []
-    for i, seq in enumerate(sequences):
-        a = np.asarray(seq)
-        if a.ndim != 1:
-            raise ValueError(f"sequences[{i}] must be 1-D, got shape {a.shape}")
-        if a.size and not np.issubdtype(a.dtype, np.integer):
-            raise ValueError(
-                f"sequences[{i}] must hold integer token ids, got dtype {a.dtype}; "
-                "cast with .astype(np.int32)"
-            )
-        arrays.append(a)
+    arrays = [_id_array(seq, f"sequences[{i}]") for i, seq in enumerate(sequences)]
     lengths = np.fromiter((a.size for a in arrays), np.int64, len(arrays))
     offsets = np.zeros(len(arrays) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
