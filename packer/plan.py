@@ -272,13 +272,4 @@ def order_pieces(example, start, length, row, num_rows, counters, config) -> Pac
     aligned = -(-length // a) * a
     excl = np.cumsum(aligned) - aligned
     offset = excl - excl[first] if n else excl
-    return PackPlan(
-        example=example,
-        start=start,
-        length=length,
-        row=row,
-        slot=slot,
-        offset=offset,
-        num_rows=int(num_rows),
-        counters=counters,
-    )
+    return PackPlan(example, start, length, row, slot, offset, int(num_rows), counters)
