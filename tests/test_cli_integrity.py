@@ -66,6 +66,7 @@ def test_seq_len_bounds_are_checked_before_anything_is_written(tmp_path, monkeyp
     assert not out.exists()
 
 
+@pytest.mark.slow  # seconds of subprocesses (tests/test_faults.py covers the fast path)
 def test_ctrl_c_exits_130_and_names_the_resume_command(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", random_seqs(1500, max_len=100, seed=2))
     out = tmp_path / "out"

@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from tests.helpers.files import ROOT, dir_bytes, random_seqs, run_cli, write_jsonl, write_parquet
 
 
@@ -68,6 +70,7 @@ def test_pack_verify_stats_inspect(tmp_path):
     assert result.returncode == 0 and "segment_source_index" in result.stdout
 
 
+@pytest.mark.slow  # seconds of subprocesses (tests/test_faults.py covers the fast path)
 def test_sigkill_mid_run_then_resume_gives_the_same_bytes(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", random_seqs(3000, max_len=200, seed=5))
     args = ["--seq-len", 256, "--max-segments", 8, "--shard-rows", 40]

@@ -245,6 +245,7 @@ def test_pack_to_object_storage_gives_the_local_bytes(store, inputs, tmp_path):
     assert _objects(store, out) == dir_bytes(local)
 
 
+@pytest.mark.slow  # seconds of subprocesses (tests/test_faults.py covers the fast path)
 def test_a_damaged_remote_shard_is_rewritten_by_resume_and_a_lock_refuses(store, inputs,
                                                                           tmp_path):
     local = tmp_path / "local"
