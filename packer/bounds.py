@@ -42,16 +42,24 @@ def tight_lower_bound(sizes: object, capacity: int, max_segments: int) -> int:
     Vectorised over the thresholds: O(n log n) for n pieces, a few arrays of n.
     """
     s = np.sort(np.asarray(sizes, np.int64))  # ascending
+    if s.size and (s[0] < 1 or s[-1] > capacity):
+        raise ValueError(f"sizes must lie in [1, {capacity}], got [{int(s[0])}, {int(s[-1])}]")
+    return sorted_lower_bound(s, capacity, max_segments)
+
+
+def sorted_lower_bound(s: np.ndarray, capacity: int, max_segments: int) -> int:
+    """`tight_lower_bound` of sizes already sorted ascending (i64[n], each in [1, capacity]);
+    O(n): the strategies sort once and pass a view."""
     n = int(s.size)
     if n == 0:
         return 0
     L, S = int(capacity), int(max_segments)
-    if s[0] < 1 or s[-1] > L:
-        raise ValueError(f"sizes must lie in [1, {L}], got [{int(s[0])}, {int(s[-1])}]")
     cs = np.zeros(n + 1, np.int64)
     np.cumsum(s, out=cs[1:])
     best = lower_bound(int(cs[-1]), n, L, S)
-    alphas = np.unique(np.concatenate([[0], s[s <= L // 2]]))
+    half = s[: int(np.searchsorted(s, L // 2, side="right"))]
+    distinct = half[np.concatenate([[True], half[1:] != half[:-1]])] if half.size else half
+    alphas = np.concatenate([[0], distinct])  # 0 and every size <= L/2, ascending, distinct
     n_small = np.searchsorted(s, alphas, side="left")  # pieces < a
     i_half = int(np.searchsorted(s, L // 2, side="right"))  # pieces <= L/2
     i_j2 = np.searchsorted(s, L - alphas, side="right")  # pieces <= L - a

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqpack.packer import PackConfig, StreamPlanner, plan, tight_lower_bound
+from seqpack.packer import PackConfig, StreamPlanner, bounds, plan, tight_lower_bound
 from seqpack.packer.bounds import lower_bound
 from seqpack.packer.strategies import best_fit_decreasing as bfd
 from seqpack.packer.strategies import repair as repair_mod
@@ -70,6 +70,26 @@ def test_repair_keeps_every_piece_and_never_adds_rows(inst):
     fixed, m = repair_mod.repair(desc, np.asarray(rows, np.int64), n, L, S, target=0)
     _check(desc, fixed, m, L, S)
     assert tight_lower_bound(desc, L, S) <= m <= n
+
+
+@settings(max_examples=120, deadline=None)
+@given(instances)
+def test_one_dimensional_gate_is_exact_and_only_plain_runs(inst):
+    L, S, sizes = inst
+    asc = np.sort(np.asarray(sizes, np.int64))
+    assert bounds.sorted_lower_bound(asc, L, S) == tight_lower_bound(asc[::-1], L, S)
+    desc = asc[::-1]
+    can_bind = bfd.slots_can_bind(asc, L, S)
+    rows, n = bfd._bfd_sorted(desc, L, S)
+    counts = np.bincount(rows, minlength=n)
+    room = L - np.bincount(rows, weights=desc, minlength=n)
+    outside = np.array([desc[rows != r].min(initial=L + 1) for r in range(n)])  # smallest other
+    starved = (counts == S) & (room >= outside)  # full in slots with room for another piece
+    if not can_bind:
+        assert not starved.any()
+        assert len(bfd._passes(desc, L, S, tight_lower_bound(desc, L, S))) == 1
+    if starved.any():
+        assert can_bind
 
 
 def test_tight_bound_worked_example():

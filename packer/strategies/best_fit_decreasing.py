@@ -12,6 +12,9 @@ further from the bound than `gate` (0.05%, at least one row), the best plan winn
    Corpora whose slot bound is 15% to 90% of the token bound start with it: plain BFD fails
    there, its last rows filling their slots with short pieces long before their tokens.
 
+Where no row can run out of slots before tokens (its `max_segments` + 1 smallest pieces do not
+fit: `slots_can_bind`), the plan is one-dimensional and only pass 1 runs.
+
 Then, while the plan is above `repair_target` (0.1%, at least one row), `strategies.repair`
 moves pieces out of the emptiest rows into the room the others have left.
 
@@ -34,7 +37,7 @@ from bisect import bisect_left, insort
 
 import numpy as np
 
-from seqpack.packer.bounds import tight_lower_bound
+from seqpack.packer.bounds import sorted_lower_bound
 from seqpack.packer.strategies.best_fit import _MASK, _SHIFT
 from seqpack.packer.strategies.repair import repair
 from seqpack.packer.strategies.two_pool import two_pool_sorted
@@ -150,6 +153,14 @@ def repair_target(bound: int) -> int:
     return bound + max(1, bound // 1000)
 
 
+def slots_can_bind(sizes_asc: np.ndarray, capacity: int, max_segments: int) -> bool:
+    """Whether a row can run out of slots before tokens: its `max_segments` + 1 smallest
+    pieces (`sizes_asc`, i64[n] ascending) fit in `capacity`. If not, the plan is a
+    one-dimensional one and only plain BFD (and the repair) run."""
+    k = max_segments + 1
+    return sizes_asc.size >= k and int(sizes_asc[:k].sum()) <= capacity
+
+
 def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int):
     """The passes in the order they run (see the module docstring), lazily."""
     n = int(sizes_desc.size)
@@ -157,6 +168,8 @@ def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int
     token_bound = -(-int(sizes_desc.sum()) // capacity)
     two_pool = lambda: two_pool_sorted(sizes_desc, capacity, max_segments, bound)  # noqa: E731
     plain = lambda: _bfd_sorted(sizes_desc, capacity, max_segments)  # noqa: E731
+    if not slots_can_bind(sizes_desc[::-1], capacity, max_segments):
+        return [plain]
     if slot_bound >= _WORST_FIT_RATIO * token_bound:  # slots bind for the whole corpus
         wf = lambda: _worst_fit_sorted(sizes_desc.tolist(), capacity, max_segments,  # noqa: E731
                                        slot_bound)
@@ -183,7 +196,7 @@ def assign_best_fit_decreasing(
     order = np.argsort(small, kind="stable")  # largest first, ties in input order
     del small
     sizes_desc = sizes[order]
-    bound = tight_lower_bound(sizes_desc, capacity, max_segments)
+    bound = sorted_lower_bound(sizes_desc[::-1], capacity, max_segments)
     enough = gate(bound) if slack is None else bound + slack
     target = repair_target(bound) if slack is None else bound + slack
     best: tuple[object, int] | None = None
