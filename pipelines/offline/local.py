@@ -211,7 +211,7 @@ class _Pieces:
     example: np.ndarray  # i64[P]
     start: np.ndarray  # i32/i64[P]
     length: np.ndarray  # i32/i64[P]
-    row: np.ndarray  # i64[P]: output row (the plan's row put in the run's order), sorted
+    row: np.ndarray  # i32/i64[P]: output row (the plan's row put in the run's order), sorted
     bounds: np.ndarray  # i64[R + 1]: pieces of output row r are [bounds[r], bounds[r + 1])
 
 
@@ -230,7 +230,7 @@ def _sorted_pieces(a: RowAssignment, lengths: np.ndarray, config: PackConfig,
         at += e.size
     blocks = _Blocks.of(a, example, lengths.size)
     costs = blocks.cost_summary(a, length, config.seq_len, order.cost)
-    row = output_rows(a, length, blocks, order)[a.row]
+    row = output_rows(a, length, blocks, order).astype(a.row.dtype)[a.row]  # 4 bytes a piece
     by_row = np.argsort(row, kind="stable")
     example = example[by_row]  # one array at a time: one extra copy alive, not three
     start = start[by_row]
