@@ -275,7 +275,7 @@ def _read_options(input_format, columns, tokenizer, text_unit):
                   extra_columns=tuple(columns[1:]), tokenizer=tokenizer, text_unit=text_unit)
 
 
-def _pads(items: tuple[str, ...], option: str, kind: type) -> dict:
+def _pairs(items: tuple[str, ...], option: str, kind: type) -> dict:
     """--pad NAME=VALUE / --role NAME=ROLE options as {name: value}."""
     example = "labels=-100" if kind is int else "labels=mask"
     out = {}
@@ -402,7 +402,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
                                       compression=compression, fsync=fsync),
                  block_size=block_size, workers=workers,
                  existing="resume" if resume else "overwrite" if overwrite else "refuse",
-                 pads=_pads(pads, "pad", int), roles=_pads(roles, "role", str),
+                 pads=_pairs(pads, "pad", int), roles=_pairs(roles, "role", str),
                  order=_row_order(row_order, seed, data_parallel, batch_size, cost_model,
                                   d_model))
     progress = terminal_progress() if runner == "local" else None
