@@ -112,20 +112,33 @@ def _open_room(st: _State, p: int, victim: int, roomy: np.ndarray, rows: np.ndar
     cand = cand[cand != victim]
     if not cand.size:
         return False
+    if cand.size > _ROWS:  # only rows as roomy as the _ROWS-th roomiest can be among them
+        room_c = st.room[cand]
+        cand = cand[room_c >= np.partition(room_c, cand.size - _ROWS)[cand.size - _ROWS]]
     order = np.lexsort((cand, -st.room[cand]))[:_ROWS]
     sizes = st.size[roomy]
+    reach = sizes + room  # the largest y that x's row A has room to take for x
     for b in cand[order].tolist():
         need = s - int(st.room[b])
         ys = np.flatnonzero(st.row == b)
         ys = ys[np.argsort(-st.size[ys], kind="stable")][:_PIECES]
         st.work += st.row.size + ys.size * roomy.size
-        diff = st.size[ys][:, None] - sizes[None, :]  # [y, x]: what B would gain
-        ok = (diff >= need) & (diff <= room) & ((rows != b) & (rows != victim))
+        if not ys.size:
+            continue
+        y_sizes = st.size[ys]
+        # Only x with x <= max(y) - need and x + room(A) >= min(y) can pair with some y: the
+        # [y, x] table is built over those (in roomy order, so ties resolve as over all).
+        near = np.flatnonzero((sizes <= int(y_sizes[0]) - need) & (reach >= int(y_sizes[-1])))
+        if not near.size:
+            continue
+        near = near[(rows[near] != b) & (rows[near] != victim)]
+        diff = y_sizes[:, None] - sizes[near][None, :]  # [y, x]: what B would gain
+        ok = (diff >= need) & (diff <= room[near])
         if not ok.any():
             continue
         first = int(np.argmax(ok.any(axis=1)))  # the largest y that can go ...
         k = int(np.argmin(np.where(ok[first], diff[first], np.iinfo(np.int64).max)))
-        y, x = int(ys[first]), int(roomy[k])  # ... for the x that gains least but enough
+        y, x = int(ys[first]), int(roomy[near[k]])  # ... for the x that gains least but enough
         a = int(st.row[x])
         st.move(x, b)
         st.move(y, a)

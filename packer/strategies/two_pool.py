@@ -282,9 +282,11 @@ class _ArrayRows:
             i, used2 = _deal(out, r2, take2, i, j)
             room[r2] -= used2 * s
             count[r2] += used2
-            hit = r2[used2 > 0]
-            gone |= np.isin(r, hit)
-            touched = np.union1d(touched, hit)
+            mark = np.zeros(self.num_rows, bool)  # (np.isin and np.union1d cost far more)
+            mark[r2[used2 > 0]] = True
+            gone |= mark[r]
+            mark[touched] = True
+            touched = np.flatnonzero(mark)
         if i < j:
             start = self.num_rows
             i = self._open(out, s, i, j, min(self.L // s, S), cap=None)
