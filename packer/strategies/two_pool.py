@@ -40,6 +40,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left, insort
+from itertools import islice
 
 import numpy as np
 
@@ -140,28 +141,42 @@ class _Rows:
         """Best fit of out[i:j] (size s) into the rows of `keys` in order of room, each taking
         what fits (and, with `a`, what keeps it in its pool); returns (next i, rows touched),
         their keys removed."""
-        k = k0 = bisect_left(keys, s << _SHIFT)
-        S, count, room = self.S, self.count, self.room
         touched: list[int] = []
-        end = len(keys)
+        if i >= j:
+            return i, touched
+        k0 = bisect_left(keys, s << _SHIFT)
+        S, count, room = self.S, self.count, self.room
+        takes: list[int] = []  # out[] is written once at the end (a slice per piece costs)
+        i0 = i
         big, small = a is not None and s > a, a is not None and s < a
         a = 0.0 if a is None else a
-        while i < j and k < end:
-            r = keys[k] & _MASK
+        for key in islice(keys, k0, None):
+            r = key & _MASK
             rm = room[r]
             free = S - count[r]
-            take = min(rm // s, free, j - i)
+            take = rm // s  # min(rm // s, free, j - i, the pool's limit (at least 1))
+            if take > free:
+                take = free
+            if take > j - i:
+                take = j - i
             if big:
-                take = min(take, max(1, math.ceil((rm - free * a) / (s - a))))
+                lim = math.ceil((rm - free * a) / (s - a))
+                if lim < take:
+                    take = lim if lim > 1 else 1
             elif small:
-                take = min(take, max(1, math.floor((free * a - rm) / (a - s)) + 1))
-            out[i : i + take] = r
+                lim = math.floor((free * a - rm) / (a - s)) + 1
+                if lim < take:
+                    take = lim if lim > 1 else 1
             i += take
             count[r] += take
             room[r] = rm - take * s
             touched.append(r)
-            k += 1
-        del keys[k0:k]
+            takes.append(take)
+            if i >= j:
+                break
+        if touched:
+            out[i0:i] = touched if i - i0 == len(touched) else np.repeat(touched, takes)
+            del keys[k0 : k0 + len(touched)]
         return i, touched
 
     def place(self, out: np.ndarray, s: int, i: int, j: int, a: float) -> None:
