@@ -337,14 +337,15 @@ def _deal(out: np.ndarray, rows: np.ndarray, take: np.ndarray, i: int, j: int
     (next i, pieces each row got)."""
     cs = np.cumsum(take)
     want = j - i
-    if cs.size == 0 or cs[-1] <= want:
+    got = int(cs[-1]) if cs.size else 0
+    if got <= want:
         used = take
     else:
         m = int(np.searchsorted(cs, want))  # row m gets the last pieces
-        used = np.zeros_like(take)
-        used[:m] = take[:m]
+        used = take.copy()
         used[m] = want - (int(cs[m - 1]) if m else 0)
-    got = int(used.sum())
+        used[m + 1 :] = 0
+        got = want
     out[i : i + got] = np.repeat(rows, used)
     return i + got, used
 
