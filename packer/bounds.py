@@ -71,9 +71,10 @@ def sorted_lower_bound(s: np.ndarray, capacity: int, max_segments: int) -> int:
     tokens = n_j1 + n_j2 + np.maximum(0, -(-(t_j3 - (n_j2 * L - t_j2)) // L))
     # A J1 row (pieces in descending order: a prefix) takes at most min(S - 1, k(room)) of the
     # smallest pieces; summed over the prefix and capped by how many small pieces there are.
-    desc = s[::-1]
+    # Only the prefix that is J1 for some a is looked at (pieces > L - max a).
+    desc = s[::-1][: int(n_j1.max())]
     k = np.searchsorted(cs, L - desc, side="right") - 1
-    g = np.zeros(n + 1, np.int64)
+    g = np.zeros(desc.size + 1, np.int64)
     np.cumsum(np.minimum(S - 1, k), out=g[1:])
     absorbed = np.minimum(n_small, g[n_j1])
     slots = n_j1 + np.maximum(n_j2, -(-(n_j2 + n_j3 + np.maximum(0, n_small - absorbed)) // S))

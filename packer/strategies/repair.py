@@ -46,6 +46,7 @@ class _State:
         self.count = np.bincount(self.row, minlength=num_rows).astype(np.int64)
         self.alive = np.ones(num_rows, bool)
         self.log: list[tuple[int, int]] = []  # (piece, row it left)
+        self.roomy_size = sizes[:0]  # sizes of the pieces the current victim's moves look at
         self.work = 0
 
     def move(self, p: int, to: int) -> None:
@@ -74,19 +75,20 @@ def _place(st: _State, p: int, victim: int, roomy: np.ndarray, depth: int) -> bo
     """Places piece p (now in the victim row or displaced) outside the victim; see above."""
     s = int(st.size[p])
     rows = st.row[roomy]
-    room = st.room[rows]
     st.work += 3 * roomy.size
-    fits = (room >= s) & (st.count[rows] < st.S) & (rows != victim)
-    if fits.any():
-        k = np.flatnonzero(fits)
-        best = k[np.lexsort((rows[k], room[k]))[0]]  # least room, then lowest row
-        st.move(p, int(rows[best]))
+    takes = (st.room >= s) & (st.count < st.S)  # per row, looked up per piece
+    takes[victim] = False
+    fits = rows[takes[rows]]
+    if fits.size:
+        best = fits[np.lexsort((fits, st.room[fits]))[0]]  # least room, then lowest row
+        st.move(p, int(best))
         return True
+    room = st.room[rows]
     if _open_room(st, p, victim, roomy, rows, room):
         return True
     if depth >= _DEPTH:
         return False
-    sizes = st.size[roomy]
+    sizes = st.roomy_size
     swap = (sizes < s) & (sizes + room >= s) & (rows != victim) & st.alive[rows]
     if not swap.any():
         return False
@@ -112,20 +114,33 @@ def _open_room(st: _State, p: int, victim: int, roomy: np.ndarray, rows: np.ndar
     cand = cand[cand != victim]
     if not cand.size:
         return False
+    if cand.size > _ROWS:  # only rows as roomy as the _ROWS-th roomiest can be among them
+        room_c = st.room[cand]
+        cand = cand[room_c >= np.partition(room_c, cand.size - _ROWS)[cand.size - _ROWS]]
     order = np.lexsort((cand, -st.room[cand]))[:_ROWS]
-    sizes = st.size[roomy]
+    sizes = st.roomy_size
+    reach = sizes + room  # the largest y that x's row A has room to take for x
     for b in cand[order].tolist():
         need = s - int(st.room[b])
         ys = np.flatnonzero(st.row == b)
         ys = ys[np.argsort(-st.size[ys], kind="stable")][:_PIECES]
         st.work += st.row.size + ys.size * roomy.size
-        diff = st.size[ys][:, None] - sizes[None, :]  # [y, x]: what B would gain
-        ok = (diff >= need) & (diff <= room) & ((rows != b) & (rows != victim))
+        if not ys.size:
+            continue
+        y_sizes = st.size[ys]
+        # Only x with x <= max(y) - need and x + room(A) >= min(y) can pair with some y: the
+        # [y, x] table is built over those (in roomy order, so ties resolve as over all).
+        near = np.flatnonzero((sizes <= int(y_sizes[0]) - need) & (reach >= int(y_sizes[-1])))
+        if not near.size:
+            continue
+        near = near[(rows[near] != b) & (rows[near] != victim)]
+        diff = y_sizes[:, None] - sizes[near][None, :]  # [y, x]: what B would gain
+        ok = (diff >= need) & (diff <= room[near])
         if not ok.any():
             continue
         first = int(np.argmax(ok.any(axis=1)))  # the largest y that can go ...
         k = int(np.argmin(np.where(ok[first], diff[first], np.iinfo(np.int64).max)))
-        y, x = int(ys[first]), int(roomy[k])  # ... for the x that gains least but enough
+        y, x = int(ys[first]), int(roomy[near[k]])  # ... for the x that gains least but enough
         a = int(st.row[x])
         st.move(x, b)
         st.move(y, a)
@@ -153,6 +168,7 @@ def repair(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
         tried[victim] = True
         st.work += 2 * num_rows
         roomy = np.flatnonzero(st.room[st.row] > 0)  # pieces whose row has room
+        st.roomy_size = st.size[roomy]
         mark = len(st.log)
         ok = True
         for p in sorted(np.flatnonzero(st.row == victim).tolist(), key=lambda q: -st.size[q]):

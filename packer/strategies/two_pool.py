@@ -40,6 +40,7 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left, insort
+from itertools import islice
 
 import numpy as np
 
@@ -140,28 +141,42 @@ class _Rows:
         """Best fit of out[i:j] (size s) into the rows of `keys` in order of room, each taking
         what fits (and, with `a`, what keeps it in its pool); returns (next i, rows touched),
         their keys removed."""
-        k = k0 = bisect_left(keys, s << _SHIFT)
-        S, count, room = self.S, self.count, self.room
         touched: list[int] = []
-        end = len(keys)
+        if i >= j:
+            return i, touched
+        k0 = bisect_left(keys, s << _SHIFT)
+        S, count, room = self.S, self.count, self.room
+        takes: list[int] = []  # out[] is written once at the end (a slice per piece costs)
+        i0 = i
         big, small = a is not None and s > a, a is not None and s < a
         a = 0.0 if a is None else a
-        while i < j and k < end:
-            r = keys[k] & _MASK
+        for key in islice(keys, k0, None):
+            r = key & _MASK
             rm = room[r]
             free = S - count[r]
-            take = min(rm // s, free, j - i)
+            take = rm // s  # min(rm // s, free, j - i, the pool's limit (at least 1))
+            if take > free:
+                take = free
+            if take > j - i:
+                take = j - i
             if big:
-                take = min(take, max(1, math.ceil((rm - free * a) / (s - a))))
+                lim = math.ceil((rm - free * a) / (s - a))
+                if lim < take:
+                    take = lim if lim > 1 else 1
             elif small:
-                take = min(take, max(1, math.floor((free * a - rm) / (a - s)) + 1))
-            out[i : i + take] = r
+                lim = math.floor((free * a - rm) / (a - s)) + 1
+                if lim < take:
+                    take = lim if lim > 1 else 1
             i += take
             count[r] += take
             room[r] = rm - take * s
             touched.append(r)
-            k += 1
-        del keys[k0:k]
+            takes.append(take)
+            if i >= j:
+                break
+        if touched:
+            out[i0:i] = touched if i - i0 == len(touched) else np.repeat(touched, takes)
+            del keys[k0 : k0 + len(touched)]
         return i, touched
 
     def place(self, out: np.ndarray, s: int, i: int, j: int, a: float) -> None:
@@ -282,9 +297,11 @@ class _ArrayRows:
             i, used2 = _deal(out, r2, take2, i, j)
             room[r2] -= used2 * s
             count[r2] += used2
-            hit = r2[used2 > 0]
-            gone |= np.isin(r, hit)
-            touched = np.union1d(touched, hit)
+            mark = np.zeros(self.num_rows, bool)  # (np.isin and np.union1d cost far more)
+            mark[r2[used2 > 0]] = True
+            gone |= mark[r]
+            mark[touched] = True
+            touched = np.flatnonzero(mark)
         if i < j:
             start = self.num_rows
             i = self._open(out, s, i, j, min(self.L // s, S), cap=None)
@@ -320,14 +337,15 @@ def _deal(out: np.ndarray, rows: np.ndarray, take: np.ndarray, i: int, j: int
     (next i, pieces each row got)."""
     cs = np.cumsum(take)
     want = j - i
-    if cs.size == 0 or cs[-1] <= want:
+    got = int(cs[-1]) if cs.size else 0
+    if got <= want:
         used = take
     else:
         m = int(np.searchsorted(cs, want))  # row m gets the last pieces
-        used = np.zeros_like(take)
-        used[:m] = take[:m]
+        used = take.copy()
         used[m] = want - (int(cs[m - 1]) if m else 0)
-    got = int(used.sum())
+        used[m + 1 :] = 0
+        got = want
     out[i : i + got] = np.repeat(rows, used)
     return i + got, used
 
