@@ -297,8 +297,10 @@ def seqpack() -> None:
     """Pack variable-length token sequences into fixed-size rows, offline, and check them.
 
     \b
-    Exit codes: 0 ok; 1 verify found violations; 2 bad input, a bad option or a missing
-    extra (one `Error:` line); 130 interrupted (an interrupted pack names its --resume command).
+    Exit codes: 0 ok; 1 verify found violations; 2 bad input, a bad option, a missing
+    extra or a fault of the system (a full disk, a killed worker; one `Error:` line naming the
+    file and the next step); 130 interrupted, 143 terminated by SIGTERM (an interrupted pack
+    names its --resume command); 141 stdout's reader went away.
     """
 
 
