@@ -13,7 +13,6 @@ a killed run's lock, and a reader of stdout that goes away.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shlex
 import shutil
@@ -26,7 +25,7 @@ import pytest
 from seqpack.pipelines.offline.outdir import DONE, LOCK
 from seqpack.pipelines.offline.spill import SPILL_DIR
 from tests.helpers.files import ROOT, dir_bytes, invoke, random_seqs, run_cli, write_jsonl
-from tests.helpers.runs import finish, start, wait_for, workers
+from tests.helpers.runs import finish, race, start, wait_for, workers
 
 ARGS = ["--seq-len", 64, "--max-segments", 8, "--shard-rows", 8, "--overflow", "split"]
 SLOW_WRITE = {"SEQPACK_TEST_SHARD_DELAY": "0.25"}  # seconds after each input read / shard
@@ -193,36 +192,10 @@ def test_a_refused_shard_is_the_error_even_when_cleanup_fails_too(corpus, tmp_pa
               "denied); make it writable", "finish the run with:")
 
 
-def _take(path: str, go, results, done) -> None:
-    from seqpack.pipelines.errors import UsageError
-    from seqpack.pipelines.offline.lock import DirLock
-
-    lock = DirLock(path)
-    go.wait()
-    try:
-        lock.acquire()
-    except UsageError:
-        results.put(False)
-        return
-    results.put(True)
-    done.wait(30)  # hold it until every racer has tried
-    lock.release()
-
-
 def test_many_runs_racing_for_a_stale_lock_let_exactly_one_in(tmp_path):
     (tmp_path / LOCK).write_text(json.dumps({"pid": 2**22 + 7, "host": os.uname().nodename,
                                              "started": "1"}))  # a killed run's: pid gone
-    n = 8
-    ctx = multiprocessing.get_context("fork")
-    go, results, done = ctx.Barrier(n), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_take, args=(str(tmp_path), go, results, done))
-             for _ in range(n)]
-    for p in procs:
-        p.start()
-    got = [results.get(timeout=30) for _ in range(n)]
-    done.set()
-    for p in procs:
-        p.join(timeout=30)
+    got = race(str(tmp_path), 8)
     # Before: each racer read the dead owner, removed "its" stale lock (another's fresh one) and
     # went on, so several held the lock and deleted each other's spill.
     assert sum(got) == 1, got

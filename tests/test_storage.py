@@ -326,41 +326,17 @@ def test_url_to_url_round_trips_local_and_beam_give_the_local_bytes(store, input
     assert run_cli("verify", out).returncode == 0  # remote output against remote inputs
 
 
-def _take_remote(url: str, go, results, done) -> None:
-    from seqpack.pipelines.errors import UsageError
-    from seqpack.pipelines.offline.lock import DirLock
-
-    lock = DirLock(url)
-    go.wait()
-    try:
-        lock.acquire()
-    except UsageError:
-        results.put(False)
-        return
-    results.put(True)
-    done.wait(30)
-    lock.release()
-
-
 def test_racers_for_a_stale_lock_on_s3_let_exactly_one_in(s3):  # noqa: F811
     """Take-over replaces the stale lock only if it is still the object that was read (S3
     If-Match on its ETag), so of many racers one wins. (The GCS emulator ignores preconditions,
     so this runs on S3 only; real GCS honours the delete's ifGenerationMatch.)"""
-    import multiprocessing
     import socket
+
+    from tests.helpers.runs import race
 
     out = s3.url("racy/")
     inside = out.split("://", 1)[1].rstrip("/")
     s3.fs.pipe(inside + "/pack.lock", json.dumps(
         {"pid": 2**22 + 11, "host": socket.gethostname(), "started": "1"}).encode())
-    ctx = multiprocessing.get_context("fork")
-    n = 6
-    go, results, done = ctx.Barrier(n), ctx.Queue(), ctx.Event()
-    procs = [ctx.Process(target=_take_remote, args=(out, go, results, done)) for _ in range(n)]
-    for p in procs:
-        p.start()
-    got = [results.get(timeout=60) for _ in range(n)]
-    done.set()
-    for p in procs:
-        p.join(timeout=30)
+    got = race(out, 6)
     assert sum(got) == 1, got

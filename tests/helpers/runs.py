@@ -76,3 +76,39 @@ def finish(proc: subprocess.Popen, timeout: float = 30) -> tuple[float, str]:
         time.sleep(0.05)
     assert not session(proc.pid), f"processes left: {session(proc.pid)}"
     return took, err
+
+
+def race_for_lock(location: str, go, results, done) -> None:
+    """One racer for a run's lock (a `multiprocessing` target): waits at the barrier `go`, tries
+    `DirLock(location)`, puts True or False on `results`, and a winner holds the lock until
+    `done` is set."""
+    from seqpack.pipelines.errors import UsageError
+    from seqpack.pipelines.offline.lock import DirLock
+
+    lock = DirLock(location)
+    go.wait()
+    try:
+        lock.acquire()
+    except UsageError:
+        results.put(False)
+        return
+    results.put(True)
+    done.wait(30)
+    lock.release()
+
+
+def race(location: str, n: int) -> list[bool]:
+    """`n` processes started together, each racing for the lock at `location`; who got it."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    go, results, done = ctx.Barrier(n), ctx.Queue(), ctx.Event()
+    procs = [ctx.Process(target=race_for_lock, args=(location, go, results, done))
+             for _ in range(n)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=60) for _ in range(n)]
+    done.set()
+    for p in procs:
+        p.join(timeout=30)
+    return got
