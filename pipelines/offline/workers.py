@@ -75,8 +75,10 @@ def _start_forkserver(context: Any) -> None:
 
     context.set_forkserver_preload(_PRELOAD)
     saved = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    quiet = not os.environ.get("SEQPACK_DEBUG")
-    stderr = os.dup(2) if quiet else None
+    stderr = None
+    if not os.environ.get("SEQPACK_DEBUG"):
+        with contextlib.suppress(OSError):  # no fd 2 at all (`2>&-`): nothing to quiet
+            stderr = os.dup(2)
     try:
         if stderr is not None:
             null = os.open(os.devnull, os.O_WRONLY)
