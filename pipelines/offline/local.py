@@ -66,7 +66,13 @@ from seqpack.pipelines.formats.inputs import FileScan, corpus_dtype, extra_corpu
 from seqpack.pipelines.formats.manifest import Manifest
 from seqpack.pipelines.offline.job import PackJob, output_session
 from seqpack.pipelines.offline.outdir import OutputDir, commit_manifest, prepare_dir, shard_done
-from seqpack.pipelines.offline.read import Progress, delay_seconds, read_inputs
+from seqpack.pipelines.offline.read import (
+    Progress,
+    delay_seconds,
+    load_context,
+    read_inputs,
+    save_context,
+)
 from seqpack.pipelines.offline.record import (
     along_output,
     check_overlength,
@@ -130,7 +136,7 @@ def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
                           [(c["name"], c["dtype"], c["pad"], read.column_runs[c["name"]])
                            for c in columns])
     rows, digests = write_shards(ps, offsets, context, intent.shards, pool,
-                                 _save_context(spill_dir, context), resume=job.resume,
+                                 save_context(spill_dir, context), resume=job.resume,
                                  progress=progress)
     return commit_manifest(out, intent, rows, results, digests)
 
@@ -171,12 +177,8 @@ class _ShardTask:
     src: np.ndarray  # i64[P] global token position of each piece
 
 
-@functools.lru_cache(maxsize=2)
 def _context(path: str) -> tuple[_RunContext, SpillReader, dict[str, SpillReader]]:
-    import pickle
-
-    with open(path, "rb") as f:
-        context = pickle.load(f)
+    context = load_context(path)
     columns = {name: SpillReader(runs) for name, _, _, runs in context.columns}
     return context, SpillReader(context.runs), columns
 
@@ -336,15 +338,3 @@ def write_shards(ps: _Pieces, offsets: np.ndarray, context: _RunContext, names: 
         if delay:
             time.sleep(delay)
     return rows, digests
-
-
-def _save_context(spill_dir: str, context: _RunContext) -> str:
-    import pickle
-
-    # A name of its own per run: workers cache the context by path.
-    path = os.path.join(spill_dir, f"context-{os.getpid()}-{time.time_ns()}.pickle")
-    with open(path, "wb") as f:
-        pickle.dump(context, f)
-    return path
-
-

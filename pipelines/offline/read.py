@@ -40,6 +40,26 @@ class Progress(Protocol):
     def advance(self, amount: int, rows: int = 0) -> None: ...
 
 
+def save_context(directory: str, context: Any) -> str:
+    """Pickles what every worker of a run needs into `directory` (once per run); the path is
+    the workers' cache key, so each run gets a name of its own."""
+    import pickle
+
+    path = os.path.join(directory, f"context-{os.getpid()}-{time.time_ns()}.pickle")
+    with open(path, "wb") as f:
+        pickle.dump(context, f)
+    return path
+
+
+@functools.lru_cache(maxsize=2)
+def load_context(path: str) -> Any:
+    """`save_context`'s object, loaded once per process."""
+    import pickle
+
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
 def delay_seconds() -> float:
     return float(os.environ.get(DELAY_ENV, "0") or 0)
 

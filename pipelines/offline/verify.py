@@ -20,10 +20,8 @@ collected (first `max_violations`) in the returned report.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import tempfile
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -44,7 +42,7 @@ from seqpack.pipelines.formats.inputs import ReadOptions, combined_lengths_sha25
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.formats.records import decode_batch
 from seqpack.pipelines.offline.outdir import OutputDir
-from seqpack.pipelines.offline.read import read_inputs
+from seqpack.pipelines.offline.read import load_context, read_inputs, save_context
 from seqpack.pipelines.offline.spill import Run, SpillReader
 from seqpack.pipelines.offline.workers import Workers
 
@@ -248,13 +246,9 @@ class _ShardCheck:
     tokens: int = 0
 
 
-@functools.lru_cache(maxsize=2)
 def _verify_context(path: str) -> tuple[_VerifyContext, dict[str, tuple[SpillReader, int]],
                                         np.ndarray]:
-    import pickle
-
-    with open(path, "rb") as f:
-        context = pickle.load(f)
+    context = load_context(path)
     spills = {context.config.keys().values: (SpillReader(context.runs), context.config.pad_id)}
     spills.update((name, (SpillReader(runs), pad)) for name, pad, runs in context.columns)
     return context, spills, np.load(context.offsets_path, mmap_mode="r")
@@ -326,7 +320,7 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
             np.cumsum(lengths, out=offsets[1:])
             np.save(os.path.join(spill_dir, "offsets.npy"), offsets)
             del offsets, scans
-            context = _save(spill_dir, _VerifyContext(
+            context = save_context(spill_dir, _VerifyContext(
                 output_dir, config, read.runs,
                 [(c["name"], c["pad"], read.column_runs[c["source"]]) for c in columns],
                 manifest.stored_keys, os.path.join(spill_dir, "offsets.npy")))
@@ -340,15 +334,6 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
                         num_rows=int(sum(manifest.shard_num_rows or [])),
                         num_examples=int(lengths.size),
                         tokens_checked=sum(c.tokens for c in checks))
-
-
-def _save(directory: str, context: _VerifyContext) -> str:
-    import pickle
-
-    path = os.path.join(directory, f"context-{os.getpid()}-{time.time_ns()}.pickle")
-    with open(path, "wb") as f:
-        pickle.dump(context, f)
-    return path
 
 
 def _input_paths(manifest: Manifest, inputs: Sequence[str] | None) -> list[str]:
