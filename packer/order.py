@@ -96,6 +96,14 @@ class RowOrder:
         if not isinstance(self.cost, CostModel):
             raise ValueError(f"cost={self.cost!r} must be a CostModel")
 
+    def row_costs(self, row: object, length: object, num_rows: int) -> np.ndarray:
+        """f64[num_rows]: what `block_layout` needs of a block's rows, from its pieces' rows and
+        lengths: their costs under `cost` for BALANCED; zeros otherwise (no other mode looks
+        at costs)."""
+        if self.mode is not OrderMode.BALANCED:
+            return np.zeros(num_rows)
+        return self.cost.row_costs(row, length, num_rows)
+
     @property
     def step_rows(self) -> int:
         """Rows per step, D * b (1 unless BALANCED)."""
@@ -320,6 +328,7 @@ def global_order(summaries: Sequence[BlockLayout], order: RowOrder) -> GlobalOrd
 
 def ordered(costs_per_block: Sequence[object], order: RowOrder
             ) -> tuple[GlobalOrder, list[BlockLayout]]:
-    """Both levels at once, for callers that hold every block's row costs (tests, one block)."""
+    """Both levels at once, for callers that hold every block's row costs (the local runner,
+    tests)."""
     layouts = [block_layout(c, order, block=j) for j, c in enumerate(costs_per_block)]
     return global_order([lay.summary() for lay in layouts], order), layouts

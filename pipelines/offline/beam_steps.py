@@ -45,7 +45,7 @@ import numpy as np
 from seqpack.packer import Counters, PackConfig, PackPlan
 from seqpack.packer.assemble import fill_rows
 from seqpack.packer.contract import ragged_arange
-from seqpack.packer.order import BlockLayout, GlobalOrder, OrderMode, block_layout, global_order
+from seqpack.packer.order import BlockLayout, GlobalOrder, block_layout, global_order
 from seqpack.packer.plan import order_pieces, plan_block
 from seqpack.packer.stats import (
     CostSummary,
@@ -232,9 +232,7 @@ def plan_block_slices(block: int, slices: Iterable[BlockSlice], files: Sequence[
         summary = BlockSummary(block, 0, Counters(), empty, empty, counts, error=one_line(e))
         return BlockPlan(summary, np.zeros((4, 0), np.int64))
     used, nseg = row_histograms(row, length, num_rows, L, S)
-    costs = order.cost.row_costs(row, length, num_rows) \
-        if order.mode is OrderMode.BALANCED else np.zeros(num_rows)
-    layout = block_layout(costs, order, block=block)
+    layout = block_layout(order.row_costs(row, length, num_rows), order, block=block)
     summary = BlockSummary(block, num_rows, counters, used, nseg, counts,
                            layout=layout.summary(),
                            costs=cost_summary(row, length, num_rows, L, order.cost))

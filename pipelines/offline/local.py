@@ -53,7 +53,7 @@ import numpy as np
 
 from seqpack.packer import Counters, PackConfig, PackPlan
 from seqpack.packer.cost import CostModel
-from seqpack.packer.order import OrderMode, RowOrder, block_layout, global_order
+from seqpack.packer.order import RowOrder, ordered
 from seqpack.packer.plan import RowAssignment, order_pieces, pieces, plan_rows
 from seqpack.packer.stats import (
     CostSummary,
@@ -276,14 +276,8 @@ def output_rows(a: RowAssignment, length: np.ndarray, blocks: _Blocks, order: Ro
     """i64[R]: the output row of each plan row under `order`, block by block of the plan
     (`packer.order`: each block's layout from its rows' costs, then the global step) exactly
     as the Beam job computes it. `length`: the plan's pieces' lengths, in input order."""
-    if order.mode is OrderMode.PLAN:
-        return np.arange(a.num_rows, dtype=np.int64)
-    base = blocks.rows
-    costs = order.cost.row_costs(a.row, length, a.num_rows) \
-        if order.mode is OrderMode.BALANCED else np.zeros(a.num_rows)
-    layouts = [block_layout(costs[base[j]:base[j + 1]], order, block=j)
-               for j in range(base.size - 1)]
-    g = global_order([lay.summary() for lay in layouts], order)
+    costs, base = order.row_costs(a.row, length, a.num_rows), blocks.rows
+    g, layouts = ordered([costs[base[j] : base[j + 1]] for j in range(base.size - 1)], order)
     return g.output_positions(np.arange(a.num_rows), layouts)
 
 
