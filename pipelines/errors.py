@@ -91,13 +91,12 @@ class RunFailed(OSError):
             return e
         code = e.errno if isinstance(e, OSError) else None
         reason = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e)
-        advice = _ADVICE.get(code or 0, ("", ""))[1] or next(
-            (fix for text, fix in _ADVICE.values() if text.lower() in reason.lower()), "")
-        if code is None and advice:
-            code = next(k for k, (_, fix) in _ADVICE.items() if fix == advice)
-            reason = _ADVICE[code][0]
-        failed = cls(code or 0, f"{path}: {what} ({reason})" + (f"; {advice}" if advice else ""))
-        return failed
+        known = code if code in _ADVICE else next(
+            (k for k, (text, _) in _ADVICE.items() if text.lower() in reason.lower()), None)
+        advice = _ADVICE[known][1] if known is not None else ""
+        if code is None and known is not None:  # a RuntimeError quoting the C library's text
+            code, reason = known, _ADVICE[known][0]
+        return cls(code or 0, f"{path}: {what} ({reason})" + (f"; {advice}" if advice else ""))
 
     def __str__(self) -> str:
         return str(self.args[1] if len(self.args) > 1 else self.args[0])
