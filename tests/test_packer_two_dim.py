@@ -133,3 +133,19 @@ def test_stream_planner_near_the_bound_where_the_cap_binds():
     rows += planner.finish_plan().num_rows
     bound = tight_lower_bound(lengths, 512, 8)
     assert rows <= bound * 1.003 + 1
+
+
+def test_stream_planner_near_the_bound_where_rows_end_with_a_little_room():
+    # gsm8k-like (55 to 450 tokens, slots never bind at L=2048): rows left with less room than
+    # the smallest piece stay open, so the next window's pieces can pack them tighter
+    rng = np.random.default_rng(2)
+    lengths = np.round(rng.lognormal(5.0, 0.4, 8_000)).astype(np.int64).clip(55, 450)
+    cfg = PackConfig(2048, max_segments=64)
+    planner = StreamPlanner(cfg)
+    rows = 0
+    for a in range(0, lengths.size, 1024):
+        rows += planner.add_plan(np.arange(a, min(a + 1024, lengths.size)),
+                                 lengths[a : a + 1024]).num_rows
+    rows += planner.finish_plan().num_rows
+    bound = tight_lower_bound(lengths, 2048, 64)
+    assert rows <= bound * 1.003 + 1
