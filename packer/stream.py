@@ -209,11 +209,12 @@ class StreamPlanner:
         """(bool[num_rows]: rows to emit, row per piece). Kept open: rows not exactly full,
         even with no room for the smallest piece or no free slot (planned again with the next
         window, their pieces may pack tighter: gsm8k at L=2048 +1 row instead of +3, chat_dev
-        at L=2048 / S=8 +2 instead of +9), least filled first, up to `max_open_rows` rows and 2 * `window` pieces (or 2 rows of
-        tokens, when rows take more than a window). Pieces open half of `max_carry` windows
-        trade places with younger pieces of their size in emitted rows (the smallest pieces,
-        placed last, would otherwise stay behind); a piece due (open `max_carry` windows)
-        with a younger piece of at least its size; a row still holding one is emitted."""
+        at L=2048 / S=8 +2 instead of +9), least filled first, up to `max_open_rows` rows and
+        2 * `window` pieces (or 2 rows of tokens, when rows take more than a window). Pieces
+        open half of `max_carry` windows trade places with younger pieces of their size in
+        emitted rows (the smallest pieces, placed last, would otherwise stay behind); a piece
+        due (open `max_carry` windows) with a younger piece of at least its size; a row still
+        holding one is emitted."""
         cfg = self.config
         used = np.bincount(row, weights=sizes, minlength=num_rows)
         count = np.bincount(row, minlength=num_rows)

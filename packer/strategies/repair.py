@@ -47,28 +47,47 @@ class _State:
         self.alive = np.ones(num_rows, bool)
         self.log: list[tuple[int, int]] = []  # (piece, row it left)
         self.roomy_size = sizes[:0]  # sizes of the pieces the current victim's moves look at
+        self.roomy_by_size = sizes[:0]  # positions in roomy_size, sizes ascending (stable)
+        self.roomy_sorted = sizes[:0]  # roomy_size[roomy_by_size]
         self.work = 0
+        # Pieces per row: the plan's as CSR, and sets for the rows moves have touched since.
+        self._by_row = np.argsort(self.row, kind="stable")
+        self._row_start = np.searchsorted(self.row[self._by_row], np.arange(num_rows + 1))
+        self._members: dict[int, set[int]] = {}
 
-    def move(self, p: int, to: int) -> None:
-        frm = int(self.row[p])
+    def _set(self, r: int) -> set[int]:
+        got = self._members.get(r)
+        if got is None:
+            got = set(self._by_row[self._row_start[r] : self._row_start[r + 1]].tolist())
+            self._members[r] = got
+        return got
+
+    def pieces_of(self, r: int) -> np.ndarray:
+        """The pieces now in row r, i64[k] ascending (as `np.flatnonzero(row == r)`)."""
+        got = self._members.get(r)
+        if got is None:
+            return self._by_row[self._row_start[r] : self._row_start[r + 1]]
+        return np.array(sorted(got), np.int64)
+
+    def _shift(self, p: int, frm: int, to: int) -> None:
         s = int(self.size[p])
-        self.log.append((p, frm))
         self.row[p] = to
         self.room[frm] += s
         self.count[frm] -= 1
         self.room[to] -= s
         self.count[to] += 1
+        self._set(frm).discard(p)
+        self._set(to).add(p)
+
+    def move(self, p: int, to: int) -> None:
+        frm = int(self.row[p])
+        self.log.append((p, frm))
+        self._shift(p, frm, to)
 
     def undo(self, mark: int) -> None:
         while len(self.log) > mark:
             p, frm = self.log.pop()
-            to = int(self.row[p])
-            s = int(self.size[p])
-            self.row[p] = frm
-            self.room[to] += s
-            self.count[to] -= 1
-            self.room[frm] -= s
-            self.count[frm] += 1
+            self._shift(p, int(self.row[p]), frm)
 
 
 def _place(st: _State, p: int, victim: int, roomy: np.ndarray, depth: int) -> bool:
@@ -120,9 +139,10 @@ def _open_room(st: _State, p: int, victim: int, roomy: np.ndarray, rows: np.ndar
     order = np.lexsort((cand, -st.room[cand]))[:_ROWS]
     sizes = st.roomy_size
     reach = sizes + room  # the largest y that x's row A has room to take for x
+    top = int(room.max()) if room.size else 0
     for b in cand[order].tolist():
         need = s - int(st.room[b])
-        ys = np.flatnonzero(st.row == b)
+        ys = st.pieces_of(b)
         ys = ys[np.argsort(-st.size[ys], kind="stable")][:_PIECES]
         st.work += st.row.size + ys.size * roomy.size
         if not ys.size:
@@ -130,7 +150,13 @@ def _open_room(st: _State, p: int, victim: int, roomy: np.ndarray, rows: np.ndar
         y_sizes = st.size[ys]
         # Only x with x <= max(y) - need and x + room(A) >= min(y) can pair with some y: the
         # [y, x] table is built over those (in roomy order, so ties resolve as over all).
-        near = np.flatnonzero((sizes <= int(y_sizes[0]) - need) & (reach >= int(y_sizes[-1])))
+        # (x + room(A) >= min(y) needs x >= min(y) - the most room: a slice of the sizes.)
+        lo, hi = np.searchsorted(st.roomy_sorted, [int(y_sizes[-1]) - top,
+                                                   int(y_sizes[0]) - need + 1])
+        if lo >= hi:
+            continue
+        near = np.sort(st.roomy_by_size[lo:hi])
+        near = near[reach[near] >= int(y_sizes[-1])]
         if not near.size:
             continue
         near = near[(rows[near] != b) & (rows[near] != victim)]
@@ -169,9 +195,11 @@ def repair(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
         st.work += 2 * num_rows
         roomy = np.flatnonzero(st.room[st.row] > 0)  # pieces whose row has room
         st.roomy_size = st.size[roomy]
+        st.roomy_by_size = np.argsort(st.roomy_size, kind="stable")
+        st.roomy_sorted = st.roomy_size[st.roomy_by_size]
         mark = len(st.log)
         ok = True
-        for p in sorted(np.flatnonzero(st.row == victim).tolist(), key=lambda q: -st.size[q]):
+        for p in sorted(st.pieces_of(victim).tolist(), key=lambda q: -st.size[q]):
             if st.row[p] == victim and not _place(st, p, victim, roomy, 0):
                 ok = False
                 break
