@@ -7,7 +7,9 @@
 chat_turns) and cell of L in {2k, 8k, 32k, 128k} x S in {8, 64, 256, 4096}: the simple bound
 max(ceil(T/L), ceil(n/S)), the tight bound (`packer.bounds`) and rows over the tight bound for
 best_fit_decreasing (the offline default), the baseline's best_fit_decreasing, best_fit,
-first_fit and `StreamPlanner` (window 1024, its defaults), overflow split; then `plan_rows` time
+first_fit and `StreamPlanner` (window 1024, its defaults) over the examples in corpus order and
+in a seeded random order (as a loader that shuffles before packing feeds it), overflow split;
+then `plan_rows` time
 with this best_fit_decreasing against the baseline's (`--baseline`, default f002f8b: the packer
 before the two-dimensional planner; its module loaded from `git show REV:...` into this
 process, the two timed alternately, best of 3).
@@ -214,6 +216,7 @@ def _time_stream(lengths, cfg, planner_cls):
 def grid(name, lengths, Ls, Ss, old, with_stream, old_stream=None):
     table, speed = [], []
     new = plan_mod._ASSIGN[Strategy.BEST_FIT_DECREASING]
+    shuffled = np.random.default_rng(0).permutation(lengths)
     for L in Ls:
         full = lengths // L  # overflow split: pieces of L, and the rest
         sizes = np.concatenate([np.full(int(full.sum()), L), (lengths % L)[lengths % L > 0]])
@@ -230,17 +233,18 @@ def grid(name, lengths, Ls, Ss, old, with_stream, old_stream=None):
                                                strategy="best_fit")).num_rows
             ff = plan_rows(lengths, PackConfig(L, max_segments=S, overflow="split",
                                                strategy="first_fit")).num_rows
-            st = st_old = "-"
+            st = st_old = st_shuffled = "-"
             ts_new = ts_old = float("nan")
             if with_stream:
                 ts_new, rows = _time_stream(lengths, cfg, StreamPlanner)
                 st = _over(rows, tight)
+                st_shuffled = _over(stream_rows(shuffled, cfg), tight)
                 if old_stream is not None:
                     ts_old, rows = _time_stream(lengths, cfg, old_stream)
                     st_old = _over(rows, tight)
             table.append([L, S, simple, tight, _over(r_new, tight),
                           _over(r_old, tight) if old else "-", _over(bf, tight),
-                          _over(ff, tight), st, st_old])
+                          _over(ff, tight), st, st_old, st_shuffled])
             speed.append([L, S, f"{t_new * 1e3:.1f}", f"{t_old * 1e3:.1f}",
                           f"{t_new / t_old:.2f}x" if old else "-", f"{ts_new * 1e3:.0f}",
                           f"{ts_old * 1e3:.0f}", f"{ts_new / ts_old:.2f}x"])
@@ -259,7 +263,8 @@ def run_grid(args) -> None:
         print_table(f"{name}: {lengths.size} examples, {int(lengths.sum())} tokens; rows over "
                     "the tight bound", ["L", "S", "simple bound", "tight bound",
                                         "best_fit_decreasing", "baseline BFD", "best_fit",
-                                        "first_fit", "StreamPlanner", "baseline stream"], table)
+                                        "first_fit", "StreamPlanner", "baseline stream",
+                                        "StreamPlanner shuffled"], table)
         print_table(f"{name}: plan_rows time, best_fit_decreasing, ms (best of 3); "
                     "StreamPlanner ms (one pass)",
                     ["L", "S", "plan", f"plan {args.baseline}", "ratio", "stream",
