@@ -121,16 +121,21 @@ def test_two_dimensional_passes_reach_the_bound_where_the_cap_binds(L, S):
     assert n > p.num_rows
 
 
+def _stream_rows(lengths, cfg, window=1024):
+    """Rows a default StreamPlanner emits for `lengths`, fed one window at a time."""
+    planner = StreamPlanner(cfg, window=window)
+    rows = 0
+    for a in range(0, lengths.size, window):
+        rows += planner.add_plan(np.arange(a, min(a + window, lengths.size)),
+                                 lengths[a : a + window]).num_rows
+    return rows + planner.finish_plan().num_rows
+
+
 def test_stream_planner_near_the_bound_where_the_cap_binds():
     rng = np.random.default_rng(1)
     lengths = np.minimum(rng.geometric(1 / 40, 30_000), 512)
     cfg = PackConfig(512, max_segments=8)
-    planner = StreamPlanner(cfg)
-    rows = 0
-    for a in range(0, lengths.size, 1024):
-        rows += planner.add_plan(np.arange(a, min(a + 1024, lengths.size)),
-                                 lengths[a : a + 1024]).num_rows
-    rows += planner.finish_plan().num_rows
+    rows = _stream_rows(lengths, cfg)
     bound = tight_lower_bound(lengths, 512, 8)
     assert rows <= bound * 1.003 + 1
 
@@ -141,11 +146,6 @@ def test_stream_planner_near_the_bound_where_rows_end_with_a_little_room():
     rng = np.random.default_rng(2)
     lengths = np.round(rng.lognormal(5.0, 0.4, 8_000)).astype(np.int64).clip(55, 450)
     cfg = PackConfig(2048, max_segments=64)
-    planner = StreamPlanner(cfg)
-    rows = 0
-    for a in range(0, lengths.size, 1024):
-        rows += planner.add_plan(np.arange(a, min(a + 1024, lengths.size)),
-                                 lengths[a : a + 1024]).num_rows
-    rows += planner.finish_plan().num_rows
+    rows = _stream_rows(lengths, cfg)
     bound = tight_lower_bound(lengths, 2048, 64)
     assert rows <= bound * 1.003 + 1
