@@ -41,6 +41,7 @@ class _State:
         self.size = sizes
         self.row = rows.astype(np.int64)
         self.S = max_segments
+        self.capacity = capacity
         self.room = capacity - np.bincount(self.row, weights=sizes, minlength=num_rows
                                            ).astype(np.int64)
         self.count = np.bincount(self.row, minlength=num_rows).astype(np.int64)
@@ -127,20 +128,23 @@ def _open_room(st: _State, p: int, victim: int, roomy: np.ndarray, rows: np.ndar
                room: np.ndarray) -> bool:
     """Makes room for piece p in a row B with a free slot: swaps a piece y of B for a smaller
     piece x of a row A with room >= y - x, so that B gains y - x >= s - room(B); then p goes in.
-    Tries the _ROWS roomiest rows B, each's _PIECES largest pieces."""
+    Tries the _ROWS roomiest rows B (lowest first on ties), each's _PIECES largest pieces: the
+    largest y that can go, for the x that gains least but enough (the first in roomy order)."""
     s = int(st.size[p])
-    cand = np.flatnonzero((st.count < st.S) & st.alive & (st.room < s))
-    cand = cand[cand != victim]
+    free = (st.count < st.S) & st.alive & (st.room < s)
+    free[victim] = False
+    cand = np.flatnonzero(free)
     if not cand.size:
         return False
-    if cand.size > _ROWS:  # only rows as roomy as the _ROWS-th roomiest can be among them
-        room_c = st.room[cand]
-        cand = cand[room_c >= np.partition(room_c, cand.size - _ROWS)[cand.size - _ROWS]]
-    order = np.lexsort((cand, -st.room[cand]))[:_ROWS]
+    n = st.room.size + 1
+    key = (st.capacity - st.room[cand]) * n + cand  # most room first, then the lowest row
+    if key.size > _ROWS:
+        key = np.partition(key, _ROWS - 1)[:_ROWS]
+    key.sort()
     sizes = st.roomy_size
     reach = sizes + room  # the largest y that x's row A has room to take for x
     top = int(room.max()) if room.size else 0
-    for b in cand[order].tolist():
+    for b in (key % n).tolist():
         need = s - int(st.room[b])
         ys = st.pieces_of(b)
         ys = ys[np.argsort(-st.size[ys], kind="stable")][:_PIECES]
@@ -148,25 +152,29 @@ def _open_room(st: _State, p: int, victim: int, roomy: np.ndarray, rows: np.ndar
         if not ys.size:
             continue
         y_sizes = st.size[ys]
+        y_min, y_max = int(y_sizes[-1]), int(y_sizes[0])
         # Only x with x <= max(y) - need and x + room(A) >= min(y) can pair with some y: the
-        # [y, x] table is built over those (in roomy order, so ties resolve as over all).
+        # [y, x] table is built over those, in order of (size, roomy position).
         # (x + room(A) >= min(y) needs x >= min(y) - the most room: a slice of the sizes.)
-        lo, hi = np.searchsorted(st.roomy_sorted, [int(y_sizes[-1]) - top,
-                                                   int(y_sizes[0]) - need + 1])
+        lo = int(st.roomy_sorted.searchsorted(y_min - top))
+        hi = int(st.roomy_sorted.searchsorted(y_max - need, "right"))
         if lo >= hi:
             continue
-        near = np.sort(st.roomy_by_size[lo:hi])
-        near = near[reach[near] >= int(y_sizes[-1])]
+        near = st.roomy_by_size[lo:hi]
+        a_rows = rows[near]
+        near = near[(reach[near] >= y_min) & (a_rows != b) & (a_rows != victim)]
         if not near.size:
             continue
-        near = near[(rows[near] != b) & (rows[near] != victim)]
-        diff = y_sizes[:, None] - sizes[near][None, :]  # [y, x]: what B would gain
+        xs = sizes[near]
+        diff = y_sizes[:, None] - xs[None, :]  # [y, x]: what B would gain
         ok = (diff >= need) & (diff <= room[near])
-        if not ok.any():
+        can = ok.any(axis=1)
+        if not can.any():
             continue
-        first = int(np.argmax(ok.any(axis=1)))  # the largest y that can go ...
-        k = int(np.argmin(np.where(ok[first], diff[first], np.iinfo(np.int64).max)))
-        y, x = int(ys[first]), int(roomy[near[k]])  # ... for the x that gains least but enough
+        first = int(np.argmax(can))  # the largest y that can go ...
+        pos = np.flatnonzero(ok[first])  # ... for the largest x (xs ascending), first of those
+        k = int(pos[np.searchsorted(xs[pos], xs[pos[-1]])])
+        y, x = int(ys[first]), int(roomy[near[k]])
         a = int(st.row[x])
         st.move(x, b)
         st.move(y, a)
