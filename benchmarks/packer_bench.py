@@ -4,7 +4,7 @@
     python -m benchmarks.packer_bench --grid [--corpus chat_turns] [--grid-seq-len 8192 ...]
 
 `--grid`: per corpus of benchmarks/corpora.py (chat_dev, gsm8k_train, stdlib_source,
-chat_turns) and cell of L in {2k, 8k, 32k, 128k} x S in {8, 64, 256, 4096}: the simple bound
+chat_turns) and cell of L in {2k, 8k, 32k, 128k} x S in {8, 16, 32, 64, 256, 4096}: the simple bound
 max(ceil(T/L), ceil(n/S)), the tight bound (`packer.bounds`) and rows over the tight bound for
 best_fit_decreasing (the offline default), the baseline's best_fit_decreasing, best_fit,
 first_fit and `StreamPlanner` (window 1024, its defaults) over the examples in corpus order and
@@ -254,7 +254,7 @@ def grid(name, lengths, Ls, Ss, old, with_stream, old_stream=None):
 def run_grid(args) -> None:
     """`--grid`: rows over the tight bound per (L, S) and strategy, plan time against main."""
     Ls = args.grid_seq_len or [2048, 8192, 32768, 131072]
-    Ss = args.grid_max_segments or [8, 64, 256, 4096]
+    Ss = args.grid_max_segments or [8, 16, 32, 64, 256, 4096]
     old = baseline_bfd(args.baseline)
     mod = _baseline_module(args.baseline, MAIN_STREAM, "baseline_stream")
     old_stream = None if mod is None else mod.StreamPlanner

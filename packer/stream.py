@@ -41,6 +41,7 @@ from seqpack.packer.inputs import InputError, check_lengths, check_pad, fit_dtyp
 from seqpack.packer.plan import Counters, PackPlan, apply_overflow, order_pieces
 from seqpack.packer.strategies.best_fit import BestFitBins
 from seqpack.packer.strategies.best_fit_decreasing import assign_best_fit_decreasing
+from seqpack.packer.strategies.sieve import keep_open
 
 STREAM_STRATEGIES = (Strategy.BEST_FIT_DECREASING, Strategy.BEST_FIT)
 _ID, _START, _LEN, _BORN, _ROW = range(5)  # columns of StreamPlanner._held
@@ -137,7 +138,8 @@ class StreamPlanner:
             order = np.lexsort((pieces[:, _START], pieces[:, _ID], pieces[:, _BORN]))
             pieces, sizes = pieces[order], sizes[order]
             row, num_rows = assign_best_fit_decreasing(sizes, cfg.seq_len, cfg.max_segments,
-                                                       slack=0, repair_rows=final)
+                                                       slack=0, repair_rows=final,
+                                                       whole_sieve=False)
             emit = np.ones(num_rows, bool)
             if not final:
                 emit, row = self._final_rows(pieces, sizes, row, num_rows)
@@ -218,12 +220,7 @@ class StreamPlanner:
         cfg = self.config
         used = np.bincount(row, weights=sizes, minlength=num_rows)
         count = np.bincount(row, minlength=num_rows)
-        keep = np.flatnonzero(used < cfg.seq_len)
-        keep = keep[np.lexsort((keep, used[keep]))][: self.max_open_rows]  # least filled first
-        pieces_before = np.cumsum(count[keep]) - count[keep]
-        tokens_before = np.cumsum(used[keep]) - used[keep]
-        keep = keep[(pieces_before + count[keep] <= 2 * self.window)
-                    | (tokens_before < 2 * cfg.seq_len)]
+        keep = keep_open(used, count, cfg.seq_len, self.max_open_rows, self.window)
         emit = np.ones(num_rows, bool)
         emit[keep] = False
         age = self._windows - 1 - pieces[:, _BORN]

@@ -11,6 +11,7 @@ from seqpack.packer import PackConfig, StreamPlanner, bounds, plan, tight_lower_
 from seqpack.packer.bounds import lower_bound
 from seqpack.packer.strategies import best_fit_decreasing as bfd
 from seqpack.packer.strategies import repair as repair_mod
+from seqpack.packer.strategies import sieve as sieve_mod
 from seqpack.packer.strategies import two_pool
 
 instances = st.integers(2, 40).flatmap(lambda L: st.tuples(
@@ -90,6 +91,84 @@ def test_one_dimensional_gate_is_exact_and_only_plain_runs(inst):
         assert len(bfd._passes(desc, L, S, tight_lower_bound(desc, L, S))) == 1
     if starved.any():
         assert can_bind
+
+
+def _window_plan(L, S):
+    return lambda s: bfd.assign_best_fit_decreasing(s, L, S, slack=0, repair_rows=False,
+                                                    whole_sieve=False)
+
+
+@settings(max_examples=100, deadline=None)
+@given(instances, st.integers(1, 9))
+def test_sieve_keeps_every_piece_and_never_adds_rows(inst, window):
+    L, S, sizes = inst
+    desc = np.sort(np.asarray(sizes, np.int64))[::-1]
+    rows, n = bfd._bfd_sorted(desc, L, S)
+    got, m = sieve_mod.sieve(desc, np.asarray(rows, np.int64), n, L, _window_plan(L, S),
+                             window=window)
+    _check(desc, got, m, L, S)
+    assert tight_lower_bound(desc, L, S) <= m <= n
+    if m == n:
+        assert np.array_equal(got, rows)  # not fewer rows: the plan as it was
+    again = sieve_mod.sieve(desc, np.asarray(rows, np.int64), n, L, _window_plan(L, S),
+                            window=window)
+    assert again[1] == m and np.array_equal(again[0], got)  # seeded: deterministic
+    every, k = sieve_mod.sieve_all(desc, L, _window_plan(L, S), window=window)
+    _check(desc, every, k, L, S)
+
+
+def test_sieve_worked_example():
+    # the example of strategies/sieve.py: capacity 10, 3 slots, windows of 4, plain BFD's plan
+    sizes = np.array([6, 3, 3, 2, 2, 2])
+    rows, n = bfd._bfd_sorted(sizes, 10, 3)
+    assert n == 3 and rows.tolist() == [0, 0, 1, 1, 1, 2]  # [6, 3] [3, 2, 2] [2]
+    got, m = sieve_mod.sieve(sizes, np.asarray(rows, np.int64), n, 10, _window_plan(10, 3),
+                             window=4)
+    assert m == 2
+    assert sorted(sorted(sizes[got == r].tolist()) for r in range(m)) == [[2, 2, 6], [2, 3, 3]]
+
+
+def test_keep_open_keeps_rows_not_exactly_full_least_filled_first():
+    used = np.array([10, 7, 9, 3, 10, 5, 8, 9])
+    count = np.array([2, 3, 1, 2, 3, 1, 2, 2])
+    assert sieve_mod.keep_open(used, count, 10, 10, 100).tolist() == [3, 5, 1, 6, 2, 7]
+    assert sieve_mod.keep_open(used, count, 10, 2, 100).tolist() == [3, 5]  # max_rows
+    # up to 2 * window = 4 pieces (rows 3, 5), or while the rows before hold under 2 rows of
+    # tokens (3, 5, 1, 6: 0, 3, 8, 15 tokens before; 2 has 23 before it)
+    assert sieve_mod.keep_open(used, count, 10, 10, 2).tolist() == [3, 5, 1, 6]
+
+
+@pytest.mark.parametrize("mu, sigma, L, S", [(5.8, 1.0, 4096, 12), (6.0, 0.8, 4096, 16)])
+def test_offline_default_near_the_bound_where_room_spreads_thin(mu, sigma, L, S):
+    # chat-like lognormal lengths with slots and tokens both binding: the passes and the
+    # repair alone stay above the target (room a few tokens in many rows); the sieve gets there
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(np.maximum(rng.lognormal(mu, sigma, 8000).astype(np.int64), 1), L)
+    desc = np.sort(lengths)[::-1]
+    bound = tight_lower_bound(desc, L, S)
+    target = bfd.repair_target(bound)
+    rows, n = bfd.assign_best_fit_decreasing(lengths, L, S)
+    _check(lengths, rows, n, L, S)
+    assert n <= target
+    first = bfd._passes(desc, L, S, bound)[0][0]()
+    repaired = repair_mod.repair(desc, np.asarray(first[0], np.int64), first[1], L, S,
+                                 target=target)
+    assert repaired[1] > target
+
+
+def test_offline_default_near_the_bound_where_slots_and_tokens_bind_alike():
+    # slots bind for the whole corpus (ceil(n / S) is 98% of the token bound): worst fit and
+    # the two-pool pass stay 5-10% above the bound, the whole corpus through the sieve does not
+    rng = np.random.default_rng(0)
+    lengths = np.minimum(np.maximum(rng.lognormal(5.0, 1.1, 6000).astype(np.int64), 1), 2048)
+    desc = np.sort(lengths)[::-1]
+    bound = tight_lower_bound(desc, 2048, 8)
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 8)
+    _check(lengths, rows, n, 2048, 8)
+    assert n <= bound * 1.01
+    passes = bfd._passes(desc, 2048, 8, bound)
+    assert len(passes) == 4
+    assert min(run()[1] for run, _ in passes[:3]) > bound * 1.05
 
 
 def test_tight_bound_worked_example():
