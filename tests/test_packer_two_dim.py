@@ -228,3 +228,16 @@ def test_stream_planner_near_the_bound_where_rows_end_with_a_little_room():
     rows = _stream_rows(lengths, cfg)
     bound = tight_lower_bound(lengths, 2048, 64)
     assert rows <= bound * 1.003 + 1
+
+
+def test_stream_planner_near_the_bound_where_the_slots_hardly_bind():
+    # source-file-like lengths split at L (2,000 examples, 2,048-token pieces and the rest):
+    # L < 0.15 S x the mean piece. Extending the open rows by best fit left rows a few tokens
+    # short (+5 rows of 970); planning them again with each window reaches the bound
+    rng = np.random.default_rng(2)
+    lengths = np.maximum(rng.lognormal(6.0, 1.4, 2000).astype(np.int64), 1)
+    cfg = PackConfig(2048, max_segments=16, overflow="split")
+    full = lengths // 2048
+    pieces = np.concatenate([np.full(int(full.sum()), 2048), (lengths % 2048)[lengths % 2048 > 0]])
+    bound = tight_lower_bound(pieces, 2048, 16)
+    assert _stream_rows(lengths, cfg) <= bound * 1.003
