@@ -82,7 +82,7 @@ class _Rows:
         """Puts row r (in no pool) into the pool its room and free slots give at mean a."""
         self.refile([r], a)
 
-    def refile(self, rows: list[int], a: float) -> None:
+    def refile(self, rows: list[int] | tuple[int, ...], a: float) -> None:
         """`file` for each of `rows` (taken out of their pools)."""
         room_, count, version, S, min_size = self.room, self.count, self.version, self.S, \
             self.min_size
@@ -182,6 +182,9 @@ class _Rows:
     def place(self, out: np.ndarray, s: int, i: int, j: int, a: float) -> None:
         """Places the run out[i:j] of pieces of size s (see the module docstring): pieces of at
         least the mean prefer slot-short rows, smaller ones token-short rows."""
+        if j - i == 1:
+            self.place_one(out, s, i, a)
+            return
         self.migrate(a)
         big = s >= a
         first, second = (self.slot, self.token) if big else (self.token, self.slot)
@@ -195,6 +198,30 @@ class _Rows:
             self.refile(touched, a)
         if i < j:
             self.open_rows(out, s, i, j, a, min(self.L // s, self.S), cap=None)
+
+    def place_one(self, out: np.ndarray, s: int, i: int, a: float) -> None:
+        """`place` for a run of one piece (most runs where sizes hardly repeat): the first row
+        of the preferred pool that fits, else an empty row if those come first, else the other
+        pool, else a new row; the same rows `place` gives, without its per-run lists."""
+        self.migrate(a)
+        big = s >= a
+        first, second = (self.slot, self.token) if big else (self.token, self.slot)
+        key = s << _SHIFT
+        k = bisect_left(first, key)
+        if k == len(first):
+            if self.empty and (self.L > self.S * a) == big:
+                self.open_rows(out, s, i, i + 1, a, 1, cap=self.empty)
+                return
+            first = second
+            k = bisect_left(first, key)
+            if k == len(first):
+                self.open_rows(out, s, i, i + 1, a, 1, cap=None)
+                return
+        r = first.pop(k) & _MASK
+        self.count[r] += 1
+        self.room[r] -= s
+        out[i] = r
+        self.refile((r,), a)
 
     def open_rows(self, out: np.ndarray, s: int, i: int, j: int, a: float, per_row: int, *,
                   cap: int | None) -> int:
