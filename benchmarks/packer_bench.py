@@ -2,6 +2,7 @@
 
     python -m benchmarks.packer_bench [--corpus chat_dev] [--seq-len 2048] [--max-segments 64]
     python -m benchmarks.packer_bench --grid [--corpus chat_turns] [--grid-seq-len 8192 ...]
+    python -m benchmarks.packer_bench --scan [--corpus chat_dev]
 
 `--grid`: per corpus of benchmarks/corpora.py (chat_dev, gsm8k_train, stdlib_source,
 chat_turns) and cell of L in {2k, 8k, 32k, 128k} x S in {8, 16, 32, 64, 256, 4096}: the simple bound
@@ -13,6 +14,11 @@ then `plan_rows` time
 with this best_fit_decreasing against the baseline's (`--baseline`, default f002f8b: the packer
 before the two-dimensional planner; its module loaded from `git show REV:...` into this
 process, the two timed alternately, best of 3).
+
+`--scan`: the offline default alone over L in {2k, 4k, 8k, 32k, 128k} x S in {8, 12, 16, 24,
+32, 48, 64, 128, 256, 1024, 4096} (220 cells over the four corpora): rows over the tight bound
+against the target of `best_fit_decreasing.repair_target` (0.1%, at least one row), plan time,
+and the cells above the target.
 
 One table per corpus (../shared/data/*.npz, or a synthetic lognormal corpus when absent):
 strategy, rows, lower bound, efficiency, examples/s, tokens/s. Everything runs in this process on
@@ -43,6 +49,7 @@ from seqpack.packer import (
     tight_lower_bound,
 )
 from seqpack.packer.config import Strategy
+from seqpack.packer.strategies.best_fit_decreasing import repair_target
 
 plan_mod = importlib.import_module("seqpack.packer.plan")
 
@@ -275,6 +282,40 @@ def run_grid(args) -> None:
               f"({t_new / t_old:.2f}x)")
 
 
+SCAN_L = [2048, 4096, 8192, 32768, 131072]
+SCAN_S = [8, 12, 16, 24, 32, 48, 64, 128, 256, 1024, 4096]
+
+
+def run_scan(args) -> None:
+    """`--scan`: the offline default only, over a finer grid (`SCAN_L` x `SCAN_S`, or the
+    --grid-* lists): rows over the tight bound against the target (`repair_target`: the bound +
+    0.1%, at least one row) and plan time; the cells above it are listed at the end."""
+    Ls = args.grid_seq_len or SCAN_L
+    Ss = args.grid_max_segments or SCAN_S
+    above, cells = [], 0
+    for name, lengths in load_lengths(args.corpus).items():
+        table = []
+        for L in Ls:
+            for S in Ss:
+                cfg = PackConfig(L, max_segments=S, overflow="split")
+                t, rows = _time_plan(lengths, cfg, plan_mod._ASSIGN[Strategy.BEST_FIT_DECREASING],
+                                     repeats=1)
+                full = lengths // L
+                sizes = np.concatenate([np.full(int(full.sum()), L),
+                                        (lengths % L)[lengths % L > 0]])
+                tight = tight_lower_bound(sizes, L, S)
+                target = repair_target(tight)
+                cells += 1
+                if rows > target:
+                    above.append(f"{name} {L}/{S} {_over(rows, tight)}")
+                table.append([L, S, tight, _over(rows, tight), f"+{target - tight}",
+                              f"{t * 1e3:.0f}"])
+        print_table(f"{name}: best_fit_decreasing rows over the tight bound",
+                    ["L", "S", "tight bound", "rows over", "target", "plan ms"], table)
+    print(f"{cells - len(above)} of {cells} cells within the target; above: "
+          f"{', '.join(above) or 'none'}")
+
+
 def _parse_rate(text: str) -> float:
     scale = {"M": 1e6, "k": 1e3}.get(text[-1], 1.0)
     return float(text.rstrip("Mk")) * scale
@@ -291,12 +332,17 @@ def main() -> None:
     ap.add_argument("--grid-seq-len", type=int, action="append")
     ap.add_argument("--grid-max-segments", type=int, action="append")
     ap.add_argument("--no-stream", action="store_true", help="--grid without StreamPlanner")
+    ap.add_argument("--scan", action="store_true", help="the offline default over a finer grid "
+                    "against its target (see run_scan)")
     ap.add_argument("--baseline", default=BASELINE, help="git revision timed against (default: "
                     "the packer before the two-dimensional planner)")
     args = ap.parse_args()
     print(f"seqpack packer benchmark ({pin_one_core()})")
     if args.grid:
         run_grid(args)
+        return
+    if args.scan:
+        run_scan(args)
         return
     L, S = args.seq_len, args.max_segments
     header = ["packer", "rows", "lower bound", "rows vs LB", "efficiency", "examples/s",
