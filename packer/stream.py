@@ -1,19 +1,18 @@
 """Online packing with bounded memory: windows of examples into rows kept open across windows.
 
-Examples arrive one window at a time (default 1024). Where the segment cap binds, the pieces of
-the window and those of the rows left open by earlier windows are planned together by the
-offline planner (best fit decreasing with all its passes: `strategies.best_fit_decreasing`),
-so pieces carried over are placed again with the new ones instead of being stuck in a row whose
-slots they fill; rows exactly full are emitted, of the others the least filled are kept open
-(up to `max_open_rows` rows and two windows of pieces, or two rows' worth of tokens), so that
-a row with a little room left can still be planned tighter with the next window's pieces.
-Where a row takes more than a quarter of a window's pieces (and the cap does not bind), the
-open rows stay as they are and the window's pieces go into them by best fit, largest first;
-rows are emitted once full (no room, or every slot used) or beyond `max_open_rows` (the
-fullest first). Either way no piece stays open for more than
-`max_carry` windows (a piece due trades places with a younger one of an emitted row where it
-can, else its row is emitted), so every example leaves within `max_carry + 1` windows of
-arriving.
+Examples arrive one window at a time (default 1024). The pieces of the window and those of the
+rows left open by earlier windows are planned together by the offline planner (best fit
+decreasing with all its passes: `strategies.best_fit_decreasing`), so pieces carried over are
+placed again with the new ones instead of being stuck in a row whose slots they fill or whose
+last few tokens no piece fits; rows exactly full are emitted, of the others the least filled
+are kept open (up to `max_open_rows` rows and two windows of pieces, or two rows' worth of
+tokens), so that a row with a little room left can still be planned tighter with the next
+window's pieces. Where a row takes more than a quarter of a window's pieces (and the cap does
+not bind), the open rows stay as they are and the window's pieces go into them by best fit,
+largest first; rows are emitted once full (no room, or every slot used) or beyond
+`max_open_rows` (the fullest first). Either way no piece stays open for more than `max_carry`
+windows (a piece due trades places with a younger one of an emitted row where it can, else its
+row is emitted), so every example leaves within `max_carry + 1` windows of arriving.
 
 Worked example (seq_len 8, max_segments 4, window 3, max_open_rows 1; rows take two pieces of
 the three of a window: the open rows are extended)::

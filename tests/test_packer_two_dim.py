@@ -140,8 +140,9 @@ def test_keep_open_keeps_rows_not_exactly_full_least_filled_first():
 
 @pytest.mark.parametrize("mu, sigma, L, S", [(5.8, 1.0, 4096, 12), (6.0, 0.8, 4096, 16)])
 def test_offline_default_near_the_bound_where_room_spreads_thin(mu, sigma, L, S):
-    # chat-like lognormal lengths with slots and tokens both binding: the passes and the
-    # repair alone stay above the target (room a few tokens in many rows); the sieve gets there
+    # chat-like lognormal lengths with slots and tokens both binding: the first pass (two-pool)
+    # and the repair alone stay above the target (a few tokens of room in many rows); the sieve
+    # gets there
     rng = np.random.default_rng(0)
     lengths = np.minimum(np.maximum(rng.lognormal(mu, sigma, 8000).astype(np.int64), 1), L)
     desc = np.sort(lengths)[::-1]
@@ -157,8 +158,9 @@ def test_offline_default_near_the_bound_where_room_spreads_thin(mu, sigma, L, S)
 
 
 def test_offline_default_near_the_bound_where_slots_and_tokens_bind_alike():
-    # slots bind for the whole corpus (ceil(n / S) is 98% of the token bound): worst fit and
-    # the two-pool pass stay 5-10% above the bound, the whole corpus through the sieve does not
+    # slots bind for the whole corpus (ceil(n / S) is 98% of the token bound): plain BFD, worst
+    # fit and the two-pool pass stay 5-10% above the bound, the whole corpus through the sieve
+    # (pass 4) does not
     rng = np.random.default_rng(0)
     lengths = np.minimum(np.maximum(rng.lognormal(5.0, 1.1, 6000).astype(np.int64), 1), 2048)
     desc = np.sort(lengths)[::-1]

@@ -8,15 +8,15 @@ further from the bound than `gate` (0.05%, at least one row), the best plan winn
    run of equal sizes (below): the best plan wherever the segment cap hardly binds;
 2. where the slots bind for the whole corpus (`ceil(n / S)` is at least 90% of the token bound),
    worst fit into the bound's rows (`_worst_fit_sorted`): every row a mix of big and small;
-3. the two-dimensional pass (`strategies.two_pool`), which keeps slots for the short tail;
+3. the two-dimensional pass (`strategies.two_pool`), which keeps slots for the short tail.
+   Corpora whose slot bound is 15% to 90% of the token bound start with it: plain BFD fails
+   there, its last rows filling their slots with short pieces long before their tokens, and
+   runs after it only where the two-pool plan is more than 1% above the bound;
 4. where the slots bind for the whole corpus, last, the whole corpus through the sieve
    (`strategies.sieve.sieve_all`: windows of a seeded shuffle, planned as a stream is). Where
    slots and tokens bind about equally, every greedy order leaves rows short in one or the
    other (lognormal lengths of mean 270 at L=2048 / S=8: worst fit +52 rows over the bound,
    6.5%), and mixing sizes window by window gets to +4.
-   Corpora whose slot bound is 15% to 90% of the token bound start with it: plain BFD fails
-   there, its last rows filling their slots with short pieces long before their tokens, and
-   runs after it only where the two-pool plan is more than 1% above the bound.
 
 Where no row can run out of slots before tokens (its `max_segments` + 1 smallest pieces do not
 fit: `slots_can_bind`), the plan is one-dimensional and only pass 1 runs.
