@@ -1,7 +1,7 @@
 """Best fit decreasing: the offline, near-optimal strategy (tokens and segment slots).
 
 A row holds `capacity` tokens in at most `max_segments` slots; the plan is measured against the
-tight lower bound of `packer.bounds`. Up to four passes, each run only if the ones before it are
+tight lower bound of `packer.bounds`. Up to three passes, each run only if the ones before it are
 further from the bound than `gate` (0.05%, at least one row), the best plan winning:
 
 1. plain best fit decreasing (largest first, into the row it leaves with the least room), run by
@@ -11,12 +11,7 @@ further from the bound than `gate` (0.05%, at least one row), the best plan winn
 3. the two-dimensional pass (`strategies.two_pool`), which keeps slots for the short tail.
    Corpora whose slot bound is 15% to 90% of the token bound start with it: plain BFD fails
    there, its last rows filling their slots with short pieces long before their tokens, and
-   runs after it only where the two-pool plan is more than 1% above the bound;
-4. where the slots bind for the whole corpus, last, the whole corpus through the sieve
-   (`strategies.sieve.sieve_all`: windows of a seeded shuffle, planned as a stream is). Where
-   slots and tokens bind about equally, every greedy order leaves rows short in one or the
-   other (lognormal lengths of mean 270 at L=2048 / S=8: worst fit +52 rows over the bound,
-   6.5%), and mixing sizes window by window gets to +4.
+   runs after it only where the two-pool plan is more than 1% above the bound.
 
 Where no row can run out of slots before tokens (its `max_segments` + 1 smallest pieces do not
 fit: `slots_can_bind`), the plan is one-dimensional and only pass 1 runs.
@@ -29,7 +24,12 @@ the slots can bind: there the room is spread thinly over many rows, full in slot
 room for any piece left, and only mixing sizes again gathers it (chat_dev at L=4096 / S=12:
 the passes +53 rows, the repair alone +45, the sieve +1). Where the plan is one-dimensional
 the repair goes first (gsm8k at L=2048: +3 to +1 in a few ms), and where the slots bind for
-the whole corpus only the repair runs (every row is full in slots: mixing frees none).
+the whole corpus only the repair runs (every row is full in slots: mixing them frees none).
+A plan still more than 0.25% above the bound after that goes, as a last resort, whole through
+the sieve (`strategies.sieve.sieve_all`: every piece, windows of a seeded shuffle, planned as
+a stream is). Where slots and tokens bind about equally every greedy order leaves rows short
+in one or the other (lognormal lengths of mean 270 at L=2048 / S=8: worst fit +52 rows over
+the bound, 6.5%, the repair +44), and mixing sizes window by window gets to +3.
 
 Plain BFD by runs: pieces of equal size are placed without a search per piece: best fit puts
 consecutive equal pieces into the same row until it is full, so each open row takes
@@ -58,7 +58,9 @@ from seqpack.packer.strategies.two_pool import two_pool_sorted
 
 _WORST_FIT_RATIO = 0.9  # try worst fit when the slot bound is at least this share of the token one
 _TWO_POOL_FIRST = 0.15  # ... and the two-pool pass first from this share on
-_FALLBACK = 100  # ... then plain BFD only if the two-pool plan is above the bound + 1/_FALLBACK
+_FALLBACK = 100  # plain BFD after the two-pool pass only above the bound + 1/100
+_LAST_RESORT = 400  # the whole sieve only above the bound + 1/400 after the sieve and repair
+_SEEDS = 2  # shuffles the whole sieve tries (its rows vary by a few tenths of a percent)
 
 
 def _bfd_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int
@@ -182,8 +184,7 @@ def _slots_bind_everywhere(sizes_desc: np.ndarray, capacity: int, max_segments: 
     return slot_bound >= _WORST_FIT_RATIO * -(-int(sizes_desc.sum()) // capacity)
 
 
-def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int,
-            whole_sieve: bool = True):
+def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int):
     """The passes in the order they run (see the module docstring), lazily, each with a test of
     the best plan so far (its rows) that says whether the pass is still worth running; every
     pass after the first runs only while that plan is above `gate`."""
@@ -193,23 +194,18 @@ def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int
     two_pool = lambda: two_pool_sorted(sizes_desc, capacity, max_segments, bound)  # noqa: E731
     plain = lambda: _bfd_sorted(sizes_desc, capacity, max_segments)  # noqa: E731
     always = lambda rows: True  # noqa: E731
+    gross = lambda rows: rows > bound + bound // _FALLBACK  # noqa: E731
     if not slots_can_bind(sizes_desc[::-1], capacity, max_segments):
         return [(plain, always)]
     if _slots_bind_everywhere(sizes_desc, capacity, max_segments):
         wf = lambda: _worst_fit_sorted(sizes_desc.tolist(), capacity, max_segments,  # noqa: E731
                                        slot_bound)
-
-        def every() -> tuple[np.ndarray, int]:  # the whole corpus through the sieve
-            plan, last = _sieve_planners(capacity, max_segments)
-            return sieve_all(sizes_desc, capacity, plan, last=last)
-
-        return [(plain, always), (wf, always), (two_pool, always)] + \
-            ([(every, always)] if whole_sieve else [])
+        return [(plain, always), (wf, always), (two_pool, always)]
     if slot_bound >= _TWO_POOL_FIRST * token_bound:
         # Plain BFD only where the two-pool pass missed by more than 1%: short of that it has
-        # not once done better here (the repair closes the rest: chat_dev at 2048 / 8, two-pool
+        # not once done better here (the sieve closes the rest: chat_dev at 2048 / 8, two-pool
         # + 35 rows, plain + 517), and it would cost a fifth of the two-pool pass's time.
-        return [(two_pool, always), (plain, lambda rows: rows > bound + bound // _FALLBACK)]
+        return [(two_pool, always), (plain, gross)]
     return [(plain, always), (two_pool, always)]
 
 
@@ -219,7 +215,7 @@ def _sieve_planners(capacity: int, max_segments: int):
 
     def plan(sizes: np.ndarray) -> tuple[np.ndarray, int]:
         return assign_best_fit_decreasing(sizes, capacity, max_segments, slack=0,
-                                          repair_rows=False, whole_sieve=False)
+                                          repair_rows=False)
 
     def last(sizes: np.ndarray) -> tuple[np.ndarray, int]:
         got, n = plan(sizes)
@@ -229,8 +225,9 @@ def _sieve_planners(capacity: int, max_segments: int):
 
 
 def _improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
-             max_segments: int, target: int) -> tuple[np.ndarray, int]:
-    """The repair and the sieve (module docstring), each while the plan is above `target`."""
+             max_segments: int, bound: int, target: int) -> tuple[np.ndarray, int]:
+    """The sieve and the repair, then the whole sieve (module docstring), each while the plan
+    is above `target`."""
     plan, last = _sieve_planners(capacity, max_segments)
 
     def fix(r: np.ndarray, n: int) -> tuple[np.ndarray, int]:
@@ -248,19 +245,23 @@ def _improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: 
     for step in steps:
         if num_rows > target:
             rows, num_rows = step(rows, num_rows)
+    if num_rows > bound + bound // _LAST_RESORT:  # every piece through the sieve, two seeds
+        every, n = min((sieve_all(sizes_desc, capacity, plan, last=last, seed=seed)
+                        for seed in range(_SEEDS)), key=lambda got: got[1])
+        if n < num_rows:
+            rows, num_rows = fix(every, n) if n > target else (every, n)
     return rows, num_rows
 
 
 def assign_best_fit_decreasing(
     sizes: np.ndarray, capacity: int, max_segments: int, *, slack: int | None = None,
-    repair_rows: bool = True, whole_sieve: bool = True,
+    repair_rows: bool = True,
 ) -> tuple[np.ndarray, int]:
     """Best fit decreasing (the passes of the module docstring); returns (row per piece, rows).
 
     `slack`: rows over the tight bound at which the passes and the repair stop (default: `gate`
     and `repair_target`); 0 runs them all unless one reaches the bound. `repair_rows`: run the
-    sieve and the repair after the passes; `whole_sieve`: pass 4 (off for the windows of a
-    stream or of the sieve, which are a sieve already)."""
+    sieve and the repair after the passes (off for the windows of a stream or of the sieve)."""
     sizes = np.asarray(sizes, np.int64)
     n = sizes.size
     if n == 0:
@@ -274,7 +275,7 @@ def assign_best_fit_decreasing(
     enough = gate(bound) if slack is None else bound + slack
     target = repair_target(bound) if slack is None else bound + slack
     best: tuple[object, int] | None = None
-    for run, worth in _passes(sizes_desc, capacity, max_segments, bound, whole_sieve):
+    for run, worth in _passes(sizes_desc, capacity, max_segments, bound):
         if best is not None and (best[1] <= enough or not worth(best[1])):
             break
         got, num = run()
@@ -284,7 +285,7 @@ def assign_best_fit_decreasing(
     rows_desc, num_rows = np.asarray(best[0]), best[1]
     if repair_rows and num_rows > target:
         rows_desc, num_rows = _improve(sizes_desc, rows_desc, num_rows, capacity, max_segments,
-                                       target)
+                                       bound, target)
     rows = np.empty(n, np.int64)
     rows[order] = rows_desc
     return rows, num_rows
