@@ -49,6 +49,7 @@ from seqpack.packer import (
     tight_lower_bound,
 )
 from seqpack.packer.config import Strategy
+from seqpack.packer.plan import apply_overflow
 from seqpack.packer.strategies.best_fit_decreasing import repair_target
 
 plan_mod = importlib.import_module("seqpack.packer.plan")
@@ -220,13 +221,17 @@ def _time_stream(lengths, cfg, planner_cls):
     return time.perf_counter() - t0, rows
 
 
+def _split_sizes(lengths: np.ndarray, L: int) -> np.ndarray:
+    """The pieces overflow split makes of `lengths` at row length L (what the bound is of)."""
+    return apply_overflow(lengths, PackConfig(L, overflow="split"))[2]
+
+
 def grid(name, lengths, Ls, Ss, old, with_stream, old_stream=None):
     table, speed = [], []
     new = plan_mod._ASSIGN[Strategy.BEST_FIT_DECREASING]
     shuffled = np.random.default_rng(0).permutation(lengths)
     for L in Ls:
-        full = lengths // L  # overflow split: pieces of L, and the rest
-        sizes = np.concatenate([np.full(int(full.sum()), L), (lengths % L)[lengths % L > 0]])
+        sizes = _split_sizes(lengths, L)
         for S in Ss:
             cfg = PackConfig(L, max_segments=S, overflow="split")
             tight = tight_lower_bound(sizes, L, S)
@@ -296,13 +301,11 @@ def run_scan(args) -> None:
     for name, lengths in load_lengths(args.corpus).items():
         table = []
         for L in Ls:
+            sizes = _split_sizes(lengths, L)
             for S in Ss:
                 cfg = PackConfig(L, max_segments=S, overflow="split")
                 t, rows = _time_plan(lengths, cfg, plan_mod._ASSIGN[Strategy.BEST_FIT_DECREASING],
                                      repeats=1)
-                full = lengths // L
-                sizes = np.concatenate([np.full(int(full.sum()), L),
-                                        (lengths % L)[lengths % L > 0]])
                 tight = tight_lower_bound(sizes, L, S)
                 target = repair_target(tight)
                 cells += 1

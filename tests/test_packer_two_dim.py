@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from seqpack.packer import PackConfig, StreamPlanner, bounds, plan, tight_lower_bound
 from seqpack.packer.bounds import lower_bound
+from seqpack.packer.plan import apply_overflow
 from seqpack.packer.strategies import best_fit_decreasing as bfd
 from seqpack.packer.strategies import repair as repair_mod
 from seqpack.packer.strategies import sieve as sieve_mod
@@ -241,7 +242,5 @@ def test_stream_planner_near_the_bound_where_the_slots_hardly_bind():
     rng = np.random.default_rng(2)
     lengths = np.maximum(rng.lognormal(6.0, 1.4, 2000).astype(np.int64), 1)
     cfg = PackConfig(2048, max_segments=16, overflow="split")
-    full = lengths // 2048
-    pieces = np.concatenate([np.full(int(full.sum()), 2048), (lengths % 2048)[lengths % 2048 > 0]])
-    bound = tight_lower_bound(pieces, 2048, 16)
+    bound = tight_lower_bound(apply_overflow(lengths, cfg)[2], 2048, 16)
     assert _stream_rows(lengths, cfg) <= bound * 1.003
