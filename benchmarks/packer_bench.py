@@ -3,6 +3,7 @@
     python -m benchmarks.packer_bench [--corpus chat_dev] [--seq-len 2048] [--max-segments 64]
     python -m benchmarks.packer_bench --grid [--corpus chat_turns] [--grid-seq-len 8192 ...]
     python -m benchmarks.packer_bench --scan [--corpus chat_dev]
+    python -m benchmarks.packer_bench --boundary [--corpus chat_turns]
 
 `--grid`: per corpus of benchmarks/corpora.py (chat_dev, gsm8k_train, stdlib_source,
 chat_turns) and cell of L in {2k, 8k, 32k, 128k} x S in {8, 16, 32, 64, 256, 4096}: the simple bound
@@ -14,6 +15,10 @@ then `plan_rows` time
 with this best_fit_decreasing against the baseline's (`--baseline`, default f002f8b: the packer
 before the two-dimensional planner; its module loaded from `git show REV:...` into this
 process, the two timed alternately, best of 3).
+
+`--boundary`: where slots and tokens bind alike, S = f * L / (mean piece) for f in {0.8, 0.9,
+1, 1.1, 1.25} and L in {2k, 8k, 32k, 128k}: the offline default against its target and
+`StreamPlanner` (corpus order and shuffled) against the online one (0.3%, at least one row).
 
 `--scan`: the offline default alone over L in {2k, 4k, 8k, 32k, 128k} x S in {8, 12, 16, 24,
 32, 48, 64, 128, 256, 1024, 4096} (220 cells over the four corpora): rows over the tight bound
@@ -319,6 +324,52 @@ def run_scan(args) -> None:
           f"{', '.join(above) or 'none'}")
 
 
+BOUNDARY_L = [2048, 8192, 32768, 131072]
+BOUNDARY_F = [0.8, 0.9, 1.0, 1.1, 1.25]  # S = f * L / (mean piece): where slots meet tokens
+
+
+def online_target(bound: int) -> int:
+    """The most rows the online defaults may use: the bound + 0.3%, at least + 1."""
+    return bound + max(1, 3 * bound // 1000)
+
+
+def run_boundary(args) -> None:
+    """`--boundary`: the cells where slots and tokens bind alike, S = f * L / (mean piece) for
+    f in `BOUNDARY_F` (the grid's S step over them): the offline default against its target
+    (0.1%) and `StreamPlanner` in corpus order and shuffled against the online one (0.3%)."""
+    Ls = args.grid_seq_len or BOUNDARY_L
+    above = {"offline": [], "corpus order": [], "shuffled": []}
+    cells = 0
+    for name, lengths in load_lengths(args.corpus).items():
+        shuffled = np.random.default_rng(0).permutation(lengths)
+        table = []
+        for L in Ls:
+            sizes = _split_sizes(lengths, L)
+            mean = float(sizes.mean())
+            Ss = sorted({min(4096, max(2, round(f * L / mean))) for f in BOUNDARY_F})
+            for S in Ss:
+                cfg = PackConfig(L, max_segments=S, overflow="split")
+                tight = tight_lower_bound(sizes, L, S)
+                t, rows = _time_plan(lengths, cfg, plan_mod._ASSIGN[Strategy.BEST_FIT_DECREASING],
+                                     repeats=1)
+                order, mixed = stream_rows(lengths, cfg), stream_rows(shuffled, cfg)
+                cells += 1
+                cell = f"{name} {L}/{S}"
+                for key, got, target in [("offline", rows, repair_target(tight)),
+                                         ("corpus order", order, online_target(tight)),
+                                         ("shuffled", mixed, online_target(tight))]:
+                    if got > target:
+                        above[key].append(f"{cell} {_over(got, tight)}")
+                table.append([L, S, f"{L / (S * mean):.2f}", tight, _over(rows, tight),
+                              _over(order, tight), _over(mixed, tight), f"{t * 1e3:.0f}"])
+        print_table(f"{name}: rows over the tight bound where slots meet tokens",
+                    ["L", "S", "L / (S x mean)", "tight bound", "best_fit_decreasing",
+                     "StreamPlanner", "StreamPlanner shuffled", "plan ms"], table)
+    for key, cells_above in above.items():
+        print(f"{key}: {cells - len(cells_above)} of {cells} cells within the target; above: "
+              f"{', '.join(cells_above) or 'none'}")
+
+
 def _parse_rate(text: str) -> float:
     scale = {"M": 1e6, "k": 1e3}.get(text[-1], 1.0)
     return float(text.rstrip("Mk")) * scale
@@ -337,6 +388,8 @@ def main() -> None:
     ap.add_argument("--no-stream", action="store_true", help="--grid without StreamPlanner")
     ap.add_argument("--scan", action="store_true", help="the offline default over a finer grid "
                     "against its target (see run_scan)")
+    ap.add_argument("--boundary", action="store_true", help="offline and online where slots "
+                    "and tokens bind alike (see run_boundary)")
     ap.add_argument("--baseline", default=BASELINE, help="git revision timed against (default: "
                     "the packer before the two-dimensional planner)")
     args = ap.parse_args()
@@ -346,6 +399,9 @@ def main() -> None:
         return
     if args.scan:
         run_scan(args)
+        return
+    if args.boundary:
+        run_boundary(args)
         return
     L, S = args.seq_len, args.max_segments
     header = ["packer", "rows", "lower bound", "rows vs LB", "efficiency", "examples/s",
