@@ -222,7 +222,7 @@ def _sieve_planners(capacity: int, max_segments: int):
 
     def plan(sizes: np.ndarray) -> tuple[np.ndarray, int]:
         return assign_best_fit_decreasing(sizes, capacity, max_segments, slack=0,
-                                          repair_rows=False, window=True)
+                                          repair_rows=False)
 
     def last(sizes: np.ndarray) -> tuple[np.ndarray, int]:
         got, n = plan(sizes)
@@ -269,13 +269,12 @@ def assign_best_fit_decreasing(
     `slack`: rows over the tight bound at which the passes and the repair stop (default: `gate`
     and `repair_target`); 0 runs them all unless one reaches the bound. `repair_rows`: run the
     sieve and the repair after the passes (off for the windows of a stream or of the sieve).
-    `window`: the pieces are a window of `StreamPlanner` (or of the sieve), which emits the rows
-    that come out full and plans the others again with the next window. Where the slots bind
-    for the whole window, worst fit then deals into floor(max(T / L, n / S)) rows instead of
-    ceil(n / S): those come out full in tokens or slots, and the pieces that fit none open rows
-    of their own (chat_turns shuffled at L=8192 / S=192: +3 rows instead of +47; at 32768 / 768
-    +31 instead of +57, where every window's rows came out balanced at 82% and were emitted
-    so)."""
+    `window`: the pieces are a window of `StreamPlanner`, which emits the rows that come out
+    full and plans the others again with the next window. Where the slots bind for the whole
+    window, worst fit then deals into floor(max(T / L, n / S)) rows instead of ceil(n / S):
+    those come out full in tokens or slots, and the pieces that fit none open rows of their
+    own (chat_turns shuffled at L=8192 / S=192: +3 rows instead of +47; at 32768 / 768 +31
+    instead of +57, where every window's rows came out balanced at 82% and were emitted so)."""
     sizes = np.asarray(sizes, np.int64)
     n = sizes.size
     if n == 0:
