@@ -207,6 +207,8 @@ def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int
             slot_bound
         wf = lambda: _worst_fit_sorted(sizes_desc.tolist(), capacity, max_segments,  # noqa: E731
                                        deal)
+        if window:  # plain BFD first would leave the shortest pieces to rows of their own,
+            return [(wf, always), (plain, always), (two_pool, always)]  # window after window
         return [(plain, always), (wf, always), (two_pool, always)]
     if slot_bound >= _TWO_POOL_FIRST * token_bound:
         # Plain BFD only where the two-pool pass missed by more than 1%: short of that it has
