@@ -137,8 +137,8 @@ class StreamPlanner:
             order = np.lexsort((pieces[:, _START], pieces[:, _ID], pieces[:, _BORN]))
             pieces, sizes = pieces[order], sizes[order]
             row, num_rows = assign_best_fit_decreasing(sizes, cfg.seq_len, cfg.max_segments,
-                                                       slack=0, repair_rows=final,
-                                                       window=not final)
+                                                       slack=0, repair_rows=True,
+                                                       window=0 if final else self.window)
             emit = np.ones(num_rows, bool)
             if not final:
                 emit, row = self._final_rows(pieces, sizes, row, num_rows)
