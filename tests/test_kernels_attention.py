@@ -136,6 +136,7 @@ def test_tpu_kernels_match_reference_and_compute_only_scheduled_pairs():
     assert per_row.tolist() == [2, 3]
 
 
+@pytest.mark.slow  # over 7 s on 2 cores (the TPU family stays in the fast set): .ci/run runs it
 def test_gpu_kernels_match_reference():
     _check_family("gpu", F32, True)
 

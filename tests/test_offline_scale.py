@@ -175,6 +175,7 @@ def test_sigkill_in_the_write_pass_with_workers_then_resume(tmp_path):
     assert dir_bytes(out) == dir_bytes(clean)
 
 
+@pytest.mark.slow  # over 7 s on 2 cores: .ci/run runs it
 def test_memory_is_bounded_by_examples_not_tokens(tmp_path):
     """A corpus 4x the RSS budget it is packed and verified in (peak RSS over a tiny run of
     the same shape)."""

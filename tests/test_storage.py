@@ -99,6 +99,7 @@ def test_stats_dry_run_on_urls_equals_local(store, inputs):
     assert remote == local
 
 
+@pytest.mark.slow  # over 7 s on 2 cores: .ci/run runs it
 def test_pack_from_urls_gives_the_local_shards_and_verifies(store, inputs, tmp_path):
     base = store.upload(os.path.dirname(inputs[0]), store.url("in"))
     args = ["--seq-len", 64, "--max-segments", 8, "--overflow", "split", "--shard-rows", 10]
