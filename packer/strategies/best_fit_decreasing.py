@@ -181,9 +181,9 @@ def slots_can_bind(sizes_asc: np.ndarray, capacity: int, max_segments: int) -> b
 
 
 def _slot_share(sizes_desc: np.ndarray, capacity: int, max_segments: int) -> float:
-    """The slot bound `ceil(n / S)` over the token bound `ceil(T / L)`: at least 0.9 the slots
-    bind for the whole corpus (worst fit runs), from 0.5 on a stream's window is repaired
-    (its rows come out short in one limit or the other, and the repair gathers them)."""
+    """The slot bound `ceil(n / S)` over the token bound `ceil(T / L)`. From 0.9 on the slots
+    bind for the whole corpus (worst fit runs); from 0.5 on a stream's window is repaired (its
+    rows come out short in one limit or the other, and the repair gathers them)."""
     slot_bound = -(-int(sizes_desc.size) // max_segments)
     return slot_bound / max(1, -(-int(sizes_desc.sum()) // capacity))
 
@@ -277,7 +277,8 @@ def assign_best_fit_decreasing(
 
     `slack`: rows over the tight bound at which the passes and the repair stop (default: `gate`
     and `repair_target`); 0 runs them all unless one reaches the bound. `repair_rows`: run the
-    sieve and the repair after the passes (off for the windows of a stream or of the sieve).
+    sieve and the repair after the passes (off for the sieve's windows; a stream's window gets
+    the repair alone, below).
     `window`: the pieces are planned for a `StreamPlanner` that adds `window` examples at a
     time, emits the rows that come out full and plans the others again with the next window
     (0: not a stream). Where the slots bind for the whole window:
