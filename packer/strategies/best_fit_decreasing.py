@@ -194,20 +194,19 @@ def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int
     the best plan so far (its rows) that says whether the pass is still worth running; every
     pass after the first runs only while that plan is above `gate`. `window`: the pieces are
     planned for a stream of windows of that many examples (`assign_best_fit_decreasing`)."""
-    n = int(sizes_desc.size)
+    n, tokens = int(sizes_desc.size), int(sizes_desc.sum())
     slot_bound = -(-n // max_segments)
-    token_bound = -(-int(sizes_desc.sum()) // capacity)
+    share = _slot_share(sizes_desc, capacity, max_segments)
     two_pool = lambda: two_pool_sorted(sizes_desc, capacity, max_segments, bound)  # noqa: E731
     plain = lambda: _bfd_sorted(sizes_desc, capacity, max_segments)  # noqa: E731
     always = lambda rows: True  # noqa: E731
     gross = lambda rows: rows > bound + bound // _FALLBACK  # noqa: E731
     if not slots_can_bind(sizes_desc[::-1], capacity, max_segments):
         return [(plain, always)]
-    if _slot_share(sizes_desc, capacity, max_segments) >= _WORST_FIT_RATIO:
+    if share >= _WORST_FIT_RATIO:
         # A window's worst fit, where its slots bind more than its tokens, fills only the rows
         # its pieces can fill (the rest opens rows of its own): rows balanced alike over
         # ceil(n / S) are all short, and a stream emits none.
-        tokens = int(sizes_desc.sum())
         deal = max(1, n // max_segments) if window and n * capacity > tokens * max_segments \
             else slot_bound
         wf = lambda: _worst_fit_sorted(sizes_desc.tolist(), capacity, max_segments,  # noqa: E731
@@ -217,7 +216,7 @@ def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int
             # shortest pieces to rows of their own, window after window, until they came due
             return [(wf, always), (plain, always), (two_pool, always)]
         return [(plain, always), (wf, always), (two_pool, always)]
-    if slot_bound >= _TWO_POOL_FIRST * token_bound:
+    if share >= _TWO_POOL_FIRST:
         # Plain BFD only where the two-pool pass missed by more than 1%: short of that it has
         # not once done better here (the sieve closes the rest: chat_dev at 2048 / 8, two-pool
         # + 35 rows, plain + 517), and it would cost a fifth of the two-pool pass's time.
