@@ -21,12 +21,14 @@ feature. Examples with an empty feature are skipped and counted in `empty_exampl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from seqpack.packer.contract import Counters
 from seqpack.packer.inputs import InputError
+from seqpack.packer.state_codec import encode_planner_state
 
 
 class MultiStreamPlanner:
@@ -156,6 +158,12 @@ class MultiStreamPlanner:
                      for r in self._rows],
             "counters": self.counters.to_dict(),
         }
+
+    def snapshot(self) -> Callable[[], dict[str, Any]]:
+        """The state as it is now, encoded (`state_codec`) when called (as
+        `StreamPlanner.snapshot`)."""
+        state = self.get_state()
+        return lambda: encode_planner_state(state)
 
     def set_state(self, state: dict[str, Any]) -> None:
         self._windows = int(state["windows"])

@@ -39,6 +39,28 @@ def encode_planner_state(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def encode_row_arrays(state: dict[str, Any], born: np.ndarray, pieces: np.ndarray,
+                      row: np.ndarray) -> dict[str, Any]:
+    """`encode_planner_state` of `state` (its scalars) with rows given as arrays: `pieces`
+    (i64[P, w]) sorted by `row` (i64[P], 0 .. R - 1, every row holding a piece or not) and
+    `born` (i64[R]); the same dict, without building the rows as lists (a planner holding
+    tens of thousands of pieces encodes in a millisecond instead of tens)."""
+    num_rows = int(born.size)
+    count = np.bincount(row, minlength=num_rows) if num_rows else np.zeros(0, np.int64)
+    width = int(pieces.shape[1]) if pieces.size else 0
+    size = count * width + 2
+    start = np.cumsum(size) - size  # where each row's (born, count) header goes
+    flat = np.empty(int(size.sum()), "<i8")
+    body = np.ones(flat.size, bool)
+    body[start] = body[start + 1] = False
+    flat[start], flat[start + 1] = born, count
+    flat[body] = pieces[:, :width].ravel() if width else []
+    out = {k: v for k, v in state.items() if k != "rows"}
+    out.update(rows_i64=base64.b64encode(zlib.compress(flat.tobytes(), 1)).decode("ascii"),
+               piece_width=width)
+    return out
+
+
 def decode_planner_state(state: dict[str, Any]) -> dict[str, Any]:
     """Inverse of `encode_planner_state` (a plain planner state passes through)."""
     if "rows_i64" not in state:

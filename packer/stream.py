@@ -16,8 +16,27 @@ largest first; rows are emitted once full (no room, or every slot used) or beyon
 windows (a piece due trades places with a younger one of an emitted row where it can, else its
 row is emitted), so every example leaves within `max_carry + 1` windows of arriving.
 
-Worked example (seq_len 8, max_segments 4, window 3, max_open_rows 1; rows take two pieces of
-the three of a window: the open rows are extended)::
+A window is planned once it holds `window_rows` rows' worth of pieces (default 32: that many
+times `max_segments` pieces, or `seq_len` tokens): where a row takes more than a 32nd of the
+examples of one call, the pieces of the calls wait (`add` returns no rows) until they do, and
+are planned as one window. A plan of a few rows' worth cannot mix sizes within a row:
+chat_turns (mean 42 tokens) at L=131072 / S=2788 was +20 rows over the bound of 100 in corpus
+order and +17 shuffled with windows of 1024 examples; with windows of 32 rows' worth it is +0
+in both (`benchmarks/packer_bench.py --boundary`). Memory is then bounded by the larger of
+the window and `window_rows` rows, and `max_carry` counts planned windows. `window_rows=0`
+plans every call (the open rows are then extended where a row takes more than a quarter of a
+window's pieces, below).
+
+Worked example (seq_len 8, max_segments 4, window 3, window_rows 2: a window is planned from
+8 pieces or 16 tokens)::
+
+    call 0:    lengths 5 2 6      13 tokens, 3 pieces: they wait (no rows)
+    call 1:    lengths 3 4 1      21 tokens: window 0 = 5 2 6 3 4 1, sorted 6 5 4 3 2 1
+                                  -> [6, 2] and [5, 3] full: emitted; [4, 1] stays open
+    finish:                       [4, 1] emitted
+
+Worked example (as above, window_rows 0 and max_open_rows 1; rows take two pieces of the three
+of a window: the open rows are extended)::
 
     window 0:  lengths 5 2 6      sorted 6 5 2 -> row 0 = [6, 2] (full: emitted), row 1 = [5]
                                   row 1 is carried over (room 3)
@@ -32,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -40,6 +59,7 @@ from seqpack.packer.assemble import build_rows
 from seqpack.packer.config import PackConfig, Strategy
 from seqpack.packer.inputs import InputError, check_lengths, check_pad, fit_dtype, row_dtype
 from seqpack.packer.plan import Counters, PackPlan, apply_overflow, order_pieces
+from seqpack.packer.state_codec import encode_row_arrays
 from seqpack.packer.strategies.best_fit import BestFitBins
 from seqpack.packer.strategies.best_fit_decreasing import assign_best_fit_decreasing
 from seqpack.packer.strategies.sieve import keep_open
@@ -77,6 +97,7 @@ class StreamPlanner:
         window: int = 1024,
         max_open_rows: int | None = None,
         max_carry: int = 8,
+        window_rows: int = 32,
     ) -> None:
         if config.strategy not in STREAM_STRATEGIES:
             raise ValueError(
@@ -87,17 +108,24 @@ class StreamPlanner:
             raise ValueError(f"window={window} must be >= 1")
         if max_carry < 0:
             raise ValueError(f"max_carry={max_carry} must be >= 0")
+        if window_rows < 0:
+            raise ValueError(f"window_rows={window_rows} must be >= 0")
         self.config = config
         self.window = window
         self.max_open_rows = window if max_open_rows is None else max_open_rows
         if self.max_open_rows < 0:
             raise ValueError(f"max_open_rows={self.max_open_rows} must be >= 0")
         self.max_carry = max_carry
+        self.window_rows = window_rows
         # Pieces of the open rows, i64[P, 5]: id, start, length, window it arrived in, open row
         # (0..num_open_rows-1), sorted by (row, born, id, start).
         self._held = np.zeros((0, 5), np.int64)
         self._open_rows = 0
         self._windows = 0
+        # Pieces of the calls since the last plan, waiting for `window_rows` rows' worth (as
+        # `_held`, row -1, born the window they will be planned in), and how many calls.
+        self._pending = np.zeros((0, 5), np.int64)
+        self._pending_calls = 0
         self.counters = Counters()
 
     # -- planning ------------------------------------------------------------------------------
@@ -120,19 +148,42 @@ class StreamPlanner:
         new = np.stack([ids[example], start, length,
                         np.full(example.size, self._windows, np.int64),
                         np.full(example.size, -1, np.int64)], axis=1)
+        self._pending = np.concatenate([self._pending, new])
+        self._pending_calls += 1
+        if self._waits():
+            none = np.zeros(0, np.int64)
+            return order_pieces(none, none, none, none, 0, Counters(), self.config)
+        window = self.window * self._pending_calls
+        pieces = np.concatenate([self._held, self._pending])
+        self._pending, self._pending_calls = self._pending[:0], 0
         self._windows += 1
-        return self._plan(np.concatenate([self._held, new]), final=False)
+        return self._plan(pieces, final=False, window=window)
 
     def finish_plan(self) -> PackPlan:
         """`finish`, returning the rows as one `PackPlan`."""
-        return self._plan(self._held, final=True)
+        pieces = np.concatenate([self._held, self._pending])
+        self._pending, self._pending_calls = self._pending[:0], 0
+        return self._plan(pieces, final=True, window=self.window)
 
-    def _plan(self, pieces: np.ndarray, *, final: bool) -> PackPlan:
-        """Plans `pieces` (i64[P, 5], see `_held`), emits the final rows, keeps the rest open."""
+    def _waits(self) -> bool:
+        """Whether the pieces of the calls since the last plan wait for more: they fill fewer
+        than `window_rows` rows, in tokens and in slots (best_fit_decreasing only; see the
+        module docstring)."""
+        cfg = self.config
+        if cfg.strategy is not Strategy.BEST_FIT_DECREASING or not self.window_rows:
+            return False
+        a = cfg.segment_alignment
+        tokens = int((-(-self._pending[:, _LEN] // a) * a).sum())
+        k = self.window_rows
+        return len(self._pending) < k * cfg.max_segments and tokens < k * cfg.seq_len
+
+    def _plan(self, pieces: np.ndarray, *, final: bool, window: int) -> PackPlan:
+        """Plans `pieces` (i64[P, 5], see `_held`) as a window of `window` examples, emits the
+        final rows, keeps the rest open."""
         cfg = self.config
         a = cfg.segment_alignment
         sizes = -(-pieces[:, _LEN] // a) * a
-        if not final and self._extends(sizes):
+        if not final and self._extends(sizes, window):
             row, num_rows = self._extend(pieces, sizes)
             emit = self._final_extended(pieces, sizes, row, num_rows)
         else:  # planned again, oldest first among equal sizes
@@ -140,10 +191,10 @@ class StreamPlanner:
             pieces, sizes = pieces[order], sizes[order]
             row, num_rows = assign_best_fit_decreasing(sizes, cfg.seq_len, cfg.max_segments,
                                                        slack=0, repair_rows=True,
-                                                       window=0 if final else self.window)
+                                                       window=0 if final else window)
             emit = np.ones(num_rows, bool)
             if not final:
-                emit, row = self._final_rows(pieces, sizes, row, num_rows)
+                emit, row = self._final_rows(pieces, sizes, row, num_rows, window)
         out = emit[row]
         held = pieces[~out].copy()
         kept = np.flatnonzero(~emit)
@@ -158,7 +209,7 @@ class StreamPlanner:
         return order_pieces(done[:, _ID], done[:, _START], done[:, _LEN], number[row[out]],
                             int(emit.sum()), Counters(), cfg)
 
-    def _extends(self, sizes: np.ndarray) -> bool:
+    def _extends(self, sizes: np.ndarray, window: int) -> bool:
         """Whether this window only adds pieces to the open rows (best fit, as they are) instead
         of planning everything again: with best_fit, and where a row takes more than a quarter
         of a window's pieces while slots do not bind (rows then grow over several windows).
@@ -172,7 +223,7 @@ class StreamPlanner:
         mean = float(sizes.mean())
         slots = cfg.seq_len / (cfg.max_segments * mean)
         per_row = min(cfg.max_segments, cfg.seq_len / mean)
-        return self.window <= 4 * per_row and slots < 1
+        return window <= 4 * per_row and slots < 1
 
     def _extend(self, pieces: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, int]:
         """Rows of the pieces: open rows keep theirs; new pieces (row -1) go by best fit, largest
@@ -209,7 +260,7 @@ class StreamPlanner:
         return emit
 
     def _final_rows(self, pieces: np.ndarray, sizes: np.ndarray, row: np.ndarray,
-                    num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+                    num_rows: int, window: int) -> tuple[np.ndarray, np.ndarray]:
         """(bool[num_rows]: rows to emit, row per piece). Kept open: rows not exactly full,
         even with no room for the smallest piece or no free slot (planned again with the next
         window, their pieces may pack tighter: gsm8k at L=2048 +1 row instead of +3, chat_dev
@@ -222,7 +273,7 @@ class StreamPlanner:
         cfg = self.config
         used = np.bincount(row, weights=sizes, minlength=num_rows)
         count = np.bincount(row, minlength=num_rows)
-        keep = keep_open(used, count, cfg.seq_len, self.max_open_rows, self.window)
+        keep = keep_open(used, count, cfg.seq_len, self.max_open_rows, window)
         emit = np.ones(num_rows, bool)
         emit[keep] = False
         age = self._windows - 1 - pieces[:, _BORN]
@@ -240,8 +291,9 @@ class StreamPlanner:
 
     # -- state ---------------------------------------------------------------------------------
     def oldest_open_id(self) -> int | None:
-        """The smallest example id in any open row, or None when no row is open."""
-        return int(self._held[:, _ID].min()) if self._held.size else None
+        """The smallest example id in any open row or waiting to be planned (None: none)."""
+        ids = np.concatenate([self._held[:, _ID], self._pending[:, _ID]])
+        return int(ids.min()) if ids.size else None
 
     @property
     def num_open_rows(self) -> int:
@@ -249,26 +301,64 @@ class StreamPlanner:
 
     def get_state(self) -> dict:
         """JSON-serializable state: the open rows, each its pieces as (id, start, length, window
-        it arrived in) and "born" the earliest of those windows, and the counters."""
+        it arrived in) and "born" the earliest of those windows, then (where "pending" is 1)
+        the pieces waiting to be planned, as one more row; the calls they came in
+        ("pending_calls") and the counters."""
         held = self._held
         cuts = np.flatnonzero(np.diff(held[:, _ROW])) + 1 if held.size else np.zeros(0, int)
         groups = np.split(held, cuts) if held.size else []
+        if self._pending_calls:
+            groups.append(self._pending)
         return {
             "windows": self._windows,
-            "rows": [{"born": int(g[:, _BORN].min()), "pieces": g[:, :4].tolist()}
-                     for g in groups],
+            "rows": [{"born": int(g[:, _BORN].min()) if g.size else self._windows,
+                      "pieces": g[:, :4].tolist()} for g in groups],
+            "pending": int(self._pending_calls > 0),
+            "pending_calls": self._pending_calls,
             "counters": self.counters.to_dict(),
         }
 
+    def get_encoded_state(self) -> dict:
+        """`state_codec.encode_planner_state(self.get_state())`, from the arrays."""
+        return self.snapshot()()
+
+    def snapshot(self) -> Callable[[], dict]:
+        """The state as it is now, encoded when called (`get_encoded_state`): `PackIterDataset`
+        takes one after every window and encodes it only for a checkpoint (a planner holding
+        25,000 pieces takes 10 ms to encode, 2.5x its window's plan). The arrays it holds are
+        never written in place, only replaced."""
+        held, pending, rows, windows = self._held, self._pending, self._open_rows, self._windows
+        calls, counters = self._pending_calls, self.counters.to_dict()
+
+        def encode() -> dict:
+            born = np.full(rows + (calls > 0), windows, np.int64)
+            if held.size:
+                np.minimum.at(born, held[:, _ROW], held[:, _BORN])
+            if calls and pending.size:
+                born[-1] = int(pending[:, _BORN].min())
+            row = np.concatenate([held[:, _ROW], np.full(len(pending), rows, np.int64)])
+            scalars = {"windows": windows, "rows": None, "pending": int(calls > 0),
+                       "pending_calls": calls, "counters": counters}
+            return encode_row_arrays(scalars, born, np.concatenate([held, pending])[:, :4], row)
+
+        return encode
+
     def set_state(self, state: dict) -> None:
         """Restores a state from `get_state` (on a planner with the same config). Pieces of
-        three numbers (states before pieces kept their window) take their row's "born"."""
+        three numbers (states before pieces kept their window) take their row's "born"; states
+        without "pending" have no pieces waiting."""
         parts = []
         for k, r in enumerate(state["rows"]):
-            p = np.asarray(r["pieces"], np.int64).reshape(len(r["pieces"]), -1)
+            p = np.asarray(r["pieces"], np.int64).reshape(len(r["pieces"]), -1) \
+                if r["pieces"] else np.zeros((0, 4), np.int64)
             if p.shape[1] == 3:
                 p = np.concatenate([p, np.full((len(p), 1), int(r["born"]), np.int64)], axis=1)
             parts.append(np.concatenate([p[:, :4], np.full((len(p), 1), k, np.int64)], axis=1))
+        self._pending = np.zeros((0, 5), np.int64)
+        self._pending_calls = int(state.get("pending_calls", 0))
+        if int(state.get("pending", 0)):
+            self._pending = parts.pop()
+            self._pending[:, _ROW] = -1
         held = np.concatenate(parts) if parts else np.zeros((0, 5), np.int64)
         self._held = held[np.lexsort((held[:, _START], held[:, _ID], held[:, _BORN],
                                       held[:, _ROW]))]
@@ -317,7 +407,7 @@ def pack_stream(
     """Packs token arrays online; yields one row dict (`[L]` / `[S]` arrays) as rows become final.
 
     `segment_source_index` holds each example's position in `iterable`. Memory is bounded by
-    the window and the open rows (see `StreamPlanner`).
+    the window (or `window_rows` rows' worth, the larger) and the open rows (`StreamPlanner`).
 
     One token dtype for every row: `dtype`, else the first non-empty example's. Every example is
     checked against it: an id it cannot hold (or a negative one) raises `InputError` naming the

@@ -111,9 +111,24 @@ def test_token_id_zero_is_a_real_token():
     assert b["tokens_segment_ids"].tolist() == [[1, 1, 1, 0]]
 
 
+def test_stream_planner_worked_example_of_a_window_planned_from_rows_worth():
+    planner = StreamPlanner(PackConfig(8, max_segments=4), window=3, window_rows=2)
+    assert planner.add([0, 1, 2], [5, 2, 6]) == []  # 13 tokens, 3 pieces: less than 2 rows
+    assert planner.num_open_rows == 0 and planner.oldest_open_id() == 0  # yet held
+    state = planner.get_state()
+    assert state["pending"] == 1 and [p[0] for p in state["rows"][0]["pieces"]] == [0, 1, 2]
+    restored = StreamPlanner(PackConfig(8, max_segments=4), window=3, window_rows=2)
+    restored.set_state(state)
+    for p in (planner, restored):
+        rows = p.add([3, 4, 5], [3, 4, 1])  # 21 tokens: one window of six pieces
+        assert [r.length.tolist() for r in rows] == [[2, 6], [5, 3]]
+        assert p.num_open_rows == 1 and p.oldest_open_id() == 4  # [4, 1] stays open
+        assert [r.index.tolist() for r in p.finish()] == [[4, 5]]
+
+
 def test_stream_planner_worked_example():
     cfg = PackConfig(8, max_segments=4)
-    planner = StreamPlanner(cfg, window=3, max_open_rows=1)
+    planner = StreamPlanner(cfg, window=3, max_open_rows=1, window_rows=0)
     rows = planner.add([0, 1, 2], [5, 2, 6])
     assert [r.index.tolist() for r in rows] == [[1, 2]]  # [6, 2] full, [5] carried over
     assert planner.num_open_rows == 1 and planner.oldest_open_id() == 0
@@ -126,7 +141,7 @@ def test_stream_planner_worked_example():
 
 def test_stream_planner_plans_open_rows_again_where_slots_bind():
     # seq_len 8, 2 slots: pieces of mean 3 need 1.3 slots per row's worth of tokens
-    planner = StreamPlanner(PackConfig(8, max_segments=2), window=8)
+    planner = StreamPlanner(PackConfig(8, max_segments=2), window=8, window_rows=0)
     rows = planner.add(list(range(8)), [7, 1, 1, 5, 2, 6, 3, 4])
     assert [r.length.tolist() for r in rows] == [[7, 1], [2, 6], [5, 3]]  # full rows out
     assert planner.num_open_rows == 1 and planner.oldest_open_id() == 2  # [1, 4] stays open
@@ -137,8 +152,10 @@ def test_stream_planner_plans_open_rows_again_where_slots_bind():
 
 @pytest.mark.parametrize("max_carry", [0, 1, 2])
 def test_stream_rows_never_stay_open_longer_than_max_carry(max_carry):
-    # A row opened in window w takes pieces in windows w .. w + max_carry, then is emitted.
-    planner = StreamPlanner(PackConfig(100, max_segments=50), window=2, max_carry=max_carry)
+    # A row opened in window w takes pieces in windows w .. w + max_carry, then is emitted
+    # (window_rows=0: every call is a window).
+    planner = StreamPlanner(PackConfig(100, max_segments=50), window=2, max_carry=max_carry,
+                            window_rows=0)
     for w in range(max_carry):
         assert planner.add([2 * w, 2 * w + 1], [10, 10]) == []
     w = max_carry

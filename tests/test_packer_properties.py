@@ -17,6 +17,7 @@ from seqpack.packer import (
     stats,
     validate,
 )
+from seqpack.packer.state_codec import encode_planner_state
 from tests.helpers.packer import check_lossless, corpus, expected_counters
 
 OFFLINE = ["first_fit", "best_fit", "best_fit_decreasing"]
@@ -116,6 +117,7 @@ def test_stream_planner_state_restores_exactly(config, lengths, window, data):
     first = StreamPlanner(config, window=window, max_carry=2)
     got = [first.add(i, n) for i, n in chunks[:cut]]
     state = first.get_state()
+    assert first.get_encoded_state() == encode_planner_state(state)  # the fast path, the same
     second = StreamPlanner(config, window=window, max_carry=2)
     second.set_state(state)
     got += [second.add(i, n) for i, n in chunks[cut:]] + [second.finish()]

@@ -30,7 +30,7 @@ import numpy as np
 from seqpack import packer
 from seqpack.packer.contract import check_not_packed
 from seqpack.packer.inputs import check_pad, fit_dtype, row_dtype
-from seqpack.packer.state_codec import decode_planner_state, encode_planner_state
+from seqpack.packer.state_codec import decode_planner_state
 from seqpack.pipelines.datasets.columns import (
     ColumnSpec,
     check_declared,
@@ -53,7 +53,8 @@ class PackIterator(grain.DatasetIterator):
     def _fresh(self) -> None:
         ds = self._ds
         self._layout = ds.make_layout()
-        self._planner_state = self._layout.planner.get_state()  # after the last planned window
+        # after the last planned window: encoded (state_codec) only for a checkpoint
+        self._planner_state = self._layout.planner.snapshot()
         self._oldest: int | None = None  # oldest example id in an open row
         self._next_id = 0  # parent elements read so far = id of the next one
         self._bounds: deque[tuple[int, Any]] = deque()  # (first id, parent state) per window
@@ -63,7 +64,6 @@ class PackIterator(grain.DatasetIterator):
         self._exhausted = False
         self._finished = False
         self._snap: dict[str, Any] | None = None
-        self._snap_encoded: dict[str, Any] | None = None  # built on the first get_state
         self._cols: list[tuple[str, np.ndarray]] = []
         self._num_rows = 0
         self._emitted = 0
@@ -220,10 +220,9 @@ class PackIterator(grain.DatasetIterator):
             "planner": before,
             "dtypes": {n: dt.str for n, dt in self._dtypes.items()},
         }
-        self._snap_encoded = None
         batch = layout.build(plan, self._held, ds.window, self._dtypes)
         self._check_negative(batch)
-        self._planner_state = layout.planner.get_state()
+        self._planner_state = layout.planner.snapshot()
         self._oldest = layout.planner.oldest_open_id()
         oldest = self._next_id if self._oldest is None else self._oldest
         for held in self._held.values():
@@ -263,10 +262,9 @@ class PackIterator(grain.DatasetIterator):
         if self._snap is None:
             return {"phase": "start", "parent": self._start_state, "emitted": 0,
                     "rows_emitted": 0}
-        if self._snap_encoded is None:
-            self._snap_encoded = {**self._snap,
-                                  "planner": encode_planner_state(self._snap["planner"])}
-        return {**self._snap_encoded, "emitted": self._emitted,
+        if callable(self._snap["planner"]):  # encoded once per window, on the first call
+            self._snap["planner"] = self._snap["planner"]()
+        return {**self._snap, "emitted": self._emitted,
                 "rows_emitted": self._rows_emitted}
 
     def set_state(self, state: dict[str, Any]) -> None:
@@ -277,10 +275,11 @@ class PackIterator(grain.DatasetIterator):
             return
         ds, layout = self._ds, self._layout
         self._dtypes.update({n: np.dtype(d) for n, d in state.get("dtypes", {}).items()})
-        layout.planner.set_state(decode_planner_state(state["planner"]))
-        self._planner_state = layout.planner.get_state()
+        planner_state = decode_planner_state(state["planner"])
+        layout.planner.set_state(planner_state)
+        self._planner_state = layout.planner.snapshot()
         self._oldest = layout.planner.oldest_open_id()
-        needed = layout.open_ids(self._planner_state)
+        needed = layout.open_ids(planner_state)
         self._next_id = int(state["replay_from"])
         window_first = int(state["window_first"])
         while self._next_id < window_first:
@@ -309,7 +308,9 @@ class PackIterDataset(grain.IterDataset):
                        segment metadata (`f_segment_ids`, ...); slots are shared.
     max_segments:      S, segments per row (the `[S]` arrays).
     strategy:          "best_fit_decreasing" (per window) or "best_fit" (arrival order).
-    window:            examples planned together; rows stay open across windows.
+    window:            examples planned together; rows stay open across windows. Where a
+                       row takes more than a 32nd of a window's examples, windows wait until
+                       they hold 32 rows' worth (`packer.StreamPlanner`'s `window_rows`).
     overflow:          "error" | "truncate" | "split" | "drop" for examples longer than L;
                        counted in the iterator's `counters`.
     segment_alignment: segment offsets are multiples of this.
