@@ -176,6 +176,23 @@ def test_offline_default_near_the_bound_where_slots_and_tokens_bind_alike():
     assert repaired[1] > bound * 1.05
 
 
+def test_sieve_windows_hold_rows_worth_where_a_row_takes_hundreds_of_pieces():
+    # dialogue-turn-like lengths (mean 41) at L=8192 / S=203: a row takes 200 pieces, and
+    # windows of 512 cannot mix sizes within a row (+7 rows of 99); 64 rows' worth can
+    rng = np.random.default_rng(0)
+    lengths = np.clip(np.rint(rng.lognormal(3.2, 1.0, 20_000)), 1, 8192).astype(np.int64)
+    S = round(8192 / lengths.mean())
+    bound = tight_lower_bound(lengths, 8192, S)
+    window = bfd.sieve_window(lengths, 8192, S)
+    assert window == int(64 * min(S, 8192 * lengths.size / lengths.sum()))
+    plan_window, last = bfd._sieve_planners(8192, S)
+    rows, n = sieve_mod.sieve_all(lengths, 8192, plan_window, last=last, window=window)
+    _check(lengths, rows, n, 8192, S)
+    assert n <= bound + 1
+    assert sieve_mod.sieve_all(lengths, 8192, plan_window, last=last, window=512)[1] > bound + 3
+    assert bfd.sieve_window(lengths, 8192, 4) == sieve_mod._WINDOW  # 64 x 4 pieces: 512
+
+
 def test_tight_bound_worked_example():
     # 10 10 10 fill their rows; the four 1s need two more rows of two slots
     assert lower_bound(34, 7, 10, 2) == 4

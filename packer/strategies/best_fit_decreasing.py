@@ -28,8 +28,9 @@ the repair goes first (gsm8k at L=2048: +3 to +1 in a few ms), and where the slo
 the whole corpus only the repair runs (every row is full in slots: mixing them frees none).
 A plan still more than 0.25% above the bound after that goes, as a last resort, whole through
 the sieve (`strategies.sieve.sieve_all`: every piece, windows of a seeded shuffle, planned as
-a stream is). Where slots and tokens bind about equally every greedy order leaves rows short
-in one or the other (lognormal lengths of mean 270 at L=2048 / S=8: worst fit +52 rows over
+a stream is). The sieve's windows hold at least 64 rows' worth of pieces (`sieve_window`).
+Where slots and tokens bind about equally every greedy order leaves rows short in one or the
+other (lognormal lengths of mean 270 at L=2048 / S=8: worst fit +52 rows over
 the bound, 6.5%, the repair +44), and mixing sizes window by window gets to +3.
 
 Plain BFD by runs: pieces of equal size are placed without a search per piece: best fit puts
@@ -54,6 +55,7 @@ import numpy as np
 from seqpack.packer.bounds import sorted_lower_bound
 from seqpack.packer.strategies.best_fit import _MASK, _SHIFT
 from seqpack.packer.strategies.repair import repair
+from seqpack.packer.strategies.sieve import _WINDOW as _SIEVE_WINDOW
 from seqpack.packer.strategies.sieve import sieve, sieve_all
 from seqpack.packer.strategies.two_pool import two_pool_sorted
 
@@ -63,6 +65,7 @@ _WINDOW_REPAIR_RATIO = 0.5  # a stream's window is repaired from this share on
 _FALLBACK = 100  # plain BFD after the two-pool pass only above the bound + 1/100
 _LAST_RESORT = 400  # the whole sieve only above the bound + 1/400 after the sieve and repair
 _SEEDS = 2  # shuffles the whole sieve tries (its rows vary by a few tenths of a percent)
+_WINDOW_ROWS = 64  # a sieve window holds at least this many rows' worth of pieces
 
 
 def _bfd_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int
@@ -239,17 +242,28 @@ def _sieve_planners(capacity: int, max_segments: int):
     return plan, last
 
 
+def sieve_window(sizes: np.ndarray, capacity: int, max_segments: int) -> int:
+    """Pieces a window of the sieve adds: `sieve._WINDOW`, or `_WINDOW_ROWS` rows' worth
+    (`max_segments` pieces, or `capacity` tokens at the mean piece) where that is more. A
+    window of a few rows' worth cannot mix sizes within a row: chat_turns at L=8192 / S=194
+    (194 pieces a row), the whole sieve +134 rows over the bound of 1433 with windows of 512
+    pieces, +1 with windows of 64 rows' worth (`StreamPlanner.window_rows` is the same rule)."""
+    per_row = min(max_segments, capacity * sizes.size / max(1, int(sizes.sum())))
+    return max(_SIEVE_WINDOW, int(_WINDOW_ROWS * per_row))
+
+
 def _improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
              max_segments: int, bound: int, target: int) -> tuple[np.ndarray, int]:
     """The sieve and the repair, then the whole sieve (module docstring), each while the plan
     is above `target`."""
     plan, last = _sieve_planners(capacity, max_segments)
+    window = sieve_window(sizes_desc, capacity, max_segments)
 
     def fix(r: np.ndarray, n: int) -> tuple[np.ndarray, int]:
         return repair(sizes_desc, r, n, capacity, max_segments, target=target)
 
     def mix(r: np.ndarray, n: int) -> tuple[np.ndarray, int]:
-        return sieve(sizes_desc, r, n, capacity, plan, last=last)
+        return sieve(sizes_desc, r, n, capacity, plan, last=last, window=window)
 
     if not slots_can_bind(sizes_desc[::-1], capacity, max_segments):
         steps = [fix, mix]
@@ -261,7 +275,8 @@ def _improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: 
         if num_rows > target:
             rows, num_rows = step(rows, num_rows)
     if num_rows > bound + bound // _LAST_RESORT:  # every piece through the sieve, two seeds
-        every, n = min((sieve_all(sizes_desc, capacity, plan, last=last, seed=seed)
+        every, n = min((sieve_all(sizes_desc, capacity, plan, last=last, window=window,
+                                  seed=seed)
                         for seed in range(_SEEDS)), key=lambda got: got[1])
         if n < num_rows:
             rows, num_rows = fix(every, n) if n > target else (every, n)
