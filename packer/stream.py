@@ -16,16 +16,17 @@ largest first; rows are emitted once full (no room, or every slot used) or beyon
 windows (a piece due trades places with a younger one of an emitted row where it can, else its
 row is emitted), so every example leaves within `max_carry + 1` windows of arriving.
 
-A window is planned once it holds `window_rows` rows' worth of pieces (default 32: that many
-times `max_segments` pieces, or `seq_len` tokens): where a row takes more than a 32nd of the
-examples of one call, the pieces of the calls wait (`add` returns no rows) until they do, and
-are planned as one window. A plan of a few rows' worth cannot mix sizes within a row:
+A window is planned once it holds `window_rows` rows' worth of pieces (default 128: that
+many times `max_segments` pieces, or `seq_len` tokens): where a row takes more than a 128th of
+the examples of one call, the pieces of the calls wait (`add` returns no rows) until they do,
+and are planned as one window. A plan of a few rows' worth cannot mix sizes within a row:
 chat_turns (mean 42 tokens) at L=131072 / S=2788 was +20 rows over the bound of 100 in corpus
-order and +17 shuffled with windows of 1024 examples; with windows of 32 rows' worth it is +0
-in both (`benchmarks/packer_bench.py --boundary`). Memory is then bounded by the larger of
-the window and `window_rows` rows, and `max_carry` counts planned windows. `window_rows=0`
-plans every call (the open rows are then extended where a row takes more than a quarter of a
-window's pieces, below).
+order and +17 shuffled with windows of 1024 examples, at 2048/64 (a row of 48 pieces) +37 and
++7 of 5730; with windows of 128 rows' worth it is +0 in all four (`benchmarks/packer_bench.py
+--boundary` and `--grid`). Memory is then bounded by the larger of the window and
+`window_rows` rows, and `max_carry` counts planned windows. `window_rows=0` plans every call
+(the open rows are then extended where a row takes more than a quarter of a window's pieces,
+below).
 
 Worked example (seq_len 8, max_segments 4, window 3, window_rows 2: a window is planned from
 8 pieces or 16 tokens)::
@@ -97,7 +98,7 @@ class StreamPlanner:
         window: int = 1024,
         max_open_rows: int | None = None,
         max_carry: int = 8,
-        window_rows: int = 32,
+        window_rows: int = 128,
     ) -> None:
         if config.strategy not in STREAM_STRATEGIES:
             raise ValueError(

@@ -89,12 +89,13 @@ def test_concat_split_fills_rows_and_loses_nothing(config, lengths):
     st.integers(1, 9),
     st.integers(0, 3),
     st.integers(0, 4),
+    st.sampled_from([0, 1, 3, 128]),
 )
-def test_stream_packing_is_lossless(config, lengths, window, max_carry, max_open):
+def test_stream_packing_is_lossless(config, lengths, window, max_carry, max_open, window_rows):
     values, offsets = corpus(lengths)
     seqs = [values[offsets[i] : offsets[i + 1]] for i in range(len(lengths))]
     rows = list(pack_stream(seqs, config, window=window, max_carry=max_carry,
-                            max_open_rows=max_open))
+                            max_open_rows=max_open, window_rows=window_rows))
     if not rows:
         assert all(n == 0 or (n > config.seq_len and config.overflow.value == "drop")
                    for n in lengths)
@@ -106,19 +107,21 @@ def test_stream_packing_is_lossless(config, lengths, window, max_carry, max_open
 
 @settings(max_examples=60, deadline=None)
 @given(configs(strategies=("best_fit_decreasing",)), lengths_st, st.integers(1, 7),
-       st.data())
-def test_stream_planner_state_restores_exactly(config, lengths, window, data):
+       st.sampled_from([0, 1, 3, 128]), st.data())
+def test_stream_planner_state_restores_exactly(config, lengths, window, window_rows, data):
     ids = np.arange(len(lengths))
     chunks = [(ids[i : i + window], np.asarray(lengths[i : i + window], np.int64))
               for i in range(0, len(lengths), window)]
-    full = StreamPlanner(config, window=window, max_carry=2)
+    make = lambda: StreamPlanner(config, window=window, max_carry=2,  # noqa: E731
+                                 window_rows=window_rows)
+    full = make()
     expected = [full.add(i, n) for i, n in chunks] + [full.finish()]
     cut = data.draw(st.integers(0, len(chunks)))
-    first = StreamPlanner(config, window=window, max_carry=2)
+    first = make()
     got = [first.add(i, n) for i, n in chunks[:cut]]
     state = first.get_state()
     assert first.get_encoded_state() == encode_planner_state(state)  # the fast path, the same
-    second = StreamPlanner(config, window=window, max_carry=2)
+    second = make()
     second.set_state(state)
     got += [second.add(i, n) for i, n in chunks[cut:]] + [second.finish()]
     assert second.counters == full.counters

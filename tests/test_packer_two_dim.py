@@ -295,7 +295,7 @@ def test_stream_planner_repairs_windows_where_slots_and_tokens_bind_alike(seed):
 def test_stream_planner_plans_windows_of_rows_worth_where_a_row_takes_much_of_a_call():
     # dialogue-turn-like lengths (mean 41) with S = L / mean: a row takes 800 pieces, most of
     # a call's 1024 examples. Planned call by call the windows cannot mix sizes within a row
-    # (+4 rows of 75; at L=131072 / S=3242, +4 of 31); the calls wait for 32 rows' worth (+0)
+    # (+4 rows of 75; at L=131072 / S=3242, +4 of 31); the calls wait for 128 rows' worth
     L, n = 32768, 60_000
     rng = np.random.default_rng(0)
     lengths = np.clip(np.rint(rng.lognormal(3.2, 1.0, n)), 1, L).astype(np.int64)
@@ -307,11 +307,11 @@ def test_stream_planner_plans_windows_of_rows_worth_where_a_row_takes_much_of_a_
         got = planner.add_plan(np.arange(a, min(a + 1024, n)), lengths[a : a + 1024])
         rows += got.num_rows
         state = planner.get_state()
-        if state["pending"]:  # what waits is less than 32 rows' worth, in pieces and tokens
+        if state["pending"]:  # what waits is less than 128 rows' worth, in pieces and tokens
             waited += 1
             pending = np.asarray(state["rows"][-1]["pieces"])
             assert got.num_rows == 0
-            assert len(pending) < 32 * S and pending[:, 2].sum() < 32 * L
+            assert len(pending) < 128 * S and pending[:, 2].sum() < 128 * L
     rows += planner.finish_plan().num_rows
     assert waited > 0
     assert rows <= bound + max(1, 3 * bound // 1000)

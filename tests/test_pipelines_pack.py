@@ -217,6 +217,8 @@ def test_bad_elements_and_arguments():
         PackIterDataset(ds, seq_len=64, strategy="concat_split")
     with pytest.raises(ValueError, match="the feature must be a packed feature"):
         PackIterDataset(ds, seq_len=64, meta_features={"mask": "inputs"})
+    with pytest.raises(ValueError, match="window_rows=-1 must be an int >= 0"):
+        PackIterDataset(ds, seq_len=64, window_rows=-1)
 
 
 def _worker_expected(ds_fn, values, offsets, num_workers):
@@ -265,8 +267,9 @@ def test_planner_state_encoding_round_trips(multi):
     if multi:
         src = SequentialIterDataset(ArraySource({"a": (values, offsets), "b": (values, offsets)}))
         ds = PackIterDataset(src, length_struct={"a": 64, "b": 128}, window=32)
-    else:
-        ds = PackIterDataset(iter_source(values, offsets), seq_len=64, window=32)
+    else:  # S=2: a plan every 128 rows' worth (256 pieces), so states between plans hold rows
+        ds = PackIterDataset(iter_source(values, offsets), seq_len=64, max_segments=2,
+                             window=32)
     it = iter(ds)
     checked = 0
     for _ in it:
@@ -275,6 +278,7 @@ def test_planner_state_encoding_round_trips(multi):
             enc = json.loads(json.dumps(encode_planner_state(raw)))
             assert isinstance(enc["rows_i64"], str) and "rows" not in enc
             assert decode_planner_state(enc) == json.loads(json.dumps(raw))
+            assert enc == json.loads(json.dumps(it._layout.planner.snapshot()()))
             checked += 1
     assert checked > 10
     assert decode_planner_state({"rows": [], "windows": 0}) == {"rows": [], "windows": 0}

@@ -26,14 +26,16 @@ def setups(draw):
     lengths = draw(st.lists(st.integers(0, 40), min_size=1, max_size=40))
     window = draw(st.integers(1, 7))
     shuffle = draw(st.booleans())
-    return config, lengths, window, shuffle
+    return config, lengths, (window, draw(st.sampled_from([0, 1, 3, 128]))), shuffle
 
 
 def _dataset(config, lengths, window, shuffle, seed=3):
+    """`window`: (examples a window, window_rows)."""
     values, offsets = corpus(lengths)
     parent = SequentialIterDataset(ArraySource.from_ragged(values, offsets))
     ds = PackIterDataset(parent, seq_len=config.seq_len, max_segments=config.max_segments,
-                         overflow=config.overflow.value, window=window,
+                         overflow=config.overflow.value, window=window[0],
+                         window_rows=window[1],
                          segment_alignment=config.segment_alignment, shuffle_rows=shuffle,
                          seed=seed)
     return ds, values, offsets

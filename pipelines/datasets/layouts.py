@@ -33,12 +33,12 @@ class SingleLayout:
     """One packed feature via `packer.StreamPlanner`."""
 
     def __init__(self, config: packer.PackConfig, *, window: int, meta: dict[str, str],
-                 pads: dict[str, int]):
+                 pads: dict[str, int], window_rows: int = 128):
         self.config = config
         self.feature = config.feature
         self.meta = list(meta)  # all hosted by `feature`
         self.pads = pads
-        self.planner = packer.StreamPlanner(config, window=window)
+        self.planner = packer.StreamPlanner(config, window=window, window_rows=window_rows)
 
     def window_lengths(self, cols: dict[str, list[Any]]) -> list[int]:
         return [len(v) for v in cols[self.feature]]

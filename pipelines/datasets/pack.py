@@ -308,9 +308,11 @@ class PackIterDataset(grain.IterDataset):
                        segment metadata (`f_segment_ids`, ...); slots are shared.
     max_segments:      S, segments per row (the `[S]` arrays).
     strategy:          "best_fit_decreasing" (per window) or "best_fit" (arrival order).
-    window:            examples planned together; rows stay open across windows. Where a
-                       row takes more than a 32nd of a window's examples, windows wait until
-                       they hold 32 rows' worth (`packer.StreamPlanner`'s `window_rows`).
+    window:            examples planned together; rows stay open across windows.
+    window_rows:       where a row takes more than 1 / `window_rows` of a window's examples,
+                       windows wait until they hold `window_rows` rows' worth of pieces
+                       (`packer.StreamPlanner`; 0: plan every window). One packed feature
+                       only: several are planned window by window.
     overflow:          "error" | "truncate" | "split" | "drop" for examples longer than L;
                        counted in the iterator's `counters`.
     segment_alignment: segment offsets are multiples of this.
@@ -345,6 +347,7 @@ class PackIterDataset(grain.IterDataset):
         max_segments: int = 64,
         strategy: str = "best_fit_decreasing",
         window: int = 1024,
+        window_rows: int = 128,
         overflow: str = "error",
         segment_alignment: int = 1,
         shuffle_rows: bool = True,
@@ -368,6 +371,8 @@ class PackIterDataset(grain.IterDataset):
             raise ValueError(f"length_struct={length_struct!r} must be a dict feature -> L")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"{window=} must be a positive int")
+        if isinstance(window_rows, bool) or not isinstance(window_rows, int) or window_rows < 0:
+            raise ValueError(f"{window_rows=} must be an int >= 0")
         self.features = tuple(length_struct)
         self.configs = [
             packer.PackConfig(
@@ -383,6 +388,7 @@ class PackIterDataset(grain.IterDataset):
         self.names = self.features + tuple(self.meta)
         self.drop_features = tuple(drop_features)
         self.window = window
+        self.window_rows = window_rows
         self.shuffle_rows = bool(shuffle_rows)
         self.seed = int(seed)
         if len(self.features) > 1:
@@ -407,7 +413,7 @@ class PackIterDataset(grain.IterDataset):
     def make_layout(self) -> SingleLayout | MultiLayout:
         if len(self.features) == 1:
             return SingleLayout(self.configs[0], window=self.window, meta=self.meta,
-                                pads=self.pads)
+                                pads=self.pads, window_rows=self.window_rows)
         return MultiLayout(self.configs, window=self.window, meta=self.meta, pads=self.pads)
 
     def __iter__(self) -> PackIterator:
