@@ -222,9 +222,10 @@ def test_two_dimensional_passes_reach_the_bound_where_the_cap_binds(L, S):
     assert n > p.num_rows
 
 
-def _stream_rows(lengths, cfg, window=1024):
-    """Rows a default StreamPlanner emits for `lengths`, fed one window at a time."""
-    planner = StreamPlanner(cfg, window=window)
+def _stream_rows(lengths, cfg, window=1024, **kwargs):
+    """Rows a StreamPlanner (default but for `kwargs`) emits for `lengths`, fed one window at
+    a time."""
+    planner = StreamPlanner(cfg, window=window, **kwargs)
     rows = 0
     for a in range(0, lengths.size, window):
         rows += planner.add_plan(np.arange(a, min(a + window, lengths.size)),
@@ -272,11 +273,14 @@ def test_stream_planner_near_the_bound_where_slots_and_tokens_bind_alike(L, shar
     # +6 of 890 at 2048 / 45). Dealing into the rows the window can fill reaches the target;
     # where a row takes most of a window (32768 / 648), only if worst fit runs before plain BFD,
     # which left the shortest pieces to rows of their own until they came due (+5 of 93).
+    # window_rows=0: every call is a window (by default they would wait for 128 rows' worth,
+    # most of these corpora, and the window's rules would hardly run)
     rng = np.random.default_rng(0)
     lengths = np.clip(np.rint(rng.lognormal(3.2, 1.0, n)), 1, L).astype(np.int64)
     S = round(share * L / lengths.mean())
     bound = tight_lower_bound(lengths, L, S)
-    assert _stream_rows(lengths, PackConfig(L, max_segments=S)) <= bound + max(1, 3 * bound // 1000)
+    rows = _stream_rows(lengths, PackConfig(L, max_segments=S), window_rows=0)
+    assert rows <= bound + max(1, 3 * bound // 1000)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -295,23 +299,25 @@ def test_stream_planner_repairs_windows_where_slots_and_tokens_bind_alike(seed):
 def test_stream_planner_plans_windows_of_rows_worth_where_a_row_takes_much_of_a_call():
     # dialogue-turn-like lengths (mean 41) with S = L / mean: a row takes 800 pieces, most of
     # a call's 1024 examples. Planned call by call the windows cannot mix sizes within a row
-    # (+4 rows of 75; at L=131072 / S=3242, +4 of 31); the calls wait for 128 rows' worth
-    L, n = 32768, 60_000
+    # (+4 rows of 75; at L=131072 / S=3242, +4 of 31). Windows of 32 rows' worth reach the
+    # target (the default, 128, needs a corpus of more than 128 rows to plan before the end)
+    L, n, k = 32768, 60_000, 32
     rng = np.random.default_rng(0)
     lengths = np.clip(np.rint(rng.lognormal(3.2, 1.0, n)), 1, L).astype(np.int64)
     S = round(L / lengths.mean())
     bound = tight_lower_bound(lengths, L, S)
-    planner = StreamPlanner(PackConfig(L, max_segments=S))
+    assert StreamPlanner(PackConfig(L, max_segments=S)).window_rows == 128
+    planner = StreamPlanner(PackConfig(L, max_segments=S), window_rows=k)
     rows, waited = 0, 0
     for a in range(0, n, 1024):
         got = planner.add_plan(np.arange(a, min(a + 1024, n)), lengths[a : a + 1024])
         rows += got.num_rows
         state = planner.get_state()
-        if state["pending"]:  # what waits is less than 128 rows' worth, in pieces and tokens
+        if state["pending"]:  # what waits is less than k rows' worth, in pieces and tokens
             waited += 1
             pending = np.asarray(state["rows"][-1]["pieces"])
             assert got.num_rows == 0
-            assert len(pending) < 128 * S and pending[:, 2].sum() < 128 * L
+            assert len(pending) < k * S and pending[:, 2].sum() < k * L
+    assert waited > 0 and rows > 0  # windows waited, and were planned before the end
     rows += planner.finish_plan().num_rows
-    assert waited > 0
     assert rows <= bound + max(1, 3 * bound // 1000)
