@@ -6,7 +6,8 @@ decreasing with all its passes, in its window form: `assign_best_fit_decreasing(
 where worst fit deals only into the rows the pieces can fill and the repair runs where slots and
 tokens bind alike; the sieve does not), so pieces carried over are placed again with the new
 ones instead of being stuck in a row whose slots they fill or whose last few tokens no piece
-fits; rows exactly full are emitted, of the others the least filled
+fits; rows exactly full are emitted (but, where the slots bind, not those full in tokens with
+fewer pieces than the window's mean: `_slot_poor_open`), of the others the least filled
 are kept open (up to `max_open_rows` rows and two windows of pieces, or two rows' worth of
 tokens), so that a row with a little room left can still be planned tighter with the next
 window's pieces. Where a row takes more than a quarter of a window's pieces (and the cap does
