@@ -43,8 +43,8 @@ def encode_row_arrays(state: dict[str, Any], born: np.ndarray, pieces: np.ndarra
                       row: np.ndarray) -> dict[str, Any]:
     """`encode_planner_state` of `state` (its scalars) with rows given as arrays: `pieces`
     (i64[P, w]) sorted by `row` (i64[P], 0 .. R - 1, every row holding a piece or not) and
-    `born` (i64[R]); the same dict, without building the rows as lists (a planner holding
-    tens of thousands of pieces encodes in a millisecond instead of tens)."""
+    `born` (i64[R]); the same dict, without building the rows as lists first (zlib is most
+    of what is left: 7 of 10 ms for 25,000 pieces)."""
     num_rows = int(born.size)
     count = np.bincount(row, minlength=num_rows) if num_rows else np.zeros(0, np.int64)
     width = int(pieces.shape[1]) if pieces.size else 0

@@ -247,7 +247,8 @@ def sieve_window(sizes: np.ndarray, capacity: int, max_segments: int) -> int:
     (`max_segments` pieces, or `capacity` tokens at the mean piece) where that is more. A
     window of a few rows' worth cannot mix sizes within a row: chat_turns at L=8192 / S=194
     (194 pieces a row), the whole sieve +134 rows over the bound of 1433 with windows of 512
-    pieces, +1 with windows of 64 rows' worth (`StreamPlanner.window_rows` is the same rule)."""
+    pieces, +1 with windows of 64 rows' worth (`StreamPlanner`'s `window_rows`, 128, is the
+    stream's form of this rule)."""
     per_row = min(max_segments, capacity * sizes.size / max(1, int(sizes.sum())))
     return max(_SIEVE_WINDOW, int(_WINDOW_ROWS * per_row))
 

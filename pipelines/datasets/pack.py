@@ -6,7 +6,8 @@ into rows carried over between windows (`packer.StreamPlanner`; several features
 docs/contract.md) as they become final.
 
 Checkpoint state is small: the parent's state at a window boundary, the planner's state (ids and
-lengths of the open rows' pieces, no tokens), and counters. Restoring re-reads the parent from the
+lengths of the open rows' pieces and of those waiting for `window_rows` rows' worth, no tokens:
+compressed, a few bytes a piece), and counters. Restoring re-reads the parent from the
 window holding the oldest open example, keeps only the tokens the open rows need, re-plans the
 window that was being emitted and skips the rows already yielded — so a restored iterator yields
 exactly the rows an uninterrupted one would.
