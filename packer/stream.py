@@ -61,9 +61,13 @@ from seqpack.packer.assemble import build_rows
 from seqpack.packer.config import PackConfig, Strategy
 from seqpack.packer.inputs import InputError, check_lengths, check_pad, fit_dtype, row_dtype
 from seqpack.packer.plan import Counters, PackPlan, apply_overflow, order_pieces
-from seqpack.packer.state_codec import encode_row_arrays
+from seqpack.packer.state_codec import decode_planner_state, encode_row_arrays
 from seqpack.packer.strategies.best_fit import BestFitBins
-from seqpack.packer.strategies.best_fit_decreasing import assign_best_fit_decreasing
+from seqpack.packer.strategies.best_fit_decreasing import (
+    WINDOW_SLOTS_BIND,
+    assign_best_fit_decreasing,
+    slot_share,
+)
 from seqpack.packer.strategies.sieve import keep_open
 
 STREAM_STRATEGIES = (Strategy.BEST_FIT_DECREASING, Strategy.BEST_FIT)
@@ -307,23 +311,12 @@ class StreamPlanner:
         """JSON-serializable state: the open rows, each its pieces as (id, start, length, window
         it arrived in) and "born" the earliest of those windows, then (where "pending" is 1)
         the pieces waiting to be planned, as one more row; the calls they came in
-        ("pending_calls") and the counters."""
-        held = self._held
-        cuts = np.flatnonzero(np.diff(held[:, _ROW])) + 1 if held.size else np.zeros(0, int)
-        groups = np.split(held, cuts) if held.size else []
-        if self._pending_calls:
-            groups.append(self._pending)
-        return {
-            "windows": self._windows,
-            "rows": [{"born": int(g[:, _BORN].min()) if g.size else self._windows,
-                      "pieces": g[:, :4].tolist()} for g in groups],
-            "pending": int(self._pending_calls > 0),
-            "pending_calls": self._pending_calls,
-            "counters": self.counters.to_dict(),
-        }
+        ("pending_calls") and the counters. (`get_encoded_state`, decoded.)"""
+        return decode_planner_state(self.get_encoded_state())
 
     def get_encoded_state(self) -> dict:
-        """`state_codec.encode_planner_state(self.get_state())`, from the arrays."""
+        """The state in the checkpoint form of `state_codec` (rows as one string), built from
+        the arrays."""
         return self.snapshot()()
 
     def snapshot(self) -> Callable[[], dict]:
@@ -375,13 +368,13 @@ def _slot_poor_open(used: np.ndarray, count: np.ndarray, capacity: int, max_segm
                     ) -> np.ndarray:
     """`used` with the rows full in tokens but short in slots made to look one token short, so
     `keep_open` keeps them open after the rows with room: where the window's slot bound is at
-    least half its token bound (`_slot_share`), a row full in tokens with fewer pieces than
+    least half its token bound (`slot_share`), a row full in tokens with fewer pieces than
     the window's mean per row spends the big pieces that the rows to come need to carry their
     short ones (stdlib_source at L=8192 / S=7: +33 rows of 339 in corpus order and +19
     shuffled emitting them, +6 and +9 keeping them open; chat_dev in corpus order at 8192 /
     21: +58 of 1458 and +25)."""
     n, tokens = int(count.sum()), int(used.sum())
-    if not count.size or -(-n // max_segments) < 0.5 * -(-tokens // capacity):
+    if not count.size or slot_share(n, tokens, capacity, max_segments) < WINDOW_SLOTS_BIND:
         return used
     poor = (used >= capacity) & (count < n / count.size) & (count < max_segments)
     if not poor.any():

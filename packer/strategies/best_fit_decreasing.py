@@ -61,7 +61,7 @@ from seqpack.packer.strategies.two_pool import two_pool_sorted
 
 _WORST_FIT_RATIO = 0.9  # try worst fit when the slot bound is at least this share of the token one
 _TWO_POOL_FIRST = 0.15  # ... and the two-pool pass first from this share on
-_WINDOW_REPAIR_RATIO = 0.5  # a stream's window is repaired from this share on
+WINDOW_SLOTS_BIND = 0.5  # from this share on a stream's window is repaired (`slot_share`)
 _FALLBACK = 100  # plain BFD after the two-pool pass only above the bound + 1/100
 _LAST_RESORT = 400  # the whole sieve only above the bound + 1/400 after the sieve and repair
 _SEEDS = 2  # shuffles the whole sieve tries (its rows vary by a few tenths of a percent)
@@ -183,12 +183,17 @@ def slots_can_bind(sizes_asc: np.ndarray, capacity: int, max_segments: int) -> b
     return sizes_asc.size >= k and int(sizes_asc[:k].sum()) <= capacity
 
 
-def _slot_share(sizes_desc: np.ndarray, capacity: int, max_segments: int) -> float:
+def slot_share(num_pieces: int, tokens: int, capacity: int, max_segments: int) -> float:
     """The slot bound `ceil(n / S)` over the token bound `ceil(T / L)`. From 0.9 on the slots
-    bind for the whole corpus (worst fit runs); from 0.5 on a stream's window is repaired (its
-    rows come out short in one limit or the other, and the repair gathers them)."""
-    slot_bound = -(-int(sizes_desc.size) // max_segments)
-    return slot_bound / max(1, -(-int(sizes_desc.sum()) // capacity))
+    bind for the whole corpus (worst fit runs); from 0.5 (`WINDOW_SLOTS_BIND`) on a stream's
+    window is repaired (its rows come out short in one limit or the other, and the repair
+    gathers them) and keeps its rows short in slots open (`stream._slot_poor_open`)."""
+    return -(-num_pieces // max_segments) / max(1, -(-tokens // capacity))
+
+
+def _slot_share(sizes_desc: np.ndarray, capacity: int, max_segments: int) -> float:
+    """`slot_share` of the pieces `sizes_desc`."""
+    return slot_share(int(sizes_desc.size), int(sizes_desc.sum()), capacity, max_segments)
 
 
 def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int, *,
@@ -331,7 +336,7 @@ def assign_best_fit_decreasing(
         if not window:
             rows_desc, num_rows = _improve(sizes_desc, rows_desc, num_rows, capacity,
                                            max_segments, bound, target)
-        elif _slot_share(sizes_desc, capacity, max_segments) >= _WINDOW_REPAIR_RATIO:
+        elif _slot_share(sizes_desc, capacity, max_segments) >= WINDOW_SLOTS_BIND:
             rows_desc, num_rows = repair(sizes_desc, rows_desc, num_rows, capacity, max_segments,
                                          target=target)
     rows = np.empty(n, np.int64)
