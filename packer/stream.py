@@ -129,10 +129,25 @@ class StreamPlanner:
         self._open_rows = 0
         self._windows = 0
         # Pieces of the calls since the last plan, waiting for `window_rows` rows' worth (as
-        # `_held`, row -1, born the window they will be planned in), and how many calls.
-        self._pending = np.zeros((0, 5), np.int64)
-        self._pending_calls = 0
+        # `_held`, row -1, born the window they will be planned in): one array per call (a
+        # wait of k calls copies each piece once, not k times), their pieces, aligned tokens
+        # and smallest id so far.
+        self._pending: list[np.ndarray] = []
+        self._pending_pieces = self._pending_tokens = 0
+        self._pending_min_id: int | None = None
         self.counters = Counters()
+
+    @property
+    def _pending_calls(self) -> int:
+        return len(self._pending)
+
+    def _take_pending(self) -> np.ndarray:
+        """The waiting pieces as one array (i64[P, 5]), no longer waiting."""
+        out = np.concatenate([np.zeros((0, 5), np.int64), *self._pending])
+        self._pending = []
+        self._pending_pieces = self._pending_tokens = 0
+        self._pending_min_id = None
+        return out
 
     # -- planning ------------------------------------------------------------------------------
     def add(self, ids: object, lengths: object) -> list[RowPlan]:
@@ -154,21 +169,25 @@ class StreamPlanner:
         new = np.stack([ids[example], start, length,
                         np.full(example.size, self._windows, np.int64),
                         np.full(example.size, -1, np.int64)], axis=1)
-        self._pending = np.concatenate([self._pending, new])
-        self._pending_calls += 1
+        a = self.config.segment_alignment
+        self._pending.append(new)
+        self._pending_pieces += len(new)
+        self._pending_tokens += int((-(-length // a) * a).sum())
+        if new.size:
+            low = int(new[:, _ID].min())
+            self._pending_min_id = low if self._pending_min_id is None \
+                else min(low, self._pending_min_id)
         if self._waits():
             none = np.zeros(0, np.int64)
             return order_pieces(none, none, none, none, 0, Counters(), self.config)
         window = self.window * self._pending_calls
-        pieces = np.concatenate([self._held, self._pending])
-        self._pending, self._pending_calls = self._pending[:0], 0
+        pieces = np.concatenate([self._held, self._take_pending()])
         self._windows += 1
         return self._plan(pieces, final=False, window=window)
 
     def finish_plan(self) -> PackPlan:
         """`finish`, returning the rows as one `PackPlan`."""
-        pieces = np.concatenate([self._held, self._pending])
-        self._pending, self._pending_calls = self._pending[:0], 0
+        pieces = np.concatenate([self._held, self._take_pending()])
         return self._plan(pieces, final=True, window=self.window)
 
     def _waits(self) -> bool:
@@ -178,10 +197,9 @@ class StreamPlanner:
         cfg = self.config
         if cfg.strategy is not Strategy.BEST_FIT_DECREASING or not self.window_rows:
             return False
-        a = cfg.segment_alignment
-        tokens = int((-(-self._pending[:, _LEN] // a) * a).sum())
         k = self.window_rows
-        return len(self._pending) < k * cfg.max_segments and tokens < k * cfg.seq_len
+        return self._pending_pieces < k * cfg.max_segments \
+            and self._pending_tokens < k * cfg.seq_len
 
     def _plan(self, pieces: np.ndarray, *, final: bool, window: int) -> PackPlan:
         """Plans `pieces` (i64[P, 5], see `_held`) as a window of `window` examples, emits the
@@ -300,8 +318,10 @@ class StreamPlanner:
     # -- state ---------------------------------------------------------------------------------
     def oldest_open_id(self) -> int | None:
         """The smallest example id in any open row or waiting to be planned (None: none)."""
-        ids = np.concatenate([self._held[:, _ID], self._pending[:, _ID]])
-        return int(ids.min()) if ids.size else None
+        low = [int(self._held[:, _ID].min())] if self._held.size else []
+        if self._pending_min_id is not None:
+            low.append(self._pending_min_id)
+        return min(low) if low else None
 
     @property
     def num_open_rows(self) -> int:
@@ -324,10 +344,12 @@ class StreamPlanner:
         takes one after every window and encodes it only for a checkpoint (a planner holding
         25,000 pieces takes 10 ms to encode, 2.5x its window's plan). The arrays it holds are
         never written in place, only replaced."""
-        held, pending, rows, windows = self._held, self._pending, self._open_rows, self._windows
+        held, parts, rows, windows = self._held, tuple(self._pending), self._open_rows, \
+            self._windows
         calls, counters = self._pending_calls, self.counters.to_dict()
 
         def encode() -> dict:
+            pending = np.concatenate([np.zeros((0, 5), np.int64), *parts])
             born = np.full(rows + (calls > 0), windows, np.int64)
             if held.size:
                 np.minimum.at(born, held[:, _ROW], held[:, _BORN])
@@ -351,11 +373,20 @@ class StreamPlanner:
             if p.shape[1] == 3:
                 p = np.concatenate([p, np.full((len(p), 1), int(r["born"]), np.int64)], axis=1)
             parts.append(np.concatenate([p[:, :4], np.full((len(p), 1), k, np.int64)], axis=1))
-        self._pending = np.zeros((0, 5), np.int64)
-        self._pending_calls = int(state.get("pending_calls", 0))
-        if int(state.get("pending", 0)):
-            self._pending = parts.pop()
-            self._pending[:, _ROW] = -1
+        self._take_pending()
+        calls = int(state.get("pending_calls", 0))
+        if calls:
+            # the calls' pieces as one array, then a part for each of the other calls (no
+            # pieces): what counts is the pieces and the number of calls
+            waiting = parts.pop() if int(state.get("pending", 0)) \
+                else np.zeros((0, 5), np.int64)
+            waiting[:, _ROW] = -1
+            self._pending = [waiting] + [waiting[:0]] * (calls - 1)
+            a = self.config.segment_alignment
+            self._pending_pieces = len(waiting)
+            self._pending_tokens = int((-(-waiting[:, _LEN] // a) * a).sum())
+            if waiting.size:
+                self._pending_min_id = int(waiting[:, _ID].min())
         held = np.concatenate(parts) if parts else np.zeros((0, 5), np.int64)
         self._held = held[np.lexsort((held[:, _START], held[:, _ID], held[:, _BORN],
                                       held[:, _ROW]))]
