@@ -177,6 +177,32 @@ def test_offline_default_near_the_bound_where_slots_and_tokens_bind_alike():
     assert repaired[1] > bound * 1.05
 
 
+def test_worst_fit_deals_into_the_tight_bounds_rows(monkeypatch):
+    # long-file-like lognormal lengths at 8192 / 5: the slots bind for the whole corpus
+    # (ceil(n / S) is 91% of the token bound), and the tight bound (912) counts the pieces over
+    # L/2 that ceil(n / S) (800) does not. Dealt into 800 rows, those pieces open rows of their
+    # own late and the short tail fills them; dealt into the tight bound's rows, every row
+    # gets one big piece and its share of the tail.
+    rng = np.random.default_rng(1)
+    lengths = np.clip(np.exp(rng.normal(7.0, 1.1, 4000)).astype(np.int64), 1, 8192)
+    desc = np.sort(lengths)[::-1]
+    bound = tight_lower_bound(desc, 8192, 5)
+    assert bfd._slot_share(desc, 8192, 5) >= bfd._WORST_FIT_RATIO
+    assert -(-lengths.size // 5) < bound - 100
+
+    def worst_fit(deal_bound):
+        passes = bfd._passes(desc, 8192, 5, bound, deal_bound=deal_bound)
+        return passes[1][0]()[1]  # plain BFD, then worst fit
+
+    assert worst_fit(True) <= bound + 5 and worst_fit(False) > bound + 100
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 8192, 5)
+    _check(lengths, rows, n, 8192, 5)
+    assert n <= bfd.repair_target(bound)
+    passes = bfd._passes
+    monkeypatch.setattr(bfd, "_passes", lambda *a, deal_bound=False, **k: passes(*a, **k))
+    assert bfd.assign_best_fit_decreasing(lengths, 8192, 5)[1] > bfd.repair_target(bound)
+
+
 def test_sieve_windows_hold_rows_worth_where_a_row_takes_hundreds_of_pieces():
     # dialogue-turn-like lengths (mean 41) at L=8192 / S=203: a row takes 200 pieces, and
     # windows of 512 cannot mix sizes within a row (+7 rows of 99); 64 rows' worth can
