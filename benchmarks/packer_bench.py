@@ -3,7 +3,7 @@
     python -m benchmarks.packer_bench [--corpus chat_dev] [--seq-len 2048] [--max-segments 64]
     python -m benchmarks.packer_bench --grid [--corpus chat_turns] [--grid-seq-len 8192 ...]
     python -m benchmarks.packer_bench --scan [--corpus chat_dev]
-    python -m benchmarks.packer_bench --boundary [--corpus chat_turns]
+    python -m benchmarks.packer_bench --boundary [--corpus chat_turns] [--repeat 8]
 
 `--grid`: per corpus of benchmarks/corpora.py (chat_dev, gsm8k_train, stdlib_source,
 chat_turns) and cell of L in {2k, 8k, 32k, 128k} x S in {8, 16, 32, 64, 256, 4096}: the simple bound
@@ -19,6 +19,9 @@ process, the two timed alternately, best of 3).
 `--boundary`: where slots and tokens bind alike, S = f * L / (mean piece) for f in {0.8, 0.9,
 1, 1.1, 1.25} and L in {2k, 8k, 32k, 128k}: the offline default against its target and
 `StreamPlanner` (corpus order and shuffled) against the online one (0.3%, at least one row).
+
+`--repeat R` (with --grid, --scan, --boundary): each corpus R times over, each copy in its own
+seeded order, so the plan sees a corpus R times larger with the same lengths.
 
 `--scan`: the offline default alone over L in {2k, 4k, 8k, 32k, 128k} x S in {8, 12, 16, 24,
 32, 48, 64, 128, 256, 1024, 4096} (220 cells over the four corpora): rows over the tight bound
@@ -275,7 +278,7 @@ def run_grid(args) -> None:
     old = baseline_bfd(args.baseline)
     mod = _baseline_module(args.baseline, MAIN_STREAM, "baseline_stream")
     old_stream = None if mod is None else mod.StreamPlanner
-    for name, lengths in load_lengths(args.corpus).items():
+    for name, lengths in _lengths(args).items():
         table, speed = grid(name, lengths, Ls, Ss, old, not args.no_stream, old_stream)
         print_table(f"{name}: {lengths.size} examples, {int(lengths.sum())} tokens; rows over "
                     "the tight bound", ["L", "S", "simple bound", "tight bound",
@@ -296,6 +299,18 @@ SCAN_L = [2048, 4096, 8192, 32768, 131072]
 SCAN_S = [8, 12, 16, 24, 32, 48, 64, 128, 256, 1024, 4096]
 
 
+def _lengths(args) -> dict[str, np.ndarray]:
+    """The corpora's lengths; with `--repeat R`, each one R times over, every copy in its own
+    seeded order (a corpus R times the size with the same lengths: what a plan does at scale,
+    where the sample corpus fits in a few windows)."""
+    out = load_lengths(args.corpus)
+    if args.repeat > 1:
+        out = {name: np.concatenate([np.random.default_rng(seed).permutation(lengths)
+                                     for seed in range(args.repeat)])
+               for name, lengths in out.items()}
+    return out
+
+
 def run_scan(args) -> None:
     """`--scan`: the offline default only, over a finer grid (`SCAN_L` x `SCAN_S`, or the
     --grid-* lists): rows over the tight bound against the target (`repair_target`: the bound +
@@ -303,7 +318,7 @@ def run_scan(args) -> None:
     Ls = args.grid_seq_len or SCAN_L
     Ss = args.grid_max_segments or SCAN_S
     above, cells = [], 0
-    for name, lengths in load_lengths(args.corpus).items():
+    for name, lengths in _lengths(args).items():
         table = []
         for L in Ls:
             sizes = _split_sizes(lengths, L)
@@ -340,7 +355,7 @@ def run_boundary(args) -> None:
     Ls = args.grid_seq_len or BOUNDARY_L
     above = {"offline": [], "corpus order": [], "shuffled": []}
     cells = 0
-    for name, lengths in load_lengths(args.corpus).items():
+    for name, lengths in _lengths(args).items():
         shuffled = np.random.default_rng(0).permutation(lengths)
         table = []
         for L in Ls:
@@ -390,6 +405,8 @@ def main() -> None:
                     "against its target (see run_scan)")
     ap.add_argument("--boundary", action="store_true", help="offline and online where slots "
                     "and tokens bind alike (see run_boundary)")
+    ap.add_argument("--repeat", type=int, default=1, help="--grid, --scan, --boundary: each "
+                    "corpus this many times over, every copy shuffled (see _lengths)")
     ap.add_argument("--baseline", default=BASELINE, help="git revision timed against (default: "
                     "the packer before the two-dimensional planner)")
     args = ap.parse_args()

@@ -158,23 +158,31 @@ def test_offline_default_near_the_bound_where_room_spreads_thin(mu, sigma, L, S)
     assert repaired[1] > target
 
 
-def test_offline_default_near_the_bound_where_slots_and_tokens_bind_alike():
+def test_offline_default_near_the_bound_where_slots_and_tokens_bind_alike(monkeypatch):
     # slots bind for the whole corpus (ceil(n / S) is 98% of the token bound): plain BFD, worst
-    # fit and the two-pool pass stay 5-10% above the bound, and the repair after them; the
-    # whole corpus through the sieve (the last resort) does not
+    # fit into ceil(n / S) rows and the two-pool pass stay 5-10% above the bound, and the
+    # repair after them. Worst fit into the tight bound's rows (pieces over L/2 are in 31% of
+    # them) reaches the target; without it the whole corpus through the sieve (the last
+    # resort) gets within 1%
     rng = np.random.default_rng(0)
     lengths = np.minimum(np.maximum(rng.lognormal(5.0, 1.1, 6000).astype(np.int64), 1), 2048)
     desc = np.sort(lengths)[::-1]
     bound = tight_lower_bound(desc, 2048, 8)
     rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 8)
     _check(lengths, rows, n, 2048, 8)
-    assert n <= bound * 1.01
+    assert n <= bfd.repair_target(bound)
+    monkeypatch.setattr(bfd, "big_pieces", lambda sizes_desc, capacity: 0)
     passes = [run() for run, _ in bfd._passes(desc, 2048, 8, bound)]
     assert len(passes) == 3 and min(m for _, m in passes) > bound * 1.05
     best = min(passes, key=lambda p: p[1])
     repaired = repair_mod.repair(desc, np.asarray(best[0], np.int64), best[1], 2048, 8,
                                  target=bfd.repair_target(bound))
     assert repaired[1] > bound * 1.05
+    passes_of = bfd._passes
+    monkeypatch.setattr(bfd, "_passes", lambda *a, deal_bound=False, **k: passes_of(*a, **k))
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 8)
+    _check(lengths, rows, n, 2048, 8)
+    assert n <= bound * 1.01
 
 
 def test_worst_fit_deals_into_the_tight_bounds_rows(monkeypatch):
@@ -198,8 +206,11 @@ def test_worst_fit_deals_into_the_tight_bounds_rows(monkeypatch):
     rows, n = bfd.assign_best_fit_decreasing(lengths, 8192, 5)
     _check(lengths, rows, n, 8192, 5)
     assert n <= bfd.repair_target(bound)
+    # without it (and without pass 4, which deals into the same rows where pieces over L/2
+    # are in a quarter of them: here in half) the plan stays above the target
     passes = bfd._passes
     monkeypatch.setattr(bfd, "_passes", lambda *a, deal_bound=False, **k: passes(*a, **k))
+    monkeypatch.setattr(bfd, "big_pieces", lambda sizes_desc, capacity: 0)
     assert bfd.assign_best_fit_decreasing(lengths, 8192, 5)[1] > bfd.repair_target(bound)
 
 
@@ -289,6 +300,23 @@ def test_stream_planner_near_the_bound_where_the_slots_hardly_bind():
     cfg = PackConfig(2048, max_segments=16, overflow="split")
     bound = tight_lower_bound(apply_overflow(lengths, cfg)[2], 2048, 16)
     assert _stream_rows(lengths, cfg) <= bound * 1.003
+
+
+def test_stream_planner_near_the_bound_where_most_rows_hold_a_long_piece(monkeypatch):
+    # source-file-like lengths (median 590, a tenth over 4,000) split at L=8192, S=6: pieces
+    # over L/2 are in 69% of the bound's rows and the slot bound is 70% of the token bound.
+    # Without worst fit into the bound's rows the windows' plans fill rows with the short
+    # pieces, full in slots with half their tokens free (+111 rows of 1701); with it +1
+    rng = np.random.default_rng(1)
+    lengths = np.maximum(np.exp(rng.normal(6.38, 1.6, 6000)).astype(np.int64), 1)
+    cfg = PackConfig(8192, max_segments=6, overflow="split")
+    sizes = np.sort(apply_overflow(lengths, cfg)[2])[::-1]
+    bound = tight_lower_bound(sizes, 8192, 6)
+    assert bfd.big_pieces(sizes, 8192) >= bfd._BIG_ROWS * bound
+    assert bfd.big_pieces(sizes, 8192) == int((sizes > 4096).sum())
+    assert _stream_rows(lengths, cfg) <= bound + max(1, 3 * bound // 1000)
+    monkeypatch.setattr(bfd, "big_pieces", lambda sizes_desc, capacity: 0)
+    assert _stream_rows(lengths, cfg) > bound + 50
 
 
 @pytest.mark.parametrize("L, share, n", [(8192, 1.0, 40_000), (2048, 0.9, 40_000),

@@ -1,7 +1,7 @@
 """Best fit decreasing: the offline, near-optimal strategy (tokens and segment slots).
 
 A row holds `capacity` tokens in at most `max_segments` slots; the plan is measured against the
-tight lower bound of `packer.bounds`. Up to three passes, each run only if the ones before it are
+tight lower bound of `packer.bounds`. Up to four passes, each run only if the ones before it are
 further from the bound than `gate` (0.05%, at least one row), the best plan winning:
 
 1. plain best fit decreasing (largest first, into the row it leaves with the least room), run by
@@ -17,7 +17,14 @@ further from the bound than `gate` (0.05%, at least one row), the best plan winn
 3. the two-dimensional pass (`strategies.two_pool`), which keeps slots for the short tail.
    Corpora whose slot bound is 15% to 90% of the token bound start with it: plain BFD fails
    there, its last rows filling their slots with short pieces long before their tokens, and
-   runs after it only where the two-pool plan is more than 1% above the bound.
+   runs after it only where the two-pool plan is more than 1% above the bound;
+4. where the slot bound is at least half the token bound and pieces over L/2 (no two share a
+   row: `big_pieces`) are in at least a quarter of the tight bound's rows, worst fit into those
+   rows, last, in every context (offline, the sieve's windows, a stream's windows): one long
+   piece a row and the short ones dealt over them. Long files at L=8192 / S=7 (stdlib_source,
+   62% of the rows hold a piece over L/2) came out +9 to +122 rows over the bound in a stream
+   without it (the short pieces pile up in rows full in slots, with half their tokens free),
+   +0 to +1 with it; the offline plan of 8 copies of it +32 instead of +9.
 
 Where no row can run out of slots before tokens (its `max_segments` + 1 smallest pieces do not
 fit: `slots_can_bind`), the plan is one-dimensional and only pass 1 runs.
@@ -35,8 +42,9 @@ A plan still above the target after that goes, as a last resort, whole through t
 (`strategies.sieve.sieve_all`: every piece, windows of a seeded shuffle, planned as a stream
 is). The sieve's windows hold at least 64 rows' worth of pieces (`sieve_window`).
 Where slots and tokens bind about equally every greedy order leaves rows short in one or the
-other (lognormal lengths of mean 270 at L=2048 / S=8: worst fit +52 rows over
-the bound, 6.5%, the repair +44), and mixing sizes window by window gets to +3.
+other (lognormal lengths of mean 270 at L=2048 / S=8: worst fit into ceil(n / S) rows +52
+rows over the bound, 6.5%, the repair +44), and mixing sizes window by window gets to +3
+(worst fit into the tight bound's rows, where pieces over L/2 are in 31% of them, to +1).
 
 Plain BFD by runs: pieces of equal size are placed without a search per piece: best fit puts
 consecutive equal pieces into the same row until it is full, so each open row takes
@@ -69,6 +77,7 @@ _TWO_POOL_FIRST = 0.15  # ... and the two-pool pass first from this share on
 WINDOW_SLOTS_BIND = 0.5  # from this share on a stream's window is repaired (`slot_share`)
 _FALLBACK = 100  # plain BFD after the two-pool pass only above the bound + 1/100
 _SEEDS = 2  # shuffles the whole sieve tries (its rows vary by a few tenths of a percent)
+_BIG_ROWS = 0.25  # worst fit into the bound's rows where pieces over L/2 are in this share
 _WINDOW_ROWS = 64  # a sieve window holds at least this many rows' worth of pieces
 
 
@@ -200,6 +209,11 @@ def _slot_share(sizes_desc: np.ndarray, capacity: int, max_segments: int) -> flo
     return slot_share(int(sizes_desc.size), int(sizes_desc.sum()), capacity, max_segments)
 
 
+def big_pieces(sizes_desc: np.ndarray, capacity: int) -> int:
+    """How many of the pieces (sorted largest first) are over capacity / 2: no two share a row."""
+    return int(np.searchsorted(-sizes_desc, -(capacity // 2), side="left"))
+
+
 def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int, *,
             window: int = 0, deal_bound: bool = False):
     """The passes in the order they run (see the module docstring), lazily, each with a test of
@@ -216,6 +230,11 @@ def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int
     gross = lambda rows: rows > bound + bound // _FALLBACK  # noqa: E731
     if not slots_can_bind(sizes_desc[::-1], capacity, max_segments):
         return [(plain, always)]
+    big = share >= WINDOW_SLOTS_BIND and big_pieces(sizes_desc, capacity) >= _BIG_ROWS * bound
+    # where pieces over L/2 are in a quarter of the bound's rows: worst fit into the bound's
+    # rows, last (pass 4 of the module docstring)
+    extra = [(lambda: _worst_fit_sorted(sizes_desc.tolist(), capacity, max_segments,  # noqa: E731
+                                        bound), always)] if big else []
     if share >= _WORST_FIT_RATIO:
         # A window's worst fit, where its slots bind more than its tokens, fills only the rows
         # its pieces can fill (the rest opens rows of its own): rows balanced alike over
@@ -226,17 +245,19 @@ def _passes(sizes_desc: np.ndarray, capacity: int, max_segments: int, bound: int
             deal = bound if deal_bound else slot_bound
         wf = lambda: _worst_fit_sorted(sizes_desc.tolist(), capacity, max_segments,  # noqa: E731
                                        deal)
+        if deal == bound:
+            extra = []  # the same pass
         if window and 4 * min(max_segments, capacity * n / tokens) > window:
             # rows take more than a quarter of a window: plain BFD first would leave the
             # shortest pieces to rows of their own, window after window, until they came due
-            return [(wf, always), (plain, always), (two_pool, always)]
-        return [(plain, always), (wf, always), (two_pool, always)]
+            return [(wf, always), (plain, always), (two_pool, always)] + extra
+        return [(plain, always), (wf, always), (two_pool, always)] + extra
     if share >= _TWO_POOL_FIRST:
         # Plain BFD only where the two-pool pass missed by more than 1%: short of that it has
         # not once done better here (the sieve closes the rest: chat_dev at 2048 / 8, two-pool
         # + 35 rows, plain + 517), and it would cost a fifth of the two-pool pass's time.
-        return [(two_pool, always), (plain, gross)]
-    return [(plain, always), (two_pool, always)]
+        return [(two_pool, always), (plain, gross)] + extra
+    return [(plain, always), (two_pool, always)]  # (no `extra`: it needs a share of 0.5)
 
 
 def _sieve_planners(capacity: int, max_segments: int):
