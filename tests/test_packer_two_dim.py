@@ -12,6 +12,7 @@ from seqpack.packer import stream as stream_mod
 from seqpack.packer.bounds import lower_bound
 from seqpack.packer.plan import apply_overflow
 from seqpack.packer.strategies import best_fit_decreasing as bfd
+from seqpack.packer.strategies import fill as fill_mod
 from seqpack.packer.strategies import repair as repair_mod
 from seqpack.packer.strategies import sieve as sieve_mod
 from seqpack.packer.strategies import two_pool
@@ -77,7 +78,7 @@ def test_repair_keeps_every_piece_and_never_adds_rows(inst):
 
 @settings(max_examples=120, deadline=None)
 @given(instances)
-def test_one_dimensional_gate_is_exact_and_only_plain_runs(inst):
+def test_one_dimensional_gate_is_exact_and_only_plain_bfd_and_the_fill_run(inst):
     L, S, sizes = inst
     asc = np.sort(np.asarray(sizes, np.int64))
     assert bounds.sorted_lower_bound(asc, L, S) == tight_lower_bound(asc[::-1], L, S)
@@ -90,9 +91,42 @@ def test_one_dimensional_gate_is_exact_and_only_plain_runs(inst):
     starved = (counts == S) & (room >= outside)  # full in slots with room for another piece
     if not can_bind:
         assert not starved.any()
-        assert len(bfd._passes(desc, L, S, tight_lower_bound(desc, L, S))) == 1
+        b = tight_lower_bound(desc, L, S)
+        assert len(bfd._passes(desc, L, S, b, window=1024)) == 1  # plain BFD alone
+        assert len(bfd._passes(desc, L, S, b)) == 2  # offline: then the exact fill
     if starved.any():
         assert can_bind
+
+
+@settings(max_examples=150, deadline=None)
+@given(instances)
+def test_fill_keeps_every_piece_within_both_limits(inst):
+    L, S, sizes = inst
+    desc = np.sort(np.asarray(sizes, np.int64))[::-1]
+    rows, n = fill_mod.fill_sorted(desc, L, S)
+    _check(desc, rows, n, L, S)
+    assert n >= tight_lower_bound(desc, L, S)
+
+
+def test_fill_worked_example():
+    rows, n = fill_mod.fill_sorted(np.array([8, 6, 5, 4, 3, 2, 2]), 10, 4)
+    assert n == 3 and rows.tolist() == [0, 1, 2, 1, 2, 0, 2]  # [8, 2] [6, 4] [5, 3, 2]
+
+
+def test_fill_ends_rows_exactly_where_bfd_leaves_their_last_tokens():
+    # gsm8k-like lengths (55 to 450 tokens) at L=2048 / S=64, one-dimensional: plain BFD
+    # leaves about 12 tokens a row whatever the corpus size (+0.6% of rows here); the fill
+    # ends rows with a piece or a pair of exactly their room (+1 of 4707; +12 without it)
+    rng = np.random.default_rng(0)
+    lengths = np.round(rng.lognormal(5.0, 0.4, 60_000)).astype(np.int64).clip(55, 450)
+    desc = np.sort(lengths)[::-1]
+    assert not bfd.slots_can_bind(desc[::-1], 2048, 64)
+    bound = tight_lower_bound(desc, 2048, 64)
+    plain = bfd._bfd_sorted(desc, 2048, 64)[1]
+    assert plain > bound * 1.004
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 64)
+    _check(lengths, rows, n, 2048, 64)
+    assert n <= bfd.repair_target(bound)
 
 
 def _window_plan(L, S):
