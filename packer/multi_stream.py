@@ -28,6 +28,7 @@ import numpy as np
 
 from seqpack.packer.contract import Counters
 from seqpack.packer.inputs import InputError
+from seqpack.packer.plan import aligned
 from seqpack.packer.state_codec import encode_planner_state
 
 
@@ -63,8 +64,7 @@ class MultiStreamPlanner:
         self.counters = Counters()
 
     def _aligned(self, lengths: np.ndarray) -> np.ndarray:
-        a = self.alignment
-        return -(-lengths // a) * a
+        return aligned(lengths, self.alignment)
 
     def add(self, ids: list[int], lengths: np.ndarray) -> list[list[tuple]]:
         """Plans one window; lengths is i64[n, F]. Returns the final rows (pieces per row)."""

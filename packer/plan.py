@@ -137,6 +137,11 @@ class RowAssignment:
         return int(self.row.size)
 
 
+def aligned(length: np.ndarray, alignment: int) -> np.ndarray:
+    """Tokens each piece takes in a row: its length rounded up to `alignment` (a new array)."""
+    return -(-length // alignment) * alignment
+
+
 def check_block_size(block_size: int | None) -> int:
     """`block_size`, or the default for None; ValueError unless an int >= 1."""
     if block_size is None:
@@ -183,7 +188,7 @@ def _assign(length: np.ndarray, row: np.ndarray | None, config: PackConfig
     if row is not None:  # concat_split placed its pieces while cutting them
         return row, int(row[-1]) + 1 if row.size else 0
     a = config.segment_alignment
-    sizes = length if a == 1 else -(-length // a) * a
+    sizes = length if a == 1 else aligned(length, a)
     return _ASSIGN[Strategy(config.strategy)](sizes, config.seq_len, config.max_segments)
 
 
@@ -260,7 +265,6 @@ def plan(lengths: object, config: PackConfig, *, block_size: int | None = None) 
 
 def order_pieces(example, start, length, row, num_rows, counters, config) -> PackPlan:
     """Sorts pieces into (row, example, start) order and lays out slots and offsets."""
-    a = config.segment_alignment
     # Two pieces of one example never share a row (only an example's last piece is shorter than
     # seq_len), so (row, example) is a unique key: one stable argsort instead of a lexsort.
     n_ex = int(example.max()) + 1 if example.size else 1
@@ -269,7 +273,7 @@ def order_pieces(example, start, length, row, num_rows, counters, config) -> Pac
     n = row.size
     first = np.searchsorted(row, row, side="left")  # index of the row's first piece
     slot = np.arange(n, dtype=np.int64) - first
-    aligned = -(-length // a) * a
-    excl = np.cumsum(aligned) - aligned
+    size = aligned(length, config.segment_alignment)
+    excl = np.cumsum(size) - size
     offset = excl - excl[first] if n else excl
     return PackPlan(example, start, length, row, slot, offset, int(num_rows), counters)

@@ -60,7 +60,7 @@ import numpy as np
 from seqpack.packer.assemble import build_rows
 from seqpack.packer.config import PackConfig, Strategy
 from seqpack.packer.inputs import InputError, check_lengths, check_pad, fit_dtype, row_dtype
-from seqpack.packer.plan import Counters, PackPlan, apply_overflow, order_pieces
+from seqpack.packer.plan import Counters, PackPlan, aligned, apply_overflow, order_pieces
 from seqpack.packer.state_codec import decode_planner_state, encode_row_arrays
 from seqpack.packer.strategies.best_fit import BestFitBins
 from seqpack.packer.strategies.best_fit_decreasing import (
@@ -169,10 +169,9 @@ class StreamPlanner:
         new = np.stack([ids[example], start, length,
                         np.full(example.size, self._windows, np.int64),
                         np.full(example.size, -1, np.int64)], axis=1)
-        a = self.config.segment_alignment
         self._pending.append(new)
         self._pending_pieces += len(new)
-        self._pending_tokens += int((-(-length // a) * a).sum())
+        self._pending_tokens += int(aligned(length, self.config.segment_alignment).sum())
         if new.size:
             low = int(new[:, _ID].min())
             self._pending_min_id = low if self._pending_min_id is None \
@@ -205,8 +204,7 @@ class StreamPlanner:
         """Plans `pieces` (i64[P, 5], see `_held`) as a window of `window` examples, emits the
         final rows, keeps the rest open."""
         cfg = self.config
-        a = cfg.segment_alignment
-        sizes = -(-pieces[:, _LEN] // a) * a
+        sizes = aligned(pieces[:, _LEN], cfg.segment_alignment)
         if not final and self._extends(sizes, window):
             row, num_rows = self._extend(pieces, sizes)
             emit = self._final_extended(pieces, sizes, row, num_rows)
@@ -382,9 +380,9 @@ class StreamPlanner:
                 else np.zeros((0, 5), np.int64)
             waiting[:, _ROW] = -1
             self._pending = [waiting] + [waiting[:0]] * (calls - 1)
-            a = self.config.segment_alignment
             self._pending_pieces = len(waiting)
-            self._pending_tokens = int((-(-waiting[:, _LEN] // a) * a).sum())
+            self._pending_tokens = int(aligned(waiting[:, _LEN],
+                                               self.config.segment_alignment).sum())
             if waiting.size:
                 self._pending_min_id = int(waiting[:, _ID].min())
         held = np.concatenate(parts) if parts else np.zeros((0, 5), np.int64)
