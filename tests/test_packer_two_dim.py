@@ -129,6 +129,42 @@ def test_fill_ends_rows_exactly_where_bfd_leaves_their_last_tokens():
     assert n <= bfd.repair_target(bound)
 
 
+@settings(max_examples=150, deadline=None)
+@given(instances, st.integers(0, 3), st.sampled_from(["random", "middle", "span"]))
+def test_sample_fill_keeps_every_piece_within_both_limits(inst, extra, mode):
+    L, S, sizes = inst
+    desc = np.sort(np.asarray(sizes, np.int64))[::-1]
+    bound = tight_lower_bound(desc, L, S)
+    rows, n = fill_mod.sample_fill_sorted(desc, L, S, bound + extra, mode=mode)
+    _check(desc, rows, n, L, S)
+    assert n >= bound
+    again = fill_mod.sample_fill_sorted(desc, L, S, bound + extra, mode=mode)
+    assert again[1] == n and np.array_equal(again[0], rows)
+
+
+def test_sample_fill_worked_example():
+    desc = np.array([6, 5, 4, 3, 3, 3, 2, 2, 1, 1])
+    rows, n = fill_mod.sample_fill_sorted(desc, 10, 4, 3, mode="middle")
+    assert n == 3
+    assert [sorted(desc[rows == r].tolist()) for r in range(3)] == [[1, 1, 2, 6], [3, 3, 4],
+                                                                    [2, 3, 5]]
+    assert bfd._bfd_sorted(desc, 10, 4)[1] == 4
+
+
+def test_sample_fill_reaches_the_target_where_slots_and_tokens_bind_alike(monkeypatch):
+    # gsm8k-like lengths at L=2048 / S=14 (12.8 pieces a row at the mean: slots and tokens
+    # bind alike): the passes, the sieve and the repair +3 rows over the bound of 1571; rows
+    # as samples of the pieces left, ended exactly, then the repair: +1, the target
+    rng = np.random.default_rng(0)
+    lengths = np.round(rng.lognormal(5.0, 0.4, 20_000)).astype(np.int64).clip(55, 450)
+    bound = tight_lower_bound(lengths, 2048, 14)
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 14)
+    _check(lengths, rows, n, 2048, 14)
+    assert n <= bfd.repair_target(bound)
+    monkeypatch.setattr(bfd, "_SAMPLE_MODES", ())  # without it
+    assert bfd.assign_best_fit_decreasing(lengths, 2048, 14)[1] > bfd.repair_target(bound)
+
+
 def _window_plan(L, S):
     return lambda s: bfd.assign_best_fit_decreasing(s, L, S, slack=0, repair_rows=False)
 
@@ -241,10 +277,12 @@ def test_worst_fit_deals_into_the_tight_bounds_rows(monkeypatch):
     _check(lengths, rows, n, 8192, 5)
     assert n <= bfd.repair_target(bound)
     # without it (and without pass 4, which deals into the same rows where pieces over L/2
-    # are in a quarter of them: here in half) the plan stays above the target
+    # are in a quarter of them: here in half, and the sample fill, which gets there too) the
+    # plan stays above the target
     passes = bfd._passes
     monkeypatch.setattr(bfd, "_passes", lambda *a, deal_bound=False, **k: passes(*a, **k))
     monkeypatch.setattr(bfd, "big_pieces", lambda sizes_desc, capacity: 0)
+    monkeypatch.setattr(bfd, "_SAMPLE_MODES", ())
     assert bfd.assign_best_fit_decreasing(lengths, 8192, 5)[1] > bfd.repair_target(bound)
 
 

@@ -41,9 +41,15 @@ room for any piece left, and only mixing sizes again gathers it (chat_dev at L=4
 the passes +53 rows, the repair alone +45, the sieve +1). Where the plan is one-dimensional
 the repair goes first (gsm8k at L=2048: +3 to +1 in a few ms), and where the slots bind for
 the whole corpus only the repair runs (every row is full in slots: mixing them frees none).
-A plan still above the target after that goes, as a last resort, whole through the sieve
-(`strategies.sieve.sieve_all`: every piece, windows of a seeded shuffle, planned as a stream
-is). The sieve's windows hold at least 64 rows' worth of pieces (`sieve_window`).
+A plan still above the target after that is planned again from scratch, row by row, each row
+a sample of the pieces left ended with exactly its room (`strategies.fill.sample_fill_sorted`,
+with the ranks of `_SAMPLE_MODES` in turn), then sieved and repaired, until one reaches the
+target: where every row must be near-full in both limits, no largest-first order gets there
+(chat_turns at 2048 / 49 and 4096 / 97: +20 and +11 rows over the bound, +0 with it; eight
+copies of gsm8k at 2048 / 13 to 24: +7 to +18, +2 to +4 with it, the target; chat_dev at
+4096 / 11: +9, +1). As a last resort, the best plan so far still above the target, every piece
+goes through the sieve (`strategies.sieve.sieve_all`: windows of a seeded shuffle, planned as
+a stream is). The sieve's windows hold at least 64 rows' worth of pieces (`sieve_window`).
 Where slots and tokens bind about equally every greedy order leaves rows short in one or the
 other (lognormal lengths of mean 270 at L=2048 / S=8: worst fit into ceil(n / S) rows +52
 rows over the bound, 6.5%, the repair +44), and mixing sizes window by window gets to +3
@@ -70,7 +76,7 @@ import numpy as np
 
 from seqpack.packer.bounds import sorted_lower_bound
 from seqpack.packer.strategies.best_fit import _MASK, _SHIFT
-from seqpack.packer.strategies.fill import fill_sorted
+from seqpack.packer.strategies.fill import fill_sorted, sample_fill_sorted
 from seqpack.packer.strategies.repair import repair
 from seqpack.packer.strategies.sieve import _WINDOW as _SIEVE_WINDOW
 from seqpack.packer.strategies.sieve import sieve, sieve_all
@@ -83,6 +89,8 @@ _FALLBACK = 100  # plain BFD after the two-pool pass only above the bound + 1/10
 _SEEDS = 2  # shuffles the whole sieve tries (its rows vary by a few tenths of a percent)
 _BIG_ROWS = 0.25  # worst fit into the bound's rows where pieces over L/2 are in this share
 _WINDOW_ROWS = 64  # a sieve window holds at least this many rows' worth of pieces
+# the sample fill's (ranks, seed), in the order tried
+_SAMPLE_MODES = (("middle", 0), ("span", 0), ("random", 0), ("random", 1))
 
 
 def _bfd_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int
@@ -296,8 +304,8 @@ def sieve_window(sizes: np.ndarray, capacity: int, max_segments: int) -> int:
 
 def _improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
              max_segments: int, bound: int, target: int) -> tuple[np.ndarray, int]:
-    """The sieve and the repair, then the whole sieve (module docstring), each while the plan
-    is above `target`."""
+    """The sieve and the repair, then the sample fills, then the whole sieve (module
+    docstring), each while the plan is above `target`."""
     plan, last = _sieve_planners(capacity, max_segments)
     window = sieve_window(sizes_desc, capacity, max_segments)
 
@@ -316,6 +324,17 @@ def _improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: 
     for step in steps:
         if num_rows > target:
             rows, num_rows = step(rows, num_rows)
+    if num_rows > target:
+        for mode, seed in _SAMPLE_MODES:  # rows as samples of the pieces left, then as above
+            got, n = sample_fill_sorted(sizes_desc, capacity, max_segments, bound, mode=mode,
+                                        seed=seed)
+            for step in (mix, fix):
+                if n > target:
+                    got, n = step(got, n)
+            if n < num_rows:
+                rows, num_rows = got, n
+            if num_rows <= target:
+                break
     if num_rows > target:  # every piece through the sieve, two seeds
         every, n = min((sieve_all(sizes_desc, capacity, plan, last=last, window=window,
                                   seed=seed)

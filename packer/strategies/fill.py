@@ -1,4 +1,11 @@
-"""Row-by-row exact fill: the one-dimensional pass for large corpora of many short pieces.
+"""Row-by-row exact fills: rows planned one at a time, each ended with exactly its room.
+
+Two fills: `fill_sorted` (below), the one-dimensional pass for large corpora of many short
+pieces, and `sample_fill_sorted`, its two-dimensional form, where every row is a sample of the
+pieces left (for plans the passes, the sieve and the repair leave above the target: where slots
+and tokens bind alike).
+
+`fill_sorted`:
 
 Best fit decreasing leaves each row with the room its last piece could not use: on gsm8k-like
 lengths (55 to 448 tokens) at L=2048 about 12 tokens a row, whatever the corpus size, so its
@@ -89,3 +96,148 @@ def fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int
             k += 1
         num_rows += 1
     return out, num_rows
+
+
+def sample_fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int, rows: int, *,
+                       mode: str = "random", seed: int = 0) -> tuple[np.ndarray, int]:
+    """Rows as samples of the pieces left, each ended exactly: the two-dimensional fill.
+
+    Where slots and tokens both bind, a plan at the bound needs every row near-full in both, so
+    every row must hold pieces of about the mean size: the pieces a row takes change what the
+    rows after it can do, and the largest-first passes leave the last rows the short tail. Here
+    rows (`rows` of them, the tight bound, are aimed at) are planned one at a time, each as a
+    sample of the pieces left (sizes sorted largest first, each in [1, capacity]):
+
+    * the largest piece left opens the row if it is over half a row (no two such share one);
+      the rest of the row is the sample, over the pieces that fit the room left;
+    * `k` pieces at ranks spread over those pieces in order of size: in each of k equal strata
+      its middle (`mode` "middle"), a random rank ("random", by `seed`), or evenly from the
+      smallest to the largest ("span"). `k` is the count at which the room fills at the mean
+      piece (the integer below or above, whichever sample sums closer to the room), at least
+      what keeps ceil(pieces left / rows left) a row, at most the free slots;
+    * then nudged: where the sample is over the room, or under it while tokens bind (`k` came
+      from tokens), its pieces, largest first, are swapped for the piece left nearest to
+      closing the gap (between the two sizes) until the row is exactly full; still over, its
+      largest pieces go back; still under with a slot free, a piece of exactly the room left
+      ends it.
+
+    The pieces left stay a sample of the corpus, so the last rows are no worse than the first.
+    Which ranks do best depends on the spread of sizes (at the rows of the tight bound: short
+    dialogue turns "span", gsm8k-like lengths "middle", long files "random"), so
+    `best_fit_decreasing` tries them in turn. Plans on the count of pieces per distinct size:
+    O(distinct sizes) numpy and O(k) Python a row. Returns (row per piece, rows).
+
+    Worked example (capacity 10, max_segments 4, rows 3, the bound; mode "middle")::
+
+        sizes (ascending):  1 1 2 2 3 3 3 4 5 6       (30 tokens, 10 pieces)
+        row 0: the 6 opens it (room 4, 3 slots); k = 3 (ceil(10 / 3) pieces a row); strata
+               middles of 1 1 2 2 3 3 3 4: 1 3 3 = 7, over by 3: a 3 becomes a 1, then a
+               3 a 2                                                   [6, 2, 1, 1]
+        row 1: left 2 3 3 3 4 5; k = 3 (10 / mean 3.33): 3 3 5 = 11: the 5 becomes the 4
+                                                                       [4, 3, 3]
+        row 2: left 2 3 5: all of them                                 [5, 3, 2]
+
+    Plain BFD makes 4 rows of the same pieces: [6, 4] [5, 3, 2] [3, 3, 2, 1] [1].
+    """
+    n = int(sizes_desc.size)
+    out = np.full(n, -1, np.int64)
+    if n == 0:
+        return out, 0
+    asc = sizes_desc[::-1]
+    vals, cnt = np.unique(asc, return_counts=True)  # distinct sizes ascending, counts
+    first = n - np.cumsum(cnt)  # pieces of vals[j] are sizes_desc[first[j] : first[j] + cnt[j]]
+    nxt = first.tolist()
+    cnt = cnt.astype(np.int64)
+    vals_list = vals.tolist()
+    L, S = int(capacity), int(max_segments)
+    rng = np.random.default_rng(seed)
+    n_left, t_left = n, int(asc.sum())
+    top = vals.size - 1  # the largest size left
+    num_rows = 0
+    while n_left:
+        while not cnt[top]:
+            top -= 1
+        rows_left = max(1, rows - num_rows)
+        k_min = -(-n_left // rows_left)  # pieces a row takes so the rest fit the rows left
+        opener: list[int] = []
+        room, slots = L, S
+        if 2 * vals_list[top] > L:  # over half a row: it opens the row, the sample fills it
+            opener = [top]
+            cnt[top] -= 1
+            room, slots, k_min = L - vals_list[top], S - 1, k_min - 1
+        m = int(np.searchsorted(vals, room, side="right"))  # sizes that fit the room
+        cum = np.cumsum(cnt[:m])
+        pool = int(cum[-1]) if m else 0
+        picks: list[int] = []
+        if pool and slots:
+            k_tok = room * pool / int(np.dot(cnt[:m], vals[:m]))
+            k_lo = min(slots, pool, max(k_min, 1))
+            best: tuple[int, np.ndarray] | None = None
+            for k in sorted({max(k_lo, min(slots, pool, int(k_tok) + e)) for e in (0, 1)}):
+                if k >= pool:
+                    ranks = np.arange(pool)
+                elif mode == "span":
+                    ranks = np.rint(np.arange(k) * (pool - 1) / max(1, k - 1)).astype(np.int64)
+                elif mode == "middle":
+                    ranks = ((np.arange(k) + 0.5) * pool / k).astype(np.int64)
+                else:  # at random within each stratum [edge[i], edge[i + 1]) (distinct)
+                    edge = np.arange(k + 1) * pool // k
+                    ranks = edge[:-1] + (rng.random(k) * np.diff(edge)).astype(np.int64)
+                got = np.searchsorted(cum, ranks, side="right")  # indices into vals, ascending
+                gap = abs(int(vals[got].sum()) - room)
+                if best is None or gap < best[0]:
+                    best = (gap, got)
+            assert best is not None
+            tokens_bind = k_tok >= k_lo
+            np.subtract.at(cnt, best[1], 1)
+            picks = best[1].tolist()
+            d = int(vals[best[1]].sum()) - room  # over (> 0) or under (< 0) a full row
+            if d > 0 or (d < 0 and tokens_bind):
+                picks, d = _nudge(picks, d, vals, vals_list, cnt)
+            while d > 0:  # still over: the largest pieces go back
+                j = picks.pop()
+                cnt[j] += 1
+                d -= vals_list[j]
+            if d < 0 and len(picks) < slots:  # under: a piece of exactly the room left
+                j = int(np.searchsorted(vals, -d))
+                if j < vals.size and vals_list[j] == -d and cnt[j] > 0:
+                    cnt[j] -= 1
+                    picks.append(j)
+        for j in opener + picks:
+            out[nxt[j]] = num_rows
+            nxt[j] += 1
+            t_left -= vals_list[j]
+        n_left -= len(opener) + len(picks)
+        num_rows += 1
+    return out, num_rows
+
+
+def _nudge(picks: list[int], d: int, vals: np.ndarray, vals_list: list[int], cnt: np.ndarray
+           ) -> tuple[list[int], int]:
+    """Swaps picks (indices into `vals`, ascending), largest first, for the size left nearest
+    to closing the gap `d` (the sum over the room: > 0 over, < 0 under), between the two sizes;
+    `cnt` (pieces left per size) is kept up to date. Returns (picks ascending, gap left)."""
+    for q in range(len(picks) - 1, -1, -1):
+        if d == 0:
+            break
+        j = picks[q]
+        x = vals_list[j]
+        want = x - d
+        if want < x:  # the smallest size left in [want, x)
+            lo = int(np.searchsorted(vals, want, side="left"))
+            free = np.flatnonzero(cnt[lo:j] > 0)
+            if not free.size:
+                continue
+            y = lo + int(free[0])
+        else:  # the largest size left in (x, want]
+            hi = int(np.searchsorted(vals, want, side="right"))
+            free = np.flatnonzero(cnt[j + 1 : hi] > 0)
+            if not free.size:
+                continue
+            y = j + 1 + int(free[-1])
+        cnt[y] -= 1
+        cnt[j] += 1
+        picks[q] = y
+        d -= x - vals_list[y]
+    picks.sort()
+    return picks, d
