@@ -23,6 +23,10 @@ process, the two timed alternately, best of 3).
 `--repeat R` (with --grid, --scan, --boundary): each corpus R times over, each copy in its own
 seeded order, so the plan sees a corpus R times larger with the same lengths.
 
+`--cell NAME/L/S` (repeatable, with `--repeat`): the offline default at those cells against its
+target, and the same without the sample fills (`best_fit_decreasing._SAMPLE_MODES` empty), both
+timed in this process.
+
 `--scan`: the offline default alone over L in {2k, 4k, 8k, 32k, 128k} x S in {8, 12, 16, 24,
 32, 48, 64, 128, 256, 1024, 4096} (220 cells over the four corpora): rows over the tight bound
 against the target of `best_fit_decreasing.repair_target` (0.1%, at least one row), plan time,
@@ -61,6 +65,7 @@ from seqpack.packer.plan import apply_overflow
 from seqpack.packer.strategies.best_fit_decreasing import repair_target
 
 plan_mod = importlib.import_module("seqpack.packer.plan")
+bfd_mod = importlib.import_module("seqpack.packer.strategies.best_fit_decreasing")
 
 
 def _row(name, rows, lb, real, L, seconds, n, tokens, note=""):
@@ -339,6 +344,31 @@ def run_scan(args) -> None:
           f"{', '.join(above) or 'none'}")
 
 
+def run_cells(args) -> None:
+    """`--cell`: the offline default at named cells, with and without the sample fills."""
+    table = []
+    data = _lengths(argparse.Namespace(corpus=sorted({c.split("/")[0] for c in args.cell}),
+                                       repeat=args.repeat))
+    assign = plan_mod._ASSIGN[Strategy.BEST_FIT_DECREASING]
+    for cell in args.cell:
+        name, L, S = cell.split("/")[0], *map(int, cell.split("/")[1:3])
+        lengths = data[name]
+        cfg = PackConfig(L, max_segments=S, overflow="split")
+        tight = tight_lower_bound(_split_sizes(lengths, L), L, S)
+        t, rows = _time_plan(lengths, cfg, assign, repeats=1)
+        saved = bfd_mod._SAMPLE_MODES
+        bfd_mod._SAMPLE_MODES = ()
+        try:
+            t0, rows0 = _time_plan(lengths, cfg, assign, repeats=1)
+        finally:
+            bfd_mod._SAMPLE_MODES = saved
+        table.append([name, L, S, tight, f"+{repair_target(tight) - tight}", _over(rows, tight),
+                      f"{t:.2f}", _over(rows0, tight), f"{t0:.2f}"])
+    print_table(f"offline default at named cells (corpora x{args.repeat})",
+                ["corpus", "L", "S", "tight bound", "target", "rows over", "plan s",
+                 "without sample fills", "plan s"], table)
+
+
 BOUNDARY_L = [2048, 8192, 32768, 131072]
 BOUNDARY_F = [0.8, 0.9, 1.0, 1.1, 1.25]  # S = f * L / (mean piece): where slots meet tokens
 
@@ -405,8 +435,10 @@ def main() -> None:
                     "against its target (see run_scan)")
     ap.add_argument("--boundary", action="store_true", help="offline and online where slots "
                     "and tokens bind alike (see run_boundary)")
-    ap.add_argument("--repeat", type=int, default=1, help="--grid, --scan, --boundary: each "
-                    "corpus this many times over, every copy shuffled (see _lengths)")
+    ap.add_argument("--cell", action="append", help="NAME/L/S: the offline default there, with "
+                    "and without the sample fills (repeatable; see run_cells)")
+    ap.add_argument("--repeat", type=int, default=1, help="--grid, --scan, --boundary, --cell: "
+                    "each corpus this many times over, every copy shuffled (see _lengths)")
     ap.add_argument("--baseline", default=BASELINE, help="git revision timed against (default: "
                     "the packer before the two-dimensional planner)")
     args = ap.parse_args()
@@ -419,6 +451,9 @@ def main() -> None:
         return
     if args.boundary:
         run_boundary(args)
+        return
+    if args.cell:
+        run_cells(args)
         return
     L, S = args.seq_len, args.max_segments
     header = ["packer", "rows", "lower bound", "rows vs LB", "efficiency", "examples/s",
