@@ -68,6 +68,19 @@ def fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int
         top = avail[-1]
         take(top, num_rows)
         room, k = capacity - top, 1
+        while avail and k < S and room > 2 * avail[-1]:
+            # the largest piece left fits twice over: no exact ending yet, it goes in, as many
+            # of its size at once as keep that so (the loop below, a piece at a time, the same)
+            top = avail[-1]
+            j = min(cnt[top], S - k, -(-(room - 2 * top) // top))
+            out[nxt[top] : nxt[top] + j] = num_rows
+            nxt[top] += j
+            cnt[top] -= j
+            if not cnt[top]:
+                has[top] = False
+                avail.pop()
+            room -= j * top
+            k += j
         while room and avail and k < S:
             if cnt[room]:
                 take(room, num_rows)
