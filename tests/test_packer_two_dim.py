@@ -140,6 +140,10 @@ def test_sample_fill_keeps_every_piece_within_both_limits(inst, extra, mode):
     assert n >= bound
     again = fill_mod.sample_fill_sorted(desc, L, S, bound + extra, mode=mode)
     assert again[1] == n and np.array_equal(again[0], rows)
+    # a limit it stays within changes nothing; below its rows it gives up (over the limit)
+    same = fill_mod.sample_fill_sorted(desc, L, S, bound + extra, mode=mode, limit=n)
+    assert same[1] == n and np.array_equal(same[0], rows)
+    assert fill_mod.sample_fill_sorted(desc, L, S, bound + extra, mode=mode, limit=n - 1)[1] >= n
 
 
 def test_sample_fill_worked_example():

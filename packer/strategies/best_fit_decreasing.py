@@ -89,7 +89,9 @@ _FALLBACK = 100  # plain BFD after the two-pool pass only above the bound + 1/10
 _SEEDS = 2  # shuffles the whole sieve tries (its rows vary by a few tenths of a percent)
 _BIG_ROWS = 0.25  # worst fit into the bound's rows where pieces over L/2 are in this share
 _WINDOW_ROWS = 64  # a sieve window holds at least this many rows' worth of pieces
-# the sample fill's (ranks, seed), in the order tried
+# the sample fill's (ranks, seed), in the order tried; a sample plan further above the bound
+# than _SAMPLE_SPREAD times the plan so far (and 5%) is dropped (the fill stops once it must be)
+_SAMPLE_SPREAD = 16
 _SAMPLE_MODES = (("middle", 0), ("span", 0), ("random", 0), ("random", 1))
 
 
@@ -325,9 +327,12 @@ def _improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: 
         if num_rows > target:
             rows, num_rows = step(rows, num_rows)
     if num_rows > target:
+        limit = bound + max(_SAMPLE_SPREAD * (num_rows - bound), bound // 20)
         for mode, seed in _SAMPLE_MODES:  # rows as samples of the pieces left, then as above
             got, n = sample_fill_sorted(sizes_desc, capacity, max_segments, bound, mode=mode,
-                                        seed=seed)
+                                        seed=seed, limit=limit)
+            if n > limit:
+                continue  # too far off to be worth the sieve (long pieces crowd the samples)
             for step in (mix, fix):
                 if n > target:
                     got, n = step(got, n)

@@ -112,7 +112,8 @@ def fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int
 
 
 def sample_fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int, rows: int, *,
-                       mode: str = "random", seed: int = 0) -> tuple[np.ndarray, int]:
+                       mode: str = "random", seed: int = 0, limit: int | None = None
+                       ) -> tuple[np.ndarray, int]:
     """Rows as samples of the pieces left, each ended exactly: the two-dimensional fill.
 
     Where slots and tokens both bind, a plan at the bound needs every row near-full in both, so
@@ -138,7 +139,9 @@ def sample_fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int,
     Which ranks do best depends on the spread of sizes (at the rows of the tight bound: short
     dialogue turns "span", gsm8k-like lengths "middle", long files "random"), so
     `best_fit_decreasing` tries them in turn. Plans on the count of pieces per distinct size:
-    O(distinct sizes) numpy and O(k) Python a row. Returns (row per piece, rows).
+    O(distinct sizes) numpy and O(k) Python a row. Returns (row per piece, rows); with `limit`,
+    it stops as soon as the rows planned plus the simple bound of the pieces left exceed it,
+    and returns that count with an unfinished plan (the caller drops it).
 
     Worked example (capacity 10, max_segments 4, rows 3, the bound; mode "middle")::
 
@@ -168,6 +171,10 @@ def sample_fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int,
     top = vals.size - 1  # the largest size left
     num_rows = 0
     while n_left:
+        if limit is not None:
+            need = num_rows + max(-(-t_left // L), -(-n_left // S))
+            if need > limit:
+                return out, need
         while not cnt[top]:
             top -= 1
         rows_left = max(1, rows - num_rows)
