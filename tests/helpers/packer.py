@@ -3,8 +3,22 @@
 from __future__ import annotations
 
 import numpy as np
+from hypothesis import strategies as st
 
 from seqpack.packer import Overflow, PackConfig
+
+# (capacity, max_segments, sizes) for the planners' property tests
+instances = st.integers(2, 40).flatmap(lambda L: st.tuples(
+    st.just(L), st.integers(1, 6), st.lists(st.integers(1, L), min_size=1, max_size=70)))
+
+
+def check_rows(sizes, rows, num_rows, L, S):
+    """Every piece in a row; rows 0..num_rows-1 all used; capacity and cap respected."""
+    rows = np.asarray(rows)
+    assert rows.shape == (len(sizes),)
+    assert sorted(set(rows.tolist())) == list(range(num_rows))
+    assert np.bincount(rows, weights=sizes).max() <= L
+    assert np.bincount(rows).max() <= S
 
 
 def corpus(lengths: list[int], *, dtype=np.int32) -> tuple[np.ndarray, np.ndarray]:
