@@ -71,14 +71,14 @@ def test_sample_fill_worked_example():
 
 
 def test_sample_fill_reaches_the_target_where_slots_and_tokens_bind_alike(monkeypatch):
-    # gsm8k-like lengths at L=2048 / S=14 (12.8 pieces a row at the mean: slots and tokens
-    # bind alike): the passes, the sieve and the repair +3 rows over the bound of 1571; rows
-    # as samples of the pieces left, ended exactly, then the repair: +1, the target
+    # gsm8k-like lengths at L=2048 / S=20 (slots and tokens bind alike): the passes, the sieve
+    # and the repair (with its room merge) +2 rows over the bound of 1571; rows as samples of
+    # the pieces left, ended exactly, then the repair: +1, the target
     rng = np.random.default_rng(0)
     lengths = np.round(rng.lognormal(5.0, 0.4, 20_000)).astype(np.int64).clip(55, 450)
-    bound = tight_lower_bound(lengths, 2048, 14)
-    rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 14)
-    _check(lengths, rows, n, 2048, 14)
+    bound = tight_lower_bound(lengths, 2048, 20)
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 20)
+    _check(lengths, rows, n, 2048, 20)
     assert n <= bfd.repair_target(bound)
     monkeypatch.setattr(bfd, "_SAMPLE_MODES", ())  # without it
-    assert bfd.assign_best_fit_decreasing(lengths, 2048, 14)[1] > bfd.repair_target(bound)
+    assert bfd.assign_best_fit_decreasing(lengths, 2048, 20)[1] > bfd.repair_target(bound)

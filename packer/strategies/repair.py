@@ -15,6 +15,21 @@ If every piece finds a place the row is gone; otherwise every move of that attem
 and the next victim is tried, up to `_FAILURES` failures in a row. Work is bounded (`_BUDGET`
 array elements per piece of the plan), so the pass costs at most a few plain passes.
 
+Where every row must be near full (tokens bind: lognormal lengths of mean 420 at L=2048 / S=15,
+3,131 rows of the bound leave 238 tokens of room in all), the plan's room lies in rows too
+little for any piece: 422 of 3,135 rows with 1 to 9 tokens free, a row's worth in all, and no
+victim's piece fits there. `merge_rooms` gathers it first: a row A with room `r` swaps a piece
+`a` for a piece of exactly `a + r` from another row B that has room: A comes out full, B holds
+both rooms; rows with the least room go first, into the row with the most room among the
+first few candidates. Slot counts do not change. Where few slots bind with long pieces the room
+lies in rows full in slots and the free slots in rows full in tokens (lognormal lengths of mean
+420 at L=2048 / S=5: 56 rows of five pieces with 351 tokens of room each, 500 rows of one to
+four pieces with none), so no piece fits anywhere; `share_slots` swaps a piece `a` of a row
+with a free slot for two pieces of such a row summing to at most `a` (and at least `a` less
+half that row's room): the row with room gets a free slot beside it. Then the repair runs
+again, and all three again while the plan shrinks (`merge_repair`): there +10 rows over the
+bound to +5, the target; at S=15, +4 to +3.
+
 Worked example (capacity 10, max_segments 3; the plan has 3 rows, the bound is 2)::
 
     rows:          A = [6, 3]  (room 1)   B = [5, 4]  (room 1)   C = [2]    victim: C
@@ -31,6 +46,11 @@ _DEPTH = 8  # swaps along one ejection chain
 _FAILURES = 3  # victims that may fail in a row before the pass stops
 _BUDGET = 400  # array elements looked at per piece of the plan, in all
 _ROWS, _PIECES = 4, 16  # rows B, and pieces of each, that _open_room tries
+_MERGE_PASSES = 4  # passes of merge_rooms over the rows with room
+_MERGE_CANDIDATES = 8  # rows B (of the first pieces of the size A needs) it picks the roomiest of
+_SHARE_CANDIDATES = 32  # pieces share_slots looks at per pair of a row with room
+_SHARE_ROWS = 1024  # rows with room (the roomiest) share_slots looks at, at most
+_MERGE_ROUNDS = 8  # merges and repairs while the plan shrinks
 
 
 class _State:
@@ -223,3 +243,140 @@ def repair(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
         return rows, num_rows
     renumber = np.cumsum(st.alive) - 1
     return renumber[st.row], left
+
+
+def merge_rooms(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int
+                ) -> tuple[np.ndarray, int]:
+    """Gathers the room of rows into fewer rows by swaps of one piece for one (module
+    docstring); returns (row per piece, swaps made). Same rows, same slot counts per row; every
+    swap leaves one row exactly full and no row over capacity.
+
+    Worked example (capacity 10)::
+
+        rows:  A = [5, 4] (room 1)   B = [6, 2] (room 2)
+        A needs a piece 1 larger than one of its own: B's 6 for A's 5
+        rows:  A = [6, 4] (full)     B = [5, 2] (room 3)
+    """
+    sizes = np.asarray(sizes, np.int64)
+    rows = np.asarray(rows, np.int64).copy()
+    room = capacity - np.bincount(rows, weights=sizes, minlength=num_rows).astype(np.int64)
+    roomy = np.flatnonzero(room[rows] > 0)
+    if not np.isin(sizes[roomy] + room[rows[roomy]], sizes[roomy]).any():
+        return rows, 0  # no row has a piece whose size plus its room another row holds
+    members: dict[int, list[int]] = {}
+    by_size: dict[int, dict[int, None]] = {}  # size -> pieces in rows with room (ordered)
+    for p in roomy[np.argsort(rows[roomy], kind="stable")].tolist():
+        members.setdefault(int(rows[p]), []).append(p)
+        by_size.setdefault(int(sizes[p]), {})[p] = None
+    swaps = 0
+    for _ in range(_MERGE_PASSES):
+        before = swaps
+        for A in sorted(members, key=lambda r: (int(room[r]), r)):
+            if A not in members:
+                continue
+            r = int(room[A])
+            for a in members[A]:
+                cand = by_size.get(int(sizes[a]) + r)
+                if not cand:
+                    continue
+                best, b, seen = -1, -1, 0
+                for q in cand:
+                    if rows[q] != A:
+                        if room[rows[q]] > best:
+                            best, b = int(room[rows[q]]), q
+                        seen += 1
+                        if seen == _MERGE_CANDIDATES:
+                            break
+                if b < 0:
+                    continue
+                B = int(rows[b])
+                rows[a], rows[b] = B, A
+                room[A] = 0
+                room[B] += r
+                members[B][members[B].index(b)] = a
+                for q in members.pop(A):  # A is full: its pieces leave the index
+                    if q != a:
+                        del by_size[int(sizes[q])][q]
+                del by_size[int(sizes[b])][b]
+                swaps += 1
+                break
+        if swaps == before:
+            break
+    return rows, swaps
+
+
+def share_slots(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
+                max_segments: int) -> tuple[np.ndarray, int]:
+    """Brings free slots to rows full in slots with room by swaps of one piece for two (module
+    docstring); returns (row per piece, swaps made). Same rows; no row over either limit; a
+    piece moves at most once. Rows with room are taken roomiest first (`_SHARE_ROWS` of them at
+    most); of each, the pairs among its `_PIECES` smallest pieces, each against the
+    `_SHARE_CANDIDATES` smallest pieces at least its sum that the room admits (those in a row
+    with a free slot, not moved yet); the closest fit wins."""
+    sizes = np.asarray(sizes, np.int64)
+    rows = np.asarray(rows, np.int64).copy()
+    S = max_segments
+    room = capacity - np.bincount(rows, weights=sizes, minlength=num_rows).astype(np.int64)
+    count = np.bincount(rows, minlength=num_rows)
+    full = np.flatnonzero((count == S) & (room > 0))
+    if S < 2 or not full.size:
+        return rows, 0
+    full = full[np.argsort(-room[full], kind="stable")][:_SHARE_ROWS]
+    free = np.flatnonzero(count[rows] < S)  # pieces of rows with a free slot, by size
+    if not free.size:
+        return rows, 0
+    free = free[np.argsort(sizes[free], kind="stable")]
+    free_sizes = sizes[free]
+    by_row = np.argsort(rows, kind="stable")
+    start = np.searchsorted(rows[by_row], np.arange(num_rows + 1))
+    moved = np.zeros(sizes.size, bool)
+    swaps = 0
+    for B in full.tolist():
+        mine = by_row[start[B] : start[B + 1]]
+        mine = mine[~moved[mine]]
+        mine = mine[np.argsort(sizes[mine], kind="stable")][:_PIECES]
+        i, j = np.triu_indices(mine.size, 1)
+        pair = sizes[mine[i]] + sizes[mine[j]]
+        half = int(room[B]) // 2
+        lo = np.searchsorted(free_sizes, pair)
+        hi = np.searchsorted(free_sizes, pair + half, side="right")
+        if not (hi > lo).any():
+            continue
+        # per pair, its first _SHARE_CANDIDATES pieces by size from the smallest at least its sum
+        at = lo[:, None] + np.arange(_SHARE_CANDIDATES)
+        ok = at < hi[:, None]
+        at = np.minimum(at, free.size - 1)
+        a_of = free[at]
+        ok &= ~moved[a_of] & (count[rows[a_of]] < S)
+        if not ok.any():
+            continue
+        gaps = np.where(ok, free_sizes[at] - pair[:, None], np.iinfo(np.int64).max)
+        q, k = np.unravel_index(int(np.argmin(gaps)), gaps.shape)  # the closest fit
+        gap, a, b1, b2 = int(gaps[q, k]), int(a_of[q, k]), int(mine[i[q]]), int(mine[j[q]])
+        A = int(rows[a])
+        rows[a], rows[b1], rows[b2] = B, A, A
+        room[A] += gap
+        room[B] -= gap
+        count[A] += 1
+        count[B] -= 1
+        moved[[a, b1, b2]] = True
+        swaps += 1
+    return rows, swaps
+
+
+def merge_repair(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
+                 max_segments: int, *, target: int) -> tuple[np.ndarray, int]:
+    """`merge_rooms` and `share_slots`, then `repair`, while the plan is above `target` and
+    shrinks (at most `_MERGE_ROUNDS` rounds); returns (row per piece, rows)."""
+    for _ in range(_MERGE_ROUNDS):
+        if num_rows <= target:
+            break
+        merged, swaps = merge_rooms(sizes, rows, num_rows, capacity)
+        merged, shared = share_slots(sizes, merged, num_rows, capacity, max_segments)
+        if not swaps + shared:
+            break
+        got, n = repair(sizes, merged, num_rows, capacity, max_segments, target=target)
+        if n >= num_rows:
+            break
+        rows, num_rows = got, n
+    return rows, num_rows

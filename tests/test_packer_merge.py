@@ -1,0 +1,110 @@
+"""The repair's room merge: swaps of one piece for one that gather the room of rows."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+
+from seqpack.packer import tight_lower_bound
+from seqpack.packer.strategies import best_fit_decreasing as bfd
+from seqpack.packer.strategies import repair as repair_mod
+from tests.helpers.packer import check_rows as _check
+from tests.helpers.packer import instances
+
+
+@settings(max_examples=150, deadline=None)
+@given(instances)
+def test_merge_rooms_keeps_rows_and_slot_counts_and_fills_one_row_a_swap(inst):
+    L, S, sizes = inst
+    desc = np.sort(np.asarray(sizes, np.int64))[::-1]
+    rows, n = bfd._bfd_sorted(desc, L, S)
+    rows = np.asarray(rows, np.int64)
+    merged, swaps = repair_mod.merge_rooms(desc, rows, n, L)
+    _check(desc, merged, n, L, S)
+    assert np.array_equal(np.bincount(merged, minlength=n), np.bincount(rows, minlength=n))
+    room = L - np.bincount(rows, weights=desc, minlength=n)
+    after = L - np.bincount(merged, weights=desc, minlength=n)
+    assert after.sum() == room.sum()  # the room moves, none is lost
+    assert (after > 0).sum() == (room > 0).sum() - swaps  # each swap fills a row exactly
+    again = repair_mod.merge_rooms(desc, rows, n, L)  # deterministic
+    assert again[1] == swaps and np.array_equal(again[0], merged)
+
+
+@settings(max_examples=100, deadline=None)
+@given(instances)
+def test_merge_repair_keeps_every_piece_and_never_adds_rows(inst):
+    L, S, sizes = inst
+    desc = np.sort(np.asarray(sizes, np.int64))[::-1]
+    rows, n = bfd._bfd_sorted(desc, L, S)
+    fixed, m = repair_mod.merge_repair(desc, np.asarray(rows, np.int64), n, L, S, target=0)
+    _check(desc, fixed, m, L, S)
+    assert tight_lower_bound(desc, L, S) <= m <= n
+
+
+def test_merge_rooms_worked_example():
+    # capacity 10: A = [5, 4] has room 1, B = [6, 2] room 2; A's 5 for B's 6 = 5 + 1
+    sizes = np.array([6, 5, 4, 2])
+    rows = np.array([1, 0, 0, 1])
+    merged, swaps = repair_mod.merge_rooms(sizes, rows, 2, 10)
+    assert swaps == 1
+    assert merged.tolist() == [0, 1, 0, 1]  # A = [6, 4] full, B = [5, 2] with room 3
+
+
+def test_merge_closes_the_last_row_where_every_row_must_be_near_full():
+    # lognormal lengths of mean ~360 at L=2048 / S=8: the plan's room lies in many rows, each too
+    # little for any piece; gathered, the repair empties one more row (the target, not without)
+    lengths = np.round(np.random.default_rng(0).lognormal(5.6, 0.75, 12_000)).astype(np.int64)
+    lengths = lengths.clip(1, 2048)
+    target = bfd.repair_target(tight_lower_bound(lengths, 2048, 8))
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 8)
+    _check(lengths, rows, n, 2048, 8)
+    assert n <= target
+    saved = repair_mod._MERGE_ROUNDS
+    repair_mod._MERGE_ROUNDS = 0
+    try:
+        assert bfd.assign_best_fit_decreasing(lengths, 2048, 8)[1] > target
+    finally:
+        repair_mod._MERGE_ROUNDS = saved
+
+
+@settings(max_examples=150, deadline=None)
+@given(instances)
+def test_share_slots_keeps_rows_within_limits_and_moves_room_not_tokens(inst):
+    L, S, sizes = inst
+    desc = np.sort(np.asarray(sizes, np.int64))[::-1]
+    rows, n = bfd._bfd_sorted(desc, L, S)
+    rows = np.asarray(rows, np.int64)
+    shared, swaps = repair_mod.share_slots(desc, rows, n, L, S)
+    _check(desc, shared, n, L, S)
+    assert (shared != rows).sum() == 3 * swaps  # three pieces a swap, each moved once
+    before, after = np.bincount(rows, minlength=n), np.bincount(shared, minlength=n)
+    assert (after != before).sum() == 2 * swaps and np.abs(after - before).max(initial=0) <= 1
+    again = repair_mod.share_slots(desc, rows, n, L, S)
+    assert again[1] == swaps and np.array_equal(again[0], shared)
+
+
+def test_share_slots_worked_example():
+    # capacity 10, 3 slots: A = [6, 4] (a free slot, no room), B = [3, 2, 2] (full in slots,
+    # room 3): A's 4 for B's 2 + 2; B then has a free slot beside its room
+    sizes = np.array([6, 4, 3, 2, 2])
+    rows = np.array([0, 0, 1, 1, 1])
+    shared, swaps = repair_mod.share_slots(sizes, rows, 2, 10, 3)
+    assert swaps == 1
+    assert shared.tolist() == [0, 1, 1, 0, 0]  # A = [6, 2, 2], B = [4, 3] with room 3
+
+
+def test_share_slots_closes_the_rows_where_few_slots_bind_with_long_pieces():
+    # lognormal lengths of mean ~430 at L=2048 / S=5: the room lies in rows full in slots, the
+    # free slots in rows full in tokens; brought together the repair reaches the target
+    lengths = np.round(np.random.default_rng(1).lognormal(5.82, 0.71, 8000)).astype(np.int64)
+    lengths = lengths.clip(1, 2048)
+    target = bfd.repair_target(tight_lower_bound(lengths, 2048, 5))
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 5)
+    _check(lengths, rows, n, 2048, 5)
+    assert n <= target
+    saved = repair_mod.share_slots
+    repair_mod.share_slots = lambda sizes, r, num_rows, L, S: (np.asarray(r, np.int64), 0)
+    try:
+        assert bfd.assign_best_fit_decreasing(lengths, 2048, 5)[1] > target
+    finally:
+        repair_mod.share_slots = saved
