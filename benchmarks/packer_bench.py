@@ -27,11 +27,8 @@ seeded order, so the plan sees a corpus R times larger with the same lengths.
 target, and the same without the sample fills (`best_fit_decreasing._SAMPLE_MODES` empty), both
 timed in this process.
 
-`--synthetic N`: N lognormal corpora (seeded: mu in [3.5, 7], sigma in [0.3, 1.5], 5k to 40k
-examples), L in {2k, 8k, 32k} x S = f * L / (mean piece) for f in {0.8, 1, 1.25, 3}: cells of the
-offline default within its target, against the `--baseline` revision's best_fit_decreasing
-(e.g. `--baseline 1944e58`, the session before the sample fills), and plan time: corpora the
-defaults were not tuned on.
+`--synthetic N [--seed K] [--lp SECONDS]`: seeded lognormal corpora the defaults were not tuned
+on (benchmarks/synthetic_bench.py).
 
 `--scan`: the offline default alone over L in {2k, 4k, 8k, 32k, 128k} x S in {8, 12, 16, 24,
 32, 48, 64, 128, 256, 1024, 4096} (220 cells over the four corpora): rows over the tight bound
@@ -375,41 +372,6 @@ def run_cells(args) -> None:
                  "without sample fills", "plan s"], table)
 
 
-def run_synthetic(args) -> None:
-    """`--synthetic N`: the offline default and the baseline's on N seeded lognormal corpora."""
-    rng = np.random.default_rng(args.seed)
-    old = baseline_bfd(args.baseline)
-    new = plan_mod._ASSIGN[Strategy.BEST_FIT_DECREASING]
-    within = {"new": 0, "old": 0}
-    times = {"new": 0.0, "old": 0.0}
-    above, cells = [], 0
-    for _ in range(args.synthetic):
-        mu, sigma, n = rng.uniform(3.5, 7.0), rng.uniform(0.3, 1.5), int(rng.integers(5000, 40000))
-        lengths = np.maximum(1, np.round(rng.lognormal(mu, sigma, n))).astype(np.int64)
-        for L in (2048, 8192, 32768):
-            sizes = _split_sizes(lengths, L)
-            for f in (0.8, 1.0, 1.25, 3.0):
-                S = int(min(4096, max(2, round(f * L / float(sizes.mean())))))
-                cfg = PackConfig(L, max_segments=S, overflow="split")
-                tight = tight_lower_bound(sizes, L, S)
-                target = repair_target(tight)
-                cells += 1
-                for key, assign in (("new", new), ("old", old)):
-                    if assign is None:
-                        continue
-                    t, rows = _time_plan(lengths, cfg, assign, repeats=1)
-                    times[key] += t
-                    within[key] += rows <= target
-                    if key == "new" and rows > target:
-                        above.append(f"lognormal({mu:.2f}, {sigma:.2f}) x{n} {L}/{S} "
-                                     f"+{rows - tight} (target +{target - tight})")
-    print_table(f"offline default on {args.synthetic} lognormal corpora (seed {args.seed}), "
-                f"{cells} cells", ["", "cells within the target", "plan s"],
-                [["this checkout", within["new"], f"{times['new']:.1f}"],
-                 [args.baseline, within["old"] if old else "-", f"{times['old']:.1f}"]])
-    print("above the target:", "; ".join(above) or "none")
-
-
 BOUNDARY_L = [2048, 8192, 32768, 131072]
 BOUNDARY_F = [0.8, 0.9, 1.0, 1.1, 1.25]  # S = f * L / (mean piece): where slots meet tokens
 
@@ -481,6 +443,8 @@ def main() -> None:
     ap.add_argument("--synthetic", type=int, default=0, help="N seeded lognormal corpora, the "
                     "offline default against the baseline (see run_synthetic)")
     ap.add_argument("--seed", type=int, default=0, help="--synthetic: the corpora's seed")
+    ap.add_argument("--lp", type=float, default=0.0, help="--synthetic: seconds of the "
+                    "configuration LP bound (benchmarks/lp_bound.py) per cell above the target")
     ap.add_argument("--repeat", type=int, default=1, help="--grid, --scan, --boundary, --cell: "
                     "each corpus this many times over, every copy shuffled (see _lengths)")
     ap.add_argument("--baseline", default=BASELINE, help="git revision timed against (default: "
@@ -500,6 +464,8 @@ def main() -> None:
         run_cells(args)
         return
     if args.synthetic:
+        from benchmarks.synthetic_bench import run_synthetic
+
         run_synthetic(args)
         return
     L, S = args.seq_len, args.max_segments
