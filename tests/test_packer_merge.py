@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 
 from seqpack.packer import tight_lower_bound
 from seqpack.packer.strategies import best_fit_decreasing as bfd
 from seqpack.packer.strategies import repair as repair_mod
+from tests.helpers.packer import bfd_plan, instances
 from tests.helpers.packer import check_rows as _check
-from tests.helpers.packer import instances
 
 
 @settings(max_examples=150, deadline=None)
 @given(instances)
 def test_merge_rooms_keeps_rows_and_slot_counts_and_fills_one_row_a_swap(inst):
-    L, S, sizes = inst
-    desc = np.sort(np.asarray(sizes, np.int64))[::-1]
-    rows, n = bfd._bfd_sorted(desc, L, S)
-    rows = np.asarray(rows, np.int64)
+    L, S, desc, rows, n = bfd_plan(inst)
     merged, swaps = repair_mod.merge_rooms(desc, rows, n, L)
     _check(desc, merged, n, L, S)
     assert np.array_equal(np.bincount(merged, minlength=n), np.bincount(rows, minlength=n))
@@ -33,10 +31,8 @@ def test_merge_rooms_keeps_rows_and_slot_counts_and_fills_one_row_a_swap(inst):
 @settings(max_examples=100, deadline=None)
 @given(instances)
 def test_merge_repair_keeps_every_piece_and_never_adds_rows(inst):
-    L, S, sizes = inst
-    desc = np.sort(np.asarray(sizes, np.int64))[::-1]
-    rows, n = bfd._bfd_sorted(desc, L, S)
-    fixed, m = repair_mod.merge_repair(desc, np.asarray(rows, np.int64), n, L, S, target=0)
+    L, S, desc, rows, n = bfd_plan(inst)
+    fixed, m = repair_mod.merge_repair(desc, rows, n, L, S, target=0)
     _check(desc, fixed, m, L, S)
     assert tight_lower_bound(desc, L, S) <= m <= n
 
@@ -50,30 +46,10 @@ def test_merge_rooms_worked_example():
     assert merged.tolist() == [0, 1, 0, 1]  # A = [6, 4] full, B = [5, 2] with room 3
 
 
-def test_merge_closes_the_last_row_where_every_row_must_be_near_full():
-    # lognormal lengths of mean ~360 at L=2048 / S=8: the plan's room lies in many rows, each too
-    # little for any piece; gathered, the repair empties one more row (the target, not without)
-    lengths = np.round(np.random.default_rng(0).lognormal(5.6, 0.75, 12_000)).astype(np.int64)
-    lengths = lengths.clip(1, 2048)
-    target = bfd.repair_target(tight_lower_bound(lengths, 2048, 8))
-    rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 8)
-    _check(lengths, rows, n, 2048, 8)
-    assert n <= target
-    saved = repair_mod._MERGE_ROUNDS
-    repair_mod._MERGE_ROUNDS = 0
-    try:
-        assert bfd.assign_best_fit_decreasing(lengths, 2048, 8)[1] > target
-    finally:
-        repair_mod._MERGE_ROUNDS = saved
-
-
 @settings(max_examples=150, deadline=None)
 @given(instances)
 def test_share_slots_keeps_rows_within_limits_and_moves_room_not_tokens(inst):
-    L, S, sizes = inst
-    desc = np.sort(np.asarray(sizes, np.int64))[::-1]
-    rows, n = bfd._bfd_sorted(desc, L, S)
-    rows = np.asarray(rows, np.int64)
+    L, S, desc, rows, n = bfd_plan(inst)
     shared, swaps = repair_mod.share_slots(desc, rows, n, L, S)
     _check(desc, shared, n, L, S)
     assert (shared != rows).sum() == 3 * swaps  # three pieces a swap, each moved once
@@ -93,18 +69,25 @@ def test_share_slots_worked_example():
     assert shared.tolist() == [0, 1, 1, 0, 0]  # A = [6, 2, 2], B = [4, 3] with room 3
 
 
-def test_share_slots_closes_the_rows_where_few_slots_bind_with_long_pieces():
-    # lognormal lengths of mean ~430 at L=2048 / S=5: the room lies in rows full in slots, the
-    # free slots in rows full in tokens; brought together the repair reaches the target
-    lengths = np.round(np.random.default_rng(1).lognormal(5.82, 0.71, 8000)).astype(np.int64)
+def _no_share(sizes, rows, num_rows, L, S):
+    return np.asarray(rows, np.int64), 0
+
+
+@pytest.mark.parametrize("mu, sigma, n, seed, S, patch", [
+    # lognormal lengths of mean ~360 at L=2048 / S=8: the plan's room lies in many rows, each
+    # too little for any piece; gathered, the repair empties one more row
+    (5.6, 0.75, 12_000, 0, 8, ("_MERGE_ROUNDS", 0)),
+    # mean ~430 at S=5: the room lies in rows full in slots, the free slots in rows full in
+    # tokens; brought together, the repair reaches the target
+    (5.82, 0.71, 8_000, 1, 5, ("share_slots", _no_share)),
+])
+def test_merge_reaches_the_target_where_the_repair_alone_does_not(mu, sigma, n, seed, S, patch,
+                                                                  monkeypatch):
+    lengths = np.round(np.random.default_rng(seed).lognormal(mu, sigma, n)).astype(np.int64)
     lengths = lengths.clip(1, 2048)
-    target = bfd.repair_target(tight_lower_bound(lengths, 2048, 5))
-    rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 5)
-    _check(lengths, rows, n, 2048, 5)
-    assert n <= target
-    saved = repair_mod.share_slots
-    repair_mod.share_slots = lambda sizes, r, num_rows, L, S: (np.asarray(r, np.int64), 0)
-    try:
-        assert bfd.assign_best_fit_decreasing(lengths, 2048, 5)[1] > target
-    finally:
-        repair_mod.share_slots = saved
+    target = bfd.repair_target(tight_lower_bound(lengths, 2048, S))
+    rows, got = bfd.assign_best_fit_decreasing(lengths, 2048, S)
+    _check(lengths, rows, got, 2048, S)
+    assert got <= target
+    monkeypatch.setattr(repair_mod, *patch)  # without the merge, or without the shared slots
+    assert bfd.assign_best_fit_decreasing(lengths, 2048, S)[1] > target

@@ -12,6 +12,17 @@ instances = st.integers(2, 40).flatmap(lambda L: st.tuples(
     st.just(L), st.integers(1, 6), st.lists(st.integers(1, L), min_size=1, max_size=70)))
 
 
+def bfd_plan(inst):
+    """(L, S, sizes largest first, plain BFD's row per piece as i64, rows) of an `instances` draw:
+    the plan the repair's steps start from."""
+    from seqpack.packer.strategies.best_fit_decreasing import _bfd_sorted
+
+    L, S, sizes = inst
+    desc = np.sort(np.asarray(sizes, np.int64))[::-1]
+    rows, n = _bfd_sorted(desc, L, S)
+    return L, S, desc, np.asarray(rows, np.int64), n
+
+
 def check_rows(sizes, rows, num_rows, L, S):
     """Every piece in a row; rows 0..num_rows-1 all used; capacity and cap respected."""
     rows = np.asarray(rows)
