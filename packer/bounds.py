@@ -20,6 +20,11 @@ where `n_small` counts the pieces < a and `A` bounds how many of them the J1 row
 row with room `c` holds at most `min(S - 1, k(c))` of them, `k(c)` being how many of the smallest
 pieces sum to at most `c`.
 
+It is not the optimum's: where few slots meet long pieces it misses that mid-size pieces pair
+but do not come in threes (lognormal lengths of mean 935 at L=2048 / S=3: 12,520 rows, where
+the configuration LP of `benchmarks/lp_bound.py` proves 12,562; the plan 12,572). That LP is a
+benchmark tool (column generation over scipy's HiGHS), too slow for a planner's target.
+
 Worked example (L 10, S 2; sizes 10 10 10 1 1 1 1)::
 
     simple bound:  max(ceil(34 / 10), ceil(7 / 2)) = 4

@@ -45,7 +45,7 @@ A repair that leaves the plan above the target gathers the room first and tries 
 (`strategies.repair.merge_repair`): swaps of one piece for one that fill a row exactly and
 hand its room to another that has room, and of one piece for two that bring a free slot to a
 row full in slots with room (lognormal lengths of mean 420 at L=2048 / S=5: +10 rows over the
-bound to +5, the target; 24 of 432 seeded lognormal cells above the target before, 16 after).
+bound to +5, the target; 24 of 432 seeded lognormal cells above the target before, 13 after).
 A plan still above the target after that is planned again from scratch, row by row, each row
 a sample of the pieces left ended with exactly its room (`strategies.fill.sample_fill_sorted`,
 with the ranks of `_SAMPLE_MODES` in turn), then sieved and repaired, until one reaches the
