@@ -53,6 +53,19 @@ _SHARE_ROWS = 1024  # rows with room (the roomiest) share_slots looks at, at mos
 _MERGE_ROUNDS = 8  # merges and repairs while the plan shrinks
 
 
+def _room_count(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(room, pieces) per row of the plan, both i64[num_rows]."""
+    room = capacity - np.bincount(rows, weights=sizes, minlength=num_rows).astype(np.int64)
+    return room, np.bincount(rows, minlength=num_rows).astype(np.int64)
+
+
+def _by_row(rows: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The plan's pieces per row as CSR: row r holds by_row[start[r] : start[r + 1]]."""
+    by_row = np.argsort(rows, kind="stable")
+    return by_row, np.searchsorted(rows[by_row], np.arange(num_rows + 1))
+
+
 class _State:
     """Rows' rooms and counts, each piece's row, and an undo log of moves."""
 
@@ -62,9 +75,7 @@ class _State:
         self.row = rows.astype(np.int64)
         self.S = max_segments
         self.capacity = capacity
-        self.room = capacity - np.bincount(self.row, weights=sizes, minlength=num_rows
-                                           ).astype(np.int64)
-        self.count = np.bincount(self.row, minlength=num_rows).astype(np.int64)
+        self.room, self.count = _room_count(sizes, self.row, num_rows, capacity)
         self.alive = np.ones(num_rows, bool)
         self.log: list[tuple[int, int]] = []  # (piece, row it left)
         self.roomy_size = sizes[:0]  # sizes of the pieces the current victim's moves look at
@@ -72,8 +83,7 @@ class _State:
         self.roomy_sorted = sizes[:0]  # roomy_size[roomy_by_size]
         self.work = 0
         # Pieces per row: the plan's as CSR, and sets for the rows moves have touched since.
-        self._by_row = np.argsort(self.row, kind="stable")
-        self._row_start = np.searchsorted(self.row[self._by_row], np.arange(num_rows + 1))
+        self._by_row, self._row_start = _by_row(self.row, num_rows)
         self._members: dict[int, set[int]] = {}
 
     def _set(self, r: int) -> set[int]:
@@ -259,7 +269,7 @@ def merge_rooms(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: in
     """
     sizes = np.asarray(sizes, np.int64)
     rows = np.asarray(rows, np.int64).copy()
-    room = capacity - np.bincount(rows, weights=sizes, minlength=num_rows).astype(np.int64)
+    room, _ = _room_count(sizes, rows, num_rows, capacity)
     roomy = np.flatnonzero(room[rows] > 0)
     if not np.isin(sizes[roomy] + room[rows[roomy]], sizes[roomy]).any():
         return rows, 0  # no row has a piece whose size plus its room another row holds
@@ -316,8 +326,7 @@ def share_slots(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: in
     sizes = np.asarray(sizes, np.int64)
     rows = np.asarray(rows, np.int64).copy()
     S = max_segments
-    room = capacity - np.bincount(rows, weights=sizes, minlength=num_rows).astype(np.int64)
-    count = np.bincount(rows, minlength=num_rows)
+    room, count = _room_count(sizes, rows, num_rows, capacity)
     full = np.flatnonzero((count == S) & (room > 0))
     if S < 2 or not full.size:
         return rows, 0
@@ -327,8 +336,7 @@ def share_slots(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: in
         return rows, 0
     free = free[np.argsort(sizes[free], kind="stable")]
     free_sizes = sizes[free]
-    by_row = np.argsort(rows, kind="stable")
-    start = np.searchsorted(rows[by_row], np.arange(num_rows + 1))
+    by_row, start = _by_row(rows, num_rows)
     moved = np.zeros(sizes.size, bool)
     swaps = 0
     for B in full.tolist():
