@@ -150,6 +150,29 @@ def test_offline_default_near_the_bound_where_room_spreads_thin(mu, sigma, L, S)
     assert repaired[1] > target
 
 
+def test_repair_alone_runs_before_the_sieve_and_ends_there_at_the_target(monkeypatch):
+    # where the slots can bind (not for the whole corpus) the cheap repair runs first; where it
+    # reaches the target the sieve (about three plans of the loose rows) never runs
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(rng.uniform(3.5, 4.5), rng.uniform(0.5, 1.0),
+                                    int(rng.integers(300, 1500))).astype(np.int64), 1, 512)
+    desc = np.sort(lengths)[::-1]
+    bound = tight_lower_bound(desc, 512, 8)
+    target = bfd.repair_target(bound)
+    calls = []
+
+    def spy(name):
+        run = getattr(bfd, name)
+        return lambda *a, **k: calls.append((name, a[2])) or run(*a, **k)
+
+    for name in ("repair", "sieve", "merge_repair"):
+        monkeypatch.setattr(bfd, name, spy(name))
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 512, 8)
+    _check(lengths, rows, n, 512, 8)
+    assert calls and calls[0][0] == "repair" and calls[0][1] > target  # the passes missed
+    assert [c for c, _ in calls] == ["repair"] and n <= target
+
+
 def test_offline_default_near_the_bound_where_slots_and_tokens_bind_alike(monkeypatch):
     # slots bind for the whole corpus (ceil(n / S) is 98% of the token bound): plain BFD, worst
     # fit into ceil(n / S) rows and the two-pool pass stay 5-10% above the bound, and the

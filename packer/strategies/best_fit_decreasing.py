@@ -35,10 +35,14 @@ of exactly the room left (eight copies of gsm8k at L=2048 / S=64: +2 rows over t
 Then, while the plan is above `repair_target` (0.1%, at least one row), two steps improve it:
 `strategies.sieve` plans the loose rows (those with room) again in windows of a seeded shuffle,
 keeping rows that are not exactly full open for the next window, and `strategies.repair` moves
-pieces out of the emptiest rows into the room the others have left. The sieve goes first where
-the slots can bind: there the room is spread thinly over many rows, full in slots or short of
+pieces out of the emptiest rows into the room the others have left. Where the slots can bind
+the sieve does most: there the room is spread thinly over many rows, full in slots or short of
 room for any piece left, and only mixing sizes again gathers it (chat_dev at L=4096 / S=12:
-the passes +53 rows, the repair alone +45, the sieve +1). Where the plan is one-dimensional
+the passes +53 rows, the repair alone +45, the sieve +1). The repair alone still runs first
+there, as a probe: it costs a few to tens of ms where the sieve costs about three plans of the
+loose rows, and it often reaches the target by itself (chat_dev at 8192 / 32: +2 to +1, 120 to
+58 ms; at 2048 / 16: +18 to +5, the target); where it does not, the sieve starts from its
+plan, and the repair with the merge (below) follows. Where the plan is one-dimensional
 the repair goes first (gsm8k at L=2048: +3 to +1 in a few ms), and where the slots bind for
 the whole corpus only the repair runs (every row is full in slots: mixing them frees none).
 A repair that leaves the plan above the target gathers the room first and tries again
@@ -311,13 +315,16 @@ def sieve_window(sizes: np.ndarray, capacity: int, max_segments: int) -> int:
 
 def _improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
              max_segments: int, bound: int, target: int) -> tuple[np.ndarray, int]:
-    """The sieve and the repair, then the sample fills, then the whole sieve (module
-    docstring), each while the plan is above `target`."""
+    """The repair, the sieve and the repair with the merge, then the sample fills, then the
+    whole sieve (module docstring), each while the plan is above `target`."""
     plan, last = _sieve_planners(capacity, max_segments)
     window = sieve_window(sizes_desc, capacity, max_segments)
 
+    def probe(r: np.ndarray, n: int) -> tuple[np.ndarray, int]:  # the repair alone: cheap
+        return repair(sizes_desc, r, n, capacity, max_segments, target=target)
+
     def fix(r: np.ndarray, n: int) -> tuple[np.ndarray, int]:
-        r, n = repair(sizes_desc, r, n, capacity, max_segments, target=target)
+        r, n = probe(r, n)
         return merge_repair(sizes_desc, r, n, capacity, max_segments, target=target)
 
     def mix(r: np.ndarray, n: int) -> tuple[np.ndarray, int]:
@@ -328,7 +335,7 @@ def _improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: 
     elif _slot_share(sizes_desc, capacity, max_segments) >= _WORST_FIT_RATIO:
         steps = [fix]  # every row is full in slots: the loose rows alone free no slot
     else:
-        steps = [mix, fix]
+        steps = [probe, mix, fix]
     for step in steps:
         if num_rows > target:
             rows, num_rows = step(rows, num_rows)
