@@ -40,8 +40,8 @@ the sieve does most: there the room is spread thinly over many rows, full in slo
 room for any piece left, and only mixing sizes again gathers it (chat_dev at L=4096 / S=12:
 the passes +53 rows, the repair alone +45, the sieve +1). The repair alone still runs first
 there, as a probe: it costs a few to tens of ms where the sieve costs about three plans of the
-loose rows, and it often reaches the target by itself (chat_dev at 8192 / 32: +2 to +1, 120 to
-58 ms; at 2048 / 16: +18 to +5, the target); where it does not, the sieve starts from its
+loose rows, and it often reaches the target by itself (chat_dev at 8192 / 32: +2 to +1, half
+the plan time; at 2048 / 16: +18 to +5, the target); where it does not, the sieve starts from its
 plan, and the repair with the merge (below) follows. Where the plan is one-dimensional
 the repair goes first (gsm8k at L=2048: +3 to +1 in a few ms), and where the slots bind for
 the whole corpus only the repair runs (every row is full in slots: mixing them frees none).
