@@ -173,6 +173,64 @@ def test_repair_alone_runs_before_the_sieve_and_ends_there_at_the_target(monkeyp
     assert [c for c, _ in calls] == ["repair"] and n <= target
 
 
+def _seeded_lognormal(seed: int, L: int, mu: tuple[float, float]) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(500, 3000))
+    return np.clip(rng.lognormal(rng.uniform(*mu), rng.uniform(0.3, 1.0), n).astype(np.int64),
+                   1, L)
+
+
+def _spy_steps(monkeypatch) -> list[tuple[str, int, int]]:
+    """(step, rows in, rows out) of each call of the repair, the merge and the sieve."""
+    calls: list[tuple[str, int, int]] = []
+
+    def spy(name):
+        run = getattr(bfd, name)
+
+        def call(*a, **k):
+            out = run(*a, **k)
+            calls.append((name, a[2], out[1]))
+            return out
+        return call
+
+    for name in ("repair", "sieve", "merge_repair"):
+        monkeypatch.setattr(bfd, name, spy(name))
+    return calls
+
+
+def test_merge_after_the_repair_near_the_bound_ends_there_at_the_target(monkeypatch):
+    # the repair alone leaves the plan 2 rows over the bound (the target is + 1), within
+    # _MERGE_FIRST of it: the merge gathers the room the repair could not use, and the sieve
+    # never runs
+    lengths = _seeded_lognormal(4, 512, (3.5, 4.5))
+    desc = np.sort(lengths)[::-1]
+    bound = tight_lower_bound(desc, 512, 8)
+    target = bfd.repair_target(bound)
+    calls = _spy_steps(monkeypatch)
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 512, 8)
+    _check(lengths, rows, n, 512, 8)
+    assert [c for c, _, _ in calls] == ["repair", "merge_repair"]
+    assert target < calls[0][2] <= bound + bfd._MERGE_FIRST * bound  # the repair missed
+    assert n <= target
+
+
+def test_probes_that_miss_leave_the_sieve_the_passes_plan(monkeypatch):
+    # the repair (550 to 548 rows) and the merge (to 547) miss the target of 544; the sieve
+    # starts from the passes' plan of 550 rows, not the repaired one (from 548 it ended at 545)
+    lengths = _seeded_lognormal(1, 2048, (5.0, 6.5))
+    desc = np.sort(lengths)[::-1]
+    bound = tight_lower_bound(desc, 2048, 8)
+    target = bfd.repair_target(bound)
+    calls = _spy_steps(monkeypatch)
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 8)
+    _check(lengths, rows, n, 2048, 8)
+    (first, passes, repaired), (second, _, merged) = calls[:2]
+    assert (first, second) == ("repair", "merge_repair") and merged > target
+    sieved = [rows_in for step, rows_in, _ in calls if step == "sieve"]
+    assert sieved[0] == passes > repaired
+    assert n <= target
+
+
 def test_offline_default_near_the_bound_where_slots_and_tokens_bind_alike(monkeypatch):
     # slots bind for the whole corpus (ceil(n / S) is 98% of the token bound): plain BFD, worst
     # fit into ceil(n / S) rows and the two-pool pass stay 5-10% above the bound, and the

@@ -41,8 +41,16 @@ room for any piece left, and only mixing sizes again gathers it (chat_dev at L=4
 the passes +53 rows, the repair alone +45, the sieve +1). The repair alone still runs first
 there, as a probe: it costs a few to tens of ms where the sieve costs about three plans of the
 loose rows, and it often reaches the target by itself (chat_dev at 8192 / 32: +2 to +1, half
-the plan time; at 2048 / 16: +18 to +5, the target); where it does not, the sieve starts from its
-plan, and the repair with the merge (below) follows. Where the plan is one-dimensional
+the plan time; at 2048 / 16: +18 to +5, the target). Where it does not but leaves the plan
+within 3% of the bound (`_MERGE_FIRST`), the repair with the merge (below) is a second probe:
+near the bound the room left is spread thin, and gathering it costs less than mixing (gsm8k
+at 2048 / 16: the passes +14 rows, the repair +11, the merge +1, the target, in 8 ms where the
+sieve takes 35; chat_dev at 2048 / 8: +8 to +5 in 16 ms, the sieve 62). Further off the merge
+misses at a cost that grows faster than the corpus (chat_dev eight times over at 2048 / 6, 6%
+over the bound: the merge 3 s to +1442 rows, the sieve 1.6 s to +83). A probe's plan is kept
+only where it reaches the target; otherwise the sieve starts from the passes' plan (from the
+repaired one it has fewer loose rows to mix: 1,682 lognormal lengths at 2048 / 8, +2 rows over
+the bound against +1) and the repair with the merge follows. Where the plan is one-dimensional
 the repair goes first (gsm8k at L=2048: +3 to +1 in a few ms), and where the slots bind for
 the whole corpus only the repair runs (every row is full in slots: mixing them frees none).
 A repair that leaves the plan above the target gathers the room first and tries again
@@ -97,6 +105,7 @@ WINDOW_SLOTS_BIND = 0.5  # from this share on a stream's window is repaired (`sl
 _FALLBACK = 100  # plain BFD after the two-pool pass only above the bound + 1/100
 _SEEDS = 2  # shuffles the whole sieve tries (its rows vary by a few tenths of a percent)
 _BIG_ROWS = 0.25  # worst fit into the bound's rows where pieces over L/2 are in this share
+_MERGE_FIRST = 0.03  # the merge probes where the repair leaves the plan this share over the bound
 _WINDOW_ROWS = 64  # a sieve window holds at least this many rows' worth of pieces
 # the sample fill's (ranks, seed), in the order tried; a sample plan further above the bound
 # than _SAMPLE_SPREAD times the plan so far (and 5%) is dropped (the fill stops once it must be)
@@ -315,30 +324,42 @@ def sieve_window(sizes: np.ndarray, capacity: int, max_segments: int) -> int:
 
 def _improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
              max_segments: int, bound: int, target: int) -> tuple[np.ndarray, int]:
-    """The repair, the sieve and the repair with the merge, then the sample fills, then the
-    whole sieve (module docstring), each while the plan is above `target`."""
+    """The probes (the repair, then near the bound the merge), the sieve and the repair with
+    the merge, then the sample fills, then the whole sieve (module docstring), each while the
+    plan is above `target`."""
     plan, last = _sieve_planners(capacity, max_segments)
     window = sieve_window(sizes_desc, capacity, max_segments)
 
     def probe(r: np.ndarray, n: int) -> tuple[np.ndarray, int]:  # the repair alone: cheap
         return repair(sizes_desc, r, n, capacity, max_segments, target=target)
 
-    def fix(r: np.ndarray, n: int) -> tuple[np.ndarray, int]:
-        r, n = probe(r, n)
+    def merge(r: np.ndarray, n: int) -> tuple[np.ndarray, int]:
         return merge_repair(sizes_desc, r, n, capacity, max_segments, target=target)
+
+    def fix(r: np.ndarray, n: int) -> tuple[np.ndarray, int]:
+        return merge(*probe(r, n))
 
     def mix(r: np.ndarray, n: int) -> tuple[np.ndarray, int]:
         return sieve(sizes_desc, r, n, capacity, plan, last=last, window=window)
 
+    early = (rows, num_rows)  # the probes' plan (where they miss, the sieve starts from rows)
     if not slots_can_bind(sizes_desc[::-1], capacity, max_segments):
         steps = [fix, mix]
     elif _slot_share(sizes_desc, capacity, max_segments) >= _WORST_FIT_RATIO:
         steps = [fix]  # every row is full in slots: the loose rows alone free no slot
     else:
-        steps = [probe, mix, fix]
+        steps = [mix, fix]
+        if num_rows > target:  # the probes, kept where they reach the target
+            early = probe(rows, num_rows)
+            if target < early[1] <= bound + _MERGE_FIRST * bound:
+                early = merge(*early)
+            if early[1] <= target:
+                rows, num_rows = early
     for step in steps:
         if num_rows > target:
             rows, num_rows = step(rows, num_rows)
+    if early[1] < num_rows:
+        rows, num_rows = early
     if num_rows > target:
         limit = bound + max(_SAMPLE_SPREAD * (num_rows - bound), bound // 20)
         for mode, seed in _SAMPLE_MODES:  # rows as samples of the pieces left, then as above
