@@ -215,20 +215,46 @@ def test_merge_after_the_repair_near_the_bound_ends_there_at_the_target(monkeypa
 
 
 def test_probes_that_miss_leave_the_sieve_the_passes_plan(monkeypatch):
-    # the repair (550 to 548 rows) and the merge (to 547) miss the target of 544; the sieve
-    # starts from the passes' plan of 550 rows, not the repaired one (from 548 it ended at 545)
-    lengths = _seeded_lognormal(1, 2048, (5.0, 6.5))
+    # 2,810 lengths at 512 / 8 (slot share 0.59): the repair (607 to 600 rows) and the merge
+    # (to 599) miss the target of 598; the sieve starts from the passes' plan of 607 rows, not
+    # the repaired one, and the repair with the merge after it gets to the target
+    lengths = _seeded_lognormal(143, 512, (3.5, 4.5))
     desc = np.sort(lengths)[::-1]
-    bound = tight_lower_bound(desc, 2048, 8)
+    bound = tight_lower_bound(desc, 512, 8)
     target = bfd.repair_target(bound)
     calls = _spy_steps(monkeypatch)
-    rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 8)
-    _check(lengths, rows, n, 2048, 8)
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 512, 8)
+    _check(lengths, rows, n, 512, 8)
     (first, passes, repaired), (second, _, merged) = calls[:2]
     assert (first, second) == ("repair", "merge_repair") and merged > target
     sieved = [rows_in for step, rows_in, _ in calls if step == "sieve"]
     assert sieved[0] == passes > repaired
     assert n <= target
+
+
+@pytest.mark.parametrize("seed, gap", [(12, 0), (7, 1)])
+def test_exact_fill_is_a_probe_where_the_slots_bind_little(monkeypatch, seed, gap):
+    # chat-like lengths (2,031 of mean 676; 2,862 of mean 725) at 2048 / 8: slot share under
+    # 0.5, about 3 pieces a row, few of each size. The two-pool pass is 5 and 9 rows over the
+    # bound, the repair and the merge leave +2 (the target is +1), and so did the sieve and the
+    # sample fills after them. The exact fill (rows ended with a piece or a pair of exactly the
+    # room left), repaired, gets to +0 and +1, the sieve never runs; in the second corpus the
+    # fill alone is further off (+15) than the two-pool pass
+    lengths = _seeded_lognormal(seed, 2048, (5.0, 6.5))
+    desc = np.sort(lengths)[::-1]
+    bound = tight_lower_bound(desc, 2048, 8)
+    target = bfd.repair_target(bound)
+    assert bfd._slot_share(desc, 2048, 8) < bfd.WINDOW_SLOTS_BIND
+    assert bfd.slots_can_bind(desc[::-1], 2048, 8)  # not the one-dimensional plan
+    two_pool = bfd.two_pool_sorted(desc, 2048, 8, bound)[1]
+    filled = bfd.fill_sorted(desc, 2048, 8)[1]
+    assert two_pool > target and (filled > two_pool) == (seed == 7)
+    calls = _spy_steps(monkeypatch)
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 8)
+    _check(lengths, rows, n, 2048, 8)
+    assert n == bound + gap <= target
+    assert calls[1][0] == "merge_repair" and calls[1][2] > target  # the first probes missed
+    assert "sieve" not in [c for c, _, _ in calls]
 
 
 def test_offline_default_near_the_bound_where_slots_and_tokens_bind_alike(monkeypatch):

@@ -50,7 +50,13 @@ misses at a cost that grows faster than the corpus (chat_dev eight times over at
 over the bound: the merge 3 s to +1442 rows, the sieve 1.6 s to +83). A probe's plan is kept
 only where it reaches the target; otherwise the sieve starts from the passes' plan (from the
 repaired one it has fewer loose rows to mix: 1,682 lognormal lengths at 2048 / 8, +2 rows over
-the bound against +1) and the repair with the merge follows. Where the plan is one-dimensional
+the bound against +1) and the repair with the merge follows. Where the slot share is under 0.5
+the exact fill of `strategies.fill` (the one-dimensional plan's second pass), repaired, is a
+third probe: on small corpora of about three pieces a row, few of each size, the passes' rows
+end with room no later piece fits (2,031 chat-like lengths of mean 676 at 2048 / 8: the
+two-pool pass +5 rows, the repair and the merge +2, the sieve and the sample fills no better;
+the fill +0; 9 of 360 seeded corpora of 500 to 3,000 lengths above the target before it, none
+after). Where the plan is one-dimensional
 the repair goes first (gsm8k at L=2048: +3 to +1 in a few ms), and where the slots bind for
 the whole corpus only the repair runs (every row is full in slots: mixing them frees none).
 A repair that leaves the plan above the target gathers the room first and tries again
@@ -345,7 +351,7 @@ def _improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: 
     early = (rows, num_rows)  # the probes' plan (where they miss, the sieve starts from rows)
     if not slots_can_bind(sizes_desc[::-1], capacity, max_segments):
         steps = [fix, mix]
-    elif _slot_share(sizes_desc, capacity, max_segments) >= _WORST_FIT_RATIO:
+    elif (share := _slot_share(sizes_desc, capacity, max_segments)) >= _WORST_FIT_RATIO:
         steps = [fix]  # every row is full in slots: the loose rows alone free no slot
     else:
         steps = [mix, fix]
@@ -353,6 +359,9 @@ def _improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: 
             early = probe(rows, num_rows)
             if target < early[1] <= bound + _MERGE_FIRST * bound:
                 early = merge(*early)
+            if early[1] > target and share < WINDOW_SLOTS_BIND:  # the exact fill, repaired
+                filled = fix(*fill_sorted(sizes_desc, capacity, max_segments))
+                early = min(early, filled, key=lambda got: got[1])
             if early[1] <= target:
                 rows, num_rows = early
     for step in steps:

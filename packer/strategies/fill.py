@@ -22,7 +22,8 @@ exact ending is almost always there, so only the last rows keep room (eight copi
 +2 rows instead of +20). It plans on the count of pieces per size (sizes are at most
 `capacity`), a few Python steps a piece. Where the slots can bind it is no good (every row
 takes the largest pieces first and the short tail ends up in rows of its own: +219 rows at
-2048 / 16), so `best_fit_decreasing` runs it only where the plan is one-dimensional.
+2048 / 16), so `best_fit_decreasing` runs it as a pass only where the plan is one-dimensional,
+and as a probe, repaired, where the slots bind little (slot share under 0.5) and the passes miss.
 
 Worked example (capacity 10)::
 
