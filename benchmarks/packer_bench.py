@@ -27,8 +27,8 @@ seeded order, so the plan sees a corpus R times larger with the same lengths.
 target, and the same without the sample fills (`best_fit_decreasing._SAMPLE_MODES` empty), both
 timed in this process.
 
-`--synthetic N [--seed K] [--lp SECONDS]`: seeded lognormal corpora the defaults were not tuned
-on (benchmarks/synthetic_bench.py).
+`--synthetic N [--seed K] [--lp SECONDS] [--small]`: seeded lognormal corpora the defaults were
+not tuned on (benchmarks/synthetic_bench.py).
 
 `--scan`: the offline default alone over L in {2k, 4k, 8k, 32k, 128k} x S in {8, 12, 16, 24,
 32, 48, 64, 128, 256, 1024, 4096} (220 cells over the four corpora): rows over the tight bound
@@ -443,6 +443,8 @@ def main() -> None:
     ap.add_argument("--synthetic", type=int, default=0, help="N seeded lognormal corpora, the "
                     "offline default against the baseline (see run_synthetic)")
     ap.add_argument("--seed", type=int, default=0, help="--synthetic: the corpora's seed")
+    ap.add_argument("--small", action="store_true", help="--synthetic: corpora of 500 to 3,000 "
+                    "lengths, N seeds of three (see small_cells)")
     ap.add_argument("--lp", type=float, default=0.0, help="--synthetic: seconds of the "
                     "configuration LP bound (benchmarks/lp_bound.py) per cell above the target")
     ap.add_argument("--repeat", type=int, default=1, help="--grid, --scan, --boundary, --cell: "
