@@ -44,6 +44,33 @@ def test_fill_ends_rows_exactly_where_bfd_leaves_their_last_tokens():
     assert n <= bfd.repair_target(bound)
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=200), st.integers(2, 600))
+def test_fill_pair_search_is_the_largest_pair_left(sizes, room):
+    # the pair that ends a row: the largest a <= room / 2 with a and room - a both left (two of
+    # it where they are equal), by a few sizes one at a time and then the rest at once; rooms
+    # with many sizes below half and no pair near it reach the second part
+    count = np.bincount(np.asarray(sizes), minlength=room + 1)
+    cnt = count.tolist()
+    avail = np.flatnonzero(count).tolist()
+    pairs = [a for a in range(1, room // 2 + 1) if a < len(cnt) and room - a < len(cnt)
+             and cnt[a] and cnt[room - a] and (a != room - a or cnt[a] >= 2)]
+    if room >= len(cnt):  # sizes above the room are never asked about
+        return
+    assert fill_mod._pair(avail, cnt, count > 0, room) == (pairs[-1] if pairs else 0)
+
+
+def test_fill_pair_search_past_the_sizes_tried_one_by_one():
+    # every size from 1 to 80 left, and one of 150: room 190 pairs only 40 + 150, 40 sizes
+    # after the 80 the search starts at (more than _PAIR_TRIES)
+    sizes = list(range(1, 81)) + [150]
+    count = np.bincount(sizes, minlength=191)
+    assert 80 - 40 > fill_mod._PAIR_TRIES
+    assert fill_mod._pair(np.flatnonzero(count).tolist(), count.tolist(), count > 0, 190) == 40
+    count[40] = 0
+    assert fill_mod._pair(np.flatnonzero(count).tolist(), count.tolist(), count > 0, 190) == 0
+
+
 @settings(max_examples=150, deadline=None)
 @given(instances, st.integers(0, 3), st.sampled_from(["random", "middle", "span"]))
 def test_sample_fill_keeps_every_piece_within_both_limits(inst, extra, mode):

@@ -39,6 +39,24 @@ from bisect import bisect_right
 
 import numpy as np
 
+_PAIR_TRIES = 32  # sizes the pair search tries one by one before it looks at all of them
+
+
+def _pair(avail: list[int], cnt: list[int], has: np.ndarray, room: int) -> int:
+    """The largest size a <= room / 2 left with room - a left too (two of it where a = room - a),
+    or 0. `avail`: the sizes left, ascending; `cnt`: pieces left per size; `has`: cnt > 0."""
+    top = bisect_right(avail, room // 2) - 1
+    low = max(-1, top - _PAIR_TRIES)
+    for i in range(top, low, -1):  # most often one of the first few
+        a = avail[i]
+        if cnt[room - a] and (a != room - a or cnt[a] >= 2):
+            return a
+    if low < 0:
+        return 0  # every size tried
+    a = avail[low + 1] - 1  # the rest at once: every a left below the ones tried
+    pairs = np.flatnonzero(has[: a + 1] & has[room - a : room + 1][::-1])
+    return int(pairs[-1]) if pairs.size else 0  # (each under half: room - a differs from a)
+
 
 def fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int
                 ) -> tuple[np.ndarray, int]:
@@ -87,20 +105,11 @@ def fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int
                 take(room, num_rows)
                 break
             if k + 2 <= S and room <= 2 * avail[-1]:
-                half = room // 2
-                low = has[: half + 1] & has[room - half : room + 1][::-1]  # s, room - s left
-                pairs = np.flatnonzero(low)
-                if pairs.size:
-                    a = int(pairs[-1])
-                    if a != room - a or cnt[a] >= 2:
-                        take(a, num_rows)
-                        take(room - a, num_rows)
-                        break
-                    if pairs.size > 1:
-                        a = int(pairs[-2])
-                        take(a, num_rows)
-                        take(room - a, num_rows)
-                        break
+                a = _pair(avail, cnt, has, room)
+                if a:
+                    take(a, num_rows)
+                    take(room - a, num_rows)
+                    break
             i = bisect_right(avail, room) - 1
             if i < 0:
                 break
