@@ -198,17 +198,23 @@ def _spy_steps(monkeypatch) -> list[tuple[str, int, int]]:
     return calls
 
 
+def _planned_seeded(monkeypatch, seed: int, L: int, mu: tuple[float, float], S: int):
+    """The offline default on `_seeded_lognormal(seed, L, mu)` at L / S, its steps spied:
+    (sorted lengths, bound, target, steps, rows), the plan checked."""
+    lengths = _seeded_lognormal(seed, L, mu)
+    desc = np.sort(lengths)[::-1]
+    bound = tight_lower_bound(desc, L, S)
+    calls = _spy_steps(monkeypatch)
+    rows, n = bfd.assign_best_fit_decreasing(lengths, L, S)
+    _check(lengths, rows, n, L, S)
+    return desc, bound, bfd.repair_target(bound), calls, n
+
+
 def test_merge_after_the_repair_near_the_bound_ends_there_at_the_target(monkeypatch):
     # the repair alone leaves the plan 2 rows over the bound (the target is + 1), within
     # _MERGE_FIRST of it: the merge gathers the room the repair could not use, and the sieve
     # never runs
-    lengths = _seeded_lognormal(4, 512, (3.5, 4.5))
-    desc = np.sort(lengths)[::-1]
-    bound = tight_lower_bound(desc, 512, 8)
-    target = bfd.repair_target(bound)
-    calls = _spy_steps(monkeypatch)
-    rows, n = bfd.assign_best_fit_decreasing(lengths, 512, 8)
-    _check(lengths, rows, n, 512, 8)
+    _, bound, target, calls, n = _planned_seeded(monkeypatch, 4, 512, (3.5, 4.5), 8)
     assert [c for c, _, _ in calls] == ["repair", "merge_repair"]
     assert target < calls[0][2] <= bound + bfd._MERGE_FIRST * bound  # the repair missed
     assert n <= target
@@ -218,13 +224,7 @@ def test_probes_that_miss_leave_the_sieve_the_passes_plan(monkeypatch):
     # 2,810 lengths at 512 / 8 (slot share 0.59): the repair (607 to 600 rows) and the merge
     # (to 599) miss the target of 598; the sieve starts from the passes' plan of 607 rows, not
     # the repaired one, and the repair with the merge after it gets to the target
-    lengths = _seeded_lognormal(143, 512, (3.5, 4.5))
-    desc = np.sort(lengths)[::-1]
-    bound = tight_lower_bound(desc, 512, 8)
-    target = bfd.repair_target(bound)
-    calls = _spy_steps(monkeypatch)
-    rows, n = bfd.assign_best_fit_decreasing(lengths, 512, 8)
-    _check(lengths, rows, n, 512, 8)
+    _, bound, target, calls, n = _planned_seeded(monkeypatch, 143, 512, (3.5, 4.5), 8)
     (first, passes, repaired), (second, _, merged) = calls[:2]
     assert (first, second) == ("repair", "merge_repair") and merged > target
     sieved = [rows_in for step, rows_in, _ in calls if step == "sieve"]
@@ -240,18 +240,12 @@ def test_exact_fill_is_a_probe_where_the_slots_bind_little(monkeypatch, seed, ga
     # sample fills after them. The exact fill (rows ended with a piece or a pair of exactly the
     # room left), repaired, gets to +0 and +1, the sieve never runs; in the second corpus the
     # fill alone is further off (+15) than the two-pool pass
-    lengths = _seeded_lognormal(seed, 2048, (5.0, 6.5))
-    desc = np.sort(lengths)[::-1]
-    bound = tight_lower_bound(desc, 2048, 8)
-    target = bfd.repair_target(bound)
+    desc, bound, target, calls, n = _planned_seeded(monkeypatch, seed, 2048, (5.0, 6.5), 8)
     assert bfd._slot_share(desc, 2048, 8) < bfd.WINDOW_SLOTS_BIND
     assert bfd.slots_can_bind(desc[::-1], 2048, 8)  # not the one-dimensional plan
     two_pool = bfd.two_pool_sorted(desc, 2048, 8, bound)[1]
     filled = bfd.fill_sorted(desc, 2048, 8)[1]
     assert two_pool > target and (filled > two_pool) == (seed == 7)
-    calls = _spy_steps(monkeypatch)
-    rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 8)
-    _check(lengths, rows, n, 2048, 8)
     assert n == bound + gap <= target
     assert calls[1][0] == "merge_repair" and calls[1][2] > target  # the first probes missed
     assert "sieve" not in [c for c, _, _ in calls]
