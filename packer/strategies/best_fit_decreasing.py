@@ -330,9 +330,9 @@ def sieve_window(sizes: np.ndarray, capacity: int, max_segments: int) -> int:
 
 def _improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
              max_segments: int, bound: int, target: int) -> tuple[np.ndarray, int]:
-    """The probes (the repair, then near the bound the merge), the sieve and the repair with
-    the merge, then the sample fills, then the whole sieve (module docstring), each while the
-    plan is above `target`."""
+    """The probes (the repair, then near the bound the merge, then where the slots bind little
+    the exact fill), the sieve and the repair with the merge, then the sample fills, then the
+    whole sieve (module docstring), each while the plan is above `target`."""
     plan, last = _sieve_planners(capacity, max_segments)
     window = sieve_window(sizes_desc, capacity, max_segments)
 
