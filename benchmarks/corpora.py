@@ -51,6 +51,16 @@ def chat_turns() -> np.ndarray | None:
     return lengths[lengths > 0]
 
 
+def small_lognormal(seed: int, L: int, mu: tuple[float, float]) -> tuple[float, float, np.ndarray]:
+    """(mu, sigma, lengths) of a seeded small corpus: 500 to 3,000 lognormal lengths, mu drawn
+    in `mu`, sigma in [0.3, 1], clipped to [1, L] (`--synthetic --small`, and the tests' seeded
+    corpora)."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(500, 3000))
+    m, sigma = rng.uniform(*mu), rng.uniform(0.3, 1.0)
+    return m, sigma, np.clip(rng.lognormal(m, sigma, n).astype(np.int64), 1, L)
+
+
 def lengths(names: list[str] | None = None) -> dict[str, np.ndarray]:
     """{name: lengths i64[n]} of the corpora asked for (default: all that are available)."""
     out: dict[str, np.ndarray] = {}

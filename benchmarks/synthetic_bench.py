@@ -16,7 +16,7 @@ within the target of it.
 target, where a plan is a few hundred rows and every row counts): per seed K (K = --seed ..
 --seed + N - 1) three of them, L=512 with mu in [3.5, 4.5], L=2048 with mu in [5, 6.5] and
 L=8192 with mu in [6, 7.5] (sigma in [0.3, 1], lengths clipped to L), each at S in {8, 12, 16,
-24, 32} (`small_cells`; the tests' `_seeded_lognormal` draws the same corpora).
+24, 32} (`small_cells`, by `corpora.small_lognormal`, which the tests' seeded corpora use too).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks.common import print_table
+from benchmarks.corpora import small_lognormal
 from benchmarks.lp_bound import lp_bound
 from benchmarks.packer_bench import _split_sizes, _time_plan, baseline_bfd, bfd_mod, plan_mod
 from seqpack.packer import PackConfig, tight_lower_bound
@@ -50,12 +51,9 @@ def small_cells(count: int, seed: int):
     """(label, lengths, L, S) of the `--small` cells (module docstring)."""
     for k in range(seed, seed + count):
         for L, mu in _SMALL:
-            rng = np.random.default_rng(k)
-            n = int(rng.integers(500, 3000))
-            m, sigma = rng.uniform(*mu), rng.uniform(0.3, 1.0)
-            lengths = np.clip(rng.lognormal(m, sigma, n).astype(np.int64), 1, L)
+            m, sigma, lengths = small_lognormal(k, L, mu)
             for S in _SMALL_S:
-                yield f"seed {k}: lognormal({m:.2f}, {sigma:.2f}) x{n}", lengths, L, S
+                yield f"seed {k}: lognormal({m:.2f}, {sigma:.2f}) x{lengths.size}", lengths, L, S
 
 
 def _cells(args):

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.corpora import small_lognormal
 from seqpack.packer import PackConfig, StreamPlanner, bounds, plan, tight_lower_bound
 from seqpack.packer import stream as stream_mod
 from seqpack.packer.bounds import lower_bound
@@ -174,10 +175,7 @@ def test_repair_alone_runs_before_the_sieve_and_ends_there_at_the_target(monkeyp
 
 
 def _seeded_lognormal(seed: int, L: int, mu: tuple[float, float]) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(500, 3000))
-    return np.clip(rng.lognormal(rng.uniform(*mu), rng.uniform(0.3, 1.0), n).astype(np.int64),
-                   1, L)
+    return small_lognormal(seed, L, mu)[2]  # the corpora of `--synthetic --small`
 
 
 def _spy_steps(monkeypatch) -> list[tuple[str, int, int]]:
