@@ -1,0 +1,104 @@
+"""The offline default's probes before the sieve (`best_fit_decreasing._improve`): the repair,
+then near the bound the merge, then where the slots bind little the exact fill; each kept only
+where it reaches the target, else the sieve starts from the passes' plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks.corpora import small_lognormal
+from seqpack.packer import tight_lower_bound
+from seqpack.packer.strategies import best_fit_decreasing as bfd
+from tests.helpers.packer import check_rows as _check
+
+
+def _seeded_lognormal(seed: int, L: int, mu: tuple[float, float]) -> np.ndarray:
+    return small_lognormal(seed, L, mu)[2]  # the corpora of `--synthetic --small`
+
+
+def _spy_steps(monkeypatch) -> list[tuple[str, int, int]]:
+    """(step, rows in, rows out) of each call of the repair, the merge and the sieve."""
+    calls: list[tuple[str, int, int]] = []
+
+    def spy(name):
+        run = getattr(bfd, name)
+
+        def call(*a, **k):
+            out = run(*a, **k)
+            calls.append((name, a[2], out[1]))
+            return out
+        return call
+
+    for name in ("repair", "sieve", "merge_repair"):
+        monkeypatch.setattr(bfd, name, spy(name))
+    return calls
+
+
+def _planned_seeded(monkeypatch, seed: int, L: int, mu: tuple[float, float], S: int):
+    """The offline default on `_seeded_lognormal(seed, L, mu)` at L / S, its steps spied:
+    (sorted lengths, bound, target, steps, rows), the plan checked."""
+    lengths = _seeded_lognormal(seed, L, mu)
+    desc = np.sort(lengths)[::-1]
+    bound = tight_lower_bound(desc, L, S)
+    calls = _spy_steps(monkeypatch)
+    rows, n = bfd.assign_best_fit_decreasing(lengths, L, S)
+    _check(lengths, rows, n, L, S)
+    return desc, bound, bfd.repair_target(bound), calls, n
+
+
+def test_repair_alone_runs_before_the_sieve_and_ends_there_at_the_target(monkeypatch):
+    # where the slots can bind (not for the whole corpus) the cheap repair runs first; where it
+    # reaches the target the sieve (about three plans of the loose rows) never runs
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(rng.uniform(3.5, 4.5), rng.uniform(0.5, 1.0),
+                                    int(rng.integers(300, 1500))).astype(np.int64), 1, 512)
+    desc = np.sort(lengths)[::-1]
+    bound = tight_lower_bound(desc, 512, 8)
+    target = bfd.repair_target(bound)
+    calls = _spy_steps(monkeypatch)
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 512, 8)
+    _check(lengths, rows, n, 512, 8)
+    assert calls and calls[0][0] == "repair" and calls[0][1] > target  # the passes missed
+    assert [c for c, _, _ in calls] == ["repair"] and n <= target
+
+
+def test_merge_after_the_repair_near_the_bound_ends_there_at_the_target(monkeypatch):
+    # the repair alone leaves the plan 2 rows over the bound (the target is + 1), within
+    # _MERGE_FIRST of it: the merge gathers the room the repair could not use, and the sieve
+    # never runs
+    _, bound, target, calls, n = _planned_seeded(monkeypatch, 4, 512, (3.5, 4.5), 8)
+    assert [c for c, _, _ in calls] == ["repair", "merge_repair"]
+    assert target < calls[0][2] <= bound + bfd._MERGE_FIRST * bound  # the repair missed
+    assert n <= target
+
+
+def test_probes_that_miss_leave_the_sieve_the_passes_plan(monkeypatch):
+    # 2,810 lengths at 512 / 8 (slot share 0.59): the repair (607 to 600 rows) and the merge
+    # (to 599) miss the target of 598; the sieve starts from the passes' plan of 607 rows, not
+    # the repaired one, and the repair with the merge after it gets to the target
+    _, bound, target, calls, n = _planned_seeded(monkeypatch, 143, 512, (3.5, 4.5), 8)
+    (first, passes, repaired), (second, _, merged) = calls[:2]
+    assert (first, second) == ("repair", "merge_repair") and merged > target
+    sieved = [rows_in for step, rows_in, _ in calls if step == "sieve"]
+    assert sieved[0] == passes > repaired
+    assert n <= target
+
+
+@pytest.mark.parametrize("seed, gap", [(12, 0), (7, 1)])
+def test_exact_fill_is_a_probe_where_the_slots_bind_little(monkeypatch, seed, gap):
+    # chat-like lengths (2,031 of mean 676; 2,862 of mean 725) at 2048 / 8: slot share under
+    # 0.5, about 3 pieces a row, few of each size. The two-pool pass is 5 and 9 rows over the
+    # bound, the repair and the merge leave +2 (the target is +1), and so did the sieve and the
+    # sample fills after them. The exact fill (rows ended with a piece or a pair of exactly the
+    # room left), repaired, gets to +0 and +1, the sieve never runs; in the second corpus the
+    # fill alone is further off (+15) than the two-pool pass
+    desc, bound, target, calls, n = _planned_seeded(monkeypatch, seed, 2048, (5.0, 6.5), 8)
+    assert bfd._slot_share(desc, 2048, 8) < bfd.WINDOW_SLOTS_BIND
+    assert bfd.slots_can_bind(desc[::-1], 2048, 8)  # not the one-dimensional plan
+    two_pool = bfd.two_pool_sorted(desc, 2048, 8, bound)[1]
+    filled = bfd.fill_sorted(desc, 2048, 8)[1]
+    assert two_pool > target and (filled > two_pool) == (seed == 7)
+    assert n == bound + gap <= target
+    assert calls[1][0] == "merge_repair" and calls[1][2] > target  # the first probes missed
+    assert "sieve" not in [c for c, _, _ in calls]
