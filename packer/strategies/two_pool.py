@@ -23,7 +23,11 @@ puts consecutive equal pieces into the same row while it keeps room, slots and p
 takes as many as it can at once. Short runs go row by row over sorted lists (the pools, and a
 heap of the mean `room / free` at which a token-short row turns slot-short as `a` falls); long
 runs, which the tail deals out one piece per row, go through numpy over one sorted array of the
-open rows. Both place exactly the same rows.
+open rows. Both place exactly the same rows. The pools are `sorted_keys` lists: flat, or in
+blocks where the plan expects `sorted_keys._BLOCK_ROWS` (4,096) rows or more, since a flat
+list's insert moves its tail: chat_dev 32 times over at L=2048 / S=8 (183,338 rows) took
+10.8 s here with flat pools, growing with the square of the rows, and takes 2.1 s in blocks
+(the same rows).
 
 Worked example (capacity 10, max_segments 4; bound 3 rows, open from the start)::
 
@@ -37,12 +41,12 @@ Worked example (capacity 10, max_segments 4; bound 3 rows, open from the start):
 
 from __future__ import annotations
 
-import heapq
 import math
-from bisect import bisect_left, insort
-from itertools import islice
+from heapq import heapify, heappop, heappush
 
 import numpy as np
+
+from seqpack.packer.strategies.sorted_keys import BlockKeys, FlatKeys, Keys, keys_for
 
 _SHIFT = 40  # keys `room << _SHIFT | row` (rooms below 2**23, rows below 2**40)
 _MASK = (1 << _SHIFT) - 1
@@ -64,13 +68,15 @@ def _limit(room: int, free: int, s: int, a: float) -> int:
 class _Rows:
     """Rows as lists: rooms, counts, the two pools (sorted keys) and the pool-change heap."""
 
-    def __init__(self, capacity: int, max_segments: int, min_size: int, empty: int) -> None:
+    def __init__(self, capacity: int, max_segments: int, min_size: int, empty: int,
+                 pool: type[FlatKeys] | type[BlockKeys] | None = None) -> None:
         self.L, self.S, self.min_size = capacity, max_segments, min_size
         self.room: list[int] = []
         self.count: list[int] = []
         self.version: list[int] = []
-        self.slot: list[int] = []  # keys of slot-short rows
-        self.token: list[int] = []  # keys of token-short rows
+        self.pool = keys_for(empty) if pool is None else pool  # flat, or in blocks
+        self.slot: Keys = self.pool()  # keys of slot-short rows
+        self.token: Keys = self.pool()  # keys of token-short rows
         self.heap: list[tuple[float, int, int]] = []  # (-room / free, version, row)
         self.empty = empty  # rows open from the start and still empty
 
@@ -78,15 +84,13 @@ class _Rows:
     def num_rows(self) -> int:
         return len(self.room)
 
-    def file(self, r: int, a: float) -> None:
-        """Puts row r (in no pool) into the pool its room and free slots give at mean a."""
-        self.refile([r], a)
-
     def refile(self, rows: list[int] | tuple[int, ...], a: float) -> None:
-        """`file` for each of `rows` (taken out of their pools)."""
+        """Puts each of `rows` (in no pool) into the pool its room and free slots give at mean
+        a (`_fill` does the same for the rows it fills)."""
         room_, count, version, S, min_size = self.room, self.count, self.version, self.S, \
             self.min_size
-        slot, token, heap = self.slot, self.token, self.heap
+        heap = self.heap
+        to_slot, to_token = [], []
         for r in rows:
             room, free = room_[r], S - count[r]
             v = version[r] + 1  # every earlier heap entry of the row is stale from here on
@@ -94,65 +98,68 @@ class _Rows:
             if room < min_size or free == 0:
                 continue  # closed
             if room > free * a:
-                insort(slot, (room << _SHIFT) | r)
+                to_slot.append((room << _SHIFT) | r)
             else:
-                insort(token, (room << _SHIFT) | r)
+                to_token.append((room << _SHIFT) | r)
                 if room > free * min_size:  # else no mean to come turns it slot-short
-                    heapq.heappush(heap, (-room / free, v, r))
+                    heappush(heap, (-room / free, v, r))
+        self.slot.add_many(to_slot)
+        self.token.add_many(to_token)
 
     def file_block(self, first: int, num: int, a: float) -> None:
-        """`file` for rows first .. first + num - 1, new rows all in the same state."""
+        """`refile` for rows first .. first + num - 1, new rows all in the same state."""
         room, free = self.room[first], self.S - self.count[first]
         if room < self.min_size or free == 0:
             return  # closed
         keys = [(room << _SHIFT) | r for r in range(first, first + num)]
         slot = room > free * a
         target = self.slot if slot else self.token
-        at = bisect_left(target, keys[0])  # the highest row numbers: one block of equal rooms
-        target[at:at] = keys
+        target.add_run(keys)  # the highest row numbers: one block of equal rooms
         if not slot and room > free * self.min_size:
             heap, version, q = self.heap, self.version, -room / free
             for r in range(first, first + num):
                 version[r] += 1
-                heapq.heappush(heap, (q, version[r], r))
+                heappush(heap, (q, version[r], r))
 
     def migrate(self, a: float) -> None:
-        """Moves the token-short rows that a (falling) mean has made slot-short."""
-        heap = self.heap
-        if not heap or -heap[0][0] <= a:
-            return
-        version, room, count, token, slot = self.version, self.room, self.count, self.token, \
-            self.slot
+        """Moves the token-short rows that a (falling) mean has made slot-short (callers check
+        the heap's top first: `-heap[0][0] > a`)."""
+        heap, version, room, count, S = self.heap, self.version, self.room, self.count, self.S
+        moved = []
         while heap and -heap[0][0] > a:
             _, v, r = heap[0]
             if version[r] != v:
-                heapq.heappop(heap)  # stale: the row took pieces (or changed pool) since
+                heappop(heap)  # stale: the row took pieces (or changed pool) since
                 continue
-            if not room[r] > (self.S - count[r]) * a:
-                break  # the quotient rounded up: the exact test decides (as in _ArrayRows)
-            heapq.heappop(heap)
-            key = (room[r] << _SHIFT) | r
-            del token[bisect_left(token, key)]
-            version[r] = v + 1
-            insort(slot, key)
-
-    def _fill(self, keys: list[int], out: np.ndarray, s: int, i: int, j: int, a: float | None
-              ) -> tuple[int, list[int]]:
-        """Best fit of out[i:j] (size s) into the rows of `keys` in order of room, each taking
-        what fits (and, with `a`, what keeps it in its pool); returns (next i, rows touched),
-        their keys removed."""
-        touched: list[int] = []
-        if i >= j:
-            return i, touched
-        k0 = bisect_left(keys, s << _SHIFT)
-        S, count, room = self.S, self.count, self.room
-        takes: list[int] = []  # out[] is written once at the end (a slice per piece costs)
-        i0 = i
-        big, small = a is not None and s > a, a is not None and s < a
-        a = 0.0 if a is None else a
-        for key in islice(keys, k0, None):
-            r = key & _MASK
             rm = room[r]
+            if not rm > (S - count[r]) * a:
+                break  # the quotient rounded up: the exact test decides (as in _ArrayRows)
+            heappop(heap)
+            moved.append((rm << _SHIFT) | r)
+            version[r] = v + 1
+        self.token.remove_many(moved)
+        self.slot.add_many(moved)
+
+    def _fill(self, keys: Keys, out: np.ndarray, s: int, i: int, j: int, a: float,
+              keep_pool: bool) -> int:
+        """Best fit of out[i:j] (size s) into the rows of `keys` in order of room, each taking
+        what fits (and, with `keep_pool`, what keeps it in its pool at mean a), then filed
+        again at mean a (`refile`, in the same loop); returns the next i."""
+        at = keys.find(s << _SHIFT)
+        if i >= j or at is None:
+            return i
+        S, count, room, version, min_size = self.S, self.count, self.room, self.version, \
+            self.min_size
+        heap = self.heap
+        touched: list[int] = []
+        takes: list[int] = []  # out[] is written once at the end (a slice per piece costs)
+        to_slot: list[int] = []
+        to_token: list[int] = []
+        i0 = i
+        big, small = keep_pool and s > a, keep_pool and s < a
+        for key in keys.iter_from(at):
+            r = key & _MASK
+            rm = key >> _SHIFT  # a pooled row's key holds its room
             free = S - count[r]
             take = rm // s  # min(rm // s, free, j - i, the pool's limit (at least 1))
             if take > free:
@@ -169,15 +176,27 @@ class _Rows:
                     take = lim if lim > 1 else 1
             i += take
             count[r] += take
-            room[r] = rm - take * s
+            rm -= take * s
+            room[r] = rm
+            free -= take
             touched.append(r)
             takes.append(take)
+            v = version[r] + 1  # as in `refile`
+            version[r] = v
+            if rm >= min_size and free:
+                if rm > free * a:
+                    to_slot.append((rm << _SHIFT) | r)
+                else:
+                    to_token.append((rm << _SHIFT) | r)
+                    if rm > free * min_size:
+                        heappush(heap, (-rm / free, v, r))
             if i >= j:
                 break
-        if touched:
-            out[i0:i] = touched if i - i0 == len(touched) else np.repeat(touched, takes)
-            del keys[k0 : k0 + len(touched)]
-        return i, touched
+        out[i0:i] = touched if i - i0 == len(touched) else np.repeat(touched, takes)
+        keys.delete_from(at, len(touched))
+        self.slot.add_many(to_slot)
+        self.token.add_many(to_token)
+        return i
 
     def place(self, out: np.ndarray, s: int, i: int, j: int, a: float) -> None:
         """Places the run out[i:j] of pieces of size s (see the module docstring): pieces of at
@@ -185,17 +204,17 @@ class _Rows:
         if j - i == 1:
             self.place_one(out, s, i, a)
             return
-        self.migrate(a)
+        heap = self.heap
+        if heap and -heap[0][0] > a:
+            self.migrate(a)
         big = s >= a
         first, second = (self.slot, self.token) if big else (self.token, self.slot)
-        i, touched = self._fill(first, out, s, i, j, a)
-        self.refile(touched, a)
+        i = self._fill(first, out, s, i, j, a, True)
         if i < j and self.empty and (self.L > self.S * a) == big:  # empty rows preferred
             per_row = min(self.L // s, self.S, _limit(self.L, self.S, s, a))
             i = self.open_rows(out, s, i, j, a, per_row, cap=self.empty)
         if i < j:
-            i, touched = self._fill(second, out, s, i, j, None)
-            self.refile(touched, a)
+            i = self._fill(second, out, s, i, j, a, False)
         if i < j:
             self.open_rows(out, s, i, j, a, min(self.L // s, self.S), cap=None)
 
@@ -203,25 +222,37 @@ class _Rows:
         """`place` for a run of one piece (most runs where sizes hardly repeat): the first row
         of the preferred pool that fits, else an empty row if those come first, else the other
         pool, else a new row; the same rows `place` gives, without its per-run lists."""
-        self.migrate(a)
+        heap = self.heap
+        if heap and -heap[0][0] > a:
+            self.migrate(a)
         big = s >= a
         first, second = (self.slot, self.token) if big else (self.token, self.slot)
-        key = s << _SHIFT
-        k = bisect_left(first, key)
-        if k == len(first):
+        at = first.find(s << _SHIFT)
+        if at is None:
             if self.empty and (self.L > self.S * a) == big:
                 self.open_rows(out, s, i, i + 1, a, 1, cap=self.empty)
                 return
             first = second
-            k = bisect_left(first, key)
-            if k == len(first):
+            at = first.find(s << _SHIFT)
+            if at is None:
                 self.open_rows(out, s, i, i + 1, a, 1, cap=None)
                 return
-        r = first.pop(k) & _MASK
+        key = first.pop_at(at)
+        r = key & _MASK
+        rm = (key >> _SHIFT) - s
+        free = self.S - self.count[r] - 1
         self.count[r] += 1
-        self.room[r] -= s
+        self.room[r] = rm
         out[i] = r
-        self.refile((r,), a)
+        v = self.version[r] + 1  # `refile`, inline
+        self.version[r] = v
+        if rm >= self.min_size and free:
+            if rm > free * a:
+                self.slot.add((rm << _SHIFT) | r)
+            else:
+                self.token.add((rm << _SHIFT) | r)
+                if rm > free * self.min_size:
+                    heappush(heap, (-rm / free, v, r))
 
     def open_rows(self, out: np.ndarray, s: int, i: int, j: int, a: float, per_row: int, *,
                   cap: int | None) -> int:
@@ -247,7 +278,7 @@ class _Rows:
         if full:
             self.file_block(first, full, a)
         if rest:
-            self.file(first + full, a)
+            self.refile((first + full,), a)
         return i
 
 
@@ -262,23 +293,24 @@ class _ArrayRows:
         self.count = np.zeros(size, np.int64)
         self.room[: self.num_rows] = lists.room
         self.count[: self.num_rows] = lists.count
-        self.keys = np.sort(np.array(lists.slot + lists.token, np.int64))
+        self.keys = np.sort(np.array(lists.slot.tolist() + lists.token.tolist(), np.int64))
+        self.pool = lists.pool  # the pools' class when the rows go back to lists
 
     def lists(self, a: float) -> _Rows:
         """The same rows as `_Rows`, pools filed at mean a."""
-        rows = _Rows(self.L, self.S, self.min_size, self.empty)
+        rows = _Rows(self.L, self.S, self.min_size, self.empty, self.pool)
         R = self.num_rows
         rows.room, rows.count = self.room[:R].tolist(), self.count[:R].tolist()
         r = self.keys & _MASK
         room, free = self.room[r], self.S - self.count[r]
         slot = room > free * a
-        rows.slot = self.keys[slot].tolist()
-        rows.token = self.keys[~slot].tolist()
+        rows.slot = self.pool(self.keys[slot].tolist())
+        rows.token = self.pool(self.keys[~slot].tolist())
         rows.version = [0] * R
         live = ~slot & (room > free * self.min_size)
         rows.heap = list(zip((-(room[live] / free[live])).tolist(), [0] * int(live.sum()),
                              r[live].tolist()))
-        heapq.heapify(rows.heap)
+        heapify(rows.heap)
         return rows
 
     def _grow(self, need: int) -> None:
