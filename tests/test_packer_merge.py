@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from seqpack.packer import tight_lower_bound
 from seqpack.packer.strategies import best_fit_decreasing as bfd
@@ -91,3 +92,53 @@ def test_merge_reaches_the_target_where_the_repair_alone_does_not(mu, sigma, n, 
     assert got <= target
     monkeypatch.setattr(repair_mod, *patch)  # without the merge, or without the shared slots
     assert bfd.assign_best_fit_decreasing(lengths, 2048, S)[1] > target
+
+
+@settings(max_examples=150, deadline=None)
+@given(instances, st.integers(1, 4), st.integers(0, 3))
+def test_repair_in_groups_keeps_every_piece_and_never_adds_rows(inst, group_rows, slack):
+    """Repair and merge over groups of 1 to 4 rows: a plan within both limits, no more rows
+    than before, every group handed rows 0 .. n - 1 of its own and its pieces largest first."""
+    L, S, desc, rows, n = bfd_plan(inst)
+    target = tight_lower_bound(desc, L, S) + slack
+    for step in (repair_mod.repair, repair_mod.merge_repair):
+        calls = []
+
+        def spy(sizes, r, m, *args, step=step, calls=calls, **kw):
+            calls.append((sizes, r, m))
+            return step(sizes, r, m, *args, **kw)
+
+        got, m = repair_mod.in_groups(spy, desc, rows, n, L, S, target=target,
+                                      group_rows=group_rows)
+        _check(desc, got, m, L, S)
+        assert tight_lower_bound(desc, L, S) <= m <= n
+        if n <= group_rows or n <= target:
+            assert len(calls) == 1 and calls[0][2] == n
+            continue
+        k = -(-n // group_rows)
+        assert [c[2] for c in calls] == [len(range(g, n, k)) for g in range(k)]
+        assert sum(c[0].size for c in calls) == desc.size
+        for sizes, r, m_g in calls:
+            assert sorted(set(r.tolist())) == list(range(m_g))  # the group's own rows
+            assert (np.diff(sizes) <= 0).all()
+
+
+def test_repair_in_groups_takes_strided_rows_and_shares_out_the_rows_to_go():
+    """Rows r with r % k == g make group g; each group is asked for its share of the rows
+    still to go (what groups before it did not remove moves on to the next)."""
+    L, S = 10, 4
+    # 6 rows: 0, 2, 4 hold one 5 each, 1, 3, 5 one 6 each: three rows of [5, 5] would do
+    desc = np.array([6, 6, 6, 5, 5, 5], np.int64)
+    rows = np.array([1, 3, 5, 0, 2, 4], np.int64)
+    seen = []
+
+    def spy(sizes, r, m, capacity, max_segments, *, target):
+        seen.append((sizes.tolist(), r.tolist(), m, target))
+        return repair_mod.repair(sizes, r, m, capacity, max_segments, target=target)
+
+    got, m = repair_mod.in_groups(spy, desc, rows, 6, L, S, target=4, group_rows=3)
+    # k = 2: group 0 = rows 0, 2, 4 (the 5s), group 1 = rows 1, 3, 5 (the 6s, no two fit)
+    assert seen[0] == ([5, 5, 5], [0, 1, 2], 3, 2)  # 2 rows to go: 1 from each group
+    assert seen[1] == ([6, 6, 6], [0, 1, 2], 3, 2)  # group 0 removed 1: 1 left, asked of it
+    assert m == 5  # the 5s in two rows, the 6s stay in three
+    _check(desc, got, m, L, S)
