@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import subprocess
+import sys
 import time
 import types
 
@@ -185,21 +187,38 @@ BASELINE = "f002f8b"  # the packer before the two-dimensional planner (plain BFD
 MAIN_STREAM = "packer/stream.py"
 
 
+_STRATEGY_IMPORT = re.compile(r"from seqpack\.packer\.strategies\.(\w+) import")
+
+
 def _baseline_module(rev: str, path: str, name: str):
-    """The module at `path` as of git revision `rev`, loaded into this process (or None)."""
+    """The module at `path` as of git revision `rev`, loaded into this process (or None). Its
+    imports from `seqpack.packer.strategies` are of `rev` too, loaded the same way (once per
+    revision and module), so a baseline planner is the whole of its strategies (its two-pool
+    pass, repair, fill and sieve), not its best_fit_decreasing.py over this checkout's; the
+    rest of seqpack (bounds, plan, config) is this checkout's."""
     try:
         src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True,
                              check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
+
+    def at_rev(m: re.Match) -> str:
+        dep = f"_seqpack_{rev}_{m.group(1)}"
+        if dep not in sys.modules and _baseline_module(
+                rev, f"packer/strategies/{m.group(1)}.py", dep) is None:
+            return m.group(0)  # not in `rev`: this checkout's
+        return f"from {dep} import"
+
+    src = _STRATEGY_IMPORT.sub(at_rev, src)
     mod = types.ModuleType(name)
+    sys.modules[name] = mod  # before it runs: a module it imports may import it back
     exec(compile(src, f"{rev}:{path}", "exec"), mod.__dict__)
     return mod
 
 
 def baseline_bfd(rev: str):
     """assign_best_fit_decreasing as of git revision `rev`, or None outside a git checkout."""
-    mod = _baseline_module(rev, MAIN_BFD, "baseline_best_fit_decreasing")
+    mod = _baseline_module(rev, MAIN_BFD, f"baseline_best_fit_decreasing_{rev}")
     return None if mod is None else mod.assign_best_fit_decreasing
 
 
@@ -287,7 +306,7 @@ def run_grid(args) -> None:
     Ls = args.grid_seq_len or [2048, 8192, 32768, 131072]
     Ss = args.grid_max_segments or [8, 16, 32, 64, 256, 4096]
     old = baseline_bfd(args.baseline)
-    mod = _baseline_module(args.baseline, MAIN_STREAM, "baseline_stream")
+    mod = _baseline_module(args.baseline, MAIN_STREAM, f"baseline_stream_{args.baseline}")
     old_stream = None if mod is None else mod.StreamPlanner
     for name, lengths in _lengths(args).items():
         table, speed = grid(name, lengths, Ls, Ss, old, not args.no_stream, old_stream)
