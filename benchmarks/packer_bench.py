@@ -25,8 +25,9 @@ rows are within the target (`repair_target`) in the cell.
 seeded order, so the plan sees a corpus R times larger with the same lengths.
 
 `--cell NAME/L/S` (repeatable, with `--repeat`): the offline default at those cells against its
-target, and the same without the sample fills (`best_fit_decreasing._SAMPLE_MODES` empty), both
-timed in this process.
+target, the same without the sample fills (`best_fit_decreasing._SAMPLE_MODES` empty), and the
+baseline's (`--baseline`), all timed in this process (what a plan costs at scale: `--repeat 128`
+is about the 4M examples of a default block).
 
 `--synthetic N [--seed K] [--lp SECONDS] [--small]`: seeded lognormal corpora the defaults were
 not tuned on (benchmarks/synthetic_bench.py).
@@ -378,11 +379,13 @@ def run_scan(args) -> None:
 
 
 def run_cells(args) -> None:
-    """`--cell`: the offline default at named cells, with and without the sample fills."""
+    """`--cell`: the offline default at named cells, with and without the sample fills, and
+    the baseline's."""
     table = []
     data = _lengths(argparse.Namespace(corpus=sorted({c.split("/")[0] for c in args.cell}),
                                        repeat=args.repeat))
     assign = plan_mod._ASSIGN[Strategy.BEST_FIT_DECREASING]
+    old = baseline_bfd(args.baseline)
     for cell in args.cell:
         name, L, S = cell.split("/")[0], *map(int, cell.split("/")[1:3])
         lengths = data[name]
@@ -395,11 +398,14 @@ def run_cells(args) -> None:
             t0, rows0 = _time_plan(lengths, cfg, assign, repeats=1)
         finally:
             bfd_mod._SAMPLE_MODES = saved
+        t1, rows1 = _time_plan(lengths, cfg, old, repeats=1) if old else (float("nan"), tight)
         table.append([name, L, S, tight, f"+{repair_target(tight) - tight}", _over(rows, tight),
-                      f"{t:.2f}", _over(rows0, tight), f"{t0:.2f}"])
+                      f"{t:.2f}", _over(rows0, tight), f"{t0:.2f}", _over(rows1, tight),
+                      f"{t1:.2f}"])
     print_table(f"offline default at named cells (corpora x{args.repeat})",
                 ["corpus", "L", "S", "tight bound", "target", "rows over", "plan s",
-                 "without sample fills", "plan s"], table)
+                 "without sample fills", "plan s", f"{args.baseline} rows over", "plan s"],
+                table)
 
 
 BOUNDARY_L = [2048, 8192, 32768, 131072]
