@@ -81,7 +81,7 @@ On plans of more than 8,192 rows the repair and the merge run on strided groups 
 that many rows (`strategies.repair.in_groups`): a victim costs work in proportion to the plan,
 so on a whole plan of chat_dev 128 times over at L=2048 / S=8 (733,349 rows in the bound) the
 two took 52 s and missed the target (+2,511 rows; the sieve then got to +366 in 7 s); in
-groups they reach it (+733) in 9.5 s, and the plan takes 23 s instead of 72.
+groups they reach it (+733) in 9.5 s, and the plan takes 18 to 23 s (two runs) instead of 72.
 
 Plain BFD by runs: pieces of equal size are placed without a search per piece: best fit puts
 consecutive equal pieces into the same row until it is full, so each open row takes

@@ -1,9 +1,9 @@
 """Sorted lists of distinct ints: the open rows' keys of the two-pool pass, flat or in blocks.
 
 A flat Python list pays for every insert and delete with a move of the list's tail: about
-0.35 us a key at a few hundred keys, 0.9 us at 5,000, 2.6 us at 20,000, and 10 us and more
-at the 180,000 rows of chat_dev 32 times over at L=2048, where the two-pool pass took 11 us a
-piece (10.8 s) and its time grew with the square of the rows. `BlockKeys` keeps the keys in
+0.35 us a key at a few hundred keys, 0.9 us at 5,000, 2.6 us at 20,000, 10 us at 100,000:
+with the 183,338 rows of chat_dev 32 times over at L=2048 / S=8 the two-pool pass took 11 us
+a piece (10.8 s), its time growing with the square of the rows. `BlockKeys` keeps the keys in
 sorted blocks of at most `2 * _BLOCK`, each block's last key in `maxes`: an insert or a delete
 moves one block, found by a bisection of `maxes`, about 0.55 us a key at any size. Below a few
 thousand keys the flat list is the faster (the blocks' bookkeeping costs more than the moves
@@ -38,7 +38,7 @@ class FlatKeys:
         return len(self.keys)
 
     def tolist(self) -> list[int]:
-        return self.keys
+        return list(self.keys)
 
     def add(self, key: int) -> None:
         insort(self.keys, key)
