@@ -13,11 +13,13 @@ synthetic lognormal corpus of the same size without it), written once as k Parqu
 
 then `seqpack verify OUT --workers N` on the output (wall time against pack's, peak RSS), and
 the packed output's rows against the lower bound. Then the planner alone
-(`packer.plan_rows`, the one `seqpack pack` uses) on synthetic lengths, in a subprocess: peak RSS
-and time, with the lengths held as int32.
+(`packer.plan_rows`, the one `seqpack pack` uses) on synthetic lengths, in a subprocess per
+worker count, its blocks in that many worker processes: peak RSS of the main process and time,
+with the lengths held as int32, and a digest of the plan (the same for any count).
 
     .venv/bin/python -m benchmarks.scale_bench [--k 1 4 16 48] [--workers 1 2]
-        [--plan-examples 100000000] [--work /tmp/seqpack-scale]
+        [--plan-examples 100000000] [--plan-seq-len 2048] [--plan-max-segments 64]
+        [--work /tmp/seqpack-scale]
 """
 
 from __future__ import annotations
@@ -141,25 +143,32 @@ def dir_digest(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
-def planner(n: int) -> dict:
-    """`plan_rows` on n synthetic lengths, in a fresh interpreter: seconds and peak RSS."""
+def planner(n: int, workers: int = 1, seq_len: int = 2048, max_segments: int = 64) -> dict:
+    """`plan_rows` on n synthetic lengths, in a fresh interpreter, its blocks in `workers`
+    processes (as `seqpack pack --workers` plans them): seconds, peak RSS (this process's),
+    rows and a digest of the plan."""
     code = f"""
-import json, resource, time
+import hashlib, json, resource, time
 import numpy as np
 from seqpack.packer import PackConfig
 from seqpack.packer.plan import plan_rows
+from seqpack.pipelines.offline.workers import Workers
 rng = np.random.default_rng(0)
 lengths = np.empty({n}, np.int32)
 for a in range(0, {n}, 1 << 24):
     b = min({n}, a + (1 << 24))
     lengths[a:b] = np.clip(rng.lognormal(5.6, 0.9, b - a), 1, 8192)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+pool = Workers({workers})
 t = time.perf_counter()
-a = plan_rows(lengths, PackConfig(2048, max_segments=64, overflow="split"))
+a = plan_rows(lengths, PackConfig({seq_len}, max_segments={max_segments}, overflow="split"),
+              map_blocks=lambda fn, calls, k: pool.map(fn, calls, k, what="planning"))
 seconds = time.perf_counter() - t
+pool.close()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps(dict(seconds=seconds, peak=peak, before=base, rows=a.num_rows,
-                      blocks=-(-{n} // a.block_size), tokens=int(lengths.sum(dtype=np.int64)))))
+                      blocks=-(-{n} // a.block_size), tokens=int(lengths.sum(dtype=np.int64)),
+                      digest=hashlib.sha256(a.row.tobytes()).hexdigest()[:12])))
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
@@ -168,9 +177,12 @@ print(json.dumps(dict(seconds=seconds, peak=peak, before=base, rows=a.num_rows,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 4, 16, 48])
+    ap.add_argument("--k", type=int, nargs="*", default=[1, 4, 16, 48],
+                    help="copies of chat_dev to pack (none: the planner alone)")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--plan-examples", type=int, default=100_000_000)
+    ap.add_argument("--plan-seq-len", type=int, default=2048)
+    ap.add_argument("--plan-max-segments", type=int, default=64)
     ap.add_argument("--work", default="/tmp/seqpack-scale")
     ap.add_argument("--keep", action="store_true", help="keep the Parquet corpora")
     args = ap.parse_args()
@@ -210,19 +222,24 @@ def main() -> None:
             ])
         print(f"k={k}: inputs {in_bytes / 2**20:,.0f} MiB, output {first[3] / 2**20:,.0f} MiB, "
               f"I/O floor {floor:.1f} s", flush=True)
-    print_table("seqpack pack (L=2048, best_fit_decreasing, split) on k x chat_dev as Parquet",
-                ["corpus", "tokens", "examples", "workers", "wall s", "verify s",
-                 "verify / pack", "verify peak MiB", "tokens/s",
-                 "peak RSS MiB", "wall / I/O floor", f"speed-up vs {args.workers[0]}",
-                 "rows", "lower bound", "over bound", "same bytes"], rows_out)
+    if rows_out:
+        print_table("seqpack pack (L=2048, best_fit_decreasing, split) on k x chat_dev as Parquet",
+                    ["corpus", "tokens", "examples", "workers", "wall s", "verify s",
+                     "verify / pack", "verify peak MiB", "tokens/s",
+                     "peak RSS MiB", "wall / I/O floor", f"speed-up vs {args.workers[0]}",
+                     "rows", "lower bound", "over bound", "same bytes"], rows_out)
     if args.plan_examples:
-        r = planner(args.plan_examples)
-        n = args.plan_examples
-        print_table(f"packer.plan_rows on {n:,} synthetic lengths (int32, lognormal; L=2048)",
-                    ["examples", "blocks", "seconds", "peak RSS MiB", "bytes / example",
-                     "rows"],
-                    [[f"{n:,}", r["blocks"], f"{r['seconds']:.1f}", f"{r['peak'] / 2**20:,.0f}",
-                      f"{r['peak'] / n:.1f}", f"{r['rows']:,}"]])
+        n, L, S = args.plan_examples, args.plan_seq_len, args.plan_max_segments
+        table = []
+        for w in args.workers:
+            r = planner(n, w, L, S)
+            table.append([f"{n:,}", r["blocks"], w, f"{r['seconds']:.1f}",
+                          f"{r['peak'] / 2**20:,.0f}", f"{r['peak'] / n:.1f}", f"{r['rows']:,}",
+                          r["digest"]])
+        print_table(f"packer.plan_rows on {n:,} synthetic lengths (int32, lognormal; L={L}, "
+                    f"S={S}), blocks planned in `workers` processes",
+                    ["examples", "blocks", "workers", "seconds", "peak RSS MiB (main)",
+                     "bytes / example", "rows", "plan digest"], table)
     if not args.keep:
         shutil.rmtree(work / "inputs", ignore_errors=True)
 

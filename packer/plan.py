@@ -20,7 +20,8 @@ Worked example (seq_len 8, max_segments 4, overflow="split", best_fit_decreasing
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -227,26 +228,46 @@ def pieces(lengths: object, config: PackConfig, *, block_size: int | None = None
             yield example, start, length
 
 
-def plan_rows(lengths: object, config: PackConfig, *, block_size: int | None = None
-              ) -> RowAssignment:
+def plan_block_rows(lengths: np.ndarray, config: PackConfig, first: int = 0
+                    ) -> tuple[np.ndarray, int, Counters]:
+    """One block's (row per piece i32 (i64 past 2**31 rows), rows, counters), rows from 0: what
+    `plan_rows` keeps of `plan_block` (a picklable call, for `map_blocks`)."""
+    example, start, length, row, c = _block_pieces(lengths, config, first)
+    del example, start  # only the pieces' lengths are planned on
+    row, block_rows = _assign(length, row, config)
+    del length
+    return (row.astype(np.int32) if block_rows < 2**31 else row), block_rows, c
+
+
+MapBlocks = Callable[[Callable[..., Any], Iterator[tuple], int], Iterator[Any]]
+
+
+def plan_rows(lengths: object, config: PackConfig, *, block_size: int | None = None,
+              map_blocks: MapBlocks | None = None) -> RowAssignment:
     """Plans the packing of examples with these lengths, keeping only each piece's row.
 
     Holds the lengths, 4 bytes a piece for the result and one block's working memory.
+    `map_blocks(fn, calls, count)`: runs `fn(*call)` for each call, results in order (a pool of
+    worker processes: `seqpack pack --workers` plans its blocks in parallel); the plan is the
+    same either way, each block planned on its own (the same rows as one after the other).
     """
     block_size = check_block_size(block_size)
+    arr = np.asarray(lengths)
+    count = -(-arr.size // block_size) if arr.ndim == 1 and arr.size else 1
+    calls = ((block, config, first) for first, block in _blocks(arr, block_size))
+    if map_blocks is None or count == 1:
+        results: Iterator[Any] = (plan_block_rows(*call) for call in calls)
+    else:
+        results = map_blocks(plan_block_rows, calls, count)
     rows: list[np.ndarray] = []
     counters = Counters()
     num_rows = 0
-    for first, block in _blocks(lengths, block_size):
-        example, start, length, row, c = _block_pieces(block, config, first)
-        del example, start, block  # only the pieces' lengths are planned on
-        row, block_rows = _assign(length, row, config)
-        del length
-        row += num_rows
+    for row, block_rows, c in results:
+        if num_rows:
+            row = row + num_rows if num_rows + block_rows < 2**31 else \
+                row.astype(np.int64) + num_rows
         num_rows += block_rows
-        # 4 bytes a piece as soon as the block is planned (rows stay far below 2**31)
-        rows.append(row.astype(np.int32) if num_rows < 2**31 else row)
-        del row
+        rows.append(row)
         counters = counters + c
     out = rows[0] if len(rows) == 1 else np.concatenate(rows)
     del rows

@@ -108,6 +108,30 @@ def test_one_and_two_workers_write_the_same_bytes(tmp_path):
         "tokens"].tobytes()
 
 
+def test_blocks_planned_in_two_workers_write_the_bytes_of_one(tmp_path, monkeypatch):
+    """Past one block the plan is made in the worker processes, block by block: the same
+    bytes as one worker planning the blocks in turn."""
+    from seqpack.pipelines.offline import workers as workers_mod
+
+    paths, _, _ = _corpus(tmp_path, n_files=4, n=300)
+    config = PackConfig(48, max_segments=4, overflow="split")
+    seen = []
+    real = workers_mod.Workers.map
+
+    def spy(self, fn, calls, count, *, what="working"):
+        seen.append((what, count, self.n))
+        return real(self, fn, calls, count, what=what)
+
+    monkeypatch.setattr(workers_mod.Workers, "map", spy)
+    for name, n in (("one", 1), ("two", 2)):
+        pack_to_dir(PackJob(paths, tmp_path / name, config, workers=n, block_size=97,
+                            write_options=WriteOptions(shard_rows=37)))
+    blocks = [s for s in seen if s[0] == "planning blocks"]
+    assert [(count, n) for _, count, n in blocks] == [(blocks[0][1], 1), (blocks[0][1], 2)]
+    assert blocks[0][1] > 2  # several blocks of 97 examples
+    assert dir_bytes(tmp_path / "two") == dir_bytes(tmp_path / "one")
+
+
 def test_a_failed_read_leaves_no_directory_behind(tmp_path):
     good = write_jsonl(tmp_path / "a.jsonl", random_seqs(20))
     bad = tmp_path / "b.jsonl"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -159,3 +161,13 @@ def test_blocked_plans_are_lossless_ordered_and_match_plan_rows(config, lengths,
     np.testing.assert_array_equal(example[order], p.example)
     again = plan(np.diff(offsets), config, block_size=block_size)  # deterministic
     np.testing.assert_array_equal(again.row, p.row)
+
+    def backwards(fn, calls, count):  # a pool's map: any order of work, results in order
+        calls = list(calls)
+        assert len(calls) == count and pickle.loads(pickle.dumps(fn)) is fn
+        done = [fn(*call) for call in calls[::-1]]
+        yield from done[::-1]
+
+    mapped = plan_rows(np.diff(offsets), config, block_size=block_size, map_blocks=backwards)
+    assert mapped.num_rows == a.num_rows and mapped.counters == a.counters
+    np.testing.assert_array_equal(mapped.row, a.row)

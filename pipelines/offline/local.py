@@ -6,7 +6,9 @@ Two passes, memory bounded by the number of examples, not tokens:
    parallel over inputs: its example lengths and fingerprint come back, its tokens go to raw
    spill files in ``spill.tmp/`` (`offline.spill`).
 2. plan: one plan on all the lengths (`packer.plan_rows`: best fit decreasing sees every example
-   of a block of `block_size` examples, by default about four million), 4 bytes a piece.
+   of a block of `block_size` examples, by default about four million), 4 bytes a piece; past
+   one block, the blocks are planned in the worker processes (each block on its own: the same
+   rows for any number of workers), one block's lengths in flight per worker call.
 3. write: shard by shard, in parallel: the shard's pieces are gathered from the spill straight
    into its rows and written by `offline.shards.write_shard`.
 
@@ -117,7 +119,9 @@ def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
     lengths, inputs = _corpus(job, read.scans)
     dtype = np.dtype(inputs["token_dtype"])
     columns = column_entries(job, extra_corpus_dtypes(read.scans))
-    assignment = plan_rows(lengths, config, block_size=job.block_size)
+    assignment = plan_rows(lengths, config, block_size=job.block_size,
+                           map_blocks=lambda fn, calls, n: pool.map(fn, calls, n,
+                                                                    what="planning blocks"))
     intent = run_intent(job, inputs, assignment.num_rows, columns)
     done = prepare_dir(out, intent, overwrite=job.overwrite, resume=job.resume)
     if done is not None:
