@@ -109,8 +109,9 @@ def test_one_and_two_workers_write_the_same_bytes(tmp_path):
 
 
 def test_blocks_planned_in_two_workers_write_the_bytes_of_one(tmp_path, monkeypatch):
-    """Past one block the plan is made in the worker processes, block by block: the same
-    bytes as one worker planning the blocks in turn."""
+    """Past one block the plan is made in the worker processes, as many blocks at once as the
+    memory holds: the same bytes as one worker planning the blocks in turn."""
+    from seqpack.pipelines.offline import local as local_mod
     from seqpack.pipelines.offline import workers as workers_mod
 
     paths, _, _ = _corpus(tmp_path, n_files=4, n=300)
@@ -118,18 +119,25 @@ def test_blocks_planned_in_two_workers_write_the_bytes_of_one(tmp_path, monkeypa
     seen = []
     real = workers_mod.Workers.map
 
-    def spy(self, fn, calls, count, *, what="working"):
-        seen.append((what, count, self.n))
-        return real(self, fn, calls, count, what=what)
+    def spy(self, fn, calls, count, *, what="working", in_flight=None):
+        seen.append((what, count, self.n, in_flight))
+        return real(self, fn, calls, count, what=what, in_flight=in_flight)
 
     monkeypatch.setattr(workers_mod.Workers, "map", spy)
     for name, n in (("one", 1), ("two", 2)):
         pack_to_dir(PackJob(paths, tmp_path / name, config, workers=n, block_size=97,
                             write_options=WriteOptions(shard_rows=37)))
-    blocks = [s for s in seen if s[0] == "planning blocks"]
-    assert [(count, n) for _, count, n in blocks] == [(blocks[0][1], 1), (blocks[0][1], 2)]
-    assert blocks[0][1] > 2  # several blocks of 97 examples
+    blocks = [s[1:] for s in seen if s[0] == "planning blocks"]
+    assert len(blocks) == 1 and blocks[0][1:] == (2, 2)  # one worker: planned in this process
+    assert blocks[0][0] > 2  # several blocks of 97 examples
     assert dir_bytes(tmp_path / "two") == dir_bytes(tmp_path / "one")
+    # memory for one block's plan only: planned in this process, one block after the other
+    monkeypatch.setattr(local_mod, "available_memory", lambda: 97 * local_mod._PLAN_BYTES)
+    seen.clear()
+    pack_to_dir(PackJob(paths, tmp_path / "short", config, workers=2, block_size=97,
+                        write_options=WriteOptions(shard_rows=37)))
+    assert "planning blocks" not in [s[0] for s in seen]
+    assert dir_bytes(tmp_path / "short") == dir_bytes(tmp_path / "one")
 
 
 def test_a_failed_read_leaves_no_directory_behind(tmp_path):

@@ -8,7 +8,8 @@ Two passes, memory bounded by the number of examples, not tokens:
 2. plan: one plan on all the lengths (`packer.plan_rows`: best fit decreasing sees every example
    of a block of `block_size` examples, by default about four million), 4 bytes a piece; past
    one block, the blocks are planned in the worker processes (each block on its own: the same
-   rows for any number of workers), one block's lengths in flight per worker call.
+   rows for any number of workers), as many at once as the memory available holds (up to
+   about 160 bytes per example of a block: 670 MB at the default size).
 3. write: shard by shard, in parallel: the shard's pieces are gathered from the spill straight
    into its rows and written by `offline.shards.write_shard`.
 
@@ -66,7 +67,7 @@ from seqpack.packer.stats import (
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.inputs import FileScan, corpus_dtype, extra_corpus_dtypes
 from seqpack.pipelines.formats.manifest import Manifest
-from seqpack.pipelines.offline.job import PackJob, output_session
+from seqpack.pipelines.offline.job import PackJob, available_memory, output_session
 from seqpack.pipelines.offline.outdir import OutputDir, commit_manifest, prepare_dir, shard_done
 from seqpack.pipelines.offline.read import (
     Progress,
@@ -112,6 +113,22 @@ def pack_to_dir(job: PackJob, *, progress: Progress | None = None) -> Manifest:
         return manifest
 
 
+_PLAN_BYTES = 160  # a block's planning memory per example, at most (110 measured at 2048 / 8)
+
+
+def _plan_map(job: PackJob, pool: Workers, num_examples: int):
+    """How `plan_rows` maps its blocks: in the workers, as many at once as the memory
+    available holds (`_PLAN_BYTES` per example of a block, lengths and rows in flight
+    included), or None (one block after the other in this process) where that is one."""
+    block = min(job.block_size, max(1, num_examples))
+    available = available_memory()
+    jobs = job.num_workers if available is None else \
+        min(job.num_workers, available // (block * _PLAN_BYTES))
+    if jobs <= 1:
+        return None
+    return lambda fn, calls, n: pool.map(fn, calls, n, what="planning blocks", in_flight=jobs)
+
+
 def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
          progress: Progress | None) -> Manifest:
     config = job.config
@@ -120,8 +137,7 @@ def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
     dtype = np.dtype(inputs["token_dtype"])
     columns = column_entries(job, extra_corpus_dtypes(read.scans))
     assignment = plan_rows(lengths, config, block_size=job.block_size,
-                           map_blocks=lambda fn, calls, n: pool.map(fn, calls, n,
-                                                                    what="planning blocks"))
+                           map_blocks=_plan_map(job, pool, lengths.size))
     intent = run_intent(job, inputs, assignment.num_rows, columns)
     done = prepare_dir(out, intent, overwrite=job.overwrite, resume=job.resume)
     if done is not None:

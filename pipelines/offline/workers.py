@@ -116,9 +116,11 @@ class Workers:
                                         initargs=(os.getpid(), dict(os.environ)))
 
     def map(self, fn: Callable[..., Any], calls: Iterable[tuple], count: int, *,
-            what: str = "working") -> Iterator[Any]:
+            what: str = "working", in_flight: int | None = None) -> Iterator[Any]:
         """fn(*call) for each of the `count` calls (made lazily: a shard's call holds its
-        pieces), results in order. `what` names the work in the error of a dead worker."""
+        pieces), results in order. `what` names the work in the error of a dead worker;
+        `in_flight`: at most this many calls submitted at once (default 2 per process), so at
+        most that many run at once."""
         if self.pool is None and self.n > 1 and count > 1:
             self._start()
         if self.pool is None:
@@ -132,7 +134,7 @@ class Workers:
         try:
             for args in calls:
                 pending.append(self.pool.submit(fn, *args))
-                if len(pending) >= 2 * self.n:
+                if len(pending) >= (in_flight or 2 * self.n):
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
