@@ -237,22 +237,11 @@ class _Rows:
             if at is None:
                 self.open_rows(out, s, i, i + 1, a, 1, cap=None)
                 return
-        key = first.pop_at(at)
-        r = key & _MASK
-        rm = (key >> _SHIFT) - s
-        free = self.S - self.count[r] - 1
+        r = first.pop_at(at) & _MASK
         self.count[r] += 1
-        self.room[r] = rm
+        self.room[r] -= s
         out[i] = r
-        v = self.version[r] + 1  # `refile`, inline
-        self.version[r] = v
-        if rm >= self.min_size and free:
-            if rm > free * a:
-                self.slot.add((rm << _SHIFT) | r)
-            else:
-                self.token.add((rm << _SHIFT) | r)
-                if rm > free * self.min_size:
-                    heappush(heap, (-rm / free, v, r))
+        self.refile((r,), a)
 
     def open_rows(self, out: np.ndarray, s: int, i: int, j: int, a: float, per_row: int, *,
                   cap: int | None) -> int:
