@@ -41,6 +41,12 @@ def lower_bound(total_tokens: int, num_segments: int, seq_len: int, max_segments
     return max(-(-total_tokens // seq_len), -(-num_segments // max_segments))
 
 
+def slot_share(num_pieces: int, tokens: int, capacity: int, max_segments: int) -> float:
+    """The slot bound `ceil(n / S)` over the token bound `ceil(T / L)`: how much the segment
+    cap binds (the strategies' thresholds: `best_fit_decreasing._slot_share`)."""
+    return -(-num_pieces // max_segments) / max(1, -(-tokens // capacity))
+
+
 def tight_lower_bound(sizes: object, capacity: int, max_segments: int) -> int:
     """The bound of the module docstring for pieces of these sizes (each in [1, capacity]).
 

@@ -58,6 +58,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from seqpack.packer.assemble import build_rows
+from seqpack.packer.bounds import slot_share
 from seqpack.packer.config import PackConfig, Strategy
 from seqpack.packer.inputs import InputError, check_lengths, check_pad, fit_dtype, row_dtype
 from seqpack.packer.plan import Counters, PackPlan, aligned, apply_overflow, order_pieces
@@ -66,7 +67,6 @@ from seqpack.packer.strategies.best_fit import BestFitBins
 from seqpack.packer.strategies.best_fit_decreasing import (
     WINDOW_SLOTS_BIND,
     assign_best_fit_decreasing,
-    slot_share,
 )
 from seqpack.packer.strategies.sieve import keep_open
 

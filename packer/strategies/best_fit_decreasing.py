@@ -109,7 +109,7 @@ from bisect import bisect_left, insort
 
 import numpy as np
 
-from seqpack.packer.bounds import sorted_lower_bound
+from seqpack.packer.bounds import slot_share, sorted_lower_bound
 from seqpack.packer.strategies.best_fit import _MASK, _SHIFT
 from seqpack.packer.strategies.fill import fill_sorted, sample_fill_sorted
 from seqpack.packer.strategies.repair import in_groups, merge_repair, repair
@@ -247,16 +247,11 @@ def slots_can_bind(sizes_asc: np.ndarray, capacity: int, max_segments: int) -> b
     return sizes_asc.size >= k and int(sizes_asc[:k].sum()) <= capacity
 
 
-def slot_share(num_pieces: int, tokens: int, capacity: int, max_segments: int) -> float:
-    """The slot bound `ceil(n / S)` over the token bound `ceil(T / L)`. From 0.9 on the slots
-    bind for the whole corpus (worst fit runs); from 0.5 (`WINDOW_SLOTS_BIND`) on a stream's
-    window is repaired (its rows come out short in one limit or the other, and the repair
-    gathers them) and keeps its rows short in slots open (`stream._slot_poor_open`)."""
-    return -(-num_pieces // max_segments) / max(1, -(-tokens // capacity))
-
-
 def _slot_share(sizes_desc: np.ndarray, capacity: int, max_segments: int) -> float:
-    """`slot_share` of the pieces `sizes_desc`."""
+    """`bounds.slot_share` of the pieces `sizes_desc`. From 0.9 on the slots bind for the
+    whole corpus (worst fit runs); from 0.5 (`WINDOW_SLOTS_BIND`) on a stream's window is
+    repaired (its rows come out short in one limit or the other, and the repair gathers them)
+    and keeps its rows short in slots open (`stream._slot_poor_open`)."""
     return slot_share(int(sizes_desc.size), int(sizes_desc.sum()), capacity, max_segments)
 
 

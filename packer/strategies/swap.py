@@ -41,6 +41,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from seqpack.packer.bounds import slot_share
+from seqpack.packer.strategies.repair import _room_count
+
 _ITERS = 400  # iterations a victim may take
 _BUDGET = 12_000  # candidate moves looked at per piece of the plan, in all
 _TABU = 10  # iterations a piece may not go back into the row it left
@@ -68,8 +71,7 @@ class _Search:
         self.members: list[list[int]] = [[] for _ in range(num_rows)]
         for p, r in enumerate(self.owner.tolist()):
             self.members[r].append(p)
-        self.room = capacity - np.bincount(self.owner, weights=sizes,
-                                           minlength=num_rows).astype(np.int64)
+        self.room = _room_count(sizes, self.owner, num_rows, capacity)[0]
         self.alive = np.ones(num_rows, bool)
         self.rng = np.random.default_rng(seed)
         self.work = 0  # candidate moves looked at
@@ -187,10 +189,8 @@ def swap_search(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: in
     """Empties rows of the plan (pieces `sizes`, i64[P], in rows `rows`) by swaps (module
     docstring) while it has more than `target` and is small enough; returns (row per piece,
     rows), rows renumbered in their old order."""
-    slots = -(-int(sizes.size) // max_segments)
-    tokens = -(-int(np.sum(sizes)) // capacity)
-    if num_rows <= target or num_rows > _MAX_ROWS or sizes.size > _PER_ROW * num_rows \
-            or slots >= _SLOT_SHARE * tokens:
+    if num_rows <= target or num_rows > _MAX_ROWS or sizes.size > _PER_ROW * num_rows or \
+            slot_share(int(sizes.size), int(np.sum(sizes)), capacity, max_segments) >= _SLOT_SHARE:
         return rows, num_rows
     st = _Search(np.asarray(sizes, np.int64), np.asarray(rows), num_rows, capacity,
                  max_segments, seed)
