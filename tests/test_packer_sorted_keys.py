@@ -116,14 +116,12 @@ def test_two_pool_rows_the_same_with_keys_flat_or_in_blocks(tiny_blocks, inst, e
     open_rows = tight_lower_bound(desc, L, S) + extra
     got = {}
     for pool in (sorted_keys.FlatKeys, sorted_keys.BlockKeys):
-        saved = two_pool._LONG_RUN, two_pool._SHORT_RUN, two_pool._SPREAD, two_pool.keys_for
-        if mixed:
-            two_pool._LONG_RUN, two_pool._SHORT_RUN, two_pool._SPREAD = 3, 2, 10**9
-        two_pool.keys_for = lambda rows, pool=pool: pool
-        try:
+        with pytest.MonkeyPatch.context() as mp:
+            if mixed:
+                for name, value in (("_LONG_RUN", 3), ("_SHORT_RUN", 2), ("_SPREAD", 10**9)):
+                    mp.setattr(two_pool, name, value)
+            mp.setattr(two_pool, "keys_for", lambda rows, pool=pool: pool)
             got[pool] = two_pool.two_pool_sorted(desc, L, S, open_rows)
-        finally:
-            two_pool._LONG_RUN, two_pool._SHORT_RUN, two_pool._SPREAD, two_pool.keys_for = saved
         check_rows(desc, *got[pool], L, S)
     flat, blocks = got[sorted_keys.FlatKeys], got[sorted_keys.BlockKeys]
     assert blocks[1] == flat[1]
