@@ -436,10 +436,17 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write histograms (example lengths, row fill, segments per row) to this PNG.")
 @click.option("--allow-duplicates", is_flag=True, help="Count an input given twice twice.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Dry run: processes that read the inputs and plan (every strategy's blocks "
+                   "side by side); the figures are the same for any number.  [default: the "
+                   "CPU count]")
+@click.option("--block-size", type=click.IntRange(min=1), default=None,
+              help="Dry run: examples planned together, as `seqpack pack --block-size`.  "
+                   "[default: 4194304]")
 @_cost_options
 def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment, pad_id, feature,
           input_format, columns, tokenizer, text_unit, batch_size, as_json, plot,
-          allow_duplicates, cost_model, d_model):
+          allow_duplicates, workers, block_size, cost_model, d_model):
     """Packing statistics of a packed directory, or a dry run on raw input files.
 
     For a directory written by `seqpack pack`, reads its manifest (the packing options are
@@ -448,7 +455,7 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
     """
     from seqpack.pipelines.offline.report import (
         STRATEGIES,
-        dry_run,
+        dry_run_inputs,
         format_table,
         plot_stats,
         summary,
@@ -465,17 +472,16 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
             batch_size = int(order["data_parallel"]) * int(order["batch_size"])
         hist, title = manifest.example_length_histogram, f"packed: {paths[0]}"
     else:
-        from seqpack.pipelines.formats.inputs import read_lengths
+        from seqpack.packer.cost import CostModel
+        from seqpack.pipelines.offline import default_workers
         from seqpack.pipelines.offline.record import length_histogram
 
-        lengths, _ = read_lengths(paths, _read_options(input_format, columns, tokenizer,
-                                                       text_unit))
         config = _config("best_fit_decreasing", seq_len, max_segments, overflow,
                          segment_alignment, pad_id, feature)
-        from seqpack.packer.cost import CostModel
-
-        per_strategy = dry_run(lengths, config, strategies or STRATEGIES,
-                               cost=_usage(CostModel, kind=cost_model, d_model=d_model))
+        lengths, per_strategy = dry_run_inputs(
+            paths, _read_options(input_format, columns, tokenizer, text_unit), config,
+            strategies or STRATEGIES, workers=workers or default_workers(),
+            block_size=block_size, cost=_usage(CostModel, kind=cost_model, d_model=d_model))
         hist = length_histogram(lengths)
         title = (f"dry run: {len(paths)} input file(s), seq_len {seq_len}, max_segments "
                  f"{max_segments}, overflow {config.overflow.value}")

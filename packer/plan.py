@@ -20,7 +20,8 @@ Worked example (seq_len 8, max_segments 4, overflow="split", best_fit_decreasing
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -251,27 +252,40 @@ def plan_rows(lengths: object, config: PackConfig, *, block_size: int | None = N
     worker processes: `seqpack pack --workers` plans its blocks in parallel); the plan is the
     same either way, each block planned on its own (the same rows as one after the other).
     """
+    return next(plan_rows_many(lengths, [config], block_size=block_size, map_blocks=map_blocks))
+
+
+def plan_rows_many(lengths: object, configs: Sequence[PackConfig], *,
+                   block_size: int | None = None, map_blocks: MapBlocks | None = None
+                   ) -> Iterator[RowAssignment]:
+    """`plan_rows` of the same lengths with each of `configs` (a dry run's strategies), in
+    order, every config's blocks through one `map_blocks`: with worker processes the plans of
+    all the configs run side by side (four strategies of one block on four workers), and each
+    assignment is yielded once its blocks are done (the ones after it still in flight)."""
     block_size = check_block_size(block_size)
     arr = np.asarray(lengths)
     count = -(-arr.size // block_size) if arr.ndim == 1 and arr.size else 1
-    calls = ((block, config, first) for first, block in _blocks(arr, block_size))
-    if map_blocks is None or count == 1:
+    calls = ((block, config, first) for config in configs
+             for first, block in _blocks(arr, block_size))
+    total = count * len(configs)
+    if map_blocks is None or total == 1:
         results: Iterator[Any] = (plan_block_rows(*call) for call in calls)
     else:
-        results = map_blocks(plan_block_rows, calls, count)
-    rows: list[np.ndarray] = []
-    counters = Counters()
-    num_rows = 0
-    for row, block_rows, c in results:
-        if num_rows:
-            row = row + num_rows if num_rows + block_rows < 2**31 else \
-                row.astype(np.int64) + num_rows
-        num_rows += block_rows
-        rows.append(row)
-        counters = counters + c
-    out = rows[0] if len(rows) == 1 else np.concatenate(rows)
-    del rows
-    return RowAssignment(out, num_rows, counters, block_size)
+        results = map_blocks(plan_block_rows, calls, total)
+    for _ in configs:
+        rows: list[np.ndarray] = []
+        counters = Counters()
+        num_rows = 0
+        for row, block_rows, c in itertools.islice(results, count):
+            if num_rows:
+                row = row + num_rows if num_rows + block_rows < 2**31 else \
+                    row.astype(np.int64) + num_rows
+            num_rows += block_rows
+            rows.append(row)
+            counters = counters + c
+        out = rows[0] if len(rows) == 1 else np.concatenate(rows)
+        del rows
+        yield RowAssignment(out, num_rows, counters, block_size)
 
 
 def plan(lengths: object, config: PackConfig, *, block_size: int | None = None) -> PackPlan:

@@ -81,6 +81,53 @@ def test_stats_dry_run_per_strategy_matches_the_planner(tmp_path):
     assert "dropped tokens" in text and "150" in text
 
 
+def test_stats_dry_run_in_workers_gives_the_figures_of_one(tmp_path, monkeypatch):
+    """--workers: the inputs are scanned and every strategy's blocks planned in the worker
+    processes (here from one example on); the same JSON as one process."""
+    from seqpack.pipelines.offline import report
+    from seqpack.pipelines.offline import workers as workers_mod
+
+    srcs = [write_parquet(tmp_path / "a.parquet", SEQS[:150]),
+            write_jsonl(tmp_path / "b.jsonl", SEQS[150:300]), write_jsonl(tmp_path / "c.jsonl",
+                                                                         SEQS[300:])]
+    seen = []
+    real = workers_mod.Workers.map
+
+    def spy(self, fn, calls, count, *, what="working", in_flight=None):
+        seen.append((what, count, self.n))
+        return real(self, fn, calls, count, what=what, in_flight=in_flight)
+
+    monkeypatch.setattr(workers_mod.Workers, "map", spy)
+    monkeypatch.setattr(report, "_PARALLEL_PLAN", 1)
+    args = ["stats", *srcs, "--seq-len", 64, "--max-segments", 8, "--overflow", "split",
+            "--block-size", 97, "--json"]
+    one = json.loads(invoke(*args, "--workers", 1).stdout)
+    two = json.loads(invoke(*args, "--workers", 2).stdout)
+    assert two == one
+    blocks = -(-len(SEQS) // 97)
+    assert ("reading the inputs", 3, 2) in seen
+    assert ("planning blocks", 4 * blocks, 2) in seen  # four strategies' blocks, one map
+    assert "planning blocks" not in [s[0] for s in seen if s[2] == 1]
+    lengths = np.array([len(s) for s in SEQS])
+    cfg = PackConfig(64, max_segments=8, overflow="split")
+    assert one["stats"]["best_fit_decreasing"] == stats(
+        plan(lengths, cfg, block_size=97), seq_len=64, max_segments=8, cost=CostModel()).to_dict()
+
+
+def test_stats_dry_run_names_the_file_of_an_over_length_example(tmp_path):
+    """overflow "error": the error of `seqpack pack` (file and record), not the planner's
+    index into all the inputs; concat_split alone cuts examples and needs no overflow."""
+    a = write_jsonl(tmp_path / "a.jsonl", [[1] * 10] * 5)
+    b = write_jsonl(tmp_path / "b.jsonl", [[1] * 10, [2] * 70, [3] * 80])
+    for workers in (1, 2):
+        result = invoke("stats", a, b, "--seq-len", 64, "--workers", workers, ok=False)
+        assert result.exit_code == 2
+        assert "b.jsonl: example 1 (counting from 0) has 70 tokens" in result.output
+        assert "2 over-length example(s)" in result.output
+    text = invoke("stats", a, b, "--seq-len", 64, "--strategy", "concat_split").stdout
+    assert "concat_split" in text
+
+
 def test_stats_dry_run_plot(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", SEQS)
     png = tmp_path / "p.png"

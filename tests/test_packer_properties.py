@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import numpy as np
@@ -136,7 +137,7 @@ def test_stream_planner_state_restores_exactly(config, lengths, window, window_r
 @given(st.one_of(configs(), configs(strategies=("concat_split",), overflows=("error",))),
        lengths_st, st.integers(1, 25))
 def test_blocked_plans_are_lossless_ordered_and_match_plan_rows(config, lengths, block_size):
-    from seqpack.packer.plan import pieces, plan_rows
+    from seqpack.packer.plan import pieces, plan_rows, plan_rows_many
 
     values, offsets = corpus(lengths)
     p = plan(np.diff(offsets), config, block_size=block_size)
@@ -171,3 +172,12 @@ def test_blocked_plans_are_lossless_ordered_and_match_plan_rows(config, lengths,
     mapped = plan_rows(np.diff(offsets), config, block_size=block_size, map_blocks=backwards)
     assert mapped.num_rows == a.num_rows and mapped.counters == a.counters
     np.testing.assert_array_equal(mapped.row, a.row)
+    # several configs through one map (a dry run's strategies): each one's plan_rows, in order
+    wider = dataclasses.replace(config, seq_len=config.seq_len + 3 * config.segment_alignment)
+    many = list(plan_rows_many(np.diff(offsets), [config, wider, config],
+                               block_size=block_size, map_blocks=backwards))
+    alone = plan_rows(np.diff(offsets), wider, block_size=block_size)
+    assert [m.num_rows for m in many] == [a.num_rows, alone.num_rows, a.num_rows]
+    for got, want in zip(many, [a, alone, a]):
+        assert got.counters == want.counters and got.block_size == want.block_size
+        np.testing.assert_array_equal(got.row, want.row)

@@ -116,14 +116,13 @@ def pack_to_dir(job: PackJob, *, progress: Progress | None = None) -> Manifest:
 _PLAN_BYTES = 160  # a block's planning memory per example, at most (110 measured at 2048 / 8)
 
 
-def _plan_map(job: PackJob, pool: Workers, num_examples: int):
-    """How `plan_rows` maps its blocks: in the workers, as many at once as the memory
+def plan_map(pool: Workers, block_size: int, num_examples: int):
+    """How `plan_rows` maps its blocks: in `pool`'s workers, as many at once as the memory
     available holds (`_PLAN_BYTES` per example of a block, lengths and rows in flight
     included), or None (one block after the other in this process) where that is one."""
-    block = min(job.block_size, max(1, num_examples))
+    block = min(block_size, max(1, num_examples))
     available = available_memory()
-    jobs = job.num_workers if available is None else \
-        min(job.num_workers, available // (block * _PLAN_BYTES))
+    jobs = pool.n if available is None else min(pool.n, available // (block * _PLAN_BYTES))
     if jobs <= 1:
         return None
     return lambda fn, calls, n: pool.map(fn, calls, n, what="planning blocks", in_flight=jobs)
@@ -137,7 +136,7 @@ def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
     dtype = np.dtype(inputs["token_dtype"])
     columns = column_entries(job, extra_corpus_dtypes(read.scans))
     assignment = plan_rows(lengths, config, block_size=job.block_size,
-                           map_blocks=_plan_map(job, pool, lengths.size))
+                           map_blocks=plan_map(pool, job.block_size, lengths.size))
     intent = run_intent(job, inputs, assignment.num_rows, columns)
     done = prepare_dir(out, intent, overwrite=job.overwrite, resume=job.resume)
     if done is not None:

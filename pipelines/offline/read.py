@@ -9,6 +9,10 @@ time) by one worker process, which appends its tokens to raw spill files in `spi
 to spill files of their own, at the same positions as the tokens; the scans come back in input
 order, so the lengths and the spill are the same for any number of workers. Memory in this
 process: the lengths (8 bytes an example).
+
+    scan_lengths(paths, options, workers)  ->  (lengths, manifest entries)
+
+is the same scan without a spill, for `seqpack stats`' dry run.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import os
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
+
+import numpy as np
 
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
@@ -73,6 +79,27 @@ def _tokenizer(path: str) -> Any:
 @functools.lru_cache(maxsize=4)
 def _load_tokenizer(path: str, size: int, mtime_ns: int) -> Any:
     return load_tokenizer(path)
+
+
+def _scan_lengths(path: str, fmt: str, options: ReadOptions) -> tuple[np.ndarray, dict]:
+    """One input's example lengths and manifest entry (its tokens read and dropped)."""
+    scan = scan_file(path, fmt, options, _tokenizer(options.tokenizer) if options.tokenizer
+                     else None)
+    return scan.lengths, scan.info
+
+
+def scan_lengths(paths: Sequence[str], options: ReadOptions, workers: Workers
+                 ) -> tuple[np.ndarray, list[dict]]:
+    """`formats.inputs.read_lengths` with the inputs scanned in the worker processes (in input
+    order; the same lengths for any number of workers)."""
+    if not paths:
+        raise InputError("no input files given")
+    if options.tokenizer:
+        load_tokenizer(options.tokenizer)  # a bad tokenizer fails here, once
+    calls = [(os.fspath(p), detect_format(os.fspath(p), options.input_format), options)
+             for p in paths]
+    scans = list(workers.map(_scan_lengths, calls, len(calls), what="reading the inputs"))
+    return np.concatenate([lengths for lengths, _ in scans]), [info for _, info in scans]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ Stats table (one column per strategy in a dry run; steps = ceil(rows / batch siz
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,28 +26,72 @@ import numpy as np
 from seqpack.packer import PackConfig
 from seqpack.packer.config import Strategy
 from seqpack.packer.cost import CostModel
-from seqpack.packer.plan import pieces, plan_rows
+from seqpack.packer.plan import MapBlocks, check_block_size, pieces, plan_rows_many
 from seqpack.packer.stats import stats_of_pieces
 from seqpack.pipelines.errors import require
+from seqpack.pipelines.formats.inputs import ReadOptions
 
 STRATEGIES = tuple(s.value for s in Strategy)
+_PARALLEL_PLAN = 1 << 18  # examples times strategies a dry run plans in worker processes from
 
 
 def dry_run(lengths: np.ndarray, config: PackConfig, strategies: Sequence[str], *,
-            block_size: int | None = None, cost: CostModel | None = None) -> dict[str, dict]:
+            block_size: int | None = None, cost: CostModel | None = None,
+            map_blocks: MapBlocks | None = None) -> dict[str, dict]:
     """strategy -> `PackingStats.to_dict()` of planning `lengths` with config + that strategy
     (`plan_rows`, as `seqpack pack` plans: a few bytes per example), with the rows' costs
-    under `cost` (default `CostModel()`)."""
-    import dataclasses
-
+    under `cost` (default `CostModel()`). `map_blocks`: as `plan_rows`' (every strategy's
+    blocks through it: `dry_run_inputs`)."""
+    configs = [dataclasses.replace(config, strategy=name) for name in strategies]
     out = {}
-    for name in strategies:
-        cfg = dataclasses.replace(config, strategy=name)
-        a = plan_rows(lengths, cfg, block_size=block_size)
+    for name, cfg, a in zip(strategies, configs, plan_rows_many(
+            lengths, configs, block_size=block_size, map_blocks=map_blocks)):
         length = np.concatenate([n for _, _, n in pieces(lengths, cfg, block_size=a.block_size)])
         out[name] = stats_of_pieces(a.row, length, a.num_rows, cfg.seq_len, cfg.max_segments,
                                     a.counters, cost=cost or CostModel()).to_dict()
     return out
+
+
+def dry_run_inputs(paths: Sequence[str], options: ReadOptions, config: PackConfig,
+                   strategies: Sequence[str], *, workers: int, block_size: int | None = None,
+                   cost: CostModel | None = None) -> tuple[np.ndarray, dict[str, dict]]:
+    """(the inputs' example lengths, `dry_run` of them), with `workers` processes: the inputs
+    scanned in parallel (`read.scan_lengths`), then every strategy's blocks planned side by
+    side, as many at once as the memory available holds (`local.plan_map`), where the plans
+    hold at least `_PARALLEL_PLAN` examples in all (below that, starting the processes costs
+    more than they save). The same figures for any number of workers."""
+    from seqpack.pipelines.offline.local import plan_map
+    from seqpack.pipelines.offline.read import scan_lengths
+    from seqpack.pipelines.offline.workers import Workers
+
+    pool = Workers(workers, retry="pass fewer --workers if memory is short")
+    try:
+        lengths, infos = scan_lengths(paths, options, pool)
+        _check_overlength(paths, infos, lengths, config, strategies)
+        big = lengths.size * len(strategies) >= _PARALLEL_PLAN
+        per_strategy = dry_run(lengths, config, strategies, block_size=block_size, cost=cost,
+                               map_blocks=plan_map(pool, check_block_size(block_size),
+                                                   lengths.size) if big else None)
+    except BaseException:
+        pool.close(kill=True)
+        raise
+    pool.close()
+    return lengths, per_strategy
+
+
+def _check_overlength(paths: Sequence[str], infos: Sequence[dict], lengths: np.ndarray,
+                      config: PackConfig, strategies: Sequence[str]) -> None:
+    """The error `seqpack pack` gives (naming the file and the record) where overflow is
+    "error" and a strategy other than concat_split would meet an over-length example."""
+    from seqpack.pipelines.offline.record import check_overlength, first_overlength
+
+    refusing = [name for name in strategies if Strategy(name) is not Strategy.CONCAT_SPLIT]
+    if not refusing:
+        return
+    cfg = dataclasses.replace(config, strategy=refusing[0])
+    ends = np.cumsum([int(info["num_examples"]) for info in infos])
+    check_overlength(paths, [first_overlength(lengths[end - int(info["num_examples"]) : end], cfg)
+                             for info, end in zip(infos, ends.tolist())], cfg)
 
 
 def summary(s: dict, batch_size: int) -> dict:

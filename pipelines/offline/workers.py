@@ -30,6 +30,8 @@ from typing import Any
 from seqpack.pipelines.errors import RunFailed
 
 _PRELOAD = ["seqpack.pipelines.offline.local", "pyarrow.parquet"]
+_RETRY = ("pass fewer --workers or a smaller --shard-rows if memory is short, then run the same "
+          "command with --resume")
 
 
 def _init_worker(run_pid: int, environ: dict[str, str]) -> None:
@@ -98,8 +100,10 @@ class Workers:
     results never pile up). The processes start on the first `map` with more than one call;
     with n == 1, or one call, everything runs in this process."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, *, retry: str = _RETRY):
+        """`retry`: what the error of a dead worker tells the user to do."""
         self.n = n
+        self.retry = retry
         self.pool: Any = None
 
     def _start(self) -> None:
@@ -149,8 +153,7 @@ class Workers:
         how = f"was killed by {signal.Signals(killed[0]).name}" if killed else "died"
         oom = " (SIGKILL: often the kernel's out-of-memory killer)" \
             if killed and killed[0] == signal.SIGKILL else ""
-        return (f"a worker process {how}{oom} while {what}; pass fewer --workers or a smaller "
-                "--shard-rows if memory is short, then run the same command with --resume")
+        return f"a worker process {how}{oom} while {what}; {self.retry}"
 
     def close(self, *, kill: bool = False) -> None:
         """Ends the pool: waits for the calls in flight, or (`kill`) kills the workers now."""
