@@ -25,7 +25,7 @@ rows are within the target (`repair_target`) in the cell.
 seeded order, so the plan sees a corpus R times larger with the same lengths.
 
 `--cell NAME/L/S` (repeatable, with `--repeat`): the offline default at those cells against its
-target, the same without the sample fills (`best_fit_decreasing._SAMPLE_MODES` empty), and the
+target, the same without the sample fills (`improve._SAMPLE_MODES` empty), and the
 baseline's (`--baseline`), all timed in this process (what a plan costs at scale: `--repeat 128`
 is about the 4M examples of a default block).
 
@@ -73,6 +73,7 @@ from seqpack.packer.strategies.best_fit_decreasing import repair_target
 
 plan_mod = importlib.import_module("seqpack.packer.plan")
 bfd_mod = importlib.import_module("seqpack.packer.strategies.best_fit_decreasing")
+improve_mod = importlib.import_module("seqpack.packer.strategies.improve")
 
 
 def _row(name, rows, lb, real, L, seconds, n, tokens, note=""):
@@ -392,12 +393,12 @@ def run_cells(args) -> None:
         cfg = PackConfig(L, max_segments=S, overflow="split")
         tight = tight_lower_bound(_split_sizes(lengths, L), L, S)
         t, rows = _time_plan(lengths, cfg, assign, repeats=1)
-        saved = bfd_mod._SAMPLE_MODES
-        bfd_mod._SAMPLE_MODES = ()
+        saved = improve_mod._SAMPLE_MODES
+        improve_mod._SAMPLE_MODES = ()
         try:
             t0, rows0 = _time_plan(lengths, cfg, assign, repeats=1)
         finally:
-            bfd_mod._SAMPLE_MODES = saved
+            improve_mod._SAMPLE_MODES = saved
         t1, rows1 = _time_plan(lengths, cfg, old, repeats=1) if old else (float("nan"), tight)
         table.append([name, L, S, tight, f"+{repair_target(tight) - tight}", _over(rows, tight),
                       f"{t:.2f}", _over(rows0, tight), f"{t0:.2f}", _over(rows1, tight),

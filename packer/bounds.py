@@ -41,10 +41,31 @@ def lower_bound(total_tokens: int, num_segments: int, seq_len: int, max_segments
     return max(-(-total_tokens // seq_len), -(-num_segments // max_segments))
 
 
+SLOTS_BIND_ALL = 0.9  # from this slot share on the slots bind for the whole corpus
+SLOTS_BIND_HALF = 0.5  # from this one on a stream's window is repaired (`sizes_slot_share`)
+
+
 def slot_share(num_pieces: int, tokens: int, capacity: int, max_segments: int) -> float:
     """The slot bound `ceil(n / S)` over the token bound `ceil(T / L)`: how much the segment
-    cap binds (the strategies' thresholds: `best_fit_decreasing._slot_share`)."""
+    cap binds (the strategies' thresholds: `sizes_slot_share`)."""
     return -(-num_pieces // max_segments) / max(1, -(-tokens // capacity))
+
+
+def sizes_slot_share(sizes: np.ndarray, capacity: int, max_segments: int) -> float:
+    """`slot_share` of pieces of these sizes. From `SLOTS_BIND_ALL` on the slots bind for the
+    whole corpus (the offline default's worst fit runs, and the repair alone improves its plan);
+    from `SLOTS_BIND_HALF` on a stream's window is repaired (its rows come out short in one
+    limit or the other, and the repair gathers them) and keeps its rows short in slots open
+    (`stream._slot_poor_open`)."""
+    return slot_share(int(sizes.size), int(sizes.sum()), capacity, max_segments)
+
+
+def slots_can_bind(sizes_asc: np.ndarray, capacity: int, max_segments: int) -> bool:
+    """Whether a row can run out of slots before tokens: its `max_segments` + 1 smallest
+    pieces (`sizes_asc`, i64[n] ascending) fit in `capacity`. If not, the plan is a
+    one-dimensional one (the offline default runs plain BFD, the exact fill and the repair)."""
+    k = max_segments + 1
+    return sizes_asc.size >= k and int(sizes_asc[:k].sum()) <= capacity
 
 
 def tight_lower_bound(sizes: object, capacity: int, max_segments: int) -> int:

@@ -58,16 +58,13 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from seqpack.packer.assemble import build_rows
-from seqpack.packer.bounds import slot_share
+from seqpack.packer.bounds import SLOTS_BIND_HALF, slot_share
 from seqpack.packer.config import PackConfig, Strategy
 from seqpack.packer.inputs import InputError, check_lengths, check_pad, fit_dtype, row_dtype
 from seqpack.packer.plan import Counters, PackPlan, aligned, apply_overflow, order_pieces
 from seqpack.packer.state_codec import decode_planner_state, encode_row_arrays
 from seqpack.packer.strategies.best_fit import BestFitBins
-from seqpack.packer.strategies.best_fit_decreasing import (
-    WINDOW_SLOTS_BIND,
-    assign_best_fit_decreasing,
-)
+from seqpack.packer.strategies.best_fit_decreasing import assign_best_fit_decreasing
 from seqpack.packer.strategies.sieve import keep_open
 
 STREAM_STRATEGIES = (Strategy.BEST_FIT_DECREASING, Strategy.BEST_FIT)
@@ -403,7 +400,7 @@ def _slot_poor_open(used: np.ndarray, count: np.ndarray, capacity: int, max_segm
     shuffled emitting them, +6 and +9 keeping them open; chat_dev in corpus order at 8192 /
     21: +58 of 1458 and +25)."""
     n, tokens = int(count.sum()), int(used.sum())
-    if not count.size or slot_share(n, tokens, capacity, max_segments) < WINDOW_SLOTS_BIND:
+    if not count.size or slot_share(n, tokens, capacity, max_segments) < SLOTS_BIND_HALF:
         return used
     poor = (used >= capacity) & (count < n / count.size) & (count < max_segments)
     if not poor.any():

@@ -7,8 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seqpack.packer import tight_lower_bound
+from seqpack.packer.bounds import slots_can_bind
 from seqpack.packer.strategies import best_fit_decreasing as bfd
 from seqpack.packer.strategies import fill as fill_mod
+from seqpack.packer.strategies import improve
 from tests.helpers.packer import check_rows as _check
 from tests.helpers.packer import instances
 
@@ -35,7 +37,7 @@ def test_fill_ends_rows_exactly_where_bfd_leaves_their_last_tokens():
     rng = np.random.default_rng(0)
     lengths = np.round(rng.lognormal(5.0, 0.4, 60_000)).astype(np.int64).clip(55, 450)
     desc = np.sort(lengths)[::-1]
-    assert not bfd.slots_can_bind(desc[::-1], 2048, 64)
+    assert not slots_can_bind(desc[::-1], 2048, 64)
     bound = tight_lower_bound(desc, 2048, 64)
     plain = bfd._bfd_sorted(desc, 2048, 64)[1]
     assert plain > bound * 1.004
@@ -105,5 +107,5 @@ def test_sample_fill_reaches_the_target_where_slots_and_tokens_bind_alike(monkey
     rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 20)
     _check(lengths, rows, n, 2048, 20)
     assert n <= bfd.repair_target(bound)
-    monkeypatch.setattr(bfd, "_SAMPLE_MODES", ())  # without it
+    monkeypatch.setattr(improve, "_SAMPLE_MODES", ())  # without it
     assert bfd.assign_best_fit_decreasing(lengths, 2048, 20)[1] > bfd.repair_target(bound)

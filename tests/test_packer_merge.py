@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from seqpack.packer import tight_lower_bound
 from seqpack.packer.strategies import best_fit_decreasing as bfd
+from seqpack.packer.strategies import improve
 from seqpack.packer.strategies import repair as repair_mod
 from tests.helpers.packer import bfd_plan, instances
 from tests.helpers.packer import check_rows as _check
@@ -93,7 +94,7 @@ def test_merge_reaches_the_target_where_the_repair_alone_does_not(mu, sigma, n, 
     monkeypatch.setattr(repair_mod, *patch)  # without the merge, or without the shared slots
     # (and without the swap search after everything, which reaches the target on its own in
     # the second case: the merge gets there before it)
-    monkeypatch.setattr(bfd, "swap_search", lambda sizes, rows, n, *a, **k: (rows, n))
+    monkeypatch.setattr(improve, "swap_search", lambda sizes, rows, n, *a, **k: (rows, n))
     assert bfd.assign_best_fit_decreasing(lengths, 2048, S)[1] > target
 
 

@@ -1,4 +1,4 @@
-"""The offline default's probes before the sieve (`best_fit_decreasing._improve`): the repair,
+"""The offline default's probes before the sieve (`strategies.improve`): the repair,
 then near the bound the merge, then where the slots bind little the exact fill; each kept only
 where it reaches the target, else the sieve starts from the passes' plan."""
 
@@ -9,7 +9,9 @@ import pytest
 
 from benchmarks.corpora import small_lognormal
 from seqpack.packer import tight_lower_bound
+from seqpack.packer.bounds import SLOTS_BIND_HALF, sizes_slot_share, slots_can_bind
 from seqpack.packer.strategies import best_fit_decreasing as bfd
+from seqpack.packer.strategies import improve
 from tests.helpers.packer import check_rows as _check
 
 
@@ -22,7 +24,7 @@ def _spy_steps(monkeypatch) -> list[tuple[str, int, int]]:
     calls: list[tuple[str, int, int]] = []
 
     def spy(name):
-        run = getattr(bfd, name)
+        run = getattr(improve, name)
 
         def call(*a, **k):
             out = run(*a, **k)
@@ -31,7 +33,7 @@ def _spy_steps(monkeypatch) -> list[tuple[str, int, int]]:
         return call
 
     for name in ("repair", "sieve", "merge_repair"):
-        monkeypatch.setattr(bfd, name, spy(name))
+        monkeypatch.setattr(improve, name, spy(name))
     return calls
 
 
@@ -69,7 +71,7 @@ def test_merge_after_the_repair_near_the_bound_ends_there_at_the_target(monkeypa
     # never runs
     _, bound, target, calls, n = _planned_seeded(monkeypatch, 4, 512, (3.5, 4.5), 8)
     assert [c for c, _, _ in calls] == ["repair", "merge_repair"]
-    assert target < calls[0][2] <= bound + bfd._MERGE_FIRST * bound  # the repair missed
+    assert target < calls[0][2] <= bound + improve._MERGE_FIRST * bound  # the repair missed
     assert n <= target
 
 
@@ -94,8 +96,8 @@ def test_exact_fill_is_a_probe_where_the_slots_bind_little(monkeypatch, seed, ga
     # room left), repaired, gets to +0 and +1, the sieve never runs; in the second corpus the
     # fill alone is further off (+15) than the two-pool pass
     desc, bound, target, calls, n = _planned_seeded(monkeypatch, seed, 2048, (5.0, 6.5), 8)
-    assert bfd._slot_share(desc, 2048, 8) < bfd.WINDOW_SLOTS_BIND
-    assert bfd.slots_can_bind(desc[::-1], 2048, 8)  # not the one-dimensional plan
+    assert sizes_slot_share(desc, 2048, 8) < SLOTS_BIND_HALF
+    assert slots_can_bind(desc[::-1], 2048, 8)  # not the one-dimensional plan
     two_pool = bfd.two_pool_sorted(desc, 2048, 8, bound)[1]
     filled = bfd.fill_sorted(desc, 2048, 8)[1]
     assert two_pool > target and (filled > two_pool) == (seed == 7)

@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 
 from seqpack.packer import PackConfig, StreamPlanner, bounds, plan, tight_lower_bound
 from seqpack.packer import stream as stream_mod
-from seqpack.packer.bounds import lower_bound
+from seqpack.packer.bounds import SLOTS_BIND_ALL, lower_bound, sizes_slot_share, slots_can_bind
 from seqpack.packer.plan import apply_overflow
 from seqpack.packer.strategies import best_fit_decreasing as bfd
+from seqpack.packer.strategies import improve, two_pool
 from seqpack.packer.strategies import repair as repair_mod
 from seqpack.packer.strategies import sieve as sieve_mod
-from seqpack.packer.strategies import two_pool
 from tests.helpers.packer import check_rows as _check
 from tests.helpers.packer import instances
 
@@ -72,7 +72,7 @@ def test_one_dimensional_gate_is_exact_and_only_plain_bfd_and_the_fill_run(inst)
     asc = np.sort(np.asarray(sizes, np.int64))
     assert bounds.sorted_lower_bound(asc, L, S) == tight_lower_bound(asc[::-1], L, S)
     desc = asc[::-1]
-    can_bind = bfd.slots_can_bind(asc, L, S)
+    can_bind = slots_can_bind(asc, L, S)
     rows, n = bfd._bfd_sorted(desc, L, S)
     counts = np.bincount(rows, minlength=n)
     room = L - np.bincount(rows, weights=desc, minlength=n)
@@ -187,7 +187,7 @@ def test_worst_fit_deals_into_the_tight_bounds_rows(monkeypatch):
     lengths = np.clip(np.exp(rng.normal(7.0, 1.1, 4000)).astype(np.int64), 1, 8192)
     desc = np.sort(lengths)[::-1]
     bound = tight_lower_bound(desc, 8192, 5)
-    assert bfd._slot_share(desc, 8192, 5) >= bfd._WORST_FIT_RATIO
+    assert sizes_slot_share(desc, 8192, 5) >= SLOTS_BIND_ALL
     assert -(-lengths.size // 5) < bound - 100
 
     def worst_fit(deal_bound):
@@ -204,7 +204,7 @@ def test_worst_fit_deals_into_the_tight_bounds_rows(monkeypatch):
     passes = bfd._passes
     monkeypatch.setattr(bfd, "_passes", lambda *a, deal_bound=False, **k: passes(*a, **k))
     monkeypatch.setattr(bfd, "big_pieces", lambda sizes_desc, capacity: 0)
-    monkeypatch.setattr(bfd, "_SAMPLE_MODES", ())
+    monkeypatch.setattr(improve, "_SAMPLE_MODES", ())
     assert bfd.assign_best_fit_decreasing(lengths, 8192, 5)[1] > bfd.repair_target(bound)
 
 
@@ -215,14 +215,14 @@ def test_sieve_windows_hold_rows_worth_where_a_row_takes_hundreds_of_pieces():
     lengths = np.clip(np.rint(rng.lognormal(3.2, 1.0, 20_000)), 1, 8192).astype(np.int64)
     S = round(8192 / lengths.mean())
     bound = tight_lower_bound(lengths, 8192, S)
-    window = bfd.sieve_window(lengths, 8192, S)
+    window = improve.sieve_window(lengths, 8192, S)
     assert window == int(64 * min(S, 8192 * lengths.size / lengths.sum()))
     plan_window, last = bfd._sieve_planners(8192, S)
     rows, n = sieve_mod.sieve_all(lengths, 8192, plan_window, last=last, window=window)
     _check(lengths, rows, n, 8192, S)
     assert n <= bound + 1
     assert sieve_mod.sieve_all(lengths, 8192, plan_window, last=last, window=512)[1] > bound + 3
-    assert bfd.sieve_window(lengths, 8192, 4) == sieve_mod._WINDOW  # 64 x 4 pieces: 512
+    assert improve.sieve_window(lengths, 8192, 4) == sieve_mod._WINDOW  # 64 x 4 pieces: 512
 
 
 def test_tight_bound_worked_example():
