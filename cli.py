@@ -254,6 +254,16 @@ def _cost_options(f):
     return f
 
 
+def _workers_option(text: str):
+    return click.option("--workers", type=click.IntRange(min=1), default=None,
+                        help=f"{text}  [default: the CPU count]")
+
+
+def _block_size_option(text: str):
+    return click.option("--block-size", type=click.IntRange(min=1), default=None,
+                        help=f"{text}  [default: 4194304]")
+
+
 def _row_order(row_order, seed, data_parallel, batch_size, cost_model, d_model):
     from seqpack.packer.cost import CostModel
     from seqpack.packer.order import RowOrder
@@ -344,13 +354,10 @@ def main(args: list[str] | None = None) -> None:
                    "batch of the steps-per-epoch figure (default 32).")
 @_cost_options
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON.")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Processes that read inputs and write shards (with --runner beam: the "
-                   "DirectRunner's direct_num_workers); the output is the same for any number. "
-                   " [default: the CPU count]")
-@click.option("--block-size", type=click.IntRange(min=1), default=None,
-              help="Examples planned together; larger corpora are planned per block of "
-                   "consecutive examples (bounded memory, a few rows more).  [default: 4194304]")
+@_workers_option("Processes that read inputs, plan blocks and write shards (with --runner beam: "
+                 "the DirectRunner's direct_num_workers); the output is the same for any number.")
+@_block_size_option("Examples planned together; larger corpora are planned per block of "
+                    "consecutive examples (bounded memory, a few rows more).")
 @click.option("--runner", type=click.Choice(["local", "beam"]), default="local", show_default=True,
               help="local: in this process. beam: as an Apache Beam job, same output "
                    "(DirectRunner, one process per CPU, by default; needs seqpack[beam]).")
@@ -436,13 +443,9 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write histograms (example lengths, row fill, segments per row) to this PNG.")
 @click.option("--allow-duplicates", is_flag=True, help="Count an input given twice twice.")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Dry run: processes that read the inputs and plan (every strategy's blocks "
-                   "side by side); the figures are the same for any number.  [default: the "
-                   "CPU count]")
-@click.option("--block-size", type=click.IntRange(min=1), default=None,
-              help="Dry run: examples planned together, as `seqpack pack --block-size`.  "
-                   "[default: 4194304]")
+@_workers_option("Dry run: processes that read the inputs and plan (every strategy's blocks "
+                 "side by side); the figures are the same for any number.")
+@_block_size_option("Dry run: examples planned together, as `seqpack pack --block-size`.")
 @_cost_options
 def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment, pad_id, feature,
           input_format, columns, tokenizer, text_unit, batch_size, as_json, plot,
@@ -503,8 +506,7 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
 @click.option("--max-violations", default=20, show_default=True, type=click.IntRange(min=1),
               help="Stop listing after this many violations.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Processes that read the inputs and check shards.  [default: the CPU count]")
+@_workers_option("Processes that read the inputs and check shards.")
 def verify(output_dir, inputs, max_violations, as_json, workers):
     """Prove OUTPUT_DIR lossless against its INPUT files (default: the manifest's paths).
 
