@@ -30,6 +30,31 @@ def test_best_fit_decreasing_worked_example():
     assert rows.tolist() == [1, 1, 2, 2, 0, 0]
 
 
+def test_improve_worked_example(monkeypatch):
+    # capacity 10, max_segments 3: A = [6, 3], B = [5, 4], C = [2], asked for 2 rows (the
+    # bound): the repair empties C, A's 6 swapping for B's 5; no later step runs
+    from seqpack.packer.strategies import best_fit_decreasing as bfd
+    from seqpack.packer.strategies import improve
+
+    sizes = np.array([6, 5, 4, 3, 2])
+    ran = []
+
+    def spy(name, run):
+        def call(*a, **k):
+            ran.append((name, a[2]))  # (step, rows it was given)
+            return run(*a, **k)
+        return call
+
+    for name in ("repair", "merge_repair", "sieve", "sample_fill_sorted", "sieve_all",
+                 "swap_search"):
+        monkeypatch.setattr(improve, name, spy(name, getattr(improve, name)))
+    plan, last = bfd._sieve_planners(10, 3)
+    rows, n = improve.improve(sizes, np.array([0, 1, 1, 0, 2]), 3, 10, 3, 2, 2, plan=plan,
+                              last=last)
+    assert n == 2 and ran == [("repair", 3), ("merge_repair", 2)]  # the merge: at the target
+    assert [sorted(sizes[rows == r].tolist()) for r in range(2)] == [[2, 3, 5], [4, 6]]
+
+
 def test_best_fit_decreasing_segment_bound_uses_every_slot():
     # 8 pieces, 2 slots per row: 4 rows are needed for the slots alone. BFD by size would pair
     # the two 9s with nothing (9 + anything > 10 except 1) and waste slots; worst fit pairs

@@ -68,8 +68,8 @@ Worked example (capacity 10, max_segments 3; pieces 6 5 4 3 2, the bound 2), ask
     the plan:       A = [6, 3]  B = [5, 4]  C = [2]      (no row can run out of slots first:
                                                           the one-dimensional steps)
     the repair:     C's 2 finds no room; A's 6 swaps for B's 5 (B has room 1 for the
-                    difference): A = [5, 3, 2]  B = [6, 4], 2 rows, the target: the merge, the
-                    sieve and every later step are skipped
+                    difference): A = [5, 3, 2]  B = [6, 4], 2 rows, the target (the merge
+                    leaves the plan as it is; the sieve and every later step do not run)
 """
 
 from __future__ import annotations
