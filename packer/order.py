@@ -23,6 +23,10 @@ different workers; the local writer runs the same functions, so both give the sa
 2. `global_order(summaries, order)` — from each block's `summary()` (row count, leftover rows
    and their costs: small): arranges all leftovers like a block, permutes all full steps
    (`Permutation` over steps) and returns a compact `GlobalOrder`.
+   Both levels measure what they lay out: `StepBalance` (`packer.cost`) of their full steps
+   (per step the most loaded rank's cost over the mean rank's) against as many steps of the
+   same rows in a seeded random order; the blocks' add up to `GlobalOrder.balance`, which the
+   manifest's stats hold as ``step_balance``.
 3. `GlobalOrder.plan_rows_at(out_start, out_stop, layouts)` — the plan rows of output rows
    [out_start, out_stop) (what one shard's writer needs), and its inverse
    `output_positions(plan_rows, layouts)` (what a worker routing a block's pieces needs).
@@ -49,10 +53,10 @@ from functools import cached_property
 import numpy as np
 
 from seqpack.packer.config import _enum_value
-from seqpack.packer.cost import CostModel
+from seqpack.packer.cost import CostModel, StepBalance
 from seqpack.packer.permute import Permutation
 
-_ROW_SALT, _STEP_SALT, _RANK_SALT = 0, 1, 2
+_ROW_SALT, _STEP_SALT, _RANK_SALT, _BALANCE_SALT = 0, 1, 2, 3
 
 
 class OrderMode(enum.StrEnum):
@@ -136,6 +140,7 @@ class BlockLayout:
     rows: np.ndarray  # i32[f * D * b]: step q, rank r, slot i at (q * D + r) * b + i
     leftover: np.ndarray  # i32[m]: rows left for the global step (m < D * b)
     leftover_costs: np.ndarray  # f64[m]
+    balance: StepBalance | None = None  # of the block's full steps (BALANCED)
 
     @property
     def num_steps(self) -> int:
@@ -144,7 +149,7 @@ class BlockLayout:
     def summary(self) -> BlockLayout:
         """What the global step needs (no per-row arrays but the leftovers)."""
         return BlockLayout(self.block, self.num_rows, np.zeros(0, np.int32), self.leftover,
-                           self.leftover_costs)
+                           self.leftover_costs, self.balance)
 
     @cached_property
     def where(self) -> np.ndarray:
@@ -186,9 +191,18 @@ def block_layout(costs: object, order: RowOrder, *, block: int = 0) -> BlockLayo
         empty = np.zeros(0, np.int32)
         return BlockLayout(block, n, empty, empty, np.zeros(0))
     rng = np.random.default_rng([order.seed, _RANK_SALT, block])
-    rows, leftover = _arrange(costs, order.step_rows // order.batch_size, order.batch_size, rng)
+    D, b = order.step_rows // order.batch_size, order.batch_size
+    rows, leftover = _arrange(costs, D, b, rng)
     return BlockLayout(block, n, rows.astype(np.int32), leftover.astype(np.int32),
-                       costs[leftover])
+                       costs[leftover], _balance(costs, rows, D, b, [order.seed, block]))
+
+
+def _balance(costs: np.ndarray, layout: np.ndarray, D: int, b: int, key: list[int]
+             ) -> StepBalance:
+    """The `StepBalance` of these steps, against as many steps of the same rows in a seeded
+    random order."""
+    rng = np.random.default_rng([key[0], _BALANCE_SALT, *key[1:]])
+    return StepBalance.of(costs, layout, rng.permutation(costs.size)[: layout.size], D, b)
 
 
 # -- level 2: every block ----------------------------------------------------------------------
@@ -203,6 +217,7 @@ class GlobalOrder:
     row_base: np.ndarray  # i64[B + 1]: block j's plan rows are [row_base[j], row_base[j + 1])
     step_base: np.ndarray  # i64[B + 1]: block j's full steps, among all blocks' steps
     leftover_rows: np.ndarray  # i64[M]: plan rows of the leftover steps, in rank layout
+    balance: StepBalance | None = None  # of every full step (BALANCED)
 
     @property
     def num_full_steps(self) -> int:
@@ -316,14 +331,20 @@ def global_order(summaries: Sequence[BlockLayout], order: RowOrder) -> GlobalOrd
     steps = np.array([(s.num_rows - s.leftover.size) // G for s in summaries], np.int64)
     step_base = np.concatenate([[0], np.cumsum(steps)]).astype(np.int64)
     leftover_rows = np.zeros(0, np.int64)
+    balance = None
     if order.mode is OrderMode.BALANCED and summaries:
         rows = np.concatenate([row_base[s.block] + s.leftover.astype(np.int64)
                                for s in summaries])
         costs = np.concatenate([s.leftover_costs for s in summaries])
         rng = np.random.default_rng([order.seed, _RANK_SALT, len(summaries)])
-        full, tail = _arrange(costs, order.data_parallel or 1, order.batch_size, rng)
+        D, b = order.data_parallel or 1, order.batch_size
+        full, tail = _arrange(costs, D, b, rng)
         leftover_rows = np.concatenate([rows[full], rows[np.sort(tail)]])
-    return GlobalOrder(order, int(row_base[-1]), row_base, step_base, leftover_rows)
+        balance = _balance(costs, full, D, b, [order.seed, len(summaries)])
+        for s in summaries:
+            if s.balance is not None:
+                balance = balance + s.balance
+    return GlobalOrder(order, int(row_base[-1]), row_base, step_base, leftover_rows, balance)
 
 
 def ordered(costs_per_block: Sequence[object], order: RowOrder

@@ -197,6 +197,16 @@ def test_json_output_and_table(tmp_path):
     assert f"{stats['efficiency']:.2%}" in table
     steps = next(line for line in table.splitlines() if line.startswith("steps / epoch"))
     assert steps.startswith("steps / epoch (batch 5)") and steps.endswith(f" {-(-rows // 5):,}")
+    assert "step: ranks' max / mean" not in table  # rows shuffled: no steps to report
+    # balanced steps: the pack's table and `seqpack stats OUT` report the ranks' max / mean
+    args = ["--seq-len", 64, "--data-parallel", 4, "--batch-size", 2, "--d-model", 16]
+    table = invoke("pack", src, "-o", tmp_path / "o3", *args).stdout
+    balance = json.loads((tmp_path / "o3" / "manifest.json").read_text())["stats"]["step_balance"]
+    for text in (table, invoke("stats", tmp_path / "o3").stdout):
+        value = {line.strip().rsplit(None, 1)[0]: line.split()[-1]
+                 for line in text.splitlines() if len(line.split()) > 1}
+        assert value["step: ranks' max / mean"] == f"{balance['mean']:.3f}"
+        assert value["rows in random order"] == f"{balance['random_order']['mean']:.3f}"
 
 
 def test_existing_output_needs_overwrite_or_resume(tmp_path):

@@ -157,6 +157,28 @@ def test_balanced_steps_are_even_and_in_a_seeded_order(packed, tmp_path):
     assert _row_keys(_rows(again)) != _row_keys(rows)
 
 
+def test_the_manifest_reports_the_steps_balance_of_the_rows_written(packed, tmp_path):
+    """`step_balance`: per full step the ranks' max / mean cost, over the steps of every block
+    and the global leftover steps, as the rows read back give it; against a random order of
+    the same rows (worse). Outputs in other orders have none."""
+    d, paths, _, _ = packed
+    cost = CostModel(d_model=16)
+    D, b = 4, 2
+    order = RowOrder("balanced", seed=4, data_parallel=D, batch_size=b, cost=cost)
+    got = pack_to_dir(_job(paths, tmp_path / "bal", order, block_size=200, workers=1))
+    report = got.stats["step_balance"]
+    ratios = _step_max_over_mean(_rows(tmp_path / "bal"), D, b, cost)
+    assert report["steps"] == ratios.size > 10
+    assert report["mean"] == pytest.approx(ratios.mean(), abs=2e-6)
+    assert report["max"] == pytest.approx(ratios.max(), abs=2e-6)
+    p99 = np.quantile(ratios, 0.99, method="inverted_cdf")
+    assert p99 - 1e-6 <= report["p99"] <= p99 + 1e-3 + 1e-6
+    assert report["random_order"]["mean"] > report["mean"]
+    shuffled = pack_to_dir(_job(paths, tmp_path / "shuffled", RowOrder(seed=4, cost=cost),
+                                workers=1))
+    assert "step_balance" not in shuffled.stats
+
+
 def test_the_training_pipeline_gives_each_rank_its_balanced_rows(packed, tmp_path):
     pytest.importorskip("grain")
     from seqpack.pipelines.datasets import PackedArrayRecordSource, make_training_pipeline

@@ -288,7 +288,7 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
     hist["counts"] = [int(c) for c in np.sum([b.length_counts for b in blocks], axis=0)]
     base = np.concatenate(([0], np.cumsum([b.num_rows for b in blocks])))[:-1]
     order = global_order([b.layout for b in blocks if b.layout is not None], job.order)
-    return JobSummary(intent, record.manifest_results(stats, hist),
+    return JobSummary(intent, record.manifest_results(stats, hist, balance=order.balance),
                       row_dtype(dtype, config.pad_id).str, job.write_options.shard_rows,
                       [int(r) for r in base], order)
 

@@ -55,7 +55,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from seqpack.packer import Counters, PackConfig, PackPlan
-from seqpack.packer.cost import CostModel
+from seqpack.packer.cost import CostModel, StepBalance
 from seqpack.packer.order import RowOrder, ordered
 from seqpack.packer.plan import RowAssignment, order_pieces, pieces, plan_rows
 from seqpack.packer.stats import (
@@ -141,12 +141,12 @@ def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
     done = prepare_dir(out, intent, overwrite=job.overwrite, resume=job.resume)
     if done is not None:
         return done
-    ps, costs = _sorted_pieces(assignment, lengths, config, job.order)
+    ps, costs, balance = _sorted_pieces(assignment, lengths, config, job.order)
     s = stats_from_histograms(*row_histograms(ps.row, ps.length, assignment.num_rows,
                                               config.seq_len, config.max_segments),
                               config.seq_len, assignment.counters, costs=costs)
     results = manifest_results(s, length_histogram(lengths), along_output(
-        order_profile(ps.row, ps.length, assignment.num_rows), assignment.num_rows))
+        order_profile(ps.row, ps.length, assignment.num_rows), assignment.num_rows), balance)
     offsets = np.zeros(lengths.size + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     del lengths, assignment
@@ -237,10 +237,10 @@ class _Pieces:
 
 
 def _sorted_pieces(a: RowAssignment, lengths: np.ndarray, config: PackConfig,
-                   order: RowOrder) -> tuple[_Pieces, CostSummary]:
+                   order: RowOrder) -> tuple[_Pieces, CostSummary, StepBalance | None]:
     """12 bytes a piece (16 past 2**31 examples), plus the row, its output row (`order`); the
     piece order is (output row, example, start): within a row, the plan's. And the rows' cost
-    summary, block by block as the Beam job sums it."""
+    summary, block by block as the Beam job sums it, and the steps' balance (BALANCED)."""
     small = np.int32 if int(lengths.max(initial=0)) < 2**31 else np.int64
     example = np.empty(a.num_pieces, np.int32 if lengths.size < 2**31 else np.int64)
     start = np.empty(a.num_pieces, small)
@@ -251,7 +251,9 @@ def _sorted_pieces(a: RowAssignment, lengths: np.ndarray, config: PackConfig,
         at += e.size
     blocks = _Blocks.of(a, example, lengths.size)
     costs = blocks.cost_summary(a, length, config.seq_len, order.cost)
-    row = output_rows(a, length, blocks, order).astype(a.row.dtype)[a.row]  # 4 bytes a piece
+    out, balance = output_rows(a, length, blocks, order)
+    row = out.astype(a.row.dtype)[a.row]  # 4 bytes a piece
+    del out
     by_row = np.argsort(row, kind="stable")
     example = example[by_row]  # one array at a time: one extra copy alive, not three
     start = start[by_row]
@@ -260,7 +262,7 @@ def _sorted_pieces(a: RowAssignment, lengths: np.ndarray, config: PackConfig,
     del by_row
     bounds = np.zeros(a.num_rows + 1, np.int64)
     np.cumsum(np.bincount(row, minlength=a.num_rows), out=bounds[1:])
-    return _Pieces(example, start, length, row, bounds), costs
+    return _Pieces(example, start, length, row, bounds), costs, balance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,13 +293,14 @@ class _Blocks:
 
 
 def output_rows(a: RowAssignment, length: np.ndarray, blocks: _Blocks, order: RowOrder
-                ) -> np.ndarray:
+                ) -> tuple[np.ndarray, StepBalance | None]:
     """i64[R]: the output row of each plan row under `order`, block by block of the plan
     (`packer.order`: each block's layout from its rows' costs, then the global step) exactly
-    as the Beam job computes it. `length`: the plan's pieces' lengths, in input order."""
+    as the Beam job computes it, and the steps' balance (`GlobalOrder.balance`). `length`: the
+    plan's pieces' lengths, in input order."""
     costs, base = order.row_costs(a.row, length, a.num_rows), blocks.rows
     g, layouts = ordered([costs[base[j] : base[j + 1]] for j in range(base.size - 1)], order)
-    return g.output_positions(np.arange(a.num_rows), layouts)
+    return g.output_positions(np.arange(a.num_rows), layouts), g.balance
 
 
 def _shard_tasks(ps: _Pieces, offsets: np.ndarray, config: PackConfig, names: list[str],

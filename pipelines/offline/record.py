@@ -22,6 +22,7 @@ import numpy as np
 
 from seqpack.packer import PackConfig
 from seqpack.packer.config import Overflow, Strategy
+from seqpack.packer.cost import StepBalance
 from seqpack.packer.stats import PackingStats
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.inputs import (
@@ -86,11 +87,13 @@ def column_entries(job: PackJob, dtypes: Mapping[str, np.dtype]) -> list[dict]:
              "role": job.roles[name]} for name, pad in job.pads.items()]
 
 
-def manifest_results(stats: PackingStats, length_hist: dict, along: dict | None = None
-                     ) -> dict:
-    """The manifest's ``stats`` (with `along`: its ``along_output``) and
-    ``example_length_histogram``."""
+def manifest_results(stats: PackingStats, length_hist: dict, along: dict | None = None,
+                     balance: StepBalance | None = None) -> dict:
+    """The manifest's ``stats`` (with `along`: its ``along_output``; with `balance`, a balanced
+    order's: its ``step_balance``) and ``example_length_histogram``."""
     s = stats.to_dict()
+    if balance is not None:  # before along_output, which the Beam job adds last
+        s["step_balance"] = balance.to_dict()
     if along is not None:
         s["along_output"] = along
     return json.loads(json.dumps({"stats": s, "example_length_histogram": length_hist}))

@@ -122,7 +122,19 @@ def summary(s: dict, batch_size: int) -> dict:
         "row_cost_max_over_mean": s.get("row_cost_max_over_mean"),
         "row_cost_p50": (s.get("row_cost_quantiles") or {}).get("p50"),
         "along_output": (s.get("along_output") or {}).get("segments_per_row"),
+        "step_max_over_mean": _balance(s, "mean"),
+        "step_max_over_mean_p99": _balance(s, "p99"),
+        "step_random_max_over_mean": _balance(s, "mean", random=True),
+        "step_random_max_over_mean_p99": _balance(s, "p99", random=True),
     }
+
+
+def _balance(s: dict, figure: str, *, random: bool = False) -> float | None:
+    """A figure of a balanced output's ``step_balance`` (None for other orders)."""
+    got = s.get("step_balance")
+    if got is None:
+        return None
+    return (got["random_order"] if random else got)[figure]
 
 
 _ROWS = [
@@ -145,6 +157,10 @@ _ROWS = [
     ("  per row, p50", "row_attention_p50", "{:.2%}"),
     ("row cost p50 (tokens)", "row_cost_p50", "{:,.0f}"),
     ("row cost max / mean", "row_cost_max_over_mean", "{:.2f}"),
+    ("step: ranks' max / mean", "step_max_over_mean", "{:.3f}"),
+    ("  p99", "step_max_over_mean_p99", "{:.3f}"),
+    ("  rows in random order", "step_random_max_over_mean", "{:.3f}"),
+    ("  rows in random order, p99", "step_random_max_over_mean_p99", "{:.3f}"),
     ("segments / row by tenth", "along_output", "{}"),
 ]
 
