@@ -10,7 +10,7 @@ to spill files of their own, at the same positions as the tokens; the scans come
 order, so the lengths and the spill are the same for any number of workers. Memory in this
 process: the lengths (8 bytes an example).
 
-    scan_lengths(paths, options, workers)  ->  (lengths, manifest entries)
+    scan_lengths(paths, options, workers)  ->  each input's example lengths
 
 is the same scan without a spill, for `seqpack stats`' dry run.
 """
@@ -81,25 +81,23 @@ def _load_tokenizer(path: str, size: int, mtime_ns: int) -> Any:
     return load_tokenizer(path)
 
 
-def _scan_lengths(path: str, fmt: str, options: ReadOptions) -> tuple[np.ndarray, dict]:
-    """One input's example lengths and manifest entry (its tokens read and dropped)."""
-    scan = scan_file(path, fmt, options, _tokenizer(options.tokenizer) if options.tokenizer
-                     else None)
-    return scan.lengths, scan.info
+def _scan_lengths(path: str, fmt: str, options: ReadOptions) -> np.ndarray:
+    """One input's example lengths (its tokens read and dropped)."""
+    return scan_file(path, fmt, options, _tokenizer(options.tokenizer) if options.tokenizer
+                     else None).lengths
 
 
 def scan_lengths(paths: Sequence[str], options: ReadOptions, workers: Workers
-                 ) -> tuple[np.ndarray, list[dict]]:
-    """`formats.inputs.read_lengths` with the inputs scanned in the worker processes (in input
-    order; the same lengths for any number of workers)."""
+                 ) -> list[np.ndarray]:
+    """Each input's example lengths, in input order (`formats.inputs.read_lengths`'s, with the
+    inputs scanned in the worker processes: the same for any number of workers)."""
     if not paths:
         raise InputError("no input files given")
     if options.tokenizer:
         load_tokenizer(options.tokenizer)  # a bad tokenizer fails here, once
     calls = [(os.fspath(p), detect_format(os.fspath(p), options.input_format), options)
              for p in paths]
-    scans = list(workers.map(_scan_lengths, calls, len(calls), what="reading the inputs"))
-    return np.concatenate([lengths for lengths, _ in scans]), [info for _, info in scans]
+    return list(workers.map(_scan_lengths, calls, len(calls), what="reading the inputs"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -66,8 +66,10 @@ def dry_run_inputs(paths: Sequence[str], options: ReadOptions, config: PackConfi
 
     pool = Workers(workers, retry="pass fewer --workers if memory is short")
     try:
-        lengths, infos = scan_lengths(paths, options, pool)
-        _check_overlength(paths, infos, lengths, config, strategies)
+        per_input = scan_lengths(paths, options, pool)
+        _check_overlength(paths, per_input, config, strategies)
+        lengths = np.concatenate(per_input)
+        del per_input
         big = lengths.size * len(strategies) >= _PARALLEL_PLAN
         per_strategy = dry_run(lengths, config, strategies, block_size=block_size, cost=cost,
                                map_blocks=plan_map(pool, check_block_size(block_size),
@@ -79,19 +81,18 @@ def dry_run_inputs(paths: Sequence[str], options: ReadOptions, config: PackConfi
     return lengths, per_strategy
 
 
-def _check_overlength(paths: Sequence[str], infos: Sequence[dict], lengths: np.ndarray,
-                      config: PackConfig, strategies: Sequence[str]) -> None:
+def _check_overlength(paths: Sequence[str], per_input: Sequence[np.ndarray], config: PackConfig,
+                      strategies: Sequence[str]) -> None:
     """The error `seqpack pack` gives (naming the file and the record) where overflow is
-    "error" and a strategy other than concat_split would meet an over-length example."""
+    "error" and a strategy other than concat_split would meet an over-length example
+    (`per_input`: each input's example lengths)."""
     from seqpack.pipelines.offline.record import check_overlength, first_overlength
 
     refusing = [name for name in strategies if Strategy(name) is not Strategy.CONCAT_SPLIT]
     if not refusing:
         return
     cfg = dataclasses.replace(config, strategy=refusing[0])
-    ends = np.cumsum([int(info["num_examples"]) for info in infos])
-    check_overlength(paths, [first_overlength(lengths[end - int(info["num_examples"]) : end], cfg)
-                             for info, end in zip(infos, ends.tolist())], cfg)
+    check_overlength(paths, [first_overlength(lengths, cfg) for lengths in per_input], cfg)
 
 
 def summary(s: dict, batch_size: int) -> dict:
