@@ -11,7 +11,7 @@
 """
 
 from seqpack.packer import contract
-from seqpack.packer.assemble import assemble, build_rows, pack, pack_ragged
+from seqpack.packer.assemble import assemble, build_rows, pack, pack_ragged, pack_stream
 from seqpack.packer.balance import balance_slices, step_balance
 from seqpack.packer.bounds import tight_lower_bound
 from seqpack.packer.config import Overflow, PackConfig, Strategy
@@ -31,7 +31,7 @@ from seqpack.packer.order import (
 from seqpack.packer.permute import Permutation
 from seqpack.packer.plan import PackPlan, RowAssignment, plan, plan_rows
 from seqpack.packer.stats import CostSummary, PackingStats, cost_summary, lower_bound, stats
-from seqpack.packer.stream import RowPlan, StreamPlanner, pack_stream
+from seqpack.packer.stream import RowPlan, StreamPlanner
 from seqpack.packer.validate import validate
 
 __all__ = [
