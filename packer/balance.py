@@ -8,7 +8,8 @@ lightest slice swap the pair of rows that best evens them, while that helps (`_S
 
 `step_balance(costs, data_parallel, batch_size)` is the metric: for rows in output order, the
 max / mean over ranks of each full step's rank costs (rank r of step s reads rows
-[(s*D + r)*b, (s*D + r + 1)*b)); 1.0 is perfect.
+[(s*D + r)*b, (s*D + r + 1)*b)); 1.0 is perfect. `StepBalance` sums it up over the parts of an
+output (its blocks' layouts, `packer.order`) for the manifest's stats.
 
 Worked example (parts 2)::
 
@@ -20,6 +21,8 @@ Worked example (parts 2)::
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -74,3 +77,64 @@ def step_balance(costs: object, data_parallel: int, batch_size: int = 1) -> np.n
     with np.errstate(invalid="ignore", divide="ignore"):
         out = np.where(mean > 0, ranks.max(axis=1) / mean, 1.0)
     return out
+
+
+_BALANCE_BIN = 1e-3  # StepBalance's histogram: max / mean - 1 in bins of this width
+_BALANCE_BINS = 1000  # ... the last bin holding 1 + 0.999 and over
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBalance:
+    """How evenly the D ranks of each full step share its work: per step the most loaded rank's
+    cost over the mean rank's (1.0: all equal; a step waits for its slowest rank, so 1.05
+    idles 5% of it), for the output's order and for a random order of the same rows (what
+    shuffled rows give). Parts of an output (its blocks) add up with `+`; `to_dict()` is what
+    the manifest's stats hold as ``step_balance``."""
+
+    steps: int
+    ratio_sum: float
+    ratio_max: float
+    hist: tuple[int, ...]  # steps per bin of max / mean - 1 (`_BALANCE_BIN` wide)
+    random_sum: float
+    random_max: float
+    random_hist: tuple[int, ...]
+
+    @classmethod
+    def of(cls, costs: object, layout: object, random_layout: object, D: int, b: int
+           ) -> StepBalance:
+        """Of the full steps of `layout` and of `random_layout` (the same number of steps of
+        rows in rank layout), rows with these costs (f64[rows])."""
+        costs = np.asarray(costs, np.float64)
+        got = step_balance(costs[np.asarray(layout, np.int64)], D, b)
+        rand = step_balance(costs[np.asarray(random_layout, np.int64)], D, b)
+        if got.size != rand.size:
+            raise ValueError(f"{got.size} steps against {rand.size} of the random layout")
+        return cls(int(got.size), float(got.sum()), float(got.max(initial=1.0)), _hist(got),
+                   float(rand.sum()), float(rand.max(initial=1.0)), _hist(rand))
+
+    def __add__(self, other: StepBalance) -> StepBalance:
+        return StepBalance(self.steps + other.steps, self.ratio_sum + other.ratio_sum,
+                           max(self.ratio_max, other.ratio_max),
+                           tuple(map(sum, zip(self.hist, other.hist, strict=True))),
+                           self.random_sum + other.random_sum,
+                           max(self.random_max, other.random_max),
+                           tuple(map(sum, zip(self.random_hist, other.random_hist, strict=True))))
+
+    def to_dict(self) -> dict:
+        """steps; mean, p99 (the upper edge of its 0.001 bin) and max of max / mean, for the
+        output and for a random order of its rows."""
+        def figures(total: float, top: float, hist: tuple[int, ...]) -> dict:
+            if not self.steps:
+                return {"mean": 1.0, "p99": 1.0, "max": 1.0}
+            k = int(np.searchsorted(np.cumsum(hist), 0.99 * self.steps))
+            return {"mean": round(total / self.steps, 6),
+                    "p99": round(min(top, 1.0 + (k + 1) * _BALANCE_BIN), 6),
+                    "max": round(top, 6)}
+
+        return {"steps": self.steps, **figures(self.ratio_sum, self.ratio_max, self.hist),
+                "random_order": figures(self.random_sum, self.random_max, self.random_hist)}
+
+
+def _hist(ratios: np.ndarray) -> tuple[int, ...]:
+    k = np.minimum(((ratios - 1.0) / _BALANCE_BIN).astype(np.int64), _BALANCE_BINS - 1)
+    return tuple(np.bincount(np.maximum(k, 0), minlength=_BALANCE_BINS).tolist())

@@ -23,7 +23,7 @@ different workers; the local writer runs the same functions, so both give the sa
 2. `global_order(summaries, order)` — from each block's `summary()` (row count, leftover rows
    and their costs: small): arranges all leftovers like a block, permutes all full steps
    (`Permutation` over steps) and returns a compact `GlobalOrder`.
-   Both levels measure what they lay out: `StepBalance` (`packer.cost`) of their full steps
+   Both levels measure what they lay out: `StepBalance` (`packer.balance`) of their full steps
    (per step the most loaded rank's cost over the mean rank's) against as many steps of the
    same rows in a seeded random order; the blocks' add up to `GlobalOrder.balance`, which the
    manifest's stats hold as ``step_balance``.
@@ -52,8 +52,9 @@ from functools import cached_property
 
 import numpy as np
 
+from seqpack.packer.balance import StepBalance
 from seqpack.packer.config import _enum_value
-from seqpack.packer.cost import CostModel, StepBalance
+from seqpack.packer.cost import CostModel
 from seqpack.packer.permute import Permutation
 
 _ROW_SALT, _STEP_SALT, _RANK_SALT, _BALANCE_SALT = 0, 1, 2, 3

@@ -89,20 +89,3 @@ def test_stats_report_attention_against_whole_rows():
     with pytest.raises(ValueError, match="cannot add cost summaries"):
         cost_summary([0], [2], 1, 8) + cost_summary([0], [2], 1, 16)
 
-
-def test_step_balance_of_a_layout_and_its_sum_over_parts():
-    from seqpack.packer.cost import StepBalance
-
-    costs = np.array([4.0, 4.0, 1.0, 1.0, 3.0, 1.0])
-    even = StepBalance.of(costs, [0, 1, 2, 3], [0, 2, 1, 3], 2, 1)  # steps (4, 4), (1, 1)
-    d = even.to_dict()
-    assert d["steps"] == 2 and d["mean"] == d["max"] == d["p99"] == 1.0
-    assert d["random_order"] == {"mean": 1.6, "p99": 1.6, "max": 1.6}  # (4, 1): 4 / 2.5
-    part = StepBalance.of(costs, [4, 5], [5, 4], 2, 1)  # (3, 1): 3 / 2
-    both = (even + part).to_dict()
-    assert both["steps"] == 3 and both["max"] == 1.5
-    assert both["mean"] == pytest.approx((1 + 1 + 1.5) / 3, abs=1e-6)
-    assert both["p99"] == 1.5  # the top bin: capped at the max
-    assert StepBalance.of(costs, [], [], 2, 1).to_dict()["mean"] == 1.0  # no full step
-    with pytest.raises(ValueError, match="steps against"):
-        StepBalance.of(costs, [0, 1, 2, 3], [0, 1], 2, 1)
