@@ -23,13 +23,14 @@ def tiny_blocks(monkeypatch):
 
 
 # ops on a set of keys below 64: ("add", k), ("many", ks), ("run", first, m), ("remove", ks),
-# ("pop", x), ("delete", x, m)
+# ("pop", x), ("pop_ge", x), ("delete", x, m)
 _ops = st.lists(st.one_of(
     st.tuples(st.just("add"), st.integers(0, 63)),
     st.tuples(st.just("many"), st.lists(st.integers(0, 63), max_size=8)),
     st.tuples(st.just("run"), st.integers(0, 63), st.integers(1, 8)),
     st.tuples(st.just("remove"), st.lists(st.integers(0, 63), max_size=8)),
     st.tuples(st.just("pop"), st.integers(0, 64)),
+    st.tuples(st.just("pop_ge"), st.integers(0, 64)),
     st.tuples(st.just("delete"), st.integers(0, 64), st.integers(0, 9)),
 ), max_size=60)
 
@@ -77,6 +78,13 @@ def test_keys_flat_and_in_blocks_keep_a_sorted_list(tiny_blocks, start, ops):
                 if at is not None:
                     assert next(iter(pool.iter_from(at))) == want
                     assert pool.pop_at(at) == want
+            if want is not None:
+                ref.remove(want)
+        elif op[0] == "pop_ge":  # find and pop_at in one call
+            ref.sort()
+            want = next((k for k in ref if k >= op[1]), None)
+            for pool in pools:
+                assert pool.pop_ge(op[1]) == want
             if want is not None:
                 ref.remove(want)
         elif op[0] == "delete":  # the first m keys >= x, as the pass does after iterating them

@@ -11,7 +11,8 @@ it saves), so `keys_for(rows)` picks by the rows a plan expects (`_BLOCK_ROWS`).
 
 Both classes have one interface, and the pass calls it once per run of pieces, not once per
 key: `find` the first key >= x, `iter_from` there, `delete_from` the first m of those (best
-fit removes the rows it has just filled), `add_many` / `remove_many` for the rows refiled.
+fit removes the rows it has just filled), `pop_ge` (the two at once, for a run of one piece),
+`add_many` / `remove_many` for the rows refiled.
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ class FlatKeys:
     def pop_at(self, at: tuple[int, int]) -> int:
         """Deletes and returns the key at `at`."""
         return self.keys.pop(at[1])
+
+    def pop_ge(self, x: int) -> int | None:
+        """Deletes and returns the smallest key >= x (None if there is none)."""
+        keys = self.keys
+        k = bisect_left(keys, x)
+        return None if k == len(keys) else keys.pop(k)
 
     def delete_from(self, at: tuple[int, int], m: int) -> None:
         """Deletes the m keys from `at` on."""
@@ -176,6 +183,11 @@ class BlockKeys:
         else:
             del self.blocks[b], self.maxes[b]
         return key
+
+    def pop_ge(self, x: int) -> int | None:
+        """Deletes and returns the smallest key >= x (None if there is none)."""
+        at = self.find(x)
+        return None if at is None else self.pop_at(at)
 
     def delete_from(self, at: tuple[int, int], m: int) -> None:
         """Deletes the m keys from `at` on."""

@@ -221,27 +221,40 @@ class _Rows:
     def place_one(self, out: np.ndarray, s: int, i: int, a: float) -> None:
         """`place` for a run of one piece (most runs where sizes hardly repeat): the first row
         of the preferred pool that fits, else an empty row if those come first, else the other
-        pool, else a new row; the same rows `place` gives, without its per-run lists."""
+        pool, else a new row; the same rows `place` gives, without its per-run lists (and
+        `refile` of the one row inline)."""
         heap = self.heap
         if heap and -heap[0][0] > a:
             self.migrate(a)
         big = s >= a
         first, second = (self.slot, self.token) if big else (self.token, self.slot)
-        at = first.find(s << _SHIFT)
-        if at is None:
+        key = first.pop_ge(s << _SHIFT)
+        if key is None:
             if self.empty and (self.L > self.S * a) == big:
                 self.open_rows(out, s, i, i + 1, a, 1, cap=self.empty)
                 return
-            first = second
-            at = first.find(s << _SHIFT)
-            if at is None:
+            key = second.pop_ge(s << _SHIFT)
+            if key is None:
                 self.open_rows(out, s, i, i + 1, a, 1, cap=None)
                 return
-        r = first.pop_at(at) & _MASK
-        self.count[r] += 1
-        self.room[r] -= s
+        r = key & _MASK
         out[i] = r
-        self.refile((r,), a)
+        count = self.count
+        free = self.S - count[r] - 1
+        count[r] += 1
+        room = (key >> _SHIFT) - s  # a pooled row's key holds its room
+        self.room[r] = room
+        version = self.version
+        v = version[r] + 1  # as in `refile`
+        version[r] = v
+        if room < self.min_size or free == 0:
+            return  # closed
+        if room > free * a:
+            self.slot.add((room << _SHIFT) | r)
+        else:
+            self.token.add((room << _SHIFT) | r)
+            if room > free * self.min_size:
+                heappush(heap, (-room / free, v, r))
 
     def open_rows(self, out: np.ndarray, s: int, i: int, j: int, a: float, per_row: int, *,
                   cap: int | None) -> int:
@@ -409,11 +422,17 @@ def two_pool_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int, nu
     cut = np.flatnonzero(sizes_desc[1:] != sizes_desc[:-1]) + 1
     starts, ends = [0, *cut.tolist()], [*cut.tolist(), n]
     tail = np.cumsum(sizes_desc[::-1])[::-1]  # tail[i] = sum of sizes_desc[i:]
+    sizes = sizes_desc[starts]
+    after = np.array(ends[:-1], np.int64)
+    # a: the mean of the pieces after each run (after the last: its size)
+    means = [*(tail[after] / (n - after)).tolist(), float(sizes[-1])]
     rows: _Rows | _ArrayRows = _Rows(capacity, max_segments, int(sizes_desc[-1]), num_rows)
-    for s, i, j in zip(sizes_desc[starts].tolist(), starts, ends):
-        a = float(tail[j]) / (n - j) if j < n else float(s)  # mean of the pieces after the run
+    for s, i, j, a in zip(sizes.tolist(), starts, ends, means):
         k = j - i
         if isinstance(rows, _Rows):
+            if k == 1:
+                rows.place_one(out, s, i, a)
+                continue
             if k >= _LONG_RUN and _SPREAD * k >= len(rows.slot) + len(rows.token):
                 rows = _ArrayRows(rows)
         elif k < _SHORT_RUN or 4 * _SPREAD * k < rows.keys.size:
