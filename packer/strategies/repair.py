@@ -40,6 +40,8 @@ Worked example (capacity 10, max_segments 3; the plan has 3 rows, the bound is 2
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
+
 import numpy as np
 
 _DEPTH = 8  # swaps along one ejection chain
@@ -270,50 +272,86 @@ def merge_rooms(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: in
     """
     sizes = np.asarray(sizes, np.int64)
     rows = np.asarray(rows, np.int64).copy()
-    room, _ = _room_count(sizes, rows, num_rows, capacity)
-    roomy = np.flatnonzero(room[rows] > 0)
-    if not np.isin(sizes[roomy] + room[rows[roomy]], sizes[roomy]).any():
+    room_, _ = _room_count(sizes, rows, num_rows, capacity)
+    roomy = np.flatnonzero(room_[rows] > 0)
+    roomy_sizes = sizes[roomy]
+    hit = np.isin(roomy_sizes + room_[rows[roomy]], roomy_sizes)
+    if not hit.any():
         return rows, 0  # no row has a piece whose size plus its room another row holds
-    members: dict[int, list[int]] = {}
-    by_size: dict[int, dict[int, None]] = {}  # size -> pieces in rows with room (ordered)
-    for p in roomy[np.argsort(rows[roomy], kind="stable")].tolist():
-        members.setdefault(int(rows[p]), []).append(p)
-        by_size.setdefault(int(sizes[p]), {})[p] = None
+    # The pieces of rows with room, by (size, row, piece): a size's candidates in row order, as
+    # an ordered dict made on the first look at that size (most sizes are never asked for). A
+    # piece is in the index while its row has room (a full row's pieces leave it; rooms only
+    # grow, but for the row a swap fills): the dicts drop the others as a look meets them.
+    index = roomy[np.lexsort((roomy, rows[roomy], roomy_sizes))]
+    index_sizes = sizes[index].tolist()
+    index_piece = index.tolist()
+    present = set(index_sizes)
+    by_size: dict[int, dict[int, None]] = {}
+    by_row = roomy[np.argsort(rows[roomy], kind="stable")]  # ... and by (row, piece)
+    starts = np.flatnonzero(np.diff(rows[by_row], prepend=-1)).tolist()
+    ends = [*starts[1:], by_row.size]
+    by_row_list = by_row.tolist()
+    live_rows = rows[by_row[starts]].tolist()
+    members = {r: by_row_list[i:j] for r, i, j in zip(live_rows, starts, ends)}
+    # A row fails while no piece of its size plus its room is left in another row: the
+    # candidates only leave, and a row's own only change with its room. Rows without a hit at
+    # the start, and rows that failed, are skipped until their room changes.
+    skip = set(live_rows) - set(rows[roomy[hit]].tolist())
+    row_of = rows.tolist()
+    size_of = sizes.tolist()
+    room = room_.tolist()
     swaps = 0
     for _ in range(_MERGE_PASSES):
         before = swaps
-        for A in sorted(members, key=lambda r: (int(room[r]), r)):
-            if A not in members:
+        live = np.array(list(members), np.int64)
+        for A in live[np.lexsort((live, room_[live]))].tolist():
+            if A in skip or A not in members:
                 continue
-            r = int(room[A])
+            r = room[A]
+            done = False
             for a in members[A]:
-                cand = by_size.get(int(sizes[a]) + r)
-                if not cand:
+                want = size_of[a] + r
+                if want not in present:
                     continue
-                best, b, seen = -1, -1, 0
+                cand = by_size.get(want)
+                if cand is None:
+                    k = bisect_left(index_sizes, want)
+                    m = bisect_right(index_sizes, want, k)
+                    cand = by_size[want] = {q: None for q in index_piece[k:m]
+                                            if room[row_of[q]]}
+                best, b, seen, full = -1, -1, 0, []
                 for q in cand:
-                    if rows[q] != A:
-                        if room[rows[q]] > best:
-                            best, b = int(room[rows[q]]), q
+                    rq = row_of[q]
+                    rm = room[rq]
+                    if not rm:
+                        full.append(q)  # out of the index
+                    elif rq != A:
+                        if rm > best:
+                            best, b = rm, q
                         seen += 1
                         if seen == _MERGE_CANDIDATES:
                             break
+                for q in full:
+                    del cand[q]
                 if b < 0:
                     continue
-                B = int(rows[b])
-                rows[a], rows[b] = B, A
+                B = row_of[b]
+                row_of[a], row_of[b] = B, A
                 room[A] = 0
                 room[B] += r
-                members[B][members[B].index(b)] = a
-                for q in members.pop(A):  # A is full: its pieces leave the index
-                    if q != a:
-                        del by_size[int(sizes[q])][q]
-                del by_size[int(sizes[b])][b]
+                skip.discard(B)
+                mine = members[B]
+                mine[mine.index(b)] = a
+                del members[A]  # A is full: its pieces leave the index
                 swaps += 1
+                done = True
                 break
+            if not done:
+                skip.add(A)
         if swaps == before:
             break
-    return rows, swaps
+        room_ = np.array(room, np.int64)
+    return np.array(row_of, np.int64), swaps
 
 
 def share_slots(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
