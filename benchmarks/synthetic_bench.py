@@ -26,7 +26,7 @@ import numpy as np
 from benchmarks.common import print_table
 from benchmarks.corpora import small_lognormal
 from benchmarks.lp_bound import lp_bound
-from benchmarks.packer_bench import _split_sizes, _time_plan, baseline_bfd, bfd_mod, plan_mod
+from benchmarks.packer_cells import _split_sizes, _time_plan, baseline_bfd, bfd_mod, plan_mod
 from seqpack.packer import PackConfig, tight_lower_bound
 from seqpack.packer.config import Strategy
 from seqpack.packer.strategies.best_fit_decreasing import repair_target
