@@ -39,6 +39,73 @@ def test_merge_repair_keeps_every_piece_and_never_adds_rows(inst):
     assert tight_lower_bound(desc, L, S) <= m <= n
 
 
+def _merge_rooms_direct(sizes, rows, num_rows, capacity):
+    """merge_rooms as first written (the module docstring, step by step): every row with room
+    looked at in every pass, the index of pieces by size as dicts, a full row's pieces deleted
+    from it one by one. The pass's skips and lazy dicts must give the same swaps."""
+    rows = np.asarray(rows, np.int64).copy()
+    room = capacity - np.bincount(rows, weights=sizes, minlength=num_rows).astype(np.int64)
+    roomy = np.flatnonzero(room[rows] > 0)
+    members, by_size = {}, {}
+    for p in roomy[np.argsort(rows[roomy], kind="stable")].tolist():
+        members.setdefault(int(rows[p]), []).append(p)
+        by_size.setdefault(int(sizes[p]), {})[p] = None
+    swaps = 0
+    for _ in range(repair_mod._MERGE_PASSES):
+        before = swaps
+        for A in sorted(members, key=lambda r: (int(room[r]), r)):
+            if A not in members:
+                continue
+            r = int(room[A])
+            for a in members[A]:
+                best, b, seen = -1, -1, 0
+                for q in by_size.get(int(sizes[a]) + r, {}):
+                    if rows[q] != A:
+                        if room[rows[q]] > best:
+                            best, b = int(room[rows[q]]), q
+                        seen += 1
+                        if seen == repair_mod._MERGE_CANDIDATES:
+                            break
+                if b < 0:
+                    continue
+                B = int(rows[b])
+                rows[a], rows[b] = B, A
+                room[A], room[B] = 0, room[B] + r
+                members[B][members[B].index(b)] = a
+                for q in members.pop(A):
+                    if q != a:
+                        del by_size[int(sizes[q])][q]
+                del by_size[int(sizes[b])][b]
+                swaps += 1
+                break
+        if swaps == before:
+            break
+    return rows, swaps
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_merge_rooms_swaps_as_the_direct_version(seed):
+    # plans with room in many rows (a random first fit, each fitting row skipped at random), so
+    # that many swaps chain: rows whose room grows are looked at again, the others not
+    rng = np.random.default_rng(seed)
+    L = int(rng.choice([16, 64, 256, 2048]))
+    n = int(rng.integers(2, 400))
+    sizes = np.minimum(L, np.maximum(1, rng.lognormal(rng.uniform(0.5, np.log(L)), 0.8, n)))
+    sizes = np.sort(sizes.astype(np.int64))[::-1]
+    rows, rooms = np.empty(n, np.int64), []
+    for p in rng.permutation(n):
+        r = next((r for r, rm in enumerate(rooms) if rm >= sizes[p] and rng.random() < 0.7),
+                 len(rooms))
+        if r == len(rooms):
+            rooms.append(L)
+        rooms[r] -= sizes[p]
+        rows[p] = r
+    got, swaps = repair_mod.merge_rooms(sizes, rows, len(rooms), L)
+    want, want_swaps = _merge_rooms_direct(sizes, rows, len(rooms), L)
+    assert swaps == want_swaps and np.array_equal(got, want)
+
+
 def test_merge_rooms_worked_example():
     # capacity 10: A = [5, 4] has room 1, B = [6, 2] room 2; A's 5 for B's 6 = 5 + 1
     sizes = np.array([6, 5, 4, 2])
