@@ -1,6 +1,7 @@
-"""The offline default's probes before the sieve (`strategies.improve`): the repair,
-then near the bound the merge, then where the slots bind little the exact fill; each kept only
-where it reaches the target, else the sieve starts from the passes' plan."""
+"""The offline default's probes before the sieve (`strategies.improve`): near the bound the
+merge, further off the repair (and the merge where that brings the plan near the bound), then
+where the slots bind little the exact fill; each kept only where it reaches the target, else the
+sieve starts from the passes' plan."""
 
 from __future__ import annotations
 
@@ -65,21 +66,32 @@ def test_repair_alone_runs_before_the_sieve_and_ends_there_at_the_target(monkeyp
     assert [c for c, _, _ in calls] == ["repair"] and n <= target
 
 
-def test_merge_after_the_repair_near_the_bound_ends_there_at_the_target(monkeypatch):
-    # the repair alone leaves the plan 2 rows over the bound (the target is + 1), within
-    # _MERGE_FIRST of it: the merge gathers the room the repair could not use, and the sieve
-    # never runs
+def test_merge_alone_near_the_bound_ends_there_at_the_target(monkeypatch):
+    # the passes leave the plan within _MERGE_FIRST of the bound (395 rows, the bound 387, the
+    # target 388): the merge is the probe (its own repair after gathering the room), no repair
+    # alone before it, and it gets to the target; the sieve never runs
     _, bound, target, calls, n = _planned_seeded(monkeypatch, 4, 512, (3.5, 4.5), 8)
+    assert [c for c, _, _ in calls] == ["merge_repair"]
+    assert target < calls[0][1] <= bound + improve._MERGE_FIRST * bound  # the passes missed
+    assert n == calls[0][2] <= target
+
+
+def test_merge_after_the_repair_near_the_bound_ends_there_at_the_target(monkeypatch):
+    # the passes are further off (492 rows, the bound 476): the repair alone first (to 483, the
+    # target is 477), which leaves the plan within _MERGE_FIRST of the bound; then the merge
+    # gathers the room the repair could not use, and the sieve never runs
+    _, bound, target, calls, n = _planned_seeded(monkeypatch, 15, 512, (3.5, 4.5), 8)
+    near = bound + improve._MERGE_FIRST * bound
     assert [c for c, _, _ in calls] == ["repair", "merge_repair"]
-    assert target < calls[0][2] <= bound + improve._MERGE_FIRST * bound  # the repair missed
+    assert calls[0][1] > near and target < calls[0][2] <= near  # the repair missed
     assert n <= target
 
 
 def test_probes_that_miss_leave_the_sieve_the_passes_plan(monkeypatch):
-    # 2,810 lengths at 512 / 8 (slot share 0.59): the repair (607 to 600 rows) and the merge
-    # (to 599) miss the target of 598; the sieve starts from the passes' plan of 607 rows, not
-    # the repaired one, and the repair with the merge after it gets to the target
-    _, bound, target, calls, n = _planned_seeded(monkeypatch, 143, 512, (3.5, 4.5), 8)
+    # 420 rows from the passes at 512 / 8 (the bound 405, the target 406): the repair (to 412)
+    # and the merge (to 407) miss; the sieve starts from the passes' plan of 420 rows, not the
+    # repaired one, and the repair with the merge after it gets to the target
+    _, bound, target, calls, n = _planned_seeded(monkeypatch, 99, 512, (3.5, 4.5), 8)
     (first, passes, repaired), (second, _, merged) = calls[:2]
     assert (first, second) == ("repair", "merge_repair") and merged > target
     sieved = [rows_in for step, rows_in, _ in calls if step == "sieve"]
@@ -91,10 +103,10 @@ def test_probes_that_miss_leave_the_sieve_the_passes_plan(monkeypatch):
 def test_exact_fill_is_a_probe_where_the_slots_bind_little(monkeypatch, seed, gap):
     # chat-like lengths (2,031 of mean 676; 2,862 of mean 725) at 2048 / 8: slot share under
     # 0.5, about 3 pieces a row, few of each size. The two-pool pass is 5 and 9 rows over the
-    # bound, the repair and the merge leave +2 (the target is +1), and so did the sieve and the
-    # sample fills after them. The exact fill (rows ended with a piece or a pair of exactly the
-    # room left), repaired, gets to +0 and +1, the sieve never runs; in the second corpus the
-    # fill alone is further off (+15) than the two-pool pass
+    # bound, the merge leaves +2 in both (the target is +1; the sieve and the sample fills after
+    # it did no better). The exact fill (rows ended with a piece or a pair of exactly the room
+    # left), repaired, gets to +0 and +1, the sieve never runs; in the second corpus the fill
+    # alone is further off (+15) than the two-pool pass
     desc, bound, target, calls, n = _planned_seeded(monkeypatch, seed, 2048, (5.0, 6.5), 8)
     assert sizes_slot_share(desc, 2048, 8) < SLOTS_BIND_HALF
     assert slots_can_bind(desc[::-1], 2048, 8)  # not the one-dimensional plan
@@ -102,5 +114,6 @@ def test_exact_fill_is_a_probe_where_the_slots_bind_little(monkeypatch, seed, ga
     filled = bfd.fill_sorted(desc, 2048, 8)[1]
     assert two_pool > target and (filled > two_pool) == (seed == 7)
     assert n == bound + gap <= target
-    assert calls[1][0] == "merge_repair" and calls[1][2] > target  # the first probes missed
+    # the passes are near the bound: the merge is the first probe, and misses
+    assert calls[0][0] == "merge_repair" and calls[0][2] > target
     assert "sieve" not in [c for c, _, _ in calls]

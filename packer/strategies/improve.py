@@ -8,20 +8,21 @@ the target, the best plan winning. Two steps do most of it: `strategies.sieve` p
 for the next window, and `strategies.repair` moves pieces out of the emptiest rows into the room
 the others have left. Where the slots can bind the sieve does most: there the room is spread thinly
 over many rows, full in slots or short of room for any piece left, and only mixing sizes again
-gathers it (chat_dev at L=4096 / S=12: the passes +53 rows, the repair alone +45, the sieve +1).
-The repair alone still runs first there, as a probe: it costs a few to tens of ms where the sieve
-costs about three plans of the loose rows, and it often reaches the target by itself (chat_dev at
-8192 / 32: +2 to +1, half the plan time; at 2048 / 16: +18 to +5, the target). Where it does not
-but leaves the plan within 3% of the bound (`_MERGE_FIRST`), the repair with the merge (below) is a
-second probe: near the bound the room left is spread thin, and gathering it costs less than mixing
-(gsm8k at 2048 / 16: the passes +14 rows, the repair +11, the merge +1, the target, in 8 ms where
-the sieve takes 35; chat_dev at 2048 / 8: +8 to +5 in 16 ms, the sieve 62). Further off the merge
-misses at a cost that grows faster than the corpus (chat_dev eight times over at 2048 / 6, 6% over
-the bound: the merge 3 s to +1442 rows, the sieve 1.6 s to +83). A probe's plan is kept only where
-it reaches the target; otherwise the sieve starts from the passes' plan (from the repaired one it
-has fewer loose rows to mix: 1,682 lognormal lengths at 2048 / 8, +2 rows over the bound against
-+1) and the repair with the merge follows. Where the slot share is under 0.5 the exact fill of
-`strategies.fill` (the one-dimensional plan's second pass), repaired, is a third probe: on small
+gathers it (chat_dev at L=4096 / S=12: the passes +53 rows, the repair alone +45, the sieve +1). A
+probe runs first there: it costs a few to tens of ms where the sieve costs about three plans of the
+loose rows, and it often reaches the target by itself. Within 3% of the bound (`_MERGE_FIRST`) the
+probe is the repair with the merge (below): near the bound the room left is spread thin, and
+gathering it costs less than mixing (gsm8k at 2048 / 16: the passes +14 rows, the merge +1, the
+target; chat_dev at 2048 / 16: +18 to +5, the target; at 8192 / 32: +2 to +1). Further off the
+repair alone goes first, and the merge after it where the repair brings the plan within 3%; there
+the merge misses at a cost that grows faster than the corpus (chat_dev eight times over at 2048 /
+6, 6% over the bound: the merge 3 s to +1442 rows, the sieve 1.6 s to +83). (Until 2026-12-03 the
+repair alone always went first: the same rows on every cell measured, in 1.3x the time at gsm8k
+2048 / 16, where the merge's own repair then did that work again.) A probe's plan is kept only
+where it reaches the target; otherwise the sieve starts from the passes' plan (from the repaired
+one it has fewer loose rows to mix: 1,682 lognormal lengths at 2048 / 8, +2 rows over the bound
+against +1) and the repair with the merge follows. Where the slot share is under 0.5 the exact fill
+of `strategies.fill` (the one-dimensional plan's second pass), repaired, is a third probe: on small
 corpora of about three pieces a row, few of each size, the passes' rows end with room no later
 piece fits (2,031 chat-like lengths of mean 676 at 2048 / 8: the two-pool pass +5 rows, the repair
 and the merge +2, the sieve and the sample fills no better; the fill +0; 9 of 360 seeded corpora of
@@ -88,7 +89,7 @@ from seqpack.packer.strategies.swap import swap_search
 Planner = Callable[[np.ndarray], tuple[np.ndarray, int]]  # sizes -> (row per piece, rows)
 
 _SEEDS = 2  # shuffles the whole sieve tries (its rows vary by a few tenths of a percent)
-_MERGE_FIRST = 0.03  # the merge probes where the repair leaves the plan this share over the bound
+_MERGE_FIRST = 0.03  # the merge probes where the plan is within this share over the bound
 _WINDOW_ROWS = 64  # a sieve window holds at least this many rows' worth of pieces
 # the sample fill's (ranks, seed), in the order tried; a sample plan further above the bound
 # than _SAMPLE_SPREAD times the plan so far (and 5%) is dropped (the fill stops once it must be)
@@ -110,7 +111,7 @@ def sieve_window(sizes: np.ndarray, capacity: int, max_segments: int) -> int:
 def improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
             max_segments: int, bound: int, target: int, *, plan: Planner, last: Planner
             ) -> tuple[np.ndarray, int]:
-    """The probes (the repair, then near the bound the merge, then where the slots bind little
+    """The probes (the repair, or near the bound the merge; then where the slots bind little
     the exact fill), the sieve and the repair with the merge, then the sample fills, then the
     whole sieve, then on small plans the swap search (module docstring), each while the plan
     (`rows` of the pieces `sizes_desc`, i64[P] sorted largest first; `num_rows` rows) is above
@@ -138,9 +139,13 @@ def improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: i
     else:
         steps = [mix, fix]
         if num_rows > target:  # the probes, kept where they reach the target
-            early = probe(rows, num_rows)
-            if target < early[1] <= bound + _MERGE_FIRST * bound:
-                early = merge(*early)
+            near = bound + _MERGE_FIRST * bound
+            if num_rows <= near:  # the merge gathers the room, then repairs: no repair first
+                early = merge(rows, num_rows)
+            else:
+                early = probe(rows, num_rows)
+                if target < early[1] <= near:
+                    early = merge(*early)
             if early[1] > target and share < SLOTS_BIND_HALF:  # the exact fill, repaired
                 filled = fix(*fill_sorted(sizes_desc, capacity, max_segments))
                 early = min(early, filled, key=lambda got: got[1])
