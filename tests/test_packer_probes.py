@@ -78,6 +78,18 @@ def test_merge_alone_near_the_bound_ends_there_at_the_target(monkeypatch):
     assert n == calls[0][2] <= target
 
 
+def test_repair_alone_where_the_merge_near_the_bound_removes_no_row(monkeypatch):
+    # the same corpus, the merge made to find nothing (as where no row's room matches a size):
+    # merge_repair then never repairs, so the repair alone runs after it, on the passes' plan
+    monkeypatch.setattr(improve, "merge_repair",
+                        lambda sizes, rows, n, *a, **k: (rows, n))
+    _, bound, target, calls, n = _planned_seeded(monkeypatch, 4, 512, (3.5, 4.5), 8)
+    (first, passes, merged), (second, repair_in, _) = calls[:2]
+    assert passes <= bound + improve._MERGE_FIRST * bound  # near the bound: the merge first
+    assert (first, second) == ("merge_repair", "repair") and merged == repair_in == passes
+    assert n <= target
+
+
 def test_merge_after_the_repair_near_the_bound_ends_there_at_the_target(monkeypatch):
     # the passes are further off (492 rows, the bound 476): the repair alone first (to 483, the
     # target is 477), which leaves the plan within _MERGE_FIRST of the bound; then the merge

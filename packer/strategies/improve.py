@@ -13,22 +13,24 @@ probe runs first there: it costs a few to tens of ms where the sieve costs about
 loose rows, and it often reaches the target by itself. Within 3% of the bound (`_MERGE_FIRST`) the
 probe is the repair with the merge (below): near the bound the room left is spread thin, and
 gathering it costs less than mixing (gsm8k at 2048 / 16: the passes +14 rows, the merge +1, the
-target; chat_dev at 2048 / 16: +18 to +5, the target; at 8192 / 32: +2 to +1). Further off the
-repair alone goes first, and the merge after it where the repair brings the plan within 3%; there
-the merge misses at a cost that grows faster than the corpus (chat_dev eight times over at 2048 /
-6, 6% over the bound: the merge 3 s to +1442 rows, the sieve 1.6 s to +83). (Until 2026-12-03 the
-repair alone always went first: the same rows on every cell measured, in 1.3x the time at gsm8k
-2048 / 16, where the merge's own repair then did that work again.) A probe's plan is kept only
-where it reaches the target; otherwise the sieve starts from the passes' plan (from the repaired
-one it has fewer loose rows to mix: 1,682 lognormal lengths at 2048 / 8, +2 rows over the bound
-against +1) and the repair with the merge follows. Where the slot share is under 0.5 the exact fill
-of `strategies.fill` (the one-dimensional plan's second pass), repaired, is a third probe: on small
-corpora of about three pieces a row, few of each size, the passes' rows end with room no later
-piece fits (2,031 chat-like lengths of mean 676 at 2048 / 8: the two-pool pass +5 rows, the repair
-and the merge +2, the sieve and the sample fills no better; the fill +0; 9 of 360 seeded corpora of
-500 to 3,000 lengths above the target before it, none after). Where the plan is one-dimensional the
-repair goes first (gsm8k at L=2048: +3 to +1 in a few ms), and where the slots bind for the whole
-corpus only the repair runs (every row is full in slots: mixing them frees none).
+target; chat_dev at 2048 / 16: +18 to +5, the target; at 8192 / 32: +2 to +1), and where it removes
+no row the repair alone follows (a merge that finds nothing to swap does not repair). Further off
+the repair alone goes first, and the merge after it where the repair brings the plan within 3%;
+there the merge misses at a cost that grows faster than the corpus (chat_dev eight times over at
+2048 / 6, 6% over the bound: the merge 3 s to +1442 rows, the sieve 1.6 s to +83). (Until
+2026-12-03 the repair alone always went first: the same rows on every cell measured, in 1.3x the
+time at gsm8k 2048 / 16, where the merge's own repair then did that work again.) A probe's plan is
+kept only where it reaches the target; otherwise the sieve starts from the passes' plan (from the
+repaired one it has fewer loose rows to mix: 1,682 lognormal lengths at 2048 / 8, +2 rows over the
+bound against +1) and the repair with the merge follows. Where the slot share is under 0.5 the
+exact fill of `strategies.fill` (the one-dimensional plan's second pass), repaired, is a third
+probe: on small corpora of about three pieces a row, few of each size, the passes' rows end with
+room no later piece fits (2,031 chat-like lengths of mean 676 at 2048 / 8: the two-pool pass +5
+rows, the repair and the merge +2, the sieve and the sample fills no better; the fill +0; 9 of 360
+seeded corpora of 500 to 3,000 lengths above the target before it, none after). Where the plan is
+one-dimensional the repair goes first (gsm8k at L=2048: +3 to +1 in a few ms), and where the slots
+bind for the whole corpus only the repair runs (every row is full in slots: mixing them frees
+none).
 
 A repair that leaves the plan above the target gathers the room first and tries again
 (`strategies.repair.merge_repair`): swaps of one piece for one that fill a row exactly and hand its
@@ -142,6 +144,8 @@ def improve(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, capacity: i
             near = bound + _MERGE_FIRST * bound
             if num_rows <= near:  # the merge gathers the room, then repairs: no repair first
                 early = merge(rows, num_rows)
+                if early[1] == num_rows:  # it removed no row (or found nothing to swap, and
+                    early = probe(rows, num_rows)  # so did not repair): the repair alone
             else:
                 early = probe(rows, num_rows)
                 if target < early[1] <= near:
