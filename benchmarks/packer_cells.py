@@ -272,10 +272,10 @@ def online_target(bound: int) -> int:
 
 
 def parts_bound(lengths: np.ndarray, L: int, S: int, parts: int) -> int:
-    """The tight bound of each of `parts` equal runs of the corpus in its order, summed: the
-    fewest rows of any plan whose rows hold pieces of one run only (a planner that sees the
-    corpus a run at a time, at best). Where the corpus drifts, a run binds in slots and another
-    in tokens, and this is above the whole corpus's bound."""
+    """The tight bound of each of `parts` equal runs of the corpus in its order, summed: no plan
+    whose rows each hold pieces of one run only (a planner that sees the corpus a run at a time)
+    has fewer rows. Where the corpus drifts, a run binds in slots and another in tokens, and
+    this is above the whole corpus's bound."""
     size = -(-lengths.size // parts)
     return sum(tight_lower_bound(_split_sizes(lengths[a : a + size], L), L, S)
                for a in range(0, lengths.size, size))
