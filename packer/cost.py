@@ -89,4 +89,3 @@ class CostModel:
         if unknown:
             raise ValueError(f"unknown cost model fields {sorted(unknown)}; expected kind, d_model")
         return cls(**d)
-

@@ -303,12 +303,11 @@ def merge_rooms(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: in
     swaps = 0
     for _ in range(_MERGE_PASSES):
         before = swaps
-        live = np.array(list(members), np.int64)
-        for A in live[np.lexsort((live, room_[live]))].tolist():
+        # least room first, then the lowest row (members' keys are in row order: a stable sort)
+        for A in sorted(members, key=room.__getitem__):
             if A in skip or A not in members:
                 continue
             r = room[A]
-            done = False
             for a in members[A]:
                 want = size_of[a] + r
                 if want not in present:
@@ -344,13 +343,11 @@ def merge_rooms(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: in
                 mine[mine.index(b)] = a
                 del members[A]  # A is full: its pieces leave the index
                 swaps += 1
-                done = True
                 break
-            if not done:
+            else:
                 skip.add(A)
         if swaps == before:
             break
-        room_ = np.array(room, np.int64)
     return np.array(row_of, np.int64), swaps
 
 
