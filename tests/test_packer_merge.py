@@ -179,7 +179,7 @@ def test_repair_in_groups_keeps_every_piece_and_never_adds_rows(inst, group_rows
             calls.append((sizes, r, m))
             return step(sizes, r, m, *args, **kw)
 
-        got, m = repair_mod.in_groups(spy, desc, rows, n, L, S, target=target,
+        got, m = improve.in_groups(spy, desc, rows, n, L, S, target=target,
                                       group_rows=group_rows)
         _check(desc, got, m, L, S)
         assert tight_lower_bound(desc, L, S) <= m <= n
@@ -207,7 +207,7 @@ def test_repair_in_groups_takes_strided_rows_and_shares_out_the_rows_to_go():
         seen.append((sizes.tolist(), r.tolist(), m, target))
         return repair_mod.repair(sizes, r, m, capacity, max_segments, target=target)
 
-    got, m = repair_mod.in_groups(spy, desc, rows, 6, L, S, target=4, group_rows=3)
+    got, m = improve.in_groups(spy, desc, rows, 6, L, S, target=4, group_rows=3)
     # k = 2: group 0 = rows 0, 2, 4 (the 5s), group 1 = rows 1, 3, 5 (the 6s, no two fit)
     assert seen[0] == ([5, 5, 5], [0, 1, 2], 3, 2)  # 2 rows to go: 1 from each group
     assert seen[1] == ([6, 6, 6], [0, 1, 2], 3, 2)  # group 0 removed 1: 1 left, asked of it

@@ -61,7 +61,7 @@ bound, 6.5%, the repair +44), and mixing sizes window by window gets to +3 (wors
 tight bound's rows, where pieces over L/2 are in 31% of them, to +1).
 
 On plans of more than 8,192 rows the repair and the merge run on strided groups of at most that
-many rows (`strategies.repair.in_groups`): a victim costs work in proportion to the plan, so on a
+many rows (`in_groups`): a victim costs work in proportion to the plan, so on a
 whole plan of chat_dev 128 times over at L=2048 / S=8 (733,349 rows in the bound) the two took 52 s
 and missed the target (+2,511 rows; the sieve then got to +366 in 7 s); in groups they reach it
 (+733) in 9.5 s, and the plan takes 18 to 23 s (two runs) instead of 72.
@@ -83,7 +83,7 @@ import numpy as np
 
 from seqpack.packer.bounds import SLOTS_BIND_ALL, SLOTS_BIND_HALF, sizes_slot_share, slots_can_bind
 from seqpack.packer.strategies.fill import fill_sorted, sample_fill_sorted
-from seqpack.packer.strategies.repair import in_groups, merge_repair, repair
+from seqpack.packer.strategies.repair import merge_repair, repair
 from seqpack.packer.strategies.sieve import _WINDOW as _SIEVE_WINDOW
 from seqpack.packer.strategies.sieve import sieve, sieve_all
 from seqpack.packer.strategies.swap import swap_search
@@ -91,12 +91,52 @@ from seqpack.packer.strategies.swap import swap_search
 Planner = Callable[[np.ndarray], tuple[np.ndarray, int]]  # sizes -> (row per piece, rows)
 
 _SEEDS = 2  # shuffles the whole sieve tries (its rows vary by a few tenths of a percent)
+_GROUP_ROWS = 8192  # plans of more rows are repaired in strided groups of at most this many
 _MERGE_FIRST = 0.03  # the merge probes where the plan is within this share over the bound
 _WINDOW_ROWS = 64  # a sieve window holds at least this many rows' worth of pieces
 # the sample fill's (ranks, seed), in the order tried; a sample plan further above the bound
 # than _SAMPLE_SPREAD times the plan so far (and 5%) is dropped (the fill stops once it must be)
 _SAMPLE_SPREAD = 16
 _SAMPLE_MODES = (("middle", 0), ("span", 0), ("random", 0), ("random", 1))
+
+
+def in_groups(step, sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
+              max_segments: int, *, target: int, group_rows: int | None = None
+              ) -> tuple[np.ndarray, int]:
+    """`step` (`repair.repair` or `repair.merge_repair`) on a plan of more than `group_rows` rows
+    (`_GROUP_ROWS`) one group of rows at a time: rows r with r % k == g for k groups of at most
+    that many, each group a cross-section of the plan (rows are numbered as the passes opened
+    them, big pieces first). Each group is asked for its share of the rows still to go (the
+    plan's rows over `target`, less what the groups before removed); the rows come out group
+    by group. Smaller plans go to `step` whole.
+
+    Both steps cost work in proportion to the plan for every row they empty (a victim looks at
+    every piece in a row with room), so on a whole plan their time grows with the square of
+    its rows, and their work budget (`repair._BUDGET` per piece) runs out after a fixed number of
+    victims: chat_dev 128 times over at L=2048 / S=8 (733,349 rows in the bound), the repair
+    4.8 s for 40 of the 4,717 rows over, the merge 47 s to +2,511 against a target of +733.
+    A group costs what a plan of its size does."""
+    limit = _GROUP_ROWS if group_rows is None else group_rows
+    if num_rows <= limit or num_rows <= target:
+        return step(sizes, rows, num_rows, capacity, max_segments, target=target)
+    k = -(-num_rows // limit)
+    rows = np.asarray(rows, np.int64)
+    group = rows % k
+    order = np.argsort(group, kind="stable")  # pieces group by group, in their order within
+    ends = np.searchsorted(group[order], np.arange(1, k + 1))
+    out = np.empty_like(rows)
+    start, total, left = 0, 0, num_rows - target  # rows still to go
+    for g in range(k):
+        idx = order[start : ends[g]]
+        start = int(ends[g])
+        n = (num_rows - g + k - 1) // k  # rows g, g + k, ...: locally 0 .. n - 1
+        want = min(n, -(-left // (k - g)))
+        got, m = step(sizes[idx], rows[idx] // k, n, capacity, max_segments,
+                      target=max(0, n - want))
+        left -= n - m
+        out[idx] = np.asarray(got, np.int64) + total
+        total += m
+    return out, total
 
 
 def sieve_window(sizes: np.ndarray, capacity: int, max_segments: int) -> int:

@@ -53,7 +53,6 @@ _MERGE_CANDIDATES = 8  # rows B (of the first pieces of the size A needs) it pic
 _SHARE_CANDIDATES = 32  # pieces share_slots looks at per pair of a row with room
 _SHARE_ROWS = 1024  # rows with room (the roomiest) share_slots looks at, at most
 _MERGE_ROUNDS = 8  # merges and repairs while the plan shrinks
-_GROUP_ROWS = 8192  # plans of more rows are repaired in strided groups of at most this many
 
 
 def _room_count(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int
@@ -424,42 +423,3 @@ def merge_repair(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: i
             break
         rows, num_rows = got, n
     return rows, num_rows
-
-
-def in_groups(step, sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
-              max_segments: int, *, target: int, group_rows: int | None = None
-              ) -> tuple[np.ndarray, int]:
-    """`step` (`repair` or `merge_repair`) on a plan of more than `group_rows` rows
-    (`_GROUP_ROWS`) one group of rows at a time: rows r with r % k == g for k groups of at most
-    that many, each group a cross-section of the plan (rows are numbered as the passes opened
-    them, big pieces first). Each group is asked for its share of the rows still to go (the
-    plan's rows over `target`, less what the groups before removed); the rows come out group
-    by group. Smaller plans go to `step` whole.
-
-    Both steps cost work in proportion to the plan for every row they empty (a victim looks at
-    every piece in a row with room), so on a whole plan their time grows with the square of
-    its rows, and their work budget (`_BUDGET` per piece) runs out after a fixed number of
-    victims: chat_dev 128 times over at L=2048 / S=8 (733,349 rows in the bound), the repair
-    4.8 s for 40 of the 4,717 rows over, the merge 47 s to +2,511 against a target of +733.
-    A group costs what a plan of its size does."""
-    limit = _GROUP_ROWS if group_rows is None else group_rows
-    if num_rows <= limit or num_rows <= target:
-        return step(sizes, rows, num_rows, capacity, max_segments, target=target)
-    k = -(-num_rows // limit)
-    rows = np.asarray(rows, np.int64)
-    group = rows % k
-    order = np.argsort(group, kind="stable")  # pieces group by group, in their order within
-    ends = np.searchsorted(group[order], np.arange(1, k + 1))
-    out = np.empty_like(rows)
-    start, total, left = 0, 0, num_rows - target  # rows still to go
-    for g in range(k):
-        idx = order[start : ends[g]]
-        start = int(ends[g])
-        n = (num_rows - g + k - 1) // k  # rows g, g + k, ...: locally 0 .. n - 1
-        want = min(n, -(-left // (k - g)))
-        got, m = step(sizes[idx], rows[idx] // k, n, capacity, max_segments,
-                      target=max(0, n - want))
-        left -= n - m
-        out[idx] = np.asarray(got, np.int64) + total
-        total += m
-    return out, total
