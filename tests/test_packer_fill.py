@@ -25,6 +25,21 @@ def test_fill_keeps_every_piece_within_both_limits(inst):
     assert n >= tight_lower_bound(desc, L, S)
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 300), st.integers(1, 12), st.data())
+def test_fill_at_rows_far_longer_than_its_pieces(top, per_row, data):
+    # the fill's tables go up to twice the largest piece, not to the row length: rows of
+    # 1 to 12 times the largest piece (the rooms a row's last pieces see pass it): every piece
+    # placed, both limits kept
+    sizes = data.draw(st.lists(st.integers(1, top), min_size=1, max_size=300))
+    L = top * per_row + data.draw(st.integers(0, top))
+    S = data.draw(st.integers(1, 400))
+    desc = np.sort(np.asarray(sizes, np.int64))[::-1]
+    rows, n = fill_mod.fill_sorted(desc, L, S)
+    _check(desc, rows, n, L, S)
+    assert n >= tight_lower_bound(desc, L, S)
+
+
 def test_fill_worked_example():
     rows, n = fill_mod.fill_sorted(np.array([8, 6, 5, 4, 3, 2, 2]), 10, 4)
     assert n == 3 and rows.tolist() == [0, 1, 2, 1, 2, 0, 2]  # [8, 2] [6, 4] [5, 3, 2]

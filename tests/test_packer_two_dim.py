@@ -82,7 +82,12 @@ def test_one_dimensional_gate_is_exact_and_only_plain_bfd_and_the_fill_run(inst)
         assert not starved.any()
         b = tight_lower_bound(desc, L, S)
         assert len(bfd._passes(desc, L, S, b, window=1024)) == 1  # plain BFD alone
-        assert len(bfd._passes(desc, L, S, b)) == 2  # offline: then the exact fill
+        passes = bfd._passes(desc, L, S, b)
+        assert len(passes) == 2  # offline: plain BFD and the exact fill, the cheaper first
+        few = desc.size <= bfd._FILL_FIRST * np.unique(desc).size  # few pieces a size
+        first = (bfd.fill_sorted if few else bfd._bfd_sorted)(desc, L, S)
+        got = passes[0][0]()
+        assert got[1] == first[1] and np.array_equal(got[0], first[0])
     if starved.any():
         assert can_bind
 
