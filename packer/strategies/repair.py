@@ -48,6 +48,9 @@ _DEPTH = 8  # swaps along one ejection chain
 _FAILURES = 3  # victims that may fail in a row before the pass stops
 _BUDGET = 400  # array elements looked at per piece of the plan, in all
 _ROWS, _PIECES = 4, 16  # rows B, and pieces of each, that _open_room tries
+# the pairs (i < j) of m pieces for m <= _PIECES, as share_slots asks for them (np.triu_indices
+# builds an m x m mask each call: most of share_slots' time per row)
+_PAIRS = [np.triu_indices(m, 1) for m in range(_PIECES + 1)]
 _MERGE_PASSES = 4  # passes of merge_rooms over the rows with room
 _MERGE_CANDIDATES = 8  # rows B (of the first pieces of the size A needs) it picks the roomiest of
 _SHARE_CANDIDATES = 32  # pieces share_slots looks at per pair of a row with room
@@ -378,7 +381,7 @@ def share_slots(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: in
         mine = by_row[start[B] : start[B + 1]]
         mine = mine[~moved[mine]]
         mine = mine[np.argsort(sizes[mine], kind="stable")][:_PIECES]
-        i, j = np.triu_indices(mine.size, 1)
+        i, j = _PAIRS[mine.size]
         pair = sizes[mine[i]] + sizes[mine[j]]
         half = int(room[B]) // 2
         lo = np.searchsorted(free_sizes, pair)
