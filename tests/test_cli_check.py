@@ -84,7 +84,7 @@ def test_stats_dry_run_per_strategy_matches_the_planner(tmp_path):
 def test_stats_dry_run_in_workers_gives_the_figures_of_one(tmp_path, monkeypatch):
     """--workers: the inputs are scanned and every strategy's blocks planned in the worker
     processes (here from one example on); the same JSON as one process."""
-    from seqpack.pipelines.offline import report
+    from seqpack.pipelines.offline import read, report
     from seqpack.pipelines.offline import workers as workers_mod
 
     srcs = [write_parquet(tmp_path / "a.parquet", SEQS[:150]),
@@ -99,6 +99,7 @@ def test_stats_dry_run_in_workers_gives_the_figures_of_one(tmp_path, monkeypatch
 
     monkeypatch.setattr(workers_mod.Workers, "map", spy)
     monkeypatch.setattr(report, "_PARALLEL_PLAN", 1)
+    monkeypatch.setattr(read, "_PARALLEL_BYTES", 1)
     args = ["stats", *srcs, "--seq-len", 64, "--max-segments", 8, "--overflow", "split",
             "--block-size", 97, "--json"]
     one = json.loads(invoke(*args, "--workers", 1).stdout)
@@ -112,6 +113,25 @@ def test_stats_dry_run_in_workers_gives_the_figures_of_one(tmp_path, monkeypatch
     cfg = PackConfig(64, max_segments=8, overflow="split")
     assert one["stats"]["best_fit_decreasing"] == stats(
         plan(lengths, cfg, block_size=97), seq_len=64, max_segments=8, cost=CostModel()).to_dict()
+
+
+def test_stats_dry_run_of_small_inputs_starts_no_worker(tmp_path, monkeypatch):
+    """Inputs of fewer bytes than `read._PARALLEL_BYTES` in all are scanned in this process
+    (starting the workers would cost more than the scan), and a small plan is planned here too:
+    no process starts, the figures are those of one process."""
+    from seqpack.pipelines.offline import workers as workers_mod
+
+    srcs = [write_jsonl(tmp_path / "a.jsonl", SEQS[:150]),
+            write_jsonl(tmp_path / "b.jsonl", SEQS[150:])]
+    args = ["stats", *srcs, "--seq-len", 64, "--max-segments", 8, "--overflow", "split",
+            "--json"]
+    one = json.loads(invoke(*args, "--workers", 1).stdout)
+
+    def refuse(self):
+        raise AssertionError("a worker process started")
+
+    monkeypatch.setattr(workers_mod.Workers, "_start", refuse)
+    assert json.loads(invoke(*args, "--workers", 4).stdout) == one
 
 
 def test_stats_dry_run_names_the_file_of_an_over_length_example(tmp_path):

@@ -12,7 +12,8 @@ process: the lengths (8 bytes an example).
 
     scan_lengths(paths, options, workers)  ->  each input's example lengths
 
-is the same scan without a spill, for `seqpack stats`' dry run.
+is the same scan without a spill, for `seqpack stats`' dry run (in this process where the inputs
+are small: `_PARALLEL_BYTES`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ from seqpack.pipelines.offline.workers import Workers
 # Test-only: seconds to sleep after each input read and each shard written, so tests can stop a
 # run mid-way or watch its progress.
 DELAY_ENV = "SEQPACK_TEST_SHARD_DELAY"
+# `scan_lengths` reads inputs of fewer bytes than this in all in this process: starting the
+# workers costs about 0.3 s on 2 cores (`seqpack stats` on three 100 kB files: 0.71 s with
+# them, 0.38 s without), about what reading 4 MiB of JSONL costs
+_PARALLEL_BYTES = 4 << 20
 
 
 class Progress(Protocol):
@@ -93,10 +98,13 @@ def scan_lengths(paths: Sequence[str], options: ReadOptions, workers: Workers
     inputs scanned in the worker processes: the same for any number of workers)."""
     if not paths:
         raise InputError("no input files given")
+    nbytes = sum(storage.size(os.fspath(p)) for p in paths)  # InputError naming a missing one
     if options.tokenizer:
         load_tokenizer(options.tokenizer)  # a bad tokenizer fails here, once
     calls = [(os.fspath(p), detect_format(os.fspath(p), options.input_format), options)
              for p in paths]
+    if nbytes < _PARALLEL_BYTES:  # starting the worker processes would cost more
+        return [_scan_lengths(*call) for call in calls]
     return list(workers.map(_scan_lengths, calls, len(calls), what="reading the inputs"))
 
 
