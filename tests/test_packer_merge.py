@@ -1,4 +1,4 @@
-"""The repair's room merge: swaps of one piece for one that gather the room of rows."""
+"""The room merge (`strategies.merge`): swaps between rows that gather the room of a plan."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from seqpack.packer import tight_lower_bound
 from seqpack.packer.strategies import best_fit_decreasing as bfd
 from seqpack.packer.strategies import improve
+from seqpack.packer.strategies import merge as merge_mod
 from seqpack.packer.strategies import repair as repair_mod
 from tests.helpers.packer import bfd_plan, instances
 from tests.helpers.packer import check_rows as _check
@@ -19,14 +20,14 @@ from tests.helpers.packer import check_rows as _check
 @given(instances)
 def test_merge_rooms_keeps_rows_and_slot_counts_and_fills_one_row_a_swap(inst):
     L, S, desc, rows, n = bfd_plan(inst)
-    merged, swaps = repair_mod.merge_rooms(desc, rows, n, L)
+    merged, swaps = merge_mod.merge_rooms(desc, rows, n, L)
     _check(desc, merged, n, L, S)
     assert np.array_equal(np.bincount(merged, minlength=n), np.bincount(rows, minlength=n))
     room = L - np.bincount(rows, weights=desc, minlength=n)
     after = L - np.bincount(merged, weights=desc, minlength=n)
     assert after.sum() == room.sum()  # the room moves, none is lost
     assert (after > 0).sum() == (room > 0).sum() - swaps  # each swap fills a row exactly
-    again = repair_mod.merge_rooms(desc, rows, n, L)  # deterministic
+    again = merge_mod.merge_rooms(desc, rows, n, L)  # deterministic
     assert again[1] == swaps and np.array_equal(again[0], merged)
 
 
@@ -34,7 +35,7 @@ def test_merge_rooms_keeps_rows_and_slot_counts_and_fills_one_row_a_swap(inst):
 @given(instances)
 def test_merge_repair_keeps_every_piece_and_never_adds_rows(inst):
     L, S, desc, rows, n = bfd_plan(inst)
-    fixed, m = repair_mod.merge_repair(desc, rows, n, L, S, target=0)
+    fixed, m = merge_mod.merge_repair(desc, rows, n, L, S, target=0)
     _check(desc, fixed, m, L, S)
     assert tight_lower_bound(desc, L, S) <= m <= n
 
@@ -51,7 +52,7 @@ def _merge_rooms_direct(sizes, rows, num_rows, capacity):
         members.setdefault(int(rows[p]), []).append(p)
         by_size.setdefault(int(sizes[p]), {})[p] = None
     swaps = 0
-    for _ in range(repair_mod._MERGE_PASSES):
+    for _ in range(merge_mod._MERGE_PASSES):
         before = swaps
         for A in sorted(members, key=lambda r: (int(room[r]), r)):
             if A not in members:
@@ -64,7 +65,7 @@ def _merge_rooms_direct(sizes, rows, num_rows, capacity):
                         if room[rows[q]] > best:
                             best, b = int(room[rows[q]]), q
                         seen += 1
-                        if seen == repair_mod._MERGE_CANDIDATES:
+                        if seen == merge_mod._MERGE_CANDIDATES:
                             break
                 if b < 0:
                     continue
@@ -101,7 +102,7 @@ def test_merge_rooms_swaps_as_the_direct_version(seed):
             rooms.append(L)
         rooms[r] -= sizes[p]
         rows[p] = r
-    got, swaps = repair_mod.merge_rooms(sizes, rows, len(rooms), L)
+    got, swaps = merge_mod.merge_rooms(sizes, rows, len(rooms), L)
     want, want_swaps = _merge_rooms_direct(sizes, rows, len(rooms), L)
     assert swaps == want_swaps and np.array_equal(got, want)
 
@@ -110,7 +111,7 @@ def test_merge_rooms_worked_example():
     # capacity 10: A = [5, 4] has room 1, B = [6, 2] room 2; A's 5 for B's 6 = 5 + 1
     sizes = np.array([6, 5, 4, 2])
     rows = np.array([1, 0, 0, 1])
-    merged, swaps = repair_mod.merge_rooms(sizes, rows, 2, 10)
+    merged, swaps = merge_mod.merge_rooms(sizes, rows, 2, 10)
     assert swaps == 1
     assert merged.tolist() == [0, 1, 0, 1]  # A = [6, 4] full, B = [5, 2] with room 3
 
@@ -119,12 +120,12 @@ def test_merge_rooms_worked_example():
 @given(instances)
 def test_share_slots_keeps_rows_within_limits_and_moves_room_not_tokens(inst):
     L, S, desc, rows, n = bfd_plan(inst)
-    shared, swaps = repair_mod.share_slots(desc, rows, n, L, S)
+    shared, swaps = merge_mod.share_slots(desc, rows, n, L, S)
     _check(desc, shared, n, L, S)
     assert (shared != rows).sum() == 3 * swaps  # three pieces a swap, each moved once
     before, after = np.bincount(rows, minlength=n), np.bincount(shared, minlength=n)
     assert (after != before).sum() == 2 * swaps and np.abs(after - before).max(initial=0) <= 1
-    again = repair_mod.share_slots(desc, rows, n, L, S)
+    again = merge_mod.share_slots(desc, rows, n, L, S)
     assert again[1] == swaps and np.array_equal(again[0], shared)
 
 
@@ -133,7 +134,7 @@ def test_share_slots_worked_example():
     # room 3): A's 4 for B's 2 + 2; B then has a free slot beside its room
     sizes = np.array([6, 4, 3, 2, 2])
     rows = np.array([0, 0, 1, 1, 1])
-    shared, swaps = repair_mod.share_slots(sizes, rows, 2, 10, 3)
+    shared, swaps = merge_mod.share_slots(sizes, rows, 2, 10, 3)
     assert swaps == 1
     assert shared.tolist() == [0, 1, 1, 0, 0]  # A = [6, 2, 2], B = [4, 3] with room 3
 
@@ -158,7 +159,7 @@ def test_merge_reaches_the_target_where_the_repair_alone_does_not(mu, sigma, n, 
     rows, got = bfd.assign_best_fit_decreasing(lengths, 2048, S)
     _check(lengths, rows, got, 2048, S)
     assert got <= target
-    monkeypatch.setattr(repair_mod, *patch)  # without the merge, or without the shared slots
+    monkeypatch.setattr(merge_mod, *patch)  # without the merge, or without the shared slots
     # (and without the swap search after everything, which reaches the target on its own in
     # the second case: the merge gets there before it)
     monkeypatch.setattr(improve, "swap_search", lambda sizes, rows, n, *a, **k: (rows, n))
@@ -172,7 +173,7 @@ def test_repair_in_groups_keeps_every_piece_and_never_adds_rows(inst, group_rows
     than before, every group handed rows 0 .. n - 1 of its own and its pieces largest first."""
     L, S, desc, rows, n = bfd_plan(inst)
     target = tight_lower_bound(desc, L, S) + slack
-    for step in (repair_mod.repair, repair_mod.merge_repair):
+    for step in (repair_mod.repair, merge_mod.merge_repair):
         calls = []
 
         def spy(sizes, r, m, *args, step=step, calls=calls, **kw):

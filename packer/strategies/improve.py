@@ -33,7 +33,7 @@ bind for the whole corpus only the repair runs (every row is full in slots: mixi
 none).
 
 A repair that leaves the plan above the target gathers the room first and tries again
-(`strategies.repair.merge_repair`): swaps of one piece for one that fill a row exactly and hand its
+(`strategies.merge.merge_repair`): swaps of one piece for one that fill a row exactly and hand its
 room to another that has room, and of one piece for two that bring a free slot to a row full in
 slots with room (lognormal lengths of mean 420 at L=2048 / S=5: +10 rows over the bound to +5, the
 target; 24 of 432 seeded lognormal cells above the target before, 13 after).
@@ -83,7 +83,8 @@ import numpy as np
 
 from seqpack.packer.bounds import SLOTS_BIND_ALL, SLOTS_BIND_HALF, sizes_slot_share, slots_can_bind
 from seqpack.packer.strategies.fill import fill_sorted, sample_fill_sorted
-from seqpack.packer.strategies.repair import merge_repair, repair
+from seqpack.packer.strategies.merge import merge_repair
+from seqpack.packer.strategies.repair import repair
 from seqpack.packer.strategies.sieve import _WINDOW as _SIEVE_WINDOW
 from seqpack.packer.strategies.sieve import sieve, sieve_all
 from seqpack.packer.strategies.swap import swap_search
@@ -103,7 +104,7 @@ _SAMPLE_MODES = (("middle", 0), ("span", 0), ("random", 0), ("random", 1))
 def in_groups(step, sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
               max_segments: int, *, target: int, group_rows: int | None = None
               ) -> tuple[np.ndarray, int]:
-    """`step` (`repair.repair` or `repair.merge_repair`) on a plan of more than `group_rows` rows
+    """`step` (`repair.repair` or `merge.merge_repair`) on a plan of more than `group_rows` rows
     (`_GROUP_ROWS`) one group of rows at a time: rows r with r % k == g for k groups of at most
     that many, each group a cross-section of the plan (rows are numbered as the passes opened
     them, big pieces first). Each group is asked for its share of the rows still to go (the
