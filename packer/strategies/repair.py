@@ -114,7 +114,8 @@ def _place(st: _State, p: int, victim: int, roomy: np.ndarray, depth: int) -> bo
     takes[victim] = False
     fits = rows[takes[rows]]
     if fits.size:
-        best = fits[np.lexsort((fits, st.room[fits]))[0]]  # least room, then lowest row
+        # least room, then lowest row (one key: a sort of them cost a tenth of the repair)
+        best = fits[np.argmin(st.room[fits] * st.room.size + fits)]
         st.move(p, int(best))
         return True
     room = st.room[rows]
