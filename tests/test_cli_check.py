@@ -134,6 +134,26 @@ def test_stats_dry_run_of_small_inputs_starts_no_worker(tmp_path, monkeypatch):
     assert json.loads(invoke(*args, "--workers", 4).stdout) == one
 
 
+def test_small_inputs_asks_for_sizes_only_until_they_pass_the_threshold(tmp_path, monkeypatch):
+    """`read._small_inputs` asks for one size at a time and stops once the sum passes
+    `_PARALLEL_BYTES`; over `_PARALLEL_FILES` inputs it asks for none (each is a request on
+    object storage)."""
+    from seqpack.pipelines import storage
+    from seqpack.pipelines.offline import read
+
+    paths = [str(write_jsonl(tmp_path / f"{k}.jsonl", SEQS[:20])) for k in range(4)]
+    asked = []
+    real = storage.size
+    monkeypatch.setattr(storage, "size", lambda p: asked.append(p) or real(p))
+    assert read._small_inputs(paths) and asked == paths
+    asked.clear()
+    monkeypatch.setattr(read, "_PARALLEL_BYTES", real(paths[0]) + 1)  # the second passes it
+    assert not read._small_inputs(paths) and asked == paths[:2]
+    asked.clear()
+    monkeypatch.setattr(read, "_PARALLEL_FILES", 3)
+    assert not read._small_inputs(paths) and asked == []
+
+
 def test_stats_dry_run_names_the_file_of_an_over_length_example(tmp_path):
     """overflow "error": the error of `seqpack pack` (file and record), not the planner's
     index into all the inputs; concat_split alone cuts examples and needs no overflow."""

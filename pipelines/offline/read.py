@@ -42,6 +42,8 @@ DELAY_ENV = "SEQPACK_TEST_SHARD_DELAY"
 # them, 0.37 s without), more than scanning 4 MiB of JSONL token lists takes (about 0.2 s);
 # at 8 MiB in two files the workers save 0.25 s (1.23 s -> 0.98 s)
 _PARALLEL_BYTES = 4 << 20
+# ... and more inputs than this count as large unseen: each size is a request on object storage
+_PARALLEL_FILES = 64
 
 
 class Progress(Protocol):
@@ -93,18 +95,32 @@ def _scan_lengths(path: str, fmt: str, options: ReadOptions) -> np.ndarray:
                      else None).lengths
 
 
+def _small_inputs(paths: Sequence[str]) -> bool:
+    """Whether `paths` hold fewer than `_PARALLEL_BYTES` in all: sizes are asked for one input at
+    a time until they pass it, and not at all for more than `_PARALLEL_FILES` inputs (an
+    InputError names a missing input asked for)."""
+    if len(paths) > _PARALLEL_FILES:
+        return False
+    total = 0
+    for p in paths:
+        total += storage.size(os.fspath(p))
+        if total >= _PARALLEL_BYTES:
+            return False
+    return True
+
+
 def scan_lengths(paths: Sequence[str], options: ReadOptions, workers: Workers
                  ) -> list[np.ndarray]:
     """Each input's example lengths, in input order (`formats.inputs.read_lengths`'s, with the
     inputs scanned in the worker processes: the same for any number of workers)."""
     if not paths:
         raise InputError("no input files given")
-    nbytes = sum(storage.size(os.fspath(p)) for p in paths)  # InputError naming a missing one
+    small = _small_inputs(paths)
     if options.tokenizer:
         load_tokenizer(options.tokenizer)  # a bad tokenizer fails here, once
     calls = [(os.fspath(p), detect_format(os.fspath(p), options.input_format), options)
              for p in paths]
-    if nbytes < _PARALLEL_BYTES:  # starting the worker processes would cost more
+    if small:  # starting the worker processes would cost more
         return [_scan_lengths(*call) for call in calls]
     return list(workers.map(_scan_lengths, calls, len(calls), what="reading the inputs"))
 
