@@ -32,7 +32,7 @@ from seqpack.packer.strategies.best_fit_decreasing import repair_target
 
 plan_mod = importlib.import_module("seqpack.packer.plan")
 bfd_mod = importlib.import_module("seqpack.packer.strategies.best_fit_decreasing")
-improve_mod = importlib.import_module("seqpack.packer.strategies.improve")
+improve_mod = importlib.import_module("seqpack.packer.strategies.refine.improve")
 
 
 MAIN_BFD = "packer/strategies/best_fit_decreasing.py"
@@ -42,7 +42,7 @@ BASELINE = "f002f8b"  # the packer before the two-dimensional planner (plain BFD
 MAIN_STREAM = "packer/stream.py"
 
 
-_STRATEGY_IMPORT = re.compile(r"from seqpack\.packer\.strategies\.(\w+) import")
+_STRATEGY_IMPORT = re.compile(r"from seqpack\.packer\.strategies\.([\w.]+) import")
 
 
 def _baseline_module(rev: str, path: str, name: str):
@@ -58,9 +58,9 @@ def _baseline_module(rev: str, path: str, name: str):
         return None
 
     def at_rev(m: re.Match) -> str:
-        dep = f"_seqpack_{rev}_{m.group(1)}"
+        dep = f"_seqpack_{rev}_{m.group(1).replace('.', '_')}"  # refine.repair: refine/repair.py
         if dep not in sys.modules and _baseline_module(
-                rev, f"packer/strategies/{m.group(1)}.py", dep) is None:
+                rev, f"packer/strategies/{m.group(1).replace('.', '/')}.py", dep) is None:
             return m.group(0)  # not in `rev`: this checkout's
         return f"from {dep} import"
 

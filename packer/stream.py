@@ -63,7 +63,7 @@ from seqpack.packer.plan import Counters, PackPlan, aligned, apply_overflow, ord
 from seqpack.packer.state_codec import decode_planner_state, encode_row_arrays
 from seqpack.packer.strategies.best_fit import BestFitBins
 from seqpack.packer.strategies.best_fit_decreasing import assign_best_fit_decreasing
-from seqpack.packer.strategies.sieve import keep_open
+from seqpack.packer.strategies.refine.sieve import keep_open
 
 STREAM_STRATEGIES = (Strategy.BEST_FIT_DECREASING, Strategy.BEST_FIT)
 _ID, _START, _LEN, _BORN, _ROW = range(5)  # columns of StreamPlanner._held

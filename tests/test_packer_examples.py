@@ -34,7 +34,7 @@ def test_improve_worked_example(monkeypatch):
     # capacity 10, max_segments 3: A = [6, 3], B = [5, 4], C = [2], asked for 2 rows (the
     # bound): the repair empties C, A's 6 swapping for B's 5; no later step runs
     from seqpack.packer.strategies import best_fit_decreasing as bfd
-    from seqpack.packer.strategies import improve
+    from seqpack.packer.strategies.refine import improve
 
     sizes = np.array([6, 5, 4, 3, 2])
     ran = []

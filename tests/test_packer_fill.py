@@ -10,7 +10,7 @@ from seqpack.packer import tight_lower_bound
 from seqpack.packer.bounds import slots_can_bind
 from seqpack.packer.strategies import best_fit_decreasing as bfd
 from seqpack.packer.strategies import fill as fill_mod
-from seqpack.packer.strategies import improve
+from seqpack.packer.strategies.refine import improve
 from tests.helpers.packer import check_rows as _check
 from tests.helpers.packer import instances
 

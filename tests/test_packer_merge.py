@@ -1,4 +1,4 @@
-"""The room merge (`strategies.merge`): swaps between rows that gather the room of a plan."""
+"""The room merge (`strategies.refine.merge`): swaps between rows that gather the room of a plan."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from seqpack.packer import tight_lower_bound
 from seqpack.packer.strategies import best_fit_decreasing as bfd
-from seqpack.packer.strategies import improve
-from seqpack.packer.strategies import merge as merge_mod
-from seqpack.packer.strategies import repair as repair_mod
+from seqpack.packer.strategies.refine import improve
+from seqpack.packer.strategies.refine import merge as merge_mod
+from seqpack.packer.strategies.refine import repair as repair_mod
 from tests.helpers.packer import bfd_plan, instances
 from tests.helpers.packer import check_rows as _check
 

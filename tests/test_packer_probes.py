@@ -1,4 +1,4 @@
-"""The offline default's probes before the sieve (`strategies.improve`): near the bound the
+"""The offline default's probes before the sieve (`strategies.refine.improve`): near the bound the
 merge, further off the repair (and the merge where that brings the plan near the bound), then
 where the slots bind little the exact fill; each kept only where it reaches the target, else the
 sieve starts from the passes' plan."""
@@ -12,7 +12,7 @@ from benchmarks.corpora import small_lognormal
 from seqpack.packer import tight_lower_bound
 from seqpack.packer.bounds import SLOTS_BIND_HALF, sizes_slot_share, slots_can_bind
 from seqpack.packer.strategies import best_fit_decreasing as bfd
-from seqpack.packer.strategies import improve
+from seqpack.packer.strategies.refine import improve
 from tests.helpers.packer import check_rows as _check
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from benchmarks.corpora import small_lognormal
 from seqpack.packer import tight_lower_bound
 from seqpack.packer.strategies import best_fit_decreasing as bfd
-from seqpack.packer.strategies import improve, swap
+from seqpack.packer.strategies.refine import improve, swap
 from tests.helpers.packer import bfd_plan, instances
 from tests.helpers.packer import check_rows as _check
 

@@ -12,9 +12,10 @@ from seqpack.packer import stream as stream_mod
 from seqpack.packer.bounds import SLOTS_BIND_ALL, lower_bound, sizes_slot_share, slots_can_bind
 from seqpack.packer.plan import apply_overflow
 from seqpack.packer.strategies import best_fit_decreasing as bfd
-from seqpack.packer.strategies import improve, two_pool
-from seqpack.packer.strategies import repair as repair_mod
-from seqpack.packer.strategies import sieve as sieve_mod
+from seqpack.packer.strategies import two_pool
+from seqpack.packer.strategies.refine import improve
+from seqpack.packer.strategies.refine import repair as repair_mod
+from seqpack.packer.strategies.refine import sieve as sieve_mod
 from tests.helpers.packer import check_rows as _check
 from tests.helpers.packer import instances
 
@@ -116,7 +117,8 @@ def test_sieve_keeps_every_piece_and_never_adds_rows(inst, window):
 
 
 def test_sieve_worked_example():
-    # the example of strategies/sieve.py: capacity 10, 3 slots, windows of 4, plain BFD's plan
+    # the example of strategies/refine/sieve.py: capacity 10, 3 slots, windows of 4, plain
+    # BFD's plan
     sizes = np.array([6, 3, 3, 2, 2, 2])
     rows, n = bfd._bfd_sorted(sizes, 10, 3)
     assert n == 3 and rows.tolist() == [0, 0, 1, 1, 1, 2]  # [6, 3] [3, 2, 2] [2]
@@ -239,7 +241,7 @@ def test_tight_bound_worked_example():
 
 
 def test_repair_worked_example():
-    # the example of strategies/repair.py: capacity 10, 3 slots, bound 2
+    # the example of strategies/refine/repair.py: capacity 10, 3 slots, bound 2
     sizes = np.array([6, 3, 5, 4, 2])
     rows = np.array([0, 0, 1, 1, 2])  # A = [6, 3], B = [5, 4], C = [2]
     fixed, m = repair_mod.repair(sizes, rows, 3, 10, 3, target=2)

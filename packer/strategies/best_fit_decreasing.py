@@ -39,7 +39,7 @@ at 131072, whose longest file makes its table L long, 3.4 against 2.4 ms), and i
 bound on every one-dimensional cell measured at that scale (2026-12-03), where plain BFD
 misses gsm8k at L=2048 by 3 rows and both ran.
 
-Then, while the plan is above `repair_target` (0.1%, at least one row), `strategies.improve`
+Then, while the plan is above `repair_target` (0.1%, at least one row), `strategies.refine.improve`
 works on it: the probes (the repair, the merge, the exact fill), the sieve, the repair with the
 merge, the sample fills, the whole sieve and, on small plans, the swap search, each while the
 plan is still above the target. The sieve's windows are planned by every pass above (no repair,
@@ -73,8 +73,8 @@ from seqpack.packer.bounds import (
 )
 from seqpack.packer.strategies.best_fit import _MASK, _SHIFT
 from seqpack.packer.strategies.fill import fill_sorted
-from seqpack.packer.strategies.improve import improve
-from seqpack.packer.strategies.repair import repair
+from seqpack.packer.strategies.refine.improve import improve
+from seqpack.packer.strategies.refine.repair import repair
 from seqpack.packer.strategies.two_pool import two_pool_sorted
 
 _TWO_POOL_FIRST = 0.15  # ... and the two-pool pass first from this share on

@@ -16,7 +16,7 @@ and the next victim is tried, up to `_FAILURES` failures in a row. Work is bound
 array elements per piece of the plan), so the pass costs at most a few plain passes.
 
 Where the room lies in rows too little for any piece, or in rows full in slots, the repair
-finds no place for a victim's pieces: `strategies.merge` gathers the room first
+finds no place for a victim's pieces: `merge` gathers the room first
 (`merge.merge_repair`, which repairs after it).
 
 Worked example (capacity 10, max_segments 3; the plan has 3 rows, the bound is 2)::

@@ -42,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 
 from seqpack.packer.bounds import slot_share
-from seqpack.packer.strategies.repair import _room_count
+from seqpack.packer.strategies.refine.repair import _room_count
 
 _ITERS = 400  # iterations a victim may take
 _BUDGET = 12_000  # candidate moves looked at per piece of the plan, in all

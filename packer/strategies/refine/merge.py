@@ -1,6 +1,6 @@
 """The room merge: swaps between rows that gather a plan's room where the repair can use it.
 
-The repair (`strategies.repair`) empties a victim row into the room the others have left; it
+The repair (`repair`) empties a victim row into the room the others have left; it
 fails where that room lies where no piece of a victim fits. Two cases, and a step for each:
 
 * Every row must be near full (tokens bind: lognormal lengths of mean 420 at L=2048 / S=15,
@@ -35,7 +35,7 @@ from bisect import bisect_left, bisect_right
 
 import numpy as np
 
-from seqpack.packer.strategies.repair import _PIECES, _by_row, _room_count, repair
+from seqpack.packer.strategies.refine.repair import _PIECES, _by_row, _room_count, repair
 
 # the pairs (i < j) of m pieces for m <= _PIECES, as share_slots asks for them (np.triu_indices
 # builds an m x m mask each call: a quarter of share_slots' time when it ran per row)

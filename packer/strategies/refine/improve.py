@@ -3,9 +3,9 @@
 The passes of `best_fit_decreasing` (plain BFD, worst fit, the two-pool pass, the exact fill) leave
 a plan; while it is above its target (`best_fit_decreasing.repair_target`: the bound + 0.1%, at
 least one row), `improve` works on it with the steps below, each only while the plan is still above
-the target, the best plan winning. Two steps do most of it: `strategies.sieve` plans the loose rows
+the target, the best plan winning. Two steps do most of it: `sieve` plans the loose rows
 (those with room) again in windows of a seeded shuffle, keeping rows that are not exactly full open
-for the next window, and `strategies.repair` moves pieces out of the emptiest rows into the room
+for the next window, and `repair` moves pieces out of the emptiest rows into the room
 the others have left. Where the slots can bind the sieve does most: there the room is spread thinly
 over many rows, full in slots or short of room for any piece left, and only mixing sizes again
 gathers it (chat_dev at L=4096 / S=12: the passes +53 rows, the repair alone +45, the sieve +1). A
@@ -33,7 +33,7 @@ bind for the whole corpus only the repair runs (every row is full in slots: mixi
 none).
 
 A repair that leaves the plan above the target gathers the room first and tries again
-(`strategies.merge.merge_repair`): swaps of one piece for one that fill a row exactly and hand its
+(`merge.merge_repair`): swaps of one piece for one that fill a row exactly and hand its
 room to another that has room, and of one piece for two that bring a free slot to a row full in
 slots with room (lognormal lengths of mean 420 at L=2048 / S=5: +10 rows over the bound to +5, the
 target; 24 of 432 seeded lognormal cells above the target before, 13 after).
@@ -46,9 +46,9 @@ where every row must be near-full in both limits, no largest-first order gets th
 / 13 to 24: +7 to +18, +2 to +4 with it, the target; chat_dev at 4096 / 11: +9, +1).
 
 As a last resort, the best plan so far still above the target, every piece goes through the sieve
-(`strategies.sieve.sieve_all`: windows of a seeded shuffle, planned as a stream is). A small plan
+(`sieve.sieve_all`: windows of a seeded shuffle, planned as a stream is). A small plan
 still above the target after all that (at most 1,024 rows of a few pieces each, the slots binding
-little) goes to the swap search (`strategies.swap`): a row's pieces are taken out and moved back
+little) goes to the swap search (`swap`): a row's pieces are taken out and moved back
 into the others by swaps of up to two pieces for two, the room gathered by swaps between rows where
 none fits (1,477 lognormal lengths of mean 690 at 2048 / 8, 500.3 rows' worth of tokens: every step
 before it ends at 504 rows, the bound is 501, the search gets to the target, 502, in 2 s; 6 of
@@ -83,11 +83,11 @@ import numpy as np
 
 from seqpack.packer.bounds import SLOTS_BIND_ALL, SLOTS_BIND_HALF, sizes_slot_share, slots_can_bind
 from seqpack.packer.strategies.fill import fill_sorted, sample_fill_sorted
-from seqpack.packer.strategies.merge import merge_repair
-from seqpack.packer.strategies.repair import repair
-from seqpack.packer.strategies.sieve import _WINDOW as _SIEVE_WINDOW
-from seqpack.packer.strategies.sieve import sieve, sieve_all
-from seqpack.packer.strategies.swap import swap_search
+from seqpack.packer.strategies.refine.merge import merge_repair
+from seqpack.packer.strategies.refine.repair import repair
+from seqpack.packer.strategies.refine.sieve import _WINDOW as _SIEVE_WINDOW
+from seqpack.packer.strategies.refine.sieve import sieve, sieve_all
+from seqpack.packer.strategies.refine.swap import swap_search
 
 Planner = Callable[[np.ndarray], tuple[np.ndarray, int]]  # sizes -> (row per piece, rows)
 
