@@ -1,8 +1,15 @@
 """Best fit decreasing: the offline, near-optimal strategy (tokens and segment slots).
 
 A row holds `capacity` tokens in at most `max_segments` slots; the plan is measured against the
-tight lower bound of `packer.bounds`. Up to four passes, each run only if the ones before it are
-further from the bound than `gate` (0.05%, at least one row), the best plan winning:
+tight lower bound of `packer.bounds`. Offline, where a row can run out of slots, the pieces are
+first dealt into the bound's rows (`strategies.deal`, a few numpy passes over the pieces); where
+every row fits, that plan has the bound's rows and no pass runs. gsm8k_train at L=32768 / S=256
+and 8192 / 64 reach the bound so in 0.05 and 0.4 ms, where the two-pool pass took 4.4 and 6.2
+ms. On the grid of `benchmarks/packer_bench.py` it fits 41 of the 77 cells where slots can
+bind, 6 of which the passes had left a row or more over the bound (chat_turns 8192 / 8: +8);
+where it misses it cost 19 ms over the other 36 (mostly chat_turns' 277k pieces, 2 ms a
+cell). Otherwise up to four passes, each run only if the ones before it are further from
+the bound than `gate` (0.05%, at least one row), the best plan winning:
 
 1. plain best fit decreasing (largest first, into the row it leaves with the least room), run by
    run of equal sizes (below): the best plan wherever the segment cap hardly binds;
@@ -72,6 +79,7 @@ from seqpack.packer.bounds import (
     sorted_lower_bound,
 )
 from seqpack.packer.strategies.best_fit import _MASK, _SHIFT
+from seqpack.packer.strategies.deal import deal_sorted
 from seqpack.packer.strategies.fill import fill_sorted
 from seqpack.packer.strategies.refine.improve import improve
 from seqpack.packer.strategies.refine.repair import repair
@@ -298,6 +306,8 @@ def assign_best_fit_decreasing(
     enough = gate(bound) if slack is None else bound + slack
     target = repair_target(bound) if slack is None else bound + slack
     best: tuple[object, int] | None = None
+    if repair_rows and not window and slots_can_bind(sizes_desc[::-1], capacity, max_segments):
+        best = deal_sorted(sizes_desc, capacity, max_segments, bound)  # the bound's rows, or None
     for run, worth in _passes(sizes_desc, capacity, max_segments, bound, window=window,
                               deal_bound=repair_rows and not window):
         if best is not None and (best[1] <= enough or not worth(best[1])):

@@ -1,0 +1,128 @@
+"""The deal into the tight bound's rows (`strategies.deal`), and where the offline default deals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from seqpack.packer import tight_lower_bound
+from seqpack.packer.bounds import slots_can_bind
+from seqpack.packer.strategies import best_fit_decreasing as bfd
+from seqpack.packer.strategies import deal
+from tests.helpers.packer import check_rows, instances
+
+
+@settings(max_examples=150, deadline=None)
+@given(instances, st.integers(0, 3), st.booleans())
+def test_deal_keeps_every_piece_in_the_rows_it_is_given(inst, extra, close):
+    L, S, sizes = inst
+    desc = np.sort(np.asarray(sizes, np.int64))[::-1]
+    R = tight_lower_bound(desc, L, S) + extra
+    saved = deal._CLOSE
+    deal._CLOSE = 1.0 if close else saved  # the balanced deal after every snake that misses
+    try:
+        got = deal.deal_sorted(desc, L, S, R)
+    finally:
+        deal._CLOSE = saved
+    snake = deal.snake_rows(desc.size, R)
+    if got is None:  # only where the snake misses (or there are fewer pieces than rows)
+        assert desc.size < R or np.bincount(snake, weights=desc).max() > L
+        return
+    rows, n = got
+    assert n == R
+    check_rows(desc, rows, n, L, S)
+    if np.bincount(snake, weights=desc, minlength=R).max() <= L:
+        assert np.array_equal(rows, snake)  # the snake first
+
+
+@given(st.integers(1, 400), st.integers(1, 50))
+def test_snake_gives_every_row_one_piece_a_round(n, R):
+    rows = deal.snake_rows(n, R)
+    for a in range(0, n, R):
+        got = rows[a : a + R]
+        assert np.unique(got).size == got.size  # no row twice in a round
+        if a // R % 2 == 0:
+            assert got.tolist() == list(range(got.size))
+        else:
+            assert got.tolist() == list(range(R - 1, R - 1 - got.size, -1))
+    assert np.bincount(rows, minlength=R).max() == -(-n // R)
+
+
+def test_deal_worked_example():
+    # the example of strategies/deal.py: capacity 10, 4 slots, bound 3
+    sizes = np.array([5, 4, 4, 3, 3, 3, 2, 2, 1])
+    assert tight_lower_bound(sizes, 10, 4) == 3
+    rows, n = deal.deal_sorted(sizes, 10, 4, 3)
+    assert n == 3 and rows.tolist() == [0, 1, 2, 2, 1, 0, 0, 1, 2]
+    assert np.bincount(rows, weights=sizes).tolist() == [10, 9, 8]
+
+
+def test_balanced_deal_fits_where_the_snake_does_not(monkeypatch):
+    # capacity 9, bound 2: the snake gives row 0 4 + 3 + 3 = 10; the balanced deal gives the
+    # third round's 3 to row 1 (7 against row 0's 4 + 3) and its 2 to row 0: 9 and 9
+    sizes = np.array([4, 3, 3, 3, 3, 2])
+    assert np.bincount(deal.snake_rows(6, 2), weights=sizes).tolist() == [10, 8]
+    assert deal.balanced_rows(sizes, 2).tolist() == [0, 1, 1, 0, 1, 0]
+    assert deal.deal_sorted(sizes, 9, 4, 2) is None  # the snake is 11% over: not tried
+    monkeypatch.setattr(deal, "_CLOSE", 0.2)
+    rows, n = deal.deal_sorted(sizes, 9, 4, 2)
+    assert n == 2 and rows.tolist() == [0, 1, 1, 0, 1, 0]
+
+
+def test_deal_needs_room_for_a_piece_a_round_in_every_row():
+    sizes = np.full(9, 1)
+    assert deal.deal_sorted(sizes, 10, 2, 4) is None  # 3 a row: over the 2 slots
+    assert deal.deal_sorted(sizes, 10, 3, 3)[1] == 3
+    assert deal.deal_sorted(sizes, 10, 3, 10) is None  # more rows than pieces
+
+
+def _many_short(seed: int = 0) -> np.ndarray:
+    # grade-school-math-like lengths (mean ~160): a row of 32768 takes about 200
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(5.0, 0.4, 7000).astype(np.int64), 20, 1000)
+
+
+def test_offline_default_is_the_deal_where_it_fits(monkeypatch):
+    lengths = _many_short()
+    L, S = 32768, 256
+    bound = tight_lower_bound(lengths, L, S)
+    assert -(-lengths.size // S) < bound  # slots bind in part: the two-pool pass would run
+    desc = np.sort(lengths)[::-1]
+    assert np.bincount(deal.snake_rows(desc.size, bound), weights=desc).max() <= L
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a pass ran")
+
+    for name in ("two_pool_sorted", "_bfd_sorted", "fill_sorted", "_worst_fit_sorted"):
+        monkeypatch.setattr(bfd, name, no_pass)
+    rows, n = bfd.assign_best_fit_decreasing(lengths, L, S)
+    check_rows(lengths, rows, n, L, S)
+    assert n == bound
+
+
+@pytest.mark.parametrize("kwargs", [{"repair_rows": False, "slack": 0}, {"window": 1024}])
+def test_deal_is_for_the_whole_offline_plan_only(monkeypatch, kwargs):
+    # not for a sieve's windows (repair_rows=False) nor a stream's (window): rows balanced
+    # alike would leave none full to keep or emit
+    lengths = _many_short()
+
+    def no_deal(*args, **kwargs):
+        raise AssertionError("the deal ran")
+
+    monkeypatch.setattr(bfd, "deal_sorted", no_deal)
+    rows, n = bfd.assign_best_fit_decreasing(lengths, 32768, 256, **kwargs)
+    check_rows(lengths, rows, n, 32768, 256)
+
+
+def test_offline_default_runs_its_passes_where_the_deal_misses(monkeypatch):
+    # 3 slots a row, slots can bind; the snake gives row 0 70 + 20 + 20 = 110; best fit
+    # [70, 30] [50, 50] [20, 20, 20]
+    lengths = np.array([20, 50, 70, 30, 20, 50, 20])
+    L, S = 100, 3
+    assert slots_can_bind(np.sort(lengths), L, S)
+    assert deal.deal_sorted(np.sort(lengths)[::-1], L, S, 3) is None
+    rows, n = bfd.assign_best_fit_decreasing(lengths, L, S)
+    check_rows(lengths, rows, n, L, S)
+    assert n == tight_lower_bound(lengths, L, S) == 3
