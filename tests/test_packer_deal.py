@@ -126,3 +126,26 @@ def test_offline_default_runs_its_passes_where_the_deal_misses(monkeypatch):
     rows, n = bfd.assign_best_fit_decreasing(lengths, L, S)
     check_rows(lengths, rows, n, L, S)
     assert n == tight_lower_bound(lengths, L, S) == 3
+
+
+def test_a_stream_deals_its_last_window_only(monkeypatch):
+    from seqpack.packer import PackConfig, StreamPlanner
+
+    calls = []
+    real = bfd.deal_sorted
+
+    def recording(sizes_desc, *args):
+        calls.append(int(sizes_desc.size))
+        return real(sizes_desc, *args)
+
+    monkeypatch.setattr(bfd, "deal_sorted", recording)
+    lengths = _many_short()
+    planner = StreamPlanner(PackConfig(32768, max_segments=256), window=1024)
+    rows = 0
+    for a in range(0, lengths.size, 1024):
+        rows += planner.add_plan(np.arange(a, min(a + 1024, lengths.size)),
+                                 lengths[a : a + 1024]).num_rows
+    assert not calls  # the windows: rows are emitted when full, so none are dealt
+    rows += planner.finish_plan().num_rows
+    assert len(calls) == 1  # the last window (every row it makes is emitted)
+    assert rows <= tight_lower_bound(lengths, 32768, 256) + 1

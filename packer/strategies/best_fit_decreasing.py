@@ -1,9 +1,10 @@
 """Best fit decreasing: the offline, near-optimal strategy (tokens and segment slots).
 
 A row holds `capacity` tokens in at most `max_segments` slots; the plan is measured against the
-tight lower bound of `packer.bounds`. Offline, where a row can run out of slots, the pieces are
-first dealt into the bound's rows (`strategies.deal`, a few numpy passes over the pieces); where
-every row fits, that plan has the bound's rows and no pass runs. gsm8k_train at L=32768 / S=256
+tight lower bound of `packer.bounds`. For a whole plan (offline, and a stream's last window),
+where a row can run out of slots, the pieces are first dealt into the bound's rows
+(`strategies.deal`, a few numpy passes over the pieces); where every row fits, that plan has
+the bound's rows and no pass runs. gsm8k_train at L=32768 / S=256
 and 8192 / 64 reach the bound so in 0.05 and 0.4 ms, where the two-pool pass took 4.4 and 6.2
 ms. On the grid of `benchmarks/packer_bench.py` it fits 41 of the 77 cells where slots can
 bind, 6 of which the passes had left a row or more over the bound (chat_turns 8192 / 8: +8);

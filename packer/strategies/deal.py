@@ -18,6 +18,11 @@ the caller runs its passes as before; the snake then cost about one numpy pass o
 pieces, and the balanced deal (tried only where the snake came close: `_CLOSE`) one numpy
 step a round.
 
+`best_fit_decreasing.assign_best_fit_decreasing` deals first where a row can run out of slots
+(elsewhere its one-dimensional passes cost about as little), for a whole plan: offline, and a
+stream's last window. Not for a stream's other windows nor the sieve's, whose rows are kept or
+emitted only when full: rows balanced alike would leave none.
+
 gsm8k_train at L=32768 / S=256 (7,473 pieces, 37 rows): the snake fits (rows at 97.5-97.7%),
 0.05 ms, where the two-dimensional pass took 4.4 ms for the same 37 rows. At 8192 / 64 (145
 rows at 99.5%) the snake leaves 2 rows a few tokens over and the balanced deal fits in
