@@ -103,9 +103,9 @@ def test_offline_default_is_the_deal_where_it_fits(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs", [{"repair_rows": False, "slack": 0}, {"window": 1024}])
-def test_deal_is_for_the_whole_offline_plan_only(monkeypatch, kwargs):
-    # not for a sieve's windows (repair_rows=False) nor a stream's (window): rows balanced
-    # alike would leave none full to keep or emit
+def test_deal_is_not_for_a_windows_plan(monkeypatch, kwargs):
+    # not for a sieve's windows (repair_rows=False) nor a stream's (window, but its last):
+    # rows balanced alike would leave none full to keep or emit
     lengths = _many_short()
 
     def no_deal(*args, **kwargs):
@@ -116,7 +116,7 @@ def test_deal_is_for_the_whole_offline_plan_only(monkeypatch, kwargs):
     check_rows(lengths, rows, n, 32768, 256)
 
 
-def test_offline_default_runs_its_passes_where_the_deal_misses(monkeypatch):
+def test_offline_default_runs_its_passes_where_the_deal_misses():
     # 3 slots a row, slots can bind; the snake gives row 0 70 + 20 + 20 = 110; best fit
     # [70, 30] [50, 50] [20, 20, 20]
     lengths = np.array([20, 50, 70, 30, 20, 50, 20])

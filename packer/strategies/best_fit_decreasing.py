@@ -3,14 +3,14 @@
 A row holds `capacity` tokens in at most `max_segments` slots; the plan is measured against the
 tight lower bound of `packer.bounds`. For a whole plan (offline, and a stream's last window),
 where a row can run out of slots, the pieces are first dealt into the bound's rows
-(`strategies.deal`, a few numpy passes over the pieces); where every row fits, that plan has
-the bound's rows and no pass runs. gsm8k_train at L=32768 / S=256
-and 8192 / 64 reach the bound so in 0.05 and 0.4 ms, where the two-pool pass took 4.4 and 6.2
-ms. On the grid of `benchmarks/packer_bench.py` it fits 41 of the 77 cells where slots can
-bind, 6 of which the passes had left a row or more over the bound (chat_turns 8192 / 8: +8);
-where it misses it cost 19 ms over the other 36 (mostly chat_turns' 277k pieces, 2 ms a
-cell). Otherwise up to four passes, each run only if the ones before it are further from
-the bound than `gate` (0.05%, at least one row), the best plan winning:
+(`strategies.deal`, a few numpy passes over the pieces); where every row fits, that plan has the
+bound's rows and no pass runs. gsm8k_train at L=32768 / S=256 and 8192 / 64 reach the bound so
+in 0.05 and 0.4 ms, where the two-pool pass took 4.4 and 6.2 ms. On the grid of
+`benchmarks/packer_bench.py` it fits 41 of the 77 cells where slots can bind, 6 of which the
+passes had left a row or more over the bound (chat_turns 8192 / 8: +8); where it misses it cost
+19 ms over the other 36 (mostly chat_turns' 277k pieces, 2 ms a cell). Otherwise up to four
+passes, each run only if the ones before it are further from the bound than `gate` (0.05%, at
+least one row), the best plan winning:
 
 1. plain best fit decreasing (largest first, into the row it leaves with the least room), run by
    run of equal sizes (below): the best plan wherever the segment cap hardly binds;

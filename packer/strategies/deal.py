@@ -1,8 +1,9 @@
 """Dealing the pieces into the tight bound's rows: a plan that, where it fits, needs no pass.
 
-Where rows hold many pieces each and the bound leaves a little room in every row, any plan
-that spreads the tokens evenly over the bound's rows is optimal, and dealing the pieces
-(sorted largest first) round by round over those rows spreads them evenly at numpy speed:
+A plan in the tight bound's rows is optimal. Where rows hold many pieces each and the bound
+leaves a little room in every row, spreading the tokens evenly over those rows gets one, and
+dealing the pieces (sorted largest first) round by round over them spreads the tokens evenly
+at numpy speed:
 
 * the snake deal: round k gives its pieces to rows 0, 1, ..., R - 1, or R - 1, ..., 0 for odd
   k, so a row that got a bigger piece in one round gets a smaller one in the next. A few numpy
@@ -27,6 +28,12 @@ gsm8k_train at L=32768 / S=256 (7,473 pieces, 37 rows): the snake fits (rows at 
 0.05 ms, where the two-dimensional pass took 4.4 ms for the same 37 rows. At 8192 / 64 (145
 rows at 99.5%) the snake leaves 2 rows a few tokens over and the balanced deal fits in
 0.4 ms, where the two-dimensional pass took 6.2 ms.
+
+The dealt rows are alike in tokens and in segments. Where a few pieces are long they are
+less alike in cost (l^2) than worst fit's rows, which take no piece while they hold the most:
+a deal gives every row one piece of each round, the row with the longest piece too (chat_dev
+at 32768 / 64: the costliest 1% of rows 1.16 times the mean cost, 1.03 under worst fit; see
+benchmarks/README.md, seventeenth session, for what that does to balanced steps).
 
 Worked example (capacity 10, max_segments 4, bound 3)::
 
