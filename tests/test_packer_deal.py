@@ -14,18 +14,20 @@ from seqpack.packer.strategies import deal
 from tests.helpers.packer import check_rows, instances
 
 
-@settings(max_examples=150, deadline=None)
-@given(instances, st.integers(0, 3), st.booleans())
-def test_deal_keeps_every_piece_in_the_rows_it_is_given(inst, extra, close):
+@settings(max_examples=200, deadline=None)
+@given(instances, st.integers(0, 3), st.booleans(), st.booleans())
+def test_deal_keeps_every_piece_in_the_rows_it_is_given(inst, extra, close, even):
     L, S, sizes = inst
     desc = np.sort(np.asarray(sizes, np.int64))[::-1]
     R = tight_lower_bound(desc, L, S) + extra
-    saved = deal._CLOSE
-    deal._CLOSE = 1.0 if close else saved  # the balanced deal after every snake that misses
+    saved = deal._CLOSE, deal._EVEN_ROWS
+    # the balanced deal after every snake that misses; the even deal at any number of rows
+    deal._CLOSE = 1.0 if close else saved[0]
+    deal._EVEN_ROWS = 1 if even else saved[1]
     try:
         got = deal.deal_sorted(desc, L, S, R)
     finally:
-        deal._CLOSE = saved
+        deal._CLOSE, deal._EVEN_ROWS = saved
     snake = deal.snake_rows(desc.size, R)
     if got is None:  # only where the snake misses (or there are fewer pieces than rows)
         assert desc.size < R or np.bincount(snake, weights=desc).max() > L
@@ -33,8 +35,66 @@ def test_deal_keeps_every_piece_in_the_rows_it_is_given(inst, extra, close):
     rows, n = got
     assert n == R
     check_rows(desc, rows, n, L, S)
-    if np.bincount(snake, weights=desc, minlength=R).max() <= L:
-        assert np.array_equal(rows, snake)  # the snake first
+    if not even and np.bincount(snake, weights=desc, minlength=R).max() <= L:
+        assert np.array_equal(rows, snake)  # the snake first, below `_EVEN_ROWS` rows
+
+
+def _even_reference(sizes_desc, R, S):
+    # the even deal one piece at a time: blocks of R // 2, each to the rows of fewest tokens
+    # (then lowest number) among those with a free slot
+    load, count, rows, a = [0] * R, [0] * R, [], 0
+    while a < len(sizes_desc):
+        free = sorted((load[r], r) for r in range(R) if count[r] < S)
+        block = free[: min(max(1, R // 2), len(sizes_desc) - a)]
+        for (_, r), s in zip(block, sizes_desc[a : a + len(block)]):
+            rows.append(r)
+            load[r] += int(s)
+            count[r] += 1
+        a += len(block)
+    return rows
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 30), st.integers(1, 8), st.data())
+def test_even_deal_gives_each_block_to_the_emptiest_rows(R, S, data):
+    n = data.draw(st.integers(1, R * S))
+    sizes = np.sort(np.asarray(data.draw(st.lists(st.integers(1, 50), min_size=n,
+                                                  max_size=n)), np.int64))[::-1]
+    rows = deal.even_rows(sizes, R, S)
+    assert rows.tolist() == _even_reference(sizes.tolist(), R, S)
+    assert np.bincount(rows, minlength=R).max() <= S
+
+
+def test_even_deal_worked_example():
+    # the example of strategies/deal.py: 4 rows, blocks of 2
+    sizes = np.array([6, 5, 3, 3, 2, 2, 1, 1])
+    rows = deal.even_rows(sizes, 4, 4)
+    assert rows.tolist() == [0, 1, 2, 3, 2, 3, 1, 2]
+    assert np.bincount(rows, weights=sizes).tolist() == [6, 6, 6, 5]
+    assert np.bincount(deal.snake_rows(8, 4), weights=sizes).tolist() == [7, 6, 5, 5]
+
+
+def test_even_deal_rows_cost_alike_where_a_few_pieces_are_long():
+    # chat-like lengths at 32768 / 64: the snake's costliest rows are those holding the
+    # longest pieces, one piece of every round on top; the even deal spreads them like worst
+    # fit. Cost: l + l^2 / 24576 a piece (veRL's 7B model)
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(5.0, 1.2, 25_600).astype(np.int64), 1, 32768)
+    desc = np.sort(lengths)[::-1]
+    L, S = 32768, 64
+    R = tight_lower_bound(desc, L, S)
+    assert R >= deal._EVEN_ROWS
+    rows, n = deal.deal_sorted(desc, L, S, R)
+    check_rows(desc, rows, n, L, S)
+    cost = desc + desc.astype(float) ** 2 / 24576
+
+    def p99(r):
+        row_cost = np.bincount(r, weights=cost, minlength=R)
+        return np.quantile(row_cost / row_cost.mean(), 0.99)
+
+    wf = np.asarray(bfd._worst_fit_sorted(desc.tolist(), L, S, R)[0])
+    assert p99(rows) <= p99(wf) + 0.01
+    assert p99(deal.snake_rows(desc.size, R)) > p99(rows) + 0.05
 
 
 @given(st.integers(1, 400), st.integers(1, 50))

@@ -2,22 +2,32 @@
 
 A plan in the tight bound's rows is optimal. Where rows hold many pieces each and the bound
 leaves a little room in every row, spreading the tokens evenly over those rows gets one, and
-dealing the pieces (sorted largest first) round by round over them spreads the tokens evenly
-at numpy speed:
+dealing the pieces (sorted largest first) over them spreads the tokens evenly at numpy speed:
 
-* the snake deal: round k gives its pieces to rows 0, 1, ..., R - 1, or R - 1, ..., 0 for odd
-  k, so a row that got a bigger piece in one round gets a smaller one in the next. A few numpy
-  operations over the pieces, whatever R.
+* the snake deal: round k (R pieces) gives its pieces to rows 0, 1, ..., R - 1, or R - 1, ...,
+  0 for odd k, so a row that got a bigger piece in one round gets a smaller one in the next. A
+  few numpy operations over the pieces, whatever R.
 * the balanced deal: each round gives its largest piece to the row holding the fewest tokens
   so far, its next to the next fewest, and so on (one sort of R loads per round). Tighter than
   the snake; a numpy step per round.
+* the even deal: blocks of R // 2 pieces, each to the R // 2 rows with the fewest tokens (of
+  those with a free slot), the largest to the emptiest. A row holding a long piece takes none
+  while it is in the fuller half, and the shortest pieces at the end, as in worst fit (each
+  piece to the row with the most room), whose rows it matches in cost: in a round deal every
+  row takes one piece of each round, the row with the longest piece too, so where a few pieces
+  are long the rows are alike in tokens but not in cost (chat_dev at 32768 / 64: the costliest
+  1% of the rows at 1.16 times the mean cost of veRL's 7B model, l + l^2 / 24576, under the
+  snake; 1.03 under worst fit and the even deal; chat_turns at 8192 / 16: 1.60, 1.02 and 1.02).
+  Two numpy steps a block: 2.5 ms for chat_dev's 30,590 pieces, 20 ms for chat_turns' 277k,
+  where worst fit (a heap, a Python step a piece) took 18 and 200 ms.
 
-Every row takes at most one piece a round, so no row holds more than ceil(n / R) pieces; that
-is at most `max_segments` because the bound is at least ceil(n / S). The plan is used only if
-every row's tokens fit: then it has the bound's rows, and no pass can do better. Otherwise
-the caller runs its passes as before; the snake then cost about one numpy pass over the
-pieces, and the balanced deal (tried only where the snake came close: `_CLOSE`) one numpy
-step a round.
+The snake decides first: where its fullest row is more than `_CLOSE` (1%) over, no deal is
+tried. Otherwise the even deal where the plan has at least `_EVEN_ROWS` (256) rows, then the
+snake, then (where the snake misses by at most 1%) the balanced deal, the first that fits.
+The round deals give no row more than ceil(n / R) pieces, at most `max_segments` because the
+bound is at least ceil(n / S); the even deal skips full rows. A deal is used only if every
+row's tokens fit: then it has the bound's rows, and no pass can do better. Otherwise the caller
+runs its passes as before, after about one numpy pass over the pieces.
 
 `best_fit_decreasing.assign_best_fit_decreasing` deals first where a row can run out of slots
 (elsewhere its one-dimensional passes cost about as little), for a whole plan: offline, and a
@@ -29,17 +39,15 @@ gsm8k_train at L=32768 / S=256 (7,473 pieces, 37 rows): the snake fits (rows at 
 rows at 99.5%) the snake leaves 2 rows a few tokens over and the balanced deal fits in
 0.4 ms, where the two-dimensional pass took 6.2 ms.
 
-The dealt rows are alike in tokens and in segments. Where a few pieces are long they are
-less alike in cost (l^2) than worst fit's rows, which take no piece while they hold the most:
-a deal gives every row one piece of each round, the row with the longest piece too (chat_dev
-at 32768 / 64: the costliest 1% of rows 1.16 times the mean cost, 1.03 under worst fit; see
-benchmarks/README.md, seventeenth session, for what that does to balanced steps).
-
 Worked example (capacity 10, max_segments 4, bound 3)::
 
     sorted (largest first): 5  4  4  3  3  3  2  2  1
     round:                  0  0  0  1  1  1  2  2  2
     snake rows:             0  1  2  2  1  0  0  1  2     loads 10, 9, 8: fits
+
+and the even deal of 6 5 3 3 2 2 1 1 over 4 rows (blocks of 2): 6 5 to rows 0 1, 3 3 to the
+empty rows 2 3, 2 2 to rows 2 3 (3 and 3 tokens), 1 1 to rows 1 2 (5, 5; the lower first):
+loads 6, 6, 6, 5, where the snake gives 7, 6, 5, 5.
 """
 
 from __future__ import annotations
@@ -47,8 +55,11 @@ from __future__ import annotations
 import numpy as np
 
 # The balanced deal runs only where the snake's rows came out at most this share of the row
-# over (the worst row's tokens), and it has at most `_ROUNDS` rounds.
-_CLOSE, _ROUNDS = 0.01, 512
+# over (the worst row's tokens), and it has at most `_ROUNDS` rounds; the even deal deals into
+# plans of at least `_EVEN_ROWS` rows (below, its blocks of half the rows would be short and
+# its numpy steps many a piece).
+_CLOSE, _ROUNDS, _EVEN_ROWS = 0.01, 512, 256
+_FULL = np.iinfo(np.int64).max  # the even deal's key of a row with no free slot
 
 
 def _fits(rows: np.ndarray, sizes_desc: np.ndarray, num_rows: int, capacity: int) -> float:
@@ -75,18 +86,56 @@ def balanced_rows(sizes_desc: np.ndarray, num_rows: int) -> np.ndarray:
     return rows
 
 
+def even_rows(sizes_desc: np.ndarray, num_rows: int, max_segments: int) -> np.ndarray:
+    """The row of each piece in the even deal: blocks of half the rows' number of pieces, each
+    to the rows with the fewest tokens among those with a free slot, the largest piece to the
+    emptiest (ties: the lower row). No row takes more than `max_segments`; the caller makes
+    sure the rows have slots for every piece (n <= num_rows * max_segments)."""
+    n, R = int(sizes_desc.size), num_rows
+    rows = np.empty(n, np.int64)
+    index = np.arange(R, dtype=np.int64)
+    load = np.zeros(R, np.int64)
+    count = np.zeros(R, np.int64)
+    key = index.copy()  # load * R + row: distinct, so every pick is defined
+    block = max(1, R // 2)
+    a = 0
+    while a < n:
+        k = min(block, n - a)
+        to = index if k >= R else np.argpartition(key, k - 1)[:k]
+        to = to[np.argsort(key[to])]
+        if key[to[-1]] == _FULL:
+            to = to[key[to] != _FULL]
+            k = to.size
+        rows[a : a + k] = to
+        load[to] += sizes_desc[a : a + k]
+        count[to] += 1
+        key[to] = load[to] * R + to
+        key[to[count[to] >= max_segments]] = _FULL
+        a += k
+    return rows
+
+
 def deal_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int, num_rows: int
                 ) -> tuple[np.ndarray, int] | None:
-    """A plan of the pieces (sorted largest first) in `num_rows` rows by the snake deal, else
-    the balanced deal (see the module docstring); None if neither fits."""
+    """A plan of the pieces (sorted largest first) in `num_rows` rows by a deal (see the module
+    docstring): the even deal from `_EVEN_ROWS` rows on, else (or if it does not fit) the
+    snake, else the balanced deal; None if none fits or the snake's fullest row is more than
+    `_CLOSE` over."""
     n = int(sizes_desc.size)
     if num_rows <= 0 or n < num_rows or -(-n // num_rows) > max_segments:
         return None
     rows = snake_rows(n, num_rows)
     worst = _fits(rows, sizes_desc, num_rows, capacity)
+    if worst > 1.0 + _CLOSE:
+        return None
+    # (key = load * R + row stays below 2**63: load <= n * capacity)
+    if num_rows >= _EVEN_ROWS and n * capacity < _FULL // num_rows:
+        even = even_rows(sizes_desc, num_rows, max_segments)
+        if _fits(even, sizes_desc, num_rows, capacity) <= 1.0:
+            return even, num_rows
     if worst <= 1.0:
         return rows, num_rows
-    if worst > 1.0 + _CLOSE or -(-n // num_rows) > _ROUNDS:
+    if -(-n // num_rows) > _ROUNDS:
         return None
     rows = balanced_rows(sizes_desc, num_rows)
     if _fits(rows, sizes_desc, num_rows, capacity) <= 1.0:
