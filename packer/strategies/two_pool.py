@@ -229,24 +229,29 @@ class _Rows:
         big = s >= a
         first, second = (self.slot, self.token) if big else (self.token, self.slot)
         key = first.pop_ge(s << _SHIFT)
-        if key is None:
-            if self.empty and (self.L > self.S * a) == big:
-                self.open_rows(out, s, i, i + 1, a, 1, cap=self.empty)
-                return
+        if key is None and not (self.empty and (self.L > self.S * a) == big):
             key = second.pop_ge(s << _SHIFT)
-            if key is None:
-                self.open_rows(out, s, i, i + 1, a, 1, cap=None)
-                return
-        r = key & _MASK
-        out[i] = r
-        count = self.count
-        free = self.S - count[r] - 1
-        count[r] += 1
-        room = (key >> _SHIFT) - s  # a pooled row's key holds its room
-        self.room[r] = room
-        version = self.version
-        v = version[r] + 1  # as in `refile`
-        version[r] = v
+        if key is None:  # a new row (an empty one open from the start, or one more)
+            r = len(self.room)
+            out[i] = r
+            room, free = self.L - s, self.S - 1
+            self.room.append(room)
+            self.count.append(1)
+            self.version.append(1)  # (`open_rows` and `file_block`, for one row)
+            if self.empty:
+                self.empty -= 1
+            v = 1
+        else:
+            r = key & _MASK
+            out[i] = r
+            count = self.count
+            free = self.S - count[r] - 1
+            count[r] += 1
+            room = (key >> _SHIFT) - s  # a pooled row's key holds its room
+            self.room[r] = room
+            version = self.version
+            v = version[r] + 1  # as in `refile`
+            version[r] = v
         if room < self.min_size or free == 0:
             return  # closed
         if room > free * a:
