@@ -221,8 +221,9 @@ class _Rows:
     def place_one(self, out: np.ndarray, s: int, i: int, a: float) -> None:
         """`place` for a run of one piece (most runs where sizes hardly repeat): the first row
         of the preferred pool that fits, else an empty row if those come first, else the other
-        pool, else a new row; the same rows `place` gives, without its per-run lists (and
-        `refile` of the one row inline)."""
+        pool, else a new row; the same rows `place` gives, without its per-run lists (the row
+        filed inline, as `refile` or, for a new row, `open_rows` would: stdlib_source, whose
+        pieces are nearly all runs of one, 0.84x the pass's time through `open_rows`)."""
         heap = self.heap
         if heap and -heap[0][0] > a:
             self.migrate(a)
