@@ -65,6 +65,11 @@ def test_even_deal_gives_each_block_to_the_emptiest_rows(R, S, data):
     assert np.bincount(rows, minlength=R).max() <= S
 
 
+def test_even_deal_refuses_more_pieces_than_slots():
+    with pytest.raises(ValueError, match="7 pieces do not fit 3 rows of 2 slots"):
+        deal.even_rows(np.ones(7, np.int64), 3, 2)
+
+
 def test_even_deal_worked_example():
     # the example of strategies/deal.py: 4 rows, blocks of 2
     sizes = np.array([6, 5, 3, 3, 2, 2, 1, 1])

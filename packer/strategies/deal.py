@@ -106,6 +106,8 @@ def even_rows(sizes_desc: np.ndarray, num_rows: int, max_segments: int) -> np.nd
         if key[to[-1]] == _FULL:
             to = to[key[to] != _FULL]
             k = to.size
+            if k == 0:
+                raise ValueError(f"{n} pieces do not fit {R} rows of {max_segments} slots")
         rows[a : a + k] = to
         load[to] += sizes_desc[a : a + k]
         count[to] += 1
