@@ -129,7 +129,7 @@ def test_balanced_deal_fits_where_the_snake_does_not(monkeypatch):
     # third round's 3 to row 1 (7 against row 0's 4 + 3) and its 2 to row 0: 9 and 9
     sizes = np.array([4, 3, 3, 3, 3, 2])
     assert np.bincount(deal.snake_rows(6, 2), weights=sizes).tolist() == [10, 8]
-    assert deal.balanced_rows(sizes, 2).tolist() == [0, 1, 1, 0, 1, 0]
+    assert deal.balanced_rows(sizes, 2, 4).tolist() == [0, 1, 1, 0, 1, 0]
     assert deal.deal_sorted(sizes, 9, 4, 2) is None  # the snake is 11% over: not tried
     monkeypatch.setattr(deal, "_CLOSE", 0.2)
     rows, n = deal.deal_sorted(sizes, 9, 4, 2)

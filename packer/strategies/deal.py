@@ -73,31 +73,29 @@ def snake_rows(n: int, num_rows: int) -> np.ndarray:
     return np.where(rnd & 1, num_rows - 1 - pos, pos)
 
 
-def balanced_rows(sizes_desc: np.ndarray, num_rows: int) -> np.ndarray:
-    """The row of each piece in the balanced deal (each round largest piece to emptiest row)."""
-    n = int(sizes_desc.size)
-    rows = np.empty(n, np.int64)
-    load = np.zeros(num_rows, np.int64)
-    for a in range(0, n, num_rows):
-        b = min(n, a + num_rows)
-        to = np.argsort(load, kind="stable")[: b - a]
-        rows[a:b] = to
-        load[to] += sizes_desc[a:b]
-    return rows
+def balanced_rows(sizes_desc: np.ndarray, num_rows: int, max_segments: int) -> np.ndarray:
+    """The row of each piece in the balanced deal (each round's largest piece to the emptiest
+    row): `_emptiest_first` in blocks of every row."""
+    return _emptiest_first(sizes_desc, num_rows, max_segments, num_rows)
 
 
 def even_rows(sizes_desc: np.ndarray, num_rows: int, max_segments: int) -> np.ndarray:
-    """The row of each piece in the even deal: blocks of half the rows' number of pieces, each
-    to the rows with the fewest tokens among those with a free slot, the largest piece to the
-    emptiest (ties: the lower row). No row takes more than `max_segments`; the caller makes
-    sure the rows have slots for every piece (n <= num_rows * max_segments)."""
+    """The row of each piece in the even deal: `_emptiest_first` in blocks of half the rows."""
+    return _emptiest_first(sizes_desc, num_rows, max_segments, max(1, num_rows // 2))
+
+
+def _emptiest_first(sizes_desc: np.ndarray, num_rows: int, max_segments: int, block: int
+                    ) -> np.ndarray:
+    """The row of each piece dealt in blocks of `block` pieces, each block to the rows with the
+    fewest tokens among those with a free slot, the largest piece to the emptiest (ties: the
+    lower row). No row takes more than `max_segments`; more pieces than the rows have slots
+    for is a ValueError (`deal_sorted` never asks that)."""
     n, R = int(sizes_desc.size), num_rows
     rows = np.empty(n, np.int64)
     index = np.arange(R, dtype=np.int64)
     load = np.zeros(R, np.int64)
     count = np.zeros(R, np.int64)
     key = index.copy()  # load * R + row: distinct, so every pick is defined
-    block = max(1, R // 2)
     a = 0
     while a < n:
         k = min(block, n - a)
@@ -130,16 +128,16 @@ def deal_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int, num_ro
     worst = _fits(rows, sizes_desc, num_rows, capacity)
     if worst > 1.0 + _CLOSE:
         return None
-    # (key = load * R + row stays below 2**63: load <= n * capacity)
-    if num_rows >= _EVEN_ROWS and n * capacity < _FULL // num_rows:
+    keys_fit = n * capacity < _FULL // num_rows  # load * R + row < 2**63 (load <= n * capacity)
+    if num_rows >= _EVEN_ROWS and keys_fit:
         even = even_rows(sizes_desc, num_rows, max_segments)
         if _fits(even, sizes_desc, num_rows, capacity) <= 1.0:
             return even, num_rows
     if worst <= 1.0:
         return rows, num_rows
-    if -(-n // num_rows) > _ROUNDS:
+    if -(-n // num_rows) > _ROUNDS or not keys_fit:
         return None
-    rows = balanced_rows(sizes_desc, num_rows)
+    rows = balanced_rows(sizes_desc, num_rows, max_segments)
     if _fits(rows, sizes_desc, num_rows, capacity) <= 1.0:
         return rows, num_rows
     return None
