@@ -306,11 +306,12 @@ def assign_best_fit_decreasing(
     bound = sorted_lower_bound(sizes_desc[::-1], capacity, max_segments)
     enough = gate(bound) if slack is None else bound + slack
     target = repair_target(bound) if slack is None else bound + slack
+    whole = repair_rows and not window  # a whole plan: offline, or a stream's last window
     best: tuple[object, int] | None = None
-    if repair_rows and not window and slots_can_bind(sizes_desc[::-1], capacity, max_segments):
+    if whole and slots_can_bind(sizes_desc[::-1], capacity, max_segments):
         best = deal_sorted(sizes_desc, capacity, max_segments, bound)  # the bound's rows, or None
     for run, worth in _passes(sizes_desc, capacity, max_segments, bound, window=window,
-                              deal_bound=repair_rows and not window):
+                              deal_bound=whole):
         if best is not None and (best[1] <= enough or not worth(best[1])):
             break
         got, num = run()
