@@ -265,8 +265,7 @@ def _block_size_option(text: str):
 
 
 def _row_order(row_order, seed, data_parallel, batch_size, cost_model, d_model):
-    from seqpack.packer.cost import CostModel
-    from seqpack.packer.order import RowOrder
+    from seqpack.packer.order import CostModel, RowOrder
 
     if data_parallel is not None and row_order == "plan":
         raise click.UsageError("--data-parallel orders the rows itself; leave out --row-order "
@@ -475,7 +474,7 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
             batch_size = int(order["data_parallel"]) * int(order["batch_size"])
         hist, title = manifest.example_length_histogram, f"packed: {paths[0]}"
     else:
-        from seqpack.packer.cost import CostModel
+        from seqpack.packer.order import CostModel
         from seqpack.pipelines.offline import default_workers
         from seqpack.pipelines.offline.record import length_histogram
 

@@ -2,36 +2,38 @@
 
 - `contract`: the packed-row contract (key names, dtypes, counters, derived arrays).
 - `plan` / `plan_rows` (lengths only, per block past `DEFAULT_BLOCK_SIZE` examples) and the
-  strategies; `StreamPlanner` / `pack_stream` online;
-  `MultiStreamPlanner` for several features; `grain_fit` for Grain-exact bins.
+  `strategies` (the offline default, best fit decreasing, in its own wing: `strategies.bfd`).
 - `assemble`: the one row writer (`build_rows`, `write_feature`); `pack_ragged` / `pack`.
-- `stats` (with the rows' cost, `cost.CostModel`), `validate`, `bounds.tight_lower_bound`.
-- `order`: the one ordering stage (`RowOrder`: shuffle, plan or balanced steps; `block_layout`,
-  `global_order`); `balance`: `balance_slices` (online) and `step_balance` (the metric).
+- `online`: `StreamPlanner` / `pack_stream`, `MultiStreamPlanner` for several features, Grain-exact
+  bins (`online.grain_fit`).
+- `order`: the one ordering stage (`RowOrder`: shuffle, plan or balanced steps), the rows' cost
+  (`CostModel`) and the steps' balance (`step_balance`, `balance_slices`).
+- `stats`, `validate`, `bounds.tight_lower_bound`.
 """
 
 from seqpack.packer import contract
-from seqpack.packer.assemble import assemble, build_rows, pack, pack_ragged, pack_stream
-from seqpack.packer.balance import balance_slices, step_balance
+from seqpack.packer.assemble import assemble, build_rows, pack, pack_ragged
 from seqpack.packer.bounds import tight_lower_bound
 from seqpack.packer.config import Overflow, PackConfig, Strategy
 from seqpack.packer.contract import Counters, FeatureKeys, segment_ids_and_positions
-from seqpack.packer.cost import CostKind, CostModel
 from seqpack.packer.inputs import InputError
-from seqpack.packer.multi_stream import MultiStreamPlanner
+from seqpack.packer.online import MultiStreamPlanner, RowPlan, StreamPlanner, pack_stream
 from seqpack.packer.order import (
     BlockLayout,
+    CostKind,
+    CostModel,
     GlobalOrder,
     OrderMode,
+    Permutation,
     RowOrder,
+    balance_slices,
     block_layout,
     global_order,
     ordered,
+    step_balance,
 )
-from seqpack.packer.permute import Permutation
 from seqpack.packer.plan import PackPlan, RowAssignment, plan, plan_rows
 from seqpack.packer.stats import CostSummary, PackingStats, cost_summary, lower_bound, stats
-from seqpack.packer.stream import RowPlan, StreamPlanner
 from seqpack.packer.validate import validate
 
 __all__ = [

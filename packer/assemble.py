@@ -1,7 +1,8 @@
 """The one row writer: builds packed rows from a layout (row, slot, offset, length per piece).
 
 Every packed row in seqpack comes from here: the offline writer, `pack_ragged` / `pack` /
-`pack_stream`, `PackIterDataset` (one or several features, meta features) and the Grain drop-ins.
+`online.pack_stream`, `PackIterDataset` (one or several features, meta features) and the Grain
+drop-ins.
 A layout lists pieces in any order; `pieces[i]` holds the values of piece i (1-D, or N-D with
 trailing dims). The flat `[R * L]` buffer is a sequence of runs: padding gap, piece, padding gap,
 piece, ..., tail. Values are one `np.concatenate` of the pieces and padding slices; segment ids
@@ -27,8 +28,7 @@ piece of length 0 (the Grain drop-ins keep empty examples as slots) is such a sl
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -43,16 +43,12 @@ from seqpack.packer.contract import (
     segment_ids_and_positions,
 )
 from seqpack.packer.inputs import (
-    InputError,
     check_offsets,
     check_pad,
     check_values,
-    fit_dtype,
     ragged_from_sequences,
-    row_dtype,
 )
 from seqpack.packer.plan import PackPlan, plan
-from seqpack.packer.stream import StreamPlanner
 
 __all__ = [
     "Layout",
@@ -62,7 +58,6 @@ __all__ = [
     "fill_rows",
     "pack",
     "pack_ragged",
-    "pack_stream",
     "segment_ids_and_positions",
     "source_arrays",
     "write_feature",
@@ -235,85 +230,3 @@ def pack(sequences: Sequence[object], config: PackConfig) -> dict:
     """Packs a list of 1-D integer arrays -> batch dict."""
     values, offsets = ragged_from_sequences(sequences)  # checked while concatenating
     return _assemble_checked(values, offsets, plan(np.diff(offsets), config), config)
-
-
-def pack_stream(
-    iterable: Iterable[object], config: PackConfig, *, window: int = 1024,
-    dtype: object = None, **planner_kwargs
-) -> Iterator[dict[str, np.ndarray]]:
-    """Packs token arrays online; yields one row dict (`[L]` / `[S]` arrays) as rows become final.
-
-    `segment_source_index` holds each example's position in `iterable`. Memory is bounded by
-    the window (or `window_rows` rows' worth, the larger) and the open rows (`StreamPlanner`).
-
-    One token dtype for every row: `dtype`, else the first non-empty example's. Every example is
-    checked against it: an id it cannot hold (or a negative one) raises `InputError` naming the
-    example, never wraps.
-    """
-    planner = StreamPlanner(config, window=window, **planner_kwargs)
-    held: dict[int, np.ndarray] = {}  # tokens of examples that may still be in open rows
-    order: deque[int] = deque()
-    ids: list[int] = []
-    run_dtype = None if dtype is None else row_dtype(dtype)
-    origin = ""
-    if run_dtype is not None:
-        check_pad(config.pad_id, run_dtype)
-        origin = " (dtype= of pack_stream)"
-
-    def emit(p: PackPlan) -> Iterator[dict[str, np.ndarray]]:
-        if not p.num_rows:
-            return
-        pieces = [held[e][s : s + m] for e, s, m in
-                  zip(p.example.tolist(), p.start.tolist(), p.length.tolist())]
-        batch = build_rows(pieces, p, config, dtype=run_dtype or np.dtype(np.int32))
-        tokens = batch[config.feature]
-        if tokens.dtype.kind == "i" and tokens.size and tokens.min() < 0:
-            name_first_bad()  # checked once per batch of rows instead of once per example
-        keys = list(batch)
-        cols = [batch[k] for k in keys]
-        for i in range(p.num_rows):
-            yield {k: c[i] for k, c in zip(keys, cols)}
-
-    def name_first_bad() -> None:
-        # Examples of the run's dtype are checked for negative ids only when their rows are
-        # built, so on any failure the first bad example may be one still held: raise for it.
-        if run_dtype is None:  # only empty examples so far
-            return
-        for e in sorted(held):
-            fit_dtype(held[e], run_dtype, f"example {e}", origin=origin)
-
-    def release() -> None:
-        # Every id seen so far is planned; only those in open rows are still needed.
-        oldest = planner.oldest_open_id()
-        while order and (oldest is None or order[0] < oldest):
-            held.pop(order.popleft())
-
-    for i, seq in enumerate(iterable):
-        arr = np.asarray(seq)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise ValueError(
-                f"example {i} must be a 1-D array of integer token ids, got shape {arr.shape} "
-                f"dtype {arr.dtype}"
-            )
-        if arr.size:
-            if run_dtype is None:
-                run_dtype = arr.dtype
-                check_pad(config.pad_id, run_dtype)
-                origin = " (the first example's dtype; pass dtype= for a wider one)"
-            elif arr.dtype != run_dtype:  # same dtype: the negative check runs per batch
-                try:
-                    arr = fit_dtype(arr, run_dtype, f"example {i}", origin=origin)
-                except InputError:
-                    name_first_bad()  # an earlier, still unchecked example comes first
-                    raise
-        held[i] = arr
-        order.append(i)
-        ids.append(i)
-        if len(ids) == window:
-            p = planner.add_plan(ids, [held[j].size for j in ids])
-            ids = []
-            yield from emit(p)
-            release()
-    if ids:
-        yield from emit(planner.add_plan(ids, [held[j].size for j in ids]))
-    yield from emit(planner.finish_plan())

@@ -56,7 +56,7 @@ def sizes_slot_share(sizes: np.ndarray, capacity: int, max_segments: int) -> flo
     whole corpus (the offline default's worst fit runs, and the repair alone improves its plan);
     from `SLOTS_BIND_HALF` on a stream's window is repaired (its rows come out short in one
     limit or the other, and the repair gathers them) and keeps its rows short in slots open
-    (`stream._slot_poor_open`)."""
+    (`online.stream`)."""
     return slot_share(int(sizes.size), int(sizes.sum()), capacity, max_segments)
 
 

@@ -28,7 +28,8 @@ class Overflow(enum.StrEnum):
     DROP = "drop"  # skip the example; its tokens are counted as dropped
 
 
-def _enum_value(enum_cls: type[enum.Enum], name: str, value: object) -> enum.Enum:
+def enum_value(enum_cls: type[enum.Enum], name: str, value: object) -> enum.Enum:
+    """`enum_cls(value)`, or a ValueError naming the parameter `name` and the choices."""
     try:
         return enum_cls(value)
     except ValueError:
@@ -86,8 +87,8 @@ class PackConfig:
             raise ValueError(f"pad_id={self.pad_id} must be >= 0")
         if not isinstance(self.feature, str) or not self.feature.isidentifier():
             raise ValueError(f"feature={self.feature!r} must be a non-empty identifier")
-        object.__setattr__(self, "strategy", _enum_value(Strategy, "strategy", self.strategy))
-        object.__setattr__(self, "overflow", _enum_value(Overflow, "overflow", self.overflow))
+        object.__setattr__(self, "strategy", enum_value(Strategy, "strategy", self.strategy))
+        object.__setattr__(self, "overflow", enum_value(Overflow, "overflow", self.overflow))
 
     def keys(self) -> FeatureKeys:
         """The contract's key names for this config's feature."""

@@ -14,7 +14,7 @@ import numpy as np
 
 from seqpack.packer.bounds import lower_bound
 from seqpack.packer.contract import Counters, keys, packed_features
-from seqpack.packer.cost import CostModel
+from seqpack.packer.order import CostModel
 from seqpack.packer.plan import PackPlan
 
 _FILL_BINS = 20
@@ -141,7 +141,7 @@ class PackingStats:
     row_fill_histogram: list[int]  # rows per fill bucket [i/20, (i+1)/20), last includes 1.0
     row_fill_quantiles: dict[str, float]  # min, p1, p10, p50, p90, max of used / L
     counters: dict[str, int]
-    # Cost of the rows (None when not computed; see `CostSummary` and packer.cost):
+    # Cost of the rows (None when not computed; see `CostSummary` and packer.order.cost):
     cost_model: dict | None = None  # CostModel.to_dict()
     attention_sum_sq: int | None = None  # sum of l^2 over segments: segment-aware attention
     attention_full_sq: int | None = None  # rows x L^2: attention over whole rows

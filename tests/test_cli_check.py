@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from seqpack.packer import PackConfig, plan, stats
-from seqpack.packer.cost import CostModel
+from seqpack.packer.order import CostModel
 from seqpack.pipelines.formats.manifest import signed
 from seqpack.pipelines.formats.records import decode_row, encode_row
 from tests.helpers.files import invoke, random_seqs, write_jsonl, write_parquet

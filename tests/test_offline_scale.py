@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from seqpack.packer import PackConfig, assemble, plan
-from seqpack.packer.cost import CostModel
-from seqpack.packer.order import RowOrder
+from seqpack.packer.order import CostModel, RowOrder
 from seqpack.packer.plan import plan_rows
 from seqpack.packer.stats import stats
 from seqpack.pipelines.formats.inputs import ReadOptions

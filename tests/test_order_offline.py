@@ -19,8 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seqpack.packer import PackConfig
-from seqpack.packer.cost import CostModel
-from seqpack.packer.order import RowOrder
+from seqpack.packer.order import CostModel, RowOrder
 from seqpack.pipelines.offline import PackJob, WriteOptions
 from seqpack.pipelines.offline.local import pack_to_dir
 from seqpack.pipelines.offline.verify import read_shard, verify

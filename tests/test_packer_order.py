@@ -19,7 +19,7 @@ from seqpack.packer import (
     plan_rows,
     step_balance,
 )
-from seqpack.packer.balance import StepBalance
+from seqpack.packer.order import StepBalance
 
 modes = st.sampled_from([("shuffle", None, 1), ("plan", None, 1), ("balanced", 1, 1),
                          ("balanced", 2, 1), ("balanced", 3, 2), ("balanced", 4, 3)])

@@ -20,7 +20,7 @@ from seqpack.packer import (
     stats,
     validate,
 )
-from seqpack.packer.state_codec import encode_planner_state
+from seqpack.packer.online.state_codec import encode_planner_state
 from tests.helpers.packer import check_lossless, corpus, expected_counters
 
 OFFLINE = ["first_fit", "best_fit", "best_fit_decreasing"]

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seqpack.packer import PackConfig, StreamPlanner, bounds, plan, tight_lower_bound
-from seqpack.packer import stream as stream_mod
 from seqpack.packer.bounds import SLOTS_BIND_ALL, lower_bound, sizes_slot_share, slots_can_bind
+from seqpack.packer.online import stream as stream_mod
 from seqpack.packer.plan import apply_overflow
 from seqpack.packer.strategies import best_fit_decreasing as bfd
 from seqpack.packer.strategies import two_pool

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from seqpack.packer.cost import CostModel
+from seqpack.packer.order import CostModel
 from seqpack.pipelines.datasets import ArraySource, BalanceRanks, make_training_pipeline
 from seqpack.pipelines.datasets.balance import row_costs
 from tests.helpers.pipelines import check_restore_every_step, unique_corpus

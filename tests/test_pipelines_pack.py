@@ -259,7 +259,7 @@ def test_restore_at_every_step_with_worker_processes():
 
 @pytest.mark.parametrize("multi", [False, True])
 def test_planner_state_encoding_round_trips(multi):
-    from seqpack.packer.state_codec import decode_planner_state, encode_planner_state
+    from seqpack.packer.online.state_codec import decode_planner_state, encode_planner_state
 
     rng = np.random.default_rng(10)
     lengths = random_lengths(rng, 400, high=60)

@@ -1,9 +1,9 @@
 """Balanced host batches online: each of a batch's N equal slices (one per local device) carries
 near-equal work, so the devices of a step finish together.
 
-A row's work is its cost under a cost model (`packer.cost.CostModel`: per segment
+A row's work is its cost under a cost model (`packer.CostModel`: per segment
 c(l) = l * (1 + l / k), or tokens), not its token count. `BalanceRanks(N)` is a map over
-batches: it reorders a `[B, ...]` batch by `packer.balance.balance_slices(costs, N)`, a
+batches: it reorders a `[B, ...]` batch by `packer.balance_slices(costs, N)`, a
 permutation whose consecutive slices of B / N rows have near-equal total cost. It is a pure
 function of the batch, so exact resume is untouched (a restored pipeline reorders the same
 batches the same way). Worked example (B = 4, N = 2, costs of rows 0..3 = 9, 8, 1, 2)::
@@ -24,9 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from seqpack.packer.balance import balance_slices
 from seqpack.packer.contract import keys
-from seqpack.packer.cost import CostModel
+from seqpack.packer.order import CostModel, balance_slices
 
 
 def row_costs(cost_model: CostModel, segment_lengths: np.ndarray) -> np.ndarray:  # f64[B]

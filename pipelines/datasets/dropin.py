@@ -40,8 +40,8 @@ import grain
 import numpy as np
 
 from seqpack.packer.contract import check_not_packed
-from seqpack.packer.grain_fit import BatchSpec, FitBatch, element_dtypes
 from seqpack.packer.inputs import fit_dtype
+from seqpack.packer.online import BatchSpec, FitBatch, element_dtypes
 from seqpack.pipelines.datasets.columns import Column, ColumnSpec
 from seqpack.pipelines.datasets.grain_args import add_columns, get_leaf, make_spec, nest
 from seqpack.pipelines.errors import InputError

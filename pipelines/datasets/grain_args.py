@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from seqpack.packer.grain_fit import BatchSpec
+from seqpack.packer.online import BatchSpec
 from seqpack.pipelines.datasets.columns import Column, ColumnSpec, columns_from
 
 Key = Any  # a top-level feature name, or a tuple path to a nested leaf of length_struct

@@ -31,7 +31,7 @@ import numpy as np
 from seqpack import packer
 from seqpack.packer.contract import check_not_packed
 from seqpack.packer.inputs import check_pad, fit_dtype, row_dtype
-from seqpack.packer.state_codec import decode_planner_state
+from seqpack.packer.online import decode_planner_state
 from seqpack.pipelines.datasets.columns import (
     ColumnSpec,
     check_declared,

@@ -32,7 +32,7 @@ import grain
 import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset
 
-from seqpack.packer.cost import CostModel
+from seqpack.packer.order import CostModel
 from seqpack.pipelines.datasets import packed
 from seqpack.pipelines.datasets.balance import BalanceRanks
 from seqpack.pipelines.datasets.columns import ColumnSpec, Role, columns_from, loss_feature

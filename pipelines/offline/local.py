@@ -55,9 +55,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from seqpack.packer import Counters, PackConfig, PackPlan
-from seqpack.packer.balance import StepBalance
-from seqpack.packer.cost import CostModel
-from seqpack.packer.order import RowOrder, ordered
+from seqpack.packer.order import CostModel, RowOrder, StepBalance, ordered
 from seqpack.packer.plan import RowAssignment, order_pieces, pieces, plan_rows
 from seqpack.packer.stats import (
     CostSummary,

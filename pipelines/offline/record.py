@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from seqpack.packer import PackConfig
-from seqpack.packer.balance import StepBalance
 from seqpack.packer.config import Overflow, Strategy
+from seqpack.packer.order import StepBalance
 from seqpack.packer.stats import PackingStats
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.inputs import (

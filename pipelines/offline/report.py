@@ -25,7 +25,7 @@ import numpy as np
 
 from seqpack.packer import PackConfig
 from seqpack.packer.config import Strategy
-from seqpack.packer.cost import CostModel
+from seqpack.packer.order import CostModel
 from seqpack.packer.plan import MapBlocks, check_block_size, pieces, plan_rows_many
 from seqpack.packer.stats import stats_of_pieces
 from seqpack.pipelines.errors import require

@@ -3,12 +3,12 @@
 The planner numbers rows its own way (best fit decreasing: longest examples first), which no
 consumer should see. `RowOrder` says how output row o is chosen among the plan's rows:
 
-* `SHUFFLE` (default): a seeded pseudo-random permutation of the rows (`packer.permute`, a
+* `SHUFFLE` (default): a seeded pseudo-random permutation of the rows (`order.permute`, a
   Feistel network evaluated per index), so every contiguous range of rows has the same mix.
 * `PLAN`: the planner's order.
 * `BALANCED` (`data_parallel` D, `batch_size` b): rank r of step s reads output rows
   [(s*D + r)*b, (s*D + r + 1)*b); the D ranks of every step carry near-equal cost under
-  `cost` (`packer.cost`), and the steps come in a seeded random order. The row count is
+  `cost` (`order.cost`), and the steps come in a seeded random order. The row count is
   unchanged. When the rows are not a multiple of D*b, the last, incomplete step comes last.
 
 Two levels, so that nothing per row meets in one place (the Beam job plans blocks of examples on
@@ -23,7 +23,7 @@ different workers; the local writer runs the same functions, so both give the sa
 2. `global_order(summaries, order)` — from each block's `summary()` (row count, leftover rows
    and their costs: small): arranges all leftovers like a block, permutes all full steps
    (`Permutation` over steps) and returns a compact `GlobalOrder`.
-   Both levels measure what they lay out: `StepBalance` (`packer.balance`) of their full steps
+   Both levels measure what they lay out: `StepBalance` (`order.balance`) of their full steps
    (per step the most loaded rank's cost over the mean rank's) against as many steps of the
    same rows in a seeded random order; the blocks' add up to `GlobalOrder.balance`, which the
    manifest's stats hold as ``step_balance``.
@@ -52,10 +52,10 @@ from functools import cached_property
 
 import numpy as np
 
-from seqpack.packer.balance import StepBalance
-from seqpack.packer.config import _enum_value
-from seqpack.packer.cost import CostModel
-from seqpack.packer.permute import Permutation
+from seqpack.packer.config import enum_value
+from seqpack.packer.order.balance import StepBalance
+from seqpack.packer.order.cost import CostModel
+from seqpack.packer.order.permute import Permutation
 
 _ROW_SALT, _STEP_SALT, _RANK_SALT, _BALANCE_SALT = 0, 1, 2, 3
 
@@ -79,7 +79,7 @@ class RowOrder:
     cost: CostModel = dataclasses.field(default_factory=CostModel)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", _enum_value(OrderMode, "mode", self.mode))
+        object.__setattr__(self, "mode", enum_value(OrderMode, "mode", self.mode))
         for name in ("seed", "batch_size"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | np.integer):

@@ -31,7 +31,7 @@ import enum
 
 import numpy as np
 
-from seqpack.packer.config import _enum_value
+from seqpack.packer.config import enum_value
 
 
 class CostKind(enum.StrEnum):
@@ -49,7 +49,7 @@ class CostModel:
     d_model: int = 4096
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", _enum_value(CostKind, "kind", self.kind))
+        object.__setattr__(self, "kind", enum_value(CostKind, "kind", self.kind))
         d = self.d_model
         if isinstance(d, bool) or not isinstance(d, int | np.integer) or d < 1:
             raise ValueError(f"d_model={d!r} must be an int >= 1 (the model's hidden width)")

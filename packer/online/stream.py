@@ -45,7 +45,7 @@ of a window: the open rows are extended)::
     window 1:  lengths 3 4 1      sorted 4 3 1 -> row 1 += 3 (full: emitted), row 2 = [4, 1]
     finish:                       row 2 emitted
 
-`StreamPlanner` plans lengths only (the Grain pipeline keeps the tokens); `assemble.pack_stream`
+`StreamPlanner` plans lengths only (the Grain pipeline keeps the tokens); `pack_stream`
 is the whole online packer over an iterable of token arrays.
 """
 
@@ -59,8 +59,8 @@ import numpy as np
 from seqpack.packer.bounds import SLOTS_BIND_HALF, slot_share
 from seqpack.packer.config import PackConfig, Strategy
 from seqpack.packer.inputs import check_lengths
+from seqpack.packer.online.state_codec import decode_planner_state, encode_row_arrays
 from seqpack.packer.plan import Counters, PackPlan, aligned, apply_overflow, order_pieces
-from seqpack.packer.state_codec import decode_planner_state, encode_row_arrays
 from seqpack.packer.strategies.best_fit import BestFitBins
 from seqpack.packer.strategies.best_fit_decreasing import assign_best_fit_decreasing
 from seqpack.packer.strategies.refine.sieve import keep_open

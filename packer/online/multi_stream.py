@@ -28,8 +28,8 @@ import numpy as np
 
 from seqpack.packer.contract import Counters
 from seqpack.packer.inputs import InputError
+from seqpack.packer.online.state_codec import encode_planner_state
 from seqpack.packer.plan import aligned
-from seqpack.packer.state_codec import encode_planner_state
 
 
 class MultiStreamPlanner:
