@@ -28,39 +28,48 @@ from seqpack.packer import (
 )
 from seqpack.packer.config import Strategy
 from seqpack.packer.plan import apply_overflow
-from seqpack.packer.strategies.best_fit_decreasing import repair_target
+from seqpack.packer.strategies.bfd import repair_target
 
 plan_mod = importlib.import_module("seqpack.packer.plan")
-bfd_mod = importlib.import_module("seqpack.packer.strategies.best_fit_decreasing")
-improve_mod = importlib.import_module("seqpack.packer.strategies.refine.improve")
+bfd_mod = importlib.import_module("seqpack.packer.strategies.bfd")
+schedule_mod = importlib.import_module("seqpack.packer.strategies.bfd.schedule")
 
 
-MAIN_BFD = "packer/strategies/best_fit_decreasing.py"
+# the offline default's module (the newest path first: it moved into the bfd wing)
+MAIN_BFD = ("packer/strategies/bfd/schedule.py", "packer/strategies/best_fit_decreasing.py")
 
 
 BASELINE = "f002f8b"  # the packer before the two-dimensional planner (plain BFD + worst fit)
-MAIN_STREAM = "packer/stream.py"
+MAIN_STREAM = ("packer/online/stream.py", "packer/stream.py")
 
 
-_STRATEGY_IMPORT = re.compile(r"from seqpack\.packer\.strategies\.([\w.]+) import")
+_STRATEGY_IMPORT = re.compile(r"from seqpack\.packer\.strategies((?:\.\w+)*) import")
 
 
-def _baseline_module(rev: str, path: str, name: str):
-    """The module at `path` as of git revision `rev`, loaded into this process (or None). Its
-    imports from `seqpack.packer.strategies` are of `rev` too, loaded the same way (once per
-    revision and module), so a baseline planner is the whole of its strategies (its two-pool
-    pass, repair, fill and sieve), not its best_fit_decreasing.py over this checkout's; the
-    rest of seqpack (bounds, plan, config) is this checkout's."""
-    try:
-        src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True,
-                             check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
+def _baseline_module(rev: str, paths: str | tuple[str, ...], name: str):
+    """The module at `paths` (the first that exists) as of git revision `rev`, loaded into this
+    process (or None). Its imports from `seqpack.packer.strategies` (modules and packages) are
+    of `rev` too, loaded the same way (once per revision and module), so a baseline planner is
+    the whole of its strategies (its two-pool pass, repair, fill and sieve), not its entry
+    module over this checkout's; the rest of seqpack (bounds, plan, config) is this
+    checkout's."""
+    src = None
+    for path in (paths,) if isinstance(paths, str) else paths:
+        try:
+            src = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True,
+                                 text=True, check=True).stdout
+            break
+        except (OSError, subprocess.CalledProcessError):
+            continue
+    if src is None:
         return None
 
     def at_rev(m: re.Match) -> str:
-        dep = f"_seqpack_{rev}_{m.group(1).replace('.', '_')}"  # refine.repair: refine/repair.py
+        dotted = m.group(1)  # "", ".bfd", ".refine.repair", ...
+        dep = f"_seqpack_{rev}_strategies{dotted.replace('.', '_')}"
+        where = f"packer/strategies{dotted.replace('.', '/')}"
         if dep not in sys.modules and _baseline_module(
-                rev, f"packer/strategies/{m.group(1).replace('.', '/')}.py", dep) is None:
+                rev, (f"{where}.py", f"{where}/__init__.py"), dep) is None:
             return m.group(0)  # not in `rev`: this checkout's
         return f"from {dep} import"
 
@@ -246,12 +255,12 @@ def run_cells(args) -> None:
         cfg = PackConfig(L, max_segments=S, overflow="split")
         tight = tight_lower_bound(_split_sizes(lengths, L), L, S)
         t, rows = _time_plan(lengths, cfg, assign, repeats=1)
-        saved = improve_mod._SAMPLE_MODES
-        improve_mod._SAMPLE_MODES = ()
+        saved = schedule_mod._SAMPLE_MODES
+        schedule_mod._SAMPLE_MODES = ()
         try:
             t0, rows0 = _time_plan(lengths, cfg, assign, repeats=1)
         finally:
-            improve_mod._SAMPLE_MODES = saved
+            schedule_mod._SAMPLE_MODES = saved
         t1, rows1 = _time_plan(lengths, cfg, old, repeats=1) if old else (float("nan"), tight)
         table.append([name, L, S, tight, f"+{repair_target(tight) - tight}", _over(rows, tight),
                       f"{t:.2f}", _over(rows0, tight), f"{t0:.2f}", _over(rows1, tight),

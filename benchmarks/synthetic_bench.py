@@ -5,7 +5,7 @@
 
 N lognormal corpora (seeded: mu in [3.5, 7], sigma in [0.3, 1.5], 5k to 40k examples), L in
 {2k, 8k, 32k} x S = f * L / (mean piece) for f in {0.8, 1, 1.25, 3}: cells of the offline
-default within its target (`best_fit_decreasing.repair_target` of the tight bound), against the
+default within its target (`bfd.repair_target` of the tight bound), against the
 `--baseline` revision's best_fit_decreasing, and plan time (both timed alternately, in this
 process). With `--lp SECONDS`, every cell above the target also gets the configuration LP bound
 (`benchmarks/lp_bound.py`, seeded with the plan's rows, at most SECONDS): where the tight bound
@@ -29,7 +29,7 @@ from benchmarks.lp_bound import lp_bound
 from benchmarks.packer_cells import _split_sizes, _time_plan, baseline_bfd, bfd_mod, plan_mod
 from seqpack.packer import PackConfig, tight_lower_bound
 from seqpack.packer.config import Strategy
-from seqpack.packer.strategies.best_fit_decreasing import repair_target
+from seqpack.packer.strategies.bfd import repair_target
 
 _F = (0.8, 1.0, 1.25, 3.0)  # S = f * L / (mean piece)
 _L = (2048, 8192, 32768)

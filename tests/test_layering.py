@@ -125,3 +125,99 @@ def test_object_storage_clients_load_only_when_a_url_is_used():
     loaded = set(out.split("MODULES", 1)[1].split())
     assert "seqpack.pipelines.storage" in loaded
     assert not _tops(loaded) & CLOUD, sorted(_tops(loaded) & CLOUD)
+
+
+# -- the house: wings, sizes, private names ---------------------------------------------------
+
+LIBRARY = [ROOT / "packer", ROOT / "kernels", ROOT / "pipelines", ROOT / "cli.py"]
+LAYER_ROOTS = {"packer", "kernels", "pipelines", "pipelines/formats", "pipelines/offline",
+               "pipelines/datasets"}
+MAX_MODULES, MAX_LINES, MAX_FUNCTION = 12, 450, 80
+
+
+def _library_files() -> list[pathlib.Path]:
+    out = []
+    for place in LIBRARY:
+        out += [place] if place.is_file() else sorted(place.rglob("*.py"))
+    return out
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    return ".".join(("seqpack", *parts))
+
+
+def _wings() -> list[str]:
+    """Packages below the layers' roots: each a wing whose modules only it imports."""
+    packages = [p.parent for place in LIBRARY if place.is_dir()
+                for p in place.rglob("__init__.py")]
+    return sorted(_module_name(p / "__init__.py") for p in packages
+                  if p.relative_to(ROOT).as_posix() not in LAYER_ROOTS)
+
+
+WINGS = _wings()
+
+
+def _from_imports(path: pathlib.Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module, [a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, []
+
+
+def test_pyproject_ships_every_package():
+    """A non-editable install (`pip install .`) ships exactly the packages pyproject lists."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {"seqpack"} | {_module_name(p) for place in LIBRARY if place.is_dir()
+                           for p in place.rglob("__init__.py")}
+    assert listed == found, (sorted(found - listed), sorted(listed - found))
+
+
+def test_wings_are_known():
+    for wing in ("seqpack.packer.online", "seqpack.packer.order",
+                 "seqpack.packer.strategies.bfd", "seqpack.packer.strategies.bfd.refine"):
+        assert wing in WINGS, WINGS
+
+
+@pytest.mark.parametrize("path", _library_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_a_wing_is_entered_only_through_its_package(path):
+    """Code outside a wing imports the wing's package (its __init__), never its modules; inside,
+    a wing imports nothing from a sibling wing's modules either."""
+    me = _module_name(path)
+    for module, _ in _from_imports(path):
+        for wing in WINGS:
+            inside = module.startswith(wing + ".") and module.count(".") == wing.count(".") + 1
+            if inside and not (me == wing or me.startswith(wing + ".")):
+                pytest.fail(f"{path.relative_to(ROOT)} imports {module}: import {wing} instead")
+
+
+@pytest.mark.parametrize("path", _library_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_private_name_is_imported_across_modules(path):
+    for module, names in _from_imports(path):
+        if module.split(".")[0] == "seqpack":
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            assert not private, f"{path.relative_to(ROOT)} imports {private} from {module}"
+
+
+def test_every_folder_holds_at_most_twelve_modules():
+    folders = {p.parent for p in _library_files() if p.parent != ROOT}
+    for folder in sorted(folders):
+        count = len(list(folder.glob("*.py")))
+        assert count <= MAX_MODULES, f"{folder.relative_to(ROOT)} holds {count} modules"
+
+
+@pytest.mark.parametrize("path", _library_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_modules_and_functions_stay_small(path):
+    source = path.read_text()
+    assert source.count("\n") <= MAX_LINES, f"{path.relative_to(ROOT)}: {source.count(chr(10))}"
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            lines = node.end_lineno - node.lineno + 1
+            assert lines <= MAX_FUNCTION, \
+                f"{path.relative_to(ROOT)}:{node.lineno} {node.name} has {lines} lines"

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from benchmarks.lp_bound import lp_bound
 from seqpack.packer import lower_bound, tight_lower_bound
-from seqpack.packer.strategies import best_fit_decreasing as bfd
+from seqpack.packer.strategies.bfd import schedule as bfd
 
 small = st.integers(4, 12).flatmap(lambda L: st.tuples(
     st.just(L), st.integers(1, 4), st.lists(st.integers(1, L), min_size=1, max_size=8)))

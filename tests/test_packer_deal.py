@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from seqpack.packer import tight_lower_bound
 from seqpack.packer.bounds import slots_can_bind
-from seqpack.packer.strategies import best_fit_decreasing as bfd
-from seqpack.packer.strategies import deal
+from seqpack.packer.strategies.bfd import deal, greedy
+from seqpack.packer.strategies.bfd import schedule as bfd
 from tests.helpers.packer import check_rows, instances
 
 
@@ -71,7 +71,7 @@ def test_even_deal_refuses_more_pieces_than_slots():
 
 
 def test_even_deal_worked_example():
-    # the example of strategies/deal.py: 4 rows, blocks of 2
+    # the example of strategies/bfd/deal.py: 4 rows, blocks of 2
     sizes = np.array([6, 5, 3, 3, 2, 2, 1, 1])
     rows = deal.even_rows(sizes, 4, 4)
     assert rows.tolist() == [0, 1, 2, 3, 2, 3, 1, 2]
@@ -97,7 +97,7 @@ def test_even_deal_rows_cost_alike_where_a_few_pieces_are_long():
         row_cost = np.bincount(r, weights=cost, minlength=R)
         return np.quantile(row_cost / row_cost.mean(), 0.99)
 
-    wf = np.asarray(bfd._worst_fit_sorted(desc.tolist(), L, S, R)[0])
+    wf = np.asarray(greedy.worst_fit_sorted(desc.tolist(), L, S, R)[0])
     assert p99(rows) <= p99(wf) + 0.01
     assert p99(deal.snake_rows(desc.size, R)) > p99(rows) + 0.05
 
@@ -116,7 +116,7 @@ def test_snake_gives_every_row_one_piece_a_round(n, R):
 
 
 def test_deal_worked_example():
-    # the example of strategies/deal.py: capacity 10, 4 slots, bound 3
+    # the example of strategies/bfd/deal.py: capacity 10, 4 slots, bound 3
     sizes = np.array([5, 4, 4, 3, 3, 3, 2, 2, 1])
     assert tight_lower_bound(sizes, 10, 4) == 3
     rows, n = deal.deal_sorted(sizes, 10, 4, 3)
@@ -160,7 +160,7 @@ def test_offline_default_is_the_deal_where_it_fits(monkeypatch):
     def no_pass(*args, **kwargs):
         raise AssertionError("a pass ran")
 
-    for name in ("two_pool_sorted", "_bfd_sorted", "fill_sorted", "_worst_fit_sorted"):
+    for name in ("two_pool_sorted", "bfd_sorted", "fill_sorted", "worst_fit_sorted"):
         monkeypatch.setattr(bfd, name, no_pass)
     rows, n = bfd.assign_best_fit_decreasing(lengths, L, S)
     check_rows(lengths, rows, n, L, S)

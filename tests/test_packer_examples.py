@@ -23,18 +23,37 @@ def test_first_fit_vs_best_fit_worked_example():
 
 
 def test_best_fit_decreasing_worked_example():
+    from seqpack.packer.strategies.bfd import greedy, regime
+    from seqpack.packer.strategies.bfd import schedule as bfd
+
     sizes = np.array([3, 7, 5, 5, 2, 8])
     rows, n = assign_best_fit_decreasing(sizes, 10, 4)
     # sorted 8 7 5 5 3 2 -> row 0 = [8, 2], row 1 = [7, 3], row 2 = [5, 5]
     assert n == 3
     assert rows.tolist() == [1, 1, 2, 2, 0, 0]
+    desc = np.sort(sizes)[::-1]
+    plans = regime.Regime.of(desc, 10, 4)
+    assert plans.bound == 3 and not plans.two_dimensional  # 2 3 5 5 7 overflow a row
+    (first, _), (second, _) = bfd.passes(desc, plans)  # few pieces a size: the fill first
+    assert first()[0].tolist() == [0, 1, 2, 2, 1, 0] and first()[1] == 3
+    assert greedy.bfd_sorted(desc, 10, 4)[0].tolist() == [0, 1, 2, 2, 1, 0]  # plain BFD
+    assert greedy.worst_fit_sorted(desc.tolist(), 10, 4, 3) == ([0, 1, 2, 2, 1, 0], 3)
 
 
-def test_improve_worked_example(monkeypatch):
+def test_regime_worked_example():
+    from seqpack.packer.strategies.bfd import regime
+
+    plans = regime.Regime.of(np.array([6, 5, 2, 1, 1]), 10, 2)
+    assert (plans.tokens, plans.pieces, plans.bound, plans.slot_bound) == (15, 5, 3, 3)
+    assert plans.slot_share == 1.5 and plans.slots_bind_all and plans.two_dimensional
+    assert plans.big_pieces == 1 and plans.big  # the 6, in a third of the bound's rows
+
+
+def test_refine_worked_example(monkeypatch):
     # capacity 10, max_segments 3: A = [6, 3], B = [5, 4], C = [2], asked for 2 rows (the
     # bound): the repair empties C, A's 6 swapping for B's 5; no later step runs
-    from seqpack.packer.strategies import best_fit_decreasing as bfd
-    from seqpack.packer.strategies.refine import improve
+    from seqpack.packer.strategies.bfd import regime
+    from seqpack.packer.strategies.bfd import schedule as bfd
 
     sizes = np.array([6, 5, 4, 3, 2])
     ran = []
@@ -47,10 +66,10 @@ def test_improve_worked_example(monkeypatch):
 
     for name in ("repair", "merge_repair", "sieve", "sample_fill_sorted", "sieve_all",
                  "swap_search"):
-        monkeypatch.setattr(improve, name, spy(name, getattr(improve, name)))
-    plan, last = bfd._sieve_planners(10, 3)
-    rows, n = improve.improve(sizes, np.array([0, 1, 1, 0, 2]), 3, 10, 3, 2, 2, plan=plan,
-                              last=last)
+        monkeypatch.setattr(bfd, name, spy(name, getattr(bfd, name)))
+    plans = regime.Regime.of(sizes, 10, 3)
+    assert plans.bound == 2 and not plans.two_dimensional
+    rows, n = bfd.refine(sizes, np.array([0, 1, 1, 0, 2]), 3, plans, 2)
     assert n == 2 and ran == [("repair", 3), ("merge_repair", 2)]  # the merge: at the target
     assert [sorted(sizes[rows == r].tolist()) for r in range(2)] == [[2, 3, 5], [4, 6]]
 

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 
 from seqpack.packer import tight_lower_bound
 from seqpack.packer.bounds import slots_can_bind
-from seqpack.packer.strategies import best_fit_decreasing as bfd
-from seqpack.packer.strategies import fill as fill_mod
-from seqpack.packer.strategies.refine import improve
+from seqpack.packer.strategies.bfd import fill as fill_mod
+from seqpack.packer.strategies.bfd import greedy
+from seqpack.packer.strategies.bfd import schedule as bfd
 from tests.helpers.packer import check_rows as _check
 from tests.helpers.packer import instances
 
@@ -54,7 +54,7 @@ def test_fill_ends_rows_exactly_where_bfd_leaves_their_last_tokens():
     desc = np.sort(lengths)[::-1]
     assert not slots_can_bind(desc[::-1], 2048, 64)
     bound = tight_lower_bound(desc, 2048, 64)
-    plain = bfd._bfd_sorted(desc, 2048, 64)[1]
+    plain = greedy.bfd_sorted(desc, 2048, 64)[1]
     assert plain > bound * 1.004
     rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 64)
     _check(lengths, rows, n, 2048, 64)
@@ -109,7 +109,7 @@ def test_sample_fill_worked_example():
     assert n == 3
     assert [sorted(desc[rows == r].tolist()) for r in range(3)] == [[1, 1, 2, 6], [3, 3, 4],
                                                                     [2, 3, 5]]
-    assert bfd._bfd_sorted(desc, 10, 4)[1] == 4
+    assert greedy.bfd_sorted(desc, 10, 4)[1] == 4
 
 
 def test_sample_fill_reaches_the_target_where_slots_and_tokens_bind_alike(monkeypatch):
@@ -122,5 +122,5 @@ def test_sample_fill_reaches_the_target_where_slots_and_tokens_bind_alike(monkey
     rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 20)
     _check(lengths, rows, n, 2048, 20)
     assert n <= bfd.repair_target(bound)
-    monkeypatch.setattr(improve, "_SAMPLE_MODES", ())  # without it
+    monkeypatch.setattr(bfd, "_SAMPLE_MODES", ())  # without it
     assert bfd.assign_best_fit_decreasing(lengths, 2048, 20)[1] > bfd.repair_target(bound)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seqpack.packer import tight_lower_bound
-from seqpack.packer.strategies import best_fit_decreasing as bfd
-from seqpack.packer.strategies.refine import improve
-from seqpack.packer.strategies.refine import merge as merge_mod
-from seqpack.packer.strategies.refine import repair as repair_mod
+from seqpack.packer.strategies.bfd import schedule as bfd
+from seqpack.packer.strategies.bfd.refine import merge as merge_mod
 from tests.helpers.packer import bfd_plan, instances
 from tests.helpers.packer import check_rows as _check
+
+# the module (the refine package exports its function under the same name)
+repair_mod = importlib.import_module("seqpack.packer.strategies.bfd.refine.repair")
 
 
 @settings(max_examples=150, deadline=None)
@@ -162,7 +165,7 @@ def test_merge_reaches_the_target_where_the_repair_alone_does_not(mu, sigma, n, 
     monkeypatch.setattr(merge_mod, *patch)  # without the merge, or without the shared slots
     # (and without the swap search after everything, which reaches the target on its own in
     # the second case: the merge gets there before it)
-    monkeypatch.setattr(improve, "swap_search", lambda sizes, rows, n, *a, **k: (rows, n))
+    monkeypatch.setattr(bfd, "swap_search", lambda sizes, rows, n, *a, **k: (rows, n))
     assert bfd.assign_best_fit_decreasing(lengths, 2048, S)[1] > target
 
 
@@ -180,7 +183,7 @@ def test_repair_in_groups_keeps_every_piece_and_never_adds_rows(inst, group_rows
             calls.append((sizes, r, m))
             return step(sizes, r, m, *args, **kw)
 
-        got, m = improve.in_groups(spy, desc, rows, n, L, S, target=target,
+        got, m = bfd.in_groups(spy, desc, rows, n, L, S, target=target,
                                       group_rows=group_rows)
         _check(desc, got, m, L, S)
         assert tight_lower_bound(desc, L, S) <= m <= n
@@ -208,7 +211,7 @@ def test_repair_in_groups_takes_strided_rows_and_shares_out_the_rows_to_go():
         seen.append((sizes.tolist(), r.tolist(), m, target))
         return repair_mod.repair(sizes, r, m, capacity, max_segments, target=target)
 
-    got, m = improve.in_groups(spy, desc, rows, 6, L, S, target=4, group_rows=3)
+    got, m = bfd.in_groups(spy, desc, rows, 6, L, S, target=4, group_rows=3)
     # k = 2: group 0 = rows 0, 2, 4 (the 5s), group 1 = rows 1, 3, 5 (the 6s, no two fit)
     assert seen[0] == ([5, 5, 5], [0, 1, 2], 3, 2)  # 2 rows to go: 1 from each group
     assert seen[1] == ([6, 6, 6], [0, 1, 2], 3, 2)  # group 0 removed 1: 1 left, asked of it

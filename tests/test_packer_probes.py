@@ -11,8 +11,7 @@ import pytest
 from benchmarks.corpora import small_lognormal
 from seqpack.packer import tight_lower_bound
 from seqpack.packer.bounds import SLOTS_BIND_HALF, sizes_slot_share, slots_can_bind
-from seqpack.packer.strategies import best_fit_decreasing as bfd
-from seqpack.packer.strategies.refine import improve
+from seqpack.packer.strategies.bfd import schedule as bfd
 from tests.helpers.packer import check_rows as _check
 
 
@@ -25,7 +24,7 @@ def _spy_steps(monkeypatch) -> list[tuple[str, int, int]]:
     calls: list[tuple[str, int, int]] = []
 
     def spy(name):
-        run = getattr(improve, name)
+        run = getattr(bfd, name)
 
         def call(*a, **k):
             out = run(*a, **k)
@@ -34,7 +33,7 @@ def _spy_steps(monkeypatch) -> list[tuple[str, int, int]]:
         return call
 
     for name in ("repair", "sieve", "merge_repair"):
-        monkeypatch.setattr(improve, name, spy(name))
+        monkeypatch.setattr(bfd, name, spy(name))
     return calls
 
 
@@ -64,7 +63,7 @@ def test_repair_alone_runs_before_the_sieve_and_ends_there_at_the_target(monkeyp
     rows, n = bfd.assign_best_fit_decreasing(lengths, 512, 8)
     _check(lengths, rows, n, 512, 8)
     assert calls and calls[0][0] == "repair"
-    assert calls[0][1] > bound + improve._MERGE_FIRST * bound  # the passes missed, far off
+    assert calls[0][1] > bound + bfd._MERGE_FIRST * bound  # the passes missed, far off
     assert [c for c, _, _ in calls] == ["repair"] and n <= target
 
 
@@ -74,18 +73,18 @@ def test_merge_alone_near_the_bound_ends_there_at_the_target(monkeypatch):
     # alone before it, and it gets to the target; the sieve never runs
     _, bound, target, calls, n = _planned_seeded(monkeypatch, 4, 512, (3.5, 4.5), 8)
     assert [c for c, _, _ in calls] == ["merge_repair"]
-    assert target < calls[0][1] <= bound + improve._MERGE_FIRST * bound  # the passes missed
+    assert target < calls[0][1] <= bound + bfd._MERGE_FIRST * bound  # the passes missed
     assert n == calls[0][2] <= target
 
 
 def test_repair_alone_where_the_merge_near_the_bound_removes_no_row(monkeypatch):
     # the same corpus, the merge made to find nothing (as where no row's room matches a size):
     # merge_repair then never repairs, so the repair alone runs after it, on the passes' plan
-    monkeypatch.setattr(improve, "merge_repair",
+    monkeypatch.setattr(bfd, "merge_repair",
                         lambda sizes, rows, n, *a, **k: (rows, n))
     _, bound, target, calls, n = _planned_seeded(monkeypatch, 4, 512, (3.5, 4.5), 8)
     (first, passes, merged), (second, repair_in, _) = calls[:2]
-    assert passes <= bound + improve._MERGE_FIRST * bound  # near the bound: the merge first
+    assert passes <= bound + bfd._MERGE_FIRST * bound  # near the bound: the merge first
     assert (first, second) == ("merge_repair", "repair") and merged == repair_in == passes
     assert n <= target
 
@@ -95,7 +94,7 @@ def test_merge_after_the_repair_near_the_bound_ends_there_at_the_target(monkeypa
     # target is 477), which leaves the plan within _MERGE_FIRST of the bound; then the merge
     # gathers the room the repair could not use, and the sieve never runs
     _, bound, target, calls, n = _planned_seeded(monkeypatch, 15, 512, (3.5, 4.5), 8)
-    near = bound + improve._MERGE_FIRST * bound
+    near = bound + bfd._MERGE_FIRST * bound
     assert [c for c, _, _ in calls] == ["repair", "merge_repair"]
     assert calls[0][1] > near and target < calls[0][2] <= near  # the repair missed
     assert n <= target

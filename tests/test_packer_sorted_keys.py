@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from seqpack.packer import tight_lower_bound
-from seqpack.packer.strategies import sorted_keys, two_pool
+from seqpack.packer.strategies.bfd import sorted_keys, two_pool
 from tests.helpers.packer import check_rows, instances
 
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 
 from benchmarks.corpora import small_lognormal
 from seqpack.packer import tight_lower_bound
-from seqpack.packer.strategies import best_fit_decreasing as bfd
-from seqpack.packer.strategies.refine import improve, swap
+from seqpack.packer.strategies.bfd import schedule as bfd
+from seqpack.packer.strategies.bfd.refine import swap
 from tests.helpers.packer import bfd_plan, instances
 from tests.helpers.packer import check_rows as _check
 
@@ -47,14 +47,14 @@ def test_swap_search_is_the_last_step_and_reaches_the_target(monkeypatch):
     lengths = small_lognormal(141, 2048, (5.0, 6.5))[2]
     bound = tight_lower_bound(np.sort(lengths)[::-1], 2048, 8)
     calls = []
-    run = improve.swap_search
+    run = bfd.swap_search
 
     def spy(*a, **k):
         out = run(*a, **k)
         calls.append((a[2], out[1]))
         return out
 
-    monkeypatch.setattr(improve, "swap_search", spy)
+    monkeypatch.setattr(bfd, "swap_search", spy)
     rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 8)
     _check(lengths, rows, n, 2048, 8)
     assert (bound, bfd.repair_target(bound)) == (501, 502)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,13 +13,14 @@ from seqpack.packer import PackConfig, StreamPlanner, bounds, plan, tight_lower_
 from seqpack.packer.bounds import SLOTS_BIND_ALL, lower_bound, sizes_slot_share, slots_can_bind
 from seqpack.packer.online import stream as stream_mod
 from seqpack.packer.plan import apply_overflow
-from seqpack.packer.strategies import best_fit_decreasing as bfd
-from seqpack.packer.strategies import two_pool
-from seqpack.packer.strategies.refine import improve
-from seqpack.packer.strategies.refine import repair as repair_mod
-from seqpack.packer.strategies.refine import sieve as sieve_mod
+from seqpack.packer.strategies.bfd import greedy, regime, two_pool
+from seqpack.packer.strategies.bfd import schedule as bfd
 from tests.helpers.packer import check_rows as _check
 from tests.helpers.packer import instances
+
+# the modules (the refine package exports their functions under the same names)
+repair_mod = importlib.import_module("seqpack.packer.strategies.bfd.refine.repair")
+sieve_mod = importlib.import_module("seqpack.packer.strategies.bfd.refine.sieve")
 
 
 @settings(max_examples=120, deadline=None)
@@ -60,7 +63,7 @@ def test_repair_keeps_every_piece_and_never_adds_rows(inst):
     L, S, sizes = inst
     sizes = np.asarray(sizes, np.int64)
     desc = np.sort(sizes)[::-1]
-    rows, n = bfd._bfd_sorted(desc, L, S)
+    rows, n = greedy.bfd_sorted(desc, L, S)
     fixed, m = repair_mod.repair(desc, np.asarray(rows, np.int64), n, L, S, target=0)
     _check(desc, fixed, m, L, S)
     assert tight_lower_bound(desc, L, S) <= m <= n
@@ -74,19 +77,19 @@ def test_one_dimensional_gate_is_exact_and_only_plain_bfd_and_the_fill_run(inst)
     assert bounds.sorted_lower_bound(asc, L, S) == tight_lower_bound(asc[::-1], L, S)
     desc = asc[::-1]
     can_bind = slots_can_bind(asc, L, S)
-    rows, n = bfd._bfd_sorted(desc, L, S)
+    rows, n = greedy.bfd_sorted(desc, L, S)
     counts = np.bincount(rows, minlength=n)
     room = L - np.bincount(rows, weights=desc, minlength=n)
     outside = np.array([desc[rows != r].min(initial=L + 1) for r in range(n)])  # smallest other
     starved = (counts == S) & (room >= outside)  # full in slots with room for another piece
     if not can_bind:
         assert not starved.any()
-        b = tight_lower_bound(desc, L, S)
-        assert len(bfd._passes(desc, L, S, b, window=1024)) == 1  # plain BFD alone
-        passes = bfd._passes(desc, L, S, b)
+        plan = regime.Regime.of(desc, L, S)
+        assert len(bfd.passes(desc, plan, window=1024)) == 1  # plain BFD alone
+        passes = bfd.passes(desc, plan)
         assert len(passes) == 2  # offline: plain BFD and the exact fill, the cheaper first
         few = desc.size <= bfd._FILL_FIRST * np.unique(desc).size  # few pieces a size
-        first = (bfd.fill_sorted if few else bfd._bfd_sorted)(desc, L, S)
+        first = (bfd.fill_sorted if few else greedy.bfd_sorted)(desc, L, S)
         got = passes[0][0]()
         assert got[1] == first[1] and np.array_equal(got[0], first[0])
     if starved.any():
@@ -102,7 +105,7 @@ def _window_plan(L, S):
 def test_sieve_keeps_every_piece_and_never_adds_rows(inst, window):
     L, S, sizes = inst
     desc = np.sort(np.asarray(sizes, np.int64))[::-1]
-    rows, n = bfd._bfd_sorted(desc, L, S)
+    rows, n = greedy.bfd_sorted(desc, L, S)
     got, m = sieve_mod.sieve(desc, np.asarray(rows, np.int64), n, L, _window_plan(L, S),
                              window=window)
     _check(desc, got, m, L, S)
@@ -117,10 +120,10 @@ def test_sieve_keeps_every_piece_and_never_adds_rows(inst, window):
 
 
 def test_sieve_worked_example():
-    # the example of strategies/refine/sieve.py: capacity 10, 3 slots, windows of 4, plain
+    # the example of strategies/bfd/refine/sieve.py: capacity 10, 3 slots, windows of 4, plain
     # BFD's plan
     sizes = np.array([6, 3, 3, 2, 2, 2])
-    rows, n = bfd._bfd_sorted(sizes, 10, 3)
+    rows, n = greedy.bfd_sorted(sizes, 10, 3)
     assert n == 3 and rows.tolist() == [0, 0, 1, 1, 1, 2]  # [6, 3] [3, 2, 2] [2]
     got, m = sieve_mod.sieve(sizes, np.asarray(rows, np.int64), n, 10, _window_plan(10, 3),
                              window=4)
@@ -151,7 +154,7 @@ def test_offline_default_near_the_bound_where_room_spreads_thin(mu, sigma, L, S)
     rows, n = bfd.assign_best_fit_decreasing(lengths, L, S)
     _check(lengths, rows, n, L, S)
     assert n <= target
-    first = bfd._passes(desc, L, S, bound)[0][0]()
+    first = bfd.passes(desc, regime.Regime.of(desc, L, S))[0][0]()
     repaired = repair_mod.repair(desc, np.asarray(first[0], np.int64), first[1], L, S,
                                  target=target)
     assert repaired[1] > target
@@ -170,15 +173,15 @@ def test_offline_default_near_the_bound_where_slots_and_tokens_bind_alike(monkey
     rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 8)
     _check(lengths, rows, n, 2048, 8)
     assert n <= bfd.repair_target(bound)
-    monkeypatch.setattr(bfd, "big_pieces", lambda sizes_desc, capacity: 0)
-    passes = [run() for run, _ in bfd._passes(desc, 2048, 8, bound)]
+    monkeypatch.setattr(regime, "big_pieces", lambda sizes_desc, capacity: 0)
+    passes = [run() for run, _ in bfd.passes(desc, regime.Regime.of(desc, 2048, 8))]
     assert len(passes) == 3 and min(m for _, m in passes) > bound * 1.05
     best = min(passes, key=lambda p: p[1])
     repaired = repair_mod.repair(desc, np.asarray(best[0], np.int64), best[1], 2048, 8,
                                  target=bfd.repair_target(bound))
     assert repaired[1] > bound * 1.05
-    passes_of = bfd._passes
-    monkeypatch.setattr(bfd, "_passes", lambda *a, deal_bound=False, **k: passes_of(*a, **k))
+    passes_of = bfd.passes
+    monkeypatch.setattr(bfd, "passes", lambda *a, whole=False, **k: passes_of(*a, **k))
     rows, n = bfd.assign_best_fit_decreasing(lengths, 2048, 8)
     _check(lengths, rows, n, 2048, 8)
     assert n <= bound * 1.01
@@ -198,7 +201,7 @@ def test_worst_fit_deals_into_the_tight_bounds_rows(monkeypatch):
     assert -(-lengths.size // 5) < bound - 100
 
     def worst_fit(deal_bound):
-        passes = bfd._passes(desc, 8192, 5, bound, deal_bound=deal_bound)
+        passes = bfd.passes(desc, regime.Regime.of(desc, 8192, 5), whole=deal_bound)
         return passes[1][0]()[1]  # plain BFD, then worst fit
 
     assert worst_fit(True) <= bound + 5 and worst_fit(False) > bound + 100
@@ -208,10 +211,10 @@ def test_worst_fit_deals_into_the_tight_bounds_rows(monkeypatch):
     # without it (and without pass 4, which deals into the same rows where pieces over L/2
     # are in a quarter of them: here in half, and the sample fill, which gets there too) the
     # plan stays above the target
-    passes = bfd._passes
-    monkeypatch.setattr(bfd, "_passes", lambda *a, deal_bound=False, **k: passes(*a, **k))
-    monkeypatch.setattr(bfd, "big_pieces", lambda sizes_desc, capacity: 0)
-    monkeypatch.setattr(improve, "_SAMPLE_MODES", ())
+    passes = bfd.passes
+    monkeypatch.setattr(bfd, "passes", lambda *a, whole=False, **k: passes(*a, **k))
+    monkeypatch.setattr(regime, "big_pieces", lambda sizes_desc, capacity: 0)
+    monkeypatch.setattr(bfd, "_SAMPLE_MODES", ())
     assert bfd.assign_best_fit_decreasing(lengths, 8192, 5)[1] > bfd.repair_target(bound)
 
 
@@ -222,14 +225,16 @@ def test_sieve_windows_hold_rows_worth_where_a_row_takes_hundreds_of_pieces():
     lengths = np.clip(np.rint(rng.lognormal(3.2, 1.0, 20_000)), 1, 8192).astype(np.int64)
     S = round(8192 / lengths.mean())
     bound = tight_lower_bound(lengths, 8192, S)
-    window = improve.sieve_window(lengths, 8192, S)
+    desc = np.sort(lengths)[::-1]
+    window = sieve_mod.sieve_window(regime.Regime.of(desc, 8192, S).pieces_per_row)
     assert window == int(64 * min(S, 8192 * lengths.size / lengths.sum()))
-    plan_window, last = bfd._sieve_planners(8192, S)
+    plan_window, last = bfd.sieve_planners(8192, S)
     rows, n = sieve_mod.sieve_all(lengths, 8192, plan_window, last=last, window=window)
     _check(lengths, rows, n, 8192, S)
     assert n <= bound + 1
     assert sieve_mod.sieve_all(lengths, 8192, plan_window, last=last, window=512)[1] > bound + 3
-    assert improve.sieve_window(lengths, 8192, 4) == sieve_mod._WINDOW  # 64 x 4 pieces: 512
+    per_row = regime.Regime.of(desc, 8192, 4).pieces_per_row
+    assert sieve_mod.sieve_window(per_row) == sieve_mod._WINDOW  # 64 x 4 pieces: 512
 
 
 def test_tight_bound_worked_example():
@@ -241,7 +246,7 @@ def test_tight_bound_worked_example():
 
 
 def test_repair_worked_example():
-    # the example of strategies/refine/repair.py: capacity 10, 3 slots, bound 2
+    # the example of strategies/bfd/refine/repair.py: capacity 10, 3 slots, bound 2
     sizes = np.array([6, 3, 5, 4, 2])
     rows = np.array([0, 0, 1, 1, 2])  # A = [6, 3], B = [5, 4], C = [2]
     fixed, m = repair_mod.repair(sizes, rows, 3, 10, 3, target=2)
@@ -257,7 +262,7 @@ def test_two_dimensional_passes_reach_the_bound_where_the_cap_binds(L, S):
     p = plan(lengths, PackConfig(L, max_segments=S))
     bound = tight_lower_bound(lengths, L, S)
     assert p.num_rows <= bound + max(1, bound // 1000)
-    rows, n = bfd._bfd_sorted(np.sort(lengths)[::-1], L, S)  # plain BFD: far from it
+    rows, n = greedy.bfd_sorted(np.sort(lengths)[::-1], L, S)  # plain BFD: far from it
     assert n > p.num_rows
 
 
@@ -313,10 +318,10 @@ def test_stream_planner_near_the_bound_where_most_rows_hold_a_long_piece(monkeyp
     cfg = PackConfig(8192, max_segments=6, overflow="split")
     sizes = np.sort(apply_overflow(lengths, cfg)[2])[::-1]
     bound = tight_lower_bound(sizes, 8192, 6)
-    assert bfd.big_pieces(sizes, 8192) >= bfd._BIG_ROWS * bound
-    assert bfd.big_pieces(sizes, 8192) == int((sizes > 4096).sum())
+    assert regime.big_pieces(sizes, 8192) >= regime.BIG_ROWS * bound
+    assert regime.big_pieces(sizes, 8192) == int((sizes > 4096).sum())
     assert _stream_rows(lengths, cfg) <= bound + max(1, 3 * bound // 1000)
-    monkeypatch.setattr(bfd, "big_pieces", lambda sizes_desc, capacity: 0)
+    monkeypatch.setattr(regime, "big_pieces", lambda sizes_desc, capacity: 0)
     assert _stream_rows(lengths, cfg) > bound + 50
 
 

@@ -20,14 +20,9 @@ row is emitted), so every example leaves within `max_carry + 1` windows of arriv
 A window is planned once it holds `window_rows` rows' worth of pieces (default 128: that
 many times `max_segments` pieces, or `seq_len` tokens): where a row takes more than a 128th of
 the examples of one call, the pieces of the calls wait (`add` returns no rows) until they do,
-and are planned as one window. A plan of a few rows' worth cannot mix sizes within a row:
-chat_turns (mean 42 tokens) at L=131072 / S=2788 was +20 rows over the bound of 100 in corpus
-order and +17 shuffled with windows of 1024 examples, at 2048/64 (a row of 48 pieces) +37 and
-+7 of 5730; with windows of 128 rows' worth it is +0 in all four (`benchmarks/packer_bench.py
---boundary` and `--grid`). Memory is then bounded by the larger of the window and
-`window_rows` rows, and `max_carry` counts planned windows. `window_rows=0` plans every call
-(the open rows are then extended where a row takes more than a quarter of a window's pieces,
-below).
+and are planned as one window (a plan of a few rows' worth cannot mix sizes within a row).
+Memory is then bounded by the larger of the window and `window_rows` rows, and `max_carry`
+counts planned windows. `window_rows=0` plans every call.
 
 Worked example (seq_len 8, max_segments 4, window 3, window_rows 2: a window is planned from
 8 pieces or 16 tokens)::
@@ -61,9 +56,7 @@ from seqpack.packer.config import PackConfig, Strategy
 from seqpack.packer.inputs import check_lengths
 from seqpack.packer.online.state_codec import decode_planner_state, encode_row_arrays
 from seqpack.packer.plan import Counters, PackPlan, aligned, apply_overflow, order_pieces
-from seqpack.packer.strategies.best_fit import BestFitBins
-from seqpack.packer.strategies.best_fit_decreasing import assign_best_fit_decreasing
-from seqpack.packer.strategies.refine.sieve import keep_open
+from seqpack.packer.strategies import BestFitBins, assign_best_fit_decreasing, keep_open
 
 STREAM_STRATEGIES = (Strategy.BEST_FIT_DECREASING, Strategy.BEST_FIT)
 _ID, _START, _LEN, _BORN, _ROW = range(5)  # columns of StreamPlanner._held
@@ -229,9 +222,8 @@ class StreamPlanner:
     def _extends(self, sizes: np.ndarray, window: int) -> bool:
         """Whether this window only adds pieces to the open rows (best fit, as they are) instead
         of planning everything again: with best_fit, and where a row takes more than a quarter
-        of a window's pieces while slots do not bind (rows then grow over several windows).
-        (Where the slots hardly bind, planning again costs 1.5-2x and finds the rows a few
-        tokens short of full: stdlib_source at L=2048 / S=16 +0 rows instead of +5.)"""
+        of a window's pieces while slots do not bind (rows then grow over several windows;
+        planning them again would find them a few tokens short of full)."""
         cfg = self.config
         if cfg.strategy is Strategy.BEST_FIT:
             return True
@@ -280,8 +272,7 @@ class StreamPlanner:
                     num_rows: int, window: int) -> tuple[np.ndarray, np.ndarray]:
         """(bool[num_rows]: rows to emit, row per piece). Kept open: rows not exactly full,
         even with no room for the smallest piece or no free slot (planned again with the next
-        window, their pieces may pack tighter: gsm8k at L=2048 +1 row instead of +3, chat_dev
-        at L=2048 / S=8 +2 instead of +9) and, where slots bind, rows full in tokens but short
+        window, their pieces may pack tighter) and, where slots bind, rows full in tokens but short
         in slots (`_slot_poor_open`), least filled first, up to `max_open_rows` rows and
         2 * `window` pieces (or 2 rows of tokens, when rows take more than a window). Pieces
         open half of `max_carry` windows trade places with younger pieces of their size in
@@ -334,9 +325,9 @@ class StreamPlanner:
 
     def snapshot(self) -> Callable[[], dict]:
         """The state as it is now, encoded when called (`get_encoded_state`): `PackIterDataset`
-        takes one after every window and encodes it only for a checkpoint (a planner holding
-        25,000 pieces takes 10 ms to encode, 2.5x its window's plan). The arrays it holds are
-        never written in place, only replaced."""
+        takes one after every window and encodes it only for a checkpoint (encoding costs more
+        than the window's plan). The arrays it holds are never written in place, only
+        replaced."""
         held, parts, rows, windows = self._held, tuple(self._pending), self._open_rows, \
             self._windows
         calls, counters = self._pending_calls, self.counters.to_dict()
@@ -394,9 +385,7 @@ def _slot_poor_open(used: np.ndarray, count: np.ndarray, capacity: int, max_segm
     `keep_open` keeps them open after the rows with room: where the window's slot bound is at
     least half its token bound (`slot_share`), a row full in tokens with fewer pieces than
     the window's mean per row spends the big pieces that the rows to come need to carry their
-    short ones (stdlib_source at L=8192 / S=7: +33 rows of 339 in corpus order and +19
-    shuffled emitting them, +6 and +9 keeping them open; chat_dev in corpus order at 8192 /
-    21: +58 of 1458 and +25)."""
+    short ones."""
     n, tokens = int(count.sum()), int(used.sum())
     if not count.size or slot_share(n, tokens, capacity, max_segments) < SLOTS_BIND_HALF:
         return used

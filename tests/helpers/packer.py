@@ -15,11 +15,11 @@ instances = st.integers(2, 40).flatmap(lambda L: st.tuples(
 def bfd_plan(inst):
     """(L, S, sizes largest first, plain BFD's row per piece as i64, rows) of an `instances` draw:
     the plan the repair's steps start from."""
-    from seqpack.packer.strategies.best_fit_decreasing import _bfd_sorted
+    from seqpack.packer.strategies.bfd.greedy import bfd_sorted
 
     L, S, sizes = inst
     desc = np.sort(np.asarray(sizes, np.int64))[::-1]
-    rows, n = _bfd_sorted(desc, L, S)
+    rows, n = bfd_sorted(desc, L, S)
     return L, S, desc, np.asarray(rows, np.int64), n
 
 

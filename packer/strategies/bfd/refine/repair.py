@@ -1,8 +1,8 @@
-"""Repair pass: empties the least-filled rows of a plan into the room the other rows have left.
+"""Repair: empties the least-filled rows of a plan into the room the other rows have left.
 
-Greedy plans leave a little room in many rows (at most the smallest piece, for best fit): on a
-corpus whose pieces are never short (GSM8K, 55 tokens and up) that adds up to whole rows. This
-pass takes the least-filled row (the victim) and places each of its pieces, largest first:
+Greedy plans leave a little room in many rows; on a corpus whose pieces are never short that
+adds up to whole rows. The repair takes the least-filled row (the victim) and places each of its
+pieces, largest first:
 
 * into the row with the least room that fits it and has a free slot, else
 * into a row B with a free slot after making room there: a piece y of B swaps with a smaller
@@ -13,11 +13,9 @@ pass takes the least-filled row (the victim) and places each of its pieces, larg
 
 If every piece finds a place the row is gone; otherwise every move of that attempt is undone
 and the next victim is tried, up to `_FAILURES` failures in a row. Work is bounded (`_BUDGET`
-array elements per piece of the plan), so the pass costs at most a few plain passes.
-
-Where the room lies in rows too little for any piece, or in rows full in slots, the repair
-finds no place for a victim's pieces: `merge` gathers the room first
-(`merge.merge_repair`, which repairs after it).
+array elements per piece of the plan). Where the room lies in rows too little for any piece, or
+in rows full in slots, `merge` gathers it first. `in_groups` runs a step on strided groups of
+rows of a large plan.
 
 Worked example (capacity 10, max_segments 3; the plan has 3 rows, the bound is 2)::
 
@@ -31,23 +29,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from seqpack.packer.strategies.bfd.regime import by_row, room_count
+
 _DEPTH = 8  # swaps along one ejection chain
 _FAILURES = 3  # victims that may fail in a row before the pass stops
 _BUDGET = 400  # array elements looked at per piece of the plan, in all
+_GROUP_ROWS = 8192  # plans of more rows are repaired in strided groups of at most this many
 _ROWS, _PIECES = 4, 16  # rows B, and pieces of each, that _open_room tries
-
-
-def _room_count(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """(room, pieces) per row of the plan, both i64[num_rows]."""
-    room = capacity - np.bincount(rows, weights=sizes, minlength=num_rows).astype(np.int64)
-    return room, np.bincount(rows, minlength=num_rows).astype(np.int64)
-
-
-def _by_row(rows: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """The plan's pieces per row as CSR: row r holds by_row[start[r] : start[r + 1]]."""
-    by_row = np.argsort(rows, kind="stable")
-    return by_row, np.searchsorted(rows[by_row], np.arange(num_rows + 1))
 
 
 class _State:
@@ -59,7 +47,7 @@ class _State:
         self.row = rows.astype(np.int64)
         self.S = max_segments
         self.capacity = capacity
-        self.room, self.count = _room_count(sizes, self.row, num_rows, capacity)
+        self.room, self.count = room_count(sizes, self.row, num_rows, capacity)
         self.alive = np.ones(num_rows, bool)
         self.log: list[tuple[int, int]] = []  # (piece, row it left)
         self.roomy_size = sizes[:0]  # sizes of the pieces the current victim's moves look at
@@ -67,7 +55,7 @@ class _State:
         self.roomy_sorted = sizes[:0]  # roomy_size[roomy_by_size]
         self.work = 0
         # Pieces per row: the plan's as CSR, and sets for the rows moves have touched since.
-        self._by_row, self._row_start = _by_row(self.row, num_rows)
+        self._by_row, self._row_start = by_row(self.row, num_rows)
         self._members: dict[int, set[int]] = {}
 
     def _set(self, r: int) -> set[int]:
@@ -238,3 +226,39 @@ def repair(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
         return rows, num_rows
     renumber = np.cumsum(st.alive) - 1
     return renumber[st.row], left
+
+
+def in_groups(step, sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
+              max_segments: int, *, target: int, group_rows: int | None = None
+              ) -> tuple[np.ndarray, int]:
+    """`step` (`repair` or `merge.merge_repair`) on a plan of more than `group_rows` rows
+    (`_GROUP_ROWS`) one group of rows at a time: rows r with r % k == g for k groups of at most
+    that many, each group a cross-section of the plan (rows are numbered as the passes opened
+    them, big pieces first). Each group is asked for its share of the rows still to go (the
+    plan's rows over `target`, less what the groups before removed); the rows come out group
+    by group. Smaller plans go to `step` whole.
+
+    A victim costs work in proportion to the plan (it looks at every piece in a row with
+    room), so on a whole plan the steps' time grows with the square of its rows; a group costs
+    what a plan of its size does."""
+    limit = _GROUP_ROWS if group_rows is None else group_rows
+    if num_rows <= limit or num_rows <= target:
+        return step(sizes, rows, num_rows, capacity, max_segments, target=target)
+    k = -(-num_rows // limit)
+    rows = np.asarray(rows, np.int64)
+    group = rows % k
+    order = np.argsort(group, kind="stable")  # pieces group by group, in their order within
+    ends = np.searchsorted(group[order], np.arange(1, k + 1))
+    out = np.empty_like(rows)
+    start, total, left = 0, 0, num_rows - target  # rows still to go
+    for g in range(k):
+        idx = order[start : ends[g]]
+        start = int(ends[g])
+        n = (num_rows - g + k - 1) // k  # rows g, g + k, ...: locally 0 .. n - 1
+        want = min(n, -(-left // (k - g)))
+        got, m = step(sizes[idx], rows[idx] // k, n, capacity, max_segments,
+                      target=max(0, n - want))
+        left -= n - m
+        out[idx] = np.asarray(got, np.int64) + total
+        total += m
+    return out, total

@@ -1,23 +1,17 @@
 """The room merge: swaps between rows that gather a plan's room where the repair can use it.
 
-The repair (`repair`) empties a victim row into the room the others have left; it
-fails where that room lies where no piece of a victim fits. Two cases, and a step for each:
+The repair empties a victim row into the room the others have left; it fails where that room
+lies where no piece of a victim fits. Two cases, and a step for each:
 
-* Every row must be near full (tokens bind: lognormal lengths of mean 420 at L=2048 / S=15,
-  3,131 rows of the bound leave 238 tokens of room in all), and the room lies in rows too
-  little for any piece: 422 of 3,135 rows with 1 to 9 tokens free, a row's worth in all.
-  `merge_rooms` gathers it: a row A with room `r` swaps a piece `a` for a piece of exactly
-  `a + r` from another row B that has room: A comes out full, B holds both rooms; rows with
-  the least room go first, into the row with the most room among the first few candidates.
-  Slot counts do not change.
-* Few slots bind with long pieces, and the room lies in rows full in slots, the free slots in
-  rows full in tokens (lognormal lengths of mean 420 at L=2048 / S=5: 56 rows of five pieces
-  with 351 tokens of room each, 500 rows of one to four pieces with none). `share_slots` swaps
-  a piece `a` of a row with a free slot for two pieces of such a row summing to at most `a`
-  (and at least `a` less half that row's room): the row with room gets a free slot beside it.
+* the room lies in rows with too little of it for any piece (tokens bind): `merge_rooms` swaps
+  a piece `a` of a row A with room `r` for a piece of exactly `a + r` from another row B that
+  has room: A comes out full, B holds both rooms (rows with the least room go first, into the
+  roomiest of the first few candidates). Slot counts do not change.
+* the room lies in rows full in slots, the free slots in rows full in tokens: `share_slots`
+  swaps a piece `a` of a row with a free slot for two pieces of such a row summing to at most
+  `a` (and at least `a` less half that row's room): the row with room gets a free slot.
 
-Then the repair runs again, and all three again while the plan shrinks (`merge_repair`): there
-+10 rows over the bound to +5, the target; at S=15, +4 to +3.
+Then the repair runs again, and all three again while the plan shrinks (`merge_repair`).
 
 Worked example (capacity 10, max_segments 3)::
 
@@ -35,11 +29,13 @@ from bisect import bisect_left, bisect_right
 
 import numpy as np
 
-from seqpack.packer.strategies.refine.repair import _PIECES, _by_row, _room_count, repair
+from seqpack.packer.strategies.bfd.refine.repair import repair
+from seqpack.packer.strategies.bfd.regime import by_row, room_count
 
-# the pairs (i < j) of m pieces for m <= _PIECES, as share_slots asks for them (np.triu_indices
-# builds an m x m mask each call: a quarter of share_slots' time when it ran per row)
-_PAIRS = [np.triu_indices(m, 1) for m in range(_PIECES + 1)]
+_SHARE_PIECES = 16  # the smallest pieces of a row full in slots whose pairs share_slots tries
+# the pairs (i < j) of m pieces for m <= _SHARE_PIECES, as share_slots asks for them
+# (np.triu_indices builds an m x m mask each call: a quarter of share_slots' time per row)
+_PAIRS = [np.triu_indices(m, 1) for m in range(_SHARE_PIECES + 1)]
 _MERGE_PASSES = 4  # passes of merge_rooms over the rows with room
 _MERGE_CANDIDATES = 8  # rows B (of the first pieces of the size A needs) it picks the roomiest of
 _SHARE_CANDIDATES = 32  # pieces share_slots looks at per pair of a row with room
@@ -61,22 +57,14 @@ def merge_rooms(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: in
     """
     sizes = np.asarray(sizes, np.int64)
     rows = np.asarray(rows, np.int64).copy()
-    room_, _ = _room_count(sizes, rows, num_rows, capacity)
+    room_, _ = room_count(sizes, rows, num_rows, capacity)
     roomy = np.flatnonzero(room_[rows] > 0)
     roomy_sizes = sizes[roomy]
     hit = np.isin(roomy_sizes + room_[rows[roomy]], roomy_sizes)
     if not hit.any():
         return rows, 0  # no row has a piece whose size plus its room another row holds
-    # The pieces of rows with room, by (size, row, piece): a size's candidates in row order, as
-    # an ordered dict made on the first look at that size (most sizes are never asked for). A
-    # piece is in the index while its row has room (a full row's pieces leave it; rooms only
-    # grow, but for the row a swap fills): the dicts drop the others as a look meets them.
-    index = roomy[np.lexsort((roomy, rows[roomy], roomy_sizes))]
-    index_sizes = sizes[index].tolist()
-    index_piece = index.tolist()
-    present = set(index_sizes)
-    by_size: dict[int, dict[int, None]] = {}
-    by_row = roomy[np.argsort(rows[roomy], kind="stable")]  # ... and by (row, piece)
+    index = _SizeIndex(sizes, rows, roomy)
+    by_row = roomy[np.argsort(rows[roomy], kind="stable")]  # pieces of rows with room by row
     starts = np.flatnonzero(np.diff(rows[by_row], prepend=-1)).tolist()
     ends = [*starts[1:], by_row.size]
     by_row_list = by_row.tolist()
@@ -98,29 +86,7 @@ def merge_rooms(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: in
                 continue
             r = room[A]
             for a in members[A]:
-                want = size_of[a] + r
-                if want not in present:
-                    continue
-                cand = by_size.get(want)
-                if cand is None:
-                    k = bisect_left(index_sizes, want)
-                    m = bisect_right(index_sizes, want, k)
-                    cand = by_size[want] = {q: None for q in index_piece[k:m]
-                                            if room[row_of[q]]}
-                best, b, seen, full = -1, -1, 0, []
-                for q in cand:
-                    rq = row_of[q]
-                    rm = room[rq]
-                    if not rm:
-                        full.append(q)  # out of the index
-                    elif rq != A:
-                        if rm > best:
-                            best, b = rm, q
-                        seen += 1
-                        if seen == _MERGE_CANDIDATES:
-                            break
-                for q in full:
-                    del cand[q]
+                b = index.roomiest(size_of[a] + r, A, row_of, room)
                 if b < 0:
                     continue
                 B = row_of[b]
@@ -140,18 +106,58 @@ def merge_rooms(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: in
     return np.array(row_of, np.int64), swaps
 
 
+class _SizeIndex:
+    """The pieces of rows with room, by (size, row, piece): a size's candidates in row order, as
+    an ordered dict made on the first look at that size (most sizes are never asked for). A
+    piece is in the index while its row has room (a full row's pieces leave it; rooms only
+    grow, but for the row a swap fills): the dicts drop the others as a look meets them."""
+
+    def __init__(self, sizes: np.ndarray, rows: np.ndarray, roomy: np.ndarray) -> None:
+        index = roomy[np.lexsort((roomy, rows[roomy], sizes[roomy]))]
+        self.sizes = sizes[index].tolist()
+        self.pieces = index.tolist()
+        self.present = set(self.sizes)
+        self.by_size: dict[int, dict[int, None]] = {}
+
+    def roomiest(self, want: int, A: int, row_of: list[int], room: list[int]) -> int:
+        """A piece of size `want` in another row than A that has room: of the first
+        `_MERGE_CANDIDATES` such (in row order), the one whose row has the most; or -1."""
+        if want not in self.present:
+            return -1
+        cand = self.by_size.get(want)
+        if cand is None:
+            k = bisect_left(self.sizes, want)
+            m = bisect_right(self.sizes, want, k)
+            cand = self.by_size[want] = {q: None for q in self.pieces[k:m] if room[row_of[q]]}
+        best, b, seen, full = -1, -1, 0, []
+        for q in cand:
+            rq = row_of[q]
+            rm = room[rq]
+            if not rm:
+                full.append(q)  # out of the index
+            elif rq != A:
+                if rm > best:
+                    best, b = rm, q
+                seen += 1
+                if seen == _MERGE_CANDIDATES:
+                    break
+        for q in full:
+            del cand[q]
+        return b
+
+
 def share_slots(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
                 max_segments: int) -> tuple[np.ndarray, int]:
     """Brings free slots to rows full in slots with room by swaps of one piece for two (module
     docstring); returns (row per piece, swaps made). Same rows; no row over either limit; a
     piece moves at most once. Rows with room are taken roomiest first (`_SHARE_ROWS` of them at
-    most); of each, the pairs among its `_PIECES` smallest pieces, each against the
+    most); of each, the pairs among its `_SHARE_PIECES` smallest pieces, each against the
     `_SHARE_CANDIDATES` smallest pieces at least its sum that the room admits (those in a row
     with a free slot, not moved yet); the closest fit wins."""
     sizes = np.asarray(sizes, np.int64)
     rows = np.asarray(rows, np.int64).copy()
     S = max_segments
-    room, count = _room_count(sizes, rows, num_rows, capacity)
+    room, count = room_count(sizes, rows, num_rows, capacity)
     full = np.flatnonzero((count == S) & (room > 0))
     if S < 2 or not full.size:
         return rows, 0
@@ -161,13 +167,13 @@ def share_slots(sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: in
         return rows, 0
     free = free[np.argsort(sizes[free], kind="stable")]
     free_sizes = sizes[free]
-    by_row, start = _by_row(rows, num_rows)
+    of_row, start = by_row(rows, num_rows)
     moved = np.zeros(sizes.size, bool)
     swaps = 0
     for B in full.tolist():
-        mine = by_row[start[B] : start[B + 1]]
+        mine = of_row[start[B] : start[B + 1]]
         mine = mine[~moved[mine]]
-        mine = mine[np.argsort(sizes[mine], kind="stable")][:_PIECES]
+        mine = mine[np.argsort(sizes[mine], kind="stable")][:_SHARE_PIECES]
         i, j = _PAIRS[mine.size]
         pair = sizes[mine[i]] + sizes[mine[j]]
         half = int(room[B]) // 2

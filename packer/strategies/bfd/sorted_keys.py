@@ -1,18 +1,15 @@
 """Sorted lists of distinct ints: the open rows' keys of the two-pool pass, flat or in blocks.
 
-A flat Python list pays for every insert and delete with a move of the list's tail: about
-0.35 us a key at a few hundred keys, 0.9 us at 5,000, 2.6 us at 20,000, 10 us at 100,000:
-with the 183,338 rows of chat_dev 32 times over at L=2048 / S=8 the two-pool pass took 11 us
-a piece (10.8 s), its time growing with the square of the rows. `BlockKeys` keeps the keys in
-sorted blocks of at most `2 * _BLOCK`, each block's last key in `maxes`: an insert or a delete
-moves one block, found by a bisection of `maxes`, about 0.55 us a key at any size. Below a few
-thousand keys the flat list is the faster (the blocks' bookkeeping costs more than the moves
-it saves), so `keys_for(rows)` picks by the rows a plan expects (`_BLOCK_ROWS`).
+A flat Python list pays for every insert and delete with a move of the list's tail, so a plan
+of many rows costs the square of its rows. `BlockKeys` keeps the keys in sorted blocks of at
+most `2 * _BLOCK`, each block's last key in `maxes`: an insert or a delete moves one block, found
+by a bisection of `maxes`. Below a few thousand keys the flat list is the faster, so
+`keys_for(rows)` picks by the rows a plan expects (`_BLOCK_ROWS`).
 
-Both classes have one interface, and the pass calls it once per run of pieces, not once per
-key: `find` the first key >= x, `iter_from` there, `delete_from` the first m of those (best
-fit removes the rows it has just filled), `pop_ge` (the two at once, for a run of one piece),
-`add_many` / `remove_many` for the rows refiled.
+Both classes have one interface, called once per run of pieces, not once per key: `find` the
+first key >= x, `iter_from` there, `delete_from` the first m of those (best fit removes the rows
+it has just filled), `pop_ge` (the two at once, for a run of one piece), `add_many` /
+`remove_many` for the rows refiled.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
-"""Sieve pass: plans the loose rows of a plan again, window by window, as a stream would.
+"""Sieve: plans the loose rows of a plan again, window by window, as a stream would.
 
-Largest-first passes (best fit decreasing and its two-dimensional form) deal the big pieces
-first and the small ones last, so what is left over at the end is room spread thinly over many
-rows: rows that are full in slots with a few tokens free, or have a free slot and too little
-room for any piece still to come. Where the segment cap binds that room is what keeps the plan
-above the bound (chat_dev at L=4096 / S=12: +53 rows, 1.8%; `repair` moves pieces one at a
-time and gets to +45).
+Largest-first passes deal the big pieces first and the small ones last, so what is left over at
+the end is room spread thinly over many rows: rows full in slots with a few tokens free, or with
+a free slot and too little room for any piece still to come. Where the segment cap binds that
+room is what keeps the plan above the bound, and moving pieces one at a time (the repair) does
+not gather it: mixing sizes again does.
 
-This pass takes the loose rows (room above `capacity // 1024` tokens; the roomiest first, up
-to half the plan's pieces or 16,384 if that is more), shuffles their pieces
-(seeded: the same plan for the same input) and plans them in windows of `window` pieces
-together with the rows the windows before left open, as `StreamPlanner` does: every row
-planned exactly full is final, the others stay open for the next window (`keep_open`), so each
-window mixes big and small pieces again and the room ends up in fewer rows. The rows it gives
-replace the loose rows only if there are fewer of them.
-
-It costs about what planning the loose rows' pieces three times over costs, and runs only where
-the plan is above `repair_target` after the passes (`best_fit_decreasing`).
+This takes the loose rows (room above `capacity // _LOOSE` tokens; the roomiest first, up to
+half the plan's pieces or `_BUDGET` if that is more), shuffles their pieces (seeded: the same
+plan for the same input) and plans them in windows together with the rows the windows before
+left open, as `StreamPlanner` does: every row planned exactly full is final, the others stay
+open for the next window (`keep_open`). The rows it gives replace the loose rows only if there
+are fewer of them.
 
 Worked example (capacity 10, max_segments 3, window 4; every row with room is loose here)::
 
@@ -38,6 +33,15 @@ _SEED = 0
 _LOOSE = 1024  # a row is loose with more than capacity // _LOOSE tokens of room
 _WINDOW = 512  # pieces a window adds
 _BUDGET = 16384  # pieces it plans again: at most half the plan's, or this many if more
+_WINDOW_ROWS = 64  # a window holds at least this many rows' worth of pieces (`sieve_window`)
+
+
+def sieve_window(pieces_per_row: float) -> int:
+    """Pieces a window of the sieve adds: `_WINDOW`, or `_WINDOW_ROWS` rows' worth at
+    `pieces_per_row` (`regime.Regime.pieces_per_row`) where that is more: a window of a few
+    rows' worth cannot mix sizes within a row (`StreamPlanner`'s `window_rows` is the stream's
+    form of this rule)."""
+    return max(_WINDOW, int(_WINDOW_ROWS * pieces_per_row))
 
 
 def keep_open(used: np.ndarray, count: np.ndarray, capacity: int, max_rows: int,
@@ -89,8 +93,7 @@ def sieve_all(sizes: np.ndarray, capacity: int, plan: Planner, *, last: Planner 
     """Plans every piece of `sizes` (i64[P]) by windows of a seeded shuffle, rows not exactly
     full kept open (the loop of `sieve`, over a whole corpus); returns (row per piece, rows).
     Pieces of `capacity` tokens are rows of their own, first (in a window they only crowd out
-    pieces that can still be mixed: lognormal lengths at 2048 / 8, +16..32 rows with them and
-    +9..12 without, over four seeds)."""
+    pieces that can still be mixed)."""
     sizes = np.asarray(sizes, np.int64)
     out = np.full(sizes.size, -1, np.int64)
     whole = np.flatnonzero(sizes == capacity)

@@ -1,43 +1,22 @@
 """Dealing the pieces into the tight bound's rows: a plan that, where it fits, needs no pass.
 
 A plan in the tight bound's rows is optimal. Where rows hold many pieces each and the bound
-leaves a little room in every row, spreading the tokens evenly over those rows gets one, and
-dealing the pieces (sorted largest first) over them spreads the tokens evenly at numpy speed:
+leaves a little room in every row, spreading the tokens evenly over those rows gets one, at
+numpy speed. Three deals over the pieces sorted largest first:
 
-* the snake deal: round k (R pieces) gives its pieces to rows 0, 1, ..., R - 1, or R - 1, ...,
-  0 for odd k, so a row that got a bigger piece in one round gets a smaller one in the next. A
-  few numpy operations over the pieces, whatever R.
-* the balanced deal: each round gives its largest piece to the row holding the fewest tokens
-  so far, its next to the next fewest, and so on (one sort of R loads per round). Tighter than
-  the snake; a numpy step per round.
+* the snake: round k (R pieces) gives its pieces to rows 0, 1, ..., R - 1, or R - 1, ..., 0
+  for odd k, so a row that got a bigger piece in one round gets a smaller one in the next;
+* the balanced deal: each round's largest piece to the row holding the fewest tokens so far,
+  its next to the next fewest, and so on;
 * the even deal: blocks of R // 2 pieces, each to the R // 2 rows with the fewest tokens (of
-  those with a free slot), the largest to the emptiest. A row holding a long piece takes none
-  while it is in the fuller half, and the shortest pieces at the end, as in worst fit (each
-  piece to the row with the most room), whose rows it matches in cost: in a round deal every
-  row takes one piece of each round, the row with the longest piece too, so where a few pieces
-  are long the rows are alike in tokens but not in cost (chat_dev at 32768 / 64: the costliest
-  1% of the rows at 1.16 times the mean cost of veRL's 7B model, l + l^2 / 24576, under the
-  snake; 1.03 under worst fit and the even deal; chat_turns at 8192 / 16: 1.60, 1.02 and 1.02).
-  Two numpy steps a block: 2.5 ms for chat_dev's 30,590 pieces, 20 ms for chat_turns' 277k,
-  where worst fit (a heap, a Python step a piece) took 18 and 200 ms.
+  those with a free slot), the largest to the emptiest: a row holding a long piece takes none
+  while it is in the fuller half, so its rows are alike in cost, not only in tokens.
 
 The snake decides first: where its fullest row is more than `_CLOSE` (1%) over, no deal is
-tried. Otherwise the even deal where the plan has at least `_EVEN_ROWS` (256) rows, then the
-snake, then (where the snake misses by at most 1%) the balanced deal, the first that fits.
-The round deals give no row more than ceil(n / R) pieces, at most `max_segments` because the
-bound is at least ceil(n / S); the even deal skips full rows. A deal is used only if every
-row's tokens fit: then it has the bound's rows, and no pass can do better. Otherwise the caller
-runs its passes as before, after about one numpy pass over the pieces.
-
-`best_fit_decreasing.assign_best_fit_decreasing` deals first where a row can run out of slots
-(elsewhere its one-dimensional passes cost about as little), for a whole plan: offline, and a
-stream's last window. Not for a stream's other windows nor the sieve's, whose rows are kept or
-emitted only when full: rows balanced alike would leave none.
-
-gsm8k_train at L=32768 / S=256 (7,473 pieces, 37 rows): the snake fits (rows at 97.5-97.7%),
-0.05 ms, where the two-dimensional pass took 4.4 ms for the same 37 rows. At 8192 / 64 (145
-rows at 99.5%) the snake leaves 2 rows a few tokens over and the balanced deal fits in
-0.4 ms, where the two-dimensional pass took 6.2 ms.
+tried. Otherwise the even deal where the plan has at least `_EVEN_ROWS` rows, then the snake,
+then the balanced deal, the first whose rows all fit. The schedule deals a whole plan only
+(offline, and a stream's last window): the rows of a stream's other windows and of the sieve's
+are kept only when full, and rows balanced alike would leave none.
 
 Worked example (capacity 10, max_segments 4, bound 3)::
 

@@ -1,11 +1,9 @@
 """Swap search: empties a row of a small plan by swaps between its pieces and the other rows.
 
-The last step of the offline plan where everything before it left a small plan above the
-target: corpora of a few thousand pieces, about three a row, whose bound leaves a few tokens of
-room a row (1,477 lognormal lengths of mean 690 at L=2048: 500.3 rows' worth of tokens, the
-bound 501; the passes, the repair, the merge, the sieve and the sample fills all end at 504).
-There no greedy placement gets the last rows: every row must come out within a few tokens of
-full, and the room the plan has left is spread over hundreds of rows.
+The last step where everything before it left a small plan above the target: a few thousand
+pieces, about three a row, whose bound leaves a few tokens of room a row. There no greedy
+placement gets the last rows: every row must come out within a few tokens of full, and the room
+left is spread over hundreds of rows.
 
 A victim row (the least filled) is emptied into a set U of loose pieces, and the search moves
 pieces until U is empty, one move an iteration:
@@ -18,17 +16,12 @@ pieces until U is empty, one move an iteration:
   another that has the room for the difference, the swap that most increases the sum of the
   squared rooms: the room gathers where U's pieces will fit.
 
-Swaps of two rows' rooms (a swap of gain 0) are taken too, at random among the best: they
-let the search walk along a plateau instead of stopping at the first local optimum. It stops
-at the target, or when a victim is not emptied within `_ITERS` iterations (that victim's
-moves are undone). On that corpus: 504 rows to the target, 502, in 2 s, and to the bound, 501
-(an optimal plan), in 2.4 s when asked; at 8192 / 8 on 1,639 lengths of mean 1,950, 392 rows
-to the target, 391, in 0.1 s. The search runs only on plans of at most `_MAX_ROWS` rows and
-`_PER_ROW` pieces a row on average (each iteration looks at every row's pairs of pieces)
-where the slots bind little (slot bound under `_SLOT_SHARE` of the token bound: where rows are
-full in slots a swap must bring as many pieces as it takes, and the search got none of the
-11 such cells of `--synthetic 36`, S of 3 to 6, in 10 minutes), and it stops once it has
-looked at `_BUDGET` candidate moves per piece (the corpus above takes 9,100 to the target).
+Swaps of two rows' rooms (gain 0) are taken too, at random among the best, so the search walks
+along a plateau instead of stopping at the first local optimum. It stops at the target, or when
+a victim is not emptied within `_ITERS` iterations (its moves are undone). It runs only on plans
+of at most `_MAX_ROWS` rows and `_PER_ROW` pieces a row where the slots bind little
+(`_SLOT_SHARE`: where rows are full in slots a swap must bring as many pieces as it takes), and
+stops after `_BUDGET` candidate moves per piece.
 
 Worked example (capacity 10, max_segments 8; the victim V = [2])::
 
@@ -42,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from seqpack.packer.bounds import slot_share
-from seqpack.packer.strategies.refine.repair import _room_count
+from seqpack.packer.strategies.bfd.regime import room_count
 
 _ITERS = 400  # iterations a victim may take
 _BUDGET = 12_000  # candidate moves looked at per piece of the plan, in all
@@ -71,7 +64,7 @@ class _Search:
         self.members: list[list[int]] = [[] for _ in range(num_rows)]
         for p, r in enumerate(self.owner.tolist()):
             self.members[r].append(p)
-        self.room = _room_count(sizes, self.owner, num_rows, capacity)[0]
+        self.room = room_count(sizes, self.owner, num_rows, capacity)[0]
         self.alive = np.ones(num_rows, bool)
         self.rng = np.random.default_rng(seed)
         self.work = 0  # candidate moves looked at

@@ -1,32 +1,22 @@
 """Row-by-row exact fills: rows planned one at a time, each ended with exactly its room.
 
-Two fills: `fill_sorted` (below), the one-dimensional pass for large corpora of many short
-pieces, and `sample_fill_sorted`, its two-dimensional form, where every row is a sample of the
-pieces left (for plans the passes, the sieve and the repair leave above the target: where slots
-and tokens bind alike).
+Best fit decreasing leaves each row with the room its last piece could not use; on corpora of
+many short pieces that adds up to whole rows. Two fills plan rows one at a time instead:
 
-`fill_sorted`:
+* `fill_sorted`, the one-dimensional pass: the largest piece left opens a row, then while it
+  has room `r`, a piece of exactly `r` ends it, else two pieces that sum to exactly `r` (the
+  largest such pair), else the largest piece that fits goes in and the search goes on with the
+  room it leaves, until no piece fits or the row holds `max_segments` pieces. With many pieces
+  of each size an exact ending is almost always there. Where the slots can bind it is no good
+  (every row takes the largest pieces first and the short tail ends up in rows of its own), so
+  the schedule runs it as a pass only where the plan is one-dimensional, and as a probe,
+  repaired, where the slots bind little.
+* `sample_fill_sorted`, its two-dimensional form, where every row is a sample of the pieces
+  left (for plans still above the target where slots and tokens bind alike).
 
-Best fit decreasing leaves each row with the room its last piece could not use: on gsm8k-like
-lengths (55 to 448 tokens) at L=2048 about 12 tokens a row, whatever the corpus size, so its
-rows stay 0.6% above the bound (+3 of 578 on gsm8k, +28 of 4619 on eight copies of it, where
-the repair and the sieve get to +20). Here rows are filled one at a time: the largest piece
-left opens a row, then while it has room `r`
+Both plan on the count of pieces per size, a few Python steps a piece.
 
-* a piece of exactly `r` ends it, else two pieces that sum to exactly `r` (the largest such
-  pair), else
-* the largest piece that fits goes in and the search goes on with the room it leaves,
-
-until no piece fits, or the row holds `max_segments` pieces. With many pieces of each size an
-exact ending is almost always there, so only the last rows keep room (eight copies of gsm8k:
-+2 rows instead of +20). It plans on the count of pieces per size (sizes are at most
-`capacity`), a few Python steps a piece. Where the slots can bind it is no good (every row
-takes the largest pieces first and the short tail ends up in rows of its own: +219 rows at
-2048 / 16), so `best_fit_decreasing` runs it as a pass only where the plan is one-dimensional
-(first where the pieces of a size are few), and as a probe, repaired, where the slots bind
-little (slot share under 0.5) and the passes miss.
-
-Worked example (capacity 10)::
+Worked example of `fill_sorted` (capacity 10)::
 
     sizes (largest first):  8  6  5  4  3  2  2
     row 0: 8, room 2 -> a 2 ends it              [8, 2]
@@ -68,9 +58,9 @@ def fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int
     if n == 0:
         return out, 0
     # Per size up to the largest room a lookup asks about (a row's room once its largest
-    # piece no longer fits twice: at most twice the largest size), not up to the row length:
-    # at L=131072 a table of L + 1 sizes was most of the fill's time (gsm8k: 2.3 ms, then
-    # 0.5; plain BFD 0.7). Sizes past the largest count 0.
+    # piece no longer fits twice: at most twice the largest size), not up to the row length
+    # (at long rows a table of L + 1 sizes was most of the fill's time). Sizes past the
+    # largest count 0.
     count = np.bincount(sizes_desc, minlength=min(capacity, 2 * int(sizes_desc[0])) + 1)
     has = count > 0
     # pieces of size s are sizes_desc[nxt[s] : nxt[s] + count[s]] (after the larger ones)
@@ -151,12 +141,9 @@ def sample_fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int,
       ends it.
 
     The pieces left stay a sample of the corpus, so the last rows are no worse than the first.
-    Which ranks do best depends on the spread of sizes (at the rows of the tight bound: short
-    dialogue turns "span", gsm8k-like lengths "middle", long files "random"), so
-    `best_fit_decreasing` tries them in turn. Plans on the count of pieces per distinct size:
-    O(distinct sizes) numpy and O(k) Python a row. Returns (row per piece, rows); with `limit`,
-    it stops as soon as the rows planned plus the simple bound of the pieces left exceed it,
-    and returns that count with an unfinished plan (the caller drops it).
+    Which ranks do best depends on the spread of sizes, so the schedule tries them in turn.
+    Returns (row per piece, rows); with `limit`, it stops as soon as the rows planned plus the
+    simple bound of the pieces left exceed it, and returns that count with an unfinished plan.
 
     Worked example (capacity 10, max_segments 4, rows 3, the bound; mode "middle")::
 
@@ -200,44 +187,7 @@ def sample_fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int,
             opener = [top]
             cnt[top] -= 1
             room, slots, k_min = L - vals_list[top], S - 1, k_min - 1
-        m = int(np.searchsorted(vals, room, side="right"))  # sizes that fit the room
-        cum = np.cumsum(cnt[:m])
-        pool = int(cum[-1]) if m else 0
-        picks: list[int] = []
-        if pool and slots:
-            k_tok = room * pool / int(np.dot(cnt[:m], vals[:m]))
-            k_lo = min(slots, pool, max(k_min, 1))
-            best: tuple[int, np.ndarray] | None = None
-            for k in sorted({max(k_lo, min(slots, pool, int(k_tok) + e)) for e in (0, 1)}):
-                if k >= pool:
-                    ranks = np.arange(pool)
-                elif mode == "span":
-                    ranks = np.rint(np.arange(k) * (pool - 1) / max(1, k - 1)).astype(np.int64)
-                elif mode == "middle":
-                    ranks = ((np.arange(k) + 0.5) * pool / k).astype(np.int64)
-                else:  # at random within each stratum [edge[i], edge[i + 1]) (distinct)
-                    edge = np.arange(k + 1) * pool // k
-                    ranks = edge[:-1] + (rng.random(k) * np.diff(edge)).astype(np.int64)
-                got = np.searchsorted(cum, ranks, side="right")  # indices into vals, ascending
-                gap = abs(int(vals[got].sum()) - room)
-                if best is None or gap < best[0]:
-                    best = (gap, got)
-            assert best is not None
-            tokens_bind = k_tok >= k_lo
-            np.subtract.at(cnt, best[1], 1)
-            picks = best[1].tolist()
-            d = int(vals[best[1]].sum()) - room  # over (> 0) or under (< 0) a full row
-            if d > 0 or (d < 0 and tokens_bind):
-                picks, d = _nudge(picks, d, vals, vals_list, cnt)
-            while d > 0:  # still over: the largest pieces go back
-                j = picks.pop()
-                cnt[j] += 1
-                d -= vals_list[j]
-            if d < 0 and len(picks) < slots:  # under: a piece of exactly the room left
-                j = int(np.searchsorted(vals, -d))
-                if j < vals.size and vals_list[j] == -d and cnt[j] > 0:
-                    cnt[j] -= 1
-                    picks.append(j)
+        picks = _sample(vals, vals_list, cnt, room, slots, k_min, mode, rng)
         for j in opener + picks:
             out[nxt[j]] = num_rows
             nxt[j] += 1
@@ -245,6 +195,58 @@ def sample_fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int,
         n_left -= len(opener) + len(picks)
         num_rows += 1
     return out, num_rows
+
+
+def _ranks(k: int, pool: int, mode: str, rng: np.random.Generator) -> np.ndarray:
+    """k ranks among `pool` pieces in order of size (all of them if k >= pool): each of k equal
+    strata's middle ("middle"), a random rank in each ("random"), or evenly from the smallest
+    to the largest ("span")."""
+    if k >= pool:
+        return np.arange(pool)
+    if mode == "span":
+        return np.rint(np.arange(k) * (pool - 1) / max(1, k - 1)).astype(np.int64)
+    if mode == "middle":
+        return ((np.arange(k) + 0.5) * pool / k).astype(np.int64)
+    edge = np.arange(k + 1) * pool // k  # at random within each stratum (distinct)
+    return edge[:-1] + (rng.random(k) * np.diff(edge)).astype(np.int64)
+
+
+def _sample(vals: np.ndarray, vals_list: list[int], cnt: np.ndarray, room: int, slots: int,
+            k_min: int, mode: str, rng: np.random.Generator) -> list[int]:
+    """The sample that fills one row's `room` in at most `slots` pieces (indices into `vals`,
+    ascending sizes; their pieces taken off `cnt`): the ranks of `_ranks` at the count that
+    fills the room at the mean piece (the one below or above, whichever sums closer), nudged
+    to end the row exactly (see `sample_fill_sorted`)."""
+    m = int(np.searchsorted(vals, room, side="right"))  # sizes that fit the room
+    cum = np.cumsum(cnt[:m])
+    pool = int(cum[-1]) if m else 0
+    if not (pool and slots):
+        return []
+    k_tok = room * pool / int(np.dot(cnt[:m], vals[:m]))
+    k_lo = min(slots, pool, max(k_min, 1))
+    best: tuple[int, np.ndarray] | None = None
+    for k in sorted({max(k_lo, min(slots, pool, int(k_tok) + e)) for e in (0, 1)}):
+        got = np.searchsorted(cum, _ranks(k, pool, mode, rng), side="right")  # into vals
+        gap = abs(int(vals[got].sum()) - room)
+        if best is None or gap < best[0]:
+            best = (gap, got)
+    assert best is not None
+    tokens_bind = k_tok >= k_lo
+    np.subtract.at(cnt, best[1], 1)
+    picks = best[1].tolist()
+    d = int(vals[best[1]].sum()) - room  # over (> 0) or under (< 0) a full row
+    if d > 0 or (d < 0 and tokens_bind):
+        picks, d = _nudge(picks, d, vals, vals_list, cnt)
+    while d > 0:  # still over: the largest pieces go back
+        j = picks.pop()
+        cnt[j] += 1
+        d -= vals_list[j]
+    if d < 0 and len(picks) < slots:  # under: a piece of exactly the room left
+        j = int(np.searchsorted(vals, -d))
+        if j < vals.size and vals_list[j] == -d and cnt[j] > 0:
+            cnt[j] -= 1
+            picks.append(j)
+    return picks
 
 
 def _nudge(picks: list[int], d: int, vals: np.ndarray, vals_list: list[int], cnt: np.ndarray

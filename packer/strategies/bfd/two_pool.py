@@ -1,33 +1,23 @@
-"""Best fit decreasing in two dimensions (tokens and slots): the slot-aware pass of BFD.
+"""Best fit decreasing in two dimensions (tokens and slots): the slot-aware pass.
 
 A row has two limits, `capacity` tokens and `max_segments` slots. Plain best fit decreasing
-(largest piece first, into the row it leaves with the least room) packs the big pieces tightly
-and leaves the shortest ones for last, when the rows have room but no slots: at L=8192 / S=64
-the last rows of chat_dev held 64 short pieces at 59% fill. Here every row is judged against
-`a`, the mean size of the pieces still to come:
+packs the big pieces tightly and leaves the shortest ones for last, when the rows have room but
+no slots. Here every row is judged against `a`, the mean size of the pieces still to come:
 
 * slot-short: room > free slots * a (the pieces to come would leave it under-filled), and
 * token-short: the rest.
 
 Pieces come largest first; each goes by best fit into a slot-short row if one fits it (big
 pieces go where slots are scarce), else by best fit into any row, else into a new row. The rows
-the tight lower bound (`packer.bounds`) says are needed are open from the start, empty: while
-empty rows count as slot-short (L > S * a: the rest of the corpus is short pieces) they take
-pieces before token-short rows do, which deals the short tail out over every row instead of
-piling it into the last ones. (Offline every piece is at least `a`, the mean of the smaller
-pieces after it; online, where `a` also counts pieces of windows to come, a piece below `a`
-prefers token-short rows instead, the other way round.)
+the tight lower bound says are needed are open from the start, empty: while empty rows count as
+slot-short (L > S * a) they take pieces before token-short rows do, which deals the short tail
+out over every row instead of piling it into the last ones. (Online, where `a` also counts
+pieces of windows to come, a piece below `a` prefers token-short rows instead.)
 
-Pieces of equal size come in runs, and a run is placed without a search per piece: best fit
-puts consecutive equal pieces into the same row while it keeps room, slots and pool, so each row
-takes as many as it can at once. Short runs go row by row over sorted lists (the pools, and a
-heap of the mean `room / free` at which a token-short row turns slot-short as `a` falls); long
-runs, which the tail deals out one piece per row, go through numpy over one sorted array of the
-open rows. Both place exactly the same rows. The pools are `sorted_keys` lists: flat, or in
-blocks where the plan expects `sorted_keys._BLOCK_ROWS` (4,096) rows or more, since a flat
-list's insert moves its tail: chat_dev 32 times over at L=2048 / S=8 (183,338 rows) took
-10.8 s here with flat pools, growing with the square of the rows, and takes 2.1 s in blocks
-(the same rows).
+Pieces of equal size come in runs, placed without a search per piece: short runs row by row
+over sorted lists (the pools, `sorted_keys`, and a heap of the mean `room / free` at which a
+token-short row turns slot-short as `a` falls), long runs through numpy over one sorted array of
+the open rows (`_ArrayRows`). Both place exactly the same rows.
 
 Worked example (capacity 10, max_segments 4; bound 3 rows, open from the start)::
 
@@ -46,7 +36,7 @@ from heapq import heapify, heappop, heappush
 
 import numpy as np
 
-from seqpack.packer.strategies.sorted_keys import BlockKeys, FlatKeys, Keys, keys_for
+from seqpack.packer.strategies.bfd.sorted_keys import BlockKeys, FlatKeys, Keys, keys_for
 
 _SHIFT = 40  # keys `room << _SHIFT | row` (rooms below 2**23, rows below 2**40)
 _MASK = (1 << _SHIFT) - 1
@@ -222,8 +212,7 @@ class _Rows:
         """`place` for a run of one piece (most runs where sizes hardly repeat): the first row
         of the preferred pool that fits, else an empty row if those come first, else the other
         pool, else a new row; the same rows `place` gives, without its per-run lists (the row
-        filed inline, as `refile` or, for a new row, `open_rows` would: stdlib_source, whose
-        pieces are nearly all runs of one, 0.84x the pass's time through `open_rows`)."""
+        filed inline, as `refile` or, for a new row, `open_rows` would)."""
         heap = self.heap
         if heap and -heap[0][0] > a:
             self.migrate(a)
