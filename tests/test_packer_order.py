@@ -192,3 +192,56 @@ def test_step_balance_of_a_layout_and_its_sum_over_parts():
     assert StepBalance.of(costs, [], [], 2, 1).to_dict()["mean"] == 1.0  # no full step
     with pytest.raises(ValueError, match="steps against"):
         StepBalance.of(costs, [0, 1, 2, 3], [0, 1], 2, 1)
+
+
+def _spread(out, nseg, D, b):
+    steps = out.size // (D * b)
+    return nseg[out[: steps * D * b]].reshape(steps, -1).mean(axis=1).std()
+
+
+@pytest.mark.parametrize("D, b", [(8, 2), (8, 4), (4, 4)])
+def test_balanced_steps_of_several_rows_a_rank_stay_random_samples(D, b):
+    # with b >= 2 rows a rank, a step is a random draw of rows dealt to the ranks by cost: the
+    # steps' mean segments per row spread like a random order's (at most 1.5 times), not like
+    # steps of like rows, and the ranks still balance
+    a, lengths, nseg = _wide_spread_rows()
+    from seqpack.packer.plan import pieces
+
+    length = np.concatenate([ln for _, _, ln in pieces(lengths, PackConfig(8192))])
+    costs = CostModel().row_costs(a.row, length, a.num_rows)
+    order = RowOrder(mode="balanced", data_parallel=D, batch_size=b)
+    g, lays = ordered([costs], order, [nseg])
+    out = g.plan_rows_at(0, a.num_rows, lays)
+    shuffled = ordered([costs], RowOrder())[0].plan_rows_at(0, a.num_rows)
+    assert _spread(out, nseg, D, b) <= 1.5 * _spread(shuffled, nseg, D, b)
+    balance = step_balance(costs[out], D, b)
+    assert balance.mean() <= 1.02 < step_balance(costs[shuffled], D, b).mean() + 0.02
+    # the manifest's figures say both: the ranks' balance and the steps' spread
+    stats = g.balance.to_dict()
+    spread = stats["segments_per_row_spread"]
+    assert spread["output"] <= 1.5 * spread["random_order"]
+    assert stats["mean"] <= 1.02
+    # one row a rank: grouping rows of like cost is the only lever, and it shows
+    grouped = ordered([costs], RowOrder(mode="balanced", data_parallel=D), [nseg])[0]
+    figures = grouped.balance.to_dict()
+    assert figures["mean"] < 1.005
+    assert figures["segments_per_row_spread"]["output"] > \
+        1.5 * figures["segments_per_row_spread"]["random_order"]
+
+
+def test_balanced_steps_without_segment_counts_balance_first():
+    # without the rows' segment counts the spread is not measured: the heaviest rows are
+    # grouped until every drawn step balances
+    a, lengths, nseg = _wide_spread_rows()
+    from seqpack.packer.plan import pieces
+
+    length = np.concatenate([ln for _, _, ln in pieces(lengths, PackConfig(8192))])
+    costs = CostModel().row_costs(a.row, length, a.num_rows)
+    order = RowOrder(mode="balanced", data_parallel=8, batch_size=2)
+    lay = block_layout(costs, order)
+    steps = costs[lay.rows].reshape(-1, 8, 2).sum(axis=2)
+    drawn = steps.max(axis=1) / steps.mean(axis=1)
+    assert (drawn <= 1.02 + 1e-9).mean() > 0.95
+    assert "segments_per_row_spread" not in lay.balance.to_dict()
+    with pytest.raises(ValueError, match="one count per row"):
+        block_layout(costs, order, segments=nseg[:-1])

@@ -88,8 +88,11 @@ class StepBalance:
     """How evenly the D ranks of each full step share its work: per step the most loaded rank's
     cost over the mean rank's (1.0: all equal; a step waits for its slowest rank, so 1.05
     idles 5% of it), for the output's order and for a random order of the same rows (what
-    shuffled rows give). Parts of an output (its blocks) add up with `+`; `to_dict()` is what
-    the manifest's stats hold as ``step_balance``."""
+    shuffled rows give); and, where the rows' segment counts are known, how much the steps'
+    mean segments per row spread (a step of like rows, all long documents or all short turns,
+    is no random sample: a length curriculum at the scale of a step). Parts of an output (its
+    blocks) add up with `+`; `to_dict()` is what the manifest's stats hold as
+    ``step_balance``."""
 
     steps: int
     ratio_sum: float
@@ -98,19 +101,33 @@ class StepBalance:
     random_sum: float
     random_max: float
     random_hist: tuple[int, ...]
+    # per-step mean segments per row: steps measured, sum and sum of squares, output and random
+    segment_steps: int = 0
+    segment_moments: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     @classmethod
-    def of(cls, costs: object, layout: object, random_layout: object, D: int, b: int
-           ) -> StepBalance:
+    def of(cls, costs: object, layout: object, random_layout: object, D: int, b: int, *,
+           segments: object = None) -> StepBalance:
         """Of the full steps of `layout` and of `random_layout` (the same number of steps of
-        rows in rank layout), rows with these costs (f64[rows])."""
+        rows in rank layout), rows with these costs (f64[rows]) and segment counts (i64[rows],
+        optional)."""
         costs = np.asarray(costs, np.float64)
-        got = step_balance(costs[np.asarray(layout, np.int64)], D, b)
-        rand = step_balance(costs[np.asarray(random_layout, np.int64)], D, b)
+        layout, random_layout = np.asarray(layout, np.int64), np.asarray(random_layout, np.int64)
+        got = step_balance(costs[layout], D, b)
+        rand = step_balance(costs[random_layout], D, b)
         if got.size != rand.size:
             raise ValueError(f"{got.size} steps against {rand.size} of the random layout")
+        moments, measured = (0.0, 0.0, 0.0, 0.0), 0
+        if segments is not None and got.size:
+            seg = np.asarray(segments, np.float64)
+            mine = seg[layout[: got.size * D * b]].reshape(got.size, -1).mean(axis=1)
+            other = seg[random_layout[: got.size * D * b]].reshape(got.size, -1).mean(axis=1)
+            moments = (float(mine.sum()), float((mine**2).sum()), float(other.sum()),
+                       float((other**2).sum()))
+            measured = int(got.size)
         return cls(int(got.size), float(got.sum()), float(got.max(initial=1.0)), _hist(got),
-                   float(rand.sum()), float(rand.max(initial=1.0)), _hist(rand))
+                   float(rand.sum()), float(rand.max(initial=1.0)), _hist(rand), measured,
+                   moments)
 
     def __add__(self, other: StepBalance) -> StepBalance:
         return StepBalance(self.steps + other.steps, self.ratio_sum + other.ratio_sum,
@@ -118,11 +135,25 @@ class StepBalance:
                            tuple(map(sum, zip(self.hist, other.hist, strict=True))),
                            self.random_sum + other.random_sum,
                            max(self.random_max, other.random_max),
-                           tuple(map(sum, zip(self.random_hist, other.random_hist, strict=True))))
+                           tuple(map(sum, zip(self.random_hist, other.random_hist, strict=True))),
+                           self.segment_steps + other.segment_steps,
+                           tuple(a + c for a, c in zip(self.segment_moments, other.segment_moments,
+                                                       strict=True)))  # type: ignore[arg-type]
+
+    def segments_spread(self) -> tuple[float, float] | None:
+        """(output, random order): the std over steps of their mean segments per row, or None
+        where no segment counts were measured."""
+        k = self.segment_steps
+        if not k:
+            return None
+        s1, s2, r1, r2 = self.segment_moments
+        return (float(np.sqrt(max(0.0, s2 / k - (s1 / k) ** 2))),
+                float(np.sqrt(max(0.0, r2 / k - (r1 / k) ** 2))))
 
     def to_dict(self) -> dict:
         """steps; mean, p99 (the upper edge of its 0.001 bin) and max of max / mean, for the
-        output and for a random order of its rows."""
+        output and for a random order of its rows; and where measured, the spread of the steps'
+        mean segments per row (`segments_spread`) against a random order's."""
         def figures(total: float, top: float, hist: tuple[int, ...]) -> dict:
             if not self.steps:
                 return {"mean": 1.0, "p99": 1.0, "max": 1.0}
@@ -131,8 +162,13 @@ class StepBalance:
                     "p99": round(min(top, 1.0 + (k + 1) * _BALANCE_BIN), 6),
                     "max": round(top, 6)}
 
-        return {"steps": self.steps, **figures(self.ratio_sum, self.ratio_max, self.hist),
-                "random_order": figures(self.random_sum, self.random_max, self.random_hist)}
+        out = {"steps": self.steps, **figures(self.ratio_sum, self.ratio_max, self.hist),
+               "random_order": figures(self.random_sum, self.random_max, self.random_hist)}
+        spread = self.segments_spread()
+        if spread is not None:
+            out["segments_per_row_spread"] = {"output": round(spread[0], 6),
+                                              "random_order": round(spread[1], 6)}
+        return out
 
 
 def _hist(ratios: np.ndarray) -> tuple[int, ...]:

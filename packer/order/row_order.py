@@ -14,12 +14,16 @@ consumer should see. `RowOrder` says how output row o is chosen among the plan's
 Two levels, so that nothing per row meets in one place (the Beam job plans blocks of examples on
 different workers; the local writer runs the same functions, so both give the same order):
 
-1. `block_layout(costs, order, block=j)` — per block of plan rows, from the block's row costs:
-   its full steps, rows in rank layout (4 bytes a row), and its leftover rows (< D*b).
-   Rows sorted by cost, D * b consecutive rows a step (rows of like cost share a step: the only
-   way a step of one row per rank can be even); inside a step the rows are dealt to the ranks
-   in snake order (the D heaviest one each, the next D the other way round, ...), then the
-   ranks are shuffled. The leftovers are the block's cheapest rows (the sparse low tail).
+1. `block_layout(costs, order, block=j, segments=...)` — per block of plan rows, from the
+   block's row costs (and segment counts): its full steps, rows in rank layout (4 bytes a row),
+   and its leftover rows (< D*b, the block's cheapest: the sparse low tail). With one row a
+   rank (b = 1) the rows are sorted by cost, D consecutive rows a step: rows of like cost share
+   a step, the only way a step of one row per rank can be even. With two or more, a step is a
+   random draw of rows, and only the heaviest rows, which no random step balances, make steps
+   of their own (as few as the balance needs, and no more than keep the steps' mean segments
+   per row spread within 1.5 times a random order's: a step stays a random sample, not a
+   length curriculum). Inside a step the rows are dealt to the ranks by cost in snake order
+   (the D heaviest one each, the next D the other way round, ...), then the ranks shuffled.
 2. `global_order(summaries, order)` — from each block's `summary()` (row count, leftover rows
    and their costs: small): arranges all leftovers like a block, permutes all full steps
    (`Permutation` over steps) and returns a compact `GlobalOrder`.
@@ -58,6 +62,8 @@ from seqpack.packer.order.cost import CostModel
 from seqpack.packer.order.permute import Permutation
 
 _ROW_SALT, _STEP_SALT, _RANK_SALT, _BALANCE_SALT = 0, 1, 2, 3
+_TOLERANCE = 0.02  # balanced steps of drawn rows: every step's ranks within this of their mean
+_SPREAD = 1.5  # ... and the steps' spread of mean segments per row within this of a random order
 
 
 class OrderMode(enum.StrEnum):
@@ -161,49 +167,117 @@ class BlockLayout:
         return out
 
 
-def _arrange(costs: np.ndarray, D: int, b: int, rng: np.random.Generator
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """(rows in rank layout for the full steps, leftover rows) of rows with these costs."""
-    n = costs.size
-    G = D * b
-    full, m = divmod(n, G)
-    desc = np.argsort(-costs, kind="stable")
-    # The m cheapest rows stay for the global step: the sparse low tail (short last rows of
-    # the plan) would make the spread of a full step widest.
-    desc, leftover = desc[: full * G], desc[full * G :]
-    # Step q: the q-th D*b rows by cost; inside it, rows dealt to the ranks in snake order (the
-    # layer of the D heaviest one each, the next layer the other way round, ...).
-    layers = desc.reshape(full, b, D)
+def _dealt(steps: np.ndarray, costs: np.ndarray, D: int, b: int) -> np.ndarray:
+    """i64[F, D * b]: each step's rows (`steps`, [F, D * b]) in rank layout: by cost, dealt to
+    the ranks in snake order (the layer of the D heaviest one each, the next layer the other
+    way round, ...): for b = 2 each rank's heavier row meets a lighter one."""
+    F = steps.shape[0]
+    layers = np.take_along_axis(steps, np.argsort(-costs[steps], axis=1, kind="stable"), 1)
+    layers = layers.reshape(F, b, D)
     layers[:, 1::2, :] = layers[:, 1::2, ::-1]
-    groups = layers.transpose(0, 2, 1).reshape(full * D, b)
-    steps = groups.reshape(full, D, b)
+    return layers.transpose(0, 2, 1).reshape(F, D * b)
+
+
+def _spread(steps: np.ndarray, key: np.ndarray) -> float:
+    """The spread (std) over steps of their rows' mean `key` (segments per row, or cost)."""
+    return float(key[steps].mean(axis=1).std()) if steps.size else 0.0
+
+
+def _arrange(costs: np.ndarray, D: int, b: int, rng: np.random.Generator, *,
+             segments: np.ndarray | None = None, random_rows: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """(rows in rank layout for the full steps, leftover rows) of rows with these costs.
+
+    One row a rank (b = 1): the q-th D rows by cost make step q (rows of like cost share a step:
+    the only way a step of one row per rank is even). Two or more a rank: steps are random draws
+    of rows, each dealt to the ranks by cost (`_dealt`), but for the heaviest rows, which no
+    random step could balance: they make steps of their own, as few as keep every random step's
+    ranks within `_TOLERANCE` of their mean, and (given the rows' `segments`) no more than keep
+    the steps' spread of mean segments per row within `_SPREAD` times that of `random_rows`'
+    steps (a random order)."""
+    n, G = costs.size, D * b
+    full = n // G
+    desc = np.argsort(-costs, kind="stable")
+    # The cheapest rows stay for the global step: the sparse low tail (short last rows of the
+    # plan) would make the spread of a full step widest.
+    desc, leftover = desc[: full * G], desc[full * G :]
+    if b == 1 or full == 0:
+        steps = _dealt(desc.reshape(full, G), costs, D, b)
+    else:
+        draw = rng.permutation(full * G)  # the random steps' draw
+
+        def layout(h: int) -> np.ndarray:  # the h heaviest steps grouped, the rest drawn
+            rest = desc[h * G :]
+            drawn = rest[draw[draw < rest.size]].reshape(full - h, G)
+            return np.concatenate([_dealt(desc[: h * G].reshape(h, G), costs, D, b),
+                                   _dealt(drawn, costs, D, b)])
+
+        limit = np.inf  # without segment counts the spread is not measured: balance first
+        key = np.zeros(n) if segments is None else np.asarray(segments, np.float64)
+        if segments is not None:
+            rand = rng.permutation(n) if random_rows is None else random_rows
+            limit = _SPREAD * _spread(rand[: full * G].reshape(full, G), key)
+        steps = layout(_heavy_steps(layout, full, costs, key, D, b, limit))
     ranks = np.argsort(rng.random((full, D)), axis=1)  # ranks shuffled inside each step
-    steps = np.take_along_axis(steps, ranks[:, :, None], axis=1)
+    steps = np.take_along_axis(steps.reshape(full, D, b), ranks[:, :, None], axis=1)
     return steps.reshape(-1), leftover
 
 
-def block_layout(costs: object, order: RowOrder, *, block: int = 0) -> BlockLayout:
-    """Level 1: the layout of one block of plan rows with these costs (f64[n], local order)."""
+def _heavy_steps(layout, full: int, costs: np.ndarray, key: np.ndarray, D: int, b: int,
+                 limit: float) -> int:
+    """How many of the heaviest steps to group (see `_arrange`): the fewest whose drawn steps
+    all balance, but at most the most whose steps' spread stays within `limit`."""
+    def balanced(h: int) -> bool:
+        drawn = costs[layout(h)[h:]].reshape(full - h, D, b).sum(axis=2)
+        mean = drawn.mean(axis=1)
+        return bool((drawn.max(axis=1) <= (1 + _TOLERANCE) * mean).all())
+
+    if balanced(0):
+        return 0
+    lo, hi = 0, full  # the most within the limit: lo is, hi is not (or is the whole)
+    if _spread(layout(full), key) <= limit:
+        lo = full
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _spread(layout(mid), key) <= limit else (lo, mid)
+    if not balanced(lo):
+        return lo
+    fail, ok = 0, lo  # the fewest that balance: balanced(ok), not balanced(fail)
+    while ok - fail > 1:
+        mid = (fail + ok) // 2
+        fail, ok = (fail, mid) if balanced(mid) else (mid, ok)
+    return ok
+
+
+def block_layout(costs: object, order: RowOrder, *, block: int = 0,
+                 segments: object = None) -> BlockLayout:
+    """Level 1: the layout of one block of plan rows with these costs (f64[n], local order);
+    `segments` (i64[n], the rows' segment counts) keeps drawn steps random samples of the rows
+    and is measured in the balance (`StepBalance.segments_spread`)."""
     costs = np.asarray(costs, np.float64)
     if costs.ndim != 1:
         raise ValueError(f"costs must be 1-D (one per row), got shape {costs.shape}")
     n = costs.size
+    if segments is not None:
+        segments = np.asarray(segments, np.int64)
+        if segments.shape != costs.shape:
+            raise ValueError(f"segments must hold one count per row ({n}), got shape "
+                             f"{segments.shape}")
     if order.mode is not OrderMode.BALANCED:
         empty = np.zeros(0, np.int32)
         return BlockLayout(block, n, empty, empty, np.zeros(0))
     rng = np.random.default_rng([order.seed, _RANK_SALT, block])
     D, b = order.step_rows // order.batch_size, order.batch_size
-    rows, leftover = _arrange(costs, D, b, rng)
+    random_rows = _random_rows(n, [order.seed, block])
+    rows, leftover = _arrange(costs, D, b, rng, segments=segments, random_rows=random_rows)
+    balance = StepBalance.of(costs, rows, random_rows[: rows.size], D, b, segments=segments)
     return BlockLayout(block, n, rows.astype(np.int32), leftover.astype(np.int32),
-                       costs[leftover], _balance(costs, rows, D, b, [order.seed, block]))
+                       costs[leftover], balance)
 
 
-def _balance(costs: np.ndarray, layout: np.ndarray, D: int, b: int, key: list[int]
-             ) -> StepBalance:
-    """The `StepBalance` of these steps, against as many steps of the same rows in a seeded
-    random order."""
-    rng = np.random.default_rng([key[0], _BALANCE_SALT, *key[1:]])
-    return StepBalance.of(costs, layout, rng.permutation(costs.size)[: layout.size], D, b)
+def _random_rows(n: int, key: list[int]) -> np.ndarray:
+    """The same rows in a seeded random order: what the balance is measured against."""
+    return np.random.default_rng([key[0], _BALANCE_SALT, *key[1:]]).permutation(n)
 
 
 # -- level 2: every block ----------------------------------------------------------------------
@@ -339,18 +413,22 @@ def global_order(summaries: Sequence[BlockLayout], order: RowOrder) -> GlobalOrd
         costs = np.concatenate([s.leftover_costs for s in summaries])
         rng = np.random.default_rng([order.seed, _RANK_SALT, len(summaries)])
         D, b = order.data_parallel or 1, order.batch_size
-        full, tail = _arrange(costs, D, b, rng)
+        random_rows = _random_rows(costs.size, [order.seed, len(summaries)])
+        full, tail = _arrange(costs, D, b, rng, random_rows=random_rows)
         leftover_rows = np.concatenate([rows[full], rows[np.sort(tail)]])
-        balance = _balance(costs, full, D, b, [order.seed, len(summaries)])
+        balance = StepBalance.of(costs, full, random_rows[: full.size], D, b)
         for s in summaries:
             if s.balance is not None:
                 balance = balance + s.balance
     return GlobalOrder(order, int(row_base[-1]), row_base, step_base, leftover_rows, balance)
 
 
-def ordered(costs_per_block: Sequence[object], order: RowOrder
+def ordered(costs_per_block: Sequence[object], order: RowOrder,
+            segments_per_block: Sequence[object] | None = None
             ) -> tuple[GlobalOrder, list[BlockLayout]]:
-    """Both levels at once, for callers that hold every block's row costs (the local runner,
-    tests)."""
-    layouts = [block_layout(c, order, block=j) for j, c in enumerate(costs_per_block)]
+    """Both levels at once, for callers that hold every block's row costs (and segment counts:
+    `block_layout`): the local runner, tests."""
+    segments = segments_per_block or [None] * len(costs_per_block)
+    layouts = [block_layout(c, order, block=j, segments=k)
+               for j, (c, k) in enumerate(zip(costs_per_block, segments, strict=True))]
     return global_order([lay.summary() for lay in layouts], order), layouts
