@@ -79,3 +79,37 @@ def test_the_cli_takes_directories_and_globs_and_refuses_repeats(tmp_path, data)
         [str(data / "a.jsonl"), str(data / "b.jsonl")]] * 2
     assert_bad_input(invoke("pack", tmp_path / "g", "-o", tmp_path / "o"),
                      "g: a seqpack output directory, not an input")
+
+
+def test_a_directory_leaves_nothing_out_silently(data, caplog):
+    # every file of a known format is read, "_" names too; what is left out is named, with why
+    (data / "_strptime.txt").unlink(missing_ok=True)
+    (data / "_part-0.jsonl").write_text("")
+    with caplog.at_level("WARNING", logger="seqpack"):
+        got = expand_inputs([str(data)])
+    assert str(data / "_part-0.jsonl") in got and str(data / ".hidden.jsonl") not in got
+    said = caplog.text
+    assert f"{data / 'README.md'}: left out: no known input format by its name" in said
+    assert f"{data / '_SUCCESS'}: left out: no known input format" in said
+    assert f"{data / 'sub'}: left out: a directory" in said
+    assert ".hidden.jsonl" not in said  # hidden files: left out as documented
+
+
+def test_text_among_token_files_is_refused_unless_the_format_is_given(data, caplog):
+    # a stray notes.txt among token-id files would be packed as UTF-8 bytes beside the ids
+    (data / "notes.txt").write_text("some notes\n")
+    with pytest.raises(InputError, match=r"notes\.txt: a text file among 4 token file\(s\) "
+                                         r"\(arrayrecord, jsonl\).*input_format="):
+        expand_inputs([str(data)])
+    with caplog.at_level("WARNING", logger="seqpack"):
+        got = expand_inputs([str(data)], input_format="jsonl")
+    assert got == [str(data / n) for n in ("a.jsonl", "b.jsonl", "c.jsonl.gz")]
+    assert f"{data / 'notes.txt'}: left out: not of input_format='jsonl'" in caplog.text
+    assert expand_inputs([str(data)], input_format="text") == [str(data / "notes.txt")]
+    # a folder of text files alone is read whole: "_" names (Python's __future__.py) included
+    text = data.parent / "text"
+    text.mkdir()
+    for name in ("__future__.txt", "_strptime.txt", "abc.txt"):
+        (text / name).write_text("x\n")
+    assert expand_inputs([str(text)]) == [str(text / n) for n in
+                                          ("__future__.txt", "_strptime.txt", "abc.txt")]

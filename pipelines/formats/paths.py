@@ -4,9 +4,13 @@
 
 - a local directory: its files whose name says a known format (`detect.format_by_name`:
   .jsonl / .ndjson / .json, .parquet, .arrayrecord / .array_record and their shard names, .txt,
-  each also .gz / .zst), sorted by name; names starting with "." or "_" (``_SUCCESS``,
-  ``_metadata``, ``.crc`` files) are skipped and subdirectories are not read. A seqpack output
-  directory (its manifest, intent, lock, spill or shards) is refused: it is not an input.
+  each also .gz / .zst), sorted by name. Hidden files (names starting with ".") are left out;
+  every other file it leaves out (no known format by its name: ``_SUCCESS``, ``README.md``; a
+  subdirectory, which is not read) is named in a warning on the ``seqpack`` logger, with the
+  reason. Text files beside token files (JSONL, Parquet, ArrayRecord) are refused, naming the
+  text file: their UTF-8 bytes would be packed beside the token ids; `input_format` says which
+  to read (the others are then left out, named). A seqpack output directory (its manifest,
+  intent, lock, spill or shards) is refused: it is not an input.
 - a local glob (``*``, ``?``, ``[...]``; ``**`` recursive) that is not itself an existing path:
   every file it matches, sorted, as a shell would give them (directories it matches are
   skipped, as URL globs skip them); InputError if nothing matches.
@@ -22,6 +26,7 @@ rarely meant.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -34,19 +39,23 @@ OUTPUT_FILES = ("manifest.json", "pack_intent.json")  # formats.manifest's MANIF
 _OUTPUT_NAMES = re.compile(r"^(rows-\d+-of-\d+\.arrayrecord.*|pack\.lock|spill\.tmp|"
                            r"manifest\.json|pack_intent\.json)$")  # what `seqpack pack` writes
 _GLOB = re.compile(r"[*?[]")
+_TOKEN_FORMATS = ("jsonl", "parquet", "arrayrecord")
+log = logging.getLogger("seqpack")
 
 
-def expand_inputs(args: Sequence[str | os.PathLike], *, allow_duplicates: bool = False
-                  ) -> list[str]:
+def expand_inputs(args: Sequence[str | os.PathLike], *, allow_duplicates: bool = False,
+                  input_format: str | None = None) -> list[str]:
     """The input files that `args` name, in order (see the module docstring); InputError for a
-    directory or glob holding none, and for a file given twice unless `allow_duplicates`."""
+    directory or glob holding none, for a directory mixing text with token files unless
+    `input_format` says which to read, and for a file given twice unless `allow_duplicates`."""
     out: list[str] = []
     for arg in args:
         path = os.fspath(arg)
         if storage.is_url(path):
-            out.extend(_url_files(path) if path.endswith("/") else storage.expand(path))
+            out.extend(_url_files(path, input_format) if path.endswith("/")
+                       else storage.expand(path))
         elif os.path.isdir(path):
-            out.extend(_directory_files(path))
+            out.extend(_directory_files(path, input_format))
         elif not os.path.exists(path) and _GLOB.search(path):
             out.extend(_glob_files(path))
         else:
@@ -88,24 +97,48 @@ def _identity(path: str) -> object:
     return ("file", st.st_dev, st.st_ino)
 
 
-def _is_input_name(name: str) -> bool:
-    """Whether a name in a directory listing is an input's: a known format, not hidden."""
-    return name[:1] not in "._" and format_by_name(name) is not None
-
-
-def _directory_files(path: str) -> list[str]:
+def _directory_files(path: str, input_format: str | None = None) -> list[str]:
     if is_output_dir(path):
         raise InputError(f"{path}: a seqpack output directory, not an input (read it with "
                          "seqpack stats / inspect / verify; pack its inputs)")
-    files = sorted(n for n in os.listdir(path)
-                   if _is_input_name(n) and os.path.isfile(os.path.join(path, n)))
+    names = sorted(n for n in os.listdir(path) if not n.startswith("."))
+    entries = [os.path.join(path, n) for n in names]
+    for e in entries:
+        if not os.path.isfile(e):
+            log.warning("%s: left out: a directory (subdirectories are not read; pass '%s')",
+                        e, os.path.join(e, "*"))
+    files = _choose(path, [e for e in entries if os.path.isfile(e)], input_format)
     if not files:
-        subdirs = any(os.path.isdir(os.path.join(path, n)) for n in os.listdir(path))
         hint = f"; subdirectories are not read: pass '{os.path.join(path, '*', '*')}'" \
-            if subdirs else ""
+            if any(os.path.isdir(e) for e in entries) else ""
         raise InputError(f"{path}: a directory with no input files (.jsonl, .parquet, "
                          f".arrayrecord, .txt, also .gz / .zst){hint}")
-    return [os.path.join(path, n) for n in files]
+    return files
+
+
+def _choose(where: str, paths: list[str], input_format: str | None) -> list[str]:
+    """The inputs among a listing's files (see the module docstring): those of a known format
+    by name, the others named in a warning; text beside token files refused unless
+    `input_format` says which to read."""
+    formats = {p: format_by_name(p) for p in paths}
+    for p, f in formats.items():
+        if f is None:
+            log.warning("%s: left out: no known input format by its name (.jsonl, .parquet, "
+                        ".arrayrecord, .txt, also .gz / .zst)", p)
+    files = [p for p, f in formats.items() if f is not None]
+    text = [p for p in files if formats[p] == "text"]
+    tokens = [p for p in files if formats[p] in _TOKEN_FORMATS]
+    if not (text and tokens):
+        return files
+    if input_format is None:
+        kinds = ", ".join(sorted({str(formats[p]) for p in tokens}))
+        raise InputError(f"{text[0]}: a text file among {len(tokens)} token file(s) ({kinds}) "
+                         f"in {where}: its UTF-8 bytes would be packed beside the token ids; "
+                         "move it out, or pass input_format= to say which files to read")
+    for p in files:
+        if formats[p] != input_format:
+            log.warning("%s: left out: not of input_format=%r", p, input_format)
+    return [p for p in files if formats[p] == input_format]
 
 
 def _glob_files(pattern: str) -> list[str]:
@@ -115,8 +148,9 @@ def _glob_files(pattern: str) -> list[str]:
     return files
 
 
-def _url_files(prefix: str) -> list[str]:
-    files = [u for u in storage.glob(prefix + "*") if _is_input_name(u.rsplit("/", 1)[-1])]
+def _url_files(prefix: str, input_format: str | None = None) -> list[str]:
+    listing = [u for u in storage.glob(prefix + "*") if not u.rsplit("/", 1)[-1][:1] == "."]
+    files = _choose(prefix, listing, input_format)
     if not files:
         raise InputError(f"{prefix}: no objects of a known input format under it (.jsonl, "
                          ".parquet, .arrayrecord, .txt, also .gz / .zst)")
