@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import grain.experimental as ge
 
+    from seqpack.packer import PackConfig
     from seqpack.pipelines import datasets as pipelines
 
     L = args.seq_len
@@ -116,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         "source alone (SequentialIterDataset)": lambda: source,
         "source alone (grain to_iter_dataset)": lambda: grain_source,
         f"seqpack PackIterDataset (window {args.window})":
-            lambda: pipelines.PackIterDataset(source, seq_len=L, window=args.window),
+            lambda: pipelines.PackIterDataset(source, PackConfig(L),
+                                              window=pipelines.Window(args.window)),
     }
     for bins in (64, 1024):
         for label, g_cls, o_cls in (

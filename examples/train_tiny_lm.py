@@ -7,15 +7,16 @@
 
 Data: Python's own standard library sources, byte-tokenized (vocab 256), one example per
 paragraph (the CLI's built-in sample) — no download. The input pipeline is
-`pipelines.make_training_pipeline` (shard, shuffle, pack, batch); the model (examples/tiny_lm.py)
-restricts attention to segments and takes positions from the packed rows; the loss is
+`pipelines.make_training_pipeline` (shard, shuffle, pack, batch; options in frozen dataclasses:
+`PackConfig`, `Batching`, `Columns`, `Prefetch`); the model (examples/tiny_lm.py) restricts
+attention to segments and takes positions from the packed rows; the loss is
 `kernels.segment_cross_entropy`. A checkpoint holds the parameters, the optimizer state, the step
 and the Grain iterator state, so a resumed run continues with exactly the batches (and losses) of
 an uninterrupted one.
 
 `--sft`: the same paragraphs as supervised fine-tuning data: the first line is the prompt
 (labels -100, no loss), the rest the response. Labels are packed with the tokens
-(`label_features`), every batch carries `loss_tokens` (the positions the loss counts, per
+(`Columns(labels=...)`), every batch carries `loss_tokens` (the positions the loss counts, per
 row), and with `--micro-batches k` each step sums the k micro-batches' losses and divides by
 the batch's total `loss_tokens`: the per-token mean of the unpacked examples, exactly, however
 the batch is split (as a data-parallel step over hosts divides by the psum).
@@ -41,7 +42,8 @@ from examples.tiny_lm import (
     make_train_step,
     unflatten_state,
 )
-from seqpack.pipelines.datasets import make_training_pipeline
+from seqpack.packer import PackConfig
+from seqpack.pipelines.datasets import Batching, Columns, Prefetch, make_training_pipeline
 from seqpack.pipelines.formats.inputs import sample_files
 from seqpack.pipelines.formats.text import read_text
 
@@ -75,9 +77,13 @@ def build_pipeline(examples, *, seq_len: int, batch_size: int, seed: int = 0):
     sft = bool(examples) and isinstance(examples[0], dict)
     rows = examples if sft else [{"tokens": e} for e in examples]
     return make_training_pipeline(
-        grain.MapDataset.source(rows), seq_len=seq_len, batch_size=batch_size, max_segments=16,
-        shuffle_seed=seed, num_epochs=None, shard_index=0, shard_count=1, overflow="split",
-        prefetch_buffer_size=0, label_features={"labels": -100} if sft else (),
+        grain.MapDataset.source(rows),
+        pack=PackConfig(seq_len, max_segments=16, overflow="split"),
+        batch=Batching(batch_size, shard_index=0, shard_count=1),
+        shuffle_seed=seed,
+        num_epochs=None,
+        columns=Columns(labels={"labels": -100} if sft else ()),
+        prefetch=Prefetch(buffer_size=0),
     )
 
 

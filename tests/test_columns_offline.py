@@ -214,6 +214,7 @@ def test_the_beam_job_packs_every_column_as_locally(tmp_path):
 def test_the_training_pipeline_reads_the_columns_by_their_recorded_roles(tmp_path):
     pytest.importorskip("grain")
     from seqpack.pipelines.datasets import (
+        Batching,
         LossTokens,
         PackedArrayRecordSource,
         make_training_pipeline,
@@ -227,8 +228,9 @@ def test_the_training_pipeline_reads_the_columns_by_their_recorded_roles(tmp_pat
     manifest = json.loads((out / "manifest.json").read_text())
     assert [(c["name"], c["role"]) for c in manifest["columns"]] == [("labels", "labels"),
                                                                     ("mask", "mask")]
-    ds = make_training_pipeline(PackedArrayRecordSource(str(out)), batch_size=4, shuffle_seed=0,
-                                num_epochs=1, shard_index=0, shard_count=1)
+    ds = make_training_pipeline(PackedArrayRecordSource(str(out)),
+                                batch=Batching(4, shard_index=0, shard_count=1), shuffle_seed=0,
+                                num_epochs=1)
     batch = next(iter(ds))
     assert batch["labels"].shape == batch["mask"].shape == batch["tokens"].shape
     want = LossTokens(labels=("labels",), masks=("mask",)).count(batch)

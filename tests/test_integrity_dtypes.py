@@ -43,7 +43,7 @@ def test_pack_stream_and_pack_iter_dataset_never_wrap(first, later, error):
     runs = {
         "pack_stream": lambda: list(pack_stream([first, later], CONFIG)),
         "PackIterDataset": lambda: list(datasets.PackIterDataset(
-            _parent([first, later]), seq_len=8, max_segments=4)),
+            _parent([first, later]), PackConfig(8, max_segments=4))),
     }
     for name, run in runs.items():
         if error:
@@ -60,20 +60,22 @@ def test_the_run_dtype_is_fixed_before_the_first_row_and_can_be_given():
     examples = [np.array([3], np.uint8)] + [np.array([7, 8], np.int64)] * 5
     rows = list(pack_stream(examples, CONFIG, window=2))
     assert {r["tokens"].dtype for r in rows} == {np.dtype(np.uint8)}
-    ds = datasets.PackIterDataset(_parent(examples), seq_len=8, max_segments=4, window=2)
+    ds = datasets.PackIterDataset(_parent(examples), PackConfig(8, max_segments=4),
+                                  window=datasets.Window(2))
     assert {r["tokens"].dtype for r in ds} == {np.dtype(np.uint8)}
     wide = list(pack_stream([np.array([3], np.uint8), np.array([300])], CONFIG, dtype=np.int32))
     assert {r["tokens"].dtype for r in wide} == {np.dtype(np.int32)}
     with pytest.raises(InputError, match="example 0: token id 300 .* uint8 .*dtype= of"):
         list(pack_stream([np.array([300])], CONFIG, dtype=np.uint8))
     with pytest.raises(ValueError, match="dtype=float32 must be an integer dtype"):
-        datasets.PackIterDataset(_parent(examples), seq_len=8, dtype=np.float32)
+        datasets.PackIterDataset(_parent(examples), PackConfig(8), dtype=np.float32)
 
 
 def test_pack_iter_dataset_restores_the_run_dtype():
     examples = [np.array([3], np.uint8)] + [np.arange(i % 5 + 1, dtype=np.int64)
                                            for i in range(40)]
-    ds = datasets.PackIterDataset(_parent(examples), seq_len=8, max_segments=4, window=4)
+    ds = datasets.PackIterDataset(_parent(examples), PackConfig(8, max_segments=4),
+                                  window=datasets.Window(4))
     it = iter(ds)
     for _ in range(3):
         next(it)
@@ -108,7 +110,7 @@ def test_pad_id_the_dtype_cannot_hold_is_a_value_error():
         list(pack_stream([np.array([1], np.uint16)], PackConfig(8, pad_id=70000,
                                                                  strategy="best_fit")))
     with pytest.raises(ValueError, match=r"pad_id=300 does not fit the rows' dtype uint8"):
-        datasets.PackIterDataset(_parent([]), seq_len=8, pad_id=300, dtype=np.uint8)
+        datasets.PackIterDataset(_parent([]), PackConfig(8, pad_id=300), dtype=np.uint8)
 
 
 _DTYPES = [np.uint8, np.uint16, np.int32, np.int64, np.uint64]

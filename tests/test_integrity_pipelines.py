@@ -1,5 +1,6 @@
 """Pipelines: an already-packed parent is refused (PackIterDataset, the drop-ins);
-`make_training_pipeline` takes a single-column source as it comes and shuts down cleanly."""
+`make_training_pipeline` packs the feature its pack config names (an element without it is an
+error naming the fix) and shuts down cleanly."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import grain
 import numpy as np
 import pytest
 
+from seqpack.packer import PackConfig
 from seqpack.pipelines import datasets
 from seqpack.pipelines.errors import InputError
 from tests.helpers.files import ROOT, random_seqs, write_parquet
 
 PACKERS = {
-    "PackIterDataset": lambda ds: datasets.PackIterDataset(ds, seq_len=16, max_segments=8),
+    "PackIterDataset": lambda ds: datasets.PackIterDataset(ds, PackConfig(16, max_segments=8)),
     "FirstFit": lambda ds: datasets.FirstFitPackIterDataset(
         ds, length_struct={"tokens": 16}, num_packing_bins=4),
     "BestFit": lambda ds: datasets.BestFitPackIterDataset(
@@ -50,32 +52,50 @@ def _single_column_parquet(path, column):
     return path, seqs
 
 
-def test_training_pipeline_takes_a_single_column_source_whatever_its_name(tmp_path):
+def test_training_pipeline_packs_the_feature_its_pack_config_names(tmp_path):
     path, seqs = _single_column_parquet(tmp_path / "ids.parquet", "input_ids")
+    kw = dict(shuffle_seed=0, num_epochs=1,
+              batch=datasets.Batching(4, drop_remainder=False, shard_index=0, shard_count=1))
+    with pytest.raises(InputError, match=r"element 0 of the source lacks the packed feature "
+                                         r"'tokens' \(its keys: \['input_ids'\]\); name the key "
+                                         r"of the token ids in the pack config: "
+                                         r"PackConfig\(\.\.\., feature='input_ids'\)"):
+        datasets.make_training_pipeline(datasets.ParquetSource(path, column="input_ids"),
+                                        pack=PackConfig(32), **kw)
     ds = datasets.make_training_pipeline(
-        datasets.ParquetSource(path, column="input_ids"), seq_len=32, batch_size=4,
-        shuffle_seed=0, num_epochs=1, shard_index=0, shard_count=1, drop_remainder=False)
+        datasets.ParquetSource(path, column="input_ids"),
+        pack=PackConfig(32, feature="input_ids"), **kw)
     batches = list(ds)
     assert {"input_ids", "input_ids_segment_lengths", "input_ids_segment_ids"} <= set(batches[0])
     got = sum(int(b["input_ids_segment_lengths"].sum()) for b in batches)
     assert got == sum(map(len, seqs))
     # Several columns and none named "tokens": the error says which feature to name.
     write_parquet(tmp_path / "two.parquet", seqs, column="input_ids")
-    with pytest.raises(InputError, match="lacks one of the features \\['tokens'\\]"):
+    with pytest.raises(InputError, match=r"lacks the packed feature 'tokens' \(its keys: "
+                                         r"\['id', 'input_ids'\]\); .*feature='input_ids'"):
         next(iter(datasets.make_training_pipeline(
             datasets.ParquetSource(tmp_path / "two.parquet", column="input_ids",
                                    extra_columns=["id"]),
-            seq_len=32, batch_size=4, shuffle_seed=0, num_epochs=1, shard_index=0,
-            shard_count=1)))
+            pack=PackConfig(32), **kw)))
+    # The element's other keys are columns or dropped on purpose, as ever.
+    with pytest.raises(InputError, match=r"element 0 of the parent holds \['id'\], which would "
+                                         "not reach the rows"):
+        next(iter(datasets.make_training_pipeline(
+            datasets.ParquetSource(tmp_path / "two.parquet", column="input_ids",
+                                   extra_columns=["id"]),
+            pack=PackConfig(32, feature="input_ids"), **kw)))
 
 
 _SCRIPT = """
 import sys
-from seqpack.pipelines.datasets import ParquetSource, make_training_pipeline
+from seqpack.packer import PackConfig
+from seqpack.pipelines.datasets import Batching, ParquetSource, Prefetch, make_training_pipeline
 if __name__ == "__main__":
-    it = iter(make_training_pipeline(ParquetSource(sys.argv[1], column="input_ids"), seq_len=32,
-                                     batch_size=4, shuffle_seed=0, num_epochs=None,
-                                     shard_index=0, shard_count=1, worker_count=int(sys.argv[2])))
+    it = iter(make_training_pipeline(ParquetSource(sys.argv[1], column="input_ids"),
+                                     pack=PackConfig(32, feature="input_ids"),
+                                     batch=Batching(4, shard_index=0, shard_count=1),
+                                     shuffle_seed=0, num_epochs=None,
+                                     prefetch=Prefetch(worker_count=int(sys.argv[2]))))
     batch = next(it)           # a global holds the iterator (and the batch) at exit
     print(batch["input_ids"].shape)
 """

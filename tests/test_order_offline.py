@@ -180,7 +180,11 @@ def test_the_manifest_reports_the_steps_balance_of_the_rows_written(packed, tmp_
 
 def test_the_training_pipeline_gives_each_rank_its_balanced_rows(packed, tmp_path):
     pytest.importorskip("grain")
-    from seqpack.pipelines.datasets import PackedArrayRecordSource, make_training_pipeline
+    from seqpack.pipelines.datasets import (
+        Batching,
+        PackedArrayRecordSource,
+        make_training_pipeline,
+    )
 
     d, paths, _, _ = packed
     D, b = 4, 2
@@ -192,8 +196,8 @@ def test_the_training_pipeline_gives_each_rank_its_balanced_rows(packed, tmp_pat
     seen = []
     for host in range(2):  # 2 hosts x 2 local devices = D ranks, b rows each
         ds = make_training_pipeline(PackedArrayRecordSource(str(tmp_path / "bal")),
-                                    batch_size=2 * b, shuffle_seed=0, num_epochs=1,
-                                    shard_index=host, shard_count=2)
+                                    batch=Batching(2 * b, shard_index=host, shard_count=2),
+                                    shuffle_seed=0, num_epochs=1)
         batches = list(ds)
         assert len(batches) == steps
         seen.append([batch["tokens"] for batch in batches])

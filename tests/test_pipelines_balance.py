@@ -1,4 +1,4 @@
-"""balance_ranks online: each host batch's N equal slices carry near-equal cost; the batch keeps
+"""Balance(ranks=N) online: each host batch's N equal slices carry near-equal cost; the batch keeps
 its rows (only their order changes) and resume stays exact."""
 
 from __future__ import annotations
@@ -6,8 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from seqpack.packer import PackConfig
 from seqpack.packer.order import CostModel
-from seqpack.pipelines.datasets import ArraySource, BalanceRanks, make_training_pipeline
+from seqpack.pipelines.datasets import (
+    ArraySource,
+    Balance,
+    BalanceRanks,
+    Batching,
+    Prefetch,
+    Window,
+    make_training_pipeline,
+)
 from seqpack.pipelines.datasets.balance import row_costs
 from tests.helpers.pipelines import check_restore_every_step, unique_corpus
 
@@ -21,8 +30,8 @@ def _source(n: int = 2500):
 
 
 def _kw(**over):
-    return {**dict(seq_len=1024, batch_size=B, max_segments=64, shuffle_seed=1, num_epochs=1,
-                   shard_index=0, shard_count=1, window=256), **over}
+    return {**dict(pack=PackConfig(1024, max_segments=64), shuffle_seed=1, num_epochs=1,
+                   batch=Batching(B, shard_index=0, shard_count=1), window=Window(256)), **over}
 
 
 def _max_over_mean(batch, model) -> float:
@@ -43,7 +52,7 @@ def test_two_heavy_rows_go_to_different_slices():
 def test_balanced_batches_hold_the_same_rows_with_near_equal_slices():
     src, model = _source(), CostModel(d_model=16)  # k = 192: attention dominates at L = 1024
     plain = list(make_training_pipeline(src, **_kw()))
-    balanced = list(make_training_pipeline(src, **_kw(balance_ranks=N, cost_model=model)))
+    balanced = list(make_training_pipeline(src, **_kw(balance=Balance(ranks=N, cost=model))))
     assert len(plain) == len(balanced) > 10
     for p, b in zip(plain, balanced, strict=True):
         key = lambda batch: sorted(map(tuple, batch["segment_source_index"].tolist()))
@@ -55,12 +64,26 @@ def test_balanced_batches_hold_the_same_rows_with_near_equal_slices():
 
 def test_balanced_pipeline_resumes_exactly():
     src = _source(300)
-    make = lambda: iter(make_training_pipeline(src, **_kw(balance_ranks=N, num_epochs=2,
-                                                          prefetch_buffer_size=0)))
+    make = lambda: iter(make_training_pipeline(src, **_kw(balance=Balance(ranks=N), num_epochs=2,
+                                                          prefetch=Prefetch(buffer_size=0))))
     check_restore_every_step(make, max_rows=8)
 
 
 def test_balance_ranks_must_divide_the_batch():
-    with pytest.raises(ValueError, match="balance_ranks=3 must be a positive divisor of "
+    with pytest.raises(ValueError, match=r"Balance\(ranks=3\) must be a divisor of "
                                          "batch_size=16"):
-        make_training_pipeline(_source(10), **_kw(balance_ranks=3))
+        make_training_pipeline(_source(10), **_kw(balance=Balance(ranks=3)))
+
+
+def test_balance_is_checked_and_names_the_field():
+    with pytest.raises(ValueError, match="ranks=0 must be an int >= 1"):
+        Balance(ranks=0)
+    with pytest.raises(ValueError, match="ranks=True must be an int >= 1"):
+        Balance(ranks=True)
+    with pytest.raises(ValueError, match="cost='tokens' must be a CostModel"):
+        Balance(cost="tokens")
+    with pytest.raises(ValueError, match="steps=1 must be a bool or None"):
+        Balance(steps=1)
+    with pytest.raises(ValueError, match="balance=4 must be a Balance"):
+        make_training_pipeline(_source(10), **_kw(balance=4))
+    assert Balance() == Balance(ranks=None, cost=None, steps=None)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from seqpack.packer import PackConfig
 from seqpack.pipelines import datasets
-from seqpack.pipelines.datasets import ArraySource, LossTokens
+from seqpack.pipelines.datasets import ArraySource, Batching, Columns, LossTokens
 from tests.helpers.pipelines import random_lengths
 
 jnp = pytest.importorskip("jax.numpy")
@@ -76,9 +77,9 @@ def test_packed_per_token_mean_over_hosts_and_micro_batches_equals_the_unpacked_
     loss_sum, loss_tokens, micro_means = 0.0, 0, []
     for host in range(2):  # the global batch: 2 hosts x micro-batches of 2 rows
         for batch in datasets.make_training_pipeline(
-                src, seq_len=64, batch_size=4, max_segments=8, shuffle_seed=3, num_epochs=1,
-                shard_index=host, shard_count=2, label_features=["labels"],
-                drop_remainder=False):
+                src, pack=PackConfig(64, max_segments=8), shuffle_seed=3, num_epochs=1,
+                batch=Batching(4, drop_remainder=False, shard_index=host, shard_count=2),
+                columns=Columns(labels=["labels"])):
             for m in range(0, len(batch["tokens"]), 2):
                 micro = {k: _rows(v[m : m + 2], 2) for k, v in batch.items()}
                 seg = micro["tokens_segment_ids"]
@@ -107,9 +108,9 @@ def test_loss_tokens_of_aligned_labels_and_masks_match_the_kernel():
     src = ArraySource({"tokens": (tokens, offsets), "labels": (labels, offsets),
                        "mask": (mask, offsets)}, value_columns=["labels", "mask"])
     batch = next(iter(datasets.make_training_pipeline(
-        src, seq_len=64, batch_size=2, max_segments=8, shuffle_seed=0, num_epochs=1,
-        shard_index=0, shard_count=1, mask_features=["mask"], drop_features=["labels"],
-        next_token_loss=False)))
+        src, pack=PackConfig(64, max_segments=8), shuffle_seed=0, num_epochs=1,
+        batch=Batching(2, shard_index=0, shard_count=1),
+        columns=Columns(masks=["mask"], drop=["labels"], next_token_loss=False))))
     _, _, per_seg_tokens = kernels.segment_cross_entropy(
         jnp.zeros((2, 64, V)), jnp.zeros((2, 64), jnp.int32),
         jnp.asarray(batch["tokens_segment_offsets"]),

@@ -7,7 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from seqpack.pipelines.datasets import ArraySource, PackIterDataset, make_training_pipeline
+from seqpack.packer import PackConfig
+from seqpack.pipelines.datasets import (
+    ArraySource,
+    Batching,
+    PackIterDataset,
+    Window,
+    make_training_pipeline,
+)
 from tests.helpers.pipelines import iter_source, unique_corpus
 
 
@@ -40,8 +47,9 @@ def _per_window_corr(ds) -> float:
 def test_default_row_order_is_uncorrelated_with_the_row_index(shuffle_rows):
     values, offsets = _wide_corpus()
     kw = {} if shuffle_rows is None else {"shuffle_rows": shuffle_rows}
-    corr = _per_window_corr(PackIterDataset(iter_source(values, offsets), seq_len=512,
-                                            max_segments=64, window=256, **kw))
+    corr = _per_window_corr(PackIterDataset(iter_source(values, offsets),
+                                            PackConfig(512, max_segments=64),
+                                            window=Window(256, **kw)))
     if shuffle_rows is None:  # the default
         assert abs(corr) < 0.12, corr  # about 1000 rows: chance alone stays near 0.03
     else:
@@ -51,10 +59,10 @@ def test_default_row_order_is_uncorrelated_with_the_row_index(shuffle_rows):
 def test_training_pipeline_shuffles_rows_by_default():
     values, offsets = _wide_corpus(600)
     src = ArraySource.from_ragged(values, offsets)
-    kw = dict(seq_len=512, batch_size=1, shuffle_seed=3, num_epochs=1, shard_index=0,
-              shard_count=1, window=128, drop_remainder=False)
+    kw = dict(pack=PackConfig(512), shuffle_seed=3, num_epochs=1,
+              batch=Batching(1, drop_remainder=False, shard_index=0, shard_count=1))
     seq = lambda **o: [b["segment_source_index"][0].tolist() for b in
-                       make_training_pipeline(src, **kw, **o)]
+                       make_training_pipeline(src, **kw, window=Window(128, **o))]
     default, planner = seq(), seq(shuffle_rows=False)
     assert default == seq(shuffle_rows=True) and default != planner
     assert sorted(default) == sorted(planner)  # the same rows, in another order

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from seqpack import packer
-from seqpack.pipelines.datasets import ArraySource, PackIterDataset, SequentialIterDataset
+from seqpack.packer import PackConfig
+from seqpack.pipelines.datasets import (
+    ArraySource,
+    Columns,
+    PackIterDataset,
+    SequentialIterDataset,
+    Window,
+)
 from tests.helpers.pipelines import (
     assert_rows_equal,
     check_restore_every_step,
@@ -56,32 +63,29 @@ def _check_lossless(rows, values, offsets, config: packer.PackConfig, counters: 
 
 
 CONFIGS = [
-    dict(seq_len=64, window=16),
-    dict(seq_len=64, window=1),
-    dict(seq_len=64, window=1000),
-    dict(seq_len=48, window=8, max_segments=3),
-    dict(seq_len=64, window=16, segment_alignment=8),
-    dict(seq_len=64, window=16, strategy="best_fit"),
-    dict(seq_len=32, window=16, overflow="truncate", high=90),
-    dict(seq_len=32, window=16, overflow="split", high=90),
-    dict(seq_len=32, window=16, overflow="drop", high=90),
-    dict(seq_len=64, window=16, zero_prob=0.2, pad_id=7),
-    dict(seq_len=64, window=16, shuffle_rows=True, seed=4),
+    dict(pack=PackConfig(64), window=Window(16)),
+    dict(pack=PackConfig(64), window=Window(1)),
+    dict(pack=PackConfig(64), window=Window(1000)),
+    dict(pack=PackConfig(48, max_segments=3), window=Window(8)),
+    dict(pack=PackConfig(64, segment_alignment=8), window=Window(16)),
+    dict(pack=PackConfig(64, strategy="best_fit"), window=Window(16)),
+    dict(pack=PackConfig(32, overflow="truncate"), window=Window(16), high=90),
+    dict(pack=PackConfig(32, overflow="split"), window=Window(16), high=90),
+    dict(pack=PackConfig(32, overflow="drop"), window=Window(16), high=90),
+    dict(pack=PackConfig(64, pad_id=7), window=Window(16), zero_prob=0.2),
+    dict(pack=PackConfig(64), window=Window(16, shuffle_rows=True), seed=4),
 ]
 
 
 @pytest.mark.parametrize("case", range(len(CONFIGS)))
 def test_rows_are_lossless_contract_rows(case):
     kw = dict(CONFIGS[case])
-    high, zero_prob = kw.pop("high", kw["seq_len"]), kw.pop("zero_prob", 0.0)
+    high, zero_prob = kw.pop("high", kw["pack"].seq_len), kw.pop("zero_prob", 0.0)
     lengths = random_lengths(np.random.default_rng(case), 300, high=high, zero_prob=zero_prob)
     values, offsets = unique_corpus(lengths)
     it = iter(PackIterDataset(iter_source(values, offsets), **kw))
     rows = list(it)
-    cfg_kw = {k: kw[k] for k in ("max_segments", "segment_alignment", "strategy", "overflow",
-                                 "pad_id") if k in kw}
-    _check_lossless(rows, values, offsets, packer.PackConfig(kw["seq_len"], **cfg_kw),
-                    it.counters)
+    _check_lossless(rows, values, offsets, kw["pack"], it.counters)
     assert rows[0]["tokens"].dtype == np.int32
     assert it.counters["examples_read"] == 300
 
@@ -93,7 +97,7 @@ def test_tighter_than_grain_best_fit():
     lengths = rng.lognormal(np.log(90), 0.7, 4000).astype(np.int64).clip(1, 512)
     values, offsets = unique_corpus(lengths)
     ds = iter_source(values, offsets)
-    ours = list(PackIterDataset(ds, seq_len=512, window=256))
+    ours = list(PackIterDataset(ds, PackConfig(512), window=Window(256)))
     theirs = list(ge.BestFitPackIterDataset(ds, length_struct={"tokens": 512},
                                             num_packing_bins=256))
     lower_bound = -(-int(lengths.sum()) // 512)
@@ -102,10 +106,10 @@ def test_tighter_than_grain_best_fit():
 
 
 @pytest.mark.parametrize("kw", [
-    dict(seq_len=64, window=8),
-    dict(seq_len=32, window=8, overflow="split"),
-    dict(seq_len=64, window=8, shuffle_rows=True, seed=1),
-    dict(seq_len=64, window=4, max_segments=2),
+    dict(pack=PackConfig(64), window=Window(8)),
+    dict(pack=PackConfig(32, overflow="split"), window=Window(8)),
+    dict(pack=PackConfig(64), window=Window(8, shuffle_rows=True), seed=1),
+    dict(pack=PackConfig(64, max_segments=2), window=Window(4)),
 ], ids=["carry", "split", "shuffle", "segments"])
 def test_restore_at_every_step(kw):
     lengths = random_lengths(np.random.default_rng(5), 120, high=60, zero_prob=0.05)
@@ -118,7 +122,7 @@ def test_restore_at_every_step(kw):
 def test_deterministic_restore_after_n_steps_and_state_is_small():
     lengths = random_lengths(np.random.default_rng(6), 3000, high=200)
     values, offsets = unique_corpus(lengths)
-    ds = PackIterDataset(iter_source(values, offsets), seq_len=256, window=64)
+    ds = PackIterDataset(iter_source(values, offsets), PackConfig(256), window=Window(64))
     full = list(ds)
     for n in (1, 37, 200, len(full) - 1):
         it = iter(ds)
@@ -140,8 +144,9 @@ def test_multi_feature_rows():
     vt, ot = unique_corpus(lt)
     vt = vt + 100_000
     src = SequentialIterDataset(ArraySource({"inputs": (vi, oi), "targets": (vt, ot)}))
-    ds = PackIterDataset(src, length_struct={"inputs": 48, "targets": 24}, window=16,
-                         max_segments=8)
+    ds = PackIterDataset(src, [PackConfig(48, max_segments=8, feature="inputs"),
+                               PackConfig(24, max_segments=8, feature="targets")],
+                         window=Window(16))
     it = iter(ds)
     rows = list(it)
     batch = stack(rows)
@@ -167,18 +172,20 @@ def test_multi_feature_overflow_and_empty():
     src = SequentialIterDataset(ArraySource({
         "inputs": (np.arange(1, 31), [0, 10, 20, 30, 30]),
         "targets": (np.arange(1, 15), [0, 2, 12, 13, 14])}))
-    kw = dict(length_struct={"inputs": 16, "targets": 8}, window=4)
+    packs = lambda **o: [PackConfig(16, feature="inputs", **o),
+                         PackConfig(8, feature="targets", **o)]
+    kw = dict(window=Window(4))
     with pytest.raises(ValueError, match="example 1 has targets length 10 > 8"):
-        list(PackIterDataset(src, **kw))
-    it = iter(PackIterDataset(src, overflow="truncate", **kw))
+        list(PackIterDataset(src, packs(), **kw))
+    it = iter(PackIterDataset(src, packs(overflow="truncate"), **kw))
     rows = list(it)
     assert it.counters["truncated_tokens"] == 2 and it.counters["empty_examples"] == 1
     assert sum(int(r["targets_segment_lengths"].sum()) for r in rows) == 2 + 8 + 1
-    it = iter(PackIterDataset(src, overflow="drop", **kw))
+    it = iter(PackIterDataset(src, packs(overflow="drop"), **kw))
     rows = list(it)
     assert it.counters["dropped_examples"] == 1 and it.counters["dropped_tokens"] == 20
     with pytest.raises(ValueError, match="split"):
-        PackIterDataset(src, overflow="split", **kw)
+        PackIterDataset(src, packs(overflow="split"), **kw)
 
 
 def test_meta_feature_shares_the_host_layout():
@@ -187,8 +194,8 @@ def test_meta_feature_shares_the_host_layout():
     mask = (values % 3 == 0).astype(np.int8)
     src = SequentialIterDataset(ArraySource({"tokens": (values, offsets),
                                              "loss_mask": (mask, offsets)}))
-    rows = list(PackIterDataset(src, seq_len=64, window=8, meta_features=["loss_mask"],
-                                overflow="split"))
+    rows = list(PackIterDataset(src, PackConfig(64, overflow="split"), window=Window(8),
+                                columns=Columns(meta=["loss_mask"])))
     for row in rows:
         assert row["loss_mask"].dtype == np.int8
         real = row["tokens_segment_ids"] > 0
@@ -199,26 +206,26 @@ def test_meta_feature_shares_the_host_layout():
                                              "loss_mask": (mask[:-1], offsets - (offsets > 0))}))
     with pytest.raises(ValueError, match="column 'loss_mask' has length 2 but the feature "
                                          "'tokens' it is packed with has 3"):
-        list(PackIterDataset(bad, seq_len=64, meta_features=["loss_mask"]))
+        list(PackIterDataset(bad, PackConfig(64), columns=Columns(meta=["loss_mask"])))
 
 
 def test_bad_elements_and_arguments():
     ds = iter_source(*unique_corpus([3, 4, 70]))
     with pytest.raises(ValueError, match="example 2 has length 70 > seq_len=64"):
-        list(PackIterDataset(ds, seq_len=64))
+        list(PackIterDataset(ds, PackConfig(64)))
     with pytest.raises(ValueError, match="element 0 of the parent lacks"):
-        list(PackIterDataset(ds, seq_len=64, feature="inputs"))
+        list(PackIterDataset(ds, PackConfig(64, feature="inputs")))
     floats = SequentialIterDataset(grain.MapDataset.source([{"tokens": np.ones(3)}] * 2))
     with pytest.raises(ValueError, match="element 0: 'tokens' must be a 1-D array of integer"):
-        list(PackIterDataset(floats, seq_len=64))
-    with pytest.raises(ValueError, match="exactly one of"):
-        PackIterDataset(ds, seq_len=64, length_struct={"tokens": 64})
+        list(PackIterDataset(floats, PackConfig(64)))
+    with pytest.raises(ValueError, match="must be a PackConfig, or a non-empty list of them"):
+        PackIterDataset(ds, [])
     with pytest.raises(ValueError, match="concat_split"):
-        PackIterDataset(ds, seq_len=64, strategy="concat_split")
+        PackIterDataset(ds, PackConfig(64, strategy="concat_split"))
     with pytest.raises(ValueError, match="the feature must be a packed feature"):
-        PackIterDataset(ds, seq_len=64, meta_features={"mask": "inputs"})
+        PackIterDataset(ds, PackConfig(64), columns=Columns(meta={"mask": "inputs"}))
     with pytest.raises(ValueError, match="window_rows=-1 must be an int >= 0"):
-        PackIterDataset(ds, seq_len=64, window_rows=-1)
+        PackIterDataset(ds, PackConfig(64), window=Window(window_rows=-1))
 
 
 def _worker_expected(ds_fn, values, offsets, num_workers):
@@ -237,7 +244,7 @@ def _worker_expected(ds_fn, values, offsets, num_workers):
 def test_restore_at_every_step_with_worker_processes():
     lengths = random_lengths(np.random.default_rng(9), 40, high=60)
     values, offsets = unique_corpus(lengths)
-    pack = lambda d: PackIterDataset(d, seq_len=128, window=8)
+    pack = lambda d: PackIterDataset(d, PackConfig(128), window=Window(8))
     ds = pack(iter_source(values, offsets)).mp_prefetch(
         grain.MultiprocessingOptions(num_workers=2, per_worker_buffer_size=1))
     want = _worker_expected(pack, values, offsets, 2)
@@ -266,10 +273,11 @@ def test_planner_state_encoding_round_trips(multi):
     values, offsets = unique_corpus(lengths)
     if multi:
         src = SequentialIterDataset(ArraySource({"a": (values, offsets), "b": (values, offsets)}))
-        ds = PackIterDataset(src, length_struct={"a": 64, "b": 128}, window=32)
+        ds = PackIterDataset(src, [PackConfig(64, feature="a"), PackConfig(128, feature="b")],
+                             window=Window(32))
     else:  # S=2: a plan every 128 rows' worth (256 pieces), so states between plans hold rows
-        ds = PackIterDataset(iter_source(values, offsets), seq_len=64, max_segments=2,
-                             window=32)
+        ds = PackIterDataset(iter_source(values, offsets), PackConfig(64, max_segments=2),
+                             window=Window(32))
     it = iter(ds)
     checked = 0
     for _ in it:
@@ -282,3 +290,28 @@ def test_planner_state_encoding_round_trips(multi):
             checked += 1
     assert checked > 10
     assert decode_planner_state({"rows": [], "windows": 0}) == {"rows": [], "windows": 0}
+
+
+def test_window_and_pack_configs_are_checked():
+    ds = iter_source(*unique_corpus([3, 4]))
+    with pytest.raises(ValueError, match="window=0 must be an int >= 1"):
+        Window(0)
+    with pytest.raises(ValueError, match="window=True must be an int >= 1"):
+        Window(True)
+    with pytest.raises(ValueError, match="shuffle_rows=1 must be a bool"):
+        Window(shuffle_rows=1)
+    with pytest.raises(ValueError, match="window=16 must be a Window"):
+        PackIterDataset(ds, PackConfig(8), window=16)
+    with pytest.raises(ValueError, match=r"columns=\['labels'\] must be a Columns"):
+        PackIterDataset(ds, PackConfig(8), columns=["labels"])
+    with pytest.raises(ValueError, match="pack=8 must be a PackConfig"):
+        PackIterDataset(ds, 8)
+    with pytest.raises(ValueError, match="pack: feature 'a' is given twice"):
+        PackIterDataset(ds, [PackConfig(8, feature="a"), PackConfig(16, feature="a")])
+    for field, value, shown in (("max_segments", 8, "8"), ("pad_id", 1, "1"),
+                                ("overflow", "drop", "'drop'"), ("segment_alignment", 2, "2")):
+        other = PackConfig(16, feature="b", **{field: value})
+        with pytest.raises(ValueError, match=f"pack: {field}={shown} for feature 'b' but "
+                                             f"{field}=.* for 'a'; packed features differ "
+                                             "only in seq_len and feature"):
+            PackIterDataset(ds, [PackConfig(8, feature="a"), other])

@@ -10,9 +10,15 @@ import numpy as np
 import pytest
 
 from seqpack import packer
+from seqpack.packer import PackConfig
 from seqpack.pipelines.datasets import (
+    Balance,
+    Batching,
+    Columns,
     PackedArrayRecordSource,
     PackIterDataset,
+    Prefetch,
+    Window,
     make_training_pipeline,
 )
 from seqpack.pipelines.datasets import SequentialIterDataset as Seq
@@ -32,9 +38,9 @@ L, S = 32, 8
 def _packed_dir(path, n: int = 120, *, row_order=None, shard_rows: int = 7, tail=None):
     values, offsets, labels, mask = sft_corpus(random_lengths(np.random.default_rng(0), n,
                                                               high=L), seed=1)
-    rows = list(PackIterDataset(Seq(sft_source(values, offsets, labels, mask)), seq_len=L,
-                                max_segments=S, window=16, label_features=["labels"],
-                                drop_features=["mask"]))
+    rows = list(PackIterDataset(Seq(sft_source(values, offsets, labels, mask)),
+                                PackConfig(L, max_segments=S), window=Window(16),
+                                columns=Columns(labels=["labels"], drop=["mask"])))
     if tail is not None:  # whole steps of `tail[0]` rows, then tail[1] rows
         rows = rows[: (len(rows) // tail[0] - 1) * tail[0] + tail[1]]
     return write_packed(path, rows, seq_len=L, max_segments=S, shard_rows=shard_rows,
@@ -47,9 +53,12 @@ def _row_id(stored):
     return lambda batch: [index[tuple(s)] for s in batch["segment_source_index"].tolist()]
 
 
-def _kw(**over):
-    return {**dict(batch_size=2, shuffle_seed=5, num_epochs=1, shard_index=0, shard_count=1,
-                   label_features=["labels"]), **over}
+def _kw(*, batch_size=2, shard_index=0, shard_count=1, drop_remainder=True, **over):
+    """The options of these tests: `batch` from its fields, the rest as given."""
+    batch = Batching(batch_size, drop_remainder=drop_remainder, shard_index=shard_index,
+                     shard_count=shard_count)
+    return {**dict(batch=batch, shuffle_seed=5, num_epochs=1,
+                   columns=Columns(labels=["labels"])), **over}
 
 
 def test_rows_are_shuffled_per_epoch_and_dealt_to_hosts(tmp_path):
@@ -90,27 +99,26 @@ def test_shape_and_columns_are_checked_against_the_manifest(tmp_path):
     _packed_dir(tmp_path)
     src = PackedArrayRecordSource(tmp_path)
     with pytest.raises(ValueError, match="seq_len=64 but the packed rows have seq_len=32"):
-        make_training_pipeline(src, seq_len=64, **_kw())
+        make_training_pipeline(src, pack=PackConfig(64, max_segments=S), **_kw())
     with pytest.raises(ValueError, match="max_segments=64 but the packed rows have "
                                          "max_segments=8"):
-        make_training_pipeline(src, seq_len=L, max_segments=64, **_kw())
+        make_training_pipeline(src, pack=PackConfig(L, max_segments=64), **_kw())
     with pytest.raises(ValueError, match="column 'labels': pad=0 given but the packed rows' "
                                          "manifest says pad=-100"):
-        make_training_pipeline(src, **_kw(label_features={"labels": 0}))
+        make_training_pipeline(src, **_kw(columns=Columns(labels={"labels": 0})))
     with pytest.raises(ValueError, match="column 'mask' is not in the packed rows"):
-        make_training_pipeline(src, **_kw(mask_features=["mask"]))
+        make_training_pipeline(src, **_kw(columns=Columns(labels=["labels"], masks=["mask"])))
     with pytest.raises(ValueError, match="the packed rows hold the column 'labels' \\(pad -100\\); "
                                          "say what it means for loss_tokens"):
-        make_training_pipeline(src, **_kw(label_features=()))
+        make_training_pipeline(src, **_kw(columns=Columns()))
     # A manifest column with a role counts for the loss without being named.
     path = tmp_path / MANIFEST
     obj = json.loads(path.read_text())
     obj["columns"][0]["role"] = "labels"
     path.write_text(json.dumps(signed(obj)))
     b = next(iter(make_training_pipeline(PackedArrayRecordSource(tmp_path),
-                                         **_kw(label_features=()))))
-    no_labels = next(iter(make_training_pipeline(src, **_kw(label_features=(),
-                                                            meta_features=["labels"]))))
+                                         **_kw(columns=Columns()))))
+    no_labels = next(iter(make_training_pipeline(src, **_kw(columns=Columns(meta=["labels"])))))
     assert (b["loss_tokens"] < no_labels["loss_tokens"]).any()
     assert (b["loss_tokens"] <= no_labels["loss_tokens"]).all()
 
@@ -165,8 +173,8 @@ def test_balanced_layout_arithmetic_is_checked(tmp_path):
     with pytest.raises(ValueError, match="drop_remainder=False"):
         make_training_pipeline(src, **_kw(batch_size=8, drop_remainder=False))
     with pytest.raises(ValueError, match="1 processes x 1 local devices = 1 ranks"):
-        make_training_pipeline(src, batch_size=8, shuffle_seed=0, num_epochs=1)  # jax: 1 CPU
-    rows = list(make_training_pipeline(src, **_kw(batch_size=1, balanced_steps=False)))
+        make_training_pipeline(src, batch=8, shuffle_seed=0, num_epochs=1)  # jax: 1 CPU
+    rows = list(make_training_pipeline(src, **_kw(batch_size=1, balance=Balance(steps=False))))
     assert len(rows) == len(stored)  # read as plain rows: all of them
 
 
@@ -182,10 +190,12 @@ def test_balanced_resume_at_every_step(tmp_path):
 def test_worker_processes_read_every_row_once_and_resume(tmp_path, balanced):
     if balanced:
         stored, src = _balanced(tmp_path)
-        kw = _kw(batch_size=4, shard_index=1, shard_count=2, worker_count=2)
+        kw = _kw(batch_size=4, shard_index=1, shard_count=2,
+                 prefetch=Prefetch(worker_count=2))
     else:
         stored = _packed_dir(tmp_path)
-        src, kw = PackedArrayRecordSource(tmp_path), _kw(worker_count=2, drop_remainder=False)
+        src = PackedArrayRecordSource(tmp_path)
+        kw = _kw(prefetch=Prefetch(worker_count=2), drop_remainder=False)
     ids = _row_id(stored)
     it = iter(make_training_pipeline(src, **kw))
     batches, states = [], [it.get_state()]

@@ -10,7 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seqpack.packer import PackConfig, validate
-from seqpack.pipelines.datasets import ArraySource, PackIterDataset, SequentialIterDataset
+from seqpack.pipelines.datasets import (
+    ArraySource,
+    PackIterDataset,
+    SequentialIterDataset,
+    Window,
+)
 from tests.helpers.packer import check_lossless, corpus
 
 
@@ -33,10 +38,8 @@ def _dataset(config, lengths, window, shuffle, seed=3):
     """`window`: (examples a window, window_rows)."""
     values, offsets = corpus(lengths)
     parent = SequentialIterDataset(ArraySource.from_ragged(values, offsets))
-    ds = PackIterDataset(parent, seq_len=config.seq_len, max_segments=config.max_segments,
-                         overflow=config.overflow.value, window=window[0],
-                         window_rows=window[1],
-                         segment_alignment=config.segment_alignment, shuffle_rows=shuffle,
+    ds = PackIterDataset(parent, config,
+                         window=Window(window[0], window_rows=window[1], shuffle_rows=shuffle),
                          seed=seed)
     return ds, values, offsets
 
@@ -95,8 +98,9 @@ def test_multi_feature_rows_keep_each_example_together(pairs, window, max_segmen
         values, offsets = corpus([p[f] for p in pairs])
         cols[name] = (values + 1000 * f, offsets)  # unique tokens per feature
     parent = SequentialIterDataset(ArraySource(cols))
-    rows = list(PackIterDataset(parent, length_struct=caps, max_segments=max_segments,
-                                window=window))
+    rows = list(PackIterDataset(parent, [PackConfig(L, max_segments=max_segments, feature=f)
+                                         for f, L in caps.items()],
+                                window=Window(window)))
     batch = _stack(rows)
     seen = {}
     for name, L in caps.items():

@@ -179,8 +179,9 @@ def _packed_dir(path):
     os.makedirs(path)
     values, offsets, labels, mask = sft_corpus(np.random.default_rng(3).integers(1, L, 200))
     rows = list(datasets.PackIterDataset(
-        datasets.SequentialIterDataset(sft_source(values, offsets, labels, mask)), seq_len=L,
-        max_segments=8, label_features=["labels"], drop_features=["mask"]))
+        datasets.SequentialIterDataset(sft_source(values, offsets, labels, mask)),
+        packer.PackConfig(L, max_segments=8),
+        columns=datasets.Columns(labels=["labels"], drop=["mask"])))
     write_packed(path, rows, seq_len=L, max_segments=8, shard_rows=16,
                  columns={"labels": -100})
 

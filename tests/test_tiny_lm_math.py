@@ -115,7 +115,8 @@ def test_sft_micro_batches_give_the_unpacked_per_token_mean():
 
     from examples.tiny_lm import _split
     from examples.train_tiny_lm import sft_corpus
-    from seqpack.pipelines.datasets import make_training_pipeline
+    from seqpack.packer import PackConfig
+    from seqpack.pipelines.datasets import Batching, Columns, Prefetch, make_training_pipeline
 
     rng = np.random.default_rng(3)
     examples = [rng.integers(1, CFG.vocab, int(m)).astype(np.int32)
@@ -124,10 +125,11 @@ def test_sft_micro_batches_give_the_unpacked_per_token_mean():
         e[int(rng.integers(0, e.size - 1))] = ord("\n") % CFG.vocab
     cfg = dataclasses.replace(CFG, vocab=max(CFG.vocab, ord("\n") + 1))
     rows = sft_corpus(examples)
-    ds = make_training_pipeline(grain.MapDataset.source(rows), seq_len=32, batch_size=4,
-                                max_segments=6, shuffle_seed=0, num_epochs=1,
-                                shard_index=0, shard_count=1, label_features={"labels": -100},
-                                prefetch_buffer_size=0)
+    ds = make_training_pipeline(grain.MapDataset.source(rows),
+                                pack=PackConfig(32, max_segments=6),
+                                batch=Batching(4, shard_index=0, shard_count=1), shuffle_seed=0,
+                                num_epochs=1, columns=Columns(labels={"labels": -100}),
+                                prefetch=Prefetch(buffer_size=0))
     batch = next(iter(ds))
     params = init_params(jax.random.key(1), cfg)
     summed = lambda p, b: loss_fn(p, b, cfg, normalize="none", labels="labels")[0]  # noqa: E731

@@ -9,18 +9,20 @@ The only part of seqpack that imports grain (and so jax):
   `ParquetSource`, `ArrayRecordSource`, `PackedArrayRecordSource`; `SequentialIterDataset` walks
   one in order.
 - `make_training_pipeline`: shard, shuffle, pack, batch, prefetch; or, over packed rows,
-  shuffle per epoch, shard, batch (balanced datasets by whole steps).
-- Columns packed with the tokens (`label_features`, `mask_features`: columns.py) and the loss
-  tokens per row that make a packed per-token mean exact (`LossTokens`, loss.py); host batches
-  whose per-device slices carry near-equal cost (`BalanceRanks`, balance.py).
+  shuffle per epoch, shard, batch (balanced datasets by whole steps). Its options come in
+  frozen dataclasses: `packer.PackConfig`, `Batching`, `Columns`, `Balance`, `Window`,
+  `Prefetch` (docs/training.md).
+- Columns packed with the tokens (`Columns`: columns.py) and the loss tokens per row that make
+  a packed per-token mean exact (`LossTokens`, loss.py); host batches whose per-device slices
+  carry near-equal cost (`BalanceRanks`, `Balance`: balance.py).
 """
 
 from seqpack.pipelines.errors import require
 
 require("grain", "seqpack.pipelines.datasets")  # one message naming the extra, if missing
 
-from seqpack.pipelines.datasets.balance import BalanceRanks  # noqa: E402
-from seqpack.pipelines.datasets.columns import IGNORE_INDEX  # noqa: E402
+from seqpack.pipelines.datasets.balance import Balance, BalanceRanks  # noqa: E402
+from seqpack.pipelines.datasets.columns import IGNORE_INDEX, Columns  # noqa: E402
 from seqpack.pipelines.datasets.dropin import BestFitPackIterDataset, FirstFitPackIterDataset  # noqa: E402
 from seqpack.pipelines.datasets.files import (  # noqa: E402
     ArrayRecordSource,
@@ -29,16 +31,23 @@ from seqpack.pipelines.datasets.files import (  # noqa: E402
     ParquetSource,
 )
 from seqpack.pipelines.datasets.loss import LossTokens  # noqa: E402
-from seqpack.pipelines.datasets.pack import PackIterator, PackIterDataset  # noqa: E402
+from seqpack.pipelines.datasets.pack import PackIterator, PackIterDataset, Window  # noqa: E402
 from seqpack.pipelines.datasets.sources import ArraySource, SequentialIterDataset  # noqa: E402
-from seqpack.pipelines.datasets.training import make_training_pipeline  # noqa: E402
+from seqpack.pipelines.datasets.training import (  # noqa: E402
+    Batching,
+    Prefetch,
+    make_training_pipeline,
+)
 
 __all__ = [
     "IGNORE_INDEX",
     "ArrayRecordSource",
     "ArraySource",
+    "Balance",
     "BalanceRanks",
+    "Batching",
     "BestFitPackIterDataset",
+    "Columns",
     "FirstFitPackIterDataset",
     "JsonlSource",
     "LossTokens",
@@ -46,6 +55,8 @@ __all__ = [
     "PackIterator",
     "PackedArrayRecordSource",
     "ParquetSource",
+    "Prefetch",
     "SequentialIterDataset",
+    "Window",
     "make_training_pipeline",
 ]

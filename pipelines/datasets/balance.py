@@ -12,7 +12,7 @@ batches the same way). Worked example (B = 4, N = 2, costs of rows 0..3 = 9, 8, 
     balanced          slices [9, 1] [8, 2]    totals 10, 10   max/mean 1.00
     (permutation [0, 2, 1, 3]: device i takes slice i)
 
-Use it in `make_training_pipeline(..., balance_ranks=N)`, or after any packer's batches:
+Use it in `make_training_pipeline(..., balance=Balance(ranks=N))`, or after any packer's batches:
 ``PackIterDataset(...).batch(B).map(BalanceRanks(N))``. A batch whose size N does not divide
 (the last one under drop_remainder=False) passes unchanged.
 """
@@ -26,6 +26,7 @@ import numpy as np
 
 from seqpack.packer.contract import keys
 from seqpack.packer.order import CostModel, balance_slices
+from seqpack.pipelines.datasets.columns import check_int, check_type
 
 
 def row_costs(cost_model: CostModel, segment_lengths: np.ndarray) -> np.ndarray:  # f64[B]
@@ -56,3 +57,27 @@ class BalanceRanks:
             return batch
         perm = np.asarray(balance_slices(row_costs(self.cost_model, lengths), self.ranks))
         return {k: v[perm] for k, v in batch.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Balance:
+    """The balance of `make_training_pipeline`'s host batches.
+
+    ranks: N local devices: every host batch is reordered by `BalanceRanks(N)` (N must divide
+           the batch size); None: batches keep the packer's order.
+    cost:  the cost model of that (`packer.CostModel`; None: CostModel()).
+    steps: a packed source balanced offline (`seqpack pack --data-parallel`): None follows its
+           manifest, False reads it as plain rows, True requires a balanced manifest.
+    """
+
+    ranks: int | None = None
+    cost: CostModel | None = None
+    steps: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.ranks is not None:
+            check_int("ranks", self.ranks, low=1)
+        if self.cost is not None:
+            check_type("cost", self.cost, CostModel, " (packer.CostModel) or None")
+        if self.steps is not None:
+            check_type("steps", self.steps, bool, " or None")

@@ -5,20 +5,22 @@ example) and appears in each row as key `c`: shape `[L]`, its own dtype, its val
 positions of f's tokens and its pad everywhere else, with no segment ids of its own. That is
 the offline contract's extra column (`seqpack pack --column`, `Manifest.columns`). Its values
 are any integers in range of its dtype (not token ids: -100 is fine); its role says what it
-means for the loss (`loss.LossTokens`):
+means for the loss (`loss.LossTokens`). `Columns` names them, and the keys dropped on purpose:
 
-    role     argument          default pad   a position counts for the loss where
-    labels   label_features    -100          label != IGNORE_INDEX (-100, PyTorch / HF)
-    mask     mask_features     0             mask != 0
-    values   meta_features     0             (no say: e.g. per-token weights)
+    role     Columns field   default pad   a position counts for the loss where
+    labels   labels          -100          label != IGNORE_INDEX (-100, PyTorch / HF)
+    mask     masks           0             mask != 0
+    values   meta            0             (no say: e.g. per-token weights)
 
-Worked example (L = 8, token feature `tokens`, `label_features={"labels": -100}`)::
+Worked example (L = 8, token feature `tokens`, `Columns(labels={"labels": -100})`)::
 
     example 0   tokens [11 12 13]   labels [-100 12 13]
     example 1   tokens [21 22]      labels [-100 22]
     row         tokens    11   12   13   21   22    0    0    0
                 labels  -100   12   13 -100   22 -100 -100 -100
                 tokens_segment_ids  1 1 1 2 2 0 0 0      (no labels_segment_ids)
+
+`check_int` / `check_type` are the checks the option dataclasses of this package share.
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ IGNORE_INDEX = -100  # the label of a position that takes no loss (PyTorch, Hugg
 ColumnSpec = Mapping[str, Any] | Sequence[str]  # name -> pad (or (feature, pad)); or names
 
 
+def check_int(name: str, value: Any, *, low: int) -> None:
+    """ValueError `name=value must be an int >= low` (a bool is not an int here)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}")
+
+
+def check_type(name: str, value: Any, kind: type, example: str = "") -> None:
+    """ValueError `name=value must be a kind` (with an example of one) unless it is one."""
+    if not isinstance(value, kind):
+        raise ValueError(f"{name}={value!r} must be a {kind.__name__}{example}")
+
+
 class Role(enum.Enum):
     """What a packed column means for the loss (see the module docstring)."""
 
@@ -46,8 +60,7 @@ class Role(enum.Enum):
 
 
 _DEFAULT_PAD = {Role.LABELS: IGNORE_INDEX, Role.MASK: 0, Role.VALUES: 0}
-_ARGUMENT = {Role.LABELS: "label_features", Role.MASK: "mask_features",
-             Role.VALUES: "meta_features"}
+_FIELD = {Role.LABELS: "labels", Role.MASK: "masks", Role.VALUES: "meta"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,51 +73,96 @@ class Column:
     role: Role
 
     def __post_init__(self) -> None:
-        if isinstance(self.pad, bool) or not isinstance(self.pad, int):
-            raise ValueError(f"{_ARGUMENT[self.role]}[{self.name!r}]: pad={self.pad!r} must be "
-                             "an int")
+        _check_pad(f"Columns.{_FIELD[self.role]}", self.name, self.pad)
 
 
-def _entries(spec: ColumnSpec, role: Role, features: Sequence[str]) -> list[Column]:
-    """Columns of one argument: a list of names (default pad, host = the first feature) or a
-    dict name -> pad, or name -> (host feature, pad). `meta_features` keeps its older dict
-    form {name: host feature} (pad 0)."""
-    arg = _ARGUMENT[role]
-    if isinstance(spec, (str, bytes)):
-        raise ValueError(f"{arg}={spec!r} must be a list of names or a dict name -> pad")
+def _check_pad(field: str, name: str, pad: Any) -> None:
+    if isinstance(pad, bool) or not isinstance(pad, int):
+        raise ValueError(f"{field}[{name!r}]: pad={pad!r} must be an int")
+
+
+def _entries(spec: ColumnSpec, role: Role) -> list[tuple[str, str | None, Any]]:
+    """(name, host feature or None for the first packed one, pad) of one field: a list of names
+    (default pad) or a dict name -> pad, or name -> (host feature, pad). `meta` keeps its older
+    dict form {name: host feature} (pad 0)."""
     if not isinstance(spec, Mapping):
-        return [Column(str(n), features[0], _DEFAULT_PAD[role], role) for n in spec]
-    out = []
+        return [(str(n), None, _DEFAULT_PAD[role]) for n in spec]
+    out: list[tuple[str, str | None, Any]] = []
     for name, value in spec.items():
         if role is Role.VALUES and isinstance(value, str):
             host, pad = value, 0  # {meta: host}
         elif isinstance(value, tuple) and len(value) == 2:
             host, pad = value
         else:
-            host, pad = features[0], value
-        out.append(Column(str(name), str(host), pad, role))
+            host, pad = None, value
+        out.append((str(name), None if host is None else str(host), pad))
     return out
 
 
-def columns_from(features: Sequence[str], *, label_features: ColumnSpec = (),
-                 mask_features: ColumnSpec = (), meta_features: ColumnSpec = ()
-                 ) -> tuple[Column, ...]:
-    """The columns of a packer's arguments; ValueError for a name given twice, a name that is
-    a packed feature, or a host that is not one."""
-    cols = [c for spec, role in ((label_features, Role.LABELS), (mask_features, Role.MASK),
-                                 (meta_features, Role.VALUES))
-            for c in _entries(spec, role, features)]
-    seen: dict[str, Role] = {}
-    for c in cols:
-        if c.feature not in features or c.name in features:
-            raise ValueError(
-                f"{_ARGUMENT[c.role]}: column {c.name!r} -> feature {c.feature!r}: the feature "
-                f"must be a packed feature ({list(features)}) and the column must not be one")
-        if c.name in seen:
-            raise ValueError(f"column {c.name!r} is given twice ({_ARGUMENT[seen[c.name]]} and "
-                             f"{_ARGUMENT[c.role]})")
-        seen[c.name] = c.role
-    return tuple(cols)
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """The keys of the elements besides the packed features: columns packed with them, keys
+    dropped on purpose, and how `loss_tokens` counts (see the module docstring).
+
+    labels:          per-token label columns (any integers, such as -100): a list (pad -100,
+                     host: the first packed feature) or {name: pad} or {name: (host, pad)}.
+    masks:           the same for 0/1 loss masks (default pad 0).
+    meta:            the same for other per-token values (pad 0): a list or {name: host}.
+    drop:            keys of the elements left out on purpose. Any other key that is neither
+                     packed nor a column raises `InputError` on element 0.
+    next_token_loss: how `make_training_pipeline` counts `loss_tokens` (loss.py): position p
+                     against the label of p + 1 (True) or its own (False: labels pre-shifted).
+    """
+
+    labels: ColumnSpec = ()
+    masks: ColumnSpec = ()
+    meta: ColumnSpec = ()
+    drop: Sequence[str] = ()
+    next_token_loss: bool = True
+
+    def __post_init__(self) -> None:
+        seen: dict[str, str] = {}
+        for role, field in _FIELD.items():
+            spec = getattr(self, field)
+            if isinstance(spec, str | bytes) or not isinstance(spec, Mapping | Iterable):
+                raise ValueError(f"{field}={spec!r} must be a list of names or a dict name -> "
+                                 "pad")
+            object.__setattr__(self, field, dict(spec) if isinstance(spec, Mapping)
+                               else tuple(spec))
+            for name, _, pad in _entries(getattr(self, field), role):
+                _check_pad(field, name, pad)
+                if name in seen:
+                    raise ValueError(f"column {name!r} is given twice ({seen[name]} and "
+                                     f"{field})")
+                seen[name] = field
+        if isinstance(self.drop, str | bytes) or not isinstance(self.drop, Iterable):
+            raise ValueError(f"drop={self.drop!r} must be a list of names")
+        object.__setattr__(self, "drop", tuple(str(n) for n in self.drop))
+        check_type("next_token_loss", self.next_token_loss, bool)
+
+    def names(self) -> tuple[str, ...]:
+        """The columns' names (labels, masks, meta), in that order."""
+        return tuple(n for role, field in _FIELD.items()
+                     for n, _, _ in _entries(getattr(self, field), role))
+
+    def explicit_pads(self) -> set[str]:
+        """The label / mask columns given with a pad of their own (a dict)."""
+        return {n for spec in (self.labels, self.masks) if isinstance(spec, Mapping)
+                for n in spec}
+
+    def of(self, features: Sequence[str]) -> tuple[Column, ...]:
+        """The columns packed with `features` (the packed feature names); ValueError for a
+        name that is a packed feature, or a host that is not one."""
+        cols = tuple(Column(name, features[0] if host is None else host, pad, role)
+                     for role, field in _FIELD.items()
+                     for name, host, pad in _entries(getattr(self, field), role))
+        for c in cols:
+            if c.feature not in features or c.name in features:
+                raise ValueError(
+                    f"Columns.{_FIELD[c.role]}: column {c.name!r} -> feature {c.feature!r}: "
+                    f"the feature must be a packed feature ({list(features)}) and the column "
+                    "must not be one")
+        return cols
 
 
 def loss_feature(features: Sequence[str], columns: Iterable[Column]) -> str:
@@ -127,9 +185,9 @@ def check_declared(element: Any, declared: Iterable[str], drop: Iterable[str], w
     if extra:
         raise InputError(
             f"{where} holds {extra}, which would not reach the rows: pack per-token columns "
-            f"with label_features={{{extra[0]!r}: -100}}, mask_features=[{extra[0]!r}] or "
-            f"meta_features=[{extra[0]!r}], or drop them on purpose with "
-            f"drop_features={extra!r}")
+            f"with Columns(labels={{{extra[0]!r}: -100}}), Columns(masks=[{extra[0]!r}]) or "
+            f"Columns(meta=[{extra[0]!r}]), or drop them on purpose with "
+            f"Columns(drop={extra!r})")
 
 
 def check_lengths(cols: Mapping[str, list], hosts: Mapping[str, str], first: int) -> None:

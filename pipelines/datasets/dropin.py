@@ -14,13 +14,14 @@ One dtype per packed feature for the whole run (the first element's): an element
 cannot hold raises `InputError` naming it (Grain's buffers take each batch's first element's dtype
 and wrap), and so does a negative token id in a feature with segment ids. A parent whose
 elements are already packed (`f_segment_ids`) is refused. Keys outside `length_struct` and
-`meta_features` are left out, as Grain does.
+`meta_features` are left out, as Grain does (so `Columns.meta` and `Columns.drop` are refused).
 
 Labels and masks (any integers, e.g. -100) ride on a token feature's layout and are padded with
 their own pad; each must have the feature's length (else `InputError` naming the element)::
 
     ds = pipelines.BestFitPackIterDataset(ds, length_struct={"tokens": 2048},
-                                          num_packing_bins=1024, label_features={"labels": -100})
+                                          num_packing_bins=1024,
+                                          columns=Columns(labels={"labels": -100}))
     # row["labels"]: [L], -100 on padding; the same bins as Grain with labels as a meta feature
 
 `length_struct` is a dict feature -> int, or, as in Grain, a tree of dicts whose nested parts
@@ -42,7 +43,7 @@ import numpy as np
 from seqpack.packer.contract import check_not_packed
 from seqpack.packer.inputs import fit_dtype
 from seqpack.packer.online import BatchSpec, FitBatch, element_dtypes
-from seqpack.pipelines.datasets.columns import Column, ColumnSpec
+from seqpack.pipelines.datasets.columns import Column, Columns
 from seqpack.pipelines.datasets.grain_args import add_columns, get_leaf, make_spec, nest
 from seqpack.pipelines.errors import InputError
 
@@ -138,7 +139,7 @@ class DropinPackIterator(grain.DatasetIterator):
 
     def _check_token_ids(self) -> None:
         """Token ids are >= 0: one pass over the batch's real tokens; names the first element
-        holding a negative one (labels belong in label_features, which may be negative)."""
+        holding a negative one (labels belong in Columns.labels, which may be negative)."""
         spec, packed = self._spec, self._packed
         assert packed is not None
         for i, f in enumerate(spec.features):
@@ -150,7 +151,7 @@ class DropinPackIterator(grain.DatasetIterator):
                 continue
             for read, element in self._added:
                 fit_dtype(np.asarray(element[f]), packed[f].dtype,
-                          f"parent element {read}: {f!r} (negative labels go in label_features)")
+                          f"parent element {read}: {f!r} (negative labels go in Columns.labels)")
             raise InputError(f"a packed row of {f!r} holds a negative token id")
 
     def _finalize(self, element_for_shapes: dict[str, Any] | None) -> None:
@@ -239,13 +240,13 @@ class _DropinPackIterDataset(grain.IterDataset):
         padding_struct: Any = None,
         max_sequences_per_bin: int | None = None,
         max_segments: int | None = None,
-        label_features: ColumnSpec = (),
-        mask_features: ColumnSpec = (),
+        columns: Columns = Columns(),
     ):
         """Grain's arguments, plus `max_segments` = S of the segment lengths/offsets keys
         (default: `max_sequences_per_bin`, else 64; a row with more segments raises), and
-        label / mask columns packed with a segment feature's layout (`columns.py`: a list, or
-        {name: pad}, or {name: (feature, pad)}; pads default to -100 / 0)."""
+        label / mask columns packed with a segment feature's layout (`Columns(labels=...,
+        masks=...)`, columns.py: a list, or {name: pad}, or {name: (feature, pad)}; pads
+        default to -100 / 0)."""
         super().__init__(parent)
         spec = make_spec(
             length_struct=length_struct,
@@ -257,8 +258,7 @@ class _DropinPackIterDataset(grain.IterDataset):
             max_segments=max_segments,
             best_fit=self._BEST_FIT,
         )
-        self._spec, self._columns = add_columns(spec, label_features=label_features,
-                                                mask_features=mask_features)
+        self._spec, self._columns = add_columns(spec, columns)
         self._seed = seed
         self._shuffle_bins = shuffle_bins
         self._group_by = shuffle_bins_group_by_feature

@@ -2,8 +2,8 @@
 
 `length_struct` is a dict feature -> int, or, as in Grain, a tree of dicts whose nested parts
 sit under meta features; `get_leaf` / `nest` walk such trees. seqpack's own additions:
-`max_segments` (S of the segment lengths/offsets keys) and label / mask columns
-(`pipelines.datasets.columns`) riding on a segment feature. A column `c` on feature `f` is
+`max_segments` (S of the segment lengths/offsets keys) and label / mask columns (`Columns`,
+`pipelines.datasets.columns`) riding on a segment feature. A column `c` on feature `f` is
 packed as Grain would pack a meta feature `c` with `length_struct[c] = length_struct[f]` and
 `padding_struct[c] = pad`: every example's `c` has f's length, so it takes the bin and the
 offsets f takes, and Grain's bin choice is the same as with `c` in `length_struct`.
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from seqpack.packer.online import BatchSpec
-from seqpack.pipelines.datasets.columns import Column, ColumnSpec, columns_from
+from seqpack.pipelines.datasets.columns import Column, Columns, check_type
 
 Key = Any  # a top-level feature name, or a tuple path to a nested leaf of length_struct
 
@@ -135,24 +135,32 @@ def make_spec(
     )
 
 
-def add_columns(spec: BatchSpec, *, label_features: ColumnSpec, mask_features: ColumnSpec
-                ) -> tuple[BatchSpec, tuple[Column, ...]]:
+def add_columns(spec: BatchSpec, columns: Columns) -> tuple[BatchSpec, tuple[Column, ...]]:
     """`spec` with label / mask columns packed as meta features of their host's length,
-    alignment and bins (see the module docstring), and those columns."""
-    columns = columns_from(spec.segment_features, label_features=label_features,
-                           mask_features=mask_features)
-    if not columns:
+    alignment and bins (see the module docstring), and those columns. `Columns.meta` and
+    `Columns.drop` are Grain's business here (`meta_features`; keys outside `length_struct`
+    are left out): a ValueError says so."""
+    check_type("columns", columns, Columns, " (e.g. Columns(labels={'labels': -100}))")
+    if columns.meta:
+        raise ValueError(f"Columns(meta={columns.meta!r}): the drop-ins pack other per-token "
+                         "values as Grain does: add them to length_struct and meta_features")
+    if columns.drop:
+        raise ValueError(f"Columns(drop={columns.drop!r}): the drop-ins leave out every key "
+                         "outside length_struct and meta_features, as Grain does; drop "
+                         "nothing here")
+    cols = columns.of(spec.segment_features)
+    if not cols:
         return spec, ()
     taken = set(spec.features) | set(spec.nonseq_meta)
-    for c in columns:
+    for c in cols:
         if c.name in taken:
             raise ValueError(f"column {c.name!r} is also in length_struct or meta_features; "
                              "give it in one place")
-    host = [spec.features.index(c.feature) for c in columns]
+    host = [spec.features.index(c.feature) for c in cols]
     return dataclasses.replace(
         spec,
-        features=spec.features + tuple(c.name for c in columns),
+        features=spec.features + tuple(c.name for c in cols),
         capacities=spec.capacities + tuple(spec.capacities[h] for h in host),
         alignments=spec.alignments + tuple(spec.alignments[h] for h in host),
-        paddings=spec.paddings + tuple(c.pad for c in columns),
-    ), columns
+        paddings=spec.paddings + tuple(c.pad for c in cols),
+    ), cols

@@ -15,12 +15,13 @@ exactly the rows an uninterrupted one would.
 Example::
 
     ds = SequentialIterDataset(ArraySource.from_ragged(values, offsets))
-    ds = PackIterDataset(ds, seq_len=2048, max_segments=64, overflow="truncate")
+    ds = PackIterDataset(ds, PackConfig(2048, max_segments=64, overflow="truncate"))
     row = next(iter(ds))   # tokens, tokens_segment_ids, ..., segment_source_index
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -33,10 +34,11 @@ from seqpack.packer.contract import check_not_packed
 from seqpack.packer.inputs import check_pad, fit_dtype, row_dtype
 from seqpack.packer.online import decode_planner_state
 from seqpack.pipelines.datasets.columns import (
-    ColumnSpec,
+    Columns,
     check_declared,
+    check_int,
     check_lengths,
-    columns_from,
+    check_type,
 )
 from seqpack.pipelines.datasets.layouts import MultiLayout, SingleLayout
 from seqpack.pipelines.errors import InputError
@@ -299,98 +301,99 @@ class PackIterator(grain.DatasetIterator):
         return "PackIterator"
 
 
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """The streaming packer's knobs.
+
+    window:       examples planned together; rows stay open across windows.
+    window_rows:  where a row takes more than 1 / `window_rows` of a window's examples, windows
+                  wait until they hold `window_rows` rows' worth of pieces
+                  (`packer.StreamPlanner`; 0: plan every window). One packed feature only:
+                  several are planned window by window.
+    shuffle_rows: shuffle the rows each window emits (seeded by the dataset's seed and the
+                  position), so rows leave in no particular order of length or segment count
+                  (False: the planner's order, longest examples first per window).
+    """
+
+    window: int = 1024
+    window_rows: int = 128
+    shuffle_rows: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("window", self.window, low=1)
+        check_int("window_rows", self.window_rows, low=0)
+        check_type("shuffle_rows", self.shuffle_rows, bool)
+
+
+def pack_configs(pack: packer.PackConfig | Sequence[packer.PackConfig]
+                 ) -> tuple[packer.PackConfig, ...]:
+    """One `PackConfig` per packed feature; several must differ only in seq_len and feature
+    (ValueError naming the field), with one feature each."""
+    configs: tuple = ()
+    if isinstance(pack, packer.PackConfig):
+        configs = (pack,)
+    elif isinstance(pack, Sequence) and not isinstance(pack, str):
+        configs = tuple(pack)
+    if not configs or not all(isinstance(c, packer.PackConfig) for c in configs):
+        raise ValueError(f"pack={pack!r} must be a PackConfig, or a non-empty list of them "
+                         "(one per packed feature)")
+    first = configs[0].to_dict()
+    seen: set[str] = set()
+    for c in configs:
+        if c.feature in seen:
+            raise ValueError(f"pack: feature {c.feature!r} is given twice; one PackConfig per "
+                             "packed feature")
+        seen.add(c.feature)
+        for field, value in c.to_dict().items():
+            if field not in ("seq_len", "feature") and value != first[field]:
+                raise ValueError(
+                    f"pack: {field}={value!r} for feature {c.feature!r} but "
+                    f"{field}={first[field]!r} for {configs[0].feature!r}; packed features "
+                    "differ only in seq_len and feature")
+    return configs
+
+
 class PackIterDataset(grain.IterDataset):
     """Packs variable-length examples into contract rows (see the module docstring).
 
-    parent:            elements are dicts holding each packed feature as a 1-D int array.
-    seq_len:           L for one packed feature named `feature`; or
-    length_struct:     {feature: L_f} for one or several packed features. With several, a row
-                       takes an example only if every feature fits; each feature gets its own
-                       segment metadata (`f_segment_ids`, ...); slots are shared.
-    max_segments:      S, segments per row (the `[S]` arrays).
-    strategy:          "best_fit_decreasing" (per window) or "best_fit" (arrival order).
-    window:            examples planned together; rows stay open across windows.
-    window_rows:       where a row takes more than 1 / `window_rows` of a window's examples,
-                       windows wait until they hold `window_rows` rows' worth of pieces
-                       (`packer.StreamPlanner`; 0: plan every window). One packed feature
-                       only: several are planned window by window.
-    overflow:          "error" | "truncate" | "split" | "drop" for examples longer than L;
-                       counted in the iterator's `counters`.
-    segment_alignment: segment offsets are multiples of this.
-    shuffle_rows:      shuffle the rows each window emits (seeded by `seed` and the position),
-                       so rows leave in no particular order of length or segment count (on by
-                       default; False: the planner's order, longest examples first per window).
-    label_features:    per-token label columns packed with a feature's segment layout (same
-                       length per example, any integers such as -100): a list (pad -100, host:
-                       the first packed feature) or {name: pad} or {name: (host, pad)}.
-    mask_features:     the same for 0/1 loss masks (default pad 0).
-    meta_features:     the same for other per-token values (pad 0): a list or {name: host}.
-                       (Columns and their roles: `pipelines.datasets.columns`.)
-    drop_features:     keys of the parent's elements left out on purpose. Any other key that
-                       is neither packed nor a column raises `InputError` on element 0.
-    pad_id:            token written into padding.
-    dtype:             the token dtype of every row of the packed features; default: the first
-                       non-empty element's. One dtype per run: every element is checked against
-                       it, and an id it cannot hold (or a negative one) raises `InputError`
-                       naming the element instead of wrapping. Columns keep their own dtype (the
-                       first element's), range-checked the same way but free to be negative.
+    parent:  elements are dicts holding each packed feature as a 1-D int array.
+    pack:    a `packer.PackConfig` (seq_len L, max_segments S, strategy "best_fit_decreasing"
+             per window or "best_fit" in arrival order, overflow counted in the iterator's
+             `counters`, segment_alignment, pad_id, feature); or one per packed feature, which
+             differ only in seq_len and feature: a row then takes an example only if every
+             feature fits, each feature gets its own segment metadata (`f_segment_ids`, ...)
+             and slots are shared.
+    columns: label / mask / per-token columns packed with a feature's segment layout, and the
+             keys dropped on purpose (`Columns`, columns.py).
+    window:  `Window`: window size, waiting for `window_rows`, row shuffling.
+    seed:    seeds the row shuffle.
+    dtype:   the token dtype of every row of the packed features; default: the first
+             non-empty element's. One dtype per run: every element is checked against it, and
+             an id it cannot hold (or a negative one) raises `InputError` naming the element
+             instead of wrapping. Columns keep their own dtype (the first element's),
+             range-checked the same way but free to be negative.
 
     `segment_source_index` holds each segment's position in the parent's stream (0, 1, ... per
     iterator; per worker under `mp_prefetch`).
     """
 
-    def __init__(
-        self,
-        parent: grain.IterDataset,
-        *,
-        seq_len: int | None = None,
-        length_struct: Mapping[str, int] | None = None,
-        max_segments: int = 64,
-        strategy: str = "best_fit_decreasing",
-        window: int = 1024,
-        window_rows: int = 128,
-        overflow: str = "error",
-        segment_alignment: int = 1,
-        shuffle_rows: bool = True,
-        seed: int = 0,
-        label_features: ColumnSpec = (),
-        mask_features: ColumnSpec = (),
-        meta_features: ColumnSpec = (),
-        drop_features: Sequence[str] = (),
-        pad_id: int = 0,
-        feature: str = "tokens",
-        dtype: Any = None,
-    ):
+    def __init__(self, parent: grain.IterDataset,
+                 pack: packer.PackConfig | Sequence[packer.PackConfig], *,
+                 columns: Columns = Columns(), window: Window = Window(), seed: int = 0,
+                 dtype: Any = None):
         super().__init__(parent)
-        if (seq_len is None) == (length_struct is None):
-            raise ValueError(
-                f"pass exactly one of seq_len={seq_len!r} and length_struct={length_struct!r}"
-            )
-        if length_struct is None:
-            length_struct = {feature: seq_len}
-        if not isinstance(length_struct, Mapping) or not length_struct:
-            raise ValueError(f"length_struct={length_struct!r} must be a dict feature -> L")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"{window=} must be a positive int")
-        if isinstance(window_rows, bool) or not isinstance(window_rows, int) or window_rows < 0:
-            raise ValueError(f"{window_rows=} must be an int >= 0")
-        self.features = tuple(length_struct)
-        self.configs = [
-            packer.PackConfig(
-                length_struct[f], max_segments=max_segments, strategy=strategy,
-                overflow=overflow, pad_id=pad_id, segment_alignment=segment_alignment, feature=f,
-            )
-            for f in self.features
-        ]
-        self.columns = columns_from(self.features, label_features=label_features,
-                                    mask_features=mask_features, meta_features=meta_features)
+        check_type("columns", columns, Columns, " (e.g. Columns(labels=['labels']))")
+        check_type("window", window, Window, " (e.g. Window(window=1024))")
+        self.configs = list(pack_configs(pack))
+        self.features = tuple(c.feature for c in self.configs)
+        self.columns = columns.of(self.features)
         self.meta = {c.name: c.feature for c in self.columns}  # column -> its host feature
         self.pads = {c.name: c.pad for c in self.columns}
         self.names = self.features + tuple(self.meta)
-        self.drop_features = tuple(drop_features)
-        self.window = window
-        self.window_rows = window_rows
-        self.shuffle_rows = bool(shuffle_rows)
+        self.drop_features = tuple(columns.drop)
+        self.window = window.window
+        self.window_rows = window.window_rows
+        self.shuffle_rows = window.shuffle_rows
         self.seed = int(seed)
         if len(self.features) > 1:
             cfg = self.configs[0]
@@ -402,7 +405,7 @@ class PackIterDataset(grain.IterDataset):
         self.dtypes: dict[str, np.dtype] = {}
         if dtype is not None:
             dt = row_dtype(dtype)
-            check_pad(pad_id, dt)
+            check_pad(self.configs[0].pad_id, dt)
             self.dtypes = dict.fromkeys(self.features, dt)
         self.make_layout()  # validates the combination early
 

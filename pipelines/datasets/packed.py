@@ -30,17 +30,21 @@ from typing import Any
 import grain
 import numpy as np
 
+from seqpack.packer import PackConfig
 from seqpack.pipelines.datasets.columns import Column, Role
 from seqpack.pipelines.datasets.sources import SequentialIterDataset
 
 
-def check_shape(source: Any, seq_len: int | None, max_segments: int | None) -> None:
-    """ValueError when a given seq_len / max_segments differs from the packed rows'."""
-    for name, given in (("seq_len", seq_len), ("max_segments", max_segments)):
-        have = getattr(source, name, None)
-        if given is not None and have is not None and given != have:
+def check_shape(source: Any, pack: PackConfig | None) -> None:
+    """ValueError when a given pack config's seq_len / max_segments differ from the packed
+    rows' (the rest of it does not apply: the rows are packed already)."""
+    if pack is None:
+        return
+    for name in ("seq_len", "max_segments"):
+        given, have = getattr(pack, name), getattr(source, name, None)
+        if have is not None and given != have:
             raise ValueError(f"{name}={given} but the packed rows have {name}={have} (from "
-                             f"their manifest); pass {name}={have} or leave it out")
+                             f"their manifest); pass a PackConfig with {name}={have}, or no pack")
 
 
 def check_columns(source: Any, columns: Sequence[Column], *, explicit_pads: Iterable[str]
@@ -70,8 +74,8 @@ def check_columns(source: Any, columns: Sequence[Column], *, explicit_pads: Iter
         if entry.get("role") not in {r.value for r in Role}:
             raise ValueError(
                 f"the packed rows hold the column {name!r} (pad {entry.get('pad')}); say what "
-                f"it means for loss_tokens: label_features=[{name!r}] (-100 takes no loss), "
-                f"mask_features=[{name!r}] (0 takes no loss) or meta_features=[{name!r}]")
+                f"it means for loss_tokens: Columns(labels=[{name!r}]) (-100 takes no loss), "
+                f"Columns(masks=[{name!r}]) (0 takes no loss) or Columns(meta=[{name!r}])")
         out.append(Column(name, feature, int(entry["pad"]), Role(entry["role"])))
     return out
 
@@ -87,13 +91,13 @@ def balanced_layout(source: Any, *, batch_size: int, shard_count: int, drop_rema
             f"step (manifest row_order)")
     if D % shard_count:
         raise ValueError(f"{what}; shard_count={shard_count} hosts must divide {D} (hosts x "
-                         "local devices = data_parallel); pass balanced_steps=False to read "
+                         "local devices = data_parallel); pass Balance(steps=False) to read "
                          "it as plain rows")
     if local_devices is not None and shard_count * local_devices != D:
         raise ValueError(f"{what}, but {shard_count} processes x {local_devices} local devices "
                          f"= {shard_count * local_devices} ranks; repack for this topology, "
-                         "pass shard_index / shard_count to read it as if it were (each "
-                         f"host {D // shard_count} ranks' rows), or balanced_steps=False")
+                         "pass Batching(shard_index=, shard_count=) to read it as if it were "
+                         f"(each host {D // shard_count} ranks' rows), or Balance(steps=False)")
     per_host = D // shard_count * b
     if batch_size != per_host:
         raise ValueError(f"{what}; batch_size={batch_size} is the rows per host per step: each "
@@ -145,7 +149,7 @@ def packed_batches(source: Any, *, batch_size: int, shuffle_seed: int, num_epoch
     if balanced_steps is None:
         balanced_steps = is_balanced(source)
     elif balanced_steps and not is_balanced(source):
-        raise ValueError("balanced_steps=True but the packed rows' manifest has no balanced "
+        raise ValueError("Balance(steps=True) but the packed rows' manifest has no balanced "
                          "row_order (pack with --data-parallel D --batch-size b)")
     if balanced_steps:
         D, b = balanced_layout(source, batch_size=batch_size, shard_count=shard_count,

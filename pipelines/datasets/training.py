@@ -3,18 +3,20 @@
     source of examples (random access)
       -> shard [shard_index::shard_count]      (defaults: jax.process_index() / process_count())
       -> shuffle(shuffle_seed) -> repeat(num_epochs)     (reshuffled every epoch)
-      -> SequentialIterDataset -> PackIterDataset        (rows shuffled per window)
+      -> SequentialIterDataset -> PackIterDataset(pack)  (rows shuffled per window)
       -> batch(batch_size): {"tokens": [B, L], ..., "tokens_segment_lengths": [B, S], ...}
     source of packed rows (`PackedArrayRecordSource`, see packed.py)
       -> shuffle(shuffle_seed) over all rows -> repeat -> [shard_index::shard_count] -> batch
          (balanced datasets: whole steps, each host its ranks' rows)
     then
-      -> + loss_tokens [B] (loss.LossTokens) -> BalanceRanks(balance_ranks), if asked
+      -> + loss_tokens [B] (loss.LossTokens) -> BalanceRanks(balance.ranks), if asked
       -> mp_prefetch(worker_count) or a prefetch thread
 
-Example::
+The options come in groups, each a frozen dataclass: `packer.PackConfig` (the rows),
+`Batching` (the batch and this host's shard), `Columns` (columns.py), `Balance` (balance.py),
+`Window` (pack.py) and `Prefetch`. Example::
 
-    ds = make_training_pipeline(JsonlSource("train.jsonl"), seq_len=2048, batch_size=8,
+    ds = make_training_pipeline(JsonlSource("train.jsonl"), pack=PackConfig(2048), batch=8,
                                 shuffle_seed=0, num_epochs=1)
     it = iter(ds)
     batch = next(it)           # numpy arrays, ready for jax.device_put
@@ -24,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,13 +35,21 @@ import grain
 import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset
 
-from seqpack.packer.order import CostModel
+from seqpack.packer import PackConfig
 from seqpack.pipelines.datasets import packed
-from seqpack.pipelines.datasets.balance import BalanceRanks
-from seqpack.pipelines.datasets.columns import ColumnSpec, Role, columns_from, loss_feature
+from seqpack.pipelines.datasets.balance import Balance, BalanceRanks
+from seqpack.pipelines.datasets.columns import (
+    Column,
+    Columns,
+    Role,
+    check_int,
+    check_type,
+    loss_feature,
+)
 from seqpack.pipelines.datasets.loss import LossTokens
-from seqpack.pipelines.datasets.pack import PackIterDataset
+from seqpack.pipelines.datasets.pack import PackIterDataset, Window
 from seqpack.pipelines.datasets.sources import SequentialIterDataset
+from seqpack.pipelines.errors import InputError
 
 
 def ensure_flags_parsed() -> None:
@@ -103,19 +114,59 @@ class _ClosedAtExit(grain.IterDataset):
         return "ClosedAtExit"
 
 
-def _source_feature(source: Any, declared: set[str]) -> str:
-    """The feature to pack when none is given: a packed source's, the only key of the source's
-    elements that is not a column or dropped, else "tokens"."""
-    feature = getattr(source, "feature", None)
-    if isinstance(feature, str):
-        return feature
-    if len(source):
-        first = source[0]
-        if isinstance(first, Mapping):
-            rest = [k for k in first if k not in declared]
-            if len(rest) == 1:
-                return rest[0]
-    return "tokens"
+@dataclasses.dataclass(frozen=True)
+class Batching:
+    """The batch and this host's shard.
+
+    batch_size:     rows per host batch.
+    drop_remainder: a last, short batch is dropped (True) or kept.
+    shard_index, shard_count: this host's shard (every example or row in exactly one shard);
+                    both None (the default): `jax.process_index()` / `jax.process_count()`.
+    """
+
+    batch_size: int
+    drop_remainder: bool = True
+    shard_index: int | None = None
+    shard_count: int | None = None
+
+    def __post_init__(self) -> None:
+        shard_index, shard_count = self.shard_index, self.shard_count
+        check_int("batch_size", self.batch_size, low=1)
+        check_type("drop_remainder", self.drop_remainder, bool)
+        if (shard_index is None) != (shard_count is None):
+            raise ValueError(f"pass both or neither of {shard_index=} and {shard_count=}")
+        if shard_index is not None and shard_count is not None:
+            check_int("shard_index", shard_index, low=0)
+            check_int("shard_count", shard_count, low=1)
+            if shard_index >= shard_count:
+                raise ValueError(f"{shard_index=} must be in [0, {shard_count=})")
+
+    def shard(self) -> tuple[int, int, int | None]:
+        """(this host's shard, the shard count, its local devices if known: from jax by
+        default)."""
+        if self.shard_index is None or self.shard_count is None:
+            return _process_shard()
+        return self.shard_index, self.shard_count, None
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefetch:
+    """How batches are made ahead of the training step.
+
+    worker_count:       > 0 packs in that many processes (`mp_prefetch`); 0: in this one,
+                        with a prefetch thread.
+    worker_buffer_size: batches each worker process makes ahead.
+    buffer_size:        batches the prefetch thread makes ahead (worker_count 0; 0: no thread).
+    """
+
+    worker_count: int = 0
+    worker_buffer_size: int = 1
+    buffer_size: int = 2
+
+    def __post_init__(self) -> None:
+        check_int("worker_count", self.worker_count, low=0)
+        check_int("worker_buffer_size", self.worker_buffer_size, low=1)
+        check_int("buffer_size", self.buffer_size, low=0)
 
 
 def _process_shard() -> tuple[int, int, int | None]:
@@ -126,36 +177,28 @@ def _process_shard() -> tuple[int, int, int | None]:
     return jax.process_index(), jax.process_count(), jax.local_device_count()
 
 
-def _shard(shard_index: int | None, shard_count: int | None) -> tuple[int, int, int | None]:
-    """(this host's shard, the shard count, its local devices if known: from jax by default)."""
-    if (shard_index is None) != (shard_count is None):
-        raise ValueError(f"pass both or neither of {shard_index=} and {shard_count=}")
-    if shard_index is None or shard_count is None:
-        return _process_shard()
-    if not 0 <= shard_index < shard_count:
-        raise ValueError(f"{shard_index=} must be in [0, {shard_count=})")
-    return shard_index, shard_count, None
+def _check_feature(source: Any, feature: str, columns: Columns) -> None:
+    """InputError when element 0 of a source of examples lacks the packed feature: it names
+    the keys it has and the pack config that packs the right one."""
+    if not len(source):
+        return
+    first = source[0]
+    if not isinstance(first, Mapping) or feature in first:
+        return
+    keys = sorted(map(str, first))
+    rest = [k for k in keys if k not in columns.names() and k not in columns.drop]
+    hint = rest[0] if len(rest) == 1 else "input_ids"
+    raise InputError(
+        f"element 0 of the source lacks the packed feature {feature!r} (its keys: {keys}); "
+        f"name the key of the token ids in the pack config: PackConfig(..., feature={hint!r})")
 
 
-def _check_counts(batch_size: int, num_epochs: int | None, worker_count: int,
-                  balance_ranks: int | None) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"{batch_size=} must be a positive int")
-    if num_epochs is not None and num_epochs < 1:
-        raise ValueError(f"{num_epochs=} must be >= 1, or None to repeat forever")
-    if worker_count < 0:
-        raise ValueError(f"{worker_count=} must be >= 0")
-    if balance_ranks is not None and (balance_ranks < 1 or batch_size % balance_ranks):
-        raise ValueError(f"{balance_ranks=} must be a positive divisor of {batch_size=} (one "
-                         "equal slice of the host batch per local device)")
-
-
-def _example_batches(source: Any, *, shard: tuple[int, int, int | None], seq_len: int | None,
-                     batch_size: int, shuffle_seed: int, num_epochs: int | None,
-                     drop_remainder: bool, **pack: Any) -> grain.IterDataset:
+def _example_batches(source: Any, *, pack: PackConfig, batch: Batching,
+                     shard: tuple[int, int, int | None], shuffle_seed: int,
+                     num_epochs: int | None, columns: Columns, window: Window
+                     ) -> grain.IterDataset:
     """Examples -> shard -> shuffle -> repeat -> PackIterDataset -> batch."""
-    if seq_len is None:
-        raise ValueError("seq_len=None: pass the row length L (only packed sources carry one)")
+    _check_feature(source, pack.feature, columns)
     ds = source if isinstance(source, grain.MapDataset) else grain.MapDataset.source(source)
     shard_index, shard_count, _ = shard
     ds = ds[shard_index::shard_count]
@@ -166,116 +209,108 @@ def _example_batches(source: Any, *, shard: tuple[int, int, int | None], seq_len
     ds = ds.shuffle(seed=shuffle_seed)
     if num_epochs != 1:
         ds = ds.repeat(num_epochs)
-    rows = PackIterDataset(SequentialIterDataset(ds), seq_len=seq_len, seed=shuffle_seed, **pack)
-    return rows.batch(batch_size, drop_remainder=drop_remainder)
+    rows = PackIterDataset(SequentialIterDataset(ds), pack, columns=columns, window=window,
+                           seed=shuffle_seed)
+    return rows.batch(batch.batch_size, drop_remainder=batch.drop_remainder)
 
 
-def _loss_tokens(source: Any, feature: str, *, label_features: ColumnSpec,
-                 mask_features: ColumnSpec, meta_features: ColumnSpec, next_token: bool
-                 ) -> LossTokens:
+def _loss_tokens(source: Any, feature: str, columns: Columns) -> LossTokens:
     """How `loss_tokens` is counted: from the label / mask columns given (for a packed source
     checked against its manifest, plus the columns the manifest gives a "role")."""
-    cols = columns_from((feature,), label_features=label_features, mask_features=mask_features,
-                        meta_features=meta_features)
+    cols: Sequence[Column] = columns.of((feature,))
     if getattr(source, "is_packed", False):
-        cols = packed.check_columns(source, cols, explicit_pads={
-            n for spec in (label_features, mask_features) if isinstance(spec, Mapping)
-            for n in spec})
+        cols = packed.check_columns(source, cols, explicit_pads=columns.explicit_pads())
     return LossTokens(feature=loss_feature((feature,), cols),
                       labels=tuple(c.name for c in cols if c.role is Role.LABELS),
                       masks=tuple(c.name for c in cols if c.role is Role.MASK),
-                      next_token=next_token)
+                      next_token=columns.next_token_loss)
 
 
-def _prefetch(ds: grain.IterDataset, *, worker_count: int, worker_buffer_size: int,
-              prefetch_buffer_size: int) -> grain.IterDataset:
-    if worker_count > 0:
+def _prefetch(ds: grain.IterDataset, prefetch: Prefetch) -> grain.IterDataset:
+    if prefetch.worker_count > 0:
         ensure_flags_parsed()
         return ds.mp_prefetch(
             grain.MultiprocessingOptions(
-                num_workers=worker_count, per_worker_buffer_size=worker_buffer_size
+                num_workers=prefetch.worker_count,
+                per_worker_buffer_size=prefetch.worker_buffer_size,
             )
         ).map(_own_memory)
-    if prefetch_buffer_size > 0:
-        return ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch_buffer_size)
+    if prefetch.buffer_size > 0:
+        return ThreadPrefetchIterDataset(ds, prefetch_buffer_size=prefetch.buffer_size)
     return ds
+
+
+def _check_options(pack: PackConfig | None, batch: Batching | int, num_epochs: int | None,
+                   columns: Columns, balance: Balance, window: Window, prefetch: Prefetch
+                   ) -> Batching:
+    """The batch as a `Batching`, after checking every option group is its dataclass."""
+    if pack is not None:
+        check_type("pack", pack, PackConfig, " (e.g. PackConfig(2048)) or None")
+    if not isinstance(batch, Batching):
+        if isinstance(batch, bool) or not isinstance(batch, int):
+            raise ValueError(f"batch={batch!r} must be a Batching or a positive int")
+        batch = Batching(batch)
+    for name, value, kind in (("columns", columns, Columns), ("balance", balance, Balance),
+                              ("window", window, Window), ("prefetch", prefetch, Prefetch)):
+        check_type(name, value, kind)
+    if num_epochs is not None and num_epochs < 1:
+        raise ValueError(f"{num_epochs=} must be >= 1, or None to repeat forever")
+    if balance.ranks is not None and batch.batch_size % balance.ranks:
+        raise ValueError(f"Balance(ranks={balance.ranks}) must be a divisor of "
+                         f"batch_size={batch.batch_size} (one equal slice of the host batch per "
+                         "local device)")
+    return batch
 
 
 def make_training_pipeline(
     source: Any,
     *,
-    seq_len: int | None = None,
-    batch_size: int,
-    max_segments: int | None = None,
+    pack: PackConfig | None = None,
+    batch: Batching | int,
     shuffle_seed: int,
     num_epochs: int | None,
-    shard_index: int | None = None,
-    shard_count: int | None = None,
-    worker_count: int = 0,
-    feature: str | None = None,
-    label_features: ColumnSpec = (),
-    mask_features: ColumnSpec = (),
-    meta_features: ColumnSpec = (),
-    drop_features: Sequence[str] = (),
-    next_token_loss: bool = True,
-    balance_ranks: int | None = None,
-    cost_model: CostModel | None = None,
-    balanced_steps: bool | None = None,
-    strategy: str = "best_fit_decreasing",
-    window: int = 1024,
-    overflow: str = "error",
-    segment_alignment: int = 1,
-    pad_id: int = 0,
-    shuffle_rows: bool = True,
-    drop_remainder: bool = True,
-    prefetch_buffer_size: int = 2,
-    worker_buffer_size: int = 1,
+    columns: Columns = Columns(),
+    balance: Balance = Balance(),
+    window: Window = Window(),
+    prefetch: Prefetch = Prefetch(),
 ) -> grain.IterDataset:
     """A Grain `IterDataset` of packed `[B, L]` / `[B, S]` numpy batches + `loss_tokens` `[B]`.
 
     source:       a random-access source (`grain.MapDataset`, or `__len__` + `__getitem__`) of
-                  example dicts, or a `PackedArrayRecordSource` (packed.py: no second packing;
-                  seq_len / max_segments from its manifest, a different one is a ValueError).
-    shard_index, shard_count: this host's shard (every example or row in exactly one shard).
+                  example dicts, or a `PackedArrayRecordSource` (packed.py: no second packing).
+    pack:         the rows (`packer.PackConfig`: seq_len, max_segments, strategy, overflow,
+                  segment_alignment, pad_id and `feature`, the key of the token ids, default
+                  "tokens"). Required for examples; for packed rows optional, their seq_len,
+                  max_segments and feature coming from the manifest (a different seq_len or
+                  max_segments is a ValueError).
+    batch:        `Batching` (batch size, drop_remainder, this host's shard), or the batch size.
     num_epochs:   passes over the data, reshuffled each epoch; None = forever.
-    worker_count: > 0 packs in that many processes (`mp_prefetch`); 0: a prefetch thread.
-    feature:      the token ids' key; default: the only other key of the elements, or "tokens".
-    label_features, mask_features, meta_features: columns packed with the tokens (columns.py);
-                  any other key of the elements must be in `drop_features` (else InputError).
-    next_token_loss: how `loss_tokens` counts (loss.py). balance_ranks, cost_model: balance.py.
-    balanced_steps: a packed source balanced offline: None follows its manifest, False reads
-                  it as plain rows. The other options go to `PackIterDataset` (seeded by
-                  shuffle_seed). Iterators still open at interpreter exit are closed then.
+    columns:      columns packed with the tokens, keys dropped, how `loss_tokens` counts
+                  (`Columns`): any other key of the elements raises `InputError`.
+    balance:      `Balance`: host batches balanced across local devices, balanced packed rows.
+    window:       `Window`: the streaming packer's knobs (seeded by shuffle_seed).
+    prefetch:     `Prefetch`: worker processes or a prefetch thread. Iterators still open at
+                  interpreter exit are closed then.
     """
-    _check_counts(batch_size, num_epochs, worker_count, balance_ranks)
-    shard = _shard(shard_index, shard_count)
-    columns = {**_names(label_features), **_names(mask_features), **_names(meta_features)}
-    if feature is None:
-        feature = _source_feature(source, set(columns) | set(drop_features))
+    batch = _check_options(pack, batch, num_epochs, columns, balance, window, prefetch)
+    shard = batch.shard()
     if getattr(source, "is_packed", False):
-        packed.check_shape(source, seq_len, max_segments)
+        feature = str(source.feature)
+        packed.check_shape(source, pack)
         ds = packed.packed_batches(
-            source, batch_size=batch_size, shuffle_seed=shuffle_seed, num_epochs=num_epochs,
-            shard_index=shard[0], shard_count=shard[1], drop_remainder=drop_remainder,
-            balanced_steps=balanced_steps, local_devices=shard[2])
+            source, batch_size=batch.batch_size, shuffle_seed=shuffle_seed,
+            num_epochs=num_epochs, shard_index=shard[0], shard_count=shard[1],
+            drop_remainder=batch.drop_remainder, balanced_steps=balance.steps,
+            local_devices=shard[2])
     else:
-        ds = _example_batches(
-            source, shard=shard, seq_len=seq_len, batch_size=batch_size,
-            shuffle_seed=shuffle_seed, num_epochs=num_epochs, drop_remainder=drop_remainder,
-            max_segments=64 if max_segments is None else max_segments, strategy=strategy,
-            window=window, overflow=overflow, segment_alignment=segment_alignment,
-            shuffle_rows=shuffle_rows, pad_id=pad_id, feature=feature,
-            label_features=label_features, mask_features=mask_features,
-            meta_features=meta_features, drop_features=drop_features)
-    ds = ds.map(_loss_tokens(source, feature, label_features=label_features,
-                             mask_features=mask_features, meta_features=meta_features,
-                             next_token=next_token_loss))
-    if balance_ranks is not None:
-        ds = ds.map(BalanceRanks(balance_ranks, feature=feature, cost_model=cost_model))
-    ds = _prefetch(ds, worker_count=worker_count, worker_buffer_size=worker_buffer_size,
-                   prefetch_buffer_size=prefetch_buffer_size)
-    return _ClosedAtExit(ds)
-
-
-def _names(spec: ColumnSpec) -> dict[str, None]:
-    return dict.fromkeys(spec)
+        if pack is None:
+            raise ValueError("pack=None: pass the packing config, e.g. pack=PackConfig(2048) "
+                             "(only packed sources carry one)")
+        feature = pack.feature
+        ds = _example_batches(source, pack=pack, batch=batch, shard=shard,
+                              shuffle_seed=shuffle_seed, num_epochs=num_epochs, columns=columns,
+                              window=window)
+    ds = ds.map(_loss_tokens(source, feature, columns))
+    if balance.ranks is not None:
+        ds = ds.map(BalanceRanks(balance.ranks, feature=feature, cost_model=balance.cost))
+    return _ClosedAtExit(_prefetch(ds, prefetch))
