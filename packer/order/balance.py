@@ -1,9 +1,9 @@
 """Balance helpers: equal-cost slices of a batch (online), and how balanced a row order is.
 
 `balance_slices(costs, parts)` orders n rows (n % parts == 0) into `parts` consecutive slices
-of n / parts rows whose total costs are near-equal: what `PackIterDataset(..., balance_ranks=N)`
-does to each host batch so that its N local devices finish together. Rows are dealt out
-largest first in snake order (slice 0, 1, .., N-1, N-1, .., 0, ...), then the heaviest and the
+of n / parts rows whose total costs are near-equal: what the training pipeline's
+`Balance(ranks=N)` does to each host batch so that its N local devices finish together. Rows
+are dealt out largest first in snake order (slice 0, 1, .., N-1, N-1, .., 0, ...), then the heaviest and the
 lightest slice swap the pair of rows that best evens them, while that helps (`_SWAPS` times).
 
 `step_balance(costs, data_parallel, batch_size)` is the metric: for rows in output order, the
