@@ -3,8 +3,9 @@
 `balance_slices(costs, parts)` orders n rows (n % parts == 0) into `parts` consecutive slices
 of n / parts rows whose total costs are near-equal: what the training pipeline's
 `Balance(ranks=N)` does to each host batch so that its N local devices finish together. Rows
-are dealt out largest first in snake order (slice 0, 1, .., N-1, N-1, .., 0, ...), then the heaviest and the
-lightest slice swap the pair of rows that best evens them, while that helps (`_SWAPS` times).
+are dealt out largest first in snake order (slice 0, 1, .., N-1, N-1, .., 0, ...), then the
+heaviest and the lightest slice swap the pair of rows that best evens them, while that helps
+(`_SWAPS` times).
 
 `step_balance(costs, data_parallel, batch_size)` is the metric: for rows in output order, the
 max / mean over ranks of each full step's rank costs (rank r of step s reads rows
