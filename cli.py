@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import click
 
@@ -41,10 +42,10 @@ def _usage(build, *args, **kwargs):
         raise UsageError(str(e)) from None
 
 
-def _options(*options):
+def _options(*options: Callable[[Callable], Callable]) -> Callable[[Callable], Callable]:
     """One decorator for several options, in --help in the order given."""
 
-    def apply(f):
+    def apply(f: Callable) -> Callable:
         for option in reversed(options):
             f = option(f)
         return f

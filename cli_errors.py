@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Iterable
 
 import click
 
@@ -40,7 +41,8 @@ FLAGS = {
 _QUOTED = r"'[^']*'"
 
 
-def _either(names) -> str:
+def _either(names: Iterable[str]) -> str:
+    """A regex alternative of `names`, the longest first."""
     return "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
 
 

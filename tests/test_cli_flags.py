@@ -62,6 +62,17 @@ def _raise(e):
     raise e
 
 
+def _read(write, name: str, *, tokenizer: bool = False, **options):
+    """What reads SEQS written by `write` to `name` with ReadOptions(**options) (`tokenizer`:
+    a tokenizer.json's)."""
+
+    def read(monkeypatch, tmp_path):
+        tok = {"tokenizer": write_tokenizer(tmp_path / "tok.json")} if tokenizer else {}
+        read_corpus([write(tmp_path / name, SEQS)], ReadOptions(**options, **tok))
+
+    return read
+
+
 # case -> (what raises the library's error, given monkeypatch and tmp_path; what the CLI reads)
 CASES = {
     "pad_of_no_column": (lambda mp, t: _job(t, pads={"labels": -100}),
@@ -100,15 +111,13 @@ CASES = {
                        ["or pass a smaller --shard-rows"]),
     "given_twice": (lambda mp, t: check_distinct([write_jsonl(t / "a.jsonl", SEQS)] * 2),
                     ["drop the repeat, or pass --allow-duplicates to read it again"]),
-    "jsonl_field_missing": (lambda mp, t: read_corpus([write_jsonl(t / "a.jsonl", SEQS)],
-                                                      ReadOptions(column="ids")),
+    "jsonl_field_missing": (_read(write_jsonl, "a.jsonl", column="ids"),
                             ["name the token list with --column or --field"]),
     "jsonl_text_without_tokenizer": (
         lambda mp, t: jsonl.tokens("the cat", "tokens", "a.jsonl:1", np.dtype(np.int32)),
         ["; text is tokenized with --tokenizer"]),
     "jsonl_ids_with_tokenizer": (
-        lambda mp, t: read_corpus([write_jsonl(t / "a.jsonl", SEQS)],
-                                  ReadOptions(tokenizer=write_tokenizer(t / "tok.json"))),
+        _read(write_jsonl, "a.jsonl", tokenizer=True),
         ["holds token ids, not text; --tokenizer tokenizes a text field (drop --tokenizer for "
          "token ids, or point --column at the text)"]),
     "jsonl_columns_with_tokenizer": (
@@ -127,30 +136,25 @@ CASES = {
     "unknown_format": (lambda mp, t: (t.joinpath("blob").write_bytes(bytes(range(256))),
                                       read_corpus([str(t / "blob")], ReadOptions())),
                        ["pass --input-format (jsonl, parquet"]),
-    "parquet_column_missing": (lambda mp, t: read_corpus(
-        [write_parquet(t / "a.parquet", SEQS)], ReadOptions(column="ids")),
-        ["pass --column naming the token list"]),
-    "parquet_extra_column_missing": (lambda mp, t: read_corpus(
-        [write_parquet(t / "a.parquet", SEQS)], ReadOptions(extra_columns=("labels",))),
-        ["pass --column naming columns the file holds"]),
+    "parquet_column_missing": (_read(write_parquet, "a.parquet", column="ids"),
+                               ["pass --column naming the token list"]),
+    "parquet_extra_column_missing": (_read(write_parquet, "a.parquet", extra_columns=("labels",)),
+                                     ["pass --column naming columns the file holds"]),
     "parquet_text_without_tokenizer": (
         lambda mp, t: read_corpus([_text_parquet(t)], ReadOptions()),
         ["text: pass --tokenizer tokenizer.json to tokenize it, or --column naming token ids"]),
     "parquet_ids_with_tokenizer": (
-        lambda mp, t: read_corpus([write_parquet(t / "a.parquet", SEQS)],
-                                  ReadOptions(tokenizer=write_tokenizer(t / "tok.json"))),
+        _read(write_parquet, "a.parquet", tokenizer=True),
         ["not text; --tokenizer tokenizes a text column (drop --tokenizer for token ids, or "
          "point --column at the text)"]),
     "parquet_columns_with_tokenizer": (
         lambda mp, t: ParquetTokens(write_parquet(t / "a.parquet", SEQS), "tokens",
                                     tokenizer=object(), aligned_columns=("labels",)),
         ["extra columns cannot be read with --tokenizer (the"]),
-    "arrayrecord_array_missing": (lambda mp, t: read_corpus(
-        [write_arrayrecord(t / "a.arrayrecord", SEQS)], ReadOptions(column="ids")),
-        ["pass --column naming arrays the records hold"]),
+    "arrayrecord_array_missing": (_read(write_arrayrecord, "a.arrayrecord", column="ids"),
+                                  ["pass --column naming arrays the records hold"]),
     "arrayrecord_with_tokenizer": (
-        lambda mp, t: read_corpus([write_arrayrecord(t / "a.arrayrecord", SEQS)],
-                                  ReadOptions(tokenizer=write_tokenizer(t / "tok.json"))),
+        _read(write_arrayrecord, "a.arrayrecord", tokenizer=True),
         ["ArrayRecord records hold token ids; --tokenizer is for text"]),
     "tokenizers_missing": (_no_tokenizers, ["--tokenizer needs tokenizers: pip install"]),
 }
