@@ -10,16 +10,9 @@
     seqpack inspect packed/ --row 0
 
 Each command parses its options, calls one library function (`pipelines.offline.pack`,
-`.verify`, `.report`) and prints. Errors map to exit codes in one place (`_Group.invoke`): bad
-input (a malformed file, a missing column, a corrupt shard, ...), a bad option, a missing extra
-or what the system refused (a full disk, no permission, a killed worker: `RunFailed`) prints one
-`Error: ...` line on stderr and exits with 2; `verify` exits with 1 when it finds violations;
-Ctrl-C exits with 130 and SIGTERM with 143 (naming the `--resume` command of an interrupted
-pack, or saying that its output is complete); a reader of stdout that goes away (`| head`) ends
-the command quietly with 141; click's own usage errors are one `Error:` line too; anything else
-is a bug and keeps its traceback.
-Nothing here imports jax; heavy modules are imported inside the commands so `seqpack --help`
-stays fast.
+`.verify`, `.report`) and prints. How a command ends (exit codes, the one `Error:` line with
+the library's parameters as flags, signals) is `pipelines.console.Group`'s. Nothing here
+imports jax; heavy modules are imported inside the commands so `seqpack --help` stays fast.
 """
 
 from __future__ import annotations
@@ -27,128 +20,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import sys
+from collections.abc import Callable
 
 import click
+
+from seqpack.pipelines.console import Group, handle_signals
 
 _STRATEGIES = ["best_fit_decreasing", "best_fit", "first_fit", "concat_split"]
 _OVERFLOWS = ["error", "truncate", "split", "drop"]
 _FORMATS = ["jsonl", "parquet", "arrayrecord", "text", "bytes"]
-
-
-class BadInput(click.ClickException):
-    exit_code = 2
-
-
-class Interrupted(click.ClickException):
-    exit_code = 130
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (schedulers, `timeout`, container stops), handled like Ctrl-C."""
-
-
-_SIGNALLED: list[int] = []
-
-
-def _on_signal(signum: int, frame: object) -> None:
-    """The first SIGINT / SIGTERM ends the command (KeyboardInterrupt / Terminated); later ones
-    are ignored while it cleans up (a second Ctrl-C would only add a traceback)."""
-    import signal
-
-    if _SIGNALLED:
-        return
-    _SIGNALLED.append(signum)
-    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
-
-def _bad_input(e: BaseException) -> bool:
-    """The one place that decides: bad input or usage (exit 2), or a bug (a traceback)."""
-    from seqpack.pipelines.errors import InputError, MissingDependency, UsageError
-
-    return isinstance(e, (InputError, UsageError, MissingDependency, OSError))
-
-
-def _resume_hint(ctx: click.Context, args: list[str]) -> str:
-    """For a `pack` that stopped after it started writing: the command that finishes the run,
-    or that its output is complete. `args`: the command line after `seqpack`."""
-    if not args or args[0] != "pack":
-        return ""
-    from seqpack.pipelines import storage
-    from seqpack.pipelines.formats.manifest import INTENT, MANIFEST
-
-    try:
-        with pack.make_context("pack", list(args[1:]), parent=ctx,
-                               resilient_parsing=True) as sub:
-            out = sub.params.get("output_dir")
-    except click.ClickException:
-        return ""
-    try:
-        if not out:
-            return ""
-        if not storage.exists(storage.join(out, INTENT)):
-            if storage.exists(storage.join(out, MANIFEST)):
-                return f"; the output at {out} is complete"
-            return "; nothing was written yet: run the same command again"
-    except Exception:  # noqa: BLE001 - a hint must never hide the error it goes with
-        return ""
-    again = [a for a in args if a not in ("--resume", "--overwrite")]
-    return f"; finish the run with: seqpack {shlex.join([*again, '--resume'])}"
-
-
-class _Group(click.Group):
-    """Maps errors to exit codes: bad input, usage and missing extras print one `Error:` line
-    and exit with 2 (click's own usage errors too: no usage block); Ctrl-C exits with 130 and,
-    for an interrupted `pack`, names the `--resume` command that finishes it; anything else is a
-    bug and keeps its traceback.
-
-    Set SEQPACK_DEBUG=1 to get the traceback of bad input too.
-    """
-
-    def make_context(self, info_name, args, parent=None, **extra):
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.exceptions.NoArgsIsHelpError:
-            raise
-        except click.UsageError as e:  # the group's own options
-            raise BadInput(e.format_message()) from None
-
-    def invoke(self, ctx: click.Context):
-        # The subcommand's arguments, taken before click consumes them (click 8.2 renamed
-        # protected_args to _protected_args).
-        protected = vars(ctx).get("_protected_args", vars(ctx).get("protected_args", []))
-        args = [*protected, *ctx.args]
-        from seqpack.pipelines.errors import RunFailed, one_line
-
-        try:
-            return super().invoke(ctx)
-        except KeyboardInterrupt as e:
-            error = Interrupted(("terminated (SIGTERM)" if isinstance(e, Terminated) else
-                                 "interrupted") + _resume_hint(ctx, args))
-            error.exit_code = 143 if isinstance(e, Terminated) else 130
-            raise error from None
-        except click.exceptions.NoArgsIsHelpError:
-            raise
-        except click.UsageError as e:  # a subcommand's options and arguments
-            raise BadInput(e.format_message()) from None
-        except BrokenPipeError:  # stdout's reader went away (`seqpack ... | head`)
-            _quiet_stdout()
-            raise click.exceptions.Exit(141) from None
-        except Exception as e:
-            if isinstance(e, click.ClickException | click.exceptions.Exit | click.Abort) \
-                    or os.environ.get("SEQPACK_DEBUG") or not _bad_input(e):
-                raise
-            hint = _resume_hint(ctx, args) if isinstance(e, RunFailed) else ""
-            raise BadInput(one_line(e).removesuffix(".") + hint) from None
-
-
-def _quiet_stdout() -> None:
-    """Points stdout at /dev/null, so the interpreter's final flush raises nothing."""
-    with contextlib.suppress(OSError, ValueError):
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, sys.stdout.fileno())
-        os.close(null)
 
 
 def _usage(build, *args, **kwargs):
@@ -161,52 +42,127 @@ def _usage(build, *args, **kwargs):
         raise UsageError(str(e)) from None
 
 
-def _packing_options(f):
-    options = [
-        click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(min=1),
-                     help="Tokens per packed row (L)."),
-        click.option("--max-segments", default=64, show_default=True,
-                     type=click.IntRange(min=1), help="Most segments one row may hold (S)."),
-        click.option("--overflow", type=click.Choice(_OVERFLOWS), default=None,
-                     help="Examples longer than --seq-len.  [default: error; split for the "
-                          "built-in sample]"),
-        click.option("--segment-alignment", default=1, show_default=True,
-                     type=click.IntRange(min=1), help="Segments start at multiples of this."),
-        click.option("--pad-id", default=0, show_default=True, type=click.IntRange(min=0),
-                     help="Token id written into padding."),
-        click.option("--feature", default="tokens", show_default=True,
-                     help="Name of the packed feature (prefixes the row keys)."),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
+def _options(*options: Callable[[Callable], Callable]) -> Callable[[Callable], Callable]:
+    """One decorator for several options, in --help in the order given."""
+
+    def apply(f: Callable) -> Callable:
+        for option in reversed(options):
+            f = option(f)
+        return f
+
+    return apply
 
 
-def _reading_options(f):
-    options = [
-        click.option("--input-format", type=click.Choice(_FORMATS), default=None,
-                     help="Input file format (bytes: any file's raw bytes as ids 0..255).  "
-                          "[default: from the name, else from the content; refused otherwise]"),
-        click.option("--column", "--field", "columns", multiple=True, default=["tokens"],
-                     show_default=True,
-                     help="Parquet column / JSONL field / ArrayRecord array of token ids (of "
-                          "text, with --tokenizer). Repeat it for columns packed with the "
-                          "tokens under the same segments (any integers: labels, masks), "
-                          "e.g. --column input_ids --column labels."),
-        click.option("--tokenizer", type=click.Path(dir_okay=False), default=None,
-                     help="tokenizers tokenizer.json: tokenizes text files and the text "
-                          "--field of JSONL / --column of Parquet (default: text files as "
-                          "UTF-8 bytes). Its padding and truncation are switched off: rows are "
-                          "padded by packing, long examples follow --overflow. An error with "
-                          "token-id inputs."),
-        click.option("--text-unit", type=click.Choice(["file", "line", "paragraph"]),
-                     default="file", show_default=True,
-                     help="Text inputs: one example per file, non-blank line or paragraph "
-                          "(lines between blank lines; the built-in sample's unit)."),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
+def _workers_option(text: str):
+    return click.option("--workers", type=click.IntRange(min=1), default=None,
+                        help=f"{text}  [default: the CPU count]")
+
+
+def _block_size_option(text: str):
+    return click.option("--block-size", type=click.IntRange(min=1), default=None,
+                        help=f"{text}  [default: 4194304]")
+
+
+_packing_options = _options(
+    click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(min=1),
+                 help="Tokens per packed row (L)."),
+    click.option("--max-segments", default=64, show_default=True,
+                 type=click.IntRange(min=1), help="Most segments one row may hold (S)."),
+    click.option("--overflow", type=click.Choice(_OVERFLOWS), default=None,
+                 help="Examples longer than --seq-len.  [default: error; split for the "
+                      "built-in sample]"),
+    click.option("--segment-alignment", default=1, show_default=True,
+                 type=click.IntRange(min=1), help="Segments start at multiples of this."),
+    click.option("--pad-id", default=0, show_default=True, type=click.IntRange(min=0),
+                 help="Token id written into padding."),
+    click.option("--feature", default="tokens", show_default=True,
+                 help="Name of the packed feature (prefixes the row keys)."),
+)
+
+_reading_options = _options(
+    click.option("--input-format", type=click.Choice(_FORMATS), default=None,
+                 help="Input file format (bytes: any file's raw bytes as ids 0..255).  "
+                      "[default: from the name, else from the content; refused otherwise]"),
+    click.option("--column", "--field", "columns", multiple=True, default=["tokens"],
+                 show_default=True,
+                 help="Parquet column / JSONL field / ArrayRecord array of token ids (of "
+                      "text, with --tokenizer). Repeat it for columns packed with the "
+                      "tokens under the same segments (any integers: labels, masks), "
+                      "e.g. --column input_ids --column labels."),
+    click.option("--tokenizer", type=click.Path(dir_okay=False), default=None,
+                 help="tokenizers tokenizer.json: tokenizes text files and the text "
+                      "--field of JSONL / --column of Parquet (default: text files as "
+                      "UTF-8 bytes). Its padding and truncation are switched off: rows are "
+                      "padded by packing, long examples follow --overflow. An error with "
+                      "token-id inputs."),
+    click.option("--text-unit", type=click.Choice(["file", "line", "paragraph"]),
+                 default="file", show_default=True,
+                 help="Text inputs: one example per file, non-blank line or paragraph "
+                      "(lines between blank lines; the built-in sample's unit)."),
+)
+
+_cost_options = _options(
+    click.option("--cost-model", type=click.Choice(["attention", "tokens"]),
+                 default="attention", show_default=True,
+                 help="A row's work: per segment c(l) = l (1 + l / k) with k = 12 * "
+                      "--d-model (dense layers + causal attention), or its tokens."),
+    click.option("--d-model", default=4096, show_default=True, type=click.IntRange(min=1),
+                 help="The model's width, for --cost-model attention."),
+)
+
+_writing_options = _options(
+    click.option("--shard-rows", default=1024, show_default=True, type=click.IntRange(min=1),
+                 help="Packed rows per ArrayRecord shard."),
+    click.option("--compression", type=click.Choice(["none", "snappy", "zstd"]), default="none",
+                 show_default=True, help="ArrayRecord chunk compression."),
+    click.option("--resume", is_flag=True, help="Finish an interrupted run into OUTPUT."),
+    click.option("--overwrite", is_flag=True, help="Replace an existing OUTPUT."),
+    click.option("--fsync", is_flag=True, help="fsync each shard before it is renamed complete."),
+)
+
+_order_options = _options(
+    click.option("--row-order", type=click.Choice(["shuffle", "plan"]), default="shuffle",
+                 show_default=True,
+                 help="Order of the rows: a seeded shuffle (every shard and range of rows holds "
+                      "the same mix of long and short examples), or the planner's (longest "
+                      "first)."),
+    click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+                 help="Seed of the row order."),
+    click.option("--data-parallel", type=click.IntRange(min=1), default=None, metavar="D",
+                 help="Balance steps for D data-parallel ranks: rank r of step s reads rows "
+                      "[(s*D + r)*b, (s*D + r + 1)*b) with b = --batch-size, and the D ranks of "
+                      "every step carry near-equal cost (--cost-model); steps in a seeded order."),
+    click.option("--batch-size", default=None, type=click.IntRange(min=1),
+                 help="Rows per rank per step with --data-parallel (default 1); otherwise the "
+                      "batch of the steps-per-epoch figure (default 32)."),
+)
+
+_runner_options = _options(
+    _workers_option("Processes that read inputs, plan blocks and write shards (with --runner "
+                    "beam: the DirectRunner's direct_num_workers); the output is the same for "
+                    "any number."),
+    _block_size_option("Examples planned together; larger corpora are planned per block of "
+                       "consecutive examples (bounded memory, a few rows more)."),
+    click.option("--runner", type=click.Choice(["local", "beam"]), default="local",
+                 show_default=True,
+                 help="local: in this process. beam: as an Apache Beam job, same output "
+                      "(DirectRunner, one process per CPU, by default; needs seqpack[beam])."),
+    click.option("--beam-option", "beam_options", multiple=True, metavar="KEY=VALUE",
+                 help="A Beam pipeline option for --runner beam (repeatable), e.g. "
+                      "direct_num_workers=4 or runner=FlinkRunner."),
+)
+
+_column_options = _options(
+    click.option("--pad", "pads", multiple=True, metavar="NAME=VALUE",
+                 help="Padding of an extra --column (repeatable), e.g. labels=-100.  [default: 0]"),
+    click.option("--role", "roles", multiple=True, metavar="NAME=ROLE",
+                 help="What an extra --column means for the loss (repeatable): labels (-100 takes "
+                      "no loss), mask (0 takes no loss) or values; recorded in the manifest for "
+                      "the training pipeline.  [default: from the name: *labels, *mask*, else "
+                      "values]"),
+    click.option("--allow-duplicates", is_flag=True,
+                 help="Pack an input given twice (or through a link) twice, instead of refusing."),
+)
 
 
 def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id, feature):
@@ -228,40 +184,6 @@ def _expand(paths: tuple[str, ...], *, allow_duplicates: bool = False,
     if output_ok and len(paths) == 1 and is_output_dir(paths[0]):
         return list(paths)
     return expand_inputs(paths, allow_duplicates=allow_duplicates)
-
-
-def _packed_dir(path: str) -> bool:
-    """A directory, or a URL prefix holding manifest.json (a packed output on object storage)."""
-    if "://" not in path:
-        return os.path.isdir(path)
-    from seqpack.pipelines import storage
-    from seqpack.pipelines.formats.manifest import MANIFEST
-
-    return storage.exists(storage.join(path, MANIFEST))
-
-
-def _cost_options(f):
-    options = [
-        click.option("--cost-model", type=click.Choice(["attention", "tokens"]),
-                     default="attention", show_default=True,
-                     help="A row's work: per segment c(l) = l (1 + l / k) with k = 12 * "
-                          "--d-model (dense layers + causal attention), or its tokens."),
-        click.option("--d-model", default=4096, show_default=True, type=click.IntRange(min=1),
-                     help="The model's width, for --cost-model attention."),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
-
-
-def _workers_option(text: str):
-    return click.option("--workers", type=click.IntRange(min=1), default=None,
-                        help=f"{text}  [default: the CPU count]")
-
-
-def _block_size_option(text: str):
-    return click.option("--block-size", type=click.IntRange(min=1), default=None,
-                        help=f"{text}  [default: 4194304]")
 
 
 def _row_order(row_order, seed, data_parallel, batch_size, cost_model, d_model):
@@ -300,7 +222,7 @@ def _pairs(items: tuple[str, ...], option: str, kind: type) -> dict:
     return out
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="seqpack")
 def seqpack() -> None:
     """Pack variable-length token sequences into fixed-size rows, offline, and check them.
@@ -315,10 +237,7 @@ def seqpack() -> None:
 
 def main(args: list[str] | None = None) -> None:
     """The `seqpack` console script: SIGINT and SIGTERM end a command with its one message."""
-    import signal
-
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
+    handle_signals()
     seqpack.main(args=args, prog_name="seqpack")
 
 
@@ -331,47 +250,12 @@ def main(args: list[str] | None = None) -> None:
               show_default=True)
 @_packing_options
 @_reading_options
-@click.option("--shard-rows", default=1024, show_default=True, type=click.IntRange(min=1),
-              help="Packed rows per ArrayRecord shard.")
-@click.option("--compression", type=click.Choice(["none", "snappy", "zstd"]), default="none",
-              show_default=True, help="ArrayRecord chunk compression.")
-@click.option("--resume", is_flag=True, help="Finish an interrupted run into OUTPUT.")
-@click.option("--overwrite", is_flag=True, help="Replace an existing OUTPUT.")
-@click.option("--fsync", is_flag=True, help="fsync each shard before it is renamed complete.")
-@click.option("--row-order", type=click.Choice(["shuffle", "plan"]), default="shuffle",
-              show_default=True,
-              help="Order of the rows: a seeded shuffle (every shard and range of rows holds the "
-                   "same mix of long and short examples), or the planner's (longest first).")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
-              help="Seed of the row order.")
-@click.option("--data-parallel", type=click.IntRange(min=1), default=None, metavar="D",
-              help="Balance steps for D data-parallel ranks: rank r of step s reads rows "
-                   "[(s*D + r)*b, (s*D + r + 1)*b) with b = --batch-size, and the D ranks of "
-                   "every step carry near-equal cost (--cost-model); steps in a seeded order.")
-@click.option("--batch-size", default=None, type=click.IntRange(min=1),
-              help="Rows per rank per step with --data-parallel (default 1); otherwise the "
-                   "batch of the steps-per-epoch figure (default 32).")
+@_writing_options
+@_order_options
 @_cost_options
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON.")
-@_workers_option("Processes that read inputs, plan blocks and write shards (with --runner beam: "
-                 "the DirectRunner's direct_num_workers); the output is the same for any number.")
-@_block_size_option("Examples planned together; larger corpora are planned per block of "
-                    "consecutive examples (bounded memory, a few rows more).")
-@click.option("--runner", type=click.Choice(["local", "beam"]), default="local", show_default=True,
-              help="local: in this process. beam: as an Apache Beam job, same output "
-                   "(DirectRunner, one process per CPU, by default; needs seqpack[beam]).")
-@click.option("--beam-option", "beam_options", multiple=True, metavar="KEY=VALUE",
-              help="A Beam pipeline option for --runner beam (repeatable), e.g. "
-                   "direct_num_workers=4 or runner=FlinkRunner.")
-@click.option("--pad", "pads", multiple=True, metavar="NAME=VALUE",
-              help="Padding of an extra --column (repeatable), e.g. labels=-100.  [default: 0]")
-@click.option("--role", "roles", multiple=True, metavar="NAME=ROLE",
-              help="What an extra --column means for the loss (repeatable): labels (-100 takes "
-                   "no loss), mask (0 takes no loss) or values; recorded in the manifest for "
-                   "the training pipeline.  [default: from the name: *labels, *mask*, else "
-                   "values]")
-@click.option("--allow-duplicates", is_flag=True,
-              help="Pack an input given twice (or through a link) twice, instead of refusing.")
+@_runner_options
+@_column_options
 def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
          feature, input_format, columns, tokenizer, text_unit, shard_rows, compression, resume,
          overwrite, fsync, row_order, seed, data_parallel, batch_size, cost_model, d_model,
@@ -387,7 +271,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     from seqpack.pipelines.formats.inputs import sample_files
     from seqpack.pipelines.offline import PackJob, WriteOptions
     from seqpack.pipelines.offline import pack as run
-    from seqpack.pipelines.offline.report import format_table, summary, terminal_progress
+    from seqpack.pipelines.offline.report import format_pack, terminal_progress
 
     sample = not inputs
     inputs = _expand(inputs, allow_duplicates=allow_duplicates)
@@ -422,11 +306,8 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
         return
     what = "the built-in sample (Python stdlib sources, bytes)" if sample else \
         f"{len(inputs)} input file(s)"
-    click.echo(f"packed {what}: {manifest.inputs['num_examples']:,} examples -> "
-               f"{manifest.num_rows:,} rows in {len(manifest.shards)} shard(s) at "
-               f"{output_dir}\n")
     step = (data_parallel or 1) * (batch_size or (1 if data_parallel else 32))
-    click.echo(format_table({strategy: summary(manifest.stats, step)}))
+    click.echo(format_pack(manifest, output_dir, what=what, batch_size=step))
 
 
 @seqpack.command()
@@ -457,46 +338,32 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
     """
     from seqpack.pipelines.offline.report import (
         STRATEGIES,
-        dry_run_inputs,
-        format_table,
+        dry_run_stats,
+        is_packed,
+        output_stats,
         plot_stats,
-        summary,
     )
 
     paths = _expand(paths, output_ok=True, allow_duplicates=allow_duplicates)
-    if len(paths) == 1 and _packed_dir(paths[0]):
-        from seqpack.pipelines.offline.verify import load_manifest
-
-        manifest, config = load_manifest(paths[0])
-        per_strategy = {config.strategy.value: manifest.stats}
-        order = manifest.row_order or {}
-        if order.get("mode") == "balanced" and batch_size is None:  # a step: D ranks x b rows
-            batch_size = int(order["data_parallel"]) * int(order["batch_size"])
-        hist, title = manifest.example_length_histogram, f"packed: {paths[0]}"
+    if len(paths) == 1 and is_packed(paths[0]):
+        result = output_stats(paths[0], batch_size=batch_size)
     else:
         from seqpack.packer.order import CostModel
         from seqpack.pipelines.offline import default_workers
-        from seqpack.pipelines.offline.record import length_histogram
 
         config = _config("best_fit_decreasing", seq_len, max_segments, overflow,
                          segment_alignment, pad_id, feature)
-        lengths, per_strategy = dry_run_inputs(
+        result = dry_run_stats(
             paths, _read_options(input_format, columns, tokenizer, text_unit), config,
             strategies or STRATEGIES, workers=workers or default_workers(),
-            block_size=block_size, cost=_usage(CostModel, kind=cost_model, d_model=d_model))
-        hist = length_histogram(lengths)
-        title = (f"dry run: {len(paths)} input file(s), seq_len {seq_len}, max_segments "
-                 f"{max_segments}, overflow {config.overflow.value}")
-    summaries = {name: summary(s, batch_size or 32) for name, s in per_strategy.items()}
+            block_size=block_size, cost=_usage(CostModel, kind=cost_model, d_model=d_model),
+            batch_size=batch_size)
     if plot:
-        plot_stats(plot, hist, per_strategy)
+        plot_stats(plot, result.length_histogram, result.per_strategy)
     if as_json:
-        click.echo(json.dumps({"summary": summaries, "stats": per_strategy,
-                               "example_length_histogram": hist}, indent=2))
+        click.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        click.echo(format_table(summaries, title))
-        if plot:
-            click.echo(f"\nplots written to {plot}")
+        click.echo(result.table() + (f"\n\nplots written to {plot}" if plot else ""))
 
 
 @seqpack.command()

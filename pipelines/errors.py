@@ -3,8 +3,8 @@
 - `InputError` (from `seqpack.packer`): bad data; the message names the file and the line or
   record. The CLI prints it as one `Error:` line and exits with 2.
 - `UsageError` (a ValueError): a bad argument or combination found while running (an output
-  directory that exists without --overwrite, a --resume of a different run, a Beam option that
-  is not KEY=VALUE). The CLI treats it like bad input.
+  directory that is not empty, a resume of a different run, a Beam option that is not
+  KEY=VALUE). The CLI treats it like bad input.
 - `MissingDependency` (an ImportError): an optional package is not installed; the message names
   the package and the extra that brings it (`pip install 'seqpack[io]'`).
 - `RunFailed` (an OSError): the system stopped a run (a disk full or out of inodes, no
@@ -12,6 +12,10 @@
   output is left in a state that `seqpack pack ... --resume` finishes. The CLI exits with 2.
 
 Anything else (a plain ValueError from deep inside, a KeyError, ...) is a bug, not bad input.
+
+Messages name a parameter the way a Python caller passes it: `name=` or `name=value`
+(`shard_rows=1024`, `pads['labels']=...`, `existing='resume'`), never a CLI flag; the CLI
+rewrites those names into its flags in one place (`seqpack.cli.to_flags`).
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ _ADVICE = {
     errno.ENOSPC: ("No space left on device", "free space on that disk (or write elsewhere)"),
     errno.EDQUOT: ("Disk quota exceeded", "free space within the quota"),
     errno.EFBIG: ("File too large", "raise the file size limit (ulimit -f) or pass a smaller "
-                  "--shard-rows"),
+                  "shard_rows="),
     errno.EACCES: ("Permission denied", "make it writable"),
     errno.EPERM: ("Operation not permitted", "make it writable"),
     errno.EROFS: ("Read-only file system", "write to a writable file system"),

@@ -139,7 +139,7 @@ def test_resume_keeps_complete_shards_and_overwrite_is_required(corpus, tmp_path
               quiet=True)
     assert dir_bytes(out) == dir_bytes(local)
     assert {n: os.stat(out / n).st_mtime_ns for n in kept} == kept  # not rewritten
-    with pytest.raises(ValueError, match="exists and is not empty; pass --overwrite"):
+    with pytest.raises(ValueError, match="exists and is not empty; pass existing='overwrite'"):
         pack_beam(PackJob(paths, out, CONFIG, write_options=WRITE, workers=2), quiet=True)
     pack_beam(PackJob(paths, out, CONFIG, write_options=WRITE, existing="overwrite", workers=1),
               quiet=True)

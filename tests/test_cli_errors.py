@@ -187,7 +187,7 @@ def test_usage_errors_exit_2(tmp_path):
     result = invoke("pack", path, "-o", tmp_path / "o", "--strategy", "magic")
     assert result.exit_code == 2 and "magic" in result.stderr
     result = invoke("pack", path, "-o", tmp_path / "o", "--seq-len", 10, "--segment-alignment", 3)
-    assert_bad_input(result, "segment_alignment=3 must divide seq_len=10")
+    assert_bad_input(result, "--segment-alignment 3 must divide --seq-len 10")
 
 
 def _failing_pack(monkeypatch, error: BaseException):
@@ -221,9 +221,9 @@ def test_error_policy_maps_exit_codes_in_one_place(tmp_path, monkeypatch):
 def test_bad_option_values_are_usage_errors(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", [[1, 2, 3]])
     assert_bad_input(invoke("pack", src, "-o", tmp_path / "o", "--seq-len", 10,
-                            "--segment-alignment", 3), "segment_alignment=3 must divide")
+                            "--segment-alignment", 3), "--segment-alignment 3 must divide")
     assert_bad_input(invoke("pack", src, "-o", tmp_path / "o", "--feature", "not an id"),
-                     "feature='not an id'")
+                     "--feature 'not an id'")
 
 
 def test_a_missing_extra_names_the_extra(tmp_path, monkeypatch):

@@ -51,7 +51,7 @@ def test_seq_len_bounds_are_checked_before_anything_is_written(tmp_path, monkeyp
     # Before: a traceback, and pack_intent.json left behind.
     result = invoke("pack", src, "-o", out, "--seq-len", 3_000_000_000, ok=False)
     assert result.exit_code == 2 and result.output.count("\n") == 1
-    assert "seq_len=3000000000 must be in [1, 2147483647]" in result.output
+    assert "--seq-len 3000000000 must be in [1, 2147483647]" in result.output
     from seqpack.pipelines.offline import job
 
     monkeypatch.setattr(job, "available_memory", lambda: 2**30)

@@ -190,7 +190,8 @@ def test_the_cli_packs_labels_and_refuses_bad_columns(tmp_path):
                     "labels", ok=False)
     assert result.exit_code == 2 and "bad.jsonl:1" in result.stderr and "'labels' holds 1" \
         in result.stderr and "holds 2" in result.stderr
-    for args, needle in ((["--pad", "mask=0"], "'mask' is not an extra --column"),
+    for args, needle in ((["--pad", "mask=0"], "--pad mask=...: 'mask' is not an extra column "
+                                               "(--column ['labels'])"),
                          (["--pad", "labels"], "must be NAME=INTEGER"),
                          (["--role", "labels=loss"], "the role must be one of"),
                          (["--column", "tokens_segment_lengths"], "already have a key")):

@@ -179,9 +179,10 @@ def test_unrecognized_content_is_refused_not_packed_as_bytes(tmp_path):
     path = tmp_path / "blob.bin"
     path.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(InputError, match=f"{path}: cannot tell the input format .*"
-                                         "--input-format"):
+                                         "input_format="):
         read_corpus([str(path)], ReadOptions())
-    assert_bad_input(invoke("stats", path), "blob.bin: cannot tell the input format")
+    assert_bad_input(invoke("stats", path), "blob.bin: cannot tell the input format",
+                     "pass --input-format (")
     # Asked for explicitly, the raw bytes are the ids.
     corpus = read_corpus([str(path)], ReadOptions(input_format="bytes"))
     assert corpus.values.dtype == np.uint8 and bytes(corpus.values) == path.read_bytes()
@@ -201,12 +202,12 @@ def test_text_that_is_not_utf8_is_refused_unless_bytes_are_asked_for(tmp_path):
     path.write_bytes(data)
     for unit in ("file", "line", "paragraph"):
         with pytest.raises(InputError, match=f"{path}:2: not UTF-8 text .*at byte 17 .*"
-                                             "--input-format bytes"):
+                                             "input_format='bytes'"):
             read_corpus([str(path)], ReadOptions(text_unit=unit))
     corpus = read_corpus([str(path)], ReadOptions(input_format="bytes", text_unit="line"))
     assert [bytes(corpus.values[a:b]) for a, b in zip(corpus.offsets[:-1], corpus.offsets[1:])
             ] == data.split(b"\n")[:2]
-    assert_bad_input(invoke("stats", path), "a.txt:2: not UTF-8 text")
+    assert_bad_input(invoke("stats", path), "a.txt:2: not UTF-8 text", "--input-format bytes")
     notes = tmp_path / "notes"  # UTF-8 text without an extension: text
     notes.write_text("ein Beispiel: grüße\n")
     corpus = read_corpus([str(notes)], ReadOptions())

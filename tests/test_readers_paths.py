@@ -49,7 +49,7 @@ def test_a_file_given_twice_is_refused_unless_allowed(data, monkeypatch):
     os.symlink(a, data / "link.jsonl")
     monkeypatch.chdir(data)
     for args in ([a, a], ["a.jsonl", "./a.jsonl"], [a, "link.jsonl"], [str(data), a]):
-        with pytest.raises(InputError, match=r"given twice as an input.*--allow-duplicates"):
+        with pytest.raises(InputError, match=r"given twice as an input.*allow_duplicates=True"):
             expand_inputs(args)
     assert expand_inputs([a, a], allow_duplicates=True) == [a, a]
     assert expand_inputs(["missing.jsonl", "other.jsonl"]) == ["missing.jsonl", "other.jsonl"]

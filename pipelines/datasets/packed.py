@@ -150,7 +150,7 @@ def packed_batches(source: Any, *, batch_size: int, shuffle_seed: int, num_epoch
         balanced_steps = is_balanced(source)
     elif balanced_steps and not is_balanced(source):
         raise ValueError("Balance(steps=True) but the packed rows' manifest has no balanced "
-                         "row_order (pack with --data-parallel D --batch-size b)")
+                         "row_order (pack with data_parallel=D and batch_size=b)")
     if balanced_steps:
         D, b = balanced_layout(source, batch_size=batch_size, shard_count=shard_count,
                                drop_remainder=drop_remainder, local_devices=local_devices)

@@ -133,7 +133,7 @@ def _example(row: dict[str, np.ndarray], column: str, path: str, index: int, *,
     arr = row.get(column)
     if arr is None:
         raise InputError(f"{path} record {index}: array {column!r} is missing (has "
-                         f"{sorted(row)}); pass --column naming arrays the records hold")
+                         f"{sorted(row)}); pass column= naming arrays the records hold")
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         what = "token ids" if token_ids else "integers"
         raise InputError(f"{path} record {index}: {column!r} is {arr.dtype}{list(arr.shape)}, "

@@ -56,7 +56,7 @@ class Readable(Protocol):
     def read(self, size: int = -1, /) -> bytes: ...
 
 
-_HINT = "pass --input-format (jsonl, parquet, arrayrecord, text; bytes packs its raw bytes)"
+_HINT = "pass input_format= (jsonl, parquet, arrayrecord, text; bytes packs its raw bytes)"
 
 
 def format_by_name(path: str) -> str | None:

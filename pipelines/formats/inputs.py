@@ -99,14 +99,14 @@ class ReadOptions:
                              "first is the token column)")
         if self.extra_columns and self.tokenizer:
             raise InputError(f"extra columns {list(self.extra_columns)} cannot be read with "
-                             "--tokenizer (tokenized lengths would not match them): pack token "
-                             "ids with their columns, or give one --column")
+                             "tokenizer= (tokenized lengths would not match them): pack token "
+                             "ids with their columns, or the token column alone")
         if self.extra_columns and self.input_format in ("text", "bytes"):
-            raise InputError(f"--input-format {self.input_format} has one column; extra "
+            raise InputError(f"input_format={self.input_format!r} has one column; extra "
                              f"columns {list(self.extra_columns)} need JSONL, Parquet or "
                              "ArrayRecord inputs")
         if self.input_format == "bytes" and self.tokenizer:
-            raise InputError("--input-format bytes packs raw bytes; drop --tokenizer, or read "
+            raise InputError("input_format='bytes' packs raw bytes; drop tokenizer=, or read "
                              "the files as text")
 
 
@@ -201,7 +201,7 @@ def file_chunks(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None
                                      aligned_columns=extra).chunks()
     if fmt == "arrayrecord":
         if tokenizer is not None:
-            raise InputError(f"{path}: ArrayRecord records hold token ids; --tokenizer is for "
+            raise InputError(f"{path}: ArrayRecord records hold token ids; tokenizer= is for "
                              "text (text files, JSONL text fields, Parquet text columns)")
         return arrayrecord.example_chunks(path, options.column, aligned_columns=extra)
     if extra:

@@ -74,8 +74,7 @@ def parse_line(raw: bytes, field: str, where: str) -> dict[str, Any]:
                          f"write one object per line with a {field!r} list")
     if field not in record:
         raise InputError(f"{where}: field {field!r} is missing (keys: {sorted(record)[:8]}); "
-                         "name the token list with --field (field= of JsonlSource, column= of "
-                         "ReadOptions)")
+                         "name the token list with column= or field=")
     return record
 
 
@@ -85,7 +84,7 @@ def tokens(value: Any, field: str, where: str, dtype: np.dtype, *, token_ids: bo
     sign) as a `dtype` array; InputError for anything else or a value `dtype` cannot hold."""
     what = "token ids" if token_ids else "integers"
     if not isinstance(value, list):
-        hint = "; text is tokenized with --tokenizer" if isinstance(value, str) else ""
+        hint = "; text is tokenized with tokenizer=" if isinstance(value, str) else ""
         raise InputError(f"{where}: field {field!r} must be a list of {what}, "
                          f"got {type(value).__name__}{hint}")
     if not value:
@@ -106,7 +105,7 @@ def read_chunks(path: str, field: str, tokenizer: Any = None, *,
     chunk; with a tokenizer its tokenized text field (one chunk)."""
     if tokenizer is not None:
         if aligned_columns:
-            raise InputError(f"{path}: extra columns cannot be read with --tokenizer (the "
+            raise InputError(f"{path}: extra columns cannot be read with tokenizer= (the "
                              "tokenized lengths would not match them)")
         yield read_text_field(path, field, tokenizer)
         return
@@ -221,9 +220,9 @@ def read_text_field(path: str, field: str, tokenizer: Any) -> Chunk:
         value = parse_line(raw, field, where)[field]
         if not isinstance(value, str):
             what = "token ids" if isinstance(value, list) else type(value).__name__
-            raise InputError(f"{where}: field {field!r} holds {what}, not text; --tokenizer "
-                             "tokenizes a text field (drop --tokenizer for token ids, or "
-                             "point --field at the text)")
+            raise InputError(f"{where}: field {field!r} holds {what}, not text; tokenizer= "
+                             "tokenizes a text field (drop tokenizer= for token ids, or "
+                             "point column= at the text)")
         texts.append(value)
     values, offsets = encode(tokenizer, texts)
     return Chunk(values, offsets, 0)

@@ -53,7 +53,7 @@ class ParquetTokens:
         self.aligned = tuple(aligned_columns)
         self.tokenizer = tokenizer
         if tokenizer is not None and self.aligned:
-            raise InputError(f"{self.path}: extra columns cannot be read with --tokenizer (the "
+            raise InputError(f"{self.path}: extra columns cannot be read with tokenizer= (the "
                              "tokenized lengths would not match them)")
         if not os.path.isfile(self.path):
             raise InputError(f"{self.path}: no such file")
@@ -64,11 +64,10 @@ class ParquetTokens:
             raise InputError(f"{self.path}: not a readable Parquet file ({e})") from None
         for name in (column, *self.extra, *self.aligned):
             if name not in schema.names:
-                what = ("naming the token list" if name == column else "naming columns the "
-                        "file holds")
+                what = ("column= naming the token list" if name == column else
+                        "extra_columns= naming columns the file holds")
                 raise InputError(f"{self.path}: column {name!r} is missing (columns: "
-                                 f"{schema.names[:8]}); pass --column (column= in Python) "
-                                 f"{what}")
+                                 f"{schema.names[:8]}); pass {what}")
         for name in self.aligned:
             t = schema.field(name).type
             if not ((pa.types.is_list(t) or pa.types.is_large_list(t))
@@ -80,12 +79,12 @@ class ParquetTokens:
         is_list = pa.types.is_list(t) or pa.types.is_large_list(t)
         is_text = pa.types.is_string(t) or pa.types.is_large_string(t)
         if tokenizer is not None and not is_text:
-            raise InputError(f"{self.path}: column {column!r} has type {t}, not text; --tokenizer "
-                             "tokenizes a text column (drop --tokenizer for token ids, or point "
-                             "--column at the text)")
+            raise InputError(f"{self.path}: column {column!r} has type {t}, not text; tokenizer= "
+                             "tokenizes a text column (drop tokenizer= for token ids, or point "
+                             "column= at the text)")
         if tokenizer is None and is_text:
             raise InputError(f"{self.path}: column {column!r} has type {t}, text: pass "
-                             "--tokenizer tokenizer.json to tokenize it, or --column naming "
+                             "tokenizer='tokenizer.json' to tokenize it, or column= naming "
                              "token ids")
         if tokenizer is None and not (is_list and pa.types.is_integer(t.value_type)):
             where = self._first_non_integer() if is_list and pa.types.is_floating(

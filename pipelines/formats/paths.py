@@ -82,8 +82,8 @@ def check_distinct(paths: Sequence[str]) -> None:
         if key in seen:
             also = "" if seen[key] == path else f" (also given as {seen[key]})"
             raise InputError(f"{path}: given twice as an input{also}; each input is read once: "
-                             "drop the repeat, or pass --allow-duplicates (allow_duplicates="
-                             "True in Python) to read it again")
+                             "drop the repeat, or pass allow_duplicates=True to read it "
+                             "again")
         seen[key] = path
 
 

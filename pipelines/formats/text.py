@@ -31,7 +31,7 @@ from seqpack.pipelines.formats.detect import open_stream
 
 def load_tokenizer(path: str) -> Any:
     """A `tokenizers` Tokenizer from a tokenizer.json; InputError if it cannot be loaded."""
-    Tokenizer = require("tokenizers", "--tokenizer").Tokenizer
+    Tokenizer = require("tokenizers", "tokenizer=").Tokenizer
     if not os.path.isfile(path):
         raise InputError(f"{path}: tokenizer file does not exist")
     try:
@@ -63,7 +63,7 @@ def read_text(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
     offsets)."""
     if raw:
         if tokenizer is not None:
-            raise InputError(f"{path}: the input format bytes packs raw bytes; drop --tokenizer "
+            raise InputError(f"{path}: the input format bytes packs raw bytes; drop tokenizer= "
                              "(or read the file as text)")
         with open(path, "rb") as f:
             data = f.read()
@@ -71,7 +71,7 @@ def read_text(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
         with open_stream(path) as f:
             data = f.read()
         check_utf8(data, path, hint="" if tokenizer is not None else
-                   "; pass --input-format bytes (input_format='bytes') to pack its raw bytes")
+                   "; pass input_format='bytes' to pack its raw bytes")
     if text_unit == "line":
         numbered = [(k, line) for k, line in enumerate(data.split(b"\n"), 1) if line.strip()]
     elif text_unit == "paragraph":  # runs of non-blank lines, numbered by their first line

@@ -107,28 +107,30 @@ class PackJob:
             raise UsageError(f"order={self.order!r} must be a packer.order.RowOrder")
 
     def _check_columns(self) -> None:
-        extra = tuple(self.read_options.extra_columns)
+        extra = list(self.read_options.extra_columns)
         unknown = [n for n in self.pads if n not in extra]
         if unknown:
-            raise UsageError(f"--pad {unknown[0]}=...: {unknown[0]!r} is not an extra --column "
-                             f"(they are {list(extra)})")
+            raise UsageError(f"pads[{unknown[0]!r}]=...: {unknown[0]!r} is not an extra column "
+                             f"(read_options.extra_columns={extra})")
         taken = [n for n in extra if n in self.config.keys().roles().values()]
         if taken:
-            raise UsageError(f"--column {taken[0]}: the rows already have a key {taken[0]!r} "
-                             f"(the token feature {self.config.feature!r}'s); pass another "
-                             "--feature")
+            raise UsageError(f"read_options.extra_columns={extra}: the rows already have a key "
+                             f"{taken[0]!r} (the token feature's, feature="
+                             f"{self.config.feature!r}); pass another feature=")
         pads, roles = {}, {}
         for name in extra:
             pad = self.pads.get(name, 0)
             if isinstance(pad, bool) or not isinstance(pad, int):
-                raise UsageError(f"--pad {name}={pad!r} must be an integer")
+                raise UsageError(f"pads[{name!r}]={pad!r} must be an integer")
             pads[name] = int(pad)
             roles[name] = self.roles.get(name, default_role(name))
             if roles[name] not in ROLES:
-                raise UsageError(f"--role {name}={roles[name]}: the role must be one of {ROLES}")
+                raise UsageError(f"roles[{name!r}]={roles[name]!r}: the role must be one of "
+                                 f"{ROLES}")
         for name in self.roles:
             if name not in extra:
-                raise UsageError(f"--role {name}=...: {name!r} is not an extra --column")
+                raise UsageError(f"roles[{name!r}]=...: {name!r} is not an extra column "
+                                 f"(read_options.extra_columns={extra})")
         object.__setattr__(self, "pads", pads)
         object.__setattr__(self, "roles", roles)
 
@@ -153,17 +155,17 @@ class PackJob:
         if available is None:
             return
         if row > available:
-            raise UsageError(f"--seq-len {L}: one packed row needs {row / 2**30:.1f} GiB, more "
+            raise UsageError(f"seq_len={L}: one packed row needs {row / 2**30:.1f} GiB, more "
                              f"than the {available / 2**30:.1f} GiB of memory available; pick "
-                             "a smaller --seq-len")
+                             "a smaller seq_len=")
         shard_rows, workers = self.write_options.shard_rows, self.num_workers
         need = row * shard_rows * workers  # each worker assembles one shard at a time
         if need > available:
             fit = max(1, available // (row * workers))
-            raise UsageError(f"--shard-rows {shard_rows} x --seq-len {L} x {workers} worker(s) "
+            raise UsageError(f"shard_rows={shard_rows} x seq_len={L} x {workers} worker(s) "
                              f"needs {need / 2**30:.1f} GiB, more than the "
                              f"{available / 2**30:.1f} GiB of memory available; pass "
-                             f"--shard-rows {fit} or fewer (or fewer --workers)")
+                             f"shard_rows={fit} or fewer (or fewer workers=)")
 
 
 def available_memory() -> int | None:

@@ -13,8 +13,8 @@ The writer (and the Beam job) speak to an `OutputDir` only, so both kinds work t
 Objects are listed without a cache, so what another process wrote is seen.
 
 What a run keeps there, and trusts only after checking, also lives here: the intent and
-manifest (`check_dir`, `prepare_dir`, `commit_manifest`) and each shard's completion record
-(`shard_done`). The run's lock is `offline.lock.DirLock`.
+manifest (`check_dir`, `prepare_dir`, `commit_manifest`; `run_state` says which a run left)
+and each shard's completion record (`shard_done`). The run's lock is `offline.lock.DirLock`.
 """
 
 from __future__ import annotations
@@ -274,18 +274,26 @@ def check_dir(output_dir: str | OutputDir, *, overwrite: bool, resume: bool) -> 
     Called before the inputs are read, so a wrong directory fails at once."""
     out = as_output_dir(output_dir)
     if overwrite and resume:
-        raise UsageError("pass either --overwrite or --resume, not both")
+        raise UsageError("pass either overwrite=True or resume=True, not both")
     out.check_usable()
     output_dir = out.location
     names = [n for n in out.names() if n not in (LOCK, ERROR)]
     recorded = [n for n in (MANIFEST, INTENT) if n in names]
     if not (resume and recorded) and names and not overwrite \
             and any(not n.endswith(".tmp") for n in names):
-        hint = "--overwrite to replace it" + ("" if resume else " or --resume to finish an "
-                                               "interrupted run")
+        hint = "existing='overwrite' to replace it" + (
+            "" if resume else " or existing='resume' to finish an interrupted run")
         what = "holds no interrupted run to resume" if resume else "exists and is not empty"
         raise UsageError(f"{output_dir}: {what}; pass {hint}")
     return names
+
+
+def run_state(location: str) -> str:
+    """What runs left at `location`: "interrupted" (an intent: `existing='resume'` finishes the
+    run), "complete" (a manifest and no intent) or "none" (neither: nothing was written)."""
+    if storage.exists(storage.join(location, INTENT)):
+        return "interrupted"
+    return "complete" if storage.exists(storage.join(location, MANIFEST)) else "none"
 
 
 def prepare_dir(output_dir: str | OutputDir, intent: Manifest, *, overwrite: bool,
@@ -300,7 +308,7 @@ def prepare_dir(output_dir: str | OutputDir, intent: Manifest, *, overwrite: boo
         try:
             old = Manifest.from_json(out.read_json(recorded[0]), path)
         except InputError as e:
-            raise InputError(f"{e}; rerun with --overwrite") from None
+            raise InputError(f"{e}; rerun with existing='overwrite'") from None
         _check_same_run(path, old.intent().to_json(), intent.to_json())
         if old.complete:  # the run had finished
             if INTENT in names:  # killed between writing the manifest and this cleanup
@@ -336,7 +344,7 @@ def _check_same_run(path: str, old: dict, new: dict) -> None:
     diff = [k for k in new if old.get(k) != new[k]]
     if diff:
         raise UsageError(f"cannot resume: {', '.join(diff)} differ from the run recorded in "
-                         f"{path}; rerun with --overwrite")
+                         f"{path}; rerun with existing='overwrite'")
 
 
 def write_done(out: OutputDir, name: str, rows: int, digest: tuple[int, str]) -> None:

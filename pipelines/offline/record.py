@@ -151,5 +151,4 @@ def check_overlength(paths: Sequence[str], found: Sequence[tuple[int, int, int] 
             raise InputError(
                 f"{path}: example {hit[0]} (counting from 0) has {hit[1]} tokens, more than "
                 f"seq_len {config.seq_len} ({total} over-length example(s) in the inputs); pass "
-                "--overflow truncate, split or drop to keep them (overflow= in Python), or a "
-                "larger --seq-len")
+                "overflow='truncate', 'split' or 'drop' to keep them, or a larger seq_len=")

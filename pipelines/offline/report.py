@@ -1,4 +1,5 @@
-"""What the CLI shows: packing statistics (packed directory or dry run), plots, a row, progress.
+"""What the CLI shows: packing statistics (`output_stats` of a packed directory, `dry_run_stats`
+of raw inputs: `Stats`), what a pack run prints (`format_pack`), plots, a row, progress.
 
 Stats table (one column per strategy in a dry run; steps = ceil(rows / batch size))::
 
@@ -19,17 +20,21 @@ Stats table (one column per strategy in a dry run; steps = ceil(rows / batch siz
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 import numpy as np
 
 from seqpack.packer import PackConfig
-from seqpack.packer.config import Strategy
+from seqpack.packer.config import Overflow, Strategy
 from seqpack.packer.order import CostModel
 from seqpack.packer.plan import MapBlocks, check_block_size, pieces, plan_rows_many
 from seqpack.packer.stats import stats_of_pieces
+from seqpack.pipelines import storage
 from seqpack.pipelines.errors import require
 from seqpack.pipelines.formats.inputs import ReadOptions
+from seqpack.pipelines.formats.manifest import MANIFEST, Manifest, read_manifest
+from seqpack.pipelines.offline.record import check_overlength, first_overlength, length_histogram
 
 STRATEGIES = tuple(s.value for s in Strategy)
 _PARALLEL_PLAN = 1 << 18  # examples times strategies a dry run plans in worker processes from
@@ -65,7 +70,7 @@ def dry_run_inputs(paths: Sequence[str], options: ReadOptions, config: PackConfi
     from seqpack.pipelines.offline.read import scan_lengths
     from seqpack.pipelines.offline.workers import Workers
 
-    pool = Workers(workers, retry="pass fewer --workers if memory is short")
+    pool = Workers(workers, retry="pass fewer workers= if memory is short")
     try:
         per_input = scan_lengths(paths, options, pool)
         _check_overlength(paths, per_input, config, strategies)
@@ -87,13 +92,73 @@ def _check_overlength(paths: Sequence[str], per_input: Sequence[np.ndarray], con
     """The error `seqpack pack` gives (naming the file and the record) where overflow is
     "error" and a strategy other than concat_split would meet an over-length example
     (`per_input`: each input's example lengths)."""
-    from seqpack.pipelines.offline.record import check_overlength, first_overlength
-
     refusing = [name for name in strategies if Strategy(name) is not Strategy.CONCAT_SPLIT]
     if not refusing:
         return
     cfg = dataclasses.replace(config, strategy=refusing[0])
     check_overlength(paths, [first_overlength(lengths, cfg) for lengths in per_input], cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """What `seqpack stats` shows: each strategy's `PackingStats.to_dict()`, the histogram of the
+    example lengths, a title, and the rows of a step the steps-per-epoch figure counts."""
+
+    per_strategy: dict[str, dict]
+    length_histogram: dict
+    title: str
+    batch_size: int = 32
+
+    def summaries(self) -> dict[str, dict]:
+        return {name: summary(s, self.batch_size) for name, s in self.per_strategy.items()}
+
+    def to_dict(self) -> dict:
+        return {"summary": self.summaries(), "stats": self.per_strategy,
+                "example_length_histogram": self.length_histogram}
+
+    def table(self) -> str:
+        return format_table(self.summaries(), self.title)
+
+
+def is_packed(path: str) -> bool:
+    """A directory, or a URL prefix holding manifest.json (a packed output on object storage)."""
+    if "://" not in path:
+        return os.path.isdir(path)
+    return storage.exists(storage.join(path, MANIFEST))
+
+
+def output_stats(output_dir: str, *, batch_size: int | None = None) -> Stats:
+    """The statistics a packed output's manifest records; steps of `batch_size` rows (default:
+    a balanced output's step, D ranks x b rows, else 32)."""
+    manifest = read_manifest(output_dir)
+    stats, lengths = manifest.stats, manifest.example_length_histogram
+    assert stats is not None and lengths is not None  # read_manifest: a complete output's
+    order = manifest.row_order or {}
+    if order.get("mode") == "balanced" and batch_size is None:
+        batch_size = int(order["data_parallel"]) * int(order["batch_size"])
+    return Stats({Strategy(manifest.pack_config().strategy).value: stats}, lengths,
+                 f"packed: {output_dir}", batch_size or 32)
+
+
+def dry_run_stats(paths: Sequence[str], options: ReadOptions, config: PackConfig,
+                  strategies: Sequence[str], *, workers: int, block_size: int | None = None,
+                  cost: CostModel | None = None, batch_size: int | None = None) -> Stats:
+    """`dry_run_inputs` as `Stats`: nothing is written; steps of `batch_size` rows (32)."""
+    lengths, per_strategy = dry_run_inputs(paths, options, config, strategies, workers=workers,
+                                           block_size=block_size, cost=cost)
+    title = (f"dry run: {len(paths)} input file(s), seq_len {config.seq_len}, max_segments "
+             f"{config.max_segments}, overflow {Overflow(config.overflow).value}")
+    return Stats(per_strategy, length_histogram(lengths), title, batch_size or 32)
+
+
+def format_pack(manifest: Manifest, output_dir: str, *, what: str, batch_size: int) -> str:
+    """What `seqpack pack` prints: the run in a line (`what`: its inputs), then the stats table
+    of its strategy, with steps of `batch_size` rows."""
+    strategy = Strategy(manifest.pack_config().strategy).value
+    assert manifest.stats is not None  # a complete output's
+    return (f"packed {what}: {manifest.inputs['num_examples']:,} examples -> "
+            f"{manifest.num_rows:,} rows in {len(manifest.shards)} shard(s) at {output_dir}\n\n"
+            + format_table({strategy: summary(manifest.stats, batch_size)}))
 
 
 def summary(s: dict, batch_size: int) -> dict:
@@ -195,7 +260,7 @@ def format_table(summaries: dict[str, dict], title: str = "") -> str:
 
 def plot_stats(path: str, length_hist: dict, per_strategy: dict[str, dict]) -> None:
     """Writes a PNG: example lengths, row fill, and segments per row histograms."""
-    require("matplotlib", "--plot").use("Agg")
+    require("matplotlib", "plotting").use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     edges = np.asarray(length_hist["edges"])

@@ -1,0 +1,196 @@
+"""How a `seqpack` command ends: an exit code and, for an error, one `Error:` line in the
+command's own words.
+
+    0 ok; 1 verify found violations; 2 bad input, a bad option, a missing extra or what the
+    system refused (a full disk, a killed worker); 130 Ctrl-C, 143 SIGTERM (an interrupted or
+    failed `pack` names the command that finishes it); 141 stdout's reader went away.
+
+The library names its parameters as a Python caller passes them (`shard_rows=33`); `to_flags`
+rewrites them into the flags a CLI user types (`--shard-rows 33`) by one table, `FLAGS`.
+Anything that is not bad input is a bug and keeps its traceback (SEQPACK_DEBUG=1: bad input
+too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import sys
+from collections.abc import Iterable
+
+import click
+
+# The library's parameters as its messages name them (`name=`, `name=value`, `name['key']=`)
+# -> the commands' flags; an entry `name=value` is a flag of its own.
+FLAGS = {
+    "seq_len": "--seq-len", "max_segments": "--max-segments", "strategy": "--strategy",
+    "overflow": "--overflow", "segment_alignment": "--segment-alignment", "pad_id": "--pad-id",
+    "feature": "--feature", "input_format": "--input-format", "column": "--column",
+    "field": "--field", "extra_columns": "--column", "read_options.extra_columns": "--column",
+    "tokenizer": "--tokenizer", "text_unit": "--text-unit", "shard_rows": "--shard-rows",
+    "compression": "--compression", "workers": "--workers", "block_size": "--block-size",
+    "pads": "--pad", "roles": "--role", "seed": "--seed", "data_parallel": "--data-parallel",
+    "batch_size": "--batch-size", "d_model": "--d-model", "beam_options": "--beam-option",
+    "max_violations": "--max-violations", "existing='resume'": "--resume",
+    "existing='overwrite'": "--overwrite", "resume=True": "--resume",
+    "overwrite=True": "--overwrite", "fsync=True": "--fsync",
+    "allow_duplicates=True": "--allow-duplicates", "runner='beam'": "--runner beam",
+}
+_QUOTED = r"'[^']*'"
+
+
+def _either(names: Iterable[str]) -> str:
+    """A regex alternative of `names`, the longest first."""
+    return "|".join(map(re.escape, sorted(names, key=len, reverse=True)))
+
+
+_MENTION = re.compile(
+    rf"(?<![\w./=-])(?:(?P<exact>{_either(k for k in FLAGS if '=' in k)})(?![\w'])"
+    rf"|(?P<name>{_either(k for k in FLAGS if '=' not in k)})(?:\[(?P<key>{_QUOTED})\])?="
+    rf"(?P<value>{_QUOTED}(?:(?:, | or ){_QUOTED})*)?(?P<more>(?=[^\s,;:)\]]))?)")
+
+
+def to_flags(message: str) -> str:
+    """A library message in the commands' words: each parameter it names (`FLAGS`) as its
+    flag, a quoted value unquoted where a shell needs no quotes. `shard_rows=33` -> `--shard-rows
+    33`, `pads['labels']='x'` -> `--pad labels=x`, `overflow='split' or 'drop'` -> `--overflow
+    split or drop`, `pass another feature=` -> `pass another --feature`, `existing='resume'` ->
+    `--resume`."""
+
+    def flag(m: re.Match) -> str:
+        if m["exact"]:
+            return FLAGS[m["exact"]]
+        value = re.sub(_QUOTED, lambda q: _unquote(q[0]), m["value"] or "")
+        if m["key"]:
+            return f"{FLAGS[m['name']]} {_unquote(m['key'])}={value}"
+        return FLAGS[m["name"]] + (f" {value}" if value or m["more"] is not None else "")
+
+    return _MENTION.sub(flag, message)
+
+
+def _unquote(quoted: str) -> str:
+    text = quoted[1:-1]
+    return text if text and shlex.quote(text) == text else quoted
+
+
+class BadInput(click.ClickException):
+    exit_code = 2
+
+
+class Interrupted(click.ClickException):
+    exit_code = 130
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (schedulers, `timeout`, container stops), handled like Ctrl-C."""
+
+
+_SIGNALLED: list[int] = []
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    """The first SIGINT / SIGTERM ends the command (KeyboardInterrupt / Terminated); later ones
+    are ignored while it cleans up (a second Ctrl-C would only add a traceback)."""
+    import signal
+
+    if _SIGNALLED:
+        return
+    _SIGNALLED.append(signum)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def handle_signals() -> None:
+    """SIGINT and SIGTERM end a command with its one message (`Group.invoke`)."""
+    import signal
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+
+
+def _bad_input(e: BaseException) -> bool:
+    """The one place that decides: bad input or usage (exit 2), or a bug (a traceback)."""
+    from seqpack.pipelines.errors import InputError, MissingDependency, UsageError
+
+    return isinstance(e, (InputError, UsageError, MissingDependency, OSError))
+
+
+def _resume_hint(ctx: click.Context, args: list[str]) -> str:
+    """For a `pack` that stopped after it started writing: the command that finishes the run,
+    or that its output is complete. `ctx`: the group's; `args`: the command line after
+    `seqpack`."""
+    if not args or args[0] != "pack":
+        return ""
+    from seqpack.pipelines.offline.outdir import run_state
+
+    assert isinstance(ctx.command, click.Group)
+    try:
+        with ctx.command.commands["pack"].make_context("pack", list(args[1:]), parent=ctx,
+                               resilient_parsing=True) as sub:
+            out = sub.params.get("output_dir")
+    except click.ClickException:
+        return ""
+    try:
+        state = run_state(out) if out else ""
+    except Exception:  # noqa: BLE001 - a hint must never hide the error it goes with
+        return ""
+    if state != "interrupted":
+        return {"complete": f"; the output at {out} is complete",
+                "none": "; nothing was written yet: run the same command again"}.get(state, "")
+    again = [a for a in args if a not in ("--resume", "--overwrite")]
+    return f"; finish the run with: seqpack {shlex.join([*again, '--resume'])}"
+
+
+class Group(click.Group):
+    """Maps errors to exit codes: bad input, usage and missing extras print one `Error:` line
+    (`to_flags` of the library's message) and exit with 2 (click's own usage errors too: no
+    usage block); Ctrl-C exits with 130 and, for an interrupted `pack`, names the `--resume`
+    command that finishes it; anything else is a bug and keeps its traceback.
+
+    Set SEQPACK_DEBUG=1 to get the traceback of bad input too.
+    """
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:  # the group's own options
+            raise BadInput(e.format_message()) from None
+
+    def invoke(self, ctx: click.Context):
+        # The subcommand's arguments, taken before click consumes them (click 8.2 renamed
+        # protected_args to _protected_args).
+        protected = vars(ctx).get("_protected_args", vars(ctx).get("protected_args", []))
+        args = [*protected, *ctx.args]
+        from seqpack.pipelines.errors import RunFailed, one_line
+
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as e:
+            error = Interrupted(("terminated (SIGTERM)" if isinstance(e, Terminated) else
+                                 "interrupted") + _resume_hint(ctx, args))
+            error.exit_code = 143 if isinstance(e, Terminated) else 130
+            raise error from None
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:  # a subcommand's options and arguments
+            raise BadInput(e.format_message()) from None
+        except BrokenPipeError:  # stdout's reader went away (`seqpack ... | head`)
+            _quiet_stdout()
+            raise click.exceptions.Exit(141) from None
+        except Exception as e:
+            if isinstance(e, click.ClickException | click.exceptions.Exit | click.Abort) \
+                    or os.environ.get("SEQPACK_DEBUG") or not _bad_input(e):
+                raise
+            hint = _resume_hint(ctx, args) if isinstance(e, RunFailed) else ""
+            raise BadInput(to_flags(one_line(e)).removesuffix(".") + hint) from None
+
+
+def _quiet_stdout() -> None:
+    """Points stdout at /dev/null, so the interpreter's final flush raises nothing."""
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
