@@ -9,11 +9,14 @@ Options: `impl="auto" | "pallas" | "pallas_tpu" | "pallas_gpu" | "reference"` (a
 on TPU, the GPU (Triton) kernels on GPU, the jnp reference elsewhere; see common.resolve_impl) and
 `interpret=` (True, or `pltpu.InterpretParams()` for the TPU kernels) to run either Pallas family
 on CPU. Every function is jitted (options static) and differentiable. `validate_segments` checks
-metadata values before jit. kernels/reference.py holds the pure-jnp references.
+metadata values before jit.
 
 Files: per op a public module with checks, dispatch and the custom VJP (segment_ops.py, gather.py,
-cross_entropy.py, attention.py) and beside it its kernels, <op>_tpu.py (Mosaic) and <op>_gpu.py
-(Triton); metadata.py puts the row metadata in each family's layout (common.py says more).
+cross_entropy.py, attention.py); its kernels live in two wings, tpu/<op>.py (Mosaic, plus
+tpu/attention_bwd.py) and gpu/<op>.py (Triton), which import only the shared modules, never each
+other: common.py (dispatch, block sizes, masks, launch), attention_schedule.py (the attention
+block schedule), metadata.py (the row metadata in each family's layout), checks.py (input
+checks); reference.py holds the pure-jnp references.
 """
 
 try:

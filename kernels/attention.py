@@ -5,14 +5,13 @@
 A token attends to the earlier tokens (causal) or all tokens of its own segment; tokens outside
 every segment give 0. The kernels visit only the pairs of (query block, key block) that hold
 tokens of one segment (attention_schedule.py: the schedule, its worked example and its bound),
-where a masked kernel computes the whole causal triangle: on chat rows at L = 8192 (mean ~380
-tokens a segment) about an eighth of it at blocks of 128, a thirtieth at L = 32768
-(benchmarks/attention_bench.py).
+where a masked kernel computes the whole causal triangle (how much is skipped on real rows:
+benchmarks/README.md).
 
-    TPU (Mosaic)   attention_tpu.py (forward), attention_tpu_bwd.py (dq, dk / dv): the schedule
+    TPU (Mosaic)   tpu/attention.py (forward), tpu/attention_bwd.py (dq, dk / dv): the schedule
                    is scalar-prefetched; data-dependent index maps repeat the last block of a
                    range (no copy) and `pl.when` skips the compute of the steps past it
-    GPU (Triton)   attention_gpu.py: the same schedule as loop bounds (`lax.fori_loop`)
+    GPU (Triton)   gpu/attention.py: the same schedule as loop bounds (`lax.fori_loop`)
     reference      kernels/reference.py: dense and masked, on any backend
 
 Forward and backward are a `custom_vjp` (dq, dk, dv; no gradient for the metadata), flash
@@ -30,7 +29,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from seqpack.kernels import attention_gpu, attention_tpu, attention_tpu_bwd, reference
+from seqpack.kernels import gpu, reference, tpu
 from seqpack.kernels.attention_schedule import AttentionConfig, Schedule, make_schedule
 from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata
 from seqpack.kernels.common import (
@@ -51,8 +50,8 @@ class AttentionBlockSizes:
 
     Multiples of 128 (lanes: the (bq, bk) score tile and the (1, bq) logsumexp rows of the dk / dv
     kernel). 256 x 256 keeps the f32 score tile (256 KiB) and a (256, D) f32 accumulator far inside
-    scoped VMEM, while chat segments (~380 tokens) still leave most of the triangle unvisited
-    (benchmarks/attention_bench.py tabulates visited pairs per block size). Not yet tuned on TPU.
+    scoped VMEM, while segments of a few hundred tokens still leave most of the triangle unvisited
+    (visited pairs per block size, and whether the sizes are tuned: benchmarks/README.md).
 
     narrow_steps: the step axis of a grid is static, L / b, and steps past a range only cost the
     grid loop (no copy, no compute), but L / b of them per block add up; when L / b is larger,
@@ -79,8 +78,8 @@ class GpuAttentionBlockSizes:
     """Tile sizes of the Triton kernels: powers of two >= 16 (Triton's dot), plus launch options.
 
     num_warps None: 4 for D <= 64, else 8 (jax's Pallas GPU attention does the same). Defaults are
-    chosen by register budget (a 64 x 64 f32 score tile and a 64 x D accumulator per program),
-    not yet tuned on hardware (benchmarks/device_run.sh measures them).
+    chosen by register budget (a 64 x 64 f32 score tile and a 64 x D accumulator per program);
+    benchmarks/device_run.sh measures them (results: benchmarks/README.md).
     """
 
     block_q: int = 64
@@ -102,13 +101,13 @@ class GpuAttentionBlockSizes:
 
 
 def _forward(q, k, v, sched: Schedule, cfg: AttentionConfig):
-    family = attention_gpu if cfg.gpu is not None else attention_tpu
-    return family.forward(q, k, v, sched, cfg)
+    family = gpu if cfg.gpu is not None else tpu
+    return family.attention_forward(q, k, v, sched, cfg)
 
 
 def _backward(q, k, v, o, lse, do, sched: Schedule, cfg: AttentionConfig):
-    family = attention_gpu if cfg.gpu is not None else attention_tpu_bwd
-    return family.backward(q, k, v, o, lse, do, sched, cfg)
+    family = gpu if cfg.gpu is not None else tpu
+    return family.attention_backward(q, k, v, o, lse, do, sched, cfg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -47,6 +47,8 @@ from seqpack.kernels.common import Interpret, round_up
 
 # Segment start of a token outside every segment: above any position, so `start <= c` never holds.
 NO_SEGMENT = 2**30
+# The score of a masked pair, in both kernel families: finite, so max/exp never see -inf - -inf.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)

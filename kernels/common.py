@@ -1,13 +1,10 @@
 """Shared pieces of the kernels: impl dispatch, block sizes, tile sizes, in-kernel masks, launch.
 
-Layout of the package: per op a public module with the checks, the dispatch and the custom VJP
-(`segment_ops.py`, `gather.py`, `cross_entropy.py`, `attention.py`), and beside it the kernels of
-each family, `<op>_tpu.py` (Mosaic) and `<op>_gpu.py` (Triton); `metadata.py` prepares the row
-metadata in each family's layout, `checks.py` validates inputs, `reference.py` holds the pure-jnp
-references. This module holds what several of them share: `resolve` (the implementation and its
-block sizes), the block-size classes and their checks, `SegmentCall` (the static configuration of
-the reduce / broadcast kernels, which the gather and cross-entropy backwards call too), tile
-sizes, masks, and `triton_call` (how every GPU kernel is launched).
+What the public ops and both kernel wings (tpu/, gpu/; the package docstring lists the files)
+share: `resolve` (the implementation and its block sizes), the block-size classes and their
+checks, `SegmentCall` (the static configuration of the reduce / broadcast kernels, which the
+gather and cross-entropy backwards call too) and its `Mode`, tile sizes, masks, and `triton_call`
+(how every GPU kernel is launched). The wings import these, never each other.
 
 The segment kernels walk a row of `L` tokens in blocks of `block_tokens` and, for
 each segment `j` (`segment_offsets[j]`, `segment_lengths[j]` read from SMEM), clips the segment to
@@ -29,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +44,7 @@ ACCUMULATOR_BUDGET_BYTES = 2 * 1024 * 1024
 LANES = 128
 
 Interpret = bool | pltpu.InterpretParams
+Mode = Literal["sum", "max"]  # what the reduce kernels compute per segment
 E = TypeVar("E", bound=enum.Enum)
 
 
@@ -168,7 +166,7 @@ class GpuBlockSizes:
     num_warps: warps per program (Triton's `num_warps`).
     token_splits: programs per segment in the reduce kernel, taking its tiles in turn (tile c goes
       to program c % token_splits), so one long segment still spreads over several SMs.
-    Defaults are chosen by register budget, not tuned on hardware (see benchmarks/README.md).
+    Defaults are chosen by register budget (their measurements: benchmarks/README.md).
     """
 
     block_tokens: int = 32
@@ -214,9 +212,10 @@ class SegmentCall:
     """Static (hashable) configuration of one call of the reduce / broadcast kernels, carried
     through custom_vjp as a nondiff argument.
 
-    The kernel family follows the block sizes: GpuBlockSizes runs kernels/segment_ops_gpu.py
+    The kernel family follows the block sizes: GpuBlockSizes runs kernels/gpu/segment_ops.py
     (metadata i32[B, sp] from `metadata.padded_metadata`), SegmentBlockSizes the TPU kernels in
-    segment_ops_tpu.py (flat i32[B * S] metadata and the rows' used lengths, scalar-prefetched).
+    kernels/tpu/segment_ops.py (flat i32[B * S] metadata and the rows' used lengths, scalar-
+    prefetched).
     """
 
     seq_len: int

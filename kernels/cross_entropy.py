@@ -4,8 +4,8 @@
                             f32[B, S], per-segment counted tokens i32[B, S])
 
 The kernels are fused and vocabulary-tiled (no softmax is materialized, no f32 copy of the logits):
-cross_entropy_tpu.py (Mosaic, online log-sum-exp over vocab tiles, scalar-prefetched metadata,
-token blocks past the row's used length skipped) and cross_entropy_gpu.py (Triton); `impl`
+tpu/cross_entropy.py (Mosaic, online log-sum-exp over vocab tiles, scalar-prefetched metadata,
+token blocks past the row's used length skipped) and gpu/cross_entropy.py (Triton); `impl`
 (common.resolve_impl) picks the family or kernels/reference.py. The forward saves the per-token
 lse; the backward turns the per-segment cotangents into per-token weights and writes dlogits.
 
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqpack.kernels import cross_entropy_gpu, cross_entropy_tpu, reference, segment_ops
+from seqpack.kernels import gpu, reference, segment_ops, tpu
 from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata
 from seqpack.kernels.common import (
     LANES,
@@ -42,6 +42,7 @@ from seqpack.kernels.common import (
     token_block,
 )
 from seqpack.kernels.metadata import family_metadata, row_ends
+from seqpack.kernels.tpu import CrossEntropyTiling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,18 +70,18 @@ class _Static:
     num_segments: int
     z_loss: float
     interpret: Interpret
-    tpu: cross_entropy_tpu.Tiling | None = None
+    tpu: CrossEntropyTiling | None = None
     gpu: GpuBlockSizes | None = None
 
 
 def _forward(logits, targets, mask, offsets, lengths, used, st: _Static):
     """-> per-slot loss sums f32[B, S], counted tokens f32[B, S], per-token lse (the residual)."""
     if st.gpu is not None:
-        return cross_entropy_gpu.forward_call(
+        return gpu.cross_entropy_forward(
             logits, targets, mask, offsets, lengths, num_segments=st.num_segments,
             z_loss=st.z_loss, blocks=st.gpu, interpret=bool(st.interpret))
     assert st.tpu is not None
-    return cross_entropy_tpu.forward_call(logits, targets, mask, offsets, lengths, used, st=st.tpu)
+    return tpu.cross_entropy_forward(logits, targets, mask, offsets, lengths, used, st=st.tpu)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -98,7 +99,7 @@ def _pallas_ce_bwd(st, residuals, cotangents):
     logits, targets, mask, offsets, lengths, used, lse = residuals
     g_loss, _ = cotangents  # counts are piecewise constant: no gradient
     if st.gpu is not None:
-        dlogits = cross_entropy_gpu.backward_call(
+        dlogits = gpu.cross_entropy_backward(
             logits, targets, mask, lse, g_loss, offsets, lengths, z_loss=st.z_loss,
             blocks=st.gpu, interpret=bool(st.interpret))
         return dlogits, None, None, None, None, None
@@ -107,8 +108,8 @@ def _pallas_ce_bwd(st, residuals, cotangents):
                           SegmentBlockSizes(), st.interpret)
     weights = segment_ops.broadcast(g_loss[:, :, None], (offsets, lengths), jnp.float32, scatter)
     weights = jnp.where(mask > 0, weights, 0.0)
-    dlogits = cross_entropy_tpu.backward_call(logits, targets, lse, weights, offsets, lengths,
-                                              used, st=st.tpu)
+    dlogits = tpu.cross_entropy_backward(logits, targets, lse, weights, offsets, lengths, used,
+                                         st=st.tpu)
     return dlogits, None, None, None, None, None
 
 
@@ -176,7 +177,7 @@ def segment_cross_entropy(
     if impl is Impl.PALLAS_GPU:
         st = _Static(num_segments, float(z_loss), interpret, gpu=blocks)
     else:
-        tiling = cross_entropy_tpu.Tiling(
+        tiling = CrossEntropyTiling(
             seq_len=seq_len,
             vocab=vocab,
             num_segments=num_segments,

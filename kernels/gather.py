@@ -4,8 +4,8 @@
     VJP              dx = the cotangent scattered back to the picked tokens: the broadcast kernel
                      over one-token "segments" [p, p + 1) (0 elsewhere)
 
-`impl` (common.resolve_impl) picks the TPU kernel (gather_tpu.py, a data-dependent index map per
-slot), the GPU kernel (gather_gpu.py, one gather-load per row) or kernels/reference.py.
+`impl` (common.resolve_impl) picks the TPU kernel (tpu/gather.py, a data-dependent index map per
+slot), the GPU kernel (gpu/gather.py, one gather-load per row) or kernels/reference.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from seqpack.kernels import gather_gpu, gather_tpu, reference, segment_ops
+from seqpack.kernels import gpu, reference, segment_ops, tpu
 from seqpack.kernels.checks import check_metadata, check_tokens_input
 from seqpack.kernels.common import (
     LANES,
@@ -59,12 +59,12 @@ class _Static:
     def gather(self, x, offsets, lengths):  # f[B, L, D] -> f[B, S, D]
         interpret = self.scatter.interpret
         if isinstance(self.block_sizes, GpuBlockSizes):
-            out = gather_gpu.gather_call(x, offsets, lengths, k=self.k, blocks=self.block_sizes,
-                                         interpret=bool(interpret))
+            out = gpu.gather_call(x, offsets, lengths, k=self.k, blocks=self.block_sizes,
+                                  interpret=bool(interpret))
             return out[:, :self.scatter.num_segments]  # drop the padding slots
-        return gather_tpu.gather_call(x, offsets, lengths, k=self.k,
-                                      block_features=self.block_sizes.block_features,
-                                      interpret=interpret)
+        return tpu.gather_call(x, offsets, lengths, k=self.k,
+                               block_features=self.block_sizes.block_features,
+                               interpret=interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

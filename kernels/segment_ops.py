@@ -10,8 +10,8 @@ VJPs (a `pallas_call` with scalar prefetch has no JVP rule, hence `jax.custom_vj
     max        dx = [x == broadcast(max)] * broadcast(g / ties)   (ties split evenly, as jnp.max)
     broadcast  dvalues = sum(g)
 
-`impl` (common.resolve_impl) picks the TPU kernels (segment_ops_tpu.py), the GPU kernels
-(segment_ops_gpu.py) or kernels/reference.py; all functions are jitted with their options static.
+`impl` (common.resolve_impl) picks the TPU kernels (tpu/segment_ops.py), the GPU kernels
+(gpu/segment_ops.py) or kernels/reference.py; all functions are jitted with their options static.
 """
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from seqpack.kernels import reference, segment_ops_gpu, segment_ops_tpu
+from seqpack.kernels import gpu, reference, tpu
 from seqpack.kernels.checks import check_metadata, check_tokens_input
 from seqpack.kernels.common import (
     GpuBlockSizes,
     Impl,
     Interpret,
+    Mode,
     SegmentBlockSizes,
     SegmentCall,
     per_slot,
     resolve,
 )
 from seqpack.kernels.metadata import family_metadata, row_ends
-from seqpack.kernels.segment_ops_tpu import Mode
 
 _STATIC = ("impl", "interpret", "block_sizes")
 # offsets, lengths in the family's layout (metadata.family_metadata), then (TPU) the row ends
@@ -43,8 +43,8 @@ Metadata = tuple[jax.Array, ...]
 def reduce(x: jax.Array, meta: Metadata, mode: Mode, st: SegmentCall) -> jax.Array:
     """The reduce kernel of st's family (no checks, no VJP): f[B, L, D] -> f32[B, S, D]."""
     if st.gpu is not None:
-        return segment_ops_gpu.reduce_call(x, *meta[:2], mode=mode, st=st)
-    return segment_ops_tpu.reduce_call(x, *meta, mode=mode, st=st)
+        return gpu.reduce_call(x, *meta[:2], mode=mode, st=st)
+    return tpu.reduce_call(x, *meta, mode=mode, st=st)
 
 
 def broadcast(values: jax.Array, meta: Metadata, out_dtype: jnp.dtype,
@@ -52,7 +52,7 @@ def broadcast(values: jax.Array, meta: Metadata, out_dtype: jnp.dtype,
     """The broadcast kernel of st's family (no checks, no VJP): f[B, S, D] -> out_dtype[B, L, D].
 
     Also the backward of the gather and of the TPU cross-entropy (per-segment cotangents)."""
-    family = segment_ops_gpu if st.gpu is not None else segment_ops_tpu
+    family = gpu if st.gpu is not None else tpu
     return family.broadcast_call(values, *meta[:2], out_dtype=out_dtype, st=st)
 
 

@@ -31,8 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from seqpack.kernels.attention_schedule import AttentionConfig, Schedule
-from seqpack.kernels.attention_tpu import MASK_VALUE
+from seqpack.kernels.attention_schedule import MASK_VALUE, AttentionConfig, Schedule
 from seqpack.kernels.common import next_power_of_two, triton_call
 
 

@@ -15,7 +15,7 @@ Example, rows = 8, position = "last", slots (offset, length) = (0, 5), (5, 7), (
     slot 2: empty   tile of p = clip(12 - 1) = 11, output 0
 
 The VJP (kernels/gather.py) scatters the cotangent back with the broadcast kernel over one-token
-"segments" [p, p + 1). On GPU, `gather_gpu.gather_call` picks all slots of a row in one load.
+"segments" [p, p + 1). On GPU, gpu/gather.py picks all slots of a row in one load.
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ reads rows 5..8, program 1 rows 9..12, where the load mask drops rows 11 and 12 
 from __future__ import annotations
 
 import functools
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +30,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from seqpack.kernels.common import SegmentCall, first_slot, slot_membership, tile, triton_call
-
-Mode = Literal["sum", "max"]
+from seqpack.kernels.common import (
+    Mode,
+    SegmentCall,
+    first_slot,
+    slot_membership,
+    tile,
+    triton_call,
+)
 
 
 def _reduce_kernel(offsets_ref, lengths_ref, x_ref, out_ref, *, mode: Mode, seq_len: int,

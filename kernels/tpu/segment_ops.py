@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +50,7 @@ from jax.experimental.pallas import tpu as pltpu
 from seqpack.kernels.common import (
     ACCUMULATOR_BUDGET_BYTES,
     LANES,
+    Mode,
     SegmentCall,
     block_interval,
     cdiv_nonneg,
@@ -59,8 +59,6 @@ from seqpack.kernels.common import (
     last_used_block,
     token_block,
 )
-
-Mode = Literal["sum", "max"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,11 +3,11 @@
 Both recompute `p = exp(s - lse)` from the forward's logsumexp and use `di = rowsum(do * o)`
 (jnp, f32); `ds = p * (do v^T - di)`. They visit exactly the forward's pairs of blocks (with the
 backward block sizes), skipping the others the same way: data-dependent index maps over a static
-step axis of W steps (L / b, or the narrow grid when the ranges fit: attention_tpu.py) that
+step axis of W steps (L / b, or the narrow grid when the ranges fit: tpu/attention.py) that
 repeat the range's last block (no copy), and `pl.when` around the compute.
 
     dq   grid (B, H, nq, W), ("parallel",) * 3 + ("arbitrary",): step j of query block i
-         visits key block lo_i + j (attention_tpu.py's schedule); dq += ds k * scale, in f32
+         visits key block lo_i + j (tpu/attention.py's schedule); dq += ds k * scale, in f32
          VMEM scratch, written at the last step.
     dkv  grid (B, K, nk, G, W), ("parallel",) * 3 + ("arbitrary",) * 2: key block k of key head
          kh is resident over the G query heads of its group and step j visits query block
@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from seqpack.kernels.attention_schedule import AttentionConfig, Schedule, step_block
-from seqpack.kernels.attention_tpu import (
+from seqpack.kernels.tpu.attention import (
     NN,
     NT,
     count_visit,
@@ -187,7 +187,7 @@ def _dkv(q, k, v, do, lse_row, di_row, sched: Schedule, cfg: AttentionConfig, st
 def backward(q, k, v, o, lse, do, sched: Schedule, cfg: AttentionConfig):
     """-> dq, dk, dv like q, k, v (and visits of the dq, dkv kernels when counting).
 
-    lse: f32[B, H, L, 1] from attention_tpu.forward.
+    lse: f32[B, H, L, 1] from tpu/attention.py's forward.
     """
     batch = q.shape[0]
     di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, L, H]

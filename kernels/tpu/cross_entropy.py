@@ -15,7 +15,7 @@ weights `w` (the broadcast kernel, times the mask), and each logits tile gets
 Both kernels read offsets/lengths and each row's used length (`metadata.row_ends`: the largest end
 of a non-empty slot) from SMEM (scalar prefetch) to skip token blocks past it: the index maps clamp
 those steps to the last fetched block (no DMA) and the kernels only write zeros there. On GPU the
-same math runs as Triton kernels (cross_entropy_gpu.py); kernels/cross_entropy.py picks the family.
+same math runs as Triton kernels (gpu/cross_entropy.py); kernels/cross_entropy.py picks the family.
 """
 
 from __future__ import annotations
