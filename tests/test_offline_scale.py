@@ -23,8 +23,8 @@ from seqpack.packer.stats import stats
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import INTENT
 from seqpack.pipelines.offline import PackJob, WriteOptions
-from seqpack.pipelines.offline.local import pack_to_dir
-from seqpack.pipelines.offline.spill import SPILL_DIR
+from seqpack.pipelines.offline.job import SPILL_DIR
+from seqpack.pipelines.offline.runners import pack_to_dir
 from seqpack.pipelines.offline.verify import read_shard
 from tests.helpers.files import (
     ROOT,
@@ -110,8 +110,8 @@ def test_one_and_two_workers_write_the_same_bytes(tmp_path):
 def test_blocks_planned_in_two_workers_write_the_bytes_of_one(tmp_path, monkeypatch):
     """Past one block the plan is made in the worker processes, as many blocks at once as the
     memory holds: the same bytes as one worker planning the blocks in turn."""
-    from seqpack.pipelines.offline import local as local_mod
-    from seqpack.pipelines.offline import workers as workers_mod
+    from seqpack.pipelines.offline.runners import local as local_mod
+    from seqpack.pipelines.offline.runners import workers as workers_mod
 
     paths, _, _ = _corpus(tmp_path, n_files=4, n=300)
     config = PackConfig(48, max_segments=4, overflow="split")

@@ -5,7 +5,7 @@ once, in parallel over inputs, its lengths and fingerprint kept, its tokens spil
 
 Each input is scanned chunk by chunk (`formats.inputs.scan_file`: one chunk in memory at a
 time) by one worker process, which appends its tokens to raw spill files in `spill_dir`
-(`offline.spill`), and each extra column's values (`ReadOptions.extra_columns`: labels, masks)
+(`runners.spill`), and each extra column's values (`ReadOptions.extra_columns`: labels, masks)
 to spill files of their own, at the same positions as the tokens; the scans come back in input
 order, so the lengths and the spill are the same for any number of workers. Memory in this
 process: the lengths (8 bytes an example).
@@ -31,8 +31,8 @@ from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.inputs import FileScan, ReadOptions, detect_format, scan_file
 from seqpack.pipelines.formats.text import load_tokenizer
-from seqpack.pipelines.offline.spill import Run, SpillWriter
-from seqpack.pipelines.offline.workers import Workers
+from seqpack.pipelines.offline.runners.spill import Run, SpillWriter
+from seqpack.pipelines.offline.runners.workers import Workers
 
 # Test-only: seconds to sleep after each input read and each shard written, so tests can stop a
 # run mid-way or watch its progress.
