@@ -139,6 +139,25 @@ def test_blocks_planned_in_two_workers_write_the_bytes_of_one(tmp_path, monkeypa
     assert dir_bytes(tmp_path / "short") == dir_bytes(tmp_path / "one")
 
 
+@pytest.mark.parametrize("n,dtype", [(0, np.int32), (1, np.int32), (16, np.int32),
+                                     (1001, np.int32), (300, np.int64)])
+def test_example_starts_are_the_offsets_of_the_lengths(n, dtype):
+    """The local runner's example starts (the lengths and every 16th start) give the offsets
+    an i64 cumsum gives, for every example and any order of them."""
+    from seqpack.pipelines.offline.runners.spill import ExampleStarts
+
+    rng = np.random.default_rng(n)
+    lengths = rng.integers(0, 3000, n).astype(dtype)
+    if dtype == np.int64 and n:
+        lengths[::7] += 2**33  # past i32 sums and lengths
+    offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    starts = ExampleStarts.of(lengths)
+    every = np.arange(n)
+    assert np.array_equal(starts(every), offsets[:-1])
+    shuffled = rng.permutation(n)
+    assert np.array_equal(starts(shuffled), offsets[shuffled])
+
+
 def test_a_failed_read_leaves_no_directory_behind(tmp_path):
     good = write_jsonl(tmp_path / "a.jsonl", random_seqs(20))
     bad = tmp_path / "b.jsonl"

@@ -55,6 +55,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from seqpack.packer import PackConfig, PackPlan
+from seqpack.packer.plan import MapBlocks
 from seqpack.pipelines.formats import inputs
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import core
@@ -97,10 +98,10 @@ def pack_to_dir(job: PackJob, *, progress: Progress | None = None) -> Manifest:
         return manifest
 
 
-_PLAN_BYTES = 160  # a block's planning memory per example, at most (110 measured at 2048 / 8)
+_PLAN_BYTES = 160  # a block's planning memory per example, at most
 
 
-def plan_map(pool: Workers, block_size: int, num_examples: int):
+def plan_map(pool: Workers, block_size: int, num_examples: int) -> MapBlocks | None:
     """How blocks are planned: in `pool`'s workers, as many at once as the memory available
     holds (`_PLAN_BYTES` per example of a block, lengths and rows in flight included), or None
     (one block after the other in this process) where that is one."""
@@ -150,7 +151,7 @@ def _corpus(job: PackJob, scans: list[inputs.FileScan]) -> tuple[list[FileSummar
     """Each input's summary, checked (`core.check_files`), and every example length: i32
     while they fit, 4 bytes an example from here on."""
     files = core.check_files([core.summarize_file(core.FileScan.of(i, path, s), job.config)
-                         for i, (path, s) in enumerate(zip(job.inputs, scans))], job)
+                              for i, (path, s) in enumerate(zip(job.inputs, scans))], job)
     small = core.longest(files) < 2**31
     lengths = np.empty(sum(f.num_examples for f in files), np.int32 if small else np.int64)
     np.concatenate([s.lengths for s in scans], out=lengths, casting="same_kind")
