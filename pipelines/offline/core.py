@@ -4,6 +4,9 @@ the plan, place each piece, plan and write a shard, write the manifest.
 For n examples in B blocks of `block_size` consecutive examples (inputs in the order given,
 examples in file order) and shards of `shard_rows` output rows::
 
+    (read, scan)    one input                -> FileScan: its lengths, fingerprint, dtype (each
+                                                runner reads its own way: `runners.read` into
+                                                a local spill, `steps.scan_file` without one)
     summarize_file  one input's FileScan     -> FileSummary: the scan without its lengths
     check_files     every FileSummary           InputError: a bad input, an over-length example
                                                 the overflow policy refuses, no tokens at all
@@ -122,6 +125,8 @@ class BlockSummary:
 
 @dataclasses.dataclass(frozen=True)
 class BlockPlan:
+    """One planned block: its summary, its pieces and the layout of its rows."""
+
     summary: BlockSummary
     # [4, P_b]: example (global), start, length, row (in the block), in input order; i32
     # where every value fits (16 bytes a piece), else i64
@@ -321,7 +326,7 @@ def shard_plan(table: np.ndarray, shard: int, summary: JobSummary, config: PackC
     return p, order
 
 
-def kept_shard(output: str | OutputDir, table: np.ndarray, shard: int, summary: JobSummary
+def kept_shard(output: str | OutputDir, shard: int, table: np.ndarray, summary: JobSummary
                ) -> ShardResult | None:
     """A shard a resumed run keeps (written and intact; `table`: its pieces), or None."""
     _, num_rows = shard_span(summary, shard)

@@ -225,7 +225,7 @@ def write_shard_parts(shard: int, parts: Iterable[ShardPart], summary: JobSummar
     try:
         if resume:
             table = np.concatenate([part.pieces for part in parts], axis=1)
-            kept = kept_shard(out, table, shard, summary)
+            kept = kept_shard(out, shard, table, summary)
             if kept is not None:
                 return kept
         p, pieces, columns = plan_parts(shard, parts, summary, config)

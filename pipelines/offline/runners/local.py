@@ -255,7 +255,7 @@ def write_shards(table: np.ndarray, starts: ExampleStarts, context: _RunContext,
     todo, done = [], 0
     out = OutputDir(context.output_dir, stage=context.stage)
     for i in range(len(names)):
-        kept = core.kept_shard(out, table[:, cuts[i] : cuts[i + 1]], i, summary) if resume else None
+        kept = core.kept_shard(out, i, table[:, cuts[i] : cuts[i + 1]], summary) if resume else None
         if kept is not None:
             written.append((i, *kept))
             done += kept[0]
