@@ -4,7 +4,7 @@ The real corpus (``../shared/data/chat_dev.npz``) is converted once to a Parquet
 ``input_ids: list<int32>`` column (pyarrow's default writer settings). Then, alternating, best of
 ``--repeats`` runs each, in one process, after a warm-up run of each:
 
-    seqpack   offline.local.pack_to_dir, the function `seqpack pack` calls: read the Parquet
+    seqpack   offline.runners.pack_to_dir, the function `seqpack pack` calls: read the Parquet
               column, plan (best fit decreasing, global), assemble every row, encode SQP1 records,
               write ArrayRecord shards (uncompressed) + manifest.json
     trl       datasets.Dataset(pyarrow.parquet.read_table(...)) + trl.pack_dataset(..., "bfd")
@@ -34,7 +34,7 @@ import numpy as np
 from seqpack.packer import PackConfig, assemble, lower_bound, plan
 from seqpack.pipelines.formats.inputs import ReadOptions, read_corpus
 from seqpack.pipelines.offline import PackJob, WriteOptions
-from seqpack.pipelines.offline.local import pack_to_dir
+from seqpack.pipelines.offline.runners import pack_to_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

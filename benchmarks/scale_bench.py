@@ -152,7 +152,7 @@ import hashlib, json, resource, time
 import numpy as np
 from seqpack.packer import PackConfig
 from seqpack.packer.plan import plan_rows
-from seqpack.pipelines.offline.workers import Workers
+from seqpack.pipelines.offline.runners import Workers
 rng = np.random.default_rng(0)
 lengths = np.empty({n}, np.int32)
 for a in range(0, {n}, 1 << 24):

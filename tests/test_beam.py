@@ -13,7 +13,7 @@ from seqpack.packer import PackConfig
 from seqpack.pipelines.errors import UsageError
 from seqpack.pipelines.formats.inputs import InputError
 from seqpack.pipelines.offline import PackJob, WriteOptions
-from seqpack.pipelines.offline.local import pack_to_dir
+from seqpack.pipelines.offline.runners import pack_to_dir
 from seqpack.pipelines.offline.verify import verify
 from tests.helpers.files import (
     dir_bytes,
@@ -24,7 +24,7 @@ from tests.helpers.files import (
     write_parquet,
 )
 
-beam_job = pytest.importorskip("seqpack.pipelines.offline.beam",
+beam_job = pytest.importorskip("seqpack.pipelines.offline.runners.beam",
                                reason="the Beam job needs seqpack[beam]")
 pack_beam, pipeline_options = beam_job.pack_beam, beam_job.pipeline_options
 

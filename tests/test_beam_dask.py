@@ -18,7 +18,7 @@ import pathlib
 import pytest
 
 pytest.importorskip("distributed", reason="the Dask runner tests need dask[distributed]")
-beam_job = pytest.importorskip("seqpack.pipelines.offline.beam",
+beam_job = pytest.importorskip("seqpack.pipelines.offline.runners.beam",
                                reason="the Beam job needs seqpack[beam]")
 
 import apache_beam as beam  # noqa: E402  (after the skips)
@@ -26,7 +26,7 @@ import apache_beam as beam  # noqa: E402  (after the skips)
 from seqpack.packer import PackConfig  # noqa: E402
 from seqpack.pipelines.formats.inputs import ReadOptions  # noqa: E402
 from seqpack.pipelines.offline import PackJob, WriteOptions  # noqa: E402
-from seqpack.pipelines.offline.local import pack_to_dir  # noqa: E402
+from seqpack.pipelines.offline.runners import pack_to_dir  # noqa: E402
 from tests.helpers.dask_cluster import local_cluster, one_output_per_bundle  # noqa: E402
 from tests.helpers.files import dir_bytes, random_seqs, run_cli, write_parquet  # noqa: E402
 

@@ -12,8 +12,9 @@ import pytest
 
 from seqpack.packer import PackConfig
 from seqpack.pipelines.formats.inputs import InputError, ReadOptions
-from seqpack.pipelines.offline import PackJob, WriteOptions, beam_steps
-from seqpack.pipelines.offline.local import pack_to_dir
+from seqpack.pipelines.offline import PackJob, WriteOptions
+from seqpack.pipelines.offline import steps as beam_steps
+from seqpack.pipelines.offline.runners import pack_to_dir
 from tests.helpers.files import ROOT, dir_bytes, random_seqs, write_jsonl, write_parquet
 
 CONFIGS = {
@@ -170,8 +171,8 @@ def test_an_input_changed_between_the_passes_is_refused(tmp_path):
 
 
 def test_the_core_modules_do_not_need_beam():
-    code = ("import sys, seqpack.cli, seqpack.pipelines.offline.local, "
-            "seqpack.pipelines.offline.verify, seqpack.pipelines.offline.beam_steps; "
+    code = ("import sys, seqpack.cli, seqpack.pipelines.offline.runners, "
+            "seqpack.pipelines.offline.verify, seqpack.pipelines.offline.steps; "
             "print('apache_beam' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout

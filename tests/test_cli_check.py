@@ -84,8 +84,9 @@ def test_stats_dry_run_per_strategy_matches_the_planner(tmp_path):
 def test_stats_dry_run_in_workers_gives_the_figures_of_one(tmp_path, monkeypatch):
     """--workers: the inputs are scanned and every strategy's blocks planned in the worker
     processes (here from one example on); the same JSON as one process."""
-    from seqpack.pipelines.offline import read, report
-    from seqpack.pipelines.offline import workers as workers_mod
+    from seqpack.pipelines.offline import report
+    from seqpack.pipelines.offline.runners import read
+    from seqpack.pipelines.offline.runners import workers as workers_mod
 
     srcs = [write_parquet(tmp_path / "a.parquet", SEQS[:150]),
             write_jsonl(tmp_path / "b.jsonl", SEQS[150:300]), write_jsonl(tmp_path / "c.jsonl",
@@ -119,7 +120,7 @@ def test_stats_dry_run_of_small_inputs_starts_no_worker(tmp_path, monkeypatch):
     """Inputs of fewer bytes than `read._PARALLEL_BYTES` in all are scanned in this process
     (starting the workers would cost more than the scan), and a small plan is planned here too:
     no process starts, the figures are those of one process."""
-    from seqpack.pipelines.offline import workers as workers_mod
+    from seqpack.pipelines.offline.runners import workers as workers_mod
 
     srcs = [write_jsonl(tmp_path / "a.jsonl", SEQS[:150]),
             write_jsonl(tmp_path / "b.jsonl", SEQS[150:])]
@@ -139,7 +140,7 @@ def test_small_inputs_asks_for_sizes_only_until_they_pass_the_threshold(tmp_path
     `_PARALLEL_BYTES`; over `_PARALLEL_FILES` inputs it asks for none (each is a request on
     object storage)."""
     from seqpack.pipelines import storage
-    from seqpack.pipelines.offline import read
+    from seqpack.pipelines.offline.runners import read
 
     paths = [str(write_jsonl(tmp_path / f"{k}.jsonl", SEQS[:20])) for k in range(4)]
     asked = []

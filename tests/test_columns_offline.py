@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from seqpack.packer import PackConfig
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline import PackJob, WriteOptions
-from seqpack.pipelines.offline.local import pack_to_dir
+from seqpack.pipelines.offline.runners import pack_to_dir
 from seqpack.pipelines.offline.verify import read_shard, verify
 from tests.helpers.files import dir_bytes, invoke, write_jsonl
 
@@ -111,7 +111,7 @@ def test_every_column_of_every_segment_is_its_source_slice(tmp_path_factory, see
 
 
 def test_two_workers_and_the_beam_steps_write_the_same_bytes(tmp_path):
-    from seqpack.pipelines.offline import beam_steps
+    from seqpack.pipelines.offline import steps as beam_steps
 
     paths, _ = _write(tmp_path, np.random.default_rng(1), n_files=3)
     pack_to_dir(_job(paths, tmp_path / "one", workers=1))
@@ -203,7 +203,7 @@ def test_the_cli_packs_labels_and_refuses_bad_columns(tmp_path):
 @pytest.mark.slow
 def test_the_beam_job_packs_every_column_as_locally(tmp_path):
     pytest.importorskip("apache_beam")
-    from seqpack.pipelines.offline.beam import pack_beam
+    from seqpack.pipelines.offline.runners import pack_beam
 
     paths, _ = _write(tmp_path, np.random.default_rng(3), n_files=3)
     pack_to_dir(_job(paths, tmp_path / "local", workers=1))

@@ -22,8 +22,8 @@ import sys
 
 import pytest
 
+from seqpack.pipelines.offline.job import SPILL_DIR
 from seqpack.pipelines.offline.outdir import DONE, LOCK
-from seqpack.pipelines.offline.spill import SPILL_DIR
 from tests.helpers.files import ROOT, dir_bytes, invoke, random_seqs, run_cli, write_jsonl
 from tests.helpers.runs import finish, race, start, wait_for, workers
 
@@ -234,7 +234,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(corpus, tmp_path):
 
 def test_a_failed_beam_job_names_its_cause():
     pytest.importorskip("apache_beam")
-    from seqpack.pipelines.offline.beam import _cause
+    from seqpack.pipelines.offline.runners.beam import _cause
 
     try:
         try:

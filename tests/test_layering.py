@@ -55,7 +55,7 @@ def test_packer_loads_neither_jax_nor_grain():
 
 
 def test_cli_and_offline_job_do_not_load_jax_or_grain():
-    statement = ("import seqpack.cli, seqpack.pipelines.offline.local, "
+    statement = ("import seqpack.cli, seqpack.pipelines.offline.runners, "
                  "seqpack.pipelines.offline.verify, seqpack.pipelines.offline.report, "
                  "seqpack.pipelines.formats.inputs, seqpack.pipelines.formats.manifest")
     loaded = _loaded_after(statement)

@@ -23,8 +23,8 @@ from seqpack.packer.stats import stats
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import INTENT
 from seqpack.pipelines.offline import PackJob, WriteOptions
-from seqpack.pipelines.offline.local import pack_to_dir
-from seqpack.pipelines.offline.spill import SPILL_DIR
+from seqpack.pipelines.offline.job import SPILL_DIR
+from seqpack.pipelines.offline.runners import pack_to_dir
 from seqpack.pipelines.offline.verify import read_shard
 from tests.helpers.files import (
     ROOT,
@@ -110,8 +110,8 @@ def test_one_and_two_workers_write_the_same_bytes(tmp_path):
 def test_blocks_planned_in_two_workers_write_the_bytes_of_one(tmp_path, monkeypatch):
     """Past one block the plan is made in the worker processes, as many blocks at once as the
     memory holds: the same bytes as one worker planning the blocks in turn."""
-    from seqpack.pipelines.offline import local as local_mod
-    from seqpack.pipelines.offline import workers as workers_mod
+    from seqpack.pipelines.offline.runners import local as local_mod
+    from seqpack.pipelines.offline.runners import workers as workers_mod
 
     paths, _, _ = _corpus(tmp_path, n_files=4, n=300)
     config = PackConfig(48, max_segments=4, overflow="split")
@@ -137,6 +137,25 @@ def test_blocks_planned_in_two_workers_write_the_bytes_of_one(tmp_path, monkeypa
                         write_options=WriteOptions(shard_rows=37)))
     assert "planning blocks" not in [s[0] for s in seen]
     assert dir_bytes(tmp_path / "short") == dir_bytes(tmp_path / "one")
+
+
+@pytest.mark.parametrize("n,dtype", [(0, np.int32), (1, np.int32), (16, np.int32),
+                                     (1001, np.int32), (300, np.int64)])
+def test_example_starts_are_the_offsets_of_the_lengths(n, dtype):
+    """The local runner's example starts (the lengths and every 16th start) give the offsets
+    an i64 cumsum gives, for every example and any order of them."""
+    from seqpack.pipelines.offline.runners.spill import ExampleStarts
+
+    rng = np.random.default_rng(n)
+    lengths = rng.integers(0, 3000, n).astype(dtype)
+    if dtype == np.int64 and n:
+        lengths[::7] += 2**33  # past i32 sums and lengths
+    offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
+    starts = ExampleStarts.of(lengths)
+    every = np.arange(n)
+    assert np.array_equal(starts(every), offsets[:-1])
+    shuffled = rng.permutation(n)
+    assert np.array_equal(starts(shuffled), offsets[shuffled])
 
 
 def test_a_failed_read_leaves_no_directory_behind(tmp_path):

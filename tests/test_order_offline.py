@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from seqpack.packer import PackConfig
 from seqpack.packer.order import CostModel, RowOrder
 from seqpack.pipelines.offline import PackJob, WriteOptions
-from seqpack.pipelines.offline.local import pack_to_dir
+from seqpack.pipelines.offline.runners import pack_to_dir
 from seqpack.pipelines.offline.verify import read_shard, verify
 from tests.helpers.files import dir_bytes, write_jsonl
 
@@ -103,7 +103,7 @@ def test_any_order_any_workers_the_same_rows_and_bytes(packed, tmp_path_factory,
 
 
 def test_the_beam_steps_put_rows_in_the_same_order(packed, tmp_path):
-    from seqpack.pipelines.offline import beam_steps
+    from seqpack.pipelines.offline import steps as beam_steps
 
     d, paths, _, _ = packed
     for order in (RowOrder(seed=5), RowOrder("balanced", seed=2, data_parallel=3, batch_size=2)):

@@ -309,8 +309,7 @@ def test_url_to_url_round_trips_local_and_beam_give_the_local_bytes(store, input
     pytest.importorskip("apache_beam")
     from seqpack.packer import PackConfig
     from seqpack.pipelines.offline import PackJob, WriteOptions
-    from seqpack.pipelines.offline.beam import pack_beam
-    from seqpack.pipelines.offline.local import pack_to_dir
+    from seqpack.pipelines.offline.runners import pack_beam, pack_to_dir
 
     urls = [store.upload(p, store.url("in/" + os.path.basename(p))) for p in inputs]
     config, write = PackConfig(64, max_segments=8, overflow="split"), WriteOptions(shard_rows=9)

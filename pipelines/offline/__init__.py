@@ -1,17 +1,20 @@
-"""The offline job: ArrayRecord shards + manifest, verify, report, the Beam job (no grain, no jax).
+"""The offline job: ArrayRecord shards + manifest, verify, report, the runners (no grain, no jax).
 
 Arranged by role::
 
     job.py        PackJob (one run, described once), Existing, output_session (check, lock,
-                  cleanup of an output, for both runners)
-    read.py       pass 1, shared by pack and verify: inputs scanned in parallel, tokens spilled
-    local.py      the local runner (`pack_to_dir`): pass 1, plan, pass 2
-    beam.py       the Beam runner (`pack_beam`) and beam_steps.py, its steps as plain functions
-    shards.py     shard encoding and writing (both runners)
+                  cleanup of an output, for every runner)
+    core.py       the job's steps, once for every runner: plan and summarize a block, finish
+                  the plan (stats, order, pack_intent.json), place the pieces, plan and write a
+                  shard, write the manifest
+    steps.py      the same job as steps over inputs, blocks and shards for runners whose
+                  workers share no disk: tokens routed from the inputs to their shards
+    runners/      the local runner (worker processes, a local token spill: `pack_to_dir`), the
+                  Beam job (`pack_beam`), and pass 1's machinery that verify and stats share
+    shards.py     shard encoding and writing (every runner)
     record.py     the run record: intent, inputs record, manifest results
     outdir.py     where a run writes (local or object storage): intent, completion records
     lock.py       one writer per output (flock locally, conditional writes on object storage)
-    spill.py      pass 1's token spill;  workers.py  the worker processes
     verify.py     proves an output lossless;  report.py  what the CLI shows
 
 `pack(job)` runs a job with either runner.
@@ -27,7 +30,7 @@ from seqpack.pipelines.offline.shards import WriteOptions
 
 if TYPE_CHECKING:
     from seqpack.pipelines.formats.manifest import Manifest
-    from seqpack.pipelines.offline.read import Progress
+    from seqpack.pipelines.offline.runners import Progress
 
 __all__ = ["Existing", "PackJob", "WriteOptions", "default_workers", "pack"]
 
@@ -38,16 +41,13 @@ def pack(job: PackJob, *, runner: str = "local", progress: Progress | None = Non
     (`beam_options`: "KEY=VALUE" pipeline options; `quiet`: Beam's logs to a temporary file);
     first checks that a shard of rows in each worker fits in memory. Returns the manifest."""
     from seqpack.pipelines.errors import UsageError
+    from seqpack.pipelines.offline import runners
 
     if runner not in ("local", "beam"):
         raise UsageError(f"runner={runner!r} must be 'local' or 'beam'")
     if beam_options and runner != "beam":
-        raise UsageError("--beam-option needs --runner beam")
+        raise UsageError("beam_options= needs runner='beam'")
     job.check_memory()
     if runner == "beam":
-        from seqpack.pipelines.offline.beam import pack_beam  # MissingDependency without beam
-
-        return pack_beam(job, beam_options=beam_options, quiet=quiet)
-    from seqpack.pipelines.offline.local import pack_to_dir
-
-    return pack_to_dir(job, progress=progress)
+        return runners.pack_beam(job, beam_options=beam_options, quiet=quiet)
+    return runners.pack_to_dir(job, progress=progress)

@@ -36,7 +36,8 @@ from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline.lock import DirLock
 from seqpack.pipelines.offline.outdir import OutputDir, check_dir
 from seqpack.pipelines.offline.shards import WriteOptions
-from seqpack.pipelines.offline.spill import SPILL_DIR
+
+SPILL_DIR = "spill.tmp"  # the local runner's token spill, in the output's staging directory
 
 
 class Existing(enum.Enum):

@@ -66,9 +66,7 @@ def dry_run_inputs(paths: Sequence[str], options: ReadOptions, config: PackConfi
     holds (`local.plan_map`), where the plans hold at least `_PARALLEL_PLAN` examples in all
     (below that, starting the processes costs more than they save). The same figures for any
     number of workers."""
-    from seqpack.pipelines.offline.local import plan_map
-    from seqpack.pipelines.offline.read import scan_lengths
-    from seqpack.pipelines.offline.workers import Workers
+    from seqpack.pipelines.offline.runners import Workers, plan_map, scan_lengths
 
     pool = Workers(workers, retry="pass fewer workers= if memory is short")
     try:

@@ -42,9 +42,14 @@ from seqpack.pipelines.formats.inputs import ReadOptions, combined_lengths_sha25
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.formats.records import decode_batch
 from seqpack.pipelines.offline.outdir import OutputDir
-from seqpack.pipelines.offline.read import load_context, read_inputs, save_context
-from seqpack.pipelines.offline.spill import Run, SpillReader
-from seqpack.pipelines.offline.workers import Workers
+from seqpack.pipelines.offline.runners import (
+    Run,
+    SpillReader,
+    Workers,
+    load_context,
+    read_inputs,
+    save_context,
+)
 
 
 @dataclasses.dataclass

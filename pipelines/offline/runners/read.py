@@ -5,7 +5,7 @@ once, in parallel over inputs, its lengths and fingerprint kept, its tokens spil
 
 Each input is scanned chunk by chunk (`formats.inputs.scan_file`: one chunk in memory at a
 time) by one worker process, which appends its tokens to raw spill files in `spill_dir`
-(`offline.spill`), and each extra column's values (`ReadOptions.extra_columns`: labels, masks)
+(`runners.spill`), and each extra column's values (`ReadOptions.extra_columns`: labels, masks)
 to spill files of their own, at the same positions as the tokens; the scans come back in input
 order, so the lengths and the spill are the same for any number of workers. Memory in this
 process: the lengths (8 bytes an example).
@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -31,8 +32,8 @@ from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.inputs import FileScan, ReadOptions, detect_format, scan_file
 from seqpack.pipelines.formats.text import load_tokenizer
-from seqpack.pipelines.offline.spill import Run, SpillWriter
-from seqpack.pipelines.offline.workers import Workers
+from seqpack.pipelines.offline.runners.spill import Run, SpillWriter
+from seqpack.pipelines.offline.runners.workers import Workers
 
 # Test-only: seconds to sleep after each input read and each shard written, so tests can stop a
 # run mid-way or watch its progress.
@@ -91,8 +92,11 @@ def _load_tokenizer(path: str, size: int, mtime_ns: int) -> Any:
 
 def _scan_lengths(path: str, fmt: str, options: ReadOptions) -> np.ndarray:
     """One input's example lengths (its tokens read and dropped)."""
-    return scan_file(path, fmt, options, _tokenizer(options.tokenizer) if options.tokenizer
-                     else None).lengths
+    try:
+        return scan_file(path, fmt, options, _tokenizer(options.tokenizer) if options.tokenizer
+                         else None).lengths
+    finally:
+        _release_arrow_memory()
 
 
 def _small_inputs(paths: Sequence[str]) -> bool:
@@ -146,7 +150,20 @@ def _read_input(index: int, path: str, fmt: str, options: ReadOptions, spill_dir
     finally:
         runs = sink.close()
         column_runs = {name: w.close() for name, w in columns.items()}
+        _release_arrow_memory()
     return scan, runs, column_runs
+
+
+def _release_arrow_memory() -> None:
+    """Gives the memory pyarrow's pool keeps after an input is read back to the system.
+
+    pyarrow's default pool (mimalloc) keeps the pages of a file's batches once they are freed,
+    for the next file; nothing after pass 1 allocates from it, so without this the run would
+    hold them, unused, through the plan and the shards (more with each input read). Nothing
+    happens where pyarrow was never imported (no Parquet input)."""
+    pa = sys.modules.get("pyarrow")
+    if pa is not None:
+        pa.default_memory_pool().release_unused()
 
 
 def read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str, workers: Workers,

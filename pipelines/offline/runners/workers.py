@@ -29,9 +29,9 @@ from typing import Any
 
 from seqpack.pipelines.errors import RunFailed
 
-_PRELOAD = ["seqpack.pipelines.offline.local", "pyarrow.parquet"]
-_RETRY = ("pass fewer --workers or a smaller --shard-rows if memory is short, then run the same "
-          "command with --resume")
+_PRELOAD = ["seqpack.pipelines.offline.runners.local", "pyarrow.parquet"]
+_RETRY = ("pass fewer workers= or a smaller shard_rows= if memory is short, then run the same "
+          "job with existing='resume'")
 
 
 def _init_worker(run_pid: int, environ: dict[str, str]) -> None:

@@ -4,57 +4,51 @@
     seqpack pack data/*.parquet -o packed/ --runner beam --beam-option direct_num_workers=8
     seqpack pack ... --runner beam --beam-option runner=FlinkRunner --beam-option flink_master=...
 
-The job, one element per input, per block of examples or per output shard; nothing per example
-meets in one place::
+The job maps `offline.steps` (the job's steps over inputs, blocks and shards; the plan, order
+and shard plans are `offline.core`'s, as for the local runner), one element per input, per
+block of examples or per output shard; nothing per example meets in one place::
 
-    A  ScanLengths   per input  (parallel)  read the file -> fingerprint + example lengths i64[n_f]
+    A  ScanLengths   per input  (parallel)  read the file -> fingerprint + example lengths
        CutBlocks     per input              its lengths cut into blocks of `block_size`
                                             consecutive examples (global numbering)
-    B  PlanBlocks    per block  (parallel)  `packer.plan_block` on the block's lengths: pieces +
-                                            rows within the block, histograms for the stats
+    B  PlanBlocks    per block  (parallel)  `core.plan_block`: pieces + rows within the block,
+                                            histograms, costs and layout for the summary
        FinishPlan    once                   per-input and per-block summaries -> each block's
-                                            first row, the manifest's stats; pack_intent.json
-       SplitBlocks   per block  (parallel)  the block's pieces, rows made global, per input
+                                            first row, the stats, the order; pack_intent.json
+       SplitBlocks   per block  (parallel)  the block's pieces with their output rows, per input
     C  RouteTokens   per input  (parallel)  re-read the file, send each piece's tokens to its shard
-    D  WriteShards   per shard  (parallel)  sort the pieces into (row, example) order, assemble
-                                            and write the shard as the local writer does
+    D  WriteShards   per shard  (parallel)  `core.shard_plan` and `core.write_shard`
        WriteManifest once, after every shard: manifest.json (then the run is complete)
 
-What moves: a block's lengths (8 bytes per example) go to the worker planning it, its pieces
-(32 bytes per piece) to the inputs they come from; the one global step gets a summary per input
-and per block (histograms of a few KB). Tokens move once, from the worker reading an input to
-the workers writing its shards. A worker planning a block holds about 60 bytes per example of
-the block (`block_size`, by default 4,194,304 examples: a few hundred MB), whatever the corpus.
-
-Efficiency and determinism: each block is planned exactly as `seqpack pack` plans it (the same
-`packer.plan_block` on the lengths in the local CLI's order: inputs in the order given, examples
-in file order), so every strategy packs as locally: the same rows, whatever the number of
-workers. The output is byte-identical to the local CLI's: shards and manifest.json (no runner
-field; the manifest does not say how it was made).
+What moves: a block's lengths go to the worker planning it, its pieces to the inputs they come
+from; the one global step gets a summary per input and per block (histograms of a few KB).
+Tokens move once, from the worker reading an input to the workers writing its shards. A worker
+planning a block holds a few dozen bytes per example of the block (`block_size`, by default
+4,194,304 examples: a few hundred MB), whatever the corpus. The output is byte-identical to the
+local runner's, whatever the number of workers (the manifest does not say how it was made).
 
 Runners: DirectRunner in multi-processing mode by default (`direct_num_workers`: the job's
 `workers`, by default the CPU count, as locally); any Beam pipeline option goes through
 `beam_options` ("KEY=VALUE", or "KEY" for a flag). Workers read the inputs and write the
 output through their paths or URLs (`gs://`, `s3://`: `offline.outdir.OutputDir`), so on a
-cluster (Dataflow, Flink, Spark) inputs and output
-on object storage need no shared filesystem; a local output directory must be one every worker
-sees. Steps exchange data only through Beam and the output location.
+cluster (Dataflow, Flink, Spark) inputs and output on object storage need no shared
+filesystem; a local output directory must be one every worker sees.
 
-Errors: a bad input or a rejected option (what the local CLI rejects) fails the job with an
+Errors: a bad input or a rejected option (what the local runner rejects) fails the job with an
 `InputError` / `ValueError` naming the file and record, raised here in the driver; the worker
 that finds it writes it to ``OUTPUT/pack_error.json`` instead of crashing, the driver reads and
 removes it, so a CLI run prints one `Error:` line. `resume` and `overwrite` work as locally (the
 shard writers keep intact complete shards). The steps that write files (FinishPlan, WriteShards,
 WriteManifest) may be run again, as Beam allows (a retried bundle; a recomputed PCollection,
 even after the shards were written): each run writes the same bytes, and FinishPlan prepares
-the directory only once (`beam_steps.finish_plan`).
+the directory only once (`core.finish_plan`).
 
-Refused runners: Beam's Dask runner (`apache_beam.runners.dask`, checked on apache-beam 2.77
-against a `dask.distributed` cluster) breaks the Beam model: a PCollection read both as a main
-input and, through later steps, as a side input reaches the side input twice (each DoFn keeps
-its outputs in one list, shipped inside the task graph and never emptied per bundle, and the side
-input is recomputed from that graph after the main input filled the list); tagged outputs reach
-every consumer of the step; only the pipeline's last leaf is run. `pipeline_options` refuses it.
+Refused runners: Beam's Dask runner (`apache_beam.runners.dask`) breaks the Beam model: a
+PCollection read both as a main input and, through later steps, as a side input reaches the
+side input twice (each DoFn keeps its outputs in one list, shipped inside the task graph and
+never emptied per bundle, and the side input is recomputed from that graph after the main input
+filled the list); tagged outputs reach every consumer of the step; only the pipeline's last leaf
+is run. `pipeline_options` refuses it.
 """
 
 from __future__ import annotations
@@ -74,7 +68,7 @@ from seqpack.packer import PackConfig
 from seqpack.pipelines.errors import InputError, UsageError, one_line, require
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
-from seqpack.pipelines.offline import beam_steps
+from seqpack.pipelines.offline import steps
 from seqpack.pipelines.offline.job import PackJob, default_workers, output_session
 from seqpack.pipelines.offline.outdir import ERROR, OutputDir
 from seqpack.pipelines.offline.shards import WriteOptions
@@ -100,7 +94,7 @@ def _import_beam() -> types.ModuleType:
     guard = logging.NullHandler()
     root.addHandler(guard)
     try:
-        return require("apache_beam", "--runner beam")
+        return require("apache_beam", "runner='beam'")
     finally:
         root.removeHandler(guard)
 
@@ -128,7 +122,7 @@ def pipeline_options(beam_options: Sequence[str] = (), workers: int | None = Non
     runner = given.get("runner") or "DirectRunner"
     refused = _REFUSED_RUNNERS.get(runner.rsplit(".", 1)[-1].lower())
     if refused:
-        raise UsageError(f"--beam-option runner={runner}: {refused}")
+        raise UsageError(f"beam_options= runner={runner}: {refused}")
     defaults = {"default_sdk_harness_log_level": "WARNING"}
     if runner in ("DirectRunner", "direct"):
         defaults["direct_running_mode"] = "multi_processing"
@@ -152,11 +146,11 @@ def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True) -> None:
     )
     files = beam.pvalue.AsSingleton(
         scans
-        | "SummarizeInputs" >> beam.Map(beam_steps.summarize_file, config)
+        | "SummarizeInputs" >> beam.Map(steps.summarize_file, config)
         | "GatherInputs" >> beam.combiners.ToList())
     plans = (
         scans
-        | "CutBlocks" >> beam.FlatMap(beam_steps.cut_blocks, files, block_size)
+        | "CutBlocks" >> beam.FlatMap(steps.cut_blocks, files, block_size)
         | "GroupBlocks" >> beam.GroupByKey()
         | "PlanBlocks" >> beam.Map(_plan_block, files, job)
     )
@@ -171,7 +165,7 @@ def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True) -> None:
     _ = finished.error | "ReportError" >> beam.Map(_report_error, output_dir, report_errors)
     rows = (
         plans
-        | "SplitBlocks" >> beam.FlatMap(beam_steps.split_block, summary, files)
+        | "SplitBlocks" >> beam.FlatMap(steps.split_block, summary, files)
         | "GroupByInput" >> beam.GroupByKey()
         | "FileJobs" >> beam.Map(_file_job, files)
         | "RouteTokens" >> beam.FlatMap(_route, summary, read_options)
@@ -186,27 +180,27 @@ def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True) -> None:
     )
 
 
-def _scan(element: tuple[int, str], read_options: ReadOptions) -> beam_steps.FileScan:
+def _scan(element: tuple[int, str], read_options: ReadOptions) -> steps.FileScan:
     index, path = element
-    return beam_steps.scan_file(index, path, read_options)
+    return steps.scan_file(index, path, read_options)
 
 
-def _plan_block(element: tuple[int, Iterable[beam_steps.BlockSlice]],
-                files: list[beam_steps.FileSummary], job: PackJob) -> beam_steps.BlockPlan:
+def _plan_block(element: tuple[int, Iterable[steps.BlockSlice]],
+                files: list[steps.FileSummary], job: PackJob) -> steps.BlockPlan:
     block, slices = element
-    return beam_steps.plan_block_slices(block, slices, files, job)
+    return steps.plan_block_slices(block, slices, files, job)
 
 
-def _file_job(element: tuple[int, Iterable[np.ndarray]], files: list[beam_steps.FileSummary]
-              ) -> beam_steps.FileJob:
+def _file_job(element: tuple[int, Iterable[np.ndarray]], files: list[steps.FileSummary]
+              ) -> steps.FileJob:
     index, tables = element
-    return beam_steps.file_job(index, tables, files)
+    return steps.file_job(index, tables, files)
 
 
-def _finish_plan(blocks: list[beam_steps.BlockSummary], files: list[beam_steps.FileSummary],
+def _finish_plan(blocks: list[steps.BlockSummary], files: list[steps.FileSummary],
                  job: PackJob) -> Iterator[Any]:  # the JobSummary, or a TaggedOutput error
     try:
-        summary = beam_steps.finish_plan(files, blocks, job)
+        summary = steps.finish_plan(files, blocks, job)
     except (ValueError, OSError) as e:
         yield beam.pvalue.TaggedOutput("error", one_line(e))
         return
@@ -214,11 +208,11 @@ def _finish_plan(blocks: list[beam_steps.BlockSummary], files: list[beam_steps.F
         yield summary
 
 
-def _route(job: beam_steps.FileJob, summary: beam_steps.JobSummary | None,
-           read_options: ReadOptions) -> list[tuple[int, beam_steps.ShardPart]]:
+def _route(job: steps.FileJob, summary: steps.JobSummary | None,
+           read_options: ReadOptions) -> list[tuple[int, steps.ShardPart]]:
     if summary is None:
         return []
-    return beam_steps.route_file(job, read_options, summary.shard_rows, summary.row_dtype)
+    return steps.route_file(job, read_options, summary.shard_rows, summary.row_dtype)
 
 
 def _report_error(message: str, output_dir: str, report: bool) -> None:
@@ -227,24 +221,24 @@ def _report_error(message: str, output_dir: str, report: bool) -> None:
     OutputDir(output_dir).write_json(ERROR, {"error": message})
 
 
-def _write_shard(element: tuple[int, Iterable[beam_steps.ShardPart]],
-                 summary: beam_steps.JobSummary, output_dir: str, config: PackConfig,
+def _write_shard(element: tuple[int, Iterable[steps.ShardPart]],
+                 summary: steps.JobSummary, output_dir: str, config: PackConfig,
                  write_options: WriteOptions, resume: bool
                  ) -> tuple[int, int, tuple[int, str], np.ndarray]:
     shard, parts = element
-    return (shard, *beam_steps.write_shard_parts(shard, parts, summary, output_dir, config,
+    return (shard, *steps.write_shard_parts(shard, parts, summary, output_dir, config,
                                                  write_options=write_options, resume=resume))
 
 
 def _finish(rows: list[tuple[int, int, tuple[int, str], np.ndarray]],
-            summary: beam_steps.JobSummary | None, output_dir: str) -> None:
+            summary: steps.JobSummary | None, output_dir: str) -> None:
     if summary is not None:  # None: an error was reported, or a resumed run was complete
-        beam_steps.finish_job(rows, summary, output_dir)
+        steps.finish_job(rows, summary, output_dir)
 
 
 def pack_beam(job: PackJob, *, beam_options: Sequence[str] = (), quiet: bool = False
               ) -> Manifest:
-    """`offline.local.pack_to_dir` as a Beam job; returns the manifest.
+    """`runners.local.pack_to_dir` as a Beam job; returns the manifest.
 
     `beam_options`: Beam pipeline options as "KEY=VALUE" (see `pipeline_options`; the
     DirectRunner runs `job.workers` processes). `quiet`: Beam's log output and its worker

@@ -10,7 +10,8 @@ the input's type); the spill lives in the output directory's ``spill.tmp/``, rem
 run ends. A spill the disk cannot hold fails the run with `RunFailed` naming the file.
 
 Positions are global: token `p` of the corpus (inputs back to back, in the order given) lives in
-the run whose [start, start + num_tokens) holds `p`.
+the run whose [start, start + num_tokens) holds `p`; `ExampleStarts` gives each example's first
+position from the lengths, at half a byte an example beyond them.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from typing import BinaryIO
 import numpy as np
 
 from seqpack.pipelines.errors import RunFailed
-
-SPILL_DIR = "spill.tmp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,3 +133,40 @@ class SpillReader:
             if not direct:
                 for d, a, m in zip(dst[mine].tolist(), at.tolist(), n.tolist()):
                     out[d : d + m] = buf[a : a + m]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExampleStarts:
+    """Where each example's tokens start in the spill: the lengths (4 bytes an example while
+    they fit in i32) and every `GROUP`-th example's start (half a byte an example), instead of
+    an i64 start per example; a query adds up at most `GROUP - 1` lengths per example asked.
+
+        lengths  3 0 5 | 2 ...       GROUP = 3 (16 in use)
+        every    0     | 8 ...       start of example 4 = every[1] + lengths[3] = 10
+    """
+
+    GROUP = 16
+
+    lengths: np.ndarray  # i32/i64[n]
+    every: np.ndarray  # i64[ceil(n / GROUP) + 1]: start of examples 0, GROUP, 2 * GROUP, ...
+
+    @classmethod
+    def of(cls, lengths: np.ndarray) -> ExampleStarts:
+        sums = np.add.reduceat(lengths, np.arange(0, lengths.size, cls.GROUP), dtype=np.int64) \
+            if lengths.size else np.zeros(0, np.int64)
+        every = np.zeros(sums.size + 1, np.int64)
+        np.cumsum(sums, out=every[1:])
+        return cls(lengths, every)
+
+    def __call__(self, example: np.ndarray) -> np.ndarray:
+        """i64: the first token position of each of these examples."""
+        example = np.asarray(example, np.int64)
+        group, within = np.divmod(example, self.GROUP)
+        out = self.every[group]
+        first = group * self.GROUP
+        for j in range(self.GROUP - 1):  # lengths[first .. example - 1]
+            more = np.flatnonzero(within > j)
+            if not more.size:
+                break
+            out[more] += self.lengths[first[more] + j]
+        return out

@@ -1,0 +1,372 @@
+"""The offline job's steps, written once for every runner: plan and summarize a block, finish
+the plan, place each piece, plan and write a shard, write the manifest.
+
+For n examples in B blocks of `block_size` consecutive examples (inputs in the order given,
+examples in file order) and shards of `shard_rows` output rows::
+
+    (read, scan)    one input                -> FileScan: its lengths, fingerprint, dtype (each
+                                                runner reads its own way: `runners.read` into
+                                                a local spill, `steps.scan_file` without one)
+    summarize_file  one input's FileScan     -> FileSummary: the scan without its lengths
+    check_files     every FileSummary           InputError: a bad input, an over-length example
+                                                the overflow policy refuses, no tokens at all
+    plan_block      one block's lengths      -> BlockPlan: its pieces [4, P_b] (example, start,
+                                                length, row in the block) + BlockSummary (rows,
+                                                counters, histograms, costs, the block's
+                                                `packer.order` layout: a few KB)
+    finish_plan     every FileSummary and
+                    BlockSummary             -> JobSummary (intent, stats, each block's first
+                                                row, the global order); pack_intent.json
+    output_rows     one BlockPlan            -> the output row of each of its pieces
+    shard_plan      one shard's pieces       -> its PackPlan (rows from 0)
+    write_shard     a shard's plan + tokens  -> the shard file: (rows, (size, sha256), profile)
+    kept_shard      a shard's pieces            the same, for a shard `resume` keeps
+    finish_job      every shard's result     -> manifest.json
+
+Runners map these steps onto their executors and move the data between them their own way:
+`runners.local` plans blocks in worker processes and gathers each shard's tokens from a local
+spill; a runner whose workers share no disk (`runners.beam`) routes the tokens through its
+pipeline with `offline.steps`. Every runner plans the same blocks with the same functions, so
+the bytes do not depend on the runner or the number of workers. Nothing here knows an
+executor: no Beam, no process pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import operator
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from seqpack.packer import Counters, PackConfig, PackPlan
+from seqpack.packer.inputs import check_lengths
+from seqpack.packer.order import BlockLayout, GlobalOrder, block_layout, global_order
+from seqpack.packer.plan import order_pieces, pieces, plan_block_rows
+from seqpack.packer.stats import (
+    CostSummary,
+    cost_summary,
+    row_histograms,
+    stats_from_histograms,
+)
+from seqpack.pipelines.errors import InputError, one_line
+from seqpack.pipelines.formats import inputs
+from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, Manifest
+from seqpack.pipelines.offline import record, shards
+from seqpack.pipelines.offline.job import PackJob
+from seqpack.pipelines.offline.outdir import (
+    OutputDir,
+    as_output_dir,
+    commit_manifest,
+    prepare_dir,
+    shard_done,
+)
+from seqpack.pipelines.offline.shards import WriteOptions, row_dtype
+
+# Rows of the piece tables ([4, P]: BlockPlan, and the tables runners build from it).
+EXAMPLE, START, LENGTH, ROW = range(4)
+
+# What writing a shard gives: its rows, (size, sha256), its part of the order profile.
+ShardResult = tuple[int, tuple[int, str], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class FileScan:
+    """One input's lengths (or why it cannot be read), as a runner's read step gives them."""
+
+    index: int  # position of the input in the job's list
+    path: str
+    info: dict  # the manifest's entry: fingerprint, format, counts, lengths digest
+    lengths: np.ndarray  # i64[n_f] example lengths, in file order
+    dtype: str  # numpy dtype of the file's token ids
+    error: str | None = None  # the InputError's message when the file could not be read
+    extra_dtypes: dict = dataclasses.field(default_factory=dict)  # extra column -> its dtype
+    extra_ranges: dict = dataclasses.field(default_factory=dict)  # extra column -> (min, max)
+
+    @classmethod
+    def of(cls, index: int, path: str, scan: inputs.FileScan) -> FileScan:
+        return cls(index, path, scan.info, scan.lengths, scan.dtype.str,
+                   extra_dtypes=scan.extra_dtypes, extra_ranges=scan.extra_ranges)
+
+
+@dataclasses.dataclass(frozen=True)
+class FileSummary:
+    """A FileScan without its lengths: what the job's one global step sees of an input."""
+
+    index: int
+    path: str
+    info: dict
+    num_examples: int
+    dtype: str
+    max_length: int
+    error: str | None = None
+    # (index, length, count) of its first example over seq_len with overflow="error"
+    overlength: tuple[int, int, int] | None = None
+    extra_dtypes: dict = dataclasses.field(default_factory=dict)  # as in FileScan
+    extra_ranges: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSummary:
+    """What the global step needs of a planned block."""
+
+    block: int
+    num_rows: int
+    counters: Counters
+    used_hist: np.ndarray  # rows holding u tokens, u = 0..L
+    nseg_hist: np.ndarray  # rows holding k segments, k = 0..S
+    length_counts: np.ndarray  # the block's examples in the manifest's 50 length bins
+    error: str | None = None  # an InputError while planning (over-length with overflow="error")
+    layout: BlockLayout | None = None  # the block's `packer.order` summary (leftover rows)
+    costs: CostSummary | None = None  # its rows' costs under the run's cost model
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """One planned block: its summary, its pieces and the layout of its rows."""
+
+    summary: BlockSummary
+    # [4, P_b]: example (global), start, length, row (in the block), in input order; i32
+    # where every value fits (16 bytes a piece), else i64
+    pieces: np.ndarray
+    layout: BlockLayout | None = None  # where its rows go in the output (`packer.order`)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSummary:
+    """The small, global part of the plan that the shard writers and the manifest step need."""
+
+    intent: Manifest  # pack_intent.json: config, inputs, shard names, row count
+    results: dict  # the manifest's stats and example length histogram
+    row_dtype: str  # dtype of the rows' tokens
+    shard_rows: int
+    row_base: list[int]  # first row of each block
+    order: GlobalOrder | None = None  # the output order (`packer.order`; compact)
+
+
+# -- inputs ------------------------------------------------------------------------------------
+
+
+def summarize_file(scan: FileScan, config: PackConfig) -> FileSummary:
+    return FileSummary(scan.index, scan.path, scan.info, int(scan.lengths.size), scan.dtype,
+                       int(scan.lengths.max(initial=0)), scan.error,
+                       record.first_overlength(scan.lengths, config), scan.extra_dtypes,
+                       scan.extra_ranges)
+
+
+def first_examples(files: Sequence[FileSummary]) -> np.ndarray:
+    """Global index of each input's first example (inputs in job order), plus the total."""
+    counts = [f.num_examples for f in sorted(files, key=lambda f: f.index)]
+    return np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+
+
+def longest(files: Iterable[FileSummary]) -> int:
+    """The longest example of the inputs: the top of the manifest's length histogram."""
+    return max((f.max_length for f in files), default=0)
+
+
+def check_files(files: Iterable[FileSummary], job: PackJob) -> list[FileSummary]:
+    """The inputs in job order; InputError for the first bad input (in input order), then an
+    over-length example the overflow policy refuses (named by file and record), then inputs
+    that hold no tokens."""
+    files = sorted(files, key=lambda f: f.index)
+    assert [f.index for f in files] == list(range(len(files))), "an input is missing"
+    for f in files:
+        if f.error is not None:
+            raise InputError(f.error)
+    record.check_overlength([f.path for f in files], [f.overlength for f in files], job.config)
+    if not sum(int(f.info["num_tokens"]) for f in files):
+        raise InputError(f"the inputs hold no tokens ({sum(f.num_examples for f in files)} "
+                         "examples); nothing to pack")
+    return files
+
+
+# -- plan --------------------------------------------------------------------------------------
+
+
+def plan_block(block: int, lengths: np.ndarray, job: PackJob, *, top: int) -> BlockPlan:
+    """Plans block `block` (its examples' `lengths`, numbered from `block * job.block_size`)
+    as `packer.plan_rows` plans it, and lays its rows out for the output order
+    (`packer.order.block_layout` on the rows' costs). `top`: the inputs' longest example
+    (`longest`). An InputError while planning becomes the summary's `error`."""
+    config, order = job.config, job.order
+    first = block * job.block_size
+    counts = np.array(record.length_histogram(lengths, top)["counts"], np.int64)
+    try:
+        lengths = check_lengths(lengths, first=first)  # i64, as `plan_rows` plans a block
+        row, num_rows, counters = plan_block_rows(lengths, config, first)
+    except InputError as e:
+        empty = np.zeros(0, np.int64)
+        summary = BlockSummary(block, 0, Counters(), empty, empty, counts, error=one_line(e))
+        return BlockPlan(summary, np.zeros((4, 0), np.int64))
+    table = _piece_table(lengths, job, first, row, num_rows)
+    del row
+    L, S = config.seq_len, config.max_segments
+    used, nseg = row_histograms(table[ROW], table[LENGTH], num_rows, L, S)
+    layout = block_layout(order.row_costs(table[ROW], table[LENGTH], num_rows), order,
+                          block=block)
+    summary = BlockSummary(block, num_rows, counters, used, nseg, counts,
+                           layout=layout.summary(),
+                           costs=cost_summary(table[ROW], table[LENGTH], num_rows, L,
+                                              order.cost))
+    return BlockPlan(summary, table, layout)
+
+
+def _piece_table(lengths: np.ndarray, job: PackJob, first: int, row: np.ndarray,
+                 num_rows: int) -> np.ndarray:
+    """[4, P]: the block's pieces (re-derived part by part from the lengths, as
+    `packer.plan.pieces` cuts them) and their rows; i32 where every value fits."""
+    fits = max(first + lengths.size, int(lengths.max(initial=0)), num_rows) < 2**31
+    table = np.empty((4, row.size), np.int32 if fits else np.int64)
+    table[ROW] = row
+    at = 0
+    for e, s, n in pieces(lengths, job.config, block_size=job.block_size):
+        table[EXAMPLE, at : at + e.size] = e + first
+        table[START, at : at + e.size] = s
+        table[LENGTH, at : at + e.size] = n
+        at += e.size
+    assert at == row.size, (at, row.size)
+    return table
+
+
+def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], job: PackJob, *,
+                rerun: bool = True) -> JobSummary | None:
+    """Sums the blocks up, writes pack_intent.json; None when `resume` finds the run complete.
+
+    Raises InputError for what `check_files` refuses, then the first block's planning error,
+    then what the output refuses (a non-empty directory). `rerun`: whether the executor may
+    run this step again (see below; the local runner runs it once).
+    """
+    config, block_size = job.config, job.block_size
+    files = check_files(files, job)
+    blocks = sorted(blocks, key=lambda b: b.block)
+    total = int(first_examples(files)[-1])
+    assert [b.block for b in blocks] == list(range(-(-total // block_size))), "a block is missing"
+    for b in blocks:
+        if b.error is not None:
+            raise InputError(b.error)
+    dtype = inputs.corpus_dtype([np.dtype(f.dtype) for f in files])
+    columns = record.column_entries(job, inputs.extra_corpus_dtypes(files))  # type: ignore
+    intent = record.run_intent(job, record.inputs_record([f.info for f in files], dtype,
+                                                         job.read_options),
+                               sum(b.num_rows for b in blocks), columns)
+    # The directory is prepared once. A runner may run this step again: Beam retries a bundle
+    # whose outputs were lost, and may recompute any PCollection (a side input for each step
+    # reading it, even after the shards were written). prepare_dir is not idempotent: again
+    # without `resume` it refuses the directory, again with `overwrite` it deletes the shards
+    # written since. So when the output already records this very run (this job's earlier
+    # attempt, or an identical run being overwritten), the step goes on as a resume of it:
+    # nothing is deleted, and the shard writers rewrite every shard (the bytes of a fresh run).
+    again = rerun and not job.resume and _records_run(job.output, intent)
+    if prepare_dir(job.output, intent, overwrite=job.overwrite and not again,
+                   resume=job.resume or again) is not None:
+        return None
+    counters = sum((b.counters for b in blocks), Counters())
+    used = np.sum([b.used_hist for b in blocks if b.used_hist.size], axis=0)
+    nseg = np.sum([b.nseg_hist for b in blocks if b.nseg_hist.size], axis=0)
+    costs = functools.reduce(operator.add, [b.costs for b in blocks if b.costs is not None])
+    stats = stats_from_histograms(used, nseg, config.seq_len, counters, costs=costs)
+    hist = record.length_histogram(np.zeros(0, np.int64), longest(files))
+    hist["counts"] = [int(c) for c in np.sum([b.length_counts for b in blocks], axis=0)]
+    base = np.concatenate(([0], np.cumsum([b.num_rows for b in blocks])))[:-1]
+    order = global_order([b.layout for b in blocks if b.layout is not None], job.order)
+    return JobSummary(intent, record.manifest_results(stats, hist, balance=order.balance),
+                      row_dtype(dtype, config.pad_id).str, job.write_options.shard_rows,
+                      [int(r) for r in base], order)
+
+
+def _records_run(output_dir: str, intent: Manifest) -> bool:
+    """Whether the output's pack_intent.json, or its complete manifest.json, is of `intent`."""
+    out = OutputDir(output_dir)
+    try:
+        for name in (INTENT, MANIFEST):
+            if out.exists(name) and Manifest.from_json(
+                    out.read_json(name), out.path(name)).intent().to_json() == intent.to_json():
+                return True
+    except (OSError, ValueError):  # unreadable: not this run (prepare_dir reports it)
+        pass
+    finally:
+        out.close()
+    return False
+
+
+def output_rows(bp: BlockPlan, summary: JobSummary) -> np.ndarray:
+    """i64[P_b]: the output row of each of the block's pieces (its plan row made global, then
+    put in the run's order: `GlobalOrder.output_positions`, one query per row of the block)."""
+    block, num_rows = bp.summary.block, bp.summary.num_rows
+    plan_rows = np.arange(num_rows, dtype=np.int64) + summary.row_base[block]
+    if summary.order is not None and bp.layout is not None:
+        plan_rows = summary.order.output_positions(plan_rows, {block: bp.layout})
+    return plan_rows[bp.pieces[ROW]]
+
+
+# -- shards ------------------------------------------------------------------------------------
+
+
+def shard_span(summary: JobSummary, shard: int) -> tuple[int, int]:
+    """(first output row, row count) of shard `shard`."""
+    r0 = shard * summary.shard_rows
+    return r0, min(summary.shard_rows, summary.intent.num_rows - r0)
+
+
+def shard_plan(table: np.ndarray, shard: int, summary: JobSummary, config: PackConfig
+               ) -> tuple[PackPlan, np.ndarray]:
+    """One shard's plan from its pieces (`table` [4, P]: rows are output rows, any order):
+    pieces in (row, example) order, rows from 0; and the permutation that puts `table` in
+    that order."""
+    r0, num_rows = shard_span(summary, shard)
+    order = np.lexsort((table[EXAMPLE], table[ROW]))
+    example, start, length, row = (table[k, order].astype(np.int64) for k in range(4))
+    row -= r0
+    assert row.size and row[0] == 0 and row[-1] == num_rows - 1, (shard, row[:1], row[-1:])
+    p = order_pieces(example, start, length, row, num_rows, Counters(), config)
+    assert p.example is example or np.array_equal(p.example, example)
+    return p, order
+
+
+def kept_shard(output: str | OutputDir, shard: int, table: np.ndarray, summary: JobSummary
+               ) -> ShardResult | None:
+    """A shard a resumed run keeps (written and intact; `table`: its pieces), or None."""
+    _, num_rows = shard_span(summary, shard)
+    kept = shard_done(output, summary.intent.shards[shard], num_rows)
+    if kept is None:
+        return None
+    return num_rows, kept, record.order_profile(table[ROW], table[LENGTH],
+                                                summary.intent.num_rows)
+
+
+def write_shard(output: str | OutputDir, shard: int, p: PackPlan, summary: JobSummary,
+                config: PackConfig, options: WriteOptions, *,
+                pieces: Sequence[np.ndarray] | None = None, values: np.ndarray | None = None,
+                columns: dict[str, np.ndarray] | None = None) -> ShardResult:
+    """Writes shard `shard` of plan `p` (`shard_plan`) with its tokens: `pieces[i]` the i-th
+    piece's, or `values` [R, L] in place (`shards.write_shard`); `columns`: each extra
+    column's [R, L] values in place."""
+    r0, num_rows = shard_span(summary, shard)
+    assert p.num_rows == num_rows, (shard, p.num_rows, num_rows)
+    profile = record.order_profile(p.row + r0, p.length, summary.intent.num_rows)
+    out = as_output_dir(output)
+    digest = shards.write_shard(out, summary.intent.shards[shard], pieces, p, config, options,
+                                dtype=np.dtype(summary.row_dtype), values=values,
+                                columns=columns)
+    return num_rows, digest, profile
+
+
+def finish_job(rows: Iterable[tuple[int, int, tuple[int, str], np.ndarray]],
+               summary: JobSummary, output: str | OutputDir) -> Manifest:
+    """Writes manifest.json once every shard is written; returns the manifest.
+
+    `rows`: (shard, row count, (size, sha256), order profile) of every shard, any order."""
+    by_shard = {k: (n, d, prof) for k, n, d, prof in rows}
+    names = summary.intent.shards
+    if sorted(by_shard) != list(range(len(names))):
+        missing = sorted(set(range(len(names))) - set(by_shard))
+        raise RuntimeError(f"shards {missing[:8]} were not written; the manifest is not written")
+    done = [by_shard[k] for k in range(len(names))]
+    profile = np.sum([prof for _, _, prof in done], axis=0)
+    results = json.loads(json.dumps(summary.results))
+    results["stats"]["along_output"] = record.along_output(profile, summary.intent.num_rows)
+    return commit_manifest(output, summary.intent, [n for n, _, _ in done], results,
+                           [tuple(d) for _, d, _ in done])  # type: ignore[misc]

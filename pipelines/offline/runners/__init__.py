@@ -1,0 +1,50 @@
+"""The runners of the offline job, and the local machinery that verify and stats share.
+
+A runner maps `offline.core`'s steps onto an executor; nothing of the job's logic is here
+twice. Arranged by role::
+
+    local.py    the local runner (`pack_to_dir`): worker processes, a local token spill
+    beam.py     the Beam job (`pack_beam`): the steps of `offline.steps` as a pipeline
+    read.py     pass 1 (`read_inputs`), shared by pack and verify: inputs scanned in parallel,
+                tokens spilled; `scan_lengths`, the same scan without a spill (stats)
+    spill.py    pass 1's token spill (`SpillWriter`, `SpillReader`, `ExampleStarts`)
+    workers.py  the worker processes (`Workers`)
+
+A new runner (Spark: per block and per shard, `mapPartitions`) is one module here mapping
+`offline.steps`. Code outside the wing imports from this package only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from seqpack.pipelines.offline.runners.local import pack_to_dir, plan_map
+from seqpack.pipelines.offline.runners.read import (
+    Pass1,
+    Progress,
+    load_context,
+    read_inputs,
+    save_context,
+    scan_lengths,
+)
+from seqpack.pipelines.offline.runners.spill import Run, SpillReader
+from seqpack.pipelines.offline.runners.workers import Workers
+
+if TYPE_CHECKING:
+    from seqpack.pipelines.formats.manifest import Manifest
+    from seqpack.pipelines.offline.job import PackJob
+
+__all__ = [
+    "Pass1", "Progress", "Run", "SpillReader", "Workers", "load_context", "pack_beam",
+    "pack_to_dir", "plan_map", "read_inputs", "save_context", "scan_lengths",
+]
+
+
+def pack_beam(job: PackJob, *, beam_options: Sequence[str] = (), quiet: bool = False
+              ) -> Manifest:
+    """`beam.pack_beam`: apache_beam is imported here, when a Beam job runs (MissingDependency
+    without it), not with the package."""
+    from seqpack.pipelines.offline.runners import beam
+
+    return beam.pack_beam(job, beam_options=beam_options, quiet=quiet)

@@ -1,0 +1,253 @@
+"""The offline job as steps over inputs, blocks and shards, for a runner whose workers share no
+disk (the Beam job, `runners.beam`; a Spark job would map the same steps): nothing per example
+meets in one place, and tokens travel once, from the worker reading an input to the worker
+writing the shard they land in. The plan, the order, the shard plans and the manifest are
+`offline.core`'s (the steps it owns are re-exported here, so a runner imports one module).
+
+What each step takes and gives, for n examples in P pieces::
+
+    scan_file          one input          -> FileScan: fingerprint, counts, lengths i64[n_f], dtype
+    summarize_file     one FileScan       -> FileSummary (core): the scan without its lengths
+    cut_blocks         one FileScan       -> (block, BlockSlice) per block of `block_size`
+                                             consecutive examples the input's examples fall in
+    plan_block_slices  one block's slices -> BlockPlan (core.plan_block): pieces + BlockSummary
+    finish_plan        every FileSummary
+                       + BlockSummary     -> JobSummary (core) and pack_intent.json
+    split_block        one BlockPlan      -> (input, pieces with their output rows) per input
+    file_job           one input's tables -> FileJob: where each of its pieces goes
+    route_file         one FileJob        -> (shard, ShardPart) per shard the input feeds: the
+                                             pieces + their tokens, back to back
+    write_shard_parts  one shard's parts  -> the shard file (core.write_shard): its row count,
+                                             (size, sha256), order profile
+    finish_job         every shard's      -> manifest.json (core)
+
+A block is planned by the worker its lengths are grouped to (`block_size` examples, by default
+about four million: a few hundred MB); the global step sees a summary per input and per block.
+A shard's pieces arrive in any order and are sorted back into (row, example) order by
+`core.shard_plan`, so the bytes are the local runner's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from seqpack.packer import PackConfig, PackPlan
+from seqpack.packer.assemble import fill_rows
+from seqpack.packer.contract import ragged_arange
+from seqpack.pipelines.errors import InputError, one_line
+from seqpack.pipelines.formats import inputs
+from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus
+from seqpack.pipelines.formats.text import load_tokenizer
+from seqpack.pipelines.offline.core import (
+    EXAMPLE,
+    LENGTH,
+    ROW,
+    START,
+    BlockPlan,
+    BlockSummary,
+    FileScan,
+    FileSummary,
+    JobSummary,
+    ShardResult,
+    finish_job,
+    finish_plan,
+    first_examples,
+    kept_shard,
+    longest,
+    output_rows,
+    plan_block,
+    shard_plan,
+    summarize_file,
+    write_shard,
+)
+from seqpack.pipelines.offline.job import PackJob
+from seqpack.pipelines.offline.outdir import OutputDir
+from seqpack.pipelines.offline.shards import WriteOptions
+
+__all__ = [
+    "EXAMPLE", "LENGTH", "ROW", "START", "BlockPlan", "BlockSlice", "BlockSummary", "FileJob",
+    "FileScan", "FileSummary", "JobSummary", "ShardPart", "cut_blocks", "file_job",
+    "finish_job", "finish_plan", "plan_block_slices", "plan_in_process", "route_file",
+    "scan_file", "split_block", "summarize_file", "write_shard_parts",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSlice:
+    """Some consecutive examples of one block, from one input."""
+
+    first: int  # global index of the first example
+    lengths: np.ndarray  # i64
+
+
+@dataclasses.dataclass(frozen=True)
+class FileJob:
+    """Where each piece of one input goes."""
+
+    index: int
+    path: str
+    info: dict  # from the scan; the re-read must match it (the file must not change mid-job)
+    first_example: int  # global index of the file's first example
+    pieces: np.ndarray  # i64[4, P_f]: example (global), start, length, row (output)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPart:
+    """The pieces one input sends to one shard."""
+
+    pieces: np.ndarray  # i64[4, P]: as in FileJob
+    tokens: np.ndarray  # the pieces' tokens back to back, in the corpus dtype
+    columns: dict = dataclasses.field(default_factory=dict)  # extra column -> values, as tokens
+
+
+# -- scan and plan ---------------------------------------------------------------------------
+
+
+def scan_file(index: int, path: str, options: ReadOptions) -> FileScan:
+    """Reads one input for its example lengths; a bad input gives a FileScan with `error`."""
+    try:
+        fmt = detect_format(path, options.input_format)
+        tokenizer = load_tokenizer(options.tokenizer) if options.tokenizer else None
+        scan = inputs.scan_file(path, fmt, options, tokenizer)
+    except (ValueError, OSError) as e:
+        return FileScan(index, path, {}, np.zeros(0, np.int64), "", error=one_line(e))
+    return FileScan.of(index, path, scan)
+
+
+def cut_blocks(scan: FileScan, files: Sequence[FileSummary], block_size: int
+               ) -> list[tuple[int, BlockSlice]]:
+    """The input's lengths cut at block boundaries; nothing when any input failed to read."""
+    if any(f.error is not None for f in files):
+        return []
+    first = int(first_examples(files)[scan.index])
+    out = []
+    at = 0
+    while at < scan.lengths.size:
+        block = (first + at) // block_size
+        end = min(scan.lengths.size, (block + 1) * block_size - first)
+        out.append((block, BlockSlice(first + at, scan.lengths[at:end])))
+        at = end
+    return out
+
+
+def plan_block_slices(block: int, slices: Iterable[BlockSlice], files: Sequence[FileSummary],
+                      job: PackJob) -> BlockPlan:
+    """Plans one block from its slices (any order): `core.plan_block` on their lengths."""
+    slices = sorted(slices, key=lambda s: s.first)
+    first = block * job.block_size
+    lengths = np.concatenate([s.lengths for s in slices]).astype(np.int64)
+    total = int(first_examples(files)[-1])
+    assert slices[0].first == first and lengths.size == min(job.block_size, total - first), block
+    return plan_block(block, lengths, job, top=longest(files))
+
+
+def split_block(bp: BlockPlan, summary: JobSummary | None, files: Sequence[FileSummary]
+                ) -> list[tuple[int, np.ndarray]]:
+    """The block's pieces with their output rows (`core.output_rows`), i64, cut by the input
+    they come from."""
+    if summary is None or not bp.pieces.shape[1]:
+        return []
+    table = bp.pieces.astype(np.int64)
+    table[ROW] = output_rows(bp, summary)
+    file_of = np.searchsorted(first_examples(files), table[EXAMPLE], side="right") - 1
+    cuts = np.flatnonzero(np.diff(file_of)) + 1  # pieces are in example order
+    return [(int(file_of[a]), table[:, a:b])
+            for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), file_of.size])]
+
+
+def file_job(index: int, tables: Iterable[np.ndarray], files: Sequence[FileSummary]
+             ) -> FileJob:
+    """One input's pieces from every block it feeds (any order)."""
+    f = next(f for f in files if f.index == index)
+    table = np.concatenate(list(tables), axis=1)
+    return FileJob(index, f.path, f.info, int(first_examples(files)[index]), table)
+
+
+# -- route and write -------------------------------------------------------------------------
+
+
+def route_file(job: FileJob, options: ReadOptions, shard_rows: int, dtype: str
+               ) -> list[tuple[int, ShardPart]]:
+    """Re-reads one input and cuts its pieces' tokens into one ShardPart per destination shard."""
+    corpus = read_corpus([job.path], options)
+    if corpus.files[0] != job.info:
+        raise InputError(f"{job.path}: changed while the job ran (was {job.info}, now "
+                         f"{corpus.files[0]}); rerun on inputs that stay put")
+    shard = job.pieces[ROW] // shard_rows
+    order = np.argsort(shard, kind="stable")
+    pieces = job.pieces[:, order]
+    src = corpus.offsets[pieces[EXAMPLE] - job.first_example] + pieces[START]
+    at = ragged_arange(src, pieces[LENGTH])
+    tokens = corpus.values.astype(dtype, copy=False)[at]
+    columns = {name: values[at] for name, values in corpus.extra_values.items()}
+    shard = shard[order]
+    keys, firsts = np.unique(shard, return_index=True)
+    piece_cuts = np.append(firsts, shard.size)
+    token_cuts = np.concatenate(([0], np.cumsum(pieces[LENGTH])))[piece_cuts]
+    return [
+        (int(k), ShardPart(pieces[:, a:b], tokens[ta:tb],
+                           {name: col[ta:tb] for name, col in columns.items()}))
+        for k, a, b, ta, tb in zip(keys.tolist(), piece_cuts[:-1].tolist(),
+                                   piece_cuts[1:].tolist(), token_cuts[:-1].tolist(),
+                                   token_cuts[1:].tolist())
+    ]
+
+
+def plan_parts(shard: int, parts: Sequence[ShardPart], summary: JobSummary, config: PackConfig
+               ) -> tuple[PackPlan, list[np.ndarray], dict[str, np.ndarray]]:
+    """One shard's plan (`core.shard_plan`), its pieces' tokens in the plan's order, and each
+    extra column's `[R, L]` values in place (its pad elsewhere)."""
+    table = np.concatenate([part.pieces for part in parts], axis=1)
+    tokens = np.concatenate([part.tokens for part in parts])
+    p, order = shard_plan(table, shard, summary, config)
+    starts = (np.cumsum(table[LENGTH]) - table[LENGTH])[order]
+    cuts = list(zip(starts.tolist(), table[LENGTH, order].tolist()))
+    pieces = [tokens[s : s + m] for s, m in cuts]
+    columns = {}
+    for c in summary.intent.columns or []:
+        values = np.concatenate([part.columns[c["name"]] for part in parts])
+        columns[c["name"]] = fill_rows([values[s : s + m] for s, m in cuts], p,
+                                       config.seq_len, dtype=np.dtype(c["dtype"]), pad=c["pad"])
+    return p, pieces, columns
+
+
+def write_shard_parts(shard: int, parts: Iterable[ShardPart], summary: JobSummary,
+                      output_dir: str, config: PackConfig, *, write_options: WriteOptions,
+                      resume: bool = False) -> ShardResult:
+    """Writes one shard from the parts its inputs sent (unless `resume` finds it written and
+    intact); returns its row count, (size, sha256) and its rows' part of the order profile
+    (`record.order_profile`)."""
+    parts = list(parts)
+    out = OutputDir(output_dir)
+    try:
+        if resume:
+            table = np.concatenate([part.pieces for part in parts], axis=1)
+            kept = kept_shard(out, shard, table, summary)
+            if kept is not None:
+                return kept
+        p, pieces, columns = plan_parts(shard, parts, summary, config)
+        return write_shard(out, shard, p, summary, config, write_options, pieces=pieces,
+                           columns=columns)
+    finally:
+        out.close()
+
+
+def plan_in_process(scans: Sequence[FileScan], job: PackJob
+                    ) -> tuple[JobSummary | None, list[FileJob]]:
+    """The planning steps one after another (tests, and a reading aid for the pipeline)."""
+    config, block_size = job.config, job.block_size
+    files = [summarize_file(s, config) for s in scans]
+    by_block: dict[int, list[BlockSlice]] = {}
+    for s in scans:
+        for block, piece in cut_blocks(s, files, block_size):
+            by_block.setdefault(block, []).append(piece)
+    plans = [plan_block_slices(b, sl, files, job) for b, sl in by_block.items()]
+    summary = finish_plan(files, [p.summary for p in plans], job)
+    by_file: dict[int, list[np.ndarray]] = {}
+    for p in plans:
+        for index, table in split_block(p, summary, files):
+            by_file.setdefault(index, []).append(table)
+    return summary, [file_job(i, t, files) for i, t in sorted(by_file.items())]
