@@ -227,18 +227,13 @@ def _error_strings(path: pathlib.Path):
             yield node.lineno, node.value
 
 
-# Converted on their own branch (the runners'): until then they keep flags.
-NOT_YET = {"pipelines/offline/__init__.py", "pipelines/offline/beam.py",
-           "pipelines/offline/workers.py"}
-
-
 def test_no_library_message_names_a_flag():
     """Flags only where a message names a whole command (`seqpack pack ... --resume`)."""
     found = []
     for path in sorted((ROOT / "pipelines").rglob("*.py")) + sorted((ROOT / "packer").rglob(
             "*.py")):
         name = str(path.relative_to(ROOT))
-        if name in NOT_YET or name == "pipelines/console.py":  # (the command line's own table)
+        if name == "pipelines/console.py":  # the command line's own table
             continue
         for line, text in _error_strings(path):
             if FLAG.search(re.sub(r"`[^`]*`", "", text)):

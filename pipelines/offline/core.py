@@ -189,8 +189,8 @@ def check_files(files: Iterable[FileSummary], job: PackJob) -> list[FileSummary]
 def plan_block(block: int, lengths: np.ndarray, job: PackJob, *, top: int) -> BlockPlan:
     """Plans block `block` (its examples' `lengths`, numbered from `block * job.block_size`)
     as `packer.plan_rows` plans it, and lays its rows out for the output order
-    (`packer.order.block_layout` on the rows' costs). `top`: the inputs' longest example
-    (`longest`). An InputError while planning becomes the summary's `error`."""
+    (`packer.order.block_layout` on the rows' costs and segment counts). `top`: the inputs'
+    longest example (`longest`). An InputError while planning becomes the summary's `error`."""
     config, order = job.config, job.order
     first = block * job.block_size
     counts = np.array(record.length_histogram(lengths, top)["counts"], np.int64)
@@ -205,8 +205,9 @@ def plan_block(block: int, lengths: np.ndarray, job: PackJob, *, top: int) -> Bl
     del row
     L, S = config.seq_len, config.max_segments
     used, nseg = row_histograms(table[ROW], table[LENGTH], num_rows, L, S)
+    segments = np.bincount(table[ROW], minlength=num_rows) if order.data_parallel else None
     layout = block_layout(order.row_costs(table[ROW], table[LENGTH], num_rows), order,
-                          block=block)
+                          block=block, segments=segments)
     summary = BlockSummary(block, num_rows, counters, used, nseg, counts,
                            layout=layout.summary(),
                            costs=cost_summary(table[ROW], table[LENGTH], num_rows, L,

@@ -2,7 +2,7 @@
 
     job = PackJob(["a.parquet", "b.parquet"], "packed/", PackConfig(2048, overflow="split"),
                   read_options=ReadOptions(column="input_ids"), existing="resume", workers=8)
-    manifest = offline.pack(job)                       # the local runner (`offline.local`)
+    manifest = offline.pack(job)                       # the local runner (`runners.pack_to_dir`)
     manifest = offline.pack(job, runner="beam")        # the same bytes as a Beam job
 
 A job holds what decides the output (inputs, config, how inputs are read and rows stored, the

@@ -61,9 +61,9 @@ def dry_run_inputs(paths: Sequence[str], options: ReadOptions, config: PackConfi
                    strategies: Sequence[str], *, workers: int, block_size: int | None = None,
                    cost: CostModel | None = None) -> tuple[np.ndarray, dict[str, dict]]:
     """(the inputs' example lengths, `dry_run` of them), with `workers` processes: the inputs
-    scanned in parallel (`read.scan_lengths`; in this process where they are small), then
+    scanned in parallel (`runners.scan_lengths`; in this process where they are small), then
     every strategy's blocks planned side by side, as many at once as the memory available
-    holds (`local.plan_map`), where the plans hold at least `_PARALLEL_PLAN` examples in all
+    holds (`runners.plan_map`), where the plans hold at least `_PARALLEL_PLAN` examples in all
     (below that, starting the processes costs more than they save). The same figures for any
     number of workers."""
     from seqpack.pipelines.offline.runners import Workers, plan_map, scan_lengths

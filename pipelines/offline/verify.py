@@ -306,7 +306,7 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
            workers: int = 1) -> VerifyReport:
     """Checks a packed directory against its inputs (default: the paths in the manifest).
 
-    `workers` processes read the inputs (pass 1 of `seqpack pack`, `offline.read`) and check
+    `workers` processes read the inputs (pass 1 of `seqpack pack`, `runners.read_inputs`) and check
     the shards, one at a time each; the report does not depend on it."""
     manifest = read_manifest(output_dir, check_shards=False)  # damaged shards are violations
     config = manifest.pack_config()
