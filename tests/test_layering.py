@@ -181,7 +181,9 @@ def test_pyproject_ships_every_package():
 
 def test_wings_are_known():
     for wing in ("seqpack.packer.online", "seqpack.packer.order",
-                 "seqpack.packer.strategies.bfd", "seqpack.packer.strategies.bfd.refine"):
+                 "seqpack.packer.strategies.bfd", "seqpack.packer.strategies.bfd.refine",
+                 "seqpack.kernels.tpu", "seqpack.kernels.gpu",
+                 "seqpack.pipelines.offline.runners"):
         assert wing in WINGS, WINGS
 
 
@@ -221,3 +223,15 @@ def test_modules_and_functions_stay_small(path):
             lines = node.end_lineno - node.lineno + 1
             assert lines <= MAX_FUNCTION, \
                 f"{path.relative_to(ROOT)}:{node.lineno} {node.name} has {lines} lines"
+
+
+@pytest.mark.parametrize("family,other", [("tpu", "gpu"), ("gpu", "tpu")])
+def test_the_kernel_families_import_nothing_from_each_other(family, other):
+    """The Mosaic and the Triton kernels share only kernels.common and .attention_schedule."""
+    for path in sorted((ROOT / "kernels" / family).glob("*.py")):
+        for module, _ in _from_imports(path):
+            assert not module.startswith(f"seqpack.kernels.{other}"), (path, module)
+            if module.startswith("seqpack.kernels") and not module.startswith(
+                    f"seqpack.kernels.{family}"):
+                assert module in ("seqpack.kernels.common", "seqpack.kernels.attention_schedule"), \
+                    (path, module)
