@@ -1,9 +1,10 @@
-"""README.md's Python snippets run as written and do what they say.
+"""The Python snippets of README.md and of the docs/ pages run as written and do what they say.
 
-Each ```python block of the README runs in a fresh namespace holding only the context below (the
-names a snippet takes from its surroundings, as the README says), in a directory holding
-`train.jsonl`; then the check matched by a call the snippet makes asserts what its text claims.
-A new snippet needs a check here: an unmatched block fails.
+Each ```python block runs in a fresh namespace holding only the context below (the names a
+snippet takes from its surroundings, as its page says), in a directory holding `train.jsonl`;
+then the check matched by a call the snippet makes asserts what its text claims. A new snippet
+needs a check here: an unmatched block fails. (```py blocks are shown, not run: signatures,
+before and after.)
 
 Context: `source` (random-access, `{"inputs": ids, "targets": ids}` examples), `L`, `batch_size`;
 for the kernels snippet `logits` `[B, L, V]`, `targets` `[B, L]`, `batch` (packed rows) and
@@ -25,13 +26,22 @@ import pytest
 from seqpack import packer
 from seqpack.pipelines import datasets
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# (docs/contract.md's snippets are tests/test_docs_contract.py's)
+PAGES = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md")
+                                     if p.name != "contract.md")]
 BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 L, BATCH = 64, 4
 
 
 def _blocks() -> list[str]:
-    return BLOCK.findall(README.read_text(encoding="utf-8"))
+    return [b for page in PAGES for b in BLOCK.findall(page.read_text(encoding="utf-8"))]
+
+
+def _named_blocks() -> list[tuple[str, str]]:
+    """(page:n, block) of every snippet, for the test ids."""
+    return [(f"{page.relative_to(ROOT)}:{k}", b) for page in PAGES
+            for k, b in enumerate(BLOCK.findall(page.read_text(encoding="utf-8")))]
 
 
 def _source():
@@ -183,7 +193,7 @@ def _packed_dir(path):
         packer.PackConfig(L, max_segments=8),
         columns=datasets.Columns(labels=["labels"], drop=["mask"])))
     write_packed(path, rows, seq_len=L, max_segments=8, shard_rows=16,
-                 columns={"labels": -100})
+                 columns={"labels": -100}, roles={"labels": "labels"})  # as seqpack pack does
 
 
 @pytest.fixture
@@ -196,18 +206,18 @@ def in_data_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
-def test_every_snippet_has_a_check():
+def test_every_snippet_has_a_check_and_every_check_a_snippet():
     blocks = _blocks()
-    assert len(blocks) == len(CHECKS)
     for block in blocks:
         assert sum(call in block for call in CHECKS) == 1, block
+    assert all(any(call in b for b in blocks) for call in CHECKS)
 
 
-@pytest.mark.parametrize("call", list(CHECKS))
-def test_snippet_runs_and_does_what_it_says(call, in_data_dir):
-    (block,) = [b for b in _blocks() if call in b]
+@pytest.mark.parametrize("where,block", _named_blocks(), ids=[w for w, _ in _named_blocks()])
+def test_snippet_runs_and_does_what_it_says(where, block, in_data_dir):
+    (call,) = [c for c in CHECKS if c in block]
     ns = _context(block)
-    exec(compile(block, f"README.md snippet {call}", "exec"), ns)  # noqa: S102 - our README
+    exec(compile(block, f"{where} snippet", "exec"), ns)  # noqa: S102 - our own docs
     CHECKS[call](ns)
 
 

@@ -101,10 +101,12 @@ def check_restore_every_step(make_iter: Callable[[], Any], *, max_rows: int | No
 
 def write_packed(directory, rows: list[dict[str, np.ndarray]], *, seq_len: int, max_segments: int,
                  shard_rows: int, columns: dict[str, int] | None = None,
-                 row_order: dict | None = None) -> list[dict[str, np.ndarray]]:
+                 row_order: dict | None = None, roles: dict[str, str] | None = None
+                 ) -> list[dict[str, np.ndarray]]:
     """A complete packed directory (what `seqpack pack` writes) holding `rows` in order: shards
-    of `shard_rows` without the derived [L] keys, a signed manifest with `columns` ({name: pad})
-    and `row_order`. Returns the rows as stored + restored (what a reader yields)."""
+    of `shard_rows` without the derived [L] keys, a signed manifest with `columns` ({name: pad};
+    with `roles`, each column's, as `seqpack pack` records them) and `row_order`. Returns the
+    rows as stored + restored (what a reader yields)."""
     import os
 
     from array_record.python.array_record_module import ArrayRecordWriter
@@ -128,7 +130,8 @@ def write_packed(directory, rows: list[dict[str, np.ndarray]], *, seq_len: int, 
         counts.append(len(part))
     digests = [file_digest(os.path.join(directory, n)) for n in names]
     cols = None if columns is None else [
-        {"name": n, "source": n, "dtype": rows[0][n].dtype.str, "pad": int(p)}
+        {"name": n, "source": n, "dtype": rows[0][n].dtype.str, "pad": int(p),
+         **({"role": roles[n]} if roles and n in roles else {})}
         for n, p in columns.items()]
     write(str(directory), Manifest(
         config=config.to_dict(), inputs={}, writer_options="group_size:1", stored_keys=stored,
