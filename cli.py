@@ -2,11 +2,9 @@
 
     seqpack pack                                   # packs the built-in sample, prints its stats
     seqpack pack data/*.parquet -o packed/ --seq-len 2048 --column input_ids --overflow split
-    seqpack pack data/*.parquet -o packed/ --runner beam --beam-option direct_num_workers=8
     seqpack stats packed/                          # the packed run's statistics
     seqpack stats data/*.parquet --column input_ids --plot stats.png   # dry run, per strategy
     seqpack verify packed/ data/*.parquet          # proves the rows lossless against the inputs
-    seqpack pack 'gs://bucket/data/*.parquet' -o gs://bucket/packed/   # URLs (seqpack[cloud])
     seqpack inspect packed/ --row 0
 
 Each command parses its options, calls one library function (`pipelines.offline.pack`,
@@ -18,18 +16,21 @@ imports jax; heavy modules are imported inside the commands so `seqpack --help` 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
 from collections.abc import Callable
 
 import click
+from click_option_group import optgroup
 
-from seqpack.pipelines.console import Group, handle_signals
+from seqpack.pipelines.console import Group, handle_signals, show_warnings
 
 _STRATEGIES = ["best_fit_decreasing", "best_fit", "first_fit", "concat_split"]
 _OVERFLOWS = ["error", "truncate", "split", "drop"]
 _FORMATS = ["jsonl", "parquet", "arrayrecord", "text", "bytes"]
+Spec = tuple[tuple[str, ...], dict]  # an option's declarations and attributes: `_opt`
 
 
 def _usage(build, *args, **kwargs):
@@ -42,127 +43,161 @@ def _usage(build, *args, **kwargs):
         raise UsageError(str(e)) from None
 
 
-def _options(*options: Callable[[Callable], Callable]) -> Callable[[Callable], Callable]:
-    """One decorator for several options, in --help in the order given."""
+def _opt(*decls: str, **attrs) -> Spec:
+    """An option's declarations and attributes, for `_group`."""
+    return decls, attrs
+
+
+def _group(title: str, *specs: Spec, help: str | None = None) -> Callable[[Callable], Callable]:
+    """One decorator for a group of options, under `title` in --help, in the order given."""
 
     def apply(f: Callable) -> Callable:
-        for option in reversed(options):
-            f = option(f)
-        return f
+        for decls, attrs in reversed(specs):
+            f = optgroup.option(*decls, **attrs)(f)
+        return optgroup.group(title, help=help)(f)
 
     return apply
 
 
-def _workers_option(text: str):
-    return click.option("--workers", type=click.IntRange(min=1), default=None,
-                        help=f"{text}  [default: the CPU count]")
+def _groups(*groups: Callable[[Callable], Callable]) -> Callable[[Callable], Callable]:
+    """The option groups of one command, in --help in the order given."""
+    return lambda f: functools.reduce(lambda g, group: group(g), reversed(groups), f)
 
 
-def _block_size_option(text: str):
-    return click.option("--block-size", type=click.IntRange(min=1), default=None,
-                        help=f"{text}  [default: 4194304]")
+def _workers(text: str) -> Spec:
+    return _opt("--workers", type=click.IntRange(min=1), help=f"{text}  [default: the CPU count]")
 
 
-_packing_options = _options(
-    click.option("--seq-len", default=2048, show_default=True, type=click.IntRange(min=1),
-                 help="Tokens per packed row (L)."),
-    click.option("--max-segments", default=64, show_default=True,
-                 type=click.IntRange(min=1), help="Most segments one row may hold (S)."),
-    click.option("--overflow", type=click.Choice(_OVERFLOWS), default=None,
-                 help="Examples longer than --seq-len.  [default: error; split for the "
-                      "built-in sample]"),
-    click.option("--segment-alignment", default=1, show_default=True,
-                 type=click.IntRange(min=1), help="Segments start at multiples of this."),
-    click.option("--pad-id", default=0, show_default=True, type=click.IntRange(min=0),
-                 help="Token id written into padding."),
-    click.option("--feature", default="tokens", show_default=True,
-                 help="Name of the packed feature (prefixes the row keys)."),
+def _block_size(text: str) -> Spec:
+    return _opt("--block-size", type=click.IntRange(min=1), help=f"{text}  [default: 4194304]")
+
+
+_INPUT_FORMAT = _opt(
+    "--input-format", type=click.Choice(_FORMATS), default=None,
+    help="Input file format (bytes: any file's raw bytes as ids 0..255); in a directory, also "
+         "which of its files to read.  [default: from the name, else from the content; "
+         "refused otherwise]")
+_COLUMN = _opt(
+    "--column", "--field", "columns", multiple=True, default=["tokens"], show_default=True,
+    help="Parquet column / JSONL field / ArrayRecord array of token ids (of text, with "
+         "--tokenizer). Repeat it for columns packed with the tokens under the same segments "
+         "(any integers: labels, masks), e.g. --column input_ids --column labels.")
+_TOKENIZER = _opt(
+    "--tokenizer", type=click.Path(dir_okay=False), default=None,
+    help="tokenizers tokenizer.json: tokenizes text files and the text --field of JSONL / "
+         "--column of Parquet (default: text files as UTF-8 bytes). Its padding and truncation "
+         "are switched off: rows are padded by packing, long examples follow --overflow. An "
+         "error with token-id inputs.")
+_TEXT_UNIT = _opt(
+    "--text-unit", type=click.Choice(["file", "line", "paragraph"]), default="file",
+    show_default=True,
+    help="Text inputs: one example per file, non-blank line or paragraph (lines between blank "
+         "lines; the built-in sample's unit).")
+_SHAPE = (
+    _opt("--seq-len", default=2048, show_default=True, type=click.IntRange(min=1),
+         help="Tokens per packed row (L)."),
+    _opt("--max-segments", default=64, show_default=True, type=click.IntRange(min=1),
+         help="Most segments one row may hold (S)."),
+    _opt("--overflow", type=click.Choice(_OVERFLOWS), default=None,
+         help="Examples longer than --seq-len (not with --strategy concat_split, which cuts "
+              "examples at row ends itself).  [default: error; split for the built-in sample]"),
+    _opt("--segment-alignment", default=1, show_default=True, type=click.IntRange(min=1),
+         help="Segments start at multiples of this."),
+    _opt("--pad-id", default=0, show_default=True, type=click.IntRange(min=0),
+         help="Token id written into padding."),
+    _opt("--feature", default=None,
+         help="Row key of the packed tokens (prefixes the segment keys).  [default: the first "
+              "--column's name (tokens when it is tokenized text or not a name)]"),
+)
+_COST = (
+    _opt("--cost-model", type=click.Choice(["attention", "tokens"]), default="attention",
+         show_default=True,
+         help="A row's work: per segment c(l) = l (1 + l / k) with k = 12 * --d-model (dense "
+              "layers + causal attention), or its tokens."),
+    _opt("--d-model", default=4096, show_default=True, type=click.IntRange(min=1),
+         help="The model's width, for --cost-model attention."),
 )
 
-_reading_options = _options(
-    click.option("--input-format", type=click.Choice(_FORMATS), default=None,
-                 help="Input file format (bytes: any file's raw bytes as ids 0..255).  "
-                      "[default: from the name, else from the content; refused otherwise]"),
-    click.option("--column", "--field", "columns", multiple=True, default=["tokens"],
-                 show_default=True,
-                 help="Parquet column / JSONL field / ArrayRecord array of token ids (of "
-                      "text, with --tokenizer). Repeat it for columns packed with the "
-                      "tokens under the same segments (any integers: labels, masks), "
-                      "e.g. --column input_ids --column labels."),
-    click.option("--tokenizer", type=click.Path(dir_okay=False), default=None,
-                 help="tokenizers tokenizer.json: tokenizes text files and the text "
-                      "--field of JSONL / --column of Parquet (default: text files as "
-                      "UTF-8 bytes). Its padding and truncation are switched off: rows are "
-                      "padded by packing, long examples follow --overflow. An error with "
-                      "token-id inputs."),
-    click.option("--text-unit", type=click.Choice(["file", "line", "paragraph"]),
-                 default="file", show_default=True,
-                 help="Text inputs: one example per file, non-blank line or paragraph "
-                      "(lines between blank lines; the built-in sample's unit)."),
+_pack_options = _groups(
+    _group("Inputs", _INPUT_FORMAT, _COLUMN, _TOKENIZER, _TEXT_UNIT, _opt(
+        "--allow-duplicates", is_flag=True,
+        help="Pack an input given twice (or through a link) twice, instead of refusing.")),
+    _group("Packing", _opt("--strategy", type=click.Choice(_STRATEGIES),
+                           default="best_fit_decreasing", show_default=True), *_SHAPE, _opt(
+        "--pad", "pads", multiple=True, metavar="NAME=VALUE",
+        help="Padding of an extra --column (repeatable), e.g. mask=0.  [default: -100 for "
+             "labels, 0 for the others]"), _opt(
+        "--role", "roles", multiple=True, metavar="NAME=ROLE",
+        help="What an extra --column means for the loss (repeatable): labels (-100 takes no "
+             "loss), mask (0 takes no loss) or values; recorded in the manifest for the "
+             "training pipeline.  [default: from the name: *labels, *mask*, else values]")),
+    _group("Output", _opt(
+        "-o", "--output", "output_dir", type=click.Path(file_okay=False), default=None,
+        help="Output directory, or a gs:// / s3:// prefix (seqpack[cloud]).  [required with "
+             "INPUT; default: a new temporary directory for the built-in sample]"), _opt(
+        "--shard-rows", default=1024, show_default=True, type=click.IntRange(min=1),
+        help="Packed rows per ArrayRecord shard."), _opt(
+        "--compression", type=click.Choice(["none", "snappy", "zstd"]), default="none",
+        show_default=True, help="ArrayRecord chunk compression."), _opt(
+        "--resume", is_flag=True, help="Finish an interrupted run into OUTPUT."), _opt(
+        "--overwrite", is_flag=True, help="Replace an existing OUTPUT."), _opt(
+        "--fsync", is_flag=True, help="fsync each shard before it is renamed complete."), _opt(
+        "--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON.")),
+    _group("Order and balance", _opt(
+        "--row-order", type=click.Choice(["shuffle", "plan"]), default="shuffle",
+        show_default=True,
+        help="Order of the rows: a seeded shuffle (every shard and range of rows holds the same "
+             "mix of long and short examples), or the planner's (longest first)."), _opt(
+        "--seed", default=0, show_default=True, type=click.IntRange(min=0),
+        help="Seed of the row order."), _opt(
+        "--data-parallel", type=click.IntRange(min=1), default=None, metavar="D",
+        help="Balance steps for D data-parallel ranks: rank r of step s reads rows [(s*D + r)*b, "
+             "(s*D + r + 1)*b) with b = --batch-size, and the D ranks of every step carry "
+             "near-equal cost (--cost-model); steps in a seeded order."), _opt(
+        "--batch-size", default=None, type=click.IntRange(min=1),
+        help="Rows per rank per step with --data-parallel (default 1); otherwise the batch of "
+             "the steps-per-epoch figure (none without it)."), *_COST),
+    _group("Run", _workers("Processes that read inputs, plan blocks and write shards (with "
+                           "--runner beam: the DirectRunner's direct_num_workers); the output "
+                           "is the same for any number."),
+           _block_size("Examples planned together; larger corpora are planned per block of "
+                       "consecutive examples (bounded memory, a few rows more).")),
+    _group("Distributed", _opt(
+        "--runner", type=click.Choice(["local", "beam"]), default="local", show_default=True,
+        help="local: in this process. beam: as an Apache Beam job, same output (DirectRunner, "
+             "one process per CPU, by default; needs seqpack[beam])."), _opt(
+        "--beam-option", "beam_options", multiple=True, metavar="KEY=VALUE",
+        help="A Beam pipeline option for --runner beam (repeatable), e.g. direct_num_workers=4 "
+             "or runner=FlinkRunner.")),
 )
 
-_cost_options = _options(
-    click.option("--cost-model", type=click.Choice(["attention", "tokens"]),
-                 default="attention", show_default=True,
-                 help="A row's work: per segment c(l) = l (1 + l / k) with k = 12 * "
-                      "--d-model (dense layers + causal attention), or its tokens."),
-    click.option("--d-model", default=4096, show_default=True, type=click.IntRange(min=1),
-                 help="The model's width, for --cost-model attention."),
+_stats_options = _groups(
+    _group("Inputs (a dry run)", _INPUT_FORMAT, _COLUMN, _TOKENIZER, _TEXT_UNIT, _opt(
+        "--allow-duplicates", is_flag=True, help="Count an input given twice twice.")),
+    _group("Packing (a dry run)", _opt(
+        "--strategy", "strategies", type=click.Choice(_STRATEGIES), multiple=True,
+        help="Strategies to compare (repeatable).  [default: all four]"), *_SHAPE),
+    _group("Report", _opt(
+        "--batch-size", default=None, type=click.IntRange(min=1),
+        help="Batch size for the steps-per-epoch figure.  [default: a balanced output's step, "
+             "else none]"), _opt(
+        "--json", "as_json", is_flag=True, help="Print JSON instead of a table."), _opt(
+        "--plot", type=click.Path(dir_okay=False), default=None,
+        help="Write histograms (example lengths, row fill, segments per row) to this PNG."),
+        *_COST),
+    _group("Run", _workers("Dry run: processes that read the inputs and plan (every "
+                           "strategy's blocks side by side); the figures are the same for any "
+                           "number."),
+           _block_size("Dry run: examples planned together, as `seqpack pack --block-size`.")),
 )
 
-_writing_options = _options(
-    click.option("--shard-rows", default=1024, show_default=True, type=click.IntRange(min=1),
-                 help="Packed rows per ArrayRecord shard."),
-    click.option("--compression", type=click.Choice(["none", "snappy", "zstd"]), default="none",
-                 show_default=True, help="ArrayRecord chunk compression."),
-    click.option("--resume", is_flag=True, help="Finish an interrupted run into OUTPUT."),
-    click.option("--overwrite", is_flag=True, help="Replace an existing OUTPUT."),
-    click.option("--fsync", is_flag=True, help="fsync each shard before it is renamed complete."),
-)
 
-_order_options = _options(
-    click.option("--row-order", type=click.Choice(["shuffle", "plan"]), default="shuffle",
-                 show_default=True,
-                 help="Order of the rows: a seeded shuffle (every shard and range of rows holds "
-                      "the same mix of long and short examples), or the planner's (longest "
-                      "first)."),
-    click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
-                 help="Seed of the row order."),
-    click.option("--data-parallel", type=click.IntRange(min=1), default=None, metavar="D",
-                 help="Balance steps for D data-parallel ranks: rank r of step s reads rows "
-                      "[(s*D + r)*b, (s*D + r + 1)*b) with b = --batch-size, and the D ranks of "
-                      "every step carry near-equal cost (--cost-model); steps in a seeded order."),
-    click.option("--batch-size", default=None, type=click.IntRange(min=1),
-                 help="Rows per rank per step with --data-parallel (default 1); otherwise the "
-                      "batch of the steps-per-epoch figure (default 32)."),
-)
-
-_runner_options = _options(
-    _workers_option("Processes that read inputs, plan blocks and write shards (with --runner "
-                    "beam: the DirectRunner's direct_num_workers); the output is the same for "
-                    "any number."),
-    _block_size_option("Examples planned together; larger corpora are planned per block of "
-                       "consecutive examples (bounded memory, a few rows more)."),
-    click.option("--runner", type=click.Choice(["local", "beam"]), default="local",
-                 show_default=True,
-                 help="local: in this process. beam: as an Apache Beam job, same output "
-                      "(DirectRunner, one process per CPU, by default; needs seqpack[beam])."),
-    click.option("--beam-option", "beam_options", multiple=True, metavar="KEY=VALUE",
-                 help="A Beam pipeline option for --runner beam (repeatable), e.g. "
-                      "direct_num_workers=4 or runner=FlinkRunner."),
-)
-
-_column_options = _options(
-    click.option("--pad", "pads", multiple=True, metavar="NAME=VALUE",
-                 help="Padding of an extra --column (repeatable), e.g. labels=-100.  [default: 0]"),
-    click.option("--role", "roles", multiple=True, metavar="NAME=ROLE",
-                 help="What an extra --column means for the loss (repeatable): labels (-100 takes "
-                      "no loss), mask (0 takes no loss) or values; recorded in the manifest for "
-                      "the training pipeline.  [default: from the name: *labels, *mask*, else "
-                      "values]"),
-    click.option("--allow-duplicates", is_flag=True,
-                 help="Pack an input given twice (or through a link) twice, instead of refusing."),
-)
+def _feature(feature: str | None, columns: tuple[str, ...], tokenizer: str | None) -> str:
+    """The row key: --feature, else the first column's name where it names token ids."""
+    if feature is not None:
+        return feature
+    name = columns[0]
+    return name if tokenizer is None and name.isidentifier() else "tokens"
 
 
 def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id, feature):
@@ -174,16 +209,14 @@ def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id
 
 
 def _expand(paths: tuple[str, ...], *, allow_duplicates: bool = False,
-            output_ok: bool = False) -> list[str]:
-    """INPUT arguments as input files (`formats.paths.expand_inputs`: directories, quoted local
-    and URL globs, sorted; a file given twice is refused unless `allow_duplicates`); with
-    `output_ok` one seqpack output directory stays as it is (stats). fsspec is imported only
-    for URLs."""
+            output_ok: bool = False, input_format: str | None = None) -> list[str]:
+    """INPUT arguments as input files (`formats.paths.expand_inputs`); with `output_ok` one
+    seqpack output directory stays as it is (stats)."""
     from seqpack.pipelines.formats.paths import expand_inputs, is_output_dir
 
     if output_ok and len(paths) == 1 and is_output_dir(paths[0]):
         return list(paths)
-    return expand_inputs(paths, allow_duplicates=allow_duplicates)
+    return expand_inputs(paths, allow_duplicates=allow_duplicates, input_format=input_format)
 
 
 def _row_order(row_order, seed, data_parallel, batch_size, cost_model, d_model):
@@ -238,32 +271,22 @@ def seqpack() -> None:
 def main(args: list[str] | None = None) -> None:
     """The `seqpack` console script: SIGINT and SIGTERM end a command with its one message."""
     handle_signals()
+    show_warnings()
     seqpack.main(args=args, prog_name="seqpack")
 
 
 @seqpack.command()
 @click.argument("inputs", nargs=-1, type=click.Path())  # directories: expand_inputs
-@click.option("-o", "--output", "output_dir", type=click.Path(file_okay=False), default=None,
-              help="Output directory, or a gs:// / s3:// prefix (seqpack[cloud]).  [required "
-                   "with INPUT; default: a new temporary directory for the built-in sample]")
-@click.option("--strategy", type=click.Choice(_STRATEGIES), default="best_fit_decreasing",
-              show_default=True)
-@_packing_options
-@_reading_options
-@_writing_options
-@_order_options
-@_cost_options
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON.")
-@_runner_options
-@_column_options
+@_pack_options
 def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
          feature, input_format, columns, tokenizer, text_unit, shard_rows, compression, resume,
          overwrite, fsync, row_order, seed, data_parallel, batch_size, cost_model, d_model,
          as_json, workers, block_size, runner, beam_options, pads, roles, allow_duplicates):
     """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into ArrayRecord shards.
 
-    INPUT may be files, directories (their files of a known format, sorted), local or URL
-    globs (gs://, s3://, ...; URLs need seqpack[cloud]); quote globs.
+    INPUT may be files, directories (every file of a known format, sorted; hidden files left
+    out, any other file left out named on stderr) and local or URL globs (gs://, s3://, ...;
+    URLs need seqpack[cloud]); quote globs.
 
     With no INPUT, packs the built-in sample corpus: the top-level .py files of this Python's
     standard library, byte-tokenized, one example per paragraph (no download).
@@ -274,20 +297,24 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     from seqpack.pipelines.offline.report import format_pack, terminal_progress
 
     sample = not inputs
-    inputs = _expand(inputs, allow_duplicates=allow_duplicates)
+    inputs = _expand(inputs, allow_duplicates=allow_duplicates, input_format=input_format)
+    if strategy == "concat_split" and overflow is not None:
+        raise click.UsageError(f"--overflow {overflow} does not apply to --strategy "
+                               "concat_split, which cuts examples at row ends itself; leave it "
+                               "out")
     if sample:
         import tempfile
 
         inputs = sample_files()
         input_format, tokenizer, text_unit = "text", None, "paragraph"
-        overflow = overflow or "split"
+        overflow = overflow or (None if strategy == "concat_split" else "split")
         output_dir = output_dir or tempfile.mkdtemp(prefix="seqpack-sample-")
     elif output_dir is None:
         raise click.UsageError("-o/--output is required when INPUT files are given")
     if resume and overwrite:
         raise click.UsageError("pass either --overwrite or --resume, not both")
     config = _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
-                     feature)
+                     _feature(feature, columns, tokenizer))
     job = _usage(PackJob, inputs, output_dir, config,
                  read_options=_read_options(input_format, columns, tokenizer, text_unit),
                  write_options=_usage(WriteOptions, shard_rows=shard_rows,
@@ -306,27 +333,13 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
         return
     what = "the built-in sample (Python stdlib sources, bytes)" if sample else \
         f"{len(inputs)} input file(s)"
-    step = (data_parallel or 1) * (batch_size or (1 if data_parallel else 32))
+    step = data_parallel * (batch_size or 1) if data_parallel else batch_size
     click.echo(format_pack(manifest, output_dir, what=what, batch_size=step))
 
 
 @seqpack.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
-@click.option("--strategy", "strategies", type=click.Choice(_STRATEGIES), multiple=True,
-              help="Dry run: strategies to compare (repeatable).  [default: all four]")
-@_packing_options
-@_reading_options
-@click.option("--batch-size", default=None, type=click.IntRange(min=1),
-              help="Batch size for the steps-per-epoch figure.  [default: a balanced output's "
-                   "step, else 32]")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None,
-              help="Write histograms (example lengths, row fill, segments per row) to this PNG.")
-@click.option("--allow-duplicates", is_flag=True, help="Count an input given twice twice.")
-@_workers_option("Dry run: processes that read the inputs and plan (every strategy's blocks "
-                 "side by side); the figures are the same for any number.")
-@_block_size_option("Dry run: examples planned together, as `seqpack pack --block-size`.")
-@_cost_options
+@_stats_options
 def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment, pad_id, feature,
           input_format, columns, tokenizer, text_unit, batch_size, as_json, plot,
           allow_duplicates, workers, block_size, cost_model, d_model):
@@ -344,7 +357,8 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
         plot_stats,
     )
 
-    paths = _expand(paths, output_ok=True, allow_duplicates=allow_duplicates)
+    paths = _expand(paths, output_ok=True, allow_duplicates=allow_duplicates,
+                    input_format=input_format)
     if len(paths) == 1 and is_packed(paths[0]):
         result = output_stats(paths[0], batch_size=batch_size)
     else:
@@ -352,14 +366,14 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
         from seqpack.pipelines.offline import default_workers
 
         config = _config("best_fit_decreasing", seq_len, max_segments, overflow,
-                         segment_alignment, pad_id, feature)
+                         segment_alignment, pad_id, _feature(feature, columns, tokenizer))
         result = dry_run_stats(
             paths, _read_options(input_format, columns, tokenizer, text_unit), config,
             strategies or STRATEGIES, workers=workers or default_workers(),
             block_size=block_size, cost=_usage(CostModel, kind=cost_model, d_model=d_model),
             batch_size=batch_size)
     if plot:
-        plot_stats(plot, result.length_histogram, result.per_strategy)
+        plot_stats(plot, result.length_histogram, result.per_strategy, title=result.title)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
@@ -372,7 +386,8 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
 @click.option("--max-violations", default=20, show_default=True, type=click.IntRange(min=1),
               help="Stop listing after this many violations.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@_workers_option("Processes that read the inputs and check shards.")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="Processes that read the inputs and check shards.  [default: the CPU count]")
 def verify(output_dir, inputs, max_violations, as_json, workers):
     """Prove OUTPUT_DIR lossless against its INPUT files (default: the manifest's paths).
 
@@ -410,17 +425,21 @@ def verify(output_dir, inputs, max_violations, as_json, workers):
               help="Token positions shown.  [default: to the end of the row]")
 @click.option("--width", default=16, show_default=True, type=click.IntRange(min=1),
               help="Token positions per line.")
-@click.option("--json", "as_json", is_flag=True, help="Print the row's arrays as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the row's arrays as JSON (token arrays: --start, --count).")
 def inspect(output_dir, row_index, start, count, width, as_json):
     """Show one packed row column-aligned: tokens, segment ids, positions, segment metadata."""
     from seqpack.pipelines.offline.report import format_row
     from seqpack.pipelines.offline.verify import read_row
 
     row, manifest, shard, record = read_row(output_dir, row_index)
-    if as_json:
-        click.echo(json.dumps({k: v.tolist() for k, v in row.items()}))
-        return
     config = manifest.pack_config()
+    if as_json:  # the [L] arrays cut to the positions asked for, as the table shows them
+        L = config.seq_len
+        end = L if count is None else min(L, start + count)
+        click.echo(json.dumps({k: (v[start:end] if v.shape[0] == L else v).tolist()
+                               for k, v in row.items()}))
+        return
     index = row_index % manifest.num_rows  # -1: the last row (read_row checked the range)
     click.echo(f"row {index} of {manifest.num_rows:,} ({shard} record {record}): ", nl=False)
     click.echo(format_row(row, config, start=start, count=count, width=width,

@@ -22,7 +22,8 @@ checks); reference.py holds the pure-jnp references.
 try:
     import jax  # noqa: F401
 except ImportError as e:  # kernels import nothing from the other layers, so no shared helper
-    raise ImportError(f"seqpack.kernels needs jax: pip install 'seqpack[jax]' ({e})") from None
+    raise ImportError(f"seqpack.kernels needs jax: pip install 'seqpack[jax]' (from a clone: "
+                      f"pip install '.[jax]'; on TPU 'seqpack[tpu]') ({e})") from None
 
 
 from seqpack.kernels import reference

@@ -14,6 +14,7 @@ too).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import shlex
@@ -101,6 +102,24 @@ def _on_signal(signum: int, frame: object) -> None:
     raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
+class _Warnings(logging.Formatter):
+    """The library's warnings (the `seqpack` logger) as a command shows them: one line each,
+    its parameters as flags."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "warning: " + to_flags(record.getMessage())
+
+
+def show_warnings() -> None:
+    """The `seqpack` logger's warnings on stderr, in the command's words."""
+    log = logging.getLogger("seqpack")
+    if not any(isinstance(h.formatter, _Warnings) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_Warnings())
+        log.addHandler(handler)
+        log.propagate = False
+
+
 def handle_signals() -> None:
     """SIGINT and SIGTERM end a command with its one message (`Group.invoke`)."""
     import signal
@@ -150,6 +169,22 @@ class Group(click.Group):
 
     Set SEQPACK_DEBUG=1 to get the traceback of bad input too.
     """
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """click's main, but Ctrl-C at any instant (while the options are parsed too, where
+        click would print `Aborted!` and exit 1, the code of a verify that failed) is one
+        `Error:` line and exit 130."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, False, **extra)
+        except (click.Abort, KeyboardInterrupt):
+            click.echo("Error: interrupted", err=True)
+            sys.exit(130)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        sys.exit(rv if isinstance(rv, int) else 0)
 
     def make_context(self, info_name, args, parent=None, **extra):
         try:

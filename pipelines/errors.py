@@ -6,7 +6,8 @@
   directory that is not empty, a resume of a different run, a Beam option that is not
   KEY=VALUE). The CLI treats it like bad input.
 - `MissingDependency` (an ImportError): an optional package is not installed; the message names
-  the package and the extra that brings it (`pip install 'seqpack[io]'`).
+  the package and the extra that brings it (`pip install 'seqpack[beam]'`, from a clone
+  `pip install '.[beam]'`).
 - `RunFailed` (an OSError): the system stopped a run (a disk full or out of inodes, no
   permission, a worker process killed); the message names the file and what to do, and the
   output is left in a state that `seqpack pack ... --resume` finishes. The CLI exits with 2.
@@ -15,7 +16,7 @@ Anything else (a plain ValueError from deep inside, a KeyError, ...) is a bug, n
 
 Messages name a parameter the way a Python caller passes it: `name=` or `name=value`
 (`shard_rows=1024`, `pads['labels']=...`, `existing='resume'`), never a CLI flag; the CLI
-rewrites those names into its flags in one place (`seqpack.cli.to_flags`).
+rewrites those names into its flags in one place (`pipelines.console.to_flags`).
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ __all__ = ["InputError", "MissingDependency", "RunFailed", "UsageError", "one_li
 
 # import name -> (distribution, the seqpack extra that installs it; None: the core install)
 _PACKAGES = {
-    "pyarrow": ("pyarrow", "io"),
+    "pyarrow": ("pyarrow", None),
     "array_record": ("array-record", None),
     "tokenizers": ("tokenizers", "text"),
     "matplotlib": ("matplotlib", "plotting"),
     "apache_beam": ("apache-beam", "beam"),
-    "grain": ("grain", "grain"),
+    "grain": ("grain", None),
     "jax": ("jax", "jax"),
     "fsspec": ("fsspec", "cloud"),
     "gcsfs": ("gcsfs", "cloud"),
@@ -52,10 +53,14 @@ class MissingDependency(ImportError):
 
 
 def install_hint(module: str) -> str:
+    """"package: <the command that installs it>", for a wheel and for a clone of the
+    repository (all extras: `seqpack[all]`)."""
     top = module.split(".")[0]
     package, extra = _PACKAGES.get(top, (top, None))
-    target = f"'seqpack[{extra}]'" if extra else "seqpack (it is a core dependency)"
-    return f"{package}: pip install {target}"
+    if extra is None:
+        return f"{package}: pip install seqpack (it is a core dependency; from a clone: pip " \
+            "install .)"
+    return f"{package}: pip install 'seqpack[{extra}]' (from a clone: pip install '.[{extra}]')"
 
 
 def require(module: str, what: str) -> types.ModuleType:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -50,11 +51,19 @@ def test_stats_of_a_packed_dir(packed, tmp_path):
     m = manifest_of(out)
     text = invoke("stats", out, "--batch-size", 7).stdout
     assert "best_fit_decreasing" in text and f"{m['stats']['efficiency']:.2%}" in text
-    assert f"{m['num_rows']:,}" in text and f"{-(-m['num_rows'] // 7):,}" in text
+    # a step is a full batch (the training pipeline drops a last, short one): the table and
+    # the JSON agree, and the rows left over are said
+    assert f"{m['num_rows']:,}" in text
+    assert re.search(rf"steps / epoch \(batch 7\) +{m['num_rows'] // 7:,}\n", text)
+    assert re.search(rf"rows left over \(not a step\) +{m['num_rows'] % 7:,}\n", text)
+    s = json.loads(invoke("stats", out, "--json", "--batch-size", 7).stdout)
+    s = s["summary"]["best_fit_decreasing"]
+    assert (s["steps_per_epoch"], s["rows_left_per_epoch"]) == divmod(m["num_rows"], 7)
     data = json.loads(invoke("stats", out, "--json").stdout)
     assert data["stats"] == {"best_fit_decreasing": m["stats"]}
     s = data["summary"]["best_fit_decreasing"]
-    assert s["steps_per_epoch"] == -(-m["num_rows"] // 32)
+    assert s["steps_per_epoch"] is None  # no batch size given, none recorded: no steps
+    assert "steps / epoch" not in invoke("stats", out).stdout
     assert s["split_examples"] == 1 and s["rows"] == m["num_rows"]
     png = tmp_path / "stats.png"
     invoke("stats", out, "--plot", png)
@@ -71,7 +80,7 @@ def test_stats_dry_run_per_strategy_matches_the_planner(tmp_path):
         cfg = PackConfig(64, max_segments=8, strategy=name, overflow="truncate")
         assert got == stats(plan(lengths, cfg), seq_len=64, max_segments=8,
                             cost=CostModel()).to_dict()
-        assert data["summary"][name]["steps_per_epoch"] == -(-got["num_rows"] // 4)
+        assert data["summary"][name]["steps_per_epoch"] == got["num_rows"] // 4
     assert data["summary"]["best_fit_decreasing"]["truncated_tokens"] == 150 - 64
     assert sum(data["example_length_histogram"]["counts"]) == len(SEQS)
     text = invoke("stats", src, "--seq-len", 64, "--overflow", "drop", "--strategy", "best_fit",

@@ -234,8 +234,14 @@ def test_a_missing_extra_names_the_extra(tmp_path, monkeypatch):
     for name in ("pyarrow", "pyarrow.parquet"):  # as if pyarrow were not installed
         monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(MissingDependency, match=r"reading Parquet needs pyarrow: pip install "
-                                                r"'seqpack\[io\]'"):
+                                                r"seqpack \(it is a core dependency; from a "
+                                                r"clone: pip install \.\)"):
         require("pyarrow.parquet", "reading Parquet")
+    with pytest.raises(MissingDependency, match=r"runner needs apache-beam: pip install "
+                                                r"'seqpack\[beam\]' \(from a clone: pip install "
+                                                r"'\.\[beam\]'\)"):
+        monkeypatch.setitem(sys.modules, "apache_beam", None)
+        require("apache_beam", "runner")
     path = tmp_path / "a.parquet"  # never opened: the reader needs pyarrow first
     path.write_bytes(b"PAR1")
-    assert_bad_input(invoke("stats", path), "needs pyarrow", "seqpack[io]")
+    assert_bad_input(invoke("stats", path), "needs pyarrow", "pip install seqpack")

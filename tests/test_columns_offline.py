@@ -176,11 +176,18 @@ def test_the_cli_packs_labels_and_refuses_bad_columns(tmp_path):
         f.write('{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]}\n')
         f.write('{"input_ids": [4, 5], "labels": [-100, 5]}\n')
     out = tmp_path / "out"
-    invoke("pack", good, "-o", out, "--seq-len", 8, "--column", "input_ids", "--column",
-           "labels", "--pad", "labels=-100", "--workers", 1)
+    said = invoke("pack", good, "-o", out, "--seq-len", 8, "--column", "input_ids", "--column",
+                  "labels", "--workers", 1).stdout
+    # the first column keeps its name as the row key; labels are padded with -100 by default,
+    # and the run says so
+    assert "key 'input_ids', column 'labels' (labels, padded with -100)" in said
     row = json.loads(invoke("inspect", out, "--row", 0, "--json").output)
-    assert row["tokens"] == [1, 2, 3, 4, 5, 0, 0, 0]
+    assert row["input_ids"] == [1, 2, 3, 4, 5, 0, 0, 0] and "tokens" not in row
     assert row["labels"] == [-100, 2, 3, -100, 5, -100, -100, -100]
+    cut = json.loads(invoke("inspect", out, "--row", 0, "--json", "--start", 2, "--count", 3
+                            ).output)
+    assert cut["input_ids"] == [3, 4, 5] and cut["labels"] == [3, -100, 5]
+    assert cut["input_ids_segment_lengths"] == row["input_ids_segment_lengths"]  # [S]: whole
     text = invoke("inspect", out, "--row", 0).output
     assert "labels" in text and "-100" in text
     assert invoke("verify", out).output.startswith("OK:")
@@ -194,7 +201,7 @@ def test_the_cli_packs_labels_and_refuses_bad_columns(tmp_path):
                                                "(--column ['labels'])"),
                          (["--pad", "labels"], "must be NAME=INTEGER"),
                          (["--role", "labels=loss"], "the role must be one of"),
-                         (["--column", "tokens_segment_lengths"], "already have a key")):
+                         (["--column", "input_ids_segment_lengths"], "already have a key")):
         result = invoke("pack", good, "-o", tmp_path / "o3", "--column", "input_ids",
                         "--column", "labels", *args, ok=False)
         assert result.exit_code == 2 and needle in result.stderr, result.stderr
@@ -233,7 +240,7 @@ def test_the_training_pipeline_reads_the_columns_by_their_recorded_roles(tmp_pat
                                 batch=Batching(4, shard_index=0, shard_count=1), shuffle_seed=0,
                                 num_epochs=1)
     batch = next(iter(ds))
-    assert batch["labels"].shape == batch["mask"].shape == batch["tokens"].shape
-    want = LossTokens(labels=("labels",), masks=("mask",)).count(batch)
+    assert batch["labels"].shape == batch["mask"].shape == batch["input_ids"].shape
+    want = LossTokens(feature="input_ids", labels=("labels",), masks=("mask",)).count(batch)
     np.testing.assert_array_equal(batch["loss_tokens"], want)
-    assert (want < LossTokens().count(batch)).all()  # the prompts take no loss
+    assert (want < LossTokens(feature="input_ids").count(batch)).all()  # prompts: no loss

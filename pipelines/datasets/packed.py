@@ -24,6 +24,7 @@ The rows of a final partial step are not read (every rank of a step needs b rows
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -33,6 +34,8 @@ import numpy as np
 from seqpack.packer import PackConfig
 from seqpack.pipelines.datasets.columns import Column, Role
 from seqpack.pipelines.datasets.sources import SequentialIterDataset
+
+log = logging.getLogger("seqpack")
 
 
 def check_shape(source: Any, pack: PackConfig | None) -> None:
@@ -156,11 +159,26 @@ def packed_batches(source: Any, *, batch_size: int, shuffle_seed: int, num_epoch
                                drop_remainder=drop_remainder, local_devices=local_devices)
         steps = HostSteps(rows, step_rows=D * b, first=shard_index * batch_size,
                           count=batch_size).shuffle(seed=shuffle_seed)
+        left = len(rows) % (D * b)
+        if left:
+            log.warning("the last %d packed rows (a partial step of D=%d ranks x b=%d rows) are "
+                        "not read: every rank of a step needs b rows", left, D, b)
         return SequentialIterDataset(steps if num_epochs == 1 else steps.repeat(num_epochs))
     if len(rows) < shard_count:
         raise ValueError(f"{len(rows)} packed rows cannot be dealt to {shard_count} hosts")
     rows = rows.shuffle(seed=shuffle_seed)
     if num_epochs != 1:
         rows = rows.repeat(num_epochs)
-    return SequentialIterDataset(rows[shard_index::shard_count]).batch(
-        batch_size, drop_remainder=drop_remainder)
+    mine = rows[shard_index::shard_count]
+    if drop_remainder and num_epochs is not None and len(mine) % batch_size:
+        _dropped(mine, len(mine) % batch_size, batch_size, getattr(source, "feature", "tokens"))
+    return SequentialIterDataset(mine).batch(batch_size, drop_remainder=drop_remainder)
+
+
+def _dropped(rows: grain.MapDataset, count: int, batch_size: int, feature: str) -> None:
+    """Says which rows a last, short batch drops: their number and their tokens."""
+    tokens = sum(int(np.sum(rows[len(rows) - 1 - i][f"{feature}_segment_lengths"]))
+                 for i in range(count))
+    log.warning("the last %d packed rows of this host (%d tokens) are dropped: they do not fill "
+                "a batch of %d (Batching(drop_remainder=False) keeps them)", count, tokens,
+                batch_size)

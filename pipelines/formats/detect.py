@@ -18,7 +18,7 @@ Content, where the name does not say (first 64 bytes; a compressed file's decomp
 
 so nothing is packed as bytes by accident; ``bytes`` (an explicit input format) packs any file's
 raw bytes. JSONL and text may be compressed (gzip from the standard library; zstd through
-pyarrow, `pip install 'seqpack[io]'`), whatever their name; `open_stream` decompresses while
+pyarrow, a core dependency), whatever their name; `open_stream` decompresses while
 reading. Parquet and ArrayRecord need random access: compressed, they are refused.
 """
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import operator
 from collections.abc import Iterable, Sequence
 
@@ -64,6 +65,8 @@ from seqpack.pipelines.offline.outdir import (
     shard_done,
 )
 from seqpack.pipelines.offline.shards import WriteOptions, row_dtype
+
+log = logging.getLogger("seqpack")
 
 # Rows of the piece tables ([4, P]: BlockPlan, and the tables runners build from it).
 EXAMPLE, START, LENGTH, ROW = range(4)
@@ -170,16 +173,22 @@ def longest(files: Iterable[FileSummary]) -> int:
 def check_files(files: Iterable[FileSummary], job: PackJob) -> list[FileSummary]:
     """The inputs in job order; InputError for the first bad input (in input order), then an
     over-length example the overflow policy refuses (named by file and record), then inputs
-    that hold no tokens."""
+    that hold no tokens (each input without a token is named in a warning)."""
     files = sorted(files, key=lambda f: f.index)
     assert [f.index for f in files] == list(range(len(files))), "an input is missing"
     for f in files:
         if f.error is not None:
             raise InputError(f.error)
     record.check_overlength([f.path for f in files], [f.overlength for f in files], job.config)
-    if not sum(int(f.info["num_tokens"]) for f in files):
-        raise InputError(f"the inputs hold no tokens ({sum(f.num_examples for f in files)} "
+    empty = [f for f in files if not int(f.info["num_tokens"])]
+    if len(empty) == len(files):
+        names = ", ".join(f.path for f in empty[:3]) + (f" and {len(empty) - 3} more"
+                                                          if len(empty) > 3 else "")
+        raise InputError(f"{names}: no tokens in any input ({sum(f.num_examples for f in files)} "
                          "examples); nothing to pack")
+    for f in empty:
+        log.warning("%s: no tokens (%d examples): nothing of it is packed", f.path,
+                    f.num_examples)
     return files
 
 

@@ -58,6 +58,12 @@ def default_role(name: str) -> str:
     return "labels" if low.endswith("labels") else "mask" if "mask" in low else "values"
 
 
+def default_pad(role: str) -> int:
+    """An extra column's pad by its role: -100 for labels (a label of -100 takes no loss, as in
+    PyTorch and Hugging Face: padding must not be trained on), else 0."""
+    return -100 if role == "labels" else 0
+
+
 def default_workers() -> int:
     """The CPUs this process may run on: the default `workers` of both runners."""
     try:
@@ -79,7 +85,8 @@ class PackJob:
     block_size: int = DEFAULT_BLOCK_SIZE  # examples planned together (`packer.plan_rows`)
     existing: Existing | str = Existing.REFUSE
     workers: int | None = None  # None: every CPU (`default_workers`)
-    # The pad of each extra column (`read_options.extra_columns`: labels, masks), default 0.
+    # The pad of each extra column (`read_options.extra_columns`: labels, masks); by default
+    # -100 for a column of role "labels", 0 for the others (`default_pad`).
     pads: Mapping[str, int] = dataclasses.field(default_factory=dict)
     # What each extra column means for a loss (recorded in the manifest, read by the training
     # pipeline's `loss_tokens`): "labels" (-100 takes no loss), "mask" (0 takes no loss) or
@@ -120,14 +127,14 @@ class PackJob:
                              f"{self.config.feature!r}); pass another feature=")
         pads, roles = {}, {}
         for name in extra:
-            pad = self.pads.get(name, 0)
-            if isinstance(pad, bool) or not isinstance(pad, int):
-                raise UsageError(f"pads[{name!r}]={pad!r} must be an integer")
-            pads[name] = int(pad)
             roles[name] = self.roles.get(name, default_role(name))
             if roles[name] not in ROLES:
                 raise UsageError(f"roles[{name!r}]={roles[name]!r}: the role must be one of "
                                  f"{ROLES}")
+            pad = self.pads.get(name, default_pad(roles[name]))
+            if isinstance(pad, bool) or not isinstance(pad, int):
+                raise UsageError(f"pads[{name!r}]={pad!r} must be an integer")
+            pads[name] = int(pad)
         for name in self.roles:
             if name not in extra:
                 raise UsageError(f"roles[{name!r}]=...: {name!r} is not an extra column "

@@ -1,7 +1,8 @@
 """What the CLI shows: packing statistics (`output_stats` of a packed directory, `dry_run_stats`
 of raw inputs: `Stats`), what a pack run prints (`format_pack`), plots, a row, progress.
 
-Stats table (one column per strategy in a dry run; steps = ceil(rows / batch size))::
+Stats table (one column per strategy in a dry run; with a batch size, steps = rows // batch
+size: a last, short batch is not a step, as the training pipeline drops it)::
 
                           best_fit_decreasing
     rows                                5,695
@@ -105,7 +106,7 @@ class Stats:
     per_strategy: dict[str, dict]
     length_histogram: dict
     title: str
-    batch_size: int = 32
+    batch_size: int | None = None
 
     def summaries(self) -> dict[str, dict]:
         return {name: summary(s, self.batch_size) for name, s in self.per_strategy.items()}
@@ -127,39 +128,58 @@ def is_packed(path: str) -> bool:
 
 def output_stats(output_dir: str, *, batch_size: int | None = None) -> Stats:
     """The statistics a packed output's manifest records; steps of `batch_size` rows (default:
-    a balanced output's step, D ranks x b rows, else 32)."""
+    a balanced output's step, D ranks x b rows; else no steps)."""
     manifest = read_manifest(output_dir)
     stats, lengths = manifest.stats, manifest.example_length_histogram
     assert stats is not None and lengths is not None  # read_manifest: a complete output's
     order = manifest.row_order or {}
     if order.get("mode") == "balanced" and batch_size is None:
         batch_size = int(order["data_parallel"]) * int(order["batch_size"])
-    return Stats({Strategy(manifest.pack_config().strategy).value: stats}, lengths,
-                 f"packed: {output_dir}", batch_size or 32)
+    config = manifest.pack_config()
+    return Stats({Strategy(config.strategy).value: stats}, lengths,
+                 f"packed: {output_dir} (seq_len {config.seq_len}, max_segments "
+                 f"{config.max_segments})", batch_size)
 
 
 def dry_run_stats(paths: Sequence[str], options: ReadOptions, config: PackConfig,
                   strategies: Sequence[str], *, workers: int, block_size: int | None = None,
                   cost: CostModel | None = None, batch_size: int | None = None) -> Stats:
-    """`dry_run_inputs` as `Stats`: nothing is written; steps of `batch_size` rows (32)."""
+    """`dry_run_inputs` as `Stats`: nothing is written; steps of `batch_size` rows (None: no
+    steps)."""
     lengths, per_strategy = dry_run_inputs(paths, options, config, strategies, workers=workers,
                                            block_size=block_size, cost=cost)
-    title = (f"dry run: {len(paths)} input file(s), seq_len {config.seq_len}, max_segments "
+    title = (f"dry run: {_named(paths)}, seq_len {config.seq_len}, max_segments "
              f"{config.max_segments}, overflow {Overflow(config.overflow).value}")
-    return Stats(per_strategy, length_histogram(lengths), title, batch_size or 32)
+    if Strategy.CONCAT_SPLIT.value in strategies:
+        title += " (concat_split cuts examples at row ends itself: overflow does not apply)"
+    return Stats(per_strategy, length_histogram(lengths), title, batch_size)
 
 
-def format_pack(manifest: Manifest, output_dir: str, *, what: str, batch_size: int) -> str:
-    """What `seqpack pack` prints: the run in a line (`what`: its inputs), then the stats table
-    of its strategy, with steps of `batch_size` rows."""
-    strategy = Strategy(manifest.pack_config().strategy).value
+def _named(paths: Sequence[str]) -> str:
+    """The inputs in a few words: the file, or how many and the first."""
+    if len(paths) == 1:
+        return paths[0]
+    return f"{len(paths)} input files ({paths[0]}, ...)"
+
+
+def format_pack(manifest: Manifest, output_dir: str, *, what: str,
+                batch_size: int | None = None) -> str:
+    """What `seqpack pack` prints: the run in a line (`what`: its inputs), the row keys and what
+    each extra column was padded with, then the stats table of its strategy (with steps of
+    `batch_size` rows where one is given)."""
+    config = manifest.pack_config()
     assert manifest.stats is not None  # a complete output's
+    keys = f"rows of {config.seq_len} tokens, key {config.feature!r}"
+    for c in manifest.columns or []:
+        keys += f", column {c['name']!r} ({c.get('role', 'values')}, padded with {c['pad']})"
     return (f"packed {what}: {manifest.inputs['num_examples']:,} examples -> "
-            f"{manifest.num_rows:,} rows in {len(manifest.shards)} shard(s) at {output_dir}\n\n"
-            + format_table({strategy: summary(manifest.stats, batch_size)}))
+            f"{manifest.num_rows:,} rows in {len(manifest.shards)} shard(s) at {output_dir}\n"
+            f"{keys}\n\n"
+            + format_table({Strategy(config.strategy).value: summary(manifest.stats,
+                                                                      batch_size)}))
 
 
-def summary(s: dict, batch_size: int) -> dict:
+def summary(s: dict, batch_size: int | None) -> dict:
     """The table's figures for one `PackingStats` dict."""
     spr = np.asarray(s["segments_per_row"])
     rows = s["num_rows"]
@@ -180,7 +200,8 @@ def summary(s: dict, batch_size: int) -> dict:
         "split_pieces": c["split_pieces"],
         "examples": c["num_examples"],
         "batch_size": batch_size,
-        "steps_per_epoch": -(-rows // batch_size),
+        "steps_per_epoch": rows // batch_size if batch_size else None,
+        "rows_left_per_epoch": rows % batch_size if batch_size else None,
         # attention over the segments against attention over whole rows (sum l^2 / L^2)
         "attention_fraction": s.get("attention_fraction"),
         "row_attention_p50": (s.get("row_attention_quantiles") or {}).get("p50"),
@@ -191,7 +212,15 @@ def summary(s: dict, batch_size: int) -> dict:
         "step_max_over_mean_p99": _balance(s, "p99"),
         "step_random_max_over_mean": _balance(s, "mean", random=True),
         "step_random_max_over_mean_p99": _balance(s, "p99", random=True),
+        "step_segments_spread": _spread(s, "output"),
+        "step_random_segments_spread": _spread(s, "random_order"),
     }
+
+
+def _spread(s: dict, which: str) -> float | None:
+    """How much a balanced output's steps' mean segments per row spread (None elsewhere)."""
+    got = (s.get("step_balance") or {}).get("segments_per_row_spread")
+    return None if got is None else got[which]
 
 
 def _balance(s: dict, figure: str, *, random: bool = False) -> float | None:
@@ -218,14 +247,17 @@ _ROWS = [
     ("split examples", "split_examples", "{:,}"),
     ("pieces of split examples", "split_pieces", "{:,}"),
     ("steps / epoch", "steps_per_epoch", "{:,}"),
+    ("  rows left over (not a step)", "rows_left_per_epoch", "{:,}"),
     ("attention vs whole rows", "attention_fraction", "{:.2%}"),
     ("  per row, p50", "row_attention_p50", "{:.2%}"),
-    ("row cost p50 (tokens)", "row_cost_p50", "{:,.0f}"),
+    ("row cost p50 (token-equivalents)", "row_cost_p50", "{:,.0f}"),
     ("row cost max / mean", "row_cost_max_over_mean", "{:.2f}"),
     ("step: ranks' max / mean", "step_max_over_mean", "{:.3f}"),
     ("  p99", "step_max_over_mean_p99", "{:.3f}"),
     ("  rows in random order", "step_random_max_over_mean", "{:.3f}"),
     ("  rows in random order, p99", "step_random_max_over_mean_p99", "{:.3f}"),
+    ("steps' segments / row: spread", "step_segments_spread", "{:.3f}"),
+    ("  in a random order", "step_random_segments_spread", "{:.3f}"),
     ("segments / row by tenth", "along_output", "{}"),
 ]
 
@@ -245,8 +277,9 @@ def format_table(summaries: dict[str, dict], title: str = "") -> str:
     cells = [[_cell(fmt, summaries[n].get(key)) for n in names] for _, key, fmt in rows]
     labels = [label for label, _, _ in rows]
     batch = {summaries[n]["batch_size"] for n in names}
-    at = labels.index("steps / epoch")
-    labels[at] += f" (batch {batch.pop()})" if len(batch) == 1 else ""
+    if "steps / epoch" in labels:
+        at = labels.index("steps / epoch")
+        labels[at] += f" (batch {batch.pop()})" if len(batch) == 1 else ""
     w0 = max(map(len, labels))
     widths = [max(len(n), *(len(row[i]) for row in cells)) for i, n in enumerate(names)]
     lines = [title] if title else []
@@ -256,8 +289,10 @@ def format_table(summaries: dict[str, dict], title: str = "") -> str:
     return "\n".join(lines)
 
 
-def plot_stats(path: str, length_hist: dict, per_strategy: dict[str, dict]) -> None:
-    """Writes a PNG: example lengths, row fill, and segments per row histograms."""
+def plot_stats(path: str, length_hist: dict, per_strategy: dict[str, dict], *,
+               title: str = "") -> None:
+    """Writes a PNG: example lengths, row fill, and segments per row histograms, under `title`
+    (the data and the row length: `Stats.title`)."""
     require("matplotlib", "plotting").use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
@@ -273,6 +308,8 @@ def plot_stats(path: str, length_hist: dict, per_strategy: dict[str, dict]) -> N
     axes[1].set(title="row fill", xlabel="used / seq_len", ylabel="rows", yscale="log")
     axes[2].set(title="segments per row", xlabel="segments", ylabel="rows")
     axes[1].legend(fontsize="small")
+    if title:
+        fig.suptitle(title, fontsize="medium")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
