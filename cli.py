@@ -16,21 +16,14 @@ imports jax; heavy modules are imported inside the commands so `seqpack --help` 
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import sys
-from collections.abc import Callable
 
 import click
-from click_option_group import optgroup
 
 from seqpack.pipelines.console import Group, handle_signals, show_warnings
-
-_STRATEGIES = ["best_fit_decreasing", "best_fit", "first_fit", "concat_split"]
-_OVERFLOWS = ["error", "truncate", "split", "drop"]
-_FORMATS = ["jsonl", "parquet", "arrayrecord", "text", "bytes"]
-Spec = tuple[tuple[str, ...], dict]  # an option's declarations and attributes: `_opt`
+from seqpack.pipelines.options import PACK_OPTIONS, STATS_OPTIONS
 
 
 def _usage(build, *args, **kwargs):
@@ -41,155 +34,6 @@ def _usage(build, *args, **kwargs):
         return build(*args, **kwargs)
     except ValueError as e:
         raise UsageError(str(e)) from None
-
-
-def _opt(*decls: str, **attrs) -> Spec:
-    """An option's declarations and attributes, for `_group`."""
-    return decls, attrs
-
-
-def _group(title: str, *specs: Spec, help: str | None = None) -> Callable[[Callable], Callable]:
-    """One decorator for a group of options, under `title` in --help, in the order given."""
-
-    def apply(f: Callable) -> Callable:
-        for decls, attrs in reversed(specs):
-            f = optgroup.option(*decls, **attrs)(f)
-        return optgroup.group(title, help=help)(f)
-
-    return apply
-
-
-def _groups(*groups: Callable[[Callable], Callable]) -> Callable[[Callable], Callable]:
-    """The option groups of one command, in --help in the order given."""
-    return lambda f: functools.reduce(lambda g, group: group(g), reversed(groups), f)
-
-
-def _workers(text: str) -> Spec:
-    return _opt("--workers", type=click.IntRange(min=1), help=f"{text}  [default: the CPU count]")
-
-
-def _block_size(text: str) -> Spec:
-    return _opt("--block-size", type=click.IntRange(min=1), help=f"{text}  [default: 4194304]")
-
-
-_INPUT_FORMAT = _opt(
-    "--input-format", type=click.Choice(_FORMATS), default=None,
-    help="Input file format (bytes: any file's raw bytes as ids 0..255); in a directory, also "
-         "which of its files to read.  [default: from the name, else from the content; "
-         "refused otherwise]")
-_COLUMN = _opt(
-    "--column", "--field", "columns", multiple=True, default=["tokens"], show_default=True,
-    help="Parquet column / JSONL field / ArrayRecord array of token ids (of text, with "
-         "--tokenizer). Repeat it for columns packed with the tokens under the same segments "
-         "(any integers: labels, masks), e.g. --column input_ids --column labels.")
-_TOKENIZER = _opt(
-    "--tokenizer", type=click.Path(dir_okay=False), default=None,
-    help="tokenizers tokenizer.json: tokenizes text files and the text --field of JSONL / "
-         "--column of Parquet (default: text files as UTF-8 bytes). Its padding and truncation "
-         "are switched off: rows are padded by packing, long examples follow --overflow. An "
-         "error with token-id inputs.")
-_TEXT_UNIT = _opt(
-    "--text-unit", type=click.Choice(["file", "line", "paragraph"]), default="file",
-    show_default=True,
-    help="Text inputs: one example per file, non-blank line or paragraph (lines between blank "
-         "lines; the built-in sample's unit).")
-_SHAPE = (
-    _opt("--seq-len", default=2048, show_default=True, type=click.IntRange(min=1),
-         help="Tokens per packed row (L)."),
-    _opt("--max-segments", default=64, show_default=True, type=click.IntRange(min=1),
-         help="Most segments one row may hold (S)."),
-    _opt("--overflow", type=click.Choice(_OVERFLOWS), default=None,
-         help="Examples longer than --seq-len (not with --strategy concat_split, which cuts "
-              "examples at row ends itself).  [default: error; split for the built-in sample]"),
-    _opt("--segment-alignment", default=1, show_default=True, type=click.IntRange(min=1),
-         help="Segments start at multiples of this."),
-    _opt("--pad-id", default=0, show_default=True, type=click.IntRange(min=0),
-         help="Token id written into padding."),
-    _opt("--feature", default=None,
-         help="Row key of the packed tokens (prefixes the segment keys).  [default: the first "
-              "--column's name (tokens when it is tokenized text or not a name)]"),
-)
-_COST = (
-    _opt("--cost-model", type=click.Choice(["attention", "tokens"]), default="attention",
-         show_default=True,
-         help="A row's work: per segment c(l) = l (1 + l / k) with k = 12 * --d-model (dense "
-              "layers + causal attention), or its tokens."),
-    _opt("--d-model", default=4096, show_default=True, type=click.IntRange(min=1),
-         help="The model's width, for --cost-model attention."),
-)
-
-_pack_options = _groups(
-    _group("Inputs", _INPUT_FORMAT, _COLUMN, _TOKENIZER, _TEXT_UNIT, _opt(
-        "--allow-duplicates", is_flag=True,
-        help="Pack an input given twice (or through a link) twice, instead of refusing.")),
-    _group("Packing", _opt("--strategy", type=click.Choice(_STRATEGIES),
-                           default="best_fit_decreasing", show_default=True), *_SHAPE, _opt(
-        "--pad", "pads", multiple=True, metavar="NAME=VALUE",
-        help="Padding of an extra --column (repeatable), e.g. mask=0.  [default: -100 for "
-             "labels, 0 for the others]"), _opt(
-        "--role", "roles", multiple=True, metavar="NAME=ROLE",
-        help="What an extra --column means for the loss (repeatable): labels (-100 takes no "
-             "loss), mask (0 takes no loss) or values; recorded in the manifest for the "
-             "training pipeline.  [default: from the name: *labels, *mask*, else values]")),
-    _group("Output", _opt(
-        "-o", "--output", "output_dir", type=click.Path(file_okay=False), default=None,
-        help="Output directory, or a gs:// / s3:// prefix (seqpack[cloud]).  [required with "
-             "INPUT; default: a new temporary directory for the built-in sample]"), _opt(
-        "--shard-rows", default=1024, show_default=True, type=click.IntRange(min=1),
-        help="Packed rows per ArrayRecord shard."), _opt(
-        "--compression", type=click.Choice(["none", "snappy", "zstd"]), default="none",
-        show_default=True, help="ArrayRecord chunk compression."), _opt(
-        "--resume", is_flag=True, help="Finish an interrupted run into OUTPUT."), _opt(
-        "--overwrite", is_flag=True, help="Replace an existing OUTPUT."), _opt(
-        "--fsync", is_flag=True, help="fsync each shard before it is renamed complete."), _opt(
-        "--json", "as_json", is_flag=True, help="Print the manifest's stats as JSON.")),
-    _group("Order and balance", _opt(
-        "--row-order", type=click.Choice(["shuffle", "plan"]), default="shuffle",
-        show_default=True,
-        help="Order of the rows: a seeded shuffle (every shard and range of rows holds the same "
-             "mix of long and short examples), or the planner's (longest first)."), _opt(
-        "--seed", default=0, show_default=True, type=click.IntRange(min=0),
-        help="Seed of the row order."), _opt(
-        "--data-parallel", type=click.IntRange(min=1), default=None, metavar="D",
-        help="Balance steps for D data-parallel ranks: rank r of step s reads rows [(s*D + r)*b, "
-             "(s*D + r + 1)*b) with b = --batch-size, and the D ranks of every step carry "
-             "near-equal cost (--cost-model); steps in a seeded order."), _opt(
-        "--batch-size", default=None, type=click.IntRange(min=1),
-        help="Rows per rank per step with --data-parallel (default 1); otherwise the batch of "
-             "the steps-per-epoch figure (none without it)."), *_COST),
-    _group("Run", _workers("Processes that read inputs, plan blocks and write shards (with "
-                           "--runner beam: the DirectRunner's direct_num_workers); the output "
-                           "is the same for any number."),
-           _block_size("Examples planned together; larger corpora are planned per block of "
-                       "consecutive examples (bounded memory, a few rows more).")),
-    _group("Distributed", _opt(
-        "--runner", type=click.Choice(["local", "beam"]), default="local", show_default=True,
-        help="local: in this process. beam: as an Apache Beam job, same output (DirectRunner, "
-             "one process per CPU, by default; needs seqpack[beam])."), _opt(
-        "--beam-option", "beam_options", multiple=True, metavar="KEY=VALUE",
-        help="A Beam pipeline option for --runner beam (repeatable), e.g. direct_num_workers=4 "
-             "or runner=FlinkRunner.")),
-)
-
-_stats_options = _groups(
-    _group("Inputs (a dry run)", _INPUT_FORMAT, _COLUMN, _TOKENIZER, _TEXT_UNIT, _opt(
-        "--allow-duplicates", is_flag=True, help="Count an input given twice twice.")),
-    _group("Packing (a dry run)", _opt(
-        "--strategy", "strategies", type=click.Choice(_STRATEGIES), multiple=True,
-        help="Strategies to compare (repeatable).  [default: all four]"), *_SHAPE),
-    _group("Report", _opt(
-        "--batch-size", default=None, type=click.IntRange(min=1),
-        help="Batch size for the steps-per-epoch figure.  [default: a balanced output's step, "
-             "else none]"), _opt(
-        "--json", "as_json", is_flag=True, help="Print JSON instead of a table."), _opt(
-        "--plot", type=click.Path(dir_okay=False), default=None,
-        help="Write histograms (example lengths, row fill, segments per row) to this PNG."),
-        *_COST),
-    _group("Run", _workers("Dry run: processes that read the inputs and plan (every "
-                           "strategy's blocks side by side); the figures are the same for any "
-                           "number."),
-           _block_size("Dry run: examples planned together, as `seqpack pack --block-size`.")),
-)
 
 
 def _feature(feature: str | None, columns: tuple[str, ...], tokenizer: str | None) -> str:
@@ -277,7 +121,7 @@ def main(args: list[str] | None = None) -> None:
 
 @seqpack.command()
 @click.argument("inputs", nargs=-1, type=click.Path())  # directories: expand_inputs
-@_pack_options
+@PACK_OPTIONS
 def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
          feature, input_format, columns, tokenizer, text_unit, shard_rows, compression, resume,
          overwrite, fsync, row_order, seed, data_parallel, batch_size, cost_model, d_model,
@@ -339,7 +183,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
 
 @seqpack.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
-@_stats_options
+@STATS_OPTIONS
 def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment, pad_id, feature,
           input_format, columns, tokenizer, text_unit, batch_size, as_json, plot,
           allow_duplicates, workers, block_size, cost_model, d_model):

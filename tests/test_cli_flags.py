@@ -233,7 +233,7 @@ def test_no_library_message_names_a_flag():
     for path in sorted((ROOT / "pipelines").rglob("*.py")) + sorted((ROOT / "packer").rglob(
             "*.py")):
         name = str(path.relative_to(ROOT))
-        if name == "pipelines/console.py":  # the command line's own table
+        if name in ("pipelines/console.py", "pipelines/options.py"):  # the command line's own
             continue
         for line, text in _error_strings(path):
             if FLAG.search(re.sub(r"`[^`]*`", "", text)):
