@@ -155,7 +155,7 @@ def test_one_install_reads_parquet_and_builds_the_training_pipeline(tmp_path):
                    capture_output=True)
     src = write_parquet(tmp_path / "a.parquet", [[1, 2, 3], [4, 5]])
     out = subprocess.run([venv / "bin" / "seqpack", "pack", src, "-o", tmp_path / "out",
-                          "--seq-len", 8], capture_output=True, text=True, cwd=tmp_path)
+                          "--seq-len", "8"], capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     code = ("from seqpack.pipelines import datasets; from seqpack.packer import PackConfig\n"
             "rows = datasets.PackedArrayRecordSource('out')\n"
