@@ -36,7 +36,8 @@ from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.detect import format_by_name
 
 OUTPUT_FILES = ("manifest.json", "pack_intent.json")  # formats.manifest's MANIFEST, INTENT
-_OUTPUT_NAMES = re.compile(r"^(rows-\d+-of-\d+\.arrayrecord.*|pack\.lock|spill\.tmp|"
+_OUTPUT_NAMES = re.compile(r"^(rows-\d+-of-\d+\.(arrayrecord|parquet|idx\.parquet).*|pack\.lock|"
+                           r"spill\.tmp|"
                            r"manifest\.json|pack_intent\.json)$")  # what `seqpack pack` writes
 _GLOB = re.compile(r"[*?[]")
 _TOKEN_FORMATS = ("jsonl", "parquet", "arrayrecord")
