@@ -102,9 +102,10 @@ class _Collector:
 
 
 def _check_tokens(batch, config, spills: dict[str, tuple[SpillReader, int]], offsets, shard,
-                  out: _Collector, wants: dict[str, np.ndarray] | None = None):
+                  out: _Collector, wants: dict[str, np.ndarray] | None = None,
+                  verbatim: Sequence[str] | None = None):
     """Every position of the rows, for the token feature and each extra column the shard
-    holds: segment values == source values (read from the spill, `spills`: row key -> (reader,
+    holds as read (`verbatim`, default all): segment values == source values (read from the spill, `spills`: row key -> (reader,
     pad); `offsets`: i64[n + 1] of the examples), padding == the pad. The rows the writer should
     have written are rebuilt from the segment metadata and compared whole (and kept in `wants`,
     `[R, L]` each, every spilled key, when given). Returns (example, start, length) of the used
@@ -131,14 +132,15 @@ def _check_tokens(batch, config, spills: dict[str, tuple[SpillReader, int]], off
         # Compared in the rows' dtype when every spilled value fits it (no value can wrap into
         # it unseen), else widened; a column the encoding does not store as read is only
         # rebuilt (for `_check_derived`).
-        got = batch[key].reshape(-1) if key in batch else np.zeros(0, np.int64)
+        stored = key == k.values or verbatim is None or key in verbatim
+        got = batch[key].reshape(-1) if stored else np.zeros(0, np.int64)
         fits = all(np.can_cast(np.dtype(run.dtype), got.dtype) for run in reader.runs)
         wide = got.dtype if fits else np.uint64 if got.dtype == np.uint64 else np.int64
         want = np.full(batch[k.values].size, pad, wide)
         reader.read_into(want, rows * L + at, offsets[ex] + st, ln)
         if wants is not None:
             wants[key] = want.reshape(-1, L)
-        if key not in batch:
+        if not stored:
             continue
         diff = np.flatnonzero(got.astype(wide, copy=False) != want)
         if not diff.size:
@@ -285,7 +287,8 @@ def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int,
         out.add(f"{name}: {e}")
     wants: dict[str, np.ndarray] = {}
     try:  # still compare tokens and count pieces where the segment metadata allows it
-        ex, st, ln, n = _check_tokens(batch, config, spills, offsets, name, out, wants)
+        ex, st, ln, n = _check_tokens(batch, config, spills, offsets, name, out, wants,
+                                      encoding.verbatim(layout))
         _check_derived(batch, wants, context.manifest, name, out)
         loss = loss_tokens(batch, context.manifest)
     except (IndexError, KeyError, ValueError):
