@@ -15,7 +15,7 @@ from click_option_group import optgroup
 
 STRATEGIES = ["best_fit_decreasing", "best_fit", "first_fit", "concat_split"]
 OVERFLOWS = ["error", "truncate", "split", "drop"]
-FORMATS = ["jsonl", "parquet", "arrayrecord", "text", "bytes"]
+FORMATS = ["jsonl", "parquet", "arrow", "arrayrecord", "text", "bytes"]
 OUTPUT_FORMATS = ["arrayrecord", "parquet", "hf", "megatron"]  # formats.encodings.FORMATS
 Spec = tuple[tuple[str, ...], dict]  # an option's declarations and attributes: `_opt`
 

@@ -105,11 +105,11 @@ def _check_tokens(batch, config, spills: dict[str, tuple[SpillReader, int]], off
                   out: _Collector, wants: dict[str, np.ndarray] | None = None,
                   verbatim: Sequence[str] | None = None):
     """Every position of the rows, for the token feature and each extra column the shard
-    holds as read (`verbatim`, default all): segment values == source values (read from the spill, `spills`: row key -> (reader,
-    pad); `offsets`: i64[n + 1] of the examples), padding == the pad. The rows the writer should
-    have written are rebuilt from the segment metadata and compared whole (and kept in `wants`,
-    `[R, L]` each, every spilled key, when given). Returns (example, start, length) of the used
-    slots and the tokens checked."""
+    holds as read (`verbatim`, default all): segment values == source values (read from the
+    spill, `spills`: row key -> (reader, pad); `offsets`: i64[n + 1] of the examples), padding
+    == the pad. The rows the writer should have written are rebuilt from the segment metadata
+    and compared whole (and kept in `wants`, `[R, L]` each, every spilled key, when given).
+    Returns (example, start, length) of the used slots and the tokens checked."""
     k = config.keys()
     seg_len = batch[k.segment_lengths].astype(np.int64)
     rows, slots = np.nonzero(seg_len > 0)
