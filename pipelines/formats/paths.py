@@ -7,10 +7,10 @@
   names, .txt, each also .gz / .zst), sorted by name. Hidden files (names starting with ".")
   are left out; every other file it leaves out (no known format by its name: ``_SUCCESS``,
   ``README.md``; a subdirectory, which is not read) is named in a warning on the ``seqpack``
-  logger, with the reason. Text files beside token files (JSONL, Parquet, ArrayRecord) are refused, naming the
-  text file: their UTF-8 bytes would be packed beside the token ids; `input_format` says which
-  to read (the others are then left out, named). A seqpack output directory (its manifest,
-  intent, lock, spill or shards) is refused: it is not an input.
+  logger, with the reason. Text files beside token files (JSONL, Parquet, Arrow, ArrayRecord)
+  are refused, naming the text file: their UTF-8 bytes would be packed beside the token ids;
+  `input_format` says which to read (the others are then left out, named). A seqpack output
+  directory (its manifest, intent, lock, spill or shards) is refused: it is not an input.
 - an HF `datasets` `save_to_disk` directory (``state.json``, ``dataset_info.json`` and Arrow
   shards; locally or a URL prefix ending in "/"): its shards in ``state.json``'s order; a
   DatasetDict's directory (``dataset_dict.json``) is refused naming its splits.
