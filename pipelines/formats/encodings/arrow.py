@@ -17,7 +17,7 @@ import numpy as np
 
 from seqpack.pipelines.errors import InputError, require
 from seqpack.pipelines.formats.chunks import numpy_view
-from seqpack.pipelines.formats.encodings.base import Layout, ShardReader, check_count
+from seqpack.pipelines.formats.encodings.base import Encoding, Layout, ShardReader, check_count
 
 ROW_GROUP_ROWS = 16  # rows per row group: a random read decodes this many rows
 _COMPRESSION = {"none": ("NONE", None), "snappy": ("SNAPPY", None), "zstd": ("ZSTD", 3)}
@@ -135,6 +135,38 @@ def spread(offsets: np.ndarray, values: np.ndarray, width: int, pad: Any, path: 
     out = np.full((sizes.size, width), pad, values.dtype)
     out[np.arange(width) < sizes[:, None]] = values
     return out
+
+
+def aligned(table: Any, columns: Sequence[tuple[str, Any]], offsets: np.ndarray, width: int,
+            path: str, first: int, what: str) -> dict[str, np.ndarray]:
+    """List columns (name, pad) holding one value per value of the list column `what` (whose
+    row offsets are `offsets`), each as `[R, width]` with its pad after a row's values."""
+    out = {}
+    for name, pad in columns:
+        got, values = ragged(table, name, path, first)
+        if not np.array_equal(got, offsets):
+            i = int(np.argmax(np.diff(got) != np.diff(offsets)))
+            raise InputError(f"{path} row {first + i}: {name} is not as long as {what}")
+        out[name] = spread(got, values, width, pad, path, name, first)
+    return out
+
+
+class ParquetEncoding(Encoding):
+    """An encoding whose shards are Parquet files (`write_parquet`), read back by the rows'
+    `decoder`: `read` decodes the whole file, `reader` a row group at a time."""
+
+    def writer_options(self, layout: Layout) -> str:
+        return writer_options(layout)
+
+    def decoder(self, layout: Layout) -> Decode:
+        raise NotImplementedError
+
+    def read(self, path: str, layout: Layout, num_rows: int | None = None
+             ) -> dict[str, np.ndarray]:
+        return read_parquet(path, self.stored_keys(layout), self.decoder(layout), num_rows)
+
+    def reader(self, path: str, layout: Layout) -> ShardReader:
+        return ParquetReader(path, self.stored_keys(layout), self.decoder(layout))
 
 
 class ParquetReader(ShardReader):

@@ -42,9 +42,7 @@ from seqpack.packer.contract import SOURCE_INDEX, SOURCE_START
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.encodings import arrow
 from seqpack.pipelines.formats.encodings.base import (
-    Encoding,
     Layout,
-    ShardReader,
     allowed_positions,
     check_names,
     next_token_mask,
@@ -52,8 +50,8 @@ from seqpack.pipelines.formats.encodings.base import (
 from seqpack.pipelines.formats.encodings.trl import (
     check_unpadded,
     ragged_rows,
-    source_columns,
     sources,
+    write_unpadded,
 )
 
 INPUT_IDS, SEQ_START_ID, LOSS_MASK = "input_ids", "seq_start_id", "loss_mask"
@@ -95,16 +93,13 @@ def starts_to_segments(so: np.ndarray, starts: np.ndarray, sizes: np.ndarray, S:
     return lengths, offsets
 
 
-class MegatronRows(Encoding):
+class MegatronRows(arrow.ParquetEncoding):
     name, suffix, record_encoding = "megatron", ".idx.parquet", "megatron-bridge-packed-sft"
 
     def check(self, layout: Layout) -> None:
         check_unpadded(self.name, layout)
         check_names(self.name, _OWN, Layout(layout.config, tuple(
             c for c in layout.columns if c.get("role") == "values")))
-
-    def writer_options(self, layout: Layout) -> str:
-        return arrow.writer_options(layout)
 
     def verbatim(self, layout: Layout) -> list[str]:
         return layout.names("values")
@@ -137,11 +132,9 @@ class MegatronRows(Encoding):
         columns = {INPUT_IDS: arrow.kept(tokens.astype(np.int32), keep),
                    SEQ_START_ID: arrow.kept(np.asarray(batch[k.segment_offsets], np.int32), used),
                    LOSS_MASK: arrow.kept(self.derived(batch, layout)[LOSS_MASK], keep)}
-        columns.update(source_columns(batch, used))
-        columns.update((n, arrow.kept(np.asarray(batch[n]), keep)) for n in self.verbatim(layout))
-        arrow.write_parquet(path, columns, layout)
+        write_unpadded(path, columns, batch, keep, used, self.verbatim(layout), layout)
 
-    def _decode(self, layout: Layout) -> arrow.Decode:
+    def decoder(self, layout: Layout) -> arrow.Decode:
         config = layout.config
         k, L, S = config.keys(), config.seq_len, config.max_segments
 
@@ -155,24 +148,12 @@ class MegatronRows(Encoding):
                                           first),
                    k.segment_lengths: lengths, k.segment_offsets: seg_offsets}
             out.update(sources(table, so, S, path, first))
-            for name, pad in [(LOSS_MASK, 0)] + [(n, layout.pad(n)) for n in
-                                                 self.verbatim(layout)]:
-                got, values = arrow.ragged(table, name, path, first)
-                if not np.array_equal(got, offsets):
-                    i = int(np.argmax(np.diff(got) != sizes))
-                    raise InputError(f"{path} row {first + i}: {name} is not as long as "
-                                     f"{INPUT_IDS}")
-                out[name] = arrow.spread(got, values, L, pad, path, name, first)
+            columns = [(LOSS_MASK, 0)] + [(n, layout.pad(n)) for n in self.verbatim(layout)]
+            out.update(arrow.aligned(table, columns, offsets, L, path, first, INPUT_IDS))
             return out
 
         return decode
 
-    def read(self, path: str, layout: Layout, num_rows: int | None = None
-             ) -> dict[str, np.ndarray]:
-        return arrow.read_parquet(path, self.stored_keys(layout), self._decode(layout), num_rows)
-
-    def reader(self, path: str, layout: Layout) -> ShardReader:
-        return arrow.ParquetReader(path, self.stored_keys(layout), self._decode(layout))
 
     def side_files(self, facts: Mapping[str, Any], layout: Layout) -> dict[str, Any]:
         """Megatron-Bridge's metadata (`create_packing_strategy`'s dict, in a list)."""

@@ -26,14 +26,11 @@ from typing import Any
 import numpy as np
 
 from seqpack.pipelines.formats.encodings import arrow
-from seqpack.pipelines.formats.encodings.base import Encoding, Layout, ShardReader
+from seqpack.pipelines.formats.encodings.base import Layout
 
 
-class ParquetRows(Encoding):
+class ParquetRows(arrow.ParquetEncoding):
     name, suffix, record_encoding = "parquet", ".parquet", "parquet-rows"
-
-    def writer_options(self, layout: Layout) -> str:
-        return arrow.writer_options(layout)
 
     def stored_keys(self, layout: Layout) -> list[str]:
         return list(layout.config.keys().roles().values()) + layout.names()
@@ -43,7 +40,7 @@ class ParquetRows(Encoding):
                    for name in self.stored_keys(layout)}
         arrow.write_parquet(path, columns, layout, dictionary=layout.config.keys().derived)
 
-    def _decode(self, layout: Layout) -> arrow.Decode:
+    def decoder(self, layout: Layout) -> arrow.Decode:
         config = layout.config
         k = config.keys()
         widths = {name: config.seq_len for name in (*k.per_token, *layout.names())}
@@ -56,9 +53,3 @@ class ParquetRows(Encoding):
 
         return decode
 
-    def read(self, path: str, layout: Layout, num_rows: int | None = None
-             ) -> dict[str, np.ndarray]:
-        return arrow.read_parquet(path, self.stored_keys(layout), self._decode(layout), num_rows)
-
-    def reader(self, path: str, layout: Layout) -> ShardReader:
-        return arrow.ParquetReader(path, self.stored_keys(layout), self._decode(layout))

@@ -34,9 +34,7 @@ from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.encodings import arrow
 from seqpack.pipelines.formats.encodings.base import (
     IGNORE_INDEX,
-    Encoding,
     Layout,
-    ShardReader,
     allowed_positions,
     check_names,
     next_token_mask,
@@ -84,21 +82,24 @@ def sources(table: Any, offsets: np.ndarray, S: int, path: str, first: int
     return out
 
 
-def source_columns(batch: Mapping[str, np.ndarray], used: np.ndarray) -> dict[str, Any]:
-    return {name: arrow.kept(np.asarray(batch[name]), used) for name in (SOURCE_INDEX,
-                                                                        SOURCE_START)}
+def write_unpadded(path: str, columns: dict[str, Any], batch: Mapping[str, np.ndarray],
+                   keep: np.ndarray, used: np.ndarray, verbatim: list[str],
+                   layout: Layout) -> None:
+    """Writes a shard of unpadded rows: the format's `columns`, then each segment's source
+    (`used`: the used slots) and the `verbatim` columns at the tokens' positions (`keep`)."""
+    for name in (SOURCE_INDEX, SOURCE_START):
+        columns[name] = arrow.kept(np.asarray(batch[name]), used)
+    columns.update((n, arrow.kept(np.asarray(batch[n]), keep)) for n in verbatim)
+    arrow.write_parquet(path, columns, layout)
 
 
-class TrlRows(Encoding):
+class TrlRows(arrow.ParquetEncoding):
     name, suffix, record_encoding = "hf", ".parquet", "trl-padding-free"
 
     def check(self, layout: Layout) -> None:
         check_unpadded(self.name, layout)
         check_names(self.name, _OWN, Layout(layout.config, tuple(
             c for c in layout.columns if c.get("role") != "labels")))
-
-    def writer_options(self, layout: Layout) -> str:
-        return arrow.writer_options(layout)
 
     def has_labels(self, layout: Layout) -> bool:
         return bool(layout.names("labels", "mask"))
@@ -148,11 +149,9 @@ class TrlRows(Encoding):
             columns[LABELS] = arrow.kept(derived[LABELS], keep)
         columns[SEQ_LENGTHS] = arrow.kept(lengths.astype(np.int32), used)
         columns[POSITION_IDS] = arrow.kept(derived[POSITION_IDS], keep)
-        columns.update(source_columns(batch, used))
-        columns.update((n, arrow.kept(np.asarray(batch[n]), keep)) for n in self.verbatim(layout))
-        arrow.write_parquet(path, columns, layout)
+        write_unpadded(path, columns, batch, keep, used, self.verbatim(layout), layout)
 
-    def _decode(self, layout: Layout) -> arrow.Decode:
+    def decoder(self, layout: Layout) -> arrow.Decode:
         config = layout.config
         k, L, S = config.keys(), config.seq_len, config.max_segments
         labels = self.has_labels(layout)
@@ -170,21 +169,10 @@ class TrlRows(Encoding):
                                           first),
                    k.segment_lengths: lengths, k.segment_offsets: starts}
             out.update(sources(table, seg_offsets, S, path, first))
-            for name, pad in ([(LABELS, IGNORE_INDEX)] if labels else []) + [(POSITION_IDS, 0)] \
-                    + [(n, layout.pad(n)) for n in self.verbatim(layout)]:
-                got, values = arrow.ragged(table, name, path, first)
-                if not np.array_equal(got, offsets):
-                    i = int(np.argmax(np.diff(got) != np.diff(offsets)))
-                    raise InputError(f"{path} row {first + i}: {name} is not as long as "
-                                     f"{INPUT_IDS}")
-                out[name] = arrow.spread(got, values, L, pad, path, name, first)
+            columns = ([(LABELS, IGNORE_INDEX)] if labels else []) + [(POSITION_IDS, 0)]
+            columns += [(n, layout.pad(n)) for n in self.verbatim(layout)]
+            out.update(arrow.aligned(table, columns, offsets, L, path, first, INPUT_IDS))
             return out
 
         return decode
 
-    def read(self, path: str, layout: Layout, num_rows: int | None = None
-             ) -> dict[str, np.ndarray]:
-        return arrow.read_parquet(path, self.stored_keys(layout), self._decode(layout), num_rows)
-
-    def reader(self, path: str, layout: Layout) -> ShardReader:
-        return arrow.ParquetReader(path, self.stored_keys(layout), self._decode(layout))
