@@ -271,3 +271,16 @@ def test_each_encoding_reads_back_what_it_wrote(tmp_path_factory, lengths, seed,
     reader.close()
     assert all(np.array_equal(one[key], got[key][j]) for key in one)
     assert stack([one])[CONFIG.feature].shape == (1, CONFIG.seq_len)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["parquet", "megatron"])
+def test_two_workers_and_the_beam_job_write_the_same_bytes(tmp_path, packed, fmt):
+    from seqpack.pipelines.offline.runners import pack_beam
+
+    paths, want = packed[1], dir_bytes(packed[0][fmt])
+    pack_to_dir(job(paths, tmp_path / "two", fmt, workers=2))
+    assert dir_bytes(tmp_path / "two") == want
+    pack_beam(job(paths, tmp_path / "beam", fmt, workers=2), quiet=True)
+    assert dir_bytes(tmp_path / "beam") == want
+    assert verify(str(tmp_path / "beam"), workers=2).ok
