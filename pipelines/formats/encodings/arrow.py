@@ -19,7 +19,7 @@ from seqpack.pipelines.errors import InputError, require
 from seqpack.pipelines.formats.chunks import numpy_view
 from seqpack.pipelines.formats.encodings.base import Encoding, Layout, ShardReader, check_count
 
-ROW_GROUP_ROWS = 16  # rows per row group: a random read decodes this many rows
+ROW_GROUP_ROWS = 8  # rows per row group: a random read decodes this many rows
 _COMPRESSION = {"none": ("NONE", None), "snappy": ("SNAPPY", None), "zstd": ("ZSTD", 3)}
 
 Decode = Callable[[Any, str, int], dict[str, np.ndarray]]  # (table, path, first row) -> rows
@@ -72,7 +72,7 @@ def open_file(path: str, names: Sequence[str]) -> Any:
     """A ParquetFile holding columns `names`; InputError naming the file otherwise."""
     pa, pq = modules()
     try:
-        pf = pq.ParquetFile(path)
+        pf = pq.ParquetFile(path, pre_buffer=False)  # random reads: only what a row needs
         have = pf.schema_arrow.names
     except (pa.ArrowException, OSError) as e:
         raise InputError(f"{path}: not a readable Parquet shard ({e})") from None
