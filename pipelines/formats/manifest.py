@@ -13,7 +13,12 @@ object without its results (`shard_num_rows`, `stats`, `example_length_histogram
      "shards": ["rows-00000-of-00006.arrayrecord", ...], "plan_block_size": 4194304,
      "shard_num_rows": [1024, ...], "stats": {...}, "example_length_histogram": {...},
      "shard_bytes": [8421376, ...], "shard_sha256": ["9f2c...", ...],
+     "shapes": {"max_row_segments": 31, "longest_segment": 2048, "shortest_row": 1790,
+                "min_row_next_tokens": 1771, "loss_tokens": 10580331},
      "manifest_sha256": "51ab..."}
+
+(`shapes`: what trainers size static shapes by; `encoding`, after `columns`, only for the
+Parquet formats: "parquet", "hf", "megatron".)
 
 Integrity: a complete manifest records each shard's size and sha256, and `manifest_sha256`, the
 sha256 of its own JSON without that key (compact, keys in the order above); `read_manifest`
