@@ -65,9 +65,6 @@ class Layout:
     def pad(self, name: str) -> int:
         return next(int(c["pad"]) for c in self.columns if c["name"] == name)
 
-    def dtype(self, name: str) -> np.dtype:
-        return np.dtype(next(str(c["dtype"]) for c in self.columns if c["name"] == name))
-
 
 class ShardReader:
     """Random access to the rows of one shard file (`Encoding.reader`)."""
