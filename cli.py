@@ -125,8 +125,9 @@ def main(args: list[str] | None = None) -> None:
 def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
          feature, input_format, columns, tokenizer, text_unit, shard_rows, compression, resume,
          overwrite, fsync, row_order, seed, data_parallel, batch_size, cost_model, d_model,
-         as_json, workers, block_size, runner, beam_options, pads, roles, allow_duplicates):
-    """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into ArrayRecord shards.
+         as_json, workers, block_size, runner, beam_options, pads, roles, allow_duplicates,
+         output_format):
+    """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into shards (--format).
 
     INPUT may be files, directories (every file of a known format, sorted; hidden files left
     out, any other file left out named on stderr) and local or URL globs (gs://, s3://, ...;
@@ -162,7 +163,8 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     job = _usage(PackJob, inputs, output_dir, config,
                  read_options=_read_options(input_format, columns, tokenizer, text_unit),
                  write_options=_usage(WriteOptions, shard_rows=shard_rows,
-                                      compression=compression, fsync=fsync),
+                                      compression=compression, fsync=fsync,
+                                      format=output_format),
                  block_size=block_size, workers=workers,
                  existing="resume" if resume else "overwrite" if overwrite else "refuse",
                  pads=_pairs(pads, "pad", int), roles=_pairs(roles, "role", str),
@@ -286,8 +288,9 @@ def inspect(output_dir, row_index, start, count, width, as_json):
         return
     index = row_index % manifest.num_rows  # -1: the last row (read_row checked the range)
     click.echo(f"row {index} of {manifest.num_rows:,} ({shard} record {record}): ", nl=False)
+    contract = set(config.keys().roles().values())  # then the columns the shards hold
     click.echo(format_row(row, config, start=start, count=count, width=width,
-                          columns=[c["name"] for c in manifest.columns or []]))
+                          columns=[k for k in row if k not in contract]))
 
 
 if __name__ == "__main__":

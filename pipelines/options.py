@@ -15,7 +15,8 @@ from click_option_group import optgroup
 
 STRATEGIES = ["best_fit_decreasing", "best_fit", "first_fit", "concat_split"]
 OVERFLOWS = ["error", "truncate", "split", "drop"]
-FORMATS = ["jsonl", "parquet", "arrayrecord", "text", "bytes"]
+FORMATS = ["jsonl", "parquet", "arrow", "arrayrecord", "text", "bytes"]
+OUTPUT_FORMATS = ["arrayrecord", "parquet", "hf", "megatron"]  # formats.encodings.FORMATS
 Spec = tuple[tuple[str, ...], dict]  # an option's declarations and attributes: `_opt`
 
 
@@ -112,10 +113,16 @@ PACK_OPTIONS = _groups(
         "-o", "--output", "output_dir", type=click.Path(file_okay=False), default=None,
         help="Output directory, or a gs:// / s3:// prefix (seqpack[cloud]).  [required with "
              "INPUT; default: a new temporary directory for the built-in sample]"), _opt(
+        "--format", "output_format", type=click.Choice(OUTPUT_FORMATS), default="arrayrecord",
+        show_default=True,
+        help="Shard files: arrayrecord (SQP1 records; seqpack's Grain source), parquet (the row "
+             "contract as columns: pyarrow, pandas, HF datasets, DuckDB, Spark), hf (TRL's "
+             "padding-free rows: input_ids, labels, seq_lengths, position_ids) or megatron "
+             "(Megatron-Bridge's packed SFT *.idx.parquet + metadata). docs/formats.md"), _opt(
         "--shard-rows", default=1024, show_default=True, type=click.IntRange(min=1),
-        help="Packed rows per ArrayRecord shard."), _opt(
+        help="Packed rows per shard."), _opt(
         "--compression", type=click.Choice(["none", "snappy", "zstd"]), default="none",
-        show_default=True, help="ArrayRecord chunk compression."), _opt(
+        show_default=True, help="Shard compression (ArrayRecord chunks, Parquet pages)."), _opt(
         "--resume", is_flag=True, help="Finish an interrupted run into OUTPUT."), _opt(
         "--overwrite", is_flag=True, help="Replace an existing OUTPUT."), _opt(
         "--fsync", is_flag=True, help="fsync each shard before it is renamed complete."), _opt(

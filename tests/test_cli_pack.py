@@ -10,9 +10,9 @@ import pytest
 
 from seqpack.packer import PackConfig, pack_ragged
 from seqpack.packer.inputs import ragged_from_sequences
+from seqpack.pipelines.formats import encodings
 from seqpack.pipelines.formats.manifest import INTENT
 from seqpack.pipelines.formats.records import decode_row, encode_row
-from seqpack.pipelines.offline import shards
 from seqpack.pipelines.offline.verify import read_shard
 from tests.helpers.files import (
     dir_bytes,
@@ -96,7 +96,7 @@ def test_row_encoder_matches_encode_row(dtype):
     seqs = [np.arange(n, dtype=dtype) % 200 for n in (3, 9, 1, 12, 0, 5)]
     values, offsets = ragged_from_sequences(seqs)
     batch = pack_ragged(values, offsets, PackConfig(16, max_segments=3))
-    enc = shards.RowEncoder(batch)
+    enc = encodings.RowEncoder(batch)
     records = list(enc.records(batch))
     assert [decode_row(r)["tokens"].dtype for r in records] == [np.dtype(dtype)] * len(records)
     assert records == [encode_row({k: v[r] for k, v in batch.items()})
@@ -242,7 +242,8 @@ def test_interrupted_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
     src = write_jsonl(tmp_path / "a.jsonl", SEQS)
     args = ["--seq-len", 64, "--max-segments", 8, "--shard-rows", 10, "--workers", 1]
     invoke("pack", src, "-o", tmp_path / "clean", *args)
-    real_open = shards._open_writer
+    sqp1 = encodings.encoding("arrayrecord")
+    real_open = sqp1.open_writer
     opened, fail_at = [], [4]
 
     def failing_open(path, options):
@@ -251,7 +252,7 @@ def test_interrupted_run_resumes_to_the_same_bytes(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         return real_open(path, options)
 
-    monkeypatch.setattr(shards, "_open_writer", failing_open)
+    monkeypatch.setattr(sqp1, "open_writer", failing_open)
     out = tmp_path / "out"
     result = invoke("pack", src, "-o", out, *args, ok=False)
     assert result.exit_code == 2 and "No space left" in result.stderr

@@ -6,8 +6,8 @@ The only part of seqpack that imports grain (and so jax):
 - `FirstFitPackIterDataset`, `BestFitPackIterDataset`: Grain's rows, faster, plus segment
   lengths/offsets.
 - Sources (`grain.MapDataset`s with random access): `ArraySource`, `JsonlSource`,
-  `ParquetSource`, `ArrayRecordSource`, `PackedArrayRecordSource`; `SequentialIterDataset` walks
-  one in order.
+  `ParquetSource`, `ArrayRecordSource`, `PackedArrayRecordSource` (alias `PackedSource`: the
+  output of `seqpack pack` in any `--format`); `SequentialIterDataset` walks one in order.
 - `make_training_pipeline`: shard, shuffle, pack, batch, prefetch; or, over packed rows,
   shuffle per epoch, shard, batch (balanced datasets by whole steps). Its options come in
   frozen dataclasses: `packer.PackConfig`, `Batching`, `Columns`, `Balance`, `Window`,
@@ -28,6 +28,7 @@ from seqpack.pipelines.datasets.files import (  # noqa: E402
     ArrayRecordSource,
     JsonlSource,
     PackedArrayRecordSource,
+    PackedSource,
     ParquetSource,
 )
 from seqpack.pipelines.datasets.loss import LossTokens  # noqa: E402
@@ -54,6 +55,7 @@ __all__ = [
     "PackIterDataset",
     "PackIterator",
     "PackedArrayRecordSource",
+    "PackedSource",
     "ParquetSource",
     "Prefetch",
     "SequentialIterDataset",

@@ -32,11 +32,12 @@ from typing import Any
 import grain
 import numpy as np
 
-from seqpack.packer.contract import keys
+from seqpack.packer.contract import keys, restore_derived
 from seqpack.pipelines import storage
 from seqpack.pipelines.datasets.sources import as_path_list, locate, norm_index
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats import arrayrecord, jsonl
+from seqpack.pipelines.formats.encodings import of_manifest
 from seqpack.pipelines.formats.manifest import (
     INTENT,
     MANIFEST,
@@ -266,27 +267,49 @@ class ArrayRecordSource(_FileSource):
         super().__init__()
         self._paths, self._names, self.manifest = shard_paths(paths, packed=self._packed,
                                                               cache_dir=cache_dir)
+        # SQP1 records, or the rows of another encoding (`seqpack pack --format`) by its reader
+        self._encoding = of_manifest(self.manifest) if self.manifest is not None \
+            and self.manifest.encoding is not None else None
         expected = self.manifest.shard_num_rows if self.manifest else None
         counts = []
         for f, (path, name) in enumerate(zip(self._paths, self._names)):
             with storage.named(path, name):
-                reader = arrayrecord.open_reader(path, "readahead_buffer_size:0")
+                reader = self._open(f)
                 try:
                     counts.append(arrayrecord.num_records(reader, path,
-                                                          expected[f] if expected else None))
+                                                          expected[f] if expected else None)
+                                  if self._encoding is None else reader.num_rows)
                 finally:
-                    arrayrecord.close_quietly(reader)
+                    self._close(reader)
+                if self._encoding is not None and expected and counts[-1] != expected[f]:
+                    raise InputError(f"{name}: holds {counts[-1]} rows, the manifest says "
+                                     f"{expected[f]}; the shard is incomplete or replaced")
         self._cum = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
     @property
     def paths(self) -> list[str]:
         return list(self._paths)
 
+    def _open(self, f: int) -> Any:
+        if self._encoding is None:
+            return arrayrecord.open_reader(self._paths[f], "readahead_buffer_size:0")
+        encoding, layout = self._encoding
+        return encoding.reader(self._paths[f], layout)
+
+    def _close(self, reader: Any) -> None:
+        if self._encoding is None:
+            arrayrecord.close_quietly(reader)
+        else:
+            reader.close()
+
     def _get(self, index: int, f: int, j: int) -> dict[str, Any]:
         path = self._names[f]  # errors name the URL of a cached copy
-        reader = self._handle(
-            f, lambda f: arrayrecord.open_reader(self._paths[f], "readahead_buffer_size:0"))
-        row = arrayrecord.decode(arrayrecord.read_raw(reader, path, [j])[0], path, j)
+        reader = self._handle(f, self._open)
+        if self._encoding is None:
+            row = arrayrecord.decode(arrayrecord.read_raw(reader, path, [j])[0], path, j)
+        else:
+            with storage.named(self._paths[f], path):
+                row = restore_derived(reader.row(j))
         try:
             self._check(row)
         except ValueError as e:
@@ -298,7 +321,9 @@ class ArrayRecordSource(_FileSource):
 
 
 class PackedArrayRecordSource(ArrayRecordSource):
-    """Packed rows (contract keys of `feature`, `[L]` and `[S]` arrays) from ArrayRecord shards.
+    """Packed rows (contract keys of `feature`, `[L]` and `[S]` arrays) from a `seqpack pack`
+    output of any `--format` (ArrayRecord shards; Parquet through the encoding's reader, one
+    row group decoded and kept at a time), or from ArrayRecord shard files.
 
     feature:   the packed feature; defaults to the manifest's `feature`, else "tokens".
     cache_dir: where the shards of a URL prefix are copied (see the module docstring).
@@ -319,6 +344,10 @@ class PackedArrayRecordSource(ArrayRecordSource):
         self.seq_len = m.seq_len if m else None
         self.max_segments = m.max_segments if m else None
         self.columns = [str(c["name"]) for c in (m.columns or [])] if m else []
+        if self._encoding is not None:  # the [L] columns its rows hold (TRL's labels, ...)
+            encoding, layout = self._encoding
+            contract = {*keys(self.feature).roles().values()}
+            self.columns = [k for k in encoding.decoded_keys(layout) if k not in contract]
 
     def _check(self, row: dict[str, np.ndarray]) -> None:
         k = keys(self.feature)
@@ -344,3 +373,6 @@ class PackedArrayRecordSource(ArrayRecordSource):
             raise ValueError(f"packed row has L={L}, manifest says seq_len={self.seq_len}")
         if self.max_segments is not None and S != self.max_segments:
             raise ValueError(f"packed row has S={S}, manifest says {self.max_segments=}")
+
+
+PackedSource = PackedArrayRecordSource  # the same reader, by a name that does not say a format

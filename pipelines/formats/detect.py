@@ -4,12 +4,14 @@ Names (case-insensitive; a compression suffix ``.gz`` / ``.zst`` / ``.zstd`` is 
 
     .jsonl .ndjson .json          jsonl
     .parquet                      parquet
+    .arrow                        arrow (Arrow IPC: HF datasets' save_to_disk shards)
     .arrayrecord .array_record    arrayrecord (also sharded: x.array_record-00000-of-00008)
     .txt                          text
 
 Content, where the name does not say (first 64 bytes; a compressed file's decompressed head)::
 
     b"PAR1"                           parquet
+    b"ARROW1", or ff ff ff ff first   arrow (the IPC file, or the stream format)
     the Riegeli file signature        arrayrecord
     1f 8b (gzip), 28 b5 2f fd (zstd)  compressed: its decompressed head decides (JSONL or text)
     "{" first (after blanks)          jsonl
@@ -33,16 +35,18 @@ from typing import Any, Protocol
 
 from seqpack.pipelines.errors import InputError, require
 
-FORMATS = ("jsonl", "parquet", "arrayrecord", "text", "bytes")
+FORMATS = ("jsonl", "parquet", "arrow", "arrayrecord", "text", "bytes")
 AUTO = "auto"  # a format that only the content can tell (a URL is sniffed after download)
 
 _BY_EXTENSION = {
     ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
+    ".arrow": "arrow",
     ".arrayrecord": "arrayrecord", ".array_record": "arrayrecord", ".txt": "text",
 }
 _COMPRESSED_EXTENSIONS = (".gz", ".zst", ".zstd")
 _SHARDED = re.compile(r"(\.[a-z_]+)-\d+-of-\d+$")  # TFDS / Beam shard names
 _PARQUET = b"PAR1"
+_ARROW = (b"ARROW1", b"\xff\xff\xff\xff")  # an IPC file; a stream's first message
 _RIEGELI = bytes.fromhex(  # the first 64 bytes of every Riegeli (ArrayRecord) file
     "83af70d10d884a3f00000000000000004000000000000000"
     "91bac23c9287e1a90000000000000000e19f13c0e9b1c372"
@@ -56,7 +60,7 @@ class Readable(Protocol):
     def read(self, size: int = -1, /) -> bytes: ...
 
 
-_HINT = "pass input_format= (jsonl, parquet, arrayrecord, text; bytes packs its raw bytes)"
+_HINT = "pass input_format= (jsonl, parquet, arrow, arrayrecord, text; bytes packs its raw bytes)"
 
 
 def format_by_name(path: str) -> str | None:
@@ -101,19 +105,22 @@ def sniff_format(path: str, *, name: str | None = None) -> str:
     if kind is not None:
         with open_stream(path) as stream:
             head = stream.read(4096)
-    if head.startswith(_PARQUET) or head.startswith(_RIEGELI):
-        what = "Parquet" if head.startswith(_PARQUET) else "ArrayRecord"
+    binary = {"Parquet": head.startswith(_PARQUET), "ArrayRecord": head.startswith(_RIEGELI),
+              "Arrow": head.startswith(_ARROW)}
+    for what, found in binary.items():
+        if not found:
+            continue
         if kind is not None:
             raise InputError(f"{name}: a {kind}-compressed {what} file; decompress it first "
                              f"({what} is read with random access)")
-        return "parquet" if what == "Parquet" else "arrayrecord"
+        return what.lower()
     if head.lstrip()[:1] == b"{":
         return "jsonl"
     if b"\0" not in head and _utf8_prefix(head):
         return "text"
     what = f"{kind}-compressed data" if kind else "content"
     raise InputError(f"{name}: cannot tell the input format from the name or the {what} (not "
-                     f"Parquet, ArrayRecord, JSONL or UTF-8 text); {_HINT}")
+                     f"Parquet, Arrow, ArrayRecord, JSONL or UTF-8 text); {_HINT}")
 
 
 def _utf8_prefix(head: bytes) -> bool:

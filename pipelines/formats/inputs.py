@@ -12,6 +12,8 @@ else is refused, see `detect`):
     jsonl        one JSON object per line, token ids in a field:  {"tokens": [101, 7592, 102]}
                  (gzip or zstd compressed too, streamed)
     parquet      a list<int> column, read with pyarrow into values + offsets (no per-token Python)
+    arrow        the same in Arrow IPC files or streams: HF `datasets`' ``*.arrow`` (a
+                 `save_to_disk` directory reads as its shards, in its state.json order)
     arrayrecord  SQP1 records holding a 1-D integer array under the column name
     text         UTF-8 text; one example per file, line or paragraph (text_unit), tokenized
                  with a `tokenizers` tokenizer.json, or byte-tokenized (ids 0..255) without one;
@@ -103,7 +105,7 @@ class ReadOptions:
                              "ids with their columns, or the token column alone")
         if self.extra_columns and self.input_format in ("text", "bytes"):
             raise InputError(f"input_format={self.input_format!r} has one column; extra "
-                             f"columns {list(self.extra_columns)} need JSONL, Parquet or "
+                             f"columns {list(self.extra_columns)} need JSONL, Parquet, Arrow or "
                              "ArrayRecord inputs")
         if self.input_format == "bytes" and self.tokenizer:
             raise InputError("input_format='bytes' packs raw bytes; drop tokenizer=, or read "
@@ -196,9 +198,9 @@ def file_chunks(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None
     extra = options.extra_columns
     if fmt == "jsonl":
         return jsonl.read_chunks(path, options.column, tokenizer, aligned_columns=extra)
-    if fmt == "parquet":
-        return parquet.ParquetTokens(path, options.column, tokenizer=tokenizer,
-                                     aligned_columns=extra).chunks()
+    if fmt in ("parquet", "arrow"):
+        reader = parquet.ParquetTokens if fmt == "parquet" else parquet.ArrowTokens
+        return reader(path, options.column, tokenizer=tokenizer, aligned_columns=extra).chunks()
     if fmt == "arrayrecord":
         if tokenizer is not None:
             raise InputError(f"{path}: ArrayRecord records hold token ids; tokenizer= is for "
@@ -206,7 +208,7 @@ def file_chunks(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None
         return arrayrecord.example_chunks(path, options.column, aligned_columns=extra)
     if extra:
         raise InputError(f"{path}: a {fmt} input has one column; extra columns {list(extra)} "
-                         "need JSONL, Parquet or ArrayRecord inputs")
+                         "need JSONL, Parquet, Arrow or ArrayRecord inputs")
     return text.read_chunks(path, tokenizer, options.text_unit, raw=fmt == "bytes")
 
 

@@ -1,6 +1,7 @@
 """The manifest of a packed directory: one typed object, one reader, one writer.
 
-A packed directory (``seqpack pack``, the Beam job) holds ArrayRecord shards and, written last,
+A packed directory (``seqpack pack``, the Beam job) holds shards (ArrayRecord, or Parquet for the
+other `--format`s: ``encoding`` names it, absent for ArrayRecord) and, written last,
 ``manifest.json``; while a run is incomplete it holds ``pack_intent.json`` instead: the same
 object without its results (`shard_num_rows`, `stats`, `example_length_histogram`). Example::
 
@@ -12,7 +13,12 @@ object without its results (`shard_num_rows`, `stats`, `example_length_histogram
      "shards": ["rows-00000-of-00006.arrayrecord", ...], "plan_block_size": 4194304,
      "shard_num_rows": [1024, ...], "stats": {...}, "example_length_histogram": {...},
      "shard_bytes": [8421376, ...], "shard_sha256": ["9f2c...", ...],
+     "shapes": {"max_row_segments": 31, "longest_segment": 2048, "shortest_row": 1790,
+                "min_row_next_tokens": 1771, "loss_tokens": 10580331},
      "manifest_sha256": "51ab..."}
+
+(`shapes`: what trainers size static shapes by; `encoding`, after `columns`, only for the
+Parquet formats: "parquet", "hf", "megatron".)
 
 Integrity: a complete manifest records each shard's size and sha256, and `manifest_sha256`, the
 sha256 of its own JSON without that key (compact, keys in the order above); `read_manifest`
@@ -36,6 +42,7 @@ from seqpack.packer import PackConfig
 from seqpack.packer.plan import DEFAULT_BLOCK_SIZE
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
+from seqpack.pipelines.formats.encodings import encoding
 
 FORMAT = "seqpack-rows"
 VERSION = 1
@@ -43,14 +50,17 @@ RECORD_ENCODING = "SQP1"
 MANIFEST = "manifest.json"
 INTENT = "pack_intent.json"
 _RESULTS = ("shard_num_rows", "stats", "example_length_histogram", "shard_bytes",
-            "shard_sha256")
+            "shard_sha256", "shapes")
 SELF_DIGEST = "manifest_sha256"
-_OPTIONAL = ("row_order", "columns")  # None in outputs written before they existed
+# None in outputs written before they existed; `encoding` and `shapes` are left out of the
+# JSON when None (an ArrayRecord output's intent reads as it did before formats existed)
+_OPTIONAL = ("row_order", "columns", "encoding", "shapes")
+_OMITTED_IF_NONE = ("encoding", "shapes")
 
 
-def shard_names(num_rows: int, shard_rows: int) -> list[str]:
+def shard_names(num_rows: int, shard_rows: int, suffix: str = ".arrayrecord") -> list[str]:
     n = -(-num_rows // shard_rows)
-    return [f"rows-{i:05d}-of-{n:05d}.arrayrecord" for i in range(n)]
+    return [f"rows-{i:05d}-of-{n:05d}{suffix}" for i in range(n)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +88,20 @@ class Manifest:
     # in the rows, "source": field/column read, "dtype": numpy dtype.str, "pad": int}]; None:
     # the token feature alone.
     columns: list[dict[str, Any]] | None = None
+    # The shards' encoding (`formats.encodings`, `seqpack pack --format`): "parquet", "hf",
+    # "megatron"; None: ArrayRecord files of SQP1 records.
+    encoding: str | None = None
+    # What a trainer sizes static shapes by (a result): max_row_segments, longest_segment,
+    # shortest_row, min_row_next_tokens (a row's tokens less its segments), loss_tokens.
+    shapes: dict[str, Any] | None = None
 
     @property
     def complete(self) -> bool:
         return self.shard_num_rows is not None
+
+    @property
+    def record_encoding(self) -> str:
+        return encoding(self.encoding).record_encoding if self.encoding else RECORD_ENCODING
 
     @property
     def feature(self) -> str:
@@ -101,7 +121,7 @@ class Manifest:
     def intent(self) -> Manifest:
         """This manifest without its results (what ``pack_intent.json`` holds)."""
         return dataclasses.replace(self, shard_num_rows=None, stats=None,
-                                   example_length_histogram=None)
+                                   example_length_histogram=None, shapes=None)
 
     def completed(self, shard_num_rows: list[int], results: dict[str, Any],
                   digests: list[tuple[int, str]]) -> Manifest:
@@ -114,12 +134,15 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         """The JSON object (plain types, fixed key order)."""
         obj: dict[str, Any] = {
-            "format": FORMAT, "version": VERSION, "record_encoding": RECORD_ENCODING,
+            "format": FORMAT, "version": VERSION, "record_encoding": self.record_encoding,
             "feature": self.feature, "seq_len": self.seq_len, "max_segments": self.max_segments,
         }
         obj.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
         if not self.complete:
             for key in _RESULTS:
+                del obj[key]
+        for key in _OMITTED_IF_NONE:
+            if obj.get(key, 0) is None:
                 del obj[key]
         obj = json.loads(json.dumps(obj))
         if self.complete:
@@ -143,6 +166,7 @@ class Manifest:
                 raise ValueError(f"missing {missing}")
             manifest = cls(**fields)
             manifest.pack_config()
+            manifest.record_encoding  # noqa: B018 - a ValueError for an unknown encoding
             shards = manifest.shards
             if not isinstance(shards, list) or not all(isinstance(s, str) for s in shards):
                 raise ValueError("'shards' must be a list of file names")

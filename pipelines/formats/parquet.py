@@ -1,8 +1,12 @@
-"""Parquet: token ids in a list<int> column, read one row group at a time through Arrow buffers.
+"""Parquet and Arrow IPC: token ids in a list<int> column, read a part at a time through Arrow
+buffers.
 
 One reader for the offline CLI (`ParquetTokens.chunks()`, every record in order, streamed) and the
 Grain `ParquetSource` (`read_group(g)`, random access, cached there). A row group's list column is
 taken apart into its Arrow buffers (flat values + offsets) with no per-token Python work.
+
+`ArrowTokens` reads Arrow IPC files and streams the same way (HF `datasets`' ``*.arrow``: its
+`save_to_disk` shards and cache files), record batch by record batch from a memory map.
 
 With a tokenizer (`--tokenizer`) the column holds text (string / large_string) instead, tokenized
 here, one row group at a time.
@@ -19,6 +23,7 @@ not as long as its token list are refused the same way. They come back as
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -48,7 +53,6 @@ class ParquetTokens:
     def __init__(self, path: str | os.PathLike, column: str, *,
                  extra_columns: Sequence[str] = (), tokenizer: Any = None,
                  aligned_columns: Sequence[str] = ()):
-        pa, pq = _pyarrow()
         self.path, self.column, self.extra = os.fspath(path), column, tuple(extra_columns)
         self.aligned = tuple(aligned_columns)
         self.tokenizer = tokenizer
@@ -57,11 +61,30 @@ class ParquetTokens:
                              "tokenized lengths would not match them)")
         if not os.path.isfile(self.path):
             raise InputError(f"{self.path}: no such file")
+        self._check_schema(self._open())
+        self.group_rows = self._group_rows()
+
+    def _open(self) -> Any:
+        """Opens the file; its Arrow schema."""
+        pa, pq = _pyarrow()
         try:
             self._file = pq.ParquetFile(self.path)  # not read_table: that loads pandas
-            schema = self._file.schema_arrow
+            return self._file.schema_arrow
         except (pa.ArrowException, OSError) as e:
             raise InputError(f"{self.path}: not a readable Parquet file ({e})") from None
+
+    def _group_rows(self) -> list[int]:
+        meta = self._file.metadata
+        return [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+
+    def _whole(self, columns: list[str]) -> Any:
+        """Columns `columns` of every record, as one table."""
+        return self._file.read(columns=columns)
+
+    def _check_schema(self, schema: Any) -> None:
+        """InputError naming the file when a column is missing or of a type it cannot read."""
+        pa, _ = _pyarrow()
+        column, tokenizer = self.column, self.tokenizer
         for name in (column, *self.extra, *self.aligned):
             if name not in schema.names:
                 what = ("column= naming the token list" if name == column else
@@ -91,8 +114,6 @@ class ParquetTokens:
                 t.value_type) else ""
             raise InputError(f"{self.path}: column {column!r} has type {t}; every record must "
                              f"be a list of integer token ids (list<int32> or list<int64>){where}")
-        meta = self._file.metadata
-        self.group_rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -110,7 +131,7 @@ class ParquetTokens:
         return self._file
 
     def _first_non_integer(self) -> str:
-        col = self._file.read(columns=[self.column]).column(0).combine_chunks()
+        col = self._whole([self.column]).column(0).combine_chunks()
         values = col.values.to_numpy(zero_copy_only=False)
         bad = np.flatnonzero(~np.isfinite(values) | (values != np.round(values)))
         if not bad.size:
@@ -200,3 +221,59 @@ class ParquetTokens:
             raise InputError(f"{self.path} record {first + record_of(offsets, pos)}: "
                              f"{what} is null")
         return offsets, numpy_view(col.values)
+
+
+class ArrowTokens(ParquetTokens):
+    """The token column (and aligned columns) of an Arrow IPC file or stream: what HF
+    `datasets` writes (`save_to_disk`'s ``data-00000-of-00001.arrow``, its cache files),
+    memory-mapped and read record batch by record batch, checked as Parquet is."""
+
+    def _open(self) -> Any:
+        pa, _ = _pyarrow()
+        try:
+            with self._reader() as reader:
+                return reader.schema
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"{self.path}: not a readable Arrow IPC file or stream ({e})") \
+                from None
+
+    @contextlib.contextmanager
+    def _reader(self) -> Iterator[Any]:
+        pa, _ = _pyarrow()
+        with pa.memory_map(self.path) as source:
+            try:
+                reader = pa.ipc.open_file(source)  # the IPC file format (random access)
+            except pa.ArrowInvalid:
+                source.seek(0)
+                reader = pa.ipc.open_stream(source)  # the stream format (HF datasets)
+            yield reader
+
+    def _batches(self, columns: list[str]) -> Iterator[Any]:
+        with self._reader() as reader:
+            if hasattr(reader, "num_record_batches"):
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            else:
+                batches = iter(reader)
+            for batch in batches:
+                yield batch.select(columns)
+
+    def _group_rows(self) -> list[int]:
+        return []  # read in order only (no Grain source over Arrow files)
+
+    def _whole(self, columns: list[str]) -> Any:
+        pa, _ = _pyarrow()
+        return pa.Table.from_batches(list(self._batches(columns)))
+
+    def chunks(self, batch_rows: int = BATCH_ROWS) -> Iterator[Chunk]:
+        """Every record, in order, at most `batch_rows` at a time, checked."""
+        pa, _ = _pyarrow()
+        first = 0
+        try:
+            for batch in self._batches([self.column, *self.extra, *self.aligned]):
+                for at in range(0, batch.num_rows, batch_rows):
+                    part = batch.slice(at, batch_rows)
+                    chunk = self._checked(part, first)
+                    first += part.num_rows
+                    yield chunk
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"{self.path}: cannot read records from {first} on ({e})") from None

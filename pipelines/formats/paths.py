@@ -3,14 +3,17 @@
     expand_inputs(["data/", "more/*.jsonl.gz", "gs://bucket/x/*.parquet", "a.parquet"])
 
 - a local directory: its files whose name says a known format (`detect.format_by_name`:
-  .jsonl / .ndjson / .json, .parquet, .arrayrecord / .array_record and their shard names, .txt,
-  each also .gz / .zst), sorted by name. Hidden files (names starting with ".") are left out;
-  every other file it leaves out (no known format by its name: ``_SUCCESS``, ``README.md``; a
-  subdirectory, which is not read) is named in a warning on the ``seqpack`` logger, with the
-  reason. Text files beside token files (JSONL, Parquet, ArrayRecord) are refused, naming the
-  text file: their UTF-8 bytes would be packed beside the token ids; `input_format` says which
-  to read (the others are then left out, named). A seqpack output directory (its manifest,
-  intent, lock, spill or shards) is refused: it is not an input.
+  .jsonl / .ndjson / .json, .parquet, .arrow, .arrayrecord / .array_record and their shard
+  names, .txt, each also .gz / .zst), sorted by name. Hidden files (names starting with ".")
+  are left out; every other file it leaves out (no known format by its name: ``_SUCCESS``,
+  ``README.md``; a subdirectory, which is not read) is named in a warning on the ``seqpack``
+  logger, with the reason. Text files beside token files (JSONL, Parquet, Arrow, ArrayRecord)
+  are refused, naming the text file: their UTF-8 bytes would be packed beside the token ids;
+  `input_format` says which to read (the others are then left out, named). A seqpack output
+  directory (its manifest, intent, lock, spill or shards) is refused: it is not an input.
+- an HF `datasets` `save_to_disk` directory (``state.json``, ``dataset_info.json`` and Arrow
+  shards; locally or a URL prefix ending in "/"): its shards in ``state.json``'s order; a
+  DatasetDict's directory (``dataset_dict.json``) is refused naming its splits.
 - a local glob (``*``, ``?``, ``[...]``; ``**`` recursive) that is not itself an existing path:
   every file it matches, sorted, as a shell would give them (directories it matches are
   skipped, as URL globs skip them); InputError if nothing matches.
@@ -26,20 +29,23 @@ rarely meant.
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.detect import format_by_name
 
 OUTPUT_FILES = ("manifest.json", "pack_intent.json")  # formats.manifest's MANIFEST, INTENT
-_OUTPUT_NAMES = re.compile(r"^(rows-\d+-of-\d+\.arrayrecord.*|pack\.lock|spill\.tmp|"
+_OUTPUT_NAMES = re.compile(r"^(rows-\d+-of-\d+\.(arrayrecord|parquet|idx\.parquet).*|pack\.lock|"
+                           r"spill\.tmp|"
                            r"manifest\.json|pack_intent\.json)$")  # what `seqpack pack` writes
 _GLOB = re.compile(r"[*?[]")
-_TOKEN_FORMATS = ("jsonl", "parquet", "arrayrecord")
+_TOKEN_FORMATS = ("jsonl", "parquet", "arrow", "arrayrecord")
 log = logging.getLogger("seqpack")
 
 
@@ -52,10 +58,10 @@ def expand_inputs(args: Sequence[str | os.PathLike], *, allow_duplicates: bool =
     for arg in args:
         path = os.fspath(arg)
         if storage.is_url(path):
-            out.extend(_url_files(path, input_format) if path.endswith("/")
-                       else storage.expand(path))
+            out.extend((hf_dataset_files(path) or _url_files(path, input_format))
+                       if path.endswith("/") else storage.expand(path))
         elif os.path.isdir(path):
-            out.extend(_directory_files(path, input_format))
+            out.extend(hf_dataset_files(path) or _directory_files(path, input_format))
         elif not os.path.exists(path) and _GLOB.search(path):
             out.extend(_glob_files(path))
         else:
@@ -72,6 +78,41 @@ def is_output_dir(path: str) -> bool:
         return format_by_name(path) is None and any(
             storage.exists(storage.join(path.rstrip("/"), n)) for n in OUTPUT_FILES)
     return os.path.isdir(path) and any(_OUTPUT_NAMES.match(n) for n in os.listdir(path))
+
+
+HF_STATE, HF_INFO, HF_SPLITS = "state.json", "dataset_info.json", "dataset_dict.json"
+
+
+def hf_dataset_files(path: str) -> list[str] | None:
+    """The Arrow shards of an HF `datasets` `save_to_disk` directory (or URL prefix), in its
+    ``state.json`` order; None when `path` is not one. InputError for a DatasetDict's
+    directory (naming its splits) and for a ``state.json`` naming no plain file."""
+    url = storage.is_url(path)
+    root = path.rstrip("/") if url else path
+
+    def join(name: str) -> str:
+        return storage.join(root, name) if url else os.path.join(root, name)
+
+    def read(name: str) -> Any:
+        try:
+            return json.loads(storage.read_bytes(join(name)) if url else
+                              open(join(name), "rb").read())
+        except (OSError, ValueError) as e:
+            raise InputError(f"{join(name)}: not readable JSON ({e})") from None
+
+    present = storage.exists if url else os.path.isfile
+    if present(join(HF_SPLITS)):
+        splits = list(read(HF_SPLITS).get("splits") or []) or ["train"]
+        raise InputError(f"{path}: an HF DatasetDict (splits {splits}); pass one split's "
+                         f"directory, e.g. {join(splits[0])}")
+    if not (present(join(HF_STATE)) and present(join(HF_INFO))):
+        return None
+    names = [f.get("filename") for f in read(HF_STATE).get("_data_files") or []]
+    if not names or not all(isinstance(n, str) and n == os.path.basename(n) and n
+                            for n in names):
+        raise InputError(f"{join(HF_STATE)}: _data_files {names} must name the dataset's Arrow "
+                         "files in its directory")
+    return [join(n) for n in names]
 
 
 def check_distinct(paths: Sequence[str]) -> None:
@@ -111,7 +152,7 @@ def _directory_files(path: str, input_format: str | None = None) -> list[str]:
     if not files:
         hint = f"; subdirectories are not read: pass '{os.path.join(path, '*', '*')}'" \
             if any(os.path.isdir(e) for e in entries) else ""
-        raise InputError(f"{path}: a directory with no input files (.jsonl, .parquet, "
+        raise InputError(f"{path}: a directory with no input files (.jsonl, .parquet, .arrow, "
                          f".arrayrecord, .txt, also .gz / .zst){hint}")
     return files
 
@@ -124,7 +165,7 @@ def _choose(where: str, paths: list[str], input_format: str | None) -> list[str]
     for p, f in formats.items():
         if f is None:
             log.warning("%s: left out: no known input format by its name (.jsonl, .parquet, "
-                        ".arrayrecord, .txt, also .gz / .zst)", p)
+                        ".arrow, .arrayrecord, .txt, also .gz / .zst)", p)
     files = [p for p, f in formats.items() if f is not None]
     text = [p for p in files if formats[p] == "text"]
     tokens = [p for p in files if formats[p] in _TOKEN_FORMATS]
@@ -153,5 +194,5 @@ def _url_files(prefix: str, input_format: str | None = None) -> list[str]:
     files = _choose(prefix, listing, input_format)
     if not files:
         raise InputError(f"{prefix}: no objects of a known input format under it (.jsonl, "
-                         ".parquet, .arrayrecord, .txt, also .gz / .zst)")
+                         ".parquet, .arrow, .arrayrecord, .txt, also .gz / .zst)")
     return files

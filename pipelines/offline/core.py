@@ -54,6 +54,7 @@ from seqpack.packer.stats import (
 )
 from seqpack.pipelines.errors import InputError, one_line
 from seqpack.pipelines.formats import inputs
+from seqpack.pipelines.formats.encodings import of_manifest
 from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, Manifest
 from seqpack.pipelines.offline import record, shards
 from seqpack.pipelines.offline.job import PackJob
@@ -71,8 +72,9 @@ log = logging.getLogger("seqpack")
 # Rows of the piece tables ([4, P]: BlockPlan, and the tables runners build from it).
 EXAMPLE, START, LENGTH, ROW = range(4)
 
-# What writing a shard gives: its rows, (size, sha256), its part of the order profile.
-ShardResult = tuple[int, tuple[int, str], np.ndarray]
+# What writing a shard gives: its rows, (size, sha256), its part of the order profile and its
+# loss tokens.
+ShardResult = tuple[int, tuple[int, str], record.ShardFacts]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +126,8 @@ class BlockSummary:
     error: str | None = None  # an InputError while planning (over-length with overflow="error")
     layout: BlockLayout | None = None  # the block's `packer.order` summary (leftover rows)
     costs: CostSummary | None = None  # its rows' costs under the run's cost model
+    longest: int = 0  # its longest segment
+    min_row_next: int | None = None  # the fewest (tokens - segments) of a row; None: no rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +224,9 @@ def plan_block(block: int, lengths: np.ndarray, job: PackJob, *, top: int) -> Bl
     summary = BlockSummary(block, num_rows, counters, used, nseg, counts,
                            layout=layout.summary(),
                            costs=cost_summary(table[ROW], table[LENGTH], num_rows, L,
-                                              order.cost))
+                                              order.cost),
+                           longest=int(table[LENGTH].max(initial=0)),
+                           min_row_next=record.min_row_next(table[ROW], table[LENGTH], num_rows))
     return BlockPlan(summary, table, layout)
 
 
@@ -282,7 +288,10 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
     hist["counts"] = [int(c) for c in np.sum([b.length_counts for b in blocks], axis=0)]
     base = np.concatenate(([0], np.cumsum([b.num_rows for b in blocks])))[:-1]
     order = global_order([b.layout for b in blocks if b.layout is not None], job.order)
-    return JobSummary(intent, record.manifest_results(stats, hist, balance=order.balance),
+    shapes = record.plan_shapes(used, nseg, [b.longest for b in blocks],
+                                [b.min_row_next for b in blocks])
+    return JobSummary(intent, record.manifest_results(stats, hist, balance=order.balance,
+                                                      shapes=shapes),
                       row_dtype(dtype, config.pad_id).str, job.write_options.shard_rows,
                       [int(r) for r in base], order)
 
@@ -340,11 +349,16 @@ def kept_shard(output: str | OutputDir, shard: int, table: np.ndarray, summary: 
                ) -> ShardResult | None:
     """A shard a resumed run keeps (written and intact; `table`: its pieces), or None."""
     _, num_rows = shard_span(summary, shard)
-    kept = shard_done(output, summary.intent.shards[shard], num_rows)
+    out = as_output_dir(output)
+    name = summary.intent.shards[shard]
+    kept = shard_done(out, name, num_rows)
     if kept is None:
         return None
-    return num_rows, kept, record.order_profile(table[ROW], table[LENGTH],
-                                                summary.intent.num_rows)
+    rows = shards.read_shard(out.location, name, num_rows, restore=False,
+                             manifest=summary.intent)  # its loss tokens, read back
+    return num_rows, kept, record.ShardFacts(
+        record.order_profile(table[ROW], table[LENGTH], summary.intent.num_rows),
+        shards.loss_tokens(rows, summary.intent))
 
 
 def write_shard(output: str | OutputDir, shard: int, p: PackPlan, summary: JobSummary,
@@ -358,25 +372,32 @@ def write_shard(output: str | OutputDir, shard: int, p: PackPlan, summary: JobSu
     assert p.num_rows == num_rows, (shard, p.num_rows, num_rows)
     profile = record.order_profile(p.row + r0, p.length, summary.intent.num_rows)
     out = as_output_dir(output)
-    digest = shards.write_shard(out, summary.intent.shards[shard], pieces, p, config, options,
-                                dtype=np.dtype(summary.row_dtype), values=values,
-                                columns=columns)
-    return num_rows, digest, profile
+    digest, loss = shards.write_shard(out, summary.intent.shards[shard], pieces, p, config,
+                                      options, dtype=np.dtype(summary.row_dtype), values=values,
+                                      columns=columns, entries=summary.intent.columns or ())
+    return num_rows, digest, record.ShardFacts(profile, loss)
 
 
-def finish_job(rows: Iterable[tuple[int, int, tuple[int, str], np.ndarray]],
+def finish_job(rows: Iterable[tuple[int, int, tuple[int, str], record.ShardFacts]],
                summary: JobSummary, output: str | OutputDir) -> Manifest:
-    """Writes manifest.json once every shard is written; returns the manifest.
+    """Writes the encoding's side files, then manifest.json, once every shard is written;
+    returns the manifest.
 
-    `rows`: (shard, row count, (size, sha256), order profile) of every shard, any order."""
+    `rows`: (shard, row count, (size, sha256), ShardFacts) of every shard, any order."""
     by_shard = {k: (n, d, prof) for k, n, d, prof in rows}
     names = summary.intent.shards
     if sorted(by_shard) != list(range(len(names))):
         missing = sorted(set(range(len(names))) - set(by_shard))
         raise RuntimeError(f"shards {missing[:8]} were not written; the manifest is not written")
     done = [by_shard[k] for k in range(len(names))]
-    profile = np.sum([prof for _, _, prof in done], axis=0)
+    facts = functools.reduce(operator.add, [f for _, _, f in done])
     results = json.loads(json.dumps(summary.results))
-    results["stats"]["along_output"] = record.along_output(profile, summary.intent.num_rows)
-    return commit_manifest(output, summary.intent, [n for n, _, _ in done], results,
+    results["stats"]["along_output"] = record.along_output(facts.profile,
+                                                           summary.intent.num_rows)
+    results["shapes"]["loss_tokens"] = facts.loss_tokens
+    out = as_output_dir(output)
+    encoding, layout = of_manifest(summary.intent)
+    for name, obj in encoding.side_files(results, layout).items():
+        out.write_json(name, obj)
+    return commit_manifest(out, summary.intent, [n for n, _, _ in done], results,
                            [tuple(d) for _, d, _ in done])  # type: ignore[misc]

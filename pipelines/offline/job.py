@@ -113,6 +113,11 @@ class PackJob:
         self._check_columns()
         if not isinstance(self.order, RowOrder):
             raise UsageError(f"order={self.order!r} must be a packer.order.RowOrder")
+        entries = [{"name": n, "pad": p, "role": self.roles[n]} for n, p in self.pads.items()]
+        try:  # what the format cannot write (unpadded formats and segment_alignment=)
+            self.write_options.encoding.check(self.write_options.layout(self.config, entries))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
 
     def _check_columns(self) -> None:
         extra = list(self.read_options.extra_columns)

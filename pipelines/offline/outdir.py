@@ -30,6 +30,7 @@ from typing import Any
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError, UsageError
 from seqpack.pipelines.formats import manifest as manifest_io
+from seqpack.pipelines.formats.encodings import is_side_file
 from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, Manifest
 
 DONE = ".done"  # a shard's completion record: rows-....arrayrecord.done
@@ -264,8 +265,8 @@ def as_output_dir(output_dir: str | OutputDir) -> OutputDir:
 
 
 def _owned(name: str) -> bool:
-    return name.startswith("rows-") and ".arrayrecord" in name or name in (
-        MANIFEST, INTENT, MANIFEST + ".tmp", INTENT + ".tmp")
+    return name.startswith("rows-") and (".arrayrecord" in name or ".parquet" in name) \
+        or is_side_file(name) or name in (MANIFEST, INTENT, MANIFEST + ".tmp", INTENT + ".tmp")
 
 
 def check_dir(output_dir: str | OutputDir, *, overwrite: bool, resume: bool) -> list[str]:

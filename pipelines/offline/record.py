@@ -25,6 +25,7 @@ from seqpack.packer.config import Overflow, Strategy
 from seqpack.packer.order import StepBalance
 from seqpack.packer.stats import PackingStats
 from seqpack.pipelines.errors import InputError
+from seqpack.pipelines.formats.encodings import DEFAULT
 from seqpack.pipelines.formats.inputs import (
     ReadOptions,
     combined_lengths_sha256,
@@ -32,7 +33,7 @@ from seqpack.pipelines.formats.inputs import (
 )
 from seqpack.pipelines.formats.manifest import Manifest, shard_names
 from seqpack.pipelines.offline.job import PackJob
-from seqpack.pipelines.offline.shards import row_dtype, stored_keys
+from seqpack.pipelines.offline.shards import row_dtype
 
 _HIST_BINS = 50
 
@@ -66,17 +67,19 @@ def run_intent(job: PackJob, inputs: dict, num_rows: int,
     """What the run writes (``pack_intent.json``: the manifest without its results);
     `columns`: the extra columns' entries (`column_entries`)."""
     options = job.write_options
+    layout, encoding = options.layout(job.config, columns or ()), options.encoding
     return Manifest(
         config=job.config.to_dict(),
         inputs=json.loads(json.dumps(inputs)),
-        writer_options=options.arrayrecord_options,
-        stored_keys=stored_keys(job.config, options, [c["name"] for c in columns or []]),
+        writer_options=encoding.writer_options(layout),
+        stored_keys=encoding.stored_keys(layout),
         shard_rows=options.shard_rows,
         num_rows=num_rows,
-        shards=shard_names(num_rows, options.shard_rows),
+        shards=shard_names(num_rows, options.shard_rows, encoding.suffix),
         plan_block_size=job.block_size,
         row_order=job.order.to_dict(),
         columns=columns or None,
+        encoding=None if options.format == DEFAULT else options.format,
     )
 
 
@@ -88,15 +91,55 @@ def column_entries(job: PackJob, dtypes: Mapping[str, np.dtype]) -> list[dict]:
 
 
 def manifest_results(stats: PackingStats, length_hist: dict, along: dict | None = None,
-                     balance: StepBalance | None = None) -> dict:
+                     balance: StepBalance | None = None, shapes: dict | None = None) -> dict:
     """The manifest's ``stats`` (with `along`: its ``along_output``; with `balance`, a balanced
-    order's: its ``step_balance``) and ``example_length_histogram``."""
+    order's: its ``step_balance``), ``example_length_histogram`` and (given) ``shapes``."""
     s = stats.to_dict()
     if balance is not None:  # before along_output, which the Beam job adds last
         s["step_balance"] = balance.to_dict()
     if along is not None:
         s["along_output"] = along
-    return json.loads(json.dumps({"stats": s, "example_length_histogram": length_hist}))
+    out = {"stats": s, "example_length_histogram": length_hist}
+    if shapes is not None:
+        out["shapes"] = shapes
+    return json.loads(json.dumps(out))
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardFacts:
+    """What the manifest sums over shards: the order profile (`order_profile`) and the loss
+    tokens (`encodings.loss_positions`) of a shard's rows; parts add up."""
+
+    profile: np.ndarray  # i64[10, 2]
+    loss_tokens: int = 0
+
+    def __add__(self, other: ShardFacts) -> ShardFacts:
+        return ShardFacts(self.profile + other.profile, self.loss_tokens + other.loss_tokens)
+
+
+def min_row_next(row: np.ndarray, length: np.ndarray, num_rows: int) -> int | None:
+    """The fewest (tokens - segments) of a row, from its pieces' rows and lengths (None
+    without rows): the positions of the row that have a next token in their segment."""
+    if not num_rows:
+        return None
+    per_row = np.zeros(num_rows, np.int64)
+    step = 1 << 20  # a million pieces at a time: temporaries stay small
+    for a in range(0, len(row), step):
+        r, n = np.asarray(row[a : a + step]), np.asarray(length[a : a + step], np.int64)
+        per_row += np.bincount(r, weights=n - (n > 0), minlength=num_rows).astype(np.int64)
+    return int(per_row.min())
+
+
+def plan_shapes(used_hist: np.ndarray, nseg_hist: np.ndarray, longest: Sequence[int],
+                min_next: Sequence[int | None]) -> dict:
+    """The manifest's ``shapes`` known from the plan (`loss_tokens` joins when the shards are
+    written): the most segments in a row, the longest segment, the fewest tokens in a row,
+    the fewest (tokens - segments) in a row."""
+    used, nseg = np.flatnonzero(used_hist), np.flatnonzero(nseg_hist)
+    return {"max_row_segments": int(nseg[-1]) if nseg.size else 0,
+            "longest_segment": max(longest, default=0),
+            "shortest_row": int(used[0]) if used.size else 0,
+            "min_row_next_tokens": min((m for m in min_next if m is not None), default=0)}
 
 
 PROFILE_PARTS = 10  # the output is profiled in tenths

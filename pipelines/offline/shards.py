@@ -1,12 +1,11 @@
-"""Shard encoding and writing: packed rows -> SQP1 records -> one ArrayRecord shard file.
+"""Shard writing: packed rows -> one shard file in the run's encoding (`--format`).
 
 Both runners write every shard through `write_shard` (the local runner from its spill, the Beam
 job from the parts its inputs send): the rows of one shard are assembled by `packer.build_rows`,
-encoded as SQP1 records (`formats.records`; every row of a run has the same layout, so
-`RowEncoder` computes the record header once and joins each row's arrays around it) and written
-to ``name.<attempt>.tmp`` in the output's staging directory, then published under `name` (a
-rename, or an upload) and followed by the shard's completion record ``name.done`` (rows, size,
-sha256: what ``--resume`` trusts).
+encoded by the run's `formats.encodings.Encoding` (SQP1 records in ArrayRecord by default,
+Parquet for the others) into ``name.<attempt>.tmp`` in the output's staging directory, then
+published under `name` (a rename, or an upload) and followed by the shard's completion record
+``name.done`` (rows, size, sha256: what ``--resume`` trusts).
 
 A shard that cannot be written (disk full, out of inodes, no permission) raises `RunFailed`
 naming the file; its ``.tmp`` is removed, so what is left is a state ``--resume`` finishes.
@@ -18,18 +17,26 @@ import contextlib
 import dataclasses
 import os
 import secrets
-import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from seqpack.packer import PackConfig, PackPlan, build_rows
-from seqpack.pipelines.errors import RunFailed, require
-from seqpack.pipelines.formats.manifest import file_digest
-from seqpack.pipelines.formats.records import decode_row, encode_row
+from seqpack.packer.contract import restore_derived
+from seqpack.pipelines import storage
+from seqpack.pipelines.errors import RunFailed
+from seqpack.pipelines.formats import encodings
+from seqpack.pipelines.formats.encodings import (
+    COMPRESSIONS,
+    Encoding,
+    Layout,
+    loss_positions,
+    of_manifest,
+    with_segment_ids,
+)
+from seqpack.pipelines.formats.manifest import Manifest, file_digest, read_manifest
 from seqpack.pipelines.offline.outdir import OutputDir, as_output_dir, write_done
-
-COMPRESSION = {"none": "uncompressed", "snappy": "snappy", "zstd": "zstd:3"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,31 +44,36 @@ class WriteOptions:
     """How the rows are stored."""
 
     shard_rows: int = 1024  # packed rows per shard file
-    compression: str = "none"  # a key of COMPRESSION
+    compression: str = "none"  # one of encodings.COMPRESSIONS
     fsync: bool = False  # fsync each shard before its rename (durability beyond process crashes)
-    # Also store f_segment_ids / f_positions. Off: readers rebuild them from the [S] metadata
-    # (`packer.contract.restore_derived`), and the shards are about a third of the size.
+    # Also store f_segment_ids / f_positions (arrayrecord). Off: readers rebuild them from the
+    # [S] metadata (`packer.contract.restore_derived`), and the shards are a third of the size.
     store_derived: bool = False
+    format: str = encodings.DEFAULT  # the shards' encoding: one of encodings.FORMATS
 
     def __post_init__(self) -> None:
         if isinstance(self.shard_rows, bool) or not isinstance(self.shard_rows, int) \
                 or self.shard_rows < 1:
             raise ValueError(f"shard_rows={self.shard_rows!r} must be an int >= 1")
-        if self.compression not in COMPRESSION:
-            raise ValueError(f"compression={self.compression!r} must be one of {list(COMPRESSION)}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression={self.compression!r} must be one of "
+                             f"{list(COMPRESSIONS)}")
+        encodings.encoding(self.format)  # ValueError naming format=
 
     @property
-    def arrayrecord_options(self) -> str:
-        return f"group_size:1,{COMPRESSION[self.compression]}"
+    def encoding(self) -> Encoding:
+        return encodings.encoding(self.format)
+
+    def layout(self, config: PackConfig, columns: Sequence[Mapping[str, Any]] = ()) -> Layout:
+        """The rows' `Layout` for `config` and the manifest's `columns` entries."""
+        return Layout(config, tuple(columns), self.compression, self.store_derived)
 
 
-def stored_keys(config: PackConfig, options: WriteOptions, columns: Sequence[str] = ()
-                ) -> list[str]:
-    """The keys each record holds: the contract's (segment ids / positions only with
-    store_derived), then each extra column's."""
-    k = config.keys()
-    derived = () if options.store_derived else k.derived
-    return [name for name in k.roles().values() if name not in derived] + list(columns)
+def stored_keys(config: PackConfig, options: WriteOptions,
+                columns: Sequence[Mapping[str, Any]] = ()) -> list[str]:
+    """The keys each stored row holds (the encoding's; for arrayrecord: the contract's, segment
+    ids / positions only with store_derived, then each extra column's)."""
+    return options.encoding.stored_keys(options.layout(config, columns))
 
 
 def row_dtype(values_dtype: np.dtype, pad_id: int) -> np.dtype:
@@ -70,47 +82,6 @@ def row_dtype(values_dtype: np.dtype, pad_id: int) -> np.dtype:
     if not np.can_cast(np.min_scalar_type(pad_id), dtype):
         dtype = np.result_type(dtype, np.min_scalar_type(pad_id))
     return dtype
-
-
-class RowEncoder:
-    """SQP1 records for the rows of a batch; same bytes as `encode_row` row by row."""
-
-    def __init__(self, batch: dict[str, np.ndarray]):
-        self.keys = list(batch)
-        template = encode_row({k: batch[k][0] for k in self.keys})
-        views = decode_row(template, restore=False)
-        base = np.frombuffer(template, np.uint8).ctypes.data
-        self.parts: list = []
-        self.slots: list[int] = []
-        pos = 0
-        for k in self.keys:
-            start = views[k].ctypes.data - base
-            assert views[k].nbytes and start >= pos, k
-            self.parts.append(template[pos:start])
-            self.slots.append(len(self.parts))
-            self.parts.append(b"")
-            pos = start + views[k].nbytes
-        self.parts.append(template[pos:])
-        self.fast = sys.byteorder == "little"
-
-    def records(self, batch: dict[str, np.ndarray]) -> Iterator[bytes]:
-        """Yields the record of each row in order."""
-        arrays = [np.ascontiguousarray(batch[k]) for k in self.keys]
-        num_rows = arrays[0].shape[0]
-        if not self.fast:  # pragma: no cover - big-endian hosts
-            for r in range(num_rows):
-                yield encode_row({k: a[r] for k, a in zip(self.keys, arrays)})
-            return
-        parts, slots = list(self.parts), self.slots
-        for r in range(num_rows):
-            for slot, a in zip(slots, arrays):
-                parts[slot] = a[r].data
-            yield b"".join(parts)
-
-
-def _open_writer(path: str, options: str):
-    module = require("array_record.python.array_record_module", "writing shards")
-    return module.ArrayRecordWriter(path, options)
 
 
 def _fsync(path: str) -> None:
@@ -125,25 +96,33 @@ def _fsync(path: str) -> None:
 def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndarray] | None,
                 p: PackPlan, config: PackConfig, options: WriteOptions, *, dtype: np.dtype,
                 values: np.ndarray | None = None,
-                columns: Mapping[str, np.ndarray] | None = None) -> tuple[int, str]:
+                columns: Mapping[str, np.ndarray] | None = None,
+                entries: Sequence[Mapping[str, Any]] = ()) -> tuple[tuple[int, str], int]:
     """Assembles the rows of plan `p` (one shard's rows, numbered from 0) and writes them.
 
     `pieces[i]` holds the tokens of the plan's i-th piece (or `values` the rows' tokens already
     in place, see `packer.build_rows`); `columns` each extra column's `[R, L]` values in place
-    (`packer.fill_rows`). Writes ``name.<attempt>.tmp`` in the output's staging
+    (`packer.fill_rows`), `entries` the manifest's entries of those columns. Writes
+    ``name.<attempt>.tmp`` in the output's staging
     directory, published as `name` when complete (a rename, or an upload), then the shard's
-    completion record (`name` + ".done": rows, size, sha256); returns (size, sha256). RunFailed
-    naming the file when the system refuses the write.
+    completion record (`name` + ".done": rows, size, sha256); returns ((size, sha256), the
+    rows' loss tokens: `encodings.loss_positions`). RunFailed naming the file when the system
+    refuses the write.
     """
     out = as_output_dir(output_dir)
     # A name of its own per attempt: a runner may run two attempts of one shard at once
     # (Dataflow's backup tasks); each publishes a complete file under `name`, the same bytes.
     tmp = os.path.join(out.staging(), f"{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    batch = build_rows(pieces, p, config, dtype=dtype, derived=options.store_derived,
+    layout = options.layout(config, entries)
+    encoding = options.encoding
+    batch = build_rows(pieces, p, config, dtype=dtype, derived=encoding.wants_derived(layout),
                        values=values, columns=columns)
+    loss = int(loss_positions(batch, layout).sum())
     try:
-        _write_records(tmp, RowEncoder(batch).records(batch), options)
+        encoding.write(tmp, batch, layout)
         del batch
+        if options.fsync:
+            _fsync(tmp)
         digest = file_digest(tmp)
         out.publish(tmp, name)
         if options.fsync and not out.remote:
@@ -153,15 +132,26 @@ def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndar
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise RunFailed.of(e, out.path(name), "cannot write the shard") from None
-    return digest
+    return digest, loss
 
 
-def _write_records(path: str, records: Iterator[bytes], options: WriteOptions) -> None:
-    writer = _open_writer(path, options.arrayrecord_options)
-    try:
-        for record in records:
-            writer.write(record)
-    finally:
-        writer.close()  # raises what a failed write left (RuntimeError naming the cause)
-    if options.fsync:
-        _fsync(path)
+def read_shard(output_dir: str, name: str, num_rows: int | None = None, *,
+               restore: bool = True, manifest: Manifest | None = None
+               ) -> dict[str, np.ndarray]:
+    """All rows of one shard stacked into `[R, ...]` arrays, as its encoding reads them back
+    (`Encoding.read`, for `manifest`'s; default: the output's own manifest); InputError if it
+    is corrupt. `restore=False`: without the segment ids / positions a shard does not store. A
+    shard on object storage is read from a temporary local copy."""
+    if manifest is None:
+        manifest = read_manifest(output_dir, check_shards=False)
+    encoding, layout = of_manifest(manifest)
+    url = storage.join(output_dir, name)
+    with storage.local_copy(url) as local, storage.named(local, url):
+        batch = encoding.read(local, layout, num_rows)
+    return restore_derived(batch) if restore and batch else batch
+
+
+def loss_tokens(rows: Mapping[str, np.ndarray], manifest: Manifest) -> int:
+    """The loss tokens of a shard's rows as `read_shard` gives them (`Encoding.loss_mask`)."""
+    encoding, layout = of_manifest(manifest)
+    return int(encoding.loss_mask(with_segment_ids(rows, layout.config), layout).sum())

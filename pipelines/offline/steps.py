@@ -18,7 +18,7 @@ What each step takes and gives, for n examples in P pieces::
     route_file         one FileJob        -> (shard, ShardPart) per shard the input feeds: the
                                              pieces + their tokens, back to back
     write_shard_parts  one shard's parts  -> the shard file (core.write_shard): its row count,
-                                             (size, sha256), order profile
+                                             (size, sha256), ShardFacts
     finish_job         every shard's      -> manifest.json (core)
 
 A block is planned by the worker its lengths are grouped to (`block_size` examples, by default
@@ -218,8 +218,8 @@ def write_shard_parts(shard: int, parts: Iterable[ShardPart], summary: JobSummar
                       output_dir: str, config: PackConfig, *, write_options: WriteOptions,
                       resume: bool = False) -> ShardResult:
     """Writes one shard from the parts its inputs sent (unless `resume` finds it written and
-    intact); returns its row count, (size, sha256) and its rows' part of the order profile
-    (`record.order_profile`)."""
+    intact); returns its row count, (size, sha256) and its rows' `ShardFacts` (their part of
+    the order profile, `record.order_profile`, and their loss tokens)."""
     parts = list(parts)
     out = OutputDir(output_dir)
     try:

@@ -20,6 +20,7 @@ collected (first `max_violations`) in the returned report.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tempfile
 from collections.abc import Sequence
@@ -31,16 +32,9 @@ from seqpack.packer.contract import restore_derived
 from seqpack.packer.stats import length_histograms, stats_from_histograms
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
-from seqpack.pipelines.formats.arrayrecord import (
-    close_quietly,
-    decode,
-    first_line,
-    open_reader,
-    read_raw,
-)
+from seqpack.pipelines.formats.encodings import of_manifest, with_segment_ids
 from seqpack.pipelines.formats.inputs import ReadOptions, combined_lengths_sha256, fingerprint
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
-from seqpack.pipelines.formats.records import decode_batch
 from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.runners import (
     Run,
@@ -50,6 +44,7 @@ from seqpack.pipelines.offline.runners import (
     read_inputs,
     save_context,
 )
+from seqpack.pipelines.offline.shards import loss_tokens, read_shard
 
 
 @dataclasses.dataclass
@@ -70,39 +65,6 @@ def load_manifest(output_dir: str) -> tuple[Manifest, PackConfig]:
     return manifest, manifest.pack_config()
 
 
-def read_shard(output_dir: str, name: str, num_rows: int | None = None, *,
-               restore: bool = True) -> dict[str, np.ndarray]:
-    """All rows of one shard stacked into `[R, ...]` read-only arrays; InputError if it is
-    corrupt.
-    `restore=False`: the arrays as stored (no segment ids / positions rebuilt). A shard on
-    object storage is read from a temporary local copy."""
-    url = storage.join(output_dir, name)
-    with storage.local_copy(url) as local, storage.named(local, url):
-        batch = _read_local_shard(local, num_rows)
-    return restore_derived(batch) if restore and batch else batch
-
-
-def _read_local_shard(path: str, num_rows: int | None) -> dict[str, np.ndarray]:
-    reader = open_reader(path)
-    try:
-        try:
-            n = reader.num_records()
-            if num_rows is not None and n != num_rows:
-                raise InputError(f"{path}: holds {n} rows, the manifest says {num_rows}; "
-                                 "the shard is incomplete or replaced")
-            raws = reader.read_all()
-        except RuntimeError as e:
-            raise InputError(f"{path}: corrupt shard ({first_line(e)})") from None
-    finally:
-        close_quietly(reader)
-    try:
-        return decode_batch(raws)  # every row of a run has one layout: one pass, no per-row work
-    except ValueError:
-        for j, raw in enumerate(raws):  # the record that does not decode, by name
-            decode(raw, path, j, restore=False)
-        raise InputError(f"{path}: rows have different keys or shapes") from None
-
-
 def read_row(output_dir: str, index: int) -> tuple[dict[str, np.ndarray], Manifest, str, int]:
     """(row, manifest, shard name, record index) of packed row `index` (negative from the end)."""
     manifest, _ = load_manifest(output_dir)
@@ -115,12 +77,13 @@ def read_row(output_dir: str, index: int) -> tuple[dict[str, np.ndarray], Manife
     shard = int(np.searchsorted(cum, index, side="right")) - 1
     name, j = manifest.shards[shard], index - int(cum[shard])
     path = storage.join(output_dir, name)
+    encoding, layout = of_manifest(manifest)
     with storage.local_copy(path) as local, storage.named(local, path):  # a URL: one shard
-        reader = open_reader(local)
+        reader = encoding.reader(local, layout)
         try:
-            row = decode(read_raw(reader, local, [j])[0], local, j)
+            row = restore_derived(reader.row(j))
         finally:
-            close_quietly(reader)
+            reader.close()
     return row, manifest, name, j
 
 
@@ -139,12 +102,14 @@ class _Collector:
 
 
 def _check_tokens(batch, config, spills: dict[str, tuple[SpillReader, int]], offsets, shard,
-                  out: _Collector):
-    """Every position of the rows, for the token feature and each extra column: segment values
-    == source values (read from the spill, `spills`: row key -> (reader, pad); `offsets`:
-    i64[n + 1] of the examples), padding == the pad. The rows the writer should have written
-    are rebuilt from the segment metadata and compared whole. Returns (example, start, length)
-    of the used slots and the tokens checked."""
+                  out: _Collector, wants: dict[str, np.ndarray] | None = None,
+                  verbatim: Sequence[str] | None = None):
+    """Every position of the rows, for the token feature and each extra column the shard
+    holds as read (`verbatim`, default all): segment values == source values (read from the
+    spill, `spills`: row key -> (reader, pad); `offsets`: i64[n + 1] of the examples), padding
+    == the pad. The rows the writer should have written are rebuilt from the segment metadata
+    and compared whole (and kept in `wants`, `[R, L]` each, every spilled key, when given).
+    Returns (example, start, length) of the used slots and the tokens checked."""
     k = config.keys()
     seg_len = batch[k.segment_lengths].astype(np.int64)
     rows, slots = np.nonzero(seg_len > 0)
@@ -164,13 +129,19 @@ def _check_tokens(batch, config, spills: dict[str, tuple[SpillReader, int]], off
         rows, slots, ex, st, ln, at = (x[keep] for x in (rows, slots, ex, st, ln, at))
     L = config.seq_len
     for key, (reader, pad) in spills.items():
-        got = batch[key].reshape(-1)
         # Compared in the rows' dtype when every spilled value fits it (no value can wrap into
-        # it unseen), else widened.
+        # it unseen), else widened; a column the encoding does not store as read is only
+        # rebuilt (for `_check_derived`).
+        stored = key == k.values or verbatim is None or key in verbatim
+        got = batch[key].reshape(-1) if stored else np.zeros(0, np.int64)
         fits = all(np.can_cast(np.dtype(run.dtype), got.dtype) for run in reader.runs)
         wide = got.dtype if fits else np.uint64 if got.dtype == np.uint64 else np.int64
-        want = np.full(got.size, pad, wide)
+        want = np.full(batch[k.values].size, pad, wide)
         reader.read_into(want, rows * L + at, offsets[ex] + st, ln)
+        if wants is not None:
+            wants[key] = want.reshape(-1, L)
+        if not stored:
+            continue
         diff = np.flatnonzero(got.astype(wide, copy=False) != want)
         if not diff.size:
             continue
@@ -236,7 +207,7 @@ class _VerifyContext:
     config: PackConfig
     runs: list[Run]  # the inputs' tokens, spilled by pass 1
     columns: list[tuple[str, int, list[Run]]]  # extra columns: name, pad, spill
-    stored_keys: list[str]  # what every record holds (the manifest's)
+    manifest: Manifest  # the run's (its encoding, the keys every row holds)
     offsets_path: str  # i64[n + 1] example offsets (np.save; memory-mapped by the workers)
 
 
@@ -249,6 +220,24 @@ class _ShardCheck:
     used_hist: np.ndarray | None
     nseg_hist: np.ndarray | None
     tokens: int = 0
+    loss_tokens: int = 0
+
+
+def _check_derived(batch, wants: dict[str, np.ndarray], manifest: Manifest, shard: str,
+                   out: _Collector) -> None:
+    """The columns the encoding computes from the rows (TRL's labels and position ids,
+    Megatron-Bridge's loss mask) against the same computed from the rows rebuilt from the
+    inputs (`wants`) under the shard's own segment metadata."""
+    encoding, layout = of_manifest(manifest)
+    expected = with_segment_ids({k: v for k, v in batch.items() if k not in wants} | wants,
+                                layout.config)
+    for key, want in encoding.derived(expected, layout).items():
+        diff = np.flatnonzero(np.asarray(batch[key]).reshape(-1) != want.reshape(-1))
+        if diff.size:
+            r, pos = divmod(int(diff[0]), layout.config.seq_len)
+            out.add(f"{shard} row {r} position {pos}: {key} {batch[key][r, pos]} != "
+                    f"{want[r, pos]}, what the inputs give ({diff.size} positions of {key!r} "
+                    "differ in this shard)")
 
 
 def _verify_context(path: str) -> tuple[_VerifyContext, dict[str, tuple[SpillReader, int]],
@@ -269,7 +258,8 @@ def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int,
     with ThreadPoolExecutor(1) as hasher:  # sha256 (no GIL) while the shard is decoded
         found = hasher.submit(OutputDir(context.output_dir).digest, name)
         try:
-            batch, error = read_shard(context.output_dir, name, num_rows, restore=False), None
+            batch, error = read_shard(context.output_dir, name, num_rows, restore=False,
+                                      manifest=context.manifest), None
         except InputError as e:
             batch, error = {}, e
         damaged = found.result() not in (None, tuple(digest))
@@ -284,9 +274,10 @@ def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int,
         return _ShardCheck(out.items, None, None, None)
     if not batch:
         return _ShardCheck(out.items, None, None, None)
-    missing = [key for key in context.stored_keys if key not in batch]
+    encoding, layout = of_manifest(context.manifest)
+    missing = [key for key in encoding.decoded_keys(layout) if key not in batch]
     if missing:
-        out.add(f"{name}: the rows lack {missing}, which the manifest says every record holds")
+        out.add(f"{name}: the rows lack {missing}, which the manifest says every row holds")
         return _ShardCheck(out.items, None, None, None)
     # Segment ids / positions only where stored (else they are made from what is checked);
     # padding with the tokens, position by position (`_check_tokens`).
@@ -294,12 +285,16 @@ def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int,
         validate(batch, config, derived=config.keys().segment_ids in batch, padding=False)
     except ValueError as e:
         out.add(f"{name}: {e}")
+    wants: dict[str, np.ndarray] = {}
     try:  # still compare tokens and count pieces where the segment metadata allows it
-        ex, st, ln, n = _check_tokens(batch, config, spills, offsets, name, out)
+        ex, st, ln, n = _check_tokens(batch, config, spills, offsets, name, out, wants,
+                                      encoding.verbatim(layout))
+        _check_derived(batch, wants, context.manifest, name, out)
+        loss = loss_tokens(batch, context.manifest)
     except (IndexError, KeyError, ValueError):
         return _ShardCheck(out.items, None, None, None)
     used, nseg = length_histograms(batch[config.keys().segment_lengths], config.seq_len)
-    return _ShardCheck(out.items, (ex, st, ln), used, nseg, n)
+    return _ShardCheck(out.items, (ex, st, ln), used, nseg, n, loss)
 
 
 def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violations: int = 20,
@@ -328,13 +323,13 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
             context = save_context(spill_dir, _VerifyContext(
                 output_dir, config, read.runs,
                 [(c["name"], c["pad"], read.column_runs[c["source"]]) for c in columns],
-                manifest.stored_keys, os.path.join(spill_dir, "offsets.npy")))
+                manifest, os.path.join(spill_dir, "offsets.npy")))
             checks = _check_shards(manifest, context, pool, out)
     except BaseException:
         pool.close(kill=True)
         raise
     pool.close()
-    _check_results(checks, lengths, manifest, out)
+    _check_results(checks, lengths, manifest, out, output_dir)
     return VerifyReport(ok=not out.items, violations=out.items,
                         num_rows=int(sum(manifest.shard_num_rows or [])),
                         num_examples=int(lengths.size),
@@ -389,7 +384,7 @@ def _check_shards(manifest: Manifest, context_path: str, pool: Workers, out: _Co
 
 
 def _check_results(checks: list[_ShardCheck], lengths: np.ndarray, manifest: Manifest,
-                   out: _Collector) -> None:
+                   out: _Collector, output_dir: str) -> None:
     """Coverage of every example over all shards, and the manifest's stats against the rows."""
     config = manifest.pack_config()
     recorded = manifest.stats or {}
@@ -406,3 +401,29 @@ def _check_results(checks: list[_ShardCheck], lengths: np.ndarray, manifest: Man
                 "segments_per_row", "row_fill_histogram"):
         if got[key] != recorded[key]:
             out.add(f"manifest stats {key}={recorded[key]} but the rows give {got[key]}")
+    if manifest.shapes is not None and pieces:
+        _check_shapes(manifest, used, nseg, int(ln.max(initial=0)),
+                      sum(c.loss_tokens for c in checks), out, OutputDir(output_dir))
+
+
+def _check_shapes(manifest: Manifest, used: np.ndarray, nseg: np.ndarray, longest: int,
+                  loss: int, out: _Collector, where: OutputDir) -> None:
+    """The manifest's `shapes` against the rows, then the encoding's side files (Megatron-
+    Bridge's metadata) against the manifest."""
+    shapes = manifest.shapes or {}
+    filled, segs = np.flatnonzero(used), np.flatnonzero(nseg)
+    got = {"max_row_segments": int(segs[-1]) if segs.size else 0, "longest_segment": longest,
+           "shortest_row": int(filled[0]) if filled.size else 0, "loss_tokens": loss}
+    for key, value in got.items():
+        if shapes.get(key) != value:
+            out.add(f"manifest shapes {key}={shapes.get(key)} but the rows give {value}")
+    encoding, layout = of_manifest(manifest)
+    for name, want in encoding.side_files({"shapes": shapes, "stats": manifest.stats},
+                                          layout).items():
+        try:
+            have = where.read_json(name)
+        except (OSError, ValueError):
+            have = None
+        if have != json.loads(json.dumps(want)):
+            out.add(f"{where.path(name)}: {'differs from' if have else 'missing, not'} what "
+                    "the manifest gives (repack with `seqpack pack ... --overwrite`)")

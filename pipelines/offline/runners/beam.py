@@ -71,6 +71,7 @@ from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import steps
 from seqpack.pipelines.offline.job import PackJob, default_workers, output_session
 from seqpack.pipelines.offline.outdir import ERROR, OutputDir
+from seqpack.pipelines.offline.record import ShardFacts
 from seqpack.pipelines.offline.shards import WriteOptions
 
 # Runners this job refuses (the `runner` option's last dotted part, lower case), and why; see the
@@ -224,13 +225,13 @@ def _report_error(message: str, output_dir: str, report: bool) -> None:
 def _write_shard(element: tuple[int, Iterable[steps.ShardPart]],
                  summary: steps.JobSummary, output_dir: str, config: PackConfig,
                  write_options: WriteOptions, resume: bool
-                 ) -> tuple[int, int, tuple[int, str], np.ndarray]:
+                 ) -> tuple[int, int, tuple[int, str], ShardFacts]:
     shard, parts = element
     return (shard, *steps.write_shard_parts(shard, parts, summary, output_dir, config,
                                                  write_options=write_options, resume=resume))
 
 
-def _finish(rows: list[tuple[int, int, tuple[int, str], np.ndarray]],
+def _finish(rows: list[tuple[int, int, tuple[int, str], ShardFacts]],
             summary: steps.JobSummary | None, output_dir: str) -> None:
     if summary is not None:  # None: an error was reported, or a resumed run was complete
         steps.finish_job(rows, summary, output_dir)

@@ -62,6 +62,7 @@ from seqpack.pipelines.offline import core
 from seqpack.pipelines.offline.core import LENGTH, ROW, BlockPlan, FileSummary, JobSummary
 from seqpack.pipelines.offline.job import SPILL_DIR, PackJob, available_memory, output_session
 from seqpack.pipelines.offline.outdir import OutputDir
+from seqpack.pipelines.offline.record import ShardFacts
 from seqpack.pipelines.offline.runners.read import (
     Progress,
     delay_seconds,
@@ -73,8 +74,9 @@ from seqpack.pipelines.offline.runners.spill import ExampleStarts, Run, SpillRea
 from seqpack.pipelines.offline.runners.workers import Workers
 from seqpack.pipelines.offline.shards import WriteOptions
 
-# (shard, rows, (size, sha256), order profile): a written shard, as `core.finish_job` takes it
-Written = tuple[int, int, tuple[int, str], np.ndarray]
+# (shard, rows, (size, sha256), order profile and loss tokens): a written shard, as
+# `core.finish_job` takes it
+Written = tuple[int, int, tuple[int, str], ShardFacts]
 
 
 def pack_to_dir(job: PackJob, *, progress: Progress | None = None) -> Manifest:
@@ -243,7 +245,7 @@ def write_shards(table: np.ndarray, starts: ExampleStarts, context: _RunContext,
                  workers: Workers, context_path: str, *, resume: bool = False,
                  progress: Progress | None = None) -> list[Written]:
     """Pass 2: every shard not already complete and intact (`core.kept_shard`), in parallel;
-    returns each shard's rows, (size, sha256) and order profile. `table`: `_place`'s."""
+    returns each shard's rows, (size, sha256) and `ShardFacts`. `table`: `_place`'s."""
     summary = context.summary
     names = summary.intent.shards
     firsts = np.arange(len(names) + 1, dtype=np.int64) * summary.shard_rows
