@@ -38,6 +38,7 @@ FLAGS = {
     "existing='overwrite'": "--overwrite", "resume=True": "--resume",
     "overwrite=True": "--overwrite", "fsync=True": "--fsync",
     "allow_duplicates=True": "--allow-duplicates", "runner='beam'": "--runner beam",
+    "spark_options": "--spark-option", "runner='spark'": "--runner spark",
 }
 _QUOTED = r"'[^']*'"
 
