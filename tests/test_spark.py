@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -21,12 +22,12 @@ from seqpack.pipelines.offline.runners import pack_to_dir
 from seqpack.pipelines.offline.verify import verify
 from tests.helpers.cloud import s3, s3_server  # noqa: F401
 from tests.helpers.files import (
+    bad_record_is_one_error_line,
     dir_bytes,
     random_seqs,
     run_cli,
-    write_arrayrecord,
+    three_formats,
     write_jsonl,
-    write_parquet,
 )
 from tests.helpers.runs import session, start, wait_for
 from tests.helpers.spark_cluster import spark_class, standalone_cluster
@@ -45,11 +46,7 @@ ARGS = ["--seq-len", 64, "--max-segments", 8, "--overflow", "split", "--shard-ro
 def corpus(tmp_path_factory) -> tuple[list[str], str]:
     """Three inputs (JSONL, Parquet, ArrayRecord; 360 examples) and the local runner's output."""
     d = tmp_path_factory.mktemp("corpus")
-    paths = [
-        write_jsonl(d / "a.jsonl", random_seqs(120, max_len=90, seed=1)),
-        write_parquet(d / "b.parquet", random_seqs(150, max_len=90, seed=2)),
-        write_arrayrecord(d / "c.arrayrecord", random_seqs(90, max_len=90, seed=3)),
-    ]
+    paths = three_formats(d)
     local = d / "local"
     pack_to_dir(PackJob(paths, local, CONFIG, write_options=WRITE, workers=1, block_size=BLOCK))
     return paths, str(local)
@@ -163,16 +160,7 @@ def test_local_master_writes_the_local_bytes_with_progress(corpus, tmp_path):
 
 @pytest.mark.slow
 def test_bad_input_is_one_error_line_naming_the_file(tmp_path):
-    good = write_jsonl(tmp_path / "good.jsonl", random_seqs(30, seed=1))
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"tokens": [1, 2]}\n{"tokens": [3]}\n{"tokens": [4, "x"]}\n')
-    out = tmp_path / "out"
-    result = run_cli("pack", good, bad, "-o", out, "--runner", "spark", "--workers", 2)
-    assert result.returncode == 2, result.stderr
-    assert result.stdout == ""
-    assert result.stderr.startswith("Error: ") and result.stderr.count("\n") == 1, result.stderr
-    assert "bad.jsonl:3: tokens[1]='x' is not a non-negative integer" in result.stderr
-    assert not out.exists()
+    bad_record_is_one_error_line(tmp_path, "--runner", "spark", "--workers", 2)
 
 
 # -- a standalone cluster ----------------------------------------------------------------------
@@ -226,13 +214,15 @@ def test_an_executor_killed_mid_job_costs_a_task_retry_not_the_bytes(corpus, clu
     paths, local = corpus
     out = tmp_path / "out"
     options = _cluster_options(cluster, SEQPACK_TEST_SHARD_DELAY="0.4")
-    run = start("pack", *paths, "-o", out, *ARGS, "--runner", "spark", *_flags(options))
+    run = start("pack", *paths, "-o", out, *ARGS, "--runner", "spark", *_flags(options),
+                env={"SEQPACK_DEBUG": "1"})  # Spark's log on stderr
     wait_for(lambda: _shards_done(out), run, timeout=240)
     executors = cluster.executors()
     assert len(executors) == 2
     os.kill(executors[0], signal.SIGKILL)
     _, err = run.communicate(timeout=300)
     assert run.returncode == 0, err
+    assert re.search(r"Lost task .* ExecutorLostFailure", err), err[-3000:]  # and retried
     assert dir_bytes(out) == dir_bytes(local)  # no temporary of the killed write left either
     wait_for(lambda: not session(run.pid), timeout=30)
 

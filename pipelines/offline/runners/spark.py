@@ -175,9 +175,12 @@ def by_key(rdd: Any, keys: int, fn: Callable[..., Iterable], *args: Any) -> Any:
     """fn(key, values, *args) (an iterable of outputs) for each key of `rdd`'s (key, value)
     pairs, keys 0..keys-1: contiguous key ranges per task, at most `MAX_TASKS` tasks."""
     tasks = max(1, min(keys, MAX_TASKS))
-    return rdd.repartitionAndSortWithinPartitions(
-        tasks, functools.partial(_task_of, keys=max(keys, 1), tasks=tasks)
-    ).mapPartitions(functools.partial(_each_key, fn, args))
+    to_task = functools.partial(_task_of, keys=max(keys, 1), tasks=tasks)
+    # One key a task: its values need no sort (pyspark's sorter would copy them through its
+    # spill files once the Python worker holds spark.python.worker.memory).
+    moved = rdd.partitionBy(tasks, to_task) if tasks == keys else \
+        rdd.repartitionAndSortWithinPartitions(tasks, to_task)
+    return moved.mapPartitions(functools.partial(_each_key, fn, args))
 
 
 def _scan(read_options: Any, read: Any, items: Iterable[tuple[int, str, int]]
