@@ -139,10 +139,12 @@ def run_pack(paths: list[str], out: pathlib.Path, extra: list[str]) -> tuple[flo
 
 
 def stages(event_dir: pathlib.Path) -> list[list]:
-    """[stage, what, tasks, seconds, shuffle bytes written] of each stage that ran, from the
-    Spark event log in `event_dir` (one application)."""
+    """[stage, what, tasks, seconds, task seconds, shuffle bytes written] of each stage that
+    ran, from the Spark event log in `event_dir` (one application); task seconds: the
+    executors' run time of its successful tasks, added up."""
     info: dict[int, dict] = {}
     written: dict[int, int] = collections.defaultdict(int)
+    busy: dict[int, int] = collections.defaultdict(int)
     for path in glob.glob(str(event_dir / "**" / "*"), recursive=True):
         if not os.path.isfile(path):
             continue
@@ -156,10 +158,11 @@ def stages(event_dir: pathlib.Path) -> list[list]:
                 elif kind == "SparkListenerTaskEnd" and event.get("Task End Reason", {}).get(
                         "Reason") == "Success":
                     metrics = event.get("Task Metrics") or {}
+                    busy[event["Stage ID"]] += metrics.get("Executor Run Time", 0)
                     written[event["Stage ID"]] += metrics.get("Shuffle Write Metrics", {}).get(
                         "Shuffle Bytes Written", 0)
     return [[k, v["Stage Name"].split(" at ")[0], v["Number of Tasks"],
-             (v["Completion Time"] - v["Submission Time"]) / 1000, written[k]]
+             (v["Completion Time"] - v["Submission Time"]) / 1000, busy[k] / 1000, written[k]]
             for k, v in sorted(info.items())]
 
 
@@ -249,10 +252,10 @@ def _report(args, manifest: dict, results: dict, shuffles: dict, small) -> None:
                  "their peaks (largest 4)", "bytes = local"], rows)
     for run, ran in shuffles.items():
         print_table(f"{run}: the stages (Spark's event log; the shuffle's bytes as written, "
-                    "compressed)", ["stage", "what", "tasks", "seconds", "shuffle MiB",
-                                    "bytes per token"],
-                    [[k, what, n, f"{sec:.1f}", mib(w), f"{w / tokens:.2f}"]
-                     for k, what, n, sec, w in ran])
+                    "compressed)", ["stage", "what", "tasks", "seconds", "task seconds",
+                                    "shuffle MiB", "bytes per token"],
+                    [[k, what, n, f"{sec:.1f}", f"{cpu:.1f}", mib(w), f"{w / tokens:.2f}"]
+                     for k, what, n, sec, cpu, w in ran])
     if small is not None and "spark2" in results:
         seconds, peaks, n_small = small
         big = results["spark2"][1]
