@@ -102,26 +102,32 @@ def spark_conf(spark_options: Sequence[str] = (), workers: int | None = None) ->
 
 @contextlib.contextmanager
 def spark_context(conf: dict[str, str], *, log_path: str | None = None) -> Iterator[Any]:
-    """A SparkContext for `conf` (`spark_conf`), stopped at the end. `log_path`: the JVM's
-    output (and, on a local master, the Python workers') goes there instead of this process's
-    stdout and stderr. The caller's SIGINT handler stays in place (pyspark would install its
-    own): an interrupt ends the run, and stopping the context cancels its jobs."""
+    """A SparkContext for `conf` (`spark_conf`), stopped at the end, in a JVM of its own
+    (ended at the end too) unless this process already has pyspark's JVM (an earlier context
+    of the caller's: then that one serves, and `log_path` and the JVM-wide properties do not
+    apply). `log_path`: the JVM's output (and, on a local master, the Python workers') goes
+    there instead of this process's stdout and stderr. The caller's SIGINT handler stays in
+    place (pyspark would install its own): an interrupt ends the run, and stopping the context
+    cancels its jobs."""
     from pyspark.java_gateway import launch_gateway
 
     spark_conf_ = pyspark.SparkConf(loadDefaults=False).setAll(list(conf.items()))
     saved = signal.getsignal(signal.SIGINT)
     with contextlib.ExitStack() as stack:
-        popen: dict[str, Any] = {}
-        if log_path is not None:
-            log = stack.enter_context(open(log_path, "ab"))
-            popen = {"stdout": log, "stderr": log}
-        with warnings.catch_warnings():  # pyspark warns about the pandas version it finds
-            warnings.simplefilter("ignore", FutureWarning)
-            gateway = launch_gateway(spark_conf_, popen_kwargs=popen)
-            try:
+        gateway = None
+        if pyspark.SparkContext._gateway is None:  # pyspark's one JVM per process
+            log = stack.enter_context(open(log_path, "ab")) if log_path else None
+            with warnings.catch_warnings():  # pyspark warns about the pandas version it finds
+                warnings.simplefilter("ignore", FutureWarning)
+                gateway = launch_gateway(spark_conf_, popen_kwargs={"stdout": log, "stderr": log}
+                                         if log else None)
+            stack.callback(_end_gateway, gateway)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
                 sc = pyspark.SparkContext(conf=spark_conf_, gateway=gateway)
-            finally:
-                signal.signal(signal.SIGINT, saved)
+        finally:
+            signal.signal(signal.SIGINT, saved)
         try:
             sc.setLogLevel("WARN")
             sc.pythonExec = conf.get("spark.pyspark.python") or os.environ.get(
@@ -129,13 +135,12 @@ def spark_context(conf: dict[str, str], *, log_path: str | None = None) -> Itera
             yield sc
         finally:
             sc.stop()
-            _end_gateway(gateway)
 
 
 def _end_gateway(gateway: Any) -> None:
-    """Ends the JVM a job started, and makes pyspark forget it: `SparkContext` keeps the
-    first gateway of a process (in its class attributes) for every later context, which would
-    give the next job this one's JVM-wide settings and log, or a JVM that is gone."""
+    """Ends the JVM `spark_context` started, and makes pyspark forget it: `SparkContext`
+    keeps a process's first gateway (in its class attributes) for every later context, which
+    would give the next job this one's JVM-wide settings and log, or a JVM that is gone."""
     with contextlib.suppress(Exception):
         gateway.shutdown()
     proc = gateway.proc
@@ -147,8 +152,9 @@ def _end_gateway(gateway: Any) -> None:
         except Exception:  # noqa: BLE001 - subprocess.TimeoutExpired
             proc.kill()
             proc.wait()
-    pyspark.SparkContext._gateway = None
-    pyspark.SparkContext._jvm = None
+    if pyspark.SparkContext._gateway is gateway:
+        pyspark.SparkContext._gateway = None
+        pyspark.SparkContext._jvm = None
 
 
 # -- tasks -------------------------------------------------------------------------------------
