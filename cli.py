@@ -125,8 +125,8 @@ def main(args: list[str] | None = None) -> None:
 def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
          feature, input_format, columns, tokenizer, text_unit, shard_rows, compression, resume,
          overwrite, fsync, row_order, seed, data_parallel, batch_size, cost_model, d_model,
-         as_json, workers, block_size, runner, beam_options, pads, roles, allow_duplicates,
-         output_format):
+         as_json, workers, block_size, runner, beam_options, spark_options, pads, roles,
+         allow_duplicates, output_format):
     """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into shards (--format).
 
     INPUT may be files, directories (every file of a known format, sorted; hidden files left
@@ -170,10 +170,10 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
                  pads=_pairs(pads, "pad", int), roles=_pairs(roles, "role", str),
                  order=_row_order(row_order, seed, data_parallel, batch_size, cost_model,
                                   d_model))
-    progress = terminal_progress() if runner == "local" else None
+    progress = terminal_progress() if runner != "beam" else None
     with progress or contextlib.nullcontext():
         manifest = run(job, runner=runner, progress=progress, beam_options=beam_options,
-                       quiet=not os.environ.get("SEQPACK_DEBUG"))
+                       spark_options=spark_options, quiet=not os.environ.get("SEQPACK_DEBUG"))
     if as_json:
         click.echo(json.dumps({"output_dir": output_dir, "stats": manifest.stats}, indent=2))
         return

@@ -39,6 +39,7 @@ FLAGS = {
     "overwrite=True": "--overwrite", "fsync=True": "--fsync",
     "allow_duplicates=True": "--allow-duplicates", "runner='beam'": "--runner beam",
     "format": "--format",
+    "spark_options": "--spark-option", "runner='spark'": "--runner spark",
 }
 _QUOTED = r"'[^']*'"
 

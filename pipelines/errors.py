@@ -36,6 +36,7 @@ _PACKAGES = {
     "tokenizers": ("tokenizers", "text"),
     "matplotlib": ("matplotlib", "plotting"),
     "apache_beam": ("apache-beam", "beam"),
+    "pyspark": ("pyspark", "spark"),
     "grain": ("grain", None),
     "jax": ("jax", "jax"),
     "fsspec": ("fsspec", "cloud"),

@@ -147,12 +147,17 @@ PACK_OPTIONS = _groups(
            _block_size("Examples planned together; larger corpora are planned per block of "
                        "consecutive examples (bounded memory, a few rows more).")),
     _group("Distributed", _opt(
-        "--runner", type=click.Choice(["local", "beam"]), default="local", show_default=True,
+        "--runner", type=click.Choice(["local", "beam", "spark"]), default="local",
+        show_default=True,
         help="local: in this process. beam: as an Apache Beam job, same output (DirectRunner, "
-             "one process per CPU, by default; needs seqpack[beam])."), _opt(
+             "one process per CPU, by default; needs seqpack[beam]). spark: as an Apache Spark "
+             "job, same output (local[--workers] by default; needs seqpack[spark])."), _opt(
         "--beam-option", "beam_options", multiple=True, metavar="KEY=VALUE",
         help="A Beam pipeline option for --runner beam (repeatable), e.g. direct_num_workers=4 "
-             "or runner=FlinkRunner.")),
+             "or runner=FlinkRunner."), _opt(
+        "--spark-option", "spark_options", multiple=True, metavar="KEY=VALUE",
+        help="For --runner spark (repeatable): master=URL (e.g. spark://host:7077) or a Spark "
+             "property, e.g. spark.executor.memory=4g.")),
 )
 
 STATS_OPTIONS = _groups(

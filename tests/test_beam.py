@@ -16,10 +16,10 @@ from seqpack.pipelines.offline import PackJob, WriteOptions
 from seqpack.pipelines.offline.runners import pack_to_dir
 from seqpack.pipelines.offline.verify import verify
 from tests.helpers.files import (
+    bad_record_is_one_error_line,
     dir_bytes,
     random_seqs,
-    run_cli,
-    write_arrayrecord,
+    three_formats,
     write_jsonl,
     write_parquet,
 )
@@ -36,11 +36,7 @@ WRITE = WriteOptions(shard_rows=7)
 def corpus(tmp_path_factory) -> tuple[list[str], str]:
     """Three inputs (JSONL, Parquet, ArrayRecord; 360 examples) and their local CLI output."""
     d = tmp_path_factory.mktemp("corpus")
-    paths = [
-        write_jsonl(d / "a.jsonl", random_seqs(120, max_len=90, seed=1)),
-        write_parquet(d / "b.parquet", random_seqs(150, max_len=90, seed=2)),
-        write_arrayrecord(d / "c.arrayrecord", random_seqs(90, max_len=90, seed=3)),
-    ]
+    paths = three_formats(d)
     local = d / "local"
     pack_to_dir(PackJob(paths, local, CONFIG, write_options=WRITE, workers=1))
     return paths, str(local)
@@ -96,17 +92,8 @@ def test_cli_runner_beam_matches_the_local_cli_and_verifies(tmp_path):
 
 @pytest.mark.slow
 def test_bad_record_is_one_error_line_naming_file_and_record(tmp_path):
-    good = write_jsonl(tmp_path / "good.jsonl", random_seqs(30, seed=1))
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"tokens": [1, 2]}\n{"tokens": [3]}\n{"tokens": [4, "x"]}\n')
-    out = tmp_path / "out"
-    result = run_cli("pack", good, bad, "-o", out, "--runner", "beam", "--beam-option",
-                     "direct_num_workers=2")
-    assert result.returncode == 2, result.stderr
-    assert result.stdout == ""
-    assert result.stderr.startswith("Error: ") and result.stderr.count("\n") == 1, result.stderr
-    assert "bad.jsonl:3: tokens[1]='x' is not a non-negative integer" in result.stderr
-    assert not out.exists()
+    bad_record_is_one_error_line(tmp_path, "--runner", "beam", "--beam-option",
+                                 "direct_num_workers=2")
 
 
 @pytest.mark.slow

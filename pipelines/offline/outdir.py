@@ -257,7 +257,19 @@ def commit_manifest(output_dir: str | OutputDir, intent: Manifest, shard_num_row
     out.remove(INTENT)
     for name in intent.shards:
         out.remove(name + DONE)
+    _remove_shard_temporaries(out)
     return manifest
+
+
+def _remove_shard_temporaries(out: OutputDir) -> None:
+    """Removes what shard writes that died mid-way left in a local directory (``name.<attempt>
+    .tmp``: a task Spark retried after its executor was killed); nothing else writes there
+    while the run holds the lock. A remote output's temporaries are in local staging."""
+    if out.remote:
+        return
+    for name in out.names():
+        if name.startswith("rows-") and name.endswith(".tmp"):
+            out.remove(name)
 
 
 def as_output_dir(output_dir: str | OutputDir) -> OutputDir:

@@ -125,8 +125,10 @@ class Store:
     def fs(self):
         import fsspec
 
+        # A new instance: fsspec's cached one keeps the endpoint of the test that made it (each
+        # test module that imports the fixtures has a server of its own).
         options = {"token": "anon"} if self.scheme == "gs" else {}
-        return fsspec.filesystem(self.scheme, **options)
+        return fsspec.filesystem(self.scheme, skip_instance_cache=True, **options)
 
     def upload(self, local: str | os.PathLike, url: str) -> str:
         """Uploads a file, or a directory's files (not recursive) under the prefix `url`."""

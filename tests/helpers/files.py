@@ -74,6 +74,31 @@ def run_cli(*args, env: dict | None = None, timeout: float = 120) -> subprocess.
                           capture_output=True, text=True, env=full_env, timeout=timeout)
 
 
+def three_formats(directory: pathlib.Path) -> list[str]:
+    """Three inputs of 360 examples in all, up to 90 tokens each: a.jsonl (120), b.parquet
+    (150), c.arrayrecord (90); the runners' byte-equality corpus."""
+    return [
+        write_jsonl(directory / "a.jsonl", random_seqs(120, max_len=90, seed=1)),
+        write_parquet(directory / "b.parquet", random_seqs(150, max_len=90, seed=2)),
+        write_arrayrecord(directory / "c.arrayrecord", random_seqs(90, max_len=90, seed=3)),
+    ]
+
+
+def bad_record_is_one_error_line(directory: pathlib.Path, *runner: str) -> None:
+    """`seqpack pack` with `runner`'s flags on a good input and one whose third record holds a
+    string: exit 2, one `Error:` line naming the file and record, no output directory left."""
+    good = write_jsonl(directory / "good.jsonl", random_seqs(30, seed=1))
+    bad = directory / "bad.jsonl"
+    bad.write_text('{"tokens": [1, 2]}\n{"tokens": [3]}\n{"tokens": [4, "x"]}\n')
+    out = directory / "out"
+    result = run_cli("pack", good, bad, "-o", out, *runner)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.startswith("Error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert "bad.jsonl:3: tokens[1]='x' is not a non-negative integer" in result.stderr
+    assert not out.exists()
+
+
 def dir_bytes(path: os.PathLike) -> dict[str, bytes]:
     """name -> bytes of every file in a directory."""
     return {n: pathlib.Path(path, n).read_bytes() for n in sorted(os.listdir(path))}

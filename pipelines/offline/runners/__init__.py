@@ -5,13 +5,14 @@ twice. Arranged by role::
 
     local.py    the local runner (`pack_to_dir`): worker processes, a local token spill
     beam.py     the Beam job (`pack_beam`): the steps of `offline.steps` as a pipeline
+    spark.py    the Spark job (`pack_spark`): the same steps as RDD stages, by block and shard
     read.py     pass 1 (`read_inputs`), shared by pack and verify: inputs scanned in parallel,
                 tokens spilled; `scan_lengths`, the same scan without a spill (stats)
     spill.py    pass 1's token spill (`SpillWriter`, `SpillReader`, `ExampleStarts`)
     workers.py  the worker processes (`Workers`)
 
-A new runner (Spark: per block and per shard, `mapPartitions`) is one module here mapping
-`offline.steps`. Code outside the wing imports from this package only.
+A new runner is one module here mapping `offline.steps`. Code outside the wing imports from
+this package only.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Pass1", "Progress", "Run", "SpillReader", "Workers", "load_context", "pack_beam",
-    "pack_to_dir", "plan_map", "read_inputs", "save_context", "scan_lengths",
+    "pack_spark", "pack_to_dir", "plan_map", "read_inputs", "save_context", "scan_lengths",
 ]
 
 
@@ -48,3 +49,12 @@ def pack_beam(job: PackJob, *, beam_options: Sequence[str] = (), quiet: bool = F
     from seqpack.pipelines.offline.runners import beam
 
     return beam.pack_beam(job, beam_options=beam_options, quiet=quiet)
+
+
+def pack_spark(job: PackJob, *, spark_options: Sequence[str] = (), quiet: bool = False,
+               progress: Progress | None = None) -> Manifest:
+    """`spark.pack_spark`: pyspark is imported here, when a Spark job runs (MissingDependency
+    without it), not with the package."""
+    from seqpack.pipelines.offline.runners import spark
+
+    return spark.pack_spark(job, spark_options=spark_options, quiet=quiet, progress=progress)
