@@ -99,9 +99,9 @@ def test_the_layout_map_keeps_per_slot_arrays_when_s_equals_l():
 
 
 def _pack_dir(tmp_path, C):
+    from seqpack.pipelines.formats.inputs import ReadOptions
     from seqpack.pipelines.offline import PackJob
     from seqpack.pipelines.offline import pack as run
-    from seqpack.pipelines.formats.inputs import ReadOptions
 
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"tokens": e["tokens"].tolist(),
