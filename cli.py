@@ -126,7 +126,8 @@ def main(args: list[str] | None = None) -> None:
 def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_alignment,
          context_parallel, pad_id, feature, input_format, columns, tokenizer, text_unit,
          shard_rows, compression, resume, overwrite, fsync, row_order, seed, data_parallel,
-         batch_size, cost_model, d_model, as_json, workers, block_size, runner, beam_options, pads, roles, allow_duplicates):
+         batch_size, cost_model, d_model, as_json, workers, block_size, runner, beam_options,
+         pads, roles, allow_duplicates):
     """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into ArrayRecord shards.
 
     INPUT may be files, directories (every file of a known format, sorted; hidden files left
