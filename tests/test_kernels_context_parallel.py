@@ -110,6 +110,15 @@ def test_tpu_kernels_compute_their_schedule():
     _cases("visits:tpu:2", "visits:gpu:4")
 
 
+@pytest.mark.slow
+def test_tiny_lm_over_two_devices_equals_one_by_one():
+    """examples/tiny_lm.py with context_parallel=2 (the reference ring on CPU; the TPU
+    kernels interpreted): per-document losses, the loss and the gradients of the documents
+    trained one by one, for both normalizations; and the training script's --context-parallel
+    2 trains (SFT labels through the layout)."""
+    _cases("tinylm:2:tokens", "tinylm:2:segments", "tinylm:2:tokens:tpu", "train:2")
+
+
 def test_context_parallel_input_checks():
     q = jnp.zeros((1, 8, 2, 32))
     meta = jnp.zeros((1, 2), jnp.int32)

@@ -5,7 +5,9 @@ XLA_FLAGS must give jax its devices before jax is imported, and the rest of the 
 reads jax's local device count, so these cases never run inside the pytest process. A case
 name is `<impl>:<C>[:bf16]` (values and gradients of segment_attention under shard_map against
 the unsharded reference), `visits:<impl>:<C>` (the kernels' visit counters against each ring
-step's schedule, the steps skipped) or `lower:<platform>`. Each passing case prints "ok CASE".
+step's schedule, the steps skipped), `lower:<platform>`, `tinylm:<C>:<normalize>[:tpu]` (the
+tiny LM over C devices against its documents trained one by one) or `train:<C>` (a few steps of
+examples/train_tiny_lm.py with --context-parallel C). Each passing case prints "ok CASE".
 """
 
 from __future__ import annotations
@@ -227,11 +229,62 @@ def check_lowering(platform: str) -> None:
     assert text.count(call) >= 3 and "collective_permute" in text, platform
 
 
+def check_tiny_lm(C: int, normalize: str, impl: str = "reference") -> None:
+    """The tiny LM on rows split over C devices gives each document's loss, the batch loss and
+    the gradients of the documents trained one by one (each alone in a row, one device)."""
+    import dataclasses
+
+    from examples.tiny_lm import ModelConfig, cp_batch, cp_value_and_grad, init_params, loss_fn
+
+    cfg = ModelConfig(vocab=61, dim=32, heads=2, layers=2, mlp=64, max_len=64)
+    if impl == "tpu":
+        cfg = dataclasses.replace(cfg, attention_impl="pallas_tpu", attention_interpret=INTERPRET)
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, cfg.vocab, int(n)).astype(np.int32) for n in rng.integers(1, 40, 11)]
+    params = init_params(jax.random.key(0), cfg)
+    rows = packer.pack(docs, packer.PackConfig(64, max_segments=6, context_parallel=C))
+    assert rows["tokens"].shape[0] < len(docs)  # really packed
+    order = packer.context_parallel_order(rows["tokens_segment_offsets"],
+                                          rows["tokens_segment_lengths"], seq_len=64,
+                                          context_parallel=C)
+    layout = {k: np.take_along_axis(v, order, axis=1) if v.shape[1:] == (64,) else v
+              for k, v in rows.items()}
+    (loss, (seg, cnt)), grads = jax.jit(cp_value_and_grad(cfg, C, normalize=normalize))(
+        params, cp_batch(layout, C))
+    alone = packer.pack(docs, packer.PackConfig(64, max_segments=1))
+    (want, (seg_u, cnt_u)), want_g = jax.value_and_grad(loss_fn, has_aux=True)(
+        params, alone, cfg, normalize=normalize)
+    src, seg, cnt = rows["segment_source_index"], np.asarray(seg), np.asarray(cnt)
+    for (r, j), e in np.ndenumerate(src):
+        if e >= 0:
+            i = int(np.flatnonzero(alone["segment_source_index"][:, 0] == e)[0])
+            assert cnt[r, j] == cnt_u[i, 0] == len(docs[e]) - 1
+            np.testing.assert_allclose(seg[r, j], seg_u[i, 0], rtol=2e-5, atol=1e-5)
+    np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-6)
+    for k in params:
+        np.testing.assert_allclose(grads[k], want_g[k], rtol=1e-4, atol=2e-6, err_msg=k)
+
+
+def check_training(C: int) -> None:
+    """examples/train_tiny_lm.py with --context-parallel C: a few steps, the loss falls."""
+    from examples.tiny_lm import ModelConfig
+    from examples.train_tiny_lm import stdlib_corpus, train
+
+    cfg = ModelConfig(dim=32, heads=2, layers=1, mlp=64, max_len=64)
+    losses = train(6, seq_len=64, batch_size=4, model=cfg, examples=stdlib_corpus(200),
+                   sft=True, context_parallel=C)
+    assert len(losses) == 6 and np.isfinite(losses).all() and losses[-1] < losses[0], losses
+
+
 def run(case: str) -> None:
     start = time.perf_counter()
     parts = case.split(":")
     if parts[0] == "lower":
         check_lowering(parts[1])
+    elif parts[0] == "tinylm":
+        check_tiny_lm(int(parts[1]), parts[2], *parts[3:])
+    elif parts[0] == "train":
+        check_training(int(parts[1]))
     elif parts[0] == "visits":
         check_visits(parts[1], int(parts[2]))
     else:
