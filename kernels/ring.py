@@ -108,16 +108,28 @@ def _record(log: dict, s, **values) -> dict:
     return {k: log[k].at[s].set(values[k].astype(log[k].dtype)) for k in log}
 
 
-def _forward(q, k, v, offsets, lengths, ring: Ring, log: dict):
+def _scheduler(offsets, lengths, ring: Ring):
+    """(s, backward) -> (this rank's schedule against the keys it holds at ring step s, whether
+    the step runs its kernels: its pass's ranges hold a pair, or the ring never skips)."""
     rank = lax.axis_index(ring.axis)
     mine = _rows(offsets, lengths, rank, ring)
+
+    def at(s, backward: bool):
+        theirs = _rows(offsets, lengths, (rank - s) % ring.size, ring)
+        sched = pair_schedule(mine, theirs, ring.cfg, causal=ring.causal)
+        lo, hi = (sched.lo_bwd, sched.hi_bwd) if backward else (sched.lo, sched.hi)
+        return sched, jnp.any(hi > lo) | (not ring.skip)
+
+    return at
+
+
+def _forward(q, k, v, offsets, lengths, ring: Ring, log: dict):
+    schedule = _scheduler(offsets, lengths, ring)
     batch, local, heads, _ = q.shape
 
     def step(s, carry):
         kv, o, lse, log = carry
-        sched = pair_schedule(mine, _rows(offsets, lengths, (rank - s) % ring.size, ring),
-                              ring.cfg, causal=ring.causal)
-        ran = jnp.any(sched.hi > sched.lo) | (not ring.skip)
+        sched, ran = schedule(s, False)
 
         def run(acc):
             out = ring.family.attention_forward(q, *kv, sched, ring.cfg)
@@ -136,16 +148,13 @@ def _forward(q, k, v, offsets, lengths, ring: Ring, log: dict):
 
 
 def _backward(q, k, v, offsets, lengths, o, lse, do, ring: Ring, log: dict):
-    rank = lax.axis_index(ring.axis)
-    mine = _rows(offsets, lengths, rank, ring)
+    schedule = _scheduler(offsets, lengths, ring)
     lse = lse[..., None] if ring.cfg.gpu is None else lse  # the family's layout
     f32 = lambda x: _vary(jnp.zeros(x.shape, jnp.float32), ring)  # noqa: E731
 
     def step(s, carry):
         kv, dkv, dq, log = carry
-        sched = pair_schedule(mine, _rows(offsets, lengths, (rank - s) % ring.size, ring),
-                              ring.cfg, causal=ring.causal)
-        ran = jnp.any(sched.hi_bwd > sched.lo_bwd) | (not ring.skip)
+        sched, ran = schedule(s, True)
 
         def run(acc):
             out = ring.family.attention_backward(q, *kv, o, lse, do, sched, ring.cfg)
