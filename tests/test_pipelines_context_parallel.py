@@ -127,3 +127,38 @@ def test_offline_rows_record_c_and_feed_the_layout(tmp_path):
             np.testing.assert_array_equal(back[k], p[k], err_msg=k)
     with pytest.raises(ValueError, match=r"not the packed rows \(context_parallel=2\)"):
         _batches(source, context_parallel=4)
+
+
+def test_several_features_share_context_parallel():
+    from seqpack.pipelines.datasets import PackIterDataset
+    from tests.helpers.pipelines import iter_source, unique_corpus
+
+    ds = iter_source(*unique_corpus([3, 4]))
+    with pytest.raises(ValueError, match="pack: context_parallel=2 for feature 'b' but "
+                                         "context_parallel=None for 'a'"):
+        PackIterDataset(ds, [PackConfig(8, feature="a"),
+                             PackConfig(16, feature="b", context_parallel=2)])
+
+
+def test_cli_takes_context_parallel(tmp_path):
+    from click.testing import CliRunner
+
+    from seqpack.cli import seqpack
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"tokens": e["tokens"].tolist()}) + "\n"
+                           for e in _examples(40)))
+    runner = CliRunner()
+    bad = runner.invoke(seqpack, ["pack", str(src), "-o", str(tmp_path / "o"), "--seq-len", "18",
+                                  "--context-parallel", "2"])
+    assert bad.exit_code == 2
+    assert "--seq-len 18 must be a multiple of 4 (2 x --context-parallel 2)" in bad.output
+    ok = runner.invoke(seqpack, ["pack", str(src), "-o", str(tmp_path / "o"), "--seq-len", "64",
+                                 "--context-parallel", "2"])
+    assert ok.exit_code == 0, ok.output
+    assert "for 2 context-parallel ranks" in ok.output
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert manifest["config"]["context_parallel"] == 2
+    dry = runner.invoke(seqpack, ["stats", str(src), "--seq-len", "64", "--context-parallel", "4",
+                                  "--json"])
+    assert dry.exit_code == 0, dry.output
