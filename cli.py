@@ -44,12 +44,13 @@ def _feature(feature: str | None, columns: tuple[str, ...], tokenizer: str | Non
     return name if tokenizer is None and name.isidentifier() else "tokens"
 
 
-def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id, feature):
+def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id, feature,
+            context_parallel=None):
     from seqpack.packer import PackConfig
 
     return _usage(PackConfig, seq_len, max_segments=max_segments, strategy=strategy,
                   overflow=overflow or "error", segment_alignment=segment_alignment,
-                  pad_id=pad_id, feature=feature)
+                  pad_id=pad_id, feature=feature, context_parallel=context_parallel)
 
 
 def _expand(paths: tuple[str, ...], *, allow_duplicates: bool = False,
@@ -122,11 +123,11 @@ def main(args: list[str] | None = None) -> None:
 @seqpack.command()
 @click.argument("inputs", nargs=-1, type=click.Path())  # directories: expand_inputs
 @PACK_OPTIONS
-def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
-         feature, input_format, columns, tokenizer, text_unit, shard_rows, compression, resume,
-         overwrite, fsync, row_order, seed, data_parallel, batch_size, cost_model, d_model,
-         as_json, workers, block_size, runner, beam_options, spark_options, pads, roles,
-         allow_duplicates, output_format):
+def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_alignment,
+         context_parallel, pad_id, feature, input_format, columns, tokenizer, text_unit,
+         shard_rows, compression, resume, overwrite, fsync, row_order, seed, data_parallel,
+         batch_size, cost_model, d_model, as_json, workers, block_size, runner, beam_options,
+         spark_options, pads, roles, allow_duplicates, output_format):
     """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into shards (--format).
 
     INPUT may be files, directories (every file of a known format, sorted; hidden files left
@@ -159,7 +160,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     if resume and overwrite:
         raise click.UsageError("pass either --overwrite or --resume, not both")
     config = _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
-                     _feature(feature, columns, tokenizer))
+                     _feature(feature, columns, tokenizer), context_parallel)
     job = _usage(PackJob, inputs, output_dir, config,
                  read_options=_read_options(input_format, columns, tokenizer, text_unit),
                  write_options=_usage(WriteOptions, shard_rows=shard_rows,
@@ -186,7 +187,8 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
 @seqpack.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path())
 @STATS_OPTIONS
-def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment, pad_id, feature,
+def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
+          context_parallel, pad_id, feature,
           input_format, columns, tokenizer, text_unit, batch_size, as_json, plot,
           allow_duplicates, workers, block_size, cost_model, d_model):
     """Packing statistics of a packed directory, or a dry run on raw input files.
@@ -212,7 +214,8 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
         from seqpack.pipelines.offline import default_workers
 
         config = _config("best_fit_decreasing", seq_len, max_segments, overflow,
-                         segment_alignment, pad_id, _feature(feature, columns, tokenizer))
+                         segment_alignment, pad_id, _feature(feature, columns, tokenizer),
+                         context_parallel)
         result = dry_run_stats(
             paths, _read_options(input_format, columns, tokenizer, text_unit), config,
             strategies or STRATEGIES, workers=workers or default_workers(),

@@ -8,17 +8,25 @@ Both kernels take the rows' segment offsets and lengths; rows that carry only se
 own packers, MaxText) get them from `kernels.segment_metadata` (see `batch_metadata`).
 Parameters are a flat dict of arrays; the optimizer is a small Adam, so the example needs
 nothing beyond jax and numpy.
+
+Context parallelism (`make_train_step(..., context_parallel=C)`): each row is split over C
+devices in the load-balanced layout the training pipeline emits (`Batching(context_parallel=C)`),
+attention is `segment_attention(..., context_parallel_axis="cp")` under `shard_map` (ring
+attention over the row's segments), and the loss sums each rank's tokens per segment, then
+`psum`s: `cp_batch` reads the next-token targets through the layout on the host first (the next
+token of a chunk's last one is on another rank).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from seqpack import kernels
+from seqpack import kernels, packer
 from seqpack.kernels.common import Interpret
 
 AttentionBlocks = kernels.AttentionBlockSizes | kernels.GpuAttentionBlockSizes
@@ -38,6 +46,7 @@ class ModelConfig:
     attention_interpret: Interpret = False
     attention_block_sizes: AttentionBlocks | None = None
     max_segments: int = 64  # for rows without offsets / lengths (see batch_metadata)
+    context_parallel_axis: str | None = None  # set by make_train_step(context_parallel=C)
 
 
 def init_params(key: jax.Array, cfg: ModelConfig) -> dict[str, jax.Array]:
@@ -73,7 +82,8 @@ def attention(
     """Causal attention within each segment; padding tokens get 0."""
     return kernels.segment_attention(q, k, v, segment_offsets, segment_lengths, causal=True,
                                      impl=cfg.attention_impl, interpret=cfg.attention_interpret,
-                                     block_sizes=cfg.attention_block_sizes)
+                                     block_sizes=cfg.attention_block_sizes,
+                                     context_parallel_axis=cfg.context_parallel_axis)
 
 
 def forward(
@@ -138,6 +148,71 @@ def loss_fn(params, batch: dict, cfg: ModelConfig, *, normalize: str = "tokens",
     return loss, (per_seg, count)
 
 
+# -- context parallelism ----------------------------------------------------------------------
+def cp_batch(batch: dict, context_parallel: int, *, feature: str = "tokens",
+             labels: str | None = None) -> dict:
+    """A host batch in the load-balanced layout plus its next-token "targets" and "loss_mask"
+    (numpy [B, L], in the layout): the next token of row position p is at p + 1, found through
+    the layout's order, counted where it is in the same segment (and its label is not -100)."""
+    tokens, ids = np.asarray(batch[feature]), np.asarray(batch[f"{feature}_segment_ids"])
+    L = tokens.shape[1]
+    order = packer.context_parallel_order(batch[f"{feature}_segment_offsets"],
+                                          batch[f"{feature}_segment_lengths"], seq_len=L,
+                                          context_parallel=context_parallel)
+    slot_of = np.argsort(order, axis=1)  # where each row position sits in the layout
+    nxt = np.take_along_axis(slot_of, np.minimum(order + 1, L - 1), axis=1)
+    mask = (ids > 0) & (np.take_along_axis(ids, nxt, axis=1) == ids) & (order + 1 < L)
+    if labels is not None:
+        mask &= np.take_along_axis(np.asarray(batch[labels]), nxt, axis=1) != -100
+    return {**batch, "targets": np.take_along_axis(tokens, nxt, axis=1), "loss_mask": mask}
+
+
+def cp_loss_fn(params, batch: dict, cfg: ModelConfig, *, normalize: str = "tokens",
+               feature: str = "tokens"):
+    """`loss_fn` on one rank's shard of a `cp_batch` (inside shard_map over
+    cfg.context_parallel_axis): per-segment sums of the rank's tokens, psum'd over the ranks."""
+    tokens = jnp.asarray(batch[feature], jnp.int32)
+    offsets, lengths = batch_metadata(batch, cfg, feature)
+    logits = forward(params, tokens, jnp.asarray(batch[f"{feature}_positions"]), offsets,
+                     lengths, cfg).astype(jnp.float32)
+    token_loss = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(
+        logits, batch["targets"][..., None].astype(jnp.int32), axis=-1)[..., 0]
+    mask = batch["loss_mask"].astype(bool)
+    S = offsets.shape[1]
+    slot = jnp.where(mask, batch[f"{feature}_segment_ids"] - 1, S)  # S: not counted
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    sums = jnp.zeros((tokens.shape[0], S + 1), jnp.float32).at[rows, slot].add(
+        jnp.where(mask, token_loss, 0.0))[:, :S]
+    count = jnp.zeros((tokens.shape[0], S + 1), jnp.int32).at[rows, slot].add(mask)[:, :S]
+    sums, count = jax.lax.psum((sums, count), cfg.context_parallel_axis)
+    return kernels.reference.normalize_loss(sums, count, normalize), (sums, count)
+
+
+def cp_value_and_grad(cfg: ModelConfig, context_parallel: int, *, normalize: str = "tokens"):
+    """(params, cp batch) -> ((loss, (per-segment loss, tokens)), grads): the batch's [B, L]
+    arrays split over a mesh of `context_parallel` devices ("cp"), the rest replicated."""
+    from jax.sharding import AxisType, PartitionSpec
+
+    if len(jax.devices()) < context_parallel:
+        raise ValueError(f"context_parallel={context_parallel} needs that many devices, "
+                         f"{len(jax.devices())} found (on a CPU: XLA_FLAGS="
+                         f"--xla_force_host_platform_device_count={context_parallel})")
+    mesh = jax.make_mesh((context_parallel,), ("cp",), axis_types=(AxisType.Auto,),
+                         devices=jax.devices()[:context_parallel])
+    cfg = dataclasses.replace(cfg, context_parallel_axis="cp")
+
+    def value_and_grad(params, batch):
+        L = batch["targets"].shape[1]
+        specs = {k: PartitionSpec(None, "cp") if v.ndim == 2 and v.shape[1] == L
+                 else PartitionSpec() for k, v in batch.items()}
+        loss = jax.shard_map(functools.partial(cp_loss_fn, cfg=cfg, normalize=normalize),
+                             mesh=mesh, in_specs=(PartitionSpec(), specs),
+                             out_specs=PartitionSpec())
+        return jax.value_and_grad(loss, has_aux=True)(params, batch)
+
+    return value_and_grad
+
+
 # -- a small Adam ----------------------------------------------------------------------------
 def adam_init(params):
     zeros = {k: jnp.zeros_like(v) for k, v in params.items()}
@@ -154,13 +229,22 @@ def adam_update(params, grads, state, *, lr=3e-3, b1=0.9, b2=0.98, eps=1e-9):
 
 
 def make_train_step(cfg: ModelConfig, *, normalize: str = "tokens", lr: float = 3e-3,
-                    labels: str | None = None, micro_batches: int = 1):
+                    labels: str | None = None, micro_batches: int = 1,
+                    context_parallel: int = 1):
     """A jitted Adam step. With `micro_batches` > 1 (and `normalize="tokens"`), the batch is cut
     into that many micro-batches whose summed losses and gradients are divided by the whole
     batch's `loss_tokens` (one global denominator: the per-token mean of the unpacked
-    examples, whatever the split), as a data-parallel step divides by the psum of its ranks'."""
+    examples, whatever the split), as a data-parallel step divides by the psum of its ranks'.
+    With `context_parallel` C > 1 each row is split over C devices: pass `cp_batch` batches."""
+    if context_parallel > 1 and micro_batches > 1:
+        raise ValueError("pass micro_batches=1 with context_parallel > 1")
+    cp_grads = cp_value_and_grad(cfg, context_parallel, normalize=normalize) \
+        if context_parallel > 1 else None
 
     def grads_of(params, batch):
+        if cp_grads is not None:
+            (loss, (_, count)), grads = cp_grads(params, batch)
+            return loss, grads, count.sum()
         if micro_batches == 1:
             (loss, (_, count)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
                 params, batch, cfg, normalize=normalize, labels=labels)

@@ -4,6 +4,8 @@
     python -m examples.train_tiny_lm --steps 300 --checkpoint-dir /tmp/ckpt --save-every 100
     python -m examples.train_tiny_lm --steps 400 --checkpoint-dir /tmp/ckpt --resume
     python -m examples.train_tiny_lm --steps 300 --sft --micro-batches 2   # labels, exact mean
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 \
+        python -m examples.train_tiny_lm --steps 300 --context-parallel 2  # rows over 2 devices
 
 Data: Python's own standard library sources, byte-tokenized (vocab 256), one example per
 paragraph (the CLI's built-in sample) — no download. The input pipeline is
@@ -20,6 +22,11 @@ an uninterrupted one.
 row), and with `--micro-batches k` each step sums the k micro-batches' losses and divides by
 the batch's total `loss_tokens`: the per-token mean of the unpacked examples, exactly, however
 the batch is split (as a data-parallel step over hosts divides by the psum).
+
+`--context-parallel C`: every row split over C devices (on a CPU, C host devices by XLA_FLAGS):
+rows packed for C ranks and batches in the load-balanced layout (`Batching(context_parallel=C)`),
+ring attention under `shard_map`, the loss psum'd over the ranks (examples/tiny_lm.py): the same
+losses as one device, row for row.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import numpy as np
 from examples.tiny_lm import (
     ModelConfig,
     adam_init,
+    cp_batch,
     flatten_state,
     init_params,
     make_train_step,
@@ -72,14 +80,17 @@ def sft_corpus(examples: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
     return out
 
 
-def build_pipeline(examples, *, seq_len: int, batch_size: int, seed: int = 0):
-    """The training pipeline over `examples`: token arrays, or SFT dicts (`sft_corpus`)."""
+def build_pipeline(examples, *, seq_len: int, batch_size: int, seed: int = 0,
+                   context_parallel: int = 1):
+    """The training pipeline over `examples`: token arrays, or SFT dicts (`sft_corpus`); with
+    `context_parallel` C > 1, rows packed for C ranks, in the load-balanced layout."""
     sft = bool(examples) and isinstance(examples[0], dict)
     rows = examples if sft else [{"tokens": e} for e in examples]
     return make_training_pipeline(
         grain.MapDataset.source(rows),
         pack=PackConfig(seq_len, max_segments=16, overflow="split"),
-        batch=Batching(batch_size, shard_index=0, shard_count=1),
+        batch=Batching(batch_size, shard_index=0, shard_count=1,
+                       context_parallel=context_parallel if context_parallel > 1 else None),
         shuffle_seed=seed,
         num_epochs=None,
         columns=Columns(labels={"labels": -100} if sft else ()),
@@ -129,25 +140,30 @@ def train(
     examples: list | None = None,
     sft: bool = False,
     micro_batches: int = 1,
+    context_parallel: int = 1,
 ) -> list[float]:
     """Trains until `steps` (counting restored steps); returns the losses of the steps it ran."""
     cfg = model or ModelConfig(max_len=seq_len)
     examples = stdlib_corpus() if examples is None else examples
     if sft:
         examples = sft_corpus(examples)
-    iterator = iter(build_pipeline(examples, seq_len=seq_len, batch_size=batch_size, seed=seed))
+    iterator = iter(build_pipeline(examples, seq_len=seq_len, batch_size=batch_size, seed=seed,
+                                   context_parallel=context_parallel))
     ckpt = pathlib.Path(checkpoint_dir) if checkpoint_dir else None
     if resume and ckpt and (ckpt / "meta.json").exists():
         params, opt_state, step = load_checkpoint(ckpt, iterator)
     else:
         params = init_params(jax.random.key(seed), cfg)
         opt_state, step = adam_init(params), 0
-    train_step = make_train_step(cfg, labels="labels" if sft else None,
-                                 micro_batches=micro_batches)
+    labels = "labels" if sft else None
+    train_step = make_train_step(cfg, labels=labels, micro_batches=micro_batches,
+                                 context_parallel=context_parallel)
     losses: list[float] = []
     tokens_seen, t0 = 0, time.perf_counter()
     while step < steps:
         batch = next(iterator)
+        if context_parallel > 1:  # next-token targets read through the layout, on the host
+            batch = cp_batch(batch, context_parallel, labels=labels)
         params, opt_state, loss, ntok = train_step(params, opt_state, batch)
         step += 1
         losses.append(float(loss))
@@ -175,10 +191,13 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--sft", action="store_true", help="labels -100 on each paragraph's first line")
     ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--context-parallel", type=int, default=1, metavar="C",
+                    help="split every row over C devices (ring attention)")
     a = ap.parse_args()
     losses = train(a.steps, seq_len=a.seq_len, batch_size=a.batch_size, seed=a.seed,
                    checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume,
-                   log_every=a.log_every, sft=a.sft, micro_batches=a.micro_batches)
+                   log_every=a.log_every, sft=a.sft, micro_batches=a.micro_batches,
+                   context_parallel=a.context_parallel)
     if losses:
         k = max(1, len(losses) // 10)
         print(f"mean loss: first {k} steps {np.mean(losses[:k]):.4f}, "

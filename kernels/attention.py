@@ -28,8 +28,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import tpu as pltpu
 
-from seqpack.kernels import gpu, reference, tpu
+from seqpack.kernels import gpu, reference, ring, tpu
 from seqpack.kernels.attention_schedule import AttentionConfig, Schedule, make_schedule
 from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata
 from seqpack.kernels.common import (
@@ -190,8 +192,41 @@ def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, in
     return make_schedule(segment_offsets, segment_lengths, cfg), cfg
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("causal", "scale", "impl", "interpret", "block_sizes"))
+def _ring(q, k, v, segment_offsets, segment_lengths, axis: str, *, causal, scale, impl,
+          interpret, block_sizes, count_visits=False) -> ring.Ring | None:
+    """The ring of a call with a context_parallel_axis (None when the axis has one rank)."""
+    _check(q, k, v, segment_offsets, segment_lengths)
+    try:
+        size = lax.axis_size(axis)
+    except NameError:
+        raise ValueError(f"context_parallel_axis={axis!r} is not an axis here: call "
+                         "segment_attention inside shard_map over a mesh with that axis") from None
+    if size == 1:
+        return None
+    if q.shape[1] % 2:
+        raise ValueError(f"q.shape={q.shape}: a rank's shard of the load-balanced layout holds "
+                         "L / C tokens, an even number (rows are multiples of 2C)")
+    impl, blocks = resolve(impl, interpret, block_sizes, AttentionBlockSizes,
+                           "segment_attention", gpu_type=GpuAttentionBlockSizes)
+    dim = q.shape[3]
+    scale = float(dim**-0.5 if scale is None else scale)
+    if impl is Impl.REFERENCE:
+        if count_visits:
+            raise ValueError("visited_block_pairs counts the Pallas kernels' visits; pass "
+                             "impl='pallas_tpu' or 'pallas_gpu' (with interpret= on a CPU)")
+        return ring.Ring(axis, size, q.shape[1] * size, causal, scale)
+    # causality is in each step's bounds: the kernels run non-causal
+    cfg = _config(q, k, causal=False, scale=scale, blocks=blocks, interpret=interpret, impl=impl,
+                  count_visits=count_visits)
+    if cfg.gpu is None:
+        _check_smem(q.shape[0], cfg)
+    return ring.Ring(axis, size, q.shape[1] * size, causal, scale,
+                     gpu if cfg.gpu is not None else tpu, cfg,
+                     skip=not isinstance(interpret, pltpu.InterpretParams))
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "impl", "interpret",
+                                             "block_sizes", "context_parallel_axis"))
 def segment_attention(
     q: jax.Array,  # f[B, L, H, D]
     k: jax.Array,  # f[B, L, K, D], H % K == 0
@@ -204,12 +239,26 @@ def segment_attention(
     impl: Impl | str = "auto",
     interpret: Interpret = False,
     block_sizes: AttentionBlockSizes | GpuAttentionBlockSizes | None = None,
+    context_parallel_axis: str | None = None,
 ) -> jax.Array:  # f[B, L, H, D]
     """softmax(q k^T * scale) v within each segment (scale default D^-0.5); 0 outside segments.
 
     Query head h uses key/value head h // (H / K). `impl`: common.resolve_impl; `block_sizes`:
     AttentionBlockSizes for the TPU kernels, GpuAttentionBlockSizes for the GPU ones.
+
+    context_parallel_axis: a mesh axis of C ranks; call inside `shard_map`, q / k / v being this
+    rank's `[B, L/C, ...]` shard of the load-balanced layout (`packer.context_parallel_order`,
+    rows packed with `PackConfig(context_parallel=C)`) and the metadata the whole rows' `[B, S]`.
+    Returns this rank's shard of the result: ring attention (ring.py), K / V passed round by
+    `ppermute`, each step's blocks scheduled from the metadata.
     """
+    if context_parallel_axis is not None:
+        cp = _ring(q, k, v, segment_offsets, segment_lengths, context_parallel_axis,
+                   causal=causal, scale=scale, impl=impl, interpret=interpret,
+                   block_sizes=block_sizes)
+        if cp is not None:
+            run = ring.reference_ring if cp.family is None else ring.pallas_ring
+            return run(q, k, v, segment_offsets, segment_lengths, cp)
     setup = _setup(q, k, v, segment_offsets, segment_lengths, causal=causal, scale=scale,
                    impl=impl, interpret=interpret, block_sizes=block_sizes)
     if setup is None:
@@ -219,8 +268,8 @@ def segment_attention(
     return _pallas_attention(q, k, v, sched, cfg)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("causal", "scale", "impl", "interpret", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("causal", "scale", "impl", "interpret",
+                                             "block_sizes", "context_parallel_axis"))
 def visited_block_pairs(
     q: jax.Array,  # f[B, L, H, D]
     k: jax.Array,  # f[B, L, K, D]
@@ -234,6 +283,7 @@ def visited_block_pairs(
     impl: Impl | str = "pallas",
     interpret: Interpret = False,
     block_sizes: AttentionBlockSizes | GpuAttentionBlockSizes | None = None,
+    context_parallel_axis: str | None = None,
 ) -> dict[str, jax.Array]:
     """Debug: the kernels' results and how many block pairs each kernel computed.
 
@@ -241,8 +291,17 @@ def visited_block_pairs(
     inside the kernel): {"visits_fwd": i32[B, H, nq], "visits_dq": i32[B, H, nq'],
     "visits_dkv": i32[B, K, nk'] (summed over the G query heads of the group), the results "o",
     "dq", "dk", "dv", and the schedule's ranges "lo", "hi" (forward block sizes), "lo_bwd",
-    "hi_bwd"}, for tests and benchmarks.
+    "hi_bwd"}, for tests and benchmarks. With a context_parallel_axis (inside shard_map) each
+    count and range gets a leading axis of the C ring steps, and "ran" bool[C] says which
+    steps ran kernels at all (ring.ring_visits).
     """
+    if context_parallel_axis is not None:
+        cp = _ring(q, k, v, segment_offsets, segment_lengths, context_parallel_axis,
+                   causal=causal, scale=scale, impl=impl, interpret=interpret,
+                   block_sizes=block_sizes, count_visits=True)
+        if cp is not None:
+            do = jnp.ones_like(q) if do is None else do
+            return ring.ring_visits(q, k, v, segment_offsets, segment_lengths, do, cp)
     setup = _setup(q, k, v, segment_offsets, segment_lengths, causal=causal, scale=scale,
                    impl=impl, interpret=interpret, block_sizes=block_sizes, count_visits=True)
     if setup is None:

@@ -86,7 +86,14 @@ class AttentionConfig:
 
 
 class Schedule(NamedTuple):
-    """The arrays the kernels read (int32): per-token bounds and the block ranges of each pass."""
+    """The arrays the kernels read (int32): per-token bounds and the block ranges of each pass.
+
+    Query r may see key c iff start[r] <= c < end[r] (and c <= r when the config is causal),
+    in the key array's own indices; a query or key row takes part iff its `q_live` / `k_live`
+    is <= its index (rows of no segment are zeroed where they enter a product). One array:
+    `start` plays all three parts (make_schedule). A ring step of context parallelism
+    (kernels/context_parallel.py) passes its own bounds, causality folded into `end`.
+    """
 
     start: jax.Array  # [B, Lp] segment start of each token, NO_SEGMENT outside segments
     end: jax.Array  # [B, Lp] segment end of each token, 0 outside segments
@@ -96,6 +103,8 @@ class Schedule(NamedTuple):
     hi_bwd: jax.Array  # [B, nq']
     qlo_bwd: jax.Array  # [B, nk'] query blocks [qlo, qhi) of each key block (dk/dv kernel)
     qhi_bwd: jax.Array  # [B, nk']
+    q_live: jax.Array  # [B, Lp] <= the query row's index iff it lies in a segment
+    k_live: jax.Array  # [B, Lp] the same for the key rows
 
 
 def make_schedule(
@@ -110,7 +119,29 @@ def make_schedule(
     lo_b, hi_b = block_ranges(start, end, block_q=cfg.block_q_bwd, block_kv=cfg.block_kv_bwd,
                               num_q_blocks=cfg.blocks(cfg.block_q_bwd), causal=cfg.causal)
     qlo_b, qhi_b = transpose_ranges(lo_b, hi_b, cfg.blocks(cfg.block_kv_bwd))
-    return Schedule(start, end, lo, hi, lo_b, hi_b, qlo_b, qhi_b)
+    return Schedule(start, end, lo, hi, lo_b, hi_b, qlo_b, qhi_b, start, start)
+
+
+def bounded_schedule(start: jax.Array, end: jax.Array, q_live: jax.Array, k_live: jax.Array,
+                     cfg: AttentionConfig) -> Schedule:
+    """The schedule of per-query key bounds [start, end) given outright (i32[B, Lp], end <=
+    start where a query sees no key; causality already folded in: run it with a non-causal
+    config), as `block_ranges` makes it for a causal schedule, from the bounds alone."""
+    def ranges(block_q: int, block_kv: int):
+        rows = cfg.blocks(block_q) * block_q
+        shape = (start.shape[0], cfg.blocks(block_q), block_q)
+        a, b = start[:, :rows].reshape(shape), end[:, :rows].reshape(shape)
+        has = a < b
+        first = jnp.min(jnp.where(has, a, NO_SEGMENT), axis=2)
+        last = jnp.max(jnp.where(has, b - 1, -1), axis=2)
+        used = last >= 0
+        return (jnp.where(used, first // block_kv, 0).astype(jnp.int32),
+                jnp.where(used, last // block_kv + 1, 0).astype(jnp.int32))
+
+    lo, hi = ranges(cfg.block_q, cfg.block_kv)
+    lo_b, hi_b = ranges(cfg.block_q_bwd, cfg.block_kv_bwd)
+    qlo_b, qhi_b = transpose_ranges(lo_b, hi_b, cfg.blocks(cfg.block_kv_bwd))
+    return Schedule(start, end, lo, hi, lo_b, hi_b, qlo_b, qhi_b, q_live, k_live)
 
 
 def token_bounds(

@@ -349,6 +349,19 @@ def first_slot(member):
     return jnp.min(jnp.where(member, slots, sp), axis=1)
 
 
+def varying_like(out_shapes: list[jax.ShapeDtypeStruct], *args: Any
+                 ) -> list[jax.ShapeDtypeStruct]:
+    """`out_shapes` varying over the mesh axes the inputs vary over: inside `shard_map` (which
+    checks how values vary, `check_vma`) a pallas_call's outputs must say so; elsewhere they
+    come back unchanged. The inputs' widest manual axis type is taken."""
+    types = [getattr(jax.typeof(a), "manual_axis_type", None) for a in args
+             if isinstance(a, jax.Array | jax.core.Tracer)]
+    widest = max((t for t in types if t is not None), key=lambda t: len(t.varying), default=None)
+    if widest is None or not widest.varying:
+        return out_shapes
+    return [jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=widest) for s in out_shapes]
+
+
 def triton_call(kernel, *, out_shape, grid: tuple[int, ...], num_warps: int, interpret: Interpret,
                 name: str, num_stages: int = 2):
     """`pl.pallas_call` of a GPU (Triton) kernel: no BlockSpecs, every ref is the whole array in

@@ -9,12 +9,15 @@
 - `order`: the one ordering stage (`RowOrder`: shuffle, plan or balanced steps), the rows' cost
   (`CostModel`) and the steps' balance (`step_balance`, `balance_slices`).
 - `stats`, `validate`, `bounds.tight_lower_bound`.
+- `context_parallel_order`: TransformerEngine's load-balanced layout of rows packed with
+  `PackConfig(context_parallel=C)`, and each rank's attention work under it (`rank_work`).
 """
 
 from seqpack.packer import contract
 from seqpack.packer.assemble import assemble, build_rows, pack, pack_ragged
 from seqpack.packer.bounds import tight_lower_bound
 from seqpack.packer.config import Overflow, PackConfig, Strategy
+from seqpack.packer.context_parallel import context_parallel_order, rank_work
 from seqpack.packer.contract import Counters, FeatureKeys, segment_ids_and_positions
 from seqpack.packer.inputs import InputError
 from seqpack.packer.online import MultiStreamPlanner, RowPlan, StreamPlanner, pack_stream
@@ -61,6 +64,7 @@ __all__ = [
     "balance_slices",
     "block_layout",
     "build_rows",
+    "context_parallel_order",
     "contract",
     "cost_summary",
     "global_order",
@@ -71,6 +75,7 @@ __all__ = [
     "pack_stream",
     "plan",
     "plan_rows",
+    "rank_work",
     "segment_ids_and_positions",
     "stats",
     "step_balance",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 from seqpack.packer.contract import FeatureKeys
 
@@ -48,6 +49,12 @@ class PackConfig:
     pad_id:             the token written into padding positions.
     segment_alignment:  every segment starts at a multiple of this; must divide seq_len.
     feature:            the name of the packed feature; prefixes the metadata keys.
+    context_parallel:   C, the context-parallel ranks a row is split over (None: no split).
+                        Every segment then starts at a multiple of 2C and takes a multiple of
+                        2C tokens (its length rounded up, the rest padding), and seq_len is a
+                        multiple of 2C: what `context_parallel_order` (TransformerEngine's
+                        load-balanced THD layout) needs. Together with segment_alignment a,
+                        segments are aligned to `alignment` = lcm(a, 2C).
     """
 
     seq_len: int
@@ -57,6 +64,7 @@ class PackConfig:
     pad_id: int = 0
     segment_alignment: int = 1
     feature: str = "tokens"
+    context_parallel: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "max_segments", "segment_alignment", "pad_id"):
@@ -83,12 +91,39 @@ class PackConfig:
                 f"segment_alignment={self.segment_alignment} must divide "
                 f"seq_len={self.seq_len}; pick a seq_len that is a multiple of it"
             )
+        self._check_context_parallel()
         if self.pad_id < 0:
             raise ValueError(f"pad_id={self.pad_id} must be >= 0")
         if not isinstance(self.feature, str) or not self.feature.isidentifier():
             raise ValueError(f"feature={self.feature!r} must be a non-empty identifier")
         object.__setattr__(self, "strategy", enum_value(Strategy, "strategy", self.strategy))
         object.__setattr__(self, "overflow", enum_value(Overflow, "overflow", self.overflow))
+
+    def _check_context_parallel(self) -> None:
+        c = self.context_parallel
+        if c is None:
+            return
+        if type(c).__module__ == "numpy" and hasattr(c, "dtype") and c.dtype.kind in "iu":
+            c = int(c)
+            object.__setattr__(self, "context_parallel", c)
+        if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+            raise ValueError(f"context_parallel={c!r} must be an int >= 1 (the context-parallel "
+                             "ranks), or None")
+        if self.seq_len % self.alignment:
+            also = f" and segment_alignment={self.segment_alignment}" \
+                if self.segment_alignment > 1 else ""
+            fit = max(self.seq_len // self.alignment, 1) * self.alignment
+            raise ValueError(
+                f"seq_len={self.seq_len} must be a multiple of {self.alignment} (2 x "
+                f"context_parallel={c}{also}); pick seq_len={fit}, for one")
+
+    @property
+    def alignment(self) -> int:
+        """What every segment's start and span are a multiple of: segment_alignment, with
+        context_parallel=C its lcm with 2C."""
+        if self.context_parallel is None:
+            return self.segment_alignment
+        return math.lcm(self.segment_alignment, 2 * self.context_parallel)
 
     def keys(self) -> FeatureKeys:
         """The contract's key names for this config's feature."""
@@ -98,4 +133,6 @@ class PackConfig:
         d = dataclasses.asdict(self)
         d["strategy"] = str(self.strategy)  # enum members after __post_init__: their values
         d["overflow"] = str(self.overflow)
+        if self.context_parallel is None:  # as before it existed: manifests, digests unchanged
+            del d["context_parallel"]
         return d

@@ -172,7 +172,7 @@ def _block_pieces(lengths: np.ndarray, config: PackConfig, first: int):
     if config.strategy is not Strategy.CONCAT_SPLIT:
         example, start, length, counters = apply_overflow(lengths, config, first=first)
         return example + first, start, length, None, counters
-    L, S, a = config.seq_len, config.max_segments, config.segment_alignment
+    L, S, a = config.seq_len, config.max_segments, config.alignment
     example, start, length, row = concat_split_pieces(lengths, L, S, a)
     split_examples = np.unique(example[start > 0])
     counters = Counters(
@@ -189,7 +189,7 @@ def _assign(length: np.ndarray, row: np.ndarray | None, config: PackConfig
             ) -> tuple[np.ndarray, int]:
     if row is not None:  # concat_split placed its pieces while cutting them
         return row, int(row[-1]) + 1 if row.size else 0
-    a = config.segment_alignment
+    a = config.alignment
     sizes = length if a == 1 else aligned(length, a)
     return _ASSIGN[Strategy(config.strategy)](sizes, config.seq_len, config.max_segments)
 
@@ -308,7 +308,7 @@ def order_pieces(example, start, length, row, num_rows, counters, config) -> Pac
     n = row.size
     first = np.searchsorted(row, row, side="left")  # index of the row's first piece
     slot = np.arange(n, dtype=np.int64) - first
-    size = aligned(length, config.segment_alignment)
+    size = aligned(length, config.alignment)
     excl = np.cumsum(size) - size
     offset = excl - excl[first] if n else excl
     return PackPlan(example, start, length, row, slot, offset, int(num_rows), counters)

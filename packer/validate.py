@@ -70,7 +70,7 @@ def _arrays(batch: dict, k: dict[str, str], config: PackConfig) -> dict[str, np.
 def _check_slots(lengths: np.ndarray, offsets: np.ndarray, src: np.ndarray,
                  src_start: np.ndarray, config: PackConfig) -> None:
     """Slot order, offsets (range, overlap, alignment, unused slots) and sources; all [R, S]."""
-    L, S, a = config.seq_len, config.max_segments, config.segment_alignment
+    L, S, a = config.seq_len, config.max_segments, config.alignment
     where = lambda rc: f"row {rc[0]} slot {rc[1]}"  # noqa: E731
 
     if (lengths < 0).any():
@@ -93,7 +93,9 @@ def _check_slots(lengths: np.ndarray, offsets: np.ndarray, src: np.ndarray,
               f"previous segment ending at {ends[rc]}")
     if (used & (offsets % a != 0)).any():
         rc = _first(used & (offsets % a != 0))
-        _fail(f"{where(rc)}: offset {offsets[rc]} is not a multiple of segment_alignment {a}")
+        what = f"segment_alignment {a}" if config.context_parallel is None else \
+            f"{a} (segment_alignment, 2 x context_parallel={config.context_parallel})"
+        _fail(f"{where(rc)}: offset {offsets[rc]} is not a multiple of {what}")
     row_used = np.where(used, ends, 0).max(axis=1)
     bad = ~used & (offsets != row_used[:, None])
     if bad.any():

@@ -28,6 +28,7 @@ import click
 FLAGS = {
     "seq_len": "--seq-len", "max_segments": "--max-segments", "strategy": "--strategy",
     "overflow": "--overflow", "segment_alignment": "--segment-alignment", "pad_id": "--pad-id",
+    "context_parallel": "--context-parallel",
     "feature": "--feature", "input_format": "--input-format", "column": "--column",
     "field": "--field", "extra_columns": "--column", "read_options.extra_columns": "--column",
     "tokenizer": "--tokenizer", "text_unit": "--text-unit", "shard_rows": "--shard-rows",

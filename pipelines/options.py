@@ -81,6 +81,10 @@ _SHAPE = (
               "examples at row ends itself).  [default: error; split for the built-in sample]"),
     _opt("--segment-alignment", default=1, show_default=True, type=click.IntRange(min=1),
          help="Segments start at multiples of this."),
+    _opt("--context-parallel", type=click.IntRange(min=1), default=None, metavar="C",
+         help="Rows split over C context-parallel ranks: every segment starts at a multiple "
+              "of 2C and takes a multiple of 2C tokens (the rest padding), as "
+              "TransformerEngine's load-balanced layout needs; recorded in the manifest."),
     _opt("--pad-id", default=0, show_default=True, type=click.IntRange(min=0),
          help="Token id written into padding."),
     _opt("--feature", default=None,

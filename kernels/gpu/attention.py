@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from seqpack.kernels.attention_schedule import MASK_VALUE, AttentionConfig, Schedule
-from seqpack.kernels.common import next_power_of_two, triton_call
+from seqpack.kernels.common import next_power_of_two, triton_call, varying_like
 
 
 def _dims(cfg: AttentionConfig):
@@ -41,11 +41,19 @@ def _dims(cfg: AttentionConfig):
     return dp, jnp.arange(dp) < cfg.head_dim
 
 
-def _rows(start_ref, b, base, n: int):
-    """Positions, segment starts, and in-segment flags of n tokens from `base`."""
+# Rows of the per-token schedule array i32[B, 4, Lp] (`_tokens`): the queries' key bounds,
+# then the query and key rows' liveness (a row is in a segment iff its entry <= its index).
+START, END, Q_LIVE, K_LIVE = range(4)
+
+
+def _tokens(sched: Schedule) -> jax.Array:  # i32[B, 4, Lp]
+    return jnp.stack([sched.start, sched.end, sched.q_live, sched.k_live], axis=1)
+
+
+def _rows(tok_ref, which: int, b, base, n: int):
+    """Positions and in-segment flags of n query (Q_LIVE) or key (K_LIVE) rows from `base`."""
     pos = base + jnp.arange(n)
-    start = start_ref[b, pl.ds(base, n)]
-    return pos, start, start <= pos
+    return pos, tok_ref[b, which, pl.ds(base, n)] <= pos
 
 
 def _tile(ref, b, head, base, n, ok, d_ok, dp):
@@ -54,11 +62,12 @@ def _tile(ref, b, head, base, n, ok, d_ok, dp):
                       mask=ok[:, None] & d_ok[None, :], other=0.0)
 
 
-def _query_block(start_ref, end_ref, q_ref, b, h, i, bq: int, cfg: AttentionConfig):
-    """Positions, segment bounds, in-segment flags and the q tile of query block i of head h."""
+def _query_block(tok_ref, q_ref, b, h, i, bq: int, cfg: AttentionConfig):
+    """Positions, key bounds, in-segment flags and the q tile of query block i of head h."""
     dp, d_ok = _dims(cfg)
-    q_pos, q_start, q_ok = _rows(start_ref, b, i * bq, bq)
-    q_end = end_ref[b, pl.ds(i * bq, bq)]
+    q_pos, q_ok = _rows(tok_ref, Q_LIVE, b, i * bq, bq)
+    q_start = tok_ref[b, START, pl.ds(i * bq, bq)]
+    q_end = tok_ref[b, END, pl.ds(i * bq, bq)]
     return q_pos, q_start, q_end, q_ok, _tile(q_ref, b, h, i * bq, bq, q_ok, d_ok, dp)
 
 
@@ -67,19 +76,19 @@ def _allowed(q_pos, q_start, q_end, k_pos, causal: bool):
     return allowed & (k_pos[None, :] <= q_pos[:, None]) if causal else allowed
 
 
-def _forward_kernel(lo_ref, hi_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+def _forward_kernel(lo_ref, hi_ref, tok_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
                     *visits, cfg: AttentionConfig) -> None:
-    # lo, hi i32[B, nq]; start, end i32[B, Lp]; q, o [B, L, H, D]; k, v [B, L, K, D];
+    # lo, hi i32[B, nq]; tok i32[B, 4, Lp]; q, o [B, L, H, D]; k, v [B, L, K, D];
     # lse f32[B, H, L]; visits i32[B, H, nq]
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, bk = cfg.block_q, cfg.block_kv
     dp, d_ok = _dims(cfg)
     kh = lax.div(h, cfg.groups)
-    q_pos, q_start, q_end, _, q = _query_block(start_ref, end_ref, q_ref, b, h, i, bq, cfg)
+    q_pos, q_start, q_end, _, q = _query_block(tok_ref, q_ref, b, h, i, bq, cfg)
 
     def body(kb, carry):
         acc, m, total, n = carry
-        k_pos, _, k_ok = _rows(start_ref, b, kb * bk, bk)
+        k_pos, k_ok = _rows(tok_ref, K_LIVE, b, kb * bk, bk)
         k = _tile(k_ref, b, kh, kb * bk, bk, k_ok, d_ok, dp)
         v = _tile(v_ref, b, kh, kb * bk, bk, k_ok, d_ok, dp)
         allowed = _allowed(q_pos, q_start, q_end, k_pos, cfg.causal)
@@ -98,27 +107,27 @@ def _forward_kernel(lo_ref, hi_ref, start_ref, end_ref, q_ref, k_ref, v_ref, o_r
     row_ok = q_pos < cfg.seq_len
     plgpu.store(o_ref.at[b, pl.ds(i * bq, bq), h, pl.ds(0, dp)],
                 (acc / safe[:, None]).astype(o_ref.dtype), mask=row_ok[:, None] & d_ok[None, :])
-    plgpu.store(lse_ref.at[b, h, pl.ds(i * bq, bq)], jnp.where(seen, m + jnp.log(safe), 0.0),
-                mask=row_ok)
+    plgpu.store(lse_ref.at[b, h, pl.ds(i * bq, bq)],
+                jnp.where(seen, m + jnp.log(safe), MASK_VALUE), mask=row_ok)
     if visits:
         visits[0][b, h, i] = n
 
 
-def _dq_kernel(lo_ref, hi_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref,
+def _dq_kernel(lo_ref, hi_ref, tok_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref,
                dq_ref, *visits, cfg: AttentionConfig) -> None:
     # q, do, dq [B, L, H, D]; k, v [B, L, K, D]; lse, di f32[B, H, L]; visits i32[B, H, nq']
     b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
     dp, d_ok = _dims(cfg)
     kh = lax.div(h, cfg.groups)
-    q_pos, q_start, q_end, q_ok, q = _query_block(start_ref, end_ref, q_ref, b, h, i, bq, cfg)
+    q_pos, q_start, q_end, q_ok, q = _query_block(tok_ref, q_ref, b, h, i, bq, cfg)
     do = _tile(do_ref, b, h, i * bq, bq, q_ok, d_ok, dp)
     lse = plgpu.load(lse_ref.at[b, h, pl.ds(i * bq, bq)], mask=q_ok, other=0.0)
     di = plgpu.load(di_ref.at[b, h, pl.ds(i * bq, bq)], mask=q_ok, other=0.0)
 
     def body(kb, carry):
         dq, n = carry
-        k_pos, _, k_ok = _rows(start_ref, b, kb * bk, bk)
+        k_pos, k_ok = _rows(tok_ref, K_LIVE, b, kb * bk, bk)
         k = _tile(k_ref, b, kh, kb * bk, bk, k_ok, d_ok, dp)
         v = _tile(v_ref, b, kh, kb * bk, bk, k_ok, d_ok, dp)
         allowed = _allowed(q_pos, q_start, q_end, k_pos, cfg.causal)
@@ -136,19 +145,19 @@ def _dq_kernel(lo_ref, hi_ref, start_ref, end_ref, q_ref, k_ref, v_ref, do_ref, 
         visits[0][b, h, i] = n
 
 
-def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, start_ref, end_ref, q_ref, k_ref, v_ref,
+def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, tok_ref, q_ref, k_ref, v_ref,
                 do_ref, lse_ref, di_ref, dk_ref, dv_ref, *visits, cfg: AttentionConfig) -> None:
     # dk, dv [B, L, K, D]; visits i32[B, K, nk'] (pairs summed over the group's query heads)
     b, kh, kb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
     dp, d_ok = _dims(cfg)
-    k_pos, _, k_ok = _rows(start_ref, b, kb * bk, bk)
+    k_pos, k_ok = _rows(tok_ref, K_LIVE, b, kb * bk, bk)
     k = _tile(k_ref, b, kh, kb * bk, bk, k_ok, d_ok, dp)
     v = _tile(v_ref, b, kh, kb * bk, bk, k_ok, d_ok, dp)
 
     def pair(h, i, carry):
         dk, dv, n = carry
-        q_pos, q_start, q_end, q_ok, q = _query_block(start_ref, end_ref, q_ref, b, h, i, bq, cfg)
+        q_pos, q_start, q_end, q_ok, q = _query_block(tok_ref, q_ref, b, h, i, bq, cfg)
         do = _tile(do_ref, b, h, i * bq, bq, q_ok, d_ok, dp)
         lse = plgpu.load(lse_ref.at[b, h, pl.ds(i * bq, bq)], mask=q_ok, other=0.0)
         di = plgpu.load(di_ref.at[b, h, pl.ds(i * bq, bq)], mask=q_ok, other=0.0)
@@ -186,6 +195,7 @@ def _call(kernel, grid, out_shapes, cfg: AttentionConfig, name: str, *args):
     if cfg.count_visits:
         out_shapes = [*out_shapes, jax.ShapeDtypeStruct((batch, heads, blocks), jnp.int32)]
     num_warps, num_stages = cfg.gpu or (4, 2)
+    out_shapes = varying_like(out_shapes, *args)  # inside shard_map (context parallelism)
     return triton_call(functools.partial(kernel, cfg=cfg), out_shape=out_shapes, grid=grid,
                        num_warps=num_warps, num_stages=num_stages, interpret=cfg.interpret,
                        name=name)(*args)
@@ -197,8 +207,7 @@ def forward(q, k, v, sched: Schedule, cfg: AttentionConfig):
     shapes = [jax.ShapeDtypeStruct(q.shape, q.dtype),
               jax.ShapeDtypeStruct((batch, cfg.heads, cfg.seq_len), jnp.float32)]
     return tuple(_call(_forward_kernel, (batch, cfg.heads, cfg.blocks(cfg.block_q)), shapes, cfg,
-                       "segment_attention_fwd_gpu", sched.lo, sched.hi, sched.start, sched.end,
-                       q, k, v))
+                       "segment_attention_fwd_gpu", sched.lo, sched.hi, _tokens(sched), q, k, v))
 
 
 def backward(q, k, v, o, lse, do, sched: Schedule, cfg: AttentionConfig):
@@ -207,11 +216,11 @@ def backward(q, k, v, o, lse, do, sched: Schedule, cfg: AttentionConfig):
     di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
     dq_out = _call(_dq_kernel, (batch, cfg.heads, cfg.blocks(cfg.block_q_bwd)),
                    [jax.ShapeDtypeStruct(q.shape, q.dtype)], cfg, "segment_attention_dq_gpu",
-                   sched.lo_bwd, sched.hi_bwd, sched.start, sched.end, q, k, v, do, lse, di)
+                   sched.lo_bwd, sched.hi_bwd, _tokens(sched), q, k, v, do, lse, di)
     kv = jax.ShapeDtypeStruct(k.shape, k.dtype)
     dkv_out = _call(_dkv_kernel, (batch, cfg.kv_heads, cfg.blocks(cfg.block_kv_bwd)), [kv, kv],
                     cfg, "segment_attention_dkv_gpu", sched.qlo_bwd, sched.qhi_bwd, sched.lo_bwd,
-                    sched.hi_bwd, sched.start, sched.end, q, k, v, do, lse, di)
+                    sched.hi_bwd, _tokens(sched), q, k, v, do, lse, di)
     grads = (dq_out[0], dkv_out[0], dkv_out[1])
     if cfg.count_visits:
         return grads, dq_out[1], dkv_out[2]

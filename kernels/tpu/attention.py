@@ -22,7 +22,8 @@ VMEM scratch) on `s = q k^T * scale`, masked with `where` (never by multiplying)
 (bq, 1) / (bk, 1) int32 blocks, compared against iotas of the true positions. Value rows outside
 every segment (padding, and the undefined rows past L of a partial block) are zeroed before
 `p @ v`, so they never reach a sum. The last step writes `o = acc / l` (0 for tokens outside
-every segment) and the f32 logsumexp `m + log l` the backward needs.
+every segment) and the f32 logsumexp `m + log l` the backward needs (MASK_VALUE for a row that
+saw no key: a ring step of context parallelism merges partial results by it).
 
 Layout: heads ride in the lane dimension when D % 128 == 0 (q [B, L, H * D] by a free reshape,
 block (bq, D) at lane block h); otherwise q, k, v are transposed to [B, H, L, D] (a copy).
@@ -41,6 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from seqpack.kernels.attention_schedule import MASK_VALUE, AttentionConfig, Schedule, step_block
+from seqpack.kernels.common import varying_like
 
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -131,17 +133,21 @@ def schedule_call(kernel, cfg: AttentionConfig, steps: int, grid: tuple[int, ...
     parallel: Semantics = "parallel"
     arbitrary: Semantics = "arbitrary"
     semantics = (parallel,) * 3 + (arbitrary,) * (len(grid) - 3)
-    return pl.pallas_call(
-        functools.partial(kernel, cfg=cfg, steps=steps),
-        out_shape=out_shapes,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=num_scalar_prefetch, grid=grid, in_specs=in_specs,
-            out_specs=out_specs, scratch_shapes=scratch_shapes),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
-        cost_estimate=cost_estimate,
-        interpret=cfg.interpret,
-        name=name,
-    )
+
+    def call(*args):
+        return pl.pallas_call(
+            functools.partial(kernel, cfg=cfg, steps=steps),
+            out_shape=varying_like(out_shapes, *args),  # inside shard_map (context parallelism)
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=num_scalar_prefetch, grid=grid, in_specs=in_specs,
+                out_specs=out_specs, scratch_shapes=scratch_shapes),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+            cost_estimate=cost_estimate,
+            interpret=cfg.interpret,
+            name=name,
+        )(*args)
+
+    return call
 
 
 def count_visit(visits_ref, first: jax.Array, computed: jax.Array) -> None:
@@ -194,7 +200,7 @@ def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, qe_ref, ks_ref,
         seen = l_ref[...] > 0.0
         total = jnp.where(seen, l_ref[...], 1.0)
         o_ref[...] = (acc_ref[...] / total).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(total), 0.0)
+        lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(total), MASK_VALUE)
 
 
 def narrow_or_full(call, counts: jax.Array, full: int, cfg: AttentionConfig):
@@ -230,7 +236,7 @@ def _forward_call(q, k, v, sched: Schedule, cfg: AttentionConfig, steps: int):
     out_shapes = [kernel_shape(cfg, batch, cfg.heads, q.dtype),
                   jax.ShapeDtypeStruct((batch, cfg.heads, cfg.seq_len, 1), jnp.float32)]
     out_specs = [q_spec, pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j, *_: (b, h, i, 0))]
-    start, end = sched.start[:, :, None], sched.end[:, :, None]
+    start, end, k_live = (x[:, :, None] for x in (sched.start, sched.end, sched.k_live))
     useful = 4 * batch * cfg.heads * cfg.seq_len**2 * cfg.head_dim // (2 if cfg.causal else 1)
     outs = schedule_call(
         _forward_kernel, cfg, steps, (batch, cfg.heads, nq, steps), num_scalar_prefetch=2,
@@ -243,7 +249,7 @@ def _forward_call(q, k, v, sched: Schedule, cfg: AttentionConfig, steps: int):
                                       bytes_accessed=4 * q.size * q.dtype.itemsize),
         name="segment_attention_fwd",
     )(sched.lo.reshape(-1), sched.hi.reshape(-1), to_kernel(q, cfg), to_kernel(k, cfg),
-      to_kernel(v, cfg), start, end, start)
+      to_kernel(v, cfg), start, end, k_live)
     o, lse = from_kernel(outs[0], cfg), outs[1]
     if cfg.count_visits:
         return o, lse, outs[2][:, :, ::8, 0]

@@ -139,7 +139,7 @@ def _dq(q, k, v, do, lse, di, sched: Schedule, cfg: AttentionConfig, steps: int)
     q_bounds = pl.BlockSpec((None, bq, 1), lambda b, h, i, j, *_: (b, i, 0))
     k_bounds = pl.BlockSpec((None, bk, 1), lambda b, h, i, j, *refs: (b, kv_block(b, i, j, *refs),
                                                                       0))
-    start, end = sched.start[:, :, None], sched.end[:, :, None]
+    start, end, k_live = (x[:, :, None] for x in (sched.start, sched.end, sched.k_live))
     outs = schedule_call(
         _dq_kernel, cfg, steps, (batch, cfg.heads, nq, steps), num_scalar_prefetch=2,
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, column, column, q_bounds, q_bounds, k_bounds],
@@ -147,7 +147,7 @@ def _dq(q, k, v, do, lse, di, sched: Schedule, cfg: AttentionConfig, steps: int)
         scratch_shapes=[pltpu.VMEM((bq, cfg.head_dim), jnp.float32)],
         name="segment_attention_dq",
     )(sched.lo_bwd.reshape(-1), sched.hi_bwd.reshape(-1), q, k, v, do, lse, di, start, end,
-      start)
+      k_live)
     return outs if cfg.count_visits else (outs[0],)
 
 
@@ -181,7 +181,7 @@ def _dkv(q, k, v, do, lse_row, di_row, sched: Schedule, cfg: AttentionConfig, st
         name="segment_attention_dkv",
     )(sched.qlo_bwd.reshape(-1), sched.qhi_bwd.reshape(-1), sched.lo_bwd.reshape(-1),
       sched.hi_bwd.reshape(-1), q, k, v, do, lse_row, di_row, start, end,
-      sched.start[:, :, None])
+      sched.q_live[:, :, None])
 
 
 def backward(q, k, v, o, lse, do, sched: Schedule, cfg: AttentionConfig):

@@ -159,7 +159,7 @@ class StreamPlanner:
                         np.full(example.size, -1, np.int64)], axis=1)
         self._pending.append(new)
         self._pending_pieces += len(new)
-        self._pending_tokens += int(aligned(length, self.config.segment_alignment).sum())
+        self._pending_tokens += int(aligned(length, self.config.alignment).sum())
         if new.size:
             low = int(new[:, _ID].min())
             self._pending_min_id = low if self._pending_min_id is None \
@@ -192,7 +192,7 @@ class StreamPlanner:
         """Plans `pieces` (i64[P, 5], see `_held`) as a window of `window` examples, emits the
         final rows, keeps the rest open."""
         cfg = self.config
-        sizes = aligned(pieces[:, _LEN], cfg.segment_alignment)
+        sizes = aligned(pieces[:, _LEN], cfg.alignment)
         if not final and self._extends(sizes, window):
             row, num_rows = self._extend(pieces, sizes)
             emit = self._final_extended(pieces, sizes, row, num_rows)
@@ -368,7 +368,7 @@ class StreamPlanner:
             self._pending = [waiting] + [waiting[:0]] * (calls - 1)
             self._pending_pieces = len(waiting)
             self._pending_tokens = int(aligned(waiting[:, _LEN],
-                                               self.config.segment_alignment).sum())
+                                               self.config.alignment).sum())
             if waiting.size:
                 self._pending_min_id = int(waiting[:, _ID].min())
         held = np.concatenate(parts) if parts else np.zeros((0, 5), np.int64)

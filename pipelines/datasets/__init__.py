@@ -11,7 +11,8 @@ The only part of seqpack that imports grain (and so jax):
 - `make_training_pipeline`: shard, shuffle, pack, batch, prefetch; or, over packed rows,
   shuffle per epoch, shard, batch (balanced datasets by whole steps). Its options come in
   frozen dataclasses: `packer.PackConfig`, `Batching`, `Columns`, `Balance`, `Window`,
-  `Prefetch` (docs/training.md).
+  `Prefetch` (docs/training.md); `Batching(context_parallel=C)` emits rows in the load-balanced
+  layout of C context-parallel ranks (`ContextParallelLayout`).
 - Columns packed with the tokens (`Columns`: columns.py) and the loss tokens per row that make
   a packed per-token mean exact (`LossTokens`, loss.py); host batches whose per-device slices
   carry near-equal cost (`BalanceRanks`, `Balance`: balance.py).
@@ -36,6 +37,7 @@ from seqpack.pipelines.datasets.pack import PackIterator, PackIterDataset, Windo
 from seqpack.pipelines.datasets.sources import ArraySource, SequentialIterDataset  # noqa: E402
 from seqpack.pipelines.datasets.training import (  # noqa: E402
     Batching,
+    ContextParallelLayout,
     Prefetch,
     make_training_pipeline,
 )
@@ -49,6 +51,7 @@ __all__ = [
     "Batching",
     "BestFitPackIterDataset",
     "Columns",
+    "ContextParallelLayout",
     "FirstFitPackIterDataset",
     "JsonlSource",
     "LossTokens",

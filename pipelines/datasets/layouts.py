@@ -86,7 +86,7 @@ class MultiLayout:
         self.meta = meta
         self.planner = MultiStreamPlanner(
             self.features, tuple(c.seq_len for c in configs), max_segments=cfg.max_segments,
-            alignment=cfg.segment_alignment, overflow=str(cfg.overflow), window=window,
+            alignment=cfg.alignment, overflow=str(cfg.overflow), window=window,
         )
 
     def window_lengths(self, cols: dict[str, list[Any]]) -> np.ndarray:

@@ -344,11 +344,13 @@ def pack_configs(pack: packer.PackConfig | Sequence[packer.PackConfig]
             raise ValueError(f"pack: feature {c.feature!r} is given twice; one PackConfig per "
                              "packed feature")
         seen.add(c.feature)
-        for field, value in c.to_dict().items():
-            if field not in ("seq_len", "feature") and value != first[field]:
+        mine = c.to_dict()
+        for field in [*first, *(f for f in mine if f not in first)]:
+            value, want = mine.get(field), first.get(field)
+            if field not in ("seq_len", "feature") and value != want:
                 raise ValueError(
                     f"pack: {field}={value!r} for feature {c.feature!r} but "
-                    f"{field}={first[field]!r} for {configs[0].feature!r}; packed features "
+                    f"{field}={want!r} for {configs[0].feature!r}; packed features "
                     "differ only in seq_len and feature")
     return configs
 

@@ -10,6 +10,7 @@
          (balanced datasets: whole steps, each host its ranks' rows)
     then
       -> + loss_tokens [B] (loss.LossTokens) -> BalanceRanks(balance.ranks), if asked
+      -> ContextParallelLayout(batch.context_parallel), if asked (rows split over CP ranks)
       -> mp_prefetch(worker_count) or a prefetch thread
 
 The options come in groups, each a frozen dataclass: `packer.PackConfig` (the rows),
@@ -35,6 +36,7 @@ import grain
 import numpy as np
 from grain.experimental import ThreadPrefetchIterDataset
 
+from seqpack import packer
 from seqpack.packer import PackConfig
 from seqpack.pipelines.datasets import packed
 from seqpack.pipelines.datasets.balance import Balance, BalanceRanks
@@ -122,12 +124,16 @@ class Batching:
     drop_remainder: a last, short batch is dropped (True) or kept.
     shard_index, shard_count: this host's shard (every example or row in exactly one shard);
                     both None (the default): `jax.process_index()` / `jax.process_count()`.
+    context_parallel: C: rows in the load-balanced layout of C context-parallel ranks
+                    (`ContextParallelLayout`; rank r's tokens at [r L/C, (r + 1) L/C)), packed
+                    with `PackConfig(context_parallel=C)`. None: rows as packed.
     """
 
     batch_size: int
     drop_remainder: bool = True
     shard_index: int | None = None
     shard_count: int | None = None
+    context_parallel: int | None = None
 
     def __post_init__(self) -> None:
         shard_index, shard_count = self.shard_index, self.shard_count
@@ -140,6 +146,8 @@ class Batching:
             check_int("shard_count", shard_count, low=1)
             if shard_index >= shard_count:
                 raise ValueError(f"{shard_index=} must be in [0, {shard_count=})")
+        if self.context_parallel is not None:
+            check_int("context_parallel", self.context_parallel, low=1)
 
     def shard(self) -> tuple[int, int, int | None]:
         """(this host's shard, the shard count, its local devices if known: from jax by
@@ -175,6 +183,52 @@ def _process_shard() -> tuple[int, int, int | None]:
     except ImportError:  # single host without jax: one shard
         return 0, 1, None
     return jax.process_index(), jax.process_count(), jax.local_device_count()
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallelLayout:
+    """Batches in the load-balanced layout of `context_parallel` ranks
+    (`packer.context_parallel_order`): every `[B, L]` array of the batch (tokens, segment ids,
+    positions, columns) is permuted alike so that rank r's tokens sit at [r L/C, (r + 1) L/C);
+    the `[B, S]` metadata (offsets, lengths, sources) stays global, as the attention kernels
+    take it (`kernels.segment_attention(..., context_parallel_axis=...)`). The rows must be
+    packed with `PackConfig(context_parallel=C)` (or a multiple of C)."""
+
+    context_parallel: int
+    feature: str = "tokens"
+
+    def __post_init__(self) -> None:
+        check_int("context_parallel", self.context_parallel, low=1)
+
+    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
+        k = packer.contract.keys(self.feature)
+        seq_len = np.shape(batch[k.values])[-1]
+        order = packer.context_parallel_order(
+            batch[k.segment_offsets], batch[k.segment_lengths], seq_len=seq_len,
+            context_parallel=self.context_parallel)
+        per_slot = {*k.per_slot, k.source_index, k.source_start}
+        return {name: np.take_along_axis(v, order, axis=1)
+                if np.ndim(v) == 2 and np.shape(v)[1] == seq_len and name not in per_slot else v
+                for name, v in batch.items()}
+
+
+def _context_parallel(source: Any, pack: PackConfig | None, C: int | None) -> PackConfig | None:
+    """The pack config to use under `Batching(context_parallel=C)`: C filled in where None;
+    ValueError when the rows (the config's or a packed source's) are not aligned to 2C."""
+    if C is None:
+        return pack
+    if pack is not None and not getattr(source, "is_packed", False):
+        if pack.context_parallel is None:
+            return dataclasses.replace(pack, context_parallel=C)
+        have, where = pack, f"pack=PackConfig(context_parallel={pack.context_parallel})"
+    else:
+        manifest = getattr(source, "manifest", None)
+        have = manifest.pack_config() if manifest is not None else None
+        where = f"the packed rows (context_parallel={getattr(have, 'context_parallel', None)})"
+    if have is None or have.alignment % (2 * C):
+        raise ValueError(f"Batching(context_parallel={C}) needs rows whose segments are aligned "
+                         f"to 2 x {C}, not {where}; pack them with context_parallel={C}")
+    return pack
 
 
 def _check_feature(source: Any, feature: str, columns: Columns) -> None:
@@ -293,6 +347,7 @@ def make_training_pipeline(
                   interpreter exit are closed then.
     """
     batch = _check_options(pack, batch, num_epochs, columns, balance, window, prefetch)
+    pack = _context_parallel(source, pack, batch.context_parallel)
     shard = batch.shard()
     if getattr(source, "is_packed", False):
         feature = str(source.feature)
@@ -313,4 +368,6 @@ def make_training_pipeline(
     ds = ds.map(_loss_tokens(source, feature, columns))
     if balance.ranks is not None:
         ds = ds.map(BalanceRanks(balance.ranks, feature=feature, cost_model=balance.cost))
+    if batch.context_parallel is not None:
+        ds = ds.map(ContextParallelLayout(batch.context_parallel, feature=feature))
     return _ClosedAtExit(_prefetch(ds, prefetch))

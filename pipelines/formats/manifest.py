@@ -115,6 +115,12 @@ class Manifest:
     def max_segments(self) -> int:
         return int(self.config["max_segments"])
 
+    @property
+    def context_parallel(self) -> int | None:
+        """C of `PackConfig(context_parallel=C)` (config["context_parallel"]), None without."""
+        c = self.config.get("context_parallel")
+        return None if c is None else int(c)
+
     def pack_config(self) -> PackConfig:
         return PackConfig(**self.config)
 

@@ -170,6 +170,9 @@ def format_pack(manifest: Manifest, output_dir: str, *, what: str,
     config = manifest.pack_config()
     assert manifest.stats is not None  # a complete output's
     keys = f"rows of {config.seq_len} tokens, key {config.feature!r}"
+    if config.context_parallel is not None:
+        keys += (f", for {config.context_parallel} context-parallel ranks (segments start and "
+                 f"span multiples of {config.alignment} tokens; the rest is padding)")
     for c in manifest.columns or []:
         keys += f", column {c['name']!r} ({c.get('role', 'values')}, padded with {c['pad']})"
     return (f"packed {what}: {manifest.inputs['num_examples']:,} examples -> "
