@@ -202,6 +202,11 @@ def test_unpadded_formats_refuse_aligned_segments(tmp_path, packed):
     assert result.exit_code == 2
     assert "--format hf writes unpadded rows" in result.output
     assert "--segment-alignment 4" in result.output and not (tmp_path / "x").exists()
+    for fmt in ("hf", "megatron"):  # context parallelism pads each segment to 2C
+        result = invoke("pack", packed[1][0], "-o", tmp_path / "y", "--column", "input_ids",
+                        "--format", fmt, "--context-parallel", 2, ok=False)
+        assert result.exit_code == 2 and f"--format {fmt} writes unpadded rows" in result.output
+        assert "--context-parallel 2" in result.output and not (tmp_path / "y").exists()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -142,11 +142,20 @@ class Store:
         return url
 
 
+def _store(scheme: str) -> Store:
+    import fsspec
+
+    # The library's own fsspec instances are cached by their options, not by the endpoint
+    # these variables name: one made for another module's server would still point there.
+    fsspec.get_filesystem_class(scheme).clear_instance_cache()
+    return Store(scheme, f"{BUCKET}/t{os.getpid()}-{next(_prefixes)}")
+
+
 @pytest.fixture
 def gcs(gcs_server, monkeypatch) -> Store:
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
     monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-    return Store("gs", f"{BUCKET}/t{os.getpid()}-{next(_prefixes)}")
+    return _store("gs")
 
 
 @pytest.fixture
@@ -158,4 +167,4 @@ def s3(s3_server, monkeypatch) -> Store:
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-    return Store("s3", f"{BUCKET}/t{os.getpid()}-{next(_prefixes)}")
+    return _store("s3")

@@ -19,7 +19,7 @@ does not take). Worked example (seq_len 8, one labels column)::
 Followed: trl 1.16.0, `trl/trainer/sft_trainer.py` (`DataCollatorForLanguageModeling.torch_call`,
 `get_position_ids_from_packed_seq_lengths`) and `trl/data_utils.py` (`pack_dataset`), read at
 huggingface/trl f2cd57710ae345ea6428ae95363267fcf38a3dc8. Rows are unpadded, so segments must
-touch: `segment_alignment` 1.
+touch: `segment_alignment` 1 and no `context_parallel`.
 """
 
 from __future__ import annotations
@@ -46,10 +46,13 @@ _OWN = (INPUT_IDS, LABELS, SEQ_LENGTHS, POSITION_IDS, SOURCE_INDEX, SOURCE_START
 
 
 def check_unpadded(fmt: str, layout: Layout) -> None:
-    if layout.config.segment_alignment != 1:
-        raise ValueError(f"format={fmt!r} writes unpadded rows, so segments touch: "
-                         f"segment_alignment={layout.config.segment_alignment} needs "
-                         "format='arrayrecord' or 'parquet'")
+    config = layout.config
+    if config.alignment != 1:
+        why = (f"segment_alignment={config.segment_alignment}" if config.segment_alignment != 1
+               else f"context_parallel={config.context_parallel} (segments start at multiples "
+                    f"of {config.alignment})")
+        raise ValueError(f"format={fmt!r} writes unpadded rows, so segments touch: {why} "
+                         "needs format='arrayrecord' or 'parquet'")
 
 
 def ragged_rows(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -208,15 +208,15 @@ def _route(index: int, tables: Iterable[np.ndarray], files: Any, job: PackJob, s
 
 
 def _write(shard: int, parts: Iterable[steps.ShardPart], summary: Any, job: PackJob,
-           meter: tuple[Any, Any]) -> list[tuple[int, int, tuple[int, str], np.ndarray]]:
+           meter: tuple[Any, Any]) -> list[tuple[int, int, tuple[int, str], Any]]:
     parts = list(parts)
-    rows, digest, profile = steps.write_shard_parts(
+    rows, digest, facts = steps.write_shard_parts(
         shard, parts, summary.value, job.output, job.config, write_options=job.write_options,
         resume=job.resume)
     meter[0].add(sum(int(p.pieces[steps.LENGTH].sum()) for p in parts))
     meter[1].add(rows)
     time.sleep(delay_seconds())  # tests: a run slow enough to be stopped mid-way
-    return [(shard, rows, digest, profile)]
+    return [(shard, rows, digest, facts)]
 
 
 # -- the driver --------------------------------------------------------------------------------
