@@ -5,6 +5,7 @@ input. The options and the error plumbing are checked without a JVM."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -156,6 +157,24 @@ def test_local_master_writes_the_local_bytes_with_progress(corpus, tmp_path):
     writing = progress.calls[reading + 1 :]
     assert sum(c[1] for c in writing) == phases[1][2]
     assert writing[-1][2] == manifest.num_rows
+
+
+@pytest.mark.slow
+def test_local_master_writes_every_format_as_the_local_runner(corpus, tmp_path):
+    """--format parquet / hf / megatron: the shard writer and its side files are the core's, so
+    Spark's bytes are the local runner's in every format, and they verify."""
+    paths, _ = corpus
+    for fmt in ("parquet", "hf", "megatron"):
+        write = dataclasses.replace(WRITE, format=fmt)
+        local, spark = tmp_path / f"local-{fmt}", tmp_path / f"spark-{fmt}"
+        pack_to_dir(PackJob(paths, local, CONFIG, write_options=write, workers=1,
+                            block_size=BLOCK))
+        pack(PackJob(paths, spark, CONFIG, write_options=write, workers=2, block_size=BLOCK),
+             runner="spark", quiet=True)
+        assert dir_bytes(spark) == dir_bytes(local), fmt
+        assert json.loads(dir_bytes(spark)[MANIFEST])["encoding"] == fmt
+        report = verify(str(spark))
+        assert report.ok, (fmt, report.violations)
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Packs a corpus on Apache Spark: the same ArrayRecord shards and manifest as `seqpack pack`.
+"""Packs a corpus on Apache Spark: the same shards (any `--format`) and manifest as `seqpack pack`.
 
     seqpack pack data/*.parquet -o packed/ --runner spark                # local[N], N = --workers
     seqpack pack 's3://b/data/*.parquet' -o s3://b/packed/ --runner spark \\
