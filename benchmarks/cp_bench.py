@@ -3,16 +3,17 @@ block pairs visited.
 
     python -m benchmarks.cp_bench                          # chat_dev, stdlib_source; 32k, 128k
     python -m benchmarks.cp_bench --corpora stdlib_source --seq-lens 32768 --ranks 2 4
+    python -m benchmarks.cp_bench --layout rotated         # ring pairs in the rotated layout
 
 Each corpus is planned (lengths only) with PackConfig(L, max_segments=L/32, overflow="split",
 context_parallel=C), for C in --ranks. Per row, with C ranks:
 - work: each rank's causal attention work, per query token the keys of its own segment at or
   before it (packer.rank_work); max/mean over the ranks, in TransformerEngine's load-balanced
-  layout (packer.context_parallel_order) and in a contiguous split (rank r: [r L/C, (r+1) L/C));
-  the mean over rows and the worst row;
+  layout (packer.context_parallel_order), in its rotated variant (layout="rotated") and in a
+  contiguous split (rank r: [r L/C, (r+1) L/C)); the mean over rows and the worst row;
 - rows, padding: what the 2C alignment costs against packing without it;
 - ring steps skipped: of the C x C (rank, step) pairs of a ring, those whose schedule holds no
-  block pair, so no kernel runs (kernels/ring.py);
+  block pair, so no kernel runs (kernels/ring.py), in the --layout;
 - pairs: (query block, key block) pairs the kernels visit over all ranks and steps (blocks of
   --block tokens: the schedule's ranges, kernels.context_parallel.pair_schedule), against the
   bound: the pairs that hold a (query, key) pair the query may see; and against one device
@@ -49,23 +50,25 @@ def plan_rows(lengths: np.ndarray, seq_len: int, context_parallel: int | None):
     return np.where(lens > 0, offs, used).astype(np.int32), lens
 
 
-def work_balance(offsets, lengths, seq_len: int, C: int, balanced: bool) -> np.ndarray:
-    """max / mean of the ranks' work, per row (rows of no work left out)."""
+def work_balance(offsets, lengths, seq_len: int, C: int, layout: str | None) -> np.ndarray:
+    """max / mean of the ranks' work, per row (rows of no work left out); layout None: a
+    contiguous split."""
     work = packer.rank_work(offsets, lengths, seq_len=seq_len, context_parallel=C,
-                            balanced=balanced).astype(np.float64)
+                            balanced=layout is not None,
+                            layout=layout or "te").astype(np.float64)
     mean = work.mean(axis=1)
     return work.max(axis=1)[mean > 0] / mean[mean > 0]
 
 
-@functools.partial(jax.jit, static_argnames=("seq_len", "C", "block"))
-def _pair(offsets, lengths, r, rk, *, seq_len: int, C: int, block: int):
+@functools.partial(jax.jit, static_argnames=("seq_len", "C", "block", "layout"))
+def _pair(offsets, lengths, r, rk, *, seq_len: int, C: int, block: int, layout: str):
     """Per row: pairs visited by (rank r, keys of rank rk), pairs needed, whether any."""
     local = seq_len // C
     cfg = sched.AttentionConfig(seq_len=local, heads=1, kv_heads=1, head_dim=1, causal=False,
                                 scale=1.0, block_q=block, block_kv=block, block_q_bwd=block,
                                 block_kv_bwd=block, interpret=False)
-    q = cp.rank_rows(offsets, lengths, r, seq_len=seq_len, context_parallel=C)
-    k = cp.rank_rows(offsets, lengths, rk, seq_len=seq_len, context_parallel=C)
+    q = cp.rank_rows(offsets, lengths, r, seq_len=seq_len, context_parallel=C, layout=layout)
+    k = cp.rank_rows(offsets, lengths, rk, seq_len=seq_len, context_parallel=C, layout=layout)
     s = cp.pair_schedule(q, k, cfg, causal=True)
     visited = jnp.sum(s.hi - s.lo, axis=1)
     a, b = cp.key_bounds(q, k.pos, causal=True)
@@ -89,7 +92,8 @@ def _one_device(offsets, lengths, *, seq_len: int, block: int):
     return jnp.sum(hi - lo, axis=1)
 
 
-def ring_pairs(offsets, lengths, seq_len: int, C: int, block: int, chunk: int = 16):
+def ring_pairs(offsets, lengths, seq_len: int, C: int, block: int, layout: str,
+               chunk: int = 16):
     """(visited, needed, steps skipped) summed over rows, and one device's visited pairs; rows
     `chunk` at a time (the last chunk padded with empty rows: one compiled shape)."""
     visited = needed = skipped = single = 0
@@ -100,7 +104,8 @@ def ring_pairs(offsets, lengths, seq_len: int, C: int, block: int, chunk: int = 
         single += int(_one_device(o, n, seq_len=seq_len, block=block).sum())
         for r in range(C):
             for s in range(C):
-                v, nd, ran = _pair(o, n, r, (r - s) % C, seq_len=seq_len, C=C, block=block)
+                v, nd, ran = _pair(o, n, r, (r - s) % C, seq_len=seq_len, C=C, block=block,
+                                   layout=layout)
                 visited += int(v.sum())
                 needed += int(nd.sum())
                 skipped += int((~ran[:real]).sum())
@@ -111,7 +116,8 @@ def _q(x: np.ndarray) -> str:
     return f"{x.mean():.3f} / {x.max():.3f}" if x.size else "-"
 
 
-def run(name: str, lengths: np.ndarray, seq_len: int, ranks: list[int], block: int) -> list:
+def run(name: str, lengths: np.ndarray, seq_len: int, ranks: list[int], block: int,
+        layout: str) -> list:
     plain_off, plain_len = plan_rows(lengths, seq_len, None)
     plain_pad = 1 - plain_len.sum() / (plain_len.shape[0] * seq_len)
     out = []
@@ -119,11 +125,10 @@ def run(name: str, lengths: np.ndarray, seq_len: int, ranks: list[int], block: i
         off, lens = plan_rows(lengths, seq_len, C)
         R = off.shape[0]
         pad = 1 - lens.sum() / (R * seq_len)
-        bal = work_balance(off, lens, seq_len, C, True)
-        cont = work_balance(off, lens, seq_len, C, False)
-        visited, needed, skipped, single = ring_pairs(off, lens, seq_len, C, block)
+        bal, rot, cont = (work_balance(off, lens, seq_len, C, x) for x in ("te", "rotated", None))
+        visited, needed, skipped, single = ring_pairs(off, lens, seq_len, C, block, layout)
         out.append([name, seq_len, C, f"{R} ({plain_off.shape[0]})",
-                    f"{pad:.2%} ({plain_pad:.2%})", _q(bal), _q(cont),
+                    f"{pad:.2%} ({plain_pad:.2%})", _q(bal), _q(rot), _q(cont),
                     f"{skipped / (R * C * C):.1%}", f"{visited:,}", f"{needed:,}",
                     f"{visited / needed:.3f}", f"{visited / single:.3f}"])
         print(*out[-1], sep=" | ", flush=True)
@@ -136,16 +141,19 @@ def main() -> None:
     ap.add_argument("--seq-lens", nargs="*", type=int, default=[32768, 131072])
     ap.add_argument("--ranks", nargs="*", type=int, default=[2, 4, 8])
     ap.add_argument("--block", type=int, default=512, help="query / key block of the pairs")
+    ap.add_argument("--layout", choices=["te", "rotated"], default="te",
+                    help="the layout of the ring pairs")
     a = ap.parse_args()
     rows = []
     for name, lengths in corpora.lengths(a.corpora).items():
         for L in a.seq_lens:
-            rows += run(name, lengths, L, a.ranks, a.block)
+            rows += run(name, lengths, L, a.ranks, a.block, a.layout)
     print_table(
-        f"context parallelism: work max/mean (mean over rows / worst row), blocks of {a.block}",
-        ["corpus", "L", "C", "rows (no CP)", "padding (no CP)", "balanced work max/mean",
-         "contiguous max/mean", "ring steps skipped", "pairs visited", "bound", "visited/bound",
-         "visited/1 device"], rows)
+        f"context parallelism: work max/mean (mean over rows / worst row), blocks of {a.block}, "
+        f"ring pairs in the {a.layout!r} layout",
+        ["corpus", "L", "C", "rows (no CP)", "padding (no CP)", "TE layout work max/mean",
+         "rotated max/mean", "contiguous max/mean", "ring steps skipped", "pairs visited",
+         "bound", "visited/bound", "visited/1 device"], rows)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from seqpack.kernels.common import (
     resolve,
     round_up,
 )
+from seqpack.kernels.context_parallel import LAYOUTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,9 +194,11 @@ def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, in
 
 
 def _ring(q, k, v, segment_offsets, segment_lengths, axis: str, *, causal, scale, impl,
-          interpret, block_sizes, count_visits=False) -> ring.Ring | None:
+          interpret, block_sizes, layout, count_visits=False) -> ring.Ring | None:
     """The ring of a call with a context_parallel_axis (None when the axis has one rank)."""
     _check(q, k, v, segment_offsets, segment_lengths)
+    if layout not in LAYOUTS:
+        raise ValueError(f"context_parallel_layout={layout!r} must be one of {LAYOUTS}")
     try:
         size = lax.axis_size(axis)
     except NameError:
@@ -214,7 +217,7 @@ def _ring(q, k, v, segment_offsets, segment_lengths, axis: str, *, causal, scale
         if count_visits:
             raise ValueError("visited_block_pairs counts the Pallas kernels' visits; pass "
                              "impl='pallas_tpu' or 'pallas_gpu' (with interpret= on a CPU)")
-        return ring.Ring(axis, size, q.shape[1] * size, causal, scale)
+        return ring.Ring(axis, size, q.shape[1] * size, causal, scale, layout=layout)
     # causality is in each step's bounds: the kernels run non-causal
     cfg = _config(q, k, causal=False, scale=scale, blocks=blocks, interpret=interpret, impl=impl,
                   count_visits=count_visits)
@@ -222,11 +225,12 @@ def _ring(q, k, v, segment_offsets, segment_lengths, axis: str, *, causal, scale
         _check_smem(q.shape[0], cfg)
     return ring.Ring(axis, size, q.shape[1] * size, causal, scale,
                      gpu if cfg.gpu is not None else tpu, cfg,
-                     skip=not isinstance(interpret, pltpu.InterpretParams))
+                     skip=not isinstance(interpret, pltpu.InterpretParams), layout=layout)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "impl", "interpret",
-                                             "block_sizes", "context_parallel_axis"))
+                                             "block_sizes", "context_parallel_axis",
+                                             "context_parallel_layout"))
 def segment_attention(
     q: jax.Array,  # f[B, L, H, D]
     k: jax.Array,  # f[B, L, K, D], H % K == 0
@@ -240,6 +244,7 @@ def segment_attention(
     interpret: Interpret = False,
     block_sizes: AttentionBlockSizes | GpuAttentionBlockSizes | None = None,
     context_parallel_axis: str | None = None,
+    context_parallel_layout: str = "te",
 ) -> jax.Array:  # f[B, L, H, D]
     """softmax(q k^T * scale) v within each segment (scale default D^-0.5); 0 outside segments.
 
@@ -248,14 +253,15 @@ def segment_attention(
 
     context_parallel_axis: a mesh axis of C ranks; call inside `shard_map`, q / k / v being this
     rank's `[B, L/C, ...]` shard of the load-balanced layout (`packer.context_parallel_order`,
-    rows packed with `PackConfig(context_parallel=C)`) and the metadata the whole rows' `[B, S]`.
+    rows packed with `PackConfig(context_parallel=C)`; `context_parallel_layout` names it: "te"
+    or "rotated") and the metadata the whole rows' `[B, S]`.
     Returns this rank's shard of the result: ring attention (ring.py), K / V passed round by
     `ppermute`, each step's blocks scheduled from the metadata.
     """
     if context_parallel_axis is not None:
         cp = _ring(q, k, v, segment_offsets, segment_lengths, context_parallel_axis,
                    causal=causal, scale=scale, impl=impl, interpret=interpret,
-                   block_sizes=block_sizes)
+                   block_sizes=block_sizes, layout=context_parallel_layout)
         if cp is not None:
             run = ring.reference_ring if cp.family is None else ring.pallas_ring
             return run(q, k, v, segment_offsets, segment_lengths, cp)
@@ -269,7 +275,8 @@ def segment_attention(
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "impl", "interpret",
-                                             "block_sizes", "context_parallel_axis"))
+                                             "block_sizes", "context_parallel_axis",
+                                             "context_parallel_layout"))
 def visited_block_pairs(
     q: jax.Array,  # f[B, L, H, D]
     k: jax.Array,  # f[B, L, K, D]
@@ -284,6 +291,7 @@ def visited_block_pairs(
     interpret: Interpret = False,
     block_sizes: AttentionBlockSizes | GpuAttentionBlockSizes | None = None,
     context_parallel_axis: str | None = None,
+    context_parallel_layout: str = "te",
 ) -> dict[str, jax.Array]:
     """Debug: the kernels' results and how many block pairs each kernel computed.
 
@@ -298,7 +306,7 @@ def visited_block_pairs(
     if context_parallel_axis is not None:
         cp = _ring(q, k, v, segment_offsets, segment_lengths, context_parallel_axis,
                    causal=causal, scale=scale, impl=impl, interpret=interpret,
-                   block_sizes=block_sizes, count_visits=True)
+                   block_sizes=block_sizes, layout=context_parallel_layout, count_visits=True)
         if cp is not None:
             do = jnp.ones_like(q) if do is None else do
             return ring.ring_visits(q, k, v, segment_offsets, segment_lengths, do, cp)

@@ -21,6 +21,9 @@ into the key-block ranges each query block visits. Worked example, L = 16, C = 2
     (rows 0-2 precede every key of rank 1; 9-11 see all six of its segment; 12, 15 padding)
 
 A step whose ranges are all empty (every row) issues no kernel at all (ring.py).
+
+`layout="rotated"` (packer.context_parallel's docstring): in span k rank r holds the chunk pair
+(r + k) mod C; positions still rise along every rank's tokens, so all of the above holds.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from seqpack.kernels.attention_schedule import (
     bounded_schedule,
     token_bounds,
 )
+
+LAYOUTS = ("te", "rotated")  # packer.context_parallel.LAYOUTS
 
 
 def span_bounds(segment_offsets: jax.Array, segment_lengths: jax.Array, seq_len: int,
@@ -62,8 +67,11 @@ def rank_positions(
     *,
     seq_len: int,
     context_parallel: int,
+    layout: str = "te",
 ) -> jax.Array:  # i32[B, L / C], rising along each row
-    """Row positions of rank `rank`'s tokens in the load-balanced layout."""
+    """Row positions of rank `rank`'s tokens in the load-balanced layout ("te" or "rotated")."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"context_parallel_layout={layout!r} must be one of {LAYOUTS}")
     C = context_parallel
     batch, local = segment_offsets.shape[0], seq_len // C
     bounds = span_bounds(segment_offsets, segment_lengths, seq_len, C) // C  # local units
@@ -75,6 +83,8 @@ def rank_positions(
     chunk = (keys[j + 1].reshape(batch, local) - shift - span_start) // 2
     u = t[None, :] - span_start
     first = u < chunk
+    if layout == "rotated":
+        rank = (rank + (j % bounds.shape[1]).reshape(batch, local)) % C
     which = jnp.where(first, rank, 2 * C - 1 - rank)
     return (span_start * C + which * chunk + jnp.where(first, u, u - chunk)).astype(jnp.int32)
 
@@ -85,10 +95,12 @@ def context_parallel_order(
     *,
     seq_len: int,
     context_parallel: int,
+    layout: str = "te",
 ) -> jax.Array:  # i32[B, L]
     """The jnp twin of `packer.context_parallel_order`: x[b, order[b]] is the layout."""
     ranks = [rank_positions(segment_offsets, segment_lengths, r, seq_len=seq_len,
-                            context_parallel=context_parallel) for r in range(context_parallel)]
+                            context_parallel=context_parallel, layout=layout)
+             for r in range(context_parallel)]
     return jnp.concatenate(ranks, axis=1)
 
 
@@ -106,10 +118,10 @@ class Rows(NamedTuple):
 
 
 def rank_rows(segment_offsets: jax.Array, segment_lengths: jax.Array, rank: jax.Array | int, *,
-              seq_len: int, context_parallel: int) -> Rows:
+              seq_len: int, context_parallel: int, layout: str = "te") -> Rows:
     """Positions and segment bounds of rank `rank`'s tokens (from the global metadata)."""
     pos = rank_positions(segment_offsets, segment_lengths, rank, seq_len=seq_len,
-                         context_parallel=context_parallel)
+                         context_parallel=context_parallel, layout=layout)
     start, end = token_bounds(segment_offsets, segment_lengths, seq_len, seq_len)
     return Rows(pos, jnp.take_along_axis(start, pos, axis=1),
                 jnp.take_along_axis(end, pos, axis=1))

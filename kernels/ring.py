@@ -48,6 +48,7 @@ class Ring(NamedTuple):
     cfg: AttentionConfig | None = None  # the kernels' config: local shapes, non-causal
     count: bool = False  # also return each step's visit counters and ranges (tests)
     skip: bool = True  # False: every step runs its kernels (the TPU interpreter, see below)
+    layout: str = "te"  # the load-balanced layout: "te" or "rotated" (context_parallel.py)
 
 
 def _shift(x: Any, ring: Ring) -> Any:
@@ -56,7 +57,8 @@ def _shift(x: Any, ring: Ring) -> Any:
 
 
 def _rows(offsets: jax.Array, lengths: jax.Array, rank: Any, ring: Ring) -> Rows:
-    return rank_rows(offsets, lengths, rank, seq_len=ring.seq_len, context_parallel=ring.size)
+    return rank_rows(offsets, lengths, rank, seq_len=ring.seq_len, context_parallel=ring.size,
+                     layout=ring.layout)
 
 
 def _merge(o: jax.Array, lse: jax.Array, o_s: jax.Array, lse_s: jax.Array):

@@ -10,7 +10,8 @@
   (`CostModel`) and the steps' balance (`step_balance`, `balance_slices`).
 - `stats`, `validate`, `bounds.tight_lower_bound`.
 - `context_parallel_order`: TransformerEngine's load-balanced layout of rows packed with
-  `PackConfig(context_parallel=C)`, and each rank's attention work under it (`rank_work`).
+  `PackConfig(context_parallel=C)` (or its `layout="rotated"` variant), and each rank's
+  attention work under it (`rank_work`).
 """
 
 from seqpack.packer import contract

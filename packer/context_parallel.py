@@ -21,6 +21,12 @@ fused_attn/context_parallel.cu at commit 045b84834454): the token at offset u of
 starts at s with chunks of c = span / 2C tokens is s + u + c r in its first chunk, else
 s + u + c (2C - 2 - r); pass it the span boundaries (ending at L) as cu_seqlens and the rows
 serve TE users as they are. `kernels` holds a jnp twin of this order, tested to agree.
+
+`layout="rotated"` turns the pairs round span by span: in span k (counted over the row's
+boundaries) rank r holds chunks (r + k) mod C and its mirror. TE's layout gives every span's
+last chunk to rank 0, so on rows of many short segments, whose last chunks are mostly padding,
+the low ranks lose work; rotating spreads that loss over the ranks. Only seqpack's kernels read
+rotated rows (TransformerEngine expects `"te"`).
 """
 
 from __future__ import annotations
@@ -29,7 +35,16 @@ import numpy as np
 
 from seqpack.packer.plan import aligned
 
-__all__ = ["context_parallel_order", "rank_work"]
+__all__ = ["LAYOUTS", "context_parallel_order", "rank_work"]
+
+LAYOUTS = ("te", "rotated")
+
+
+def check_layout(layout: object, name: str = "layout") -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"{name}={layout!r} must be one of {LAYOUTS} ('te': TransformerEngine's "
+                         "load-balanced layout; 'rotated': its chunk pairs turned span by span)")
+    return str(layout)
 
 
 def _check(offsets: object, lengths: object, seq_len: int, context_parallel: int):
@@ -76,9 +91,12 @@ def context_parallel_order(
     *,
     seq_len: int,
     context_parallel: int,
+    layout: str = "te",
 ) -> np.ndarray:  # i32[B, L] (or [L])
     """The load-balanced layout's permutation (module docstring): `x[b, order[b]]` places rank
-    r's tokens at `[r L/C, (r + 1) L/C)`; ValueError when an offset is not a multiple of 2C."""
+    r's tokens at `[r L/C, (r + 1) L/C)`; ValueError when an offset is not a multiple of 2C.
+    `layout`: "te" (TransformerEngine's) or "rotated" (the pairs turned span by span)."""
+    rotated = check_layout(layout) == "rotated"
     off, ln, _, one = _check(segment_offsets, segment_lengths, seq_len, context_parallel)
     C, B = int(context_parallel), off.shape[0]
     local = seq_len // C
@@ -93,6 +111,8 @@ def context_parallel_order(
     chunk = (keys[j + 1].reshape(B, local) - shift - span_start) // 2
     u = t[None, :] - span_start  # local offset inside the span
     rank = np.arange(C, dtype=np.int64)[None, :, None]
+    if rotated:  # span k's pair of rank r: (r + k) mod C, k counted over the row's boundaries
+        rank = (rank + (j % bounds.shape[1]).reshape(B, 1, local)) % C
     first = u[:, None, :] < chunk[:, None, :]
     which = np.where(first, rank, 2 * C - 1 - rank)
     within = np.where(first, u[:, None, :], u[:, None, :] - chunk[:, None, :])
@@ -108,10 +128,12 @@ def rank_work(
     seq_len: int,
     context_parallel: int,
     balanced: bool = True,
+    layout: str = "te",
 ) -> np.ndarray:  # i64[B, C]
     """Each rank's causal attention work per row: over its query tokens, the keys of the
     token's own segment at or before it (position + 1; 0 on padding). `balanced`: the
-    load-balanced layout; False: a contiguous split (rank r holds [r L/C, (r + 1) L/C))."""
+    load-balanced `layout`; False: a contiguous split (rank r holds [r L/C, (r + 1) L/C))."""
+    check_layout(layout)
     off, ln, used, _ = _check(segment_offsets, segment_lengths, seq_len, context_parallel)
     B, C = off.shape[0], int(context_parallel)
     work = np.zeros((B, seq_len + 2), np.int64)
@@ -124,6 +146,7 @@ def rank_work(
     np.add.at(work, (rows, ends + 1), ends - starts)
     work = np.cumsum(np.cumsum(work, axis=1), axis=1)[:, :seq_len]
     if balanced:
-        order = context_parallel_order(off, ln, seq_len=seq_len, context_parallel=C)
+        order = context_parallel_order(off, ln, seq_len=seq_len, context_parallel=C,
+                                       layout=layout)
         work = np.take_along_axis(work, order.astype(np.int64), axis=1)
     return work.reshape(B, C, seq_len // C).sum(axis=2)

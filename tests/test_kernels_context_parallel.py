@@ -32,31 +32,35 @@ def _rows(C: int, L: int, lengths: list[int], S: int = 6):
     return rows["tokens_segment_offsets"], rows["tokens_segment_lengths"]
 
 
-_order = jax.jit(cp.context_parallel_order, static_argnames=("seq_len", "context_parallel"))
+_order = jax.jit(cp.context_parallel_order,
+                 static_argnames=("seq_len", "context_parallel", "layout"))
 
 
 @settings(max_examples=25, deadline=None)
-@given(st.sampled_from([1, 2, 3, 4, 8]), st.lists(st.integers(1, 70), min_size=1, max_size=12))
-def test_the_jnp_layout_is_the_packers(C, lengths):
+@given(st.sampled_from([1, 2, 3, 4, 8]), st.lists(st.integers(1, 70), min_size=1, max_size=12),
+       st.sampled_from(["te", "rotated"]))
+def test_the_jnp_layout_is_the_packers(C, lengths, layout):
     offsets, lengths_ = _rows(C, 16 * C, lengths)
     pad = ((0, 64 - offsets.shape[0]), (0, 0))  # 64 rows: one compiled shape per C
     offsets, lengths_ = np.pad(offsets, pad), np.pad(lengths_, pad)
-    want = packer.context_parallel_order(offsets, lengths_, seq_len=16 * C, context_parallel=C)
-    got = _order(offsets, lengths_, seq_len=16 * C, context_parallel=C)
+    want = packer.context_parallel_order(offsets, lengths_, seq_len=16 * C, context_parallel=C,
+                                         layout=layout)
+    got = _order(offsets, lengths_, seq_len=16 * C, context_parallel=C, layout=layout)
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@pytest.mark.parametrize("layout", ["te", "rotated"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("C", [2, 4])
-def test_key_bounds_are_the_keys_a_query_may_see(C, causal):
+def test_key_bounds_are_the_keys_a_query_may_see(C, causal, layout):
     L = 24 * C
     offsets, lengths = _rows(C, L, [1, 5, 2 * C, 3 * C + 1, 7, 2, 11, 30])
     ids = np.asarray(reference.segment_index(offsets, lengths, L))
     S = offsets.shape[1]
     for r in range(C):
-        q = cp.rank_rows(offsets, lengths, r, seq_len=L, context_parallel=C)
+        q = cp.rank_rows(offsets, lengths, r, seq_len=L, context_parallel=C, layout=layout)
         for rk in range(C):
-            k = cp.rank_rows(offsets, lengths, rk, seq_len=L, context_parallel=C)
+            k = cp.rank_rows(offsets, lengths, rk, seq_len=L, context_parallel=C, layout=layout)
             a, b = (np.asarray(x) for x in cp.key_bounds(q, k.pos, causal=causal))
             qp, kp = np.asarray(q.pos), np.asarray(k.pos)
             for row in range(offsets.shape[0]):
@@ -83,8 +87,8 @@ def _cases(*names: str, timeout: int = 900) -> None:
 def test_ring_equals_the_unsharded_attention():
     """f32, C = 2: the jnp reference ring and the Triton kernels (interpret mode); rows of one
     segment over all ranks, many short ones, an empty row, padding inside spans, grouped
-    query heads, NaN outside segments."""
-    _cases("reference:2", "gpu:2")
+    query heads, NaN outside segments; and the rotated layout."""
+    _cases("reference:2", "gpu:2", "reference:2:rotated")
 
 
 @pytest.mark.slow
@@ -99,7 +103,8 @@ def test_ring_equals_the_unsharded_attention_on_more_ranks(C):
     callbacks, which convert arrays while every device waits at its barrier, starve the CPU
     client's threads (a hang, not a failure of the kernels)."""
     tpu = [f"tpu:{C}"] if C <= 4 else []
-    _cases(f"reference:{C}", f"gpu:{C}", *tpu, f"reference:{C}:bf16", f"gpu:{C}:bf16")
+    _cases(f"reference:{C}", f"gpu:{C}", *tpu, f"reference:{C}:bf16", f"gpu:{C}:bf16",
+           f"gpu:{C}:rotated")
 
 
 def test_kernels_compute_their_schedule_and_skip_empty_steps():
@@ -128,3 +133,6 @@ def test_context_parallel_input_checks():
     meta = jnp.zeros((1, 2), jnp.int32)
     with pytest.raises(ValueError, match="context_parallel_axis='cp' is not an axis here"):
         kernels.segment_attention(q, q, q, meta, meta, context_parallel_axis="cp")
+    with pytest.raises(ValueError, match="context_parallel_layout='thd' must be one of"):
+        kernels.segment_attention(q, q, q, meta, meta, context_parallel_axis="cp",
+                                  context_parallel_layout="thd")

@@ -195,3 +195,49 @@ def test_rows_stay_near_the_bound_on_the_padded_lengths():
         assert p.num_rows <= bound * 1.002 + 1, (C, p.num_rows, bound)
         plain = plan(lengths, PackConfig(4096, max_segments=64))
         assert p.num_rows >= plain.num_rows  # the padding costs rows, never saves them
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 8), st.lists(st.integers(0, 40), min_size=1, max_size=12), st.data())
+def test_rotated_layout_gives_each_rank_one_mirrored_pair_of_every_span(C, lengths, data):
+    config = PackConfig(2 * C * data.draw(st.integers(4, 24)), max_segments=4, overflow="split",
+                        context_parallel=C)
+    rows = pack([np.arange(n) for n in lengths], config)
+    offs, lens = rows["tokens_segment_offsets"], rows["tokens_segment_lengths"]
+    order = context_parallel_order(offs, lens, seq_len=config.seq_len, context_parallel=C,
+                                   layout="rotated")
+    L, local = config.seq_len, config.seq_len // C
+    for b in range(offs.shape[0]):
+        assert sorted(order[b].tolist()) == list(range(L))
+        cu = _spans(offs[b].tolist(), lens[b].tolist(), L, C)
+        pairs = []
+        for r in range(C):
+            mine = order[b, r * local : (r + 1) * local]
+            assert (np.diff(mine) > 0).all()  # each rank keeps the row's order
+            for s, e in zip(cu[:-1], cu[1:]):
+                chunk = (e - s) // (2 * C)
+                got = sorted({int(t - s) // chunk for t in mine if s <= t < e})
+                assert len(got) == 2 and got[0] + got[1] == 2 * C - 1, (r, s, got)
+                pairs.append((s, r, got[0]))
+        # across the spans the pairs turn: each rank holds a pair other than TE's somewhere
+        if C > 1 and len(cu) > 3:
+            assert any(p != r for _, r, p in pairs)
+
+
+def test_rotated_layout_evens_rows_of_many_short_segments():
+    """Chat-like lengths at C = 8: TE's layout leaves the low ranks short (each segment's
+    padding lands in its last chunks, theirs); turning the pairs spreads that."""
+    rng = np.random.default_rng(0)
+    C, L = 8, 32768
+    config = PackConfig(L, max_segments=L // 16, overflow="split", context_parallel=C)
+    rows = pack([np.arange(n) for n in rng.integers(20, 800, 6000)], config)
+    offs, lens = rows["tokens_segment_offsets"], rows["tokens_segment_lengths"]
+
+    def spread(layout):
+        work = rank_work(offs, lens, seq_len=L, context_parallel=C, layout=layout)
+        return (work.max(axis=1) / work.mean(axis=1)).mean()
+
+    te, rotated = spread("te"), spread("rotated")
+    assert rotated < 1.015 and te > 1.03, (te, rotated)
+    with pytest.raises(ValueError, match="layout='thd' must be one of"):
+        context_parallel_order(offs, lens, seq_len=L, context_parallel=C, layout="thd")

@@ -33,28 +33,30 @@ def _examples(n=60, seed=0):
             for a, b in zip(offsets[:-1], offsets[1:])]
 
 
-def _batches(source, *, context_parallel=None, pack=None, n=3):
+def _batches(source, *, context_parallel=None, pack=None, n=3, layout="te"):
     ds = make_training_pipeline(
         source, pack=pack, batch=Batching(4, shard_index=0, shard_count=1,
-                                          context_parallel=context_parallel),
+                                          context_parallel=context_parallel,
+                                          context_parallel_layout=layout),
         shuffle_seed=3, num_epochs=1, columns=Columns(labels=["labels"]),
         prefetch=Prefetch(buffer_size=0))
     return [b for _, b in zip(range(n), ds)]
 
 
-def _unpermuted(batch, C):
+def _unpermuted(batch, C, layout="te"):
     order = packer.context_parallel_order(batch["tokens_segment_offsets"],
                                           batch["tokens_segment_lengths"], seq_len=L,
-                                          context_parallel=C)
+                                          context_parallel=C, layout=layout)
     back = np.argsort(order, axis=1)
     return {k: np.take_along_axis(v, back, axis=1) if v.ndim == 2 and v.shape[1] == L else v
             for k, v in batch.items()}
 
 
-@pytest.mark.parametrize("C", [2, 4])
-def test_batches_come_in_the_layout_of_rows_packed_for_it(C):
+@pytest.mark.parametrize("C, layout", [(2, "te"), (4, "te"), (4, "rotated")])
+def test_batches_come_in_the_layout_of_rows_packed_for_it(C, layout):
     source = grain.MapDataset.source(_examples())
-    got = _batches(source, context_parallel=C, pack=PackConfig(L, max_segments=S))
+    got = _batches(source, context_parallel=C, pack=PackConfig(L, max_segments=S),
+                   layout=layout)
     # the same rows as packing with context_parallel=C and no layout: permuted alike
     plain = _batches(source, pack=PackConfig(L, max_segments=S, context_parallel=C))
     assert len(got) == len(plain) == 3
@@ -63,7 +65,7 @@ def test_batches_come_in_the_layout_of_rows_packed_for_it(C):
         for k in ("tokens_segment_offsets", "tokens_segment_lengths", "segment_source_index",
                   "loss_tokens"):
             np.testing.assert_array_equal(b[k], p[k])  # metadata stays global
-        back = _unpermuted(b, C)
+        back = _unpermuted(b, C, layout)
         for k in ("tokens", "tokens_segment_ids", "tokens_positions", "labels"):
             np.testing.assert_array_equal(back[k], p[k], err_msg=k)
         packer.validate({k: v for k, v in back.items() if k != "labels" and k != "loss_tokens"},
@@ -84,6 +86,8 @@ def test_the_layout_is_refused_for_rows_not_aligned_to_it():
                                                              context_parallel=1))
     with pytest.raises(ValueError, match="context_parallel=0"):
         Batching(4, context_parallel=0)
+    with pytest.raises(ValueError, match="context_parallel_layout='thd' must be one of"):
+        Batching(4, context_parallel=2, context_parallel_layout="thd")
     # rows packed for 4 ranks serve 2 (spans of multiples of 8 are multiples of 4)
     assert _batches(source, context_parallel=2, n=1,
                     pack=PackConfig(L, max_segments=S, context_parallel=4))

@@ -38,6 +38,7 @@ from grain.experimental import ThreadPrefetchIterDataset
 
 from seqpack import packer
 from seqpack.packer import PackConfig
+from seqpack.packer.context_parallel import check_layout
 from seqpack.pipelines.datasets import packed
 from seqpack.pipelines.datasets.balance import Balance, BalanceRanks
 from seqpack.pipelines.datasets.columns import (
@@ -127,6 +128,9 @@ class Batching:
     context_parallel: C: rows in the load-balanced layout of C context-parallel ranks
                     (`ContextParallelLayout`; rank r's tokens at [r L/C, (r + 1) L/C)), packed
                     with `PackConfig(context_parallel=C)`. None: rows as packed.
+    context_parallel_layout: "te" (TransformerEngine's, the default) or "rotated" (its chunk
+                    pairs turned span by span: more even ranks on rows of many short
+                    segments; read by seqpack's kernels only).
     """
 
     batch_size: int
@@ -134,6 +138,7 @@ class Batching:
     shard_index: int | None = None
     shard_count: int | None = None
     context_parallel: int | None = None
+    context_parallel_layout: str = "te"
 
     def __post_init__(self) -> None:
         shard_index, shard_count = self.shard_index, self.shard_count
@@ -148,6 +153,7 @@ class Batching:
                 raise ValueError(f"{shard_index=} must be in [0, {shard_count=})")
         if self.context_parallel is not None:
             check_int("context_parallel", self.context_parallel, low=1)
+        check_layout(self.context_parallel_layout, "context_parallel_layout")
 
     def shard(self) -> tuple[int, int, int | None]:
         """(this host's shard, the shard count, its local devices if known: from jax by
@@ -196,16 +202,18 @@ class ContextParallelLayout:
 
     context_parallel: int
     feature: str = "tokens"
+    layout: str = "te"  # or "rotated" (packer.context_parallel_order)
 
     def __post_init__(self) -> None:
         check_int("context_parallel", self.context_parallel, low=1)
+        check_layout(self.layout)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         k = packer.contract.keys(self.feature)
         seq_len = np.shape(batch[k.values])[-1]
         order = packer.context_parallel_order(
             batch[k.segment_offsets], batch[k.segment_lengths], seq_len=seq_len,
-            context_parallel=self.context_parallel)
+            context_parallel=self.context_parallel, layout=self.layout)
         per_slot = {*k.per_slot, k.source_index, k.source_start}
         return {name: np.take_along_axis(v, order, axis=1)
                 if np.ndim(v) == 2 and np.shape(v)[1] == seq_len and name not in per_slot else v
@@ -369,5 +377,6 @@ def make_training_pipeline(
     if balance.ranks is not None:
         ds = ds.map(BalanceRanks(balance.ranks, feature=feature, cost_model=balance.cost))
     if batch.context_parallel is not None:
-        ds = ds.map(ContextParallelLayout(batch.context_parallel, feature=feature))
+        ds = ds.map(ContextParallelLayout(batch.context_parallel, feature=feature,
+                                          layout=batch.context_parallel_layout))
     return _ClosedAtExit(_prefetch(ds, prefetch))

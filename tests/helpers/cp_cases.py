@@ -3,10 +3,11 @@
 
 XLA_FLAGS must give jax its devices before jax is imported, and the rest of the test session
 reads jax's local device count, so these cases never run inside the pytest process. A case
-name is `<impl>:<C>[:bf16]` (values and gradients of segment_attention under shard_map against
-the unsharded reference), `visits:<impl>:<C>` (the kernels' visit counters against each ring
-step's schedule, the steps skipped), `lower:<platform>`, `tinylm:<C>:<normalize>[:tpu]` (the
-tiny LM over C devices against its documents trained one by one) or `train:<C>` (a few steps of
+name is `<impl>:<C>[:bf16][:rotated]` (values and gradients of segment_attention under
+shard_map against the unsharded reference; `rotated`: that layout instead of TE's),
+`visits:<impl>:<C>` (the kernels' visit counters against each ring step's schedule, the steps
+skipped), `lower:<platform>`, `tinylm:<C>:<normalize>[:tpu]` (the tiny LM over C devices
+against its documents trained one by one) or `train:<C>` (a few steps of
 examples/train_tiny_lm.py with --context-parallel C). Each passing case prints "ok CASE".
 """
 
@@ -68,7 +69,7 @@ def metadata(segments: list[list[tuple[int, int]]], S: int = 8):
     return offsets, lengths
 
 
-def inputs(C: int, local: int, dtype, segments=None, seed: int = 0):
+def inputs(C: int, local: int, dtype, segments=None, seed: int = 0, layout: str = "te"):
     """Global-layout q, k, v, cotangent (NaN outside segments) and metadata, and the layout."""
     offsets, lengths = metadata(segments or rows(C, local))
     L = C * local
@@ -79,7 +80,8 @@ def inputs(C: int, local: int, dtype, segments=None, seed: int = 0):
         x = rng.normal(size=(offsets.shape[0], L, n, D)).astype(np.float32)
         return np.where(outside[:, :, None, None] & nan, np.nan, x).astype(dtype)
 
-    order = packer.context_parallel_order(offsets, lengths, seq_len=L, context_parallel=C)
+    order = packer.context_parallel_order(offsets, lengths, seq_len=L, context_parallel=C,
+                                          layout=layout)
     return (tensor(H), tensor(K), tensor(K), tensor(H, nan=False), offsets, lengths), order, \
         outside
 
@@ -99,10 +101,11 @@ def sharded(fn, C: int, out_specs, *, check_vma: bool = True):
 
 
 @functools.cache
-def cp_value_and_grads(impl: str, C: int):
+def cp_value_and_grads(impl: str, C: int, layout: str = "te"):
     def local(q, k, v, offsets, lengths, g):
         f = functools.partial(kernels.segment_attention, segment_offsets=offsets,
-                              segment_lengths=lengths, context_parallel_axis="cp", **IMPLS[impl])
+                              segment_lengths=lengths, context_parallel_axis="cp",
+                              context_parallel_layout=layout, **IMPLS[impl])
         o, vjp = jax.vjp(f, q, k, v)
         return (o, *vjp(g))
 
@@ -119,11 +122,12 @@ def unsharded(q, k, v, offsets, lengths, g):
     return (o, *vjp(g))
 
 
-def check_values(impl: str, C: int, dtype=np.float32, local: int = 64) -> None:
-    (q, k, v, g, offsets, lengths), order, outside = inputs(C, local, dtype)
+def check_values(impl: str, C: int, dtype=np.float32, local: int = 64, layout: str = "te"
+                 ) -> None:
+    (q, k, v, g, offsets, lengths), order, outside = inputs(C, local, dtype, layout=layout)
     want = unsharded(q, k, v, offsets, lengths, g)
     want = [permuted(np.asarray(x, np.float32), order) for x in want]
-    got = cp_value_and_grads(impl, C)(*(permuted(x, order) for x in (q, k, v)), offsets,
+    got = cp_value_and_grads(impl, C, layout)(*(permuted(x, order) for x in (q, k, v)), offsets,
                                        lengths, permuted(g, order))
     rtol, atol = TOL[jnp.dtype(dtype).name]
     out = permuted(outside[..., None, None], order)[..., 0, 0]
@@ -288,8 +292,9 @@ def run(case: str) -> None:
     elif parts[0] == "visits":
         check_visits(parts[1], int(parts[2]))
     else:
-        dtype = jnp.bfloat16 if parts[2:] == ["bf16"] else np.float32
-        check_values(parts[0], int(parts[1]), dtype)
+        dtype = jnp.bfloat16 if "bf16" in parts[2:] else np.float32
+        layout = "rotated" if "rotated" in parts[2:] else "te"
+        check_values(parts[0], int(parts[1]), dtype, layout=layout)
     print("ok", case, f"{time.perf_counter() - start:.1f}s", flush=True)
 
 
