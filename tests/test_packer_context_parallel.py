@@ -61,13 +61,18 @@ def test_worked_example_of_the_docstring():
     assert order.dtype == np.int32
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.integers(1, 8), st.lists(st.integers(0, 40), min_size=1, max_size=12), st.data())
-def test_order_is_transformer_engines_layout(C, lengths, data):
+def _drawn_rows(C, lengths, data):
+    """(config, offsets, lengths) of rows packed for C ranks, seq_len a drawn multiple of 2C."""
     config = PackConfig(2 * C * data.draw(st.integers(4, 24)), max_segments=4, overflow="split",
                         context_parallel=C)
     rows = pack([np.arange(n) for n in lengths], config)
-    offs, lens = rows["tokens_segment_offsets"], rows["tokens_segment_lengths"]
+    return config, rows["tokens_segment_offsets"], rows["tokens_segment_lengths"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 8), st.lists(st.integers(0, 40), min_size=1, max_size=12), st.data())
+def test_order_is_transformer_engines_layout(C, lengths, data):
+    config, offs, lens = _drawn_rows(C, lengths, data)
     order = context_parallel_order(offs, lens, seq_len=config.seq_len, context_parallel=C)
     L, local = config.seq_len, config.seq_len // C
     for b in range(offs.shape[0]):
@@ -200,10 +205,7 @@ def test_rows_stay_near_the_bound_on_the_padded_lengths():
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 8), st.lists(st.integers(0, 40), min_size=1, max_size=12), st.data())
 def test_rotated_layout_gives_each_rank_one_mirrored_pair_of_every_span(C, lengths, data):
-    config = PackConfig(2 * C * data.draw(st.integers(4, 24)), max_segments=4, overflow="split",
-                        context_parallel=C)
-    rows = pack([np.arange(n) for n in lengths], config)
-    offs, lens = rows["tokens_segment_offsets"], rows["tokens_segment_lengths"]
+    config, offs, lens = _drawn_rows(C, lengths, data)
     order = context_parallel_order(offs, lens, seq_len=config.seq_len, context_parallel=C,
                                    layout="rotated")
     L, local = config.seq_len, config.seq_len // C
