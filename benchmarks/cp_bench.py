@@ -3,14 +3,14 @@ block pairs visited.
 
     python -m benchmarks.cp_bench                          # chat_dev, stdlib_source; 32k, 128k
     python -m benchmarks.cp_bench --corpora stdlib_source --seq-lens 32768 --ranks 2 4
-    python -m benchmarks.cp_bench --layout rotated         # ring pairs in the rotated layout
+    python -m benchmarks.cp_bench --layout balanced        # ring pairs in the balanced layout
 
 Each corpus is planned (lengths only) with PackConfig(L, max_segments=L/32, overflow="split",
 context_parallel=C), for C in --ranks. Per row, with C ranks:
 - work: each rank's causal attention work, per query token the keys of its own segment at or
   before it (packer.rank_work); max/mean over the ranks, in TransformerEngine's load-balanced
-  layout (packer.context_parallel_order), in its rotated variant (layout="rotated") and in a
-  contiguous split (rank r: [r L/C, (r+1) L/C)); the mean over rows and the worst row;
+  layout (packer.context_parallel_order), in its rotated and balanced variants (layout=) and in
+  a contiguous split (rank r: [r L/C, (r+1) L/C)); the mean over rows and the worst row;
 - rows, padding: what the 2C alignment costs against packing without it;
 - ring steps skipped: of the C x C (rank, step) pairs of a ring, those whose schedule holds no
   block pair, so no kernel runs (kernels/ring.py), in the --layout;
@@ -60,15 +60,16 @@ def work_balance(offsets, lengths, seq_len: int, C: int, layout: str | None) -> 
     return work.max(axis=1)[mean > 0] / mean[mean > 0]
 
 
-@functools.partial(jax.jit, static_argnames=("seq_len", "C", "block", "layout"))
-def _pair(offsets, lengths, r, rk, *, seq_len: int, C: int, block: int, layout: str):
-    """Per row: pairs visited by (rank r, keys of rank rk), pairs needed, whether any."""
+@functools.partial(jax.jit, static_argnames=("seq_len", "C", "block"))
+def _pair(offsets, lengths, q_pos, k_pos, *, seq_len: int, C: int, block: int):
+    """Per row: pairs visited by (a rank's queries at row positions q_pos, another's keys at
+    k_pos), pairs needed, whether any."""
     local = seq_len // C
     cfg = sched.AttentionConfig(seq_len=local, heads=1, kv_heads=1, head_dim=1, causal=False,
                                 scale=1.0, block_q=block, block_kv=block, block_q_bwd=block,
                                 block_kv_bwd=block, interpret=False)
-    q = cp.rank_rows(offsets, lengths, r, seq_len=seq_len, context_parallel=C, layout=layout)
-    k = cp.rank_rows(offsets, lengths, rk, seq_len=seq_len, context_parallel=C, layout=layout)
+    q = cp.rows_at(offsets, lengths, q_pos, seq_len=seq_len)
+    k = cp.rows_at(offsets, lengths, k_pos, seq_len=seq_len)
     s = cp.pair_schedule(q, k, cfg, causal=True)
     visited = jnp.sum(s.hi - s.lo, axis=1)
     a, b = cp.key_bounds(q, k.pos, causal=True)
@@ -100,12 +101,15 @@ def ring_pairs(offsets, lengths, seq_len: int, C: int, block: int, layout: str,
     for i in range(0, offsets.shape[0], chunk):
         o, n = offsets[i:i + chunk], lengths[i:i + chunk]
         real = o.shape[0]
-        o, n = (jnp.asarray(np.pad(x, ((0, chunk - real), (0, 0)))) for x in (o, n))
+        o, n = (np.pad(x, ((0, chunk - real), (0, 0))) for x in (o, n))
+        pos = packer.context_parallel_order(o, n, seq_len=seq_len, context_parallel=C,
+                                            layout=layout).reshape(chunk, C, -1)
+        o, n = jnp.asarray(o), jnp.asarray(n)
         single += int(_one_device(o, n, seq_len=seq_len, block=block).sum())
         for r in range(C):
             for s in range(C):
-                v, nd, ran = _pair(o, n, r, (r - s) % C, seq_len=seq_len, C=C, block=block,
-                                   layout=layout)
+                v, nd, ran = _pair(o, n, pos[:, r], pos[:, (r - s) % C], seq_len=seq_len, C=C,
+                                   block=block)
                 visited += int(v.sum())
                 needed += int(nd.sum())
                 skipped += int((~ran[:real]).sum())
@@ -125,10 +129,11 @@ def run(name: str, lengths: np.ndarray, seq_len: int, ranks: list[int], block: i
         off, lens = plan_rows(lengths, seq_len, C)
         R = off.shape[0]
         pad = 1 - lens.sum() / (R * seq_len)
-        bal, rot, cont = (work_balance(off, lens, seq_len, C, x) for x in ("te", "rotated", None))
+        bal, rot, even, cont = (work_balance(off, lens, seq_len, C, x)
+                                for x in ("te", "rotated", "balanced", None))
         visited, needed, skipped, single = ring_pairs(off, lens, seq_len, C, block, layout)
         out.append([name, seq_len, C, f"{R} ({plain_off.shape[0]})",
-                    f"{pad:.2%} ({plain_pad:.2%})", _q(bal), _q(rot), _q(cont),
+                    f"{pad:.2%} ({plain_pad:.2%})", _q(bal), _q(rot), _q(even), _q(cont),
                     f"{skipped / (R * C * C):.1%}", f"{visited:,}", f"{needed:,}",
                     f"{visited / needed:.3f}", f"{visited / single:.3f}"])
         print(*out[-1], sep=" | ", flush=True)
@@ -141,7 +146,7 @@ def main() -> None:
     ap.add_argument("--seq-lens", nargs="*", type=int, default=[32768, 131072])
     ap.add_argument("--ranks", nargs="*", type=int, default=[2, 4, 8])
     ap.add_argument("--block", type=int, default=512, help="query / key block of the pairs")
-    ap.add_argument("--layout", choices=["te", "rotated"], default="te",
+    ap.add_argument("--layout", choices=["te", "rotated", "balanced"], default="te",
                     help="the layout of the ring pairs")
     a = ap.parse_args()
     rows = []
@@ -152,8 +157,8 @@ def main() -> None:
         f"context parallelism: work max/mean (mean over rows / worst row), blocks of {a.block}, "
         f"ring pairs in the {a.layout!r} layout",
         ["corpus", "L", "C", "rows (no CP)", "padding (no CP)", "TE layout work max/mean",
-         "rotated max/mean", "contiguous max/mean", "ring steps skipped", "pairs visited",
-         "bound", "visited/bound", "visited/1 device"], rows)
+         "rotated max/mean", "balanced max/mean", "contiguous max/mean", "ring steps skipped",
+         "pairs visited", "bound", "visited/bound", "visited/1 device"], rows)
 
 
 if __name__ == "__main__":

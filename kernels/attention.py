@@ -194,11 +194,21 @@ def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, in
 
 
 def _ring(q, k, v, segment_offsets, segment_lengths, axis: str, *, causal, scale, impl,
-          interpret, block_sizes, layout, count_visits=False) -> ring.Ring | None:
+          interpret, block_sizes, layout, positions, count_visits=False) -> ring.Ring | None:
     """The ring of a call with a context_parallel_axis (None when the axis has one rank)."""
     _check(q, k, v, segment_offsets, segment_lengths)
-    if layout not in LAYOUTS:
-        raise ValueError(f"context_parallel_layout={layout!r} must be one of {LAYOUTS}")
+    if layout not in (*LAYOUTS, "balanced"):
+        raise ValueError(f"context_parallel_layout={layout!r} must be one of "
+                         f"{(*LAYOUTS, 'balanced')}")
+    if positions is None and layout not in LAYOUTS:
+        raise ValueError(f"context_parallel_layout={layout!r} is not computed on device: pass "
+                         "this rank's row positions, context_parallel_positions= (the batch's "
+                         "'<feature>_row_positions', sharded as q is)")
+    if positions is not None and (tuple(positions.shape) != tuple(q.shape[:2]) or
+                                  not jnp.issubdtype(positions.dtype, jnp.integer)):
+        raise ValueError(f"context_parallel_positions: {positions.dtype}{list(positions.shape)} "
+                         f"must be integer [B, L/C] = {list(q.shape[:2])}, this rank's tokens' "
+                         "row positions")
     try:
         size = lax.axis_size(axis)
     except NameError:
@@ -217,7 +227,8 @@ def _ring(q, k, v, segment_offsets, segment_lengths, axis: str, *, causal, scale
         if count_visits:
             raise ValueError("visited_block_pairs counts the Pallas kernels' visits; pass "
                              "impl='pallas_tpu' or 'pallas_gpu' (with interpret= on a CPU)")
-        return ring.Ring(axis, size, q.shape[1] * size, causal, scale, layout=layout)
+        return ring.Ring(axis, size, q.shape[1] * size, causal, scale,
+                         layout=layout if layout in LAYOUTS else "te")
     # causality is in each step's bounds: the kernels run non-causal
     cfg = _config(q, k, causal=False, scale=scale, blocks=blocks, interpret=interpret, impl=impl,
                   count_visits=count_visits)
@@ -225,7 +236,15 @@ def _ring(q, k, v, segment_offsets, segment_lengths, axis: str, *, causal, scale
         _check_smem(q.shape[0], cfg)
     return ring.Ring(axis, size, q.shape[1] * size, causal, scale,
                      gpu if cfg.gpu is not None else tpu, cfg,
-                     skip=not isinstance(interpret, pltpu.InterpretParams), layout=layout)
+                     skip=not isinstance(interpret, pltpu.InterpretParams),
+                     layout=layout if layout in LAYOUTS else "te")
+
+
+def _positions(positions, offsets, lengths, cp: ring.Ring) -> jax.Array:
+    """This rank's row positions: the caller's, else computed from the metadata."""
+    if positions is None:
+        return ring.local_positions(offsets, lengths, cp)
+    return positions.astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "impl", "interpret",
@@ -245,6 +264,7 @@ def segment_attention(
     block_sizes: AttentionBlockSizes | GpuAttentionBlockSizes | None = None,
     context_parallel_axis: str | None = None,
     context_parallel_layout: str = "te",
+    context_parallel_positions: jax.Array | None = None,  # int[B, L/C]
 ) -> jax.Array:  # f[B, L, H, D]
     """softmax(q k^T * scale) v within each segment (scale default D^-0.5); 0 outside segments.
 
@@ -253,18 +273,25 @@ def segment_attention(
 
     context_parallel_axis: a mesh axis of C ranks; call inside `shard_map`, q / k / v being this
     rank's `[B, L/C, ...]` shard of the load-balanced layout (`packer.context_parallel_order`,
-    rows packed with `PackConfig(context_parallel=C)`; `context_parallel_layout` names it: "te"
-    or "rotated") and the metadata the whole rows' `[B, S]`.
+    rows packed with `PackConfig(context_parallel=C)`; `context_parallel_layout` names it: "te",
+    "rotated" or "balanced", the last with `context_parallel_positions`, this rank's tokens' row
+    positions, which any layout may pass) and the metadata the whole rows' `[B, S]`.
     Returns this rank's shard of the result: ring attention (ring.py), K / V passed round by
     `ppermute`, each step's blocks scheduled from the metadata.
     """
+    if context_parallel_axis is None and context_parallel_positions is not None:
+        raise ValueError("context_parallel_positions is for a call with a "
+                         "context_parallel_axis (inside shard_map)")
     if context_parallel_axis is not None:
         cp = _ring(q, k, v, segment_offsets, segment_lengths, context_parallel_axis,
                    causal=causal, scale=scale, impl=impl, interpret=interpret,
-                   block_sizes=block_sizes, layout=context_parallel_layout)
+                   block_sizes=block_sizes, layout=context_parallel_layout,
+                   positions=context_parallel_positions)
         if cp is not None:
             run = ring.reference_ring if cp.family is None else ring.pallas_ring
-            return run(q, k, v, segment_offsets, segment_lengths, cp)
+            return run(q, k, v, segment_offsets, segment_lengths,
+                       _positions(context_parallel_positions, segment_offsets, segment_lengths,
+                                  cp), cp)
     setup = _setup(q, k, v, segment_offsets, segment_lengths, causal=causal, scale=scale,
                    impl=impl, interpret=interpret, block_sizes=block_sizes)
     if setup is None:
@@ -292,6 +319,7 @@ def visited_block_pairs(
     block_sizes: AttentionBlockSizes | GpuAttentionBlockSizes | None = None,
     context_parallel_axis: str | None = None,
     context_parallel_layout: str = "te",
+    context_parallel_positions: jax.Array | None = None,  # int[B, L/C]
 ) -> dict[str, jax.Array]:
     """Debug: the kernels' results and how many block pairs each kernel computed.
 
@@ -306,10 +334,13 @@ def visited_block_pairs(
     if context_parallel_axis is not None:
         cp = _ring(q, k, v, segment_offsets, segment_lengths, context_parallel_axis,
                    causal=causal, scale=scale, impl=impl, interpret=interpret,
-                   block_sizes=block_sizes, layout=context_parallel_layout, count_visits=True)
+                   block_sizes=block_sizes, layout=context_parallel_layout,
+                   positions=context_parallel_positions, count_visits=True)
         if cp is not None:
             do = jnp.ones_like(q) if do is None else do
-            return ring.ring_visits(q, k, v, segment_offsets, segment_lengths, do, cp)
+            return ring.ring_visits(q, k, v, segment_offsets, segment_lengths,
+                                    _positions(context_parallel_positions, segment_offsets,
+                                               segment_lengths, cp), do, cp)
     setup = _setup(q, k, v, segment_offsets, segment_lengths, causal=causal, scale=scale,
                    impl=impl, interpret=interpret, block_sizes=block_sizes, count_visits=True)
     if setup is None:

@@ -23,7 +23,9 @@ into the key-block ranges each query block visits. Worked example, L = 16, C = 2
 A step whose ranges are all empty (every row) issues no kernel at all (ring.py).
 
 `layout="rotated"` (packer.context_parallel's docstring): in span k rank r holds the chunk pair
-(r + k) mod C; positions still rise along every rank's tokens, so all of the above holds.
+(r + k) mod C; positions still rise along every rank's tokens, so all of the above holds. Any
+layout whose positions rise per rank works the same way given the positions (`rows_at`): the
+ring takes them from the caller for `"balanced"`, which has no twin here (a greedy scan).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from seqpack.kernels.attention_schedule import (
     token_bounds,
 )
 
-LAYOUTS = ("te", "rotated")  # packer.context_parallel.LAYOUTS
+LAYOUTS = ("te", "rotated")  # computed here (packer.context_parallel.LAYOUTS but "balanced")
 
 
 def span_bounds(segment_offsets: jax.Array, segment_lengths: jax.Array, seq_len: int,
@@ -117,14 +119,20 @@ class Rows(NamedTuple):
         return self.start <= self.pos
 
 
+def rows_at(segment_offsets: jax.Array, segment_lengths: jax.Array, pos: jax.Array, *,
+            seq_len: int) -> Rows:
+    """Rows of tokens at row positions `pos` i32[B, L/C] (rising): their segments' bounds."""
+    start, end = token_bounds(segment_offsets, segment_lengths, seq_len, seq_len)
+    return Rows(pos, jnp.take_along_axis(start, pos, axis=1),
+                jnp.take_along_axis(end, pos, axis=1))
+
+
 def rank_rows(segment_offsets: jax.Array, segment_lengths: jax.Array, rank: jax.Array | int, *,
               seq_len: int, context_parallel: int, layout: str = "te") -> Rows:
     """Positions and segment bounds of rank `rank`'s tokens (from the global metadata)."""
     pos = rank_positions(segment_offsets, segment_lengths, rank, seq_len=seq_len,
                          context_parallel=context_parallel, layout=layout)
-    start, end = token_bounds(segment_offsets, segment_lengths, seq_len, seq_len)
-    return Rows(pos, jnp.take_along_axis(start, pos, axis=1),
-                jnp.take_along_axis(end, pos, axis=1))
+    return rows_at(segment_offsets, segment_lengths, pos, seq_len=seq_len)
 
 
 def key_bounds(q: Rows, k_pos: jax.Array, *, causal: bool) -> tuple[jax.Array, jax.Array]:

@@ -1,7 +1,8 @@
 """Ring attention over packed rows: `segment_attention(..., context_parallel_axis=)` under
 `shard_map`, each of C ranks holding its shard of the load-balanced layout (context_parallel.py).
 
-    step s = 0 .. C-1 on rank r: keys / values of rank r - s (passed on by `ppermute`)
+    step s = 0 .. C-1 on rank r: keys / values of rank r - s and their row positions (passed
+    on by `ppermute`)
       schedule   context_parallel.pair_schedule(r, r - s): per query the keys it may see
       compute    the kernels over that schedule (lax.cond: a step whose ranges are all empty
                  issues no kernel), a partial (o_s, lse_s) of these keys
@@ -33,7 +34,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from seqpack.kernels.attention_schedule import MASK_VALUE, AttentionConfig
-from seqpack.kernels.context_parallel import Rows, pair_schedule, rank_rows, reference_step
+from seqpack.kernels.context_parallel import (
+    Rows,
+    pair_schedule,
+    rank_positions,
+    reference_step,
+    rows_at,
+)
 
 
 class Ring(NamedTuple):
@@ -48,7 +55,7 @@ class Ring(NamedTuple):
     cfg: AttentionConfig | None = None  # the kernels' config: local shapes, non-causal
     count: bool = False  # also return each step's visit counters and ranges (tests)
     skip: bool = True  # False: every step runs its kernels (the TPU interpreter, see below)
-    layout: str = "te"  # the load-balanced layout: "te" or "rotated" (context_parallel.py)
+    layout: str = "te"  # the layout local_positions computes: "te" or "rotated"
 
 
 def _shift(x: Any, ring: Ring) -> Any:
@@ -56,9 +63,14 @@ def _shift(x: Any, ring: Ring) -> Any:
     return lax.ppermute(x, ring.axis, [(j, (j + 1) % ring.size) for j in range(ring.size)])
 
 
-def _rows(offsets: jax.Array, lengths: jax.Array, rank: Any, ring: Ring) -> Rows:
-    return rank_rows(offsets, lengths, rank, seq_len=ring.seq_len, context_parallel=ring.size,
-                     layout=ring.layout)
+def local_positions(offsets: jax.Array, lengths: jax.Array, ring: Ring) -> jax.Array:
+    """This rank's row positions i32[B, L/C] in `ring.layout`, from the metadata."""
+    return rank_positions(offsets, lengths, lax.axis_index(ring.axis), seq_len=ring.seq_len,
+                          context_parallel=ring.size, layout=ring.layout)
+
+
+def _rows(offsets: jax.Array, lengths: jax.Array, pos: jax.Array, ring: Ring) -> Rows:
+    return rows_at(offsets, lengths, pos, seq_len=ring.seq_len)
 
 
 def _merge(o: jax.Array, lse: jax.Array, o_s: jax.Array, lse_s: jax.Array):
@@ -80,16 +92,17 @@ def _start(q: jax.Array, ring: Ring):
                   jnp.full((batch, heads, local), MASK_VALUE, jnp.float32)), ring)
 
 
-def reference_ring(q, k, v, offsets, lengths, ring: Ring) -> jax.Array:
-    """The ring over dense jnp steps; differentiable by autodiff."""
-    rank = lax.axis_index(ring.axis)
-    mine = _rows(offsets, lengths, rank, ring)
+def reference_ring(q, k, v, offsets, lengths, positions, ring: Ring) -> jax.Array:
+    """The ring over dense jnp steps; differentiable by autodiff. `positions`: this rank's
+    tokens' row positions, i32[B, L/C] (`local_positions`, or the batch's)."""
+    mine = _rows(offsets, lengths, positions, ring)
     o, lse = _start(q, ring)
-    kv = (k, v)
+    kv = (k, v, positions)
     for s in range(ring.size):
         kv = _shift(kv, ring) if s else kv
-        theirs = _rows(offsets, lengths, (rank - s) % ring.size, ring)
-        o_s, lse_s = reference_step(q, *kv, mine, theirs, causal=ring.causal, scale=ring.scale)
+        theirs = _rows(offsets, lengths, kv[2], ring)
+        o_s, lse_s = reference_step(q, *kv[:2], mine, theirs, causal=ring.causal,
+                                    scale=ring.scale)
         o, lse = _merge(o, lse, o_s, lse_s)
     return o.astype(q.dtype)
 
@@ -110,14 +123,14 @@ def _record(log: dict, s, **values) -> dict:
     return {k: log[k].at[s].set(values[k].astype(log[k].dtype)) for k in log}
 
 
-def _scheduler(offsets, lengths, ring: Ring):
-    """(s, backward) -> (this rank's schedule against the keys it holds at ring step s, whether
-    the step runs its kernels: its pass's ranges hold a pair, or the ring never skips)."""
-    rank = lax.axis_index(ring.axis)
-    mine = _rows(offsets, lengths, rank, ring)
+def _scheduler(offsets, lengths, positions, ring: Ring):
+    """(key positions, backward) -> (this rank's schedule against the keys it holds at a ring
+    step, whether the step runs its kernels: its pass's ranges hold a pair, or the ring never
+    skips)."""
+    mine = _rows(offsets, lengths, positions, ring)
 
-    def at(s, backward: bool):
-        theirs = _rows(offsets, lengths, (rank - s) % ring.size, ring)
+    def at(key_positions, backward: bool):
+        theirs = _rows(offsets, lengths, key_positions, ring)
         sched = pair_schedule(mine, theirs, ring.cfg, causal=ring.causal)
         lo, hi = (sched.lo_bwd, sched.hi_bwd) if backward else (sched.lo, sched.hi)
         return sched, jnp.any(hi > lo) | (not ring.skip)
@@ -125,16 +138,16 @@ def _scheduler(offsets, lengths, ring: Ring):
     return at
 
 
-def _forward(q, k, v, offsets, lengths, ring: Ring, log: dict):
-    schedule = _scheduler(offsets, lengths, ring)
+def _forward(q, k, v, offsets, lengths, positions, ring: Ring, log: dict):
+    schedule = _scheduler(offsets, lengths, positions, ring)
     batch, local, heads, _ = q.shape
 
     def step(s, carry):
-        kv, o, lse, log = carry
-        sched, ran = schedule(s, False)
+        kv, o, lse, log = carry  # kv: keys, values and their row positions
+        sched, ran = schedule(kv[2], False)
 
         def run(acc):
-            out = ring.family.attention_forward(q, *kv, sched, ring.cfg)
+            out = ring.family.attention_forward(q, *kv[:2], sched, ring.cfg)
             o2, lse2 = _merge(*acc[:2], out[0], out[1].reshape(batch, heads, local))
             return o2, lse2, out[2] if ring.count else acc[2]
 
@@ -145,21 +158,22 @@ def _forward(q, k, v, offsets, lengths, ring: Ring, log: dict):
             log = _record(log, s, ran=ran, visits_fwd=visits, lo=sched.lo, hi=sched.hi)
         return kv, o, lse, log
 
-    _, o, lse, log = _steps(step, ((k, v), *_start(q, ring), _vary(log, ring)), ring, 1)
+    _, o, lse, log = _steps(step, ((k, v, positions), *_start(q, ring), _vary(log, ring)), ring,
+                            1)
     return o.astype(q.dtype), lse, log
 
 
-def _backward(q, k, v, offsets, lengths, o, lse, do, ring: Ring, log: dict):
-    schedule = _scheduler(offsets, lengths, ring)
+def _backward(q, k, v, offsets, lengths, positions, o, lse, do, ring: Ring, log: dict):
+    schedule = _scheduler(offsets, lengths, positions, ring)
     lse = lse[..., None] if ring.cfg.gpu is None else lse  # the family's layout
     f32 = lambda x: _vary(jnp.zeros(x.shape, jnp.float32), ring)  # noqa: E731
 
     def step(s, carry):
         kv, dkv, dq, log = carry
-        sched, ran = schedule(s, True)
+        sched, ran = schedule(kv[2], True)
 
         def run(acc):
-            out = ring.family.attention_backward(q, *kv, o, lse, do, sched, ring.cfg)
+            out = ring.family.attention_backward(q, *kv[:2], o, lse, do, sched, ring.cfg)
             dq_s, dk_s, dv_s = out[0] if ring.count else out
             counts = out[1:] if ring.count else acc[2]
             return (acc[0] + dq_s, (acc[1][0] + dk_s, acc[1][1] + dv_s), counts)
@@ -174,33 +188,33 @@ def _backward(q, k, v, offsets, lengths, o, lse, do, ring: Ring, log: dict):
                           hi_bwd=sched.hi_bwd)
         return kv, dkv, dq, log
 
-    _, dkv, dq, log = _steps(step, ((k, v), (f32(k), f32(v)), f32(q), _vary(log, ring)), ring,
-                             2)
+    _, dkv, dq, log = _steps(step, ((k, v, positions), (f32(k), f32(v)), f32(q),
+                                    _vary(log, ring)), ring, 2)
     dk, dv = _shift(dkv, ring)  # home: the buffers of rank r + 1's keys reach rank r + 1
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)), log
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def pallas_ring(q, k, v, offsets, lengths, ring: Ring) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def pallas_ring(q, k, v, offsets, lengths, positions, ring: Ring) -> jax.Array:
     """The ring over the Pallas kernels of `ring.family`; its backward is the ring's."""
-    return _forward(q, k, v, offsets, lengths, ring, {})[0]
+    return _forward(q, k, v, offsets, lengths, positions, ring, {})[0]
 
 
-def _pallas_ring_fwd(q, k, v, offsets, lengths, ring):
-    o, lse, _ = _forward(q, k, v, offsets, lengths, ring, {})
-    return o, (q, k, v, offsets, lengths, o, lse)
+def _pallas_ring_fwd(q, k, v, offsets, lengths, positions, ring):
+    o, lse, _ = _forward(q, k, v, offsets, lengths, positions, ring, {})
+    return o, (q, k, v, offsets, lengths, positions, o, lse)
 
 
 def _pallas_ring_bwd(ring, residuals, do):
-    q, k, v, offsets, lengths, o, lse = residuals
-    grads, _ = _backward(q, k, v, offsets, lengths, o, lse, do, ring, {})
-    return (*grads, None, None)
+    q, k, v, offsets, lengths, positions, o, lse = residuals
+    grads, _ = _backward(q, k, v, offsets, lengths, positions, o, lse, do, ring, {})
+    return (*grads, None, None, None)
 
 
 pallas_ring.defvjp(_pallas_ring_fwd, _pallas_ring_bwd)
 
 
-def ring_visits(q, k, v, offsets, lengths, do, ring: Ring) -> dict[str, jax.Array]:
+def ring_visits(q, k, v, offsets, lengths, positions, do, ring: Ring) -> dict[str, jax.Array]:
     """Debug: the ring's results and, per step, whether it ran, the kernels' visit counters and
     the schedule's ranges (`attention.visited_block_pairs` with a context_parallel_axis)."""
     ring = ring._replace(count=True)
@@ -209,10 +223,10 @@ def ring_visits(q, k, v, offsets, lengths, do, ring: Ring) -> dict[str, jax.Arra
     zeros = lambda *shape: jnp.zeros((C, *shape), jnp.int32)  # noqa: E731
     log = {"ran": jnp.zeros((C,), bool), "visits_fwd": zeros(batch, cfg.heads, blocks(cfg.block_q)),
            "lo": zeros(batch, blocks(cfg.block_q)), "hi": zeros(batch, blocks(cfg.block_q))}
-    o, lse, log = _forward(q, k, v, offsets, lengths, ring, log)
+    o, lse, log = _forward(q, k, v, offsets, lengths, positions, ring, log)
     blog = {"visits_dq": zeros(batch, cfg.heads, blocks(cfg.block_q_bwd)),
             "visits_dkv": zeros(batch, cfg.kv_heads, blocks(cfg.block_kv_bwd)),
             "lo_bwd": zeros(batch, blocks(cfg.block_q_bwd)),
             "hi_bwd": zeros(batch, blocks(cfg.block_q_bwd))}
-    (dq, dk, dv), blog = _backward(q, k, v, offsets, lengths, o, lse, do, ring, blog)
+    (dq, dk, dv), blog = _backward(q, k, v, offsets, lengths, positions, o, lse, do, ring, blog)
     return {**log, **blog, "o": o, "dq": dq, "dk": dk, "dv": dv}

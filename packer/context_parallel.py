@@ -25,8 +25,10 @@ serve TE users as they are. `kernels` holds a jnp twin of this order, tested to 
 `layout="rotated"` turns the pairs round span by span: in span k (counted over the row's
 boundaries) rank r holds chunks (r + k) mod C and its mirror. TE's layout gives every span's
 last chunk to rank 0, so on rows of many short segments, whose last chunks are mostly padding,
-the low ranks lose work; rotating spreads that loss over the ranks. Only seqpack's kernels read
-rotated rows (TransformerEngine expects `"te"`).
+the low ranks lose work; rotating spreads that loss over the ranks. `layout="balanced"` deals
+each span's pairs, dearest first, to the ranks with the least work so far (`balanced_pairs`):
+every row near even. Only seqpack's kernels read these two (TransformerEngine expects `"te"`);
+"balanced" has no twin on device, so the kernels take its order as positions.
 """
 
 from __future__ import annotations
@@ -37,13 +39,14 @@ from seqpack.packer.plan import aligned
 
 __all__ = ["LAYOUTS", "context_parallel_order", "rank_work"]
 
-LAYOUTS = ("te", "rotated")
+LAYOUTS = ("te", "rotated", "balanced")
 
 
 def check_layout(layout: object, name: str = "layout") -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"{name}={layout!r} must be one of {LAYOUTS} ('te': TransformerEngine's "
-                         "load-balanced layout; 'rotated': its chunk pairs turned span by span)")
+                         "load-balanced layout; 'rotated': its chunk pairs turned span by span; "
+                         "'balanced': each span's pairs dealt to the least loaded ranks)")
     return str(layout)
 
 
@@ -85,6 +88,37 @@ def span_bounds(offsets: np.ndarray, lengths: np.ndarray, seq_len: int, context_
     return np.sort(bounds, axis=1)
 
 
+def balanced_pairs(offsets: np.ndarray, lengths: np.ndarray, seq_len: int, context_parallel: int
+                   ) -> np.ndarray:  # i64[B, S + 3, C]
+    """Per row, boundary (span_bounds' index) and rank: the chunk pair the rank holds in the
+    span starting there. Spans in row order, each one's pairs dearest first to the ranks with
+    the least causal work so far (ties: the lower rank, the lower pair)."""
+    B, C = offsets.shape[0], context_parallel
+    used = lengths > 0
+    end = np.where(used, offsets + lengths, 0).max(axis=1, initial=0)
+    zero, full = np.zeros((B, 1), np.int64), np.full((B, 1), seq_len, np.int64)
+    bounds = np.concatenate([zero, np.where(used, offsets, seq_len),
+                             aligned(end, 2 * C)[:, None], full], axis=1)
+    sort = np.argsort(bounds, axis=1, kind="stable")  # a segment's offset after an equal 0
+    bounds = np.take_along_axis(bounds, sort, axis=1)
+    n = np.take_along_axis(np.concatenate([zero, np.where(used, lengths, 0), zero, zero],
+                                          axis=1), sort, axis=1)
+    rows, i = np.arange(B)[:, None], np.arange(2 * C, dtype=np.int64)[None, :]
+    pairs = np.broadcast_to(np.arange(C), (B, bounds.shape[1], C)).copy()
+    load = np.zeros((B, C), np.int64)
+    for j in range(min(bounds.shape[1] - 1, int(used.sum(axis=1).max(initial=0)) + 2)):
+        # (past the used segments, their last span and the tail: unused slots, empty spans)
+        chunk = (bounds[:, j + 1:j + 2] - bounds[:, j:j + 1]) // (2 * C)
+        a = i * chunk
+        e = np.minimum(n[:, j:j + 1], a + chunk)
+        work = np.where(e > a, (e - a) * (a + e + 1) // 2, 0)  # keys at or before, per chunk
+        pair_work = work[:, :C] + work[:, ::-1][:, :C]
+        ranks = np.argsort(load, axis=1, kind="stable")
+        pairs[rows, j, ranks] = np.argsort(-pair_work, axis=1, kind="stable")
+        load += np.take_along_axis(pair_work, pairs[:, j], axis=1)
+    return pairs
+
+
 def context_parallel_order(
     segment_offsets: object,  # int[B, S] (or [S])
     segment_lengths: object,  # int[B, S] (or [S])
@@ -95,8 +129,9 @@ def context_parallel_order(
 ) -> np.ndarray:  # i32[B, L] (or [L])
     """The load-balanced layout's permutation (module docstring): `x[b, order[b]]` places rank
     r's tokens at `[r L/C, (r + 1) L/C)`; ValueError when an offset is not a multiple of 2C.
-    `layout`: "te" (TransformerEngine's) or "rotated" (the pairs turned span by span)."""
-    rotated = check_layout(layout) == "rotated"
+    `layout`: "te" (TransformerEngine's), "rotated" (the pairs turned span by span) or
+    "balanced" (`balanced_pairs`)."""
+    check_layout(layout)
     off, ln, _, one = _check(segment_offsets, segment_lengths, seq_len, context_parallel)
     C, B = int(context_parallel), off.shape[0]
     local = seq_len // C
@@ -111,8 +146,12 @@ def context_parallel_order(
     chunk = (keys[j + 1].reshape(B, local) - shift - span_start) // 2
     u = t[None, :] - span_start  # local offset inside the span
     rank = np.arange(C, dtype=np.int64)[None, :, None]
-    if rotated:  # span k's pair of rank r: (r + k) mod C, k counted over the row's boundaries
-        rank = (rank + (j % bounds.shape[1]).reshape(B, 1, local)) % C
+    span = (j % bounds.shape[1]).reshape(B, 1, local)  # counted over the row's boundaries
+    if layout == "rotated":  # span k's pair of rank r: (r + k) mod C
+        rank = (rank + span) % C
+    elif layout == "balanced":
+        pairs = balanced_pairs(off, ln, seq_len, C)  # [B, K, C]
+        rank = np.take_along_axis(pairs, span.reshape(B, local, 1), axis=1).transpose(0, 2, 1)
     first = u[:, None, :] < chunk[:, None, :]
     which = np.where(first, rank, 2 * C - 1 - rank)
     within = np.where(first, u[:, None, :], u[:, None, :] - chunk[:, None, :])

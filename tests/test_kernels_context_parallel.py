@@ -87,8 +87,9 @@ def _cases(*names: str, timeout: int = 900) -> None:
 def test_ring_equals_the_unsharded_attention():
     """f32, C = 2: the jnp reference ring and the Triton kernels (interpret mode); rows of one
     segment over all ranks, many short ones, an empty row, padding inside spans, grouped
-    query heads, NaN outside segments; and the rotated layout."""
-    _cases("reference:2", "gpu:2", "reference:2:rotated")
+    query heads, NaN outside segments; and the rotated and balanced layouts (the latter's
+    positions passed in, travelling round the ring with K / V)."""
+    _cases("reference:2", "gpu:2", "reference:2:rotated", "gpu:2:balanced")
 
 
 @pytest.mark.slow
@@ -104,7 +105,7 @@ def test_ring_equals_the_unsharded_attention_on_more_ranks(C):
     client's threads (a hang, not a failure of the kernels)."""
     tpu = [f"tpu:{C}"] if C <= 4 else []
     _cases(f"reference:{C}", f"gpu:{C}", *tpu, f"reference:{C}:bf16", f"gpu:{C}:bf16",
-           f"gpu:{C}:rotated")
+           f"gpu:{C}:rotated", f"reference:{C}:balanced", f"gpu:{C}:balanced")
 
 
 def test_kernels_compute_their_schedule_and_skip_empty_steps():
@@ -136,3 +137,12 @@ def test_context_parallel_input_checks():
     with pytest.raises(ValueError, match="context_parallel_layout='thd' must be one of"):
         kernels.segment_attention(q, q, q, meta, meta, context_parallel_axis="cp",
                                   context_parallel_layout="thd")
+    with pytest.raises(ValueError, match="'balanced' is not computed on device: pass"):
+        kernels.segment_attention(q, q, q, meta, meta, context_parallel_axis="cp",
+                                  context_parallel_layout="balanced")
+    with pytest.raises(ValueError, match=r"context_parallel_positions: int32\[1, 4\] must be"):
+        kernels.segment_attention(q, q, q, meta, meta, context_parallel_axis="cp",
+                                  context_parallel_positions=jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="context_parallel_positions is for a call with"):
+        kernels.segment_attention(q, q, q, meta, meta,
+                                  context_parallel_positions=jnp.zeros((1, 8), jnp.int32))

@@ -52,7 +52,7 @@ def _unpermuted(batch, C, layout="te"):
             for k, v in batch.items()}
 
 
-@pytest.mark.parametrize("C, layout", [(2, "te"), (4, "te"), (4, "rotated")])
+@pytest.mark.parametrize("C, layout", [(2, "te"), (4, "te"), (4, "rotated"), (4, "balanced")])
 def test_batches_come_in_the_layout_of_rows_packed_for_it(C, layout):
     source = grain.MapDataset.source(_examples())
     got = _batches(source, context_parallel=C, pack=PackConfig(L, max_segments=S),
@@ -61,6 +61,11 @@ def test_batches_come_in_the_layout_of_rows_packed_for_it(C, layout):
     plain = _batches(source, pack=PackConfig(L, max_segments=S, context_parallel=C))
     assert len(got) == len(plain) == 3
     for b, p in zip(got, plain):
+        if layout == "balanced":  # the order itself, for the kernels (no twin on device)
+            order = b.pop("tokens_row_positions")
+            np.testing.assert_array_equal(order, packer.context_parallel_order(
+                b["tokens_segment_offsets"], b["tokens_segment_lengths"], seq_len=L,
+                context_parallel=C, layout=layout))
         assert set(b) == set(p)
         for k in ("tokens_segment_offsets", "tokens_segment_lengths", "segment_source_index",
                   "loss_tokens"):

@@ -128,9 +128,11 @@ class Batching:
     context_parallel: C: rows in the load-balanced layout of C context-parallel ranks
                     (`ContextParallelLayout`; rank r's tokens at [r L/C, (r + 1) L/C)), packed
                     with `PackConfig(context_parallel=C)`. None: rows as packed.
-    context_parallel_layout: "te" (TransformerEngine's, the default) or "rotated" (its chunk
-                    pairs turned span by span: more even ranks on rows of many short
-                    segments; read by seqpack's kernels only).
+    context_parallel_layout: "te" (TransformerEngine's, the default), "rotated" (its chunk
+                    pairs turned span by span) or "balanced" (each span's pairs to the least
+                    loaded ranks; the batch carries `<feature>_row_positions` for the kernels):
+                    the last two more even on rows of many short segments, read by seqpack's
+                    kernels only.
     """
 
     batch_size: int
@@ -198,11 +200,13 @@ class ContextParallelLayout:
     positions, columns) is permuted alike so that rank r's tokens sit at [r L/C, (r + 1) L/C);
     the `[B, S]` metadata (offsets, lengths, sources) stays global, as the attention kernels
     take it (`kernels.segment_attention(..., context_parallel_axis=...)`). The rows must be
-    packed with `PackConfig(context_parallel=C)` (or a multiple of C)."""
+    packed with `PackConfig(context_parallel=C)` (or a multiple of C). With layout "balanced"
+    the batch also gets `<feature>_row_positions` i32[B, L]: each token's position in the row
+    (the order itself), which the kernels take as `context_parallel_positions` (sharded)."""
 
     context_parallel: int
     feature: str = "tokens"
-    layout: str = "te"  # or "rotated" (packer.context_parallel_order)
+    layout: str = "te"  # or "rotated", "balanced" (packer.context_parallel_order)
 
     def __post_init__(self) -> None:
         check_int("context_parallel", self.context_parallel, low=1)
@@ -215,9 +219,12 @@ class ContextParallelLayout:
             batch[k.segment_offsets], batch[k.segment_lengths], seq_len=seq_len,
             context_parallel=self.context_parallel, layout=self.layout)
         per_slot = {*k.per_slot, k.source_index, k.source_start}
-        return {name: np.take_along_axis(v, order, axis=1)
-                if np.ndim(v) == 2 and np.shape(v)[1] == seq_len and name not in per_slot else v
-                for name, v in batch.items()}
+        out = {name: np.take_along_axis(v, order, axis=1)
+               if np.ndim(v) == 2 and np.shape(v)[1] == seq_len and name not in per_slot else v
+               for name, v in batch.items()}
+        if self.layout == "balanced":  # no twin on device: the kernels read the order
+            out[f"{self.feature}_row_positions"] = order
+        return out
 
 
 def _context_parallel(source: Any, pack: PackConfig | None, C: int | None) -> PackConfig | None:

@@ -3,8 +3,9 @@
 
 XLA_FLAGS must give jax its devices before jax is imported, and the rest of the test session
 reads jax's local device count, so these cases never run inside the pytest process. A case
-name is `<impl>:<C>[:bf16][:rotated]` (values and gradients of segment_attention under
-shard_map against the unsharded reference; `rotated`: that layout instead of TE's),
+name is `<impl>:<C>[:bf16][:rotated|:balanced]` (values and gradients of segment_attention
+under shard_map against the unsharded reference, in TE's layout or the one named; "balanced"
+passes the ring the batch's positions),
 `visits:<impl>:<C>` (the kernels' visit counters against each ring step's schedule, the steps
 skipped), `lower:<platform>`, `tinylm:<C>:<normalize>[:tpu]` (the tiny LM over C devices
 against its documents trained one by one) or `train:<C>` (a few steps of
@@ -95,17 +96,21 @@ def mesh(C: int):
 
 
 def sharded(fn, C: int, out_specs, *, check_vma: bool = True):
+    """fn(q, k, v, offsets, lengths, g, positions) under shard_map: [B, L] arrays split."""
     seq, whole = PartitionSpec(None, "cp"), PartitionSpec()
-    return jax.shard_map(fn, mesh=mesh(C), in_specs=(seq, seq, seq, whole, whole, seq),
+    return jax.shard_map(fn, mesh=mesh(C), in_specs=(seq, seq, seq, whole, whole, seq, seq),
                          out_specs=out_specs, check_vma=check_vma)
 
 
 @functools.cache
 def cp_value_and_grads(impl: str, C: int, layout: str = "te"):
-    def local(q, k, v, offsets, lengths, g):
+    """The layout's positions reach the ring only for "balanced" (the others: computed)."""
+    def local(q, k, v, offsets, lengths, g, positions):
         f = functools.partial(kernels.segment_attention, segment_offsets=offsets,
                               segment_lengths=lengths, context_parallel_axis="cp",
-                              context_parallel_layout=layout, **IMPLS[impl])
+                              context_parallel_layout=layout,
+                              context_parallel_positions=positions if layout == "balanced"
+                              else None, **IMPLS[impl])
         o, vjp = jax.vjp(f, q, k, v)
         return (o, *vjp(g))
 
@@ -128,7 +133,7 @@ def check_values(impl: str, C: int, dtype=np.float32, local: int = 64, layout: s
     want = unsharded(q, k, v, offsets, lengths, g)
     want = [permuted(np.asarray(x, np.float32), order) for x in want]
     got = cp_value_and_grads(impl, C, layout)(*(permuted(x, order) for x in (q, k, v)), offsets,
-                                       lengths, permuted(g, order))
+                                               lengths, permuted(g, order), order)
     rtol, atol = TOL[jnp.dtype(dtype).name]
     out = permuted(outside[..., None, None], order)[..., 0, 0]
     for name, a, b in zip(("o", "dq", "dk", "dv"), got, want):
@@ -144,7 +149,7 @@ def check_values(impl: str, C: int, dtype=np.float32, local: int = 64, layout: s
 def counted(impl: str, C: int):
     names = ("ran", "visits_fwd", "visits_dq", "visits_dkv", "lo", "hi", "lo_bwd", "hi_bwd")
 
-    def local_fn(q, k, v, offsets, lengths, g):
+    def local_fn(q, k, v, offsets, lengths, g, positions):
         out = attention.visited_block_pairs(q, k, v, offsets, lengths, g,
                                             context_parallel_axis="cp", **IMPLS[impl])
         return {n: out[n][None] for n in names}  # [1, C steps, ...] per rank
@@ -156,7 +161,7 @@ def visits(impl: str, C: int, segments, local: int):
     """Per rank and ring step: the kernels' counters, the schedule and whether the step ran."""
     (q, k, v, g, offsets, lengths), order, _ = inputs(C, local, np.float32, segments)
     out = counted(impl, C)(*(permuted(x, order) for x in (q, k, v)), offsets, lengths,
-                           permuted(g, order))
+                           permuted(g, order), order)
     return {n: np.asarray(x) for n, x in out.items()}, offsets, lengths
 
 
@@ -293,7 +298,7 @@ def run(case: str) -> None:
         check_visits(parts[1], int(parts[2]))
     else:
         dtype = jnp.bfloat16 if "bf16" in parts[2:] else np.float32
-        layout = "rotated" if "rotated" in parts[2:] else "te"
+        layout = next((x for x in parts[2:] if x in ("rotated", "balanced")), "te")
         check_values(parts[0], int(parts[1]), dtype, layout=layout)
     print("ok", case, f"{time.perf_counter() - start:.1f}s", flush=True)
 
