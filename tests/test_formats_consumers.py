@@ -1,12 +1,14 @@
 """Each `--format` read by its consumer's own code, in a process that never imports seqpack
-(the scripts in tests/consumers/): pyarrow, pandas and DuckDB (HF `datasets` too, slow) for
-`parquet`; HF `datasets`, TRL's padding-free collator and `SFTTrainer` for `hf` (slow: torch);
-Megatron-Bridge's schema, `validate_row`, shifted loss mask and metadata, written from its
-source, for `megatron`. Every script checks every segment against the example it came from."""
+(the scripts in tests/consumers/): pyarrow, pandas and DuckDB (HF `datasets` and Spark SQL
+too, slow) for `parquet`; HF `datasets`, TRL's padding-free collator and `SFTTrainer` for `hf`
+(slow: torch); Megatron-Bridge's schema, `validate_row`, shifted loss mask and metadata,
+written from its source, for `megatron`. Every script checks every segment against the example
+it came from."""
 
 from __future__ import annotations
 
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -54,6 +56,15 @@ def test_parquet_rows_read_by_hf_datasets(tmp_path):
     pytest.importorskip("datasets")
     out, paths = pack(tmp_path, "parquet")
     consume("parquet_rows.py", out, *paths, "--datasets")
+
+
+@pytest.mark.slow
+def test_parquet_rows_read_by_spark(tmp_path):
+    pytest.importorskip("pyspark")
+    if shutil.which("java") is None:
+        pytest.skip("Spark needs java")
+    out, paths = pack(tmp_path, "parquet")
+    consume("parquet_rows.py", out, *paths, "--spark")
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """`--format parquet` read as any Parquet consumer reads it: pyarrow, pandas, DuckDB (and HF
-`datasets` with `--datasets`), without seqpack. Usage: parquet_rows.py OUT INPUT... [--datasets]
+`datasets` with `--datasets`, Spark SQL with `--spark`), without seqpack. Usage:
+parquet_rows.py OUT INPUT... [--datasets] [--spark]
 
 Every row is checked against the row contract and every segment against its source example.
 """
@@ -16,7 +17,7 @@ import pyarrow.parquet as pq
 from inputs import done, examples, source
 
 out, rest = sys.argv[1], sys.argv[2:]
-use_datasets = "--datasets" in rest
+use_datasets, use_spark = "--datasets" in rest, "--spark" in rest
 ex = examples([p for p in rest if not p.startswith("--")])
 manifest = json.load(open(os.path.join(out, "manifest.json")))
 L, S, f = manifest["seq_len"], manifest["max_segments"], manifest["feature"]
@@ -62,4 +63,18 @@ if use_datasets:
 
     ds = datasets.load_dataset("parquet", data_files=files, split="train")
     assert len(ds) == n and ds[n - 1][f] == rows[f][n - 1]
+if use_spark:
+    from pyspark.sql import SparkSession  # noqa: E402
+    from pyspark.sql import functions as F  # noqa: E402
+
+    spark = SparkSession.builder.master("local[1]").appName("parquet_rows").getOrCreate()
+    try:
+        df = spark.read.parquet(*files)
+        total = df.select(F.aggregate(f"{f}_segment_lengths", F.lit(0),
+                                      lambda a, x: a + x).alias("t")).agg(F.sum("t")).first()[0]
+        assert df.count() == n and total == sum(len(e["input_ids"]) for e in ex), total
+        first = df.where(F.element_at(f"{f}_segment_offsets", 1) == 0).first()
+        assert len(first[f]) == L and len(first[f"{f}_segment_lengths"]) == S
+    finally:
+        spark.stop()
 done(f"{n} rows, {len(seen)} segments")
