@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 
 import pytest
@@ -35,6 +36,9 @@ from tests.helpers.spark_cluster import spark_class, standalone_cluster
 
 spark_job = pytest.importorskip("seqpack.pipelines.offline.runners.spark",
                                 reason="the Spark job needs seqpack[spark]")
+
+# Spark's JVM: a local master needs java as a cluster does (.ci/run installs a JRE)
+needs_java = pytest.mark.skipif(shutil.which("java") is None, reason="Spark needs Java 17+")
 
 CONFIG = PackConfig(64, max_segments=8, overflow="split")
 WRITE = WriteOptions(shard_rows=7)
@@ -140,6 +144,7 @@ class _Recorder:
 
 
 @pytest.mark.slow
+@needs_java
 def test_local_master_writes_the_local_bytes_with_progress(corpus, tmp_path):
     paths, local = corpus
     progress = _Recorder()
@@ -160,6 +165,7 @@ def test_local_master_writes_the_local_bytes_with_progress(corpus, tmp_path):
 
 
 @pytest.mark.slow
+@needs_java
 def test_local_master_writes_every_format_as_the_local_runner(corpus, tmp_path):
     """--format parquet / hf / megatron: the shard writer and its side files are the core's, so
     Spark's bytes are the local runner's in every format, and they verify."""
@@ -178,6 +184,7 @@ def test_local_master_writes_every_format_as_the_local_runner(corpus, tmp_path):
 
 
 @pytest.mark.slow
+@needs_java
 def test_bad_input_is_one_error_line_naming_the_file(tmp_path):
     bad_record_is_one_error_line(tmp_path, "--runner", "spark", "--workers", 2)
 
