@@ -6,6 +6,7 @@ check the files in tests/test_formats_consumers.py."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -218,7 +219,14 @@ def test_inspect_and_stats_read_every_format(packed, fmt):
     row = json.loads(invoke("inspect", out, "--row", 3, "--json").output)
     base = json.loads(invoke("inspect", packed[0]["arrayrecord"], "--row", 3, "--json").output)
     assert row["input_ids"] == base["input_ids"]
-    assert "efficiency" in invoke("stats", out).output
+    stats = invoke("stats", out).output
+    assert "efficiency" in stats and f"format {fmt}" in stats.splitlines()[0]
+    with open(os.path.join(out, "manifest.json")) as f:
+        shapes = json.load(f)
+    shown_shapes = stats.splitlines()[-1]
+    assert shown_shapes.startswith("static shapes") and all(
+        f"{k.replace('_', ' ')} {v:,}" in shown_shapes for k, v in shapes["shapes"].items())
+    assert json.loads(invoke("stats", out, "--json").output)["shapes"] == shapes["shapes"]
 
 
 def test_the_grain_source_reads_parquet_rows_with_exact_resume(packed):

@@ -101,22 +101,29 @@ def _check_overlength(paths: Sequence[str], per_input: Sequence[np.ndarray], con
 @dataclasses.dataclass(frozen=True)
 class Stats:
     """What `seqpack stats` shows: each strategy's `PackingStats.to_dict()`, the histogram of the
-    example lengths, a title, and the rows of a step the steps-per-epoch figure counts."""
+    example lengths, a title, the rows of a step the steps-per-epoch figure counts, and for a
+    packed output the static shapes its manifest records (`Manifest.shapes`)."""
 
     per_strategy: dict[str, dict]
     length_histogram: dict
     title: str
     batch_size: int | None = None
+    shapes: dict | None = None
 
     def summaries(self) -> dict[str, dict]:
         return {name: summary(s, self.batch_size) for name, s in self.per_strategy.items()}
 
     def to_dict(self) -> dict:
+        shapes = {"shapes": self.shapes} if self.shapes else {}
         return {"summary": self.summaries(), "stats": self.per_strategy,
-                "example_length_histogram": self.length_histogram}
+                "example_length_histogram": self.length_histogram, **shapes}
 
     def table(self) -> str:
-        return format_table(self.summaries(), self.title)
+        table = format_table(self.summaries(), self.title)
+        if not self.shapes:
+            return table
+        shown = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in self.shapes.items())
+        return f"{table}\nstatic shapes (what a trainer sizes by): {shown}"
 
 
 def is_packed(path: str) -> bool:
@@ -138,7 +145,8 @@ def output_stats(output_dir: str, *, batch_size: int | None = None) -> Stats:
     config = manifest.pack_config()
     return Stats({Strategy(config.strategy).value: stats}, lengths,
                  f"packed: {output_dir} (seq_len {config.seq_len}, max_segments "
-                 f"{config.max_segments})", batch_size)
+                 f"{config.max_segments}, format {manifest.encoding or 'arrayrecord'})",
+                 batch_size, manifest.shapes)
 
 
 def dry_run_stats(paths: Sequence[str], options: ReadOptions, config: PackConfig,
