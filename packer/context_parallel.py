@@ -75,17 +75,22 @@ def _check(offsets: object, lengths: object, seq_len: int, context_parallel: int
     return off2, ln2, used, off.ndim == 1
 
 
-def span_bounds(offsets: np.ndarray, lengths: np.ndarray, seq_len: int, context_parallel: int
-                ) -> np.ndarray:  # i64[B, S + 3], sorted per row
-    """Per row the span boundaries (with repeats): 0, each used segment's offset, the last
-    segment's end rounded up to 2C, and L."""
+def _bounds(offsets: np.ndarray, lengths: np.ndarray, seq_len: int, context_parallel: int
+            ) -> tuple[np.ndarray, np.ndarray]:  # i64[B, S + 3] twice, unsorted
+    """Per row the span boundaries (0, each used segment's offset, the last segment's end
+    rounded up to 2C, L; unused slots at L) and the real tokens of the span each one starts."""
     used = lengths > 0
     end = np.where(used, offsets + lengths, 0).max(axis=1, initial=0)
-    bounds = np.concatenate([np.zeros((offsets.shape[0], 1), np.int64),
-                             np.where(used, offsets, seq_len),
-                             aligned(end, 2 * context_parallel)[:, None],
-                             np.full((offsets.shape[0], 1), seq_len, np.int64)], axis=1)
-    return np.sort(bounds, axis=1)
+    zero = np.zeros((offsets.shape[0], 1), np.int64)
+    bounds = np.concatenate([zero, np.where(used, offsets, seq_len),
+                             aligned(end, 2 * context_parallel)[:, None], zero + seq_len], axis=1)
+    return bounds, np.concatenate([zero, np.where(used, lengths, 0), zero, zero], axis=1)
+
+
+def span_bounds(offsets: np.ndarray, lengths: np.ndarray, seq_len: int, context_parallel: int
+                ) -> np.ndarray:  # i64[B, S + 3], sorted per row
+    """Per row the span boundaries (with repeats), sorted."""
+    return np.sort(_bounds(offsets, lengths, seq_len, context_parallel)[0], axis=1)
 
 
 def balanced_pairs(offsets: np.ndarray, lengths: np.ndarray, seq_len: int, context_parallel: int
@@ -94,19 +99,13 @@ def balanced_pairs(offsets: np.ndarray, lengths: np.ndarray, seq_len: int, conte
     span starting there. Spans in row order, each one's pairs dearest first to the ranks with
     the least causal work so far (ties: the lower rank, the lower pair)."""
     B, C = offsets.shape[0], context_parallel
-    used = lengths > 0
-    end = np.where(used, offsets + lengths, 0).max(axis=1, initial=0)
-    zero, full = np.zeros((B, 1), np.int64), np.full((B, 1), seq_len, np.int64)
-    bounds = np.concatenate([zero, np.where(used, offsets, seq_len),
-                             aligned(end, 2 * C)[:, None], full], axis=1)
+    bounds, n = _bounds(offsets, lengths, seq_len, C)
     sort = np.argsort(bounds, axis=1, kind="stable")  # a segment's offset after an equal 0
-    bounds = np.take_along_axis(bounds, sort, axis=1)
-    n = np.take_along_axis(np.concatenate([zero, np.where(used, lengths, 0), zero, zero],
-                                          axis=1), sort, axis=1)
+    bounds, n = np.take_along_axis(bounds, sort, axis=1), np.take_along_axis(n, sort, axis=1)
     rows, i = np.arange(B)[:, None], np.arange(2 * C, dtype=np.int64)[None, :]
     pairs = np.broadcast_to(np.arange(C), (B, bounds.shape[1], C)).copy()
     load = np.zeros((B, C), np.int64)
-    for j in range(min(bounds.shape[1] - 1, int(used.sum(axis=1).max(initial=0)) + 2)):
+    for j in range(min(bounds.shape[1] - 1, int((lengths > 0).sum(axis=1).max(initial=0)) + 2)):
         # (past the used segments, their last span and the tail: unused slots, empty spans)
         chunk = (bounds[:, j + 1:j + 2] - bounds[:, j:j + 1]) // (2 * C)
         a = i * chunk
