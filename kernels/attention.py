@@ -216,6 +216,7 @@ def _ring(q, k, v, segment_offsets, segment_lengths, axis: str, *, causal, scale
                          "segment_attention inside shard_map over a mesh with that axis") from None
     if size == 1:
         return None
+    computed = layout if layout in LAYOUTS else "te"  # unused where positions are given
     if q.shape[1] % 2:
         raise ValueError(f"q.shape={q.shape}: a rank's shard of the load-balanced layout holds "
                          "L / C tokens, an even number (rows are multiples of 2C)")
@@ -227,8 +228,7 @@ def _ring(q, k, v, segment_offsets, segment_lengths, axis: str, *, causal, scale
         if count_visits:
             raise ValueError("visited_block_pairs counts the Pallas kernels' visits; pass "
                              "impl='pallas_tpu' or 'pallas_gpu' (with interpret= on a CPU)")
-        return ring.Ring(axis, size, q.shape[1] * size, causal, scale,
-                         layout=layout if layout in LAYOUTS else "te")
+        return ring.Ring(axis, size, q.shape[1] * size, causal, scale, layout=computed)
     # causality is in each step's bounds: the kernels run non-causal
     cfg = _config(q, k, causal=False, scale=scale, blocks=blocks, interpret=interpret, impl=impl,
                   count_visits=count_visits)
@@ -236,8 +236,7 @@ def _ring(q, k, v, segment_offsets, segment_lengths, axis: str, *, causal, scale
         _check_smem(q.shape[0], cfg)
     return ring.Ring(axis, size, q.shape[1] * size, causal, scale,
                      gpu if cfg.gpu is not None else tpu, cfg,
-                     skip=not isinstance(interpret, pltpu.InterpretParams),
-                     layout=layout if layout in LAYOUTS else "te")
+                     skip=not isinstance(interpret, pltpu.InterpretParams), layout=computed)
 
 
 def _positions(positions, offsets, lengths, cp: ring.Ring) -> jax.Array:

@@ -127,14 +127,6 @@ def rows_at(segment_offsets: jax.Array, segment_lengths: jax.Array, pos: jax.Arr
                 jnp.take_along_axis(end, pos, axis=1))
 
 
-def rank_rows(segment_offsets: jax.Array, segment_lengths: jax.Array, rank: jax.Array | int, *,
-              seq_len: int, context_parallel: int, layout: str = "te") -> Rows:
-    """Positions and segment bounds of rank `rank`'s tokens (from the global metadata)."""
-    pos = rank_positions(segment_offsets, segment_lengths, rank, seq_len=seq_len,
-                         context_parallel=context_parallel, layout=layout)
-    return rows_at(segment_offsets, segment_lengths, pos, seq_len=seq_len)
-
-
 def key_bounds(q: Rows, k_pos: jax.Array, *, causal: bool) -> tuple[jax.Array, jax.Array]:
     """[a, b) per query: the keys (local indices of positions `k_pos`, rising) it may see;
     NO_SEGMENT, 0 where it sees none (module docstring)."""
