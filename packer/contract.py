@@ -10,6 +10,7 @@ For a packed feature `f` (default "tokens"), L = seq_len and S = max_segments, a
     f_segment_offsets      [S] i32            start of segment j; unused slots: the used length
     segment_source_index   [S] i64            input example of segment j; -1 unused
     segment_source_start   [S] i64            where in that example segment j starts
+    segment_dataset_id     [S] i32            with a mixture: segment j's dataset; -1 unused
 
 Worked example (seq_len 6, max_segments 2; `segment_ids_and_positions` rebuilds the `[L]` arrays
 from the `[S]` ones, which is why storage keeps only the latter)::
@@ -33,6 +34,8 @@ SEGMENT_DTYPE = np.dtype(np.int32)  # segment ids, positions, lengths and offset
 SOURCE_DTYPE = np.dtype(np.int64)  # segment_source_index / segment_source_start
 SOURCE_INDEX = "segment_source_index"
 SOURCE_START = "segment_source_start"
+DATASET_ID = "segment_dataset_id"  # [S] i32, rows of a mixture only
+DATASET_DTYPE = np.dtype(np.int32)
 _LENGTHS, _OFFSETS, _IDS, _POSITIONS = (
     "_segment_lengths", "_segment_offsets", "_segment_ids", "_positions")
 
@@ -209,3 +212,23 @@ def restore_derived(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         row.setdefault(k.segment_ids, ids)
         row.setdefault(k.positions, pos)
     return row
+
+
+def dataset_arrays(source_index: np.ndarray,  # i64[..., S]: positions in the mixed stream
+                   dataset_of: np.ndarray,  # int[n]: each mixed example's dataset
+                   index_in: np.ndarray,  # int[n]: its index within that dataset
+                   ) -> tuple[np.ndarray, np.ndarray]:  # (i32[..., S], i64[..., S])
+    """(`segment_dataset_id`, `segment_source_index`) of rows packed from a mixed stream.
+
+    Rows are planned on the mixed stream's positions; this turns each used slot's position into
+    its dataset and its index within that dataset (-1 on unused slots, as before)::
+
+        source_index   0  2 -1          dataset_of  0 1 1      dataset_id    0  1 -1
+                                        index_in    7 3 4  ->  source_index  7  4 -1
+    """
+    source_index = np.asarray(source_index)
+    used = source_index >= 0
+    at = np.where(used, source_index, 0)
+    dataset = np.where(used, np.asarray(dataset_of)[at], -1).astype(DATASET_DTYPE)
+    index = np.where(used, np.asarray(index_in)[at], -1).astype(SOURCE_DTYPE)
+    return dataset, index
