@@ -8,12 +8,16 @@ Both turn a window of held examples into contract rows and expose the same small
 - `MultiLayout`: `packer.MultiStreamPlanner`; every feature gets its own segment metadata,
   the example's slot is shared.
 
+`Window` holds the streaming packer's knobs; `pack_configs` checks one `PackConfig` per feature.
+
 Columns (labels, masks, other per-token values; `columns.py`) ride on a host feature: same
 length per example, the host's offsets, padded with their own pad, no metadata of their own.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +26,7 @@ from seqpack import packer
 from seqpack.packer import MultiStreamPlanner
 from seqpack.packer.assemble import fill_rows, source_arrays, write_feature
 from seqpack.packer.plan import order_pieces
+from seqpack.pipelines.datasets.columns import check_int, check_type
 
 
 def gather(held: dict[int, list], ids: list[int], window: int) -> list[Any]:
@@ -135,3 +140,57 @@ class MultiLayout:
 
     def counters(self) -> dict[str, int]:
         return self.planner.counters.to_dict()
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """The streaming packer's knobs.
+
+    window:       examples planned together; rows stay open across windows.
+    window_rows:  where a row takes more than 1 / `window_rows` of a window's examples, windows
+                  wait until they hold `window_rows` rows' worth of pieces
+                  (`packer.StreamPlanner`; 0: plan every window). One packed feature only:
+                  several are planned window by window.
+    shuffle_rows: shuffle the rows each window emits (seeded by the dataset's seed and the
+                  position), so rows leave in no particular order of length or segment count
+                  (False: the planner's order, longest examples first per window).
+    """
+
+    window: int = 1024
+    window_rows: int = 128
+    shuffle_rows: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("window", self.window, low=1)
+        check_int("window_rows", self.window_rows, low=0)
+        check_type("shuffle_rows", self.shuffle_rows, bool)
+
+
+def pack_configs(pack: packer.PackConfig | Sequence[packer.PackConfig]
+                 ) -> tuple[packer.PackConfig, ...]:
+    """One `PackConfig` per packed feature; several must differ only in seq_len and feature
+    (ValueError naming the field), with one feature each."""
+    configs: tuple = ()
+    if isinstance(pack, packer.PackConfig):
+        configs = (pack,)
+    elif isinstance(pack, Sequence) and not isinstance(pack, str):
+        configs = tuple(pack)
+    if not configs or not all(isinstance(c, packer.PackConfig) for c in configs):
+        raise ValueError(f"pack={pack!r} must be a PackConfig, or a non-empty list of them "
+                         "(one per packed feature)")
+    first = configs[0].to_dict()
+    seen: set[str] = set()
+    for c in configs:
+        if c.feature in seen:
+            raise ValueError(f"pack: feature {c.feature!r} is given twice; one PackConfig per "
+                             "packed feature")
+        seen.add(c.feature)
+        mine = c.to_dict()
+        for field in [*first, *(f for f in mine if f not in first)]:
+            value, want = mine.get(field), first.get(field)
+            if field not in ("seq_len", "feature") and value != want:
+                raise ValueError(
+                    f"pack: {field}={value!r} for feature {c.feature!r} but "
+                    f"{field}={want!r} for {configs[0].feature!r}; packed features "
+                    "differ only in seq_len and feature")
+    return configs

@@ -21,7 +21,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,11 +35,17 @@ from seqpack.packer.online import decode_planner_state
 from seqpack.pipelines.datasets.columns import (
     Columns,
     check_declared,
-    check_int,
     check_lengths,
     check_type,
 )
-from seqpack.pipelines.datasets.layouts import MultiLayout, SingleLayout
+from seqpack.pipelines.datasets.layouts import (
+    MultiLayout,
+    SingleLayout,
+    Window,
+    gather,
+    pack_configs,
+)
+from seqpack.pipelines.datasets.mixing import MixtureIterator, RefTable, decode_refs
 from seqpack.pipelines.errors import InputError
 
 
@@ -51,6 +56,8 @@ class PackIterator(grain.DatasetIterator):
         super().__init__(parent)
         self._ds = ds
         self._start_state = parent.get_state()
+        # Over a Mixture: held examples are (dataset, index) references, states never replay.
+        self._mixed = isinstance(parent, MixtureIterator)
         self._fresh()
 
     def _fresh(self) -> None:
@@ -74,6 +81,7 @@ class PackIterator(grain.DatasetIterator):
         self._rows_emitted = 0
         # The one dtype per name for the whole run (restored from the state).
         self._dtypes: dict[str, np.dtype] = dict(ds.dtypes)
+        self._refs = RefTable(ds.window)
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -133,6 +141,8 @@ class PackIterator(grain.DatasetIterator):
                 if keep is not None:  # replay: hold only what open rows need
                     col = [v if first + i in keep else None for i, v in enumerate(col)]
                 self._held[n][k] = col
+            if self._mixed:
+                self._refs.put(k, *self._parent.take_refs())
         return ids, cols
 
     def _check_not_packed(self, element: Any) -> None:
@@ -197,34 +207,34 @@ class PackIterator(grain.DatasetIterator):
         return self._attempt[1]
 
     def _advance(self) -> None:
-        """Plans the next window (or the final flush) and stages its rows for emission."""
-        ds, layout = self._ds, self._layout
-        before = self._planner_state
-        oldest_before = self._oldest
-        plan = None
+        """Reads the next window (or none: the final flush) and stages its rows."""
+        window = None
         if not self._exhausted:
             ids, cols = self._read_window()
             if ids:
-                lengths = layout.window_lengths(cols)
-                check_lengths(cols, ds.meta, ids[0])
-                plan = layout.add(ids, lengths)
-                phase, window_first = "window", ids[0]
-        if plan is None:
+                window = (ids, cols)
+        self._stage(window)
+
+    def _stage(self, window: tuple[list[int], dict[str, list]] | None) -> None:
+        """Plans `window` (None: the final flush) and stages its rows for emission."""
+        ds, layout = self._ds, self._layout
+        before = self._planner_state
+        oldest_before = self._oldest
+        if window is not None:
+            ids, cols = window
+            lengths = layout.window_lengths(cols)
+            check_lengths(cols, ds.meta, ids[0])
+            plan = layout.add(ids, lengths)
+            phase, window_first = "window", ids[0]
+        else:
             plan = layout.finish()
             phase, window_first = "finish", self._next_id
             self._finished = True
-        replay_id = window_first if oldest_before is None else oldest_before
-        replay_from = replay_id - replay_id % ds.window
-        self._snap = {
-            "phase": phase,
-            "parent": self._state_at(replay_from),
-            "replay_from": replay_from,
-            "window_first": window_first,
-            "planner": before,
-            "dtypes": {n: dt.str for n, dt in self._dtypes.items()},
-        }
+        self._snap = self._snapshot(phase, window_first, before, oldest_before)
         batch = layout.build(plan, self._held, ds.window, self._dtypes)
         self._check_negative(batch)
+        if self._mixed:
+            self._refs.label(batch)
         self._planner_state = layout.planner.snapshot()
         self._oldest = layout.planner.oldest_open_id()
         oldest = self._next_id if self._oldest is None else self._oldest
@@ -240,6 +250,27 @@ class PackIterator(grain.DatasetIterator):
         if ds.shuffle_rows and self._num_rows > 1:
             rng = np.random.default_rng([ds.seed, self._next_id, int(phase == "finish")])
             self._order = rng.permutation(self._num_rows).tolist()
+
+    def _snapshot(self, phase: str, window_first: int, before: Any,
+                  oldest_before: int | None) -> dict[str, Any]:
+        """What a state taken while this window's rows leave records. Over a mixture: the
+        mixture's positions after the window, and references to the window's examples and to
+        those of rows still open before it (encoded on the first get_state). Else: the
+        parent's state at the window holding the oldest open example, to replay from."""
+        snap = {"phase": phase, "window_first": window_first, "planner": before,
+                "dtypes": {n: dt.str for n, dt in self._dtypes.items()}}
+        if self._mixed:
+            refs, layout, end = RefTable(self._ds.window), self._layout, self._next_id
+            refs.windows = dict(self._refs.windows)  # the windows as they are now
+            snap.update(parent=self._parent.get_state(), next_id=end,
+                        refs=lambda planner: refs.encode(
+                            [*layout.open_ids(decode_planner_state(planner)),
+                             *range(window_first, end)]))
+            return snap
+        replay_id = window_first if oldest_before is None else oldest_before
+        replay_from = replay_id - replay_id % self._ds.window
+        snap.update(parent=self._state_at(replay_from), replay_from=replay_from)
+        return snap
 
     # ---- iteration and state ------------------------------------------------------------------
 
@@ -259,6 +290,8 @@ class PackIterator(grain.DatasetIterator):
         out = self._layout.counters()
         out["rows_emitted"] = self._rows_emitted
         out["examples_read"] = self._next_id
+        if self._mixed:  # per dataset: tokens, loss tokens, examples, epochs drawn
+            out["datasets"] = self._parent.counters
         return out
 
     def get_state(self) -> dict[str, Any]:
@@ -267,6 +300,8 @@ class PackIterator(grain.DatasetIterator):
                     "rows_emitted": 0}
         if callable(self._snap["planner"]):  # encoded once per window, on the first call
             self._snap["planner"] = self._snap["planner"]()
+        if callable(self._snap.get("refs")):
+            self._snap["refs"] = self._snap["refs"](self._snap["planner"])
         return {**self._snap, "emitted": self._emitted,
                 "rows_emitted": self._rows_emitted}
 
@@ -276,13 +311,52 @@ class PackIterator(grain.DatasetIterator):
         if state["phase"] == "start":
             self._start_state = state["parent"]
             return
-        ds, layout = self._ds, self._layout
+        layout = self._layout
         self._dtypes.update({n: np.dtype(d) for n, d in state.get("dtypes", {}).items()})
         planner_state = decode_planner_state(state["planner"])
         layout.planner.set_state(planner_state)
         self._planner_state = layout.planner.snapshot()
         self._oldest = layout.planner.oldest_open_id()
-        needed = layout.open_ids(planner_state)
+        if ("refs" in state) != self._mixed:
+            raise InputError(
+                "restoring: the state was saved by a packer "
+                f"{'over' if 'refs' in state else 'not over'} a Mixture, but this one is "
+                f"{'over' if self._mixed else 'not over'} one; restore into the same pipeline")
+        if self._mixed:
+            self._restore_refs(state)
+        else:
+            self._replay(state, layout.open_ids(planner_state))
+        self._emitted = int(state["emitted"])
+        self._rows_emitted = int(state["rows_emitted"])
+
+    def _restore_refs(self, state: dict[str, Any]) -> None:
+        """Fetches the referenced examples from the mixture and re-plans the window that was
+        leaving (nothing replayed: the mixture goes on from its restored positions)."""
+        ds, parent = self._ds, self._parent
+        ids, dataset, index = decode_refs(state["refs"])
+        self._refs.put_ids(ids, dataset, index)
+        elements = [parent.fetch(int(d), int(i)) for d, i in zip(dataset, index)]
+        for n in ds.names:
+            col = [self._as_tokens(e[n], int(j), n) if type(e[n]) is not np.ndarray else e[n]
+                   for j, e in zip(ids.tolist(), elements)]
+            self._fit_column(col, n, 0)
+            for j, v in zip(ids.tolist(), col):
+                held = self._held[n].setdefault(j // ds.window, [None] * ds.window)
+                held[j % ds.window] = v
+        self._next_id = int(state["next_id"])
+        window_first = int(state["window_first"])
+        if state["phase"] == "finish":
+            self._exhausted = True
+            self._stage(None)
+            return
+        window_ids = list(range(window_first, self._next_id))
+        self._stage((window_ids, {n: gather(self._held[n], window_ids, ds.window)
+                                  for n in ds.names}))
+
+    def _replay(self, state: dict[str, Any], needed: set[int]) -> None:
+        """Re-reads the parent from the window holding the oldest open example, holding only
+        what open rows need, and re-plans the window that was leaving."""
+        ds = self._ds
         self._next_id = int(state["replay_from"])
         window_first = int(state["window_first"])
         while self._next_id < window_first:
@@ -294,65 +368,9 @@ class PackIterator(grain.DatasetIterator):
                 )
         self._exhausted = state["phase"] == "finish"
         self._advance()
-        self._emitted = int(state["emitted"])
-        self._rows_emitted = int(state["rows_emitted"])
 
     def __str__(self) -> str:
         return "PackIterator"
-
-
-@dataclasses.dataclass(frozen=True)
-class Window:
-    """The streaming packer's knobs.
-
-    window:       examples planned together; rows stay open across windows.
-    window_rows:  where a row takes more than 1 / `window_rows` of a window's examples, windows
-                  wait until they hold `window_rows` rows' worth of pieces
-                  (`packer.StreamPlanner`; 0: plan every window). One packed feature only:
-                  several are planned window by window.
-    shuffle_rows: shuffle the rows each window emits (seeded by the dataset's seed and the
-                  position), so rows leave in no particular order of length or segment count
-                  (False: the planner's order, longest examples first per window).
-    """
-
-    window: int = 1024
-    window_rows: int = 128
-    shuffle_rows: bool = True
-
-    def __post_init__(self) -> None:
-        check_int("window", self.window, low=1)
-        check_int("window_rows", self.window_rows, low=0)
-        check_type("shuffle_rows", self.shuffle_rows, bool)
-
-
-def pack_configs(pack: packer.PackConfig | Sequence[packer.PackConfig]
-                 ) -> tuple[packer.PackConfig, ...]:
-    """One `PackConfig` per packed feature; several must differ only in seq_len and feature
-    (ValueError naming the field), with one feature each."""
-    configs: tuple = ()
-    if isinstance(pack, packer.PackConfig):
-        configs = (pack,)
-    elif isinstance(pack, Sequence) and not isinstance(pack, str):
-        configs = tuple(pack)
-    if not configs or not all(isinstance(c, packer.PackConfig) for c in configs):
-        raise ValueError(f"pack={pack!r} must be a PackConfig, or a non-empty list of them "
-                         "(one per packed feature)")
-    first = configs[0].to_dict()
-    seen: set[str] = set()
-    for c in configs:
-        if c.feature in seen:
-            raise ValueError(f"pack: feature {c.feature!r} is given twice; one PackConfig per "
-                             "packed feature")
-        seen.add(c.feature)
-        mine = c.to_dict()
-        for field in [*first, *(f for f in mine if f not in first)]:
-            value, want = mine.get(field), first.get(field)
-            if field not in ("seq_len", "feature") and value != want:
-                raise ValueError(
-                    f"pack: {field}={value!r} for feature {c.feature!r} but "
-                    f"{field}={want!r} for {configs[0].feature!r}; packed features "
-                    "differ only in seq_len and feature")
-    return configs
 
 
 class PackIterDataset(grain.IterDataset):

@@ -1,0 +1,155 @@
+"""The shortfall rule of a mixture: which dataset gives the next example.
+
+Weights are target shares of a unit (tokens, loss tokens or examples). At every step the next
+example comes from the active dataset furthest below its target share of the units consumed
+since the current stage began (largest shortfall, ties to the lower index), so every prefix of
+the stream holds each share within one example. A schedule switches weights at given totals of
+units consumed; a stage counts from its own start, and so does a dataset leaving the mixture
+(the others' weights renormalized) or a weight change at a restore.
+
+Worked example (weights 0.5 / 0.5; every example of `a` is 4 units, of `b` 1 unit)::
+
+    step   units since stage   shortfall a, b    pick   consumed a, b
+    0      0                    0.0,  0.0         a      4, 0
+    1      4                   -2.0,  2.0         b      4, 1
+    2      5                   -1.5,  2.5         b      4, 2
+    3      6                   -1.0,  3.0         b      4, 3
+    4      7                   -0.5,  3.5         b      4, 4
+    5      8                    0.0,  0.0         a      8, 4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+UNITS = ("tokens", "loss_tokens", "examples")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """Weights (one per dataset, in the mixture's order, summing to 1) from `start` units on."""
+
+    start: int
+    weights: tuple[float, ...]
+
+
+def make_stages(names: Sequence[str], weights: Mapping[str, float] | None = None,
+                schedule: Sequence[tuple[int, Mapping[str, float]]] | None = None
+                ) -> tuple[Stage, ...]:
+    """The stages of `weights` (one stage from 0) or `schedule` ([(0, w0), (T1, w1), ...]):
+    ValueError naming the stage and dataset for a missing, unknown or negative weight."""
+    if (weights is None) == (schedule is None):
+        raise ValueError("pass one of weights= (a dict name -> weight) or schedule= "
+                         "([(0, weights_0), (T_1, weights_1), ...])")
+    pairs = [(0, weights)] if schedule is None else list(schedule)
+    if not pairs or pairs[0][0] != 0:
+        raise ValueError(f"schedule={schedule!r} must start at 0 units: [(0, weights_0), ...]")
+    stages: list[Stage] = []
+    for k, pair in enumerate(pairs):
+        if not (isinstance(pair, tuple | list) and len(pair) == 2):
+            raise ValueError(f"schedule[{k}]={pair!r} must be (units, weights)")
+        start, w = pair
+        where = "weights" if schedule is None else f"schedule[{k}] (from {start} units)"
+        if stages and not (isinstance(start, int) and start > stages[-1].start):
+            raise ValueError(f"{where}: stage starts must be increasing integers")
+        stages.append(Stage(int(start), normalized(names, w, where)))
+    return tuple(stages)
+
+
+def normalized(names: Sequence[str], weights: Any, where: str) -> tuple[float, ...]:
+    """The weights of `names`, in order, scaled to sum to 1 (ValueError naming the problem)."""
+    if not isinstance(weights, Mapping):
+        raise ValueError(f"{where}={weights!r} must be a dict name -> weight")
+    unknown = sorted(set(map(str, weights)) - set(names))
+    missing = [n for n in names if n not in weights]
+    if unknown or missing:
+        raise ValueError(f"{where}: weights name {unknown or 'no unknown'} dataset(s) not in "
+                         f"the mixture and miss {missing or 'none'}; the datasets are "
+                         f"{list(names)}")
+    values = []
+    for n in names:
+        v = weights[n]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0:
+            raise ValueError(f"{where}: the weight of {n!r} is {v!r}; weights are numbers >= 0")
+        values.append(float(v))
+    total = sum(values)
+    if total <= 0:
+        raise ValueError(f"{where}: every weight is 0; give at least one dataset a weight > 0")
+    return tuple(v / total for v in values)
+
+
+class ShortfallMixer:
+    """Picks datasets by largest shortfall (see the module docstring); small, exact state."""
+
+    def __init__(self, stages: Sequence[Stage]):
+        self.stages = tuple(stages)
+        k = len(self.stages[0].weights)
+        self.consumed = [0] * k  # units per dataset since the start
+        self.active = [True] * k
+        self.stage = 0
+        self.total = 0
+        self._begin(self.stages[0].weights)
+
+    def _begin(self, weights: Sequence[float]) -> None:
+        """A new stage from here: targets count from the units consumed so far."""
+        self.weights = tuple(weights)
+        self.base = list(self.consumed)
+        self.base_total = self.total
+        self._renormalize()
+
+    def _renormalize(self) -> None:
+        """The weights over the active datasets, summing to 1 (all 0 when none is left)."""
+        live = [w if a else 0.0 for w, a in zip(self.weights, self.active)]
+        norm = sum(live)
+        self._live = [w / norm for w in live] if norm > 0 else live
+
+    def pick(self) -> int:
+        """The dataset to draw from next; -1 when no active dataset has a weight > 0."""
+        since = self.total - self.base_total
+        best, best_gap = -1, 0.0
+        for d, w in enumerate(self._live):
+            if w > 0:
+                gap = w * since - (self.consumed[d] - self.base[d])
+                if best < 0 or gap > best_gap:
+                    best, best_gap = d, gap
+        return best
+
+    def add(self, d: int, units: int) -> None:
+        self.consumed[d] += units
+        self.total += units
+        nxt = self.stage + 1
+        if nxt < len(self.stages) and self.total >= self.stages[nxt].start:
+            while nxt + 1 < len(self.stages) and self.total >= self.stages[nxt + 1].start:
+                nxt += 1
+            self.stage = nxt
+            self._begin(self.stages[nxt].weights)
+
+    def deactivate(self, d: int) -> None:
+        """Dataset `d` leaves; the others' weights are renormalized from here on."""
+        self.active[d] = False
+        self._begin(self.weights)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"consumed": list(self.consumed), "active": list(self.active),
+                "stage": self.stage, "total": self.total, "weights": list(self.weights),
+                "base": list(self.base), "base_total": self.base_total}
+
+    def set_state(self, state: Mapping[str, Any]) -> bool:
+        """Restores `state`; when this mixer's weights at that point differ from the state's
+        (weights or schedule edited), a new stage starts there. True when they differed."""
+        self.consumed = [int(c) for c in state["consumed"]]
+        self.active = [bool(a) for a in state["active"]]
+        self.total = int(state["total"])
+        self.stage = max(k for k, s in enumerate(self.stages) if s.start <= self.total)
+        weights = self.stages[self.stage].weights
+        same = self.stage == int(state["stage"]) and list(weights) == list(state["weights"])
+        if same:
+            self.weights = tuple(weights)
+            self.base = [int(b) for b in state["base"]]
+            self.base_total = int(state["base_total"])
+            self._renormalize()
+        else:
+            self._begin(weights)
+        return not same

@@ -1,0 +1,288 @@
+"""`Mixture`: several datasets as one stream of examples, weighted in the unit the user names.
+
+Each dataset keeps its own seeded order (a permutation per epoch, of this host's shard and this
+worker's slice) and its own epoch; the next example comes from the dataset furthest below its
+target share (`packer.mixing.ShortfallMixer`). The state is positions and unit counts per
+dataset, never a replay: restored under edited weights or an edited schedule, the stream goes
+on from the same positions with the new weights. `PackIterDataset` placed directly on a
+mixture checkpoints the examples it holds as (dataset, index) references (`fetch`), so a resume
+repeats and loses nothing whatever the new weights.
+
+Example::
+
+    mix = Mixture({"chat": chat_src, "math": math_src}, weights={"chat": 0.5, "math": 0.5},
+                  unit="tokens", on_exhausted="stop", seed=0)
+    ds = make_training_pipeline(mix, pack=PackConfig(4096), batch=64, shuffle_seed=0,
+                                num_epochs=1)
+"""
+
+from __future__ import annotations
+
+import copy
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from seqpack.packer.mixing import UNITS, ShortfallMixer, make_stages
+from seqpack.pipelines.errors import InputError
+
+POLICIES = ("stop", "continue", "repeat")
+IGNORE_INDEX = -100
+
+
+class Mixture(grain.IterDataset):
+    """Examples of several random-access datasets mixed by largest shortfall.
+
+    datasets:     name -> source (`grain.MapDataset`, or `__len__` + `__getitem__`) of example
+                  dicts; a dataset's id in `segment_dataset_id` is its position here.
+    weights:      name -> weight (normalized); or `schedule=[(0, w0), (T1, w1), ...]`: the
+                  weights from T units consumed on (each stage counts from its own start).
+    unit:         what the weights share: "tokens" (of `feature`), "loss_tokens" (`labels`
+                  != -100, or `mask` != 0) or "examples".
+    on_exhausted: what a dataset does after `num_epochs` passes: "stop" (the stream ends when
+                  the rule next picks it), "continue" (it leaves; the others' weights are
+                  renormalized) or "repeat" (a new seeded epoch: it never runs out); one policy,
+                  or a dict name -> policy.
+    seed:         seeds every dataset's per-epoch order (with its name and the epoch).
+    num_epochs:   passes over each dataset before it counts as exhausted (None: never).
+    shard_index, shard_count: this host's shard of every dataset (`make_training_pipeline`
+                  sets them from its `Batching`).
+    """
+
+    def __init__(self, datasets: Mapping[str, Any], *,
+                 weights: Mapping[str, float] | None = None,
+                 schedule: Sequence[tuple[int, Mapping[str, float]]] | None = None,
+                 unit: str = "tokens", on_exhausted: str | Mapping[str, str] = "stop",
+                 seed: int = 0, feature: str = "tokens", labels: str | None = None,
+                 mask: str | None = None, num_epochs: int | None = 1,
+                 shard_index: int = 0, shard_count: int = 1):
+        super().__init__()
+        if not isinstance(datasets, Mapping) or not datasets:
+            raise ValueError(f"datasets={datasets!r} must be a non-empty dict name -> source")
+        self.names = tuple(str(n) for n in datasets)
+        self.sources = tuple(datasets.values())
+        for name, src in zip(self.names, self.sources):
+            if not (hasattr(src, "__len__") and hasattr(src, "__getitem__")):
+                raise ValueError(f"dataset {name!r} is a {type(src).__name__}; a mixture takes "
+                                 "random-access sources (len() and [index])")
+            if len(src) == 0:
+                raise ValueError(f"dataset {name!r} is empty; drop it from the mixture")
+        self.sizes = tuple(len(s) for s in self.sources)
+        self.stages = make_stages(self.names, weights, schedule)
+        if unit not in UNITS:
+            raise ValueError(f"unit={unit!r} must be one of {list(UNITS)}")
+        if unit == "loss_tokens" and (labels is None) == (mask is None):
+            raise ValueError("unit='loss_tokens' counts the tokens that carry a loss: name "
+                             "the labels column (labels='labels', -100 = no loss) or the mask "
+                             "column (mask='loss_mask', 0 = no loss), one of the two")
+        self.unit, self.feature, self.labels, self.mask = unit, feature, labels, mask
+        self.policies = _policies(self.names, on_exhausted)
+        if num_epochs is not None and (isinstance(num_epochs, bool) or num_epochs < 1):
+            raise ValueError(f"{num_epochs=} must be >= 1, or None (never exhausted)")
+        self.num_epochs = num_epochs
+        self.seed = int(seed)
+        if not 0 <= shard_index < shard_count:
+            raise ValueError(f"{shard_index=} must be in [0, {shard_count=})")
+        self.shard = (int(shard_index), int(shard_count))
+        self.worker = (0, 1, False)  # (index, count, sequential) of Grain's worker slice
+        self._check_shards()
+
+    def _check_shards(self) -> None:
+        for name, rng in zip(self.names, self.ranges()):
+            if not len(rng):
+                raise ValueError(f"dataset {name!r} ({len(rng)} examples in shard "
+                                 f"{self.shard[0]} of {self.shard[1]}) has no example for "
+                                 "this shard or worker; use fewer hosts or workers")
+
+    def configured(self, *, shard_index: int, shard_count: int,
+                   num_epochs: int | None) -> Mixture:
+        """A copy for one host of `make_training_pipeline` (its shard, its epochs)."""
+        out = copy.copy(self)
+        if num_epochs is not None and num_epochs < 1:
+            raise ValueError(f"{num_epochs=} must be >= 1, or None")
+        out.shard, out.num_epochs = (int(shard_index), int(shard_count)), num_epochs
+        out._check_shards()
+        return out
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """Called by Grain in each prefetch worker: the worker reads its slice of every
+        dataset's shard (and mixes it by the same rule)."""
+        self.worker = (sl.start or 0, sl.step or 1, bool(sequential_slice))
+        self._check_shards()
+
+    def ranges(self) -> list[range]:
+        """Per dataset: the original indices this host's worker reads (O(1) memory)."""
+        w, k, sequential = self.worker
+        out = []
+        for n in self.sizes:
+            r = range(n)[self.shard[0]::self.shard[1]]
+            if sequential:
+                m = len(r)
+                r = r[(m * w) // k:(m * (w + 1)) // k]
+            else:
+                r = r[w::k]
+            out.append(r)
+        return out
+
+    def __iter__(self) -> MixtureIterator:
+        return MixtureIterator(self)
+
+    def __str__(self) -> str:
+        return f"Mixture({list(self.names)}, unit={self.unit!r})"
+
+
+def _policies(names: Sequence[str], on_exhausted: Any) -> tuple[str, ...]:
+    if isinstance(on_exhausted, str):
+        on_exhausted = dict.fromkeys(names, on_exhausted)
+    if not isinstance(on_exhausted, Mapping) or set(on_exhausted) != set(names):
+        raise ValueError(f"on_exhausted={on_exhausted!r} must be one of {list(POLICIES)}, or a "
+                         f"dict giving one for each of {list(names)}")
+    for name, policy in on_exhausted.items():
+        if policy not in POLICIES:
+            raise ValueError(f"on_exhausted[{name!r}]={policy!r} must be one of "
+                             f"{list(POLICIES)}")
+    return tuple(on_exhausted[n] for n in names)
+
+
+class MixtureIterator(grain.DatasetIterator):
+    """Iterator of `Mixture`; `counters` per dataset, `take_refs` / `fetch` for the packer."""
+
+    def __init__(self, mix: Mixture):
+        super().__init__()
+        self._mix = mix
+        self._ranges = mix.ranges()
+        k = len(mix.names)
+        self._limit = [len(r) * mix.num_epochs
+                       if mix.num_epochs is not None and p != "repeat" else -1
+                       for r, p in zip(self._ranges, mix.policies)]
+        self._perm: list[tuple[int, np.ndarray | None]] = [(-1, None)] * k
+        self._salt = [zlib.crc32(n.encode()) for n in mix.names]
+        self._mixer = ShortfallMixer(mix.stages)
+        self._pos = [0] * k
+        self._tokens = [0] * k
+        self._loss = [0] * k
+        self._refs_d: list[int] = []
+        self._refs_i: list[int] = []
+        self._loss_key = mix.labels if mix.labels is not None else mix.mask
+        self._loss_pad = IGNORE_INDEX if mix.labels is not None else 0
+
+    def _order(self, d: int, epoch: int) -> np.ndarray:
+        """Dataset d's seeded order of this host's positions in `epoch` (int32 where it fits)."""
+        have, perm = self._perm[d]
+        if have != epoch or perm is None:
+            m = len(self._ranges[d])
+            rng = np.random.default_rng([self._mix.seed, self._salt[d], epoch])
+            perm = rng.permutation(m)
+            perm = perm.astype(np.int32) if m < 2**31 else perm
+            self._perm[d] = (epoch, perm)
+        return perm
+
+    def __next__(self) -> Any:
+        mixer = self._mixer
+        while True:
+            d = mixer.pick()
+            if d < 0:
+                raise StopIteration
+            pos = self._pos[d]
+            if pos == self._limit[d]:
+                if self._mix.policies[d] == "stop":
+                    raise StopIteration
+                mixer.deactivate(d)
+                continue
+            break
+        m = len(self._ranges[d])
+        epoch, j = divmod(pos, m)
+        index = self._ranges[d][int(self._order(d, epoch)[j])]
+        element = self._mix.sources[d][index]
+        tokens, loss = self._count(d, index, element)
+        mixer.add(d, tokens if self._mix.unit == "tokens" else
+                  loss if self._mix.unit == "loss_tokens" else 1)
+        self._pos[d] = pos + 1
+        self._tokens[d] += tokens
+        self._loss[d] += loss
+        self._refs_d.append(d)
+        self._refs_i.append(index)
+        return element
+
+    def _count(self, d: int, index: int, element: Any) -> tuple[int, int]:
+        """(tokens, loss tokens) of one element; InputError naming it when a key is missing."""
+        try:
+            tokens = len(element[self._mix.feature])
+            if self._loss_key is None:
+                return tokens, 0
+            return tokens, int(np.count_nonzero(np.asarray(element[self._loss_key])
+                                                != self._loss_pad))
+        except (KeyError, TypeError, IndexError) as e:
+            want = [self._mix.feature] + ([self._loss_key] if self._loss_key else [])
+            raise InputError(f"dataset {self._mix.names[d]!r}, example {index}: lacks one of "
+                             f"{want} ({type(e).__name__}: {e})") from None
+
+    # ---- what the packer reads ------------------------------------------------------------
+
+    def take_refs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset i32[n], index i64[n]) of the n elements yielded since the last call."""
+        out = (np.asarray(self._refs_d, np.int32), np.asarray(self._refs_i, np.int64))
+        self._refs_d, self._refs_i = [], []
+        return out
+
+    def fetch(self, dataset: int, index: int) -> Any:
+        """The element `index` of dataset number `dataset` (a reference from `take_refs`)."""
+        return self._mix.sources[dataset][index]
+
+    @property
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Per dataset: tokens, loss tokens, examples and completed epochs drawn so far."""
+        out = {}
+        for d, name in enumerate(self._mix.names):
+            m = len(self._ranges[d])
+            out[name] = {"tokens": self._tokens[d], "loss_tokens": self._loss[d],
+                         "examples": self._pos[d], "epochs": self._pos[d] // m}
+        return out
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def get_state(self) -> dict[str, Any]:
+        mix = self._mix
+        return {"names": list(mix.names), "sizes": list(mix.sizes), "shard": list(mix.shard),
+                "worker": list(mix.worker), "positions": list(self._pos),
+                "tokens": list(self._tokens), "loss_tokens": list(self._loss),
+                "mixer": self._mixer.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        check_compatible(self._mix, state)
+        self._pos = [int(p) for p in state["positions"]]
+        self._tokens = [int(t) for t in state["tokens"]]
+        self._loss = [int(t) for t in state["loss_tokens"]]
+        self._mixer = ShortfallMixer(self._mix.stages)
+        self.reweighted = self._mixer.set_state(state["mixer"])
+        self._refs_d, self._refs_i = [], []
+
+    def __str__(self) -> str:
+        return "MixtureIterator"
+
+
+def check_compatible(mix: Mixture, state: Mapping[str, Any]) -> None:
+    """InputError naming the difference when `state` was saved by another mixture's datasets
+    (names, their order, sizes) or another shard/worker layout; weights may differ."""
+    names, sizes = list(state["names"]), [int(s) for s in state["sizes"]]
+    if names != list(mix.names):
+        gone = [n for n in names if n not in mix.names]
+        new = [n for n in mix.names if n not in names]
+        detail = (f"the state has {gone} that the mixture lacks and the mixture has {new} "
+                  "that the state lacks") if gone or new else "the same names in another order"
+        raise InputError(f"restoring a mixture: its datasets are {list(mix.names)} but the "
+                         f"state's are {names} ({detail}); a dataset's id is its position, so "
+                         "restore into the same datasets in the same order")
+    for name, have, had in zip(names, mix.sizes, sizes):
+        if have != had:
+            raise InputError(f"restoring a mixture: dataset {name!r} holds {have} examples but "
+                             f"held {had} when the state was saved; its positions would "
+                             "point at other examples (restore into the same data)")
+    for key, mine in (("shard", mix.shard), ("worker", mix.worker)):
+        if [int(v) for v in state[key]] != [int(v) for v in mine]:
+            raise InputError(f"restoring a mixture: the state's {key} is {state[key]} but this "
+                             f"pipeline's is {list(mine)}; positions are counted per {key}, "
+                             "so restore with the same host and worker counts")
