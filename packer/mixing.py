@@ -2,20 +2,21 @@
 
 Weights are target shares of a unit (tokens, loss tokens or examples). At every step the next
 example comes from the active dataset furthest below its target share of the units consumed
-since the current stage began (largest shortfall, ties to the lower index), so every prefix of
-the stream holds each share within one example. A schedule switches weights at given totals of
+since the current stage began, counted as if the next example (of the mean size so far) were
+already drawn (largest shortfall, ties to the lower index), so every prefix of the stream
+holds each share within about one example (docs/mixing.md). A schedule switches weights at given totals of
 units consumed; a stage counts from its own start, and so does a dataset leaving the mixture
 (the others' weights renormalized) or a weight change at a restore.
 
 Worked example (weights 0.5 / 0.5; every example of `a` is 4 units, of `b` 1 unit)::
 
-    step   units since stage   shortfall a, b    pick   consumed a, b
-    0      0                    0.0,  0.0         a      4, 0
-    1      4                   -2.0,  2.0         b      4, 1
-    2      5                   -1.5,  2.5         b      4, 2
-    3      6                   -1.0,  3.0         b      4, 3
-    4      7                   -0.5,  3.5         b      4, 4
-    5      8                    0.0,  0.0         a      8, 4
+    step   units since stage + mean   shortfall a, b    pick   consumed a, b
+    0      0 + 1                        0.5,  0.5         a      4, 0
+    1      4 + 4                        0.0,  4.0         b      4, 1
+    2      5 + 2.5                     -0.25, 2.75        b      4, 2
+    3      6 + 2                        0.0,  2.0         b      4, 3
+    4      7 + 1.75                     0.375, 1.375      b      4, 4
+    5      8 + 1.6                      0.8,  0.8         a      8, 4
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class ShortfallMixer:
         self.active = [True] * k
         self.stage = 0
         self.total = 0
+        self.count = 0  # examples drawn since the start
         self._begin(self.stages[0].weights)
 
     def _begin(self, weights: Sequence[float]) -> None:
@@ -97,6 +99,7 @@ class ShortfallMixer:
         self.weights = tuple(weights)
         self.base = list(self.consumed)
         self.base_total = self.total
+        self.base_count = self.count
         self._renormalize()
 
     def _renormalize(self) -> None:
@@ -108,6 +111,8 @@ class ShortfallMixer:
     def pick(self) -> int:
         """The dataset to draw from next; -1 when no active dataset has a weight > 0."""
         since = self.total - self.base_total
+        drawn = self.count - self.base_count
+        since += since / drawn if drawn else 1.0
         best, best_gap = -1, 0.0
         for d, w in enumerate(self._live):
             if w > 0:
@@ -119,6 +124,7 @@ class ShortfallMixer:
     def add(self, d: int, units: int) -> None:
         self.consumed[d] += units
         self.total += units
+        self.count += 1
         nxt = self.stage + 1
         if nxt < len(self.stages) and self.total >= self.stages[nxt].start:
             while nxt + 1 < len(self.stages) and self.total >= self.stages[nxt + 1].start:
@@ -133,8 +139,9 @@ class ShortfallMixer:
 
     def get_state(self) -> dict[str, Any]:
         return {"consumed": list(self.consumed), "active": list(self.active),
-                "stage": self.stage, "total": self.total, "weights": list(self.weights),
-                "base": list(self.base), "base_total": self.base_total}
+                "stage": self.stage, "total": self.total, "count": self.count,
+                "weights": list(self.weights), "base": list(self.base),
+                "base_total": self.base_total, "base_count": self.base_count}
 
     def set_state(self, state: Mapping[str, Any]) -> bool:
         """Restores `state`; when this mixer's weights at that point differ from the state's
@@ -142,6 +149,7 @@ class ShortfallMixer:
         self.consumed = [int(c) for c in state["consumed"]]
         self.active = [bool(a) for a in state["active"]]
         self.total = int(state["total"])
+        self.count = int(state["count"])
         self.stage = max(k for k, s in enumerate(self.stages) if s.start <= self.total)
         weights = self.stages[self.stage].weights
         same = self.stage == int(state["stage"]) and list(weights) == list(state["weights"])
@@ -149,6 +157,7 @@ class ShortfallMixer:
             self.weights = tuple(weights)
             self.base = [int(b) for b in state["base"]]
             self.base_total = int(state["base_total"])
+            self.base_count = int(state["base_count"])
             self._renormalize()
         else:
             self._begin(weights)

@@ -8,6 +8,8 @@ The only part of seqpack that imports grain (and so jax):
 - Sources (`grain.MapDataset`s with random access): `ArraySource`, `JsonlSource`,
   `ParquetSource`, `ArrayRecordSource`, `PackedArrayRecordSource` (alias `PackedSource`: the
   output of `seqpack pack` in any `--format`); `SequentialIterDataset` walks one in order.
+- `Mixture`: several datasets as one stream, weighted in tokens, loss tokens or examples
+  (docs/mixing.md); every row then carries `segment_dataset_id`.
 - `make_training_pipeline`: shard, shuffle, pack, batch, prefetch; or, over packed rows,
   shuffle per epoch, shard, batch (balanced datasets by whole steps). Its options come in
   frozen dataclasses: `packer.PackConfig`, `Batching`, `Columns`, `Balance`, `Window`,
@@ -33,6 +35,7 @@ from seqpack.pipelines.datasets.files import (  # noqa: E402
     ParquetSource,
 )
 from seqpack.pipelines.datasets.loss import LossTokens  # noqa: E402
+from seqpack.pipelines.datasets.mixing import Mixture  # noqa: E402
 from seqpack.pipelines.datasets.pack import PackIterator, PackIterDataset, Window  # noqa: E402
 from seqpack.pipelines.datasets.sources import ArraySource, SequentialIterDataset  # noqa: E402
 from seqpack.pipelines.datasets.training import (  # noqa: E402
@@ -55,6 +58,7 @@ __all__ = [
     "FirstFitPackIterDataset",
     "JsonlSource",
     "LossTokens",
+    "Mixture",
     "PackIterDataset",
     "PackIterator",
     "PackedArrayRecordSource",

@@ -50,6 +50,7 @@ from seqpack.pipelines.datasets.columns import (
     loss_feature,
 )
 from seqpack.pipelines.datasets.loss import LossTokens
+from seqpack.pipelines.datasets.mixing import Mixture
 from seqpack.pipelines.datasets.pack import PackIterDataset, Window
 from seqpack.pipelines.datasets.sources import SequentialIterDataset
 from seqpack.pipelines.errors import InputError
@@ -246,7 +247,8 @@ def _context_parallel(source: Any, pack: PackConfig | None, C: int | None) -> Pa
     return pack
 
 
-def _check_feature(source: Any, feature: str, columns: Columns) -> None:
+def _check_feature(source: Any, feature: str, columns: Columns, *,
+                   where: str = "the source") -> None:
     """InputError when element 0 of a source of examples lacks the packed feature: it names
     the keys it has and the pack config that packs the right one."""
     if not len(source):
@@ -258,7 +260,7 @@ def _check_feature(source: Any, feature: str, columns: Columns) -> None:
     rest = [k for k in keys if k not in columns.names() and k not in columns.drop]
     hint = rest[0] if len(rest) == 1 else "input_ids"
     raise InputError(
-        f"element 0 of the source lacks the packed feature {feature!r} (its keys: {keys}); "
+        f"element 0 of {where} lacks the packed feature {feature!r} (its keys: {keys}); "
         f"name the key of the token ids in the pack config: PackConfig(..., feature={hint!r})")
 
 
@@ -266,7 +268,18 @@ def _example_batches(source: Any, *, pack: PackConfig, batch: Batching,
                      shard: tuple[int, int, int | None], shuffle_seed: int,
                      num_epochs: int | None, columns: Columns, window: Window
                      ) -> grain.IterDataset:
-    """Examples -> shard -> shuffle -> repeat -> PackIterDataset -> batch."""
+    """Examples -> shard -> shuffle -> repeat -> PackIterDataset -> batch (a mixture: each
+    dataset sharded and shuffled per epoch in the mixture, packed directly)."""
+    if isinstance(source, Mixture):
+        if source.feature != pack.feature:
+            raise ValueError(f"Mixture(feature={source.feature!r}) but "
+                             f"PackConfig(feature={pack.feature!r}); name the same key")
+        for name, src in zip(source.names, source.sources):
+            _check_feature(src, pack.feature, columns, where=f"dataset {name!r}")
+        mix = source.configured(shard_index=shard[0], shard_count=shard[1],
+                                num_epochs=num_epochs)
+        rows = PackIterDataset(mix, pack, columns=columns, window=window, seed=shuffle_seed)
+        return rows.batch(batch.batch_size, drop_remainder=batch.drop_remainder)
     _check_feature(source, pack.feature, columns)
     ds = source if isinstance(source, grain.MapDataset) else grain.MapDataset.source(source)
     shard_index, shard_count, _ = shard
@@ -346,7 +359,9 @@ def make_training_pipeline(
     """A Grain `IterDataset` of packed `[B, L]` / `[B, S]` numpy batches + `loss_tokens` `[B]`.
 
     source:       a random-access source (`grain.MapDataset`, or `__len__` + `__getitem__`) of
-                  example dicts, or a `PackedArrayRecordSource` (packed.py: no second packing).
+                  example dicts, a `Mixture` of such sources (each dataset sharded, and
+                  passed over `num_epochs` times, in the mixture), or a
+                  `PackedArrayRecordSource` (packed.py: no second packing).
     pack:         the rows (`packer.PackConfig`: seq_len, max_segments, strategy, overflow,
                   segment_alignment, pad_id and `feature`, the key of the token ids, default
                   "tokens"). Required for examples; for packed rows optional, their seq_len,

@@ -281,6 +281,8 @@ def check_compatible(mix: Mixture, state: Mapping[str, Any]) -> None:
             raise InputError(f"restoring a mixture: dataset {name!r} holds {have} examples but "
                              f"held {had} when the state was saved; its positions would "
                              "point at other examples (restore into the same data)")
+    if not any(int(p) for p in state["positions"]):
+        return  # nothing drawn yet (Grain makes its workers' first states unsliced)
     for key, mine in (("shard", mix.shard), ("worker", mix.worker)):
         if [int(v) for v in state[key]] != [int(v) for v in mine]:
             raise InputError(f"restoring a mixture: the state's {key} is {state[key]} but this "

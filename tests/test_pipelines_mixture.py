@@ -1,0 +1,332 @@
+"""Mixtures: the shortfall rule's shares, schedules, exhaustion, rows that name their dataset,
+and resumes that repeat and lose nothing when the weights change."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import grain
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from seqpack.packer import PackConfig
+from seqpack.packer.mixing import ShortfallMixer, make_stages
+from seqpack.pipelines.datasets import (
+    ArraySource,
+    Batching,
+    Mixture,
+    PackIterDataset,
+    Prefetch,
+    Window,
+    make_training_pipeline,
+)
+from seqpack.pipelines.errors import InputError
+from tests.helpers.pipelines import (
+    assert_rows_equal,
+    check_restore_every_step,
+    random_lengths,
+    sft_corpus,
+    sft_source,
+)
+
+NAMES = ("a", "b", "c")
+
+
+def _sources(ns=(60, 30), highs=(12, 72), seed=0, sft=False):
+    """Datasets whose tokens name them: dataset d's example i holds (d + 1) * 10**6 + i * 1000
+    + position (so a row's tokens can be checked against the reference they carry)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for d, (n, high) in enumerate(zip(ns, highs)):
+        lengths = random_lengths(rng, n, high=high)
+        offsets = np.concatenate(([0], np.cumsum(lengths)))
+        ex = np.repeat(np.arange(n), lengths)
+        values = (d + 1) * 10**6 + ex * 1000 + (np.arange(offsets[-1]) - offsets[ex])
+        if sft:
+            _, _, labels, mask = sft_corpus(lengths, seed=seed + d)
+            out[NAMES[d]] = sft_source(values, offsets, labels, mask)
+        else:
+            out[NAMES[d]] = ArraySource.from_ragged(values, offsets)
+    return out
+
+
+def _segments(rows):
+    """(dataset, index, start, length) of every used slot, checked against the row's tokens."""
+    out = []
+    for r in rows:
+        for j, (d, i, s, n, o) in enumerate(zip(
+                r["segment_dataset_id"], r["segment_source_index"], r["segment_source_start"],
+                r["tokens_segment_lengths"], r["tokens_segment_offsets"])):
+            if n == 0:
+                assert d == -1 and i == -1, (j, d, i)
+                continue
+            want = (d + 1) * 10**6 + i * 1000 + s + np.arange(n)
+            np.testing.assert_array_equal(r["tokens"][o:o + n], want)
+            out.append((int(d), int(i), int(s), int(n)))
+    return out
+
+
+def _examples(rows):
+    """(dataset, index) -> tokens packed of it."""
+    c: Counter = Counter()
+    for d, i, _, n in _segments(rows):
+        c[(d, i)] += n
+    return c
+
+
+def _full(sources):
+    return {(d, i): len(src[i]["tokens"]) for d, src in enumerate(sources.values())
+            for i in range(len(src))}
+
+
+# ---- the rule ------------------------------------------------------------------------------
+
+def test_worked_example_of_the_docstring():
+    mixer = ShortfallMixer(make_stages(["a", "b"], {"a": 1, "b": 1}))
+    picks = []
+    for _ in range(6):
+        d = mixer.pick()
+        picks.append(d)
+        mixer.add(d, 4 if d == 0 else 1)
+    assert picks == [0, 1, 1, 1, 1, 0]
+    assert (mixer.consumed, mixer.total) == ([8, 4], 12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=2, max_size=4), st.integers(0, 2**16),
+       st.sampled_from(["tokens", "examples"]))
+def test_every_prefix_holds_each_share_within_one_example(raw, seed, unit):
+    if not sum(raw):
+        raw[0] = 1
+    names = [f"d{k}" for k in range(len(raw))]
+    stages = make_stages(names, dict(zip(names, raw)))
+    weights = np.array(stages[0].weights)
+    rng = np.random.default_rng(seed)
+    high = rng.integers(1, 50, len(raw))
+    mixer = ShortfallMixer(stages)
+    for _ in range(300):
+        d = mixer.pick()
+        assert weights[d] > 0
+        mixer.add(d, int(rng.integers(1, high[d] + 1)) if unit == "tokens" else 1)
+        gap = weights * mixer.total - np.array(mixer.consumed)
+        biggest = high if unit == "tokens" else np.ones(len(raw))
+        # within one example of the largest size (1.12 seen with 8 datasets, docs/mixing.md)
+        assert np.all(np.abs(gap) <= 1.2 * biggest.max()), (gap, biggest)
+
+
+def test_a_schedule_switches_at_its_start_and_counts_from_there():
+    stages = make_stages(["a", "b"], schedule=[(0, {"a": 1, "b": 0}), (100, {"a": 1, "b": 3})])
+    mixer = ShortfallMixer(stages)
+    while mixer.total < 100:
+        assert mixer.pick() == 0
+        mixer.add(0, 7)
+    at = list(mixer.consumed)
+    for _ in range(400):
+        d = mixer.pick()
+        mixer.add(d, 2 if d == 0 else 5)
+    since = np.array(mixer.consumed) - at
+    assert abs(since[1] / since.sum() - 0.75) < 5 / since.sum()
+
+
+def test_bad_weights_and_options_say_what_is_wrong():
+    src = _sources()
+    with pytest.raises(ValueError, match=r"miss \['b'\]"):
+        Mixture(src, weights={"a": 1})
+    with pytest.raises(ValueError, match=r"name \['z'\]"):
+        Mixture(src, weights={"a": 1, "b": 1, "z": 1})
+    with pytest.raises(ValueError, match="weight of 'b' is -1"):
+        Mixture(src, weights={"a": 1, "b": -1})
+    with pytest.raises(ValueError, match="pass one of weights="):
+        Mixture(src)
+    with pytest.raises(ValueError, match="must start at 0"):
+        Mixture(src, schedule=[(5, {"a": 1, "b": 1})])
+    with pytest.raises(ValueError, match="labels column"):
+        Mixture(src, weights={"a": 1, "b": 1}, unit="loss_tokens")
+    with pytest.raises(ValueError, match="on_exhausted"):
+        Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="loop")
+
+
+# ---- the stream ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("unit", ["tokens", "loss_tokens", "examples"])
+def test_the_stream_holds_the_shares_in_its_unit(unit):
+    src = _sources(ns=(400, 400), highs=(10, 60), sft=True)
+    mix = Mixture(src, weights={"a": 0.25, "b": 0.75}, unit=unit, labels="labels",
+                  on_exhausted="repeat", num_epochs=None)
+    it = iter(mix)
+    per = {0: 0, 1: 0}
+    for _ in range(600):
+        e = next(it)
+        d = 0 if e["tokens"][0] < 2 * 10**6 else 1
+        per[d] += (len(e["tokens"]) if unit == "tokens" else
+                   int((e["labels"] != -100).sum()) if unit == "loss_tokens" else 1)
+    share = per[0] / (per[0] + per[1])
+    assert abs(share - 0.25) * (per[0] + per[1]) <= 60, (unit, per)
+    counted = it.counters
+    assert counted["a"]["examples"] + counted["b"]["examples"] == 600
+    if unit == "loss_tokens":
+        assert [counted[n]["loss_tokens"] for n in "ab"] == [per[0], per[1]]
+
+
+def test_exhaustion_stop_continue_repeat():
+    src = _sources(ns=(20, 200), highs=(10, 10))
+    stream = lambda **kw: list(iter(Mixture(src, weights={"a": 1, "b": 1}, unit="examples",
+                                            **kw)))
+    stop = stream(on_exhausted="stop")
+    assert len(stop) == 40  # 20 of each, then a would be next
+    cont = stream(on_exhausted="continue")
+    assert len(cont) == 220  # every example once
+    rep = stream(on_exhausted={"a": "repeat", "b": "stop"})
+    a = [int(e["tokens"][0]) for e in rep if e["tokens"][0] < 2 * 10**6]
+    assert (len(rep), len(a)) == (401, 201)  # b ends the stream when next picked (at a tie)
+    epochs = [a[k:k + 20] for k in range(0, 200, 20)]
+    assert all(sorted(e) == sorted(epochs[0]) for e in epochs)
+    assert len({tuple(e) for e in epochs}) > 1
+    twice = stream(on_exhausted="stop", num_epochs=2)
+    assert [e["tokens"].tolist() for e in twice[:40]] == [e["tokens"].tolist() for e in stop]
+
+
+# ---- rows ----------------------------------------------------------------------------------
+
+def _pack(mix, L=128, window=16):
+    return PackIterDataset(mix, PackConfig(L, max_segments=8, overflow="split"),
+                           window=Window(window, window_rows=4))
+
+
+def test_rows_name_each_segments_dataset_and_index():
+    src = _sources()
+    rows = list(_pack(Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="continue")))
+    assert rows[0]["segment_dataset_id"].dtype == np.int32
+    assert rows[0]["segment_source_index"].dtype == np.int64
+    assert _examples(rows) == _full(src)  # every token of every example, once
+
+
+@pytest.mark.parametrize("unit", ["tokens", "examples"])
+def test_restore_at_every_step_under_the_same_weights(unit):
+    src = _sources()
+    ds = _pack(Mixture(src, weights={"a": 2, "b": 1}, unit=unit, on_exhausted="continue"))
+    rows = check_restore_every_step(lambda: iter(ds))
+    assert len(rows) > 10
+
+
+@pytest.mark.parametrize("policy", ["continue", "stop"])
+def test_edited_weights_at_every_step_repeat_and_lose_nothing(policy):
+    src = _sources()
+    old = _pack(Mixture(src, weights={"a": 1, "b": 1}, on_exhausted=policy))
+    new = _pack(Mixture(src, weights={"a": 1, "b": 4}, on_exhausted=policy))
+    it = iter(old)
+    states, rows = [it.get_state()], []
+    for row in it:
+        rows.append(row)
+        states.append(json.loads(json.dumps(it.get_state())))
+    full = _full(src)
+    for step, state in enumerate(states):
+        resumed = iter(new)
+        resumed.set_state(state)
+        got = _examples(rows[:step] + list(resumed))
+        if policy == "continue":
+            assert got == full, step  # every example of every dataset once
+        else:
+            assert all(full[k] == n for k, n in got.items()), step  # whole, never twice
+
+
+def test_edited_weights_take_hold_from_the_restored_point():
+    src = _sources(ns=(600, 600), highs=(20, 20))
+    make = lambda w: _pack(Mixture(src, weights=w, unit="tokens", on_exhausted="continue"))
+    it = iter(make({"a": 1, "b": 1}))
+    for _ in range(8):
+        next(it)
+    state = it.get_state()
+    resumed = iter(make({"a": 1, "b": 3}))
+    resumed.set_state(state)
+    drawn_before = state["parent"]["tokens"]
+    for _ in range(20):
+        next(resumed)
+    after = resumed.counters["datasets"]
+    since = [after[n]["tokens"] - t for n, t in zip("ab", drawn_before)]
+    assert abs(since[1] / sum(since) - 0.75) < 0.02, since
+
+
+def test_restore_refuses_other_datasets_with_the_difference_named():
+    src = _sources()
+    it = iter(_pack(Mixture(src, weights={"a": 1, "b": 1})))
+    next(it)
+    state = it.get_state()
+    other = dict(src, c=src["a"])
+    with pytest.raises(InputError, match=r"the mixture has \['c'\]"):
+        iter(_pack(Mixture(other, weights={"a": 1, "b": 1, "c": 1}))).set_state(state)
+    swapped = {"b": src["b"], "a": src["a"]}
+    with pytest.raises(InputError, match="another order"):
+        iter(_pack(Mixture(swapped, weights={"a": 1, "b": 1}))).set_state(state)
+    shorter = {"a": src["a"][:50], "b": src["b"]}
+    with pytest.raises(InputError, match="'a' holds 50 examples but held 60"):
+        iter(_pack(Mixture(shorter, weights={"a": 1, "b": 1}))).set_state(state)
+    with pytest.raises(InputError, match="shard"):
+        iter(_pack(Mixture(src, weights={"a": 1, "b": 1}, shard_index=0, shard_count=2))
+             ).set_state(state)
+
+
+# ---- the training pipeline -----------------------------------------------------------------
+
+def _pipeline(mix, *, shard=(0, 1), workers=0, batch=2, **kw):
+    return make_training_pipeline(
+        mix, pack=PackConfig(128, max_segments=8, overflow="split"),
+        batch=Batching(batch, drop_remainder=False, shard_index=shard[0], shard_count=shard[1]),
+        shuffle_seed=3, num_epochs=1, window=Window(16, window_rows=4),
+        prefetch=Prefetch(worker_count=workers), **kw)
+
+
+def _unbatch(batches):
+    return [{k: v[r] for k, v in b.items()} for b in batches for r in range(len(b["tokens"]))]
+
+
+def test_hosts_share_every_example_once():
+    src = _sources()
+    mix = Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="continue")
+    got: Counter = Counter()
+    for h in range(2):
+        rows = _unbatch(list(_pipeline(mix, shard=(h, 2))))
+        assert all("segment_dataset_id" in r for r in rows)
+        got += _examples(rows)
+    assert got == _full(src)
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_pipeline_resume_with_edited_weights(workers):
+    src = _sources()
+    old = Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="continue")
+    new = Mixture(src, weights={"a": 3, "b": 1}, on_exhausted="continue")
+    it = iter(_pipeline(old, workers=workers))
+    full = list(it)
+    it.close()
+    assert _examples(_unbatch(full)) == _full(src)
+    for n in range(len(full)):  # a resume at every step
+        it = iter(_pipeline(old, workers=workers))
+        head = [next(it) for _ in range(n)]
+        state = json.loads(json.dumps(it.get_state()))
+        it.close()
+        same = iter(_pipeline(old, workers=workers))
+        same.set_state(state)
+        assert_rows_equal(list(same), full[n:])
+        same.close()
+        resumed = iter(_pipeline(new, workers=workers))
+        resumed.set_state(state)
+        got = _examples(_unbatch(head + list(resumed)))
+        resumed.close()
+        assert got == _full(src), n
+
+
+def test_mixture_is_a_grain_dataset_with_worker_slices():
+    src = _sources()
+    mix = Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="continue")
+    assert isinstance(mix, grain.IterDataset)
+    seen: Counter = Counter()
+    for w in range(3):
+        part = mix.configured(shard_index=0, shard_count=1, num_epochs=1)
+        part.set_slice(slice(w, None, 3))
+        seen += Counter((0 if e["tokens"][0] < 2 * 10**6 else 1, int(e["tokens"][0]) % 10**6)
+                        for e in part)
+    assert sum(seen.values()) == 90 and max(seen.values()) == 1
