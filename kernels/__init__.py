@@ -37,9 +37,16 @@ from seqpack.kernels.common import GpuBlockSizes, Impl, Normalize, SegmentBlockS
 from seqpack.kernels.cross_entropy import CrossEntropyBlockSizes, segment_cross_entropy
 from seqpack.kernels.gather import GatherBlockSizes, segment_gather
 from seqpack.kernels.metadata import segment_metadata
-from seqpack.kernels.segment_ops import segment_broadcast, segment_max, segment_mean, segment_sum
+from seqpack.kernels.segment_ops import (
+    segment_broadcast,
+    segment_dataset_loss,
+    segment_max,
+    segment_mean,
+    segment_sum,
+)
 
 __all__ = [
+    "segment_dataset_loss",
     "AttentionBlockSizes",
     "CrossEntropyBlockSizes",
     "GatherBlockSizes",

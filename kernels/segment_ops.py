@@ -228,3 +228,28 @@ def segment_broadcast(
     values3 = values if values.ndim == 3 else values[:, :, None]
     out = _pallas_broadcast(values3, *setup)
     return out if values.ndim == 3 else out[..., 0]
+
+
+@functools.partial(jax.jit, static_argnames=("num_datasets",))
+def segment_dataset_loss(
+    per_segment_loss: jax.Array,  # f[B, S]: loss sums, e.g. from segment_cross_entropy
+    per_segment_tokens: jax.Array,  # int[B, S]: tokens counted in each sum
+    segment_dataset_id: jax.Array,  # int[B, S]: the segment's dataset, -1 on unused slots
+    *,
+    num_datasets: int,
+) -> tuple[jax.Array, jax.Array]:  # (f32[K] loss sums, i32[K] tokens)
+    """Per-dataset loss sums and token counts of packed rows (K = num_datasets): a plain
+    reduction over the `[B, S]` slots, so jit- and shard_map-friendly (psum the two outputs
+    over the batch axes for global figures). The per-dataset mean loss is sums / tokens.
+    Slots whose id is outside [0, K) count nowhere; masked with `where`, never multiplied."""
+    if not isinstance(num_datasets, int) or num_datasets < 1:
+        raise ValueError(f"{num_datasets=} must be an int >= 1 (the mixture's dataset count)")
+    shapes = {x.shape for x in (per_segment_loss, per_segment_tokens, segment_dataset_id)}
+    if len(shapes) != 1:
+        raise ValueError(f"per_segment_loss, per_segment_tokens and segment_dataset_id must "
+                         f"share one [B, S] shape, got {sorted(shapes)}")
+    hit = segment_dataset_id[..., None] == jnp.arange(num_datasets, dtype=jnp.int32)
+    axes = tuple(range(hit.ndim - 1))
+    loss = jnp.where(hit, per_segment_loss[..., None].astype(jnp.float32), 0.0).sum(axes)
+    tokens = jnp.where(hit, per_segment_tokens[..., None].astype(jnp.int32), 0).sum(axes)
+    return loss, tokens
