@@ -4,6 +4,7 @@
     python -m examples.train_tiny_lm --steps 300 --checkpoint-dir /tmp/ckpt --save-every 100
     python -m examples.train_tiny_lm --steps 400 --checkpoint-dir /tmp/ckpt --resume
     python -m examples.train_tiny_lm --steps 300 --sft --micro-batches 2   # labels, exact mean
+    python -m examples.train_tiny_lm --steps 300 --mix             # two datasets, loss of each
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \
         python -m examples.train_tiny_lm --steps 300 --context-parallel 2  # rows over 2 devices
 
@@ -22,6 +23,10 @@ an uninterrupted one.
 row), and with `--micro-batches k` each step sums the k micro-batches' losses and divides by
 the batch's total `loss_tokens`: the per-token mean of the unpacked examples, exactly, however
 the batch is split (as a data-parallel step over hosts divides by the psum).
+
+`--mix`: the paragraphs as two datasets, "short" (under 256 bytes) and "long", mixed half and
+half in tokens (`pipelines.datasets.Mixture`); every row carries `segment_dataset_id` and the
+log line adds each dataset's loss (`kernels.segment_dataset_loss` over the per-segment sums).
 
 `--context-parallel C`: every row split over C devices (on a CPU, C host devices by XLA_FLAGS):
 rows packed for C ranks and batches in the load-balanced layout (`Batching(context_parallel=C)`),
@@ -47,13 +52,23 @@ from examples.tiny_lm import (
     cp_batch,
     flatten_state,
     init_params,
+    loss_fn,
     make_train_step,
     unflatten_state,
 )
+from seqpack import kernels
 from seqpack.packer import PackConfig
-from seqpack.pipelines.datasets import Batching, Columns, Prefetch, make_training_pipeline
+from seqpack.pipelines.datasets import (
+    Batching,
+    Columns,
+    Mixture,
+    Prefetch,
+    make_training_pipeline,
+)
 from seqpack.pipelines.formats.inputs import sample_files
 from seqpack.pipelines.formats.text import read_text
+
+MIX = ("short", "long")  # --mix: paragraphs under 256 bytes, and the rest
 
 
 def stdlib_corpus(max_examples: int = 3000) -> list[np.ndarray]:
@@ -80,14 +95,25 @@ def sft_corpus(examples: list[np.ndarray]) -> list[dict[str, np.ndarray]]:
     return out
 
 
+def mixture(rows: list[dict], *, seed: int = 0) -> Mixture:
+    """`rows` as two datasets by length ("short" under 256 tokens, "long"), half and half in
+    tokens; each repeats in a new order when it runs out."""
+    short = [r for r in rows if len(r["tokens"]) < 256]
+    long = [r for r in rows if len(r["tokens"]) >= 256]
+    return Mixture({MIX[0]: grain.MapDataset.source(short), MIX[1]: grain.MapDataset.source(long)},
+                   weights=dict.fromkeys(MIX, 0.5), unit="tokens", on_exhausted="repeat",
+                   seed=seed, num_epochs=None)
+
+
 def build_pipeline(examples, *, seq_len: int, batch_size: int, seed: int = 0,
-                   context_parallel: int = 1):
+                   context_parallel: int = 1, mix: bool = False):
     """The training pipeline over `examples`: token arrays, or SFT dicts (`sft_corpus`); with
-    `context_parallel` C > 1, rows packed for C ranks, in the load-balanced layout."""
+    `context_parallel` C > 1, rows packed for C ranks, in the load-balanced layout; with `mix`,
+    the examples as a `mixture` of two datasets."""
     sft = bool(examples) and isinstance(examples[0], dict)
     rows = examples if sft else [{"tokens": e} for e in examples]
     return make_training_pipeline(
-        grain.MapDataset.source(rows),
+        mixture(rows, seed=seed) if mix else grain.MapDataset.source(rows),
         pack=PackConfig(seq_len, max_segments=16, overflow="split"),
         batch=Batching(batch_size, shard_index=0, shard_count=1,
                        context_parallel=context_parallel if context_parallel > 1 else None),
@@ -141,6 +167,7 @@ def train(
     sft: bool = False,
     micro_batches: int = 1,
     context_parallel: int = 1,
+    mix: bool = False,
 ) -> list[float]:
     """Trains until `steps` (counting restored steps); returns the losses of the steps it ran."""
     cfg = model or ModelConfig(max_len=seq_len)
@@ -148,7 +175,7 @@ def train(
     if sft:
         examples = sft_corpus(examples)
     iterator = iter(build_pipeline(examples, seq_len=seq_len, batch_size=batch_size, seed=seed,
-                                   context_parallel=context_parallel))
+                                   context_parallel=context_parallel, mix=mix))
     ckpt = pathlib.Path(checkpoint_dir) if checkpoint_dir else None
     if resume and ckpt and (ckpt / "meta.json").exists():
         params, opt_state, step = load_checkpoint(ckpt, iterator)
@@ -164,19 +191,37 @@ def train(
         batch = next(iterator)
         if context_parallel > 1:  # next-token targets read through the layout, on the host
             batch = cp_batch(batch, context_parallel, labels=labels)
+        logged = bool(log_every) and (step + 1) % log_every == 0
+        per = ""  # each dataset's loss on the step's batch, before its update
+        if mix and logged:
+            per = "".join(f"  {n} {v:.4f}"
+                          for n, v in zip(MIX, dataset_losses(params, batch, cfg, labels)))
         params, opt_state, loss, ntok = train_step(params, opt_state, batch)
         step += 1
         losses.append(float(loss))
         tokens_seen += int(ntok)
         if log_every and step % log_every == 0:
             dt = time.perf_counter() - t0
-            print(f"step {step:5d}  loss {losses[-1]:.4f}  {tokens_seen / dt:,.0f} tokens/s",
-                  flush=True)
+            print(f"step {step:5d}  loss {losses[-1]:.4f}{per}  {tokens_seen / dt:,.0f} "
+                  "tokens/s", flush=True)
         if ckpt and save_every and step % save_every == 0:
             save_checkpoint(ckpt, params, opt_state, step, iterator)
     if ckpt:
         save_checkpoint(ckpt, params, opt_state, step, iterator)
     return losses
+
+
+def dataset_losses(params, batch: dict, cfg: ModelConfig, labels: str | None) -> np.ndarray:
+    """Each dataset's per-token loss on `batch` (a mixture's: it carries segment_dataset_id)."""
+    sums, tokens = _dataset_losses(params, batch, cfg, labels)
+    return np.asarray(sums) / np.maximum(np.asarray(tokens), 1)
+
+
+@jax.jit(static_argnames=("cfg", "labels"))
+def _dataset_losses(params, batch, cfg, labels):
+    _, (per_seg, count) = loss_fn(params, batch, cfg, normalize="none", labels=labels)
+    return kernels.segment_dataset_loss(per_seg, count, batch["segment_dataset_id"],
+                                        num_datasets=len(MIX))
 
 
 def main() -> None:
@@ -191,13 +236,16 @@ def main() -> None:
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--sft", action="store_true", help="labels -100 on each paragraph's first line")
     ap.add_argument("--micro-batches", type=int, default=1)
+    ap.add_argument("--mix", action="store_true",
+                    help="two datasets (short / long paragraphs), half and half in tokens; "
+                         "logs each one's loss")
     ap.add_argument("--context-parallel", type=int, default=1, metavar="C",
                     help="split every row over C devices (ring attention)")
     a = ap.parse_args()
     losses = train(a.steps, seq_len=a.seq_len, batch_size=a.batch_size, seed=a.seed,
                    checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume,
                    log_every=a.log_every, sft=a.sft, micro_batches=a.micro_batches,
-                   context_parallel=a.context_parallel)
+                   context_parallel=a.context_parallel, mix=a.mix)
     if losses:
         k = max(1, len(losses) // 10)
         print(f"mean loss: first {k} steps {np.mean(losses[:k]):.4f}, "

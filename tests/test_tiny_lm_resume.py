@@ -17,13 +17,14 @@ MODEL = ModelConfig(dim=32, heads=2, layers=1, mlp=64, max_len=64)
 KW = dict(seq_len=64, batch_size=4, model=MODEL)
 
 
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("mix", [False, True])
+def test_resume_continues_exactly(tmp_path, mix):
     examples = stdlib_corpus(max_examples=300)
-    full = train(9, examples=examples, **KW)
-    first = train(4, examples=examples, checkpoint_dir=str(tmp_path), **KW)
+    full = train(9, examples=examples, mix=mix, **KW)
+    first = train(4, examples=examples, checkpoint_dir=str(tmp_path), mix=mix, **KW)
     meta = json.loads((tmp_path / "meta.json").read_text())
     assert meta["step"] == 4 and meta["iterator"]  # the Grain iterator state is in the checkpoint
-    rest = train(9, examples=examples, checkpoint_dir=str(tmp_path), resume=True, **KW)
+    rest = train(9, examples=examples, checkpoint_dir=str(tmp_path), resume=True, mix=mix, **KW)
     assert first == full[:4]
     assert rest == full[4:]  # bit-for-bit: same batches, same parameters, same losses
     assert full[-1] < full[0]  # and it is learning
@@ -42,3 +43,22 @@ def test_iterator_state_restores_the_same_batches():
         got = next(it2)
         for k in want:
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_per_dataset_losses_weigh_up_to_the_batch_loss():
+    import jax
+
+    from examples.tiny_lm import init_params, loss_fn
+    from examples.train_tiny_lm import MIX, dataset_losses
+
+    examples = stdlib_corpus(max_examples=300)
+    batch = next(iter(build_pipeline(examples, seq_len=64, batch_size=4, mix=True)))
+    ids = batch["segment_dataset_id"]
+    assert set(np.unique(ids[ids >= 0])) == {0, 1}  # both datasets in one batch
+    params = init_params(jax.random.key(0), MODEL)
+    loss, (per_seg, count) = loss_fn(params, batch, MODEL)
+    per = dataset_losses(params, batch, MODEL, None)
+    tokens = [int(np.asarray(count)[ids == d].sum()) for d in range(len(MIX))]
+    sums = [float(np.asarray(per_seg)[ids == d].sum()) for d in range(len(MIX))]
+    np.testing.assert_allclose(per, np.array(sums) / np.array(tokens), rtol=1e-5)
+    np.testing.assert_allclose(np.dot(per, tokens) / sum(tokens), float(loss), rtol=1e-5)
