@@ -190,6 +190,16 @@ def check_declared(element: Any, declared: Iterable[str], drop: Iterable[str], w
             f"Columns(drop={extra!r})")
 
 
+def as_values(v: Any, where: str, *, token_ids: bool) -> np.ndarray:
+    """`v` as a 1-D integer array (an empty one as int32); InputError naming `where` else."""
+    arr = np.asarray(v)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
+        what = "integer token ids" if token_ids else "integers"
+        raise InputError(f"{where} must be a 1-D array of {what}, got shape {arr.shape} "
+                         f"dtype {arr.dtype}")
+    return arr if arr.size else arr.astype(np.int32)
+
+
 def check_lengths(cols: Mapping[str, list], hosts: Mapping[str, str], first: int) -> None:
     """InputError naming the element and both lengths when a column's value is not as long as
     its host feature's (`cols`: name -> values of a window whose first element is `first`)."""

@@ -73,6 +73,10 @@ class SingleLayout:
     def open_ids(self, state: dict) -> set[int]:
         return {int(p[0]) for row in state["rows"] for p in row["pieces"]}
 
+    def open_pieces(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, lengths) of the pieces the planner holds open."""
+        return self.planner.open_pieces()
+
     def counters(self) -> dict[str, int]:
         return self.planner.counters.to_dict()
 
@@ -137,6 +141,10 @@ class MultiLayout:
 
     def open_ids(self, state: dict) -> set[int]:
         return {int(p[0]) for row in state["rows"] for p in row["pieces"]}
+
+    def open_pieces(self) -> tuple[np.ndarray, np.ndarray]:
+        """None held back for a mixture's feedback: several features plan window by window."""
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
 
     def counters(self) -> dict[str, int]:
         return self.planner.counters.to_dict()

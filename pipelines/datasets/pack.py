@@ -5,12 +5,14 @@ into rows carried over between windows (`packer.StreamPlanner`; several features
 `MultiStreamPlanner`), and yields contract rows (`[L]` / `[S]` arrays per packed feature, see
 docs/contract.md) as they become final.
 
-Checkpoint state is small: the parent's state at a window boundary, the planner's state (ids and
-lengths of the open rows' pieces and of those waiting for `window_rows` rows' worth, no tokens:
-compressed, a few bytes a piece), and counters. Restoring re-reads the parent from the
-window holding the oldest open example, keeps only the tokens the open rows need, re-plans the
-window that was being emitted and skips the rows already yielded — so a restored iterator yields
-exactly the rows an uninterrupted one would.
+Checkpoint state is small: the planner's state (ids and lengths of the open rows' pieces and
+of those waiting for `window_rows` rows' worth, no tokens: compressed, a few bytes a piece),
+counters, and the parent's state at the window holding the oldest open example: restoring
+re-reads the parent from there, keeps the tokens open rows need, re-plans the window being
+emitted and skips the rows already yielded, exactly as an uninterrupted iterator. Over a
+`Mixture`, the state names the examples held as (dataset, index) references and the mixture's
+positions instead: restoring fetches them, never replays, so edited weights repeat and lose
+nothing; rows carry `segment_dataset_id` and leave in an order that keeps the shares.
 
 Example::
 
@@ -34,6 +36,7 @@ from seqpack.packer.inputs import check_pad, fit_dtype, row_dtype
 from seqpack.packer.online import decode_planner_state
 from seqpack.pipelines.datasets.columns import (
     Columns,
+    as_values,
     check_declared,
     check_lengths,
     check_type,
@@ -45,7 +48,12 @@ from seqpack.pipelines.datasets.layouts import (
     gather,
     pack_configs,
 )
-from seqpack.pipelines.datasets.mixing import MixtureIterator, RefTable, decode_refs
+from seqpack.pipelines.datasets.mixing import (
+    MixtureIterator,
+    RefTable,
+    balanced_order,
+    decode_refs,
+)
 from seqpack.pipelines.errors import InputError
 
 
@@ -152,20 +160,12 @@ class PackIterator(grain.DatasetIterator):
             check_declared(element, ds.names, ds.drop_features, "element 0 of the parent")
 
     def _bad_element(self, ident: int, e: Exception) -> None:
-        raise InputError(
-            f"element {ident} of the parent lacks one of the features {list(self._ds.names)} "
-            f"({type(e).__name__}: {e}); elements must be dicts of 1-D token arrays"
-        ) from None
+        raise InputError(f"element {ident} of the parent lacks one of the features "
+                         f"{list(self._ds.names)} ({type(e).__name__}: {e}); elements must be "
+                         "dicts of 1-D token arrays") from None
 
     def _as_tokens(self, v: Any, ident: int, name: str) -> np.ndarray:
-        arr = np.asarray(v)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iub"):
-            what = "integer token ids" if name in self._ds.features else "integers"
-            raise InputError(
-                f"element {ident}: {name!r} must be a 1-D array of {what}, got "
-                f"shape {arr.shape} dtype {arr.dtype}"
-            )
-        return arr if arr.size else arr.astype(np.int32)
+        return as_values(v, f"element {ident}: {name!r}", token_ids=name in self._ds.features)
 
     def _fit_column(self, col: list, name: str, first: int) -> None:
         """Casts a window's values of `name` to the run's dtype (fixed by the first non-empty
@@ -200,9 +200,8 @@ class PackIterator(grain.DatasetIterator):
     # ---- planning ---------------------------------------------------------------------------
 
     def _state_at(self, first: int) -> Any:
-        for f, state in self._bounds:
-            if f == first:
-                return state
+        for state in (state for f, state in self._bounds if f == first):
+            return state
         assert self._attempt is not None and self._attempt[0] == first, (first, self._bounds)
         return self._attempt[1]
 
@@ -210,6 +209,9 @@ class PackIterator(grain.DatasetIterator):
         """Reads the next window (or none: the final flush) and stages its rows."""
         window = None
         if not self._exhausted:
+            if self._mixed:  # the mixture draws for what leaves, not what stays open
+                ids, lengths = self._layout.open_pieces()
+                self._parent.hold(self._refs.lookup(ids)[0], lengths, ids)
             ids, cols = self._read_window()
             if ids:
                 window = (ids, cols)
@@ -250,6 +252,8 @@ class PackIterator(grain.DatasetIterator):
         if ds.shuffle_rows and self._num_rows > 1:
             rng = np.random.default_rng([ds.seed, self._next_id, int(phase == "finish")])
             self._order = rng.permutation(self._num_rows).tolist()
+            if self._mixed:  # every run of rows near the mixture's shares
+                self._order = balanced_order(self._parent.dataset_tokens(batch), self._order)
 
     def _snapshot(self, phase: str, window_first: int, before: Any,
                   oldest_before: int | None) -> dict[str, Any]:
@@ -260,12 +264,11 @@ class PackIterator(grain.DatasetIterator):
         snap = {"phase": phase, "window_first": window_first, "planner": before,
                 "dtypes": {n: dt.str for n, dt in self._dtypes.items()}}
         if self._mixed:
-            refs, layout, end = RefTable(self._ds.window), self._layout, self._next_id
-            refs.windows = dict(self._refs.windows)  # the windows as they are now
-            snap.update(parent=self._parent.get_state(), next_id=end,
-                        refs=lambda planner: refs.encode(
-                            [*layout.open_ids(decode_planner_state(planner)),
-                             *range(window_first, end)]))
+            layout = self._layout
+            snap.update(parent=self._parent.get_state(), next_id=self._next_id,
+                        refs=self._refs.deferred(
+                            lambda p: layout.open_ids(decode_planner_state(p)), window_first,
+                            self._next_id))
             return snap
         replay_id = window_first if oldest_before is None else oldest_before
         replay_from = replay_id - replay_id % self._ds.window
@@ -337,8 +340,7 @@ class PackIterator(grain.DatasetIterator):
         self._refs.put_ids(ids, dataset, index)
         elements = [parent.fetch(int(d), int(i)) for d, i in zip(dataset, index)]
         for n in ds.names:
-            col = [self._as_tokens(e[n], int(j), n) if type(e[n]) is not np.ndarray else e[n]
-                   for j, e in zip(ids.tolist(), elements)]
+            col = [self._as_tokens(e[n], int(j), n) for j, e in zip(ids.tolist(), elements)]
             self._fit_column(col, n, 0)
             for j, v in zip(ids.tolist(), col):
                 held = self._held[n].setdefault(j // ds.window, [None] * ds.window)

@@ -1,8 +1,11 @@
 """Mixtures of datasets: `Mixture` (weights in tokens, loss tokens or examples, by largest
 shortfall; state by positions, never a replay) and the (dataset, index) references the packer
-checkpoints (`RefTable`). docs/mixing.md."""
+checkpoints (`RefTable`), and the order a window's rows leave in (`balanced_order`).
+docs/mixing.md."""
 
 from seqpack.pipelines.datasets.mixing.mixture import Mixture, MixtureIterator
+from seqpack.pipelines.datasets.mixing.order import balanced_order, dataset_tokens
 from seqpack.pipelines.datasets.mixing.refs import RefTable, decode_refs
 
-__all__ = ["Mixture", "MixtureIterator", "RefTable", "decode_refs"]
+__all__ = ["Mixture", "MixtureIterator", "RefTable", "balanced_order", "dataset_tokens",
+           "decode_refs"]

@@ -26,7 +26,9 @@ from typing import Any
 import grain
 import numpy as np
 
+from seqpack.packer.contract import DATASET_ID
 from seqpack.packer.mixing import UNITS, ShortfallMixer, make_stages
+from seqpack.pipelines.datasets.mixing.order import dataset_tokens
 from seqpack.pipelines.errors import InputError
 
 POLICIES = ("stop", "continue", "repeat")
@@ -228,9 +230,28 @@ class MixtureIterator(grain.DatasetIterator):
         self._refs_d, self._refs_i = [], []
         return out
 
+    def hold(self, dataset: np.ndarray, lengths: np.ndarray, ids: np.ndarray) -> None:
+        """The pieces a packer holds open (their dataset, length and example id): the mixture
+        draws so that the rows that leave hold the weights (tokens or examples; loss tokens are
+        not known per piece, so that unit counts what was drawn)."""
+        k = len(self._mix.names)
+        if self._mix.unit == "tokens":
+            units = np.bincount(dataset, weights=lengths, minlength=k)
+        elif self._mix.unit == "examples":
+            first = np.unique(ids, return_index=True)[1]
+            units = np.bincount(dataset[first], minlength=k)
+        else:
+            return
+        self._mixer.hold(units.astype(np.int64).tolist())
+
     def fetch(self, dataset: int, index: int) -> Any:
         """The element `index` of dataset number `dataset` (a reference from `take_refs`)."""
         return self._mix.sources[dataset][index]
+
+    def dataset_tokens(self, rows: dict[str, np.ndarray]) -> np.ndarray:
+        """i64[R, K]: tokens of each dataset in each of these packed rows."""
+        k = f"{self._mix.feature}_segment_lengths"
+        return dataset_tokens(rows[DATASET_ID], rows[k], len(self._mix.names))
 
     @property
     def counters(self) -> dict[str, dict[str, int]]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import base64
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -67,6 +68,14 @@ class RefTable:
         index = np.full(src.shape, -1, SOURCE_DTYPE)
         dataset[used], index[used] = d, i
         batch[DATASET_ID], batch[SOURCE_INDEX] = dataset, index
+
+    def deferred(self, open_ids: Callable[[Any], Iterable[int]], first: int, end: int
+                 ) -> Callable[[Any], str]:
+        """planner state -> `encode` of its open ids and of [first, end), over the windows held
+        now (a checkpoint encodes it only when asked)."""
+        table = RefTable(self.window)
+        table.windows = dict(self.windows)
+        return lambda planner: table.encode([*open_ids(planner), *range(first, end)])
 
     def encode(self, ids: Iterable[int]) -> str:
         """The references of `ids` as one string: base64(zlib(i64[n, ids, datasets, indices]))."""

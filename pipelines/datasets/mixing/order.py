@@ -1,0 +1,47 @@
+"""The order a window's rows leave in, over a mixture: every prefix near the window's shares.
+
+Rows packed from a mixture differ in their datasets' shares (a row of one long document, a row
+of short ones), so a batch of randomly ordered rows carries the mixture only on average. Here
+the rows are put in order greedily: next the row that keeps the running tokens per dataset
+closest (squared distance) to the window's shares; ties keep the seeded shuffle's order. Any
+run of consecutive rows, and so any batch, then holds the shares within about one row.
+
+    row tokens (a, b)   (4, 0) (4, 0) (0, 4) (0, 4)   shares 0.5 / 0.5
+    order               (4, 0) (0, 4) (4, 0) (0, 4)   running a share: 1, 0.5, 0.67, 0.5
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def dataset_tokens(dataset_id: np.ndarray,  # i32[R, S], -1 unused
+                   lengths: np.ndarray,  # i32[R, S]
+                   num_datasets: int) -> np.ndarray:  # i64[R, K]
+    """Tokens of each dataset in each row."""
+    rows, slots = np.nonzero(dataset_id >= 0)
+    out = np.zeros((dataset_id.shape[0], num_datasets), np.int64)
+    np.add.at(out, (rows, dataset_id[rows, slots]), lengths[rows, slots])
+    return out
+
+
+def balanced_order(tokens: np.ndarray,  # i64[R, K]: dataset tokens per row
+                   order: list[int]) -> list[int]:
+    """`order` (a seeded shuffle of the rows) re-ordered so each prefix tracks the shares."""
+    tok = tokens[order].astype(np.float64)
+    sizes = tok.sum(1)
+    total = tok.sum(0)
+    if total.sum() <= 0 or len(order) < 3:
+        return list(order)
+    share = total / total.sum()
+    left = np.ones(len(order), bool)
+    run, run_total, out = np.zeros_like(share), 0.0, []
+    for _ in range(len(order)):
+        dev = run + tok - share * (run_total + sizes)[:, None]
+        score = np.where(left, np.einsum("rk,rk->r", dev, dev), np.inf)
+        j = int(np.argmin(score))
+        out.append(order[j])
+        left[j] = False
+        run += tok[j]
+        run_total += sizes[j]
+    return out
