@@ -381,3 +381,14 @@ def test_rows_that_leave_hold_the_weights_through_the_run(seed):
     per = [tok[i:i + 32, 0].sum() / tok[i:i + 32].sum() for i in range(0, len(rows) - 32, 32)]
     middle = np.array(per[1:-1])  # the open rows left at the end leave last, as they are
     assert np.abs(middle - 0.5).max() < 0.06, per
+
+
+def test_an_over_length_example_is_named_by_its_dataset_and_index():
+    src = _sources(ns=(20, 20), highs=(10, 300), seed=1)
+    ds = PackIterDataset(Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="continue"),
+                         PackConfig(128), window=Window(64))
+    with pytest.raises(InputError, match=r"dataset 'b' example (\d+) has length (\d+) > seq_"
+                       ) as e:
+        list(ds)
+    index, length = map(int, e.match(r"example (\d+) has length (\d+)").groups())
+    assert len(src["b"][index]["tokens"]) == length > 128

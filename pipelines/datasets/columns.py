@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from seqpack.packer.inputs import fit_dtype
 from seqpack.pipelines.errors import InputError
 
 IGNORE_INDEX = -100  # the label of a position that takes no loss (PyTorch, Hugging Face)
@@ -198,6 +199,20 @@ def as_values(v: Any, where: str, *, token_ids: bool) -> np.ndarray:
         raise InputError(f"{where} must be a 1-D array of {what}, got shape {arr.shape} "
                          f"dtype {arr.dtype}")
     return arr if arr.size else arr.astype(np.int32)
+
+
+def check_negative(batch: Mapping[str, np.ndarray], held: Mapping[str, dict[int, list]],
+                   features: Sequence[str], window: int) -> None:
+    """Token ids are >= 0: one pass over a window's rows; InputError naming the first bad
+    element of `held` (feature -> window number -> that window's values) where one is not."""
+    for f in features:
+        rows = batch.get(f)
+        if rows is None or rows.dtype.kind != "i" or not rows.size or rows.min() >= 0:
+            continue
+        for k in sorted(held[f]):
+            for i, v in enumerate(held[f][k]):
+                if v is not None and v.size and v.min() < 0:
+                    fit_dtype(v, v.dtype, f"element {k * window + i}: {f!r}")
 
 
 def check_lengths(cols: Mapping[str, list], hosts: Mapping[str, str], first: int) -> None:

@@ -39,6 +39,7 @@ from seqpack.pipelines.datasets.columns import (
     as_values,
     check_declared,
     check_lengths,
+    check_negative,
     check_type,
 )
 from seqpack.pipelines.datasets.layouts import (
@@ -186,17 +187,6 @@ class PackIterator(grain.DatasetIterator):
                 col[i] = fit_dtype(v, dtype, f"element {first + i}: {name!r}",
                                           token_ids=token_ids, origin=self._ds.dtype_origin(name))
 
-    def _check_negative(self, batch: dict[str, np.ndarray]) -> None:
-        """Token ids are >= 0: one pass over the window's rows; names the first bad element."""
-        for f in self._ds.features:
-            rows = batch.get(f)
-            if rows is None or rows.dtype.kind != "i" or not rows.size or rows.min() >= 0:
-                continue
-            for k in sorted(self._held[f]):
-                for i, v in enumerate(self._held[f][k]):
-                    if v is not None and v.size and v.min() < 0:
-                        fit_dtype(v, v.dtype, f"element {k * self._ds.window + i}: {f!r}")
-
     # ---- planning ---------------------------------------------------------------------------
 
     def _state_at(self, first: int) -> Any:
@@ -226,7 +216,11 @@ class PackIterator(grain.DatasetIterator):
             ids, cols = window
             lengths = layout.window_lengths(cols)
             check_lengths(cols, ds.meta, ids[0])
-            plan = layout.add(ids, lengths)
+            try:
+                plan = layout.add(ids, lengths)
+            except InputError as e:  # over a mixture: name the dataset and its example
+                raise (InputError(self._refs.rename(str(e), self._parent)) if self._mixed
+                       else e) from None
             phase, window_first = "window", ids[0]
         else:
             plan = layout.finish()
@@ -234,7 +228,7 @@ class PackIterator(grain.DatasetIterator):
             self._finished = True
         self._snap = self._snapshot(phase, window_first, before, oldest_before)
         batch = layout.build(plan, self._held, ds.window, self._dtypes)
-        self._check_negative(batch)
+        check_negative(batch, self._held, self._ds.features, self._ds.window)
         if self._mixed:
             self._refs.label(batch)
         self._planner_state = layout.planner.snapshot()

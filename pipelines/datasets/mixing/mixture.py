@@ -244,6 +244,10 @@ class MixtureIterator(grain.DatasetIterator):
             return
         self._mixer.hold(units.astype(np.int64).tolist())
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self._mix.names
+
     def fetch(self, dataset: int, index: int) -> Any:
         """The element `index` of dataset number `dataset` (a reference from `take_refs`)."""
         return self._mix.sources[dataset][index]

@@ -9,6 +9,7 @@ as one string (base64(zlib(i64))), so a restore fetches them instead of replayin
 from __future__ import annotations
 
 import base64
+import re
 import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -76,6 +77,14 @@ class RefTable:
         table = RefTable(self.window)
         table.windows = dict(self.windows)
         return lambda planner: table.encode([*open_ids(planner), *range(first, end)])
+
+    def rename(self, message: str, mixture: Any) -> str:
+        """`message` with "example <id>" (an id of the mixed stream) as the dataset's name
+        and the example's index there."""
+        def named(m: re.Match) -> str:
+            d, i = self.lookup(np.array([int(m.group(1))]))
+            return f"dataset {mixture.names[int(d[0])]!r} example {int(i[0])}"
+        return re.sub(r"\bexample (\d+)", named, message, count=1)
 
     def encode(self, ids: Iterable[int]) -> str:
         """The references of `ids` as one string: base64(zlib(i64[n, ids, datasets, indices]))."""
