@@ -390,5 +390,7 @@ def test_an_over_length_example_is_named_by_its_dataset_and_index():
     with pytest.raises(InputError, match=r"dataset 'b' example (\d+) has length (\d+) > seq_"
                        ) as e:
         list(ds)
-    index, length = map(int, e.match(r"example (\d+) has length (\d+)").groups())
+    import re
+
+    index, length = map(int, re.search(r"example (\d+) has length (\d+)", str(e.value)).groups())
     assert len(src["b"][index]["tokens"]) == length > 128
