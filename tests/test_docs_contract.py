@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from seqpack.packer import PackConfig, pack, segment_ids_and_positions, validate
+from seqpack.packer import PackConfig, contract, pack, segment_ids_and_positions, validate
 
 DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "contract.md"
 KEYS = (
@@ -96,8 +96,11 @@ def test_key_table_dtypes_match_packer(doc):
     _, config, examples, _ = _worked_example(doc)
     batch = pack(examples, config)
     rows = re.findall(r"^\| `(\w+)` \| `\[([LS])\]`,? (\w+)", doc, re.M)
-    assert len(rows) == len(KEYS), "the key table should have one line per contract key"
+    assert len(rows) == len(KEYS) + 1, "the key table should have one line per contract key"
     for name, dim, dtype in rows:
+        if name == contract.DATASET_ID:  # rows of a mixture only: the contract's own dtype
+            assert (dim, contract.DATASET_DTYPE) == ("S", np.dtype(f"int{dtype[1:]}"))
+            continue
         key = name if name.startswith("segment_") else "tokens" + name[1:]
         assert batch[key].shape[-1] == {"L": config.seq_len, "S": config.max_segments}[dim], name
         if dtype in ("i32", "i64"):
