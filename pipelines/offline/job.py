@@ -173,9 +173,8 @@ class PackJob:
 
     @property
     def mix_loss_columns(self) -> dict[str, str] | None:
-        """The columns the scans count loss tokens of (a mixture in loss tokens), else None."""
-        mix = self.mixture
-        return self.loss_columns if mix is not None and mix.mix_unit == "loss_tokens" else None
+        """The columns whose loss tokens the scans of a mixture count, else None."""
+        return self.loss_columns if self.mixture is not None and self.loss_columns else None
 
     @property
     def resume(self) -> bool:

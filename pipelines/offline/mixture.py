@@ -30,6 +30,7 @@ import numpy as np
 
 from seqpack.packer.contract import DATASET_DTYPE, DATASET_ID, SOURCE_DTYPE, FeatureKeys
 from seqpack.pipelines.errors import UsageError
+from seqpack.pipelines.formats.inputs import fingerprint_path
 
 UNITS = ("tokens", "loss_tokens", "examples")
 # Past about four epochs, repeated data is worth markedly less than new data (Muennighoff et al.
@@ -116,14 +117,11 @@ class Selection:
         return int(self.ref.size)
 
 
-def units_of(unit: str, lengths: np.ndarray, loss_counts: np.ndarray | None) -> np.ndarray:
-    """i64[n]: each example's units (`loss_counts`: its loss tokens, from the scan)."""
+def units_of(unit: str, lengths: np.ndarray, loss: np.ndarray) -> np.ndarray:
+    """i64[n]: each example's units (`loss`: its loss tokens)."""
     if unit == "examples":
         return np.ones(lengths.size, np.int64)
-    if unit == "loss_tokens":
-        assert loss_counts is not None, "loss tokens need the scan's loss counts"
-        return np.asarray(loss_counts, np.int64)
-    return np.asarray(lengths, np.int64)
+    return np.asarray(loss if unit == "loss_tokens" else lengths, np.int64)
 
 
 def _sample(units: np.ndarray, want: float, rng: np.random.Generator) -> np.ndarray:
@@ -161,10 +159,12 @@ def _targets(spec: MixSpec, available: list[int]) -> tuple[float, list[float]]:
     return total, targets
 
 
-def select(spec: MixSpec, lengths: Sequence[np.ndarray], units: Sequence[np.ndarray]
+def select(spec: MixSpec, lengths: Sequence[np.ndarray], loss: Sequence[np.ndarray]
            ) -> Selection:
-    """The mixed stream of datasets whose examples have `lengths[d]` and `units[d]` (see the
-    module docstring); the same for the same inputs and spec, wherever it runs."""
+    """The mixed stream of datasets whose examples have `lengths[d]` and loss tokens
+    `loss[d]` (see the module docstring); the same for the same inputs and spec, wherever it
+    runs."""
+    units = [units_of(spec.mix_unit, np.asarray(x), np.asarray(y)) for x, y in zip(lengths, loss)]
     available = [int(u.sum()) for u in units]
     total, targets = _targets(spec, available)
     counts = [int(x.size) for x in lengths]
@@ -172,7 +172,7 @@ def select(spec: MixSpec, lengths: Sequence[np.ndarray], units: Sequence[np.ndar
     parts, keys, entries = [], [], []
     for d, (name, paths) in enumerate(spec.datasets):
         rng = np.random.default_rng([spec.seed, d])
-        u, t = np.asarray(units[d], np.int64), targets[d]
+        u, t = units[d], targets[d]
         epochs = int((t + 1e-9 * t) // available[d])
         picks = [rng.permutation(u.size) for _ in range(epochs)]
         picks.append(_sample(u, t - epochs * available[d], rng))
@@ -184,9 +184,10 @@ def select(spec: MixSpec, lengths: Sequence[np.ndarray], units: Sequence[np.ndar
         times = np.bincount(local, minlength=u.size)
         realized = int(got.sum())
         entries.append({
-            "name": name, "inputs": list(paths), "weight": spec.weights[name],
-            "target": round(t, 3), "units": realized,
+            "name": name, "inputs": [fingerprint_path(p) for p in paths],
+            "weight": spec.weights[name], "target": round(t, 3), "units": realized,
             "tokens": int((np.asarray(lengths[d], np.int64) * times).sum()),
+            "loss_tokens": int((np.asarray(loss[d], np.int64) * times).sum()),
             "examples": int(local.size), "repetitions": round(realized / available[d], 6),
             "epochs": epochs, "available_units": available[d],
             "available_examples": counts[d], "first_example": int(firsts[d]),
@@ -260,11 +261,12 @@ def spec_of(record: Mapping) -> MixSpec:
 
 def loss_columns_of(record: Mapping | None, columns: Sequence[Mapping] | None
                     ) -> dict[str, str] | None:
-    """The columns whose loss tokens a mixture in loss tokens counts (as `PackJob`'s), from a
-    manifest's `mixture` and `columns`; None otherwise."""
-    if not record or record["unit"] != "loss_tokens":
+    """The columns whose loss tokens a mixture's scans count (`PackJob.mix_loss_columns`),
+    from a manifest's `mixture` and `columns`; None otherwise."""
+    if not record:
         return None
-    return {c["source"]: c["role"] for c in columns or () if c["role"] in ("labels", "mask")}
+    return {c["source"]: c["role"] for c in columns or () if c["role"] in ("labels", "mask")} \
+        or None
 
 
 def example_times(record: Mapping | None, lengths: Sequence[np.ndarray],
@@ -294,15 +296,73 @@ def example_times(record: Mapping | None, lengths: Sequence[np.ndarray],
 def select_inputs(spec: MixSpec, lengths: Sequence[np.ndarray],
                   loss_counts: Sequence[np.ndarray | None]) -> Selection:
     """`select` on a job's inputs (`spec.inputs`: dataset after dataset): each input's example
-    lengths and (for the loss_tokens unit) loss counts, in input order."""
+    lengths and loss counts (None: no labels or masks, every token counts), in input order."""
     cuts = np.cumsum([0, *(len(paths) for _, paths in spec.datasets)])
     assert cuts[-1] == len(lengths), (cuts, len(lengths))
-    per_lengths, per_units = [], []
+    per_lengths, per_loss = [], []
     for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
-        ln = np.concatenate([np.zeros(0, np.int64), *(np.asarray(x, np.int64)
-                                                      for x in lengths[a:b])])
-        loss = None if spec.mix_unit != "loss_tokens" else np.concatenate(
-            [np.zeros(0, np.int64), *(np.asarray(x, np.int64) for x in loss_counts[a:b])])
-        per_lengths.append(ln)
-        per_units.append(units_of(spec.mix_unit, ln, loss))
-    return select(spec, per_lengths, per_units)
+        per_lengths.append(np.concatenate([np.zeros(0, np.int64), *(
+            np.asarray(x, np.int64) for x in lengths[a:b])]))
+        per_loss.append(np.concatenate([np.zeros(0, np.int64), *(
+            np.asarray(x if y is None else y, np.int64)
+            for x, y in zip(lengths[a:b], loss_counts[a:b]))]))
+    return select(spec, per_lengths, per_loss)
+
+
+# -- what `seqpack stats` shows of a mixture ---------------------------------------------------
+
+_SHOWN = ("name", "weight", "tokens", "loss_tokens", "examples", "repetitions")
+
+
+def row_tokens(batch: Mapping[str, np.ndarray], keys: FeatureKeys, num_datasets: int
+               ) -> np.ndarray:
+    """i64[R, K]: each row's tokens of each dataset, from its `[S]` lengths and dataset ids."""
+    lengths = np.asarray(batch[keys.segment_lengths], np.int64)
+    ids = np.asarray(batch[DATASET_ID], np.int64).reshape(-1)
+    R, S = lengths.shape
+    used = ids >= 0
+    at = np.repeat(np.arange(R), S)[used] * num_datasets + ids[used]
+    return np.bincount(at, weights=lengths.reshape(-1)[used],
+                       minlength=R * num_datasets).astype(np.int64).reshape(R, num_datasets)
+
+
+def shares(record: Mapping, tokens: np.ndarray, step_rows: int | None) -> dict:
+    """The stats of a mixture: per dataset what the manifest records, its share of the rows'
+    tokens and the p5 / p50 / p95 of its share per step of `step_rows` rows (full steps; the
+    whole output when it holds less than a step) or per row (None); `tokens`: `row_tokens` of
+    every row, in output order."""
+    step = step_rows or 1
+    n = tokens.shape[0] // step
+    steps = tokens[: n * step].reshape(n, step, -1).sum(axis=1) if n else \
+        tokens.sum(axis=0, keepdims=True)
+    share = steps / np.maximum(steps.sum(axis=1, keepdims=True), 1)
+    p5, p50, p95 = np.percentile(share, [5, 50, 95], axis=0)
+    total = tokens.sum(axis=0)
+    whole = max(1, int(total.sum()))
+    datasets = [{**{k: d[k] for k in _SHOWN}, "token_share": round(float(t / whole), 6),
+                 "step_share": {"p5": round(float(a), 6), "p50": round(float(b), 6),
+                                "p95": round(float(c), 6)}}
+                for d, t, a, b, c in zip(record["datasets"], total, p5, p50, p95)]
+    return {"unit": record["unit"], "step_rows": step_rows, "steps": max(n, 1),
+            "datasets": datasets}
+
+
+def table(mix: Mapping) -> str:
+    """A mixture's stats (`shares`, or a manifest's record) as lines of text."""
+    per = mix.get("step_rows")
+    head = f"mixture in {mix['unit'].replace('_', ' ')}"
+    if "steps" in mix:
+        head += f"; share of tokens per {f'step of {per} rows' if per else 'row'}" \
+                f" ({mix['steps']:,}): p5 / p50 / p95"
+    lines = [head, f"{'dataset':<16}{'weight':>8}{'tokens':>14}{'loss tokens':>14}"
+                   f"{'examples':>11}{'repeated':>10}{'share':>9}  per step"]
+    total = sum(int(d["tokens"]) for d in mix["datasets"]) or 1
+    for d in mix["datasets"]:
+        share = d.get("token_share", d["tokens"] / total)
+        s = d.get("step_share")
+        spread = "" if s is None else \
+            f"  {s['p5']:.1%} / {s['p50']:.1%} / {s['p95']:.1%}"
+        lines.append(f"{d['name'][:15]:<16}{d['weight']:>8.1%}{d['tokens']:>14,}"
+                     f"{d['loss_tokens']:>14,}{d['examples']:>11,}{d['repetitions']:>9.2f}x"
+                     f"{share:>9.1%}{spread}")
+    return "\n".join(lines)
