@@ -4,6 +4,7 @@ the Beam and Spark runners (slow) write the local runner's bytes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -115,6 +116,9 @@ def test_repetition_past_the_bound_is_refused_naming_the_dataset(data, tmp_path)
                    max_repetition=2)
     with pytest.raises(UsageError, match=r"'b' would be repeated 5 times .*max_repetition=5"):
         select(spec, [np.full(100, 5), np.full(10, 10)], [np.full(100, 5), np.full(10, 10)])
+    with pytest.raises(UsageError, match="'b' holds no loss tokens"):
+        select(dataclasses.replace(spec, mix_unit="loss_tokens"), [np.ones(3), np.ones(3)],
+               [np.ones(3), np.zeros(3)])
     result = invoke("pack", *_mix(data, "--weights", "chat=0.3,math=0.7", "--mix-tokens",
                                   100_000), "-o", tmp_path / "o", *ARGS, ok=False)
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
@@ -296,3 +300,16 @@ def test_beam_and_spark_write_the_local_runners_bytes(data, tmp_path, runner):
     pack(_mixed_job(data, tmp_path / runner, 2), runner=runner, quiet=True)
     assert dir_bytes(tmp_path / runner) == dir_bytes(tmp_path / "local")
     assert verify(str(tmp_path / runner)).ok
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runner", ["beam", "spark"])
+def test_beam_and_spark_refuse_a_repetition_past_the_bound(data, tmp_path, runner):
+    pytest.importorskip({"beam": "apache_beam", "spark": "pyspark"}[runner])
+    if runner == "spark" and shutil.which("java") is None:
+        pytest.skip("Spark needs Java 17+")
+    result = invoke("pack", *_mix(data, "--weights", "chat=0.3,math=0.7", "--mix-tokens",
+                                  100_000), "-o", tmp_path / "o", *ARGS, "--runner", runner,
+                    ok=False)
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert result.output.startswith("Error: mixture dataset 'math' would be repeated 18.5 ")
