@@ -311,8 +311,10 @@ def verify(output_dir, inputs, max_violations, as_json, workers):
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     elif report.ok:
+        repeats = f" ({report.repeats:,} repeats of the mixture among them)" \
+            if report.repeats else ""
         click.echo(f"OK: {report.num_rows:,} rows, {report.num_examples:,} examples, "
-                   f"{report.tokens_checked:,} tokens checked against their sources")
+                   f"{report.tokens_checked:,} tokens checked against their sources{repeats}")
     else:
         click.echo(f"FAILED: {len(report.violations)} violation(s) (first {max_violations} "
                    "listed)", err=True)

@@ -188,6 +188,8 @@ def test_mixed_rows_carry_their_dataset_and_verify(data, tmp_path):
     report = verify(str(out))
     assert report.ok, report.violations
     assert report.tokens_checked == chat["tokens"] + math["tokens"]
+    assert report.repeats == math["examples"] - len(MATH) > len(MATH)  # 2 epochs + some
+    assert "repeats of the mixture among them" in invoke("verify", out).output
 
 
 def test_verify_counts_a_repeat_the_run_did_not_make(data, tmp_path):

@@ -55,6 +55,7 @@ class VerifyReport:
     num_rows: int
     num_examples: int
     tokens_checked: int
+    repeats: int = 0  # a mixture's: segments of an example it takes again (checked as such)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -350,10 +351,9 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
         raise
     pool.close()
     _check_results(checks, lengths, manifest, out, output_dir, times)
-    return VerifyReport(ok=not out.items, violations=out.items,
-                        num_rows=int(sum(manifest.shard_num_rows or [])),
-                        num_examples=int(lengths.size),
-                        tokens_checked=sum(c.tokens for c in checks))
+    return VerifyReport(not out.items, out.items, int(sum(manifest.shard_num_rows or [])),
+                        int(lengths.size), sum(c.tokens for c in checks),
+                        int(np.maximum(times - 1, 0).sum()))
 
 
 def _input_paths(manifest: Manifest, inputs: Sequence[str] | None) -> list[str]:
