@@ -20,6 +20,7 @@ from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline import PackJob, WriteOptions, pack
 from seqpack.pipelines.offline.mixture import MixSpec, select
 from seqpack.pipelines.offline.verify import read_shard, verify
+from tests.helpers.cloud import s3, s3_server  # noqa: F401
 from tests.helpers.files import dir_bytes, invoke, random_seqs, write_jsonl, write_parquet
 
 CHAT = random_seqs(240, max_len=30, seed=1)  # short: 15 tokens on average, some empty
@@ -315,3 +316,20 @@ def test_beam_and_spark_refuse_a_repetition_past_the_bound(data, tmp_path, runne
                     ok=False)
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert result.output.startswith("Error: mixture dataset 'math' would be repeated 18.5 ")
+
+
+@pytest.mark.slow
+def test_a_mixture_on_object_storage_writes_the_local_rows(data, tmp_path, s3):  # noqa: F811
+    d, chat, math = data
+    s3.upload(chat, s3.url("chat/"))
+    s3.upload(math, s3.url("math.parquet"))
+    local, remote = tmp_path / "local", s3.url("out/")
+    invoke("pack", *_mix(data, "--weights", "chat=0.3,math=0.7", "--mix-tokens", 9000), "-o",
+           local, *ARGS)
+    invoke("pack", "--mix", f"chat={s3.url('chat/')}", "--mix", f"math={s3.url('math.parquet')}",
+           "--weights", "chat=0.3,math=0.7", "--mix-tokens", 9000, "-o", remote, *ARGS)
+    got = json.loads(s3.fs.cat(remote.split("://")[1] + "manifest.json"))
+    want = json.loads((local / "manifest.json").read_text())
+    assert got["shard_sha256"] == want["shard_sha256"]
+    assert got["mixture"]["datasets"][1]["inputs"] == [s3.url("math.parquet")]
+    assert verify(remote).ok
