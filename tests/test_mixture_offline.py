@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import shutil
 
 import numpy as np
@@ -333,3 +334,36 @@ def test_a_mixture_on_object_storage_writes_the_local_rows(data, tmp_path, s3): 
     assert got["shard_sha256"] == want["shard_sha256"]
     assert got["mixture"]["datasets"][1]["inputs"] == [s3.url("math.parquet")]
     assert verify(remote).ok
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=2, max_size=3), st.integers(0, 2**31),
+       st.sampled_from([None, 1.5, 3.0]), st.sampled_from(["split", "truncate"]))
+def test_any_mixture_packs_its_selection_exactly(sizes, seed, scale, overflow):
+    import tempfile
+
+    from seqpack.pipelines.offline.runners import pack_to_dir
+
+    rng = np.random.default_rng(seed)
+    with tempfile.TemporaryDirectory() as d:
+        datasets = [(f"d{i}", [write_jsonl(f"{d}/d{i}.jsonl", random_seqs(
+            n, max_len=int(rng.integers(5, 90)), seed=seed + i))]) for i, n in enumerate(sizes)]
+        weights = {name: float(rng.uniform(0.1, 1)) for name, _ in datasets}
+        spec = MixSpec(datasets, weights, seed=seed % 7)
+        avail = [sum(len(json.loads(x)["tokens"]) for x in open(p[0])) for _, p in datasets]
+        if min(avail) == 0:
+            return
+        if scale is not None:
+            total = scale * min(a / spec.weights[n] for (n, _), a in zip(datasets, avail))
+            spec = dataclasses.replace(spec, mix_tokens=max(1, int(total)))
+        job = PackJob(spec.inputs, f"{d}/out", PackConfig(64, max_segments=8, overflow=overflow),
+                      workers=1, block_size=int(rng.integers(5, 200)), mixture=spec)
+        manifest = pack_to_dir(job)
+        rows = _rows(pathlib.Path(d, "out"))
+        ids, lengths = rows["segment_dataset_id"], rows["tokens_segment_lengths"]
+        for k, entry in enumerate(manifest.mixture["datasets"]):
+            kept = int(lengths[ids == k].sum())
+            assert kept <= entry["tokens"]
+            assert kept == entry["tokens"] or overflow == "truncate"
+        report = verify(f"{d}/out")
+        assert report.ok, report.violations
