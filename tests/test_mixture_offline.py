@@ -367,3 +367,13 @@ def test_any_mixture_packs_its_selection_exactly(sizes, seed, scale, overflow):
             assert kept == entry["tokens"] or overflow == "truncate"
         report = verify(f"{d}/out")
         assert report.ok, report.violations
+
+
+def test_balanced_steps_of_a_mixture_verify_and_stats_use_their_step(data, tmp_path):
+    out = tmp_path / "out"
+    invoke("pack", *_mix(data, "--weights", "chat=0.5,math=0.5"), "-o", out, *ARGS,
+           "--data-parallel", 2, "--batch-size", 3)
+    assert verify(str(out)).ok
+    stats = json.loads(invoke("stats", out, "--json").output)["mixture"]
+    assert stats["step_rows"] == 6 and stats["steps"] == json.loads(
+        (out / "manifest.json").read_text())["num_rows"] // 6
