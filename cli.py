@@ -338,6 +338,7 @@ def verify(output_dir, inputs, max_violations, as_json, workers):
               help="Print the row's arrays as JSON (token arrays: --start, --count).")
 def inspect(output_dir, row_index, start, count, width, as_json):
     """Show one packed row column-aligned: tokens, segment ids, positions, segment metadata."""
+    from seqpack.packer.contract import DATASET_ID
     from seqpack.pipelines.offline.report import format_row
     from seqpack.pipelines.offline.verify import read_row
 
@@ -351,7 +352,8 @@ def inspect(output_dir, row_index, start, count, width, as_json):
         return
     index = row_index % manifest.num_rows  # -1: the last row (read_row checked the range)
     click.echo(f"row {index} of {manifest.num_rows:,} ({shard} record {record}): ", nl=False)
-    contract = set(config.keys().roles().values())  # then the columns the shards hold
+    # then the columns the shards hold (a mixture's dataset ids are in the slot table)
+    contract = {*config.keys().roles().values(), DATASET_ID}
     click.echo(format_row(row, config, start=start, count=count, width=width,
                           columns=[k for k in row if k not in contract]))
 

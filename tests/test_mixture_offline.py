@@ -264,6 +264,10 @@ def test_stats_show_each_datasets_share_per_step_and_resume_repairs(data, tmp_pa
     for d in stats["datasets"]:
         assert abs(d["token_share"] - 0.5) < 0.01
         assert d["step_share"]["p5"] <= d["step_share"]["p50"] <= d["step_share"]["p95"]
+    shown = invoke("inspect", out, "--row", 0).output.splitlines()
+    slots = next(line for line in shown if line.startswith("segment_dataset_id"))
+    assert set(slots.split()[1:]) <= {"0", "1"}  # in the slot table, one id per used slot
+    assert sum(line.startswith("segment_dataset_id") for line in shown) == 1
     want = dir_bytes(out)
     (out / json.loads(want["manifest.json"])["shards"][0]).unlink()
     invoke("pack", *_mix(data, "--weights", "chat=0.5,math=0.5"), "-o", out, *ARGS, "--resume")

@@ -28,6 +28,7 @@ import numpy as np
 
 from seqpack.packer import PackConfig
 from seqpack.packer.config import Overflow, Strategy
+from seqpack.packer.contract import DATASET_ID
 from seqpack.packer.order import CostModel
 from seqpack.packer.plan import MapBlocks, check_block_size, pieces, plan_rows_many
 from seqpack.packer.stats import stats_of_pieces
@@ -356,7 +357,8 @@ def format_row(row: dict[str, np.ndarray], config: PackConfig, *, start: int = 0
     seg_cols = [("slot", np.arange(lens.size)), (k.segment_lengths, lens),
                 (k.segment_offsets, row[k.segment_offsets]),
                 (k.source_index, row[k.source_index]),
-                (k.source_start, row[k.source_start])]
+                (k.source_start, row[k.source_start]),
+                *((name, row[name]) for name in [DATASET_ID] if name in row)]
     lines += _block(seg_cols, 0, max(used, 1) if used < lens.size else lens.size, width)
     if used < lens.size:
         lines.append(f"(slots {used}..{lens.size - 1} unused: length 0, offset "
