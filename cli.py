@@ -84,6 +84,60 @@ def _read_options(input_format, columns, tokenizer, text_unit):
                   extra_columns=tuple(columns[1:]), tokenizer=tokenizer, text_unit=text_unit)
 
 
+def _mixture(inputs, mixes, weights, mix_unit, mix_tokens, max_repetition, seed, *,
+             allow_duplicates, input_format):
+    """The --mix options as an `offline.mixture.MixSpec` (None without --mix)."""
+    from seqpack.pipelines.offline.mixture import DEFAULT_MAX_REPETITION, MixSpec
+
+    if not mixes:
+        given = [f for f, v in (("--weights", weights), ("--mix-unit", mix_unit),
+                               ("--mix-tokens", mix_tokens),
+                               ("--max-repetition", max_repetition)) if v is not None]
+        if given:
+            raise click.UsageError(f"{given[0]} needs --mix NAME=PATH datasets")
+        return None
+    if inputs:
+        raise click.UsageError("give INPUT files or --mix datasets, not both")
+    if max_repetition is not None and mix_tokens is None:
+        raise click.UsageError("--max-repetition bounds the repetition --mix-tokens asks for; "
+                               "without --mix-tokens nothing is repeated: leave it out")
+    if weights is None:
+        raise click.UsageError("--mix needs --weights, e.g. --weights chat=0.3,math=0.7")
+    datasets = []
+    for item in mixes:
+        name, eq, path = item.partition("=")
+        if not eq or not name.strip() or not path:
+            raise click.UsageError(f"--mix {item!r} must be NAME=PATH, e.g. --mix chat=data/chat/")
+        datasets.append((name.strip(), path))
+    names = [n for n, _ in datasets]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice:
+        raise click.UsageError(f"--mix {twice}=... is given twice; give each dataset once (a "
+                               "directory or a quoted glob for many files)")
+    # every file once over all datasets (a file in two is a duplicate), then each dataset's
+    _expand(tuple(p for _, p in datasets), allow_duplicates=allow_duplicates,
+            input_format=input_format)
+    expanded = [_expand((p,), allow_duplicates=True, input_format=input_format)
+                for _, p in datasets]
+    spec = {}
+    for item in weights.split(","):
+        name, eq, value = item.partition("=")
+        try:
+            w = float(value)
+        except ValueError:
+            eq = ""
+        if not eq or not name.strip():
+            raise click.UsageError(f"--weights {item!r} must be NAME=NUMBER, e.g. --weights "
+                                   "chat=0.3,math=0.7")
+        if name.strip() in spec:
+            raise click.UsageError(f"--weights gives {name.strip()!r} twice")
+        spec[name.strip()] = w
+    return _usage(MixSpec, list(zip(names, expanded)), spec, mix_unit=mix_unit or "tokens",
+                  mix_tokens=mix_tokens, seed=seed,
+                  max_repetition=DEFAULT_MAX_REPETITION if max_repetition is None
+                  else max_repetition)
+
+
 def _pairs(items: tuple[str, ...], option: str, kind: type) -> dict:
     """--pad NAME=VALUE / --role NAME=ROLE options as {name: value}."""
     example = "labels=-100" if kind is int else "labels=mask"
@@ -127,7 +181,8 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
          context_parallel, pad_id, feature, input_format, columns, tokenizer, text_unit,
          shard_rows, compression, resume, overwrite, fsync, row_order, seed, data_parallel,
          batch_size, cost_model, d_model, as_json, workers, block_size, runner, beam_options,
-         spark_options, pads, roles, allow_duplicates, output_format):
+         spark_options, pads, roles, allow_duplicates, output_format, mixes, weights, mix_unit,
+         mix_tokens, max_repetition):
     """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into shards (--format).
 
     INPUT may be files, directories (every file of a known format, sorted; hidden files left
@@ -142,8 +197,11 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     from seqpack.pipelines.offline import pack as run
     from seqpack.pipelines.offline.report import format_pack, terminal_progress
 
-    sample = not inputs
-    inputs = _expand(inputs, allow_duplicates=allow_duplicates, input_format=input_format)
+    sample = not inputs and not mixes
+    mixture = _mixture(inputs, mixes, weights, mix_unit, mix_tokens, max_repetition, seed,
+                       allow_duplicates=allow_duplicates, input_format=input_format)
+    inputs = mixture.inputs if mixture else _expand(inputs, allow_duplicates=allow_duplicates,
+                                                    input_format=input_format)
     if strategy == "concat_split" and overflow is not None:
         raise click.UsageError(f"--overflow {overflow} does not apply to --strategy "
                                "concat_split, which cuts examples at row ends itself; leave it "
@@ -170,7 +228,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
                  existing="resume" if resume else "overwrite" if overwrite else "refuse",
                  pads=_pairs(pads, "pad", int), roles=_pairs(roles, "role", str),
                  order=_row_order(row_order, seed, data_parallel, batch_size, cost_model,
-                                  d_model))
+                                  d_model), mixture=mixture)
     progress = terminal_progress() if runner != "beam" else None
     with progress or contextlib.nullcontext():
         manifest = run(job, runner=runner, progress=progress, beam_options=beam_options,
@@ -253,8 +311,10 @@ def verify(output_dir, inputs, max_violations, as_json, workers):
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     elif report.ok:
+        repeats = f" ({report.repeats:,} repeats of the mixture among them)" \
+            if report.repeats else ""
         click.echo(f"OK: {report.num_rows:,} rows, {report.num_examples:,} examples, "
-                   f"{report.tokens_checked:,} tokens checked against their sources")
+                   f"{report.tokens_checked:,} tokens checked against their sources{repeats}")
     else:
         click.echo(f"FAILED: {len(report.violations)} violation(s) (first {max_violations} "
                    "listed)", err=True)
@@ -278,6 +338,7 @@ def verify(output_dir, inputs, max_violations, as_json, workers):
               help="Print the row's arrays as JSON (token arrays: --start, --count).")
 def inspect(output_dir, row_index, start, count, width, as_json):
     """Show one packed row column-aligned: tokens, segment ids, positions, segment metadata."""
+    from seqpack.packer.contract import DATASET_ID
     from seqpack.pipelines.offline.report import format_row
     from seqpack.pipelines.offline.verify import read_row
 
@@ -291,7 +352,8 @@ def inspect(output_dir, row_index, start, count, width, as_json):
         return
     index = row_index % manifest.num_rows  # -1: the last row (read_row checked the range)
     click.echo(f"row {index} of {manifest.num_rows:,} ({shard} record {record}): ", nl=False)
-    contract = set(config.keys().roles().values())  # then the columns the shards hold
+    # then the columns the shards hold (a mixture's dataset ids are in the slot table)
+    contract = {*config.keys().roles().values(), DATASET_ID}
     click.echo(format_row(row, config, start=start, count=count, width=width,
                           columns=[k for k in row if k not in contract]))
 

@@ -41,6 +41,8 @@ FLAGS = {
     "allow_duplicates=True": "--allow-duplicates", "runner='beam'": "--runner beam",
     "format": "--format",
     "spark_options": "--spark-option", "runner='spark'": "--runner spark",
+    "weights": "--weights", "mix_unit": "--mix-unit", "mix_tokens": "--mix-tokens",
+    "max_repetition": "--max-repetition",
 }
 _QUOTED = r"'[^']*'"
 

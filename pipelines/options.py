@@ -104,6 +104,22 @@ PACK_OPTIONS = _groups(
     _group("Inputs", _INPUT_FORMAT, _COLUMN, _TOKENIZER, _TEXT_UNIT, _opt(
         "--allow-duplicates", is_flag=True,
         help="Pack an input given twice (or through a link) twice, instead of refusing.")),
+    _group("Mixture", _opt(
+        "--mix", "mixes", multiple=True, metavar="NAME=PATH",
+        help="A dataset of a mixture (repeatable; instead of INPUT): its name and its files (a "
+             "file, a directory or a quoted glob). Rows carry segment_dataset_id. "
+             "docs/offline.md#mixtures"), _opt(
+        "--weights", default=None, metavar="NAME=W,...",
+        help="Each --mix dataset's weight, e.g. chat=0.3,math=0.7 (normalized)."), _opt(
+        "--mix-unit", type=click.Choice(["tokens", "loss_tokens", "examples"]), default=None,
+        help="What the weights share: tokens, loss tokens (labels other than -100 and masks "
+             "other than 0 of the --column's) or examples.  [default: tokens]"), _opt(
+        "--mix-tokens", type=click.IntRange(min=1), default=None, metavar="N",
+        help="The mixture's size in --mix-unit units; datasets are repeated (whole epochs, then "
+             "a seeded sample) to reach it.  [default: the largest mixture with no repetition]"),
+        _opt("--max-repetition", type=click.FloatRange(min=1), default=None, metavar="R",
+             help="With --mix-tokens: the most times a dataset may be repeated; past it the run "
+                  "is refused.  [default: 4]")),
     _group("Packing", _opt("--strategy", type=click.Choice(STRATEGIES),
                            default="best_fit_decreasing", show_default=True), *_SHAPE, _opt(
         "--pad", "pads", multiple=True, metavar="NAME=VALUE",

@@ -247,11 +247,13 @@ class FileScan:
     # per extra column: its dtype in this file, and (min, max) of its values ((0, 0): none)
     extra_dtypes: dict[str, np.dtype] = dataclasses.field(default_factory=dict)
     extra_ranges: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # i64[n_f]: each example's loss tokens, when asked for (`scan_file(loss_columns=)`)
+    loss_counts: np.ndarray | None = None
 
 
 def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
-              sink: Sink | None = None, *, column_sinks: Mapping[str, Sink] | None = None
-              ) -> FileScan:
+              sink: Sink | None = None, *, column_sinks: Mapping[str, Sink] | None = None,
+              loss_columns: Mapping[str, str] | None = None) -> FileScan:
     """Reads one input chunk by chunk: lengths, dtypes and fingerprint; tokens go to `sink`.
 
     `column_sinks` (one per `options.extra_columns`, or None to check and drop them): each
@@ -260,21 +262,41 @@ def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
     Values arrive in the chunk's dtype (tokens: any integer dtype, >= 0; JSONL extras: int64);
     the file's dtypes are the scan's. Holds one chunk at a time (a Parquet batch, a range of
     records, a block of JSONL lines, a text file). A URL is read from a temporary local copy
-    (see the module docstring).
+    (see the module docstring). `loss_columns` (extra column -> "labels" or "mask"): also
+    count each example's loss tokens, the positions where no labels column holds -100 and no
+    mask column 0 (`FileScan.loss_counts`; a mixture's `loss_tokens` unit).
     """
     if column_sinks is not None and set(column_sinks) != set(options.extra_columns):
         raise ValueError(f"column_sinks={sorted(column_sinks)} must have one sink per extra "
                          f"column {list(options.extra_columns)}")
     with local_input(path) as local:
         fmt = resolve_format(local, fmt, name=path)
-        lens, dtype, extra = _consume(file_chunks(local, fmt, options, tokenizer), fmt,
-                                      options, sink, column_sinks or {})
+        counts: list[np.ndarray] | None = None if loss_columns is None else []
+        chunks = file_chunks(local, fmt, options, tokenizer)
+        if counts is not None:
+            chunks = _counting(chunks, loss_columns or {}, counts)
+        lens, dtype, extra = _consume(chunks, fmt, options, sink, column_sinks or {})
         info = fingerprint(local)
     info["path"] = fingerprint_path(path)
     info.update(format=fmt, num_examples=int(lens.size), num_tokens=int(lens.sum()),
                 lengths_sha256=lengths_sha256(lens))
+    loss = None if counts is None else np.concatenate([np.zeros(0, np.int64), *counts])
     return FileScan(info, lens, dtype, {n: d for n, (d, _) in extra.items()},
-                    {n: r for n, (_, r) in extra.items()})
+                    {n: r for n, (_, r) in extra.items()}, loss)
+
+
+def _counting(chunks: Iterator[Chunk], roles: Mapping[str, str], out: list[np.ndarray]
+              ) -> Iterator[Chunk]:
+    """The chunks, as they pass: each record's loss tokens appended to `out`."""
+    for chunk in chunks:
+        sizes = np.diff(chunk.offsets)
+        allowed = np.ones(int(sizes.sum()), bool)
+        for name, role in roles.items():
+            allowed &= chunk.column(name) != (-100 if role == "labels" else 0)
+        ends = np.cumsum(sizes)
+        total = np.concatenate(([0], np.cumsum(allowed, dtype=np.int64)))
+        out.append(total[ends] - total[ends - sizes])
+        yield chunk
 
 
 def fingerprint_path(path: str) -> str:

@@ -18,7 +18,7 @@ object without its results (`shard_num_rows`, `stats`, `example_length_histogram
      "manifest_sha256": "51ab..."}
 
 (`shapes`: what trainers size static shapes by; `encoding`, after `columns`, only for the
-Parquet formats: "parquet", "hf", "megatron".)
+Parquet formats: "parquet", "hf", "megatron"; `mixture`, last, only for `seqpack pack --mix`.)
 
 Integrity: a complete manifest records each shard's size and sha256, and `manifest_sha256`, the
 sha256 of its own JSON without that key (compact, keys in the order above); `read_manifest`
@@ -54,8 +54,8 @@ _RESULTS = ("shard_num_rows", "stats", "example_length_histogram", "shard_bytes"
 SELF_DIGEST = "manifest_sha256"
 # None in outputs written before they existed; `encoding` and `shapes` are left out of the
 # JSON when None (an ArrayRecord output's intent reads as it did before formats existed)
-_OPTIONAL = ("row_order", "columns", "encoding", "shapes")
-_OMITTED_IF_NONE = ("encoding", "shapes")
+_OPTIONAL = ("row_order", "columns", "encoding", "shapes", "mixture")
+_OMITTED_IF_NONE = ("encoding", "shapes", "mixture")
 
 
 def shard_names(num_rows: int, shard_rows: int, suffix: str = ".arrayrecord") -> list[str]:
@@ -94,6 +94,10 @@ class Manifest:
     # What a trainer sizes static shapes by (a result): max_row_segments, longest_segment,
     # shortest_row, min_row_next_tokens (a row's tokens less its segments), loss_tokens.
     shapes: dict[str, Any] | None = None
+    # A mixture's spec and what each dataset gave (`offline.mixture`: unit, seed, and per
+    # dataset name, inputs, weight, units, tokens, examples, repetitions, first example);
+    # None: no mixture. Its rows carry `segment_dataset_id`.
+    mixture: dict[str, Any] | None = None
 
     @property
     def complete(self) -> bool:

@@ -12,6 +12,8 @@ Arranged by role::
     runners/      the local runner (worker processes, a local token spill: `pack_to_dir`), the
                   Beam job (`pack_beam`), the Spark job (`pack_spark`), and pass 1's machinery
                   that verify and stats share
+    mixture.py    a mixture of datasets (`seqpack pack --mix`): which examples the job packs,
+                  how often, and what rows, manifest, verify and stats make of it
     shards.py     shard encoding and writing (every runner)
     record.py     the run record: intent, inputs record, manifest results
     outdir.py     where a run writes (local or object storage): intent, completion records

@@ -58,6 +58,7 @@ from seqpack.pipelines.formats.encodings import of_manifest
 from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, Manifest
 from seqpack.pipelines.offline import record, shards
 from seqpack.pipelines.offline.job import PackJob
+from seqpack.pipelines.offline.mixture import firsts_of
 from seqpack.pipelines.offline.outdir import (
     OutputDir,
     as_output_dir,
@@ -89,11 +90,13 @@ class FileScan:
     error: str | None = None  # the InputError's message when the file could not be read
     extra_dtypes: dict = dataclasses.field(default_factory=dict)  # extra column -> its dtype
     extra_ranges: dict = dataclasses.field(default_factory=dict)  # extra column -> (min, max)
+    loss_counts: np.ndarray | None = None  # i64[n_f] loss tokens per example, when asked for
 
     @classmethod
     def of(cls, index: int, path: str, scan: inputs.FileScan) -> FileScan:
         return cls(index, path, scan.info, scan.lengths, scan.dtype.str,
-                   extra_dtypes=scan.extra_dtypes, extra_ranges=scan.extra_ranges)
+                   extra_dtypes=scan.extra_dtypes, extra_ranges=scan.extra_ranges,
+                   loss_counts=scan.loss_counts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,11 +202,14 @@ def check_files(files: Iterable[FileSummary], job: PackJob) -> list[FileSummary]
 # -- plan --------------------------------------------------------------------------------------
 
 
-def plan_block(block: int, lengths: np.ndarray, job: PackJob, *, top: int) -> BlockPlan:
+def plan_block(block: int, lengths: np.ndarray, job: PackJob, refs: np.ndarray | None = None,
+               *, top: int) -> BlockPlan:
     """Plans block `block` (its examples' `lengths`, numbered from `block * job.block_size`)
     as `packer.plan_rows` plans it, and lays its rows out for the output order
     (`packer.order.block_layout` on the rows' costs and segment counts). `top`: the inputs'
-    longest example (`longest`). An InputError while planning becomes the summary's `error`."""
+    longest example (`longest`). An InputError while planning becomes the summary's `error`.
+    `refs`: a mixture's block (its examples are `refs[i]` of the corpus, `mixture.select`):
+    the pieces then name those, in their order."""
     config, order = job.config, job.order
     first = block * job.block_size
     counts = np.array(record.length_histogram(lengths, top)["counts"], np.int64)
@@ -216,6 +222,8 @@ def plan_block(block: int, lengths: np.ndarray, job: PackJob, *, top: int) -> Bl
         return BlockPlan(summary, np.zeros((4, 0), np.int64))
     table = _piece_table(lengths, job, first, row, num_rows)
     del row
+    if refs is not None:
+        table = _to_corpus(table, refs, first)
     L, S = config.seq_len, config.max_segments
     used, nseg = row_histograms(table[ROW], table[LENGTH], num_rows, L, S)
     segments = np.bincount(table[ROW], minlength=num_rows) if order.data_parallel else None
@@ -247,18 +255,31 @@ def _piece_table(lengths: np.ndarray, job: PackJob, first: int, row: np.ndarray,
     return table
 
 
+def _to_corpus(table: np.ndarray, refs: np.ndarray, first: int) -> np.ndarray:
+    """A mixed block's piece table with each piece's corpus example (stream position m of the
+    block is `refs[m - first]`), sorted by it (stable: a repeated example's copies keep the
+    plan's order), as pieces of a corpus are."""
+    example = np.asarray(refs, np.int64)[table[EXAMPLE].astype(np.int64) - first]
+    if table.dtype != np.int64 and example.size and int(example.max()) >= 2**31:
+        table = table.astype(np.int64)
+    table[EXAMPLE] = example
+    return table[:, np.argsort(table[EXAMPLE], kind="stable")]
+
+
 def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], job: PackJob, *,
-                rerun: bool = True) -> JobSummary | None:
+                rerun: bool = True, mixture: dict | None = None) -> JobSummary | None:
     """Sums the blocks up, writes pack_intent.json; None when `resume` finds the run complete.
 
     Raises InputError for what `check_files` refuses, then the first block's planning error,
     then what the output refuses (a non-empty directory). `rerun`: whether the executor may
-    run this step again (see below; the local runner runs it once).
+    run this step again (see below; the local runner runs it once). `mixture`: a mixture's
+    record (`mixture.Selection.record`; its blocks are of the mixed stream).
     """
     config, block_size = job.config, job.block_size
     files = check_files(files, job)
     blocks = sorted(blocks, key=lambda b: b.block)
-    total = int(first_examples(files)[-1])
+    total = int(first_examples(files)[-1]) if mixture is None else \
+        sum(int(d["examples"]) for d in mixture["datasets"])
     assert [b.block for b in blocks] == list(range(-(-total // block_size))), "a block is missing"
     for b in blocks:
         if b.error is not None:
@@ -267,7 +288,7 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
     columns = record.column_entries(job, inputs.extra_corpus_dtypes(files))  # type: ignore
     intent = record.run_intent(job, record.inputs_record([f.info for f in files], dtype,
                                                          job.read_options),
-                               sum(b.num_rows for b in blocks), columns)
+                               sum(b.num_rows for b in blocks), columns, mixture)
     # The directory is prepared once. A runner may run this step again: Beam retries a bundle
     # whose outputs were lost, and may recompute any PCollection (a side input for each step
     # reading it, even after the shards were written). prepare_dir is not idempotent: again
@@ -374,7 +395,8 @@ def write_shard(output: str | OutputDir, shard: int, p: PackPlan, summary: JobSu
     out = as_output_dir(output)
     digest, loss = shards.write_shard(out, summary.intent.shards[shard], pieces, p, config,
                                       options, dtype=np.dtype(summary.row_dtype), values=values,
-                                      columns=columns, entries=summary.intent.columns or ())
+                                      columns=columns, entries=summary.intent.columns or (),
+                                      firsts=firsts_of(summary.intent.mixture))
     return num_rows, digest, record.ShardFacts(profile, loss)
 
 

@@ -34,6 +34,7 @@ from seqpack.packer.plan import DEFAULT_BLOCK_SIZE, check_block_size
 from seqpack.pipelines.errors import UsageError
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline.lock import DirLock
+from seqpack.pipelines.offline.mixture import MixSpec
 from seqpack.pipelines.offline.outdir import OutputDir, check_dir
 from seqpack.pipelines.offline.shards import WriteOptions
 
@@ -95,6 +96,9 @@ class PackJob:
     # The output order of the plan's rows (`packer.order`): a seeded shuffle by default, the
     # plan's order, or balanced data-parallel steps.
     order: RowOrder = dataclasses.field(default_factory=RowOrder)
+    # A mixture of datasets (`offline.mixture`): `inputs` are its datasets' inputs, dataset
+    # after dataset; None: every example of every input once.
+    mixture: MixSpec | None = None
 
     def __post_init__(self) -> None:
         inputs = tuple(os.fspath(p) for p in self.inputs)
@@ -113,9 +117,11 @@ class PackJob:
         self._check_columns()
         if not isinstance(self.order, RowOrder):
             raise UsageError(f"order={self.order!r} must be a packer.order.RowOrder")
+        self._check_mixture()
         entries = [{"name": n, "pad": p, "role": self.roles[n]} for n, p in self.pads.items()]
         try:  # what the format cannot write (unpadded formats and segment_alignment=)
-            self.write_options.encoding.check(self.write_options.layout(self.config, entries))
+            self.write_options.encoding.check(self.write_options.layout(
+                self.config, entries, mixed=self.mixture is not None))
         except ValueError as e:
             raise UsageError(str(e)) from None
 
@@ -146,6 +152,29 @@ class PackJob:
                                  f"(read_options.extra_columns={extra})")
         object.__setattr__(self, "pads", pads)
         object.__setattr__(self, "roles", roles)
+
+    def _check_mixture(self) -> None:
+        mix = self.mixture
+        if mix is None:
+            return
+        if not isinstance(mix, MixSpec):
+            raise UsageError(f"mixture={mix!r} must be an offline.mixture.MixSpec")
+        if list(self.inputs) != mix.inputs:
+            raise UsageError("inputs= must be the mixture's inputs, dataset after dataset "
+                             "(mixture.inputs)")
+        if mix.mix_unit == "loss_tokens" and not self.loss_columns:
+            raise UsageError("mix_unit='loss_tokens' counts labels other than -100 or masks "
+                             "other than 0: pack a labels or mask column (extra_columns=)")
+
+    @property
+    def loss_columns(self) -> dict[str, str]:
+        """The extra columns that decide the loss: name -> "labels" or "mask"."""
+        return {n: r for n, r in self.roles.items() if r in ("labels", "mask")}
+
+    @property
+    def mix_loss_columns(self) -> dict[str, str] | None:
+        """The columns whose loss tokens the scans of a mixture count, else None."""
+        return self.loss_columns if self.mixture is not None and self.loss_columns else None
 
     @property
     def resume(self) -> bool:

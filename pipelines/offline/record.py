@@ -63,11 +63,13 @@ def inputs_record(files: list[dict], dtype: np.dtype, options: ReadOptions) -> d
 
 
 def run_intent(job: PackJob, inputs: dict, num_rows: int,
-               columns: list[dict] | None = None) -> Manifest:
+               columns: list[dict] | None = None, mixture: dict | None = None) -> Manifest:
     """What the run writes (``pack_intent.json``: the manifest without its results);
-    `columns`: the extra columns' entries (`column_entries`)."""
+    `columns`: the extra columns' entries (`column_entries`); `mixture`: a mixture's record
+    (`mixture.Selection.record`)."""
     options = job.write_options
-    layout, encoding = options.layout(job.config, columns or ()), options.encoding
+    layout = options.layout(job.config, columns or (), mixed=mixture is not None)
+    encoding = options.encoding
     return Manifest(
         config=job.config.to_dict(),
         inputs=json.loads(json.dumps(inputs)),
@@ -80,6 +82,7 @@ def run_intent(job: PackJob, inputs: dict, num_rows: int,
         row_order=job.order.to_dict(),
         columns=columns or None,
         encoding=None if options.format == DEFAULT else options.format,
+        mixture=mixture,
     )
 
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from seqpack.packer import PackConfig
 from seqpack.packer.config import Overflow, Strategy
+from seqpack.packer.contract import DATASET_ID
 from seqpack.packer.order import CostModel
 from seqpack.packer.plan import MapBlocks, check_block_size, pieces, plan_rows_many
 from seqpack.packer.stats import stats_of_pieces
@@ -35,7 +36,9 @@ from seqpack.pipelines import storage
 from seqpack.pipelines.errors import require
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import MANIFEST, Manifest, read_manifest
+from seqpack.pipelines.offline import mixture
 from seqpack.pipelines.offline.record import check_overlength, first_overlength, length_histogram
+from seqpack.pipelines.offline.shards import read_shard
 
 STRATEGIES = tuple(s.value for s in Strategy)
 _PARALLEL_PLAN = 1 << 18  # examples times strategies a dry run plans in worker processes from
@@ -109,21 +112,23 @@ class Stats:
     title: str
     batch_size: int | None = None
     shapes: dict | None = None
+    mixture: dict | None = None  # a mixed output's datasets and shares (`mixture.shares`)
 
     def summaries(self) -> dict[str, dict]:
         return {name: summary(s, self.batch_size) for name, s in self.per_strategy.items()}
 
     def to_dict(self) -> dict:
         shapes = {"shapes": self.shapes} if self.shapes else {}
+        mixed = {"mixture": self.mixture} if self.mixture else {}
         return {"summary": self.summaries(), "stats": self.per_strategy,
-                "example_length_histogram": self.length_histogram, **shapes}
+                "example_length_histogram": self.length_histogram, **shapes, **mixed}
 
     def table(self) -> str:
         table = format_table(self.summaries(), self.title)
-        if not self.shapes:
-            return table
-        shown = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in self.shapes.items())
-        return f"{table}\nstatic shapes (what a trainer sizes by): {shown}"
+        if self.shapes:
+            shown = ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in self.shapes.items())
+            table += f"\nstatic shapes (what a trainer sizes by): {shown}"
+        return table + (f"\n\n{mixture.table(self.mixture)}" if self.mixture else "")
 
 
 def is_packed(path: str) -> bool:
@@ -146,7 +151,19 @@ def output_stats(output_dir: str, *, batch_size: int | None = None) -> Stats:
     return Stats({Strategy(config.strategy).value: stats}, lengths,
                  f"packed: {output_dir} (seq_len {config.seq_len}, max_segments "
                  f"{config.max_segments}, format {manifest.encoding or 'arrayrecord'})",
-                 batch_size, manifest.shapes)
+                 batch_size, manifest.shapes, _mixture(output_dir, manifest, batch_size))
+
+
+def _mixture(output_dir: str, manifest: Manifest, batch_size: int | None) -> dict | None:
+    """A mixed output's `mixture.shares`, from its rows' `[S]` metadata (one pass over the
+    shards); None without a mixture."""
+    if not manifest.mixture:
+        return None
+    keys, K = manifest.pack_config().keys(), len(manifest.mixture["datasets"])
+    tokens = [mixture.row_tokens(read_shard(output_dir, name, n, restore=False,
+                                            manifest=manifest), keys, K)
+              for name, n in zip(manifest.shards, manifest.shard_num_rows or [])]
+    return mixture.shares(manifest.mixture, np.concatenate(tokens), batch_size)
 
 
 def dry_run_stats(paths: Sequence[str], options: ReadOptions, config: PackConfig,
@@ -183,11 +200,12 @@ def format_pack(manifest: Manifest, output_dir: str, *, what: str,
                  f"span multiples of {config.alignment} tokens; the rest is padding)")
     for c in manifest.columns or []:
         keys += f", column {c['name']!r} ({c.get('role', 'values')}, padded with {c['pad']})"
+    mixed = f"\n\n{mixture.table(manifest.mixture)}" if manifest.mixture else ""
     return (f"packed {what}: {manifest.inputs['num_examples']:,} examples -> "
             f"{manifest.num_rows:,} rows in {len(manifest.shards)} shard(s) at {output_dir}\n"
             f"{keys}\n\n"
             + format_table({Strategy(config.strategy).value: summary(manifest.stats,
-                                                                      batch_size)}))
+                                                                      batch_size)}) + mixed)
 
 
 def summary(s: dict, batch_size: int | None) -> dict:
@@ -339,7 +357,8 @@ def format_row(row: dict[str, np.ndarray], config: PackConfig, *, start: int = 0
     seg_cols = [("slot", np.arange(lens.size)), (k.segment_lengths, lens),
                 (k.segment_offsets, row[k.segment_offsets]),
                 (k.source_index, row[k.source_index]),
-                (k.source_start, row[k.source_start])]
+                (k.source_start, row[k.source_start]),
+                *((name, row[name]) for name in [DATASET_ID] if name in row)]
     lines += _block(seg_cols, 0, max(used, 1) if used < lens.size else lens.size, width)
     if used < lens.size:
         lines.append(f"(slots {used}..{lens.size - 1} unused: length 0, offset "

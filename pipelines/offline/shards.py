@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from seqpack.packer import PackConfig, PackPlan, build_rows
-from seqpack.packer.contract import restore_derived
+from seqpack.packer.contract import DATASET_ID, SOURCE_INDEX, restore_derived
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import RunFailed
 from seqpack.pipelines.formats import encodings
@@ -36,6 +36,7 @@ from seqpack.pipelines.formats.encodings import (
     with_segment_ids,
 )
 from seqpack.pipelines.formats.manifest import Manifest, file_digest, read_manifest
+from seqpack.pipelines.offline.mixture import dataset_columns
 from seqpack.pipelines.offline.outdir import OutputDir, as_output_dir, write_done
 
 
@@ -64,9 +65,11 @@ class WriteOptions:
     def encoding(self) -> Encoding:
         return encodings.encoding(self.format)
 
-    def layout(self, config: PackConfig, columns: Sequence[Mapping[str, Any]] = ()) -> Layout:
-        """The rows' `Layout` for `config` and the manifest's `columns` entries."""
-        return Layout(config, tuple(columns), self.compression, self.store_derived)
+    def layout(self, config: PackConfig, columns: Sequence[Mapping[str, Any]] = (), *,
+               mixed: bool = False) -> Layout:
+        """The rows' `Layout` for `config` and the manifest's `columns` entries (`mixed`: rows
+        of a mixture)."""
+        return Layout(config, tuple(columns), self.compression, self.store_derived, mixed)
 
 
 def stored_keys(config: PackConfig, options: WriteOptions,
@@ -97,12 +100,15 @@ def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndar
                 p: PackPlan, config: PackConfig, options: WriteOptions, *, dtype: np.dtype,
                 values: np.ndarray | None = None,
                 columns: Mapping[str, np.ndarray] | None = None,
-                entries: Sequence[Mapping[str, Any]] = ()) -> tuple[tuple[int, str], int]:
+                entries: Sequence[Mapping[str, Any]] = (), firsts: np.ndarray | None = None
+                ) -> tuple[tuple[int, str], int]:
     """Assembles the rows of plan `p` (one shard's rows, numbered from 0) and writes them.
 
     `pieces[i]` holds the tokens of the plan's i-th piece (or `values` the rows' tokens already
     in place, see `packer.build_rows`); `columns` each extra column's `[R, L]` values in place
-    (`packer.fill_rows`), `entries` the manifest's entries of those columns. Writes
+    (`packer.fill_rows`), `entries` the manifest's entries of those columns; `firsts`: a
+    mixture's datasets' first corpus examples (`mixture.firsts_of`: the rows then carry
+    `segment_dataset_id` and each example's index within its dataset). Writes
     ``name.<attempt>.tmp`` in the output's staging
     directory, published as `name` when complete (a rename, or an upload), then the shard's
     completion record (`name` + ".done": rows, size, sha256); returns ((size, sha256), the
@@ -113,10 +119,15 @@ def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndar
     # A name of its own per attempt: a runner may run two attempts of one shard at once
     # (Dataflow's backup tasks); each publishes a complete file under `name`, the same bytes.
     tmp = os.path.join(out.staging(), f"{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    layout = options.layout(config, entries)
+    layout = options.layout(config, entries, mixed=firsts is not None)
     encoding = options.encoding
     batch = build_rows(pieces, p, config, dtype=dtype, derived=encoding.wants_derived(layout),
                        values=values, columns=columns)
+    if firsts is not None:  # after the contract's keys, before the extra columns
+        ids, batch[SOURCE_INDEX] = dataset_columns(batch[SOURCE_INDEX], firsts)
+        extra = {name: batch.pop(name) for name in layout.names()}
+        batch[DATASET_ID] = ids
+        batch.update(extra)
     loss = int(loss_positions(batch, layout).sum())
     try:
         encoding.write(tmp, batch, layout)

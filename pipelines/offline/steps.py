@@ -10,6 +10,11 @@ What each step takes and gives, for n examples in P pieces::
     summarize_file     one FileScan       -> FileSummary (core): the scan without its lengths
     cut_blocks         one FileScan       -> (block, BlockSlice) per block of `block_size`
                                              consecutive examples the input's examples fall in
+    (a mixture:)
+    select_mixture     every FileScan     -> the mixed stream (`mixture.select`: 16 bytes an
+                                             example of the stream, in one place)
+    cut_stream         the mixed stream   -> (block, BlockSlice) per block of the stream, its
+                                             examples' lengths and corpus examples
     plan_block_slices  one block's slices -> BlockPlan (core.plan_block): pieces + BlockSummary
     finish_plan        every FileSummary
                        + BlockSummary     -> JobSummary (core) and pack_intent.json
@@ -37,7 +42,7 @@ import numpy as np
 from seqpack.packer import PackConfig, PackPlan
 from seqpack.packer.assemble import fill_rows
 from seqpack.packer.contract import ragged_arange
-from seqpack.pipelines.errors import InputError, one_line
+from seqpack.pipelines.errors import InputError, UsageError, one_line
 from seqpack.pipelines.formats import inputs
 from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus
 from seqpack.pipelines.formats.text import load_tokenizer
@@ -52,6 +57,7 @@ from seqpack.pipelines.offline.core import (
     FileSummary,
     JobSummary,
     ShardResult,
+    check_files,
     finish_job,
     finish_plan,
     first_examples,
@@ -64,14 +70,17 @@ from seqpack.pipelines.offline.core import (
     write_shard,
 )
 from seqpack.pipelines.offline.job import PackJob
+from seqpack.pipelines.offline.mixture import Selection, select_inputs
 from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.shards import WriteOptions
 
 __all__ = [
     "EXAMPLE", "LENGTH", "ROW", "START", "BlockPlan", "BlockSlice", "BlockSummary", "FileJob",
+    "Selection", "check_files",
     "FileScan", "FileSummary", "JobSummary", "ShardPart", "cut_blocks", "file_job",
-    "finish_job", "finish_plan", "plan_block_slices", "plan_in_process", "route_file",
-    "scan_file", "split_block", "summarize_file", "write_shard_parts",
+    "cut_stream", "finish_job", "finish_plan", "plan_block_slices", "plan_in_process",
+    "route_file", "scan_file", "select_mixture", "split_block", "summarize_file",
+    "write_shard_parts",
 ]
 
 
@@ -79,8 +88,9 @@ __all__ = [
 class BlockSlice:
     """Some consecutive examples of one block, from one input."""
 
-    first: int  # global index of the first example
+    first: int  # global index of the first example (of the mixed stream with a mixture)
     lengths: np.ndarray  # i64
+    refs: np.ndarray | None = None  # a mixture's: the corpus example of each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +116,14 @@ class ShardPart:
 # -- scan and plan ---------------------------------------------------------------------------
 
 
-def scan_file(index: int, path: str, options: ReadOptions) -> FileScan:
-    """Reads one input for its example lengths; a bad input gives a FileScan with `error`."""
+def scan_file(index: int, path: str, options: ReadOptions,
+              loss_columns: dict[str, str] | None = None) -> FileScan:
+    """Reads one input for its example lengths (`loss_columns`: and loss tokens,
+    `PackJob.mix_loss_columns`); a bad input gives a FileScan with `error`."""
     try:
         fmt = detect_format(path, options.input_format)
         tokenizer = load_tokenizer(options.tokenizer) if options.tokenizer else None
-        scan = inputs.scan_file(path, fmt, options, tokenizer)
+        scan = inputs.scan_file(path, fmt, options, tokenizer, loss_columns=loss_columns)
     except (ValueError, OSError) as e:
         return FileScan(index, path, {}, np.zeros(0, np.int64), "", error=one_line(e))
     return FileScan.of(index, path, scan)
@@ -133,15 +145,44 @@ def cut_blocks(scan: FileScan, files: Sequence[FileSummary], block_size: int
     return out
 
 
+def select_mixture(scans: Iterable[FileScan], job: PackJob) -> Selection | str | None:
+    """The job's mixed stream from every input's scan (`mixture.select_inputs`); None when an
+    input failed to read (`finish_plan` reports it), the error's message when the mixture is
+    refused (a dataset repeated past `max_repetition`)."""
+    scans = sorted(scans, key=lambda s: s.index)
+    assert job.mixture is not None
+    if any(s.error is not None for s in scans):
+        return None
+    try:
+        return select_inputs(job.mixture, [s.lengths for s in scans],
+                             [s.loss_counts for s in scans])
+    except ValueError as e:
+        return one_line(e)
+
+
+def cut_stream(selection: Selection | str | None, block_size: int
+               ) -> list[tuple[int, BlockSlice]]:
+    """A mixed stream cut into its blocks (nothing when `select_mixture` failed)."""
+    if not isinstance(selection, Selection):
+        return []
+    n = selection.num_examples
+    return [(b, BlockSlice(a, selection.lengths[a : a + block_size],
+                           selection.ref[a : a + block_size]))
+            for b, a in enumerate(range(0, n, block_size))]
+
+
 def plan_block_slices(block: int, slices: Iterable[BlockSlice], files: Sequence[FileSummary],
                       job: PackJob) -> BlockPlan:
-    """Plans one block from its slices (any order): `core.plan_block` on their lengths."""
+    """Plans one block from its slices (any order): `core.plan_block` on their lengths (a
+    mixture's: on the stream's, its pieces naming the corpus examples)."""
     slices = sorted(slices, key=lambda s: s.first)
     first = block * job.block_size
     lengths = np.concatenate([s.lengths for s in slices]).astype(np.int64)
+    refs = None if slices[0].refs is None else np.concatenate([s.refs for s in slices])
     total = int(first_examples(files)[-1])
-    assert slices[0].first == first and lengths.size == min(job.block_size, total - first), block
-    return plan_block(block, lengths, job, top=longest(files))
+    assert slices[0].first == first and (refs is not None or lengths.size == min(
+        job.block_size, total - first)), block
+    return plan_block(block, lengths, job, refs, top=longest(files))
 
 
 def split_block(bp: BlockPlan, summary: JobSummary | None, files: Sequence[FileSummary]
@@ -241,11 +282,16 @@ def plan_in_process(scans: Sequence[FileScan], job: PackJob
     config, block_size = job.config, job.block_size
     files = [summarize_file(s, config) for s in scans]
     by_block: dict[int, list[BlockSlice]] = {}
-    for s in scans:
-        for block, piece in cut_blocks(s, files, block_size):
-            by_block.setdefault(block, []).append(piece)
+    mixed = None if job.mixture is None else select_mixture(scans, job)
+    cuts = [cut_blocks(s, files, block_size) for s in scans] if job.mixture is None else \
+        [cut_stream(mixed, block_size)]
+    for block, piece in (c for cut in cuts for c in cut):
+        by_block.setdefault(block, []).append(piece)
     plans = [plan_block_slices(b, sl, files, job) for b, sl in by_block.items()]
-    summary = finish_plan(files, [p.summary for p in plans], job)
+    if isinstance(mixed, str):
+        raise UsageError(mixed)
+    summary = finish_plan(files, [p.summary for p in plans], job,
+                          mixture=mixed.record if isinstance(mixed, Selection) else None)
     by_file: dict[int, list[np.ndarray]] = {}
     for p in plans:
         for index, table in split_block(p, summary, files):

@@ -35,6 +35,7 @@ from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.encodings import of_manifest, with_segment_ids
 from seqpack.pipelines.formats.inputs import ReadOptions, combined_lengths_sha256, fingerprint
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
+from seqpack.pipelines.offline.mixture import corpus_sources, example_times, loss_columns_of
 from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.runners import (
     Run,
@@ -54,6 +55,7 @@ class VerifyReport:
     num_rows: int
     num_examples: int
     tokens_checked: int
+    repeats: int = 0  # a mixture's: segments of an example it takes again (checked as such)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -158,10 +160,20 @@ def _check_tokens(batch, config, spills: dict[str, tuple[SpillReader, int]], off
     return ex, st, ln, int(ln.sum())
 
 
-def _check_coverage(ex, st, ln, lengths, config, counters: Counters, out: _Collector) -> None:
-    """Each example's pieces tile [0, kept) once; the rest matches the policy and counters."""
-    order = np.lexsort((st, ex))
+def _check_coverage(ex, st, ln, lengths, config, counters: Counters, out: _Collector,
+                    times: np.ndarray) -> None:
+    """Each example's pieces tile [0, kept) `times[e]` times (once, or as a mixture takes it);
+    the rest matches the policy and counters."""
+    order = np.lexsort((ln, st, ex))
     ex, st, ln = ex[order], st[order], ln[order]
+    new = np.ones(ex.size, bool)
+    new[1:] = (ex[1:] != ex[:-1]) | (st[1:] != st[:-1]) | (ln[1:] != ln[:-1])
+    count = np.diff(np.append(np.flatnonzero(new), ex.size))
+    ex, st, ln = ex[new], st[new], ln[new]  # each piece once, `count` times
+    for i in np.flatnonzero(count != times[ex])[:3]:
+        out.add(f"example {ex[i]}: its tokens [{st[i]}, {st[i] + ln[i]}) are in {count[i]} "
+                f"segment(s), the run takes the example {times[ex[i]]} time(s) (tokens missing "
+                "or duplicated)")
     first = np.ones(ex.size, bool)
     first[1:] = ex[1:] != ex[:-1]
     gap = np.flatnonzero(first & (st != 0))
@@ -173,16 +185,17 @@ def _check_coverage(ex, st, ln, lengths, config, counters: Counters, out: _Colle
                 "end elsewhere (tokens missing or duplicated)")
     covered = np.bincount(ex, weights=ln, minlength=lengths.size).astype(np.int64)
     npieces = np.bincount(ex, minlength=lengths.size)
-    missing = lengths - covered
+    missing = np.where(times > 0, lengths - covered, 0)
     L = config.seq_len
     policy = config.overflow.value if config.strategy.value != "concat_split" else "split"
     cut = np.flatnonzero(missing != 0)
+    lost = {"examples": int(times[cut].sum()), "tokens": int((missing * times)[cut].sum())}
     if policy == "truncate":
         allowed = (lengths > L) & (covered == L)
-        want = {"truncated_examples": cut.size, "truncated_tokens": int(missing[cut].sum())}
+        want = {f"truncated_{k}": v for k, v in lost.items()}
     elif policy == "drop":
         allowed = (lengths > L) & (covered == 0)
-        want = {"dropped_examples": cut.size, "dropped_tokens": int(missing[cut].sum())}
+        want = {f"dropped_{k}": v for k, v in lost.items()}
     else:
         allowed = np.zeros(lengths.size, bool)
         want = {}
@@ -190,9 +203,10 @@ def _check_coverage(ex, st, ln, lengths, config, counters: Counters, out: _Colle
         out.add(f"example {i}: {missing[i]} of its {lengths[i]} tokens are not in any row, "
                 f"which overflow={policy!r} does not allow")
     split = npieces > 1
-    want.update(split_examples=int(split.sum()), split_pieces=int(npieces[split].sum()),
-                num_examples=int(lengths.size), input_tokens=int(lengths.sum()),
-                empty_examples=int((lengths == 0).sum()))
+    want.update(split_examples=int(times[split].sum()),
+                split_pieces=int((npieces * times)[split].sum()),
+                num_examples=int(times.sum()), input_tokens=int((lengths * times).sum()),
+                empty_examples=int(times[lengths == 0].sum()))
     have = counters.to_dict()
     for key, value in want.items():
         if have.get(key) != value:
@@ -279,6 +293,8 @@ def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int,
     if missing:
         out.add(f"{name}: the rows lack {missing}, which the manifest says every row holds")
         return _ShardCheck(out.items, None, None, None)
+    for problem in corpus_sources(batch, context.manifest.mixture, config.keys()):
+        out.add(f"{name}: {problem}")  # a mixture's (dataset, index) as corpus examples
     # Segment ids / positions only where stored (else they are made from what is checked);
     # padding with the tokens, position by position (`_check_tokens`).
     try:
@@ -312,10 +328,15 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
     pool = Workers(workers)
     try:
         with tempfile.TemporaryDirectory(prefix="seqpack-verify-") as spill_dir:
-            read = read_inputs(paths, options, spill_dir, pool)
+            read = read_inputs(paths, options, spill_dir, pool, loss_columns=loss_columns_of(
+                manifest.mixture, manifest.columns))
             scans, columns = read.scans, manifest.columns or []
             lengths = np.concatenate([s.lengths for s in scans])
             _check_inputs(paths, [s.info for s in scans], lengths, manifest, out)
+            times, problems = example_times(manifest.mixture, [s.lengths for s in scans],
+                                            [s.loss_counts for s in scans])
+            for problem in problems:
+                out.add(problem)
             offsets = np.zeros(lengths.size + 1, np.int64)
             np.cumsum(lengths, out=offsets[1:])
             np.save(os.path.join(spill_dir, "offsets.npy"), offsets)
@@ -329,11 +350,10 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
         pool.close(kill=True)
         raise
     pool.close()
-    _check_results(checks, lengths, manifest, out, output_dir)
-    return VerifyReport(ok=not out.items, violations=out.items,
-                        num_rows=int(sum(manifest.shard_num_rows or [])),
-                        num_examples=int(lengths.size),
-                        tokens_checked=sum(c.tokens for c in checks))
+    _check_results(checks, lengths, manifest, out, output_dir, times)
+    return VerifyReport(not out.items, out.items, int(sum(manifest.shard_num_rows or [])),
+                        int(lengths.size), sum(c.tokens for c in checks),
+                        int(np.maximum(times - 1, 0).sum()))
 
 
 def _input_paths(manifest: Manifest, inputs: Sequence[str] | None) -> list[str]:
@@ -384,14 +404,15 @@ def _check_shards(manifest: Manifest, context_path: str, pool: Workers, out: _Co
 
 
 def _check_results(checks: list[_ShardCheck], lengths: np.ndarray, manifest: Manifest,
-                   out: _Collector, output_dir: str) -> None:
+                   out: _Collector, output_dir: str, times: np.ndarray) -> None:
     """Coverage of every example over all shards, and the manifest's stats against the rows."""
     config = manifest.pack_config()
     recorded = manifest.stats or {}
     pieces = [c.pieces for c in checks if c.pieces is not None]
     if pieces:
         ex, st, ln = (np.concatenate(x) for x in zip(*pieces))
-        _check_coverage(ex, st, ln, lengths, config, Counters(**recorded["counters"]), out)
+        _check_coverage(ex, st, ln, lengths, config, Counters(**recorded["counters"]), out,
+                        times)
     used = sum((c.used_hist for c in checks if c.used_hist is not None),
                np.zeros(config.seq_len + 1, np.int64))
     nseg = sum((c.nseg_hist for c in checks if c.nseg_hist is not None),

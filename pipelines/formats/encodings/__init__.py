@@ -51,7 +51,8 @@ def encoding(name: str | None) -> Encoding:
 
 def layout_of(manifest: Any) -> Layout:
     """The `Layout` of a manifest's rows (for reading them back)."""
-    return Layout(manifest.pack_config(), tuple(manifest.columns or ()))
+    return Layout(manifest.pack_config(), tuple(manifest.columns or ()),
+                  mixed=bool(getattr(manifest, "mixture", None)))
 
 
 def of_manifest(manifest: Any) -> tuple[Encoding, Layout]:

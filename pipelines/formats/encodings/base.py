@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from seqpack.packer import PackConfig
-from seqpack.packer.contract import segment_ids_and_positions
+from seqpack.packer.contract import DATASET_ID, segment_ids_and_positions
 from seqpack.pipelines.errors import InputError
 
 IGNORE_INDEX = -100  # a label that takes no loss (PyTorch, Hugging Face)
@@ -46,6 +46,7 @@ class Layout:
     columns: tuple[Mapping[str, Any], ...] = ()
     compression: str = "none"  # one of COMPRESSIONS
     store_derived: bool = False  # SQP1 only: also store the segment ids / positions
+    mixed: bool = False  # rows of a mixture: they carry `segment_dataset_id` too
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "columns", tuple(self.columns or ()))
@@ -61,6 +62,12 @@ class Layout:
         """The extra columns of these roles ("labels", "mask", "values"), in order; all without
         a role."""
         return [str(c["name"]) for c in self.columns if not roles or c.get("role") in roles]
+
+    def sources(self) -> list[str]:
+        """The `[S]` keys naming each segment's source: the contract's two, and with a
+        mixture `segment_dataset_id`."""
+        k = self.config.keys()
+        return [k.source_index, k.source_start, *([DATASET_ID] if self.mixed else [])]
 
     def pad(self, name: str) -> int:
         return next(int(c["pad"]) for c in self.columns if c["name"] == name)

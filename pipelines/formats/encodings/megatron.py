@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from seqpack.packer.contract import SOURCE_INDEX, SOURCE_START
+from seqpack.packer.contract import DATASET_ID, SOURCE_INDEX, SOURCE_START
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.encodings import arrow
 from seqpack.pipelines.formats.encodings.base import (
@@ -55,7 +55,7 @@ from seqpack.pipelines.formats.encodings.trl import (
 )
 
 INPUT_IDS, SEQ_START_ID, LOSS_MASK = "input_ids", "seq_start_id", "loss_mask"
-_OWN = (INPUT_IDS, SEQ_START_ID, LOSS_MASK, SOURCE_INDEX, SOURCE_START)
+_OWN = (INPUT_IDS, SEQ_START_ID, LOSS_MASK, SOURCE_INDEX, SOURCE_START, DATASET_ID)
 _INT32 = np.iinfo(np.int32)
 METADATA = re.compile(r"^\d+_metadata\.jsonl$")  # `metadata_name`'s
 
@@ -105,13 +105,11 @@ class MegatronRows(arrow.ParquetEncoding):
         return layout.names("values")
 
     def stored_keys(self, layout: Layout) -> list[str]:
-        return [INPUT_IDS, SEQ_START_ID, LOSS_MASK, SOURCE_INDEX, SOURCE_START,
-                *self.verbatim(layout)]
+        return [INPUT_IDS, SEQ_START_ID, LOSS_MASK, *layout.sources(), *self.verbatim(layout)]
 
     def decoded_keys(self, layout: Layout) -> list[str]:
         k = layout.config.keys()
-        return [k.values, *k.per_slot, SOURCE_INDEX, SOURCE_START, LOSS_MASK,
-                *self.verbatim(layout)]
+        return [k.values, *k.per_slot, *layout.sources(), LOSS_MASK, *self.verbatim(layout)]
 
     def derived(self, batch: Mapping[str, np.ndarray], layout: Layout
                 ) -> dict[str, np.ndarray]:
@@ -147,7 +145,7 @@ class MegatronRows(arrow.ParquetEncoding):
             out = {k.values: arrow.spread(offsets, tokens, L, config.pad_id, path, INPUT_IDS,
                                           first),
                    k.segment_lengths: lengths, k.segment_offsets: seg_offsets}
-            out.update(sources(table, so, S, path, first))
+            out.update(sources(table, so, S, path, first, layout))
             columns = [(LOSS_MASK, 0)] + [(n, layout.pad(n)) for n in self.verbatim(layout)]
             out.update(arrow.aligned(table, columns, offsets, L, path, first, INPUT_IDS))
             return out

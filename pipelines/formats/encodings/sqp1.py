@@ -83,7 +83,8 @@ class Sqp1(Encoding):
     def stored_keys(self, layout: Layout) -> list[str]:
         k = layout.config.keys()
         derived = () if layout.store_derived else k.derived
-        return [n for n in k.roles().values() if n not in derived] + layout.names()
+        return [n for n in k.roles().values() if n not in derived] + \
+            layout.sources()[2:] + layout.names()
 
     def wants_derived(self, layout: Layout) -> bool:
         return layout.store_derived

@@ -33,7 +33,8 @@ class ParquetRows(arrow.ParquetEncoding):
     name, suffix, record_encoding = "parquet", ".parquet", "parquet-rows"
 
     def stored_keys(self, layout: Layout) -> list[str]:
-        return list(layout.config.keys().roles().values()) + layout.names()
+        return list(layout.config.keys().roles().values()) + layout.sources()[2:] + \
+            layout.names()
 
     def write(self, path: str, batch: Mapping[str, np.ndarray], layout: Layout) -> None:
         columns = {name: arrow.padded(np.asarray(batch[name]))
@@ -44,8 +45,8 @@ class ParquetRows(arrow.ParquetEncoding):
         config = layout.config
         k = config.keys()
         widths = {name: config.seq_len for name in (*k.per_token, *layout.names())}
-        widths.update((name, config.max_segments) for name in (*k.per_slot, k.source_index,
-                                                              k.source_start))
+        widths.update((name, config.max_segments) for name in (*k.per_slot,
+                                                              *layout.sources()))
 
         def decode(table: Any, path: str, first: int) -> dict[str, np.ndarray]:
             return {name: arrow.square(table, name, widths[name], path, first)

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from seqpack.packer.contract import SOURCE_INDEX, SOURCE_START
+from seqpack.packer.contract import DATASET_ID, SOURCE_INDEX, SOURCE_START
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.encodings import arrow
 from seqpack.pipelines.formats.encodings.base import (
@@ -42,7 +42,7 @@ from seqpack.pipelines.formats.encodings.base import (
 )
 
 INPUT_IDS, LABELS, SEQ_LENGTHS, POSITION_IDS = "input_ids", "labels", "seq_lengths", "position_ids"
-_OWN = (INPUT_IDS, LABELS, SEQ_LENGTHS, POSITION_IDS, SOURCE_INDEX, SOURCE_START)
+_OWN = (INPUT_IDS, LABELS, SEQ_LENGTHS, POSITION_IDS, SOURCE_INDEX, SOURCE_START, DATASET_ID)
 
 
 def check_unpadded(fmt: str, layout: Layout) -> None:
@@ -71,17 +71,20 @@ def segments_of(lengths_flat: np.ndarray, offsets: np.ndarray, S: int, path: str
     return lengths, (ends - lengths).astype(np.int32)
 
 
-def sources(table: Any, offsets: np.ndarray, S: int, path: str, first: int
-            ) -> dict[str, np.ndarray]:
-    """The `[R, S]` source keys of a table whose rows hold `np.diff(offsets)` segments."""
+def sources(table: Any, offsets: np.ndarray, S: int, path: str, first: int,
+            layout: Layout) -> dict[str, np.ndarray]:
+    """The `[R, S]` source keys (`Layout.sources`) of a table whose rows hold
+    `np.diff(offsets)` segments."""
     out = {}
-    for name, pad in ((SOURCE_INDEX, -1), (SOURCE_START, 0)):
+    for name in layout.sources():
+        pad = 0 if name == SOURCE_START else -1
         got, values = arrow.ragged(table, name, path, first)
         if not np.array_equal(got, offsets):
             i = int(np.argmax(np.diff(got) != np.diff(offsets)))
             raise InputError(f"{path} row {first + i}: {name} does not hold one value per "
                              "segment")
-        out[name] = arrow.spread(got, values.astype(np.int64), S, pad, path, name, first)
+        dtype = np.int32 if name == DATASET_ID else np.int64
+        out[name] = arrow.spread(got, values.astype(dtype), S, pad, path, name, first)
     return out
 
 
@@ -90,7 +93,7 @@ def write_unpadded(path: str, columns: dict[str, Any], batch: Mapping[str, np.nd
                    layout: Layout) -> None:
     """Writes a shard of unpadded rows: the format's `columns`, then each segment's source
     (`used`: the used slots) and the `verbatim` columns at the tokens' positions (`keep`)."""
-    for name in (SOURCE_INDEX, SOURCE_START):
+    for name in layout.sources():
         columns[name] = arrow.kept(np.asarray(batch[name]), used)
     columns.update((n, arrow.kept(np.asarray(batch[n]), keep)) for n in verbatim)
     arrow.write_parquet(path, columns, layout)
@@ -112,13 +115,13 @@ class TrlRows(arrow.ParquetEncoding):
 
     def stored_keys(self, layout: Layout) -> list[str]:
         labels = [LABELS] if self.has_labels(layout) else []
-        return [INPUT_IDS, *labels, SEQ_LENGTHS, POSITION_IDS, SOURCE_INDEX, SOURCE_START,
+        return [INPUT_IDS, *labels, SEQ_LENGTHS, POSITION_IDS, *layout.sources(),
                 *self.verbatim(layout)]
 
     def decoded_keys(self, layout: Layout) -> list[str]:
         k = layout.config.keys()
         labels = [LABELS] if self.has_labels(layout) else []
-        return [k.values, *k.per_slot, SOURCE_INDEX, SOURCE_START, *labels, POSITION_IDS,
+        return [k.values, *k.per_slot, *layout.sources(), *labels, POSITION_IDS,
                 *self.verbatim(layout)]
 
     def derived(self, batch: Mapping[str, np.ndarray], layout: Layout
@@ -171,7 +174,7 @@ class TrlRows(arrow.ParquetEncoding):
             out = {k.values: arrow.spread(offsets, tokens, L, config.pad_id, path, INPUT_IDS,
                                           first),
                    k.segment_lengths: lengths, k.segment_offsets: starts}
-            out.update(sources(table, seg_offsets, S, path, first))
+            out.update(sources(table, seg_offsets, S, path, first, layout))
             columns = ([(LABELS, IGNORE_INDEX)] if labels else []) + [(POSITION_IDS, 0)]
             columns += [(n, layout.pad(n)) for n in self.verbatim(layout)]
             out.update(arrow.aligned(table, columns, offsets, L, path, first, INPUT_IDS))

@@ -143,15 +143,23 @@ def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True) -> None:
         p
         | "Inputs" >> beam.Create(list(enumerate(job.inputs)))
         | "SpreadInputs" >> beam.Reshuffle()
-        | "ScanLengths" >> beam.Map(_scan, read_options)
+        | "ScanLengths" >> beam.Map(_scan, read_options, job.mix_loss_columns)
     )
     files = beam.pvalue.AsSingleton(
         scans
         | "SummarizeInputs" >> beam.Map(steps.summarize_file, config)
         | "GatherInputs" >> beam.combiners.ToList())
+    if job.mixture is None:
+        cut, mixed = scans | "CutBlocks" >> beam.FlatMap(steps.cut_blocks, files, block_size), None
+    else:  # the mixed stream, selected in one place from every input's lengths
+        mixed = beam.pvalue.AsSingleton(
+            scans
+            | "GatherScans" >> beam.combiners.ToList()
+            | "SelectMixture" >> beam.Map(steps.select_mixture, job))
+        cut = (p | "Stream" >> beam.Create([block_size])
+               | "CutStream" >> beam.FlatMap(lambda size, sel: steps.cut_stream(sel, size), mixed))
     plans = (
-        scans
-        | "CutBlocks" >> beam.FlatMap(steps.cut_blocks, files, block_size)
+        cut
         | "GroupBlocks" >> beam.GroupByKey()
         | "PlanBlocks" >> beam.Map(_plan_block, files, job)
     )
@@ -159,7 +167,8 @@ def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True) -> None:
         plans
         | "BlockSummaries" >> beam.Map(lambda bp: bp.summary)
         | "GatherBlocks" >> beam.combiners.ToList()
-        | "FinishPlan" >> beam.FlatMap(_finish_plan, files, job)
+        | "FinishPlan" >> beam.FlatMap(_finish_plan, files, job,
+                                       *([] if mixed is None else [mixed]))
         .with_outputs("error", main="summary")
     )
     summary = beam.pvalue.AsSingleton(finished.summary, default_value=None)
@@ -181,9 +190,10 @@ def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True) -> None:
     )
 
 
-def _scan(element: tuple[int, str], read_options: ReadOptions) -> steps.FileScan:
+def _scan(element: tuple[int, str], read_options: ReadOptions,
+          loss_columns: dict[str, str] | None) -> steps.FileScan:
     index, path = element
-    return steps.scan_file(index, path, read_options)
+    return steps.scan_file(index, path, read_options, loss_columns)
 
 
 def _plan_block(element: tuple[int, Iterable[steps.BlockSlice]],
@@ -199,9 +209,14 @@ def _file_job(element: tuple[int, Iterable[np.ndarray]], files: list[steps.FileS
 
 
 def _finish_plan(blocks: list[steps.BlockSummary], files: list[steps.FileSummary],
-                 job: PackJob) -> Iterator[Any]:  # the JobSummary, or a TaggedOutput error
+                 job: PackJob, mixed: Any = None
+                 ) -> Iterator[Any]:  # the JobSummary, or a TaggedOutput error
     try:
-        summary = steps.finish_plan(files, blocks, job)
+        if isinstance(mixed, str):  # the mixture was refused
+            steps.check_files(files, job)  # a bad input first, as locally
+            raise UsageError(mixed)
+        record = None if mixed is None else mixed.record
+        summary = steps.finish_plan(files, blocks, job, mixture=record)
     except (ValueError, OSError) as e:
         yield beam.pvalue.TaggedOutput("error", one_line(e))
         return

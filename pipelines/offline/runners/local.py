@@ -61,6 +61,7 @@ from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import core
 from seqpack.pipelines.offline.core import LENGTH, ROW, BlockPlan, FileSummary, JobSummary
 from seqpack.pipelines.offline.job import SPILL_DIR, PackJob, available_memory, output_session
+from seqpack.pipelines.offline.mixture import Selection, select_inputs
 from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.record import ShardFacts
 from seqpack.pipelines.offline.runners.read import (
@@ -130,13 +131,18 @@ class _RunContext:
 
 def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
          progress: Progress | None) -> Manifest:
-    read = read_inputs(job.inputs, job.read_options, spill_dir, pool, progress)
+    read = read_inputs(job.inputs, job.read_options, spill_dir, pool, progress,
+                       loss_columns=job.mix_loss_columns)
     scans, runs, column_runs = read.scans, read.runs, read.column_runs
     del read
     files, lengths = _corpus(job, scans)
+    mixed = None if job.mixture is None else select_inputs(
+        job.mixture, [s.lengths for s in scans], [s.loss_counts for s in scans])
     del scans  # 8 bytes an example
-    plans = _plan_blocks(lengths, files, job, pool)
-    summary = core.finish_plan(files, [bp.summary for bp in plans], job, rerun=False)
+    plans = _plan_blocks(lengths, files, job, pool, mixed)
+    summary = core.finish_plan(files, [bp.summary for bp in plans], job, rerun=False,
+                               mixture=None if mixed is None else mixed.record)
+    del mixed
     if summary is None:  # a resumed run that had finished
         return read_manifest(job.output, check_shards=False)
     table = _place(plans, summary)
@@ -160,14 +166,17 @@ def _corpus(job: PackJob, scans: list[inputs.FileScan]) -> tuple[list[FileSummar
     return files, lengths
 
 
-def _plan_blocks(lengths: np.ndarray, files: list[FileSummary], job: PackJob, pool: Workers
-                 ) -> list[BlockPlan]:
-    """`core.plan_block` on each block of `job.block_size` examples, in the workers where
-    `plan_map` says so, else one after the other here."""
+def _plan_blocks(lengths: np.ndarray, files: list[FileSummary], job: PackJob, pool: Workers,
+                 mixed: Selection | None = None) -> list[BlockPlan]:
+    """`core.plan_block` on each block of `job.block_size` examples (of the mixed stream
+    with a mixture), in the workers where `plan_map` says so, else one after the other here."""
     size = job.block_size
+    if mixed is not None:
+        lengths = mixed.lengths
     count = -(-lengths.size // size)
     plan = functools.partial(core.plan_block, top=core.longest(files))
-    calls = ((j, lengths[j * size : (j + 1) * size], job) for j in range(count))
+    calls = ((j, lengths[j * size : (j + 1) * size], job) + (
+        () if mixed is None else (mixed.ref[j * size : (j + 1) * size],)) for j in range(count))
     mapped = plan_map(pool, size, lengths.size) if count > 1 else None
     if mapped is None:
         return [plan(*call) for call in calls]

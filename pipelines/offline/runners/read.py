@@ -138,15 +138,18 @@ class Pass1:
     column_runs: dict[str, list[Run]]  # each extra column's values, at the tokens' positions
 
 
-def _read_input(index: int, path: str, fmt: str, options: ReadOptions, spill_dir: str
+def _read_input(index: int, path: str, fmt: str, options: ReadOptions, spill_dir: str,
+                loss_columns: dict[str, str] | None = None
                 ) -> tuple[FileScan, list[Run], dict[str, list[Run]]]:
-    """Pass 1 for one input: scans it, its tokens (and extra columns) to the spill."""
+    """Pass 1 for one input: scans it, its tokens (and extra columns) to the spill
+    (`loss_columns`: count each example's loss tokens too)."""
     tokenizer = _tokenizer(options.tokenizer) if options.tokenizer else None
     sink = SpillWriter(spill_dir, f"in-{index:06d}")
     columns = {name: SpillWriter(spill_dir, f"in-{index:06d}-c{j}", signed=True)
                for j, name in enumerate(options.extra_columns)}
     try:
-        scan = scan_file(path, fmt, options, tokenizer, sink, column_sinks=columns)
+        scan = scan_file(path, fmt, options, tokenizer, sink, column_sinks=columns,
+                         loss_columns=loss_columns)
     finally:
         runs = sink.close()
         column_runs = {name: w.close() for name, w in columns.items()}
@@ -167,8 +170,10 @@ def _release_arrow_memory() -> None:
 
 
 def read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str, workers: Workers,
-                progress: Progress | None = None) -> Pass1:
-    """Every input scanned (in parallel), its tokens spilled; scans and runs in input order."""
+                progress: Progress | None = None, *, loss_columns: dict[str, str] | None = None
+                ) -> Pass1:
+    """Every input scanned (in parallel), its tokens spilled; scans and runs in input order
+    (`loss_columns`: each scan counts its examples' loss tokens, `FileScan.loss_counts`)."""
     if not paths:
         raise InputError("no input files given")
     sizes = [storage.size(os.fspath(p)) for p in paths]  # InputError naming a missing input
@@ -177,7 +182,7 @@ def read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str, work
     if progress:
         progress.phase("reading", sum(sizes))
     calls = [(i, os.fspath(p), detect_format(os.fspath(p), options.input_format), options,
-              spill_dir) for i, p in enumerate(paths)]
+              spill_dir, loss_columns) for i, p in enumerate(paths)]
     done = Pass1([], [], {name: [] for name in options.extra_columns})
     delay = delay_seconds()
     for nbytes, (scan, runs, column_runs) in zip(sizes, workers.map(

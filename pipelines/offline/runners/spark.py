@@ -189,10 +189,10 @@ def by_key(rdd: Any, keys: int, fn: Callable[..., Iterable], *args: Any) -> Any:
     return moved.mapPartitions(functools.partial(_each_key, fn, args))
 
 
-def _scan(read_options: Any, read: Any, items: Iterable[tuple[int, str, int]]
+def _scan(read_options: Any, loss_columns: Any, read: Any, items: Iterable[tuple[int, str, int]]
           ) -> Iterator[tuple[int, steps.FileScan]]:
     for index, path, nbytes in items:
-        yield index, steps.scan_file(index, path, read_options)
+        yield index, steps.scan_file(index, path, read_options, loss_columns)
         read.add(nbytes)
 
 
@@ -264,18 +264,31 @@ def _plan_job(sc: Any, job: PackJob, progress: Progress | None
     read = sc.accumulator(0)
     scans = sc.parallelize([(i, p, n) for i, (p, n) in enumerate(zip(inputs, sizes))],
                            max(1, min(len(inputs), MAX_TASKS))
-                           ).mapPartitions(functools.partial(_scan, job.read_options, read))
+                           ).mapPartitions(functools.partial(_scan, job.read_options,
+                                                             job.mix_loss_columns, read))
     scans = scans.persist(pyspark.StorageLevel.MEMORY_AND_DISK)
     with _Meter(progress, read):
         files = scans.map(lambda s: steps.summarize_file(s[1], job.config)).collect()
     files_bc = sc.broadcast(files)
-    blocks = -(-int(steps.first_examples(files)[-1]) // job.block_size)
-    cut = scans.flatMap(lambda s: steps.cut_blocks(s[1], files_bc.value, job.block_size))
+    mixed = None
+    if job.mixture is None:
+        blocks = -(-int(steps.first_examples(files)[-1]) // job.block_size)
+        cut = scans.flatMap(lambda s: steps.cut_blocks(s[1], files_bc.value, job.block_size))
+    else:  # the mixed stream, selected in the driver from every input's lengths
+        mixed = steps.select_mixture(scans.values().collect(), job)
+        if isinstance(mixed, str):
+            steps.check_files(files, job)  # a bad input first, as locally
+            raise UsageError(mixed)
+        stream = steps.cut_stream(mixed, job.block_size)
+        blocks = len(stream)
+        cut = sc.parallelize(stream, max(1, min(blocks, MAX_TASKS)))
     plans = by_key(cut, blocks, _plan, files_bc, job).persist(
         pyspark.StorageLevel.MEMORY_AND_DISK)
     block_summaries = plans.map(lambda bp: bp.summary).collect()
     scans.unpersist()
-    return plans, files_bc, files, steps.finish_plan(files, block_summaries, job, rerun=False)
+    return plans, files_bc, files, steps.finish_plan(
+        files, block_summaries, job, rerun=False,
+        mixture=None if not isinstance(mixed, steps.Selection) else mixed.record)
 
 
 def _run(sc: Any, job: PackJob, out: OutputDir, progress: Progress | None) -> Manifest:
