@@ -7,6 +7,8 @@ needs a check here: an unmatched block fails. (```py blocks are shown, not run: 
 before and after.)
 
 Context: `source` (random-access, `{"inputs": ids, "targets": ids}` examples), `L`, `batch_size`;
+for the mixture snippets `chat_source` / `math_source` and `sources` (two datasets), and a
+mixture's `batch` with `logits` and `targets`;
 for the kernels snippet `logits` `[B, L, V]`, `targets` `[B, L]`, `batch` (packed rows) and
 `next_token_in_same_segment` `[B, L]`; for the fine-tuning snippet `sft.parquet` (tokens and
 labels, -100 on prompts) and `model` (batch -> logits); for the packed-input snippet `packed/`
@@ -127,7 +129,52 @@ def check_segment_metadata(ns):
     np.testing.assert_array_equal(np.asarray(ns["offsets"]), batch["inputs_segment_offsets"])
 
 
+def _mixture_sources(n=(1500, 300), means=(60, 400), seed=4):
+    """Two datasets whose tokens name them: dataset d's tokens are d * 1000 + (0..999)."""
+    rng = np.random.default_rng(seed)
+    return [grain.MapDataset.source(
+        [{"tokens": (d * 1000 + rng.integers(0, 1000, max(1, int(rng.exponential(m))))
+                     ).astype(np.int32)} for _ in range(k)])
+        for d, (k, m) in enumerate(zip(n, means))]
+
+
+def _dataset_tokens(batch) -> np.ndarray:
+    ids, lens = batch["segment_dataset_id"], batch["tokens_segment_lengths"]
+    return np.array([lens[ids == d].sum() for d in (0, 1)])
+
+
+def check_mixture(ns):
+    batch = ns["batch"]
+    assert batch["segment_dataset_id"].shape == batch["tokens_segment_lengths"].shape
+    assert set(np.unique(batch["segment_dataset_id"])) <= {-1, 0, 1}
+    for r in range(batch["tokens"].shape[0]):  # each segment's tokens are its dataset's
+        for d, o, n in zip(batch["segment_dataset_id"][r], batch["tokens_segment_offsets"][r],
+                           batch["tokens_segment_lengths"][r]):
+            assert n == 0 or (batch["tokens"][r, o:o + n] // 1000 == d).all()
+    share = _dataset_tokens(batch) / _dataset_tokens(batch).sum()
+    assert abs(share[1] - 0.7) < 0.1, share  # "weights ... in tokens", in one batch
+
+
+def check_schedule(ns):
+    it = iter(ns["mix"])
+    web = code = 0
+    for _ in range(300):
+        e = next(it)["tokens"]
+        web, code = (web + len(e), code) if e[0] < 1000 else (web, code + len(e))
+    assert abs(web / (web + code) - 0.9) < 0.05  # the first stage's weights
+
+
+def check_dataset_loss(ns):
+    ids = ns["batch"]["segment_dataset_id"]
+    per_seg, tokens = np.asarray(ns["per_segment_loss"]), np.asarray(ns["per_segment_tokens"])
+    want = [per_seg[ids == d].sum() / max(tokens[ids == d].sum(), 1) for d in (0, 1)]
+    np.testing.assert_allclose(np.asarray(ns["per_dataset"]), want, rtol=1e-5)
+
+
 CHECKS = {
+    'Mixture({"chat"': check_mixture,
+    "schedule=[(0,": check_schedule,
+    "kernels.segment_dataset_loss(": check_dataset_loss,
     "segment_metadata(": check_segment_metadata,
     "pack_ragged(": check_packer,
     "datasets.FirstFitPackIterDataset(": check_dropin,
@@ -141,6 +188,21 @@ CHECKS = {
 
 def _context(block: str) -> dict:
     ns: dict = {"L": L, "batch_size": BATCH, "source": _source()}
+    if 'Mixture({"chat"' in block:
+        ns["chat_source"], ns["math_source"] = _mixture_sources(n=(6000, 1200))
+    if "schedule=[(0," in block:
+        ns["sources"] = dict(zip(("web", "code"), _mixture_sources()))
+    if "kernels.segment_dataset_loss(" in block:
+        import jax
+
+        chat, math = _mixture_sources(n=(40, 10))
+        mix = datasets.Mixture({"chat": chat, "math": math}, weights={"chat": 1, "math": 1})
+        rows = next(iter(datasets.PackIterDataset(mix, packer.PackConfig(L, max_segments=8,
+                                                                          overflow="split"))))
+        seg = rows["tokens_segment_ids"][None]
+        ns["batch"] = {k: v[None] for k, v in rows.items()}
+        ns["logits"] = jax.random.normal(jax.random.key(0), (*seg.shape, 32))
+        ns["targets"] = np.roll(ns["batch"]["tokens"], -1, axis=1) % 32
     if "segment_metadata(" in block:  # a Grain-style batch: [B, L] segment ids under "inputs"
         ns["batch"] = packer.pack([np.arange(1, n) for n in (20, 7, 30, 12, 25, 60)],
                                   packer.PackConfig(L, max_segments=64, feature="inputs"))
