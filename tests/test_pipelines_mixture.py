@@ -394,3 +394,21 @@ def test_an_over_length_example_is_named_by_its_dataset_and_index():
 
     index, length = map(int, re.search(r"example (\d+) has length (\d+)", str(e.value)).groups())
     assert len(src["b"][index]["tokens"]) == length > 128
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=2, max_size=3), st.lists(st.integers(1, 5),
+       min_size=3, max_size=3), st.sampled_from(["tokens", "examples"]), st.integers(0, 2**16))
+def test_a_packed_mixture_conserves_every_token_once(ns, weights, unit, seed):
+    """Every example of every dataset once (continue), each segment its example's tokens in
+    order (checked by `_segments`), capacity and segment cap held, the same rows for a seed."""
+    src = _sources(ns=tuple(ns), highs=(20, 90, 200)[:len(ns)], seed=seed)
+    w = dict(zip(src, weights))
+    make = lambda: _pack(Mixture(src, weights=w, unit=unit, on_exhausted="continue",  # noqa: E731
+                                 seed=seed), L=64, window=8)
+    rows = list(make())
+    assert _examples(rows) == _full(src)
+    for r in rows:
+        assert r["tokens_segment_lengths"].sum() <= 64
+        assert (r["tokens_segment_lengths"] > 0).sum() <= 8
+    assert_rows_equal(list(make()), rows)
