@@ -135,6 +135,10 @@ class ShortfallMixer:
             self.stage = nxt
             self._begin(self.stages[nxt].weights)
 
+    def share(self, d: int) -> float:
+        """Dataset d's share of what is drawn now (its weight over the active datasets)."""
+        return self._live[d]
+
     def hold(self, units: Sequence[int]) -> None:
         """Units per dataset drawn but held back downstream (a packer's open rows), given before
         each window: the rule counts only what has left, so the shares hold on what comes out

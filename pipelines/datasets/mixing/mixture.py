@@ -242,7 +242,22 @@ class MixtureIterator(grain.DatasetIterator):
             units = np.bincount(dataset[first], minlength=k)
         else:
             return
-        self._mixer.hold(units.astype(np.int64).tolist())
+        held = float(units.sum())  # near the end, count what was drawn again (a ramp from 8
+        fade = min(1.0, max(0.0, (self._stream_left() / max(held, 1.0) - 2) / 6))  # to 2 holds
+        self._mixer.hold((units * fade).astype(np.int64).tolist())  # left): the whole stream
+        # keeps the weights; the rows still open at the end leave last, as they are
+
+    def _stream_left(self) -> float:
+        """About how many units the stream has left before a dataset that stops it runs out
+        (from its examples left and its mean units per example so far; inf: no such end)."""
+        mixer, out = self._mixer, float("inf")
+        for d, policy in enumerate(self._mix.policies):
+            share = mixer.share(d)
+            if policy != "stop" or self._limit[d] < 0 or not share or not self._pos[d]:
+                continue
+            drawn = self._tokens[d] if self._mix.unit == "tokens" else self._pos[d]
+            out = min(out, (self._limit[d] - self._pos[d]) * drawn / self._pos[d] / share)
+        return out
 
     @property
     def names(self) -> tuple[str, ...]:
