@@ -1,0 +1,217 @@
+"""segment_linear_cross_entropy: against segment_cross_entropy(hidden @ weight), every option and
+implementation (XLA blockwise; the Pallas families in interpret mode), its jaxpr holding no
+logits-sized value, and the Pallas kernels lowered for TPU and CUDA at real sizes."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks.kernels_bench import jaxpr_values, matmul_flops
+from seqpack import kernels
+from seqpack.kernels import reference
+from tests.helpers.kernels import (
+    BF16_SLOW,
+    CASES,
+    B,
+    L,
+    S,
+    assert_close,
+    case,
+    random_array,
+    random_rows,
+    run,
+    zero_padded,
+)
+
+H, V = 32, 300  # V not a multiple of the 128-column test block: the last block is partial
+BLOCKS = kernels.LinearCrossEntropyBlockSizes(block_tokens=32, block_vocab=128)
+NORMALIZE = ("tokens", "segments", "none")
+XLA = (("impl", "reference"), ("block_sizes", BLOCKS))  # keyword options, hashable
+
+
+def _counted(targets, offsets, lengths, mask):
+    ids = reference.segment_index(offsets, lengths, targets.shape[1])
+    return (ids < offsets.shape[1]) & (targets >= 0) & (mask != 0)
+
+
+def materialized(hidden, weight, targets, offsets, lengths, *, mask, normalize, z_loss,
+                 softcap):
+    """The definition: segment_cross_entropy on f32 logits; -100 labels and (NaN) hidden rows of
+    uncounted tokens are taken out first, as a user of the materialized path would."""
+    counted = _counted(targets, offsets, lengths, mask)
+    h = jnp.where(counted[:, :, None], hidden, 0).astype(jnp.float32)
+    logits = jnp.einsum("blh,hv->blv", h, weight.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    return reference.segment_cross_entropy(
+        logits, jnp.maximum(targets, 0), offsets, lengths, normalize=normalize,
+        loss_mask=counted, z_loss=z_loss)
+
+
+@functools.cache
+def _fn(normalize: str, fused: bool, z_loss: float = 1e-3, softcap: float | None = None,
+        impl: tuple = XLA):
+    """Jitted (hidden, weight, targets, offsets, lengths, mask, w) -> (loss, seg_loss, tokens,
+    dhidden, dweight) of loss + sum(w * per_segment_loss): both outputs' cotangents count."""
+
+    def f(hidden, weight, targets, offsets, lengths, mask, w):
+        def objective(hidden, weight):
+            kw = dict(normalize=normalize, z_loss=z_loss)
+            if fused:
+                out = kernels.segment_linear_cross_entropy(
+                    hidden, weight, targets, offsets, lengths, loss_mask=mask,
+                    logit_softcap=softcap, **kw, **dict(impl))
+            else:
+                out = materialized(hidden, weight, targets, offsets, lengths, mask=mask,
+                                   softcap=softcap, **kw)
+            return out[0] + jnp.sum(w * out[1]), out
+
+        grads, out = jax.grad(objective, (0, 1), has_aux=True)(hidden, weight)
+        return (*out, *grads)
+
+    return jax.jit(f)
+
+
+def inputs(rng, offsets, lengths, dtype=jnp.float32, seq_len=L, ignore=True):
+    """hidden (NaN on padding), weight, targets (some -100), mask, w."""
+    batch = offsets.shape[0]
+    hidden = random_array(rng, (batch, seq_len, H), dtype)
+    ids = np.asarray(reference.segment_index(offsets, lengths, seq_len))
+    hidden[ids == offsets.shape[1]] = np.nan
+    weight = random_array(rng, (H, V), dtype, 0.5)
+    targets = rng.integers(0, V, size=(batch, seq_len)).astype(np.int32)
+    if ignore:
+        targets[rng.random((batch, seq_len)) < 0.1] = -100
+    mask = rng.random((batch, seq_len)) > 0.25
+    w = random_array(rng, offsets.shape, jnp.float32, 0.1)
+    return hidden, weight, targets, mask, w
+
+
+def check(normalize, args, dtype=jnp.float32, impl=XLA, **kw):
+    got = run(_fn(normalize, True, impl=impl, **kw), *args)
+    want = run(_fn(normalize, False, **kw), *args)
+    loss, seg_loss, tokens, dh, dw = got
+    offsets = args[3]
+    assert loss.shape == () and seg_loss.shape == offsets.shape and tokens.dtype == np.int32
+    np.testing.assert_array_equal(tokens, want[2])
+    value_tol = jnp.float32 if dtype == jnp.float32 else jnp.bfloat16
+    assert_close(loss, want[0], value_tol)
+    assert_close(seg_loss, want[1], value_tol)
+    for name, g, r in (("dhidden", dh, want[3]), ("dweight", dw, want[4])):
+        assert g.dtype == dtype and np.isfinite(g).all(), name
+        assert_close(g, r, dtype, "grad")
+    return got
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16_SLOW])
+@pytest.mark.parametrize("normalize", NORMALIZE)
+def test_matches_materialized(normalize, dtype):
+    rng = np.random.default_rng(0)
+    offsets, lengths = case("mixed")
+    check(normalize, _args(rng, offsets, lengths, dtype), dtype)
+
+
+def _args(rng, offsets, lengths, dtype=jnp.float32, **kw):
+    hidden, weight, targets, mask, w = inputs(rng, offsets, lengths, dtype, **kw)
+    return hidden, weight, targets, offsets, lengths, mask, w
+
+
+@pytest.mark.parametrize("z_loss,softcap", [(0.0, None), (1e-3, 5.0), (0.0, 2.0)])
+def test_z_loss_and_softcap(z_loss, softcap):
+    rng = np.random.default_rng(1)
+    offsets, lengths = case("aligned_16")
+    check("tokens", _args(rng, offsets, lengths), z_loss=z_loss, softcap=softcap)
+
+
+@pytest.mark.parametrize("padding", ["contract", "zero_offsets"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_row_layouts(name, padding):
+    """Empty rows and slots, single tokens, rows filled to L; unused slots at either offset."""
+    offsets, lengths = case(name)
+    if padding == "zero_offsets":
+        offsets, lengths = zero_padded(offsets, lengths)
+    args = _args(np.random.default_rng(2), offsets, lengths)
+    _, _, tokens, dh, _ = check("segments", args)
+    ids = np.asarray(reference.segment_index(offsets, lengths, L))
+    assert np.all(dh[ids == S] == 0.0)  # padding (NaN hidden) gets exactly zero
+    counted = np.asarray(_counted(args[2], offsets, lengths, args[5]))
+    assert np.all(dh[~counted] == 0.0) and tokens.sum() == counted.sum()
+
+
+def test_empty_batch_gives_zero():
+    offsets, lengths = zero_padded(*case("mixed"))
+    lengths = np.zeros_like(lengths)
+    loss, seg_loss, tokens, dh, dw = check("segments", _args(np.random.default_rng(3), offsets,
+                                                             lengths))
+    assert loss == 0.0 and not seg_loss.any() and not tokens.any()
+    assert not dh.any() and not dw.any()
+
+
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), alignment=st.sampled_from([1, 16]),
+       normalize=st.sampled_from(NORMALIZE))
+def test_random_packed_rows(seed, alignment, normalize):
+    rng = np.random.default_rng(seed)
+    offsets, lengths = random_rows(rng, B, L, S, alignment=alignment)
+    check(normalize, _args(rng, offsets, lengths))
+
+
+def test_no_logits_sized_value_in_the_jaxpr():
+    """value_and_grad of the XLA path: no value of N * V / 8 or more elements anywhere (scan
+    bodies included), while the materialized path has N * V ones."""
+    n, dim, vocab = 512, 32, 4096  # weight-sized values (H * V) stay under N * V / 8 too
+    spec = (jax.ShapeDtypeStruct((2, n // 2, dim), jnp.float32),
+            jax.ShapeDtypeStruct((dim, vocab), jnp.float32),
+            jax.ShapeDtypeStruct((2, n // 2), jnp.int32),
+            jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2, 4), jnp.int32))
+    blocks = kernels.LinearCrossEntropyBlockSizes(block_vocab=256)
+
+    def fused(h, w, t, o, n):
+        return kernels.segment_linear_cross_entropy(
+            h, w, t, o, n, normalize="segments", z_loss=1e-4, logit_softcap=30.0,
+            loss_mask=t > 0, impl="reference", block_sizes=blocks)[0]
+
+    def dense(h, w, t, o, n):
+        return kernels.segment_cross_entropy(h @ w, t, o, n, impl="reference")[0]
+
+    def largest_and_flops(f):
+        jaxpr = jax.jit(jax.value_and_grad(f, (0, 1))).trace(*spec).jaxpr
+        return max(int(np.prod(shape)) for shape, _ in jaxpr_values(jaxpr)), matmul_flops(jaxpr)
+
+    (dense_largest, dense_flops), (fused_largest, fused_flops) = map(largest_and_flops,
+                                                                     (dense, fused))
+    assert dense_largest >= n * vocab
+    assert fused_largest < n * vocab // 8
+    # recomputing the logits: 8NHV against 6NHV
+    assert fused_flops == pytest.approx(8 * n * dim * vocab) and fused_flops <= 1.4 * dense_flops
+
+
+def test_static_checks():
+    rng = np.random.default_rng(4)
+    offsets, lengths = case("mixed")
+    hidden, weight, targets, _, _ = inputs(rng, offsets, lengths)
+    f = kernels.segment_linear_cross_entropy
+    with pytest.raises(ValueError, match="weight.shape"):
+        f(hidden, weight[:-1], targets, offsets, lengths)
+    with pytest.raises(ValueError, match="hidden.shape"):
+        f(hidden[0], weight, targets, offsets, lengths)
+    with pytest.raises(ValueError, match="targets.shape"):
+        f(hidden, weight, targets[:, :-1], offsets, lengths)
+    with pytest.raises(ValueError, match="loss_mask.shape"):
+        f(hidden, weight, targets, offsets, lengths, loss_mask=targets[:1])
+    with pytest.raises(ValueError, match="logit_softcap"):
+        f(hidden, weight, targets, offsets, lengths, logit_softcap=0.0)
+    with pytest.raises(ValueError, match="z_loss"):
+        f(hidden, weight, targets, offsets, lengths, z_loss=-1.0)
+    with pytest.raises(ValueError, match="vocab_axis"):
+        f(hidden, weight, targets, offsets, lengths, vocab_axis="vocab")
+    with pytest.raises(ValueError, match="block_vocab"):
+        kernels.LinearCrossEntropyBlockSizes(block_vocab=100)
