@@ -5,6 +5,10 @@ logits-sized value, and the Pallas kernels lowered for TPU and CUDA at real size
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +34,7 @@ from tests.helpers.kernels import (
     zero_padded,
 )
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 H, V = 32, 300  # V not a multiple of the 128-column test block: the last block is partial
 BLOCKS = kernels.LinearCrossEntropyBlockSizes(block_tokens=32, block_vocab=128)
 NORMALIZE = ("tokens", "segments", "none")
@@ -215,3 +220,25 @@ def test_static_checks():
         f(hidden, weight, targets, offsets, lengths, vocab_axis="vocab")
     with pytest.raises(ValueError, match="block_vocab"):
         kernels.LinearCrossEntropyBlockSizes(block_vocab=100)
+
+
+def vocab_cases(*names: str, timeout: int = 600) -> None:
+    """tests/helpers/vocab_cases.py in a process with 8 host devices."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.environ.get("PYTHONPATH", ""), str(ROOT)]).strip(os.pathsep)}
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run([sys.executable, "-m", "tests.helpers.vocab_cases", *names], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    ok = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
+    assert done.returncode == 0 and ok == list(names), done.stdout + done.stderr[-6000:]
+
+
+def test_vocab_parallel_equals_the_unsharded_loss():
+    """The weight's columns over 4 devices (shard_map): loss, per-segment sums and the gradients
+    of hidden and weight equal the materialized logits' (XLA path)."""
+    vocab_cases("xla:4")
+
+
+@pytest.mark.slow
+def test_vocab_parallel_on_8_devices():
+    vocab_cases("xla:8")

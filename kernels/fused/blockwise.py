@@ -54,6 +54,21 @@ def _block_logits(x, wp, i, vocab: int, st: Blockwise):
     return jnp.where(cols < vocab, z, -jnp.inf), z, cols, w_blk
 
 
+def varying_axes(a) -> frozenset:
+    """The mesh axes `a` varies over inside shard_map (none elsewhere)."""
+    manual = getattr(jax.typeof(a), "manual_axis_type", None)
+    return frozenset() if manual is None else frozenset(manual.varying)
+
+
+def _varying(tree, *like):
+    """Fresh loop carries varying over the mesh axes `like` varies over (inside shard_map, a
+    scan's carries must say so; elsewhere they come back unchanged)."""
+    axes = set().union(*(varying_axes(a) for a in like))
+    if not axes:
+        return tree
+    return jax.tree.map(lambda a: lax.pcast(a, tuple(sorted(axes)), to="varying"), tree)
+
+
 def _forward(x, w, targets, st: Blockwise):
     n, vocab = x.shape[0], w.shape[1]
     wp = _pad_columns(w, st.block_vocab)
@@ -66,8 +81,8 @@ def _forward(x, w, targets, st: Blockwise):
         tgt = tgt + jnp.sum(jnp.where(cols == targets[:, None], raw, 0.0), axis=1)
         return (m_new, s, tgt), None
 
-    init = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32),
-            jnp.zeros((n,), jnp.float32))
+    init = _varying((jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32),
+                     jnp.zeros((n,), jnp.float32)), x, w, targets)
     (m, s, tgt), _ = lax.scan(step, init, jnp.arange(wp.shape[1] // st.block_vocab))
     return m + jnp.log(s), tgt
 
@@ -101,7 +116,8 @@ def _token_terms_bwd(st, residuals, cotangents):
         return dx, jnp.dot(x.T, da, preferred_element_type=jnp.float32)
 
     blocks = jnp.arange(wp.shape[1] // st.block_vocab)
-    dx, dw = lax.scan(step, jnp.zeros(x.shape, jnp.float32), blocks)  # dw [nb, H, bv]
+    dx0 = _varying(jnp.zeros(x.shape, jnp.float32), x, w, targets, lse, g_lse, g_tgt)
+    dx, dw = lax.scan(step, dx0, blocks)  # dw [nb, H, bv]
     dw = jnp.moveaxis(dw, 0, 1).reshape(w.shape[0], -1)[:, :vocab]
     return dx.astype(x.dtype), dw.astype(w.dtype), None
 

@@ -33,7 +33,7 @@ from jax import lax
 from seqpack.kernels import reference
 from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata
 from seqpack.kernels.common import Impl, Interpret, Normalize, check_multiple, parse_enum, resolve
-from seqpack.kernels.fused.blockwise import Blockwise, token_terms
+from seqpack.kernels.fused.blockwise import Blockwise, token_terms, varying_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +100,11 @@ def _vocab_parallel_terms(hidden, weight, targets, counted, axis: str, terms):
         raise ValueError(f"vocab_axis={axis!r} is not an axis here: call "
                          "segment_linear_cross_entropy inside shard_map over a mesh with that "
                          "axis, weight being this shard's [H, V / P] columns") from None
-    if axis not in getattr(jax.typeof(hidden), "vma", frozenset()):
+    if axis not in varying_axes(hidden):
         hidden = lax.pcast(hidden, axis, to="varying")  # its transpose sums dhidden over shards
     local = targets - shard * weight.shape[1]
     lse_s, tgt_s = terms(hidden, weight, local, counted)
-    m = lax.stop_gradient(lax.pmax(lse_s, axis))
+    m = lax.pmax(lax.stop_gradient(lse_s), axis)
     lse = m + jnp.log(lax.psum(jnp.exp(lse_s - m), axis))
     return lse, lax.psum(tgt_s, axis)
 
