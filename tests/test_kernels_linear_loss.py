@@ -20,14 +20,17 @@ from hypothesis import strategies as st
 from benchmarks.kernels_bench import jaxpr_values, matmul_flops
 from seqpack import kernels
 from seqpack.kernels import reference
+from seqpack.kernels.fused import families
 from tests.helpers.kernels import (
     BF16_SLOW,
     CASES,
+    INTERPRET,
     B,
     L,
     S,
     assert_close,
     case,
+    lower_tpu,
     random_array,
     random_rows,
     run,
@@ -39,6 +42,8 @@ H, V = 32, 300  # V not a multiple of the 128-column test block: the last block 
 BLOCKS = kernels.LinearCrossEntropyBlockSizes(block_tokens=32, block_vocab=128)
 NORMALIZE = ("tokens", "segments", "none")
 XLA = (("impl", "reference"), ("block_sizes", BLOCKS))  # keyword options, hashable
+TPU = (("impl", "pallas_tpu"), ("interpret", INTERPRET), ("block_sizes", BLOCKS))
+BIG = (4, 8192, 4096, 128256)  # B, L, H, V of the lowering checks: B * L = 32768, bf16
 
 
 def _counted(targets, offsets, lengths, mask):
@@ -242,3 +247,68 @@ def test_vocab_parallel_equals_the_unsharded_loss():
 @pytest.mark.slow
 def test_vocab_parallel_on_8_devices():
     vocab_cases("xla:8")
+
+
+# -- the Pallas TPU kernels (interpret mode: NaN-filled memory, out-of-bounds reads raise) -------
+
+def test_block_schedule():
+    """live / src per token block, as in kernels/fused/families.py's example; past L padded."""
+    counted = np.zeros((1, 5 * 4 - 2), bool)
+    counted[0, [5, 17]] = True  # blocks 1 and 4 (the last one partial)
+    used, live, src = families.block_schedule(jnp.asarray(counted), jnp.asarray([18]), 4)
+    np.testing.assert_array_equal(live, [0, 1, 0, 0, 1])
+    np.testing.assert_array_equal(src, [0, 1, 1, 1, 4])
+    assert used.tolist() == [18]
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16_SLOW])
+@pytest.mark.parametrize("normalize", ["tokens", pytest.param("segments", marks=SLOW),
+                                       pytest.param("none", marks=SLOW)])
+def test_tpu_kernels_match(normalize, dtype):
+    rng = np.random.default_rng(10)
+    offsets, lengths = case("mixed")
+    check(normalize, _args(rng, offsets, lengths, dtype), dtype, impl=TPU, softcap=4.0)
+
+
+@pytest.mark.parametrize("name", ["empty_row", pytest.param("single_tokens", marks=SLOW),
+                                  pytest.param("fills_row", marks=SLOW)])
+def test_tpu_kernels_row_layouts(name):
+    offsets, lengths = zero_padded(*case(name))
+    check("tokens", _args(np.random.default_rng(11), offsets, lengths), impl=TPU)
+
+
+def test_tpu_kernels_skip_prompt_blocks():
+    """A loss mask off over whole token blocks (a prompt of 70 tokens: blocks 0 and 1 of 32) and
+    -100 labels over the rest of the row's first segment: the kernels skip those blocks."""
+    rng = np.random.default_rng(12)
+    offsets, lengths = case("ends_at_L")
+    args = list(_args(rng, offsets, lengths))
+    args[5][:, :70] = False
+    args[2][0, 70:100] = -100
+    _, _, tokens, dh, _ = check("segments", tuple(args), impl=TPU, z_loss=0.0)
+    assert tokens[0].sum() == 0 and not dh[:, :70].any()
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu"])
+def test_kernels_lower_at_real_sizes(impl):
+    """B * L = 32768 tokens, H = 4096, V = 128256, bf16: lowered (never run) with every option;
+    no [B, L, V] value anywhere in the program."""
+    batch, seq_len, dim, vocab = BIG
+    spec = (jax.ShapeDtypeStruct((batch, seq_len, dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((dim, vocab), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+            jax.ShapeDtypeStruct((batch, 16), jnp.int32), jax.ShapeDtypeStruct((batch, 16),
+                                                                              jnp.int32))
+
+    def f(h, w, t, o, n):
+        return kernels.segment_linear_cross_entropy(
+            h, w, t, o, n, normalize="segments", loss_mask=t > 0, z_loss=1e-4,
+            logit_softcap=30.0, impl=impl)[0]
+
+    text = lower_tpu(jax.value_and_grad(f, (0, 1)), *spec).as_text()
+    for kernel in ("fwd", "dhidden", "dweight"):
+        assert f'segment_linear_cross_entropy_{kernel}' in text, kernel
+    assert f"{batch}x{seq_len}x{vocab}" not in text

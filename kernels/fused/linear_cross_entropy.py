@@ -30,10 +30,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqpack.kernels import reference
+from seqpack.kernels import gpu, reference, tpu
 from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata
-from seqpack.kernels.common import Impl, Interpret, Normalize, check_multiple, parse_enum, resolve
+from seqpack.kernels.common import (
+    Impl,
+    Interpret,
+    Normalize,
+    check_multiple,
+    parse_enum,
+    resolve,
+    tile,
+    token_block,
+)
 from seqpack.kernels.fused.blockwise import Blockwise, token_terms, varying_axes
+from seqpack.kernels.fused.families import Family, block_schedule, pallas_terms
+from seqpack.kernels.metadata import row_ends
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +92,8 @@ def _counted(targets, segment_offsets, segment_lengths, loss_mask) -> jax.Array:
     return counted if loss_mask is None else counted & (loss_mask != 0)
 
 
-def _local_terms(hidden, weight, targets, counted, impl: Impl, blocks, softcap, interpret):
+def _local_terms(hidden, weight, targets, counted, offsets, lengths, *, impl: Impl, blocks,
+                 softcap, interpret):
     """This shard's per-token (lse, target logit), f32[B, L] each."""
     batch, seq_len, dim = hidden.shape
     if impl is Impl.REFERENCE:
@@ -89,7 +101,18 @@ def _local_terms(hidden, weight, targets, counted, impl: Impl, blocks, softcap, 
         st = Blockwise(min(blocks.block_vocab, -(-weight.shape[1] // 128) * 128), softcap)
         lse, tgt = token_terms(x.reshape(-1, dim), weight, targets.reshape(-1), st)
         return lse.reshape(batch, seq_len), tgt.reshape(batch, seq_len)
-    raise NotImplementedError(f"impl={impl.value!r}")
+    vocab = weight.shape[1]
+    if impl is Impl.PALLAS_GPU:
+        fam = Family(gpu=gpu.LinearTiling(seq_len, vocab, tile(seq_len, blocks.block_tokens),
+                                          tile(vocab, blocks.block_vocab), softcap,
+                                          bool(interpret)))
+        bl = fam.gpu.block_tokens
+    else:
+        bl = token_block(seq_len, blocks.block_tokens, 16)
+        bv = vocab if vocab <= blocks.block_vocab else blocks.block_vocab
+        fam = Family(tpu=tpu.LinearTiling(seq_len, vocab, bl, bv, softcap, interpret))
+    meta = block_schedule(counted, row_ends(offsets, lengths, seq_len), bl)
+    return pallas_terms(hidden, weight, targets, counted.astype(jnp.float32), meta, fam)
 
 
 def _vocab_parallel_terms(hidden, weight, targets, counted, axis: str, terms):
@@ -143,8 +166,8 @@ def segment_linear_cross_entropy(
     targets = targets.astype(jnp.int32)
     counted = _counted(targets, segment_offsets, segment_lengths, loss_mask)
     softcap = None if logit_softcap is None else float(logit_softcap)
-    terms = functools.partial(_local_terms, impl=impl, blocks=blocks, softcap=softcap,
-                              interpret=interpret)
+    terms = functools.partial(_local_terms, offsets=segment_offsets, lengths=segment_lengths,
+                              impl=impl, blocks=blocks, softcap=softcap, interpret=interpret)
     if vocab_axis is None:
         lse, tgt = terms(hidden, weight, targets, counted)
     else:
