@@ -35,7 +35,11 @@ from seqpack.kernels.attention import (
 from seqpack.kernels.checks import validate_segments
 from seqpack.kernels.common import GpuBlockSizes, Impl, Normalize, SegmentBlockSizes
 from seqpack.kernels.cross_entropy import CrossEntropyBlockSizes, segment_cross_entropy
-from seqpack.kernels.fused import LinearCrossEntropyBlockSizes, segment_linear_cross_entropy
+from seqpack.kernels.fused import (
+    GpuLinearCrossEntropyBlockSizes,
+    LinearCrossEntropyBlockSizes,
+    segment_linear_cross_entropy,
+)
 from seqpack.kernels.gather import GatherBlockSizes, segment_gather
 from seqpack.kernels.metadata import segment_metadata
 from seqpack.kernels.segment_ops import segment_broadcast, segment_max, segment_mean, segment_sum
@@ -46,6 +50,7 @@ __all__ = [
     "GatherBlockSizes",
     "GpuAttentionBlockSizes",
     "GpuBlockSizes",
+    "GpuLinearCrossEntropyBlockSizes",
     "Impl",
     "LinearCrossEntropyBlockSizes",
     "Normalize",

@@ -25,12 +25,15 @@ from tests.helpers.kernels import (
     BF16_SLOW,
     CASES,
     INTERPRET,
+    TRITON_CALL,
     B,
     L,
     S,
     assert_close,
     case,
+    lower_cuda,
     lower_tpu,
+    metadata,
     random_array,
     random_rows,
     run,
@@ -43,6 +46,8 @@ BLOCKS = kernels.LinearCrossEntropyBlockSizes(block_tokens=32, block_vocab=128)
 NORMALIZE = ("tokens", "segments", "none")
 XLA = (("impl", "reference"), ("block_sizes", BLOCKS))  # keyword options, hashable
 TPU = (("impl", "pallas_tpu"), ("interpret", INTERPRET), ("block_sizes", BLOCKS))
+GPU = (("impl", "pallas_gpu"), ("interpret", True),
+       ("block_sizes", kernels.GpuLinearCrossEntropyBlockSizes(16, 128, 16)))
 BIG = (4, 8192, 4096, 128256)  # B, L, H, V of the lowering checks: B * L = 32768, bf16
 
 
@@ -245,8 +250,8 @@ def test_vocab_parallel_equals_the_unsharded_loss():
 
 
 @pytest.mark.slow
-def test_vocab_parallel_on_8_devices():
-    vocab_cases("xla:8")
+def test_vocab_parallel_on_8_devices_and_the_kernels():
+    vocab_cases("xla:8", "tpu:4", "gpu:4")
 
 
 # -- the Pallas TPU kernels (interpret mode: NaN-filled memory, out-of-bounds reads raise) -------
@@ -292,7 +297,31 @@ def test_tpu_kernels_skip_prompt_blocks():
     assert tokens[0].sum() == 0 and not dh[:, :70].any()
 
 
-@pytest.mark.parametrize("impl", ["pallas_tpu"])
+# -- the Pallas GPU (Triton) kernels (interpret mode) -------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, BF16_SLOW])
+@pytest.mark.parametrize("normalize", ["segments", pytest.param("tokens", marks=SLOW),
+                                       pytest.param("none", marks=SLOW)])
+def test_gpu_kernels_match(normalize, dtype):
+    rng = np.random.default_rng(20)
+    offsets, lengths = zero_padded(*case("mixed"))
+    check(normalize, _args(rng, offsets, lengths, dtype), dtype, impl=GPU, softcap=4.0)
+
+
+@pytest.mark.parametrize("name", ["empty_row", pytest.param("single_tokens", marks=SLOW)])
+def test_gpu_kernels_row_layouts(name):
+    check("tokens", _args(np.random.default_rng(21), *case(name)), impl=GPU)
+
+
+def test_gpu_kernels_odd_shapes():
+    """L = 37 (a partial 16-token block), H = 32 in two chunks of 16, prompt tokens masked."""
+    offsets, lengths = metadata([[(0, 9), (9, 1), (20, 17)], [(3, 30)]], 3)
+    args = list(_args(np.random.default_rng(22), offsets, lengths, seq_len=37))
+    args[5][:, :16] = False
+    check("segments", tuple(args), impl=GPU, z_loss=0.0)
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
 def test_kernels_lower_at_real_sizes(impl):
     """B * L = 32768 tokens, H = 4096, V = 128256, bf16: lowered (never run) with every option;
     no [B, L, V] value anywhere in the program."""
@@ -308,7 +337,12 @@ def test_kernels_lower_at_real_sizes(impl):
             h, w, t, o, n, normalize="segments", loss_mask=t > 0, z_loss=1e-4,
             logit_softcap=30.0, impl=impl)[0]
 
-    text = lower_tpu(jax.value_and_grad(f, (0, 1)), *spec).as_text()
+    grad = jax.value_and_grad(f, (0, 1))
+    if impl == "pallas_tpu":
+        text, suffix = lower_tpu(grad, *spec).as_text(), ""
+    else:
+        text, suffix = lower_cuda(grad, *spec), "_gpu"
+        assert text.count(TRITON_CALL) == 3 and "mosaic" not in text.lower()
     for kernel in ("fwd", "dhidden", "dweight"):
-        assert f'segment_linear_cross_entropy_{kernel}' in text, kernel
+        assert f'segment_linear_cross_entropy_{kernel}{suffix}"' in text, kernel
     assert f"{batch}x{seq_len}x{vocab}" not in text

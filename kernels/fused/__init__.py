@@ -6,8 +6,13 @@ recomputes). The Pallas kernels live in the families' wings (tpu/, gpu/).
 """
 
 from seqpack.kernels.fused.linear_cross_entropy import (
+    GpuLinearCrossEntropyBlockSizes,
     LinearCrossEntropyBlockSizes,
     segment_linear_cross_entropy,
 )
 
-__all__ = ["LinearCrossEntropyBlockSizes", "segment_linear_cross_entropy"]
+__all__ = [
+    "GpuLinearCrossEntropyBlockSizes",
+    "LinearCrossEntropyBlockSizes",
+    "segment_linear_cross_entropy",
+]

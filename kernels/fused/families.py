@@ -46,7 +46,7 @@ def block_schedule(counted: jax.Array, used: jax.Array, block: int):
 
 def _forward(x, w, targets, mask, meta, fam: Family):
     if fam.gpu is not None:
-        return gpu.linear_forward(x, w, targets, mask, meta, st=fam.gpu)
+        return gpu.linear_forward(x, w, targets, mask, st=fam.gpu)
     lse, tgt = tpu.linear_forward(x, w, targets[:, :, None], mask[:, :, None], meta, st=fam.tpu)
     return lse[:, :, 0], tgt[:, :, 0]
 
@@ -67,7 +67,7 @@ def _pallas_terms_bwd(fam, residuals, cotangents):
     x, w, targets, mask, meta, lse = residuals
     g_lse, g_tgt = (g.astype(jnp.float32) for g in cotangents)
     if fam.gpu is not None:
-        dx, dw = gpu.linear_backward(x, w, targets, mask, lse, g_lse, g_tgt, meta, st=fam.gpu)
+        dx, dw = gpu.linear_backward(x, w, targets, mask, lse, g_lse, g_tgt, st=fam.gpu)
     else:
         col = lambda a: a[:, :, None]  # noqa: E731
         dx, dw = tpu.linear_backward(x, w, col(targets), col(mask), col(lse), col(g_lse),

@@ -64,6 +64,28 @@ class LinearCrossEntropyBlockSizes:
         check_multiple("block_vocab", self.block_vocab, 128, " (lanes)")
 
 
+@dataclasses.dataclass(frozen=True)
+class GpuLinearCrossEntropyBlockSizes:
+    """Tile sizes of the Triton kernels of the fused loss head (powers of two, Triton's rule).
+
+    A [block_tokens, block_vocab] f32 logits tile (32 x 128: 32 registers a thread at 4 warps)
+    summed over [block_tokens, block_hidden] x [block_hidden, block_vocab] chunks of H (`tl.dot`
+    wants every edge >= 16).
+    """
+
+    block_tokens: int = 32
+    block_vocab: int = 128
+    block_hidden: int = 64
+    num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value, least = getattr(self, field.name), 1 if field.name == "num_warps" else 16
+            if value < least or value & (value - 1):
+                raise ValueError(f"{field.name}={value} must be a power of two >= {least} "
+                                 "(Triton tiles)")
+
+
 def _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask, z_loss,
            logit_softcap) -> int:
     for name, arr, ndim in (("hidden", hidden, 3), ("weight", weight, 2)):
@@ -103,9 +125,10 @@ def _local_terms(hidden, weight, targets, counted, offsets, lengths, *, impl: Im
         return lse.reshape(batch, seq_len), tgt.reshape(batch, seq_len)
     vocab = weight.shape[1]
     if impl is Impl.PALLAS_GPU:
-        fam = Family(gpu=gpu.LinearTiling(seq_len, vocab, tile(seq_len, blocks.block_tokens),
-                                          tile(vocab, blocks.block_vocab), softcap,
-                                          bool(interpret)))
+        fam = Family(gpu=gpu.LinearTiling(
+            seq_len, vocab, max(tile(seq_len, blocks.block_tokens), 16),
+            max(tile(vocab, blocks.block_vocab), 16), max(tile(dim, blocks.block_hidden), 16),
+            softcap, blocks.num_warps, bool(interpret)))
         bl = fam.gpu.block_tokens
     else:
         bl = token_block(seq_len, blocks.block_tokens, 16)
@@ -147,7 +170,7 @@ def segment_linear_cross_entropy(
     logit_softcap: float | None = None,
     impl: Impl | str = "auto",
     interpret: Interpret = False,
-    block_sizes: LinearCrossEntropyBlockSizes | None = None,
+    block_sizes: LinearCrossEntropyBlockSizes | GpuLinearCrossEntropyBlockSizes | None = None,
     vocab_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[], f32[B, S], i32[B, S]
     """`segment_cross_entropy(hidden @ weight, ...)` without the logits: (loss, per_segment_loss,
@@ -161,8 +184,9 @@ def segment_linear_cross_entropy(
     _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask, z_loss,
            logit_softcap)
     impl, blocks = resolve(impl, interpret, block_sizes, LinearCrossEntropyBlockSizes,
-                           "segment_linear_cross_entropy", LinearCrossEntropyBlockSizes)
-    blocks = blocks or block_sizes or LinearCrossEntropyBlockSizes()
+                           "segment_linear_cross_entropy", GpuLinearCrossEntropyBlockSizes)
+    if impl is Impl.REFERENCE:  # the XLA path reads block_vocab alone, of either class
+        blocks = block_sizes or LinearCrossEntropyBlockSizes()
     targets = targets.astype(jnp.int32)
     counted = _counted(targets, segment_offsets, segment_lengths, loss_mask)
     softcap = None if logit_softcap is None else float(logit_softcap)

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from seqpack.kernels.common import Interpret
+from seqpack.kernels.common import Interpret, varying_like
 
 VMEM_LIMIT_BYTES = 64 * 1024 * 1024  # x, w tiles double-buffered + an f32 [H, bv] accumulator
 
@@ -181,6 +181,9 @@ def _call(kernel, name, st: LinearTiling, x, w, order, out_spec, out_shape, scra
     grid = ((batch, st.tokens_blocks, st.vocab_blocks) if order == "btv"
             else (st.vocab_blocks, batch, st.tokens_blocks))
     n = batch * st.seq_len
+    shapes = varying_like(list(out_shape) if isinstance(out_shape, tuple) else [out_shape], x, w,
+                          *columns)
+    out_shape = tuple(shapes) if isinstance(out_shape, tuple) else shapes[0]
     return pl.pallas_call(
         functools.partial(kernel, st=st), out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
