@@ -346,3 +346,34 @@ def test_kernels_lower_at_real_sizes(impl):
     for kernel in ("fwd", "dhidden", "dweight"):
         assert f'segment_linear_cross_entropy_{kernel}{suffix}"' in text, kernel
     assert f"{batch}x{seq_len}x{vocab}" not in text
+
+
+# -- the tiny LM example's loss head ----------------------------------------------------------
+
+@pytest.mark.parametrize("normalize", ["tokens", "segments"])
+def test_tiny_lm_fused_loss_matches_materialized_logits(normalize):
+    """examples/tiny_lm.py with fused_loss=True (the tied embedding as the projection): loss,
+    per-segment sums and the gradient of every parameter match the materialized logits'."""
+    import dataclasses
+
+    from examples.tiny_lm import ModelConfig, init_params, loss_fn
+    from seqpack.packer import PackConfig, pack
+
+    cfg = ModelConfig(vocab=200, dim=32, heads=2, layers=1, mlp=64, max_len=64)
+    rng = np.random.default_rng(30)
+    examples = [rng.integers(0, cfg.vocab, int(n)).astype(np.int32)
+                for n in rng.integers(1, 40, 12)]
+    batch = pack(examples, PackConfig(64, max_segments=6))
+    params = init_params(jax.random.key(0), cfg)
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True),
+                      static_argnames=("cfg", "normalize"))
+    (loss, (seg, count)), grads = grad_fn(params, batch, cfg, normalize=normalize)
+    fused = dataclasses.replace(cfg, fused_loss=True)
+    (f_loss, (f_seg, f_count)), f_grads = grad_fn(params, batch, fused, normalize=normalize)
+    np.testing.assert_array_equal(f_count, count)
+    np.testing.assert_allclose(f_loss, loss, rtol=1e-5)
+    np.testing.assert_allclose(f_seg, seg, rtol=1e-5, atol=1e-5)
+    for k in grads:
+        scale = float(np.abs(grads[k]).max())
+        np.testing.assert_allclose(f_grads[k], grads[k], rtol=1e-4, atol=1e-5 * scale,
+                                   err_msg=k)
