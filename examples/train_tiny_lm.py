@@ -14,9 +14,9 @@ paragraph (the CLI's built-in sample) — no download. The input pipeline is
 `PackConfig`, `Batching`, `Columns`, `Prefetch`); the model (examples/tiny_lm.py) restricts
 attention to segments and takes positions from the packed rows; the loss is
 `kernels.segment_cross_entropy` (`--fused-loss`: `kernels.segment_linear_cross_entropy`, the
-output projection fused into the loss). A checkpoint holds the parameters, the optimizer state, the step
-and the Grain iterator state, so a resumed run continues with exactly the batches (and losses) of
-an uninterrupted one.
+output projection fused into the loss). A checkpoint holds the parameters, the optimizer state,
+the step and the Grain iterator state, so a resumed run continues with exactly the batches (and
+losses) of an uninterrupted one.
 
 `--sft`: the same paragraphs as supervised fine-tuning data: the first line is the prompt
 (labels -100, no loss), the rest the response. Labels are packed with the tokens
