@@ -335,7 +335,7 @@ def loss_head_table(args, impl: str, interpret: bool, repeats: int) -> None:
     print(f"loss head: N={n} H={dim} V={vocab} {dtype.name}  backend={jax.default_backend()}  "
           f"(value_and_grad in hidden and weight; 6NHV = {6 * n * dim * vocab / 1e12:.2f} TFLOP)")
     header = (f"{'path':24} {'temp MiB':>10} {'vs mat':>7} {'matmul TFLOP':>13} {'vs mat':>7} "
-              f"{'XLA TFLOP':>10} {'largest value':>14} {'ms':>9} {'vs mat':>7}")
+              f"{'XLA TFLOP':>10} {'largest array':>14} {'ms':>9} {'vs mat':>7}")
     print(header)
     print("-" * len(header))
     base = {}
@@ -389,8 +389,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.loss_head:
         sizes = LOSS_HEAD_DEVICE_SIZES if args.gpu_sizes else LOSS_HEAD_SIZES
+        given = {a.split("=")[0] for a in sys.argv[1:]}
         for key, value in sizes.items():  # where not given on the command line
-            if getattr(args, key) == parser.get_default(key):
+            if f"--{key.replace('_', '-')}" not in given:
                 setattr(args, key, value)
     elif args.gpu_sizes:
         for key, value in GPU_SIZES.items():
