@@ -299,6 +299,18 @@ def chunk_mask(start: jax.Array, lo: jax.Array, hi: jax.Array, shape: tuple[int,
     return (pos >= lo) & (pos < hi)
 
 
+@dataclasses.dataclass(frozen=True)
+class LossHeadTiling:
+    """What both families' fused loss-head kernels are configured by (each wing's LinearTiling
+    adds its own fields); hashable: a custom_vjp nondiff argument."""
+
+    seq_len: int
+    vocab: int
+    block_tokens: int
+    block_vocab: int
+    softcap: float | None  # logits c * tanh(z / c); None: plain
+
+
 class Normalize(enum.StrEnum):
     """How `segment_cross_entropy` turns per-segment sums into one loss."""
 

@@ -5,10 +5,6 @@ logits-sized value, and the Pallas kernels lowered for TPU and CUDA at real size
 from __future__ import annotations
 
 import functools
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +27,7 @@ from tests.helpers.kernels import (
     S,
     assert_close,
     case,
+    host_device_cases,
     lower_cuda,
     lower_tpu,
     metadata,
@@ -40,7 +37,6 @@ from tests.helpers.kernels import (
     zero_padded,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 H, V = 32, 300  # V not a multiple of the 128-column test block: the last block is partial
 BLOCKS = kernels.LinearCrossEntropyBlockSizes(block_tokens=32, block_vocab=128)
 NORMALIZE = ("tokens", "segments", "none")
@@ -232,15 +228,8 @@ def test_static_checks():
         kernels.LinearCrossEntropyBlockSizes(block_vocab=100)
 
 
-def vocab_cases(*names: str, timeout: int = 600) -> None:
-    """tests/helpers/vocab_cases.py in a process with 8 host devices."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.environ.get("PYTHONPATH", ""), str(ROOT)]).strip(os.pathsep)}
-    env.pop("XLA_FLAGS", None)
-    done = subprocess.run([sys.executable, "-m", "tests.helpers.vocab_cases", *names], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    ok = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
-    assert done.returncode == 0 and ok == list(names), done.stdout + done.stderr[-6000:]
+def vocab_cases(*names: str) -> None:
+    host_device_cases("tests.helpers.vocab_cases", *names, timeout=600)
 
 
 def test_vocab_parallel_equals_the_unsharded_loss():
@@ -350,7 +339,7 @@ def test_kernels_lower_at_real_sizes(impl):
 
 # -- the tiny LM example's loss head ----------------------------------------------------------
 
-@pytest.mark.parametrize("normalize", ["tokens", "segments"])
+@pytest.mark.parametrize("normalize", ["tokens", pytest.param("segments", marks=SLOW)])
 def test_tiny_lm_fused_loss_matches_materialized_logits(normalize):
     """examples/tiny_lm.py with fused_loss=True (the tied embedding as the projection): loss,
     per-segment sums and the gradient of every parameter match the materialized logits'."""

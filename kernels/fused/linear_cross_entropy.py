@@ -127,13 +127,14 @@ def _local_terms(hidden, weight, targets, counted, offsets, lengths, *, impl: Im
     if impl is Impl.PALLAS_GPU:
         fam = Family(gpu=gpu.LinearTiling(
             seq_len, vocab, max(tile(seq_len, blocks.block_tokens), 16),
-            max(tile(vocab, blocks.block_vocab), 16), max(tile(dim, blocks.block_hidden), 16),
-            softcap, blocks.num_warps, bool(interpret)))
+            max(tile(vocab, blocks.block_vocab), 16), softcap,
+            block_hidden=max(tile(dim, blocks.block_hidden), 16), num_warps=blocks.num_warps,
+            interpret=bool(interpret)))
         bl = fam.gpu.block_tokens
     else:
         bl = token_block(seq_len, blocks.block_tokens, 16)
         bv = vocab if vocab <= blocks.block_vocab else blocks.block_vocab
-        fam = Family(tpu=tpu.LinearTiling(seq_len, vocab, bl, bv, softcap, interpret))
+        fam = Family(tpu=tpu.LinearTiling(seq_len, vocab, bl, bv, softcap, interpret=interpret))
     meta = block_schedule(counted, row_ends(offsets, lengths, seq_len), bl)
     return pallas_terms(hidden, weight, targets, counted.astype(jnp.float32), meta, fam)
 

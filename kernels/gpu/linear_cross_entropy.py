@@ -30,21 +30,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from seqpack.kernels.common import varying_like
+from seqpack.kernels.common import LossHeadTiling, varying_like
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearTiling:
+class LinearTiling(LossHeadTiling):
     """Static configuration of the Triton kernels; tile edges are powers of two."""
 
-    seq_len: int
-    vocab: int
-    block_tokens: int
-    block_vocab: int
-    block_hidden: int
-    softcap: float | None
-    num_warps: int
-    interpret: bool
+    block_hidden: int = 64
+    num_warps: int = 4
+    interpret: bool = False
 
 
 def _rows(mask_ref, b, t, st: LinearTiling):

@@ -33,21 +33,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from seqpack.kernels.common import Interpret, varying_like
+from seqpack.kernels.common import Interpret, LossHeadTiling, varying_like
 
 VMEM_LIMIT_BYTES = 64 * 1024 * 1024  # x, w tiles double-buffered + an f32 [H, bv] accumulator
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearTiling:
-    """Static configuration of the TPU kernels (hashable: a custom_vjp nondiff argument)."""
+class LinearTiling(LossHeadTiling):
+    """Static configuration of the TPU kernels."""
 
-    seq_len: int
-    vocab: int
-    block_tokens: int
-    block_vocab: int
-    softcap: float | None
-    interpret: Interpret
+    interpret: Interpret = False
 
     @property
     def tokens_blocks(self) -> int:
@@ -121,46 +116,33 @@ def _grad_tile(x_ref, w_ref, targets_ref, mask_ref, lse_ref, gl_ref, gt_ref, t, 
     return jnp.where(ok, da, 0.0).astype(x.dtype), x, w
 
 
-def _dhidden_kernel(used_ref, live_ref, src_ref, x_ref, w_ref, targets_ref, mask_ref, lse_ref,
-                    gl_ref, gt_ref, dx_ref, acc, *, st: LinearTiling) -> None:
-    b, t, v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    skipped = st.skipped(b, t, used_ref, live_ref)
+def _backward_kernel(used_ref, live_ref, src_ref, x_ref, w_ref, targets_ref, mask_ref, lse_ref,
+                     gl_ref, gt_ref, out_ref, acc, *, st: LinearTiling, wrt: str) -> None:
+    """dhidden (grid b, t, v: dx += da @ w^T over v) or dweight (grid v, b, t: dw += x^T @ da
+    over b, t), summed in the f32 scratch `acc` and written at the last step of the sum."""
+    if wrt == "hidden":
+        b, t, v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        first, last = v == 0, v == st.vocab_blocks - 1
+    else:
+        v, b, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        first = (b == 0) & (t == 0)
+        last = (b == pl.num_programs(1) - 1) & (t == st.tokens_blocks - 1)
 
-    @pl.when(v == 0)
+    @pl.when(first)
     def _init():
         acc[...] = jnp.zeros(acc.shape, jnp.float32)
 
-    @pl.when(jnp.logical_not(skipped))
+    @pl.when(jnp.logical_not(st.skipped(b, t, used_ref, live_ref)))
     def _accumulate():
-        da, _, w = _grad_tile(x_ref, w_ref, targets_ref, mask_ref, lse_ref, gl_ref, gt_ref, t, v,
+        da, x, w = _grad_tile(x_ref, w_ref, targets_ref, mask_ref, lse_ref, gl_ref, gt_ref, t, v,
                               st)
-        acc[...] += lax.dot_general(da, w, (((1,), (1,)), ((), ())),
+        lhs, rhs, dims = (da, w, ((1,), (1,))) if wrt == "hidden" else (x, da, ((0,), (0,)))
+        acc[...] += lax.dot_general(lhs, rhs, (dims, ((), ())),
                                     preferred_element_type=jnp.float32)
 
-    @pl.when(v == st.vocab_blocks - 1)
+    @pl.when(last)
     def _write():
-        dx_ref[...] = acc[...].astype(dx_ref.dtype)
-
-
-def _dweight_kernel(used_ref, live_ref, src_ref, x_ref, w_ref, targets_ref, mask_ref, lse_ref,
-                    gl_ref, gt_ref, dw_ref, acc, *, st: LinearTiling) -> None:
-    v, b, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    skipped = st.skipped(b, t, used_ref, live_ref)
-
-    @pl.when((b == 0) & (t == 0))
-    def _init():
-        acc[...] = jnp.zeros(acc.shape, jnp.float32)
-
-    @pl.when(jnp.logical_not(skipped))
-    def _accumulate():
-        da, x, _ = _grad_tile(x_ref, w_ref, targets_ref, mask_ref, lse_ref, gl_ref, gt_ref, t, v,
-                              st)
-        acc[...] += lax.dot_general(x, da, (((0,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-
-    @pl.when((b == pl.num_programs(1) - 1) & (t == st.tokens_blocks - 1))
-    def _write():
-        dw_ref[...] = acc[...].astype(dw_ref.dtype)
+        out_ref[...] = acc[...].astype(out_ref.dtype)
 
 
 def _specs(st: LinearTiling, dim: int, n_columns: int, order: str):
@@ -214,11 +196,13 @@ def linear_backward(x, w, targets, mask, lse, g_lse, g_tgt, meta, *, st: LinearT
     batch, _, dim = x.shape
     bl, bv = st.block_tokens, st.block_vocab
     columns = (targets, mask, lse, g_lse, g_tgt)
-    dx = _call(_dhidden_kernel, "segment_linear_cross_entropy_dhidden", st, x, w, "btv",
+    dx = _call(functools.partial(_backward_kernel, wrt="hidden"),
+               "segment_linear_cross_entropy_dhidden", st, x, w, "btv",
                pl.BlockSpec((None, bl, dim), lambda b, t, v, *_: (b, t, 0)),
                jax.ShapeDtypeStruct(x.shape, x.dtype), [pltpu.VMEM((bl, dim), jnp.float32)], 4,
                ("parallel", "parallel", "arbitrary"), meta, columns)
-    dw = _call(_dweight_kernel, "segment_linear_cross_entropy_dweight", st, x, w, "vbt",
+    dw = _call(functools.partial(_backward_kernel, wrt="weight"),
+               "segment_linear_cross_entropy_dweight", st, x, w, "vbt",
                pl.BlockSpec((dim, bv), lambda v, b, t, *_: (0, v)),
                jax.ShapeDtypeStruct(w.shape, w.dtype), [pltpu.VMEM((dim, bv), jnp.float32)], 4,
                ("parallel", "arbitrary", "arbitrary"), meta, columns)
