@@ -36,7 +36,6 @@ from seqpack.kernels.checks import validate_segments
 from seqpack.kernels.common import GpuBlockSizes, Impl, Normalize, SegmentBlockSizes
 from seqpack.kernels.cross_entropy import CrossEntropyBlockSizes, segment_cross_entropy
 from seqpack.kernels.fused import (
-    GpuLinearCrossEntropyBlockSizes,
     LinearCrossEntropyBlockSizes,
     segment_linear_cross_entropy,
 )
@@ -50,7 +49,6 @@ __all__ = [
     "GatherBlockSizes",
     "GpuAttentionBlockSizes",
     "GpuBlockSizes",
-    "GpuLinearCrossEntropyBlockSizes",
     "Impl",
     "LinearCrossEntropyBlockSizes",
     "Normalize",

@@ -151,8 +151,10 @@ class SegmentBlockSizes:
         check_multiple("block_features", self.block_features, LANES, " (lanes)")
 
 
-def _power_of_two(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
+def check_power_of_two(name: str, value: int, least: int = 1) -> None:
+    """The tile rule of the Triton kernels: a power of two, at least `least` (16 for `tl.dot`)."""
+    if value < least or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two >= {least} (Triton tiles)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +164,8 @@ class GpuBlockSizes:
     block_tokens x block_features: the [rows, lanes] tile the reduce, broadcast and gather kernels
       load per step (32 x 256 = 8192 elements: 64 f32 registers per thread at 4 warps).
     ce_block_tokens x block_vocab: the logits tile of the cross-entropy kernels (16 x 512: the same
-      8192 elements, and the exp / where temporaries stay in registers).
+      8192 elements, and the exp / where temporaries stay in registers); the fused loss head
+      (segment_linear_cross_entropy) sums that tile over block_hidden-wide chunks of H.
     num_warps: warps per program (Triton's `num_warps`).
     token_splits: programs per segment in the reduce kernel, taking its tiles in turn (tile c goes
       to program c % token_splits), so one long segment still spreads over several SMs.
@@ -175,6 +178,7 @@ class GpuBlockSizes:
     block_vocab: int = 512
     num_warps: int = 4
     token_splits: int = 4
+    block_hidden: int = 64
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -182,8 +186,8 @@ class GpuBlockSizes:
             if field.name == "token_splits":
                 if value < 1:
                     raise ValueError(f"token_splits={value} must be >= 1")
-            elif not _power_of_two(value):
-                raise ValueError(f"{field.name}={value} must be a power of two (Triton tiles)")
+            else:
+                check_power_of_two(field.name, value)
 
 
 def resolve(impl: Impl | str, interpret: Interpret, block_sizes, tpu_type: type, name: str,

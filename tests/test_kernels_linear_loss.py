@@ -43,7 +43,7 @@ NORMALIZE = ("tokens", "segments", "none")
 XLA = (("impl", "reference"), ("block_sizes", BLOCKS))  # keyword options, hashable
 TPU = (("impl", "pallas_tpu"), ("interpret", INTERPRET), ("block_sizes", BLOCKS))
 GPU = (("impl", "pallas_gpu"), ("interpret", True),
-       ("block_sizes", kernels.GpuLinearCrossEntropyBlockSizes(16, 128, 16)))
+       ("block_sizes", kernels.GpuBlockSizes(ce_block_tokens=16, block_vocab=128, block_hidden=16)))
 BIG = (4, 8192, 4096, 128256)  # B, L, H, V of the lowering checks: B * L = 32768, bf16
 
 

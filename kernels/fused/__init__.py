@@ -6,13 +6,11 @@ recomputes). The Pallas kernels live in the families' wings (tpu/, gpu/).
 """
 
 from seqpack.kernels.fused.linear_cross_entropy import (
-    GpuLinearCrossEntropyBlockSizes,
     LinearCrossEntropyBlockSizes,
     segment_linear_cross_entropy,
 )
 
 __all__ = [
-    "GpuLinearCrossEntropyBlockSizes",
     "LinearCrossEntropyBlockSizes",
     "segment_linear_cross_entropy",
 ]

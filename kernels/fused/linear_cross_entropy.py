@@ -33,6 +33,7 @@ from jax import lax
 from seqpack.kernels import gpu, reference, tpu
 from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata
 from seqpack.kernels.common import (
+    GpuBlockSizes,
     Impl,
     Interpret,
     Normalize,
@@ -62,28 +63,6 @@ class LinearCrossEntropyBlockSizes:
     def __post_init__(self) -> None:
         check_multiple("block_tokens", self.block_tokens, 16, " (bf16 tile rows)")
         check_multiple("block_vocab", self.block_vocab, 128, " (lanes)")
-
-
-@dataclasses.dataclass(frozen=True)
-class GpuLinearCrossEntropyBlockSizes:
-    """Tile sizes of the Triton kernels of the fused loss head (powers of two, Triton's rule).
-
-    A [block_tokens, block_vocab] f32 logits tile (32 x 128: 32 registers a thread at 4 warps)
-    summed over [block_tokens, block_hidden] x [block_hidden, block_vocab] chunks of H (`tl.dot`
-    wants every edge >= 16).
-    """
-
-    block_tokens: int = 32
-    block_vocab: int = 128
-    block_hidden: int = 64
-    num_warps: int = 4
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value, least = getattr(self, field.name), 1 if field.name == "num_warps" else 16
-            if value < least or value & (value - 1):
-                raise ValueError(f"{field.name}={value} must be a power of two >= {least} "
-                                 "(Triton tiles)")
 
 
 def _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask, z_loss,
@@ -126,7 +105,7 @@ def _local_terms(hidden, weight, targets, counted, offsets, lengths, *, impl: Im
     vocab = weight.shape[1]
     if impl is Impl.PALLAS_GPU:
         fam = Family(gpu=gpu.LinearTiling(
-            seq_len, vocab, max(tile(seq_len, blocks.block_tokens), 16),
+            seq_len, vocab, max(tile(seq_len, blocks.ce_block_tokens), 16),
             max(tile(vocab, blocks.block_vocab), 16), softcap,
             block_hidden=max(tile(dim, blocks.block_hidden), 16), num_warps=blocks.num_warps,
             interpret=bool(interpret)))
@@ -171,7 +150,7 @@ def segment_linear_cross_entropy(
     logit_softcap: float | None = None,
     impl: Impl | str = "auto",
     interpret: Interpret = False,
-    block_sizes: LinearCrossEntropyBlockSizes | GpuLinearCrossEntropyBlockSizes | None = None,
+    block_sizes: LinearCrossEntropyBlockSizes | GpuBlockSizes | None = None,
     vocab_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[], f32[B, S], i32[B, S]
     """`segment_cross_entropy(hidden @ weight, ...)` without the logits: (loss, per_segment_loss,
@@ -179,13 +158,15 @@ def segment_linear_cross_entropy(
 
     Logits are `c * tanh(x / c)` with `logit_softcap=c` (Gemma 2). `impl`: "reference" (and
     "auto" off TPU / GPU) is the blockwise XLA path; "pallas_tpu" / "pallas_gpu" the kernels.
-    `vocab_axis`: a mesh axis the vocabulary is sharded over (inside shard_map).
+    `block_sizes`: LinearCrossEntropyBlockSizes (XLA, TPU) or GpuBlockSizes (GPU: its
+    ce_block_tokens x block_vocab tile, block_hidden, num_warps). `vocab_axis`: a mesh axis the
+    vocabulary is sharded over (inside shard_map).
     """
     normalize = parse_enum(Normalize, "normalize", normalize)
     _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask, z_loss,
            logit_softcap)
     impl, blocks = resolve(impl, interpret, block_sizes, LinearCrossEntropyBlockSizes,
-                           "segment_linear_cross_entropy", GpuLinearCrossEntropyBlockSizes)
+                           "segment_linear_cross_entropy")
     if impl is Impl.REFERENCE:  # the XLA path reads block_vocab alone, of either class
         blocks = block_sizes or LinearCrossEntropyBlockSizes()
     targets = targets.astype(jnp.int32)
