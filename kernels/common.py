@@ -164,8 +164,11 @@ class GpuBlockSizes:
     block_tokens x block_features: the [rows, lanes] tile the reduce, broadcast and gather kernels
       load per step (32 x 256 = 8192 elements: 64 f32 registers per thread at 4 warps).
     ce_block_tokens x block_vocab: the logits tile of the cross-entropy kernels (16 x 512: the same
-      8192 elements, and the exp / where temporaries stay in registers); the fused loss head
-      (segment_linear_cross_entropy) sums that tile over block_hidden-wide chunks of H.
+      8192 elements, and the exp / where temporaries stay in registers).
+    head_block_tokens x head_block_vocab: the logits tile of the fused loss head
+      (segment_linear_cross_entropy), summed over head_block_hidden-wide chunks of H; its backward
+      adds (tokens + vocab) x H f32 per tile for 6 x tokens x vocab x H FLOPs, so the tile is
+      squarer than the cross-entropy's (64 x 128: 64 f32 registers a thread at 4 warps).
     num_warps: warps per program (Triton's `num_warps`).
     token_splits: programs per segment in the reduce kernel, taking its tiles in turn (tile c goes
       to program c % token_splits), so one long segment still spreads over several SMs.
@@ -178,7 +181,9 @@ class GpuBlockSizes:
     block_vocab: int = 512
     num_warps: int = 4
     token_splits: int = 4
-    block_hidden: int = 64
+    head_block_tokens: int = 64
+    head_block_vocab: int = 128
+    head_block_hidden: int = 32
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -105,10 +105,10 @@ def _local_terms(hidden, weight, targets, counted, offsets, lengths, *, impl: Im
     vocab = weight.shape[1]
     if impl is Impl.PALLAS_GPU:
         fam = Family(gpu=gpu.LinearTiling(
-            seq_len, vocab, max(tile(seq_len, blocks.ce_block_tokens), 16),
-            max(tile(vocab, blocks.block_vocab), 16), softcap,
-            block_hidden=max(tile(dim, blocks.block_hidden), 16), num_warps=blocks.num_warps,
-            interpret=bool(interpret)))
+            seq_len, vocab, max(tile(seq_len, blocks.head_block_tokens), 16),
+            max(tile(vocab, blocks.head_block_vocab), 16), softcap,
+            block_hidden=max(tile(dim, blocks.head_block_hidden), 16),
+            num_warps=blocks.num_warps, interpret=bool(interpret)))
         bl = fam.gpu.block_tokens
     else:
         bl = token_block(seq_len, blocks.block_tokens, 16)
@@ -158,8 +158,8 @@ def segment_linear_cross_entropy(
 
     Logits are `c * tanh(x / c)` with `logit_softcap=c` (Gemma 2). `impl`: "reference" (and
     "auto" off TPU / GPU) is the blockwise XLA path; "pallas_tpu" / "pallas_gpu" the kernels.
-    `block_sizes`: LinearCrossEntropyBlockSizes (XLA, TPU) or GpuBlockSizes (GPU: its
-    ce_block_tokens x block_vocab tile, block_hidden, num_warps). `vocab_axis`: a mesh axis the
+    `block_sizes`: LinearCrossEntropyBlockSizes (XLA, TPU) or GpuBlockSizes (GPU: its head_*
+    tile sizes and num_warps). `vocab_axis`: a mesh axis the
     vocabulary is sharded over (inside shard_map).
     """
     normalize = parse_enum(Normalize, "normalize", normalize)

@@ -5,18 +5,18 @@ A logits tile `z [bl, bv]` is `sum_k x[:, k-chunk] @ w[k-chunk, :]` over `bh`-wi
 (`plgpu.dot`: bf16 inputs, f32 accumulation), loaded with masks, so rows past L or not counted,
 chunks past H and columns past V read as 0 (NaN there reaches nothing).
 
-    forward  grid (B, L / bl)   online lse (m, s) and target logit over the V / bv tiles; a block
-                                with no counted token (padding, prompt) skips the vocabulary loop
-    dhidden  grid (B, L / bl)   per tile da = (g_lse p + g_tgt onehot) softcap', then
-                                dx[rows, k-chunk] += da @ w[k-chunk, :]^T for every chunk
-    dweight  grid (V / bv,)     over every token block with a counted token:
-                                dw[k-chunk, cols] += x[:, k-chunk]^T @ da
+    forward   grid (B, L / bl)          online lse (m, s) and target logit over the V / bv tiles
+    backward  grid (B, L / bl, V / bv)  da = (g_lse p + g_tgt onehot) softcap' for the tile, then
+                                        for every chunk k of H:
+                                          dx[rows, k] += da @ w[k, cols]^T      (atomic, f32)
+                                          dw[k, cols] += x[rows, k]^T @ da      (atomic, f32)
 
-Each program owns the rows (dhidden) or columns (dweight) it adds into, and adds in program
-order, so the f32 sums are deterministic; the adds are `atomic_add` only so that the
-read-modify-write of one program is coherent across its threads. The sums are padded to whole
-tiles and sliced after. 10NHV FLOPs in all (the
-backward kernels each recompute the logits), as on TPU.
+8NHV FLOPs in all, as Apple's Cut Cross-Entropy: the tile's da is computed once and both
+gradients are added into f32 sums with `atomic_add` (the order of the adds, hence the last bits of
+dx and dw, varies between runs on a GPU). A token block with no counted token (padding, prompt)
+loads nothing and skips its vocabulary loop (forward) or its whole tile (backward). The sums are
+padded to whole tiles, so every add is in bounds (Pallas' interpreter has no masked atomics); the
+padding receives zeros and is sliced off.
 """
 
 from __future__ import annotations
@@ -51,26 +51,34 @@ def _rows(mask_ref, b, t, st: LinearTiling):
     return row_ok, counted
 
 
-def _logits(x_ref, w_ref, b, t, v, counted, st: LinearTiling):
-    """(z f32[bl, bv] with -inf past V, raw softcapped z, column ids, column flags)."""
+def _logits(x_ref, w_ref, b, t, v, counted, live, st: LinearTiling):
+    """(z f32[bl, bv] with -inf past V, raw softcapped z, column ids, column flags); the H loop
+    runs only when `live` (else z is 0)."""
     bl, bv, bh = st.block_tokens, st.block_vocab, st.block_hidden
     dim = x_ref.shape[2]
     cols = v * bv + jnp.arange(bv)
     col_ok = cols < st.vocab
 
     def chunk(k, z):
-        hs = k * bh + jnp.arange(bh)
-        h_ok = hs < dim
-        x = plgpu.load(x_ref.at[b, pl.ds(t * bl, bl), pl.ds(k * bh, bh)],
-                       mask=counted[:, None] & h_ok[None, :], other=0.0)
-        w = plgpu.load(w_ref.at[pl.ds(k * bh, bh), pl.ds(v * bv, bv)],
-                       mask=h_ok[:, None] & col_ok[None, :], other=0.0)
+        x, w = _chunks(x_ref, w_ref, b, t, v, k, counted, col_ok, st)
         return z + plgpu.dot(x, w)
 
-    raw = lax.fori_loop(0, pl.cdiv(dim, bh), chunk, jnp.zeros((bl, bv), jnp.float32))
+    chunks = jnp.where(live, pl.cdiv(dim, bh), 0)
+    raw = lax.fori_loop(0, chunks, chunk, jnp.zeros((bl, bv), jnp.float32))
     if st.softcap is not None:
         raw = st.softcap * jnp.tanh(raw / st.softcap)
     return jnp.where(col_ok[None, :], raw, -jnp.inf), raw, cols, col_ok
+
+
+def _chunks(x_ref, w_ref, b, t, v, k, counted, col_ok, st: LinearTiling):
+    """x[rows of block t, chunk k] (0 off counted rows) and w[chunk k, columns of tile v]."""
+    bl, bv, bh = st.block_tokens, st.block_vocab, st.block_hidden
+    h_ok = k * bh + jnp.arange(bh) < x_ref.shape[2]
+    x = plgpu.load(x_ref.at[b, pl.ds(t * bl, bl), pl.ds(k * bh, bh)],
+                   mask=counted[:, None] & h_ok[None, :], other=0.0)
+    w = plgpu.load(w_ref.at[pl.ds(k * bh, bh), pl.ds(v * bv, bv)],
+                   mask=h_ok[:, None] & col_ok[None, :], other=0.0)
+    return x, w
 
 
 def _forward_kernel(x_ref, w_ref, targets_ref, mask_ref, lse_ref, tgt_ref, *,
@@ -82,7 +90,7 @@ def _forward_kernel(x_ref, w_ref, targets_ref, mask_ref, lse_ref, tgt_ref, *,
 
     def step(v, carry):
         m, s, tgt = carry
-        z, raw, cols, _ = _logits(x_ref, w_ref, b, t, v, counted, st)
+        z, raw, cols, _ = _logits(x_ref, w_ref, b, t, v, counted, True, st)
         m_new = jnp.maximum(m, jnp.max(z, axis=1))
         s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
         tgt = tgt + jnp.sum(jnp.where(cols[None, :] == targets[:, None], raw, 0.0), axis=1)
@@ -98,82 +106,31 @@ def _forward_kernel(x_ref, w_ref, targets_ref, mask_ref, lse_ref, tgt_ref, *,
     plgpu.store(tgt_ref.at[b, pl.ds(t * bl, bl)], jnp.where(counted, tgt, 0.0), mask=row_ok)
 
 
-def _da(x_ref, w_ref, targets_ref, mask_ref, lse_ref, gl_ref, gt_ref, b, t, v, st):
-    """da [bl, bv] in x's dtype (0 off counted rows and valid columns) and the counted rows."""
-    bl = st.block_tokens
+def _backward_kernel(x_ref, w_ref, targets_ref, mask_ref, lse_ref, gl_ref, gt_ref, _dx, _dw,
+                     dx_ref, dw_ref, *, st: LinearTiling) -> None:
+    b, t, v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    bl, bv, bh = st.block_tokens, st.block_vocab, st.block_hidden
     row_ok, counted = _rows(mask_ref, b, t, st)
+    live = jnp.max(counted.astype(jnp.int32)) > 0
     column = lambda ref, other: plgpu.load(ref.at[b, pl.ds(t * bl, bl)], mask=row_ok,  # noqa
                                            other=other)
-    z, raw, cols, col_ok = _logits(x_ref, w_ref, b, t, v, counted, st)
+    z, raw, cols, col_ok = _logits(x_ref, w_ref, b, t, v, counted, live, st)
     onehot = cols[None, :] == column(targets_ref, -1)[:, None]
     p = jnp.exp(z - column(lse_ref, 0.0)[:, None])
     da = column(gl_ref, 0.0)[:, None] * p + jnp.where(onehot, column(gt_ref, 0.0)[:, None], 0.0)
     if st.softcap is not None:
         da = da * (1.0 - jnp.square(raw / st.softcap))
-    ok = counted[:, None] & col_ok[None, :]
-    return jnp.where(ok, da, 0.0).astype(x_ref.dtype), row_ok, counted, col_ok
+    da = jnp.where(counted[:, None] & col_ok[None, :], da, 0.0).astype(x_ref.dtype)
 
+    def chunk(k, carry):
+        x, w = _chunks(x_ref, w_ref, b, t, v, k, counted, col_ok, st)
+        plgpu.atomic_add(dx_ref, (b, pl.ds(t * bl, bl), pl.ds(k * bh, bh)),
+                         plgpu.dot(da, w, trans_b=True))
+        plgpu.atomic_add(dw_ref, (pl.ds(k * bh, bh), pl.ds(v * bv, bv)),
+                         plgpu.dot(x, da, trans_a=True))
+        return carry
 
-def _dhidden_kernel(x_ref, w_ref, targets_ref, mask_ref, lse_ref, gl_ref, gt_ref, _, dx_ref, *,
-                    st: LinearTiling) -> None:
-    b, t = pl.program_id(0), pl.program_id(1)
-    bl, bv, bh = st.block_tokens, st.block_vocab, st.block_hidden
-    dim = x_ref.shape[2]
-    _, counted = _rows(mask_ref, b, t, st)
-
-    def vocab_tile(v, carry):
-        da, _, _, col_ok = _da(x_ref, w_ref, targets_ref, mask_ref, lse_ref, gl_ref, gt_ref,
-                                    b, t, v, st)
-
-        def chunk(k, c):
-            h_ok = k * bh + jnp.arange(bh) < dim
-            w = plgpu.load(w_ref.at[pl.ds(k * bh, bh), pl.ds(v * bv, bv)],
-                           mask=h_ok[:, None] & col_ok[None, :], other=0.0)
-            plgpu.atomic_add(dx_ref, (b, pl.ds(t * bl, bl), pl.ds(k * bh, bh)),
-                             plgpu.dot(da, w, trans_b=True))
-            return c
-
-        return lax.fori_loop(0, pl.cdiv(dim, bh), chunk, carry)
-
-    tiles = jnp.where(jnp.max(counted.astype(jnp.int32)) > 0, pl.cdiv(st.vocab, bv), 0)
-    lax.fori_loop(0, tiles, vocab_tile, 0)
-
-
-def _dweight_kernel(x_ref, w_ref, targets_ref, mask_ref, lse_ref, gl_ref, gt_ref, _, dw_ref, *,
-                    st: LinearTiling) -> None:
-    v = pl.program_id(0)
-    bl, bv, bh = st.block_tokens, st.block_vocab, st.block_hidden
-    batch, _, dim = x_ref.shape
-    blocks = pl.cdiv(st.seq_len, bl)
-
-    def token_block(i, carry):
-        b, t = lax.div(i, blocks), lax.rem(i, blocks)
-        da, _, counted, _ = _da(x_ref, w_ref, targets_ref, mask_ref, lse_ref, gl_ref, gt_ref,
-                                     b, t, v, st)
-
-        def chunk(k, c):
-            h_ok = k * bh + jnp.arange(bh) < dim
-            x = plgpu.load(x_ref.at[b, pl.ds(t * bl, bl), pl.ds(k * bh, bh)],
-                           mask=counted[:, None] & h_ok[None, :], other=0.0)
-            plgpu.atomic_add(dw_ref, (pl.ds(k * bh, bh), pl.ds(v * bv, bv)),
-                             plgpu.dot(x, da, trans_a=True))
-            return c
-
-        live = jnp.max(counted.astype(jnp.int32)) > 0
-        return lax.fori_loop(0, jnp.where(live, pl.cdiv(dim, bh), 0), chunk, carry)
-
-    lax.fori_loop(0, batch * blocks, token_block, 0)
-
-
-def _launch(kernel, name, grid, shape, st: LinearTiling, *args):
-    """A kernel adding into f32 zeros of `shape` (aliased as the last input)."""
-    out = jnp.zeros(shape, jnp.float32)
-    shape = varying_like([jax.ShapeDtypeStruct(shape, jnp.float32)], *args)[0]
-    return pl.pallas_call(
-        functools.partial(kernel, st=st), out_shape=shape, grid=grid,
-        input_output_aliases={len(args): 0},
-        compiler_params=plgpu.CompilerParams(num_warps=st.num_warps, num_stages=2),
-        interpret=st.interpret, name=name)(*args, out)
+    lax.fori_loop(0, jnp.where(live, pl.cdiv(x_ref.shape[2], bh), 0), chunk, 0)
 
 
 def linear_forward(x, w, targets, mask, *, st: LinearTiling):
@@ -191,19 +148,20 @@ def linear_forward(x, w, targets, mask, *, st: LinearTiling):
 
 
 def linear_backward(x, w, targets, mask, lse, g_lse, g_tgt, *, st: LinearTiling):
-    """-> dx x.dtype[B, L, H], dw w.dtype[H, V], summed in f32.
-
-    The sums are padded to whole tiles, so every add is in bounds (Pallas' interpreter has no
-    masked atomics); the padding receives zeros (da is 0 off counted rows and valid columns) and
-    is sliced off.
-    """
+    """-> dx x.dtype[B, L, H], dw w.dtype[H, V], summed in f32 (tile-padded, then sliced)."""
     (batch, seq_len, dim), vocab = x.shape, w.shape[1]
     up = lambda n, b: pl.cdiv(n, b) * b  # noqa: E731
+    shapes = ((batch, up(seq_len, st.block_tokens), up(dim, st.block_hidden)),
+              (up(dim, st.block_hidden), up(vocab, st.block_vocab)))
     args = (x, w, targets, mask, lse, g_lse, g_tgt)
-    dx = _launch(_dhidden_kernel, "segment_linear_cross_entropy_dhidden_gpu",
-                 (batch, pl.cdiv(seq_len, st.block_tokens)),
-                 (batch, up(seq_len, st.block_tokens), up(dim, st.block_hidden)), st, *args)
-    dw = _launch(_dweight_kernel, "segment_linear_cross_entropy_dweight_gpu",
-                 (pl.cdiv(vocab, st.block_vocab),),
-                 (up(dim, st.block_hidden), up(vocab, st.block_vocab)), st, *args)
-    return (dx[:, :seq_len, :dim].astype(x.dtype), dw[:dim, :vocab].astype(w.dtype))
+    zeros = [jnp.zeros(shape, jnp.float32) for shape in shapes]
+    dx, dw = pl.pallas_call(
+        functools.partial(_backward_kernel, st=st),
+        out_shape=tuple(varying_like([jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes],
+                                     *args)),
+        grid=(batch, pl.cdiv(seq_len, st.block_tokens), pl.cdiv(vocab, st.block_vocab)),
+        input_output_aliases={len(args): 0, len(args) + 1: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=st.num_warps, num_stages=2),
+        interpret=st.interpret, name="segment_linear_cross_entropy_bwd_gpu",
+    )(*args, *zeros)
+    return dx[:, :seq_len, :dim].astype(x.dtype), dw[:dim, :vocab].astype(w.dtype)

@@ -153,8 +153,10 @@ def _specs(st: LinearTiling, dim: int, n_columns: int, order: str):
         return lambda v, b, t, *refs: f(b, t, v, *refs)
 
     column = pl.BlockSpec((None, st.block_tokens, 1), grid_bt(st.tokens_index))
+    # dweight keeps its vocab tile for all (b, t): a skipped step must not move it either
+    weight = grid_bt(st.weight_index) if order == "btv" else lambda v, b, t, *_: (0, v)
     return [pl.BlockSpec((None, st.block_tokens, dim), grid_bt(st.tokens_index)),
-            pl.BlockSpec((dim, st.block_vocab), grid_bt(st.weight_index))] + [column] * n_columns
+            pl.BlockSpec((dim, st.block_vocab), weight)] + [column] * n_columns
 
 
 def _call(kernel, name, st: LinearTiling, x, w, order, out_spec, out_shape, scratch, flops,

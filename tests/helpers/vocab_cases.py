@@ -33,8 +33,8 @@ IMPLS = {
     "tpu": dict(impl="pallas_tpu", block_sizes=BLOCKS,
                 interpret=pltpu.InterpretParams(random_seed=7, uninitialized_memory="nan")),
     "gpu": dict(impl="pallas_gpu", interpret=True,
-                block_sizes=kernels.GpuBlockSizes(ce_block_tokens=16, block_vocab=128,
-                                                  block_hidden=16)),
+                block_sizes=kernels.GpuBlockSizes(head_block_tokens=16, head_block_vocab=128,
+                                                  head_block_hidden=16)),
 }
 OPTIONS = dict(normalize="segments", z_loss=1e-3, logit_softcap=4.0)
 
