@@ -177,19 +177,24 @@ def test_random_packed_rows(seed, alignment, normalize):
 
 
 def test_no_logits_sized_value_in_the_jaxpr():
-    """value_and_grad of the XLA path: no value of N * V / 8 or more elements anywhere (scan
-    bodies included), while the materialized path has N * V ones."""
+    """value_and_grad of every path (XLA, the TPU and GPU kernels, traced only): no value of
+    N * V / 8 or more elements anywhere (scan bodies and kernel bodies included), while the
+    materialized path has N * V ones; the XLA path's matmuls are 8NHV."""
     n, dim, vocab = 512, 32, 4096  # weight-sized values (H * V) stay under N * V / 8 too
     spec = (jax.ShapeDtypeStruct((2, n // 2, dim), jnp.float32),
             jax.ShapeDtypeStruct((dim, vocab), jnp.float32),
             jax.ShapeDtypeStruct((2, n // 2), jnp.int32),
             jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2, 4), jnp.int32))
-    blocks = kernels.LinearCrossEntropyBlockSizes(block_vocab=256)
+    paths = {"reference": kernels.LinearCrossEntropyBlockSizes(block_tokens=128, block_vocab=256),
+             "pallas_tpu": kernels.LinearCrossEntropyBlockSizes(block_tokens=128, block_vocab=256),
+             "pallas_gpu": None}
 
-    def fused(h, w, t, o, n):
-        return kernels.segment_linear_cross_entropy(
-            h, w, t, o, n, normalize="segments", z_loss=1e-4, logit_softcap=30.0,
-            loss_mask=t > 0, impl="reference", block_sizes=blocks)[0]
+    def fused(impl):
+        def f(h, w, t, o, n):
+            return kernels.segment_linear_cross_entropy(
+                h, w, t, o, n, normalize="segments", z_loss=1e-4, logit_softcap=30.0,
+                loss_mask=t > 0, impl=impl, block_sizes=paths[impl])[0]
+        return f
 
     def dense(h, w, t, o, n):
         return kernels.segment_cross_entropy(h @ w, t, o, n, impl="reference")[0]
@@ -198,12 +203,13 @@ def test_no_logits_sized_value_in_the_jaxpr():
         jaxpr = jax.jit(jax.value_and_grad(f, (0, 1))).trace(*spec).jaxpr
         return max(int(np.prod(shape)) for shape, _ in jaxpr_values(jaxpr)), matmul_flops(jaxpr)
 
-    (dense_largest, dense_flops), (fused_largest, fused_flops) = map(largest_and_flops,
-                                                                     (dense, fused))
+    dense_largest, dense_flops = largest_and_flops(dense)
     assert dense_largest >= n * vocab
-    assert fused_largest < n * vocab // 8
-    # recomputing the logits: 8NHV against 6NHV
-    assert fused_flops == pytest.approx(8 * n * dim * vocab) and fused_flops <= 1.4 * dense_flops
+    for impl in paths:
+        largest, flops = largest_and_flops(fused(impl))
+        assert largest < n * vocab // 8, impl
+        if impl == "reference":  # recomputing the logits: 8NHV against 6NHV
+            assert flops == pytest.approx(8 * n * dim * vocab) and flops <= 1.4 * dense_flops
 
 
 def test_static_checks():
