@@ -317,6 +317,17 @@ def test_gpu_kernels_odd_shapes():
     check("segments", tuple(args), impl=GPU, z_loss=0.0)
 
 
+@pytest.mark.slow
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), alignment=st.sampled_from([1, 16]),
+       family=st.sampled_from(["tpu", "gpu"]))
+def test_kernels_on_random_packed_rows(seed, alignment, family):
+    rng = np.random.default_rng(seed)
+    offsets, lengths = random_rows(rng, B, L, S, alignment=alignment)
+    check("segments", _args(rng, offsets, lengths), impl=TPU if family == "tpu" else GPU,
+          softcap=4.0)
+
+
 @pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
 def test_kernels_lower_at_real_sizes(impl):
     """B * L = 32768 tokens, H = 4096, V = 128256, bf16: lowered (never run) with every option;
