@@ -219,6 +219,8 @@ def test_static_checks():
     f = kernels.segment_linear_cross_entropy
     with pytest.raises(ValueError, match="weight.shape"):
         f(hidden, weight[:-1], targets, offsets, lengths)
+    with pytest.raises(ValueError, match="weight.dtype"):
+        f(hidden, weight.astype(jnp.bfloat16), targets, offsets, lengths)
     with pytest.raises(ValueError, match="hidden.shape"):
         f(hidden[0], weight, targets, offsets, lengths)
     with pytest.raises(ValueError, match="targets.shape"):

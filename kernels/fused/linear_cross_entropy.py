@@ -72,6 +72,10 @@ def _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask,
             want = "[B, L, H]" if ndim == 3 else "[H, V]"
             raise ValueError(f"{name}.shape={arr.shape} dtype={arr.dtype} must be float {want} "
                              "(float32, bfloat16 or float16)")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight.dtype={weight.dtype} must equal hidden.dtype={hidden.dtype}: "
+                         "cast the projection to the compute dtype first (the matmuls take both "
+                         "as they are and accumulate in float32)")
     if weight.shape[0] != hidden.shape[2]:
         raise ValueError(f"weight.shape={weight.shape} must be [H, V] with H={hidden.shape[2]} "
                          f"(hidden.shape={hidden.shape}); pass the output projection as [H, V]")
