@@ -3,7 +3,9 @@
 Each packed segment is its own example: attention is causal *within* a segment
 (`kernels.segment_attention`, which computes only the blocks the row's segments need), positions
 restart per segment (the packed rows' positions), and the loss comes from
-`kernels.segment_cross_entropy` with next-token targets that never cross a segment boundary.
+`kernels.segment_cross_entropy` with next-token targets that never cross a segment boundary
+(with `ModelConfig(fused_loss=True)`, `kernels.segment_linear_cross_entropy` on the last hidden
+states and the tied embedding instead: the same loss without the `[B, L, V]` logits).
 Both kernels take the rows' segment offsets and lengths; rows that carry only segment ids (Grain's
 own packers, MaxText) get them from `kernels.segment_metadata` (see `batch_metadata`).
 Parameters are a flat dict of arrays; the optimizer is a small Adam, so the example needs
@@ -47,6 +49,11 @@ class ModelConfig:
     attention_block_sizes: AttentionBlocks | None = None
     max_segments: int = 64  # for rows without offsets / lengths (see batch_metadata)
     context_parallel_axis: str | None = None  # set by make_train_step(context_parallel=C)
+    # the loss head: kernels.segment_linear_cross_entropy on the last hidden states and the tied
+    # embedding (no [B, L, V] logits; "auto": the Pallas kernels on TPU / GPU, XLA elsewhere)
+    fused_loss: bool = False
+    loss_impl: str = "auto"
+    loss_interpret: Interpret = False
 
 
 def init_params(key: jax.Array, cfg: ModelConfig) -> dict[str, jax.Array]:
@@ -86,14 +93,14 @@ def attention(
                                      context_parallel_axis=cfg.context_parallel_axis)
 
 
-def forward(
+def hidden_states(
     params: dict[str, jax.Array],
     tokens: jax.Array,  # i32[B, L]
     positions: jax.Array,  # i32[B, L]
     segment_offsets: jax.Array,  # i32[B, S]
     segment_lengths: jax.Array,  # i32[B, S]
     cfg: ModelConfig,
-) -> jax.Array:  # f32[B, L, V]
+) -> jax.Array:  # f32[B, L, dim], normalized: the logits are this @ embed.T
     B, L = tokens.shape
     hd = cfg.dim // cfg.heads
     x = params["embed"][tokens] + params["pos_embed"][positions]
@@ -105,8 +112,13 @@ def forward(
         x = x + o @ params[f"l{i}.proj"]
         h = _rms_norm(x, params[f"l{i}.norm2"])
         x = x + jax.nn.gelu(h @ params[f"l{i}.up"]) @ params[f"l{i}.down"]
-    x = _rms_norm(x, params["out_norm"])
-    return x @ params["embed"].T
+    return _rms_norm(x, params["out_norm"])
+
+
+def forward(params, tokens, positions, segment_offsets, segment_lengths,
+            cfg: ModelConfig) -> jax.Array:  # f32[B, L, V]
+    return hidden_states(params, tokens, positions, segment_offsets, segment_lengths,
+                         cfg) @ params["embed"].T
 
 
 def next_token_targets(tokens: jax.Array, segment_ids: jax.Array):
@@ -136,15 +148,20 @@ def loss_fn(params, batch: dict, cfg: ModelConfig, *, normalize: str = "tokens",
     tokens = jnp.asarray(batch[feature], jnp.int32)
     seg = jnp.asarray(batch[f"{feature}_segment_ids"])
     offsets, lengths = batch_metadata(batch, cfg, feature)
-    logits = forward(params, tokens, jnp.asarray(batch[f"{feature}_positions"]), offsets, lengths,
-                     cfg)
+    hidden = hidden_states(params, tokens, jnp.asarray(batch[f"{feature}_positions"]), offsets,
+                           lengths, cfg)
     targets, mask = next_token_targets(tokens, seg)
     if labels is not None:
         lab = jnp.asarray(batch[labels])
         mask &= jnp.concatenate([lab[:, 1:], jnp.full_like(lab[:, :1], -100)], axis=1) != -100
-    loss, per_seg, count = kernels.segment_cross_entropy(
-        logits, targets, offsets, lengths, normalize=normalize, loss_mask=mask,
-    )
+    if cfg.fused_loss:  # the projection inside the loss: the logits never exist
+        loss, per_seg, count = kernels.segment_linear_cross_entropy(
+            hidden, params["embed"].T, targets, offsets, lengths, normalize=normalize,
+            loss_mask=mask, impl=cfg.loss_impl, interpret=cfg.loss_interpret)
+    else:
+        loss, per_seg, count = kernels.segment_cross_entropy(
+            hidden @ params["embed"].T, targets, offsets, lengths, normalize=normalize,
+            loss_mask=mask)
     return loss, (per_seg, count)
 
 
@@ -238,6 +255,8 @@ def make_train_step(cfg: ModelConfig, *, normalize: str = "tokens", lr: float = 
     With `context_parallel` C > 1 each row is split over C devices: pass `cp_batch` batches."""
     if context_parallel > 1 and micro_batches > 1:
         raise ValueError("pass micro_batches=1 with context_parallel > 1")
+    if context_parallel > 1 and cfg.fused_loss:
+        raise ValueError("fused_loss runs on one device's rows: pass context_parallel=1")
     cp_grads = cp_value_and_grad(cfg, context_parallel, normalize=normalize) \
         if context_parallel > 1 else None
 

@@ -5,6 +5,7 @@
     python -m examples.train_tiny_lm --steps 400 --checkpoint-dir /tmp/ckpt --resume
     python -m examples.train_tiny_lm --steps 300 --sft --micro-batches 2   # labels, exact mean
     python -m examples.train_tiny_lm --steps 300 --mix             # two datasets, loss of each
+    python -m examples.train_tiny_lm --steps 300 --fused-loss      # no [B, L, V] logits
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \
         python -m examples.train_tiny_lm --steps 300 --context-parallel 2  # rows over 2 devices
 
@@ -13,9 +14,10 @@ paragraph (the CLI's built-in sample) — no download. The input pipeline is
 `pipelines.make_training_pipeline` (shard, shuffle, pack, batch; options in frozen dataclasses:
 `PackConfig`, `Batching`, `Columns`, `Prefetch`); the model (examples/tiny_lm.py) restricts
 attention to segments and takes positions from the packed rows; the loss is
-`kernels.segment_cross_entropy`. A checkpoint holds the parameters, the optimizer state, the step
-and the Grain iterator state, so a resumed run continues with exactly the batches (and losses) of
-an uninterrupted one.
+`kernels.segment_cross_entropy` (`--fused-loss`: `kernels.segment_linear_cross_entropy`, the
+output projection fused into the loss). A checkpoint holds the parameters, the optimizer state,
+the step and the Grain iterator state, so a resumed run continues with exactly the batches (and
+losses) of an uninterrupted one.
 
 `--sft`: the same paragraphs as supervised fine-tuning data: the first line is the prompt
 (labels -100, no loss), the rest the response. Labels are packed with the tokens
@@ -37,6 +39,7 @@ losses as one device, row for row.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -168,9 +171,12 @@ def train(
     micro_batches: int = 1,
     context_parallel: int = 1,
     mix: bool = False,
+    fused_loss: bool = False,
 ) -> list[float]:
     """Trains until `steps` (counting restored steps); returns the losses of the steps it ran."""
     cfg = model or ModelConfig(max_len=seq_len)
+    if fused_loss:
+        cfg = dataclasses.replace(cfg, fused_loss=True)
     examples = stdlib_corpus() if examples is None else examples
     if sft:
         examples = sft_corpus(examples)
@@ -241,11 +247,13 @@ def main() -> None:
                          "logs each one's loss")
     ap.add_argument("--context-parallel", type=int, default=1, metavar="C",
                     help="split every row over C devices (ring attention)")
+    ap.add_argument("--fused-loss", action="store_true",
+                    help="the loss head without logits (kernels.segment_linear_cross_entropy)")
     a = ap.parse_args()
     losses = train(a.steps, seq_len=a.seq_len, batch_size=a.batch_size, seed=a.seed,
                    checkpoint_dir=a.checkpoint_dir, save_every=a.save_every, resume=a.resume,
                    log_every=a.log_every, sft=a.sft, micro_batches=a.micro_batches,
-                   context_parallel=a.context_parallel, mix=a.mix)
+                   context_parallel=a.context_parallel, mix=a.mix, fused_loss=a.fused_loss)
     if losses:
         k = max(1, len(losses) // 10)
         print(f"mean loss: first {k} steps {np.mean(losses[:k]):.4f}, "

@@ -1,5 +1,6 @@
 """Pallas kernels (TPU, GPU) over packed rows: per-segment reduce, gather, broadcast, cross-entropy,
-and segment attention (`segment_attention`: only the blocks its segments need).
+the fused loss head (`segment_linear_cross_entropy`: the output projection inside the loss, no
+logits), and segment attention (`segment_attention`: only the blocks its segments need).
 
 All functions take the packed-row metadata (docs/contract.md), `segment_offsets` / `segment_lengths`
 i32[B, S], and treat every segment as its own example (padding and empty slots excluded). A slot is
@@ -12,11 +13,12 @@ on CPU. Every function is jitted (options static) and differentiable. `validate_
 metadata values before jit.
 
 Files: per op a public module with checks, dispatch and the custom VJP (segment_ops.py, gather.py,
-cross_entropy.py, attention.py); its kernels live in two wings, tpu/<op>.py (Mosaic, plus
-tpu/attention_bwd.py) and gpu/<op>.py (Triton), which import only the shared modules, never each
-other: common.py (dispatch, block sizes, masks, launch), attention_schedule.py (the attention
-block schedule), metadata.py (the row metadata in each family's layout), checks.py (input
-checks); reference.py holds the pure-jnp references.
+cross_entropy.py, attention.py; the fused loss head's in the wing fused/, with its XLA path);
+its kernels live in two wings, tpu/<op>.py (Mosaic, plus tpu/attention_bwd.py) and gpu/<op>.py
+(Triton), which import only the shared modules, never each other: common.py (dispatch, block
+sizes, masks, launch), attention_schedule.py (the attention block schedule), metadata.py (the row
+metadata in each family's layout), checks.py (input checks); reference.py holds the pure-jnp
+references.
 """
 
 try:
@@ -35,6 +37,10 @@ from seqpack.kernels.attention import (
 from seqpack.kernels.checks import validate_segments
 from seqpack.kernels.common import GpuBlockSizes, Impl, Normalize, SegmentBlockSizes
 from seqpack.kernels.cross_entropy import CrossEntropyBlockSizes, segment_cross_entropy
+from seqpack.kernels.fused import (
+    LinearCrossEntropyBlockSizes,
+    segment_linear_cross_entropy,
+)
 from seqpack.kernels.gather import GatherBlockSizes, segment_gather
 from seqpack.kernels.metadata import segment_metadata
 from seqpack.kernels.segment_ops import (
@@ -53,6 +59,7 @@ __all__ = [
     "GpuAttentionBlockSizes",
     "GpuBlockSizes",
     "Impl",
+    "LinearCrossEntropyBlockSizes",
     "Normalize",
     "SegmentBlockSizes",
     "reference",
@@ -60,6 +67,7 @@ __all__ = [
     "segment_broadcast",
     "segment_cross_entropy",
     "segment_gather",
+    "segment_linear_cross_entropy",
     "segment_max",
     "segment_mean",
     "segment_metadata",

@@ -40,6 +40,7 @@ from seqpack.kernels.common import (
     Impl,
     Interpret,
     check_multiple,
+    check_power_of_two,
     next_power_of_two,
     resolve,
     round_up,
@@ -94,9 +95,7 @@ class GpuAttentionBlockSizes:
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name}={value} must be a power of two >= 16 (Triton tiles)")
+            check_power_of_two(name, getattr(self, name), 16)
         if self.num_warps is not None and self.num_warps < 1:
             raise ValueError(f"num_warps={self.num_warps} must be >= 1 (or None)")
         if self.num_stages < 1:

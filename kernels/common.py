@@ -151,8 +151,10 @@ class SegmentBlockSizes:
         check_multiple("block_features", self.block_features, LANES, " (lanes)")
 
 
-def _power_of_two(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
+def check_power_of_two(name: str, value: int, least: int = 1) -> None:
+    """The tile rule of the Triton kernels: a power of two, at least `least` (16 for `tl.dot`)."""
+    if value < least or value & (value - 1):
+        raise ValueError(f"{name}={value} must be a power of two >= {least} (Triton tiles)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +165,10 @@ class GpuBlockSizes:
       load per step (32 x 256 = 8192 elements: 64 f32 registers per thread at 4 warps).
     ce_block_tokens x block_vocab: the logits tile of the cross-entropy kernels (16 x 512: the same
       8192 elements, and the exp / where temporaries stay in registers).
+    head_block_tokens x head_block_vocab: the logits tile of the fused loss head
+      (segment_linear_cross_entropy), summed over head_block_hidden-wide chunks of H; its backward
+      adds (tokens + vocab) x H f32 per tile for 6 x tokens x vocab x H FLOPs, so the tile is
+      squarer than the cross-entropy's (64 x 128: 64 f32 registers a thread at 4 warps).
     num_warps: warps per program (Triton's `num_warps`).
     token_splits: programs per segment in the reduce kernel, taking its tiles in turn (tile c goes
       to program c % token_splits), so one long segment still spreads over several SMs.
@@ -175,6 +181,9 @@ class GpuBlockSizes:
     block_vocab: int = 512
     num_warps: int = 4
     token_splits: int = 4
+    head_block_tokens: int = 64
+    head_block_vocab: int = 128
+    head_block_hidden: int = 32
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -182,8 +191,8 @@ class GpuBlockSizes:
             if field.name == "token_splits":
                 if value < 1:
                     raise ValueError(f"token_splits={value} must be >= 1")
-            elif not _power_of_two(value):
-                raise ValueError(f"{field.name}={value} must be a power of two (Triton tiles)")
+            else:
+                check_power_of_two(field.name, value)
 
 
 def resolve(impl: Impl | str, interpret: Interpret, block_sizes, tpu_type: type, name: str,
@@ -297,6 +306,18 @@ def chunk_mask(start: jax.Array, lo: jax.Array, hi: jax.Array, shape: tuple[int,
     """Rows `start + i` of a chunk that fall inside the block-local interval [lo, hi)."""
     pos = start + lax.broadcasted_iota(jnp.int32, shape, 0)
     return (pos >= lo) & (pos < hi)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossHeadTiling:
+    """What both families' fused loss-head kernels are configured by (each wing's LinearTiling
+    adds its own fields); hashable: a custom_vjp nondiff argument."""
+
+    seq_len: int
+    vocab: int
+    block_tokens: int
+    block_vocab: int
+    softcap: float | None  # logits c * tanh(z / c); None: plain
 
 
 class Normalize(enum.StrEnum):

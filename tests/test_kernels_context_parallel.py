@@ -6,10 +6,7 @@ schedule and skipping the steps with no pair."""
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +19,7 @@ from seqpack import kernels, packer
 from seqpack.kernels import context_parallel as cp
 from seqpack.kernels import reference
 from seqpack.kernels.attention_schedule import NO_SEGMENT
+from tests.helpers.kernels import host_device_cases
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -80,13 +78,7 @@ def test_key_bounds_are_the_keys_a_query_may_see(C, causal, layout):
 
 
 def _cases(*names: str, timeout: int = 900) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [os.environ.get("PYTHONPATH", ""), str(ROOT)]).strip(os.pathsep)}
-    env.pop("XLA_FLAGS", None)
-    done = subprocess.run([sys.executable, "-m", "tests.helpers.cp_cases", *names], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    ok = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
-    assert done.returncode == 0 and ok == list(names), done.stdout + done.stderr[-6000:]
+    host_device_cases("tests.helpers.cp_cases", *names, timeout=timeout)
 
 
 def test_ring_equals_the_unsharded_attention():

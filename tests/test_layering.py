@@ -187,7 +187,7 @@ def test_pyproject_ships_every_package():
 def test_wings_are_known():
     for wing in ("seqpack.packer.online", "seqpack.packer.order",
                  "seqpack.packer.strategies.bfd", "seqpack.packer.strategies.bfd.refine",
-                 "seqpack.kernels.tpu", "seqpack.kernels.gpu",
+                 "seqpack.kernels.tpu", "seqpack.kernels.gpu", "seqpack.kernels.fused",
                  "seqpack.pipelines.offline.runners", "seqpack.pipelines.formats.encodings"):
         assert wing in WINGS, WINGS
 

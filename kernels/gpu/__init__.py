@@ -10,6 +10,7 @@ from seqpack.kernels.gpu.attention import forward as attention_forward
 from seqpack.kernels.gpu.cross_entropy import backward_call as cross_entropy_backward
 from seqpack.kernels.gpu.cross_entropy import forward_call as cross_entropy_forward
 from seqpack.kernels.gpu.gather import gather_call
+from seqpack.kernels.gpu.linear_cross_entropy import LinearTiling, linear_backward, linear_forward
 from seqpack.kernels.gpu.segment_ops import broadcast_call, reduce_call
 
 __all__ = [
@@ -19,5 +20,8 @@ __all__ = [
     "cross_entropy_backward",
     "cross_entropy_forward",
     "gather_call",
+    "LinearTiling",
+    "linear_backward",
+    "linear_forward",
     "reduce_call",
 ]

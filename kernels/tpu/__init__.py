@@ -11,6 +11,7 @@ from seqpack.kernels.tpu.cross_entropy import Tiling as CrossEntropyTiling
 from seqpack.kernels.tpu.cross_entropy import backward_call as cross_entropy_backward
 from seqpack.kernels.tpu.cross_entropy import forward_call as cross_entropy_forward
 from seqpack.kernels.tpu.gather import gather_call
+from seqpack.kernels.tpu.linear_cross_entropy import LinearTiling, linear_backward, linear_forward
 from seqpack.kernels.tpu.segment_ops import broadcast_call, reduce_call
 
 __all__ = [
@@ -21,5 +22,8 @@ __all__ = [
     "cross_entropy_backward",
     "cross_entropy_forward",
     "gather_call",
+    "LinearTiling",
+    "linear_backward",
+    "linear_forward",
     "reduce_call",
 ]

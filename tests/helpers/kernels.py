@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,3 +157,16 @@ def lower_cuda(f, *args) -> str:
 def zero_padded(offsets, lengths):
     """The same segments with unused slots at offset 0 (cu_seqlens-style padding)."""
     return np.where(lengths > 0, offsets, 0).astype(np.int32), lengths
+
+
+def host_device_cases(module: str, *names: str, timeout: int = 900) -> None:
+    """`python -m <module> NAME ...` (a helper that gives jax 8 host devices before importing
+    it) in a process of its own; every case must print "ok NAME"."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.environ.get("PYTHONPATH", ""), str(root)]).strip(os.pathsep)}
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run([sys.executable, "-m", module, *names], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    ok = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
+    assert done.returncode == 0 and ok == list(names), done.stdout + done.stderr[-6000:]

@@ -1,0 +1,189 @@
+"""Public segment_linear_cross_entropy: the output projection fused into the per-segment loss.
+
+    segment_linear_cross_entropy   hidden f[B, L, H], weight f[H, V], targets i32[B, L]
+                                   -> (loss, per-segment loss sums f32[B, S], tokens i32[B, S])
+
+equal to `segment_cross_entropy(hidden @ weight, ...)` without a `[B, L, V]` array: the chosen
+implementation returns each token's log-sum-exp and target logit (blockwise.py on XLA, the
+Mosaic or Triton kernels), the backward recomputes the logits block by block. Everything after
+that is plain jnp on `[B, L]` and `[B, S]` values, so its gradient comes from autodiff:
+
+    token loss      lse - target logit + z_loss * lse^2      (counted tokens only)
+    per segment     sums over each slot's counted tokens     (reference.segment_sum)
+    loss            reference.normalize_loss (tokens, segments, none)
+
+Counted: inside a segment, `loss_mask` set and target >= 0 (-100 is PyTorch's ignore_index).
+Uncounted rows of `hidden` are replaced by zeros before the projection (a `where`), so NaN there
+reaches nothing. Vocab-parallel (`vocab_axis=`, inside shard_map, `weight` this shard's
+`[H, V / P]` columns): every shard computes its local lse and target logit (targets shifted by the
+shard's first column; others' targets match no column), then `lse = m + log psum exp(lse_s - m)`
+with `m = pmax(lse_s)` and `target = psum(target_s)`; the gradients of `weight` stay local, and
+the one of `hidden` is summed over the shards by the transpose of `pcast(..., to="varying")`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from seqpack.kernels import gpu, reference, tpu
+from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata
+from seqpack.kernels.common import (
+    GpuBlockSizes,
+    Impl,
+    Interpret,
+    Normalize,
+    check_multiple,
+    parse_enum,
+    resolve,
+    tile,
+    token_block,
+)
+from seqpack.kernels.fused.blockwise import Blockwise, token_terms, varying_axes
+from seqpack.kernels.fused.families import Family, block_schedule, pallas_terms
+from seqpack.kernels.metadata import row_ends
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCrossEntropyBlockSizes:
+    """Block sizes of the fused loss head (the XLA path reads only block_vocab).
+
+    block_vocab = 512 columns: at N = 16k tokens an f32 `[N, 512]` logits block is 32 MiB, small
+    next to the 2 GiB of logits at V = 32k, and each matmul stays large enough for the MXU.
+    block_tokens = 256 rows (the Pallas kernels' token block). Multiples of 128 and 16.
+    """
+
+    block_tokens: int = 256
+    block_vocab: int = 512
+
+    def __post_init__(self) -> None:
+        check_multiple("block_tokens", self.block_tokens, 16, " (bf16 tile rows)")
+        check_multiple("block_vocab", self.block_vocab, 128, " (lanes)")
+
+
+def _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask, z_loss,
+           logit_softcap) -> int:
+    for name, arr, ndim in (("hidden", hidden, 3), ("weight", weight, 2)):
+        if arr.ndim != ndim or jnp.dtype(arr.dtype) not in FLOAT_DTYPES:
+            want = "[B, L, H]" if ndim == 3 else "[H, V]"
+            raise ValueError(f"{name}.shape={arr.shape} dtype={arr.dtype} must be float {want} "
+                             "(float32, bfloat16 or float16)")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight.dtype={weight.dtype} must equal hidden.dtype={hidden.dtype}: "
+                         "cast the projection to the compute dtype first (the matmuls take both "
+                         "as they are and accumulate in float32)")
+    if weight.shape[0] != hidden.shape[2]:
+        raise ValueError(f"weight.shape={weight.shape} must be [H, V] with H={hidden.shape[2]} "
+                         f"(hidden.shape={hidden.shape}); pass the output projection as [H, V]")
+    if targets.shape != hidden.shape[:2] or not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(f"targets.shape={targets.shape} dtype={targets.dtype} must be int "
+                         f"[B, L] = {list(hidden.shape[:2])} (ids in [0, V), or -100: ignored)")
+    if loss_mask is not None and loss_mask.shape != hidden.shape[:2]:
+        raise ValueError(f"loss_mask.shape={loss_mask.shape} must be [B, L] like targets")
+    if not z_loss >= 0.0:
+        raise ValueError(f"{z_loss=} must be >= 0 (typical: 1e-4)")
+    if logit_softcap is not None and not logit_softcap > 0.0:
+        raise ValueError(f"{logit_softcap=} must be > 0 (Gemma 2: 30.0) or None")
+    return check_metadata(segment_offsets, segment_lengths, hidden.shape[0])
+
+
+def _counted(targets, segment_offsets, segment_lengths, loss_mask) -> jax.Array:  # bool[B, L]
+    ids = reference.segment_index(segment_offsets, segment_lengths, targets.shape[1])
+    counted = (ids < segment_offsets.shape[1]) & (targets >= 0)
+    return counted if loss_mask is None else counted & (loss_mask != 0)
+
+
+def _local_terms(hidden, weight, targets, counted, offsets, lengths, *, impl: Impl, blocks,
+                 softcap, interpret):
+    """This shard's per-token (lse, target logit), f32[B, L] each."""
+    batch, seq_len, dim = hidden.shape
+    if impl is Impl.REFERENCE:
+        x = jnp.where(counted[:, :, None], hidden, jnp.zeros((), hidden.dtype))
+        st = Blockwise(min(blocks.block_vocab, -(-weight.shape[1] // 128) * 128), softcap)
+        lse, tgt = token_terms(x.reshape(-1, dim), weight, targets.reshape(-1), st)
+        return lse.reshape(batch, seq_len), tgt.reshape(batch, seq_len)
+    vocab = weight.shape[1]
+    if impl is Impl.PALLAS_GPU:
+        fam = Family(gpu=gpu.LinearTiling(
+            seq_len, vocab, max(tile(seq_len, blocks.head_block_tokens), 16),
+            max(tile(vocab, blocks.head_block_vocab), 16), softcap,
+            block_hidden=max(tile(dim, blocks.head_block_hidden), 16),
+            num_warps=blocks.num_warps, interpret=bool(interpret)))
+        bl = fam.gpu.block_tokens
+    else:
+        bl = token_block(seq_len, blocks.block_tokens, 16)
+        bv = vocab if vocab <= blocks.block_vocab else blocks.block_vocab
+        fam = Family(tpu=tpu.LinearTiling(seq_len, vocab, bl, bv, softcap, interpret=interpret))
+    meta = block_schedule(counted, row_ends(offsets, lengths, seq_len), bl)
+    return pallas_terms(hidden, weight, targets, counted.astype(jnp.float32), meta, fam)
+
+
+def _vocab_parallel_terms(hidden, weight, targets, counted, axis: str, terms):
+    """lse and target logit over the whole vocabulary from each shard's columns."""
+    try:
+        shard = lax.axis_index(axis)
+    except NameError:
+        raise ValueError(f"vocab_axis={axis!r} is not an axis here: call "
+                         "segment_linear_cross_entropy inside shard_map over a mesh with that "
+                         "axis, weight being this shard's [H, V / P] columns") from None
+    if axis not in varying_axes(hidden):
+        hidden = lax.pcast(hidden, axis, to="varying")  # its transpose sums dhidden over shards
+    local = targets - shard * weight.shape[1]
+    lse_s, tgt_s = terms(hidden, weight, local, counted)
+    m = lax.pmax(lax.stop_gradient(lse_s), axis)
+    lse = m + jnp.log(lax.psum(jnp.exp(lse_s - m), axis))
+    return lse, lax.psum(tgt_s, axis)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "normalize", "z_loss", "logit_softcap", "impl", "interpret", "block_sizes", "vocab_axis"))
+def segment_linear_cross_entropy(
+    hidden: jax.Array,  # f[B, L, H]
+    weight: jax.Array,  # f[H, V] (with vocab_axis: this shard's [H, V / P])
+    targets: jax.Array,  # int[B, L], ids in [0, V) or negative (-100: not counted)
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+    *,
+    normalize: Normalize | str = "tokens",
+    loss_mask: jax.Array | None = None,  # bool or 0/1 [B, L]
+    z_loss: float = 0.0,
+    logit_softcap: float | None = None,
+    impl: Impl | str = "auto",
+    interpret: Interpret = False,
+    block_sizes: LinearCrossEntropyBlockSizes | GpuBlockSizes | None = None,
+    vocab_axis: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[], f32[B, S], i32[B, S]
+    """`segment_cross_entropy(hidden @ weight, ...)` without the logits: (loss, per_segment_loss,
+    per_segment_tokens), differentiable in hidden and weight.
+
+    Logits are `c * tanh(x / c)` with `logit_softcap=c` (Gemma 2). `impl`: "reference" (and
+    "auto" off TPU / GPU) is the blockwise XLA path; "pallas_tpu" / "pallas_gpu" the kernels.
+    `block_sizes`: LinearCrossEntropyBlockSizes (XLA, TPU) or GpuBlockSizes (GPU: its head_*
+    tile sizes and num_warps). `vocab_axis`: a mesh axis the
+    vocabulary is sharded over (inside shard_map).
+    """
+    normalize = parse_enum(Normalize, "normalize", normalize)
+    _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask, z_loss,
+           logit_softcap)
+    impl, blocks = resolve(impl, interpret, block_sizes, LinearCrossEntropyBlockSizes,
+                           "segment_linear_cross_entropy")
+    if impl is Impl.REFERENCE:  # the XLA path reads block_vocab alone, of either class
+        blocks = block_sizes or LinearCrossEntropyBlockSizes()
+    targets = targets.astype(jnp.int32)
+    counted = _counted(targets, segment_offsets, segment_lengths, loss_mask)
+    softcap = None if logit_softcap is None else float(logit_softcap)
+    terms = functools.partial(_local_terms, offsets=segment_offsets, lengths=segment_lengths,
+                              impl=impl, blocks=blocks, softcap=softcap, interpret=interpret)
+    if vocab_axis is None:
+        lse, tgt = terms(hidden, weight, targets, counted)
+    else:
+        lse, tgt = _vocab_parallel_terms(hidden, weight, targets, counted, vocab_axis, terms)
+    token_loss = jnp.where(counted, lse - tgt + z_loss * lse * lse, 0.0)
+    per_segment_loss = reference.segment_sum(token_loss, segment_offsets, segment_lengths)
+    tokens = reference.segment_sum(counted.astype(jnp.int32), segment_offsets, segment_lengths)
+    loss = reference.normalize_loss(per_segment_loss, tokens, normalize)
+    return loss, per_segment_loss, tokens
