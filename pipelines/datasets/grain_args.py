@@ -4,11 +4,12 @@
 sit under meta features; `get_leaf` / `nest` walk such trees. seqpack's own additions:
 `max_segments` (S of the segment lengths/offsets keys; default the segment cap
 `max_sequences_per_bin`, else the longest feature's length L, which no row's segments exceed
-unless empty examples are packed), `segment_metadata` (False: Grain's keys only) and
-label / mask columns (`Columns`, `pipelines.datasets.columns`) riding on a segment feature. A
-column `c` on feature `f` is packed as Grain would pack a meta feature `c` with
-`length_struct[c] = length_struct[f]` and `padding_struct[c] = pad`: every example's `c` has f's length, so it takes the bin and the
-offsets f takes, and Grain's bin choice is the same as with `c` in `length_struct`.
+unless empty examples are packed), `segment_metadata` (False: Grain's keys only) and label /
+mask columns (`Columns`, `pipelines.datasets.columns`) riding on a segment feature. A column
+`c` on feature `f` is packed as Grain would pack a meta feature `c` with
+`length_struct[c] = length_struct[f]` and `padding_struct[c] = pad`: every example's `c` has
+f's length, so it takes the bin and the offsets f takes, and Grain's bin choice is the same as
+with `c` in `length_struct`.
 """
 
 from __future__ import annotations
