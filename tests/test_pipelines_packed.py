@@ -16,41 +16,15 @@ from seqpack.pipelines.datasets import (
     Batching,
     Columns,
     PackedArrayRecordSource,
-    PackIterDataset,
     Prefetch,
-    Window,
     make_training_pipeline,
 )
-from seqpack.pipelines.datasets import SequentialIterDataset as Seq
 from seqpack.pipelines.formats.manifest import MANIFEST, signed
-from tests.helpers.pipelines import (
-    check_restore_every_step,
-    random_lengths,
-    sft_corpus,
-    sft_source,
-    write_packed,
-)
+from tests.helpers.packed_rows import B, D, L, S, balanced_dir, packed_dir, row_ids
+from tests.helpers.pipelines import check_restore_every_step
 
 pytest.importorskip("array_record.python.array_record_module")
-L, S = 32, 8
-
-
-def _packed_dir(path, n: int = 120, *, row_order=None, shard_rows: int = 7, tail=None):
-    values, offsets, labels, mask = sft_corpus(random_lengths(np.random.default_rng(0), n,
-                                                              high=L), seed=1)
-    rows = list(PackIterDataset(Seq(sft_source(values, offsets, labels, mask)),
-                                PackConfig(L, max_segments=S), window=Window(16),
-                                columns=Columns(labels=["labels"], drop=["mask"])))
-    if tail is not None:  # whole steps of `tail[0]` rows, then tail[1] rows
-        rows = rows[: (len(rows) // tail[0] - 1) * tail[0] + tail[1]]
-    return write_packed(path, rows, seq_len=L, max_segments=S, shard_rows=shard_rows,
-                        columns={"labels": -100}, row_order=row_order)
-
-
-def _row_id(stored):
-    """Stored row number of each row, from its (unique) segment source indices."""
-    index = {tuple(r["segment_source_index"].tolist()): i for i, r in enumerate(stored)}
-    return lambda batch: [index[tuple(s)] for s in batch["segment_source_index"].tolist()]
+_packed_dir, _row_id = packed_dir, row_ids
 
 
 def _kw(*, batch_size=2, shard_index=0, shard_count=1, drop_remainder=True, **over):
@@ -131,15 +105,7 @@ def test_resume_at_every_step(tmp_path):
     check_restore_every_step(make, max_rows=12)
 
 
-D, B = 4, 2  # a dataset balanced for 4 ranks of 2 rows per step
-
-
-def _balanced(tmp_path):
-    order = {"mode": "balanced", "seed": 0, "data_parallel": D, "batch_size": B,
-             "cost_model": {"kind": "tokens"}}
-    stored = _packed_dir(tmp_path, n=200, row_order=order, tail=(D * B, 3))
-    assert len(stored) % (D * B) == 3  # a partial last step
-    return stored, PackedArrayRecordSource(tmp_path)
+_balanced = balanced_dir
 
 
 @pytest.mark.parametrize("hosts", [1, 2, 4])
