@@ -37,17 +37,21 @@ def _kw(*, batch_size=2, shard_index=0, shard_count=1, drop_remainder=True, **ov
 
 def test_rows_are_shuffled_per_epoch_and_dealt_to_hosts(tmp_path):
     stored = _packed_dir(tmp_path)
-    src, ids, N, H = PackedArrayRecordSource(tmp_path), _row_id(stored), len(stored), 3
-    per_host = [[i for b in make_training_pipeline(
-        src, **_kw(num_epochs=2, shard_index=h, shard_count=H, drop_remainder=False))
-        for i in ids(b)] for h in range(H)]
-    order = [None] * (2 * N)  # host h's k-th row sits at position k * H + h of the global order
-    for h, seq in enumerate(per_host):
-        for k, i in enumerate(seq):
-            order[k * H + h] = i
+    src, ids, N, H, b = PackedArrayRecordSource(tmp_path), _row_id(stored), len(stored), 3, 2
+    order = [i for batch in make_training_pipeline(src, **_kw(num_epochs=2, batch_size=1,
+                                                              drop_remainder=False))
+             for i in ids(batch)]  # the global order: one host
     first, second = order[:N], order[N:]
     assert sorted(first) == sorted(second) == list(range(N))  # each row once per epoch
     assert first != second and first != sorted(first)  # shuffled, and reshuffled
+    per_host = [[ids(batch) for batch in make_training_pipeline(
+        src, **_kw(num_epochs=2, batch_size=b, shard_index=h, shard_count=H,
+                   drop_remainder=False))] for h in range(H)]
+    whole = 2 * N // (H * b)  # global steps of H x b rows: host h has block h of each
+    for h, batches in enumerate(per_host):
+        for k in range(whole):
+            assert batches[k] == order[k * H * b + h * b:][:b]
+        assert sum(batches[whole:], []) == order[whole * H * b + h::H]  # the tail, in turn
 
 
 def test_every_column_reaches_the_batch_with_loss_tokens(tmp_path):
@@ -181,3 +185,14 @@ def test_worker_processes_read_every_row_once_and_resume(tmp_path, balanced):
         restored.set_state(states[step])
         assert ids(next(restored)) == ids(batches[step])
         restored.close()
+
+
+def test_a_partial_global_step_is_dropped_on_every_host(tmp_path, caplog):
+    stored = _packed_dir(tmp_path)
+    src, H, b = PackedArrayRecordSource(tmp_path), 3, 4
+    assert len(stored) % (H * b)  # a partial last step
+    counts = [sum(1 for _ in make_training_pipeline(src, **_kw(batch_size=b, shard_index=h,
+                                                               shard_count=H)))
+              for h in range(H)]
+    assert counts == [len(stored) // (H * b)] * H  # the same steps on every host
+    assert f"the last {len(stored) % (H * b)} packed rows (a partial global step" in caplog.text

@@ -2,9 +2,10 @@
 
 Rows are shuffled over the whole dataset once per epoch (seeded, reshuffled every epoch): that
 global order, epoch after epoch, is cut into global steps of G = H x batch_size rows, and host h
-of H takes positions h, h + H, ... of each step (so every row is in exactly one shard per
-epoch). The state names the global position (`GlobalRowBatches`): any host's state restores a
-run on any number of hosts, with any batch size, with nothing repeated or lost.
+of H takes the h-th block of batch_size rows of each step (so every row is in exactly one shard
+per epoch, and the global batch of a step is the same on any number of hosts). The state names
+the global position (`GlobalRowBatches`): any host's state restores a run on any number of
+hosts, with any batch size, with nothing repeated or lost.
 
 Balanced datasets (`seqpack pack --data-parallel D --batch-size b`, manifest
 ``row_order = {"mode": "balanced", "data_parallel": D, "batch_size": b, ...}``) are laid out so
@@ -175,16 +176,19 @@ def packed_batches(source: Any, *, batch_size: int, shuffle_seed: int, num_epoch
     step_rows = batch_size * shard_count
     if drop_remainder and num_epochs is not None and len(rows) % step_rows:
         left = range(len(rows) - len(rows) % step_rows, len(rows))
-        _dropped(rows, left[shard_index::shard_count], batch_size,
-                 getattr(source, "feature", "tokens"))
+        _dropped(rows, left[shard_index * batch_size:(shard_index + 1) * batch_size],
+                 len(left), batch_size, getattr(source, "feature", "tokens"))
     return GlobalRowBatches(rows, batch_size=batch_size, shard_index=shard_index,
                             shard_count=shard_count, drop_remainder=drop_remainder)
 
 
 class GlobalRowBatches(grain.IterDataset):
     """Host `shard_index`'s batches of `rows` (the global order of every row of every epoch):
-    global step k is rows [k G, (k + 1) G), G = batch_size x shard_count; this host takes its
-    positions k G + shard_index, + shard_count, ... (the module docstring's dealing).
+    global step k is rows [k G, (k + 1) G), G = batch_size x shard_count, and host h takes its
+    block [k G + h b, k G + (h + 1) b), so the hosts' batches side by side (a global array
+    assembled in process order) are the global order itself: the same global batches on any
+    number of hosts. A last, partial step is dropped on every host (drop_remainder) or dealt
+    in turn (host h: positions h, h + H, ... of it).
 
     The state names the global position (the first row of the next step), so any host's state
     restores on any host count and batch size with nothing repeated or lost. In a worker
@@ -231,9 +235,14 @@ class GlobalRowIterator(grain.DatasetIterator):
     def __next__(self) -> dict[str, Any]:
         ds, start = self._ds, self._position
         n = len(ds._rows)
-        mine = range(start + ds._h, min(start + self._step_rows, n), ds._H)
-        if not len(mine) or (ds._drop and len(mine) < ds._b):
-            raise StopIteration
+        if start + self._step_rows <= n:  # a whole step: this host's block of it
+            mine = range(start + ds._h * ds._b, start + (ds._h + 1) * ds._b)
+        elif ds._drop:
+            raise StopIteration  # on every host: no host has a whole batch
+        else:  # the last, partial step: dealt in turn, every host within a row of the others
+            mine = range(start + ds._h, n, ds._H)
+            if not len(mine):
+                raise StopIteration
         self._position = start + self._stride * self._step_rows
         self._count += 1
         rows = [ds._rows[i] for i in mine]
@@ -268,12 +277,12 @@ class GlobalRowIterator(grain.DatasetIterator):
         return "GlobalRowIterator"
 
 
-def _dropped(rows: grain.MapDataset, positions: Sequence[int], batch_size: int,
+def _dropped(rows: grain.MapDataset, positions: Sequence[int], total: int, batch_size: int,
              feature: str) -> None:
-    """Says which rows a last, short step drops on this host: their number and their tokens."""
-    if not len(positions):
-        return
+    """Says which rows a last, partial global step drops: their number, this host's share and
+    its tokens."""
     tokens = sum(int(np.sum(rows[i][f"{feature}_segment_lengths"])) for i in positions)
-    log.warning("the last %d packed rows of this host (%d tokens) are dropped: they do not fill "
-                "a batch of %d (Batching(drop_remainder=False) keeps them)", len(positions),
-                tokens, batch_size)
+    log.warning("the last %d packed rows (a partial global step; %d of them, %d tokens, this "
+                "host's) are dropped: the hosts' batches of %d rows cannot all be filled "
+                "(Batching(drop_remainder=False) keeps them)", total, len(positions), tokens,
+                batch_size)
