@@ -53,7 +53,18 @@ def pipeline(args: argparse.Namespace, batching):
     from seqpack.packer import PackConfig
     from seqpack.pipelines.datasets import Columns, PackedArrayRecordSource, make_training_pipeline
 
-    kw = dict(batch=batching, shuffle_seed=7, num_epochs=1, columns=Columns(labels=["labels"]))
+    labels = Columns(labels=["labels"]) if args.mode != "online" and not args.bench else Columns()
+    kw = dict(batch=batching, shuffle_seed=7, num_epochs=None if args.bench else 1,
+              columns=labels)
+    if args.mode == "online" and args.data:  # a corpus (.npz: tokens, offsets), as benchmarked
+        import numpy as np
+
+        from seqpack.pipelines.datasets import ArraySource
+
+        z = np.load(args.data)
+        return make_training_pipeline(
+            ArraySource({"tokens": (z["tokens"], z["offsets"])}),
+            pack=PackConfig(2048, overflow="split"), **{**kw, "columns": Columns()})
     if args.mode == "online":
         return make_training_pipeline(examples(), pack=PackConfig(32, max_segments=8),
                                       **{**kw, "columns": Columns()})
