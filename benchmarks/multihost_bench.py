@@ -4,7 +4,9 @@ Each process (tests/helpers/multihost_worker.py --bench) runs make_training_pipe
 shard with batches of `--batch` rows per host and assembles each into a global array with
 `jax.make_array_from_process_local_data` (no training step: the input alone). The 1-process run
 reads the whole dataset with the same per-host batch. Runs alternate, `--repeats` times; the
-fastest of each counts. Target: per-host rows/s of the 2-process run >= 0.9x one process's.
+fastest of each counts, for the slowest host of a run. Target: per-host rows per CPU-second of
+the 2-process run >= 0.9x one process's (CPU time, because on a small shared machine two
+processes compete for its cores, which separate hosts do not; wall-clock rows/s is printed too).
 
 Modes: `packed` reads the corpus packed offline (`seqpack pack --seq-len 2048 --overflow split`,
 made once under --work); `online` packs the examples in the pipeline.
@@ -89,21 +91,25 @@ def main() -> None:
         print(f"no {corpus}: nothing to measure")
         return
     work.mkdir(parents=True, exist_ok=True)
-    print(f"| mode | processes | rows/s per host (best of {args.repeats}) | vs 1 process |")
-    print("|---|---|---|---|")
+    print(f"| mode | processes | rows per CPU-second per host (best of {args.repeats}) | vs 1 "
+          "process | rows/s per host (wall) | vs 1 process |")
+    print("|---|---|---|---|---|---|")
     failed = False
     for mode in args.modes.split(","):
         data = _packed(corpus, work) if mode == "packed" else corpus
-        best = {1: 0.0, 2: 0.0}
+        best = {(n, k): 0.0 for n in (1, 2) for k in ("rows_per_cpu_s", "rows_per_s")}
         for _ in range(args.repeats):
             for n in (1, 2):
                 runs = _launch(n, mode=mode, data=data, batch=args.batch, steps=args.steps,
                                work=work)
-                best[n] = max(best[n], min(r["rows_per_s"] for r in runs))  # slowest host
-        ratio = best[2] / best[1]
-        failed |= ratio < 0.9
-        print(f"| {mode} | 1 | {best[1]:,.0f} | 1.00x |")
-        print(f"| {mode} | 2 | {best[2]:,.0f} | {ratio:.2f}x |")
+                for k in ("rows_per_cpu_s", "rows_per_s"):  # the slowest host of the run
+                    best[n, k] = max(best[n, k], min(r[k] for r in runs))
+        cpu, wall = (best[2, k] / best[1, k] for k in ("rows_per_cpu_s", "rows_per_s"))
+        failed |= cpu < 0.9
+        print(f"| {mode} | 1 | {best[1, 'rows_per_cpu_s']:,.0f} | 1.00x | "
+              f"{best[1, 'rows_per_s']:,.0f} | 1.00x |")
+        print(f"| {mode} | 2 | {best[2, 'rows_per_cpu_s']:,.0f} | {cpu:.2f}x | "
+              f"{best[2, 'rows_per_s']:,.0f} | {wall:.2f}x |")
     sys.exit(1 if failed else 0)
 
 
