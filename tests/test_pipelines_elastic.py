@@ -129,8 +129,9 @@ def test_online_packing_refuses_another_shard_and_says_what_breaks():
     for host, hosts in ((0, 4), (1, 2), (0, 1)):
         other = iter(pipeline(host, hosts))
         with pytest.raises(ValueError, match=rf"saved by shard 0 of 2 and is restored as shard "
-                                             rf"{host} of {hosts}.*read again on one host and "
-                                             "skipped on another.*packed rows resume on any"):
+                                             rf"{host} of {hosts}.*read again examples packed "
+                                             "before the save on one host and skip others.*"
+                                             "packed rows resume on any"):
             other.set_state(state)
     same = iter(pipeline(0, 2))
     same.set_state(state)

@@ -319,13 +319,13 @@ class _ShardedPackingIterator(grain.DatasetIterator):
             (h, H), (h2, H2), n = saved, self._shard, self._examples
             raise ValueError(
                 f"this online-packing state was saved by shard {h} of {H} and is restored as "
-                f"shard {h2} of {H2}: examples are dealt to shards before packing (example i to "
-                f"shard i mod shard_count) and the state names positions in shard {h}'s "
-                f"examples, so restoring it here would read shard {h2}'s examples from shard "
-                f"{h}'s position: every host's examples already packed before the save would "
-                f"be read again on one host and skipped on another ({n} examples dealt "
-                f"{H} ways before, {H2} ways now). Restore on {H} hosts, each its own state, "
-                "or pack offline (`seqpack pack`): packed rows resume on any host count")
+                f"shard {h2} of {H2}: examples are dealt to shards before packing (example i "
+                f"to shard i mod shard_count), and the state counts positions in shard {h} of "
+                f"{H}'s examples, which are not this shard's; restoring it would read again "
+                f"examples packed before the save on one host and skip others on another "
+                f"({n} examples dealt {H} ways then, {H2} ways now). Restore on {H} hosts, "
+                "each its own state, or pack offline (`seqpack pack`): packed rows resume on "
+                "any host count")
         self._parent.set_state(state["packing"])
 
     def __str__(self) -> str:
