@@ -12,8 +12,11 @@ from __future__ import annotations
 import collections
 import json
 
+import grain
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from seqpack.packer import PackConfig
 from seqpack.pipelines.datasets import (
@@ -23,6 +26,7 @@ from seqpack.pipelines.datasets import (
     PackedArrayRecordSource,
     make_training_pipeline,
 )
+from seqpack.pipelines.datasets.packed import GlobalRowBatches
 from tests.helpers.packed_rows import B, D, balanced_dir, packed_dir, row_ids
 
 pytest.importorskip("array_record.python.array_record_module")
@@ -137,3 +141,34 @@ def test_online_packing_refuses_another_shard_and_says_what_breaks():
     same.set_state(state)
     got = next(same)
     assert all(np.array_equal(got[k], expected[k]) for k in expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(total=st.integers(1, 80), hosts=st.integers(1, 5), batch=st.integers(1, 4),
+       new_hosts=st.integers(1, 5), new_batch=st.integers(1, 4), steps=st.integers(0, 12),
+       drop=st.booleans())
+def test_any_layout_restores_any_other_with_every_row_once(total, hosts, batch, new_hosts,
+                                                           new_batch, steps, drop):
+    """Global positions, directly: rows 0..total-1 in the global order; `steps` synchronous
+    steps on one layout, the rest on another from host 0's state. Every row is read once,
+    except (drop_remainder) the rows of each layout's partial last step."""
+    rows = grain.MapDataset.range(total).map(lambda i: {"i": np.int64(i)})
+
+    def layout(H, b):
+        return [iter(GlobalRowBatches(rows, batch_size=b, shard_index=h, shard_count=H,
+                                      drop_remainder=drop)) for h in range(H)]
+
+    seen, before = [], layout(hosts, batch)
+    for _ in range(steps):
+        got = [next(it, None) for it in before]
+        seen += [i for b in got if b is not None for i in b["i"].tolist()]
+    state = before[0].get_state()
+    for it in layout(new_hosts, new_batch):
+        it.set_state(state)
+        seen += [i for b in it for i in b["i"].tolist()]
+    counts = collections.Counter(seen)
+    assert set(counts.values()) <= {1}  # nothing twice
+    read = state["position"]
+    new_step = new_hosts * new_batch
+    end = read + (total - read) // new_step * new_step if drop else total
+    assert sorted(counts) == list(range(end))  # nothing lost but a dropped partial step

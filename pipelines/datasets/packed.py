@@ -243,7 +243,7 @@ class GlobalRowIterator(grain.DatasetIterator):
             mine = range(start + ds._h, n, ds._H)
             if not len(mine):
                 raise StopIteration
-        self._position = start + self._stride * self._step_rows
+        self._position = min(start + self._stride * self._step_rows, n)  # n: finished
         self._count += 1
         rows = [ds._rows[i] for i in mine]
         return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
