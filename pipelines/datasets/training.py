@@ -6,8 +6,8 @@
       -> SequentialIterDataset -> PackIterDataset(pack)  (rows shuffled per window)
       -> batch(batch_size): {"tokens": [B, L], ..., "tokens_segment_lengths": [B, S], ...}
     source of packed rows (`PackedArrayRecordSource`, see packed.py)
-      -> shuffle(shuffle_seed) over all rows -> repeat -> [shard_index::shard_count] -> batch
-         (balanced datasets: whole steps, each host its ranks' rows)
+      -> shuffle(shuffle_seed) over all rows -> repeat -> global steps, host h block h of each
+         (balanced datasets: whole steps, each host its ranks' rows; both resume on any H)
     then
       -> + loss_tokens [B] (loss.LossTokens) -> BalanceRanks(balance.ranks), if asked
       -> ContextParallelLayout(batch.context_parallel), if asked (rows split over CP ranks)
