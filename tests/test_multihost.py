@@ -128,6 +128,18 @@ def test_processes_make_the_global_batches_of_one(tmp_path, data, mode, processe
         assert set(seen.values()) == {1}
 
 
+def test_worker_processes_in_every_process_change_nothing(tmp_path, data):
+    """Packed rows with 2 worker processes per JAX process: the same global batches as one
+    process without workers, and each process resumes from its own (per-worker) state."""
+    path, _ = data["packed"]
+    kw = dict(mode="packed", data=path, global_batch=8, steps=5, save_at=2)
+    runs = launch(tmp_path, processes=2, devices=2, name="workers", workers=2, **kw)
+    one = launch(tmp_path, processes=1, devices=4, name="one", **kw)[0]
+    for r in runs:
+        _assert_batches_equal(r["batches"], one["batches"])
+        _assert_batches_equal(r["resumed"], r["batches"][2:])
+
+
 def test_a_packed_state_of_two_processes_restores_four(tmp_path, data):
     path, _ = data["packed"]
     kw = dict(mode="packed", data=path, global_batch=8)

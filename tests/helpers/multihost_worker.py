@@ -34,6 +34,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--simulate", type=int, default=0)
     p.add_argument("--resume-state", default="")
     p.add_argument("--out", required=True)
+    p.add_argument("--workers", type=int, default=0, help="Prefetch(worker_count=)")
     p.add_argument("--bench", action="store_true", help="time the input only (no step)")
     return p.parse_args()
 
@@ -51,11 +52,16 @@ def examples(n: int = 400, seed: int = 0):
 
 def pipeline(args: argparse.Namespace, batching):
     from seqpack.packer import PackConfig
-    from seqpack.pipelines.datasets import Columns, PackedArrayRecordSource, make_training_pipeline
+    from seqpack.pipelines.datasets import (
+        Columns,
+        PackedArrayRecordSource,
+        Prefetch,
+        make_training_pipeline,
+    )
 
     labels = Columns(labels=["labels"]) if args.mode != "online" and not args.bench else Columns()
     kw = dict(batch=batching, shuffle_seed=7, num_epochs=None if args.bench else 1,
-              columns=labels)
+              columns=labels, prefetch=Prefetch(worker_count=args.workers))
     if args.mode == "online" and args.data:  # a corpus (.npz: tokens, offsets), as benchmarked
         import numpy as np
 
