@@ -33,8 +33,10 @@ def _source(seed: int, n: int, caps: dict[str, int], *, zero_prob=0.0, extra=Fal
     return SequentialIterDataset(ArraySource(cols))
 
 
-def _grain_vs_ours(ours_cls, grain_cls, ds, *, max_segments=None, **kwargs):
-    ours = list(ours_cls(ds, max_segments=max_segments, **kwargs))
+def _grain_vs_ours(ours_cls, grain_cls, ds, *, max_segments=None, segment_metadata=True,
+                   **kwargs):
+    ours = list(ours_cls(ds, max_segments=max_segments, segment_metadata=segment_metadata,
+                         **kwargs))
     theirs = list(grain_cls(ds, **kwargs))
     assert_rows_equal(ours, theirs, keys=set(theirs[0]))
     return ours, theirs
@@ -111,7 +113,7 @@ def test_rows_satisfy_contract_metadata(ours_cls, grain_cls):
     used = batch["tokens_segment_lengths"] > 0
     batch["segment_source_index"] = np.where(used, 0, -1).astype(np.int64)
     batch["segment_source_start"] = np.zeros_like(batch["segment_source_index"])
-    packer.validate(batch, packer.PackConfig(128, max_segments=64))
+    packer.validate(batch, packer.PackConfig(128, max_segments=128))  # S = L by default
 
 
 @pytest.mark.parametrize("ours_cls,grain_cls", PAIRS, ids=["first_fit", "best_fit"])
@@ -148,6 +150,44 @@ def test_too_long_and_bad_structure_raise():
     with pytest.raises(ValueError, match="max_sequences_per_bin"):
         pipelines.FirstFitPackIterDataset(ds, length_struct={"tokens": 64}, num_packing_bins=2,
                                           max_sequences_per_bin=0)
+
+
+@pytest.mark.parametrize("ours_cls,grain_cls", PAIRS, ids=["first_fit", "best_fit"])
+@pytest.mark.parametrize("metadata", [True, False])
+def test_uncapped_many_short_examples_equal_grain(ours_cls, grain_cls, metadata):
+    """MaxText's default (max_segments_per_seq -1 -> no cap): rows of 100+ short documents."""
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(1, 4, 2000)
+    ds = SequentialIterDataset(ArraySource.from_sequences(
+        [rng.integers(0, 50, n).astype(np.int32) for n in lengths]))
+    kw = dict(length_struct={"tokens": 256}, num_packing_bins=4, max_sequences_per_bin=None)
+    ours, theirs = _grain_vs_ours(ours_cls, grain_cls, ds, segment_metadata=metadata, **kw)
+    assert max(int(r["tokens_segment_ids"].max()) for r in theirs) > 100
+    if not metadata:
+        assert all(set(a) == set(b) for a, b in zip(ours, theirs, strict=True))
+        return
+    assert ours[0]["tokens_segment_lengths"].shape == (256,)  # S = L: what a row can hold
+    for row in ours:
+        n = int(row["tokens_segment_ids"].max())
+        assert row["tokens_segment_lengths"][:n].sum() == np.count_nonzero(
+            row["tokens_segment_ids"])
+        assert (row["tokens_segment_lengths"][:n] > 0).all()
+        assert (row["tokens_segment_lengths"][n:] == 0).all()
+
+
+def test_uncapped_empty_examples_past_s_raise_or_pass_without_metadata():
+    """Empty examples take a segment each: past S = L only segment_metadata=False can follow
+    Grain (whose rows then hold more segment ids than tokens)."""
+    ds = SequentialIterDataset(ArraySource.from_sequences([[1, 2]] + [[]] * 20))
+    kw = dict(length_struct={"tokens": 8}, num_packing_bins=1)
+    with pytest.raises(ValueError, match=r"holds 21 segments > max_segments=8 .*empty"):
+        list(pipelines.FirstFitPackIterDataset(ds, **kw))
+    _grain_vs_ours(pipelines.FirstFitPackIterDataset, ge.FirstFitPackIterDataset, ds,
+                   segment_metadata=False, **kw)
+    rows = list(pipelines.FirstFitPackIterDataset(ds, max_segments=32, **kw))
+    assert rows[0]["tokens_segment_lengths"].shape == (32,)
+    with pytest.raises(ValueError, match="segment_metadata=False leaves out"):
+        pipelines.FirstFitPackIterDataset(ds, max_segments=32, segment_metadata=False, **kw)
 
 
 def test_more_segments_than_max_segments_raises():
@@ -212,9 +252,11 @@ def test_nested_length_struct_needs_a_meta_feature(ours_cls, grain_cls):
     ds = _nested_source(9, 10)
     with pytest.raises(ValueError, match="Perhaps it should be marked as a meta feature"):
         list(grain_cls(ds, length_struct=NESTED, num_packing_bins=2))
-    with pytest.raises(ValueError, match=r"length_struct\['extras'\] is a nested dict.*add "
+    # Grain's error, when iterated (as Grain raises it), with the fix named
+    unmarked = ours_cls(ds, length_struct=NESTED, num_packing_bins=2)
+    with pytest.raises(ValueError, match=r"Perhaps it should be marked as a meta feature.*add "
                                          "'extras' to meta_features"):
-        ours_cls(ds, length_struct=NESTED, num_packing_bins=2)
+        iter(unmarked)
     with pytest.raises(ValueError, match="padding_struct=.* structure of length_struct"):
         ours_cls(ds, length_struct=NESTED, num_packing_bins=2, meta_features=("extras",),
                  padding_struct={"tokens": 0, "extras": 0})

@@ -16,41 +16,15 @@ from seqpack.pipelines.datasets import (
     Batching,
     Columns,
     PackedArrayRecordSource,
-    PackIterDataset,
     Prefetch,
-    Window,
     make_training_pipeline,
 )
-from seqpack.pipelines.datasets import SequentialIterDataset as Seq
 from seqpack.pipelines.formats.manifest import MANIFEST, signed
-from tests.helpers.pipelines import (
-    check_restore_every_step,
-    random_lengths,
-    sft_corpus,
-    sft_source,
-    write_packed,
-)
+from tests.helpers.packed_rows import B, D, L, S, balanced_dir, packed_dir, row_ids
+from tests.helpers.pipelines import check_restore_every_step
 
 pytest.importorskip("array_record.python.array_record_module")
-L, S = 32, 8
-
-
-def _packed_dir(path, n: int = 120, *, row_order=None, shard_rows: int = 7, tail=None):
-    values, offsets, labels, mask = sft_corpus(random_lengths(np.random.default_rng(0), n,
-                                                              high=L), seed=1)
-    rows = list(PackIterDataset(Seq(sft_source(values, offsets, labels, mask)),
-                                PackConfig(L, max_segments=S), window=Window(16),
-                                columns=Columns(labels=["labels"], drop=["mask"])))
-    if tail is not None:  # whole steps of `tail[0]` rows, then tail[1] rows
-        rows = rows[: (len(rows) // tail[0] - 1) * tail[0] + tail[1]]
-    return write_packed(path, rows, seq_len=L, max_segments=S, shard_rows=shard_rows,
-                        columns={"labels": -100}, row_order=row_order)
-
-
-def _row_id(stored):
-    """Stored row number of each row, from its (unique) segment source indices."""
-    index = {tuple(r["segment_source_index"].tolist()): i for i, r in enumerate(stored)}
-    return lambda batch: [index[tuple(s)] for s in batch["segment_source_index"].tolist()]
+_packed_dir, _row_id = packed_dir, row_ids
 
 
 def _kw(*, batch_size=2, shard_index=0, shard_count=1, drop_remainder=True, **over):
@@ -63,17 +37,21 @@ def _kw(*, batch_size=2, shard_index=0, shard_count=1, drop_remainder=True, **ov
 
 def test_rows_are_shuffled_per_epoch_and_dealt_to_hosts(tmp_path):
     stored = _packed_dir(tmp_path)
-    src, ids, N, H = PackedArrayRecordSource(tmp_path), _row_id(stored), len(stored), 3
-    per_host = [[i for b in make_training_pipeline(
-        src, **_kw(num_epochs=2, shard_index=h, shard_count=H, drop_remainder=False))
-        for i in ids(b)] for h in range(H)]
-    order = [None] * (2 * N)  # host h's k-th row sits at position k * H + h of the global order
-    for h, seq in enumerate(per_host):
-        for k, i in enumerate(seq):
-            order[k * H + h] = i
+    src, ids, N, H, b = PackedArrayRecordSource(tmp_path), _row_id(stored), len(stored), 3, 2
+    order = [i for batch in make_training_pipeline(src, **_kw(num_epochs=2, batch_size=1,
+                                                              drop_remainder=False))
+             for i in ids(batch)]  # the global order: one host
     first, second = order[:N], order[N:]
     assert sorted(first) == sorted(second) == list(range(N))  # each row once per epoch
     assert first != second and first != sorted(first)  # shuffled, and reshuffled
+    per_host = [[ids(batch) for batch in make_training_pipeline(
+        src, **_kw(num_epochs=2, batch_size=b, shard_index=h, shard_count=H,
+                   drop_remainder=False))] for h in range(H)]
+    whole = 2 * N // (H * b)  # global steps of H x b rows: host h has block h of each
+    for h, batches in enumerate(per_host):
+        for k in range(whole):
+            assert batches[k] == order[k * H * b + h * b:][:b]
+        assert sum(batches[whole:], []) == order[whole * H * b + h::H]  # the tail, in turn
 
 
 def test_every_column_reaches_the_batch_with_loss_tokens(tmp_path):
@@ -131,15 +109,7 @@ def test_resume_at_every_step(tmp_path):
     check_restore_every_step(make, max_rows=12)
 
 
-D, B = 4, 2  # a dataset balanced for 4 ranks of 2 rows per step
-
-
-def _balanced(tmp_path):
-    order = {"mode": "balanced", "seed": 0, "data_parallel": D, "batch_size": B,
-             "cost_model": {"kind": "tokens"}}
-    stored = _packed_dir(tmp_path, n=200, row_order=order, tail=(D * B, 3))
-    assert len(stored) % (D * B) == 3  # a partial last step
-    return stored, PackedArrayRecordSource(tmp_path)
+_balanced = balanced_dir
 
 
 @pytest.mark.parametrize("hosts", [1, 2, 4])
@@ -215,3 +185,14 @@ def test_worker_processes_read_every_row_once_and_resume(tmp_path, balanced):
         restored.set_state(states[step])
         assert ids(next(restored)) == ids(batches[step])
         restored.close()
+
+
+def test_a_partial_global_step_is_dropped_on_every_host(tmp_path, caplog):
+    stored = _packed_dir(tmp_path)
+    src, H, b = PackedArrayRecordSource(tmp_path), 3, 4
+    assert len(stored) % (H * b)  # a partial last step
+    counts = [sum(1 for _ in make_training_pipeline(src, **_kw(batch_size=b, shard_index=h,
+                                                               shard_count=H)))
+              for h in range(H)]
+    assert counts == [len(stored) // (H * b)] * H  # the same steps on every host
+    assert f"the last {len(stored) % (H * b)} packed rows (a partial global step" in caplog.text

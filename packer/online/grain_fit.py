@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from seqpack.packer.assemble import RowLayout, fill_rows, write_feature
+from seqpack.packer.contract import keys
 from seqpack.packer.inputs import InputError, fit_dtype
 
 _INF = 1 << 62
@@ -44,6 +45,7 @@ class BatchSpec:
     max_sequences_per_bin: int | None
     max_segments: int  # S of the extra [S] keys
     best_fit: bool
+    segment_metadata: bool = True  # False: Grain's keys only (no [S] lengths / offsets)
 
 
 def _length(x: Any) -> int:
@@ -266,10 +268,13 @@ class FitBatch:
         num_rows = sum(1 for c in self._count if c > 0)
         rows = np.asarray(self._rows, np.int64)
         slots = np.asarray(self._slots, np.int64)
-        if slots.size and int(slots.max()) >= S:
+        if not spec.segment_metadata:
+            S = int(slots.max()) + 1 if slots.size else 1  # the [S] keys are left out
+        elif slots.size and int(slots.max()) >= S:
             raise ValueError(
-                f"a packed row holds {int(slots.max()) + 1} segments > max_segments={S}; pass "
-                "max_sequences_per_bin=S (caps rows the Grain way) or a larger max_segments"
+                f"a packed row holds {int(slots.max()) + 1} segments > max_segments={S} (empty "
+                "examples take a segment each); pass a larger max_segments, "
+                "max_sequences_per_bin=S (caps rows the Grain way), or segment_metadata=False"
             )
         out: dict[str, np.ndarray] = {}
         for i, k in enumerate(spec.features):
@@ -281,6 +286,8 @@ class FitBatch:
             if k in spec.segment_features:
                 arrays = write_feature(pieces, layout, cap, S, feature=k, dtype=self._dtypes[i],
                                        pad=pad)
+                if not spec.segment_metadata:
+                    del arrays[keys(k).segment_lengths], arrays[keys(k).segment_offsets]
             else:
                 arrays = {k: fill_rows(pieces, layout, cap, dtype=self._dtypes[i], pad=pad)}
             out.update({name: v[:num_rows] for name, v in arrays.items()})

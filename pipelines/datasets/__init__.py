@@ -4,14 +4,15 @@ The only part of seqpack that imports grain (and so jax):
 
 - `PackIterDataset`: checkpointable streaming packer (best fit decreasing over windows).
 - `FirstFitPackIterDataset`, `BestFitPackIterDataset`: Grain's rows, faster, plus segment
-  lengths/offsets.
+  lengths/offsets (`segment_metadata=False`: exactly Grain's keys).
 - Sources (`grain.MapDataset`s with random access): `ArraySource`, `JsonlSource`,
   `ParquetSource`, `ArrayRecordSource`, `PackedArrayRecordSource` (alias `PackedSource`: the
   output of `seqpack pack` in any `--format`); `SequentialIterDataset` walks one in order.
 - `Mixture`: several datasets as one stream, weighted in tokens, loss tokens or examples
   (docs/mixing.md); every row then carries `segment_dataset_id`.
 - `make_training_pipeline`: shard, shuffle, pack, batch, prefetch; or, over packed rows,
-  shuffle per epoch, shard, batch (balanced datasets by whole steps). Its options come in
+  shuffle per epoch, deal global steps to hosts, batch (balanced datasets by whole steps): a
+  packed-rows state restores on any number of hosts. Its options come in
   frozen dataclasses: `packer.PackConfig`, `Batching`, `Columns`, `Balance`, `Window`,
   `Prefetch` (docs/training.md); `Batching(context_parallel=C)` emits rows in the load-balanced
   layout of C context-parallel ranks (`ContextParallelLayout`).

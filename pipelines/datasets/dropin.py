@@ -3,7 +3,10 @@
 Same constructor arguments, the same rows in the same order (bins filled by Grain's rules,
 optionally shuffled with Grain's seeding), the same checkpoint state format — plus, for every
 packed feature `f` that is not a meta feature, the contract's `f_segment_lengths` and
-`f_segment_offsets` (`[S]` i32, S = `max_segments`). Swap in one line::
+`f_segment_offsets` (`[S]` i32, S = `max_segments`, default the segment cap
+`max_sequences_per_bin`, else L: a row holds at most L non-empty segments), which
+`segment_metadata=False` leaves out. `max_sequences_per_bin=None` puts no cap on segments, as
+in Grain. Swap in one line::
 
     ds = grain.experimental.BestFitPackIterDataset(ds, length_struct={"tokens": 2048},
                                                    num_packing_bins=1024)
@@ -34,7 +37,7 @@ leaves are packed like any meta feature (values only, the same bins) and come ba
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grain
@@ -44,7 +47,13 @@ from seqpack.packer.contract import check_not_packed
 from seqpack.packer.inputs import fit_dtype
 from seqpack.packer.online import BatchSpec, FitBatch, element_dtypes
 from seqpack.pipelines.datasets.columns import Column, Columns
-from seqpack.pipelines.datasets.grain_args import add_columns, get_leaf, make_spec, nest
+from seqpack.pipelines.datasets.grain_args import (
+    add_columns,
+    get_leaf,
+    make_spec,
+    nest,
+    unmarked_nested,
+)
 from seqpack.pipelines.errors import InputError
 
 
@@ -240,14 +249,19 @@ class _DropinPackIterDataset(grain.IterDataset):
         padding_struct: Any = None,
         max_sequences_per_bin: int | None = None,
         max_segments: int | None = None,
+        segment_metadata: bool = True,
         columns: Columns = Columns(),
     ):
         """Grain's arguments, plus `max_segments` = S of the segment lengths/offsets keys
-        (default: `max_sequences_per_bin`, else 64; a row with more segments raises), and
+        (default: `max_sequences_per_bin`, else L = the longest feature's length, what a row
+        can hold; a row with more segments, possible only with empty examples, raises),
+        `segment_metadata=False` (exactly Grain's keys: no lengths / offsets), and
         label / mask columns packed with a segment feature's layout (`Columns(labels=...,
         masks=...)`, columns.py: a list, or {name: pad}, or {name: (feature, pad)}; pads
         default to -100 / 0)."""
         super().__init__(parent)
+        self._unmarked = unmarked_nested(length_struct, meta_features) if isinstance(
+            length_struct, Mapping) else None
         spec = make_spec(
             length_struct=length_struct,
             num_packing_bins=num_packing_bins,
@@ -257,6 +271,7 @@ class _DropinPackIterDataset(grain.IterDataset):
             max_sequences_per_bin=max_sequences_per_bin,
             max_segments=max_segments,
             best_fit=self._BEST_FIT,
+            segment_metadata=segment_metadata,
         )
         self._spec, self._columns = add_columns(spec, columns)
         self._seed = seed
@@ -264,6 +279,8 @@ class _DropinPackIterDataset(grain.IterDataset):
         self._group_by = shuffle_bins_group_by_feature
 
     def __iter__(self) -> DropinPackIterator:
+        if self._unmarked is not None:
+            raise ValueError(self._unmarked)
         return DropinPackIterator(
             self._parent.__iter__(),
             spec=self._spec,

@@ -2,11 +2,14 @@
 
 `length_struct` is a dict feature -> int, or, as in Grain, a tree of dicts whose nested parts
 sit under meta features; `get_leaf` / `nest` walk such trees. seqpack's own additions:
-`max_segments` (S of the segment lengths/offsets keys) and label / mask columns (`Columns`,
-`pipelines.datasets.columns`) riding on a segment feature. A column `c` on feature `f` is
-packed as Grain would pack a meta feature `c` with `length_struct[c] = length_struct[f]` and
-`padding_struct[c] = pad`: every example's `c` has f's length, so it takes the bin and the
-offsets f takes, and Grain's bin choice is the same as with `c` in `length_struct`.
+`max_segments` (S of the segment lengths/offsets keys; default the segment cap
+`max_sequences_per_bin`, else the longest feature's length L, which no row's segments exceed
+unless empty examples are packed), `segment_metadata` (False: Grain's keys only) and label /
+mask columns (`Columns`, `pipelines.datasets.columns`) riding on a segment feature. A column
+`c` on feature `f` is packed as Grain would pack a meta feature `c` with
+`length_struct[c] = length_struct[f]` and `padding_struct[c] = pad`: every example's `c` has
+f's length, so it takes the bin and the offsets f takes, and Grain's bin choice is the same as
+with `c` in `length_struct`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,19 @@ def nest(flat: dict[Key, Any]) -> dict[str, Any]:
     return out
 
 
+def unmarked_nested(length_struct: Mapping[str, Any], meta_features: Sequence[str]
+                    ) -> str | None:
+    """The error for a nested part of `length_struct` outside `meta_features`, in Grain's words
+    (Grain raises it on the first element; the drop-ins when iterated), or None."""
+    for k, v in length_struct.items():
+        if isinstance(v, Mapping) and k not in meta_features:
+            return (f"Failed to extract segment ids for {k!r}, which has type <class 'dict'> "
+                    "rather than np.ndarray. Perhaps it should be marked as a meta feature? "
+                    f"(length_struct[{k!r}] is a nested dict: add {k!r} to meta_features to "
+                    "pack its values)")
+    return None
+
+
 def _per_feature(struct: Any, features: Sequence[Key], default: Any, name: str) -> tuple:
     if struct is None:
         return tuple(default for _ in features)
@@ -86,6 +102,7 @@ def make_spec(
     max_sequences_per_bin: int | None,
     max_segments: int | None,
     best_fit: bool,
+    segment_metadata: bool = True,
 ) -> BatchSpec:
     if not isinstance(length_struct, Mapping) or not length_struct:
         raise ValueError(
@@ -99,12 +116,6 @@ def make_spec(
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"length_struct[{k!r}]={v!r} must be a positive int")
         caps.append(int(v))
-    for k in features:
-        if isinstance(k, tuple) and k[0] not in meta_features:
-            raise ValueError(
-                f"length_struct[{k[0]!r}] is a nested dict: packed with segment ids it cannot be "
-                f"(Grain raises for it too); add {k[0]!r} to meta_features to pack its values"
-            )
     if isinstance(num_packing_bins, bool) or int(num_packing_bins) < 1:
         raise ValueError(f"{num_packing_bins=} must be a positive int")
     if max_sequences_per_bin is not None and max_sequences_per_bin <= 0:
@@ -116,22 +127,33 @@ def make_spec(
                                                 "pack_alignment_struct"))
     if any(a < 1 for a in aligns):
         raise ValueError(f"pack_alignment_struct={pack_alignment_struct!r} must be >= 1")
+    if not isinstance(segment_metadata, bool):
+        raise ValueError(f"{segment_metadata=} must be True or False")
+    segment_features = tuple(k for k in features
+                             if not isinstance(k, tuple) and k not in meta_features)
     if max_segments is None:
-        max_segments = max_sequences_per_bin or 64
-    if max_segments < 1:
-        raise ValueError(f"{max_segments=} must be >= 1")
+        # S = what a row can hold: the cap, else one segment per token of the longest feature
+        max_segments = max_sequences_per_bin or max(
+            (c for k, c in zip(features, caps, strict=True) if k in segment_features),
+            default=1)
+    elif not segment_metadata:
+        raise ValueError(f"{max_segments=} sizes the segment lengths/offsets keys, which "
+                         "segment_metadata=False leaves out; pass one or the other")
+    if isinstance(max_segments, bool) or not isinstance(max_segments, (int, np.integer)) \
+            or max_segments < 1:
+        raise ValueError(f"{max_segments=} must be a positive int")
     return BatchSpec(
         features=features,
         capacities=tuple(caps),
         alignments=aligns,
         paddings=_per_feature(padding_struct, features, None, "padding_struct"),
-        segment_features=tuple(k for k in features
-                               if not isinstance(k, tuple) and k not in meta_features),
+        segment_features=segment_features,
         nonseq_meta=tuple(k for k in meta_features if k not in length_struct),
         num_bins=int(num_packing_bins),
         max_sequences_per_bin=max_sequences_per_bin,
         max_segments=int(max_segments),
         best_fit=best_fit,
+        segment_metadata=segment_metadata,
     )
 
 

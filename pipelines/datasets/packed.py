@@ -1,8 +1,11 @@
 """Packed rows (the output of `seqpack pack`) as a training input: no second packing.
 
-Rows are shuffled over the whole dataset once per epoch (seeded, reshuffled every epoch), then
-dealt to hosts (host h of H takes positions h, h + H, ... of the epoch's order, so every row is
-in exactly one shard per epoch), batched and prefetched; the state is Grain's (one index).
+Rows are shuffled over the whole dataset once per epoch (seeded, reshuffled every epoch): that
+global order, epoch after epoch, is cut into global steps of G = H x batch_size rows, and host h
+of H takes the h-th block of batch_size rows of each step (so every row is in exactly one shard
+per epoch, and the global batch of a step is the same on any number of hosts). The state names
+the global position (`GlobalRowBatches`): any host's state restores a run on any number of
+hosts, with any batch size, with nothing repeated or lost.
 
 Balanced datasets (`seqpack pack --data-parallel D --batch-size b`, manifest
 ``row_order = {"mode": "balanced", "data_parallel": D, "batch_size": b, ...}``) are laid out so
@@ -19,7 +22,8 @@ example (D = 4, b = 2, H = 2, so n = 2 and batch_size = 4)::
     host 1    step 0: rows 4-7        step 1: rows 12-15
     epoch order of steps (seeded): e.g. [1, 0] -> host 0 reads rows 8-11, then 0-3
 
-The rows of a final partial step are not read (every rank of a step needs b rows).
+The rows of a final partial step are not read (every rank of a step needs b rows). The state
+counts global steps, so a run restores on any H that divides D.
 """
 
 from __future__ import annotations
@@ -169,16 +173,116 @@ def packed_batches(source: Any, *, batch_size: int, shuffle_seed: int, num_epoch
     rows = rows.shuffle(seed=shuffle_seed)
     if num_epochs != 1:
         rows = rows.repeat(num_epochs)
-    mine = rows[shard_index::shard_count]
-    if drop_remainder and num_epochs is not None and len(mine) % batch_size:
-        _dropped(mine, len(mine) % batch_size, batch_size, getattr(source, "feature", "tokens"))
-    return SequentialIterDataset(mine).batch(batch_size, drop_remainder=drop_remainder)
+    step_rows = batch_size * shard_count
+    if drop_remainder and num_epochs is not None and len(rows) % step_rows:
+        left = range(len(rows) - len(rows) % step_rows, len(rows))
+        _dropped(rows, left[shard_index * batch_size:(shard_index + 1) * batch_size],
+                 len(left), batch_size, getattr(source, "feature", "tokens"))
+    return GlobalRowBatches(rows, batch_size=batch_size, shard_index=shard_index,
+                            shard_count=shard_count, drop_remainder=drop_remainder)
 
 
-def _dropped(rows: grain.MapDataset, count: int, batch_size: int, feature: str) -> None:
-    """Says which rows a last, short batch drops: their number and their tokens."""
-    tokens = sum(int(np.sum(rows[len(rows) - 1 - i][f"{feature}_segment_lengths"]))
-                 for i in range(count))
-    log.warning("the last %d packed rows of this host (%d tokens) are dropped: they do not fill "
-                "a batch of %d (Batching(drop_remainder=False) keeps them)", count, tokens,
+class GlobalRowBatches(grain.IterDataset):
+    """Host `shard_index`'s batches of `rows` (the global order of every row of every epoch):
+    global step k is rows [k G, (k + 1) G), G = batch_size x shard_count, and host h takes its
+    block [k G + h b, k G + (h + 1) b), so the hosts' batches side by side (a global array
+    assembled in process order) are the global order itself: the same global batches on any
+    number of hosts. A last, partial step is dropped on every host (drop_remainder) or dealt
+    in turn (host h: positions h, h + H, ... of it).
+
+    The state names the global position (the first row of the next step), so any host's state
+    restores on any host count and batch size with nothing repeated or lost. In a worker
+    process (`mp_prefetch` slices it), worker w of W makes steps w, w + W, ...: the batches
+    and their order do not depend on the worker count."""
+
+    def __init__(self, rows: grain.MapDataset, *, batch_size: int, shard_index: int,
+                 shard_count: int, drop_remainder: bool):
+        super().__init__()
+        self._rows, self._drop = rows, drop_remainder
+        self._b, self._h, self._H = batch_size, shard_index, shard_count
+        self._steps = (0, 1)  # (first step, stride): this copy's steps
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """Called by Grain in each prefetch worker (on its copy of the dataset)."""
+        if sequential_slice:
+            raise ValueError("packed rows are read by steps in their global order: worker "
+                             "processes take steps in turn (sequential_slice=False)")
+        self._steps = (sl.start or 0, sl.step or 1)
+
+    def __iter__(self) -> GlobalRowIterator:
+        return GlobalRowIterator(self)
+
+    def __str__(self) -> str:
+        return (f"GlobalRowBatches(rows={len(self._rows)}, batch_size={self._b}, "
+                f"shard {self._h} of {self._H})")
+
+
+class GlobalRowIterator(grain.DatasetIterator):
+    """Iterator of `GlobalRowBatches`; state {"position": the global row position of the next
+    step, "steps": steps made, "shard_index", "shard_count", "batch_size"}. Restoring reads the
+    position (any host count or batch size); a worker process reads its own step count, in
+    the layout it was saved with (Grain hands every worker the state an unsliced iterator
+    made: relative to the worker's own steps)."""
+
+    def __init__(self, ds: GlobalRowBatches):
+        super().__init__()
+        self._ds = ds
+        self._first, self._stride = ds._steps
+        self._step_rows = ds._b * ds._H
+        self._count = 0
+        self._position = self._first * self._step_rows
+
+    def __next__(self) -> dict[str, Any]:
+        ds, start = self._ds, self._position
+        n = len(ds._rows)
+        if start + self._step_rows <= n:  # a whole step: this host's block of it
+            mine = range(start + ds._h * ds._b, start + (ds._h + 1) * ds._b)
+        elif ds._drop:
+            raise StopIteration  # on every host: no host has a whole batch
+        else:  # the last, partial step: dealt in turn, every host within a row of the others
+            mine = range(start + ds._h, n, ds._H)
+            if not len(mine):
+                raise StopIteration
+        self._position = min(start + self._stride * self._step_rows, n)  # n: finished
+        self._count += 1
+        rows = [ds._rows[i] for i in mine]
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+    def get_state(self) -> dict[str, Any]:
+        ds = self._ds
+        return {"position": self._position, "steps": self._count, "shard_index": ds._h,
+                "shard_count": ds._H, "batch_size": ds._b}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        ds = self._ds
+        if (self._first, self._stride) == (0, 1):
+            position, count = int(state["position"]), int(state.get("steps", 0))
+        elif (state.get("shard_count"), state.get("batch_size")) != (ds._H, ds._b):
+            raise ValueError(
+                f"a worker state of a run with shard_count={state.get('shard_count')}, "
+                f"batch_size={state.get('batch_size')} cannot restore a worker with "
+                f"shard_count={ds._H}, batch_size={ds._b}: worker processes count their own "
+                "steps, and another layout would repeat or lose rows. Restore without worker "
+                "processes (Prefetch(worker_count=0)), which reads the global position, and "
+                "save again")
+        else:
+            count = int(state["steps"])
+            position = (self._first + count * self._stride) * self._step_rows
+        if position < 0 or position > len(ds._rows):
+            raise ValueError(f"state position={position} is outside the {len(ds._rows)} rows "
+                             "of this run's epochs (a state of another dataset or num_epochs?)")
+        self._position, self._count = position, count
+
+    def __str__(self) -> str:
+        return "GlobalRowIterator"
+
+
+def _dropped(rows: grain.MapDataset, positions: Sequence[int], total: int, batch_size: int,
+             feature: str) -> None:
+    """Says which rows a last, partial global step drops: their number, this host's share and
+    its tokens."""
+    tokens = sum(int(np.sum(rows[i][f"{feature}_segment_lengths"])) for i in positions)
+    log.warning("the last %d packed rows (a partial global step; %d of them, %d tokens, this "
+                "host's) are dropped: the hosts' batches of %d rows cannot all be filled "
+                "(Batching(drop_remainder=False) keeps them)", total, len(positions), tokens,
                 batch_size)
