@@ -52,7 +52,7 @@ from seqpack.pipelines.datasets.columns import (
 from seqpack.pipelines.datasets.loss import LossTokens
 from seqpack.pipelines.datasets.mixing import Mixture
 from seqpack.pipelines.datasets.pack import PackIterDataset, Window
-from seqpack.pipelines.datasets.sources import SequentialIterDataset
+from seqpack.pipelines.datasets.sources import SequentialIterDataset, ShardedPacking
 from seqpack.pipelines.errors import InputError
 
 
@@ -295,54 +295,6 @@ def _example_batches(source: Any, *, pack: PackConfig, batch: Batching,
                            seed=shuffle_seed)
     return ShardedPacking(rows.batch(batch.batch_size, drop_remainder=batch.drop_remainder),
                           shard_index=shard_index, shard_count=shard_count, examples=len(source))
-
-
-class ShardedPacking(grain.IterDataset):
-    """Online packing of shard `shard_index` of `shard_count`: its state records the shard, and
-    restoring it under another shard refuses (module docstring: the examples are sharded before
-    packing, so the state names positions in this shard's examples)."""
-
-    def __init__(self, parent: grain.IterDataset, *, shard_index: int, shard_count: int,
-                 examples: int):
-        super().__init__(parent)
-        self._shard, self._examples = (shard_index, shard_count), examples
-
-    def __iter__(self) -> _ShardedPackingIterator:
-        return _ShardedPackingIterator(self._parent.__iter__(), self._shard, self._examples)
-
-    def __str__(self) -> str:
-        return f"ShardedPacking(shard {self._shard[0]} of {self._shard[1]})"
-
-
-class _ShardedPackingIterator(grain.DatasetIterator):
-    def __init__(self, parent: grain.DatasetIterator, shard: tuple[int, int], examples: int):
-        super().__init__(parent)
-        self._shard, self._examples = shard, examples
-
-    def __next__(self) -> Any:
-        return next(self._parent)
-
-    def get_state(self) -> dict[str, Any]:
-        return {"shard_index": self._shard[0], "shard_count": self._shard[1],
-                "packing": self._parent.get_state()}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        saved = (int(state["shard_index"]), int(state["shard_count"]))
-        if saved != self._shard:
-            (h, H), (h2, H2), n = saved, self._shard, self._examples
-            raise ValueError(
-                f"this online-packing state was saved by shard {h} of {H} and is restored as "
-                f"shard {h2} of {H2}: examples are dealt to shards before packing (example i "
-                f"to shard i mod shard_count), and the state counts positions in shard {h} of "
-                f"{H}'s examples, which are not this shard's; restoring it would read again "
-                f"examples packed before the save on one host and skip others on another "
-                f"({n} examples dealt {H} ways then, {H2} ways now). Restore on {H} hosts, "
-                "each its own state, or pack offline (`seqpack pack`): packed rows resume on "
-                "any host count")
-        self._parent.set_state(state["packing"])
-
-    def __str__(self) -> str:
-        return "ShardedPackingIterator"
 
 
 def _loss_tokens(source: Any, feature: str, columns: Columns) -> LossTokens:
