@@ -113,7 +113,7 @@ class ShortfallMixer:
 
     def pick(self) -> int:
         """The dataset to draw from next; -1 when no active dataset has a weight > 0."""
-        since = self.total - self.base_total
+        since: float = self.total - self.base_total
         drawn = self.count - self.base_count
         since += (since / drawn if drawn else 1.0) - sum(self.held)
         best, best_gap = -1, 0.0

@@ -51,6 +51,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -175,7 +176,7 @@ def _plan_blocks(lengths: np.ndarray, files: list[FileSummary], job: PackJob, po
         lengths = mixed.lengths
     count = -(-lengths.size // size)
     plan = functools.partial(core.plan_block, top=core.longest(files))
-    calls = ((j, lengths[j * size : (j + 1) * size], job) + (
+    calls: Iterator[tuple[Any, ...]] = ((j, lengths[j * size : (j + 1) * size], job) + (
         () if mixed is None else (mixed.ref[j * size : (j + 1) * size],)) for j in range(count))
     mapped = plan_map(pool, size, lengths.size) if count > 1 else None
     if mapped is None:
