@@ -300,21 +300,21 @@ def test_pipeline_resume_with_edited_weights(workers):
     old = Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="continue")
     new = Mixture(src, weights={"a": 3, "b": 1}, on_exhausted="continue")
     it = iter(_pipeline(old, workers=workers))
-    full = list(it)
+    full, states = [], [json.loads(json.dumps(it.get_state()))]
+    for b in it:
+        full.append(b)
+        states.append(json.loads(json.dumps(it.get_state())))
     it.close()
     assert _examples(_unbatch(full)) == _full(src)
-    for n in range(len(full)):  # a resume at every step
-        it = iter(_pipeline(old, workers=workers))
-        head = [next(it) for _ in range(n)]
-        state = json.loads(json.dumps(it.get_state()))
-        it.close()
-        same = iter(_pipeline(old, workers=workers))
-        same.set_state(state)
-        assert_rows_equal(list(same), full[n:])
-        same.close()
+    for n, state in enumerate(states[:-1]):  # a resume at every step
+        if not workers or n in (1, len(full) // 2):  # (and the old weights' exact tail)
+            same = iter(_pipeline(old, workers=workers))
+            same.set_state(state)
+            assert_rows_equal(list(same), full[n:])
+            same.close()
         resumed = iter(_pipeline(new, workers=workers))
         resumed.set_state(state)
-        got = _examples(_unbatch(head + list(resumed)))
+        got = _examples(_unbatch(full[:n] + list(resumed)))
         resumed.close()
         assert got == _full(src), n
 
