@@ -195,13 +195,16 @@ class MixtureIterator(grain.DatasetIterator):
                 mixer.deactivate(d)
                 continue
             break
-        m = len(self._ranges[d])
-        epoch, j = divmod(pos, m)
-        index = self._ranges[d][int(self._order(d, epoch)[j])]
+        rng = self._ranges[d]
+        epoch, j = divmod(pos, len(rng))
+        have, perm = self._perm[d]
+        if have != epoch or perm is None:
+            perm = self._order(d, epoch)
+        index = rng[int(perm[j])]
         element = self._mix.sources[d][index]
         tokens, loss = self._count(d, index, element)
-        mixer.add(d, tokens if self._mix.unit == "tokens" else
-                  loss if self._mix.unit == "loss_tokens" else 1)
+        unit = self._mix.unit
+        mixer.add(d, tokens if unit == "tokens" else loss if unit == "loss_tokens" else 1)
         self._pos[d] = pos + 1
         self._tokens[d] += tokens
         self._loss[d] += loss
@@ -212,9 +215,9 @@ class MixtureIterator(grain.DatasetIterator):
     def _count(self, d: int, index: int, element: Any) -> tuple[int, int]:
         """(tokens, loss tokens) of one element; InputError naming it when a key is missing."""
         try:
-            tokens = len(element[self._mix.feature])
             if self._loss_key is None:
-                return tokens, 0
+                return len(element[self._mix.feature]), 0
+            tokens = len(element[self._mix.feature])
             return tokens, int(np.count_nonzero(np.asarray(element[self._loss_key])
                                                 != self._loss_pad))
         except (KeyError, TypeError, IndexError) as e:

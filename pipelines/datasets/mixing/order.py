@@ -29,19 +29,18 @@ def balanced_order(tokens: np.ndarray,  # i64[R, K]: dataset tokens per row
                    order: list[int]) -> list[int]:
     """`order` (a seeded shuffle of the rows) re-ordered so each prefix tracks the shares."""
     tok = tokens[order].astype(np.float64)
-    sizes = tok.sum(1)
     total = tok.sum(0)
     if total.sum() <= 0 or len(order) < 3:
         return list(order)
-    share = total / total.sum()
-    left = np.ones(len(order), bool)
-    run, run_total, out = np.zeros_like(share), 0.0, []
+    # |run + tok_r - share (run_total + size_r)|^2 = |a|^2 + 2 a.b_r + |b_r|^2 with
+    # a = run - share run_total and b_r = tok_r - share size_r: one mat-vec a step
+    b = tok - np.outer(tok.sum(1), total / total.sum())
+    bb = np.einsum("rk,rk->r", b, b)
+    a = np.zeros(tok.shape[1])
+    out = []
     for _ in range(len(order)):
-        dev = run + tok - share * (run_total + sizes)[:, None]
-        score = np.where(left, np.einsum("rk,rk->r", dev, dev), np.inf)
-        j = int(np.argmin(score))
+        j = int(np.argmin(bb + 2 * (b @ a)))
         out.append(order[j])
-        left[j] = False
-        run += tok[j]
-        run_total += sizes[j]
+        a += b[j]
+        bb[j] = np.inf
     return out
