@@ -1,8 +1,8 @@
 """Mixtures through packing: seqpack's `Mixture` + `PackIterDataset` against Grain's `mix` +
 FirstFit / BestFit, on two datasets whose mean lengths differ ~6x, in one process.
 
-    short: chat_dev examples (mean ~384 tokens)
-    long:  chat_sft_dev examples concatenated 6 at a time (mean ~2,300 tokens)
+    short: chat_dev examples (mean ~400 tokens once truncated)
+    long:  chat_sft_dev examples concatenated 6 at a time (mean ~2,500 tokens)
 
 (every example truncated to L, which Grain's packers require). Weights 0.5 / 0.5; seqpack's in
 tokens, Grain's in elements (its only unit). Printed:
@@ -16,7 +16,7 @@ tokens, Grain's in elements (its only unit). Printed:
    `PackIterDataset` over the same documents and Grain's mix + BestFit.
 4. Rows: the mixture's against the unmixed packing of the same documents.
 
-    python -m benchmarks.mixture_bench                       # ../shared/data, a few minutes
+    python -m benchmarks.mixture_bench                       # ../shared/data, about a minute
     python -m benchmarks.mixture_bench --short 8000 --long 1000 --repeats 1   # quicker
 """
 
@@ -47,6 +47,9 @@ UID = 10**7  # a token's value names its document: dataset * UID + index (length
 def datasets(n_short: int, n_long: int, L: int) -> dict[str, list[int]]:
     """Lengths of the two datasets (real: the shared corpora, truncated to L)."""
     def lengths(name: str) -> np.ndarray:
+        if not (DATA / f"{name}.npz").is_file():
+            raise SystemExit(f"Error: {DATA / name}.npz not found (the shared corpora, "
+                             "../shared/data from the repository root)")
         z = np.load(DATA / f"{name}.npz")
         return np.diff(z["offsets"].astype(np.int64))
     short = lengths("chat_dev")[:n_short]
