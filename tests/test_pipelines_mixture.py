@@ -234,7 +234,7 @@ def test_edited_weights_at_every_step_repeat_and_lose_nothing(policy):
 
 
 def test_edited_weights_take_hold_from_the_restored_point():
-    src = _sources(ns=(600, 600), highs=(20, 20))
+    src = _sources(ns=(1500, 1500), highs=(20, 20))
     make = lambda w: _pack(Mixture(src, weights=w, unit="tokens", on_exhausted="continue"))
     it = iter(make({"a": 1, "b": 1}))
     for _ in range(8):
@@ -243,11 +243,13 @@ def test_edited_weights_take_hold_from_the_restored_point():
     resumed = iter(make({"a": 1, "b": 3}))
     resumed.set_state(state)
     drawn_before = state["parent"]["tokens"]
-    for _ in range(20):
-        next(resumed)
+    rows = [next(resumed) for _ in range(60)]
     after = resumed.counters["datasets"]
     since = [after[n]["tokens"] - t for n, t in zip("ab", drawn_before)]
-    assert abs(since[1] / sum(since) - 0.75) < 0.02, since
+    assert abs(since[1] / sum(since) - 0.75) < 0.03, since  # drawn since the restore
+    tok = np.array([[sum(n for d, _, _, n in _segments([r]) if d == k) for k in (0, 1)]
+                    for r in rows[20:]])  # rows of windows drawn after it
+    assert abs(tok[:, 1].sum() / tok.sum() - 0.75) < 0.03, tok.sum(0)
 
 
 def test_restore_refuses_other_datasets_with_the_difference_named():
@@ -413,3 +415,18 @@ def test_a_packed_mixture_conserves_every_token_once(ns, weights, unit, seed):
         assert r["tokens_segment_lengths"].sum() <= 64
         assert (r["tokens_segment_lengths"] > 0).sum() <= 8
     assert_rows_equal(list(make()), rows)
+
+
+def test_open_rows_default_to_few_over_a_mixture():
+    from seqpack.pipelines.datasets.layouts import MIXED_OPEN_ROWS
+
+    src = _sources()
+    mix = Mixture(src, weights={"a": 1, "b": 1})
+    assert PackIterDataset(mix, PackConfig(128)).open_rows == MIXED_OPEN_ROWS
+    assert PackIterDataset(mix, PackConfig(128), window=Window(open_rows=0)).open_rows == 0
+    plain = PackIterDataset(grain.MapDataset.source([{"tokens": np.arange(3)}]).to_iter_dataset(),
+                            PackConfig(128))
+    assert plain.open_rows is None  # the planner's default: the window
+    assert iter(_pack(mix)).get_state()["phase"] == "start"
+    with pytest.raises(ValueError, match="open_rows=-1"):
+        Window(open_rows=-1)

@@ -28,6 +28,8 @@ from seqpack.packer.assemble import fill_rows, source_arrays, write_feature
 from seqpack.packer.plan import order_pieces
 from seqpack.pipelines.datasets.columns import check_int, check_type
 
+MIXED_OPEN_ROWS = 4  # Window.open_rows over a mixture (benchmarks/README: Mixtures (online))
+
 
 def gather(held: dict[int, list], ids: list[int], window: int) -> list[Any]:
     """Values of example `ids` from `held` (window number -> that window's values)."""
@@ -38,12 +40,13 @@ class SingleLayout:
     """One packed feature via `packer.StreamPlanner`."""
 
     def __init__(self, config: packer.PackConfig, *, window: int, meta: dict[str, str],
-                 pads: dict[str, int], window_rows: int = 128):
+                 pads: dict[str, int], window_rows: int = 128, open_rows: int | None = None):
         self.config = config
         self.feature = config.feature
         self.meta = list(meta)  # all hosted by `feature`
         self.pads = pads
-        self.planner = packer.StreamPlanner(config, window=window, window_rows=window_rows)
+        self.planner = packer.StreamPlanner(config, window=window, window_rows=window_rows,
+                                            max_open_rows=open_rows)
 
     def window_lengths(self, cols: dict[str, list[Any]]) -> list[int]:
         return [len(v) for v in cols[self.feature]]
@@ -86,7 +89,7 @@ class MultiLayout:
     max_segments, alignment, overflow and pad_id)."""
 
     def __init__(self, configs: list[packer.PackConfig], *, window: int, meta: dict[str, str],
-                 pads: dict[str, int]):
+                 pads: dict[str, int], open_rows: int | None = None):
         cfg = configs[0]
         self.pads = pads
         self.configs = configs
@@ -96,6 +99,7 @@ class MultiLayout:
         self.planner = MultiStreamPlanner(
             self.features, tuple(c.seq_len for c in configs), max_segments=cfg.max_segments,
             alignment=cfg.alignment, overflow=str(cfg.overflow), window=window,
+            max_open_rows=open_rows,
         )
 
     def window_lengths(self, cols: dict[str, list[Any]]) -> np.ndarray:
@@ -162,16 +166,27 @@ class Window:
     shuffle_rows: shuffle the rows each window emits (seeded by the dataset's seed and the
                   position), so rows leave in no particular order of length or segment count
                   (False: the planner's order, longest examples first per window).
+    open_rows:    rows kept open across windows at the most, waiting for a better fit. None:
+                  `window` rows, or MIXED_OPEN_ROWS over a `Mixture` (open rows hold long
+                  documents more than short ones: few of them keep every batch near the
+                  weights, at the same row count; docs/mixing.md).
     """
 
     window: int = 1024
     window_rows: int = 128
     shuffle_rows: bool = True
+    open_rows: int | None = None
 
     def __post_init__(self) -> None:
         check_int("window", self.window, low=1)
         check_int("window_rows", self.window_rows, low=0)
         check_type("shuffle_rows", self.shuffle_rows, bool)
+        if self.open_rows is not None:
+            check_int("open_rows", self.open_rows, low=0)
+
+    def max_open_rows(self, mixed: bool) -> int | None:
+        """The planner's `max_open_rows` (None: its default, the window)."""
+        return MIXED_OPEN_ROWS if self.open_rows is None and mixed else self.open_rows
 
 
 def pack_configs(pack: packer.PackConfig | Sequence[packer.PackConfig]

@@ -50,6 +50,7 @@ from seqpack.pipelines.datasets.layouts import (
     pack_configs,
 )
 from seqpack.pipelines.datasets.mixing import (
+    Mixture,
     MixtureIterator,
     RefTable,
     balanced_order,
@@ -381,7 +382,7 @@ class PackIterDataset(grain.IterDataset):
              and slots are shared.
     columns: label / mask / per-token columns packed with a feature's segment layout, and the
              keys dropped on purpose (`Columns`, columns.py).
-    window:  `Window`: window size, waiting for `window_rows`, row shuffling.
+    window:  `Window`: window size, waiting for `window_rows`, row shuffling, open rows.
     seed:    seeds the row shuffle.
     dtype:   the token dtype of every row of the packed features; default: the first
              non-empty element's. One dtype per run: every element is checked against it, and
@@ -407,9 +408,9 @@ class PackIterDataset(grain.IterDataset):
         self.pads = {c.name: c.pad for c in self.columns}
         self.names = self.features + tuple(self.meta)
         self.drop_features = tuple(columns.drop)
-        self.window = window.window
-        self.window_rows = window.window_rows
+        self.window, self.window_rows = window.window, window.window_rows
         self.shuffle_rows = window.shuffle_rows
+        self.open_rows = window.max_open_rows(isinstance(parent, Mixture))
         self.seed = int(seed)
         if len(self.features) > 1:
             cfg = self.configs[0]
@@ -431,10 +432,10 @@ class PackIterDataset(grain.IterDataset):
         return " (the first element's dtype; pass dtype= for a wider one)"
 
     def make_layout(self) -> SingleLayout | MultiLayout:
+        kw = dict(window=self.window, meta=self.meta, pads=self.pads, open_rows=self.open_rows)
         if len(self.features) == 1:
-            return SingleLayout(self.configs[0], window=self.window, meta=self.meta,
-                                pads=self.pads, window_rows=self.window_rows)
-        return MultiLayout(self.configs, window=self.window, meta=self.meta, pads=self.pads)
+            return SingleLayout(self.configs[0], window_rows=self.window_rows, **kw)
+        return MultiLayout(self.configs, **kw)
 
     def __iter__(self) -> PackIterator:
         return PackIterator(self._parent.__iter__(), self)
