@@ -212,23 +212,3 @@ def restore_derived(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         row.setdefault(k.segment_ids, ids)
         row.setdefault(k.positions, pos)
     return row
-
-
-def dataset_arrays(source_index: np.ndarray,  # i64[..., S]: positions in the mixed stream
-                   dataset_of: np.ndarray,  # int[n]: each mixed example's dataset
-                   index_in: np.ndarray,  # int[n]: its index within that dataset
-                   ) -> tuple[np.ndarray, np.ndarray]:  # (i32[..., S], i64[..., S])
-    """(`segment_dataset_id`, `segment_source_index`) of rows packed from a mixed stream.
-
-    Rows are planned on the mixed stream's positions; this turns each used slot's position into
-    its dataset and its index within that dataset (-1 on unused slots, as before)::
-
-        source_index   0  2 -1          dataset_of  0 1 1      dataset_id    0  1 -1
-                                        index_in    7 3 4  ->  source_index  7  4 -1
-    """
-    source_index = np.asarray(source_index)
-    used = source_index >= 0
-    at = np.where(used, source_index, 0)
-    dataset = np.where(used, np.asarray(dataset_of)[at], -1).astype(DATASET_DTYPE)
-    index = np.where(used, np.asarray(index_in)[at], -1).astype(SOURCE_DTYPE)
-    return dataset, index

@@ -82,9 +82,7 @@ class Mixture(grain.IterDataset):
                              "column (mask='loss_mask', 0 = no loss), one of the two")
         self.unit, self.feature, self.labels, self.mask = unit, feature, labels, mask
         self.policies = _policies(self.names, on_exhausted)
-        if num_epochs is not None and (isinstance(num_epochs, bool) or num_epochs < 1):
-            raise ValueError(f"{num_epochs=} must be >= 1, or None (never exhausted)")
-        self.num_epochs = num_epochs
+        self.num_epochs = _check_epochs(num_epochs)
         self.seed = int(seed)
         if not 0 <= shard_index < shard_count:
             raise ValueError(f"{shard_index=} must be in [0, {shard_count=})")
@@ -103,9 +101,7 @@ class Mixture(grain.IterDataset):
                    num_epochs: int | None) -> Mixture:
         """A copy for one host of `make_training_pipeline` (its shard, its epochs)."""
         out = copy.copy(self)
-        if num_epochs is not None and num_epochs < 1:
-            raise ValueError(f"{num_epochs=} must be >= 1, or None")
-        out.shard, out.num_epochs = (int(shard_index), int(shard_count)), num_epochs
+        out.shard, out.num_epochs = (int(shard_index), int(shard_count)), _check_epochs(num_epochs)
         out._check_shards()
         return out
 
@@ -134,6 +130,12 @@ class Mixture(grain.IterDataset):
 
     def __str__(self) -> str:
         return f"Mixture({list(self.names)}, unit={self.unit!r})"
+
+
+def _check_epochs(num_epochs: int | None) -> int | None:
+    if num_epochs is not None and (isinstance(num_epochs, bool) or num_epochs < 1):
+        raise ValueError(f"{num_epochs=} must be >= 1, or None (never exhausted)")
+    return num_epochs
 
 
 def _policies(names: Sequence[str], on_exhausted: Any) -> tuple[str, ...]:
@@ -172,14 +174,12 @@ class MixtureIterator(grain.DatasetIterator):
         self._loss_pad = IGNORE_INDEX if mix.labels is not None else 0
 
     def _order(self, d: int, epoch: int) -> np.ndarray:
-        """Dataset d's seeded order of this host's positions in `epoch` (int32 where it fits)."""
-        have, perm = self._perm[d]
-        if have != epoch or perm is None:
-            m = len(self._ranges[d])
-            rng = np.random.default_rng([self._mix.seed, self._salt[d], epoch])
-            perm = rng.permutation(m)
-            perm = perm.astype(np.int32) if m < 2**31 else perm
-            self._perm[d] = (epoch, perm)
+        """Dataset d's seeded order of this host's positions in `epoch` (int32 where it fits),
+        kept as the dataset's current order."""
+        m = len(self._ranges[d])
+        perm = np.random.default_rng([self._mix.seed, self._salt[d], epoch]).permutation(m)
+        perm = perm.astype(np.int32) if m < 2**31 else perm
+        self._perm[d] = (epoch, perm)
         return perm
 
     def __next__(self) -> Any:
