@@ -298,12 +298,17 @@ def _mixed_job(data, out, workers: int) -> PackJob:
                    read_options=ReadOptions(), mixture=spec)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("runner", ["beam", "spark"])
-def test_beam_and_spark_write_the_local_runners_bytes(data, tmp_path, runner):
+def _need(runner: str) -> None:
+    """Skips, saying why, where the runner's engine is missing."""
     pytest.importorskip({"beam": "apache_beam", "spark": "pyspark"}[runner])
     if runner == "spark" and shutil.which("java") is None:
         pytest.skip("Spark needs Java 17+")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runner", ["beam", "spark"])
+def test_beam_and_spark_write_the_local_runners_bytes(data, tmp_path, runner):
+    _need(runner)
     pack(_mixed_job(data, tmp_path / "local", 1))
     pack(_mixed_job(data, tmp_path / runner, 2), runner=runner, quiet=True)
     assert dir_bytes(tmp_path / runner) == dir_bytes(tmp_path / "local")
@@ -313,9 +318,7 @@ def test_beam_and_spark_write_the_local_runners_bytes(data, tmp_path, runner):
 @pytest.mark.slow
 @pytest.mark.parametrize("runner", ["beam", "spark"])
 def test_beam_and_spark_refuse_a_repetition_past_the_bound(data, tmp_path, runner):
-    pytest.importorskip({"beam": "apache_beam", "spark": "pyspark"}[runner])
-    if runner == "spark" and shutil.which("java") is None:
-        pytest.skip("Spark needs Java 17+")
+    _need(runner)
     result = invoke("pack", *_mix(data, "--weights", "chat=0.3,math=0.7", "--mix-tokens",
                                   100_000), "-o", tmp_path / "o", *ARGS, "--runner", runner,
                     ok=False)
