@@ -430,3 +430,13 @@ def test_open_rows_default_to_few_over_a_mixture():
     assert iter(_pack(mix)).get_state()["phase"] == "start"
     with pytest.raises(ValueError, match="open_rows=-1"):
         Window(open_rows=-1)
+
+
+def test_the_references_held_stay_bounded_over_a_long_run():
+    """The (dataset, index) table keeps only the windows open rows still need, as the held
+    tokens do: not one entry per window read."""
+    src = _sources(ns=(3000, 3000), highs=(20, 20))
+    it = iter(_pack(Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="continue")))
+    held = [len(it._refs.windows) for _ in it]
+    windows_read = it._next_id // 16
+    assert windows_read > 300 and max(held) <= 20, (windows_read, max(held))

@@ -238,6 +238,7 @@ class PackIterator(grain.DatasetIterator):
         for held in self._held.values():
             for k in [k for k in held if (k + 1) * ds.window <= oldest]:
                 del held[k]
+        self._refs.drop_below(oldest)
         while self._bounds and self._bounds[0][0] + ds.window <= oldest:
             self._bounds.popleft()
         self._cols = list(batch.items())
