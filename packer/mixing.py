@@ -27,7 +27,23 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 UNITS = ("tokens", "loss_tokens", "examples")
+
+
+def dataset_tokens(dataset_id: np.ndarray,  # int[R, S]: each slot's dataset, -1 unused
+                   lengths: np.ndarray,  # int[R, S]: each slot's tokens
+                   num_datasets: int) -> np.ndarray:  # i64[R, K]
+    """Tokens of each dataset in each packed row."""
+    ids = np.asarray(dataset_id, np.int64)
+    R, S = ids.shape
+    ids = ids.reshape(-1)
+    used = ids >= 0
+    at = np.repeat(np.arange(R), S)[used] * num_datasets + ids[used]
+    out = np.bincount(at, weights=np.asarray(lengths, np.int64).reshape(-1)[used],
+                      minlength=R * num_datasets)
+    return out.astype(np.int64).reshape(R, num_datasets)
 
 
 @dataclasses.dataclass(frozen=True)

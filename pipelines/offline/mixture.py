@@ -314,23 +314,11 @@ def select_inputs(spec: MixSpec, lengths: Sequence[np.ndarray],
 _SHOWN = ("name", "weight", "tokens", "loss_tokens", "examples", "repetitions")
 
 
-def row_tokens(batch: Mapping[str, np.ndarray], keys: FeatureKeys, num_datasets: int
-               ) -> np.ndarray:
-    """i64[R, K]: each row's tokens of each dataset, from its `[S]` lengths and dataset ids."""
-    lengths = np.asarray(batch[keys.segment_lengths], np.int64)
-    ids = np.asarray(batch[DATASET_ID], np.int64).reshape(-1)
-    R, S = lengths.shape
-    used = ids >= 0
-    at = np.repeat(np.arange(R), S)[used] * num_datasets + ids[used]
-    return np.bincount(at, weights=lengths.reshape(-1)[used],
-                       minlength=R * num_datasets).astype(np.int64).reshape(R, num_datasets)
-
-
 def shares(record: Mapping, tokens: np.ndarray, step_rows: int | None) -> dict:
     """The stats of a mixture: per dataset what the manifest records, its share of the rows'
     tokens and the p5 / p50 / p95 of its share per step of `step_rows` rows (full steps; the
-    whole output when it holds less than a step) or per row (None); `tokens`: `row_tokens` of
-    every row, in output order."""
+    whole output when it holds less than a step) or per row (None); `tokens`:
+    `packer.mixing.dataset_tokens` of every row, in output order."""
     step = step_rows or 1
     n = tokens.shape[0] // step
     steps = tokens[: n * step].reshape(n, step, -1).sum(axis=1) if n else \

@@ -29,6 +29,7 @@ import numpy as np
 from seqpack.packer import PackConfig
 from seqpack.packer.config import Overflow, Strategy
 from seqpack.packer.contract import DATASET_ID
+from seqpack.packer.mixing import dataset_tokens
 from seqpack.packer.order import CostModel
 from seqpack.packer.plan import MapBlocks, check_block_size, pieces, plan_rows_many
 from seqpack.packer.stats import stats_of_pieces
@@ -160,9 +161,9 @@ def _mixture(output_dir: str, manifest: Manifest, batch_size: int | None) -> dic
     if not manifest.mixture:
         return None
     keys, K = manifest.pack_config().keys(), len(manifest.mixture["datasets"])
-    tokens = [mixture.row_tokens(read_shard(output_dir, name, n, restore=False,
-                                            manifest=manifest), keys, K)
-              for name, n in zip(manifest.shards, manifest.shard_num_rows or [])]
+    rows = (read_shard(output_dir, name, n, restore=False, manifest=manifest)
+            for name, n in zip(manifest.shards, manifest.shard_num_rows or []))
+    tokens = [dataset_tokens(r[DATASET_ID], r[keys.segment_lengths], K) for r in rows]
     return mixture.shares(manifest.mixture, np.concatenate(tokens), batch_size)
 
 

@@ -4,8 +4,7 @@ checkpoints (`RefTable`), and the order a window's rows leave in (`balanced_orde
 docs/mixing.md."""
 
 from seqpack.pipelines.datasets.mixing.mixture import Mixture, MixtureIterator
-from seqpack.pipelines.datasets.mixing.order import balanced_order, dataset_tokens
+from seqpack.pipelines.datasets.mixing.order import balanced_order
 from seqpack.pipelines.datasets.mixing.refs import RefTable, decode_refs
 
-__all__ = ["Mixture", "MixtureIterator", "RefTable", "balanced_order", "dataset_tokens",
-           "decode_refs"]
+__all__ = ["Mixture", "MixtureIterator", "RefTable", "balanced_order", "decode_refs"]

@@ -27,8 +27,7 @@ import grain
 import numpy as np
 
 from seqpack.packer.contract import DATASET_ID
-from seqpack.packer.mixing import UNITS, ShortfallMixer, make_stages
-from seqpack.pipelines.datasets.mixing.order import dataset_tokens
+from seqpack.packer.mixing import UNITS, ShortfallMixer, dataset_tokens, make_stages
 from seqpack.pipelines.errors import InputError
 
 POLICIES = ("stop", "continue", "repeat")
@@ -245,10 +244,12 @@ class MixtureIterator(grain.DatasetIterator):
             units = np.bincount(dataset[first], minlength=k)
         else:
             return
-        held = float(units.sum())  # near the end, count what was drawn again (a ramp from 8
-        fade = min(1.0, max(0.0, (self._stream_left() / max(held, 1.0) - 2) / 6))  # to 2 holds
-        self._mixer.hold((units * fade).astype(np.int64).tolist())  # left): the whole stream
-        # keeps the weights; the rows still open at the end leave last, as they are
+        # Near the end of a stream that stops, count what was drawn again (a ramp from 8 to 2
+        # holds' worth of units left), so the whole stream keeps the weights; the rows still
+        # open at the end leave last, as they are.
+        held = float(units.sum())
+        fade = min(1.0, max(0.0, (self._stream_left() / max(held, 1.0) - 2) / 6))
+        self._mixer.hold((units * fade).astype(np.int64).tolist())
 
     def _stream_left(self) -> float:
         """About how many units the stream has left before a dataset that stops it runs out

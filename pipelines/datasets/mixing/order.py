@@ -15,16 +15,6 @@ from __future__ import annotations
 import numpy as np
 
 
-def dataset_tokens(dataset_id: np.ndarray,  # i32[R, S], -1 unused
-                   lengths: np.ndarray,  # i32[R, S]
-                   num_datasets: int) -> np.ndarray:  # i64[R, K]
-    """Tokens of each dataset in each row."""
-    rows, slots = np.nonzero(dataset_id >= 0)
-    out = np.zeros((dataset_id.shape[0], num_datasets), np.int64)
-    np.add.at(out, (rows, dataset_id[rows, slots]), lengths[rows, slots])
-    return out
-
-
 def balanced_order(tokens: np.ndarray,  # i64[R, K]: dataset tokens per row
                    order: list[int]) -> list[int]:
     """`order` (a seeded shuffle of the rows) re-ordered so each prefix tracks the shares."""
