@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.kernels_bench import jaxpr_values, matmul_flops
+from benchmarks.loss_head import jaxpr_values, matmul_flops
 from seqpack import kernels
 from seqpack.kernels import reference
 from seqpack.kernels.fused import families
