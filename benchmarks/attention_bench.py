@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +146,27 @@ def _jax_pallas_gpu(interpret: bool):
     return run
 
 
+class BHLD(NamedTuple):
+    """An implementation that reads q, k, v as [B, H, L, D] (transposed before timing)."""
+
+    fn: Callable
+
+
+def _splash(q, k, v, offsets, lengths):  # [B, H, L, D]: MaxText's way on packed rows
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    seq_len, block = q.shape[2], min(512, q.shape[2])
+    if q.shape[1] != k.shape[1]:  # MaxText repeats grouped kv heads for splash's mha
+        k, v = (jnp.repeat(x, q.shape[1] // k.shape[1], axis=1) for x in (k, v))
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                              block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                              block_q_dq=block, block_kv_dq=block)
+    mask = splash.MultiHeadMask([splash.CausalMask((seq_len, seq_len))] * q.shape[1])
+    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1)
+    ids = _segment_ids(offsets, lengths, seq_len)
+    return jax.vmap(kernel)(q * q.shape[-1] ** -0.5, k, v, splash.SegmentIds(ids, ids))
+
+
 def _blocks(spec: str, cls):
     return cls(*(int(x) for x in spec.split(",")))
 
@@ -157,6 +180,9 @@ def implementations(backend: str, sizes: dict, *, gpu_blocks, tpu_blocks) -> dic
             blocks = _blocks(spec, kernels.AttentionBlockSizes)
             impls[f"seqpack pallas_tpu {spec}"] = functools.partial(
                 kernels.segment_attention, impl="pallas_tpu", block_sizes=blocks)
+        impls["seqpack pallas_tpu defaults, bhld"] = BHLD(functools.partial(
+            kernels.segment_attention, layout="bhld"))
+        impls["splash 512 (segment ids), bhld"] = BHLD(_splash)
     else:
         for spec in gpu_blocks[:1] if on_cpu else gpu_blocks:
             blocks = _blocks(spec, kernels.GpuAttentionBlockSizes)
@@ -188,14 +214,21 @@ def timing_rows(impls: dict, q, k, v, g, offsets, lengths, repeats: int) -> list
     want = np.asarray(per_row(kernels.reference.segment_attention)(
         q[:1], k[:1], v[:1], offsets[:1], lengths[:1]), np.float32)[0][inside]
     rows, base = [], None
+    heads_second = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
     for name, fwd in impls.items():
         try:
-            f = jax.jit(lambda q, k, v, fwd=fwd: fwd(q, k, v, offsets, lengths))
-            loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * g)  # noqa: E731
+            bhld = isinstance(fwd, BHLD)
+            fn = fwd.fn if bhld else fwd
+            args = tuple(map(heads_second, (q, k, v, g))) if bhld else (q, k, v, g)
+            # the metadata is an argument: the schedule is computed at run time, as in training
+            f = jax.jit(fn)
+            loss = lambda q, k, v, o, n, g, f=f: jnp.sum(  # noqa: E731
+                f(q, k, v, o, n).astype(jnp.float32) * g)
             both = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-            t_fwd = time_call(f, q, k, v, repeats=repeats)
-            t_both = time_call(both, q, k, v, repeats=repeats)
-            got = np.asarray(f(q, k, v)[:1], np.float32)
+            t_fwd = time_call(f, *args[:3], offsets, lengths, repeats=repeats)
+            t_both = time_call(both, *args[:3], offsets, lengths, args[3], repeats=repeats)
+            got = f(*args[:3], offsets, lengths)
+            got = np.asarray((heads_second(got) if bhld else got)[:1], np.float32)
             err = float(np.abs(got[0][inside] - want).max() / max(np.abs(want).max(), 1e-30))
         except Exception as e:  # an alternative this backend / jax lacks: say why, go on
             rows.append([name, "-", "-", "-", "-", "-", "-", f"{type(e).__name__}: "

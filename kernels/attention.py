@@ -57,6 +57,10 @@ class AttentionBlockSizes:
     scoped VMEM, while segments of a few hundred tokens still leave most of the triangle unvisited
     (visited pairs per block size, and whether the sizes are tuned: benchmarks/README.md).
 
+    head_major: with `[B, L, H, D]` operands, the kernels read `[B, H, L, D]` (a transpose XLA
+    can fuse into the neighbouring ops) instead of folding heads into lanes (`[B, L, H * D]`, a
+    free reshape that pins the operands' layout). Operands passed `layout="bhld"` are read as is.
+
     narrow_steps: the step axis of a grid is static, L / b, and steps past a range only cost the
     grid loop (no copy, no compute), but L / b of them per block add up; when L / b is larger,
     a second grid of `narrow_steps` steps is compiled and runs (`lax.cond`) whenever every range
@@ -69,6 +73,7 @@ class AttentionBlockSizes:
     block_q_bwd: int = 256
     block_kv_bwd: int = 256
     narrow_steps: int | None = 8
+    head_major: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -159,7 +164,8 @@ def _check_smem(batch: int, cfg: AttentionConfig) -> None:
             f"or call on chunks of at most {max(SMEM_METADATA_BUDGET_BYTES // per_row, 1)} rows")
 
 
-def _config(q, k, *, causal, scale, blocks, interpret, impl, count_visits) -> AttentionConfig:
+def _config(q, k, *, causal, scale, blocks, interpret, impl, count_visits,
+            operand="blhd") -> AttentionConfig:
     _, seq_len, heads, dim = q.shape
     if impl is Impl.PALLAS_GPU:
         fit = lambda b: max(16, min(b, next_power_of_two(seq_len)))  # noqa: E731
@@ -174,19 +180,21 @@ def _config(q, k, *, causal, scale, blocks, interpret, impl, count_visits) -> At
         scale=float(dim**-0.5 if scale is None else scale), block_q=fit(blocks.block_q),
         block_kv=fit(blocks.block_kv), block_q_bwd=fit(blocks.block_q_bwd),
         block_kv_bwd=fit(blocks.block_kv_bwd), interpret=interpret, gpu=gpu,
-        narrow_steps=narrow, count_visits=count_visits)
+        narrow_steps=narrow, count_visits=count_visits, operand=operand,
+        head_major=gpu is None and blocks.head_major)
 
 
 def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, interpret,
-           block_sizes, count_visits=False):
-    """Checks; None for the reference, else (Schedule, AttentionConfig)."""
+           block_sizes, count_visits=False, operand="blhd"):
+    """Checks; None for the reference, else (Schedule, AttentionConfig). q, k, v: [B, L, N, D]
+    (or their shapes, for operands passed [B, N, L, D])."""
     _check(q, k, v, segment_offsets, segment_lengths)
     impl, blocks = resolve(impl, interpret, block_sizes, AttentionBlockSizes, "segment_attention",
                            gpu_type=GpuAttentionBlockSizes)
     if impl is Impl.REFERENCE:
         return None
     cfg = _config(q, k, causal=causal, scale=scale, blocks=blocks, interpret=interpret,
-                  impl=impl, count_visits=count_visits)
+                  impl=impl, count_visits=count_visits, operand=operand)
     if cfg.gpu is None:
         _check_smem(q.shape[0], cfg)
     return make_schedule(segment_offsets, segment_lengths, cfg), cfg
@@ -245,16 +253,30 @@ def _positions(positions, offsets, lengths, cp: ring.Ring) -> jax.Array:
     return positions.astype(jnp.int32)
 
 
+def _heads_second(x: jax.Array) -> jax.Array:  # [B, L, N, D] <-> [B, N, L, D]
+    return x.transpose(0, 2, 1, 3)
+
+
+def _shape_of(x: jax.Array, layout: str):
+    """[B, L, N, D] view of an operand (its shape and dtype alone) for the checks."""
+    if layout == "blhd":
+        return x
+    if x.ndim != 4:
+        raise ValueError(f"shape={x.shape} must be [B, N, L, D] with layout='bhld'")
+    return jax.ShapeDtypeStruct(_heads_second(x).shape, x.dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "impl", "interpret",
                                              "block_sizes", "context_parallel_axis",
-                                             "context_parallel_layout"))
+                                             "context_parallel_layout", "layout"))
 def segment_attention(
-    q: jax.Array,  # f[B, L, H, D]
+    q: jax.Array,  # f[B, L, H, D] (layout="bhld": f[B, H, L, D])
     k: jax.Array,  # f[B, L, K, D], H % K == 0
     v: jax.Array,  # f[B, L, K, D]
     segment_offsets: jax.Array,  # int[B, S]
     segment_lengths: jax.Array,  # int[B, S]
     *,
+    layout: str = "blhd",
     causal: bool = True,
     scale: float | None = None,
     impl: Impl | str = "auto",
@@ -266,7 +288,9 @@ def segment_attention(
 ) -> jax.Array:  # f[B, L, H, D]
     """softmax(q k^T * scale) v within each segment (scale default D^-0.5); 0 outside segments.
 
-    Query head h uses key/value head h // (H / K). `impl`: common.resolve_impl; `block_sizes`:
+    Query head h uses key/value head h // (H / K). `layout`: "blhd" (q [B, L, H, D]) or "bhld"
+    (q [B, H, L, D], splash attention's; the result in the same layout): the TPU kernels read
+    either as it is, so a model may hand over whichever keeps its neighbouring ops cheap. `impl`: common.resolve_impl; `block_sizes`:
     AttentionBlockSizes for the TPU kernels, GpuAttentionBlockSizes for the GPU ones.
 
     context_parallel_axis: a mesh axis of C ranks; call inside `shard_map`, q / k / v being this
@@ -280,6 +304,21 @@ def segment_attention(
     if context_parallel_axis is None and context_parallel_positions is not None:
         raise ValueError("context_parallel_positions is for a call with a "
                          "context_parallel_axis (inside shard_map)")
+    if layout not in ("blhd", "bhld"):
+        raise ValueError(f"{layout=} must be 'blhd' (q [B, L, H, D]) or 'bhld' (q [B, H, L, D])")
+    if layout == "bhld":
+        setup = _setup(*(_shape_of(x, layout) for x in (q, k, v)), segment_offsets,
+                       segment_lengths, causal=causal, scale=scale, impl=impl,
+                       interpret=interpret, block_sizes=block_sizes, operand=layout)
+        if setup is not None and setup[1].gpu is None and context_parallel_axis is None:
+            return _pallas_attention(q, k, v, *setup)
+        out = segment_attention(  # every other path reads [B, L, N, D]
+            *(_heads_second(x) for x in (q, k, v)), segment_offsets, segment_lengths,
+            causal=causal, scale=scale, impl=impl, interpret=interpret, block_sizes=block_sizes,
+            context_parallel_axis=context_parallel_axis,
+            context_parallel_layout=context_parallel_layout,
+            context_parallel_positions=context_parallel_positions)
+        return _heads_second(out)
     if context_parallel_axis is not None:
         cp = _ring(q, k, v, segment_offsets, segment_lengths, context_parallel_axis,
                    causal=causal, scale=scale, impl=impl, interpret=interpret,

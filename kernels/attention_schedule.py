@@ -70,6 +70,10 @@ class AttentionConfig:
     gpu: tuple[int, int] | None = None  # (num_warps, num_stages) of the Triton kernels
     narrow_steps: int | None = None  # TPU: the narrow grid's steps (AttentionBlockSizes)
     count_visits: bool = False  # kernels also return how many block pairs they computed (tests)
+    # TPU operand layout: "blhd" q [B, L, H, D] (the kernels fold heads into lanes when
+    # `head_major` is False and D % 128 == 0, else transpose) or "bhld" q [B, H, L, D] (as is)
+    operand: str = "blhd"
+    head_major: bool = False
 
     @property
     def groups(self) -> int:

@@ -51,17 +51,22 @@ Semantics = Literal["parallel", "arbitrary"]
 
 
 def folded(cfg: AttentionConfig) -> bool:
-    return cfg.head_dim % 128 == 0
+    return cfg.operand == "blhd" and not cfg.head_major and cfg.head_dim % 128 == 0
 
 
 def to_kernel(x: jax.Array, cfg: AttentionConfig) -> jax.Array:
-    """[B, L, N, D] -> [B, L, N * D] (folded, free) or [B, N, L, D] (a transpose)."""
+    """Operand -> kernel layout: [B, N, L, D] as is; [B, L, N, D] -> [B, L, N * D] (folded,
+    free) or [B, N, L, D] (a transpose)."""
+    if cfg.operand == "bhld":
+        return x
     batch, seq_len, heads, dim = x.shape
     return x.reshape(batch, seq_len, heads * dim) if folded(cfg) else x.transpose(0, 2, 1, 3)
 
 
 def from_kernel(y: jax.Array, cfg: AttentionConfig) -> jax.Array:
-    """The inverse of `to_kernel`: back to [B, L, N, D]."""
+    """The inverse of `to_kernel`: back to the operand layout."""
+    if cfg.operand == "bhld":
+        return y
     if folded(cfg):
         return y.reshape(y.shape[0], y.shape[1], -1, cfg.head_dim)
     return y.transpose(0, 2, 1, 3)
@@ -213,7 +218,7 @@ def narrow_or_full(call, counts: jax.Array, full: int, cfg: AttentionConfig):
 
 
 def forward(q, k, v, sched: Schedule, cfg: AttentionConfig):
-    """-> o [B, L, H, D], lse f32[B, H, L, 1] (and visits i32[B, H, nq] when counting)."""
+    """-> o like q, lse f32[B, H, L, 1] (and visits i32[B, H, nq] when counting)."""
     call = functools.partial(_forward_call, q, k, v, sched, cfg)
     return narrow_or_full(call, sched.hi - sched.lo, cfg.blocks(cfg.block_kv), cfg)
 

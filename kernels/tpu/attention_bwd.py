@@ -191,7 +191,7 @@ def backward(q, k, v, o, lse, do, sched: Schedule, cfg: AttentionConfig):
     """
     batch = q.shape[0]
     di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, L, H]
-    di = di.transpose(0, 2, 1)[..., None]  # [B, H, L, 1]
+    di = (di if cfg.operand == "bhld" else di.transpose(0, 2, 1))[..., None]  # [B, H, L, 1]
     qk, kk, vk, dok = (to_kernel(x, cfg) for x in (q, k, v, do))
     dq_out = narrow_or_full(functools.partial(_dq, qk, kk, vk, dok, lse, di, sched, cfg),
                             sched.hi_bwd - sched.lo_bwd, cfg.blocks(cfg.block_kv_bwd), cfg)
