@@ -200,9 +200,6 @@ class PackIterator(grain.DatasetIterator):
         """Reads the next window (or none: the final flush) and stages its rows."""
         window = None
         if not self._exhausted:
-            if self._mixed:  # the mixture draws for what leaves, not what stays open
-                ids, lengths = self._layout.open_pieces()
-                self._parent.hold(self._refs.lookup(ids)[0], lengths, ids)
             ids, cols = self._read_window()
             if ids:
                 window = (ids, cols)

@@ -232,37 +232,6 @@ class MixtureIterator(grain.DatasetIterator):
         self._refs_d, self._refs_i = [], []
         return out
 
-    def hold(self, dataset: np.ndarray, lengths: np.ndarray, ids: np.ndarray) -> None:
-        """The pieces a packer holds open (their dataset, length and example id): the mixture
-        draws so that the rows that leave hold the weights (tokens or examples; loss tokens are
-        not known per piece, so that unit counts what was drawn)."""
-        k = len(self._mix.names)
-        if self._mix.unit == "tokens":
-            units = np.bincount(dataset, weights=lengths, minlength=k)
-        elif self._mix.unit == "examples":
-            first = np.unique(ids, return_index=True)[1]
-            units = np.bincount(dataset[first], minlength=k)
-        else:
-            return
-        # Near the end of a stream that stops, count what was drawn again (a ramp from 8 to 2
-        # holds' worth of units left), so the whole stream keeps the weights; the rows still
-        # open at the end leave last, as they are.
-        held = float(units.sum())
-        fade = min(1.0, max(0.0, (self._stream_left() / max(held, 1.0) - 2) / 6))
-        self._mixer.hold((units * fade).astype(np.int64).tolist())
-
-    def _stream_left(self) -> float:
-        """About how many units the stream has left before a dataset that stops it runs out
-        (from its examples left and its mean units per example so far; inf: no such end)."""
-        mixer, out = self._mixer, float("inf")
-        for d, policy in enumerate(self._mix.policies):
-            share = mixer.share(d)
-            if policy != "stop" or self._limit[d] < 0 or not share or not self._pos[d]:
-                continue
-            drawn = self._tokens[d] if self._mix.unit == "tokens" else self._pos[d]
-            out = min(out, (self._limit[d] - self._pos[d]) * drawn / self._pos[d] / share)
-        return out
-
     @property
     def names(self) -> tuple[str, ...]:
         return self._mix.names
