@@ -24,12 +24,38 @@ Worked example (weights 0.5 / 0.5; every example of `a` is 4 units, of `b` 1 uni
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 UNITS = ("tokens", "loss_tokens", "examples")
+# What marks a token without a loss in a column of each role (`carries_loss`).
+NO_LOSS = {"labels": -100, "mask": 0}
+
+
+def carries_loss(columns: Iterable[tuple[np.ndarray, str]], shape: int | tuple[int, ...]
+                 ) -> np.ndarray:
+    """bool[shape]: the tokens that carry a loss, where no "labels" column holds -100 and no
+    "mask" column 0 (`columns`: (values of `shape`, role) pairs). The one definition of a loss
+    token, online (`Mixture(unit="loss_tokens")`, a batch's `loss_tokens`) and offline
+    (`--mix-unit loss_tokens`)."""
+    out = np.ones(shape, bool)
+    for values, role in columns:
+        out &= np.asarray(values) != NO_LOSS[role]
+    return out
+
+
+def slot_counts(marks: np.ndarray,  # bool[R, L]: the tokens to count
+                offsets: np.ndarray,  # int[R, S]: each slot's start
+                lengths: np.ndarray) -> np.ndarray:  # int[R, S] -> i64[R, S]
+    """How many marked tokens each slot's segment holds."""
+    R, L = marks.shape
+    run = np.zeros((R, L + 1), np.int64)
+    np.cumsum(marks, axis=1, out=run[:, 1:])
+    start = np.minimum(np.asarray(offsets, np.int64), L)
+    end = np.minimum(start + np.asarray(lengths, np.int64), L)
+    return np.take_along_axis(run, end, 1) - np.take_along_axis(run, start, 1)
 
 
 def dataset_tokens(dataset_id: np.ndarray,  # int[R, S]: each slot's dataset, -1 unused
