@@ -64,13 +64,17 @@ def _expand(paths: tuple[str, ...], *, allow_duplicates: bool = False,
     return expand_inputs(paths, allow_duplicates=allow_duplicates, input_format=input_format)
 
 
-def _row_order(row_order, seed, data_parallel, batch_size, cost_model, d_model):
+def _row_order(row_order, seed, data_parallel, batch_size, cost_model, d_model, mixed=False):
+    """The RowOrder of the options: with --mix and --batch-size (b > 1), steps of b rows (one
+    rank each unless --data-parallel) that hold the mixture's shares."""
     from seqpack.packer.order import CostModel, RowOrder
 
     if data_parallel is not None and row_order == "plan":
         raise click.UsageError("--data-parallel orders the rows itself; leave out --row-order "
                                "plan")
     cost = _usage(CostModel, kind=cost_model, d_model=d_model)
+    if data_parallel is None and mixed and (batch_size or 1) > 1 and row_order == "shuffle":
+        data_parallel = 1
     if data_parallel is None:
         return _usage(RowOrder, mode=row_order, seed=seed, cost=cost)
     return _usage(RowOrder, mode="balanced", seed=seed, data_parallel=data_parallel,
@@ -228,7 +232,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
                  existing="resume" if resume else "overwrite" if overwrite else "refuse",
                  pads=_pairs(pads, "pad", int), roles=_pairs(roles, "role", str),
                  order=_row_order(row_order, seed, data_parallel, batch_size, cost_model,
-                                  d_model), mixture=mixture)
+                                  d_model, mixed=mixture is not None), mixture=mixture)
     progress = terminal_progress() if runner != "beam" else None
     with progress or contextlib.nullcontext():
         manifest = run(job, runner=runner, progress=progress, beam_options=beam_options,

@@ -4,8 +4,8 @@ Weights are target shares of a unit (tokens, loss tokens or examples). At every 
 example comes from the active dataset furthest below its target share of the units consumed
 since the current stage began, counted as if the next example (of the mean size so far) were
 already drawn (largest shortfall, ties to the lower index), so every prefix of the stream
-holds each share within about one example (docs/mixing.md). Units a packer still holds in
-open rows can be left out of the count (`hold`): the shares then hold on the rows that leave.
+holds each share within about one example (docs/mixing.md). The rule counts what was drawn,
+never what a packer downstream still holds: it is open-loop, so no feedback can overshoot.
 A schedule switches weights at given totals of units consumed; a stage counts from its own
 start, and so does a dataset leaving the mixture (the others' weights renormalized) or a
 weight change at a restore.
@@ -24,12 +24,38 @@ Worked example (weights 0.5 / 0.5; every example of `a` is 4 units, of `b` 1 uni
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 UNITS = ("tokens", "loss_tokens", "examples")
+# What marks a token without a loss in a column of each role (`carries_loss`).
+NO_LOSS = {"labels": -100, "mask": 0}
+
+
+def carries_loss(columns: Iterable[tuple[np.ndarray, str]], shape: int | tuple[int, ...]
+                 ) -> np.ndarray:
+    """bool[shape]: the tokens that carry a loss, where no "labels" column holds -100 and no
+    "mask" column 0 (`columns`: (values of `shape`, role) pairs). The one definition of a loss
+    token, online (`Mixture(unit="loss_tokens")`, a batch's `loss_tokens`) and offline
+    (`--mix-unit loss_tokens`)."""
+    out = np.ones(shape, bool)
+    for values, role in columns:
+        out &= np.asarray(values) != NO_LOSS[role]
+    return out
+
+
+def slot_counts(marks: np.ndarray,  # bool[R, L]: the tokens to count
+                offsets: np.ndarray,  # int[R, S]: each slot's start
+                lengths: np.ndarray) -> np.ndarray:  # int[R, S] -> i64[R, S]
+    """How many marked tokens each slot's segment holds."""
+    R, L = marks.shape
+    run = np.zeros((R, L + 1), np.int64)
+    np.cumsum(marks, axis=1, out=run[:, 1:])
+    start = np.minimum(np.asarray(offsets, np.int64), L)
+    end = np.minimum(start + np.asarray(lengths, np.int64), L)
+    return np.take_along_axis(run, end, 1) - np.take_along_axis(run, start, 1)
 
 
 def dataset_tokens(dataset_id: np.ndarray,  # int[R, S]: each slot's dataset, -1 unused
@@ -110,7 +136,6 @@ class ShortfallMixer:
         self.stage = 0
         self.total = 0
         self.count = 0  # examples drawn since the start
-        self.held = [0] * k  # units drawn but not yet out of the packer (`hold`)
         self._begin(self.stages[0].weights)
 
     def _begin(self, weights: Sequence[float]) -> None:
@@ -131,11 +156,11 @@ class ShortfallMixer:
         """The dataset to draw from next; -1 when no active dataset has a weight > 0."""
         since: float = self.total - self.base_total
         drawn = self.count - self.base_count
-        since += (since / drawn if drawn else 1.0) - sum(self.held)
+        since += since / drawn if drawn else 1.0
         best, best_gap = -1, 0.0
         for d, w in enumerate(self._live):
             if w > 0:
-                gap = w * since - (self.consumed[d] - self.base[d] - self.held[d])
+                gap = w * since - (self.consumed[d] - self.base[d])
                 if best < 0 or gap > best_gap:
                     best, best_gap = d, gap
         return best
@@ -155,12 +180,6 @@ class ShortfallMixer:
         """Dataset d's share of what is drawn now (its weight over the active datasets)."""
         return self._live[d]
 
-    def hold(self, units: Sequence[int]) -> None:
-        """Units per dataset drawn but held back downstream (a packer's open rows), given before
-        each window: the rule counts only what has left, so the shares hold on what comes out
-        (what is still held when the stream ends leaves last, as it is)."""
-        self.held = [int(u) for u in units]
-
     def deactivate(self, d: int) -> None:
         """Dataset `d` leaves; the others' weights are renormalized from here on."""
         self.active[d] = False
@@ -169,7 +188,6 @@ class ShortfallMixer:
     def get_state(self) -> dict[str, Any]:
         return {"consumed": list(self.consumed), "active": list(self.active),
                 "stage": self.stage, "total": self.total, "count": self.count,
-                "held": list(self.held),
                 "weights": list(self.weights), "base": list(self.base),
                 "base_total": self.base_total, "base_count": self.base_count}
 
@@ -179,8 +197,7 @@ class ShortfallMixer:
         self.consumed = [int(c) for c in state["consumed"]]
         self.active = [bool(a) for a in state["active"]]
         self.total = int(state["total"])
-        self.count = int(state["count"])
-        self.held = [int(u) for u in state["held"]]
+        self.count = int(state["count"])  # a state's "held" (older versions) is not used
         self.stage = max(k for k, s in enumerate(self.stages) if s.start <= self.total)
         weights = self.stages[self.stage].weights
         same = self.stage == int(state["stage"]) and list(weights) == list(state["weights"])

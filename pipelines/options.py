@@ -159,8 +159,9 @@ PACK_OPTIONS = _groups(
              "(s*D + r + 1)*b) with b = --batch-size, and the D ranks of every step carry "
              "near-equal cost (--cost-model); steps in a seeded order."), _opt(
         "--batch-size", default=None, type=click.IntRange(min=1),
-        help="Rows per rank per step with --data-parallel (default 1); otherwise the batch of "
-             "the steps-per-epoch figure (none without it)."), *_COST),
+        help="Rows per rank per step with --data-parallel (default 1); with --mix, the rows "
+             "of a step, each step holding the weights (balanced steps of one rank); "
+             "otherwise the batch of the steps-per-epoch figure (none without it)."), *_COST),
     _group("Run", _workers("Processes that read inputs, plan blocks and write shards (with "
                            "--runner beam: the DirectRunner's direct_num_workers); the output "
                            "is the same for any number."),

@@ -311,11 +311,6 @@ class StreamPlanner:
     def num_open_rows(self) -> int:
         return self._open_rows
 
-    def open_pieces(self) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, lengths) i64[P] of the pieces in open rows or waiting to be planned."""
-        pieces = np.concatenate([self._held, *self._pending]) if self._pending else self._held
-        return pieces[:, _ID], pieces[:, _LEN]
-
     def get_state(self) -> dict:
         """JSON-serializable state: the open rows, each its pieces as (id, start, length, window
         it arrived in) and "born" the earliest of those windows, then (where "pending" is 1)

@@ -59,6 +59,7 @@ import numpy as np
 from seqpack.packer.config import enum_value
 from seqpack.packer.order.balance import StepBalance
 from seqpack.packer.order.cost import CostModel
+from seqpack.packer.order.mix_steps import mixture_steps
 from seqpack.packer.order.permute import Permutation
 
 _ROW_SALT, _STEP_SALT, _RANK_SALT, _BALANCE_SALT = 0, 1, 2, 3
@@ -184,8 +185,8 @@ def _spread(steps: np.ndarray, key: np.ndarray) -> float:
 
 
 def _arrange(costs: np.ndarray, D: int, b: int, rng: np.random.Generator, *,
-             segments: np.ndarray | None = None, random_rows: np.ndarray | None = None
-             ) -> tuple[np.ndarray, np.ndarray]:
+             segments: np.ndarray | None = None, random_rows: np.ndarray | None = None,
+             units: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(rows in rank layout for the full steps, leftover rows) of rows with these costs.
 
     One row a rank (b = 1): the q-th D rows by cost make step q (rows of like cost share a step:
@@ -194,9 +195,14 @@ def _arrange(costs: np.ndarray, D: int, b: int, rng: np.random.Generator, *,
     random step could balance: they make steps of their own, as few as keep every random step's
     ranks within `_TOLERANCE` of their mean, and (given the rows' `segments`) no more than keep
     the steps' spread of mean segments per row within `_SPREAD` times that of `random_rows`'
-    steps (a random order)."""
+    steps (a random order). Given a mixture's `units` (i64[n, K], per row and dataset), steps
+    of two or more rows (and the leftover) are dealt by dataset share instead (`mix_steps`),
+    then to the ranks by cost."""
     n, G = costs.size, D * b
     full = n // G
+    if units is not None and G > 1:
+        mixed, leftover = mixture_steps(units, G, rng)
+        return _ranks(_dealt(mixed, costs, D, b), full, D, b, rng), leftover
     desc = np.argsort(-costs, kind="stable")
     # The cheapest rows stay for the global step: the sparse low tail (short last rows of the
     # plan) would make the spread of a full step widest.
@@ -218,9 +224,15 @@ def _arrange(costs: np.ndarray, D: int, b: int, rng: np.random.Generator, *,
             rand = rng.permutation(n) if random_rows is None else random_rows
             limit = _SPREAD * _spread(rand[: full * G].reshape(full, G), key)
         steps = layout(_heavy_steps(layout, full, costs, key, D, b, limit))
-    ranks = np.argsort(rng.random((full, D)), axis=1)  # ranks shuffled inside each step
+    return _ranks(steps, full, D, b, rng), leftover
+
+
+def _ranks(steps: np.ndarray, full: int, D: int, b: int, rng: np.random.Generator
+           ) -> np.ndarray:
+    """The full steps' rows (rank layout) with the ranks shuffled inside each step, flat."""
+    ranks = np.argsort(rng.random((full, D)), axis=1)
     steps = np.take_along_axis(steps.reshape(full, D, b), ranks[:, :, None], axis=1)
-    return steps.reshape(-1), leftover
+    return steps.reshape(-1)
 
 
 def _heavy_steps(layout, full: int, costs: np.ndarray, key: np.ndarray, D: int, b: int,
@@ -250,10 +262,11 @@ def _heavy_steps(layout, full: int, costs: np.ndarray, key: np.ndarray, D: int, 
 
 
 def block_layout(costs: object, order: RowOrder, *, block: int = 0,
-                 segments: object = None) -> BlockLayout:
+                 segments: object = None, units: object = None) -> BlockLayout:
     """Level 1: the layout of one block of plan rows with these costs (f64[n], local order);
     `segments` (i64[n], the rows' segment counts) keeps drawn steps random samples of the rows
-    and is measured in the balance (`StepBalance.segments_spread`)."""
+    and is measured in the balance (`StepBalance.segments_spread`); a mixture's `units`
+    (i64[n, K]: each row's units per dataset) make every step hold the block's shares."""
     costs = np.asarray(costs, np.float64)
     if costs.ndim != 1:
         raise ValueError(f"costs must be 1-D (one per row), got shape {costs.shape}")
@@ -269,7 +282,8 @@ def block_layout(costs: object, order: RowOrder, *, block: int = 0,
     rng = np.random.default_rng([order.seed, _RANK_SALT, block])
     D, b = order.step_rows // order.batch_size, order.batch_size
     random_rows = _random_rows(n, [order.seed, block])
-    rows, leftover = _arrange(costs, D, b, rng, segments=segments, random_rows=random_rows)
+    rows, leftover = _arrange(costs, D, b, rng, segments=segments, random_rows=random_rows,
+                              units=None if units is None else np.asarray(units, np.int64))
     balance = StepBalance.of(costs, rows, random_rows[: rows.size], D, b, segments=segments)
     return BlockLayout(block, n, rows.astype(np.int32), leftover.astype(np.int32),
                        costs[leftover], balance)

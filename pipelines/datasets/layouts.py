@@ -28,7 +28,7 @@ from seqpack.packer.assemble import fill_rows, source_arrays, write_feature
 from seqpack.packer.plan import order_pieces
 from seqpack.pipelines.datasets.columns import check_int, check_type
 
-MIXED_OPEN_ROWS = 4  # Window.open_rows over a mixture (benchmarks/README: Mixtures (online))
+MIXED_OPEN_ROWS = 2  # Window.open_rows over a mixture (benchmarks/README: Mixtures (online))
 
 
 def gather(held: dict[int, list], ids: list[int], window: int) -> list[Any]:
@@ -75,10 +75,6 @@ class SingleLayout:
 
     def open_ids(self, state: dict) -> set[int]:
         return {int(p[0]) for row in state["rows"] for p in row["pieces"]}
-
-    def open_pieces(self) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, lengths) of the pieces the planner holds open."""
-        return self.planner.open_pieces()
 
     def counters(self) -> dict[str, int]:
         return self.planner.counters.to_dict()
@@ -146,10 +142,6 @@ class MultiLayout:
     def open_ids(self, state: dict) -> set[int]:
         return {int(p[0]) for row in state["rows"] for p in row["pieces"]}
 
-    def open_pieces(self) -> tuple[np.ndarray, np.ndarray]:
-        """None held back for a mixture's feedback: several features plan window by window."""
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-
     def counters(self) -> dict[str, int]:
         return self.planner.counters.to_dict()
 
@@ -167,9 +159,10 @@ class Window:
                   position), so rows leave in no particular order of length or segment count
                   (False: the planner's order, longest examples first per window).
     open_rows:    rows kept open across windows at the most, waiting for a better fit. None:
-                  `window` rows, or MIXED_OPEN_ROWS over a `Mixture` (open rows hold long
-                  documents more than short ones: few of them keep every batch near the
-                  weights, at the same row count; docs/mixing.md).
+                  `window` rows, or MIXED_OPEN_ROWS over a `Mixture` (what open rows hold
+                  changes from window to window and moves the rows that leave off the
+                  weights: few of them keep every batch near the weights, at the same row
+                  count; docs/mixing.md).
     """
 
     window: int = 1024

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from seqpack.packer.contract import keys
-from seqpack.pipelines.datasets.columns import IGNORE_INDEX
+from seqpack.packer.mixing import carries_loss
 
 LOSS_TOKENS = "loss_tokens"
 
@@ -41,7 +41,7 @@ class LossTokens:
     """Counts loss tokens per row (see the module docstring); call it on a row or batch."""
 
     feature: str = "tokens"
-    labels: tuple[str, ...] = ()  # columns whose IGNORE_INDEX (-100) positions take no loss
+    labels: tuple[str, ...] = ()  # columns whose -100 positions take no loss
     masks: tuple[str, ...] = ()  # columns whose 0 positions take no loss
     next_token: bool = True
 
@@ -54,11 +54,8 @@ class LossTokens:
         """The loss mask to pass `kernels.segment_cross_entropy` (with next-token targets when
         `next_token`); its count per row is `count(batch)`."""
         seg = np.asarray(batch[keys(self.feature).segment_ids])
-        allowed = np.ones(seg.shape, bool)
-        for name in self.labels:
-            allowed &= np.asarray(batch[name]) != IGNORE_INDEX
-        for name in self.masks:
-            allowed &= np.asarray(batch[name]) != 0
+        allowed = carries_loss([*((batch[n], "labels") for n in self.labels),
+                                *((batch[n], "mask") for n in self.masks)], seg.shape)
         if not self.next_token:
             return (seg > 0) & allowed
         out = np.zeros(seg.shape, bool)

@@ -200,9 +200,6 @@ class PackIterator(grain.DatasetIterator):
         """Reads the next window (or none: the final flush) and stages its rows."""
         window = None
         if not self._exhausted:
-            if self._mixed:  # the mixture draws for what leaves, not what stays open
-                ids, lengths = self._layout.open_pieces()
-                self._parent.hold(self._refs.lookup(ids)[0], lengths, ids)
             ids, cols = self._read_window()
             if ids:
                 window = (ids, cols)
@@ -249,7 +246,7 @@ class PackIterator(grain.DatasetIterator):
             rng = np.random.default_rng([ds.seed, self._next_id, int(phase == "finish")])
             self._order = rng.permutation(self._num_rows).tolist()
             if self._mixed:  # every run of rows near the mixture's shares
-                self._order = balanced_order(self._parent.dataset_tokens(batch), self._order)
+                self._order = balanced_order(self._parent.dataset_units(batch), self._order)
 
     def _snapshot(self, phase: str, window_first: int, before: Any,
                   oldest_before: int | None) -> dict[str, Any]:
@@ -399,6 +396,8 @@ class PackIterDataset(grain.IterDataset):
                  pack: packer.PackConfig | Sequence[packer.PackConfig], *,
                  columns: Columns = Columns(), window: Window = Window(), seed: int = 0,
                  dtype: Any = None):
+        if isinstance(parent, Mixture):  # it counts the packed feature (ValueError: another)
+            parent = parent.for_feature(pack_configs(pack)[0].feature)
         super().__init__(parent)
         check_type("columns", columns, Columns, " (e.g. Columns(labels=['labels']))")
         check_type("window", window, Window, " (e.g. Window(window=1024))")

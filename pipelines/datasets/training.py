@@ -271,9 +271,7 @@ def _example_batches(source: Any, *, pack: PackConfig, batch: Batching,
     """Examples -> shard -> shuffle -> repeat -> PackIterDataset -> batch (a mixture: each
     dataset sharded and shuffled per epoch in the mixture, packed directly)."""
     if isinstance(source, Mixture):
-        if source.feature != pack.feature:
-            raise ValueError(f"Mixture(feature={source.feature!r}) but "
-                             f"PackConfig(feature={pack.feature!r}); name the same key")
+        source = source.for_feature(pack.feature)
         for name, src in zip(source.names, source.sources):
             _check_feature(src, pack.feature, columns, where=f"dataset {name!r}")
         mix = source.configured(shard_index=shard[0], shard_count=shard[1],

@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from seqpack.packer.inputs import common_id_dtype
+from seqpack.packer.mixing import carries_loss
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats import arrayrecord, jsonl, parquet, text
@@ -290,9 +291,8 @@ def _counting(chunks: Iterator[Chunk], roles: Mapping[str, str], out: list[np.nd
     """The chunks, as they pass: each record's loss tokens appended to `out`."""
     for chunk in chunks:
         sizes = np.diff(chunk.offsets)
-        allowed = np.ones(int(sizes.sum()), bool)
-        for name, role in roles.items():
-            allowed &= chunk.column(name) != (-100 if role == "labels" else 0)
+        allowed = carries_loss(((chunk.column(n), r) for n, r in roles.items()),
+                               int(sizes.sum()))
         ends = np.cumsum(sizes)
         total = np.concatenate(([0], np.cumsum(allowed, dtype=np.int64)))
         out.append(total[ends] - total[ends - sizes])

@@ -172,6 +172,15 @@ def first_examples(files: Sequence[FileSummary]) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
 
 
+def dataset_firsts(job: PackJob, files: Sequence[FileSummary]) -> np.ndarray | None:
+    """The first corpus example of each dataset of the job's mixture, when its steps of two
+    or more rows deal rows by dataset share (`plan_block(firsts=)`); else None."""
+    if job.mixture is None or job.order.step_rows <= 1:
+        return None
+    inputs = np.cumsum([0, *(len(paths) for _, paths in job.mixture.datasets)])
+    return first_examples(files)[inputs[:-1]]
+
+
 def longest(files: Iterable[FileSummary]) -> int:
     """The longest example of the inputs: the top of the manifest's length histogram."""
     return max((f.max_length for f in files), default=0)
@@ -203,13 +212,14 @@ def check_files(files: Iterable[FileSummary], job: PackJob) -> list[FileSummary]
 
 
 def plan_block(block: int, lengths: np.ndarray, job: PackJob, refs: np.ndarray | None = None,
-               *, top: int) -> BlockPlan:
+               *, top: int, firsts: np.ndarray | None = None) -> BlockPlan:
     """Plans block `block` (its examples' `lengths`, numbered from `block * job.block_size`)
     as `packer.plan_rows` plans it, and lays its rows out for the output order
     (`packer.order.block_layout` on the rows' costs and segment counts). `top`: the inputs'
     longest example (`longest`). An InputError while planning becomes the summary's `error`.
     `refs`: a mixture's block (its examples are `refs[i]` of the corpus, `mixture.select`):
-    the pieces then name those, in their order."""
+    the pieces then name those, in their order; `firsts` (its datasets' first corpus examples)
+    deal its rows into steps that hold the datasets' shares (`block_layout(units=)`)."""
     config, order = job.config, job.order
     first = block * job.block_size
     counts = np.array(record.length_histogram(lengths, top)["counts"], np.int64)
@@ -227,8 +237,9 @@ def plan_block(block: int, lengths: np.ndarray, job: PackJob, refs: np.ndarray |
     L, S = config.seq_len, config.max_segments
     used, nseg = row_histograms(table[ROW], table[LENGTH], num_rows, L, S)
     segments = np.bincount(table[ROW], minlength=num_rows) if order.data_parallel else None
+    units = None if firsts is None else _dataset_units(table, firsts, num_rows, job)
     layout = block_layout(order.row_costs(table[ROW], table[LENGTH], num_rows), order,
-                          block=block, segments=segments)
+                          block=block, segments=segments, units=units)
     summary = BlockSummary(block, num_rows, counters, used, nseg, counts,
                            layout=layout.summary(),
                            costs=cost_summary(table[ROW], table[LENGTH], num_rows, L,
@@ -236,6 +247,20 @@ def plan_block(block: int, lengths: np.ndarray, job: PackJob, refs: np.ndarray |
                            longest=int(table[LENGTH].max(initial=0)),
                            min_row_next=record.min_row_next(table[ROW], table[LENGTH], num_rows))
     return BlockPlan(summary, table, layout)
+
+
+def _dataset_units(table: np.ndarray, firsts: np.ndarray, num_rows: int, job: PackJob
+                   ) -> np.ndarray:
+    """i64[num_rows, K]: each row's units per dataset of a mixture (examples: first pieces;
+    tokens and loss tokens: tokens, the loss of a piece not being known)."""
+    example = table[EXAMPLE].astype(np.int64)
+    dataset = np.searchsorted(firsts, example, side="right") - 1
+    unit = job.mixture.mix_unit if job.mixture is not None else "tokens"
+    weight = table[START] == 0 if unit == "examples" else table[LENGTH]
+    K = firsts.size
+    at = table[ROW].astype(np.int64) * K + dataset
+    return np.bincount(at, weights=weight, minlength=num_rows * K).astype(np.int64).reshape(
+        num_rows, K)
 
 
 def _piece_table(lengths: np.ndarray, job: PackJob, first: int, row: np.ndarray,

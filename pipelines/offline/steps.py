@@ -58,6 +58,7 @@ from seqpack.pipelines.offline.core import (
     JobSummary,
     ShardResult,
     check_files,
+    dataset_firsts,
     finish_job,
     finish_plan,
     first_examples,
@@ -182,7 +183,8 @@ def plan_block_slices(block: int, slices: Iterable[BlockSlice], files: Sequence[
     total = int(first_examples(files)[-1])
     assert slices[0].first == first and (refs is not None or lengths.size == min(
         job.block_size, total - first)), block
-    return plan_block(block, lengths, job, refs, top=longest(files))
+    return plan_block(block, lengths, job, refs, top=longest(files),
+                      firsts=None if refs is None else dataset_firsts(job, files))
 
 
 def split_block(bp: BlockPlan, summary: JobSummary | None, files: Sequence[FileSummary]

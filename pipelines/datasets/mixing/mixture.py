@@ -26,12 +26,18 @@ from typing import Any
 import grain
 import numpy as np
 
-from seqpack.packer.contract import DATASET_ID
-from seqpack.packer.mixing import UNITS, ShortfallMixer, dataset_tokens, make_stages
+from seqpack.packer.contract import DATASET_ID, SOURCE_START
+from seqpack.packer.mixing import (
+    UNITS,
+    ShortfallMixer,
+    carries_loss,
+    dataset_tokens,
+    make_stages,
+    slot_counts,
+)
 from seqpack.pipelines.errors import InputError
 
 POLICIES = ("stop", "continue", "repeat")
-IGNORE_INDEX = -100
 
 
 class Mixture(grain.IterDataset):
@@ -41,13 +47,16 @@ class Mixture(grain.IterDataset):
                   dicts; a dataset's id in `segment_dataset_id` is its position here.
     weights:      name -> weight (normalized); or `schedule=[(0, w0), (T1, w1), ...]`: the
                   weights from T units consumed on (each stage counts from its own start).
-    unit:         what the weights share: "tokens" (of `feature`), "loss_tokens" (`labels`
-                  != -100, or `mask` != 0) or "examples".
+    unit:         what the weights share: "tokens" (of `feature`), "loss_tokens" (the tokens
+                  where no `labels` column holds -100 and no `mask` column 0; one column name
+                  or a list, of either role or both) or "examples".
     on_exhausted: what a dataset does after `num_epochs` passes: "stop" (the stream ends when
                   the rule next picks it), "continue" (it leaves; the others' weights are
                   renormalized) or "repeat" (a new seeded epoch: it never runs out); one policy,
                   or a dict name -> policy.
     seed:         seeds every dataset's per-epoch order (with its name and the epoch).
+    feature:      the key of the token ids; None: the packed feature of the `PackConfig` it
+                  is packed with (`PackIterDataset`, `make_training_pipeline`), else "tokens".
     num_epochs:   passes over each dataset before it counts as exhausted (None: never).
     shard_index, shard_count: this host's shard of every dataset (`make_training_pipeline`
                   sets them from its `Batching`).
@@ -57,8 +66,9 @@ class Mixture(grain.IterDataset):
                  weights: Mapping[str, float] | None = None,
                  schedule: Sequence[tuple[int, Mapping[str, float]]] | None = None,
                  unit: str = "tokens", on_exhausted: str | Mapping[str, str] = "stop",
-                 seed: int = 0, feature: str = "tokens", labels: str | None = None,
-                 mask: str | None = None, num_epochs: int | None = 1,
+                 seed: int = 0, feature: str | None = None,
+                 labels: str | Sequence[str] | None = None,
+                 mask: str | Sequence[str] | None = None, num_epochs: int | None = 1,
                  shard_index: int = 0, shard_count: int = 1):
         super().__init__()
         if not isinstance(datasets, Mapping) or not datasets:
@@ -75,11 +85,18 @@ class Mixture(grain.IterDataset):
         self.stages = make_stages(self.names, weights, schedule)
         if unit not in UNITS:
             raise ValueError(f"unit={unit!r} must be one of {list(UNITS)}")
-        if unit == "loss_tokens" and (labels is None) == (mask is None):
+        self.loss_columns = (*((n, "labels") for n in _names("labels", labels)),
+                             *((n, "mask") for n in _names("mask", mask)))
+        if unit == "loss_tokens" and not self.loss_columns:
             raise ValueError("unit='loss_tokens' counts the tokens that carry a loss: name "
                              "the labels column (labels='labels', -100 = no loss) or the mask "
-                             "column (mask='loss_mask', 0 = no loss), one of the two")
-        self.unit, self.feature, self.labels, self.mask = unit, feature, labels, mask
+                             "column (mask='loss_mask', 0 = no loss), or both")
+        if feature is not None and not (isinstance(feature, str) and feature):
+            raise ValueError(f"feature={feature!r} must be the key of the token ids, or None "
+                             "(the PackConfig's feature)")
+        self.unit, self.labels, self.mask = unit, labels, mask
+        self.explicit_feature = feature is not None
+        self.feature = feature if feature is not None else "tokens"
         self.policies = _policies(self.names, on_exhausted)
         self.num_epochs = _check_epochs(num_epochs)
         self.seed = int(seed)
@@ -95,6 +112,19 @@ class Mixture(grain.IterDataset):
                 raise ValueError(f"dataset {name!r} ({len(rng)} examples in shard "
                                  f"{self.shard[0]} of {self.shard[1]}) has no example for "
                                  "this shard or worker; use fewer hosts or workers")
+
+    def for_feature(self, feature: str) -> Mixture:
+        """This mixture counting `feature` (a packer's): itself, or a copy when its feature was
+        not given; ValueError when another one was."""
+        if feature == self.feature:
+            return self
+        if self.explicit_feature:
+            raise ValueError(f"Mixture(feature={self.feature!r}) but PackConfig(feature="
+                             f"{feature!r}); name the same key, or leave Mixture's feature out "
+                             "(it takes the PackConfig's)")
+        out = copy.copy(self)
+        out.feature = feature
+        return out
 
     def configured(self, *, shard_index: int, shard_count: int,
                    num_epochs: int | None) -> Mixture:
@@ -129,6 +159,15 @@ class Mixture(grain.IterDataset):
 
     def __str__(self) -> str:
         return f"Mixture({list(self.names)}, unit={self.unit!r})"
+
+
+def _names(role: str, value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The column names given for `role` (labels= or mask=): one name, a list, or None."""
+    names = (value,) if isinstance(value, str) else () if value is None else tuple(value) \
+        if isinstance(value, Sequence) else None
+    if names is None or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"{role}={value!r} must be a column name, a list of them, or None")
+    return names
 
 
 def _check_epochs(num_epochs: int | None) -> int | None:
@@ -169,8 +208,6 @@ class MixtureIterator(grain.DatasetIterator):
         self._loss = [0] * k
         self._refs_d: list[int] = []
         self._refs_i: list[int] = []
-        self._loss_key = mix.labels if mix.labels is not None else mix.mask
-        self._loss_pad = IGNORE_INDEX if mix.labels is not None else 0
 
     def _order(self, d: int, epoch: int) -> np.ndarray:
         """Dataset d's seeded order of this host's positions in `epoch` (int32 where it fits),
@@ -213,14 +250,15 @@ class MixtureIterator(grain.DatasetIterator):
 
     def _count(self, d: int, index: int, element: Any) -> tuple[int, int]:
         """(tokens, loss tokens) of one element; InputError naming it when a key is missing."""
+        cols = self._mix.loss_columns
         try:
-            if self._loss_key is None:
-                return len(element[self._mix.feature]), 0
             tokens = len(element[self._mix.feature])
-            return tokens, int(np.count_nonzero(np.asarray(element[self._loss_key])
-                                                != self._loss_pad))
-        except (KeyError, TypeError, IndexError) as e:
-            want = [self._mix.feature] + ([self._loss_key] if self._loss_key else [])
+            if not cols:
+                return tokens, 0
+            return tokens, int(np.count_nonzero(carries_loss(
+                ((np.asarray(element[n]), r) for n, r in cols), tokens)))
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            want = [self._mix.feature, *(n for n, _ in cols)]
             raise InputError(f"dataset {self._mix.names[d]!r}, example {index}: lacks one of "
                              f"{want} ({type(e).__name__}: {e})") from None
 
@@ -232,37 +270,6 @@ class MixtureIterator(grain.DatasetIterator):
         self._refs_d, self._refs_i = [], []
         return out
 
-    def hold(self, dataset: np.ndarray, lengths: np.ndarray, ids: np.ndarray) -> None:
-        """The pieces a packer holds open (their dataset, length and example id): the mixture
-        draws so that the rows that leave hold the weights (tokens or examples; loss tokens are
-        not known per piece, so that unit counts what was drawn)."""
-        k = len(self._mix.names)
-        if self._mix.unit == "tokens":
-            units = np.bincount(dataset, weights=lengths, minlength=k)
-        elif self._mix.unit == "examples":
-            first = np.unique(ids, return_index=True)[1]
-            units = np.bincount(dataset[first], minlength=k)
-        else:
-            return
-        # Near the end of a stream that stops, count what was drawn again (a ramp from 8 to 2
-        # holds' worth of units left), so the whole stream keeps the weights; the rows still
-        # open at the end leave last, as they are.
-        held = float(units.sum())
-        fade = min(1.0, max(0.0, (self._stream_left() / max(held, 1.0) - 2) / 6))
-        self._mixer.hold((units * fade).astype(np.int64).tolist())
-
-    def _stream_left(self) -> float:
-        """About how many units the stream has left before a dataset that stops it runs out
-        (from its examples left and its mean units per example so far; inf: no such end)."""
-        mixer, out = self._mixer, float("inf")
-        for d, policy in enumerate(self._mix.policies):
-            share = mixer.share(d)
-            if policy != "stop" or self._limit[d] < 0 or not share or not self._pos[d]:
-                continue
-            drawn = self._tokens[d] if self._mix.unit == "tokens" else self._pos[d]
-            out = min(out, (self._limit[d] - self._pos[d]) * drawn / self._pos[d] / share)
-        return out
-
     @property
     def names(self) -> tuple[str, ...]:
         return self._mix.names
@@ -271,10 +278,20 @@ class MixtureIterator(grain.DatasetIterator):
         """The element `index` of dataset number `dataset` (a reference from `take_refs`)."""
         return self._mix.sources[dataset][index]
 
-    def dataset_tokens(self, rows: dict[str, np.ndarray]) -> np.ndarray:
-        """i64[R, K]: tokens of each dataset in each of these packed rows."""
-        k = f"{self._mix.feature}_segment_lengths"
-        return dataset_tokens(rows[DATASET_ID], rows[k], len(self._mix.names))
+    def dataset_units(self, rows: dict[str, np.ndarray]) -> np.ndarray:
+        """i64[R, K]: each dataset's units in each of these packed rows, in the mixture's unit
+        (loss tokens where the rows carry every loss column, else tokens; examples: their
+        first pieces)."""
+        mix = self._mix
+        lengths = rows[f"{mix.feature}_segment_lengths"]
+        units = lengths
+        if mix.unit == "examples":
+            units = (rows[SOURCE_START] == 0) & (lengths > 0)
+        elif mix.unit == "loss_tokens" and all(n in rows for n, _ in mix.loss_columns):
+            marks = carries_loss(((rows[n], r) for n, r in mix.loss_columns),
+                                 rows[mix.feature].shape)
+            units = slot_counts(marks, rows[f"{mix.feature}_segment_offsets"], lengths)
+        return dataset_tokens(rows[DATASET_ID], units, len(mix.names))
 
     @property
     def counters(self) -> dict[str, dict[str, int]]:

@@ -175,7 +175,8 @@ def _plan_blocks(lengths: np.ndarray, files: list[FileSummary], job: PackJob, po
     if mixed is not None:
         lengths = mixed.lengths
     count = -(-lengths.size // size)
-    plan = functools.partial(core.plan_block, top=core.longest(files))
+    plan = functools.partial(core.plan_block, top=core.longest(files),
+                             firsts=None if mixed is None else core.dataset_firsts(job, files))
     calls: Iterator[tuple[Any, ...]] = ((j, lengths[j * size : (j + 1) * size], job) + (
         () if mixed is None else (mixed.ref[j * size : (j + 1) * size],)) for j in range(count))
     mapped = plan_map(pool, size, lengths.size) if count > 1 else None
