@@ -5,6 +5,7 @@ normalization); blockwise.py its XLA path (a scan over vocabulary blocks with a 
 recomputes). The Pallas kernels live in the families' wings (tpu/, gpu/).
 """
 
+from seqpack.kernels.fused.in_forward import LossHeadMode
 from seqpack.kernels.fused.linear_cross_entropy import (
     LinearCrossEntropyBlockSizes,
     segment_linear_cross_entropy,
@@ -12,5 +13,6 @@ from seqpack.kernels.fused.linear_cross_entropy import (
 
 __all__ = [
     "LinearCrossEntropyBlockSizes",
+    "LossHeadMode",
     "segment_linear_cross_entropy",
 ]
