@@ -9,11 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.loss_head import jaxpr_values, matmul_flops
 from seqpack import kernels
 from seqpack.kernels import reference
 from seqpack.kernels.fused import in_forward
 from tests.helpers.kernels import case, run, zero_padded
-from tests.test_kernels_linear_loss import NORMALIZE, V, XLA, _args, _fn, check
+from tests.test_kernels_linear_loss import NORMALIZE, XLA, V, _args, check
 
 # N = B * L = 200 tokens: "chunked" with a budget of 64 tokens' logits runs the smallest chunk,
 # 128 tokens: two chunks, the second padded with 56 uncounted rows.
@@ -103,9 +104,8 @@ def test_eval_and_partial_gradients(mode):
     for a, b in zip(run(got, hidden, weight, *data, sw), run(want, hidden, weight, *data, sw)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     for argnum in (0, 1, 6):
-        def grad(f, argnum=argnum):
-            return jax.grad(lambda *a: f(*a)[0], argnum)
-        a, b = (run(grad(f), hidden, weight, *data, sw) for f in (got, want))
+        a, b = (run(jax.grad(lambda *x, f=f: f(*x)[0], argnum), hidden, weight, *data, sw)
+                for f in (got, want))
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * np.abs(b).max())
 
 
@@ -152,7 +152,8 @@ def temp_bytes(**kw) -> int:
     spec = (jax.ShapeDtypeStruct((batch, N_MEM // batch, H_MEM), jnp.float32),
             jax.ShapeDtypeStruct((H_MEM, V_MEM), jnp.float32),
             jax.ShapeDtypeStruct((batch, N_MEM // batch), jnp.int32),
-            jax.ShapeDtypeStruct((batch, 8), jnp.int32), jax.ShapeDtypeStruct((batch, 8), jnp.int32))
+            jax.ShapeDtypeStruct((batch, 8), jnp.int32),
+            jax.ShapeDtypeStruct((batch, 8), jnp.int32))
 
     def f(h, w, t, o, n):
         if not kw:
@@ -178,6 +179,27 @@ def test_budget_is_honoured():
     assert temp_bytes(mode="logits") <= 2 * logits + allowance
     assert temp_bytes(mode="recompute", impl="reference") < logits / 4
     assert temp_bytes() > 2.5 * logits
+
+
+@pytest.mark.parametrize("mode", IN_FORWARD)
+def test_six_nhv_and_no_logits_sized_value(mode):
+    """value_and_grad of the loss: the matmuls are materialized logits' 6NHV; chunked with a
+    budget of an eighth of the logits holds no value of N V / 4 elements (scan bodies included)."""
+    n, dim, vocab = 1024, 32, 2048
+    spec = (jax.ShapeDtypeStruct((2, n // 2, dim), jnp.float32),
+            jax.ShapeDtypeStruct((dim, vocab), jnp.float32),
+            jax.ShapeDtypeStruct((2, n // 2), jnp.int32),
+            jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2, 4), jnp.int32))
+
+    def f(h, w, t, o, m):
+        return kernels.segment_linear_cross_entropy(
+            h, w, t, o, m, normalize="segments", z_loss=1e-4, logit_softcap=30.0, mode=mode,
+            max_logits_bytes=n * vocab * 4 // 8)[0]
+
+    jaxpr = jax.jit(jax.value_and_grad(f, (0, 1))).trace(*spec).jaxpr
+    assert matmul_flops(jaxpr) == 6 * n * dim * vocab
+    largest = max(int(np.prod(shape)) for shape, _ in jaxpr_values(jaxpr))
+    assert largest == (n * vocab if mode == "logits" else n * vocab // 8)
 
 
 def test_benchmark_smoke():
