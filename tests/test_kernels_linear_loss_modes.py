@@ -25,11 +25,14 @@ MODES = {
 }
 IN_FORWARD = ("logits", "chunked")
 SLOW = pytest.mark.slow
+# The fast run: chunked (padding, the scan, the carried d weight) in full, the others slow.
+FAST_MODES = ["chunked", pytest.param("logits", marks=SLOW), pytest.param("recompute", marks=SLOW)]
+FAST_IN_FORWARD = ["chunked", pytest.param("logits", marks=SLOW)]
 
 
 @pytest.mark.parametrize("loss_only", [True, False], ids=["loss", "loss+per_segment"])
 @pytest.mark.parametrize("normalize", NORMALIZE)
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", FAST_MODES)
 def test_modes_match_materialized(mode, normalize, loss_only):
     """The loss's gradients (computed in the forward) alone, and with a cotangent on
     per_segment_loss too (added by the recomputing fallback)."""
@@ -38,8 +41,10 @@ def test_modes_match_materialized(mode, normalize, loss_only):
           loss_only=loss_only)
 
 
-@pytest.mark.parametrize("normalize", NORMALIZE)
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode,normalize", [
+    *(("chunked", n) for n in NORMALIZE), ("recompute", "segments"),
+    *(pytest.param(m, n, marks=SLOW) for m in ("logits", "recompute") for n in NORMALIZE
+      if (m, n) != ("recompute", "segments"))])
 def test_segment_weights(mode, normalize):
     """loss = normalize(segment_weights * per_segment_loss); per_segment_loss unweighted."""
     rng = np.random.default_rng(41)
@@ -47,24 +52,25 @@ def test_segment_weights(mode, normalize):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=SLOW)])
-@pytest.mark.parametrize("mode", IN_FORWARD)
+@pytest.mark.parametrize("mode", FAST_IN_FORWARD)
 def test_bf16(mode, dtype):
     rng = np.random.default_rng(42)
     check("segments", _args(rng, *case("mixed"), dtype), dtype, impl=MODES[mode], softcap=4.0,
           loss_only=True)
 
 
-@pytest.mark.parametrize("z_loss,softcap", [(0.0, None), (1e-3, 5.0), (0.0, 2.0)])
-@pytest.mark.parametrize("mode", IN_FORWARD)
+@pytest.mark.parametrize("z_loss,softcap", [(1e-3, 5.0), pytest.param(0.0, None, marks=SLOW),
+                                            pytest.param(0.0, 2.0, marks=SLOW)])
+@pytest.mark.parametrize("mode", FAST_IN_FORWARD)
 def test_z_loss_and_softcap(mode, z_loss, softcap):
     rng = np.random.default_rng(43)
     check("tokens", _args(rng, *case("aligned_16")), impl=MODES[mode], z_loss=z_loss,
           softcap=softcap, loss_only=True)
 
 
-@pytest.mark.parametrize("name", ["empty_row", "single_tokens", pytest.param("fills_row",
-                                                                             marks=SLOW)])
-@pytest.mark.parametrize("mode", IN_FORWARD)
+@pytest.mark.parametrize("name", ["empty_row", pytest.param("single_tokens", marks=SLOW),
+                                  pytest.param("fills_row", marks=SLOW)])
+@pytest.mark.parametrize("mode", FAST_IN_FORWARD)
 def test_row_layouts(mode, name):
     """Empty rows and slots (zero offsets), single tokens: padding (NaN hidden) gets exactly 0."""
     offsets, lengths = zero_padded(*case(name))
@@ -92,7 +98,7 @@ def _loss(mode, **kw):
     return f
 
 
-@pytest.mark.parametrize("mode", IN_FORWARD)
+@pytest.mark.parametrize("mode", FAST_IN_FORWARD)
 def test_eval_and_partial_gradients(mode):
     """No differentiation (jit of the values), the gradient of one input alone (the forward
     skips the other's), and the gradient of segment_weights: all equal the recompute mode's."""

@@ -3,14 +3,17 @@
     segment_linear_cross_entropy   hidden f[B, L, H], weight f[H, V], targets i32[B, L]
                                    -> (loss, per-segment loss sums f32[B, S], tokens i32[B, S])
 
-equal to `segment_cross_entropy(hidden @ weight, ...)` without a `[B, L, V]` array: the chosen
-implementation returns each token's log-sum-exp and target logit (blockwise.py on XLA, the
-Mosaic or Triton kernels), the backward recomputes the logits block by block. Everything after
-that is plain jnp on `[B, L]` and `[B, S]` values, so its gradient comes from autodiff:
+equal to `segment_cross_entropy(hidden @ weight, ...)` without storing logits. `mode` (chosen by
+`max_logits_bytes`, in_forward.choose): "logits" and "chunked" form the gradients in the forward
+(in_forward.py); "recompute" returns each token's log-sum-exp and target logit from the chosen
+implementation (blockwise.py on XLA, the Mosaic or Triton kernels), and the backward recomputes
+the logits block by block. Everything after that is plain jnp on `[B, L]` and `[B, S]` values
+(in_forward.finish), so its gradient comes from autodiff:
 
     token loss      lse - target logit + z_loss * lse^2      (counted tokens only)
     per segment     sums over each slot's counted tokens     (reference.segment_sum)
-    loss            reference.normalize_loss (tokens, segments, none)
+    loss            reference.normalize_loss (tokens, segments, none) of
+                    segment_weights * per-segment sums
 
 Counted: inside a segment, `loss_mask` set and target >= 0 (-100 is PyTorch's ignore_index).
 Uncounted rows of `hidden` are replaced by zeros before the projection (a `where`), so NaN there
