@@ -19,8 +19,9 @@ Paths, each `value_and_grad` in (hidden, weight) of the token-normalized loss:
 Columns: mode (what seqpack runs: auto's choice and its chunk C), temp MiB (compiled
 memory_analysis()), / 6NHV (matmul FLOPs of the jaxpr's dot_generals, scan bodies times their
 length, over materialized logits' 6NHV), ms (median of `--repeats` after a warm-up call),
-ratios of ms to materialized and to vocab tiling. On a CPU the times are the CPU's (the smoke
-run checks that every path runs).
+ratios of ms to materialized and to vocab tiling, err (the largest difference of the loss, 512
+rows of d hidden and 512 columns of d weight from the first path's, over its largest value).
+On a CPU the times are the CPU's (the smoke run checks that every path runs).
 """
 
 from __future__ import annotations
@@ -167,6 +168,13 @@ def loss_head_fns(n: int, vocab: int, dtype, chunks=(), tiling_chunk: int = TILI
     return fns
 
 
+def _sample(out) -> tuple[np.ndarray, ...]:
+    """(loss, 512 rows of d hidden, 512 columns of d weight) in f32: what `err` compares."""
+    loss, (dh, dw) = out
+    return tuple(np.asarray(a, np.float32) for a in (loss, dh.reshape(-1, dh.shape[-1])[:512],
+                                                     dw[:, :512]))
+
+
 def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: int = 5
                     ) -> dict[str, dict]:
     """Print one table (args: tokens, dim, vocab, dtype, segments, fill, chunks, tiling_chunk);
@@ -184,7 +192,7 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
           f"free {free / MIB:,.0f} MiB  (value_and_grad in hidden and weight; 6NHV = "
           f"{6 * n * dim * vocab / 1e12:.2f} TFLOP)")
     header = (f"{'path':20} {'mode':>16} {'temp MiB':>10} {'/ 6NHV':>7} {'ms':>9} "
-              f"{'vs mat':>7} {'vs tiling':>9}")
+              f"{'vs mat':>7} {'vs tiling':>9} {'err':>8}")
     print(header)
     print("-" * len(header))
     inputs = None
@@ -213,13 +221,17 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
                "flops": matmul_flops(traced.jaxpr), "ms": float("nan")}
         if inputs is not None:
             row["ms"] = time_call(compiled, *inputs, repeats=repeats)
+            row["sample"] = _sample(compiled(*inputs))
+            base = next(iter(rows.values()), row)["sample"]  # the first path measured
+            row["err"] = max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+                             for a, b in zip(row["sample"], base))
         rows[name] = row
         ratio = {base: row["ms"] / rows[base]["ms"] if base in rows else float("nan")
                  for base in ("materialized", "vocab tiling")}
         print(f"{name:20} {note:>16} {row['temp'] / MIB:10.1f} "
               f"{row['flops'] / (6 * n * dim * vocab):7.3f} {row['ms']:9.1f} "
-              f"{ratio['materialized']:7.3f} "
-              f"{ratio['vocab tiling']:9.3f}", flush=True)
+              f"{ratio['materialized']:7.3f} {ratio['vocab tiling']:9.3f} "
+              f"{row.get('err', float('nan')):8.1e}", flush=True)
     return rows
 
 

@@ -215,4 +215,5 @@ def test_benchmark_smoke():
     rows = loss_head.main(["--smoke", "--repeats", "1"])
     assert {"materialized", "vocab tiling", "seqpack auto", "seqpack recompute"} <= set(rows)
     assert all(np.isfinite(r["ms"]) and r["temp"] > 0 for r in rows.values())
+    assert all(r["err"] < 1e-5 for r in rows.values())  # f32: every path's loss and gradients
 

@@ -3,7 +3,8 @@
 linear_cross_entropy.py holds the public function (checks, dispatch, vocab-parallel combination,
 normalization); in_forward.py its "logits" and "chunked" modes (the gradients formed in the
 forward, a chunk of tokens at a time) and how "auto" chooses; blockwise.py the "recompute" mode's
-XLA path (a scan over vocabulary blocks with a custom VJP that recomputes). The Pallas kernels live in the families' wings (tpu/, gpu/).
+XLA path (a scan over vocabulary blocks with a custom VJP that recomputes). The Pallas kernels
+live in the families' wings (tpu/, gpu/).
 """
 
 from seqpack.kernels.fused.in_forward import LossHeadMode
