@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device check: the segment-attention benchmark (pairs table, then fwd / fwd+bwd timings at
 # B=8 L=8192 H=32 K=8 D=128 bf16 against the masked alternatives), the kernels benchmark at
-# its hardware sizes (--gpu-sizes) and the fused loss head against materialized logits
-# (--loss-head --gpu-sizes: N=32768 H=4096 V=128256 bf16; time target <= 1.2x), with the
-# device's name. Prints the tables; with $OUT set
+# its hardware sizes (--gpu-sizes) and the loss head's modes against materialized logits and
+# MaxText-style vocab tiling (benchmarks/loss_head.py --preset all: the three sizes,
+# bf16), with the device's name. Prints the tables; with $OUT set
 # (the device tool), also writes them to $OUT/device_run.log.
 #
 #   benchmarks/device_run.sh            # on a GPU (or TPU) machine, from the repository root
@@ -44,13 +44,12 @@ cd "$root"
     echo "== python -m benchmarks.kernels_bench --batch 1 --seq-len 128 --dim 128 --vocab 256"
     "$python" -m benchmarks.kernels_bench --batch 1 --seq-len 128 --segments 4 --dim 128 \
       --vocab 256 --repeats 1 --copy-mib 8
-    echo "== python -m benchmarks.kernels_bench --loss-head --tokens 256 --dim 64 --vocab 512"
-    "$python" -m benchmarks.kernels_bench --loss-head --tokens 256 --dim 64 --vocab 512 \
-      --repeats 1
+    echo "== python -m benchmarks.loss_head --smoke --repeats 1"
+    "$python" -m benchmarks.loss_head --smoke --repeats 1
   else
     echo "== python -m benchmarks.kernels_bench --gpu-sizes"
     "$python" -m benchmarks.kernels_bench --gpu-sizes
-    echo "== python -m benchmarks.kernels_bench --loss-head --gpu-sizes"
-    "$python" -m benchmarks.kernels_bench --loss-head --gpu-sizes
+    echo "== python -m benchmarks.loss_head --preset all"
+    "$python" -m benchmarks.loss_head --preset all
   fi
 } 2>&1 | if [[ -n "$log" ]]; then tee "$log"; else cat; fi

@@ -1,21 +1,52 @@
-"""The fused loss head against materialized logits (`kernels_bench --loss-head`): compiled
-temporary bytes, matmul FLOPs read from the jaxpr, the largest value, and time.
+"""The loss head, forward + backward in one process: materialized logits, MaxText-style vocab
+tiling and segment_linear_cross_entropy's modes; time, XLA temporary memory, matmul FLOPs.
 
-    python -m benchmarks.kernels_bench --loss-head              # N=16384 H=1024 V=32768 f32
-    python -m benchmarks.kernels_bench --loss-head --gpu-sizes  # N=32768 H=4096 V=128256 bf16
+    python -m benchmarks.loss_head --preset all        # the issue's three sizes, bf16 (a chip)
+    python -m benchmarks.loss_head --preset 16k        # N=16384 H=4096 V=128256
+    python -m benchmarks.loss_head --smoke             # tiny sizes, seconds on a CPU
+    python -m benchmarks.loss_head --tokens 8192 --dim 2048 --vocab 256000 --chunks 1024 2048
+    python -m benchmarks.kernels_bench --loss-head     # the same table from kernels_bench
+
+Paths, each `value_and_grad` in (hidden, weight) of the token-normalized loss:
+- materialized: `hidden @ weight` (input dtype) then an f32 log-softmax, jax autodiff; skipped
+  where its logits alone exceed the device's free memory.
+- vocab tiling: MaxText's way, token chunks of 4096 (`--tiling-chunk`), each chunk's loss in a
+  `lax.scan`, the backward recomputing each chunk through `jax.vjp` (8NHV).
+- seqpack auto: segment_linear_cross_entropy with no budget (the mode auto picks is printed);
+  seqpack 1/4 budget: max_logits_bytes = a quarter of the materialized logits' bytes (N V x the
+  dtype's size); seqpack recompute: mode="recompute" (the kernels of the backend: impl="auto");
+  seqpack C=...: mode="chunked" at the chunk sizes of `--chunks`.
+Columns: mode (what seqpack runs: auto's choice and its chunk C), temp MiB (compiled
+memory_analysis()), / 6NHV (matmul FLOPs of the jaxpr's dot_generals, scan bodies times their
+length, over materialized logits' 6NHV), ms (median of `--repeats` after a warm-up call),
+ratios of ms to materialized and to vocab tiling, err (the largest difference of the loss, 512
+rows of d hidden and 512 columns of d weight from the first path's, over its largest value).
+On a CPU the times are the CPU's (the smoke run checks that every path runs).
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from benchmarks.kernels_bench import MIB, Sizes, make_inputs, time_call
 from seqpack import kernels
+from seqpack.kernels import reference
+from seqpack.kernels.fused import in_forward
+
+PRESETS = {  # name -> (N tokens, H, V): the issue's sizes
+    "16k": (16384, 4096, 128256),
+    "8k": (8192, 2048, 256000),
+    "64k": (65536, 4096, 128256),
+}
+SMOKE = (512, 64, 1000)
+TILING_CHUNK = 4096  # MaxText's vocab tiling: tokens per chunk
 
 
 def jaxpr_values(jaxpr) -> list[tuple[tuple[int, ...], int]]:
@@ -57,26 +88,97 @@ def matmul_flops(jaxpr) -> float:
     return total
 
 
-def loss_head_fns(impl: str, interpret: bool) -> dict[str, Callable]:
-    """name -> value_and_grad in (hidden, weight) of the loss (normalize='tokens')."""
+# -- MaxText-style vocab tiling ---------------------------------------------------------------
 
-    def fused(**kw):
+def _chunk_loss(w, x, t, m):
+    """Sum of one token chunk's losses: logits in the input dtype, an f32 log-softmax."""
+    logits = jnp.dot(x, w).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
+    return jnp.sum(jnp.where(m, lse - target, 0.0))
+
+
+@jax.custom_vjp
+def _tiled_sum(w, xs):
+    return lax.scan(lambda acc, c: (acc + _chunk_loss(w, *c), None), jnp.float32(0.0), xs)[0]
+
+
+def _tiled_fwd(w, xs):
+    return _tiled_sum(w, xs), (w, xs)
+
+
+def _tiled_bwd(residuals, g):
+    w, xs = residuals
+
+    def step(dw, c):
+        x, t, m = c
+        _, vjp = jax.vjp(lambda w, x: _chunk_loss(w, x, t, m), w, x)
+        dw_c, dx = vjp(g)
+        return dw + dw_c.astype(jnp.float32), dx
+
+    dw, dx = lax.scan(step, jnp.zeros(w.shape, jnp.float32), xs)
+    return dw.astype(w.dtype), (dx, None, None)
+
+
+_tiled_sum.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def vocab_tiling(chunk: int) -> Callable:
+    """(hidden, weight, targets, offsets, lengths) -> token-normalized loss, in token chunks."""
+
+    def loss(h, w, t, o, n):
+        batch, seq_len, dim = h.shape
+        counted = reference.segment_index(o, n, seq_len) < o.shape[1]
+        x, tt, m = h.reshape(-1, dim), t.reshape(-1), counted.reshape(-1)
+        c = min(chunk, x.shape[0])
+        pad = -x.shape[0] % c
+        if pad:
+            x, tt, m = jnp.pad(x, ((0, pad), (0, 0))), jnp.pad(tt, (0, pad)), jnp.pad(m, (0, pad))
+        xs = (x.reshape(-1, c, dim), tt.reshape(-1, c), m.reshape(-1, c))
+        return _tiled_sum(w, xs) / jnp.maximum(counted.sum(), 1).astype(jnp.float32)
+
+    return loss
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+def loss_head_fns(n: int, vocab: int, dtype, chunks=(), tiling_chunk: int = TILING_CHUNK,
+                  **seqpack_kw) -> dict[str, tuple[Callable, str]]:
+    """name -> (loss function (hidden, weight, targets, offsets, lengths) -> loss, the mode)."""
+
+    def fused(mode="auto", max_logits_bytes=None):
         def f(h, w, t, o, n):
-            return kernels.segment_linear_cross_entropy(h, w, t, o, n, **kw)[0]
-        return f
+            return kernels.segment_linear_cross_entropy(
+                h, w, t, o, n, mode=mode, max_logits_bytes=max_logits_bytes, **seqpack_kw)[0]
+        chosen, chunk = in_forward.choose(in_forward.LossHeadMode(mode), n, vocab,
+                                          max_logits_bytes)
+        note = f"chunked C={chunk}" if chosen is in_forward.LossHeadMode.CHUNKED else chosen.value
+        return f, note
 
     def materialized(h, w, t, o, n):
         return kernels.segment_cross_entropy(h @ w, t, o, n, impl="reference")[0]
 
-    fns = {"materialized": materialized, "fused xla": fused(impl="reference")}
-    if impl != "reference":
-        fns[f"fused {impl}"] = fused(impl=impl, interpret=interpret)
-    return {k: jax.value_and_grad(f, (0, 1)) for k, f in fns.items()}
+    quarter = n * vocab * jnp.dtype(dtype).itemsize // 4
+    fns = {"materialized": (materialized, ""),
+           "vocab tiling": (vocab_tiling(tiling_chunk), f"C={min(tiling_chunk, n)}"),
+           "seqpack auto": fused(), "seqpack 1/4 budget": fused(max_logits_bytes=quarter),
+           "seqpack recompute": fused("recompute")}
+    for c in chunks:
+        fns[f"seqpack C={c}"] = fused("chunked", 4 * vocab * c)
+    return fns
 
 
-def loss_head_table(args, impl: str, interpret: bool, repeats: int) -> None:
-    """Compiled temp bytes, matmul FLOPs (jaxpr), XLA's FLOPs, largest value and (with
-    repeats > 0) time of forward + backward, fused against materialized logits."""
+def _sample(out) -> tuple[np.ndarray, ...]:
+    """(loss, 512 rows of d hidden, 512 columns of d weight) in f32: what `err` compares."""
+    loss, (dh, dw) = out
+    return tuple(np.asarray(a, np.float32) for a in (loss, dh.reshape(-1, dh.shape[-1])[:512],
+                                                     dw[:, :512]))
+
+
+def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: int = 5
+                    ) -> dict[str, dict]:
+    """Print one table (args: tokens, dim, vocab, dtype, segments, fill, chunks, tiling_chunk);
+    -> name -> {"temp": bytes, "flops": matmul FLOPs, "ms": time (nan: not timed)}."""
     n, dim, vocab = args.tokens, args.dim, args.vocab
     dtype = jnp.dtype(args.dtype)
     batch, seq_len = (1, n) if n <= 32768 else (n // 32768, 32768)
@@ -85,34 +187,79 @@ def loss_head_table(args, impl: str, interpret: bool, repeats: int) -> None:
             jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
             jax.ShapeDtypeStruct((batch, args.segments), jnp.int32),
             jax.ShapeDtypeStruct((batch, args.segments), jnp.int32))
-    print(f"loss head: N={n} H={dim} V={vocab} {dtype.name}  backend={jax.default_backend()}  "
-          f"(value_and_grad in hidden and weight; 6NHV = {6 * n * dim * vocab / 1e12:.2f} TFLOP)")
-    header = (f"{'path':24} {'temp MiB':>10} {'vs mat':>7} {'matmul TFLOP':>13} {'vs mat':>7} "
-              f"{'XLA TFLOP':>10} {'largest array':>14} {'ms':>9} {'vs mat':>7}")
+    free = in_forward.free_device_bytes()
+    print(f"\nloss head: N={n} H={dim} V={vocab} {dtype.name}  backend={jax.default_backend()}  "
+          f"free {free / MIB:,.0f} MiB  (value_and_grad in hidden and weight; 6NHV = "
+          f"{6 * n * dim * vocab / 1e12:.2f} TFLOP)")
+    header = (f"{'path':20} {'mode':>16} {'temp MiB':>10} {'/ 6NHV':>7} {'ms':>9} "
+              f"{'vs mat':>7} {'vs tiling':>9} {'err':>8}")
     print(header)
     print("-" * len(header))
-    base = {}
-    for name, fn in loss_head_fns(impl, interpret).items():
-        traced = jax.jit(fn).trace(*spec)
-        compiled = traced.lower().compile()
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost
+    inputs = None
+    if repeats > 0:
+        meta = make_inputs(Sizes(batch, seq_len, args.segments, dim, 8, dtype), args.fill)
+        key_h, key_w = jax.random.split(jax.random.key(1))
+        inputs = (jax.random.normal(key_h, spec[0].shape, dtype),
+                  (jax.random.normal(key_w, spec[1].shape, dtype) * dim**-0.5).astype(dtype),
+                  jax.random.randint(key_w, spec[2].shape, 0, vocab), *meta.meta)
+    kw = {} if impl == "auto" else dict(impl=impl, interpret=interpret)
+    fns = loss_head_fns(n, vocab, dtype, getattr(args, "chunks", ()),
+                        getattr(args, "tiling_chunk", TILING_CHUNK), **kw)
+    rows: dict[str, dict] = {}
+    for name, (loss, note) in fns.items():
+        if name == "materialized" and n * vocab * dtype.itemsize > free:
+            print(f"{name:20} skipped: its {n * vocab * dtype.itemsize / MIB:,.0f} MiB of logits "
+                  f"exceed the {free / MIB:,.0f} MiB free")
+            continue
+        try:
+            traced = jax.jit(jax.value_and_grad(loss, (0, 1))).trace(*spec)
+            compiled = traced.lower().compile()
+        except Exception as e:  # noqa: BLE001 (XLA reports a program that cannot fit this way)
+            print(f"{name:20} failed to compile: {str(e).splitlines()[0][:120]}")
+            continue
         row = {"temp": compiled.memory_analysis().temp_size_in_bytes,
-               "flops": matmul_flops(traced.jaxpr),
-               "largest": max(int(np.prod(s)) for s, _ in jaxpr_values(traced.jaxpr))}
-        row["ms"] = float("nan")
-        if repeats > 0:
-            meta = make_inputs(Sizes(batch, seq_len, args.segments, dim, 8, dtype), args.fill)
-            key_h, key_w = jax.random.split(jax.random.key(1))
-            h = jax.random.normal(key_h, spec[0].shape, dtype)
-            w = (jax.random.normal(key_w, spec[1].shape, dtype) * dim**-0.5).astype(dtype)
-            t = jax.random.randint(key_w, spec[2].shape, 0, vocab)
-            row["ms"] = time_call(compiled, h, w, t, *meta.meta, repeats=repeats)
-        base = base or row
-        ratio = {k: row[k] / base[k] for k in ("temp", "flops", "ms")}
-        print(f"{name:24} {row['temp'] / MIB:10.1f} {ratio['temp']:7.3f} "
-              f"{row['flops'] / 1e12:13.3f} {ratio['flops']:7.3f} "
-              f"{cost.get('flops', float('nan')) / 1e12:10.3f} {row['largest']:14,d} "
-              f"{row['ms']:9.1f} {ratio['ms']:7.3f}")
-    print("XLA TFLOP is cost_analysis(): it counts a scan body once, so it undercounts the fused "
-          "path; matmul TFLOP walks the jaxpr (scan bodies times their length).")
+               "flops": matmul_flops(traced.jaxpr), "ms": float("nan")}
+        if inputs is not None:
+            row["ms"] = time_call(compiled, *inputs, repeats=repeats)
+            row["sample"] = _sample(compiled(*inputs))
+            base = next(iter(rows.values()), row)["sample"]  # the first path measured
+            row["err"] = max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+                             for a, b in zip(row["sample"], base))
+        rows[name] = row
+        ratio = {base: row["ms"] / rows[base]["ms"] if base in rows else float("nan")
+                 for base in ("materialized", "vocab tiling")}
+        print(f"{name:20} {note:>16} {row['temp'] / MIB:10.1f} "
+              f"{row['flops'] / (6 * n * dim * vocab):7.3f} {row['ms']:9.1f} "
+              f"{ratio['materialized']:7.3f} {ratio['vocab tiling']:9.3f} "
+              f"{row.get('err', float('nan')):8.1e}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=[*PRESETS, "all"], default=None)
+    parser.add_argument("--smoke", action="store_true", help=f"N, H, V = {SMOKE}, float32")
+    parser.add_argument("--tokens", type=int, default=16384)
+    parser.add_argument("--dim", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--segments", type=int, default=16)
+    parser.add_argument("--fill", type=float, default=0.95, help="mean used fraction of a row")
+    parser.add_argument("--chunks", type=int, nargs="*", default=[],
+                        help="extra rows: mode='chunked' at these chunk sizes (tokens)")
+    parser.add_argument("--tiling-chunk", type=int, default=TILING_CHUNK)
+    parser.add_argument("--repeats", type=int, default=5, help="0: memory and FLOPs only")
+    args = parser.parse_args(argv)
+    sizes = [(args.tokens, args.dim, args.vocab)]
+    if args.smoke:
+        sizes, args.dtype = [SMOKE], "float32"
+    elif args.preset:
+        sizes = list(PRESETS.values()) if args.preset == "all" else [PRESETS[args.preset]]
+    rows = {}
+    for args.tokens, args.dim, args.vocab in sizes:
+        rows = loss_head_table(args, repeats=args.repeats)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

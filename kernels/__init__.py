@@ -39,6 +39,7 @@ from seqpack.kernels.common import GpuBlockSizes, Impl, Normalize, SegmentBlockS
 from seqpack.kernels.cross_entropy import CrossEntropyBlockSizes, segment_cross_entropy
 from seqpack.kernels.fused import (
     LinearCrossEntropyBlockSizes,
+    LossHeadMode,
     segment_linear_cross_entropy,
 )
 from seqpack.kernels.gather import GatherBlockSizes, segment_gather
@@ -60,6 +61,7 @@ __all__ = [
     "GpuBlockSizes",
     "Impl",
     "LinearCrossEntropyBlockSizes",
+    "LossHeadMode",
     "Normalize",
     "SegmentBlockSizes",
     "reference",

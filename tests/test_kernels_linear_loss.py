@@ -40,9 +40,10 @@ from tests.helpers.kernels import (
 H, V = 32, 300  # V not a multiple of the 128-column test block: the last block is partial
 BLOCKS = kernels.LinearCrossEntropyBlockSizes(block_tokens=32, block_vocab=128)
 NORMALIZE = ("tokens", "segments", "none")
-XLA = (("impl", "reference"), ("block_sizes", BLOCKS))  # keyword options, hashable
-TPU = (("impl", "pallas_tpu"), ("interpret", INTERPRET), ("block_sizes", BLOCKS))
-GPU = (("impl", "pallas_gpu"), ("interpret", True),
+RECOMPUTE = (("mode", "recompute"),)
+XLA = (("impl", "reference"), ("block_sizes", BLOCKS)) + RECOMPUTE  # keyword options, hashable
+TPU = (("impl", "pallas_tpu"), ("interpret", INTERPRET), ("block_sizes", BLOCKS)) + RECOMPUTE
+GPU = RECOMPUTE + (("impl", "pallas_gpu"), ("interpret", True),
        ("block_sizes", kernels.GpuBlockSizes(head_block_tokens=16, head_block_vocab=128,
                                              head_block_hidden=16)))
 BIG = (4, 8192, 4096, 128256)  # B, L, H, V of the lowering checks: B * L = 32768, bf16
@@ -70,9 +71,10 @@ def materialized(hidden, weight, targets, offsets, lengths, *, mask, normalize, 
 
 @functools.cache
 def _fn(normalize: str, fused: bool, z_loss: float = 1e-3, softcap: float | None = None,
-        impl: tuple = XLA):
+        impl: tuple = XLA, weighted: bool = False, loss_only: bool = False):
     """Jitted (hidden, weight, targets, offsets, lengths, mask, w) -> (loss, seg_loss, tokens,
-    dhidden, dweight) of loss + sum(w * per_segment_loss): both outputs' cotangents count."""
+    dhidden, dweight) of loss + sum(w * per_segment_loss): both outputs' cotangents count (only
+    the loss's with `loss_only`). `weighted`: segment_weights = 1 + w in the loss."""
 
     def f(hidden, weight, targets, offsets, lengths, mask, w):
         def objective(hidden, weight):
@@ -80,11 +82,15 @@ def _fn(normalize: str, fused: bool, z_loss: float = 1e-3, softcap: float | None
             if fused:
                 out = kernels.segment_linear_cross_entropy(
                     hidden, weight, targets, offsets, lengths, loss_mask=mask,
-                    logit_softcap=softcap, **kw, **dict(impl))
+                    logit_softcap=softcap, segment_weights=1.0 + w if weighted else None,
+                    **kw, **dict(impl))
             else:
                 out = materialized(hidden, weight, targets, offsets, lengths, mask=mask,
                                    softcap=softcap, **kw)
-            return out[0] + jnp.sum(w * out[1]), out
+                if weighted:
+                    out = (reference.normalize_loss((1.0 + w) * out[1], out[2], normalize),
+                           *out[1:])
+            return out[0] + (0.0 if loss_only else jnp.sum(w * out[1])), out
 
         grads, out = jax.grad(objective, (0, 1), has_aux=True)(hidden, weight)
         return (*out, *grads)
@@ -193,7 +199,7 @@ def test_no_logits_sized_value_in_the_jaxpr():
         def f(h, w, t, o, n):
             return kernels.segment_linear_cross_entropy(
                 h, w, t, o, n, normalize="segments", z_loss=1e-4, logit_softcap=30.0,
-                loss_mask=t > 0, impl=impl, block_sizes=paths[impl])[0]
+                loss_mask=t > 0, impl=impl, block_sizes=paths[impl], mode="recompute")[0]
         return f
 
     def dense(h, w, t, o, n):
@@ -243,8 +249,8 @@ def vocab_cases(*names: str) -> None:
 
 def test_vocab_parallel_equals_the_unsharded_loss():
     """The weight's columns over 4 devices (shard_map): loss, per-segment sums and the gradients
-    of hidden and weight equal the materialized logits' (XLA path)."""
-    vocab_cases("xla:4")
+    of hidden and weight equal the materialized logits' (every mode; recompute: the XLA path)."""
+    vocab_cases("logits:4", "chunked:4", "xla:4")
 
 
 @pytest.mark.slow
@@ -344,7 +350,7 @@ def test_kernels_lower_at_real_sizes(impl):
     def f(h, w, t, o, n):
         return kernels.segment_linear_cross_entropy(
             h, w, t, o, n, normalize="segments", loss_mask=t > 0, z_loss=1e-4,
-            logit_softcap=30.0, impl=impl)[0]
+            logit_softcap=30.0, impl=impl, mode="recompute")[0]
 
     grad = jax.value_and_grad(f, (0, 1))
     if impl == "pallas_tpu":

@@ -60,7 +60,7 @@ def varying_axes(a) -> frozenset:
     return frozenset() if manual is None else frozenset(manual.varying)
 
 
-def _varying(tree, *like):
+def varying_carry(tree, *like):
     """Fresh loop carries varying over the mesh axes `like` varies over (inside shard_map, a
     scan's carries must say so; elsewhere they come back unchanged)."""
     axes = set().union(*(varying_axes(a) for a in like))
@@ -81,7 +81,7 @@ def _forward(x, w, targets, st: Blockwise):
         tgt = tgt + jnp.sum(jnp.where(cols == targets[:, None], raw, 0.0), axis=1)
         return (m_new, s, tgt), None
 
-    init = _varying((jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32),
+    init = varying_carry((jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32),
                      jnp.zeros((n,), jnp.float32)), x, w, targets)
     (m, s, tgt), _ = lax.scan(step, init, jnp.arange(wp.shape[1] // st.block_vocab))
     return m + jnp.log(s), tgt
@@ -98,9 +98,9 @@ def _token_terms_fwd(x, w, targets, st):
     return (lse, tgt), (x, w, targets, lse)
 
 
-def _token_terms_bwd(st, residuals, cotangents):
-    x, w, targets, lse = residuals
-    g_lse, g_tgt = cotangents
+def backward(x, w, targets, lse, g_lse, g_tgt, st: Blockwise):
+    """(dx x.dtype[N, H], dw w.dtype[H, V]) of sum(g_lse * lse + g_tgt * target logit), the
+    logits recomputed block by block from `lse` (the global one, under vocab parallelism)."""
     vocab = w.shape[1]
     wp = _pad_columns(w, st.block_vocab)
     dtype = jnp.promote_types(x.dtype, w.dtype)
@@ -116,10 +116,15 @@ def _token_terms_bwd(st, residuals, cotangents):
         return dx, jnp.dot(x.T, da, preferred_element_type=jnp.float32)
 
     blocks = jnp.arange(wp.shape[1] // st.block_vocab)
-    dx0 = _varying(jnp.zeros(x.shape, jnp.float32), x, w, targets, lse, g_lse, g_tgt)
+    dx0 = varying_carry(jnp.zeros(x.shape, jnp.float32), x, w, targets, lse, g_lse, g_tgt)
     dx, dw = lax.scan(step, dx0, blocks)  # dw [nb, H, bv]
     dw = jnp.moveaxis(dw, 0, 1).reshape(w.shape[0], -1)[:, :vocab]
-    return dx.astype(x.dtype), dw.astype(w.dtype), None
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+def _token_terms_bwd(st, residuals, cotangents):
+    x, w, targets, lse = residuals
+    return (*backward(x, w, targets, lse, *cotangents, st), None)
 
 
 token_terms.defvjp(_token_terms_fwd, _token_terms_bwd)

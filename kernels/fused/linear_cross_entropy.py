@@ -3,14 +3,17 @@
     segment_linear_cross_entropy   hidden f[B, L, H], weight f[H, V], targets i32[B, L]
                                    -> (loss, per-segment loss sums f32[B, S], tokens i32[B, S])
 
-equal to `segment_cross_entropy(hidden @ weight, ...)` without a `[B, L, V]` array: the chosen
-implementation returns each token's log-sum-exp and target logit (blockwise.py on XLA, the
-Mosaic or Triton kernels), the backward recomputes the logits block by block. Everything after
-that is plain jnp on `[B, L]` and `[B, S]` values, so its gradient comes from autodiff:
+equal to `segment_cross_entropy(hidden @ weight, ...)` without storing logits. `mode` (chosen by
+`max_logits_bytes`, in_forward.choose): "logits" and "chunked" form the gradients in the forward
+(in_forward.py); "recompute" returns each token's log-sum-exp and target logit from the chosen
+implementation (blockwise.py on XLA, the Mosaic or Triton kernels), and the backward recomputes
+the logits block by block. Everything after that is plain jnp on `[B, L]` and `[B, S]` values
+(in_forward.finish), so its gradient comes from autodiff:
 
     token loss      lse - target logit + z_loss * lse^2      (counted tokens only)
     per segment     sums over each slot's counted tokens     (reference.segment_sum)
-    loss            reference.normalize_loss (tokens, segments, none)
+    loss            reference.normalize_loss (tokens, segments, none) of
+                    segment_weights * per-segment sums
 
 Counted: inside a segment, `loss_mask` set and target >= 0 (-100 is PyTorch's ignore_index).
 Uncounted rows of `hidden` are replaced by zeros before the projection (a `where`), so NaN there
@@ -45,6 +48,7 @@ from seqpack.kernels.common import (
 )
 from seqpack.kernels.fused.blockwise import Blockwise, token_terms, varying_axes
 from seqpack.kernels.fused.families import Family, block_schedule, pallas_terms
+from seqpack.kernels.fused.in_forward import InForward, LossHeadMode, choose, finish, head
 from seqpack.kernels.metadata import row_ends
 
 
@@ -122,8 +126,8 @@ def _local_terms(hidden, weight, targets, counted, offsets, lengths, *, impl: Im
     return pallas_terms(hidden, weight, targets, counted.astype(jnp.float32), meta, fam)
 
 
-def _vocab_parallel_terms(hidden, weight, targets, counted, axis: str, terms):
-    """lse and target logit over the whole vocabulary from each shard's columns."""
+def _shard(hidden, weight, targets, axis: str):
+    """(hidden varying over `axis`, targets shifted to this shard's columns)."""
     try:
         shard = lax.axis_index(axis)
     except NameError:
@@ -132,7 +136,12 @@ def _vocab_parallel_terms(hidden, weight, targets, counted, axis: str, terms):
                          "axis, weight being this shard's [H, V / P] columns") from None
     if axis not in varying_axes(hidden):
         hidden = lax.pcast(hidden, axis, to="varying")  # its transpose sums dhidden over shards
-    local = targets - shard * weight.shape[1]
+    return hidden, targets - shard * weight.shape[1]
+
+
+def _vocab_parallel_terms(hidden, weight, targets, counted, axis: str, terms):
+    """lse and target logit over the whole vocabulary from each shard's columns."""
+    hidden, local = _shard(hidden, weight, targets, axis)
     lse_s, tgt_s = terms(hidden, weight, local, counted)
     m = lax.pmax(lax.stop_gradient(lse_s), axis)
     lse = m + jnp.log(lax.psum(jnp.exp(lse_s - m), axis))
@@ -140,7 +149,8 @@ def _vocab_parallel_terms(hidden, weight, targets, counted, axis: str, terms):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "normalize", "z_loss", "logit_softcap", "impl", "interpret", "block_sizes", "vocab_axis"))
+    "normalize", "z_loss", "logit_softcap", "impl", "interpret", "block_sizes", "vocab_axis",
+    "mode", "max_logits_bytes"))
 def segment_linear_cross_entropy(
     hidden: jax.Array,  # f[B, L, H]
     weight: jax.Array,  # f[H, V] (with vocab_axis: this shard's [H, V / P])
@@ -150,25 +160,39 @@ def segment_linear_cross_entropy(
     *,
     normalize: Normalize | str = "tokens",
     loss_mask: jax.Array | None = None,  # bool or 0/1 [B, L]
+    segment_weights: jax.Array | None = None,  # f32[B, S]
     z_loss: float = 0.0,
     logit_softcap: float | None = None,
+    mode: LossHeadMode | str = "auto",
+    max_logits_bytes: int | None = None,
     impl: Impl | str = "auto",
     interpret: Interpret = False,
     block_sizes: LinearCrossEntropyBlockSizes | GpuBlockSizes | None = None,
     vocab_axis: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # f32[], f32[B, S], i32[B, S]
-    """`segment_cross_entropy(hidden @ weight, ...)` without the logits: (loss, per_segment_loss,
-    per_segment_tokens), differentiable in hidden and weight.
+    """`segment_cross_entropy(hidden @ weight, ...)` without storing the logits: (loss,
+    per_segment_loss, per_segment_tokens), differentiable in hidden, weight and segment_weights.
 
-    Logits are `c * tanh(x / c)` with `logit_softcap=c` (Gemma 2). `impl`: "reference" (and
-    "auto" off TPU / GPU) is the blockwise XLA path; "pallas_tpu" / "pallas_gpu" the kernels.
-    `block_sizes`: LinearCrossEntropyBlockSizes (XLA, TPU) or GpuBlockSizes (GPU: its head_*
-    tile sizes and num_warps). `vocab_axis`: a mesh axis the
-    vocabulary is sharded over (inside shard_map).
+    Logits are `c * tanh(x / c)` with `logit_softcap=c` (Gemma 2). `segment_weights`: each
+    segment's weight in `loss` (per_segment_loss stays unweighted); per dataset, e.g.
+    `dataset_weight[segment_dataset_id]`. `mode` (LossHeadMode): "logits" (all logits at once,
+    gradients in the forward), "chunked" (the same over token chunks whose f32 logits fit
+    `max_logits_bytes`), "recompute" (the backward recomputes), "auto": the first of those that
+    fits `max_logits_bytes` (None: a quarter of the device's free memory; in_forward.py).
+    `impl` applies to "recompute": "reference" (and "auto" off TPU / GPU) is the blockwise XLA
+    path; "pallas_tpu" / "pallas_gpu" the kernels. `block_sizes`: LinearCrossEntropyBlockSizes
+    (XLA, TPU) or GpuBlockSizes (GPU: its head_* tile sizes and num_warps). `vocab_axis`: a mesh
+    axis the vocabulary is sharded over (inside shard_map).
     """
     normalize = parse_enum(Normalize, "normalize", normalize)
+    mode = parse_enum(LossHeadMode, "mode", mode)
     _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask, z_loss,
            logit_softcap)
+    if segment_weights is not None and segment_weights.shape != segment_offsets.shape:
+        raise ValueError(f"segment_weights.shape={segment_weights.shape} must be [B, S] like "
+                         f"segment_offsets {segment_offsets.shape}")
+    if max_logits_bytes is not None and max_logits_bytes <= 0:
+        raise ValueError(f"{max_logits_bytes=} must be a positive byte count or None")
     impl, blocks = resolve(impl, interpret, block_sizes, LinearCrossEntropyBlockSizes,
                            "segment_linear_cross_entropy")
     if impl is Impl.REFERENCE:  # the XLA path reads block_vocab alone, of either class
@@ -176,14 +200,23 @@ def segment_linear_cross_entropy(
     targets = targets.astype(jnp.int32)
     counted = _counted(targets, segment_offsets, segment_lengths, loss_mask)
     softcap = None if logit_softcap is None else float(logit_softcap)
+    mode, chunk = choose(mode, hidden.shape[0] * hidden.shape[1], weight.shape[1],
+                         max_logits_bytes)
+    if mode is not LossHeadMode.RECOMPUTE:
+        local = targets
+        if vocab_axis is not None:
+            hidden, local = _shard(hidden, weight, targets, vocab_axis)
+        weights = (jnp.ones(segment_offsets.shape, jnp.float32) if segment_weights is None
+                   else segment_weights.astype(jnp.float32))
+        cfg = InForward(chunk, normalize, float(z_loss), softcap, vocab_axis,
+                        getattr(blocks, "block_vocab", 512))
+        return head(cfg, hidden, weight, weights, local, counted, segment_offsets,
+                    segment_lengths)
     terms = functools.partial(_local_terms, offsets=segment_offsets, lengths=segment_lengths,
                               impl=impl, blocks=blocks, softcap=softcap, interpret=interpret)
     if vocab_axis is None:
         lse, tgt = terms(hidden, weight, targets, counted)
     else:
         lse, tgt = _vocab_parallel_terms(hidden, weight, targets, counted, vocab_axis, terms)
-    token_loss = jnp.where(counted, lse - tgt + z_loss * lse * lse, 0.0)
-    per_segment_loss = reference.segment_sum(token_loss, segment_offsets, segment_lengths)
-    tokens = reference.segment_sum(counted.astype(jnp.int32), segment_offsets, segment_lengths)
-    loss = reference.normalize_loss(per_segment_loss, tokens, normalize)
-    return loss, per_segment_loss, tokens
+    return finish(lse, tgt, counted, segment_weights, segment_offsets, segment_lengths,
+                  normalize=normalize, z_loss=z_loss)

@@ -1,6 +1,7 @@
 """Vocab-parallel segment_linear_cross_entropy cases, run in a process of their own with 8 host
 devices (`python -m tests.helpers.vocab_cases CASE ...`; tests/test_kernels_linear_loss.py runs
-it). A case is `<impl>:<P>` (xla, tpu or gpu): the weight's columns split over P devices under
+it). A case is `<impl>:<P>` (logits, chunked: the gradient-in-forward modes; xla, tpu or gpu:
+the recompute mode's implementations): the weight's columns split over P devices under
 shard_map, the loss, per-segment sums and the gradients of hidden and weight against the
 unsharded XLA path and the materialized logits. Each passing case prints "ok CASE".
 """
@@ -29,21 +30,24 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)  # interpret mode: see
 
 BLOCKS = kernels.LinearCrossEntropyBlockSizes(block_tokens=32, block_vocab=128)
 IMPLS = {
-    "xla": dict(impl="reference", block_sizes=BLOCKS),
-    "tpu": dict(impl="pallas_tpu", block_sizes=BLOCKS,
+    "logits": dict(mode="logits"),
+    "chunked": dict(mode="chunked", max_logits_bytes=4 * 40 * 64),  # chunks of 128 tokens
+    "xla": dict(impl="reference", block_sizes=BLOCKS, mode="recompute"),
+    "tpu": dict(impl="pallas_tpu", block_sizes=BLOCKS, mode="recompute",
                 interpret=pltpu.InterpretParams(random_seed=7, uninitialized_memory="nan")),
-    "gpu": dict(impl="pallas_gpu", interpret=True,
+    "gpu": dict(impl="pallas_gpu", interpret=True, mode="recompute",
                 block_sizes=kernels.GpuBlockSizes(head_block_tokens=16, head_block_vocab=128,
                                                   head_block_hidden=16)),
 }
 OPTIONS = dict(normalize="segments", z_loss=1e-3, logit_softcap=4.0)
 
 
-def value_and_grads(loss_fn):
+def value_and_grads(loss_fn, loss_only: bool = False):
+    """Gradients of loss + sum(w * per_segment_loss) (of the loss alone with `loss_only`)."""
     def f(hidden, weight, targets, offsets, lengths, mask, w):
         def objective(hidden, weight):
             out = loss_fn(hidden, weight, targets, offsets, lengths, mask)
-            return out[0] + jnp.sum(w * out[1]), out[:2]
+            return out[0] + (0.0 if loss_only else jnp.sum(w * out[1])), out[:2]
 
         return jax.grad(objective, (0, 1), has_aux=True)(hidden, weight)
 
@@ -67,17 +71,20 @@ def check(impl: str, P: int) -> None:
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(whole, cols) + (whole,) * 4,
                             out_specs=(whole, whole, whole), check_vma=impl != "gpu")
-    got = value_and_grads(sharded)(*args)
-    want = value_and_grads(lambda h, w, t, o, n, m: materialized(
+    reference = lambda h, w, t, o, n, m: materialized(  # noqa: E731
         h, w, t, o, n, mask=m, normalize=OPTIONS["normalize"], z_loss=OPTIONS["z_loss"],
-        softcap=OPTIONS["logit_softcap"]))(*args)
-    (dh, dw), (loss, seg_loss) = jax.tree.map(np.asarray, got)
-    (r_dh, r_dw), (r_loss, r_seg_loss) = jax.tree.map(np.asarray, want)
-    assert_close(loss, r_loss, jnp.float32)
-    assert_close(seg_loss, r_seg_loss, jnp.float32)
-    assert_close(dh, r_dh, jnp.float32, "grad")
-    assert_close(dw, r_dw, jnp.float32, "grad")
-
+        softcap=OPTIONS["logit_softcap"])
+    # the gradient-in-forward modes: the loss's gradients from the forward, and with a
+    # per-segment cotangent (its recomputing fallback) too
+    for loss_only in (False, True) if impl in ("logits", "chunked") else (False,):
+        got = value_and_grads(sharded, loss_only)(*args)
+        want = value_and_grads(reference, loss_only)(*args)
+        (dh, dw), (loss, seg_loss) = jax.tree.map(np.asarray, got)
+        (r_dh, r_dw), (r_loss, r_seg_loss) = jax.tree.map(np.asarray, want)
+        assert_close(loss, r_loss, jnp.float32)
+        assert_close(seg_loss, r_seg_loss, jnp.float32)
+        assert_close(dh, r_dh, jnp.float32, "grad")
+        assert_close(dw, r_dw, jnp.float32, "grad")
 
 if __name__ == "__main__":
     for name in sys.argv[1:]:

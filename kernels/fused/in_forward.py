@@ -1,0 +1,264 @@
+"""The loss head's gradients computed in its forward, a chunk of tokens at a time: the "logits"
+(one chunk) and "chunked" modes of segment_linear_cross_entropy, in XLA on any backend.
+
+    head   hidden f[B, L, H], weight f[H, V], segment_weights f32[B, S], targets, counted, metadata
+           -> (loss f32[], per_segment_loss f32[B, S], tokens i32[B, S])
+
+The loss is the final scalar, so each token's weight in it is known before any backward: with
+`a_s` the normalization of slot s (1 / counted tokens: "tokens"; 1 / (non-empty segments x the
+segment's tokens): "segments"; 1: "none") and `u_s` its segment weight, token i of slot s counts
+`c_i = u_s a_s` (0 uncounted), and `d loss / d lse_i = c_i (1 + 2 z_loss lse_i)`,
+`d loss / d target_i = -c_i`. So, per chunk of C flattened tokens (Liger's FusedLinearCrossEntropy):
+
+    z = softcap(x_c @ w)                         f32[C, V], the chunk's logits, all at once
+    lse, target logit                            f32[C]
+    d = (c (1 + 2 z_loss lse) softmax(z) - c onehot) softcap'    cast to the input dtype
+    dx_c = d @ w^T                               the chunk's rows of d hidden
+    dw += x_c^T @ d                              f32[H, V], carried over the chunks
+
+6NHV FLOPs (as materialized logits) with C x V logits live; C = N is materialized logits that are
+never stored. Worked example, N = 1000 tokens, V = 32768, budget 64 MiB: C x V x 4 <= 64 MiB gives
+C <= 512 (a multiple of CHUNK_MULTIPLE); two chunks of 500 tokens round up to 512, so N is padded
+to 1024 with 24 uncounted rows (zero hidden, c = 0).
+
+custom_vjp with symbolic zeros: evaluated without differentiation it computes the values only;
+its fwd computes values and gradients (d hidden only if hidden is perturbed, d weight only if
+weight is); bwd scales them by the cotangent of `loss`. A cotangent of `per_segment_loss` (a user
+differentiating per-segment or per-dataset sums) cannot be known in the forward: bwd adds its
+part with the recomputing XLA backward (blockwise.backward, from the saved lse; 6NHV more).
+
+Vocab-parallel (`vocab_axis`, inside shard_map, `w` this shard's columns, targets shifted to it):
+each chunk's row max and exp-sum combine with a pmax and a psum before the softmax, so the
+gradients use the global lse in the same pass; d hidden is each shard's partial sum (the caller
+pcasts hidden to varying, whose transpose sums it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+
+from seqpack.kernels import reference
+from seqpack.kernels.common import Normalize
+from seqpack.kernels.fused.blockwise import Blockwise, backward, varying_carry
+
+# Chunks are a multiple of this many tokens (MXU rows).
+CHUNK_MULTIPLE = 128
+# "auto" recomputes (8NHV, the kernels) when the budget allows no chunk of this many tokens:
+# smaller chunks re-read and re-write the f32 d weight [H, V] too often to beat recomputing.
+MIN_CHUNK_TOKENS = 512
+# "auto" without max_logits_bytes: this share of the device's free memory (memory_stats()
+# bytes_limit - bytes_in_use at trace time) for the logits; DEFAULT_FREE_BYTES where the
+# backend reports none (CPU).
+BUDGET_SHARE = 0.25
+DEFAULT_FREE_BYTES = 1 << 30
+
+
+class LossHeadMode(enum.StrEnum):
+    """How segment_linear_cross_entropy computes the loss head (`mode=`)."""
+
+    AUTO = "auto"  # the fastest that fits max_logits_bytes (or a share of free memory)
+    LOGITS = "logits"  # all logits at once, gradients in the forward (6NHV, N x V f32 live)
+    CHUNKED = "chunked"  # gradients in the forward over token chunks (6NHV, C x V live)
+    RECOMPUTE = "recompute"  # lse only in the forward, the backward recomputes (8-10NHV; impl=)
+
+
+def free_device_bytes() -> int:
+    """bytes_limit - bytes_in_use of the first local device, DEFAULT_FREE_BYTES if unknown."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 (backends without memory stats raise various errors)
+        stats = None
+    if not stats or "bytes_limit" not in stats:
+        return DEFAULT_FREE_BYTES
+    return max(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), 0)
+
+
+def chunk_tokens(n: int, vocab: int, budget: int, least: int) -> int | None:
+    """Tokens per chunk: n when n x vocab f32 fits `budget`, else the chunks of at most budget
+    balanced and rounded up to CHUNK_MULTIPLE; None when that is below `least`."""
+    fit = budget // (4 * vocab)
+    if fit >= n:
+        return n
+    fit = fit // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+    if fit < least:
+        return None
+    per_chunk = -(-n // -(-n // fit))
+    return -(-per_chunk // CHUNK_MULTIPLE) * CHUNK_MULTIPLE
+
+
+def choose(mode: LossHeadMode, n: int, vocab: int, max_logits_bytes: int | None
+           ) -> tuple[LossHeadMode, int | None]:
+    """(the mode to run, its chunk) for n tokens and this shard's vocab columns."""
+    if mode is LossHeadMode.RECOMPUTE:
+        return mode, None
+    if mode is LossHeadMode.LOGITS:
+        return mode, n
+    budget = (max_logits_bytes if max_logits_bytes is not None
+              else int(free_device_bytes() * BUDGET_SHARE))
+    if mode is LossHeadMode.CHUNKED:  # forced: the budget's chunk, at least one multiple
+        chunk = chunk_tokens(n, vocab, max(budget, 4 * vocab * CHUNK_MULTIPLE), CHUNK_MULTIPLE)
+        return mode, chunk
+    chunk = chunk_tokens(n, vocab, budget, min(MIN_CHUNK_TOKENS, n))
+    if chunk is None:
+        return LossHeadMode.RECOMPUTE, None
+    return (LossHeadMode.LOGITS if chunk == n else LossHeadMode.CHUNKED), chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class InForward:
+    """Static configuration (a custom_vjp nondiff argument)."""
+
+    chunk: int
+    normalize: Normalize
+    z_loss: float
+    softcap: float | None
+    vocab_axis: str | None
+    fallback_block_vocab: int = 512  # the recomputing backward of per_segment_loss cotangents
+
+
+def loss_scale(tokens: jax.Array, normalize: Normalize) -> jax.Array:  # i32[B, S] -> f32[B, S]
+    """a_s: d loss / d per_segment_loss[s] (reference.normalize_loss's weights)."""
+    count = tokens.astype(jnp.float32)
+    if normalize is Normalize.TOKENS:
+        return jnp.full(count.shape, 1.0, jnp.float32) / jnp.maximum(count.sum(), 1.0)
+    if normalize is Normalize.SEGMENTS:
+        nonempty = count > 0
+        segments = jnp.maximum(nonempty.sum().astype(jnp.float32), 1.0)
+        return jnp.where(nonempty, 1.0 / (jnp.maximum(count, 1.0) * segments), 0.0)
+    return jnp.ones(count.shape, jnp.float32)
+
+
+def finish(lse, tgt, counted, segment_weights, offsets, lengths, *, normalize, z_loss):
+    """Per-token (lse, target logit) f32[B, L] -> (loss, per_segment_loss, tokens): every mode's
+    last step (plain jnp; the recompute mode differentiates through it)."""
+    token_loss = jnp.where(counted, lse - tgt + z_loss * lse * lse, 0.0)
+    per_segment_loss = reference.segment_sum(token_loss, offsets, lengths)
+    tokens = reference.segment_sum(counted.astype(jnp.int32), offsets, lengths)
+    weighted = per_segment_loss if segment_weights is None else segment_weights * per_segment_loss
+    return reference.normalize_loss(weighted, tokens, normalize), per_segment_loss, tokens
+
+
+def _chunk(x, t, c, w, cfg: InForward, want_dx: bool, want_dw: bool):
+    """One chunk: x f[C, H] (uncounted rows zero), t i32[C] (this shard's columns), c f32[C]
+    -> lse, tgt f32[C], dx x.dtype[C, H] | None, dw f32[H, V] | None."""
+    z = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    if cfg.softcap is not None:
+        z = cfg.softcap * jnp.tanh(z / cfg.softcap)
+    onehot = lax.broadcasted_iota(jnp.int32, (1, w.shape[1]), 1) == t[:, None]
+    m = jnp.max(z, axis=1)
+    if cfg.vocab_axis is not None:
+        m = lax.pmax(m, cfg.vocab_axis)
+    s = jnp.sum(jnp.exp(z - m[:, None]), axis=1)
+    tgt = jnp.sum(jnp.where(onehot, z, 0.0), axis=1)
+    if cfg.vocab_axis is not None:
+        s, tgt = lax.psum((s, tgt), cfg.vocab_axis)
+    lse = m + jnp.log(s)
+    if not (want_dx or want_dw):
+        return lse, tgt, None, None
+    g = c * (1.0 + 2.0 * cfg.z_loss * lse)
+    d = g[:, None] * jnp.exp(z - lse[:, None]) - jnp.where(onehot, c[:, None], 0.0)
+    if cfg.softcap is not None:
+        d = d * (1.0 - jnp.square(z / cfg.softcap))
+    d = d.astype(x.dtype)
+    dx = (lax.dot_general(d, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+          .astype(x.dtype) if want_dx else None)
+    dw = (lax.dot_general(x, d, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+          if want_dw else None)
+    return lse, tgt, dx, dw
+
+
+def _sweep(cfg: InForward, hidden, weight, targets, counted, coef, want_dx=False, want_dw=False):
+    """Every chunk -> lse, tgt f32[B, L], dx hidden.dtype[B, L, H], dw weight.dtype[H, V] (None
+    when not wanted)."""
+    batch, seq_len, dim = hidden.shape
+    n, chunk = batch * seq_len, cfg.chunk
+    x = jnp.where(counted[:, :, None], hidden, jnp.zeros((), hidden.dtype)).reshape(n, dim)
+    t, c = targets.reshape(n), jnp.where(counted, coef, 0.0).reshape(n)
+    chunks = -(-n // chunk)
+    pad = chunks * chunk - n
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        t, c = jnp.pad(t, (0, pad), constant_values=-1), jnp.pad(c, (0, pad))
+    body = functools.partial(_chunk, w=weight, cfg=cfg, want_dx=want_dx, want_dw=want_dw)
+    if chunks == 1:
+        lse, tgt, dx, dw = body(x, t, c)
+    else:
+        def step(dw, xs):
+            lse, tgt, dx, dw_c = body(*xs)
+            return (None if dw is None else dw + dw_c), (lse, tgt, dx)
+
+        dw0 = (varying_carry(jnp.zeros(weight.shape, jnp.float32), hidden, weight, targets, coef)
+               if want_dw else None)
+        xs = (x.reshape(chunks, chunk, dim), t.reshape(chunks, chunk), c.reshape(chunks, chunk))
+        dw, (lse, tgt, dx) = lax.scan(step, dw0, xs)
+    lse, tgt = (a.reshape(-1)[:n].reshape(batch, seq_len) for a in (lse, tgt))
+    dx = None if dx is None else dx.reshape(-1, dim)[:n].reshape(hidden.shape)
+    return lse, tgt, dx, None if dw is None else dw.astype(weight.dtype)
+
+
+def _coefficients(segment_weights, counted, offsets, lengths, normalize):
+    """(tokens i32[B, S], a_s f32[B, S], c_i f32[B, L])."""
+    tokens = reference.segment_sum(counted.astype(jnp.int32), offsets, lengths)
+    scale = loss_scale(tokens, normalize)
+    per_token = reference.segment_broadcast(segment_weights * scale, offsets, lengths,
+                                            seq_len=counted.shape[1])
+    return tokens, scale, jnp.where(counted, per_token, 0.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def head(cfg: InForward, hidden, weight, segment_weights, targets, counted, offsets, lengths):
+    """-> (loss, per_segment_loss, tokens); targets already this shard's (vocab_axis)."""
+    lse, tgt, _, _ = _sweep(cfg, hidden, weight, targets, counted, jnp.zeros(counted.shape))
+    return finish(lse, tgt, counted, segment_weights, offsets, lengths,
+                  normalize=cfg.normalize, z_loss=cfg.z_loss)
+
+
+def _head_fwd(cfg, hidden, weight, segment_weights, targets, counted, offsets, lengths):
+    want_dx, want_dw = hidden.perturbed, weight.perturbed
+    hidden, weight, segment_weights, targets, counted, offsets, lengths = (
+        a.value for a in (hidden, weight, segment_weights, targets, counted, offsets, lengths))
+    tokens, scale, coef = _coefficients(segment_weights, counted, offsets, lengths,
+                                        cfg.normalize)
+    lse, tgt, dx, dw = _sweep(cfg, hidden, weight, targets, counted, coef, want_dx, want_dw)
+    out = finish(lse, tgt, counted, segment_weights, offsets, lengths, normalize=cfg.normalize,
+                 z_loss=cfg.z_loss)
+    return out, (dx, dw, scale, out[1], hidden, weight, targets, counted, offsets, lengths, lse)
+
+
+def _scaled(grad, g):  # grad * g in f32, back to grad's dtype
+    return (grad.astype(jnp.float32) * g).astype(grad.dtype)
+
+
+def _head_bwd(cfg, residuals, cotangents):
+    dx, dw, scale, per_segment_loss, hidden, weight, targets, counted, offsets, lengths, lse = (
+        residuals)
+    g_loss, g_seg, _ = cotangents
+    d_hidden = d_weight = d_segw = None
+    if not isinstance(g_loss, SymbolicZero):
+        d_hidden = None if dx is None else _scaled(dx, g_loss)
+        d_weight = None if dw is None else _scaled(dw, g_loss)
+        d_segw = g_loss * scale * per_segment_loss
+    if not isinstance(g_seg, SymbolicZero):  # recompute: sum g_seg[s] per_segment_loss[s]
+        batch, seq_len, dim = hidden.shape
+        g_tok = jnp.where(counted, reference.segment_broadcast(
+            g_seg.astype(jnp.float32), offsets, lengths, seq_len=seq_len), 0.0)
+        x = jnp.where(counted[:, :, None], hidden, jnp.zeros((), hidden.dtype))
+        flat = lambda a: a.reshape(batch * seq_len)  # noqa: E731
+        st = Blockwise(min(cfg.fallback_block_vocab, -(-weight.shape[1] // 128) * 128),
+                       cfg.softcap)
+        rx, rw = backward(x.reshape(-1, dim), weight, flat(targets), flat(lse),
+                          flat(g_tok * (1.0 + 2.0 * cfg.z_loss * lse)), flat(-g_tok), st)
+        rx = rx.reshape(hidden.shape)
+        d_hidden = rx if d_hidden is None else d_hidden + rx
+        d_weight = rw if d_weight is None else d_weight + rw
+    return d_hidden, d_weight, d_segw, None, None, None, None
+
+
+head.defvjp(_head_fwd, _head_bwd, symbolic_zeros=True)
