@@ -12,9 +12,9 @@ long examples split) fed three ways:
 - maxtext: packed rows; splash attention with segment ids + materialized logits (MaxText);
 - seqpack: packed rows; kernels.segment_attention + kernels.segment_linear_cross_entropy, all
   defaults (the variant a user gets who passes nothing).
-Extra variants (--variants) isolate one change each. Real tokens/s counts tokens inside
-segments, the same examples for every variant. --profile prints device time by XLA op
-(jax.profiler trace, parsed in process) for each variant.
+Extra variants (--variants seqpack+b512+bhld, ...) isolate one change each. Real tokens/s
+counts tokens inside segments, the same examples for every variant. --profile prints device
+time by XLA op (jax.profiler trace, parsed in process) for each variant.
 """
 
 from __future__ import annotations
@@ -40,23 +40,45 @@ SMOKE_MODEL = dict(vocab=512, dim=128, heads=2, head_dim=128, mlp=256, layers=1)
 PADDED_BUCKET = 512  # the shortest padded row; longer buckets double
 
 
-def _blocks(b: int) -> kernels.AttentionBlockSizes:
-    return kernels.AttentionBlockSizes(block_q=b, block_kv=b, block_q_bwd=b, block_kv_bwd=b)
+def _blocks(spec: str) -> kernels.AttentionBlockSizes:
+    fwd, _, bwd = spec.partition("/")
+    f, b = int(fwd), int(bwd or fwd)
+    return kernels.AttentionBlockSizes(block_q=f, block_kv=f, block_q_bwd=b, block_kv_bwd=b)
 
 
-# name -> (rows, LMConfig overrides); "rows": which batches the variant reads
-VARIANTS = {
+BASE = {
     "padded": ("padded", dict(attention="splash", segment_ids=False, loss="materialized")),
     "maxtext": ("packed", dict(attention="splash", loss="materialized")),
     "seqpack": ("packed", dict()),
-    "seqpack+logits": ("packed", dict(loss="materialized")),
-    "seqpack bhld": ("packed", dict(attention_layout="bhld")),
-    "seqpack head-major": ("packed", dict(attention_block_sizes=dataclasses.replace(
-        kernels.AttentionBlockSizes(), head_major=True))),
-    "seqpack 512": ("packed", dict(attention_block_sizes=_blocks(512))),
-    "seqpack 256": ("packed", dict(attention_block_sizes=_blocks(256))),
-    "seqpack 1024": ("packed", dict(attention_block_sizes=_blocks(1024))),
 }
+OPTIONS = "seqpack options, joined by '+': logits (materialized loss), bhld (layout), " \
+    "hm (head_major), b<fwd>[/<bwd>] (block sizes, e.g. b512 or b1024/512)"
+
+
+def variant(name: str) -> tuple[str, dict]:
+    """'seqpack+b512+bhld' -> (rows, LMConfig overrides): one change from a base each."""
+    base, *opts = name.split("+")
+    if base not in BASE or (opts and base != "seqpack"):
+        raise SystemExit(f"Error: unknown variant {name!r}: {list(BASE)}; {OPTIONS}")
+    rows, overrides = BASE[base]
+    overrides = dict(overrides)
+    blocks = kernels.AttentionBlockSizes()
+    for opt in opts:
+        if opt == "logits":
+            overrides["loss"] = "materialized"
+        elif opt == "bhld":
+            overrides["attention_layout"] = "bhld"
+        elif opt == "hm":
+            blocks = dataclasses.replace(blocks, head_major=True)
+        elif re.fullmatch(r"b\d+(/\d+)?", opt):
+            blocks = dataclasses.replace(_blocks(opt[1:]), head_major=blocks.head_major)
+        else:
+            raise SystemExit(f"Error: unknown option {opt!r} in {name!r}; {OPTIONS}")
+    if blocks != kernels.AttentionBlockSizes():
+        overrides["attention_block_sizes"] = blocks
+    return rows, overrides
+
+
 DEFAULT_VARIANTS = "padded,maxtext,seqpack"
 
 
@@ -148,8 +170,9 @@ def run_variant(step_fn, params, batches, repeats: int) -> tuple[float, float]:
     return float(np.median(times)), float(loss)
 
 
-def profile_ops(step_fn, params, batches, top: int) -> list[list]:
-    """Device time by XLA op over one pass of the batches: [op, ms, share]."""
+def profile_ops(step_fn, params, batches, top: int) -> tuple[list[list], list[list]]:
+    """Device time by XLA op over one pass of the batches, exclusive of the ops nested inside
+    (a conditional holds its branch's kernel): ([category, ms a step, share], [op, ms, share])."""
     with tempfile.TemporaryDirectory() as logdir:
         jax.profiler.start_trace(logdir)
         for b in batches:
@@ -158,33 +181,72 @@ def profile_ops(step_fn, params, batches, top: int) -> list[list]:
         jax.profiler.stop_trace()
         files = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
         if not files:
-            return [["(no trace written)", "-", "-"]]
+            return [["(no trace written)", "-", "-"]], []
         data = jax.profiler.ProfileData.from_file(files[0])
-    totals: dict[str, float] = defaultdict(float)
-    planes = [p for p in data.planes if p.name.startswith("/device:")] or list(data.planes)
-    for plane in planes:
+    ops: dict[str, float] = defaultdict(float)
+    device = [p for p in data.planes if p.name.startswith("/device:")]
+    for plane in device or list(data.planes):
         for line in plane.lines:
-            if line.name not in ("XLA Ops", "XLA Ops (host)") and planes[0].name.startswith(
-                    "/device:"):
+            if device and line.name != "XLA Ops":
                 continue
-            for ev in line.events:
-                totals[_op_name(ev)] += ev.duration_ns / 1e6
-    total = sum(totals.values()) or 1.0
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
-    return [[name[:90], f"{ms / len(batches):.2f}", f"{ms / total:.1%}"] for name, ms in ranked]
+            events = sorted(((ev.start_ns, ev.duration_ns, _labelled(ev)) for ev in line.events),
+                            key=lambda e: (e[0], -e[1]))
+            stack: list[list] = []  # [end, name, exclusive ns]
+            for start, dur, name in events:
+                while stack and stack[-1][0] <= start:
+                    end, done, excl = stack.pop()
+                    ops[done] += excl
+                if stack:
+                    stack[-1][2] -= dur
+                stack.append([start + dur, name, dur])
+            for _, done, excl in stack:
+                ops[done] += excl
+    steps = len(batches)
+    total = sum(ops.values()) or 1.0
+    cats: dict[str, float] = defaultdict(float)
+    for name, ns in ops.items():
+        cats[_category(name)] += ns
+    by_cat = [[c, f"{ns / 1e6 / steps:.1f}", f"{ns / total:.1%}"]
+              for c, ns in sorted(cats.items(), key=lambda kv: -kv[1])]
+    by_cat.append(["all device ops", f"{total / 1e6 / steps:.1f}", "100%"])
+    ranked = sorted(ops.items(), key=lambda kv: -kv[1])[:top]
+    return by_cat, [[n[:100], f"{ns / 1e6 / steps:.2f}", f"{ns / total:.1%}"]
+                    for n, ns in ranked]
 
 
-def _op_name(ev) -> str:
-    """An op's name without its instance number, with the kernel's name for custom calls."""
-    name = re.sub(r"[.\d]+$", "", ev.name)
-    stats = dict(ev.stats) if hasattr(ev, "stats") else {}
-    long_name = str(stats.get("long_name", ""))
-    kernel = re.search(r'kernel_name[^a-zA-Z_]*([A-Za-z_][\w]*)', long_name) or re.search(
-        r"(segment_\w+|splash\w*|flash\w*)", long_name)
-    if kernel:
-        return f"{name} {kernel.group(1)}"
-    shape = re.search(r"= (\w+\[[\d,]*\])", long_name)
-    return f"{name} {shape.group(1)}" if shape else name
+def _labelled(ev) -> str:
+    """The op's name, with XLA's category of it where the trace carries one ('[convolution
+    fusion] fusion (bf16[..])')."""
+    try:
+        stats = {str(k): v for k, v in ev.stats}
+    except (TypeError, ValueError, AttributeError):
+        stats = {}
+    cat = stats.get("hlo_category")
+    return f"[{cat}] {_op_name(ev.name)}" if cat else _op_name(ev.name)
+
+
+def _op_name(text: str) -> str:
+    """'%fusion.54 = (f32[..]..) fusion(..), kind=..' -> 'fusion (f32[..]..)': the op's name
+    without its instance number, with its result type."""
+    m = re.match(r"%?([A-Za-z_\-]+?)(?:[._]\d+)*(?:\.clone(?:\.\d+)*)? = (.*)$", text)
+    if not m:
+        return text[:100]
+    result = re.sub(r"\{[^}]*\}", "", m.group(2).split(" ")[0])[:60]
+    return f"{m.group(1)} {result}"
+
+
+def _category(op: str) -> str:
+    for key, cat in (("convolution", "matmuls (convolution)"),) if op.startswith("[") else ():
+        if key in op.split("]")[0]:
+            return cat
+    for key, cat in (("segment_attention", "attention kernels"), ("splash", "attention kernels"),
+                     ("segment_linear_cross_entropy", "loss head kernels"),
+                     ("convolution", "matmuls (convolution)"), ("fusion", "fusions"),
+                     ("copy", "copies / transposes"), ("transpose", "copies / transposes"),
+                     ("pad", "pads"), ("cond", "conditionals (their own time)")):
+        if key in op:
+            return cat
+    return "other"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -196,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="passes timed (default 3)")
     parser.add_argument("--rope", nargs="*", default=["half"], choices=["half", "interleaved"])
     parser.add_argument("--variants", default=DEFAULT_VARIANTS,
-                        help=f"comma-separated, of {list(VARIANTS)}")
+                        help=f"comma-separated: {list(BASE)}; {OPTIONS}")
     parser.add_argument("--profile", action="store_true", help="device time by op, per variant")
     parser.add_argument("--top", type=int, default=12, help="ops listed by --profile")
     for key, value in MODEL.items():
@@ -211,11 +273,9 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or (2 if args.smoke else 6)
     repeats = args.repeats or (1 if args.smoke else 3)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"Error: unknown variants {unknown}; choose from {list(VARIANTS)}")
-    if jax.default_backend() != "tpu" and any(VARIANTS[n][1].get("attention") == "splash"
-                                              for n in names) and not on_cpu:
+    variants = {n: variant(n) for n in names}
+    if jax.default_backend() != "tpu" and any(v[1].get("attention") == "splash"
+                                              for v in variants.values()) and not on_cpu:
         raise SystemExit("Error: splash attention runs on a TPU (or a CPU in interpret mode)")
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} "
           f"jax={jax.__version__}; model {model}; {slots} token slots a step, {steps} steps, "
@@ -233,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
         for rope in args.rope:
             rows, profiles, base_rate = [], [], {}
             for name in names:
-                which, overrides = VARIANTS[name]
+                which, overrides = variants[name]
                 cfg = lm.LMConfig(**model, rope=rope, interpret=on_cpu, **overrides)
                 params = lm.init_params(jax.random.key(0), cfg)
                 step_fn = lm.value_and_grad(cfg)
@@ -254,9 +314,10 @@ def main(argv: list[str] | None = None) -> None:
                         f"{len(packed)} packed steps / {len(padded)} padded steps",
                         ["variant", "steps", "ms / step", "real tokens/s", "loss", "vs maxtext",
                          "vs padded"], rows)
-            for name, table in profiles:
-                print_table(f"profile: {name}, L={seq_len}, RoPE {rope} (device ms a step)",
-                            ["op", "ms", "share"], table)
+            for name, (by_cat, table) in profiles:
+                print_table(f"profile: {name}, L={seq_len}, RoPE {rope} (device ms a step, "
+                            "exclusive)", ["category", "ms", "share"], by_cat)
+                print_table(f"profile: {name}: top ops", ["op", "ms", "share"], table)
 
 
 if __name__ == "__main__":

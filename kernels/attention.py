@@ -53,27 +53,31 @@ class AttentionBlockSizes:
     """Block sizes of the TPU kernels: query and key rows per block, forward and backward.
 
     Multiples of 128 (lanes: the (bq, bk) score tile and the (1, bq) logsumexp rows of the dk / dv
-    kernel). 256 x 256 keeps the f32 score tile (256 KiB) and a (256, D) f32 accumulator far inside
-    scoped VMEM, while segments of a few hundred tokens still leave most of the triangle unvisited
-    (visited pairs per block size, and whether the sizes are tuned: benchmarks/README.md).
+    kernel). The defaults are the fastest measured in a training step on a TPU v5e (L = 8192,
+    D = 128, chat data; the table: benchmarks/README.md "Training step on the chip"): 1024 x 1024
+    forward (a 4 MiB f32 score tile), 512 x 512 backward (its kernels hold more tiles at once).
+    Each computed block pair costs a fixed grid step beside its matmuls, so larger blocks win
+    although they visit more masked entries.
 
-    head_major: with `[B, L, H, D]` operands, the kernels read `[B, H, L, D]` (a transpose XLA
-    can fuse into the neighbouring ops) instead of folding heads into lanes (`[B, L, H * D]`, a
-    free reshape that pins the operands' layout). Operands passed `layout="bhld"` are read as is.
+    head_major (default): with `[B, L, H, D]` operands, the kernels read `[B, H, L, D]` (a
+    transpose XLA fuses into the neighbouring ops, as splash attention's callers do) instead of
+    folding heads into lanes (`[B, L, H * D]`, a free reshape that pins the operands' row-major
+    layout and made the rotary embedding's ops around it slower on the chip). Operands passed
+    `layout="bhld"` are read as is.
 
     narrow_steps: the step axis of a grid is static, L / b, and steps past a range only cost the
     grid loop (no copy, no compute), but L / b of them per block add up; when L / b is larger,
     a second grid of `narrow_steps` steps is compiled and runs (`lax.cond`) whenever every range
-    of the batch fits it: ranges of up to 8 blocks of 256 hold segments of ~1.8k tokens. None:
-    the full grid only.
+    of the batch fits it (8 blocks of 1024 hold segments of ~7k tokens). None: the full grid
+    only.
     """
 
-    block_q: int = 256
-    block_kv: int = 256
-    block_q_bwd: int = 256
-    block_kv_bwd: int = 256
+    block_q: int = 1024
+    block_kv: int = 1024
+    block_q_bwd: int = 512
+    block_kv_bwd: int = 512
     narrow_steps: int | None = 8
-    head_major: bool = False
+    head_major: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -290,8 +294,9 @@ def segment_attention(
 
     Query head h uses key/value head h // (H / K). `layout`: "blhd" (q [B, L, H, D]) or "bhld"
     (q [B, H, L, D], splash attention's; the result in the same layout): the TPU kernels read
-    either as it is, so a model may hand over whichever keeps its neighbouring ops cheap. `impl`: common.resolve_impl; `block_sizes`:
-    AttentionBlockSizes for the TPU kernels, GpuAttentionBlockSizes for the GPU ones.
+    either as it is, so a model may hand over whichever keeps its neighbouring ops cheap.
+    `impl`: common.resolve_impl; `block_sizes`: AttentionBlockSizes for the TPU kernels,
+    GpuAttentionBlockSizes for the GPU ones.
 
     context_parallel_axis: a mesh axis of C ranks; call inside `shard_map`, q / k / v being this
     rank's `[B, L/C, ...]` shard of the load-balanced layout (`packer.context_parallel_order`,

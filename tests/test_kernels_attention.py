@@ -230,20 +230,31 @@ def _loss(q, k, v, offsets, lengths, **kw):
     return kernels.segment_attention(q, k, v, offsets, lengths, **kw).astype(F32).sum()
 
 
-@pytest.mark.parametrize("dim", [128, pytest.param(64, marks=pytest.mark.slow)])
-def test_lowers_for_tpu(dim):
-    """Mosaic block-shape rules, forward and backward (D = 128: folded heads; 64: head-major).
+@pytest.mark.parametrize("dim,blocks,layout", [
+    (128, kernels.AttentionBlockSizes(), "blhd"),  # defaults: head-major, 1024 / 512
+    (128, kernels.AttentionBlockSizes(256, 256, 256, 256, head_major=False), "blhd"),  # folded
+    pytest.param(128, kernels.AttentionBlockSizes(), "bhld", marks=pytest.mark.slow),
+    pytest.param(64, kernels.AttentionBlockSizes(256, 256, 256, 256), "blhd",
+                 marks=pytest.mark.slow),
+])
+def test_lowers_for_tpu(dim, blocks, layout):
+    """Mosaic block-shape rules, forward and backward, for each operand / kernel layout.
 
-    L = 1000: one grid per kernel; L = 4096 (16 blocks of 256 > narrow_steps = 8): a narrow and a
-    full grid per kernel."""
-    for seq_len, kernels_per_pass in ((1000, 1), (4096, 2)):
+    L = 1000: one grid per kernel; L = 8192: a narrow and a full grid per kernel wherever
+    L / b > narrow_steps = 8 blocks."""
+    for seq_len in (1000, 8192):
+        grids = lambda b: 2 if seq_len > 8 * b else 1  # noqa: E731
+        want = grids(blocks.block_kv) + 2 * grids(blocks.block_kv_bwd)  # forward, dq, dk/dv
         q = jnp.zeros((2, seq_len, 8, dim), jnp.bfloat16)
         kv = jnp.zeros((2, seq_len, 2, dim), jnp.bfloat16)
+        if layout == "bhld":
+            q, kv = q.transpose(0, 2, 1, 3), kv.transpose(0, 2, 1, 3)
         meta = jnp.zeros((2, 16), jnp.int32)
         for causal in (True, False):
-            grad = jax.grad(functools.partial(_loss, impl="pallas_tpu", causal=causal), (0, 1, 2))
+            grad = jax.grad(functools.partial(_loss, impl="pallas_tpu", causal=causal,
+                                              block_sizes=blocks, layout=layout), (0, 1, 2))
             text = lower_tpu(grad, q, kv, kv, meta, meta).as_text()
-            assert text.count("tpu_custom_call") == 3 * kernels_per_pass  # forward, dq, dk/dv
+            assert text.count("tpu_custom_call") == want
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(F32, marks=pytest.mark.slow)])

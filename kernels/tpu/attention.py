@@ -96,16 +96,40 @@ def kernel_shape(cfg: AttentionConfig, batch: int, heads: int, dtype) -> jax.Sha
     return jax.ShapeDtypeStruct((batch, heads, cfg.seq_len, cfg.head_dim), dtype)
 
 
-def pair_mask(q_base, k_base, q_start, q_end, shape, causal: bool, *, keys_on_rows=False):
+def pair_mask(q_base, k_base, q_start, q_end, shape, causal: bool, *, keys_on_rows=False,
+              diagonal=True):
     """Allowed (query, key) entries of a block pair from the query tokens' segment bounds.
 
     shape (bq, bk) with q_start / q_end (bq, 1); keys_on_rows: shape (bk, bq), bounds (1, bq).
+    Causal: key c is allowed for query r iff start(r) <= c <= r (c < end(r) follows from r <
+    end(r), and a row outside every segment has start past every key); `diagonal=False` says
+    every key of the pair precedes every query, so c <= r needs no compare. The positions are
+    a row and a column of iotas (relative to k_base) broadcast by the compares: one compare an
+    entry off the diagonal.
     """
-    q_axis, k_axis = (1, 0) if keys_on_rows else (0, 1)
-    q_pos = q_base + lax.broadcasted_iota(jnp.int32, shape, q_axis)
-    k_pos = k_base + lax.broadcasted_iota(jnp.int32, shape, k_axis)
-    allowed = (k_pos >= q_start) & (k_pos < q_end)
-    return allowed & (k_pos <= q_pos) if causal else allowed
+    k_axis = 0 if keys_on_rows else 1
+    k_pos = lax.broadcasted_iota(jnp.int32, (shape[0], 1) if keys_on_rows else (1, shape[1]),
+                                 k_axis)
+    allowed = k_pos >= q_start - k_base
+    if not causal:
+        return allowed & (k_pos < q_end - k_base)
+    if not diagonal:
+        return jnp.broadcast_to(allowed, shape)
+    q_shape = (1, shape[1]) if keys_on_rows else (shape[0], 1)
+    q_pos = lax.broadcasted_iota(jnp.int32, q_shape, 1 - k_axis) + (q_base - k_base)
+    return allowed & (k_pos <= q_pos)
+
+
+def pair_steps(pair, computed, first_key: jax.Array, first_query: jax.Array, block_kv: int,
+               causal: bool) -> None:
+    """Runs pair(diagonal) at a computed step: diagonal=False when the key block ends at or
+    before the query block's first row (causal: no per-entry causal compare there)."""
+    if not causal:
+        pl.when(computed)(functools.partial(pair, True))
+        return
+    below = first_key + block_kv <= first_query + 1
+    pl.when(computed & below)(functools.partial(pair, False))
+    pl.when(computed & jnp.logical_not(below))(functools.partial(pair, True))
 
 
 def rows_in_segments(start_ref, base: jax.Array, rows: int) -> jax.Array:  # bool[rows, 1]
@@ -184,15 +208,17 @@ def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, qe_ref, ks_ref,
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(computed)
-    def _pair():
+    def pair(diagonal: bool):
         k_base = (lo + j) * bk
         s = lax.dot_general(q_ref[...], k_ref[...], NT, preferred_element_type=jnp.float32)
-        allowed = pair_mask(i * bq, k_base, qs_ref[...], qe_ref[...], (bq, bk), cfg.causal)
+        allowed = pair_mask(i * bq, k_base, qs_ref[...], qe_ref[...], (bq, bk), cfg.causal,
+                            diagonal=diagonal)
         s = jnp.where(allowed, s * cfg.scale, MASK_VALUE)
         m_prev = m_ref[...]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-        p = jnp.where(allowed, jnp.exp(s - m_new), 0.0)
+        # masked entries give exp(MASK_VALUE - m_new) = 0 once the row has seen a key; before
+        # that (m_new = MASK_VALUE) they add 1s that the first real key's alpha = 0 wipes
+        p = jnp.exp(s - m_new)
         alpha = jnp.exp(m_prev - m_new)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
         v = jnp.where(rows_in_segments(ks_ref, k_base, bk), v_ref[...], 0)
@@ -200,11 +226,13 @@ def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, qe_ref, ks_ref,
         acc_ref[...] = alpha * acc_ref[...] + pv
         m_ref[...] = m_new
 
+    pair_steps(pair, computed, (lo + j) * bk, i * bq, bk, cfg.causal)
+
     @pl.when(j == steps - 1)
     def _finish():
-        seen = l_ref[...] > 0.0
+        seen = m_ref[...] > 0.5 * MASK_VALUE  # the row saw a key (its max is a real score)
         total = jnp.where(seen, l_ref[...], 1.0)
-        o_ref[...] = (acc_ref[...] / total).astype(o_ref.dtype)
+        o_ref[...] = jnp.where(seen, acc_ref[...] / total, 0.0).astype(o_ref.dtype)
         lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(total), MASK_VALUE)
 
 

@@ -43,6 +43,7 @@ from seqpack.kernels.tpu.attention import (
     kernel_shape,
     narrow_or_full,
     pair_mask,
+    pair_steps,
     range_step,
     rows_in_segments,
     schedule_call,
@@ -62,17 +63,19 @@ def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, qs_
     def _init():
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(computed)
-    def _pair():
+    def pair(diagonal: bool):
         k_base = (lo + j) * bk
         k = jnp.where(rows_in_segments(ks_ref, k_base, bk), k_ref[...], 0)
         s = lax.dot_general(q_ref[...], k, NT, preferred_element_type=jnp.float32) * cfg.scale
-        allowed = pair_mask(i * bq, k_base, qs_ref[...], qe_ref[...], (bq, bk), cfg.causal)
+        allowed = pair_mask(i * bq, k_base, qs_ref[...], qe_ref[...], (bq, bk), cfg.causal,
+                            diagonal=diagonal)
         p = jnp.where(allowed, jnp.exp(s - lse_ref[...]), 0.0)
         dp = lax.dot_general(do_ref[...], v_ref[...], NT, preferred_element_type=jnp.float32)
         ds = jnp.where(allowed, p * (dp - di_ref[...]), 0.0)
         acc_ref[...] += lax.dot_general(ds.astype(k.dtype), k, NN,
                                         preferred_element_type=jnp.float32)
+
+    pair_steps(pair, computed, (lo + j) * bk, i * bq, bk, cfg.causal)
 
     @pl.when(j == steps - 1)
     def _finish():
@@ -101,15 +104,14 @@ def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, l
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    @pl.when(computed)
-    def _pair():
+    def pair(diagonal: bool):
         q_base, k_base = qb * bq, kb * bk
         live = rows_in_segments(qs_ref, q_base, bq)
         q = jnp.where(live, q_ref[...], 0)
         do = jnp.where(live, do_ref[...], 0)
         st = lax.dot_general(k_ref[...], q, NT, preferred_element_type=jnp.float32) * cfg.scale
         allowed = pair_mask(q_base, k_base, qs_row_ref[...], qe_row_ref[...], (bk, bq),
-                            cfg.causal, keys_on_rows=True)
+                            cfg.causal, keys_on_rows=True, diagonal=diagonal)
         pt = jnp.where(allowed, jnp.exp(st - lse_ref[...]), 0.0)
         dv_acc[...] += lax.dot_general(pt.astype(do.dtype), do, NN,
                                        preferred_element_type=jnp.float32)
@@ -117,6 +119,8 @@ def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, l
         dst = jnp.where(allowed, pt * (dpt - di_ref[...]), 0.0)
         dk_acc[...] += lax.dot_general(dst.astype(q.dtype), q, NN,
                                        preferred_element_type=jnp.float32)
+
+    pair_steps(pair, computed, kb * bk, qb * bq, bk, cfg.causal)
 
     @pl.when((g == cfg.groups - 1) & (j == steps - 1))
     def _finish():
