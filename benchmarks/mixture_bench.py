@@ -16,13 +16,20 @@ tokens, Grain's in elements (its only unit). Printed:
    `PackIterDataset` over the same documents and Grain's mix + BestFit.
 4. Rows: the mixture's against the unmixed packing of the same documents.
 
+5. With --cases: issue 55's cases instead (tiny vs long documents, repeat / stop / continue,
+   three datasets, loss tokens, worker processes, a resume under edited weights, offline
+   steps), each dataset's share per batch p5 / p95 / worst: `benchmarks/mixture_batches.py`.
+
     python -m benchmarks.mixture_bench                       # ../shared/data, about a minute
     python -m benchmarks.mixture_bench --short 8000 --long 1000 --repeats 1   # quicker
+    python -m benchmarks.mixture_bench --open-rows 4         # rows kept open (default 2)
+    python -m benchmarks.mixture_bench --cases [--batches 48]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import Counter
 
@@ -148,6 +155,11 @@ def timed(make, repeats: int) -> tuple[float, list]:
 
 
 def main() -> None:
+    if "--cases" in sys.argv:
+        from benchmarks import mixture_batches
+
+        mixture_batches.main([a for a in sys.argv[1:] if a != "--cases"])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--short", type=int, default=20_000)
     ap.add_argument("--long", type=int, default=3_000)
@@ -157,9 +169,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--window-rows", type=int, default=128)
+    ap.add_argument("--open-rows", type=int, default=None, help="Window(open_rows=)")
     a = ap.parse_args()
     global WINDOW
-    WINDOW = Window(a.window, window_rows=a.window_rows)
+    WINDOW = Window(a.window, window_rows=a.window_rows, open_rows=a.open_rows)
     note = pin_one_core()
     L, B = a.seq_len, a.batch
     lens = datasets(a.short, a.long, L)
@@ -180,7 +193,8 @@ def main() -> None:
     uid_len = {d * UID + i: n for d, key in enumerate(lens) for i, n in enumerate(lens[key])}
     same = ArraySource.from_sequences([np.full(uid_len[u], u) for u in drawn], dtype=np.int64)
     unmixed = lambda: PackIterDataset(SequentialIterDataset(same.shuffle(seed=0)),  # noqa: E731
-                                      PackConfig(L, max_segments=256), window=WINDOW)
+                                      PackConfig(L, max_segments=256),
+                                      window=Window(a.window, window_rows=a.window_rows))
     runs["seqpack PackIterDataset, unmixed (same docs)"] = timed(unmixed, a.repeats)
 
     table = []

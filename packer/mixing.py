@@ -185,6 +185,23 @@ class ShortfallMixer:
         self.active[d] = False
         self._begin(self.weights)
 
+    def hold_back(self, units: Sequence[int], count: int) -> float:
+        """Counts `units` per dataset (`count` examples), drawn before this stage began but
+        not yet emitted by the packer, as drawn in this stage (a restore under edited
+        weights: the packer plans them again with the stage's first draws, which make up
+        for them). Returns the units the stage must reach before each held share fits its
+        weight: max over datasets of held / weight (those of weight 0 are left out)."""
+        for d, u in enumerate(units):
+            self.base[d] -= int(u)
+        self.base_total -= int(sum(units))
+        self.base_count -= int(count)
+        need = [u / w for u, w in zip(units, self._live) if w > 0]
+        return max(need, default=0.0)
+
+    def stage_units(self) -> int:
+        """Units drawn since the current stage began (with those held back)."""
+        return self.total - self.base_total
+
     def get_state(self) -> dict[str, Any]:
         return {"consumed": list(self.consumed), "active": list(self.active),
                 "stage": self.stage, "total": self.total, "count": self.count,

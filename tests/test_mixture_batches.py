@@ -110,18 +110,22 @@ def test_every_batch_holds_the_weights_in_loss_tokens():
     _check(_units(rows, 2, "loss_tokens"), [0.3, 0.7])
 
 
-def test_a_resume_under_edited_weights_holds_them_from_the_second_batch_on():
-    src = {"a": _source(300, 10, 75, seed=0), "b": _source(3000, 100, 800, seed=1)}
+@pytest.mark.parametrize("long", [(100, 800), (500, 4096)])
+def test_a_resume_under_edited_weights_holds_them_from_the_first_batch(long):
+    """Restored mid-window under 0.2 / 0.8 (from 0.5 / 0.5): the rows not yet emitted are
+    planned again with the new stage's draws, which make up for them, so every batch from the
+    first holds the new weights (long documents: a window's rows span several batches)."""
+    src = {"a": _source(3000, 10, 75, seed=0), "b": _source(3000, *long, seed=1)}
     make = lambda w: PackIterDataset(  # noqa: E731
         Mixture(src, weights=w, on_exhausted="repeat"), PackConfig(L, max_segments=256))
     it = iter(make({"a": 0.5, "b": 0.5}))
-    for _ in range(4 * B + 17):
-        next(it)
-    resumed = iter(make({"a": 0.2, "b": 0.8}))
-    resumed.set_state(it.get_state())
-    rows = [next(resumed) for _ in range(6 * B)]
-    shares = _batch_shares(_units(rows, 2))
-    assert np.abs(shares[1:, 0] - 0.2).max() <= 0.02, shares[:, 0]
+    for at in (4 * B + 17, 5 * B + 44):
+        while it.get_state().get("rows_emitted", 0) < at:
+            next(it)
+        resumed = iter(make({"a": 0.2, "b": 0.8}))
+        resumed.set_state(it.get_state())
+        shares = _batch_shares(_units([next(resumed) for _ in range(3 * B)], 2))
+        assert np.abs(shares[:, 0] - 0.2).max() <= 0.02, (at, shares[:, 0])
 
 
 @pytest.mark.slow

@@ -233,6 +233,26 @@ def test_edited_weights_at_every_step_repeat_and_lose_nothing(policy):
             assert all(full[k] == n for k, n in got.items()), step  # whole, never twice
 
 
+def test_after_edited_weights_split_pieces_are_planned_again_and_restores_stay_exact():
+    """Under edited weights the pieces not yet emitted (split ones too: L = 40 < 72) are
+    planned again with the new draws: every token once; and a state of the resumed run
+    restores exactly at every step."""
+    src = _sources()
+    make = lambda w: _pack(Mixture(src, weights=w, on_exhausted="continue"), L=40)  # noqa: E731
+    it = iter(make({"a": 1, "b": 1}))
+    rows = [next(it) for _ in range(9)]
+    state = json.loads(json.dumps(it.get_state()))
+    assert state["emitted"] > 0  # restored mid-window: some of its rows are planned again
+
+    def resumed():
+        r = iter(make({"a": 1, "b": 5}))
+        r.set_state(state)
+        return r
+
+    assert _examples(rows + list(resumed())) == _full(src)
+    assert len(check_restore_every_step(resumed)) > 10
+
+
 def test_edited_weights_take_hold_from_the_restored_point():
     src = _sources(ns=(1500, 1500), highs=(20, 20))
     make = lambda w: _pack(Mixture(src, weights=w, unit="tokens", on_exhausted="continue"))

@@ -299,6 +299,24 @@ class StreamPlanner:
             emit[row[due]] = True
         return emit, row
 
+    def reopen(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Puts the open rows' pieces and the given ones (of rows planned but not emitted)
+        back to waiting, as one call: the next window plans them again with its own pieces
+        (a restore under edited weights). Returns i64[P, 3]: (id, start, length) of every
+        piece now waiting."""
+        given = np.stack([np.asarray(a, np.int64) for a in (ids, starts, lengths)], 1)
+        given = np.concatenate([given, np.full((len(given), 1), max(self._windows - 1, 0)),
+                                np.full((len(given), 1), -1)], 1).astype(np.int64)
+        waiting = np.concatenate([self._held, self._take_pending(), given])
+        waiting[:, _ROW] = -1
+        self._held = np.zeros((0, 5), np.int64)
+        self._open_rows = 0
+        self._pending = [waiting]
+        self._pending_pieces = len(waiting)
+        self._pending_tokens = int(aligned(waiting[:, _LEN], self.config.alignment).sum())
+        self._pending_min_id = int(waiting[:, _ID].min()) if len(waiting) else None
+        return waiting[:, :3].copy()
+
     # -- state ---------------------------------------------------------------------------------
     def oldest_open_id(self) -> int | None:
         """The smallest example id in any open row or waiting to be planned (None: none)."""

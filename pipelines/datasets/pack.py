@@ -12,7 +12,9 @@ re-reads the parent from there, keeps the tokens open rows need, re-plans the wi
 emitted and skips the rows already yielded, exactly as an uninterrupted iterator. Over a
 `Mixture`, the state names the examples held as (dataset, index) references and the mixture's
 positions instead: restoring fetches them, never replays, so edited weights repeat and lose
-nothing; rows carry `segment_dataset_id` and leave in an order that keeps the shares.
+nothing (and the pieces not yet emitted are planned again with the new stage's draws, which
+make up for them: `mixing/restore.py`); rows carry `segment_dataset_id` and leave in an
+order that keeps the shares.
 
 Example::
 
@@ -46,20 +48,19 @@ from seqpack.pipelines.datasets.layouts import (
     MultiLayout,
     SingleLayout,
     Window,
-    gather,
     pack_configs,
 )
 from seqpack.pipelines.datasets.mixing import (
     Mixture,
     MixtureIterator,
     RefTable,
+    RestoreRefs,
     balanced_order,
-    decode_refs,
 )
 from seqpack.pipelines.errors import InputError
 
 
-class PackIterator(grain.DatasetIterator):
+class PackIterator(RestoreRefs, grain.DatasetIterator):
     """Iterator of `PackIterDataset`; `counters` reports what the overflow policy did."""
 
     def __init__(self, parent: grain.DatasetIterator, ds: PackIterDataset):
@@ -88,6 +89,7 @@ class PackIterator(grain.DatasetIterator):
         self._num_rows = 0
         self._emitted = 0
         self._order: list[int] | None = None
+        self._plan: Any = None  # the staged window's plan (a restore under edited weights)
         self._rows_emitted = 0
         # The one dtype per name for the whole run (restored from the state).
         self._dtypes: dict[str, np.dtype] = dict(ds.dtypes)
@@ -239,6 +241,7 @@ class PackIterator(grain.DatasetIterator):
         while self._bounds and self._bounds[0][0] + ds.window <= oldest:
             self._bounds.popleft()
         self._cols = list(batch.items())
+        self._plan = plan
         self._num_rows = len(next(iter(batch.values()))) if batch else 0
         self._emitted = 0
         self._order = None
@@ -318,35 +321,13 @@ class PackIterator(grain.DatasetIterator):
                 "restoring: the state was saved by a packer "
                 f"{'over' if 'refs' in state else 'not over'} a Mixture, but this one is "
                 f"{'over' if self._mixed else 'not over'} one; restore into the same pipeline")
+        self._rows_emitted = int(state["rows_emitted"])
         if self._mixed:
-            self._restore_refs(state)
+            if self._restore_refs(state):
+                return  # re-planned under the edited weights: the new window's rows leave
         else:
             self._replay(state, layout.open_ids(planner_state))
         self._emitted = int(state["emitted"])
-        self._rows_emitted = int(state["rows_emitted"])
-
-    def _restore_refs(self, state: dict[str, Any]) -> None:
-        """Fetches the referenced examples from the mixture and re-plans the window that was
-        leaving (nothing replayed: the mixture goes on from its restored positions)."""
-        ds, parent = self._ds, self._parent
-        ids, dataset, index = decode_refs(state["refs"])
-        self._refs.put_ids(ids, dataset, index)
-        elements = [parent.fetch(int(d), int(i)) for d, i in zip(dataset, index)]
-        for n in ds.names:
-            col = [self._as_tokens(e[n], int(j), n) for j, e in zip(ids.tolist(), elements)]
-            self._fit_column(col, n, 0)
-            for j, v in zip(ids.tolist(), col):
-                held = self._held[n].setdefault(j // ds.window, [None] * ds.window)
-                held[j % ds.window] = v
-        self._next_id = int(state["next_id"])
-        window_first = int(state["window_first"])
-        if state["phase"] == "finish":
-            self._exhausted = True
-            self._stage(None)
-            return
-        window_ids = list(range(window_first, self._next_id))
-        self._stage((window_ids, {n: gather(self._held[n], window_ids, ds.window)
-                                  for n in ds.names}))
 
     def _replay(self, state: dict[str, Any], needed: set[int]) -> None:
         """Re-reads the parent from the window holding the oldest open example, holding only

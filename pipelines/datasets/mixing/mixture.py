@@ -208,6 +208,7 @@ class MixtureIterator(grain.DatasetIterator):
         self._loss = [0] * k
         self._refs_d: list[int] = []
         self._refs_i: list[int] = []
+        self.reweighted = False  # set_state: the weights at the restored point were edited
 
     def _order(self, d: int, epoch: int) -> np.ndarray:
         """Dataset d's seeded order of this host's positions in `epoch` (int32 where it fits),
@@ -277,6 +278,22 @@ class MixtureIterator(grain.DatasetIterator):
     def fetch(self, dataset: int, index: int) -> Any:
         """The element `index` of dataset number `dataset` (a reference from `take_refs`)."""
         return self._mix.sources[dataset][index]
+
+    def units(self, d: int, element: Any) -> tuple[int, int]:
+        """(units in the mixture's unit, tokens) of element `element` of dataset `d`."""
+        tokens, loss = self._count(d, -1, element)
+        unit = self._mix.unit
+        return (tokens if unit == "tokens" else loss if unit == "loss_tokens" else 1), tokens
+
+    def hold_back(self, units: Sequence[int], count: int) -> float:
+        """The current stage counts `units` per dataset (`count` examples) that the packer
+        holds back to plan again as drawn in it (`ShortfallMixer.hold_back`); returns the
+        units the stage must reach for them to fit the weights."""
+        return self._mixer.hold_back(units, count)
+
+    def stage_units(self) -> int:
+        """Units drawn in the current stage, with those held back."""
+        return self._mixer.stage_units()
 
     def dataset_units(self, rows: dict[str, np.ndarray]) -> np.ndarray:
         """i64[R, K]: each dataset's units in each of these packed rows, in the mixture's unit
