@@ -1,0 +1,86 @@
+"""benchmarks/train_step.py at tiny sizes on a CPU (interpret mode), and device_run.sh --smoke."""
+
+import os
+import pathlib
+import subprocess
+
+
+import numpy as np
+import pytest
+
+from benchmarks import train_step
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def corpus(tmp_path) -> pathlib.Path:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(5, 300, 400)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    path = tmp_path / "corpus.npz"
+    np.savez(path, tokens=rng.integers(0, 30000, offsets[-1]).astype(np.uint16), offsets=offsets)
+    return path
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| ") and "ms / step" not in line}
+
+
+def test_smoke_times_maxtexts_way_and_seqpack_on_the_same_rows(corpus, capsys):
+    train_step.main(["--smoke", "--data", str(corpus), "--variants", "maxtext,seqpack"])
+    rows = _rows(capsys.readouterr().out)
+    assert set(rows) == {"maxtext", "seqpack"}
+    # the same packed rows: splash with segment ids + logits, and seqpack's kernels, agree
+    assert float(rows["maxtext"][3]) == pytest.approx(float(rows["seqpack"][3]), rel=2e-2)
+    assert rows["maxtext"][4] == "1.00x" and rows["seqpack"][5] == "-"
+
+
+@pytest.mark.slow
+def test_smoke_times_every_variant_on_the_same_examples(corpus, capsys):
+    train_step.main(["--smoke", "--data", str(corpus), "--rope", "interleaved", "--profile",
+                     "--variants", "padded,maxtext,seqpack,seqpack+b128+bhld+logits"])
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    names = {"padded", "maxtext", "seqpack", "seqpack+b128+bhld+logits"}
+    assert names <= set(rows)
+    losses = {name: float(rows[name][3]) for name in names}
+    assert losses["maxtext"] == pytest.approx(losses["seqpack"], rel=2e-2)
+    assert losses["seqpack+b128+bhld+logits"] == pytest.approx(losses["seqpack"], rel=2e-2)
+    assert all(np.isfinite(v) for v in losses.values())
+    assert rows["maxtext"][4] == "1.00x" and rows["padded"][5] == "1.00x"
+    assert "profile: seqpack, L=256" in out and "all device ops" in out
+
+
+def test_padded_steps_hold_every_piece_once_in_bucketed_rows(corpus):
+    z = np.load(corpus)
+    tokens, offsets = z["tokens"].astype(np.int32), z["offsets"]
+    packed, pieces = train_step.packed_steps(tokens, offsets, 512, 2, 3)
+    padded = train_step.padded_steps(tokens, offsets, pieces, 1024, 512)
+    assert sum(int(b["lengths"].sum()) for b in packed) == sum(p[2] for p in pieces)
+    got = [b["tokens"][r, :n] for b in padded for r, n in enumerate(b["lengths"][:, 0]) if n]
+    want = [tokens[offsets[i] + s: offsets[i] + s + n] for i, s, n in pieces]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    for b in padded:
+        rows, width = b["tokens"].shape
+        assert rows * width == 1024 and width in (512,) and b["lengths"].max() <= width
+
+
+def test_unknown_variant_is_refused():
+    with pytest.raises(SystemExit, match="unknown option 'fast'"):
+        train_step.variant("seqpack+fast")
+
+
+@pytest.mark.slow
+def test_device_run_smoke(corpus):
+    env = {**os.environ, "SEQPACK_DATA": str(corpus), "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "device_run.sh"), "--smoke"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "FAILED" not in run.stdout
+    for table in ("segment attention", "value_and_grad"):
+        assert table in run.stdout
+
