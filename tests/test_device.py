@@ -14,15 +14,17 @@ most longer than a block. Padding holds NaN in every input the kernels read: it 
 nothing (outputs and gradients finite, equal to the run with finite padding, 0 on padding).
 
 Tolerances (rtol, atol; atol for gradients is a fraction of max |reference gradient|), against
-references computed in f32 at `jax.default_matmul_precision("highest")`:
-- matmuls (attention, the loss head's gradients): the MXU rounds operands to bf16 (2^-9
-  relative): f32 inputs at the default precision, and in bf16 the probabilities / score
-  gradients cast to bf16 before `p @ v`, `ds @ k` (as every flash kernel) and bf16 outputs.
-  Averaged over D = 128 products that is ~2e-3 per score, a few e-3 worst case over 10^7
-  elements: f32 2e-2, bf16 3e-2, several times that, while a masking or schedule error (a
-  block missed, a neighbour attended) is of the order of the values in short segments.
-- the loss head's values: per-token errors of ~2e-3 average out over a segment's tokens: 1e-3
-  relative, tight enough to see a dropped partial vocabulary block (~3e-3 at V = 10,007).
+references computed in f32 at `jax.default_matmul_precision("highest")`. Inputs (f32 too) hold
+bf16-representable values, so the first matmul (q k^T, hidden @ weight) is exact at any MXU
+precision; what is left is bf16 rounding (2^-9 relative) of the second matmuls' operands (f32 at
+the MXU's default precision; in bf16 the probabilities and score gradients cast before `p @ v`,
+`ds @ k`, as in every flash kernel) and of bf16 outputs:
+- attention values and gradients, the loss head's gradients: ~2e-3 relative per element,
+  averaged over many products; f32 2e-2, bf16 3e-2 leave a margin of several times the worst
+  case over 10^7 elements, while a masking or schedule error (a block missed, a neighbour
+  attended) is of the order of the values in short segments.
+- the loss head's values: exact logits, f32 math in another order: 1e-3 relative, below the
+  ~3e-3 of a dropped partial vocabulary block (V = 10,007).
 - no matmul (segment cross-entropy, sum / mean / max / gather / broadcast): the same f32 math in
   another order: f32 1e-4 relative (1e-5 of the largest value absolute), bf16 one ulp (2^-8) of
   the final cast: 1e-2 relative, 1e-3 of the largest absolute.
@@ -142,7 +144,10 @@ def padding_of(offsets, lengths):  # bool[B, L]: tokens outside every segment
 
 
 def normal(rng, shape, dtype, scale=1.0):
-    return (rng.standard_normal(shape, np.float32) * scale).astype(jnp.dtype(dtype))
+    """N(0, scale^2) values that bf16 holds exactly, in `dtype`: a first matmul (scores, logits)
+    is then exact at any MXU precision, on the chip as in the reference."""
+    x = rng.standard_normal(shape, np.float32) * scale
+    return x.astype(jnp.bfloat16).astype(jnp.dtype(dtype))
 
 
 def with_nan(x, where):  # x with NaN at `where` (broadcast over trailing axes)
