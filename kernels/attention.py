@@ -53,11 +53,10 @@ class AttentionBlockSizes:
     """Block sizes of the TPU kernels: query and key rows per block, forward and backward.
 
     Multiples of 128 (lanes: the (bq, bk) score tile and the (1, bq) logsumexp rows of the dk / dv
-    kernel). The defaults are the fastest measured in a training step on a TPU v5e (L = 8192,
-    D = 128, chat data; the table: benchmarks/README.md "Training step on the chip"): 1024 x 1024
-    forward (a 4 MiB f32 score tile), 512 x 512 backward (its kernels hold more tiles at once).
-    Each computed block pair costs a fixed grid step beside its matmuls, so larger blocks win
-    although they visit more masked entries.
+    kernel). The defaults, 512 x 512 (a 1 MiB f32 score tile), are the fastest measured in a
+    training step on a TPU v5e (L = 8192, D = 128, chat data; the table: benchmarks/README.md
+    "On the chip"): each computed block pair costs a fixed grid step beside its matmuls, so
+    blocks larger than the segments still win, up to this size.
 
     head_major (default): with `[B, L, H, D]` operands, the kernels read `[B, H, L, D]` (a
     transpose XLA fuses into the neighbouring ops, as splash attention's callers do) instead of
@@ -68,12 +67,12 @@ class AttentionBlockSizes:
     narrow_steps: the step axis of a grid is static, L / b, and steps past a range only cost the
     grid loop (no copy, no compute), but L / b of them per block add up; when L / b is larger,
     a second grid of `narrow_steps` steps is compiled and runs (`lax.cond`) whenever every range
-    of the batch fits it (8 blocks of 1024 hold segments of ~7k tokens). None: the full grid
+    of the batch fits it (8 blocks of 512 hold segments of ~3.5k tokens). None: the full grid
     only.
     """
 
-    block_q: int = 1024
-    block_kv: int = 1024
+    block_q: int = 512
+    block_kv: int = 512
     block_q_bwd: int = 512
     block_kv_bwd: int = 512
     narrow_steps: int | None = 8
@@ -340,6 +339,9 @@ def segment_attention(
         return reference.segment_attention(q, k, v, segment_offsets, segment_lengths,
                                            causal=causal, scale=scale)
     sched, cfg = setup
+    if cfg.gpu is None and cfg.head_major:  # transposed outside the custom_vjp, so the backward
+        cfg = dataclasses.replace(cfg, operand="bhld")  # keeps them and transposes cotangents
+        return _heads_second(_pallas_attention(*map(_heads_second, (q, k, v)), sched, cfg))
     return _pallas_attention(q, k, v, sched, cfg)
 
 
