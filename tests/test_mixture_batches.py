@@ -110,6 +110,20 @@ def test_every_batch_holds_the_weights_in_loss_tokens():
     _check(_units(rows, 2, "loss_tokens"), [0.3, 0.7])
 
 
+def test_a_dataset_that_leaves_takes_its_last_examples_with_it():
+    """`continue`: the window where a dataset leaves is cut there and its rows leave before
+    the renormalized stage's: no batch after the one of the change holds any of it (they held
+    5-7% of every batch, spread by the 128-row windows), and those before hold its weight."""
+    src = {"a": _source(800, 10, 40, seed=0), "b": _source(1500, 50, 300, seed=1),
+           "c": _source(500, 200, 1000, seed=2)}
+    mix = Mixture(src, weights={"a": .2, "b": .3, "c": .5}, on_exhausted="continue")
+    it = iter(PackIterDataset(mix, PackConfig(1024, max_segments=64)))
+    shares = _batch_shares(_units([r for _, r in zip(range(16 * 16), it)], 3), 16)
+    change = int(np.argmax(shares[:, 0] == 0)) - 1  # the batch where `a` left
+    assert 3 <= change < 14 and not shares[change + 1:, 0].any(), np.round(shares[:, 0], 3)
+    assert np.abs(shares[:change, 0] - 0.2).max() <= 0.06, np.round(shares[:, 0], 3)
+
+
 @pytest.mark.parametrize("long", [(100, 800), (500, 4096)])
 def test_a_resume_under_edited_weights_holds_them_from_the_first_batch(long):
     """Restored mid-window under 0.2 / 0.8 (from 0.5 / 0.5): the rows not yet emitted are

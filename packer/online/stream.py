@@ -146,8 +146,9 @@ class StreamPlanner:
         """Emits every open row (end of stream)."""
         return rows_from_plan(self.finish_plan())
 
-    def add_plan(self, ids: object, lengths: object) -> PackPlan:
-        """`add`, returning the final rows as one `PackPlan` (`example` holds the ids)."""
+    def add_plan(self, ids: object, lengths: object, *, flush: bool = False) -> PackPlan:
+        """`add`, returning the final rows as one `PackPlan` (`example` holds the ids);
+        `flush`: every row, as `finish` (the planner goes on empty: a mixture's stage ends)."""
         ids = np.asarray(ids, np.int64)
         lengths = check_lengths(lengths)
         if ids.shape != lengths.shape:
@@ -164,13 +165,13 @@ class StreamPlanner:
             low = int(new[:, _ID].min())
             self._pending_min_id = low if self._pending_min_id is None \
                 else min(low, self._pending_min_id)
-        if self._waits():
+        if not flush and self._waits():
             none = np.zeros(0, np.int64)
             return order_pieces(none, none, none, none, 0, Counters(), self.config)
         window = self.window * self._pending_calls
         pieces = np.concatenate([self._held, self._take_pending()])
         self._windows += 1
-        return self._plan(pieces, final=False, window=window)
+        return self._plan(pieces, final=flush, window=window)
 
     def finish_plan(self) -> PackPlan:
         """`finish`, returning the rows as one `PackPlan`."""

@@ -31,6 +31,23 @@ from seqpack.pipelines.datasets.columns import check_int, check_type
 MIXED_OPEN_ROWS = 2  # Window.open_rows over a mixture (benchmarks/README: Mixtures (online))
 
 
+def plan_cut(layout: SingleLayout | MultiLayout, ids: list[int], lengths: Any,
+             cuts: list[int]) -> tuple[Any, list[int]]:
+    """(plan, rows per part) of a window cut before the positions `cuts` (a mixture's stage
+    ends there: a dataset left): each part but the last is planned with what the planner
+    holds and emitted whole (flushed), so no row mixes two stages' draws."""
+    plans, rows, at = [], [], 0
+    for end in [*sorted(min(max(c, 0), len(ids)) for c in cuts), None]:
+        part = slice(at, end)
+        if end is None and at == len(ids) and plans:
+            break  # nothing after the last cut
+        plan = layout.add(ids[part], lengths[part], flush=end is not None)
+        plans.append(plan)
+        rows.append(plan.num_rows if isinstance(plan, packer.PackPlan) else len(plan))
+        at = len(ids) if end is None else end
+    return layout.join(plans), rows
+
+
 def gather(held: dict[int, list], ids: list[int], window: int) -> list[Any]:
     """Values of example `ids` from `held` (window number -> that window's values)."""
     return [held[i // window][i % window] for i in ids]
@@ -51,8 +68,20 @@ class SingleLayout:
     def window_lengths(self, cols: dict[str, list[Any]]) -> list[int]:
         return [len(v) for v in cols[self.feature]]
 
-    def add(self, ids: list[int], lengths: list[int]) -> packer.PackPlan:
-        return self.planner.add_plan(ids, lengths)
+    def add(self, ids: list[int], lengths: list[int], flush: bool = False) -> packer.PackPlan:
+        return self.planner.add_plan(ids, lengths, flush=flush)
+
+    @staticmethod
+    def join(plans: list[packer.PackPlan]) -> packer.PackPlan:
+        """The plans' rows as one plan, in order."""
+        if len(plans) == 1:
+            return plans[0]
+        first = np.cumsum([0, *(p.num_rows for p in plans[:-1])])
+        cat = lambda f: np.concatenate([getattr(p, f) for p in plans])  # noqa: E731
+        return packer.PackPlan(cat("example"), cat("start"), cat("length"),
+                               np.concatenate([p.row + f for p, f in zip(plans, first)]),
+                               cat("slot"), cat("offset"), sum(p.num_rows for p in plans),
+                               sum((p.counters for p in plans[1:]), plans[0].counters))
 
     def finish(self) -> packer.PackPlan:
         return self.planner.finish_plan()
@@ -105,8 +134,14 @@ class MultiLayout:
             out[:, f] = [len(v) for v in cols[name]]
         return out
 
-    def add(self, ids: list[int], lengths: np.ndarray) -> list[list[tuple]]:
-        return self.planner.add(ids, lengths)
+    def add(self, ids: list[int], lengths: np.ndarray, flush: bool = False
+            ) -> list[list[tuple]]:
+        rows = self.planner.add(ids, lengths)
+        return rows + self.planner.finish() if flush else rows
+
+    @staticmethod
+    def join(plans: list[list[list[tuple]]]) -> list[list[tuple]]:
+        return [row for p in plans for row in p]
 
     def finish(self) -> list[list[tuple]]:
         return self.planner.finish()

@@ -49,6 +49,7 @@ from seqpack.pipelines.datasets.layouts import (
     SingleLayout,
     Window,
     pack_configs,
+    plan_cut,
 )
 from seqpack.pipelines.datasets.mixing import (
     Mixture,
@@ -94,6 +95,7 @@ class PackIterator(RestoreRefs, grain.DatasetIterator):
         # The one dtype per name for the whole run (restored from the state).
         self._dtypes: dict[str, np.dtype] = dict(ds.dtypes)
         self._refs = RefTable(ds.window)
+        self._cuts: list[int] = []  # ids read where a mixture's dataset left (`plan_cut`)
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -155,6 +157,8 @@ class PackIterator(RestoreRefs, grain.DatasetIterator):
                 self._held[n][k] = col
             if self._mixed:
                 self._refs.put(k, *self._parent.take_refs())
+        if self._mixed:  # where datasets left: the window is planned in parts (`plan_cut`)
+            self._cuts += [first + c for c in self._parent.take_cuts()]
         return ids, cols
 
     def _check_not_packed(self, element: Any) -> None:
@@ -216,17 +220,20 @@ class PackIterator(RestoreRefs, grain.DatasetIterator):
             ids, cols = window
             lengths = layout.window_lengths(cols)
             check_lengths(cols, ds.meta, ids[0])
+            cuts, self._cuts = [c - ids[0] for c in self._cuts], []
             try:
-                plan = layout.add(ids, lengths)
+                plan, parts = plan_cut(layout, ids, lengths, cuts)
             except InputError as e:  # over a mixture: name the dataset and its example
                 raise (InputError(self._refs.rename(str(e), self._parent)) if self._mixed
                        else e) from None
             phase, window_first = "window", ids[0]
         else:
-            plan = layout.finish()
+            plan, parts, cuts, self._cuts = layout.finish(), None, [], []
             phase, window_first = "finish", self._next_id
             self._finished = True
         self._snap = self._snapshot(phase, window_first, before, oldest_before)
+        if cuts:
+            self._snap["cuts"] = [window_first + c for c in cuts]
         batch = layout.build(plan, self._held, ds.window, self._dtypes)
         check_negative(batch, self._held, self._ds.features, self._ds.window)
         if self._mixed:
@@ -249,7 +256,8 @@ class PackIterator(RestoreRefs, grain.DatasetIterator):
             rng = np.random.default_rng([ds.seed, self._next_id, int(phase == "finish")])
             self._order = rng.permutation(self._num_rows).tolist()
             if self._mixed:  # every run of rows near the mixture's shares
-                self._order = balanced_order(self._parent.dataset_units(batch), self._order)
+                self._order = balanced_order(self._parent.dataset_units(batch), self._order,
+                                             parts)
 
     def _snapshot(self, phase: str, window_first: int, before: Any,
                   oldest_before: int | None) -> dict[str, Any]:

@@ -208,6 +208,7 @@ class MixtureIterator(grain.DatasetIterator):
         self._loss = [0] * k
         self._refs_d: list[int] = []
         self._refs_i: list[int] = []
+        self._cuts: list[int] = []  # refs taken so far when a dataset left (`take_cuts`)
         self.reweighted = False  # set_state: the weights at the restored point were edited
 
     def _order(self, d: int, epoch: int) -> np.ndarray:
@@ -230,6 +231,7 @@ class MixtureIterator(grain.DatasetIterator):
                 if self._mix.policies[d] == "stop":
                     raise StopIteration
                 mixer.deactivate(d)
+                self._cuts.append(len(self._refs_d))
                 continue
             break
         rng = self._ranges[d]
@@ -269,6 +271,14 @@ class MixtureIterator(grain.DatasetIterator):
         """(dataset i32[n], index i64[n]) of the n elements yielded since the last call."""
         out = (np.asarray(self._refs_d, np.int32), np.asarray(self._refs_i, np.int64))
         self._refs_d, self._refs_i = [], []
+        return out
+
+    def take_cuts(self) -> list[int]:
+        """Where datasets left (`continue`) among the elements yielded since the last
+        `take_refs`: for each, how many of them came before (the others' renormalized stage
+        starts there). The packer ends its window there, so the leaving dataset's last
+        examples leave with the rows drawn under the weights they belong to."""
+        out, self._cuts = self._cuts, []
         return out
 
     @property
@@ -336,7 +346,7 @@ class MixtureIterator(grain.DatasetIterator):
         self._loss = [int(t) for t in state["loss_tokens"]]
         self._mixer = ShortfallMixer(self._mix.stages)
         self.reweighted = self._mixer.set_state(state["mixer"])
-        self._refs_d, self._refs_i = [], []
+        self._refs_d, self._refs_i, self._cuts = [], [], []
 
     def __str__(self) -> str:
         return "MixtureIterator"

@@ -16,8 +16,15 @@ import numpy as np
 
 
 def balanced_order(tokens: np.ndarray,  # i64[R, K]: dataset tokens per row
-                   order: list[int]) -> list[int]:
-    """`order` (a seeded shuffle of the rows) re-ordered so each prefix tracks the shares."""
+                   order: list[int], parts: list[int] | None = None) -> list[int]:
+    """`order` (a seeded shuffle of the rows) re-ordered so each prefix tracks the shares.
+    `parts`: rows per part of a window cut where a dataset left (`layouts.plan_cut`): each
+    part's rows leave after the previous part's, in the order that keeps its own shares."""
+    if parts is not None and len(parts) > 1:
+        ends = np.cumsum(parts)
+        part = np.searchsorted(ends, order, side="right")
+        return [r for k in range(len(parts))
+                for r in balanced_order(tokens, [r for r, p in zip(order, part) if p == k])]
     tok = tokens[order].astype(np.float64)
     total = tok.sum(0)
     if total.sum() <= 0 or len(order) < 3:

@@ -43,6 +43,7 @@ class RestoreRefs:
     _fit_column: Any
     _stage: Any
     _read_window: Any
+    _cuts: list[int]
 
     def _restore_refs(self, state: dict[str, Any]) -> bool:
         """Fetches the referenced examples from the mixture and re-plans the window that was
@@ -67,6 +68,7 @@ class RestoreRefs:
             return False
         window_ids = list(range(window_first, self._next_id))
         kept = {n: dict(h) for n, h in self._held.items()}, dict(self._refs.windows)
+        self._cuts = [int(c) for c in state.get("cuts", [])]  # planned in parts again
         self._stage((window_ids, {n: gather(self._held[n], window_ids, ds.window)
                                   for n in ds.names}))
         if not (parent.reweighted and isinstance(self._layout, SingleLayout)):
