@@ -243,8 +243,8 @@ def test_lowers_for_tpu(dim, blocks, layout):
     L = 1000: one grid per kernel; L = 8192: a narrow and a full grid per kernel wherever
     L / b > narrow_steps = 8 blocks."""
     for seq_len in (1000, 8192):
-        grids = lambda b: 2 if seq_len > 8 * b else 1  # noqa: E731
-        want = grids(blocks.block_kv) + 2 * grids(blocks.block_kv_bwd)  # forward, dq, dk/dv
+        want = sum(2 if seq_len > 8 * b else 1  # forward, dq, dk/dv
+                   for b in (blocks.block_kv, blocks.block_kv_bwd, blocks.block_kv_bwd))
         q = jnp.zeros((2, seq_len, 8, dim), jnp.bfloat16)
         kv = jnp.zeros((2, seq_len, 2, dim), jnp.bfloat16)
         if layout == "bhld":

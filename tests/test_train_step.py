@@ -4,7 +4,6 @@ import os
 import pathlib
 import subprocess
 
-
 import numpy as np
 import pytest
 
