@@ -65,24 +65,28 @@ def _json_default(x):
 
 class Meter:
     """Real tokens, steps, wall time and input wait from `start()` on (the first step, which
-    compiles, is left out by starting after it)."""
+    compiles, is left out by starting after it); `exclude` takes time out (a checkpoint)."""
 
     def __init__(self) -> None:
-        self.t0 = None
+        self.t0: float | None = None
         self.tokens = self.steps = 0
-        self.wait = 0.0
+        self.wait = self.excluded = 0.0
 
     def start(self) -> None:
-        self.t0, self.tokens, self.steps, self.wait = time.perf_counter(), 0, 0, 0.0
+        self.t0, self.tokens, self.steps = time.perf_counter(), 0, 0
+        self.wait = self.excluded = 0.0
 
     def add(self, tokens: int, wait: float) -> None:
         if self.t0 is not None:
-            self.tokens, self.steps, self.wait = self.tokens + tokens, self.steps + 1, \
-                self.wait + wait
+            self.tokens, self.steps = self.tokens + tokens, self.steps + 1
+            self.wait += wait
+
+    def exclude(self, secs: float) -> None:
+        self.excluded += secs
 
     def rates(self) -> dict[str, float]:
-        secs = time.perf_counter() - self.t0 if self.t0 is not None else 0.0
-        if not secs or not self.steps:
+        secs = time.perf_counter() - self.t0 - self.excluded if self.t0 is not None else 0.0
+        if secs <= 0 or not self.steps:
             return {"tokens_per_s": 0.0, "steps_per_s": 0.0, "input_wait": 0.0, "seconds": 0.0}
         return {"tokens_per_s": self.tokens / secs, "steps_per_s": self.steps / secs,
                 "input_wait": self.wait / secs, "seconds": secs}
@@ -119,11 +123,6 @@ class Progress:
 
 def write_curves(path: str, history: dict[str, list[float]], first: int) -> None:
     """The loss curves as a CSV (step, one column per feed) and a PNG, overlaid."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     png = pathlib.Path(path)
     feeds = list(history)
     steps = np.arange(first + 1, first + 1 + len(history[feeds[0]]))
@@ -131,6 +130,14 @@ def write_curves(path: str, history: dict[str, list[float]], first: int) -> None
     rows += [f"{s}," + ",".join(f"{history[f][i]:.6f}" for f in feeds)
              for i, s in enumerate(steps)]
     png.with_suffix(".csv").write_text("\n".join(rows) + "\n")
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"wrote {png.with_suffix('.csv')}; no plot: pip install matplotlib", flush=True)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     for f, style in zip(feeds, ("-", "--")):
         ax.plot(steps, history[f], style, label=f"{f} rows")

@@ -327,9 +327,13 @@ def run(argv: list[str] | None = None) -> dict:
             record(pending)
             pending = None
         if ckpt and args.save_every and step % args.save_every == 0:
+            t0 = time.perf_counter()
             ckpt.save(step, states, iterator)
+            for m in (meter, window):
+                m.exclude(time.perf_counter() - t0)
     if pending is not None:
         record(pending)
+    rates = meter.rates()
     progress.close()
     if ckpt:
         if not args.save_every or step % args.save_every:
@@ -338,7 +342,6 @@ def run(argv: list[str] | None = None) -> dict:
     close = getattr(iterator, "close", None)
     if close is not None:
         close()
-    rates = meter.rates()
     out = {"steps": step, "params": n_params, "feeds": feeds, "losses": history,
            "dataset_losses": per_dataset, "datasets": args.names, **rates,
            "batches_per_s": rates["steps_per_s"]}
