@@ -81,13 +81,15 @@ install_wheels() {  # grain (.whl-tpu) and optax + orbax-checkpoint (the machine
 
 train_runs() {  # packed, padded, both in lockstep: figures as JSON, the curves as PNG + CSV
   local corpora="${SEQPACK_DATA_DIR:-$(dirname "$data")}" cache="$tmp/jax_cache"
-  local common=(--data "$corpora" --workers "${WORKERS:-8}" --log-every 10
-                --compilation-cache "$cache")
   local steps="${TRAIN_STEPS:-100}" padded="${PADDED_STEPS:-50}" both="${COMPARE_STEPS:-200}"
+  local common=(--data "$corpora" --workers "${WORKERS:-8}" --log-every 10)
   if [[ -n "$smoke" ]]; then
-    common=(--smoke --workers "${WORKERS:-2}" --log-every 2)
     steps="${TRAIN_STEPS:-6}" padded="${PADDED_STEPS:-4}" both="${COMPARE_STEPS:-6}"
+    common=(--smoke --workers "${WORKERS:-2}" --log-every 2)
   fi
+  # one schedule and a shared compilation cache: the comparison reuses the first two runs'
+  # compilations, and its first steps repeat their losses
+  common+=(--schedule-steps "$both" --compilation-cache "$cache")
   echo "== python -m examples.train_lm ${common[*]} --steps $steps (packed)"
   "$python" -m examples.train_lm "${common[@]}" --steps "$steps" \
     --checkpoint-dir "$tmp/ckpt" --summary "$out/train_packed.json"

@@ -106,15 +106,15 @@ class Progress:
             self.task = self.bar.add_task("", total=total, completed=done)
             self.bar.start()
 
-    def update(self, done: int, line: str | None) -> None:
+    def update(self, done: int, line: str | None, short: str = "") -> None:
+        """`done` steps; `line` logged (printed above the bar), `short` beside the bar."""
         if self.bar is None:
             if line:
                 print(line, flush=True)
             return
-        self.bar.update(self.task, completed=done, description=line.split("  ", 1)[-1]
-                        if line else None)
+        self.bar.update(self.task, completed=done, description=short)
         if line:
-            self.bar.console.print(line)
+            self.bar.console.print(line, highlight=False)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--schedule-steps", type=int, default=None,
+                    help="steps of the learning-rate schedule (default --steps): runs of "
+                         "different lengths on one schedule share compilations and losses")
     ap.add_argument("--seed", type=int, default=0)
     for key, value in MODEL.items():
         ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None,
@@ -205,10 +208,11 @@ def padded_step(cfg: lm.LMConfig, opt, num_datasets: int):
     micro_jit = jax.jit(micro, donate_argnums=1)
     apply_jit = jax.jit(apply, donate_argnums=0)
 
-    def zeros(params):
-        return {"grads": jax.tree.map(jnp.zeros_like, params), "loss": jnp.zeros((), jnp.float32),
-                "sums": jnp.zeros((num_datasets,), jnp.float32),
-                "tokens": jnp.zeros((num_datasets,), jnp.int32)}
+    def zeros(params):  # committed, as the micro-batches' outputs are: one compile a width
+        return jax.device_put(
+            {"grads": jax.tree.map(jnp.zeros_like, params), "loss": jnp.zeros((), jnp.float32),
+             "sums": jnp.zeros((num_datasets,), jnp.float32),
+             "tokens": jnp.zeros((num_datasets,), jnp.int32)}, jax.devices()[0])
 
     def step(state, feeds, counted):
         acc = zeros(state["params"])
@@ -248,7 +252,7 @@ def run(argv: list[str] | None = None) -> dict:
         worker_buffer=args.worker_buffer)
     feeds = ["padded"] if args.padded else ["packed"] + (["padded"] if args.compare_steps else [])
     cfgs, k = configs(args), len(args.names)
-    opt = optimizer(args.lr, args.warmup, args.steps)
+    opt = optimizer(args.lr, args.warmup, args.schedule_steps or args.steps)
     params = lm.init_params(jax.random.key(args.seed), cfgs["packed"])
     n_params = sum(int(np.prod(v.shape)) for v in params.values())
     states = jax.device_put(  # committed, as restored states are: one compile; own buffers
@@ -273,8 +277,9 @@ def run(argv: list[str] | None = None) -> dict:
         widths = sorted({data.bucket(n, min_width=min(args.padded_min_width, args.seq_len),
                                      seq_len=args.seq_len)
                          for n in 2 ** np.arange(int(np.log2(args.seq_len)) + 2)})
+        token_dtype = np.asarray(next(iter(srcs.values()))[0]["tokens"]).dtype
         steps_fn["padded"].warm_up(states["padded"]["params"], widths, args.padded_tokens,
-                                   np.int32)
+                                   token_dtype)
         print(f"padded widths {widths} compiled in {time.perf_counter() - t0:.1f}s", flush=True)
     history = {f: [] for f in feeds}
     per_dataset: dict[str, list] = {f: [] for f in feeds}
@@ -305,7 +310,7 @@ def run(argv: list[str] | None = None) -> dict:
             meter.start()
         if line or done == first + 1:
             window.start()
-        progress.update(done, line)
+        progress.update(done, line, " ".join(f"{f} {history[f][-1]:.4f}" for f in feeds))
 
     while step < stop:
         t0 = time.perf_counter()

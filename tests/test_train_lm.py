@@ -54,10 +54,15 @@ def test_padded_feeds_hold_the_batch_examples_longest_first():
 def test_compare_packed_and_padded_in_lockstep(tmp_path):
     """f32: the padded model, fed each step's examples padded in micro-batches, follows the
     packed model's losses; the plot and CSV are written."""
-    out = train_lm.run(["--smoke", "--attention", "reference", "--dtype", "float32",
-                        "--compare-steps", "4", "--pipeline-batches", "0",
-                        "--plot", str(tmp_path / "loss.png")])
+    common = ["--smoke", "--attention", "reference", "--dtype", "float32", "--schedule-steps",
+              "4", "--pipeline-batches", "0"]
+    out = train_lm.run([*common, "--compare-steps", "4", "--plot", str(tmp_path / "loss.png")])
     np.testing.assert_allclose(out["losses"]["packed"], out["losses"]["padded"], rtol=2e-5)
+    # a run of one feed on the same schedule repeats the comparison's first losses exactly
+    assert train_lm.run([*common, "--steps", "2"])["losses"]["packed"] == \
+        out["losses"]["packed"][:2]
+    assert train_lm.run([*common, "--padded", "--steps", "2"])["losses"]["padded"] == \
+        out["losses"]["padded"][:2]
     np.testing.assert_allclose(out["dataset_losses"]["packed"], out["dataset_losses"]["padded"],
                                rtol=2e-5)
     assert (tmp_path / "loss.png").stat().st_size > 0
