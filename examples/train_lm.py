@@ -112,6 +112,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     base = SMOKE_MODEL if args.smoke else MODEL
     args.model = {k: getattr(args, k) if getattr(args, k) is not None else v
                   for k, v in base.items()}
+    if args.compare_steps and args.padded:
+        ap.error("--compare-steps trains both feeds; leave out --padded")
     if args.compare_steps:
         args.steps = args.compare_steps
     args.names = [n.strip() for n in args.datasets.split(",") if n.strip()]
