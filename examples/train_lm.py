@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--padded-min-width", type=int, default=512)
     ap.add_argument("--workers", type=int, default=0, help="pipeline worker processes")
     ap.add_argument("--worker-buffer", type=int, default=2, help="batches each worker makes ahead")
-    ap.add_argument("--pipeline-batches", type=int, default=50,
+    ap.add_argument("--pipeline-batches", type=int, default=300,
                     help="batches drained without the model at the end (0: skip)")
     ap.add_argument("--checkpoint-dir")
     ap.add_argument("--save-every", type=int, default=0)
