@@ -13,9 +13,10 @@
 #                                       # in lockstep with the loss plot (--smoke --train: tiny)
 #
 # Grain on a machine without it: with .whl-tpu/ in the repository (benchmarks/device_wheels.sh),
-# its wheels are installed into /tmp/site (--no-deps) and optax, orbax-checkpoint, matplotlib
-# from the machine's own index into /tmp/site2 (less the jax / numpy pip puts beside them), both at the
-# END of PYTHONPATH: the machine's own JAX stays the one imported. --train corpora:
+# its wheels are installed into /tmp/site (--no-deps) and, with --train, optax,
+# orbax-checkpoint and matplotlib from the machine's own index into /tmp/site2 (less the jax and
+# numpy pip puts beside them), both at the END of PYTHONPATH: the machine's own JAX stays the
+# one imported. --train corpora:
 # $SEQPACK_DATA_DIR, else the folder of the chat_dev.npz found below (copy gsm8k_train.npz
 # beside it). Steps: $TRAIN_STEPS (100), $PADDED_STEPS (50), $COMPARE_STEPS (200), workers:
 # $WORKERS (8).
@@ -54,7 +55,7 @@ log="${OUT:+$OUT/device_run.log}"
 out="${OUT:-$tmp}"
 cd "$root"
 
-install_wheels() {  # grain (.whl-tpu) and optax + orbax-checkpoint (the machine's index)
+install_wheels() {  # grain (.whl-tpu); with --train optax + orbax-checkpoint (machine's index)
   [[ -d "$root/.whl-tpu" ]] || return 0
   if PIP_CONFIG_FILE=/dev/null "$python" -m pip install --isolated -q --no-index --no-deps \
       --no-compile --no-cache-dir --upgrade --target /tmp/site "$root"/.whl-tpu/*.whl; then
@@ -64,7 +65,12 @@ install_wheels() {  # grain (.whl-tpu) and optax + orbax-checkpoint (the machine
     echo "Error: installing .whl-tpu/*.whl into /tmp/site failed: rerun" \
       "benchmarks/device_wheels.sh here (cp311 manylinux x86-64 wheels) and carry .whl-tpu" >&2
   fi
-  if PIP_CONFIG_FILE=/dev/null "$python" -m pip install --isolated -q --only-binary=:all: \
+  [[ -n "$train" ]] || return 0  # the benchmarks need neither optax nor orbax
+  if PYTHONPATH="$PYTHONPATH:/tmp/site2" "$python" -c "import optax, orbax.checkpoint, matplotlib" \
+      2>/dev/null; then  # a warm machine: installed by an earlier call
+    export PYTHONPATH="$PYTHONPATH:/tmp/site2"
+    echo "== optax, orbax-checkpoint, matplotlib already importable"
+  elif PIP_CONFIG_FILE=/dev/null "$python" -m pip install --isolated -q --only-binary=:all: \
       --upgrade --index-url file:///opt/pypi/simple --target /tmp/site2 optax orbax-checkpoint \
       matplotlib; then
     # pip --target installs every dependency, jax and numpy too: the machine's own stay first
