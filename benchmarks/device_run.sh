@@ -15,6 +15,18 @@
 #
 #   benchmarks/device_run.sh            # on a TPU or GPU machine, from the repository root
 #   benchmarks/device_run.sh --smoke    # tiny sizes, any machine (CPU: interpret mode)
+#   benchmarks/device_run.sh --train    # instead: examples/train_lm.py at L=8192 (~7 minutes
+#                                       # on a TPU v5e): packed, padded, and 200 steps of both
+#                                       # in lockstep with the loss plot (--smoke --train: tiny)
+#
+# Grain on a machine without it: with .whl-tpu/ in the repository (benchmarks/device_wheels.sh),
+# its wheels are installed into /tmp/site (--no-deps) and, with --train, optax,
+# orbax-checkpoint and matplotlib from the machine's own index into /tmp/site2 (less the jax and
+# numpy pip puts beside them), both at the END of PYTHONPATH: the machine's own JAX stays the
+# one imported. --train corpora:
+# $SEQPACK_DATA_DIR, else the folder of the chat_dev.npz found below (copy gsm8k_train.npz
+# beside it). Steps: $TRAIN_STEPS (100), $PADDED_STEPS (50), $COMPARE_STEPS (200), workers:
+# $WORKERS (8).
 #
 # The corpus: $SEQPACK_DATA, else .bench_data/chat_dev.npz in the repository (a copy carried to
 # the device: `mkdir -p .bench_data && cp ../shared/data/chat_dev.npz .bench_data/`, with
@@ -23,7 +35,14 @@
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 smoke=""
-if [[ "${1:-}" == "--smoke" ]]; then smoke="--smoke"; fi
+train=""
+for arg in "$@"; do
+  case "$arg" in
+    --smoke) smoke="--smoke" ;;
+    --train) train="--train" ;;
+    *) echo "Error: unknown argument $arg (use --smoke, --train)" >&2; exit 2 ;;
+  esac
+done
 python="${PYTHON:-python3}"
 data="${SEQPACK_DATA:-}"
 if [[ -z "$data" ]]; then
@@ -40,7 +59,62 @@ trap 'rm -rf "$tmp"' EXIT
 ln -s "$root" "$tmp/seqpack"  # the repository root is the seqpack package (pyproject)
 export PYTHONPATH="$tmp:$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 log="${OUT:+$OUT/device_run.log}"
+out="${OUT:-$tmp}"
 cd "$root"
+
+install_wheels() {  # grain (.whl-tpu); with --train optax + orbax-checkpoint (machine's index)
+  [[ -d "$root/.whl-tpu" ]] || return 0
+  if PIP_CONFIG_FILE=/dev/null "$python" -m pip install --isolated -q --no-index --no-deps \
+      --no-compile --no-cache-dir --upgrade --target /tmp/site "$root"/.whl-tpu/*.whl; then
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    echo "== installed $(ls "$root"/.whl-tpu/*.whl | wc -l) wheels of .whl-tpu into /tmp/site"
+  else
+    echo "Error: installing .whl-tpu/*.whl into /tmp/site failed: rerun" \
+      "benchmarks/device_wheels.sh here (cp311 manylinux x86-64 wheels) and carry .whl-tpu" >&2
+  fi
+  [[ -n "$train" ]] || return 0  # the benchmarks need neither optax nor orbax
+  if PYTHONPATH="$PYTHONPATH:/tmp/site2" "$python" -c "import optax, orbax.checkpoint, matplotlib" \
+      2>/dev/null; then  # a warm machine: installed by an earlier call
+    export PYTHONPATH="$PYTHONPATH:/tmp/site2"
+    echo "== optax, orbax-checkpoint, matplotlib already importable"
+  elif PIP_CONFIG_FILE=/dev/null "$python" -m pip install --isolated -q --only-binary=:all: \
+      --upgrade --index-url file:///opt/pypi/simple --target /tmp/site2 optax orbax-checkpoint \
+      matplotlib; then
+    # pip --target installs every dependency, jax and numpy too: the machine's own stay first
+    rm -rf /tmp/site2/{jax,jaxlib,numpy,numpy.libs,scipy,scipy.libs,ml_dtypes,opt_einsum} \
+      /tmp/site2/{jax,jaxlib,numpy,scipy,ml_dtypes,opt_einsum}-*.dist-info
+    export PYTHONPATH="$PYTHONPATH:/tmp/site2"
+    echo "== installed optax, orbax-checkpoint, matplotlib from file:///opt/pypi/simple into /tmp/site2"
+  else
+    echo "Error: optax / orbax-checkpoint / matplotlib did not install from" \
+      "file:///opt/pypi/simple into /tmp/site2; examples/train_lm.py needs the first two" \
+      "(its --plot the third): pip install optax orbax-checkpoint matplotlib" >&2
+  fi
+}
+
+train_runs() {  # packed, padded, both in lockstep: figures as JSON, the curves as PNG + CSV
+  local corpora="${SEQPACK_DATA_DIR:-$(dirname "$data")}" cache="$tmp/jax_cache"
+  local steps="${TRAIN_STEPS:-100}" padded="${PADDED_STEPS:-50}" both="${COMPARE_STEPS:-200}"
+  local common=(--data "$corpora" --workers "${WORKERS:-8}" --log-every 10)
+  if [[ -n "$smoke" ]]; then
+    steps="${TRAIN_STEPS:-6}" padded="${PADDED_STEPS:-4}" both="${COMPARE_STEPS:-6}"
+    common=(--smoke --workers "${WORKERS:-2}" --log-every 2)
+  fi
+  # one schedule and a shared compilation cache: the comparison reuses the first two runs'
+  # compilations, and its first steps repeat their losses
+  common+=(--schedule-steps "$both" --compilation-cache "$cache")
+  echo "== python -m examples.train_lm ${common[*]} --steps $steps (packed)"
+  "$python" -m examples.train_lm "${common[@]}" --steps "$steps" \
+    --checkpoint-dir "$tmp/ckpt" --summary "$out/train_packed.json"
+  echo "== python -m examples.train_lm ${common[*]} --padded --steps $padded"
+  "$python" -m examples.train_lm "${common[@]}" --padded --steps "$padded" \
+    --summary "$out/train_padded.json"
+  echo "== python -m examples.train_lm ${common[*]} --compare-steps $both"
+  "$python" -m examples.train_lm "${common[@]}" --compare-steps "$both" --log-every 20 \
+    --pipeline-batches 0 --plot "$out/packed_vs_padded.png" --summary "$out/train_compare.json"
+}
+
+install_wheels
 failed=0
 step() {  # step NAME COMMAND...: runs one step, reports a failure and goes on
   echo "== $*"
@@ -48,6 +122,12 @@ step() {  # step NAME COMMAND...: runs one step, reports a failure and goes on
 }
 {
   backend="$("$python" -c 'import jax; print(jax.default_backend())')"
+  if [[ -n "$train" ]]; then
+    "$python" -c "import jax, grain, optax, orbax.checkpoint as o; print('== jax', jax.__version__,
+      jax.devices()); [print('==', m.__name__, 'from', m.__file__) for m in (jax, grain, optax, o)]"
+    train_runs
+    exit 0
+  fi
   "$python" -c "import jax; print('== jax', jax.__version__, jax.devices())"
   if [[ -n "$smoke" ]]; then
     step attention "$python" -m benchmarks.attention_bench --smoke --data "$data"

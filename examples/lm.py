@@ -161,19 +161,32 @@ def hidden_states(p: Params, batch: dict, cfg: LMConfig) -> jax.Array:  # [B, L,
 
 def loss_fn(p: Params, batch: dict, cfg: LMConfig) -> jax.Array:
     """Mean next-token loss over the counted tokens (targets >= 0; -100 is not counted)."""
+    return losses(p, batch, cfg)[0]
+
+
+def losses(p: Params, batch: dict, cfg: LMConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(loss_fn's mean loss, per-segment loss sums f32[B, S], per-segment counted tokens
+    i32[B, S]): per-dataset losses are reductions of the last two
+    (`kernels.segment_dataset_loss`); unused, they cost nothing under jit."""
     x = hidden_states(p, batch, cfg)
     w = p["unembed"].astype(x.dtype)
     targets = batch["targets"]
     if cfg.loss == "fused":
-        loss, _, _ = kernels.segment_linear_cross_entropy(
+        return kernels.segment_linear_cross_entropy(
             x, w, targets, batch["offsets"], batch["lengths"], interpret=cfg.interpret)
-        return loss
     logits = (x @ w).astype(jnp.float32)
     counted = targets >= 0
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, jnp.where(counted, targets, 0)[..., None], -1)[..., 0]
-    total = jnp.sum(jnp.where(counted, lse - picked, 0.0))
-    return total / jnp.maximum(jnp.sum(counted), 1)
+    per_token = jnp.where(counted, lse - picked, 0.0)
+    total = jnp.sum(per_token)
+    loss = total / jnp.maximum(jnp.sum(counted), 1)
+    rows, slots = batch["offsets"].shape  # token -> its slot b * S + (segment id - 1)
+    seg = batch["segment_ids"]
+    slot = jnp.where(seg > 0, jnp.arange(rows)[:, None] * slots + seg - 1, rows * slots)
+    per_segment = lambda v: jax.ops.segment_sum(  # noqa: E731
+        v.reshape(-1), slot.reshape(-1), num_segments=rows * slots + 1)[:-1].reshape(rows, slots)
+    return loss, per_segment(per_token), per_segment(counted.astype(jnp.int32))
 
 
 def make_batch(tokens, segment_ids, positions, offsets, lengths) -> dict:

@@ -1,0 +1,379 @@
+"""Trains examples/lm.py on an accelerator from seqpack's pipeline: packed rows of two corpora.
+
+    python -m examples.train_lm --smoke                    # tiny model, generated data, seconds
+    python -m examples.train_lm --steps 300 --workers 8    # ~107M parameters, L=8192
+    python -m examples.train_lm --padded --steps 100       # the same examples, padded
+    python -m examples.train_lm --compare-steps 200 --plot loss.png   # both, in lockstep
+    python -m examples.train_lm --steps 400 --checkpoint-dir ckpt --save-every 100 [--resume]
+
+The model is examples/lm.py in plain JAX (params a dict pytree, the definition
+benchmarks/train_step.py times), with optax and orbax-checkpoint rather than flax.
+
+Input: `make_training_pipeline` over a `Mixture` of two corpora of `--data` (default
+../shared/data: chat_dev and gsm8k_train, `--weights` their shares of the tokens; each repeats
+in a new order when it runs out), packed at `--seq-len` (long examples split), `--workers`
+processes packing (Grain's `mp_prefetch`). `--smoke` reads two generated datasets instead.
+
+Packed (the default): `kernels.segment_attention` (each segment attends to itself) and
+`kernels.segment_linear_cross_entropy` (no [B, L, V] logits), positions restarting per
+segment, the loss per counted token. `--padded`: every batch's examples (its segments) one per
+row, longest first, in micro-batches of `--padded-tokens` slots whose rows are padded to a
+power of two from 512 (lm_data.padded_feeds): splash attention without segment ids on a TPU
+(the jnp reference elsewhere) and materialized logits; the step's gradient is the sum over its
+micro-batches of the per-token loss, divided by the batch's counted tokens: the packed step's
+gradient, example for example. `--compare-steps N` trains both from one initialization in
+lockstep, each step's examples packed for one model and padded for the other, and writes
+both loss curves (`--plot` PNG + CSV).
+
+Logged every `--log-every` steps: the loss, each dataset's loss (`segment_dataset_id` through
+`kernels.segment_dataset_loss`), real tokens/s (tokens inside segments) and the host's wait
+for input (time in `next(iterator)`, as a share of the wall time). At the end: the run's rates
+beside the pipeline's own (`--pipeline-batches` drained without the model). A checkpoint
+(orbax) holds the parameters, the optimizer state, the step and the iterator state
+(`get_state()`, as JSON): `--resume` continues with the same batches and the same losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from examples import lm
+from examples import lm_data as data
+from examples.lm_run import Checkpoints, Meter, Progress, write_curves
+from seqpack import kernels
+
+DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
+MODEL = dict(vocab=32768, dim=768, heads=6, head_dim=128, mlp=3072, layers=6)
+SMOKE_MODEL = dict(vocab=256, dim=64, heads=2, head_dim=32, mlp=128, layers=2)
+SMOKE = dict(seq_len=128, batch_size=4, steps=6, log_every=1, pipeline_batches=5,
+             padded_min_width=32, warmup=2)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny model and sizes, generated data (no --data needed): seconds on CPU")
+    ap.add_argument("--data", default=None, help=f"corpora folder (default {DATA})")
+    ap.add_argument("--datasets", default="chat_dev,gsm8k_train", help="two or more, by name")
+    ap.add_argument("--weights", default="0.7,0.3", help="each dataset's share of the tokens")
+    ap.add_argument("--seq-len", type=int, default=8192)
+    ap.add_argument("--batch-size", type=int, default=4, help="packed rows a step")
+    ap.add_argument("--max-segments", type=int, default=None, help="default seq_len // 64")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--schedule-steps", type=int, default=None,
+                    help="steps of the learning-rate schedule (default --steps): runs of "
+                         "different lengths on one schedule share compilations and losses")
+    ap.add_argument("--seed", type=int, default=0)
+    for key, value in MODEL.items():
+        ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None,
+                        help=f"default {value}")
+    ap.add_argument("--rope", default="half", choices=["half", "interleaved"])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--attention", default="seqpack", choices=["seqpack", "splash", "reference"],
+                    help="the packed model's attention")
+    ap.add_argument("--padded", action="store_true", help="train on the batches padded instead")
+    ap.add_argument("--compare-steps", type=int, default=0, metavar="N",
+                    help="N steps of packed and padded models in lockstep (overrides --steps)")
+    ap.add_argument("--plot", help="PNG of the loss curves (+ a CSV beside it)")
+    ap.add_argument("--padded-tokens", type=int, default=None,
+                    help="token slots of a padded micro-batch (default min(B * L, 16384))")
+    ap.add_argument("--padded-min-width", type=int, default=512)
+    ap.add_argument("--workers", type=int, default=0, help="pipeline worker processes")
+    ap.add_argument("--worker-buffer", type=int, default=2, help="batches each worker makes ahead")
+    ap.add_argument("--pipeline-batches", type=int, default=300,
+                    help="batches drained without the model at the end (0: skip)")
+    ap.add_argument("--checkpoint-dir")
+    ap.add_argument("--save-every", type=int, default=0)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--stop-after", type=int, default=0,
+                    help="end after this many steps of this run, as if preempted (a drill)")
+    ap.add_argument("--log-every", type=int, default=10)
+    ap.add_argument("--compilation-cache", help="a persistent JAX compilation cache folder")
+    ap.add_argument("--summary", help="write the run's figures as JSON here")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        defaults = ap.parse_args([])
+        for key, value in SMOKE.items():
+            if getattr(args, key) == getattr(defaults, key):
+                setattr(args, key, value)
+        if args.data is None:
+            args.datasets, args.weights = "count,motif", "0.5,0.5"
+    base = SMOKE_MODEL if args.smoke else MODEL
+    args.model = {k: getattr(args, k) if getattr(args, k) is not None else v
+                  for k, v in base.items()}
+    if args.compare_steps and args.padded:
+        ap.error("--compare-steps trains both feeds; leave out --padded")
+    if args.compare_steps:
+        args.steps = args.compare_steps
+    args.names = [n.strip() for n in args.datasets.split(",") if n.strip()]
+    shares = [float(w) for w in args.weights.split(",")]
+    if len(shares) != len(args.names):
+        ap.error(f"--weights {args.weights} needs one share per dataset of {args.names}")
+    args.shares = dict(zip(args.names, shares))
+    args.max_segments = args.max_segments or max(16, args.seq_len // 64)
+    args.padded_tokens = args.padded_tokens or min(args.batch_size * args.seq_len, 16384)
+    return args
+
+
+def sources(args) -> dict:
+    if args.smoke and args.data is None:
+        return data.smoke_corpora(args.model["vocab"], seed=args.seed)
+    folder = pathlib.Path(args.data or DATA)
+    missing = [n for n in args.names if not (folder / f"{n}.npz").is_file()]
+    if missing:
+        raise SystemExit(f"Error: {missing} not found in {folder}: pass --data, or --smoke")
+    return {n: data.load_corpus(folder / f"{n}.npz", args.model["vocab"]) for n in args.names}
+
+
+def configs(args) -> dict[str, lm.LMConfig]:
+    """The model configuration per feed: "packed" (seqpack's kernels) and "padded"."""
+    cpu = jax.default_backend() == "cpu"
+    base = lm.LMConfig(**args.model, rope=args.rope, dtype=args.dtype, interpret=cpu)
+    return {"packed": dataclasses.replace(base, attention=args.attention, loss="fused"),
+            "padded": dataclasses.replace(base, attention="reference" if cpu else "splash",
+                                          segment_ids=False, loss="materialized")}
+
+
+@functools.cache
+def optimizer(lr: float, warmup: int, steps: int):
+    """AdamW (b2 0.95, weight decay 0.1), warm-up then cosine decay to lr / 10, clipped at a
+    global norm of 1 (one object per setting: the jitted steps below are cached on it)."""
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(steps, warmup + 1), lr / 10)
+    return optax.chain(optax.clip_by_global_norm(1.0),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
+
+
+def _model_batch(feed: dict) -> dict:
+    return lm.make_batch(*(feed[k] for k in data.FEED_KEYS[:5]))
+
+
+@functools.cache
+def packed_step(cfg: lm.LMConfig, opt, num_datasets: int):
+    """jit: (state, feed) -> (state, metrics): one step on packed rows."""
+    import optax
+
+    def step(state, feed):
+        batch = _model_batch(feed)
+
+        def objective(p):
+            loss, per_seg, ntok = lm.losses(p, batch, cfg)
+            return loss, (per_seg, ntok)
+
+        (loss, (per_seg, ntok)), grads = jax.value_and_grad(objective, has_aux=True)(
+            state["params"])
+        updates, opt_state = opt.update(grads, state["opt"], state["params"])
+        sums, tokens = kernels.segment_dataset_loss(per_seg, ntok, feed["dataset_id"],
+                                                    num_datasets=num_datasets)
+        return ({"params": optax.apply_updates(state["params"], updates), "opt": opt_state},
+                {"loss": loss, "sums": sums, "tokens": tokens})
+
+    return jax.jit(step, donate_argnums=0)
+
+
+@functools.cache
+def padded_step(cfg: lm.LMConfig, opt, num_datasets: int):
+    """(state, feeds, counted) -> (state, metrics): the micro-batches' summed per-token losses
+    over `counted`, the batch's counted tokens (the packed step's objective), one update."""
+    import optax
+
+    def micro(params, acc, feed, counted):
+        batch = _model_batch(feed)
+
+        def objective(p):
+            _, per_seg, ntok = lm.losses(p, batch, cfg)
+            return per_seg.sum() / counted, (per_seg, ntok)
+
+        (loss, (per_seg, ntok)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        sums, tokens = kernels.segment_dataset_loss(per_seg, ntok, feed["dataset_id"],
+                                                    num_datasets=num_datasets)
+        return jax.tree.map(jnp.add, acc, {"grads": grads, "loss": loss, "sums": sums,
+                                           "tokens": tokens})
+
+    def apply(state, acc):
+        updates, opt_state = opt.update(acc["grads"], state["opt"], state["params"])
+        return ({"params": optax.apply_updates(state["params"], updates), "opt": opt_state},
+                {k: acc[k] for k in ("loss", "sums", "tokens")})
+
+    micro_jit = jax.jit(micro, donate_argnums=1)
+    apply_jit = jax.jit(apply, donate_argnums=0)
+
+    def zeros(params):  # committed, as the micro-batches' outputs are: one compile a width
+        return jax.device_put(
+            {"grads": jax.tree.map(jnp.zeros_like, params), "loss": jnp.zeros((), jnp.float32),
+             "sums": jnp.zeros((num_datasets,), jnp.float32),
+             "tokens": jnp.zeros((num_datasets,), jnp.int32)}, jax.devices()[0])
+
+    def step(state, feeds, counted):
+        acc = zeros(state["params"])
+        for feed in feeds:
+            acc = micro_jit(state["params"], acc, feed, jnp.float32(counted))
+        return apply_jit(state, acc)
+
+    def warm_up(params, widths, slots, dtype):
+        """Compiles the micro-batch of every width ahead (empty rows; no state changes)."""
+        for w in widths:
+            n = max(1, slots // w)
+            feed = {"tokens": np.zeros((n, w), dtype), "segment_ids": np.zeros((n, w), np.int32),
+                    "positions": np.zeros((n, w), np.int32),
+                    "offsets": np.full((n, 1), w, np.int32), "lengths": np.zeros((n, 1), np.int32),
+                    "dataset_id": np.full((n, 1), -1, np.int32)}
+            jax.block_until_ready(micro_jit(params, zeros(params), feed, jnp.float32(1)))
+
+    step.warm_up = warm_up
+    return step
+
+
+def counted_tokens(batch: dict) -> int:
+    """The loss's counted tokens: every segment's next-token targets (its length - 1)."""
+    return int(np.maximum(np.asarray(batch["tokens_segment_lengths"]) - 1, 0).sum())
+
+
+def run(argv: list[str] | None = None) -> dict:
+    """Trains as the flags say; returns the figures (losses per step of this run, rates)."""
+    args = parse_args(argv)
+    if args.compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    srcs = sources(args)
+    make_pipeline = lambda: data.pipeline(  # noqa: E731
+        srcs, args.shares, seq_len=args.seq_len, batch_size=args.batch_size,
+        max_segments=args.max_segments, seed=args.seed, workers=args.workers,
+        worker_buffer=args.worker_buffer)
+    feeds = ["padded"] if args.padded else ["packed"] + (["padded"] if args.compare_steps else [])
+    cfgs, k = configs(args), len(args.names)
+    opt = optimizer(args.lr, args.warmup, args.schedule_steps or args.steps)
+    params = lm.init_params(jax.random.key(args.seed), cfgs["packed"])
+    n_params = sum(int(np.prod(v.shape)) for v in params.values())
+    states = jax.device_put(  # committed, as restored states are: one compile; own buffers
+        {f: {"params": jax.tree.map(jnp.copy, params), "opt": opt.init(params)} for f in feeds},
+        jax.devices()[0])
+    steps_fn = {"packed": packed_step(cfgs["packed"], opt, k),
+                "padded": padded_step(cfgs["padded"], opt, k)}
+    iterator = iter(make_pipeline())
+    ckpt = Checkpoints(args.checkpoint_dir) if args.checkpoint_dir else None
+    step = 0
+    if ckpt and args.resume:
+        restored = ckpt.restore(states, iterator)
+        if restored is not None:
+            states, step = restored
+            print(f"resumed at step {step} from {args.checkpoint_dir}", flush=True)
+    print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind}; model "
+          f"{args.model} ({n_params / 1e6:.1f}M parameters); feeds {feeds}; L={args.seq_len} "
+          f"B={args.batch_size} S={args.max_segments}; datasets {args.shares} (tokens); "
+          f"workers {args.workers}", flush=True)
+    if "padded" in feeds:
+        t0 = time.perf_counter()
+        widths = sorted({data.bucket(n, min_width=min(args.padded_min_width, args.seq_len),
+                                     seq_len=args.seq_len)
+                         for n in 2 ** np.arange(int(np.log2(args.seq_len)) + 2)})
+        token_dtype = np.asarray(next(iter(srcs.values()))[0]["tokens"]).dtype
+        steps_fn["padded"].warm_up(states["padded"]["params"], widths, args.padded_tokens,
+                                   token_dtype)
+        print(f"padded widths {widths} compiled in {time.perf_counter() - t0:.1f}s", flush=True)
+    history = {f: [] for f in feeds}
+    per_dataset: dict[str, list] = {f: [] for f in feeds}
+    meter, window = Meter(), Meter()
+    progress = Progress(args.steps, step)
+    pending = None
+    first = step
+    stop = min(args.steps, step + args.stop_after) if args.stop_after else args.steps
+
+    def record(p) -> None:
+        done, metrics, tokens, wait = p
+        line = None
+        for f in feeds:
+            m = jax.device_get(metrics[f])
+            history[f].append(float(m["loss"]))
+            per_dataset[f].append((np.asarray(m["sums"]) / np.maximum(m["tokens"], 1)).tolist())
+        meter.add(tokens, wait)
+        window.add(tokens, wait)
+        if args.log_every and (done % args.log_every == 0 or done in (first + 1, stop)):
+            r = window.rates()
+            line = f"step {done:5d}/{args.steps}"
+            for f in feeds:
+                per = " ".join(f"{n} {v:.3f}" for n, v in zip(args.names, per_dataset[f][-1]))
+                line += f"  {f} loss {history[f][-1]:.4f} ({per})"
+            line += (f"  {r['tokens_per_s'] / 1e3:,.1f}k real tok/s  input wait "
+                     f"{r['input_wait']:.1%}" if done > first + 1 else "  (compiled)")
+        if done == first + 1:  # the first step compiled: rates from here on
+            meter.start()
+        if line or done == first + 1:
+            window.start()
+        progress.update(done, line, " ".join(f"{f} {history[f][-1]:.4f}" for f in feeds))
+
+    while step < stop:
+        t0 = time.perf_counter()
+        batch = next(iterator)
+        wait = time.perf_counter() - t0
+        metrics = {}
+        for f in feeds:
+            if f == "packed":
+                states[f], metrics[f] = steps_fn[f](states[f], data.packed_feed(batch))
+            else:
+                micro = data.padded_feeds(batch, slots=args.padded_tokens,
+                                          min_width=args.padded_min_width)
+                states[f], metrics[f] = steps_fn[f](states[f], micro, counted_tokens(batch))
+        if pending is not None:
+            record(pending)  # the previous step's figures: this step is already queued
+        step += 1
+        pending = (step, metrics, data.real_tokens(batch), wait)
+        if step == first + 1:  # the first step compiles: rates from its end on
+            record(pending)
+            pending = None
+        if ckpt and args.save_every and step % args.save_every == 0:
+            t0 = time.perf_counter()
+            ckpt.save(step, states, iterator)
+            for m in (meter, window):
+                m.exclude(time.perf_counter() - t0)
+    if pending is not None:
+        record(pending)
+    rates = meter.rates()
+    progress.close()
+    if ckpt:
+        if not args.save_every or step % args.save_every:
+            ckpt.save(step, states, iterator)
+        ckpt.close()
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        close()
+    out = {"steps": step, "params": n_params, "feeds": feeds, "losses": history,
+           "dataset_losses": per_dataset, "datasets": args.names, **rates,
+           "batches_per_s": rates["steps_per_s"]}
+    print(f"{feeds[0] if len(feeds) == 1 else 'packed + padded'}: {meter.steps} steps timed: "
+          f"{rates['tokens_per_s'] / 1e3:,.1f}k real tokens/s, {rates['steps_per_s']:.2f} "
+          f"batches/s consumed, input wait {rates['input_wait']:.2%} of the wall time",
+          flush=True)
+    if args.pipeline_batches:
+        pipe = data.pipeline_rate(make_pipeline(), args.pipeline_batches)
+        out["pipeline"] = pipe
+        print(f"pipeline alone ({args.workers} workers, {args.pipeline_batches} batches): "
+              f"{pipe['batches_per_s']:.2f} batches/s, {pipe['tokens_per_s'] / 1e3:,.1f}k real "
+              f"tokens/s (first batch {pipe['first_batch_s']:.1f}s): "
+              f"{pipe['batches_per_s'] / max(rates['steps_per_s'], 1e-9):.1f}x the consumption",
+              flush=True)
+    if args.plot:
+        write_curves(args.plot, history, first)
+    if args.summary:
+        pathlib.Path(args.summary).write_text(json.dumps(out, indent=1))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(argv)
+
+
+if __name__ == "__main__":
+    main()
