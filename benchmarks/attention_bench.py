@@ -47,6 +47,7 @@ def packed_rows(path, seq_len: int, limit: int | None = None):
     z = np.load(path)
     tokens, offsets = z["tokens"], z["offsets"].astype(np.int64)
     if limit:
+        limit = min(limit, offsets.size - 1)
         tokens, offsets = tokens[: offsets[limit]], offsets[: limit + 1]
     cfg = PackConfig(seq_len, max_segments=max(seq_len // 32, 1), overflow="split")
     batch = pack_ragged(tokens, offsets, cfg)

@@ -3,6 +3,7 @@
 import os
 import pathlib
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -75,7 +76,8 @@ def test_unknown_variant_is_refused():
 
 @pytest.mark.slow
 def test_device_run_smoke(corpus):
-    env = {**os.environ, "SEQPACK_DATA": str(corpus), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "SEQPACK_DATA": str(corpus), "JAX_PLATFORMS": "cpu",
+           "PYTHON": sys.executable}
     run = subprocess.run(["bash", str(ROOT / "benchmarks" / "device_run.sh"), "--smoke"],
                          env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
