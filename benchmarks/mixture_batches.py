@@ -122,11 +122,14 @@ def _stack(rows: list[dict]) -> dict[str, np.ndarray]:
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def _online(src: dict, weights: dict, policy: str, unit: str, batches: int, workers: int
-            ) -> np.ndarray:
-    """f64[batches, K]: units per dataset per batch."""
+def _online(src: dict, weights: dict, policy: str, unit: str, batches: int, workers: int,
+            switch: tuple | None = None) -> np.ndarray:
+    """f64[batches, K]: units per dataset per batch (`switch`: (units, weights) of a
+    schedule's second stage)."""
     K = len(src)
-    mix = Mixture(src, weights=weights, unit=unit, on_exhausted=policy, seed=0,
+    stages = {"weights": weights} if switch is None else {"schedule": [
+        (0, weights), (switch[0], dict(zip(src, switch[1])))]}
+    mix = Mixture(src, **stages, unit=unit, on_exhausted=policy, seed=0,
                   labels="labels" if unit == "loss_tokens" else None)
     columns = Columns(labels=["labels"]) if unit == "loss_tokens" else Columns()
     pack = PackConfig(L, max_segments=256)
@@ -161,11 +164,16 @@ def _stages(units: np.ndarray, weights: list[float]) -> tuple[np.ndarray, list[i
 
 
 def _rows_of_case(name: str, units: np.ndarray, weights: list[float], *,
-                  leaving: bool = False) -> list[list[object]]:
+                  leaving: bool = False, switch: tuple | None = None) -> list[list[object]]:
     active, skip = _stages(units, weights) if leaving else (units >= 0, [])
+    target = np.broadcast_to(np.asarray(weights), units.shape)
+    if switch is not None:  # the batch whose units cross the switch holds both stages: left out
+        at = int(np.searchsorted(np.cumsum(units.sum(1)), switch[0], side="right"))
+        target = np.where(np.arange(len(units))[:, None] < at, target, np.asarray(switch[1]))
+        skip = [at]
     keep = np.setdiff1d(np.arange(len(units)), skip)
     u = units[keep]
-    w = np.where(active[keep], np.asarray(weights), 0.0)
+    w = np.where(active[keep], target[keep], 0.0)
     w = w / w.sum(1, keepdims=True)  # renormalized over the datasets still there (continue)
     share = u / u.sum(1, keepdims=True)
     off = 100 * (share - w)  # points off the batch's target, signed
@@ -174,8 +182,9 @@ def _rows_of_case(name: str, units: np.ndarray, weights: list[float], *,
     run = units.sum(0) / units.sum()
     out = []
     for k, wk in enumerate(weights):
-        out.append([name if k == 0 else "", len(u), f"{wk:.2f}",
-                    "-" if leaving else f"{run[k]:.4f}",
+        after = "" if switch is None else f" -> {switch[1][k]:.2f}"
+        out.append([name if k == 0 else "", len(u), f"{wk:.2f}{after}",
+                    "-" if leaving or switch else f"{run[k]:.4f}",
                     f"{np.percentile(off[:, k], 5):+.1f}", f"{np.percentile(off[:, k], 95):+.1f}",
                     f"{off[np.argmax(dev[:, k]), k]:+.1f}",
                     f"{np.percentile(dev.max(1), 95):.1f}" if k == 0 else "",
@@ -229,7 +238,7 @@ def _offline(d: str, files: dict[str, str], weights: dict, *more: object) -> np.
     return u[:steps * B].reshape(steps, B, -1).sum(1)
 
 
-ONLINE = {  # name: (datasets, weights, on_exhausted, unit, workers)
+ONLINE = {  # name: (datasets, weights, on_exhausted, unit, workers[, switch])
     "tiny vs chat, repeat (2,000 tiny slices)": (("tiny2k", "chat"), (.5, .5), "repeat",
                                                  "tokens", 0),
     "tiny vs chat, repeat, 2 worker processes": (("tiny2k", "chat"), (.5, .5), "repeat",
@@ -241,6 +250,9 @@ ONLINE = {  # name: (datasets, weights, on_exhausted, unit, workers)
                                             "tokens", 0),
     "sft vs sft_long, loss tokens, repeat": (("sft", "sft_long"), (.3, .7), "repeat",
                                              "loss_tokens", 0),
+    # a schedule: the second stage from 12.5 batches' tokens on
+    "three, schedule: .2/.3/.5 -> .5/.3/.2": (("tiny", "chat", "long"), (.2, .3, .5), "repeat",
+                                              "tokens", 0, (25 * B * L // 2, (.5, .3, .2))),
 }
 
 
@@ -258,10 +270,12 @@ def main(argv: list[str] | None = None) -> None:
     header = ["case", "batches / steps", "weight", "run share", "p5 (pts off)", "p95", "worst",
               "worst dataset: p95 (pts)", "batches within 2 pts"]
     table = []
-    for name, (names, weights, policy, unit, workers) in ONLINE.items():
+    for name, (names, weights, policy, unit, workers, *switch) in ONLINE.items():
         src = {n: source(data[n]) for n in names}
-        units = _online(src, dict(zip(names, weights)), policy, unit, a.batches, workers)
-        table += _rows_of_case(name, units, list(weights), leaving=policy == "continue")
+        at = switch[0] if switch else None
+        units = _online(src, dict(zip(names, weights)), policy, unit, a.batches, workers, at)
+        table += _rows_of_case(name, units, list(weights), leaving=policy == "continue",
+                               switch=at)
     print_table(f"Online, per batch of {B} x {L} tokens (share of each dataset, in the unit)",
                 header, table)
     print_table("Resume at batch 4 + 17 rows, tiny / long 0.5 / 0.5 -> 0.2 / 0.8 (repeat)",

@@ -124,6 +124,24 @@ def test_a_dataset_that_leaves_takes_its_last_examples_with_it():
     assert np.abs(shares[:change, 0] - 0.2).max() <= 0.06, np.round(shares[:, 0], 3)
 
 
+def test_a_schedules_next_stage_holds_its_weights_from_the_batch_after_the_switch():
+    """`schedule=`: the window where the next stage starts is cut there, as where a dataset
+    leaves, and the old stage's rows leave first: one batch holds both stages, every other
+    batch its own stage's weights (the window of ~8 batches' rows straddling the switch
+    spread the new stage's draws back to batch 0: batches 0-7 were 8-18 points off)."""
+    src = {"a": _source(3000, 10, 40, seed=0), "b": _source(3000, 50, 300, seed=1),
+           "c": _source(1000, 200, 1000, seed=2)}
+    w0, w1 = np.array([.2, .3, .5]), np.array([.6, .3, .1])
+    mix = Mixture(src, schedule=[(0, dict(zip(src, w0))), (100_000, dict(zip(src, w1)))],
+                  on_exhausted="repeat")
+    it = iter(PackIterDataset(mix, PackConfig(1024, max_segments=64)))
+    shares = _batch_shares(_units([r for _, r in zip(range(16 * 16), it)], 3), 16)
+    off0, off1 = np.abs(shares - w0).max(1), np.abs(shares - w1).max(1)
+    switch = [k for k in range(16)  # the one batch off both: 100,000 tokens, batch ~6
+              if off0[:k].max(initial=0) <= 0.09 and off1[k + 1:].max(initial=0) <= 0.09]
+    assert switch and 4 <= switch[0] <= 7, np.round(shares, 3)
+
+
 @pytest.mark.parametrize("long", [(100, 800), (500, 4096)])
 def test_a_resume_under_edited_weights_holds_them_from_the_first_batch(long):
     """Restored mid-window under 0.2 / 0.8 (from 0.5 / 0.5): the rows not yet emitted are

@@ -212,6 +212,19 @@ def test_restore_at_every_step_under_the_same_weights(unit):
     assert len(rows) > 10
 
 
+def test_restore_at_every_step_across_a_schedules_switch():
+    """The window where the next stage starts is planned in two parts (the state's "cuts"):
+    a restore at every step plans it in the same parts."""
+    src = _sources()
+    ds = _pack(Mixture(src, schedule=[(0, {"a": 3, "b": 1}), (600, {"a": 1, "b": 3})],
+                       on_exhausted="repeat"))
+    it = iter(ds)
+    states = [it.get_state() for _ in zip(range(30), it)]
+    cuts = {c for s in states for c in s.get("cuts", []) if s["window_first"] < c < s["next_id"]}
+    assert len(cuts) == 1, cuts  # the switch, inside a window
+    assert len(check_restore_every_step(lambda: iter(ds), max_rows=30)) == 30
+
+
 @pytest.mark.parametrize("policy", ["continue", "stop"])
 def test_edited_weights_at_every_step_repeat_and_lose_nothing(policy):
     src = _sources()

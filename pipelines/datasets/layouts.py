@@ -34,8 +34,9 @@ MIXED_OPEN_ROWS = 2  # Window.open_rows over a mixture (benchmarks/README: Mixtu
 def plan_cut(layout: SingleLayout | MultiLayout, ids: list[int], lengths: Any,
              cuts: list[int]) -> tuple[Any, list[int]]:
     """(plan, rows per part) of a window cut before the positions `cuts` (a mixture's stage
-    ends there: a dataset left): each part but the last is planned with what the planner
-    holds and emitted whole (flushed), so no row mixes two stages' draws."""
+    ends there: a dataset left, or a schedule's next stage began): each part but the last is
+    planned with what the planner holds and emitted whole (flushed), so no row mixes two
+    stages' draws."""
     plans, rows, at = [], [], 0
     for end in [*sorted(min(max(c, 0), len(ids)) for c in cuts), None]:
         part = slice(at, end)

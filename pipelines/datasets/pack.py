@@ -95,7 +95,7 @@ class PackIterator(RestoreRefs, grain.DatasetIterator):
         # The one dtype per name for the whole run (restored from the state).
         self._dtypes: dict[str, np.dtype] = dict(ds.dtypes)
         self._refs = RefTable(ds.window)
-        self._cuts: list[int] = []  # ids read where a mixture's dataset left (`plan_cut`)
+        self._cuts: list[int] = []  # ids read where a mixture's stage ended (`plan_cut`)
 
     # ---- reading ---------------------------------------------------------------------------
 
@@ -157,7 +157,7 @@ class PackIterator(RestoreRefs, grain.DatasetIterator):
                 self._held[n][k] = col
             if self._mixed:
                 self._refs.put(k, *self._parent.take_refs())
-        if self._mixed:  # where datasets left: the window is planned in parts (`plan_cut`)
+        if self._mixed:  # where stages ended: the window is planned in parts (`plan_cut`)
             self._cuts += [first + c for c in self._parent.take_cuts()]
         return ids, cols
 

@@ -208,7 +208,7 @@ class MixtureIterator(grain.DatasetIterator):
         self._loss = [0] * k
         self._refs_d: list[int] = []
         self._refs_i: list[int] = []
-        self._cuts: list[int] = []  # refs taken so far when a dataset left (`take_cuts`)
+        self._cuts: list[int] = []  # refs taken so far where a stage ended (`take_cuts`)
         self.reweighted = False  # set_state: the weights at the restored point were edited
 
     def _order(self, d: int, epoch: int) -> np.ndarray:
@@ -243,12 +243,15 @@ class MixtureIterator(grain.DatasetIterator):
         element = self._mix.sources[d][index]
         tokens, loss = self._count(d, index, element)
         unit = self._mix.unit
+        stage = mixer.stage
         mixer.add(d, tokens if unit == "tokens" else loss if unit == "loss_tokens" else 1)
         self._pos[d] = pos + 1
         self._tokens[d] += tokens
         self._loss[d] += loss
         self._refs_d.append(d)
         self._refs_i.append(index)
+        if mixer.stage != stage:  # a schedule's next stage starts after this element
+            self._cuts.append(len(self._refs_d))
         return element
 
     def _count(self, d: int, index: int, element: Any) -> tuple[int, int]:
@@ -274,10 +277,11 @@ class MixtureIterator(grain.DatasetIterator):
         return out
 
     def take_cuts(self) -> list[int]:
-        """Where datasets left (`continue`) among the elements yielded since the last
-        `take_refs`: for each, how many of them came before (the others' renormalized stage
-        starts there). The packer ends its window there, so the leaving dataset's last
-        examples leave with the rows drawn under the weights they belong to."""
+        """Where a stage ended among the elements yielded since the last `take_refs` (a
+        dataset left, `continue`, or a schedule's next stage began): for each, how many of
+        them came before (the new stage starts there). The packer ends its window there, so
+        the old stage's last examples leave with the rows drawn under the weights they
+        belong to."""
         out, self._cuts = self._cuts, []
         return out
 

@@ -18,7 +18,7 @@ import numpy as np
 def balanced_order(tokens: np.ndarray,  # i64[R, K]: dataset tokens per row
                    order: list[int], parts: list[int] | None = None) -> list[int]:
     """`order` (a seeded shuffle of the rows) re-ordered so each prefix tracks the shares.
-    `parts`: rows per part of a window cut where a dataset left (`layouts.plan_cut`): each
+    `parts`: rows per part of a window cut where a stage ended (`layouts.plan_cut`): each
     part's rows leave after the previous part's, in the order that keeps its own shares."""
     if parts is not None and len(parts) > 1:
         ends = np.cumsum(parts)
