@@ -154,18 +154,9 @@ class BHLD(NamedTuple):
 
 
 def _splash(q, k, v, offsets, lengths):  # [B, H, L, D]: MaxText's way on packed rows
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+    from examples.lm import splash_attention
 
-    seq_len, block = q.shape[2], min(512, q.shape[2])
-    if q.shape[1] != k.shape[1]:  # MaxText repeats grouped kv heads for splash's mha
-        k, v = (jnp.repeat(x, q.shape[1] // k.shape[1], axis=1) for x in (k, v))
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                              block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                              block_q_dq=block, block_kv_dq=block)
-    mask = splash.MultiHeadMask([splash.CausalMask((seq_len, seq_len))] * q.shape[1])
-    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1)
-    ids = _segment_ids(offsets, lengths, seq_len)
-    return jax.vmap(kernel)(q * q.shape[-1] ** -0.5, k, v, splash.SegmentIds(ids, ids))
+    return splash_attention(q, k, v, _segment_ids(offsets, lengths, q.shape[2]))
 
 
 def _blocks(spec: str, cls):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import glob
 import re
 import tempfile
@@ -116,12 +117,7 @@ def packed_steps(tokens, offsets, seq_len: int, rows_per_step: int, steps: int):
 def padded_steps(tokens, offsets, pieces, slots: int, seq_len: int):
     """The same example pieces one a row, in corpus order, greedily into steps of `slots`
     tokens; each step's rows padded to the bucket of its longest (PADDED_BUCKET * 2^k)."""
-    def bucket(n: int) -> int:
-        b = PADDED_BUCKET
-        while b < n:
-            b *= 2
-        return min(b, seq_len)
-
+    bucket = functools.partial(lm.bucket, min_width=PADDED_BUCKET, seq_len=seq_len)
     steps, cur, longest = [], [], 0
     for piece in pieces:
         new_longest = max(longest, piece[2])
@@ -135,17 +131,8 @@ def padded_steps(tokens, offsets, pieces, slots: int, seq_len: int):
     out = []
     for step in steps:
         width = bucket(max(p[2] for p in step))
-        n_rows = slots // width
-        tok = np.zeros((n_rows, width), np.int32)
-        ids = np.zeros((n_rows, width), np.int32)
-        pos = np.zeros((n_rows, width), np.int32)
-        offs = np.full((n_rows, 1), width, np.int32)
-        lens = np.zeros((n_rows, 1), np.int32)
-        for r, (i, start, n) in enumerate(step):
-            first = offsets[i] + start
-            tok[r, :n] = tokens[first:first + n]
-            ids[r, :n], pos[r, :n], offs[r, 0], lens[r, 0] = 1, np.arange(n), 0, n
-        out.append(dict(tokens=tok, segment_ids=ids, positions=pos, offsets=offs, lengths=lens))
+        out.append(lm.padded_rows([tokens[offsets[i] + start:offsets[i] + start + n]
+                                   for i, start, n in step], slots // width, width))
     return out
 
 

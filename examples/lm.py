@@ -26,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from seqpack import kernels
 
@@ -102,26 +103,26 @@ def rope(x: jax.Array, positions: jax.Array, cfg: LMConfig) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def _splash_kernel(seq_len: int, heads: int, interpret: bool):
+def splash_attention(q, k, v, segment_ids=None, *, interpret: bool = False) -> jax.Array:
+    """MaxText's attention: splash on q, k, v [B, H, L, D] (grouped key / value heads repeated),
+    causal, 512 blocks (MaxText's sa_block_* defaults), masked by segment_ids i32[B, L] when
+    given (packed rows), causal alone without (padded rows); scale D^-0.5 on q."""
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-    block = min(512, seq_len)  # MaxText's default block sizes (sa_block_* = 512)
+    heads, seq_len = q.shape[1], q.shape[2]
+    if heads != k.shape[1]:
+        k, v = (jnp.repeat(x, heads // k.shape[1], axis=1) for x in (k, v))
+    block = min(512, seq_len)
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
                               block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
                               block_q_dq=block, block_kv_dq=block)
     mask = splash.MultiHeadMask([splash.CausalMask((seq_len, seq_len))] * heads)
-    return splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                  interpret=interpret)
-
-
-def _splash(q, k, v, segment_ids, cfg: LMConfig):  # [B, H, L, D] each; segment_ids i32[B, L]
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
-    kernel = _splash_kernel(q.shape[2], q.shape[1], cfg.interpret)
-    scale = cfg.head_dim ** -0.5
-    if not cfg.segment_ids:
-        return jax.vmap(kernel)(q * scale, k, v)
-    return jax.vmap(kernel)(q * scale, k, v, splash.SegmentIds(segment_ids, segment_ids))
+    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                    interpret=interpret)
+    q = q * q.shape[-1] ** -0.5
+    if segment_ids is None:
+        return jax.vmap(kernel)(q, k, v)
+    return jax.vmap(kernel)(q, k, v, splash.SegmentIds(segment_ids, segment_ids))
 
 
 def attention(x, p: Params, i: int, batch: dict, cfg: LMConfig) -> jax.Array:
@@ -134,7 +135,9 @@ def attention(x, p: Params, i: int, batch: dict, cfg: LMConfig) -> jax.Array:
     v = proj("v")
     heads_second = lambda t: t.transpose(0, 2, 1, 3)  # noqa: E731
     if cfg.attention == "splash":
-        o = heads_second(_splash(*map(heads_second, (q, k, v)), batch["segment_ids"], cfg))
+        ids = batch["segment_ids"] if cfg.segment_ids else None
+        o = heads_second(splash_attention(*map(heads_second, (q, k, v)), ids,
+                                          interpret=cfg.interpret))
     elif cfg.attention == "reference":
         o = kernels.reference.segment_attention(q, k, v, batch["offsets"], batch["lengths"])
     elif cfg.attention_layout == "bhld":
@@ -179,13 +182,10 @@ def losses(p: Params, batch: dict, cfg: LMConfig) -> tuple[jax.Array, jax.Array,
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, jnp.where(counted, targets, 0)[..., None], -1)[..., 0]
     per_token = jnp.where(counted, lse - picked, 0.0)
-    total = jnp.sum(per_token)
-    loss = total / jnp.maximum(jnp.sum(counted), 1)
-    rows, slots = batch["offsets"].shape  # token -> its slot b * S + (segment id - 1)
-    seg = batch["segment_ids"]
-    slot = jnp.where(seg > 0, jnp.arange(rows)[:, None] * slots + seg - 1, rows * slots)
-    per_segment = lambda v: jax.ops.segment_sum(  # noqa: E731
-        v.reshape(-1), slot.reshape(-1), num_segments=rows * slots + 1)[:-1].reshape(rows, slots)
+    loss = jnp.sum(per_token) / jnp.maximum(jnp.sum(counted), 1)
+    per_segment = functools.partial(kernels.reference.segment_sum,
+                                    segment_offsets=batch["offsets"],
+                                    segment_lengths=batch["lengths"])
     return loss, per_segment(per_token), per_segment(counted.astype(jnp.int32))
 
 
@@ -200,6 +200,30 @@ def make_batch(tokens, segment_ids, positions, offsets, lengths) -> dict:
             "segment_ids": jnp.asarray(segment_ids, jnp.int32),
             "positions": jnp.asarray(positions, jnp.int32),
             "offsets": jnp.asarray(offsets, jnp.int32), "lengths": jnp.asarray(lengths, jnp.int32)}
+
+
+def bucket(n: int, *, min_width: int, seq_len: int) -> int:
+    """The padded width of a row holding n tokens: min_width * 2^k >= n, at most seq_len."""
+    width = min_width
+    while width < n:
+        width *= 2
+    return min(width, seq_len)
+
+
+def padded_rows(pieces: list, rows: int, width: int, dtype=np.int32) -> dict[str, np.ndarray]:
+    """`pieces` (1-D token arrays, each at most `width`) one a row in `rows` rows of `width`:
+    make_batch's arrays (numpy), one segment slot a row; rows past the pieces hold none."""
+    out = {"tokens": np.zeros((rows, width), dtype),
+           "segment_ids": np.zeros((rows, width), np.int32),
+           "positions": np.zeros((rows, width), np.int32),
+           "offsets": np.full((rows, 1), width, np.int32),
+           "lengths": np.zeros((rows, 1), np.int32)}
+    for r, piece in enumerate(pieces):
+        n = len(piece)
+        out["tokens"][r, :n] = piece
+        out["segment_ids"][r, :n], out["positions"][r, :n] = 1, np.arange(n)
+        out["offsets"][r, 0], out["lengths"][r, 0] = 0, n
+    return out
 
 
 def value_and_grad(cfg: LMConfig):

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping
 import grain
 import numpy as np
 
+from examples import lm
 from seqpack.packer import PackConfig
 from seqpack.pipelines.datasets import (
     ArraySource,
@@ -91,14 +92,6 @@ def packed_feed(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
             "dataset_id": batch["segment_dataset_id"]}
 
 
-def bucket(n: int, *, min_width: int, seq_len: int) -> int:
-    """The padded width of a row holding n tokens: min_width * 2^k >= n, at most seq_len."""
-    width = min_width
-    while width < n:
-        width *= 2
-    return min(width, seq_len)
-
-
 def padded_feeds(batch: Mapping[str, np.ndarray], *, slots: int, min_width: int
                  ) -> list[dict[str, np.ndarray]]:
     """The batch's segments one per row, longest first, in micro-batches of `slots // width`
@@ -114,23 +107,14 @@ def padded_feeds(batch: Mapping[str, np.ndarray], *, slots: int, min_width: int
     pieces = [(int(rows[i]), int(cols[i])) for i in order]
     out = []
     while pieces:
-        width = bucket(int(lengths[pieces[0]]), min_width=min(min_width, seq_len),
-                       seq_len=seq_len)
+        width = lm.bucket(int(lengths[pieces[0]]), min_width=min(min_width, seq_len),
+                          seq_len=seq_len)
         n_rows = max(1, slots // width)
         take, pieces = pieces[:n_rows], pieces[n_rows:]
-        feed = {"tokens": np.zeros((n_rows, width), tokens.dtype),
-                "segment_ids": np.zeros((n_rows, width), np.int32),
-                "positions": np.zeros((n_rows, width), np.int32),
-                "offsets": np.full((n_rows, 1), width, np.int32),
-                "lengths": np.zeros((n_rows, 1), np.int32),
-                "dataset_id": np.full((n_rows, 1), -1, np.int32)}
-        for r, (row, col) in enumerate(take):
-            n, start = int(lengths[row, col]), int(offsets[row, col])
-            feed["tokens"][r, :n] = tokens[row, start:start + n]
-            feed["segment_ids"][r, :n] = 1
-            feed["positions"][r, :n] = np.arange(n)
-            feed["offsets"][r, 0], feed["lengths"][r, 0] = 0, n
-            feed["dataset_id"][r, 0] = dataset[row, col]
+        feed = lm.padded_rows([tokens[row, offsets[row, col]:offsets[row, col] + lengths[row, col]]
+                               for row, col in take], n_rows, width, tokens.dtype)
+        feed["dataset_id"] = np.full((n_rows, 1), -1, np.int32)
+        feed["dataset_id"][:len(take), 0] = [dataset[row, col] for row, col in take]
         out.append(feed)
     return out
 

@@ -276,8 +276,8 @@ def run(argv: list[str] | None = None) -> dict:
           f"workers {args.workers}", flush=True)
     if "padded" in feeds:
         t0 = time.perf_counter()
-        widths = sorted({data.bucket(n, min_width=min(args.padded_min_width, args.seq_len),
-                                     seq_len=args.seq_len)
+        widths = sorted({lm.bucket(n, min_width=min(args.padded_min_width, args.seq_len),
+                                   seq_len=args.seq_len)
                          for n in 2 ** np.arange(int(np.log2(args.seq_len)) + 2)})
         token_dtype = np.asarray(next(iter(srcs.values()))[0]["tokens"]).dtype
         steps_fn["padded"].warm_up(states["padded"]["params"], widths, args.padded_tokens,
