@@ -124,15 +124,11 @@ class InForward:
 
 
 def loss_scale(tokens: jax.Array, normalize: Normalize) -> jax.Array:  # i32[B, S] -> f32[B, S]
-    """a_s: d loss / d per_segment_loss[s] (reference.normalize_loss's weights)."""
-    count = tokens.astype(jnp.float32)
-    if normalize is Normalize.TOKENS:
-        return jnp.full(count.shape, 1.0, jnp.float32) / jnp.maximum(count.sum(), 1.0)
-    if normalize is Normalize.SEGMENTS:
-        nonempty = count > 0
-        segments = jnp.maximum(nonempty.sum().astype(jnp.float32), 1.0)
-        return jnp.where(nonempty, 1.0 / (jnp.maximum(count, 1.0) * segments), 0.0)
-    return jnp.ones(count.shape, jnp.float32)
+    """a_s: d loss / d per_segment_loss[s], from reference.normalize_loss itself (linear in the
+    per-segment sums, so its gradient at 0 is each slot's weight)."""
+    norm = functools.partial(reference.normalize_loss, per_segment_tokens=tokens,
+                             normalize=normalize)
+    return jax.grad(norm)(jnp.zeros(tokens.shape, jnp.float32))
 
 
 def finish(lse, tgt, counted, segment_weights, offsets, lengths, *, normalize, z_loss):
