@@ -30,25 +30,22 @@ def mixture_steps(units: np.ndarray,  # int[n, K]: each row's units per dataset
     cap = np.full(F + 1, G)
     cap[F] = n - F * G
     total = u.sum(0)
-    if total.sum() <= 0:
+    if total.sum() <= 0:  # no units to share: the rows in a seeded order
         order = rng.permutation(n)
-    else:
-        b = u - np.outer(u.sum(1), total / total.sum())
-        order = np.lexsort((rng.random(n), -np.einsum("rk,rk->r", b, b)))
-        b = b[order]
+        return order[: F * G].reshape(F, G), order[F * G:]
+    b = u - np.outer(u.sum(1), total / total.sum())
+    order = np.lexsort((rng.random(n), -np.einsum("rk,rk->r", b, b)))
+    b = b[order]
     acc = np.zeros((F + 1, u.shape[1]))
     fill = np.zeros(F + 1, np.int64)
     out = np.empty(F * G + cap[F], np.int64)
     base = np.arange(F + 1) * G
     for i, r in enumerate(order.tolist()):
-        if total.sum() <= 0:
-            s = i // G
-        else:
-            # |acc_s + b_r|^2 - |acc_s|^2 = 2 acc_s.b_r + |b_r|^2, the same |b_r|^2 for all
-            score = acc @ b[i]
-            score[fill >= cap] = np.inf
-            s = int(np.argmin(score))
-            acc[s] += b[i]
+        # |acc_s + b_r|^2 - |acc_s|^2 = 2 acc_s.b_r + |b_r|^2, the same |b_r|^2 for all
+        score = acc @ b[i]
+        score[fill >= cap] = np.inf
+        s = int(np.argmin(score))
+        acc[s] += b[i]
         out[base[s] + fill[s]] = r
         fill[s] += 1
     return out[: F * G].reshape(F, G), out[F * G:]

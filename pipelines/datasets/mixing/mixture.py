@@ -242,9 +242,8 @@ class MixtureIterator(grain.DatasetIterator):
         index = rng[int(perm[j])]
         element = self._mix.sources[d][index]
         tokens, loss = self._count(d, index, element)
-        unit = self._mix.unit
         stage = mixer.stage
-        mixer.add(d, tokens if unit == "tokens" else loss if unit == "loss_tokens" else 1)
+        mixer.add(d, self._in_unit(tokens, loss))
         self._pos[d] = pos + 1
         self._tokens[d] += tokens
         self._loss[d] += loss
@@ -293,11 +292,15 @@ class MixtureIterator(grain.DatasetIterator):
         """The element `index` of dataset number `dataset` (a reference from `take_refs`)."""
         return self._mix.sources[dataset][index]
 
-    def units(self, d: int, element: Any) -> tuple[int, int]:
-        """(units in the mixture's unit, tokens) of element `element` of dataset `d`."""
-        tokens, loss = self._count(d, -1, element)
+    def _in_unit(self, tokens: int, loss: int) -> int:
+        """One element's units in the mixture's unit, from its tokens and loss tokens."""
         unit = self._mix.unit
-        return (tokens if unit == "tokens" else loss if unit == "loss_tokens" else 1), tokens
+        return tokens if unit == "tokens" else loss if unit == "loss_tokens" else 1
+
+    def units(self, d: int, index: int, element: Any) -> tuple[int, int]:
+        """(units in the mixture's unit, tokens) of `element`, example `index` of dataset `d`."""
+        tokens, loss = self._count(d, index, element)
+        return self._in_unit(tokens, loss), tokens
 
     def hold_back(self, units: Sequence[int], count: int) -> float:
         """The current stage counts `units` per dataset (`count` examples) that the packer

@@ -74,12 +74,12 @@ class RestoreRefs:
         if not (parent.reweighted and isinstance(self._layout, SingleLayout)):
             return False
         self._held, self._refs.windows = kept  # the rows not emitted are planned again
-        self._replan(int(state["emitted"]), by_id, dataset_of=dict(zip(ids.tolist(),
-                                                                       dataset.tolist())))
+        self._replan(int(state["emitted"]), by_id,
+                     ref_of=dict(zip(ids.tolist(), zip(dataset.tolist(), index.tolist()))))
         return True
 
-    def _replan(self, emitted: int, elements: dict[int, Any], dataset_of: dict[int, int]
-                ) -> None:
+    def _replan(self, emitted: int, elements: dict[int, Any],
+                ref_of: dict[int, tuple[int, int]]) -> None:
         """Under edited weights: the pieces not yet emitted (the staged window's rows after
         the first `emitted`, and the open rows) are planned again with the new draws (see
         the module docstring)."""
@@ -94,8 +94,8 @@ class RestoreRefs:
         self._oldest = self._layout.planner.oldest_open_id()
         units = [0] * len(parent.names)
         for i, length in zip(waiting[:, 0].tolist(), waiting[:, 2].tolist()):
-            d = dataset_of[i]
-            u, tokens = parent.units(d, elements[i])
+            d, index = ref_of[i]
+            u, tokens = parent.units(d, index, elements[i])
             units[d] += round(u * length / tokens) if tokens else u
         need = parent.hold_back(units, len(set(waiting[:, 0].tolist())))
         need = min(need, MAX_SPREAD * sum(units))
