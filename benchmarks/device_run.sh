@@ -142,13 +142,13 @@ step() {  # step NAME COMMAND...: runs one step, reports a failure and goes on
       --rope half interleaved --steps 4 --repeats 2
     step train_step_32k "$python" -m benchmarks.train_step --data "$data" --seq-len 32768 \
       --rope half interleaved --steps 2 --repeats 2 --variants maxtext,seqpack
-    step device_tests "$python" -m pytest -q -m device tests/test_device.py -p no:cacheprovider
+    step device_tests "$python" -m pytest -q -m device tests/test_device.py tests/test_device_segments.py -p no:cacheprovider
   else
     step attention "$python" -m benchmarks.attention_bench --data "$data" \
       --gpu-blocks 64,64,64,64 128,64,64,64 128,128,64,64 64,64,32,64
     step kernels "$python" -m benchmarks.kernels_bench --gpu-sizes
     step loss_head "$python" -m benchmarks.loss_head --preset all
-    step device_tests "$python" -m pytest -q -m device tests/test_device.py -p no:cacheprovider
+    step device_tests "$python" -m pytest -q -m device tests/test_device.py tests/test_device_segments.py -p no:cacheprovider
   fi
   exit "$failed"
 } 2>&1 | if [[ -n "$log" ]]; then tee "$log"; else cat; fi
