@@ -1,7 +1,8 @@
 """The inputs of examples/train_lm.py: corpora, the mixture pipeline, and its batches padded.
 
-- `load_corpus`: a token corpus `.npz` (`tokens`, `offsets`: ../shared/data) as a random-access
-  source; `smoke_corpora`: two small generated datasets (no files), for `--smoke` and tests.
+- `load_corpus`: a token corpus `.npz` (`tokens`, `offsets`: example i is
+  tokens[offsets[i]:offsets[i + 1]]) as a random-access source; `smoke_corpora`: two small
+  generated datasets (no files), for `--smoke` and tests.
 - `pipeline`: `make_training_pipeline` over a token-weighted `Mixture` of the datasets (each
   repeats in a new order when it runs out), packed rows of `seq_len`, `workers` processes.
 - `packed_feed`: a pipeline batch as the arrays the model step reads (numpy, [B, L] / [B, S]).

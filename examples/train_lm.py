@@ -9,8 +9,8 @@
 The model is examples/lm.py in plain JAX (params a dict pytree, the definition
 benchmarks/train_step.py times), with optax and orbax-checkpoint rather than flax.
 
-Input: `make_training_pipeline` over a `Mixture` of two corpora of `--data` (default
-../shared/data: chat_dev and gsm8k_train, `--weights` their shares of the tokens; each repeats
+Input: `make_training_pipeline` over a `Mixture` of two corpora in `--data` (`--datasets`,
+default chat_dev and gsm8k_train; `--weights` their shares of the tokens; each repeats
 in a new order when it runs out), packed at `--seq-len` (long examples split), `--workers`
 processes packing (Grain's `mp_prefetch`). `--smoke` reads two generated datasets instead.
 
@@ -51,7 +51,6 @@ from examples import lm_data as data
 from examples.lm_run import Checkpoints, Meter, Progress, write_curves
 from seqpack import kernels
 
-DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
 MODEL = dict(vocab=32768, dim=768, heads=6, head_dim=128, mlp=3072, layers=6)
 SMOKE_MODEL = dict(vocab=256, dim=64, heads=2, head_dim=32, mlp=128, layers=2)
 SMOKE = dict(seq_len=128, batch_size=4, steps=6, log_every=1, pipeline_batches=5,
@@ -62,7 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true",
                     help="tiny model and sizes, generated data (no --data needed): seconds on CPU")
-    ap.add_argument("--data", default=None, help=f"corpora folder (default {DATA})")
+    ap.add_argument("--data", default=None,
+                    help="folder of the corpora, one NAME.npz each (tokens, offsets)")
     ap.add_argument("--datasets", default="chat_dev,gsm8k_train", help="two or more, by name")
     ap.add_argument("--weights", default="0.7,0.3", help="each dataset's share of the tokens")
     ap.add_argument("--seq-len", type=int, default=8192)
@@ -129,7 +129,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def sources(args) -> dict:
     if args.smoke and args.data is None:
         return data.smoke_corpora(args.model["vocab"], seed=args.seed)
-    folder = pathlib.Path(args.data or DATA)
+    if args.data is None:
+        raise SystemExit("Error: pass --data FOLDER holding the --datasets as NAME.npz (token "
+                         "corpora: tokens, offsets), or --smoke for generated data")
+    folder = pathlib.Path(args.data)
     missing = [n for n in args.names if not (folder / f"{n}.npz").is_file()]
     if missing:
         raise SystemExit(f"Error: {missing} not found in {folder}: pass --data, or --smoke")
