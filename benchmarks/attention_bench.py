@@ -154,7 +154,7 @@ class BHLD(NamedTuple):
 
 
 def _splash(q, k, v, offsets, lengths):  # [B, H, L, D]: MaxText's way on packed rows
-    from examples.lm import splash_attention
+    from examples.splash import splash_attention
 
     return splash_attention(q, k, v, _segment_ids(offsets, lengths, q.shape[2]))
 

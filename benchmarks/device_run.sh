@@ -20,10 +20,10 @@
 #                                       # in lockstep with the loss plot (--smoke --train: tiny)
 #
 # Grain on a machine without it: with .whl-tpu/ in the repository (benchmarks/device_wheels.sh),
-# its wheels are installed into /tmp/site (--no-deps) and, with --train, optax,
-# orbax-checkpoint and matplotlib from the machine's own index into /tmp/site2 (less the jax and
-# numpy pip puts beside them), both at the END of PYTHONPATH: the machine's own JAX stays the
-# one imported. --train corpora:
+# its wheels are installed into /tmp/site (--no-deps), and flax (the model of train_step and
+# train_lm), optax, orbax-checkpoint and matplotlib from the machine's own index into /tmp/site2
+# (less the jax and numpy pip puts beside them), both at the END of PYTHONPATH: the machine's
+# own JAX stays the one imported. --train corpora:
 # $SEQPACK_DATA_DIR, else the folder of the chat_dev.npz found below (copy gsm8k_train.npz
 # beside it). Steps: $TRAIN_STEPS (100), $PADDED_STEPS (50), $COMPARE_STEPS (200), workers:
 # $WORKERS (8).
@@ -62,7 +62,7 @@ log="${OUT:+$OUT/device_run.log}"
 out="${OUT:-$tmp}"
 cd "$root"
 
-install_wheels() {  # grain (.whl-tpu); with --train optax + orbax-checkpoint (machine's index)
+install_wheels() {  # grain (.whl-tpu); flax, optax, orbax-checkpoint (the machine's index)
   [[ -d "$root/.whl-tpu" ]] || return 0
   if PIP_CONFIG_FILE=/dev/null "$python" -m pip install --isolated -q --no-index --no-deps \
       --no-compile --no-cache-dir --upgrade --target /tmp/site "$root"/.whl-tpu/*.whl; then
@@ -72,23 +72,24 @@ install_wheels() {  # grain (.whl-tpu); with --train optax + orbax-checkpoint (m
     echo "Error: installing .whl-tpu/*.whl into /tmp/site failed: rerun" \
       "benchmarks/device_wheels.sh here (cp311 manylinux x86-64 wheels) and carry .whl-tpu" >&2
   fi
-  [[ -n "$train" ]] || return 0  # the benchmarks need neither optax nor orbax
-  if PYTHONPATH="$PYTHONPATH:/tmp/site2" "$python" -c "import optax, orbax.checkpoint, matplotlib" \
-      2>/dev/null; then  # a warm machine: installed by an earlier call
+  if PYTHONPATH="$PYTHONPATH:/tmp/site2" "$python" -c \
+      "import flax, optax, orbax.checkpoint, matplotlib" 2>/dev/null; then  # installed earlier
     export PYTHONPATH="$PYTHONPATH:/tmp/site2"
-    echo "== optax, orbax-checkpoint, matplotlib already importable"
+    echo "== flax, optax, orbax-checkpoint, matplotlib already importable"
   elif PIP_CONFIG_FILE=/dev/null "$python" -m pip install --isolated -q --only-binary=:all: \
-      --upgrade --index-url file:///opt/pypi/simple --target /tmp/site2 optax orbax-checkpoint \
-      matplotlib; then
+      --upgrade --index-url file:///opt/pypi/simple --target /tmp/site2 flax optax \
+      orbax-checkpoint matplotlib; then
     # pip --target installs every dependency, jax and numpy too: the machine's own stay first
     rm -rf /tmp/site2/{jax,jaxlib,numpy,numpy.libs,scipy,scipy.libs,ml_dtypes,opt_einsum} \
       /tmp/site2/{jax,jaxlib,numpy,scipy,ml_dtypes,opt_einsum}-*.dist-info
     export PYTHONPATH="$PYTHONPATH:/tmp/site2"
-    echo "== installed optax, orbax-checkpoint, matplotlib from file:///opt/pypi/simple into /tmp/site2"
+    echo "== installed flax, optax, orbax-checkpoint, matplotlib from file:///opt/pypi/simple" \
+      "into /tmp/site2"
   else
-    echo "Error: optax / orbax-checkpoint / matplotlib did not install from" \
-      "file:///opt/pypi/simple into /tmp/site2; examples/train_lm.py needs the first two" \
-      "(its --plot the third): pip install optax orbax-checkpoint matplotlib" >&2
+    echo "Error: flax / optax / orbax-checkpoint / matplotlib did not install from" \
+      "file:///opt/pypi/simple into /tmp/site2; the model (examples/lm.py) needs flax," \
+      "examples/train_lm.py optax and orbax-checkpoint, its --plot matplotlib:" \
+      "pip install flax optax orbax-checkpoint matplotlib" >&2
   fi
 }
 

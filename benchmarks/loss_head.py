@@ -18,7 +18,8 @@ Paths, each `value_and_grad` in (hidden, weight) of the token-normalized loss:
   seqpack C=...: mode="chunked" at the chunk sizes of `--chunks`.
 Columns: mode (what seqpack runs: auto's choice and its chunk C), temp MiB (compiled
 memory_analysis()), / 6NHV (matmul FLOPs of the jaxpr's dot_generals, scan bodies times their
-length, over materialized logits' 6NHV), ms (median of `--repeats` after a warm-up call),
+length, over materialized logits' 6NHV; "-" where the matmuls are in Pallas kernels, which
+the jaxpr does not show), ms (median of `--repeats` after a warm-up call),
 ratios of ms to materialized and to vocab tiling, err (the largest difference of the loss, 512
 rows of d hidden and 512 columns of d weight from the first path's, over its largest value).
 On a CPU the times are the CPU's (the smoke run checks that every path runs).
@@ -233,8 +234,9 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
         rows[name] = row
         ratio = {base: row["ms"] / rows[base]["ms"] if base in rows else float("nan")
                  for base in ("materialized", "vocab tiling")}
+        flops = f"{row['flops'] / (6 * n * dim * vocab):.3f}" if row["flops"] else "-"
         print(f"{name:20} {note:>16} {row['temp'] / MIB:10.1f} "
-              f"{row['flops'] / (6 * n * dim * vocab):7.3f} {row['ms']:9.1f} "
+              f"{flops:>7} {row['ms']:9.1f} "
               f"{ratio['materialized']:7.3f} {ratio['vocab tiling']:9.3f} "
               f"{row.get('err', float('nan')):8.1e}", flush=True)
     return rows

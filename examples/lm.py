@@ -1,4 +1,4 @@
-"""A decoder-only LM in plain JAX whose step trains on packed rows, or on padded ones.
+"""A decoder-only LM in flax (linen) whose step trains on packed rows, or on padded ones.
 
 One model definition for benchmarks/train_step.py, the examples and the tests: pre-norm blocks
 (RMSNorm, multi-head attention with rotary positions, gated SiLU MLP), f32 parameters cast to
@@ -24,13 +24,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from examples.splash import splash_attention
 from seqpack import kernels
 
-Params = dict[str, jax.Array]
+Params = dict  # flax's nested dict of f32 arrays: {"embed": ..., "block0": {"q": {"kernel": ...}}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,26 +63,6 @@ class LMConfig:
             raise ValueError(f"head_dim={self.head_dim} must be even (rotary positions)")
 
 
-def init_params(key: jax.Array, cfg: LMConfig) -> Params:
-    keys = iter(jax.random.split(key, 2 + 7 * cfg.layers))
-    normal = lambda shape, fan_in: (fan_in ** -0.5) * jax.random.normal(  # noqa: E731
-        next(keys), shape, jnp.float32)
-    inner = cfg.heads * cfg.head_dim
-    p = {"embed": normal((cfg.vocab, cfg.dim), 1.0) * 0.02,
-         "out_norm": jnp.ones((cfg.dim,), jnp.float32),
-         "unembed": normal((cfg.dim, cfg.vocab), cfg.dim)}
-    for i in range(cfg.layers):
-        p[f"l{i}.norm1"] = jnp.ones((cfg.dim,), jnp.float32)
-        p[f"l{i}.norm2"] = jnp.ones((cfg.dim,), jnp.float32)
-        for name in ("q", "k", "v"):
-            p[f"l{i}.{name}"] = normal((cfg.dim, inner), cfg.dim)
-        p[f"l{i}.o"] = normal((inner, cfg.dim), inner)
-        p[f"l{i}.gate"] = normal((cfg.dim, cfg.mlp), cfg.dim)
-        p[f"l{i}.up"] = normal((cfg.dim, cfg.mlp), cfg.dim)
-        p[f"l{i}.down"] = normal((cfg.mlp, cfg.dim), cfg.mlp)
-    return p
-
-
 def _rms_norm(x: jax.Array, w: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
@@ -103,76 +85,84 @@ def rope(x: jax.Array, positions: jax.Array, cfg: LMConfig) -> jax.Array:
     return out.astype(x.dtype)
 
 
-def splash_attention(q, k, v, segment_ids=None, *, interpret: bool = False) -> jax.Array:
-    """MaxText's attention: splash on q, k, v [B, H, L, D] (grouped key / value heads repeated),
-    causal, 512 blocks (MaxText's sa_block_* defaults), masked by segment_ids i32[B, L] when
-    given (packed rows), causal alone without (padded rows); scale D^-0.5 on q."""
-    from jax.experimental.pallas.ops.tpu import splash_attention as splash
-
-    heads, seq_len = q.shape[1], q.shape[2]
-    if heads != k.shape[1]:
-        k, v = (jnp.repeat(x, heads // k.shape[1], axis=1) for x in (k, v))
-    block = min(512, seq_len)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                              block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                              block_q_dq=block, block_kv_dq=block)
-    mask = splash.MultiHeadMask([splash.CausalMask((seq_len, seq_len))] * heads)
-    kernel = splash.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                    interpret=interpret)
-    q = q * q.shape[-1] ** -0.5
-    if segment_ids is None:
-        return jax.vmap(kernel)(q, k, v)
-    return jax.vmap(kernel)(q, k, v, splash.SegmentIds(segment_ids, segment_ids))
-
-
-def attention(x, p: Params, i: int, batch: dict, cfg: LMConfig) -> jax.Array:
-    bsz, seq_len, _ = x.shape
-    dt = jnp.dtype(cfg.dtype)
-    proj = lambda name: (x @ p[f"l{i}.{name}"].astype(dt)).reshape(  # noqa: E731
-        bsz, seq_len, cfg.heads, cfg.head_dim)
-    q = rope(proj("q"), batch["positions"], cfg)
-    k = rope(proj("k"), batch["positions"], cfg)
-    v = proj("v")
+def attend(q, k, v, batch: dict, cfg: LMConfig) -> jax.Array:
+    """Attention of q, k, v [B, L, N, D] (rotated) as cfg.attention says -> [B, L, N, D]."""
     heads_second = lambda t: t.transpose(0, 2, 1, 3)  # noqa: E731
     if cfg.attention == "splash":
         ids = batch["segment_ids"] if cfg.segment_ids else None
-        o = heads_second(splash_attention(*map(heads_second, (q, k, v)), ids,
-                                          interpret=cfg.interpret))
-    elif cfg.attention == "reference":
-        o = kernels.reference.segment_attention(q, k, v, batch["offsets"], batch["lengths"])
-    elif cfg.attention_layout == "bhld":
-        o = heads_second(kernels.segment_attention(
+        return heads_second(splash_attention(*map(heads_second, (q, k, v)), ids,
+                                             interpret=cfg.interpret))
+    if cfg.attention == "reference":
+        return kernels.reference.segment_attention(q, k, v, batch["offsets"], batch["lengths"])
+    if cfg.attention_layout == "bhld":
+        return heads_second(kernels.segment_attention(
             *map(heads_second, (q, k, v)), batch["offsets"], batch["lengths"], layout="bhld",
             impl="auto", interpret=cfg.interpret, block_sizes=cfg.attention_block_sizes))
-    else:
-        o = kernels.segment_attention(q, k, v, batch["offsets"], batch["lengths"],
-                                      interpret=cfg.interpret,
-                                      block_sizes=cfg.attention_block_sizes)
-    return o.reshape(bsz, seq_len, -1) @ p[f"l{i}.o"].astype(dt)
+    return kernels.segment_attention(q, k, v, batch["offsets"], batch["lengths"],
+                                     interpret=cfg.interpret,
+                                     block_sizes=cfg.attention_block_sizes)
 
 
-def hidden_states(p: Params, batch: dict, cfg: LMConfig) -> jax.Array:  # [B, L, dim]
-    dt = jnp.dtype(cfg.dtype)
-    x = p["embed"].astype(dt)[batch["tokens"]]
-    for i in range(cfg.layers):
-        x = x + attention(_rms_norm(x, p[f"l{i}.norm1"]), p, i, batch, cfg)
-        h = _rms_norm(x, p[f"l{i}.norm2"])
-        gate = jax.nn.silu(h @ p[f"l{i}.gate"].astype(dt))
-        x = x + (gate * (h @ p[f"l{i}.up"].astype(dt))) @ p[f"l{i}.down"].astype(dt)
-    return _rms_norm(x, p["out_norm"])
+def _dense(features: int, fan_in: int, cfg: LMConfig, name: str) -> nn.Dense:
+    """A bias-free projection: f32 kernel ~ N(0, 1 / fan_in), computed in cfg.dtype."""
+    return nn.Dense(features, use_bias=False, dtype=jnp.dtype(cfg.dtype),
+                    param_dtype=jnp.float32, kernel_init=nn.initializers.normal(fan_in ** -0.5),
+                    name=name)
 
 
-def loss_fn(p: Params, batch: dict, cfg: LMConfig) -> jax.Array:
-    """Mean next-token loss over the counted tokens (targets >= 0; -100 is not counted)."""
-    return losses(p, batch, cfg)[0]
+class RMSNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _rms_norm(x, self.param("scale", nn.initializers.ones, (x.shape[-1],),
+                                       jnp.float32))
 
 
-def losses(p: Params, batch: dict, cfg: LMConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(loss_fn's mean loss, per-segment loss sums f32[B, S], per-segment counted tokens
-    i32[B, S]): per-dataset losses are reductions of the last two
+class Block(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then x + gated SiLU MLP(norm(x))."""
+
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, batch: dict) -> jax.Array:
+        cfg = self.cfg
+        bsz, seq_len, _ = x.shape
+        inner = cfg.heads * cfg.head_dim
+        h = RMSNorm(name="norm1")(x)
+        heads = lambda t: t.reshape(bsz, seq_len, cfg.heads, cfg.head_dim)  # noqa: E731
+        q = rope(heads(_dense(inner, cfg.dim, cfg, "q")(h)), batch["positions"], cfg)
+        k = rope(heads(_dense(inner, cfg.dim, cfg, "k")(h)), batch["positions"], cfg)
+        v = heads(_dense(inner, cfg.dim, cfg, "v")(h))
+        o = attend(q, k, v, batch, cfg).reshape(bsz, seq_len, inner)
+        x = x + _dense(cfg.dim, inner, cfg, "o")(o)
+        h = RMSNorm(name="norm2")(x)
+        gate = jax.nn.silu(_dense(cfg.mlp, cfg.dim, cfg, "gate")(h))
+        up = _dense(cfg.mlp, cfg.dim, cfg, "up")(h)
+        return x + _dense(cfg.dim, cfg.mlp, cfg, "down")(gate * up)
+
+
+class LM(nn.Module):
+    """The decoder: __call__(batch) -> (mean loss, per-segment loss sums f32[B, S], per-segment
+    counted tokens i32[B, S]); per-dataset losses are reductions of the last two
     (`kernels.segment_dataset_loss`); unused, they cost nothing under jit."""
-    x = hidden_states(p, batch, cfg)
-    w = p["unembed"].astype(x.dtype)
+
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, batch: dict) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg = self.cfg
+        dt = jnp.dtype(cfg.dtype)
+        embed = self.param("embed", nn.initializers.normal(0.02), (cfg.vocab, cfg.dim),
+                           jnp.float32)
+        x = embed.astype(dt)[batch["tokens"]]  # a gather (nn.Embed's take adds bounds checks)
+        for i in range(cfg.layers):
+            x = Block(cfg, name=f"block{i}")(x, batch)
+        x = RMSNorm(name="out_norm")(x)
+        w = self.param("unembed", nn.initializers.normal(cfg.dim ** -0.5),
+                       (cfg.dim, cfg.vocab), jnp.float32).astype(dt)
+        return _loss_head(x, w, batch, cfg)
+
+
+def _loss_head(x, w, batch: dict, cfg: LMConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     targets = batch["targets"]
     if cfg.loss == "fused":
         return kernels.segment_linear_cross_entropy(
@@ -187,6 +177,31 @@ def losses(p: Params, batch: dict, cfg: LMConfig) -> tuple[jax.Array, jax.Array,
                                     segment_offsets=batch["offsets"],
                                     segment_lengths=batch["lengths"])
     return loss, per_segment(per_token), per_segment(counted.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def init_params(key: jax.Array, cfg: LMConfig) -> Params:
+    """The model's parameters (a nested dict of f32 arrays); they do not depend on how attention
+    and the loss are computed, so a two-token batch through the references makes them."""
+    tiny = make_batch(jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2), jnp.int32),
+                      jnp.arange(2)[None], jnp.zeros((1, 1), jnp.int32),
+                      jnp.full((1, 1), 2, jnp.int32))
+    plain = dataclasses.replace(cfg, attention="reference", loss="materialized", interpret=False)
+    return LM(plain).init(key, tiny)["params"]
+
+
+def losses(p: Params, batch: dict, cfg: LMConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(loss_fn's mean loss, per-segment loss sums, per-segment counted tokens): LM.__call__."""
+    return LM(cfg).apply({"params": p}, batch)
+
+
+def loss_fn(p: Params, batch: dict, cfg: LMConfig) -> jax.Array:
+    """Mean next-token loss over the counted tokens (targets >= 0; -100 is not counted)."""
+    return losses(p, batch, cfg)[0]
+
+
+def param_count(p: Params) -> int:
+    return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(p))
 
 
 def make_batch(tokens, segment_ids, positions, offsets, lengths) -> dict:

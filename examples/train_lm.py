@@ -6,8 +6,8 @@
     python -m examples.train_lm --compare-steps 200 --plot loss.png   # both, in lockstep
     python -m examples.train_lm --steps 400 --checkpoint-dir ckpt --save-every 100 [--resume]
 
-The model is examples/lm.py in plain JAX (params a dict pytree, the definition
-benchmarks/train_step.py times), with optax and orbax-checkpoint rather than flax.
+The model is examples/lm.py's flax (linen) module, the definition benchmarks/train_step.py
+times; optax optimizes its parameters and orbax-checkpoint saves them.
 
 Input: `make_training_pipeline` over a `Mixture` of two corpora in `--data` (`--datasets`,
 default chat_dev and gsm8k_train; `--weights` their shares of the tokens; each repeats
@@ -259,7 +259,7 @@ def run(argv: list[str] | None = None) -> dict:
     cfgs, k = configs(args), len(args.names)
     opt = optimizer(args.lr, args.warmup, args.schedule_steps or args.steps)
     params = lm.init_params(jax.random.key(args.seed), cfgs["packed"])
-    n_params = sum(int(np.prod(v.shape)) for v in params.values())
+    n_params = lm.param_count(params)
     states = jax.device_put(  # committed, as restored states are: one compile; own buffers
         {f: {"params": jax.tree.map(jnp.copy, params), "opt": opt.init(params)} for f in feeds},
         jax.devices()[0])

@@ -73,7 +73,10 @@ def test_packed_step_equals_padded_step(packed_cfg):
     loss_p, grads_p = lm.value_and_grad(cfg_packed)(params, packed)
     loss_q, grads_q = lm.value_and_grad(cfg_padded)(params, padded)
     np.testing.assert_allclose(float(loss_p), float(loss_q), **TOL)
-    assert set(grads_p) == set(params)
-    for name in params:
-        np.testing.assert_allclose(np.asarray(grads_p[name]), np.asarray(grads_q[name]),
-                                   err_msg=name, **TOL)
+    named = lambda tree: dict(jax.tree_util.tree_leaves_with_path(tree))  # noqa: E731
+    named_p, named_q = named(grads_p), named(grads_q)
+    assert named_p.keys() == named_q.keys() == named(params).keys()
+    assert len(named_p) == 3 + 9 * MODEL["layers"]  # embed, out_norm, unembed; 9 a block
+    for path, grad in named_p.items():
+        np.testing.assert_allclose(np.asarray(grad), np.asarray(named_q[path]),
+                                   err_msg=jax.tree_util.keystr(path), **TOL)
