@@ -174,6 +174,9 @@ def implementations(backend: str, sizes: dict, *, gpu_blocks, tpu_blocks) -> dic
                 kernels.segment_attention, impl="pallas_tpu", block_sizes=blocks)
         impls["seqpack pallas_tpu defaults, bhld"] = BHLD(functools.partial(
             kernels.segment_attention, layout="bhld"))
+        impls["seqpack pallas_tpu defaults + lane_columns, bhld"] = BHLD(functools.partial(
+            kernels.segment_attention, layout="bhld",
+            block_sizes=kernels.AttentionBlockSizes(lane_columns=True)))
         impls["splash 512 (segment ids), bhld"] = BHLD(_splash)
     else:
         for spec in gpu_blocks[:1] if on_cpu else gpu_blocks:

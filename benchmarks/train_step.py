@@ -53,7 +53,7 @@ BASE = {
     "seqpack": ("packed", dict()),
 }
 OPTIONS = "seqpack options, joined by '+': logits (materialized loss), bhld (layout), " \
-    "hm (head_major), b<fwd>[/<bwd>] (block sizes, e.g. b512 or b1024/512)"
+    "hm (head_major), lanes (lane_columns), b<fwd>[/<bwd>] (block sizes, e.g. b512 or b1024/512)"
 
 
 def variant(name: str) -> tuple[str, dict]:
@@ -71,8 +71,11 @@ def variant(name: str) -> tuple[str, dict]:
             overrides["attention_layout"] = "bhld"
         elif opt == "hm":
             blocks = dataclasses.replace(blocks, head_major=True)
+        elif opt == "lanes":
+            blocks = dataclasses.replace(blocks, lane_columns=True)
         elif re.fullmatch(r"b\d+(/\d+)?", opt):
-            blocks = dataclasses.replace(_blocks(opt[1:]), head_major=blocks.head_major)
+            blocks = dataclasses.replace(_blocks(opt[1:]), head_major=blocks.head_major,
+                                         lane_columns=blocks.lane_columns)
         else:
             raise SystemExit(f"Error: unknown option {opt!r} in {name!r}; {OPTIONS}")
     if blocks != kernels.AttentionBlockSizes():

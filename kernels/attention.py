@@ -69,6 +69,11 @@ class AttentionBlockSizes:
     a second grid of `narrow_steps` steps is compiled and runs (`lax.cond`) whenever every range
     of the batch fits it (8 blocks of 512 hold segments of ~3.5k tokens). None: the full grid
     only.
+
+    lane_columns (forward kernel; not yet timed on a chip, so off): per-row values (running
+    max and sum, the query tokens' segment bounds, the key rows' liveness) held as (rows, 128)
+    lane-replicated tiles, as splash attention holds them, instead of (rows, 1) columns that
+    every block pair broadcasts across lanes.
     """
 
     block_q: int = 512
@@ -77,6 +82,7 @@ class AttentionBlockSizes:
     block_kv_bwd: int = 512
     narrow_steps: int | None = 8
     head_major: bool = True
+    lane_columns: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -184,7 +190,8 @@ def _config(q, k, *, causal, scale, blocks, interpret, impl, count_visits,
         block_kv=fit(blocks.block_kv), block_q_bwd=fit(blocks.block_q_bwd),
         block_kv_bwd=fit(blocks.block_kv_bwd), interpret=interpret, gpu=gpu,
         narrow_steps=narrow, count_visits=count_visits, operand=operand,
-        head_major=gpu is None and blocks.head_major)
+        head_major=gpu is None and blocks.head_major,
+        lane_columns=gpu is None and blocks.lane_columns)
 
 
 def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, interpret,

@@ -74,6 +74,7 @@ class AttentionConfig:
     # `head_major` is False and D % 128 == 0, else transpose) or "bhld" q [B, H, L, D] (as is)
     operand: str = "blhd"
     head_major: bool = False
+    lane_columns: bool = False  # TPU forward: per-row values as (rows, 128) lane tiles
 
     @property
     def groups(self) -> int:

@@ -197,6 +197,20 @@ def test_tpu_narrow_grid():
         np.testing.assert_array_equal(counted["visits_dkv"][:, 0], dkv)
 
 
+@pytest.mark.parametrize("causal,dim", [(True, 32), pytest.param(False, 32, marks=pytest.mark.slow),
+                                        pytest.param(True, 192, marks=pytest.mark.slow)])
+def test_tpu_lane_columns(causal, dim):
+    """lane_columns: the forward's per-row values as (rows, 128) lane tiles; the same values,
+    gradients and zeros outside every segment as the reference (NaN there in q, k, v and in
+    uninitialized memory), with D below, and not a multiple of, 128."""
+    blocks = kernels.AttentionBlockSizes(128, 128, 128, 128, lane_columns=True)
+    args, outside = _inputs(F32, rows=TPU_ROWS, dim=dim)
+    got = jax.jit(functools.partial(_value_and_grads, causal=causal,
+                                    **dict(TPU, block_sizes=blocks)))(*args)
+    want = jax.jit(functools.partial(_value_and_grads, causal=causal, impl="reference"))(*args)
+    _assert_matches(got, want, F32, outside)
+
+
 @pytest.mark.slow
 def test_gpu_counts_and_zero_offset_padding():
     """GPU family: counted pairs equal the schedule's; unused slots at offset 0 change nothing."""
@@ -236,6 +250,9 @@ def _loss(q, k, v, offsets, lengths, **kw):
     pytest.param(128, kernels.AttentionBlockSizes(), "bhld", marks=pytest.mark.slow),
     pytest.param(64, kernels.AttentionBlockSizes(256, 256, 256, 256), "blhd",
                  marks=pytest.mark.slow),
+    (128, kernels.AttentionBlockSizes(lane_columns=True), "blhd"),
+    pytest.param(64, kernels.AttentionBlockSizes(256, 256, 256, 256, lane_columns=True),
+                 "blhd", marks=pytest.mark.slow),
 ])
 def test_lowers_for_tpu(dim, blocks, layout):
     """Mosaic block-shape rules, forward and backward, for each operand / kernel layout.

@@ -40,14 +40,15 @@ def test_smoke_times_maxtexts_way_and_seqpack_on_the_same_rows(corpus, capsys):
 @pytest.mark.slow
 def test_smoke_times_every_variant_on_the_same_examples(corpus, capsys):
     train_step.main(["--smoke", "--data", str(corpus), "--rope", "interleaved", "--profile",
-                     "--variants", "padded,maxtext,seqpack,seqpack+b128+bhld+logits"])
+                     "--variants", "padded,maxtext,seqpack,seqpack+b128+bhld+logits,seqpack+lanes"])
     out = capsys.readouterr().out
     rows = _rows(out)
-    names = {"padded", "maxtext", "seqpack", "seqpack+b128+bhld+logits"}
+    names = {"padded", "maxtext", "seqpack", "seqpack+b128+bhld+logits", "seqpack+lanes"}
     assert names <= set(rows)
     losses = {name: float(rows[name][3]) for name in names}
     assert losses["maxtext"] == pytest.approx(losses["seqpack"], rel=2e-2)
     assert losses["seqpack+b128+bhld+logits"] == pytest.approx(losses["seqpack"], rel=2e-2)
+    assert losses["seqpack+lanes"] == pytest.approx(losses["seqpack"], rel=1e-5)
     assert all(np.isfinite(v) for v in losses.values())
     assert rows["maxtext"][4] == "1.00x" and rows["padded"][5] == "1.00x"
     assert "profile: seqpack, L=256" in out and "all device ops" in out

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from seqpack.kernels.attention_schedule import MASK_VALUE, AttentionConfig, Schedule, step_block
-from seqpack.kernels.common import varying_like
+from seqpack.kernels.common import LANES, varying_like
 
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -137,6 +137,11 @@ def rows_in_segments(start_ref, base: jax.Array, rows: int) -> jax.Array:  # boo
     return start_ref[...] <= base + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
 
 
+def lane_tile(x: jax.Array, width: int) -> jax.Array:
+    """A (rows, 128) lane-replicated tile as (rows, width) (splash attention's broadcast)."""
+    return x if width == LANES else jnp.tile(x, (1, -(-width // LANES)))[:, :width]
+
+
 def range_step(lo_ref, hi_ref, num_q_blocks: int):
     """(query block i, step j, the range's first key block lo, whether step j computes) of a
     (B, H, nq, W) grid step over the scalar-prefetched ranges."""
@@ -195,8 +200,9 @@ def count_visit(visits_ref, first: jax.Array, computed: jax.Array) -> None:
 
 def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, qe_ref, ks_ref, o_ref, lse_ref,
                     *rest, cfg: AttentionConfig, steps: int) -> None:
-    # lo, hi SMEM i32[B * nq]; q [bq, D]; k, v [bk, D]; qs, qe i32[bq, 1]; ks i32[bk, 1];
-    # o [bq, D]; lse f32[bq, 1]; rest: (visits i32[8, 128]), m, l f32[bq, 1], acc f32[bq, D]
+    # lo, hi SMEM i32[B * nq]; q [bq, D]; k, v [bk, D]; qs, qe i32[bq, w]; ks i32[bk, w];
+    # o [bq, D]; lse f32[bq, 1]; rest: (visits i32[8, 128]), m, l f32[bq, w], acc f32[bq, D];
+    # w = 128 with lane_columns (lane-replicated tiles), else 1
     visits_ref, (m_ref, l_ref, acc_ref) = (rest[0] if cfg.count_visits else None), rest[-3:]
     bq, bk = cfg.block_q, cfg.block_kv
     i, j, lo, computed = range_step(lo_ref, hi_ref, cfg.blocks(bq))
@@ -208,22 +214,32 @@ def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, qe_ref, ks_ref,
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
+    # lane_columns: m, l and the bounds are (rows, 128) lane tiles, widened by lane_tile;
+    # otherwise (rows, 1) columns that broadcast
+    wide = lane_tile if cfg.lane_columns else lambda x, width: x
+    dim = acc_ref.shape[1]
+
     def pair(diagonal: bool):
         k_base = (lo + j) * bk
         s = lax.dot_general(q_ref[...], k_ref[...], NT, preferred_element_type=jnp.float32)
-        allowed = pair_mask(i * bq, k_base, qs_ref[...], qe_ref[...], (bq, bk), cfg.causal,
-                            diagonal=diagonal)
+        allowed = pair_mask(i * bq, k_base, wide(qs_ref[...], bk), wide(qe_ref[...], bk),
+                            (bq, bk), cfg.causal, diagonal=diagonal)
         s = jnp.where(allowed, s * cfg.scale, MASK_VALUE)
         m_prev = m_ref[...]
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         # masked entries give exp(MASK_VALUE - m_new) = 0 once the row has seen a key; before
         # that (m_new = MASK_VALUE) they add 1s that the first real key's alpha = 0 wipes
-        p = jnp.exp(s - m_new)
+        p = jnp.exp(s - wide(m_new, bk))
         alpha = jnp.exp(m_prev - m_new)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        v = jnp.where(rows_in_segments(ks_ref, k_base, bk), v_ref[...], 0)
+        if cfg.lane_columns:
+            live = wide(ks_ref[...], dim) <= k_base + lax.broadcasted_iota(jnp.int32,
+                                                                          (bk, dim), 0)
+        else:
+            live = rows_in_segments(ks_ref, k_base, bk)
+        v = jnp.where(live, v_ref[...], 0)
         pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
-        acc_ref[...] = alpha * acc_ref[...] + pv
+        acc_ref[...] = wide(alpha, dim) * acc_ref[...] + pv
         m_ref[...] = m_new
 
     pair_steps(pair, computed, (lo + j) * bk, i * bq, bk, cfg.causal)
@@ -232,8 +248,14 @@ def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, qe_ref, ks_ref,
     def _finish():
         seen = m_ref[...] > 0.5 * MASK_VALUE  # the row saw a key (its max is a real score)
         total = jnp.where(seen, l_ref[...], 1.0)
-        o_ref[...] = jnp.where(seen, acc_ref[...] / total, 0.0).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(total), MASK_VALUE)
+        lse = jnp.where(seen, m_ref[...] + jnp.log(total), MASK_VALUE)
+        if cfg.lane_columns:
+            o_ref[...] = (acc_ref[...] * wide(jnp.where(seen, 1.0 / total, 0.0), dim)
+                          ).astype(o_ref.dtype)
+            lse_ref[...] = lse[:, :1]
+        else:
+            o_ref[...] = jnp.where(seen, acc_ref[...] / total, 0.0).astype(o_ref.dtype)
+            lse_ref[...] = lse
 
 
 def narrow_or_full(call, counts: jax.Array, full: int, cfg: AttentionConfig):
@@ -264,19 +286,22 @@ def _forward_call(q, k, v, sched: Schedule, cfg: AttentionConfig, steps: int):
         return b, kv_index(b, h, i, j, lo_ref, hi_ref)[2], 0
 
     q_spec = head_spec(cfg, bq, lambda b, h, i, j, *_: (b, h, i))
-    column = lambda rows, index: pl.BlockSpec((None, rows, 1), index)  # noqa: E731
+    width = LANES if cfg.lane_columns else 1  # per-row values: lane tiles or columns
+    column = lambda rows, index: pl.BlockSpec((None, rows, width), index)  # noqa: E731
     q_bounds = column(bq, lambda b, h, i, j, *_: (b, i, 0))
     out_shapes = [kernel_shape(cfg, batch, cfg.heads, q.dtype),
                   jax.ShapeDtypeStruct((batch, cfg.heads, cfg.seq_len, 1), jnp.float32)]
     out_specs = [q_spec, pl.BlockSpec((None, None, bq, 1), lambda b, h, i, j, *_: (b, h, i, 0))]
-    start, end, k_live = (x[:, :, None] for x in (sched.start, sched.end, sched.k_live))
+    start, end, k_live = (jnp.broadcast_to(x[:, :, None], (*x.shape, width))
+                          for x in (sched.start, sched.end, sched.k_live))
     useful = 4 * batch * cfg.heads * cfg.seq_len**2 * cfg.head_dim // (2 if cfg.causal else 1)
     outs = schedule_call(
         _forward_kernel, cfg, steps, (batch, cfg.heads, nq, steps), num_scalar_prefetch=2,
         in_specs=[q_spec, head_spec(cfg, bk, kv_index), head_spec(cfg, bk, kv_index), q_bounds,
                   q_bounds, column(bk, kv_bounds_index)],
         out_shapes=out_shapes, out_specs=out_specs,
-        scratch_shapes=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((bq, width), jnp.float32),
+                        pltpu.VMEM((bq, width), jnp.float32),
                         pltpu.VMEM((bq, cfg.head_dim), jnp.float32)],
         cost_estimate=pl.CostEstimate(flops=useful, transcendentals=useful // (4 * cfg.head_dim),
                                       bytes_accessed=4 * q.size * q.dtype.itemsize),
