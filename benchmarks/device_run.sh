@@ -20,10 +20,10 @@
 #                                       # in lockstep with the loss plot (--smoke --train: tiny)
 #
 # Grain on a machine without it: with .whl-tpu/ in the repository (benchmarks/device_wheels.sh),
-# its wheels are installed into /tmp/site (--no-deps), and flax (the model of train_step and
-# train_lm), optax, orbax-checkpoint and matplotlib from the machine's own index into /tmp/site2
-# (less the jax and numpy pip puts beside them), both at the END of PYTHONPATH: the machine's
-# own JAX stays the one imported. --train corpora:
+# its wheels are installed into /tmp/site (--no-deps); where flax (the model of train_step and
+# train_lm), optax, orbax-checkpoint and matplotlib are not importable, they come from the
+# machine's own index (file:///opt/pypi/simple) into /tmp/site2 (less the jax and numpy pip puts
+# beside them); both at the END of PYTHONPATH: the machine's own JAX stays the one imported. --train corpora:
 # $SEQPACK_DATA_DIR, else the folder of the chat_dev.npz found below (copy gsm8k_train.npz
 # beside it). Steps: $TRAIN_STEPS (100), $PADDED_STEPS (50), $COMPARE_STEPS (200), workers:
 # $WORKERS (8).
@@ -63,8 +63,9 @@ out="${OUT:-$tmp}"
 cd "$root"
 
 install_wheels() {  # grain (.whl-tpu); flax, optax, orbax-checkpoint (the machine's index)
-  [[ -d "$root/.whl-tpu" ]] || return 0
-  if PIP_CONFIG_FILE=/dev/null "$python" -m pip install --isolated -q --no-index --no-deps \
+  if [[ ! -d "$root/.whl-tpu" ]]; then
+    :  # grain installed already, or not needed (the benchmarks read no pipeline)
+  elif PIP_CONFIG_FILE=/dev/null "$python" -m pip install --isolated -q --no-index --no-deps \
       --no-compile --no-cache-dir --upgrade --target /tmp/site "$root"/.whl-tpu/*.whl; then
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
     echo "== installed $(ls "$root"/.whl-tpu/*.whl | wc -l) wheels of .whl-tpu into /tmp/site"
@@ -72,7 +73,9 @@ install_wheels() {  # grain (.whl-tpu); flax, optax, orbax-checkpoint (the machi
     echo "Error: installing .whl-tpu/*.whl into /tmp/site failed: rerun" \
       "benchmarks/device_wheels.sh here (cp311 manylinux x86-64 wheels) and carry .whl-tpu" >&2
   fi
-  if PYTHONPATH="$PYTHONPATH:/tmp/site2" "$python" -c \
+  if "$python" -c "import flax, optax, orbax.checkpoint, matplotlib" 2>/dev/null; then
+    return 0  # the machine's own (or the test venv's)
+  elif PYTHONPATH="$PYTHONPATH:/tmp/site2" "$python" -c \
       "import flax, optax, orbax.checkpoint, matplotlib" 2>/dev/null; then  # installed earlier
     export PYTHONPATH="$PYTHONPATH:/tmp/site2"
     echo "== flax, optax, orbax-checkpoint, matplotlib already importable"
