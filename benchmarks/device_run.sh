@@ -18,12 +18,17 @@
 #   benchmarks/device_run.sh --train    # instead: examples/train_lm.py at L=8192 (~7 minutes
 #                                       # on a TPU v5e): packed, padded, and 200 steps of both
 #                                       # in lockstep with the loss plot (--smoke --train: tiny)
+#   benchmarks/device_run.sh --only attention,loss_head,train_step
+#   benchmarks/device_run.sh --only train_step_32k,device_tests
+#                                       # the whole TPU run (~15 minutes on a v5e) in two calls
+#                                       # of a device tool with a 10-minute limit
 #
 # Grain on a machine without it: with .whl-tpu/ in the repository (benchmarks/device_wheels.sh),
 # its wheels are installed into /tmp/site (--no-deps); where flax (the model of train_step and
 # train_lm), optax, orbax-checkpoint and matplotlib are not importable, they come from the
 # machine's own index (file:///opt/pypi/simple) into /tmp/site2 (less the jax and numpy pip puts
-# beside them); both at the END of PYTHONPATH: the machine's own JAX stays the one imported. --train corpora:
+# beside them); both at the END of PYTHONPATH: the machine's own JAX stays the one imported.
+# --train corpora:
 # $SEQPACK_DATA_DIR, else the folder of the chat_dev.npz found below (copy gsm8k_train.npz
 # beside it). Steps: $TRAIN_STEPS (100), $PADDED_STEPS (50), $COMPARE_STEPS (200), workers:
 # $WORKERS (8).
@@ -36,12 +41,23 @@ set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 smoke=""
 train=""
-for arg in "$@"; do
-  case "$arg" in
+only=""  # --only NAME[,NAME...]: the steps to run (attention, kernels, loss_head, train_step,
+         # train_step_32k, device_tests); all when empty
+steps_named="attention,kernels,loss_head,train_step,train_step_32k,device_tests"
+while (($#)); do
+  case "$1" in
     --smoke) smoke="--smoke" ;;
     --train) train="--train" ;;
-    *) echo "Error: unknown argument $arg (use --smoke, --train)" >&2; exit 2 ;;
+    --only)
+      only="${2:-}"; shift
+      [[ -n "$only" ]] || { echo "Error: --only needs step names (steps: $steps_named)" >&2; exit 2; }
+      for name in ${only//,/ }; do
+        [[ ",$steps_named," == *",$name,"* ]] ||
+          { echo "Error: unknown step $name in --only (steps: $steps_named)" >&2; exit 2; }
+      done ;;
+    *) echo "Error: unknown argument $1 (use --smoke, --train, --only STEPS)" >&2; exit 2 ;;
   esac
+  shift
 done
 python="${PYTHON:-python3}"
 data="${SEQPACK_DATA:-}"
@@ -120,7 +136,8 @@ train_runs() {  # packed, padded, both in lockstep: figures as JSON, the curves 
 
 install_wheels
 failed=0
-step() {  # step NAME COMMAND...: runs one step, reports a failure and goes on
+step() {  # step NAME COMMAND...: runs one step (if --only names it), reports a failure, goes on
+  [[ -z "$only" || ",$only," == *",$1,"* ]] || return 0
   echo "== $*"
   "${@:2}" || { echo "== FAILED ($?): $1"; failed=1; }
 }

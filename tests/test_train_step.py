@@ -86,3 +86,14 @@ def test_device_run_smoke(corpus):
     for table in ("segment attention", "value_and_grad"):
         assert table in run.stdout
 
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--only", "attention,nope"], "unknown step nope in --only"),
+    (["--only"], "--only needs step names"),
+    (["--fast"], "unknown argument --fast"),
+])
+def test_device_run_refuses_unknown_steps_before_running_any(args, message):
+    run = subprocess.run(["bash", str(ROOT / "benchmarks" / "device_run.sh"), *args],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and message in run.stderr and "==" not in run.stdout
