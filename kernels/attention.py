@@ -70,10 +70,10 @@ class AttentionBlockSizes:
     of the batch fits it (8 blocks of 512 hold segments of ~3.5k tokens). None: the full grid
     only.
 
-    lane_columns (forward kernel; not yet timed on a chip, so off): per-row values (running
-    max and sum, the query tokens' segment bounds, the key rows' liveness) held as (rows, 128)
-    lane-replicated tiles, as splash attention holds them, instead of (rows, 1) columns that
-    every block pair broadcasts across lanes.
+    lane_columns (forward kernel, opt-in until timed: benchmarks/README.md "On the chip"):
+    per-row values (running max and sum, the query tokens' segment bounds, the key rows'
+    liveness) held as (rows, 128) lane-replicated tiles, as splash attention holds them,
+    instead of (rows, 1) columns that every block pair broadcasts across lanes.
     """
 
     block_q: int = 512
