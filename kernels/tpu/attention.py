@@ -132,9 +132,10 @@ def pair_steps(pair, computed, first_key: jax.Array, first_query: jax.Array, blo
     pl.when(computed & jnp.logical_not(below))(functools.partial(pair, True))
 
 
-def rows_in_segments(start_ref, base: jax.Array, rows: int) -> jax.Array:  # bool[rows, 1]
-    """Rows of a block that lie in a segment (start <= position): padding and rows past L not."""
-    return start_ref[...] <= base + lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+def rows_in_segments(start: jax.Array, base: jax.Array) -> jax.Array:  # bool like start
+    """Rows of a block that lie in a segment (start <= position): padding and rows past L not.
+    start: the rows' segment starts, i32[rows, w] (a column, or a lane tile widened to w)."""
+    return start <= base + lax.broadcasted_iota(jnp.int32, start.shape, 0)
 
 
 def lane_tile(x: jax.Array, width: int) -> jax.Array:
@@ -232,12 +233,7 @@ def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, qe_ref, ks_ref,
         p = jnp.exp(s - wide(m_new, bk))
         alpha = jnp.exp(m_prev - m_new)
         l_ref[...] = alpha * l_ref[...] + jnp.sum(p, axis=1, keepdims=True)
-        if cfg.lane_columns:
-            live = wide(ks_ref[...], dim) <= k_base + lax.broadcasted_iota(jnp.int32,
-                                                                          (bk, dim), 0)
-        else:
-            live = rows_in_segments(ks_ref, k_base, bk)
-        v = jnp.where(live, v_ref[...], 0)
+        v = jnp.where(rows_in_segments(wide(ks_ref[...], dim), k_base), v_ref[...], 0)
         pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=jnp.float32)
         acc_ref[...] = wide(alpha, dim) * acc_ref[...] + pv
         m_ref[...] = m_new

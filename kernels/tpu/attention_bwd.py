@@ -65,7 +65,7 @@ def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, qs_
 
     def pair(diagonal: bool):
         k_base = (lo + j) * bk
-        k = jnp.where(rows_in_segments(ks_ref, k_base, bk), k_ref[...], 0)
+        k = jnp.where(rows_in_segments(ks_ref[...], k_base), k_ref[...], 0)
         s = lax.dot_general(q_ref[...], k, NT, preferred_element_type=jnp.float32) * cfg.scale
         allowed = pair_mask(i * bq, k_base, qs_ref[...], qe_ref[...], (bq, bk), cfg.causal,
                             diagonal=diagonal)
@@ -106,7 +106,7 @@ def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, l
 
     def pair(diagonal: bool):
         q_base, k_base = qb * bq, kb * bk
-        live = rows_in_segments(qs_ref, q_base, bq)
+        live = rows_in_segments(qs_ref[...], q_base)
         q = jnp.where(live, q_ref[...], 0)
         do = jnp.where(live, do_ref[...], 0)
         st = lax.dot_general(k_ref[...], q, NT, preferred_element_type=jnp.float32) * cfg.scale
