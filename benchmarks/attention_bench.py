@@ -163,7 +163,26 @@ def _blocks(spec: str, cls):
     return cls(*(int(x) for x in spec.split(",")))
 
 
-def implementations(backend: str, sizes: dict, *, gpu_blocks, tpu_blocks) -> dict:
+TPU_OPTIONS = "'+'-joined: columns (lane_columns=False), w<N> (narrow_steps N), wfull (no " \
+    "narrow grid)"
+
+
+def tpu_options(spec: str) -> kernels.AttentionBlockSizes:
+    """'columns+w16' -> the default AttentionBlockSizes with those options (TPU_OPTIONS)."""
+    kw: dict = {}
+    for opt in spec.split("+"):
+        if opt == "columns":
+            kw["lane_columns"] = False
+        elif opt == "wfull":
+            kw["narrow_steps"] = None
+        elif opt[:1] == "w" and opt[1:].isdigit():
+            kw["narrow_steps"] = int(opt[1:])
+        else:
+            raise SystemExit(f"Error: unknown TPU option {opt!r} in {spec!r}: {TPU_OPTIONS}")
+    return kernels.AttentionBlockSizes(**kw)
+
+
+def implementations(backend: str, sizes: dict, *, gpu_blocks, tpu_blocks, tpu_opts=()) -> dict:
     """name -> fn(q, k, v, offsets, lengths): seqpack first (the rate others compare to)."""
     impls = {}
     on_cpu = backend not in ("gpu", "tpu")
@@ -174,9 +193,9 @@ def implementations(backend: str, sizes: dict, *, gpu_blocks, tpu_blocks) -> dic
                 kernels.segment_attention, impl="pallas_tpu", block_sizes=blocks)
         impls["seqpack pallas_tpu defaults, bhld"] = BHLD(functools.partial(
             kernels.segment_attention, layout="bhld"))
-        impls["seqpack pallas_tpu defaults + lane_columns, bhld"] = BHLD(functools.partial(
-            kernels.segment_attention, layout="bhld",
-            block_sizes=kernels.AttentionBlockSizes(lane_columns=True)))
+        for spec in tpu_opts:
+            impls[f"seqpack pallas_tpu defaults + {spec}, bhld"] = BHLD(functools.partial(
+                kernels.segment_attention, layout="bhld", block_sizes=tpu_options(spec)))
         impls["splash 512 (segment ids), bhld"] = BHLD(_splash)
     else:
         for spec in gpu_blocks[:1] if on_cpu else gpu_blocks:
@@ -247,6 +266,8 @@ def main() -> None:
     parser.add_argument("--gpu-blocks", nargs="*", default=["64,64,64,64", "128,64,64,64"],
                         help="GpuAttentionBlockSizes to time: bq,bk,bq_bwd,bk_bwd each")
     parser.add_argument("--tpu-blocks", nargs="*", default=["256,256,256,256", "512,512,256,256"])
+    parser.add_argument("--tpu-options", nargs="*", default=["columns", "wfull"],
+                        help=f"rows of the defaults with options, {TPU_OPTIONS}")
     parser.add_argument("--repeats", type=int, default=None, help="default 10, CPU 2")
     for key, value in FULL.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None)
@@ -255,6 +276,8 @@ def main() -> None:
         jax.config.update("jax_cpu_enable_async_dispatch", False)
     except AttributeError:  # an option this jax does not have
         pass
+    for spec in args.tpu_options:  # refused before anything runs
+        tpu_options(spec)
     sizes = {k: getattr(args, k) or (SMOKE if args.smoke else FULL)[k] for k in FULL}
     limit = 3000 if args.smoke else None
     seq_lens = [int(x) for x in (args.seq_lens or ("512,2048" if args.smoke else "8192,32768"))
@@ -278,7 +301,8 @@ def main() -> None:
     offsets, lengths = offsets[np.sort(pick)], lengths[np.sort(pick)]
     q, k, v, g = random_qkv(sizes)
     impls = implementations(backend, sizes, gpu_blocks=args.gpu_blocks,
-                                tpu_blocks=args.tpu_blocks)
+                                tpu_blocks=args.tpu_blocks,
+                                tpu_opts=args.tpu_options)
     on_cpu = backend not in ("gpu", "tpu")
     device = jax.devices()[0].device_kind
     print(f"\nbackend={backend} device={device} B={sizes['batch']} L={sizes['seq_len']} "

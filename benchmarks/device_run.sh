@@ -161,7 +161,7 @@ step() {  # step NAME COMMAND...: runs one step (if --only names it), reports a 
     step loss_head "$python" -m benchmarks.loss_head --preset all
     step train_step "$python" -m benchmarks.train_step --data "$data" --seq-len 8192 \
       --rope half interleaved --steps 4 --repeats 2 \
-      --variants padded,maxtext,seqpack,seqpack+lanes
+      --variants padded,maxtext,seqpack
     step train_step_32k "$python" -m benchmarks.train_step --data "$data" --seq-len 32768 \
       --rope half interleaved --steps 2 --repeats 2 --variants maxtext,seqpack
     step device_tests "$python" -m pytest -q -m device tests/test_device.py tests/test_device_segments.py -p no:cacheprovider

@@ -15,7 +15,8 @@ Paths, each `value_and_grad` in (hidden, weight) of the token-normalized loss:
 - seqpack auto: segment_linear_cross_entropy with no budget (the mode auto picks is printed);
   seqpack 1/4 budget: max_logits_bytes = a quarter of the materialized logits' bytes (N V x the
   dtype's size); seqpack recompute: mode="recompute" (the kernels of the backend: impl="auto");
-  seqpack C=...: mode="chunked" at the chunk sizes of `--chunks`.
+  seqpack C=...: mode="chunked" at the chunk sizes of `--chunks`; `--logits-dtypes float32`:
+  the same rows again with logits_dtype="float32" (seqpack's default stores the input dtype's).
 Columns: mode (what seqpack runs: auto's choice and its chunk C), temp MiB (compiled
 memory_analysis()), / 6NHV (matmul FLOPs of the jaxpr's dot_generals, scan bodies times their
 length, over materialized logits' 6NHV; "-" where the matmuls are in Pallas kernels, which
@@ -143,17 +144,34 @@ def vocab_tiling(chunk: int) -> Callable:
 
 # -- the table ---------------------------------------------------------------------------------
 
-def loss_head_fns(n: int, vocab: int, dtype, chunks=(), tiling_chunk: int = TILING_CHUNK,
-                  **seqpack_kw) -> dict[str, tuple[Callable, str]]:
-    """name -> (loss function (hidden, weight, targets, offsets, lengths) -> loss, the mode)."""
+class TraceNote:
+    """The mode a fused row runs, recorded when its function is traced."""
 
-    def fused(mode="auto", max_logits_bytes=None):
+    def __init__(self) -> None:
+        self.text = "?"
+
+    def __format__(self, spec: str) -> str:
+        return format(self.text, spec)
+
+
+def loss_head_fns(n: int, vocab: int, dtype, chunks=(), tiling_chunk: int = TILING_CHUNK,
+                  logits_dtypes=(), **seqpack_kw) -> dict[str, tuple[Callable, str | TraceNote]]:
+    """name -> (loss function (hidden, weight, targets, offsets, lengths) -> loss, the mode).
+    logits_dtypes: more rows of auto, the 1/4 budget and `chunks` with logits stored so."""
+
+    def fused(mode="auto", max_logits_bytes=None, logits_dtype=None):
+        note = TraceNote()
+
         def f(h, w, t, o, n):
+            # what the call chooses, as it chooses: at trace time, from the free memory then
+            chosen, chunk = in_forward.choose(in_forward.LossHeadMode(mode),
+                                              h.shape[0] * h.shape[1], vocab, max_logits_bytes,
+                                              jnp.dtype(logits_dtype or h.dtype).itemsize)
+            note.text = (f"chunked C={chunk}" if chosen is in_forward.LossHeadMode.CHUNKED
+                         else chosen.value)
             return kernels.segment_linear_cross_entropy(
-                h, w, t, o, n, mode=mode, max_logits_bytes=max_logits_bytes, **seqpack_kw)[0]
-        chosen, chunk = in_forward.choose(in_forward.LossHeadMode(mode), n, vocab,
-                                          max_logits_bytes)
-        note = f"chunked C={chunk}" if chosen is in_forward.LossHeadMode.CHUNKED else chosen.value
+                h, w, t, o, n, mode=mode, max_logits_bytes=max_logits_bytes,
+                logits_dtype=logits_dtype, **seqpack_kw)[0]
         return f, note
 
     def materialized(h, w, t, o, n):  # the logits in the input dtype, their lse in f32
@@ -170,7 +188,13 @@ def loss_head_fns(n: int, vocab: int, dtype, chunks=(), tiling_chunk: int = TILI
            "seqpack auto": fused(), "seqpack 1/4 budget": fused(max_logits_bytes=quarter),
            "seqpack recompute": fused("recompute")}
     for c in chunks:
-        fns[f"seqpack C={c}"] = fused("chunked", 4 * vocab * c)
+        fns[f"seqpack C={c}"] = fused("chunked", jnp.dtype(dtype).itemsize * vocab * c)
+    for name in logits_dtypes:
+        size = jnp.dtype(name).itemsize
+        fns[f"seqpack auto {name}"] = fused(logits_dtype=name)
+        fns[f"seqpack 1/4 {name}"] = fused(max_logits_bytes=quarter, logits_dtype=name)
+        for c in chunks:
+            fns[f"seqpack C={c} {name}"] = fused("chunked", size * vocab * c, name)
     return fns
 
 
@@ -210,7 +234,8 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
                   jax.random.randint(key_w, spec[2].shape, 0, vocab), *meta.meta)
     kw = {} if impl == "auto" else dict(impl=impl, interpret=interpret)
     fns = loss_head_fns(n, vocab, dtype, getattr(args, "chunks", ()),
-                        getattr(args, "tiling_chunk", TILING_CHUNK), **kw)
+                        getattr(args, "tiling_chunk", TILING_CHUNK),
+                        getattr(args, "logits_dtypes", ()), **kw)
     rows: dict[str, dict] = {}
     for name, (loss, note) in fns.items():
         if name == "materialized" and n * vocab * dtype.itemsize > free:
@@ -255,6 +280,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser.add_argument("--chunks", type=int, nargs="*", default=[],
                         help="extra rows: mode='chunked' at these chunk sizes (tokens)")
     parser.add_argument("--tiling-chunk", type=int, default=TILING_CHUNK)
+    parser.add_argument("--logits-dtypes", nargs="*", default=[],
+                        choices=["float32", "bfloat16"],
+                        help="extra rows: auto, 1/4 budget and --chunks with the fused head's "
+                        "logits_dtype (default: the input dtype)")
     parser.add_argument("--repeats", type=int, default=5, help="0: memory and FLOPs only")
     args = parser.parse_args(argv)
     sizes = [(args.tokens, args.dim, args.vocab)]

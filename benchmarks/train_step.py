@@ -53,7 +53,8 @@ BASE = {
     "seqpack": ("packed", dict()),
 }
 OPTIONS = "seqpack options, joined by '+': logits (materialized loss), bhld (layout), " \
-    "hm (head_major), lanes (lane_columns), b<fwd>[/<bwd>] (block sizes, e.g. b512 or b1024/512)"
+    "hm (head_major), columns (lane_columns=False), f32 (the fused head's logits in " \
+    "float32), b<fwd>[/<bwd>] (block sizes, e.g. b512 or b1024/512)"
 
 
 def variant(name: str) -> tuple[str, dict]:
@@ -71,8 +72,10 @@ def variant(name: str) -> tuple[str, dict]:
             overrides["attention_layout"] = "bhld"
         elif opt == "hm":
             blocks = dataclasses.replace(blocks, head_major=True)
-        elif opt == "lanes":
-            blocks = dataclasses.replace(blocks, lane_columns=True)
+        elif opt == "columns":
+            blocks = dataclasses.replace(blocks, lane_columns=False)
+        elif opt == "f32":
+            overrides["loss_logits_dtype"] = "float32"
         elif re.fullmatch(r"b\d+(/\d+)?", opt):
             blocks = dataclasses.replace(_blocks(opt[1:]), head_major=blocks.head_major,
                                          lane_columns=blocks.lane_columns)

@@ -51,6 +51,7 @@ class LMConfig:
     attention_block_sizes: kernels.AttentionBlockSizes | None = None
     segment_ids: bool = True  # splash: mask by segment (packed rows) or causal only (padded)
     loss: str = "fused"  # "fused" | "materialized"
+    loss_logits_dtype: str | None = None  # fused: segment_linear_cross_entropy's logits_dtype
     interpret: bool = False  # Pallas kernels in interpret mode (CPU tests)
 
     def __post_init__(self) -> None:
@@ -166,7 +167,8 @@ def _loss_head(x, w, batch: dict, cfg: LMConfig) -> tuple[jax.Array, jax.Array, 
     targets = batch["targets"]
     if cfg.loss == "fused":
         return kernels.segment_linear_cross_entropy(
-            x, w, targets, batch["offsets"], batch["lengths"], interpret=cfg.interpret)
+            x, w, targets, batch["offsets"], batch["lengths"], interpret=cfg.interpret,
+            logits_dtype=cfg.loss_logits_dtype)
     logits = (x @ w).astype(jnp.float32)
     counted = targets >= 0
     lse = jax.nn.logsumexp(logits, axis=-1)

@@ -70,10 +70,11 @@ class AttentionBlockSizes:
     of the batch fits it (8 blocks of 512 hold segments of ~3.5k tokens). None: the full grid
     only.
 
-    lane_columns (forward kernel, opt-in until timed: benchmarks/README.md "On the chip"):
-    per-row values (running max and sum, the query tokens' segment bounds, the key rows'
-    liveness) held as (rows, 128) lane-replicated tiles, as splash attention holds them,
-    instead of (rows, 1) columns that every block pair broadcasts across lanes.
+    lane_columns (default; the forward kernel): per-row values (running max and sum, the
+    query tokens' segment bounds, the key rows' liveness) held as (rows, 128) lane-replicated
+    tiles, as splash attention holds them, instead of (rows, 1) columns that every block pair
+    broadcasts across lanes: the forward 1.5x faster on the chip (benchmarks/README.md "On the
+    chip").
     """
 
     block_q: int = 512
@@ -82,7 +83,7 @@ class AttentionBlockSizes:
     block_kv_bwd: int = 512
     narrow_steps: int | None = 8
     head_major: bool = True
-    lane_columns: bool = False
+    lane_columns: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):

@@ -39,14 +39,14 @@ pytestmark = DEVICE
 
 
 @functools.cache
-def _attention(causal: bool, layout: str, folded: bool, lanes: bool = False):
+def _attention(causal: bool, layout: str, folded: bool, extra: tuple = ()):
     """On a TPU the default block sizes, with the rows' narrow grid (so both grids run) and,
-    `folded`, heads folded into lanes instead of the default head-major kernels; `lanes`: the
-    forward's lane_columns."""
+    `folded`, heads folded into lanes instead of the default head-major kernels; `extra`: more
+    (name, value) pairs of AttentionBlockSizes."""
     cpu_blocks = kernels.AttentionBlockSizes(128, 128, 128, 128, narrow_steps=SIZES.narrow,
-                                             head_major=not folded, lane_columns=lanes)
+                                             head_major=not folded, **dict(extra))
     tpu_blocks = kernels.AttentionBlockSizes(narrow_steps=SIZES.narrow, head_major=not folded,
-                                             lane_columns=lanes)
+                                             **dict(extra))
     kw = options(tpu_blocks, block_sizes=cpu_blocks)
 
     def f(q, k, v, offsets, lengths, g):
@@ -84,8 +84,8 @@ def _heads_second(x):
 
 
 ATTENTION_CASES = [  # (heads, causal, dtype, layout); layout "folded": blhd operands folded
-    ("gqa", True, F32, "blhd"),  # into lanes (AttentionBlockSizes(head_major=False)); "lanes":
-    # blhd with AttentionBlockSizes(lane_columns=True)
+    ("gqa", True, F32, "blhd"),  # into lanes (AttentionBlockSizes(head_major=False)); "columns":
+    # blhd with AttentionBlockSizes(lane_columns=False), the forward's (rows, 1) columns
     ("gqa", True, BF16, "blhd"),
     ("gqa", False, F32, "blhd"),
     ("gqa", False, BF16, "blhd"),
@@ -94,8 +94,9 @@ ATTENTION_CASES = [  # (heads, causal, dtype, layout); layout "folded": blhd ope
     ("gqa", True, BF16, "bhld"),
     ("gqa", False, F32, "bhld"),
     ("gqa", True, BF16, "folded"),
-    ("gqa", True, BF16, "lanes"),
+    ("gqa", True, BF16, "columns"),
 ]
+OPTIONS = {"columns": (("lane_columns", False),)}
 
 
 def _id(case):
@@ -108,7 +109,7 @@ def _id(case):
 def test_segment_attention(heads, causal, dtype, layout):
     """Values and dq / dk / dv vs the f32 reference on both metadata sets; padding output and
     gradients exactly 0; NaN in the padding of q, k and v changes nothing."""
-    if layout in ("folded", "lanes") and BACKEND == "gpu":
+    if layout in ("folded", *OPTIONS) and BACKEND == "gpu":
         pytest.skip("head_major, lane_columns: options of the TPU kernels (AttentionBlockSizes)")
     h, kv = getattr(SIZES, heads)
     rng = np.random.default_rng(len(ATTENTION_CASES) * h + kv + causal)
@@ -117,7 +118,7 @@ def test_segment_attention(heads, causal, dtype, layout):
     k, v = (normal(rng, (*shape, kv, SIZES.dim), dtype) for _ in range(2))
     g = normal(rng, q.shape, dtype)
     f = _attention(causal, "bhld" if layout == "bhld" else "blhd", layout == "folded",
-                   layout == "lanes")
+                   OPTIONS.get(layout, ()))
     swap = _heads_second if layout == "bhld" else (lambda x: x)
     rtol, atol = MATMUL[dtype]
     names = ("o", "dq", "dk", "dv")

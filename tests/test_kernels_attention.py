@@ -199,11 +199,12 @@ def test_tpu_narrow_grid():
 
 @pytest.mark.parametrize("causal,dim", [(True, 32), pytest.param(False, 32, marks=pytest.mark.slow),
                                         pytest.param(True, 192, marks=pytest.mark.slow)])
-def test_tpu_lane_columns(causal, dim):
-    """lane_columns: the forward's per-row values as (rows, 128) lane tiles; the same values,
-    gradients and zeros outside every segment as the reference (NaN there in q, k, v and in
-    uninitialized memory), with D below, and not a multiple of, 128."""
-    blocks = kernels.AttentionBlockSizes(128, 128, 128, 128, lane_columns=True)
+def test_tpu_lane_columns_off(causal, dim):
+    """lane_columns=False: the forward's per-row values as (rows, 1) columns (the default holds
+    them as (rows, 128) lane tiles); the same values, gradients and zeros outside every segment
+    as the reference (NaN there in q, k, v and in uninitialized memory), with D below, and not
+    a multiple of, 128."""
+    blocks = kernels.AttentionBlockSizes(128, 128, 128, 128, lane_columns=False)
     args, outside = _inputs(F32, rows=TPU_ROWS, dim=dim)
     got = jax.jit(functools.partial(_value_and_grads, causal=causal,
                                     **dict(TPU, block_sizes=blocks)))(*args)
@@ -245,13 +246,13 @@ def _loss(q, k, v, offsets, lengths, **kw):
 
 
 @pytest.mark.parametrize("dim,blocks,layout", [
-    (128, kernels.AttentionBlockSizes(), "blhd"),  # defaults: head-major, 1024 / 512
+    (128, kernels.AttentionBlockSizes(), "blhd"),  # defaults: head-major, 512, lane tiles
     (128, kernels.AttentionBlockSizes(256, 256, 256, 256, head_major=False), "blhd"),  # folded
     pytest.param(128, kernels.AttentionBlockSizes(), "bhld", marks=pytest.mark.slow),
     pytest.param(64, kernels.AttentionBlockSizes(256, 256, 256, 256), "blhd",
                  marks=pytest.mark.slow),
-    (128, kernels.AttentionBlockSizes(lane_columns=True), "blhd"),
-    pytest.param(64, kernels.AttentionBlockSizes(256, 256, 256, 256, lane_columns=True),
+    (128, kernels.AttentionBlockSizes(lane_columns=False), "blhd"),
+    pytest.param(64, kernels.AttentionBlockSizes(256, 256, 256, 256, lane_columns=False),
                  "blhd", marks=pytest.mark.slow),
 ])
 def test_lowers_for_tpu(dim, blocks, layout):

@@ -89,6 +89,36 @@ def test_empty_batch_gives_zero(mode):
     assert not dh.any() and not dw.any()
 
 
+@pytest.mark.parametrize("mode", FAST_IN_FORWARD)
+def test_logits_dtype(mode):
+    """bf16 inputs: the logits are stored in bf16 by default, each rounded once as materialized
+    logits are (the loss equals the reference's on `(hidden @ weight)` in bf16, to f32
+    rounding), and logits_dtype="float32" keeps them unrounded (the reference's on f32 logits);
+    the two differ, so the rounding is not elided."""
+    hidden, weight, targets, offsets, lengths, mask, _ = _args(
+        np.random.default_rng(47), *case("mixed"), jnp.bfloat16)
+
+    counted = (mask != 0) & (targets >= 0)  # segment_cross_entropy takes ids in [0, V) only
+
+    def want(logits):
+        return float(kernels.segment_cross_entropy(
+            logits, jnp.maximum(targets, 0), offsets, lengths, loss_mask=counted,
+            impl="reference")[0])
+
+    def got(**kw):
+        return float(kernels.segment_linear_cross_entropy(
+            hidden, weight, targets, offsets, lengths, loss_mask=mask, **dict(MODES[mode]),
+            **kw)[0])
+
+    wide = jnp.einsum("blh,hv->blv", hidden, weight, preferred_element_type=jnp.float32)
+    rounded, exact = want(wide.astype(jnp.bfloat16).astype(jnp.float32)), want(wide)
+    assert abs(rounded - exact) > 1e-5 * abs(exact)
+    np.testing.assert_allclose(got(), rounded, rtol=2e-6)
+    np.testing.assert_allclose(got(logits_dtype="float32"), exact, rtol=2e-6)
+    with pytest.raises(ValueError, match="logits_dtype"):
+        got(logits_dtype="int32")
+
+
 def _loss(mode, **kw):
     def f(hidden, weight, targets, offsets, lengths, mask, segment_weights):
         return kernels.segment_linear_cross_entropy(
@@ -124,6 +154,8 @@ def test_choose():
     assert choose(mode.AUTO, 5000, vocab, 5000 * per_token) == (mode.LOGITS, 5000)
     # 4096 tokens fit: two chunks of 2500, rounded up to 2560
     assert choose(mode.AUTO, 5000, vocab, 4096 * per_token) == (mode.CHUNKED, 2560)
+    # bf16 logits (2 bytes): the same budget holds twice the tokens
+    assert choose(mode.AUTO, 5000, vocab, 2048 * per_token, itemsize=2) == (mode.CHUNKED, 2560)
     least = in_forward.MIN_CHUNK_TOKENS
     assert choose(mode.AUTO, 5000, vocab, least * per_token)[0] is mode.CHUNKED
     assert choose(mode.AUTO, 5000, vocab, (least - 1) * per_token) == (mode.RECOMPUTE, None)

@@ -61,12 +61,15 @@ def varying_axes(a) -> frozenset:
 
 
 def varying_carry(tree, *like):
-    """Fresh loop carries varying over the mesh axes `like` varies over (inside shard_map, a
-    scan's carries must say so; elsewhere they come back unchanged)."""
+    """Loop carries varying over the mesh axes `like` varies over (inside shard_map, a scan's
+    carries must say so; elsewhere, or already varying so, they come back unchanged)."""
     axes = set().union(*(varying_axes(a) for a in like))
-    if not axes:
-        return tree
-    return jax.tree.map(lambda a: lax.pcast(a, tuple(sorted(axes)), to="varying"), tree)
+
+    def cast(a):
+        missing = tuple(sorted(axes - varying_axes(a)))
+        return lax.pcast(a, missing, to="varying") if missing else a
+
+    return jax.tree.map(cast, tree)
 
 
 def _forward(x, w, targets, st: Blockwise):

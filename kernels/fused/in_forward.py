@@ -10,16 +10,19 @@ segment's tokens): "segments"; 1: "none") and `u_s` its segment weight, token i 
 `c_i = u_s a_s` (0 uncounted), and `d loss / d lse_i = c_i (1 + 2 z_loss lse_i)`,
 `d loss / d target_i = -c_i`. So, per chunk of C flattened tokens (Liger's FusedLinearCrossEntropy):
 
-    z = softcap(x_c @ w)                         f32[C, V], the chunk's logits, all at once
+    z = softcap(x_c @ w)                         [C, V], the chunk's logits, all at once, stored
+                                                 in logits_dtype (the inputs': bf16 halves the
+                                                 bytes read and written, as materialized logits)
     lse, target logit                            f32[C]
     d = (c (1 + 2 z_loss lse) softmax(z) - c onehot) softcap'    cast to the input dtype
     dx_c = d @ w^T                               the chunk's rows of d hidden
     dw += x_c^T @ d                              f32[H, V], carried over the chunks
 
 6NHV FLOPs (as materialized logits) with C x V logits live; C = N is materialized logits that are
-never stored. Worked example, N = 1000 tokens, V = 32768, budget 64 MiB: C x V x 4 <= 64 MiB gives
-C <= 512 (a multiple of CHUNK_MULTIPLE); two chunks of 500 tokens round up to 512, so N is padded
-to 1024 with 24 uncounted rows (zero hidden, c = 0).
+never stored. The first chunk's x_c^T @ d starts dw (no zeros written and read back), a scan
+adds the others'. Worked example, N = 1000 tokens, V = 32768, f32 logits, budget 64 MiB:
+C x V x 4 <= 64 MiB gives C <= 512 (a multiple of CHUNK_MULTIPLE); two chunks of 500 tokens
+round up to 512, so N is padded to 1024 with 24 uncounted rows (zero hidden, c = 0).
 
 custom_vjp with symbolic zeros: evaluated without differentiation it computes the values only;
 its fwd computes values and gradients (d hidden only if hidden is perturbed, d weight only if
@@ -64,7 +67,7 @@ class LossHeadMode(enum.StrEnum):
     """How segment_linear_cross_entropy computes the loss head (`mode=`)."""
 
     AUTO = "auto"  # the fastest that fits max_logits_bytes (or a share of free memory)
-    LOGITS = "logits"  # all logits at once, gradients in the forward (6NHV, N x V f32 live)
+    LOGITS = "logits"  # all logits at once, gradients in the forward (6NHV, N x V live)
     CHUNKED = "chunked"  # gradients in the forward over token chunks (6NHV, C x V live)
     RECOMPUTE = "recompute"  # lse only in the forward, the backward recomputes (8-10NHV; impl=)
 
@@ -80,10 +83,11 @@ def free_device_bytes() -> int:
     return max(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), 0)
 
 
-def chunk_tokens(n: int, vocab: int, budget: int, least: int) -> int | None:
-    """Tokens per chunk: n when n x vocab f32 fits `budget`, else the chunks of at most budget
-    balanced and rounded up to CHUNK_MULTIPLE; None when that is below `least`."""
-    fit = budget // (4 * vocab)
+def chunk_tokens(n: int, vocab: int, budget: int, least: int, itemsize: int = 4) -> int | None:
+    """Tokens per chunk: n when n x vocab logits (of itemsize bytes) fit `budget`, else the
+    chunks of at most budget balanced and rounded up to CHUNK_MULTIPLE; None when that is below
+    `least`."""
+    fit = budget // (itemsize * vocab)
     if fit >= n:
         return n
     fit = fit // CHUNK_MULTIPLE * CHUNK_MULTIPLE
@@ -93,9 +97,10 @@ def chunk_tokens(n: int, vocab: int, budget: int, least: int) -> int | None:
     return -(-per_chunk // CHUNK_MULTIPLE) * CHUNK_MULTIPLE
 
 
-def choose(mode: LossHeadMode, n: int, vocab: int, max_logits_bytes: int | None
-           ) -> tuple[LossHeadMode, int | None]:
-    """(the mode to run, its chunk) for n tokens and this shard's vocab columns."""
+def choose(mode: LossHeadMode, n: int, vocab: int, max_logits_bytes: int | None,
+           itemsize: int = 4) -> tuple[LossHeadMode, int | None]:
+    """(the mode to run, its chunk) for n tokens and this shard's vocab columns, logits of
+    itemsize bytes."""
     if mode is LossHeadMode.RECOMPUTE:
         return mode, None
     if mode is LossHeadMode.LOGITS:
@@ -103,9 +108,10 @@ def choose(mode: LossHeadMode, n: int, vocab: int, max_logits_bytes: int | None
     budget = (max_logits_bytes if max_logits_bytes is not None
               else int(free_device_bytes() * BUDGET_SHARE))
     if mode is LossHeadMode.CHUNKED:  # forced: the budget's chunk, at least one multiple
-        chunk = chunk_tokens(n, vocab, max(budget, 4 * vocab * CHUNK_MULTIPLE), CHUNK_MULTIPLE)
+        chunk = chunk_tokens(n, vocab, max(budget, itemsize * vocab * CHUNK_MULTIPLE),
+                             CHUNK_MULTIPLE, itemsize)
         return mode, chunk
-    chunk = chunk_tokens(n, vocab, budget, min(MIN_CHUNK_TOKENS, n))
+    chunk = chunk_tokens(n, vocab, budget, min(MIN_CHUNK_TOKENS, n), itemsize)
     if chunk is None:
         return LossHeadMode.RECOMPUTE, None
     return (LossHeadMode.LOGITS if chunk == n else LossHeadMode.CHUNKED), chunk
@@ -121,6 +127,7 @@ class InForward:
     softcap: float | None
     vocab_axis: str | None
     fallback_block_vocab: int = 512  # the recomputing backward of per_segment_loss cotangents
+    logits_dtype: str = "float32"  # a chunk's logits as stored (rounded once, behind a barrier)
 
 
 def loss_scale(tokens: jax.Array, normalize: Normalize) -> jax.Array:  # i32[B, S] -> f32[B, S]
@@ -145,6 +152,9 @@ def _chunk(x, t, c, w, cfg: InForward, want_dx: bool, want_dw: bool):
     """One chunk: x f[C, H] (uncounted rows zero), t i32[C] (this shard's columns), c f32[C]
     -> lse, tgt f32[C], dx x.dtype[C, H] | None, dw f32[H, V] | None."""
     z = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    if cfg.logits_dtype != "float32":  # stored narrow: the barrier keeps XLA from eliding the
+        # rounding (excess precision), so the chunk's consumers read logits of this size
+        z = lax.optimization_barrier(z.astype(cfg.logits_dtype)).astype(jnp.float32)
     if cfg.softcap is not None:
         z = cfg.softcap * jnp.tanh(z / cfg.softcap)
     onehot = lax.broadcasted_iota(jnp.int32, (1, w.shape[1]), 1) == t[:, None]
@@ -185,15 +195,18 @@ def _sweep(cfg: InForward, hidden, weight, targets, counted, coef, want_dx=False
     body = functools.partial(_chunk, w=weight, cfg=cfg, want_dx=want_dx, want_dw=want_dw)
     if chunks == 1:
         lse, tgt, dx, dw = body(x, t, c)
-    else:
+    else:  # the first chunk starts d weight (no zeros written and read), a scan does the rest
         def step(dw, xs):
             lse, tgt, dx, dw_c = body(*xs)
             return (None if dw is None else dw + dw_c), (lse, tgt, dx)
 
-        dw0 = (varying_carry(jnp.zeros(weight.shape, jnp.float32), hidden, weight, targets, coef)
-               if want_dw else None)
         xs = (x.reshape(chunks, chunk, dim), t.reshape(chunks, chunk), c.reshape(chunks, chunk))
-        dw, (lse, tgt, dx) = lax.scan(step, dw0, xs)
+        lse0, tgt0, dx0, dw = body(*(a[0] for a in xs))
+        if dw is not None:
+            dw = varying_carry(dw, hidden, weight, targets, coef)
+        dw, rest = lax.scan(step, dw, tuple(a[1:] for a in xs))
+        lse, tgt, dx = (None if r is None else jnp.concatenate([r0[None], r])
+                        for r0, r in zip((lse0, tgt0, dx0), rest))
     lse, tgt = (a.reshape(-1)[:n].reshape(batch, seq_len) for a in (lse, tgt))
     dx = None if dx is None else dx.reshape(-1, dim)[:n].reshape(hidden.shape)
     return lse, tgt, dx, None if dw is None else dw.astype(weight.dtype)

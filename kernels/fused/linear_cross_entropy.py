@@ -150,7 +150,7 @@ def _vocab_parallel_terms(hidden, weight, targets, counted, axis: str, terms):
 
 @functools.partial(jax.jit, static_argnames=(
     "normalize", "z_loss", "logit_softcap", "impl", "interpret", "block_sizes", "vocab_axis",
-    "mode", "max_logits_bytes"))
+    "mode", "max_logits_bytes", "logits_dtype"))
 def segment_linear_cross_entropy(
     hidden: jax.Array,  # f[B, L, H]
     weight: jax.Array,  # f[H, V] (with vocab_axis: this shard's [H, V / P])
@@ -165,6 +165,7 @@ def segment_linear_cross_entropy(
     logit_softcap: float | None = None,
     mode: LossHeadMode | str = "auto",
     max_logits_bytes: int | None = None,
+    logits_dtype: str | None = None,
     impl: Impl | str = "auto",
     interpret: Interpret = False,
     block_sizes: LinearCrossEntropyBlockSizes | GpuBlockSizes | None = None,
@@ -176,9 +177,12 @@ def segment_linear_cross_entropy(
     Logits are `c * tanh(x / c)` with `logit_softcap=c` (Gemma 2). `segment_weights`: each
     segment's weight in `loss` (per_segment_loss stays unweighted); per dataset, e.g.
     `dataset_weight[segment_dataset_id]`. `mode` (LossHeadMode): "logits" (all logits at once,
-    gradients in the forward), "chunked" (the same over token chunks whose f32 logits fit
+    gradients in the forward), "chunked" (the same over token chunks whose logits fit
     `max_logits_bytes`), "recompute" (the backward recomputes), "auto": the first of those that
     fits `max_logits_bytes` (None: a quarter of the device's free memory; in_forward.py).
+    `logits_dtype` ("logits" and "chunked"): the dtype the logits are stored in (None: the
+    inputs'), each rounded once as materialized logits are, their softmax in float32; a budget
+    holds twice as many bf16 logits as float32 ones.
     `impl` applies to "recompute": "reference" (and "auto" off TPU / GPU) is the blockwise XLA
     path; "pallas_tpu" / "pallas_gpu" the kernels. `block_sizes`: LinearCrossEntropyBlockSizes
     (XLA, TPU) or GpuBlockSizes (GPU: its head_* tile sizes and num_warps). `vocab_axis`: a mesh
@@ -200,8 +204,11 @@ def segment_linear_cross_entropy(
     targets = targets.astype(jnp.int32)
     counted = _counted(targets, segment_offsets, segment_lengths, loss_mask)
     softcap = None if logit_softcap is None else float(logit_softcap)
+    logits_dtype = jnp.dtype(logits_dtype or hidden.dtype)
+    if logits_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"logits_dtype={logits_dtype} must be float32, bfloat16 or float16")
     mode, chunk = choose(mode, hidden.shape[0] * hidden.shape[1], weight.shape[1],
-                         max_logits_bytes)
+                         max_logits_bytes, logits_dtype.itemsize)
     if mode is not LossHeadMode.RECOMPUTE:
         local = targets
         if vocab_axis is not None:
@@ -209,7 +216,7 @@ def segment_linear_cross_entropy(
         weights = (jnp.ones(segment_offsets.shape, jnp.float32) if segment_weights is None
                    else segment_weights.astype(jnp.float32))
         cfg = InForward(chunk, normalize, float(z_loss), softcap, vocab_axis,
-                        getattr(blocks, "block_vocab", 512))
+                        getattr(blocks, "block_vocab", 512), logits_dtype.name)
         return head(cfg, hidden, weight, weights, local, counted, segment_offsets,
                     segment_lengths)
     terms = functools.partial(_local_terms, offsets=segment_offsets, lengths=segment_lengths,
