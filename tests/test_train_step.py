@@ -1,4 +1,5 @@
-"""benchmarks/train_step.py at tiny sizes on a CPU (interpret mode), and device_run.sh --smoke."""
+"""benchmarks/train_step.py at tiny sizes on a CPU (interpret mode), attention_bench's options,
+and device_run.sh --smoke."""
 
 import os
 import pathlib
@@ -40,15 +41,16 @@ def test_smoke_times_maxtexts_way_and_seqpack_on_the_same_rows(corpus, capsys):
 @pytest.mark.slow
 def test_smoke_times_every_variant_on_the_same_examples(corpus, capsys):
     train_step.main(["--smoke", "--data", str(corpus), "--rope", "interleaved", "--profile",
-                     "--variants", "padded,maxtext,seqpack,seqpack+b128+bhld+logits,seqpack+lanes"])
+                     "--variants",
+                     "padded,maxtext,seqpack,seqpack+b128+bhld+logits,seqpack+columns+f32"])
     out = capsys.readouterr().out
     rows = _rows(out)
-    names = {"padded", "maxtext", "seqpack", "seqpack+b128+bhld+logits", "seqpack+lanes"}
+    names = {"padded", "maxtext", "seqpack", "seqpack+b128+bhld+logits", "seqpack+columns+f32"}
     assert names <= set(rows)
     losses = {name: float(rows[name][3]) for name in names}
     assert losses["maxtext"] == pytest.approx(losses["seqpack"], rel=2e-2)
     assert losses["seqpack+b128+bhld+logits"] == pytest.approx(losses["seqpack"], rel=2e-2)
-    assert losses["seqpack+lanes"] == pytest.approx(losses["seqpack"], rel=1e-5)
+    assert losses["seqpack+columns+f32"] == pytest.approx(losses["seqpack"], rel=1e-5)
     assert all(np.isfinite(v) for v in losses.values())
     assert rows["maxtext"][4] == "1.00x" and rows["padded"][5] == "1.00x"
     assert "profile: seqpack, L=256" in out and "all device ops" in out
@@ -73,6 +75,19 @@ def test_padded_steps_hold_every_piece_once_in_bucketed_rows(corpus):
 def test_unknown_variant_is_refused():
     with pytest.raises(SystemExit, match="unknown option 'fast'"):
         train_step.variant("seqpack+fast")
+
+
+def test_attention_bench_tpu_options():
+    """attention_bench --tpu-options: each '+'-joined option changes one field of the defaults;
+    an unknown one is refused."""
+    from benchmarks import attention_bench
+    from seqpack import kernels
+
+    got = attention_bench.tpu_options("columns+w16")
+    assert got == kernels.AttentionBlockSizes(lane_columns=False, narrow_steps=16)
+    assert attention_bench.tpu_options("wfull").narrow_steps is None
+    with pytest.raises(SystemExit, match="unknown TPU option 'fast'"):
+        attention_bench.tpu_options("columns+fast")
 
 
 @pytest.mark.slow
