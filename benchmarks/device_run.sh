@@ -7,7 +7,8 @@
 #   2. the loss head's modes against materialized logits and MaxText-style vocab tiling
 #      (benchmarks/loss_head.py --preset all: the three sizes, bf16);
 #   3. the training step (benchmarks/train_step.py: padded rows, MaxText's way, seqpack's
-#      defaults) at L=8192 and 32768, both RoPE styles;
+#      defaults, and at 8192 seqpack with materialized logits: its loss head in the step) at
+#      L=8192 and 32768, both RoPE styles;
 #   4. the device test suite (pytest -m device: compiled kernels against the references).
 # On a GPU, step 1 times the Triton tile sizes and the kernels benchmark runs at its hardware
 # sizes instead of 2-3. A step that fails prints "== FAILED" and the next one runs. Prints the
@@ -161,7 +162,7 @@ step() {  # step NAME COMMAND...: runs one step (if --only names it), reports a 
     step loss_head "$python" -m benchmarks.loss_head --preset all
     step train_step "$python" -m benchmarks.train_step --data "$data" --seq-len 8192 \
       --rope half interleaved --steps 4 --repeats 2 \
-      --variants padded,maxtext,seqpack
+      --variants padded,maxtext,seqpack,seqpack+logits
     step train_step_32k "$python" -m benchmarks.train_step --data "$data" --seq-len 32768 \
       --rope half interleaved --steps 2 --repeats 2 --variants maxtext,seqpack
     step device_tests "$python" -m pytest -q -m device tests/test_device.py tests/test_device_segments.py -p no:cacheprovider
