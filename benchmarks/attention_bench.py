@@ -163,8 +163,8 @@ def _blocks(spec: str, cls):
     return cls(*(int(x) for x in spec.split(",")))
 
 
-TPU_OPTIONS = "'+'-joined: columns (lane_columns=False), w<N> (narrow_steps N), wfull (no " \
-    "narrow grid)"
+TPU_OPTIONS = "'+'-joined: columns (lane_columns=False), fused / unfused (fused_bwd), w<N> " \
+    "(narrow_steps N), wfull (no narrow grid)"
 
 
 def tpu_options(spec: str) -> kernels.AttentionBlockSizes:
@@ -173,6 +173,8 @@ def tpu_options(spec: str) -> kernels.AttentionBlockSizes:
     for opt in spec.split("+"):
         if opt == "columns":
             kw["lane_columns"] = False
+        elif opt in ("fused", "unfused"):
+            kw["fused_bwd"] = opt == "fused"
         elif opt == "wfull":
             kw["narrow_steps"] = None
         elif opt[:1] == "w" and opt[1:].isdigit():

@@ -53,8 +53,9 @@ BASE = {
     "seqpack": ("packed", dict()),
 }
 OPTIONS = "seqpack options, joined by '+': logits (materialized loss), bhld (layout), " \
-    "hm (head_major), columns (lane_columns=False), f32 (the fused head's logits in " \
-    "float32), b<fwd>[/<bwd>] (block sizes, e.g. b512 or b1024/512)"
+    "hm (head_major), columns (lane_columns=False), fused / unfused (fused_bwd: dq in the " \
+    "dk/dv kernel), f32 (the fused head's logits in float32), b<fwd>[/<bwd>] (block sizes, " \
+    "e.g. b512 or b1024/512)"
 
 
 def variant(name: str) -> tuple[str, dict]:
@@ -74,11 +75,14 @@ def variant(name: str) -> tuple[str, dict]:
             blocks = dataclasses.replace(blocks, head_major=True)
         elif opt == "columns":
             blocks = dataclasses.replace(blocks, lane_columns=False)
+        elif opt in ("fused", "unfused"):
+            blocks = dataclasses.replace(blocks, fused_bwd=opt == "fused")
         elif opt == "f32":
             overrides["loss_logits_dtype"] = "float32"
         elif re.fullmatch(r"b\d+(/\d+)?", opt):
             blocks = dataclasses.replace(_blocks(opt[1:]), head_major=blocks.head_major,
-                                         lane_columns=blocks.lane_columns)
+                                         lane_columns=blocks.lane_columns,
+                                         fused_bwd=blocks.fused_bwd)
         else:
             raise SystemExit(f"Error: unknown option {opt!r} in {name!r}; {OPTIONS}")
     if blocks != kernels.AttentionBlockSizes():

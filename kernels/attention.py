@@ -75,6 +75,10 @@ class AttentionBlockSizes:
     tiles, as splash attention holds them, instead of (rows, 1) columns that every block pair
     broadcasts across lanes: the forward 1.5x faster on the chip (benchmarks/README.md "On the
     chip").
+
+    fused_bwd: the backward forms dq in the dk / dv kernel (5 block matmuls a visited pair
+    instead of 7, one exp pass instead of two), the group's dq resident in VMEM over the whole
+    row; where that does not fit (tpu/attention_bwd.py FUSED_VMEM_BYTES), the two kernels run.
     """
 
     block_q: int = 512
@@ -84,6 +88,7 @@ class AttentionBlockSizes:
     narrow_steps: int | None = 8
     head_major: bool = True
     lane_columns: bool = True
+    fused_bwd: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -192,7 +197,8 @@ def _config(q, k, *, causal, scale, blocks, interpret, impl, count_visits,
         block_kv_bwd=fit(blocks.block_kv_bwd), interpret=interpret, gpu=gpu,
         narrow_steps=narrow, count_visits=count_visits, operand=operand,
         head_major=gpu is None and blocks.head_major,
-        lane_columns=gpu is None and blocks.lane_columns)
+        lane_columns=gpu is None and blocks.lane_columns,
+        fused_bwd=gpu is None and blocks.fused_bwd)
 
 
 def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, interpret,

@@ -75,6 +75,7 @@ class AttentionConfig:
     operand: str = "blhd"
     head_major: bool = False
     lane_columns: bool = False  # TPU forward: per-row values as (rows, 128) lane tiles
+    fused_bwd: bool = False  # TPU backward: dq formed in the dk/dv kernel (tpu/attention_bwd.py)
 
     @property
     def groups(self) -> int:

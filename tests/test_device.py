@@ -95,8 +95,12 @@ ATTENTION_CASES = [  # (heads, causal, dtype, layout); layout "folded": blhd ope
     ("gqa", False, F32, "bhld"),
     ("gqa", True, BF16, "folded"),
     ("gqa", True, BF16, "columns"),
+    ("gqa", True, BF16, "fused"),  # AttentionBlockSizes(fused_bwd=True): dq in the dk/dv kernel
+    ("mha", False, F32, "fused"),
+    ("gqa", True, BF16, "folded-fused"),
 ]
-OPTIONS = {"columns": (("lane_columns", False),)}
+OPTIONS = {"columns": (("lane_columns", False),), "fused": (("fused_bwd", True),),
+           "folded-fused": (("fused_bwd", True),)}
 
 
 def _id(case):
@@ -110,14 +114,15 @@ def test_segment_attention(heads, causal, dtype, layout):
     """Values and dq / dk / dv vs the f32 reference on both metadata sets; padding output and
     gradients exactly 0; NaN in the padding of q, k and v changes nothing."""
     if layout in ("folded", *OPTIONS) and BACKEND == "gpu":
-        pytest.skip("head_major, lane_columns: options of the TPU kernels (AttentionBlockSizes)")
+        pytest.skip("head_major, lane_columns, fused_bwd: options of the TPU kernels "
+                    "(AttentionBlockSizes)")
     h, kv = getattr(SIZES, heads)
     rng = np.random.default_rng(len(ATTENTION_CASES) * h + kv + causal)
     shape = (ROWS, SIZES.seq_len)
     q = normal(rng, (*shape, h, SIZES.dim), dtype)
     k, v = (normal(rng, (*shape, kv, SIZES.dim), dtype) for _ in range(2))
     g = normal(rng, q.shape, dtype)
-    f = _attention(causal, "bhld" if layout == "bhld" else "blhd", layout == "folded",
+    f = _attention(causal, "bhld" if layout == "bhld" else "blhd", layout.startswith("folded"),
                    OPTIONS.get(layout, ()))
     swap = _heads_second if layout == "bhld" else (lambda x: x)
     rtol, atol = MATMUL[dtype]

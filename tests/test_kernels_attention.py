@@ -9,6 +9,7 @@ holds NaN in q, k and v: it must reach no output and no gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -212,6 +213,45 @@ def test_tpu_lane_columns_off(causal, dim):
     _assert_matches(got, want, F32, outside)
 
 
+@pytest.mark.parametrize("causal,dim,heads,kv_heads,head_major", [
+    (True, 32, H, K, True),  # grouped heads, transposed operands: dq block (G, L, D)
+    pytest.param(False, 32, H, K, True, marks=pytest.mark.slow),
+    pytest.param(True, 128, 4, 2, False, marks=pytest.mark.slow),  # folded: dq block (L, G D)
+])
+def test_tpu_fused_backward(causal, dim, heads, kv_heads, head_major):
+    """fused_bwd=True: dq formed in the dk/dv kernel (resident over the row) gives the
+    reference's values and gradients, zeros outside every segment, with NaN there in q, k, v
+    and in uninitialized memory."""
+    blocks = kernels.AttentionBlockSizes(128, 128, 128, 128, fused_bwd=True,
+                                         head_major=head_major)
+    args, outside = _inputs(F32, rows=TPU_ROWS, dim=dim, heads=heads, kv_heads=kv_heads)
+    got = jax.jit(functools.partial(_value_and_grads, causal=causal,
+                                    **dict(TPU, block_sizes=blocks)))(*args)
+    want = jax.jit(functools.partial(_value_and_grads, causal=causal, impl="reference"))(*args)
+    _assert_matches(got, want, F32, outside)
+
+
+def test_fused_backward_falls_back_where_dq_does_not_fit():
+    """The fused backward runs where the group's resident dq fits its share of the core's VMEM
+    (a TPU v5e's 128 MiB, a TPU v4's 16 MiB), and never when counting visits (the counter
+    reports the two kernels')."""
+    from seqpack.kernels.tpu import attention_bwd
+
+    def cfg(seq_len, groups, **kw):
+        return sched.AttentionConfig(seq_len, groups * 2, 2, 128, True, 1.0, 512, 512, 512, 512,
+                                     False, fused_bwd=True, **kw)
+
+    v5e, v4 = 128 << 20, 16 << 20
+    assert attention_bwd.fuses(cfg(8192, 4), jnp.bfloat16, v5e)  # 4 x 128 x 8192 x (4 + 4) B
+    assert attention_bwd.fuses(cfg(32768, 1), jnp.bfloat16, v5e)
+    assert not attention_bwd.fuses(cfg(8192, 8), jnp.bfloat16, v5e)
+    assert not attention_bwd.fuses(cfg(8192, 1), jnp.bfloat16, v4)
+    assert attention_bwd.fuses(cfg(4096, 1), jnp.bfloat16, v4)
+    assert not attention_bwd.fuses(cfg(1000, 1, count_visits=True), jnp.bfloat16, v5e)
+    assert not attention_bwd.fuses(dataclasses.replace(cfg(1000, 1), fused_bwd=False),
+                                   jnp.bfloat16, v5e)
+
+
 @pytest.mark.slow
 def test_gpu_counts_and_zero_offset_padding():
     """GPU family: counted pairs equal the schedule's; unused slots at offset 0 change nothing."""
@@ -254,6 +294,9 @@ def _loss(q, k, v, offsets, lengths, **kw):
     (128, kernels.AttentionBlockSizes(lane_columns=False), "blhd"),
     pytest.param(64, kernels.AttentionBlockSizes(256, 256, 256, 256, lane_columns=False),
                  "blhd", marks=pytest.mark.slow),
+    (128, kernels.AttentionBlockSizes(fused_bwd=True), "blhd"),  # forward, dk/dv + dq
+    pytest.param(128, kernels.AttentionBlockSizes(head_major=False, fused_bwd=True), "blhd",
+                 marks=pytest.mark.slow),
 ])
 def test_lowers_for_tpu(dim, blocks, layout):
     """Mosaic block-shape rules, forward and backward, for each operand / kernel layout.
@@ -261,8 +304,9 @@ def test_lowers_for_tpu(dim, blocks, layout):
     L = 1000: one grid per kernel; L = 8192: a narrow and a full grid per kernel wherever
     L / b > narrow_steps = 8 blocks."""
     for seq_len in (1000, 8192):
-        want = sum(2 if seq_len > 8 * b else 1  # forward, dq, dk/dv
-                   for b in (blocks.block_kv, blocks.block_kv_bwd, blocks.block_kv_bwd))
+        kernels_run = (blocks.block_kv, blocks.block_kv_bwd) + (  # forward, (dq), dk/dv
+            () if blocks.fused_bwd else (blocks.block_kv_bwd,))
+        want = sum(2 if seq_len > 8 * b else 1 for b in kernels_run)
         q = jnp.zeros((2, seq_len, 8, dim), jnp.bfloat16)
         kv = jnp.zeros((2, seq_len, 2, dim), jnp.bfloat16)
         if layout == "bhld":

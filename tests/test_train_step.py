@@ -73,6 +73,15 @@ def test_padded_steps_hold_every_piece_once_in_bucketed_rows(corpus):
         assert rows * width == 1024 and width in (512,) and b["lengths"].max() <= width
 
 
+def test_variant_options_keep_each_other():
+    """A block-size option keeps the options before it (fused_bwd, lane_columns)."""
+    from seqpack import kernels
+
+    _, overrides = train_step.variant("seqpack+fused+columns+b1024/512")
+    assert overrides["attention_block_sizes"] == kernels.AttentionBlockSizes(
+        1024, 1024, 512, 512, lane_columns=False, fused_bwd=True)
+
+
 def test_unknown_variant_is_refused():
     with pytest.raises(SystemExit, match="unknown option 'fast'"):
         train_step.variant("seqpack+fast")
@@ -87,6 +96,8 @@ def test_attention_bench_tpu_options():
     got = attention_bench.tpu_options("columns+w16")
     assert got == kernels.AttentionBlockSizes(lane_columns=False, narrow_steps=16)
     assert attention_bench.tpu_options("wfull").narrow_steps is None
+    assert attention_bench.tpu_options("fused").fused_bwd
+    assert not attention_bench.tpu_options("unfused").fused_bwd
     with pytest.raises(SystemExit, match="unknown TPU option 'fast'"):
         attention_bench.tpu_options("columns+fast")
 

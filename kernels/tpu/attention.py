@@ -154,11 +154,13 @@ def range_step(lo_ref, hi_ref, num_q_blocks: int):
 
 def schedule_call(kernel, cfg: AttentionConfig, steps: int, grid: tuple[int, ...], *,
                   num_scalar_prefetch: int, in_specs, out_shapes, out_specs, scratch_shapes,
-                  name: str, cost_estimate: pl.CostEstimate | None = None):
+                  name: str, cost_estimate: pl.CostEstimate | None = None,
+                  parallel_axes: int = 3, vmem_limit_bytes: int | None = None, **options):
     """pallas_call of one of the attention kernels: grid (B, heads, blocks, *steps), the first
-    three axes "parallel", the step axes "arbitrary", the schedule's first `num_scalar_prefetch`
-    operands in SMEM. When counting, a last output: the debug counter, one (8, 128) i32 tile per
-    (row, head, block), read back as `out[:, :, ::8, 0]`."""
+    `parallel_axes` axes "parallel", the others "arbitrary", the schedule's first
+    `num_scalar_prefetch` operands in SMEM; `options` go to the kernel. When counting, a last
+    output: the debug counter, one (8, 128) i32 tile per (row, head, block), read back as
+    `out[:, :, ::8, 0]`."""
     out_shapes, out_specs = list(out_shapes), list(out_specs)
     if cfg.count_visits:
         batch, heads, blocks = grid[:3]
@@ -167,16 +169,17 @@ def schedule_call(kernel, cfg: AttentionConfig, steps: int, grid: tuple[int, ...
         out_specs.append(pl.BlockSpec((None, None, *VISIT_TILE), lambda *g: (*g[:3], 0)))
     parallel: Semantics = "parallel"
     arbitrary: Semantics = "arbitrary"
-    semantics = (parallel,) * 3 + (arbitrary,) * (len(grid) - 3)
+    semantics = (parallel,) * parallel_axes + (arbitrary,) * (len(grid) - parallel_axes)
 
     def call(*args):
         return pl.pallas_call(
-            functools.partial(kernel, cfg=cfg, steps=steps),
+            functools.partial(kernel, cfg=cfg, steps=steps, **options),
             out_shape=varying_like(out_shapes, *args),  # inside shard_map (context parallelism)
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=num_scalar_prefetch, grid=grid, in_specs=in_specs,
                 out_specs=out_specs, scratch_shapes=scratch_shapes),
-            compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+            compiler_params=pltpu.CompilerParams(dimension_semantics=semantics,
+                                                 vmem_limit_bytes=vmem_limit_bytes),
             cost_estimate=cost_estimate,
             interpret=cfg.interpret,
             name=name,

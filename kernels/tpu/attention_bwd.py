@@ -38,6 +38,7 @@ from seqpack.kernels.tpu.attention import (
     NN,
     NT,
     count_visit,
+    folded,
     from_kernel,
     head_spec,
     kernel_shape,
@@ -49,6 +50,13 @@ from seqpack.kernels.tpu.attention import (
     schedule_call,
     to_kernel,
 )
+
+# The fused backward keeps dq resident where it takes at most FUSED_VMEM_SHARE of the core's
+# VMEM (a TPU v5e's 128 MiB: 4 query heads of 128 over 8,192 bf16 rows, or 1 over 32,768) and
+# asks for VMEM_LIMIT_SHARE of it; DEFAULT_VMEM_BYTES where no TPU is attached (interpret mode).
+FUSED_VMEM_SHARE = 3 / 8
+VMEM_LIMIT_SHARE = 3 / 4
+DEFAULT_VMEM_BYTES = 128 << 20
 
 
 def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, qs_ref, qe_ref,
@@ -83,14 +91,21 @@ def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, qs_
 
 
 def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref,
-                qs_row_ref, qe_row_ref, qs_ref, dk_ref, dv_ref, *rest,
-                cfg: AttentionConfig, steps: int) -> None:
+                qs_row_ref, qe_row_ref, qs_ref, *rest, cfg: AttentionConfig, steps: int,
+                fused: bool = False) -> None:
     # q, do [bq, D]; k, v, dk, dv [bk, D]; lse, di f32[1, bq]; qs_row, qe_row i32[1, bq];
-    # qs i32[bq, 1]; rest: (visits), dk_acc, dv_acc f32[bk, D]
+    # qs i32[bq, 1]; rest: (fused: ks i32[bk, 1]), dk, dv, (fused: dq, the group's G heads over
+    # the whole row), (visits), dk_acc, dv_acc f32[bk, D], (fused: dq_acc f32[G, nq * bq, D])
+    if fused:
+        ks_ref, dk_ref, dv_ref, dq_ref, *rest = rest
+        dq_acc, rest = rest[-1], rest[:-1]
+    else:
+        ks_ref, dq_ref, dq_acc = None, None, None
+        dk_ref, dv_ref, *rest = rest
     visits_ref, (dk_acc, dv_acc) = (rest[0] if cfg.count_visits else None), rest[-2:]
     b, kb, g, j = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
-    nq = cfg.blocks(bq)
+    nq, nk = cfg.blocks(bq), cfg.blocks(bk)
     kidx = b * cfg.blocks(bk) + kb
     qlo = qlo_ref[kidx]
     qb = qlo + j
@@ -103,6 +118,11 @@ def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, l
     def _init():
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    if fused:  # dq of the group's heads accumulates over every key block of the row
+        @pl.when((kb == 0) & first)
+        def _init_dq():
+            dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
     def pair(diagonal: bool):
         q_base, k_base = qb * bq, kb * bk
@@ -119,6 +139,12 @@ def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, l
         dst = jnp.where(allowed, pt * (dpt - di_ref[...]), 0.0)
         dk_acc[...] += lax.dot_general(dst.astype(q.dtype), q, NN,
                                        preferred_element_type=jnp.float32)
+        if fused:  # dq += ds k = (ds^T)^T k, key rows outside every segment zeroed; the
+            # transpose in f32 before the cast, as splash attention's fused backward does
+            k = jnp.where(rows_in_segments(ks_ref[...], k_base), k_ref[...], 0)
+            rows = pl.ds(pl.multiple_of(q_base, bq), bq)
+            dq_acc[g, rows, :] += lax.dot_general(dst.T.astype(k.dtype), k, NN,
+                                                  preferred_element_type=jnp.float32)
 
     pair_steps(pair, computed, kb * bk, qb * bq, bk, cfg.causal)
 
@@ -126,6 +152,17 @@ def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, l
     def _finish():
         dk_ref[...] = (dk_acc[...] * cfg.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+    if fused:
+        @pl.when((kb == nk - 1) & (g == cfg.groups - 1) & (j == steps - 1))
+        def _finish_dq():
+            dim, seq_len = cfg.head_dim, cfg.seq_len
+            for h in range(cfg.groups):  # the block: (G, L, D) head-major, (L, G * D) folded
+                dq = (dq_acc[h, :seq_len, :] * cfg.scale).astype(dq_ref.dtype)
+                if folded(cfg):
+                    dq_ref[:, h * dim:(h + 1) * dim] = dq
+                else:
+                    dq_ref[h] = dq
 
 
 def _dq(q, k, v, do, lse, di, sched: Schedule, cfg: AttentionConfig, steps: int):
@@ -155,7 +192,8 @@ def _dq(q, k, v, do, lse, di, sched: Schedule, cfg: AttentionConfig, steps: int)
     return outs if cfg.count_visits else (outs[0],)
 
 
-def _dkv(q, k, v, do, lse_row, di_row, sched: Schedule, cfg: AttentionConfig, steps: int):
+def _dkv(q, k, v, do, lse_row, di_row, sched: Schedule, cfg: AttentionConfig, steps: int,
+         fused: bool = False):
     batch = q.shape[0]
     bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
     nq, nk, groups = cfg.blocks(bq), cfg.blocks(bk), cfg.groups
@@ -176,16 +214,51 @@ def _dkv(q, k, v, do, lse_row, di_row, sched: Schedule, cfg: AttentionConfig, st
         b, q_block(b, kb, j, *refs), 0))
     kv_shape = kernel_shape(cfg, batch, cfg.kv_heads, k.dtype)
     start, end = sched.start[:, None, :], sched.end[:, None, :]
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row, row, q_bounds_row, q_bounds_row, q_bounds]
+    out_shapes, out_specs = [kv_shape, kv_shape], [kv_spec, kv_spec]
+    scratch = [pltpu.VMEM((bk, cfg.head_dim), jnp.float32)] * 2
+    extra, options = [], {}
+    if fused:  # + the keys' liveness; dq: the group's heads over the whole row, resident
+        in_specs.append(pl.BlockSpec((None, bk, 1), lambda b, kh, kb, g, j, *_: (b, kb, 0)))
+        extra.append(sched.k_live[:, :, None])
+        out_shapes.append(kernel_shape(cfg, batch, cfg.heads, q.dtype))
+        out_specs.append(pl.BlockSpec((None, cfg.seq_len, groups * cfg.head_dim),
+                                      lambda b, kh, *_: (b, 0, kh)) if folded(cfg) else
+                         pl.BlockSpec((None, groups, cfg.seq_len, cfg.head_dim),
+                                      lambda b, kh, *_: (b, kh, 0, 0)))
+        scratch = [*scratch, pltpu.VMEM((groups, nq * bq, cfg.head_dim), jnp.float32)]
+        options = {"parallel_axes": 2, "fused": True,
+                   "vmem_limit_bytes": int(VMEM_LIMIT_SHARE * vmem_capacity())}
     return schedule_call(
         _dkv_kernel, cfg, steps, (batch, cfg.kv_heads, nk, groups, steps), num_scalar_prefetch=4,
-        in_specs=[q_spec, kv_spec, kv_spec, q_spec, row, row, q_bounds_row, q_bounds_row,
-                  q_bounds],
-        out_shapes=[kv_shape, kv_shape], out_specs=[kv_spec, kv_spec],
-        scratch_shapes=[pltpu.VMEM((bk, cfg.head_dim), jnp.float32)] * 2,
-        name="segment_attention_dkv",
+        in_specs=in_specs, out_shapes=out_shapes, out_specs=out_specs, scratch_shapes=scratch,
+        name="segment_attention_dkv_dq" if fused else "segment_attention_dkv", **options,
     )(sched.qlo_bwd.reshape(-1), sched.qhi_bwd.reshape(-1), sched.lo_bwd.reshape(-1),
       sched.hi_bwd.reshape(-1), q, k, v, do, lse_row, di_row, start, end,
-      sched.q_live[:, :, None])
+      sched.q_live[:, :, None], *extra)
+
+
+def fused_vmem_bytes(cfg: AttentionConfig, dtype) -> int:
+    """VMEM the fused backward's resident dq takes: the f32 accumulator of the group's heads
+    over the row and the two buffers of its output block."""
+    rows = cfg.blocks(cfg.block_q_bwd) * cfg.block_q_bwd
+    return cfg.groups * cfg.head_dim * (4 * rows + 2 * jnp.dtype(dtype).itemsize * cfg.seq_len)
+
+
+def vmem_capacity() -> int:
+    """VMEM bytes of the attached TPU core (DEFAULT_VMEM_BYTES when none is attached)."""
+    try:
+        return int(pltpu.get_tpu_info().vmem_capacity_bytes)
+    except Exception:  # noqa: BLE001 (no TPU: CPU interpret mode, or an unknown device kind)
+        return DEFAULT_VMEM_BYTES
+
+
+def fuses(cfg: AttentionConfig, dtype, capacity: int | None = None) -> bool:
+    """Whether the backward forms dq in the dk/dv kernel: asked for, its resident dq within
+    FUSED_VMEM_SHARE of the VMEM, and no visit counting (the counter reports the two kernels')."""
+    capacity = vmem_capacity() if capacity is None else capacity
+    return (cfg.fused_bwd and not cfg.count_visits
+            and fused_vmem_bytes(cfg, dtype) <= FUSED_VMEM_SHARE * capacity)
 
 
 def backward(q, k, v, o, lse, do, sched: Schedule, cfg: AttentionConfig):
@@ -197,12 +270,15 @@ def backward(q, k, v, o, lse, do, sched: Schedule, cfg: AttentionConfig):
     di = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1)  # [B, L, H]
     di = (di if cfg.operand == "bhld" else di.transpose(0, 2, 1))[..., None]  # [B, H, L, 1]
     qk, kk, vk, dok = (to_kernel(x, cfg) for x in (q, k, v, do))
+    row = lambda x: x.reshape(batch, cfg.heads, 1, cfg.seq_len)  # noqa: E731
+    fused = fuses(cfg, q.dtype)
+    dkv_out = narrow_or_full(
+        functools.partial(_dkv, qk, kk, vk, dok, row(lse), row(di), sched, cfg, fused=fused),
+        sched.qhi_bwd - sched.qlo_bwd, cfg.blocks(cfg.block_q_bwd), cfg)
+    if fused:
+        return tuple(from_kernel(x, cfg) for x in (dkv_out[2], dkv_out[0], dkv_out[1]))
     dq_out = narrow_or_full(functools.partial(_dq, qk, kk, vk, dok, lse, di, sched, cfg),
                             sched.hi_bwd - sched.lo_bwd, cfg.blocks(cfg.block_kv_bwd), cfg)
-    row = lambda x: x.reshape(batch, cfg.heads, 1, cfg.seq_len)  # noqa: E731
-    dkv_out = narrow_or_full(
-        functools.partial(_dkv, qk, kk, vk, dok, row(lse), row(di), sched, cfg),
-        sched.qhi_bwd - sched.qlo_bwd, cfg.blocks(cfg.block_q_bwd), cfg)
     grads = (from_kernel(dq_out[0], cfg), from_kernel(dkv_out[0], cfg),
              from_kernel(dkv_out[1], cfg))
     if cfg.count_visits:
