@@ -76,9 +76,11 @@ class AttentionBlockSizes:
     broadcasts across lanes: the forward 1.5x faster on the chip (benchmarks/README.md "On the
     chip").
 
-    fused_bwd: the backward forms dq in the dk / dv kernel (5 block matmuls a visited pair
-    instead of 7, one exp pass instead of two), the group's dq resident in VMEM over the whole
-    row; where that does not fit (tpu/attention_bwd.py FUSED_VMEM_BYTES), the two kernels run.
+    fused_bwd (default): the backward forms dq in the dk / dv kernel (5 block matmuls a
+    visited pair instead of 7, one exp pass instead of two), the group's dq resident in VMEM
+    over the whole row: the backward 1.4x faster on the chip. Where that dq does not fit its
+    share of VMEM (tpu/attention_bwd.py FUSED_VMEM_SHARE: on a v5e, 4 query heads a key head at
+    L = 8192, 1 at 32768), the dq and dk / dv kernels run apart.
     """
 
     block_q: int = 512
@@ -88,7 +90,7 @@ class AttentionBlockSizes:
     narrow_steps: int | None = 8
     head_major: bool = True
     lane_columns: bool = True
-    fused_bwd: bool = False
+    fused_bwd: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
@@ -381,8 +383,9 @@ def visited_block_pairs(
 ) -> dict[str, jax.Array]:
     """Debug: the kernels' results and how many block pairs each kernel computed.
 
-    Runs the forward and both backward kernels with a counter output (+1 at every computed step,
-    inside the kernel): {"visits_fwd": i32[B, H, nq], "visits_dq": i32[B, H, nq'],
+    Runs the forward and both backward kernels (counting runs the dq kernel apart, even where
+    fused_bwd would form dq in the dk / dv kernel) with a counter output (+1 at every computed
+    step, inside the kernel): {"visits_fwd": i32[B, H, nq], "visits_dq": i32[B, H, nq'],
     "visits_dkv": i32[B, K, nk'] (summed over the G query heads of the group), the results "o",
     "dq", "dk", "dv", and the schedule's ranges "lo", "hi" (forward block sizes), "lo_bwd",
     "hi_bwd"}, for tests and benchmarks. With a context_parallel_axis (inside shard_map) each

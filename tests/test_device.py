@@ -95,12 +95,10 @@ ATTENTION_CASES = [  # (heads, causal, dtype, layout); layout "folded": blhd ope
     ("gqa", False, F32, "bhld"),
     ("gqa", True, BF16, "folded"),
     ("gqa", True, BF16, "columns"),
-    ("gqa", True, BF16, "fused"),  # AttentionBlockSizes(fused_bwd=True): dq in the dk/dv kernel
-    ("mha", False, F32, "fused"),
-    ("gqa", True, BF16, "folded-fused"),
+    ("gqa", True, BF16, "unfused"),  # AttentionBlockSizes(fused_bwd=False): dq's own kernel
+    ("mha", False, F32, "unfused"),
 ]
-OPTIONS = {"columns": (("lane_columns", False),), "fused": (("fused_bwd", True),),
-           "folded-fused": (("fused_bwd", True),)}
+OPTIONS = {"columns": (("lane_columns", False),), "unfused": (("fused_bwd", False),)}
 
 
 def _id(case):

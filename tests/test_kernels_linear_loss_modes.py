@@ -167,6 +167,28 @@ def test_choose():
     assert free > 0 and (jax.default_backend() != "cpu" or free == in_forward.DEFAULT_FREE_BYTES)
 
 
+def test_auto_budget_counts_all_a_chunk_holds(monkeypatch):
+    """Without max_logits_bytes, BUDGET_SHARE of the free memory bounds the chunk's held bytes
+    (2 x the stored bytes + 4 a logit), not its stored logits alone: the chip's sizes (16 GB
+    free, bf16) keep 2 chunks at N = 16,384 (V = 128,256) and 8,192 (V = 256,000), all logits at
+    once in the training step (N = V = 32,768), and take 7 chunks of 9,472 at N = 65,536, where a
+    budget of the stored logits took 13,184 (12.5 GB held)."""
+    choose, mode = in_forward.choose, kernels.LossHeadMode
+    free = 15 << 30
+    monkeypatch.setattr(in_forward, "free_device_bytes", lambda: free)
+    assert in_forward.held_bytes(2) == 8 and in_forward.held_bytes(4) == 12
+    assert choose(mode.AUTO, 16384, 128256, None, 2) == (mode.CHUNKED, 8192)
+    assert choose(mode.AUTO, 8192, 256000, None, 2) == (mode.CHUNKED, 4096)
+    assert choose(mode.AUTO, 32768, 32768, None, 2) == (mode.LOGITS, 32768)
+    got, chunk = choose(mode.AUTO, 65536, 128256, None, 2)
+    assert got is mode.CHUNKED and chunk == 9472
+    assert chunk * 128256 * in_forward.held_bytes(2) <= in_forward.BUDGET_SHARE * free
+    # float32 logits: 12 bytes a logit, fewer tokens a chunk
+    assert choose(mode.AUTO, 65536, 128256, None, 4)[1] < chunk
+    # a budget given counts the stored logits alone, as before
+    assert choose(mode.AUTO, 65536, 128256, 2 * 128256 * 4096, 2) == (mode.CHUNKED, 4096)
+
+
 def test_option_checks():
     hidden, weight, targets, offsets, lengths, _, w = _args(np.random.default_rng(47),
                                                            *case("mixed"))

@@ -57,9 +57,9 @@ CHUNK_MULTIPLE = 128
 # smaller chunks re-read and re-write the f32 d weight [H, V] too often to beat recomputing.
 MIN_CHUNK_TOKENS = 512
 # "auto" without max_logits_bytes: this share of the device's free memory (memory_stats()
-# bytes_limit - bytes_in_use at trace time) for the logits; DEFAULT_FREE_BYTES where the
-# backend reports none (CPU).
-BUDGET_SHARE = 0.25
+# bytes_limit - bytes_in_use at trace time) for all a chunk holds, held_bytes a logit;
+# DEFAULT_FREE_BYTES where the backend reports none (CPU).
+BUDGET_SHARE = 2 / 3
 DEFAULT_FREE_BYTES = 1 << 30
 
 
@@ -83,6 +83,12 @@ def free_device_bytes() -> int:
     return max(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), 0)
 
 
+def held_bytes(itemsize: int) -> int:
+    """Bytes a chunk holds a logit, beside the f32 d weight: the logit as stored, its f32
+    softmax and its gradient (at most the stored size): what "auto" sizes its chunks by."""
+    return 2 * itemsize + 4
+
+
 def chunk_tokens(n: int, vocab: int, budget: int, least: int, itemsize: int = 4) -> int | None:
     """Tokens per chunk: n when n x vocab logits (of itemsize bytes) fit `budget`, else the
     chunks of at most budget balanced and rounded up to CHUNK_MULTIPLE; None when that is below
@@ -100,18 +106,21 @@ def chunk_tokens(n: int, vocab: int, budget: int, least: int, itemsize: int = 4)
 def choose(mode: LossHeadMode, n: int, vocab: int, max_logits_bytes: int | None,
            itemsize: int = 4) -> tuple[LossHeadMode, int | None]:
     """(the mode to run, its chunk) for n tokens and this shard's vocab columns, logits of
-    itemsize bytes."""
+    itemsize bytes: max_logits_bytes bounds the stored logits; without it, BUDGET_SHARE of the
+    free memory bounds all a chunk holds (held_bytes a logit)."""
     if mode is LossHeadMode.RECOMPUTE:
         return mode, None
     if mode is LossHeadMode.LOGITS:
         return mode, n
-    budget = (max_logits_bytes if max_logits_bytes is not None
-              else int(free_device_bytes() * BUDGET_SHARE))
+    if max_logits_bytes is not None:
+        budget, per_logit = max_logits_bytes, itemsize
+    else:
+        budget, per_logit = int(free_device_bytes() * BUDGET_SHARE), held_bytes(itemsize)
     if mode is LossHeadMode.CHUNKED:  # forced: the budget's chunk, at least one multiple
-        chunk = chunk_tokens(n, vocab, max(budget, itemsize * vocab * CHUNK_MULTIPLE),
-                             CHUNK_MULTIPLE, itemsize)
+        chunk = chunk_tokens(n, vocab, max(budget, per_logit * vocab * CHUNK_MULTIPLE),
+                             CHUNK_MULTIPLE, per_logit)
         return mode, chunk
-    chunk = chunk_tokens(n, vocab, budget, min(MIN_CHUNK_TOKENS, n), itemsize)
+    chunk = chunk_tokens(n, vocab, budget, min(MIN_CHUNK_TOKENS, n), per_logit)
     if chunk is None:
         return LossHeadMode.RECOMPUTE, None
     return (LossHeadMode.LOGITS if chunk == n else LossHeadMode.CHUNKED), chunk

@@ -179,7 +179,8 @@ def segment_linear_cross_entropy(
     `dataset_weight[segment_dataset_id]`. `mode` (LossHeadMode): "logits" (all logits at once,
     gradients in the forward), "chunked" (the same over token chunks whose logits fit
     `max_logits_bytes`), "recompute" (the backward recomputes), "auto": the first of those that
-    fits `max_logits_bytes` (None: a quarter of the device's free memory; in_forward.py).
+    fits `max_logits_bytes` (the stored logits' bytes; None: two thirds of the device's free
+    memory for all a chunk holds, its logits, their f32 softmax and gradient; in_forward.py).
     `logits_dtype` ("logits" and "chunked"): the dtype the logits are stored in (None: the
     inputs'), each rounded once as materialized logits are, their softmax in float32; a budget
     holds twice as many bf16 logits as float32 ones.

@@ -16,12 +16,20 @@ repeat the range's last block (no copy), and `pl.when` around the compute.
          (s^T = k q^T, (bk, bq)), as splash attention does: dv += p^T do and dk += ds^T q * scale
          are plain (bk, bq) @ (bq, D) products, with lse / di as (1, bq) rows.
 
+Fused (AttentionBlockSizes.fused_bwd, the default where it fits): the dkv kernel also forms
+dq += ds k at each pair, so the dq kernel does not run (5 block matmuls a pair instead of 7, one
+exp pass instead of two). dq of the group's G heads stays resident in VMEM over the whole row,
+an f32 scratch (G, nq * bq, D) zeroed at the row's first step and written, scaled, to an output
+block of the whole row at its last; the key-block axis becomes "arbitrary". Where that scratch
+and block pass FUSED_VMEM_SHARE of the core's VMEM, or when counting visits, the two kernels run.
+
 Worked example, the schedule module's row (bq = bk = 4, ranges [0,1) [0,2) [2,3) [2,4)): the dkv
 kernel gets query ranges [0, 2) for key block 0, [1, 2) for 1, [2, 4) for 2 and [3, 4) for 3:
 the same six pairs, grouped by key block.
 
 Rows outside every segment (padding, rows past L of a partial block) are zeroed where they enter
-a product: k in dq (ds k), q and do in dkv (ds^T q, p^T do); every other use is masked by `where`.
+a product: k in dq (ds k, in either kernel), q and do in dkv (ds^T q, p^T do); every other use
+is masked by `where`.
 """
 
 from __future__ import annotations
