@@ -268,7 +268,7 @@ def main() -> None:
     parser.add_argument("--gpu-blocks", nargs="*", default=["64,64,64,64", "128,64,64,64"],
                         help="GpuAttentionBlockSizes to time: bq,bk,bq_bwd,bk_bwd each")
     parser.add_argument("--tpu-blocks", nargs="*", default=["256,256,256,256", "512,512,256,256"])
-    parser.add_argument("--tpu-options", nargs="*", default=["columns", "wfull"],
+    parser.add_argument("--tpu-options", nargs="*", default=["unfused", "columns", "wfull"],
                         help=f"rows of the defaults with options, {TPU_OPTIONS}")
     parser.add_argument("--repeats", type=int, default=None, help="default 10, CPU 2")
     for key, value in FULL.items():

@@ -2,8 +2,9 @@
 # One device check, a table a user can compare with benchmarks/README.md. One program holds the
 # accelerator at a time (each step below is one process; none starts a child that opens it):
 #   1. segment attention alone, fwd and fwd+bwd against the masked alternatives (on a TPU:
-#      B=4 L=8192 8 heads of 128, seqpack's defaults in both operand layouts against splash
-#      attention with segment ids, 512 blocks: MaxText's way);
+#      B=4 L=8192 8 heads of 128, seqpack's defaults in both operand layouts, and with the dq
+#      kernel apart (unfused), against splash attention with segment ids, 512 blocks: MaxText's
+#      way);
 #   2. the loss head's modes against materialized logits and MaxText-style vocab tiling
 #      (benchmarks/loss_head.py --preset all: the three sizes, bf16);
 #   3. the training step (benchmarks/train_step.py: padded rows, MaxText's way, seqpack's

@@ -213,22 +213,26 @@ def test_tpu_lane_columns_off(causal, dim):
     _assert_matches(got, want, F32, outside)
 
 
-@pytest.mark.parametrize("causal,dim,heads,kv_heads,head_major", [
-    (True, 32, H, K, True),  # grouped heads, transposed operands: dq block (G, L, D)
-    pytest.param(False, 32, H, K, True, marks=pytest.mark.slow),
-    pytest.param(True, 128, 4, 2, False, marks=pytest.mark.slow),  # folded: dq block (L, G D)
+@pytest.mark.parametrize("causal,dim,heads,kv_heads,head_major,narrow", [
+    (True, 32, H, K, True, 8),  # grouped heads, transposed operands: dq block (G, L, D)
+    pytest.param(False, 32, H, K, True, 8, marks=pytest.mark.slow),
+    pytest.param(True, 128, 4, 2, False, 8, marks=pytest.mark.slow),  # folded: (L, G D)
+    pytest.param(True, 32, H, K, True, 1, marks=pytest.mark.slow),  # narrow and full grids
 ])
-def test_tpu_fused_backward(causal, dim, heads, kv_heads, head_major):
+def test_tpu_fused_backward(causal, dim, heads, kv_heads, head_major, narrow):
     """fused_bwd (the default): dq formed in the dk/dv kernel (resident over the row) gives the
     reference's values and gradients, zeros outside every segment, with NaN there in q, k, v
     and in uninitialized memory. (The dq kernel apart: the visit-counting tests above.)"""
     blocks = kernels.AttentionBlockSizes(128, 128, 128, 128, fused_bwd=True,
-                                         head_major=head_major)
-    args, outside = _inputs(F32, rows=TPU_ROWS, dim=dim, heads=heads, kv_heads=kv_heads)
-    got = jax.jit(functools.partial(_value_and_grads, causal=causal,
-                                    **dict(TPU, block_sizes=blocks)))(*args)
-    want = jax.jit(functools.partial(_value_and_grads, causal=causal, impl="reference"))(*args)
-    _assert_matches(got, want, F32, outside)
+                                         head_major=head_major, narrow_steps=narrow)
+    # narrow = 1: row 0's ranges fit one step (the narrow grid runs), row 3's do not (the full)
+    for rows in ([[ROWS[0]], TPU_ROWS] if narrow == 1 else [TPU_ROWS]):
+        args, outside = _inputs(F32, rows=rows, dim=dim, heads=heads, kv_heads=kv_heads)
+        got = jax.jit(functools.partial(_value_and_grads, causal=causal,
+                                        **dict(TPU, block_sizes=blocks)))(*args)
+        want = jax.jit(functools.partial(_value_and_grads, causal=causal,
+                                         impl="reference"))(*args)
+        _assert_matches(got, want, F32, outside)
 
 
 def test_fused_backward_falls_back_where_dq_does_not_fit():

@@ -20,8 +20,9 @@ Fused (AttentionBlockSizes.fused_bwd, the default where it fits): the dkv kernel
 dq += ds k at each pair, so the dq kernel does not run (5 block matmuls a pair instead of 7, one
 exp pass instead of two). dq of the group's G heads stays resident in VMEM over the whole row,
 an f32 scratch (G, nq * bq, D) zeroed at the row's first step and written, scaled, to an output
-block of the whole row at its last; the key-block axis becomes "arbitrary". Where that scratch
-and block pass FUSED_VMEM_SHARE of the core's VMEM, or when counting visits, the two kernels run.
+block of the whole row at its last; the key-block axis becomes "arbitrary" (a megacore chip
+splits rows and key heads alone). Where that scratch and block pass FUSED_VMEM_SHARE of the
+core's VMEM, or when counting visits, the two kernels run.
 
 Worked example, the schedule module's row (bq = bk = 4, ranges [0,1) [0,2) [2,3) [2,4)): the dkv
 kernel gets query ranges [0, 2) for key block 0, [1, 2) for 1, [2, 4) for 2 and [3, 4) for 3:
