@@ -81,7 +81,8 @@ def _check(normalize, logits, targets, offsets, lengths, mask, w, dtype, **kw):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, BF16_SLOW])
-@pytest.mark.parametrize("normalize", NORMALIZE)
+@pytest.mark.parametrize("normalize", ["tokens", "segments",  # "none" runs fast below
+                                       pytest.param("none", marks=pytest.mark.slow)])
 def test_matches_reference(normalize, dtype):
     rng = np.random.default_rng(0)
     offsets, lengths = case("mixed")
