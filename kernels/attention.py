@@ -79,7 +79,7 @@ class AttentionBlockSizes:
     fused_bwd (default): the backward forms dq in the dk / dv kernel (5 block matmuls a
     visited pair instead of 7, one exp pass instead of two), the group's dq resident in VMEM
     over the whole row: the backward 1.65x faster on the chip. Where that dq does not fit its
-    share of VMEM (tpu/attention_bwd.py FUSED_VMEM_SHARE: on a v5e, 4 query heads a key head at
+    share of VMEM (tpu/attention_bwd.py FUSED_VMEM_SHARE: on a v5e, 6 query heads a key head at
     L = 8192, 1 at 32768), the dq and dk / dv kernels run apart.
     """
 

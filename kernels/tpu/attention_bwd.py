@@ -61,7 +61,7 @@ from seqpack.kernels.tpu.attention import (
 )
 
 # The fused backward keeps dq resident where it takes at most FUSED_VMEM_SHARE of the core's
-# VMEM (a TPU v5e's 128 MiB: 4 query heads of 128 over 8,192 bf16 rows, or 1 over 32,768) and
+# VMEM (a TPU v5e's 128 MiB: 6 query heads of 128 over 8,192 bf16 rows, or 1 over 32,768) and
 # asks for VMEM_LIMIT_SHARE of it; DEFAULT_VMEM_BYTES where no TPU is attached (interpret mode).
 FUSED_VMEM_SHARE = 3 / 8
 VMEM_LIMIT_SHARE = 3 / 4
