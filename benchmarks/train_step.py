@@ -41,10 +41,11 @@ SMOKE_MODEL = dict(vocab=512, dim=128, heads=2, head_dim=128, mlp=256, layers=1)
 PADDED_BUCKET = 512  # the shortest padded row; longer buckets double
 
 
-def _blocks(spec: str) -> kernels.AttentionBlockSizes:
+def _blocks(spec: str, base: kernels.AttentionBlockSizes) -> kernels.AttentionBlockSizes:
+    """'<fwd>[/<bwd>]' block sizes on `base`, its other options kept."""
     fwd, _, bwd = spec.partition("/")
     f, b = int(fwd), int(bwd or fwd)
-    return kernels.AttentionBlockSizes(block_q=f, block_kv=f, block_q_bwd=b, block_kv_bwd=b)
+    return dataclasses.replace(base, block_q=f, block_kv=f, block_q_bwd=b, block_kv_bwd=b)
 
 
 BASE = {
@@ -80,9 +81,7 @@ def variant(name: str) -> tuple[str, dict]:
         elif opt == "f32":
             overrides["loss_logits_dtype"] = "float32"
         elif re.fullmatch(r"b\d+(/\d+)?", opt):
-            blocks = dataclasses.replace(_blocks(opt[1:]), head_major=blocks.head_major,
-                                         lane_columns=blocks.lane_columns,
-                                         fused_bwd=blocks.fused_bwd)
+            blocks = _blocks(opt[1:], blocks)
         else:
             raise SystemExit(f"Error: unknown option {opt!r} in {name!r}; {OPTIONS}")
     if blocks != kernels.AttentionBlockSizes():

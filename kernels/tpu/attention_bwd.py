@@ -115,7 +115,7 @@ def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, l
     b, kb, g, j = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     bq, bk = cfg.block_q_bwd, cfg.block_kv_bwd
     nq, nk = cfg.blocks(bq), cfg.blocks(bk)
-    kidx = b * cfg.blocks(bk) + kb
+    kidx = b * nk + kb
     qlo = qlo_ref[kidx]
     qb = qlo + j
     qidx = b * nq + jnp.minimum(qb, nq - 1)
