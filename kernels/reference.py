@@ -35,12 +35,16 @@ def segment_index(
     seq_len: int,
 ) -> jax.Array:  # i32[B, L]
     """Slot of every token, S on padding (tokens covered by no segment)."""
+    member = _members(segment_offsets, segment_lengths, seq_len)
+    num_segments = segment_offsets.shape[1]
+    return jnp.where(member.any(-1), jnp.argmax(member, -1), num_segments).astype(jnp.int32)
+
+
+def _members(segment_offsets, segment_lengths, seq_len: int) -> jax.Array:  # bool[B, L, S]
     pos = jnp.arange(seq_len, dtype=jnp.int32)[None, :, None]
     start = segment_offsets.astype(jnp.int32)[:, None, :]
     end = start + segment_lengths.astype(jnp.int32)[:, None, :]
-    member = (pos >= start) & (pos < end)  # [B, L, S]
-    num_segments = segment_offsets.shape[1]
-    return jnp.where(member.any(-1), jnp.argmax(member, -1), num_segments).astype(jnp.int32)
+    return (pos >= start) & (pos < end)
 
 
 def _bucket_reduce(op, x, segment_offsets, segment_lengths):
@@ -55,6 +59,9 @@ def _bucket_reduce(op, x, segment_offsets, segment_lengths):
 
 
 def _segment_totals(x, segment_offsets, segment_lengths):  # f[B, L(, D)] -> f32[B, S(, D)]
+    if x.ndim == 2:  # a masked sum over [B, L, S], fused: no scatter (a TPU serializes those)
+        member = _members(segment_offsets, segment_lengths, x.shape[1])
+        return jnp.sum(jnp.where(member, x.astype(jnp.float32)[:, :, None], 0.0), axis=1)
     return _bucket_reduce(jax.ops.segment_sum, x.astype(jnp.float32), segment_offsets,
                           segment_lengths)
 
@@ -129,14 +136,15 @@ def segment_broadcast(
     seq_len: int,
 ) -> jax.Array:  # f[B, L] or f[B, L, D]
     """Each segment's value on each of its tokens, 0 on padding (the transpose of segment_sum)."""
+    if values.ndim == 2:  # a masked sum over [B, L, S], fused: no gather, nor a scatter-add
+        # in its transpose (a TPU serializes those)
+        member = _members(segment_offsets, segment_lengths, seq_len)
+        out = jnp.sum(jnp.where(member, values.astype(jnp.float32)[:, None, :], 0.0), axis=2)
+        return out.astype(values.dtype)
     ids = segment_index(segment_offsets, segment_lengths, seq_len)
     # Through f32 so that the transpose (a scatter-add of the cotangent) accumulates in f32.
     padded = jnp.concatenate([values, jnp.zeros_like(values[:, :1])], axis=1).astype(jnp.float32)
-    if values.ndim == 3:
-        out = jnp.take_along_axis(padded, ids[:, :, None], axis=1)
-    else:
-        out = jnp.take_along_axis(padded, ids, axis=1)
-    return out.astype(values.dtype)
+    return jnp.take_along_axis(padded, ids[:, :, None], axis=1).astype(values.dtype)
 
 
 def normalize_loss(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -94,3 +95,46 @@ def test_gradients_stay_inside_segments():
     for f in (reference.segment_sum, reference.segment_mean, reference.segment_max):
         dx = np.asarray(jax.grad(lambda x, f=f: f(x, offsets, lengths).sum())(x))
         assert np.all(dx[ids == S] == 0.0) and np.all(dx[ids < S] > 0.0)
+
+
+def _primitives(jaxpr) -> set[str]:
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            names |= _primitives(sub)
+    return names
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_per_token_sums_and_broadcasts_are_masked_reductions(name):
+    """segment_sum of [B, L] and segment_broadcast of [B, S]: against a loop, NaN outside every
+    segment reaches nothing, and neither they nor their gradients scatter or gather (a TPU
+    serializes those)."""
+    rng = np.random.default_rng(2)
+    offsets, lengths = case(name)
+    ids = np.asarray(reference.segment_index(offsets, lengths, L))
+    x = np.where(ids < S, rng.standard_normal((B, L)), np.nan).astype(np.float32)
+    values = rng.standard_normal((B, S)).astype(np.float32)
+    want_sum, want_broadcast = np.zeros((B, S), np.float32), np.zeros((B, L), np.float32)
+    for b, j, o, n in _segments(offsets, lengths):
+        want_sum[b, j] = x[b, o:o + n].sum()
+        want_broadcast[b, o:o + n] = values[b, j]
+    np.testing.assert_allclose(np.asarray(reference.segment_sum(x, offsets, lengths)),
+                               want_sum, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(
+        np.asarray(reference.segment_broadcast(values, offsets, lengths, seq_len=L)),
+        want_broadcast)
+
+    def both(x, values):
+        sums = reference.segment_sum(x, offsets, lengths)
+        spread = reference.segment_broadcast(values, offsets, lengths, seq_len=L)
+        return jnp.sum(sums * values) + jnp.sum(jnp.where(ids < S, spread * x, 0.0))
+
+    dx, dvalues = jax.grad(both, (0, 1))(x, values)
+    want_dx = np.where(ids < S, 2 * np.take_along_axis(
+        np.concatenate([values, np.zeros((B, 1), np.float32)], 1), ids, 1), 0.0)
+    np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dvalues), 2 * want_sum, rtol=1e-5, atol=1e-5)
+    used = _primitives(jax.make_jaxpr(jax.grad(both, (0, 1)))(x, values).jaxpr)
+    assert not {p for p in used if "scatter" in p or "gather" in p}, used

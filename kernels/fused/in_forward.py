@@ -162,12 +162,17 @@ def _chunk(x, t, c, w, cfg: InForward, want_dx: bool, want_dw: bool):
     -> lse, tgt f32[C], dx x.dtype[C, H] | None, dw f32[H, V] | None."""
     z = jnp.dot(x, w, preferred_element_type=jnp.float32)
     if cfg.logits_dtype != "float32":  # stored narrow: the barrier keeps XLA from eliding the
-        # rounding (excess precision), so the chunk's consumers read logits of this size
-        z = lax.optimization_barrier(z.astype(cfg.logits_dtype)).astype(jnp.float32)
-    if cfg.softcap is not None:
-        z = cfg.softcap * jnp.tanh(z / cfg.softcap)
+        # rounding (excess precision), so the chunk's consumers read logits of this size; the
+        # row max is of the stored values (rounding is monotonic), taken before the barrier so
+        # that the matmul's fusion computes it and no pass re-reads the logits for it
+        stored = z.astype(cfg.logits_dtype)
+        stored, m = lax.optimization_barrier((stored, jnp.max(stored, axis=1)))
+        z, m = stored.astype(jnp.float32), m.astype(jnp.float32)
+    else:
+        m = jnp.max(z, axis=1)
+    if cfg.softcap is not None:  # increasing: the max of the capped logits is the capped max
+        z, m = (cfg.softcap * jnp.tanh(a / cfg.softcap) for a in (z, m))
     onehot = lax.broadcasted_iota(jnp.int32, (1, w.shape[1]), 1) == t[:, None]
-    m = jnp.max(z, axis=1)
     if cfg.vocab_axis is not None:
         m = lax.pmax(m, cfg.vocab_axis)
     s = jnp.sum(jnp.exp(z - m[:, None]), axis=1)
