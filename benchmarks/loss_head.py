@@ -22,7 +22,10 @@ memory_analysis()), / 6NHV (matmul FLOPs of the jaxpr's dot_generals, scan bodie
 length, over materialized logits' 6NHV; "-" where the matmuls are in Pallas kernels, which
 the jaxpr does not show), ms (median of `--repeats` after a warm-up call),
 ratios of ms to materialized and to vocab tiling, err (the largest difference of the loss, 512
-rows of d hidden and 512 columns of d weight from the first path's, over its largest value).
+rows of d hidden and 512 columns of d weight from the first path's, over its largest value),
+peak MiB (where the backend keeps memory statistics: the process's peak_bytes_in_use after the
+row ran, less the bytes in use once the inputs were allocated; a peak never falls, so it is the
+row's own only for a process's first row: `--paths NAME` runs one path, one process each).
 On a CPU the times are the CPU's (the smoke run checks that every path runs).
 """
 
@@ -205,10 +208,16 @@ def _sample(out) -> tuple[np.ndarray, ...]:
                                                      dw[:, :512]))
 
 
+def _bytes_in_use(key: str) -> int | None:
+    stats = jax.local_devices()[0].memory_stats()
+    return None if not stats or key not in stats else int(stats[key])
+
+
 def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: int = 5
                     ) -> dict[str, dict]:
-    """Print one table (args: tokens, dim, vocab, dtype, segments, fill, chunks, tiling_chunk);
-    -> name -> {"temp": bytes, "flops": matmul FLOPs, "ms": time (nan: not timed)}."""
+    """Print one table (args: tokens, dim, vocab, dtype, segments, fill, chunks, tiling_chunk,
+    paths: the rows to run, all when empty); -> name -> {"temp": bytes, "flops": matmul FLOPs,
+    "ms": time (nan: not timed), "peak": bytes or None}."""
     n, dim, vocab = args.tokens, args.dim, args.vocab
     dtype = jnp.dtype(args.dtype)
     batch, seq_len = (1, n) if n <= 32768 else (n // 32768, 32768)
@@ -222,7 +231,7 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
           f"free {free / MIB:,.0f} MiB  (value_and_grad in hidden and weight; 6NHV = "
           f"{6 * n * dim * vocab / 1e12:.2f} TFLOP)")
     header = (f"{'path':20} {'mode':>16} {'temp MiB':>10} {'/ 6NHV':>7} {'ms':>9} "
-              f"{'vs mat':>7} {'vs tiling':>9} {'err':>8}")
+              f"{'vs mat':>7} {'vs tiling':>9} {'err':>8} {'peak MiB':>9}")
     print(header)
     print("-" * len(header))
     inputs = None
@@ -236,8 +245,13 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
     fns = loss_head_fns(n, vocab, dtype, getattr(args, "chunks", ()),
                         getattr(args, "tiling_chunk", TILING_CHUNK),
                         getattr(args, "logits_dtypes", ()), **kw)
+    paths = getattr(args, "paths", None) or list(fns)
+    unknown = [p for p in paths if p not in fns]
+    if unknown:
+        raise SystemExit(f"Error: unknown --paths {unknown}; the paths: {list(fns)}")
+    base_in_use = _bytes_in_use("bytes_in_use")
     rows: dict[str, dict] = {}
-    for name, (loss, note) in fns.items():
+    for name, (loss, note) in ((p, fns[p]) for p in paths):
         if name == "materialized" and n * vocab * dtype.itemsize > free:
             print(f"{name:20} skipped: its {n * vocab * dtype.itemsize / MIB:,.0f} MiB of logits "
                   f"exceed the {free / MIB:,.0f} MiB free")
@@ -249,13 +263,15 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
             print(f"{name:20} failed to compile: {str(e).splitlines()[0][:120]}")
             continue
         row = {"temp": compiled.memory_analysis().temp_size_in_bytes,
-               "flops": matmul_flops(traced.jaxpr), "ms": float("nan")}
+               "flops": matmul_flops(traced.jaxpr), "ms": float("nan"), "peak": None}
         if inputs is not None:
             row["ms"] = time_call(compiled, *inputs, repeats=repeats)
             row["sample"] = _sample(compiled(*inputs))
             base = next(iter(rows.values()), row)["sample"]  # the first path measured
             row["err"] = max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
                              for a, b in zip(row["sample"], base))
+        peak = _bytes_in_use("peak_bytes_in_use")
+        row["peak"] = None if peak is None or base_in_use is None else peak - base_in_use
         rows[name] = row
         ratio = {base: row["ms"] / rows[base]["ms"] if base in rows else float("nan")
                  for base in ("materialized", "vocab tiling")}
@@ -263,7 +279,9 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
         print(f"{name:20} {note:>16} {row['temp'] / MIB:10.1f} "
               f"{flops:>7} {row['ms']:9.1f} "
               f"{ratio['materialized']:7.3f} {ratio['vocab tiling']:9.3f} "
-              f"{row.get('err', float('nan')):8.1e}", flush=True)
+              f"{row.get('err', float('nan')):8.1e} "
+              f"{'-' if row['peak'] is None else format(row['peak'] / MIB, ',.0f'):>9}",
+              flush=True)
     return rows
 
 
@@ -285,6 +303,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                         help="extra rows: auto, 1/4 budget and --chunks with the fused head's "
                         "logits_dtype (default: the input dtype)")
     parser.add_argument("--repeats", type=int, default=5, help="0: memory and FLOPs only")
+    parser.add_argument("--paths", nargs="*", default=[],
+                        help="only these rows, by name ('vocab tiling', 'seqpack auto', "
+                        "'seqpack C=2048', ...): one a process for its own peak memory")
     args = parser.parse_args(argv)
     sizes = [(args.tokens, args.dim, args.vocab)]
     if args.smoke:

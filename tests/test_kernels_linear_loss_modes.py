@@ -271,3 +271,15 @@ def test_benchmark_smoke():
     assert all(np.isfinite(r["ms"]) and r["temp"] > 0 for r in rows.values())
     assert all(r["err"] < 1e-5 for r in rows.values())  # f32: every path's loss and gradients
 
+    assert all(r["peak"] is None for r in rows.values())  # the CPU keeps no memory statistics
+
+
+def test_benchmark_runs_the_paths_named():
+    """--paths: only the rows named, in that order (one a process measures its own peak)."""
+    from benchmarks import loss_head
+
+    rows = loss_head.main(["--smoke", "--repeats", "0", "--chunks", "256",
+                           "--paths", "seqpack C=256", "vocab tiling"])
+    assert list(rows) == ["seqpack C=256", "vocab tiling"]
+    with pytest.raises(SystemExit, match="unknown --paths"):
+        loss_head.main(["--smoke", "--repeats", "0", "--paths", "seqpack C=256"])
