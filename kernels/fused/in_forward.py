@@ -20,9 +20,10 @@ segment's tokens): "segments"; 1: "none") and `u_s` its segment weight, token i 
 
 6NHV FLOPs (as materialized logits) with C x V logits live; C = N is materialized logits that are
 never stored. The first chunk's x_c^T @ d starts dw (no zeros written and read back), a scan
-adds the others'. Worked example, N = 1000 tokens, V = 32768, f32 logits, budget 64 MiB:
+adds the others'; the first chunk takes what the scan's equal chunks leave (at most C), so no
+token is padded. Worked example, N = 1000 tokens, V = 32768, f32 logits, budget 64 MiB:
 C x V x 4 <= 64 MiB gives C <= 512 (a multiple of CHUNK_MULTIPLE); two chunks of 500 tokens
-round up to 512, so N is padded to 1024 with 24 uncounted rows (zero hidden, c = 0).
+round up to 512: a first chunk of 488 tokens, then a scan over one of 512.
 
 custom_vjp with symbolic zeros: evaluated without differentiation it computes the values only;
 its fwd computes values and gradients (d hidden only if hidden is perturbed, d weight only if
@@ -202,10 +203,7 @@ def _sweep(cfg: InForward, hidden, weight, targets, counted, coef, want_dx=False
     x = jnp.where(counted[:, :, None], hidden, jnp.zeros((), hidden.dtype)).reshape(n, dim)
     t, c = targets.reshape(n), jnp.where(counted, coef, 0.0).reshape(n)
     chunks = -(-n // chunk)
-    pad = chunks * chunk - n
-    if pad:
-        x = jnp.pad(x, ((0, pad), (0, 0)))
-        t, c = jnp.pad(t, (0, pad), constant_values=-1), jnp.pad(c, (0, pad))
+    first = n - (chunks - 1) * chunk  # in (0, chunk]: chunk is at least n / chunks
     body = functools.partial(_chunk, w=weight, cfg=cfg, want_dx=want_dx, want_dw=want_dw)
     if chunks == 1:
         lse, tgt, dx, dw = body(x, t, c)
@@ -214,15 +212,16 @@ def _sweep(cfg: InForward, hidden, weight, targets, counted, coef, want_dx=False
             lse, tgt, dx, dw_c = body(*xs)
             return (None if dw is None else dw + dw_c), (lse, tgt, dx)
 
-        xs = (x.reshape(chunks, chunk, dim), t.reshape(chunks, chunk), c.reshape(chunks, chunk))
-        lse0, tgt0, dx0, dw = body(*(a[0] for a in xs))
+        lse0, tgt0, dx0, dw = body(x[:first], t[:first], c[:first])
         if dw is not None:
             dw = varying_carry(dw, hidden, weight, targets, coef)
-        dw, rest = lax.scan(step, dw, tuple(a[1:] for a in xs))
-        lse, tgt, dx = (None if r is None else jnp.concatenate([r0[None], r])
+        xs = (x[first:].reshape(chunks - 1, chunk, dim), t[first:].reshape(chunks - 1, chunk),
+              c[first:].reshape(chunks - 1, chunk))
+        dw, rest = lax.scan(step, dw, xs)
+        lse, tgt, dx = (None if r is None else jnp.concatenate([r0, r.reshape(-1, *r0.shape[1:])])
                         for r0, r in zip((lse0, tgt0, dx0), rest))
-    lse, tgt = (a.reshape(-1)[:n].reshape(batch, seq_len) for a in (lse, tgt))
-    dx = None if dx is None else dx.reshape(-1, dim)[:n].reshape(hidden.shape)
+    lse, tgt = (a.reshape(batch, seq_len) for a in (lse, tgt))
+    dx = None if dx is None else dx.reshape(hidden.shape)
     return lse, tgt, dx, None if dw is None else dw.astype(weight.dtype)
 
 
