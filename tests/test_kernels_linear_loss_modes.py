@@ -14,10 +14,10 @@ from seqpack import kernels
 from seqpack.kernels import reference
 from seqpack.kernels.fused import in_forward
 from tests.helpers.kernels import case, run, zero_padded
-from tests.test_kernels_linear_loss import NORMALIZE, XLA, V, _args, check
+from tests.test_kernels_linear_loss import NORMALIZE, XLA, V, _args, _fn, check
 
 # N = B * L = 200 tokens: "chunked" with a budget of 64 tokens' logits runs the smallest chunk,
-# 128 tokens: two chunks, the second padded with 56 uncounted rows.
+# 128 tokens: a first chunk of 72 tokens, then a scan over one of 128.
 MODES = {
     "logits": (("mode", "logits"),),
     "chunked": (("mode", "chunked"), ("max_logits_bytes", 4 * V * 64)),
@@ -199,6 +199,33 @@ def test_option_checks():
         f(hidden, weight, targets, offsets, lengths, max_logits_bytes=0)
     with pytest.raises(ValueError, match="segment_weights.shape"):
         f(hidden, weight, targets, offsets, lengths, segment_weights=w[:, :-1])
+
+
+@pytest.mark.parametrize("mode", ["chunked", "recompute", pytest.param("logits", marks=SLOW)])
+def test_float32_master_weight(mode):
+    """A float32 weight beside bf16 hidden (a master weight) is read in bf16: the values and d
+    hidden of the call on the weight cast first, d weight float32; where the forward forms d
+    weight (summed in float32) it comes back unrounded, else through the cast's transpose."""
+    hidden, weight, *rest = _args(np.random.default_rng(48), *case("mixed"), jnp.bfloat16)
+    master = np.asarray(weight, np.float32)
+    f = _fn("tokens", True, impl=MODES[mode])  # loss and per-segment cotangents both
+    narrow, wide = run(f, hidden, weight, *rest), run(f, hidden, master, *rest)
+    for name, a, b in zip(("loss", "per_segment_loss", "tokens", "dhidden"), wide, narrow):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-6, atol=1e-6, err_msg=name)
+    dw, dw_narrow = wide[4], np.asarray(narrow[4], np.float32)
+    assert dw.dtype == np.float32
+    np.testing.assert_allclose(dw, dw_narrow, rtol=0, atol=2**-8 * np.abs(dw).max())
+    rounded = np.asarray(jnp.asarray(dw).astype(jnp.bfloat16), np.float32) == dw
+    assert rounded.mean() < 0.5 if mode in IN_FORWARD else rounded.all()
+
+
+def test_only_a_float32_weight_may_differ_from_hidden():
+    hidden, weight, targets, offsets, lengths, _, _ = _args(np.random.default_rng(49),
+                                                           *case("mixed"))
+    with pytest.raises(ValueError, match="or be float32"):
+        kernels.segment_linear_cross_entropy(hidden, weight.astype(jnp.bfloat16), targets,
+                                             offsets, lengths)
 
 
 # -- memory: XLA's temporary bytes of value_and_grad, compiled (never run) on CPU ---------------

@@ -197,14 +197,16 @@ def _chunk(x, t, c, w, cfg: InForward, want_dx: bool, want_dw: bool):
 
 def _sweep(cfg: InForward, hidden, weight, targets, counted, coef, want_dx=False, want_dw=False):
     """Every chunk -> lse, tgt f32[B, L], dx hidden.dtype[B, L, H], dw weight.dtype[H, V] (None
-    when not wanted)."""
+    when not wanted). A float32 weight beside narrower hidden (a master weight) is read in
+    hidden's dtype, and its gradient, summed in float32, is returned unrounded."""
     batch, seq_len, dim = hidden.shape
     n, chunk = batch * seq_len, cfg.chunk
     x = jnp.where(counted[:, :, None], hidden, jnp.zeros((), hidden.dtype)).reshape(n, dim)
     t, c = targets.reshape(n), jnp.where(counted, coef, 0.0).reshape(n)
     chunks = -(-n // chunk)
     first = n - (chunks - 1) * chunk  # in (0, chunk]: chunk is at least n / chunks
-    body = functools.partial(_chunk, w=weight, cfg=cfg, want_dx=want_dx, want_dw=want_dw)
+    body = functools.partial(_chunk, w=weight.astype(hidden.dtype), cfg=cfg, want_dx=want_dx,
+                             want_dw=want_dw)
     if chunks == 1:
         lse, tgt, dx, dw = body(x, t, c)
     else:  # the first chunk starts d weight (no zeros written and read), a scan does the rest
@@ -275,9 +277,10 @@ def _head_bwd(cfg, residuals, cotangents):
         flat = lambda a: a.reshape(batch * seq_len)  # noqa: E731
         st = Blockwise(min(cfg.fallback_block_vocab, -(-weight.shape[1] // 128) * 128),
                        cfg.softcap)
-        rx, rw = backward(x.reshape(-1, dim), weight, flat(targets), flat(lse),
-                          flat(g_tok * (1.0 + 2.0 * cfg.z_loss * lse)), flat(-g_tok), st)
-        rx = rx.reshape(hidden.shape)
+        rx, rw = backward(x.reshape(-1, dim), weight.astype(hidden.dtype), flat(targets),
+                          flat(lse), flat(g_tok * (1.0 + 2.0 * cfg.z_loss * lse)), flat(-g_tok),
+                          st)
+        rx, rw = rx.reshape(hidden.shape), rw.astype(weight.dtype)
         d_hidden = rx if d_hidden is None else d_hidden + rx
         d_weight = rw if d_weight is None else d_weight + rw
     return d_hidden, d_weight, d_segw, None, None, None, None

@@ -76,10 +76,10 @@ def _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask,
             want = "[B, L, H]" if ndim == 3 else "[H, V]"
             raise ValueError(f"{name}.shape={arr.shape} dtype={arr.dtype} must be float {want} "
                              "(float32, bfloat16 or float16)")
-    if weight.dtype != hidden.dtype:
-        raise ValueError(f"weight.dtype={weight.dtype} must equal hidden.dtype={hidden.dtype}: "
-                         "cast the projection to the compute dtype first (the matmuls take both "
-                         "as they are and accumulate in float32)")
+    if weight.dtype != hidden.dtype and weight.dtype != jnp.float32:
+        raise ValueError(f"weight.dtype={weight.dtype} must equal hidden.dtype={hidden.dtype} "
+                         "or be float32 (a master weight, read in hidden's dtype): cast the "
+                         "projection to the compute dtype first")
     if weight.shape[0] != hidden.shape[2]:
         raise ValueError(f"weight.shape={weight.shape} must be [H, V] with H={hidden.shape[2]} "
                          f"(hidden.shape={hidden.shape}); pass the output projection as [H, V]")
@@ -153,7 +153,7 @@ def _vocab_parallel_terms(hidden, weight, targets, counted, axis: str, terms):
     "mode", "max_logits_bytes", "logits_dtype"))
 def segment_linear_cross_entropy(
     hidden: jax.Array,  # f[B, L, H]
-    weight: jax.Array,  # f[H, V] (with vocab_axis: this shard's [H, V / P])
+    weight: jax.Array,  # f[H, V] (with vocab_axis: this shard's [H, V / P]); hidden's dtype or f32
     targets: jax.Array,  # int[B, L], ids in [0, V) or negative (-100: not counted)
     segment_offsets: jax.Array,  # int[B, S]
     segment_lengths: jax.Array,  # int[B, S]
@@ -176,7 +176,9 @@ def segment_linear_cross_entropy(
 
     Logits are `c * tanh(x / c)` with `logit_softcap=c` (Gemma 2). `segment_weights`: each
     segment's weight in `loss` (per_segment_loss stays unweighted); per dataset, e.g.
-    `dataset_weight[segment_dataset_id]`. `mode` (LossHeadMode): "logits" (all logits at once,
+    `dataset_weight[segment_dataset_id]`. A float32 `weight` beside narrower `hidden` (a master
+    weight) is read in hidden's dtype; its gradient is float32, and unrounded where the forward
+    forms it ("logits", "chunked"). `mode` (LossHeadMode): "logits" (all logits at once,
     gradients in the forward), "chunked" (the same over token chunks whose logits fit
     `max_logits_bytes`), "recompute" (the backward recomputes), "auto": the first of those that
     fits `max_logits_bytes` (the stored logits' bytes; None: two thirds of the device's free
@@ -210,7 +212,7 @@ def segment_linear_cross_entropy(
         raise ValueError(f"logits_dtype={logits_dtype} must be float32, bfloat16 or float16")
     mode, chunk = choose(mode, hidden.shape[0] * hidden.shape[1], weight.shape[1],
                          max_logits_bytes, logits_dtype.itemsize)
-    if mode is not LossHeadMode.RECOMPUTE:
+    if mode is not LossHeadMode.RECOMPUTE:  # a float32 master weight: in_forward casts it
         local = targets
         if vocab_axis is not None:
             hidden, local = _shard(hidden, weight, targets, vocab_axis)
@@ -220,6 +222,7 @@ def segment_linear_cross_entropy(
                         getattr(blocks, "block_vocab", 512), logits_dtype.name)
         return head(cfg, hidden, weight, weights, local, counted, segment_offsets,
                     segment_lengths)
+    weight = weight.astype(hidden.dtype)  # a float32 master weight: its gradient through the cast
     terms = functools.partial(_local_terms, offsets=segment_offsets, lengths=segment_lengths,
                               impl=impl, blocks=blocks, softcap=softcap, interpret=interpret)
     if vocab_axis is None:
