@@ -26,6 +26,7 @@ rows of d hidden and 512 columns of d weight from the first path's, over its lar
 peak MiB (where the backend keeps memory statistics: the process's peak_bytes_in_use after the
 row ran, less the bytes in use once the inputs were allocated; a peak never falls, so it is the
 row's own only for a process's first row: `--paths NAME` runs one path, one process each).
+`--profile`: after the table, each timed path's device time by XLA op (benchmarks/profile.py).
 On a CPU the times are the CPU's (the smoke run checks that every path runs).
 """
 
@@ -40,7 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks.common import print_table
 from benchmarks.kernels_bench import MIB, Sizes, make_inputs, time_call
+from benchmarks.profile import profile_ops
 from seqpack import kernels
 from seqpack.kernels import reference
 from seqpack.kernels.fused import in_forward
@@ -251,6 +254,7 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
         raise SystemExit(f"Error: unknown --paths {unknown}; the paths: {list(fns)}")
     base_in_use = _bytes_in_use("bytes_in_use")
     rows: dict[str, dict] = {}
+    profiles = []
     for name, (loss, note) in ((p, fns[p]) for p in paths):
         if name == "materialized" and n * vocab * dtype.itemsize > free:
             print(f"{name:20} skipped: its {n * vocab * dtype.itemsize / MIB:,.0f} MiB of logits "
@@ -270,8 +274,11 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
             base = next(iter(rows.values()), row)["sample"]  # the first path measured
             row["err"] = max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
                              for a, b in zip(row["sample"], base))
-        peak = _bytes_in_use("peak_bytes_in_use")
-        row["peak"] = None if peak is None or base_in_use is None else peak - base_in_use
+            peak = _bytes_in_use("peak_bytes_in_use")
+            row["peak"] = None if peak is None or base_in_use is None else peak - base_in_use
+            if getattr(args, "profile", False):
+                profiles.append((name, profile_ops(lambda _, b, c=compiled: c(*b), None,
+                                                   [inputs] * 3, args.top)))
         rows[name] = row
         ratio = {base: row["ms"] / rows[base]["ms"] if base in rows else float("nan")
                  for base in ("materialized", "vocab tiling")}
@@ -282,6 +289,10 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
               f"{row.get('err', float('nan')):8.1e} "
               f"{'-' if row['peak'] is None else format(row['peak'] / MIB, ',.0f'):>9}",
               flush=True)
+    for name, (by_cat, table) in profiles:
+        print_table(f"profile: {name} (device ms a call, exclusive)", ["category", "ms", "share"],
+                    by_cat)
+        print_table(f"profile: {name}: top ops", ["op", "ms", "share"], table)
     return rows
 
 
@@ -303,6 +314,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                         help="extra rows: auto, 1/4 budget and --chunks with the fused head's "
                         "logits_dtype (default: the input dtype)")
     parser.add_argument("--repeats", type=int, default=5, help="0: memory and FLOPs only")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the table: each path's device time by XLA op")
+    parser.add_argument("--top", type=int, default=12, help="ops listed by --profile")
     parser.add_argument("--paths", nargs="*", default=[],
                         help="only these rows, by name ('vocab tiling', 'seqpack auto', "
                         "'seqpack C=2048', ...): one a process for its own peak memory")

@@ -303,12 +303,16 @@ def test_benchmark_smoke():
     assert all(r["peak"] is None for r in rows.values())  # the CPU keeps no memory statistics
 
 
-def test_benchmark_runs_the_paths_named():
-    """--paths: only the rows named, in that order (one a process measures its own peak)."""
+def test_benchmark_runs_the_paths_named(capsys):
+    """--paths: only the rows named, in that order (one a process measures its own peak);
+    --profile: each one's device time by op after the table."""
     from benchmarks import loss_head
 
-    rows = loss_head.main(["--smoke", "--repeats", "0", "--chunks", "256",
+    rows = loss_head.main(["--smoke", "--repeats", "1", "--chunks", "256", "--profile",
                            "--paths", "seqpack C=256", "vocab tiling"])
     assert list(rows) == ["seqpack C=256", "vocab tiling"]
+    out = capsys.readouterr().out
+    assert out.index("profile: seqpack C=256") < out.index("profile: vocab tiling")
+    assert out.count("all device ops") == 2
     with pytest.raises(SystemExit, match="unknown --paths"):
         loss_head.main(["--smoke", "--repeats", "0", "--paths", "seqpack C=256"])
