@@ -33,7 +33,8 @@ On a CPU the times are the CPU's (the smoke run checks that every path runs).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.extend
@@ -57,21 +58,25 @@ SMOKE = (512, 64, 1000)
 TILING_CHUNK = 4096  # MaxText's vocab tiling: tokens per chunk
 
 
+def sub_jaxprs(jaxpr, times: int = 1) -> Iterator[tuple[Any, int]]:
+    """(jaxpr, times run) of a closed jaxpr's own jaxpr and all its sub-jaxprs (scan bodies run
+    `length` times)."""
+    jx = getattr(jaxpr, "jaxpr", jaxpr)
+    yield jx, times
+    for eqn in jx.eqns:
+        inner = times * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from sub_jaxprs(sub, inner)
+
+
 def jaxpr_values(jaxpr) -> list[tuple[tuple[int, ...], int]]:
     """(shape, times run) of every value in a closed jaxpr and all its sub-jaxprs (scan bodies
     count `length` times), inputs and outputs included."""
     out = []
-
-    def walk(jx, times):
+    for jx, times in sub_jaxprs(jaxpr):
         out.extend((tuple(v.aval.shape), times) for v in (*jx.invars, *jx.outvars)
                    if hasattr(v, "aval") and hasattr(v.aval, "shape"))
-        for eqn in jx.eqns:
-            out.extend((tuple(v.aval.shape), times) for v in eqn.outvars)
-            inner = times * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub, inner)
-
-    walk(jaxpr.jaxpr, 1)
+        out.extend((tuple(v.aval.shape), times) for eqn in jx.eqns for v in eqn.outvars)
     return out
 
 
@@ -79,20 +84,13 @@ def matmul_flops(jaxpr) -> float:
     """2 * M * N * K of every dot_general, scan bodies times their length (XLA's cost_analysis
     counts a loop body once)."""
     total = 0.0
-
-    def walk(jx, times):
-        nonlocal total
+    for jx, times in sub_jaxprs(jaxpr):
         for eqn in jx.eqns:
             if eqn.primitive.name == "dot_general":
                 (contract, _), _ = eqn.params["dimension_numbers"]  # lhs contracting dims
                 lhs = eqn.invars[0].aval.shape
                 k = int(np.prod([lhs[d] for d in contract]))
                 total += times * 2.0 * k * int(np.prod(eqn.outvars[0].aval.shape))
-            inner = times * (eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1)
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub, inner)
-
-    walk(jaxpr.jaxpr, 1)
     return total
 
 

@@ -299,7 +299,6 @@ def test_benchmark_smoke():
     assert {"materialized", "vocab tiling", "seqpack auto", "seqpack recompute"} <= set(rows)
     assert all(np.isfinite(r["ms"]) and r["temp"] > 0 for r in rows.values())
     assert all(r["err"] < 1e-5 for r in rows.values())  # f32: every path's loss and gradients
-
     assert all(r["peak"] is None for r in rows.values())  # the CPU keeps no memory statistics
 
 
