@@ -15,72 +15,24 @@ from hypothesis import strategies as st
 from seqpack.packer import PackConfig
 from seqpack.packer.mixing import ShortfallMixer, make_stages
 from seqpack.pipelines.datasets import (
-    ArraySource,
     Batching,
     Mixture,
-    PackIterDataset,
     Prefetch,
     Window,
     make_training_pipeline,
 )
 from seqpack.pipelines.errors import InputError
+from tests.helpers.mixtures import (
+    checked_segments,
+    example_lengths,
+    named_sources,
+    packed_tokens,
+    packing,
+)
 from tests.helpers.pipelines import (
     assert_rows_equal,
     check_restore_every_step,
-    random_lengths,
-    sft_corpus,
-    sft_source,
 )
-
-NAMES = ("a", "b", "c")
-
-
-def _sources(ns=(60, 30), highs=(12, 72), seed=0, sft=False):
-    """Datasets whose tokens name them: dataset d's example i holds (d + 1) * 10**6 + i * 1000
-    + position (so a row's tokens can be checked against the reference they carry)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for d, (n, high) in enumerate(zip(ns, highs)):
-        lengths = random_lengths(rng, n, high=high)
-        offsets = np.concatenate(([0], np.cumsum(lengths)))
-        ex = np.repeat(np.arange(n), lengths)
-        values = (d + 1) * 10**6 + ex * 1000 + (np.arange(offsets[-1]) - offsets[ex])
-        if sft:
-            _, _, labels, mask = sft_corpus(lengths, seed=seed + d)
-            out[NAMES[d]] = sft_source(values, offsets, labels, mask)
-        else:
-            out[NAMES[d]] = ArraySource.from_ragged(values, offsets)
-    return out
-
-
-def _segments(rows):
-    """(dataset, index, start, length) of every used slot, checked against the row's tokens."""
-    out = []
-    for r in rows:
-        for j, (d, i, s, n, o) in enumerate(zip(
-                r["segment_dataset_id"], r["segment_source_index"], r["segment_source_start"],
-                r["tokens_segment_lengths"], r["tokens_segment_offsets"])):
-            if n == 0:
-                assert d == -1 and i == -1, (j, d, i)
-                continue
-            want = (d + 1) * 10**6 + i * 1000 + s + np.arange(n)
-            np.testing.assert_array_equal(r["tokens"][o:o + n], want)
-            out.append((int(d), int(i), int(s), int(n)))
-    return out
-
-
-def _examples(rows):
-    """(dataset, index) -> tokens packed of it."""
-    c: Counter = Counter()
-    for d, i, _, n in _segments(rows):
-        c[(d, i)] += n
-    return c
-
-
-def _full(sources):
-    return {(d, i): len(src[i]["tokens"]) for d, src in enumerate(sources.values())
-            for i in range(len(src))}
-
 
 # ---- the rule ------------------------------------------------------------------------------
 
@@ -132,7 +84,7 @@ def test_a_schedule_switches_at_its_start_and_counts_from_there():
 
 
 def test_bad_weights_and_options_say_what_is_wrong():
-    src = _sources()
+    src = named_sources()
     with pytest.raises(ValueError, match=r"miss \['b'\]"):
         Mixture(src, weights={"a": 1})
     with pytest.raises(ValueError, match=r"name \['z'\]"):
@@ -153,7 +105,7 @@ def test_bad_weights_and_options_say_what_is_wrong():
 
 @pytest.mark.parametrize("unit", ["tokens", "loss_tokens", "examples"])
 def test_the_stream_holds_the_shares_in_its_unit(unit):
-    src = _sources(ns=(400, 400), highs=(10, 60), sft=True)
+    src = named_sources(ns=(400, 400), highs=(10, 60), sft=True)
     mix = Mixture(src, weights={"a": 0.25, "b": 0.75}, unit=unit, labels="labels",
                   on_exhausted="repeat", num_epochs=None)
     it = iter(mix)
@@ -172,7 +124,7 @@ def test_the_stream_holds_the_shares_in_its_unit(unit):
 
 
 def test_exhaustion_stop_continue_repeat():
-    src = _sources(ns=(20, 200), highs=(10, 10))
+    src = named_sources(ns=(20, 200), highs=(10, 10))
     stream = lambda **kw: list(iter(Mixture(src, weights={"a": 1, "b": 1}, unit="examples",
                                             **kw)))
     stop = stream(on_exhausted="stop")
@@ -191,23 +143,18 @@ def test_exhaustion_stop_continue_repeat():
 
 # ---- rows ----------------------------------------------------------------------------------
 
-def _pack(mix, L=128, window=16):
-    return PackIterDataset(mix, PackConfig(L, max_segments=8, overflow="split"),
-                           window=Window(window, window_rows=4))
-
-
 def test_rows_name_each_segments_dataset_and_index():
-    src = _sources()
-    rows = list(_pack(Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="continue")))
+    src = named_sources()
+    rows = list(packing(Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="continue")))
     assert rows[0]["segment_dataset_id"].dtype == np.int32
     assert rows[0]["segment_source_index"].dtype == np.int64
-    assert _examples(rows) == _full(src)  # every token of every example, once
+    assert packed_tokens(rows) == example_lengths(src)  # every token of every example, once
 
 
 @pytest.mark.parametrize("unit", ["tokens", "examples"])
 def test_restore_at_every_step_under_the_same_weights(unit):
-    src = _sources()
-    ds = _pack(Mixture(src, weights={"a": 2, "b": 1}, unit=unit, on_exhausted="continue"))
+    src = named_sources()
+    ds = packing(Mixture(src, weights={"a": 2, "b": 1}, unit=unit, on_exhausted="continue"))
     rows = check_restore_every_step(lambda: iter(ds))
     assert len(rows) > 10
 
@@ -215,8 +162,8 @@ def test_restore_at_every_step_under_the_same_weights(unit):
 def test_restore_at_every_step_across_a_schedules_switch():
     """The window where the next stage starts is planned in two parts (the state's "cuts"):
     a restore at every step plans it in the same parts."""
-    src = _sources()
-    ds = _pack(Mixture(src, schedule=[(0, {"a": 3, "b": 1}), (600, {"a": 1, "b": 3})],
+    src = named_sources()
+    ds = packing(Mixture(src, schedule=[(0, {"a": 3, "b": 1}), (600, {"a": 1, "b": 3})],
                        on_exhausted="repeat"))
     it = iter(ds)
     states = [it.get_state() for _ in zip(range(30), it)]
@@ -227,19 +174,19 @@ def test_restore_at_every_step_across_a_schedules_switch():
 
 @pytest.mark.parametrize("policy", ["continue", "stop"])
 def test_edited_weights_at_every_step_repeat_and_lose_nothing(policy):
-    src = _sources()
-    old = _pack(Mixture(src, weights={"a": 1, "b": 1}, on_exhausted=policy))
-    new = _pack(Mixture(src, weights={"a": 1, "b": 4}, on_exhausted=policy))
+    src = named_sources()
+    old = packing(Mixture(src, weights={"a": 1, "b": 1}, on_exhausted=policy))
+    new = packing(Mixture(src, weights={"a": 1, "b": 4}, on_exhausted=policy))
     it = iter(old)
     states, rows = [it.get_state()], []
     for row in it:
         rows.append(row)
         states.append(json.loads(json.dumps(it.get_state())))
-    full = _full(src)
+    full = example_lengths(src)
     for step, state in enumerate(states):
         resumed = iter(new)
         resumed.set_state(state)
-        got = _examples(rows[:step] + list(resumed))
+        got = packed_tokens(rows[:step] + list(resumed))
         if policy == "continue":
             assert got == full, step  # every example of every dataset once
         else:
@@ -250,8 +197,8 @@ def test_after_edited_weights_split_pieces_are_planned_again_and_restores_stay_e
     """Under edited weights the pieces not yet emitted (split ones too: L = 40 < 72) are
     planned again with the new draws: every token once; and a state of the resumed run
     restores exactly at every step."""
-    src = _sources()
-    make = lambda w: _pack(Mixture(src, weights=w, on_exhausted="continue"), L=40)  # noqa: E731
+    src = named_sources()
+    make = lambda w: packing(Mixture(src, weights=w, on_exhausted="continue"), L=40)  # noqa: E731
     it = iter(make({"a": 1, "b": 1}))
     rows = [next(it) for _ in range(9)]
     state = json.loads(json.dumps(it.get_state()))
@@ -262,13 +209,13 @@ def test_after_edited_weights_split_pieces_are_planned_again_and_restores_stay_e
         r.set_state(state)
         return r
 
-    assert _examples(rows + list(resumed())) == _full(src)
+    assert packed_tokens(rows + list(resumed())) == example_lengths(src)
     assert len(check_restore_every_step(resumed)) > 10
 
 
 def test_edited_weights_take_hold_from_the_restored_point():
-    src = _sources(ns=(1500, 1500), highs=(20, 20))
-    make = lambda w: _pack(Mixture(src, weights=w, unit="tokens", on_exhausted="continue"))
+    src = named_sources(ns=(1500, 1500), highs=(20, 20))
+    make = lambda w: packing(Mixture(src, weights=w, unit="tokens", on_exhausted="continue"))
     it = iter(make({"a": 1, "b": 1}))
     for _ in range(8):
         next(it)
@@ -280,27 +227,27 @@ def test_edited_weights_take_hold_from_the_restored_point():
     after = resumed.counters["datasets"]
     since = [after[n]["tokens"] - t for n, t in zip("ab", drawn_before)]
     assert abs(since[1] / sum(since) - 0.75) < 0.03, since  # drawn since the restore
-    tok = np.array([[sum(n for d, _, _, n in _segments([r]) if d == k) for k in (0, 1)]
+    tok = np.array([[sum(n for d, _, _, n in checked_segments([r]) if d == k) for k in (0, 1)]
                     for r in rows[20:]])  # rows of windows drawn after it
     assert abs(tok[:, 1].sum() / tok.sum() - 0.75) < 0.03, tok.sum(0)
 
 
 def test_restore_refuses_other_datasets_with_the_difference_named():
-    src = _sources()
-    it = iter(_pack(Mixture(src, weights={"a": 1, "b": 1})))
+    src = named_sources()
+    it = iter(packing(Mixture(src, weights={"a": 1, "b": 1})))
     next(it)
     state = it.get_state()
     other = dict(src, c=src["a"])
     with pytest.raises(InputError, match=r"the mixture has \['c'\]"):
-        iter(_pack(Mixture(other, weights={"a": 1, "b": 1, "c": 1}))).set_state(state)
+        iter(packing(Mixture(other, weights={"a": 1, "b": 1, "c": 1}))).set_state(state)
     swapped = {"b": src["b"], "a": src["a"]}
     with pytest.raises(InputError, match="another order"):
-        iter(_pack(Mixture(swapped, weights={"a": 1, "b": 1}))).set_state(state)
+        iter(packing(Mixture(swapped, weights={"a": 1, "b": 1}))).set_state(state)
     shorter = {"a": src["a"][:50], "b": src["b"]}
     with pytest.raises(InputError, match="'a' holds 50 examples but held 60"):
-        iter(_pack(Mixture(shorter, weights={"a": 1, "b": 1}))).set_state(state)
+        iter(packing(Mixture(shorter, weights={"a": 1, "b": 1}))).set_state(state)
     with pytest.raises(InputError, match="shard"):
-        iter(_pack(Mixture(src, weights={"a": 1, "b": 1}, shard_index=0, shard_count=2))
+        iter(packing(Mixture(src, weights={"a": 1, "b": 1}, shard_index=0, shard_count=2))
              ).set_state(state)
 
 
@@ -319,19 +266,19 @@ def _unbatch(batches):
 
 
 def test_hosts_share_every_example_once():
-    src = _sources()
+    src = named_sources()
     mix = Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="continue")
     got: Counter = Counter()
     for h in range(2):
         rows = _unbatch(list(_pipeline(mix, shard=(h, 2))))
         assert all("segment_dataset_id" in r for r in rows)
-        got += _examples(rows)
-    assert got == _full(src)
+        got += packed_tokens(rows)
+    assert got == example_lengths(src)
 
 
 @pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_pipeline_resume_with_edited_weights(workers):
-    src = _sources()
+    src = named_sources()
     old = Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="continue")
     new = Mixture(src, weights={"a": 3, "b": 1}, on_exhausted="continue")
     it = iter(_pipeline(old, workers=workers))
@@ -340,7 +287,7 @@ def test_pipeline_resume_with_edited_weights(workers):
         full.append(b)
         states.append(json.loads(json.dumps(it.get_state())))
     it.close()
-    assert _examples(_unbatch(full)) == _full(src)
+    assert packed_tokens(_unbatch(full)) == example_lengths(src)
     for n, state in enumerate(states[:-1]):  # a resume at every step
         if not workers or n in (1, len(full) // 2):  # (and the old weights' exact tail)
             same = iter(_pipeline(old, workers=workers))
@@ -349,13 +296,13 @@ def test_pipeline_resume_with_edited_weights(workers):
             same.close()
         resumed = iter(_pipeline(new, workers=workers))
         resumed.set_state(state)
-        got = _examples(_unbatch(full[:n] + list(resumed)))
+        got = packed_tokens(_unbatch(full[:n] + list(resumed)))
         resumed.close()
-        assert got == _full(src), n
+        assert got == example_lengths(src), n
 
 
 def test_mixture_is_a_grain_dataset_with_worker_slices():
-    src = _sources()
+    src = named_sources()
     mix = Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="continue")
     assert isinstance(mix, grain.IterDataset)
     seen: Counter = Counter()
@@ -365,111 +312,3 @@ def test_mixture_is_a_grain_dataset_with_worker_slices():
         seen += Counter((0 if e["tokens"][0] < 2 * 10**6 else 1, int(e["tokens"][0]) % 10**6)
                         for e in part)
     assert sum(seen.values()) == 90 and max(seen.values()) == 1
-
-
-# ---- the rows' order and what the packer holds ---------------------------------------------
-
-@settings(max_examples=40, deadline=None)
-@given(st.integers(3, 60), st.integers(2, 4), st.integers(0, 2**16))
-def test_balanced_order_is_a_permutation_whose_prefixes_track_the_shares(R, K, seed):
-    from seqpack.pipelines.datasets.mixing import balanced_order
-
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(0, 100, (R, K)) * (rng.random((R, K)) < 0.6)
-    shuffled = rng.permutation(R).tolist()
-    order = balanced_order(tokens, shuffled)
-    assert sorted(order) == list(range(R))
-    if tokens.sum() == 0:
-        return
-    share = tokens.sum(0) / tokens.sum()
-    run = np.cumsum(tokens[order], axis=0)
-    gap = np.abs(run - share * run.sum(1, keepdims=True)).max()
-    naive = np.abs(np.cumsum(tokens[shuffled], axis=0)
-                   - share * np.cumsum(tokens[shuffled], axis=0).sum(1, keepdims=True)).max()
-    assert gap <= max(naive, 2 * tokens.sum(1).max())  # never worse than one row's worth twice
-
-
-def test_a_state_restores_its_counts_and_ignores_an_older_states_held_units():
-    mixer = ShortfallMixer(make_stages(["a", "b"], {"a": 1, "b": 1}))
-    for _ in range(10):
-        mixer.add(mixer.pick(), 10)
-    assert mixer.consumed == [50, 50]
-    assert mixer.pick() == 0  # a tie goes to the first
-    mixer.add(0, 10)
-    assert mixer.pick() == 1
-    state = json.loads(json.dumps(mixer.get_state()))
-    assert "held" not in state
-    again = ShortfallMixer(make_stages(["a", "b"], {"a": 1, "b": 1}))
-    assert again.set_state({**state, "held": [40, 0]}) is False  # same weights, same stage
-    assert again.consumed == [60, 50] and again.pick() == 1
-
-
-@pytest.mark.parametrize("seed", [2, 3])
-def test_rows_that_leave_hold_the_weights_through_the_run(seed):
-    """Few open rows over a mixture (a window's worth swing these batches several times
-    further off)."""
-    src = _sources(ns=(3000, 400), highs=(40, 400), seed=seed)
-    rows = list(_pack(Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="stop"), L=512,
-                      window=64))
-    tok = np.array([[sum(n for d, _, _, n in _segments([r]) if d == k) for k in (0, 1)]
-                    for r in rows], float)
-    per = [tok[i:i + 32, 0].sum() / tok[i:i + 32].sum() for i in range(0, len(rows) - 32, 32)]
-    middle = np.array(per[1:-2])  # the open rows leave last, as they are
-    assert np.abs(middle - 0.5).max() < 0.06, per
-    assert abs(tok[:, 0].sum() / tok.sum() - 0.5) < 0.005  # and the whole run holds the weights
-
-
-def test_an_over_length_example_is_named_by_its_dataset_and_index():
-    src = _sources(ns=(20, 20), highs=(10, 300), seed=1)
-    ds = PackIterDataset(Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="continue"),
-                         PackConfig(128), window=Window(64))
-    with pytest.raises(InputError, match=r"dataset 'b' example (\d+) has length (\d+) > seq_"
-                       ) as e:
-        list(ds)
-    import re
-
-    index, length = map(int, re.search(r"example (\d+) has length (\d+)", str(e.value)).groups())
-    assert len(src["b"][index]["tokens"]) == length > 128
-
-
-@settings(max_examples=25, deadline=None)
-@given(st.lists(st.integers(1, 60), min_size=2, max_size=3), st.lists(st.integers(1, 5),
-       min_size=3, max_size=3), st.sampled_from(["tokens", "examples"]), st.integers(0, 2**16))
-def test_a_packed_mixture_conserves_every_token_once(ns, weights, unit, seed):
-    """Every example of every dataset once (continue), each segment its example's tokens in
-    order (checked by `_segments`), capacity and segment cap held, the same rows for a seed."""
-    src = _sources(ns=tuple(ns), highs=(20, 90, 200)[:len(ns)], seed=seed)
-    w = dict(zip(src, weights))
-    make = lambda: _pack(Mixture(src, weights=w, unit=unit, on_exhausted="continue",  # noqa: E731
-                                 seed=seed), L=64, window=8)
-    rows = list(make())
-    assert _examples(rows) == _full(src)
-    for r in rows:
-        assert r["tokens_segment_lengths"].sum() <= 64
-        assert (r["tokens_segment_lengths"] > 0).sum() <= 8
-    assert_rows_equal(list(make()), rows)
-
-
-def test_open_rows_default_to_few_over_a_mixture():
-    from seqpack.pipelines.datasets.layouts import MIXED_OPEN_ROWS
-
-    src = _sources()
-    mix = Mixture(src, weights={"a": 1, "b": 1})
-    assert PackIterDataset(mix, PackConfig(128)).open_rows == MIXED_OPEN_ROWS
-    assert PackIterDataset(mix, PackConfig(128), window=Window(open_rows=0)).open_rows == 0
-    plain = PackIterDataset(grain.MapDataset.source([{"tokens": np.arange(3)}]).to_iter_dataset(),
-                            PackConfig(128))
-    assert plain.open_rows is None  # the planner's default: the window
-    assert iter(_pack(mix)).get_state()["phase"] == "start"
-    with pytest.raises(ValueError, match="open_rows=-1"):
-        Window(open_rows=-1)
-
-
-def test_the_references_held_stay_bounded_over_a_long_run():
-    """The (dataset, index) table keeps only the windows open rows still need, as the held
-    tokens do: not one entry per window read."""
-    src = _sources(ns=(3000, 3000), highs=(20, 20))
-    it = iter(_pack(Mixture(src, weights={"a": 1, "b": 1}, on_exhausted="continue")))
-    held = [len(it._refs.windows) for _ in it]
-    windows_read = it._next_id // 16
-    assert windows_read > 300 and max(held) <= 20, (windows_read, max(held))
