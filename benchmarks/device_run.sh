@@ -6,8 +6,8 @@
 #      kernel apart (unfused), against splash attention with segment ids, 512 blocks: MaxText's
 #      way);
 #   2. the loss head's modes against materialized logits and MaxText-style vocab tiling
-#      (benchmarks/loss_head.py --preset all: the issue's three sizes, bf16); loss_head_peak:
-#      at N = 65,536 each path's own peak memory, one process a path;
+#      (benchmarks/loss_head.py --preset all: the issue's three sizes, bf16); loss_head_need:
+#      at N = 65,536 the least free memory each path runs in (--need);
 #   3. the training step (benchmarks/train_step.py: padded rows, MaxText's way, seqpack's
 #      defaults, and at 8192 seqpack with materialized logits: its loss head in the step) at
 #      L=8192 and 32768, both RoPE styles;
@@ -23,7 +23,7 @@
 #                                       # in lockstep with the loss plot (--smoke --train: tiny)
 #   benchmarks/device_run.sh --only attention,loss_head,train_step
 #   benchmarks/device_run.sh --only train_step_32k,device_tests
-#   benchmarks/device_run.sh --only loss_head_peak
+#   benchmarks/device_run.sh --only loss_head_need
 #                                       # the whole TPU run (~18 minutes on a v5e) in three
 #                                       # calls of a device tool with a 10-minute limit
 #
@@ -45,9 +45,9 @@ set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 smoke=""
 train=""
-only=""  # --only NAME[,NAME...]: the steps to run (attention, kernels, loss_head, loss_head_peak,
+only=""  # --only NAME[,NAME...]: the steps to run (attention, kernels, loss_head, loss_head_need,
          # train_step, train_step_32k, device_tests); all when empty
-steps_named="attention,kernels,loss_head,loss_head_peak,train_step,train_step_32k,device_tests"
+steps_named="attention,kernels,loss_head,loss_head_need,train_step,train_step_32k,device_tests"
 while (($#)); do
   case "$1" in
     --smoke) smoke="--smoke" ;;
@@ -145,13 +145,6 @@ step() {  # step NAME COMMAND...: runs one step (if --only names it), reports a 
   echo "== $*"
   "${@:2}" || { echo "== FAILED ($?): $1"; failed=1; }
 }
-peaks() {  # peaks ARGS...: loss_head ARGS, one process a path (a process's peak never falls)
-  local path
-  for path in "vocab tiling" "seqpack auto" "seqpack C=2048" "seqpack C=3072" \
-              "seqpack recompute"; do
-    "$python" -m benchmarks.loss_head "$@" --chunks 2048 3072 --paths "$path" || return
-  done
-}
 {
   backend="$("$python" -c 'import jax; print(jax.default_backend())')"
   if [[ -n "$train" ]]; then
@@ -164,14 +157,15 @@ peaks() {  # peaks ARGS...: loss_head ARGS, one process a path (a process's peak
   if [[ -n "$smoke" ]]; then
     step attention "$python" -m benchmarks.attention_bench --smoke --data "$data"
     step loss_head "$python" -m benchmarks.loss_head --smoke --repeats 1
-    step loss_head_peak peaks --smoke --repeats 1
+    step loss_head_need "$python" -m benchmarks.loss_head --smoke --repeats 1 --need
     step train_step "$python" -m benchmarks.train_step --smoke --data "$data"
   elif [[ "$backend" == "tpu" ]]; then
     step attention "$python" -m benchmarks.attention_bench --data "$data" --seq-lens 8192 \
       --blocks 512,1024 --batch 4 --heads 8 --kv-heads 8 --repeats 5 \
       --tpu-blocks 256,256,256,256 512,512,512,512 1024,1024,512,512
     step loss_head "$python" -m benchmarks.loss_head --preset all
-    step loss_head_peak peaks --preset 64k --repeats 1
+    step loss_head_need "$python" -m benchmarks.loss_head --preset 64k --repeats 3 \
+      --chunks 2048 4096 --need
     step train_step "$python" -m benchmarks.train_step --data "$data" --seq-len 8192 \
       --rope half interleaved --steps 4 --repeats 2 \
       --variants padded,maxtext,seqpack,seqpack+logits
@@ -183,7 +177,8 @@ peaks() {  # peaks ARGS...: loss_head ARGS, one process a path (a process's peak
       --gpu-blocks 64,64,64,64 128,64,64,64 128,128,64,64 64,64,32,64
     step kernels "$python" -m benchmarks.kernels_bench --gpu-sizes
     step loss_head "$python" -m benchmarks.loss_head --preset all
-    step loss_head_peak peaks --preset 64k --repeats 1
+    step loss_head_need "$python" -m benchmarks.loss_head --preset 64k --repeats 3 \
+      --chunks 2048 4096 --need
     step device_tests "$python" -m pytest -q -m device tests/test_device.py tests/test_device_segments.py -p no:cacheprovider
   fi
   exit "$failed"

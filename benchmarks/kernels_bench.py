@@ -18,9 +18,10 @@ Columns, per kernel and implementation:
   `--copy-mib` buffer: one read and one write).
 - temp MiB: XLA's temporary allocation for the compiled call (`memory_analysis()`), any backend.
 - peak MiB: `device.memory_stats()["peak_bytes_in_use"]` minus the bytes in use before the first
-  call (inputs excluded, outputs and temporaries included). The peak never decreases in a process,
-  so on a GPU or TPU each row runs in a fresh subprocess (`--row`); "-" where the backend keeps no
-  statistics (CPU).
+  call (inputs excluded). On a TPU v5e it leaves a program's temporaries out: read temp MiB
+  there, which matched the memory a call ran in (benchmarks/loss_head.py --need). The
+  peak never decreases in a process, so on a GPU or TPU each row runs in a fresh subprocess
+  (`--row`); "-" where the backend keeps no statistics (CPU).
 - err: max |output - reference output| over max |reference output|, after the timing (so it
   checks the compiled kernels on the hardware at hand, at the benchmark's sizes).
 - DMA model (TPU family only): bytes the TPU kernels' DMA schedule fetches (replayed on the host

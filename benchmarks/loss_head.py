@@ -23,10 +23,12 @@ length, over materialized logits' 6NHV; "-" where the matmuls are in Pallas kern
 the jaxpr does not show), ms (median of `--repeats` after a warm-up call),
 ratios of ms to materialized and to vocab tiling, err (the largest difference of the loss, 512
 rows of d hidden and 512 columns of d weight from the first path's, over its largest value),
-peak MiB (where the backend keeps memory statistics: the process's peak_bytes_in_use after the
-row ran, less the bytes in use once the inputs were allocated; a peak never falls, so it is the
-row's own only for a process's first row: `--paths NAME` runs one path, one process each).
+need MiB (`--need`, where the backend reports its free memory): the least free memory the row
+runs in (its outputs and temporaries), within 64 MiB: a bisection on a ballast allocated beside
+it (on a TPU, peak_bytes_in_use leaves a program's temporaries out).
 `--profile`: after the table, each timed path's device time by XLA op (benchmarks/profile.py).
+`--weight-dtype float32`: a float32 (master) weight beside bf16 hidden, read cast to bf16 by
+every path; its gradient is float32.
 On a CPU the times are the CPU's (the smoke run checks that every path runs).
 """
 
@@ -97,8 +99,9 @@ def matmul_flops(jaxpr) -> float:
 # -- MaxText-style vocab tiling ---------------------------------------------------------------
 
 def _chunk_loss(w, x, t, m):
-    """Sum of one token chunk's losses: logits in the input dtype, an f32 log-softmax."""
-    logits = jnp.dot(x, w).astype(jnp.float32)
+    """Sum of one token chunk's losses: logits in the input dtype (a wider weight read in it, as
+    MaxText's layers cast their f32 parameters), an f32 log-softmax."""
+    logits = jnp.dot(x, w.astype(x.dtype)).astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]
     return jnp.sum(jnp.where(m, lse - target, 0.0))
@@ -179,7 +182,7 @@ def loss_head_fns(n: int, vocab: int, dtype, chunks=(), tiling_chunk: int = TILI
         return f, note
 
     def materialized(h, w, t, o, n):  # the logits in the input dtype, their lse in f32
-        logits = h @ w
+        logits = h @ w.astype(h.dtype)
         counted = reference.segment_index(o, n, logits.shape[1]) < o.shape[1]
         lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)
         target = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
@@ -209,30 +212,68 @@ def _sample(out) -> tuple[np.ndarray, ...]:
                                                      dw[:, :512]))
 
 
-def _bytes_in_use(key: str) -> int | None:
+def free_bytes() -> int | None:
+    """bytes_limit - bytes_in_use of the first device; None where it keeps no statistics."""
     stats = jax.local_devices()[0].memory_stats()
-    return None if not stats or key not in stats else int(stats[key])
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+
+
+def _exhausted(error: Exception) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(error)
+
+
+def least_free_bytes(call: Callable[[], Any], step: int = 64 * MIB,
+                     free: Callable[[], int | None] = free_bytes,
+                     allocate: Callable[[int], Any] = lambda size: jnp.zeros(size // 4, jnp.int32)
+                     ) -> int | None:
+    """The least free device memory `call` runs in, within `step`: a bisection on the size of a
+    ballast allocated beside it, read as the free memory beside the largest ballast with which
+    it ran (call must run with none); None where the backend reports no free memory."""
+    start = free()
+    if start is None:
+        return None
+    fits, low, high = start, 0, start  # ran beside a ballast of low bytes; not of high
+    while high - low > step:
+        size = (low + high) // 2
+        ballast = None
+        try:
+            ballast = jax.block_until_ready(allocate(size))
+            left = free()
+            jax.block_until_ready(call())
+            low, fits = size, left if left is not None else start - size
+        except Exception as e:  # noqa: BLE001 (the backend's out-of-memory error, re-raised if not)
+            if not _exhausted(e):
+                raise
+            high = size
+        del ballast
+    return fits
 
 
 def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: int = 5
                     ) -> dict[str, dict]:
     """Print one table (args: tokens, dim, vocab, dtype, segments, fill, chunks, tiling_chunk,
-    paths: the rows to run, all when empty); -> name -> {"temp": bytes, "flops": matmul FLOPs,
-    "ms": time (nan: not timed), "peak": bytes or None}."""
+    paths: the rows to run, all when empty; need: measure each row's least free memory);
+    -> name -> {"temp": bytes, "flops": matmul FLOPs, "ms": time (nan: not timed), "need":
+    bytes or None}."""
     n, dim, vocab = args.tokens, args.dim, args.vocab
     dtype = jnp.dtype(args.dtype)
+    weight_dtype = jnp.dtype(getattr(args, "weight_dtype", None) or dtype)
     batch, seq_len = (1, n) if n <= 32768 else (n // 32768, 32768)
     spec = (jax.ShapeDtypeStruct((batch, seq_len, dim), dtype),
-            jax.ShapeDtypeStruct((dim, vocab), dtype),
+            jax.ShapeDtypeStruct((dim, vocab), weight_dtype),
             jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
             jax.ShapeDtypeStruct((batch, args.segments), jnp.int32),
             jax.ShapeDtypeStruct((batch, args.segments), jnp.int32))
     free = in_forward.free_device_bytes()
-    print(f"\nloss head: N={n} H={dim} V={vocab} {dtype.name}  backend={jax.default_backend()}  "
+    weight_note = "" if weight_dtype == dtype else f" (weight {weight_dtype.name})"
+    print(f"\nloss head: N={n} H={dim} V={vocab} {dtype.name}{weight_note}  "
+          f"backend={jax.default_backend()}  "
           f"free {free / MIB:,.0f} MiB  (value_and_grad in hidden and weight; 6NHV = "
           f"{6 * n * dim * vocab / 1e12:.2f} TFLOP)")
     header = (f"{'path':20} {'mode':>16} {'temp MiB':>10} {'/ 6NHV':>7} {'ms':>9} "
-              f"{'vs mat':>7} {'vs tiling':>9} {'err':>8} {'peak MiB':>9}")
+              f"{'vs mat':>7} {'vs tiling':>9} {'err':>8} {'need MiB':>9}")
     print(header)
     print("-" * len(header))
     inputs = None
@@ -240,7 +281,8 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
         meta = make_inputs(Sizes(batch, seq_len, args.segments, dim, 8, dtype), args.fill)
         key_h, key_w = jax.random.split(jax.random.key(1))
         inputs = (jax.random.normal(key_h, spec[0].shape, dtype),
-                  (jax.random.normal(key_w, spec[1].shape, dtype) * dim**-0.5).astype(dtype),
+                  (jax.random.normal(key_w, spec[1].shape, dtype) * dim**-0.5).astype(
+                      weight_dtype),
                   jax.random.randint(key_w, spec[2].shape, 0, vocab), *meta.meta)
     kw = {} if impl == "auto" else dict(impl=impl, interpret=interpret)
     fns = loss_head_fns(n, vocab, dtype, getattr(args, "chunks", ()),
@@ -250,7 +292,6 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
     unknown = [p for p in paths if p not in fns]
     if unknown:
         raise SystemExit(f"Error: unknown --paths {unknown}; the paths: {list(fns)}")
-    base_in_use = _bytes_in_use("bytes_in_use")
     rows: dict[str, dict] = {}
     profiles = []
     for name, (loss, note) in ((p, fns[p]) for p in paths):
@@ -265,15 +306,17 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
             print(f"{name:20} failed to compile: {str(e).splitlines()[0][:120]}")
             continue
         row = {"temp": compiled.memory_analysis().temp_size_in_bytes,
-               "flops": matmul_flops(traced.jaxpr), "ms": float("nan"), "peak": None}
+               "flops": matmul_flops(traced.jaxpr), "ms": float("nan"), "need": None}
         if inputs is not None:
             row["ms"] = time_call(compiled, *inputs, repeats=repeats)
-            row["sample"] = _sample(compiled(*inputs))
+            out = compiled(*inputs)
+            row["sample"], row["dw_dtype"] = _sample(out), out[1][1].dtype
+            del out
             base = next(iter(rows.values()), row)["sample"]  # the first path measured
             row["err"] = max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
                              for a, b in zip(row["sample"], base))
-            peak = _bytes_in_use("peak_bytes_in_use")
-            row["peak"] = None if peak is None or base_in_use is None else peak - base_in_use
+            if getattr(args, "need", False):
+                row["need"] = least_free_bytes(lambda c=compiled: c(*inputs))
             if getattr(args, "profile", False):
                 profiles.append((name, profile_ops(lambda _, b, c=compiled: c(*b), None,
                                                    [inputs] * 3, args.top)))
@@ -285,7 +328,7 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
               f"{flops:>7} {row['ms']:9.1f} "
               f"{ratio['materialized']:7.3f} {ratio['vocab tiling']:9.3f} "
               f"{row.get('err', float('nan')):8.1e} "
-              f"{'-' if row['peak'] is None else format(row['peak'] / MIB, ',.0f'):>9}",
+              f"{'-' if row['need'] is None else format(row['need'] / MIB, ',.0f'):>9}",
               flush=True)
     for name, (by_cat, table) in profiles:
         print_table(f"profile: {name} (device ms a call, exclusive)", ["category", "ms", "share"],
@@ -302,6 +345,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser.add_argument("--dim", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--weight-dtype", choices=["float32"], default=None,
+                        help="a float32 master weight beside --dtype hidden (MaxText's "
+                        "parameters): every path reads it cast to --dtype")
     parser.add_argument("--segments", type=int, default=16)
     parser.add_argument("--fill", type=float, default=0.95, help="mean used fraction of a row")
     parser.add_argument("--chunks", type=int, nargs="*", default=[],
@@ -317,7 +363,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser.add_argument("--top", type=int, default=12, help="ops listed by --profile")
     parser.add_argument("--paths", nargs="*", default=[],
                         help="only these rows, by name ('vocab tiling', 'seqpack auto', "
-                        "'seqpack C=2048', ...): one a process for its own peak memory")
+                        "'seqpack C=2048', ...)")
+    parser.add_argument("--need", action="store_true",
+                        help="the need MiB column: each row's least free memory (runs it about "
+                        "8 times more)")
     args = parser.parse_args(argv)
     sizes = [(args.tokens, args.dim, args.vocab)]
     if args.smoke:
