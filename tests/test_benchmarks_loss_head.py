@@ -1,0 +1,93 @@
+"""The loss head's benchmarks (benchmarks/loss_head.py, grad_accumulation.py) on CPU: every path
+runs and agrees, the rows named, a float32 master weight, the least-free-memory bisection, and
+the d-weight carry's error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from benchmarks import grad_accumulation, loss_head
+from benchmarks.kernels_bench import MIB
+
+
+def test_benchmark_smoke():
+    """benchmarks/loss_head.py --smoke: every path runs, timed and measured, on CPU."""
+    rows = loss_head.main(["--smoke", "--repeats", "1"])
+    assert {"materialized", "vocab tiling", "seqpack auto", "seqpack recompute"} <= set(rows)
+    assert all(np.isfinite(r["ms"]) and r["temp"] > 0 for r in rows.values())
+    assert all(r["err"] < 1e-5 for r in rows.values())  # f32: every path's loss and gradients
+    assert all(r["need"] is None for r in rows.values())  # no --need (and no CPU statistics)
+
+
+def test_benchmark_reads_a_float32_master_weight():
+    """--weight-dtype float32 beside bf16 hidden: every path takes the f32 weight (read cast to
+    bf16, as MaxText's layers) and agrees with materialized logits within bf16 rounding."""
+    rows = loss_head.main(["--tokens", "512", "--dim", "64", "--vocab", "1000", "--repeats", "1",
+                           "--weight-dtype", "float32", "--chunks", "256"])
+    assert {"materialized", "vocab tiling", "seqpack C=256", "seqpack recompute"} <= set(rows)
+    assert all(np.isfinite(r["ms"]) and r["err"] < 2e-2 for r in rows.values())
+    assert all(r["dw_dtype"] == np.float32 for r in rows.values())
+
+
+def test_least_free_bytes_bisects_on_a_ballast():
+    """--need: the least free memory a call runs in, on a simulated device of 10 GiB where the
+    call needs 3,000 MiB beside its ballast: found within the step, from the free memory read
+    beside the largest ballast that ran; another error than out-of-memory is raised."""
+    limit, need, held = 10 << 30, 3000 * MIB, []
+
+    def free():
+        return limit - sum(held)
+
+    def allocate(size):
+        if size > free():
+            raise RuntimeError("RESOURCE_EXHAUSTED: Attempting to allocate")
+        held.append(size)
+        return Ballast(size)
+
+    class Ballast:  # released when deleted, as a device buffer
+        def __init__(self, size):
+            self.size = size
+
+        def __del__(self):
+            held.remove(self.size)
+
+    def call():
+        if free() < need:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Attempting to reserve")
+        return 0
+
+    found = loss_head.least_free_bytes(call, step=64 * MIB, free=free, allocate=allocate)
+    assert need <= found <= need + 64 * MIB and held == []
+    assert loss_head.least_free_bytes(call, free=lambda: None, allocate=allocate) is None
+
+    def broken():
+        raise RuntimeError("INVALID_ARGUMENT")
+
+    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
+        loss_head.least_free_bytes(broken, free=free, allocate=allocate)
+
+
+def test_benchmark_runs_the_paths_named(capsys):
+    """--paths: only the rows named, in that order; --profile: each one's device time by op
+    after the table."""
+    rows = loss_head.main(["--smoke", "--repeats", "1", "--chunks", "256", "--profile",
+                           "--paths", "seqpack C=256", "vocab tiling"])
+    assert list(rows) == ["seqpack C=256", "vocab tiling"]
+    out = capsys.readouterr().out
+    assert out.index("profile: seqpack C=256") < out.index("profile: vocab tiling")
+    assert out.count("all device ops") == 2
+    with pytest.raises(SystemExit, match="unknown --paths"):
+        loss_head.main(["--smoke", "--repeats", "0", "--paths", "seqpack C=256"])
+
+
+def test_grad_accumulation_benchmark():
+    """benchmarks/grad_accumulation.py: a float32 carry costs one rounding whatever the chunks;
+    a bf16 carry's error grows with the chunk count, and bf16 chunk gradients cost more still."""
+    few, many = grad_accumulation.main(["--smoke"])
+    assert many["chunks"] > few["chunks"]
+    assert abs(few["f32 carry"] - many["f32 carry"]) < 0.05 * few["f32 carry"]
+    assert few["f32 carry"] < few["bf16 carry"] < many["bf16 carry"]
+    assert many["bf16 carry"] > 2 * many["f32 carry"]
+    assert all(r["bf16 chunk gradients"] >= r["bf16 carry"] for r in (few, many))
+
