@@ -7,7 +7,8 @@
 #      way);
 #   2. the loss head's modes against materialized logits and MaxText-style vocab tiling
 #      (benchmarks/loss_head.py --preset all: the three sizes, bf16); loss_head_need:
-#      at N = 65,536 the least free memory each path runs in (--need);
+#      at N = 65,536 the least free memory each path runs in (--need), d weight carried in
+#      f32 and in bf16;
 #   3. the training step (benchmarks/train_step.py: padded rows, MaxText's way, seqpack's
 #      defaults, and at 8192 seqpack with materialized logits: its loss head in the step) at
 #      L=8192 and 32768, both RoPE styles;
@@ -165,7 +166,7 @@ step() {  # step NAME COMMAND...: runs one step (if --only names it), reports a 
       --tpu-blocks 256,256,256,256 512,512,512,512 1024,1024,512,512
     step loss_head "$python" -m benchmarks.loss_head --preset all
     step loss_head_need "$python" -m benchmarks.loss_head --preset 64k --repeats 3 \
-      --chunks 2048 4096 --need
+      --chunks 1024 2048 4096 --bf16-carry --need
     step train_step "$python" -m benchmarks.train_step --data "$data" --seq-len 8192 \
       --rope half interleaved --steps 4 --repeats 2 \
       --variants padded,maxtext,seqpack,seqpack+logits
@@ -178,7 +179,7 @@ step() {  # step NAME COMMAND...: runs one step (if --only names it), reports a 
     step kernels "$python" -m benchmarks.kernels_bench --gpu-sizes
     step loss_head "$python" -m benchmarks.loss_head --preset all
     step loss_head_need "$python" -m benchmarks.loss_head --preset 64k --repeats 3 \
-      --chunks 2048 4096 --need
+      --chunks 1024 2048 4096 --bf16-carry --need
     step device_tests "$python" -m pytest -q -m device tests/test_device.py tests/test_device_segments.py -p no:cacheprovider
   fi
   exit "$failed"

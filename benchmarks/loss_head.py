@@ -16,7 +16,8 @@ Paths, each `value_and_grad` in (hidden, weight) of the token-normalized loss:
   seqpack 1/4 budget: max_logits_bytes = a quarter of the materialized logits' bytes (N V x the
   dtype's size); seqpack recompute: mode="recompute" (the kernels of the backend: impl="auto");
   seqpack C=...: mode="chunked" at the chunk sizes of `--chunks`; `--logits-dtypes float32`:
-  the same rows again with logits_dtype="float32" (seqpack's default stores the input dtype's).
+  the same rows again with logits_dtype="float32" (seqpack's default stores the input dtype's);
+  `--bf16-carry`: "seqpack auto dw bf16" and "C=... dw bf16", d weight carried in bf16.
 Columns: mode (what seqpack runs: auto's choice and its chunk C), temp MiB (compiled
 memory_analysis()), / 6NHV (matmul FLOPs of the jaxpr's dot_generals, scan bodies times their
 length, over materialized logits' 6NHV; "-" where the matmuls are in Pallas kernels, which
@@ -162,11 +163,13 @@ class TraceNote:
 
 
 def loss_head_fns(n: int, vocab: int, dtype, chunks=(), tiling_chunk: int = TILING_CHUNK,
-                  logits_dtypes=(), **seqpack_kw) -> dict[str, tuple[Callable, str | TraceNote]]:
+                  logits_dtypes=(), bf16_carry: bool = False, **seqpack_kw
+                  ) -> dict[str, tuple[Callable, str | TraceNote]]:
     """name -> (loss function (hidden, weight, targets, offsets, lengths) -> loss, the mode).
-    logits_dtypes: more rows of auto, the 1/4 budget and `chunks` with logits stored so."""
+    logits_dtypes: more rows of auto, the 1/4 budget and `chunks` with logits stored so;
+    bf16_carry: more rows of auto and `chunks` with d weight carried in bf16."""
 
-    def fused(mode="auto", max_logits_bytes=None, logits_dtype=None):
+    def fused(mode="auto", max_logits_bytes=None, logits_dtype=None, weight_grad_dtype=None):
         note = TraceNote()
 
         def f(h, w, t, o, n):
@@ -178,7 +181,7 @@ def loss_head_fns(n: int, vocab: int, dtype, chunks=(), tiling_chunk: int = TILI
                          else chosen.value)
             return kernels.segment_linear_cross_entropy(
                 h, w, t, o, n, mode=mode, max_logits_bytes=max_logits_bytes,
-                logits_dtype=logits_dtype, **seqpack_kw)[0]
+                logits_dtype=logits_dtype, weight_grad_dtype=weight_grad_dtype, **seqpack_kw)[0]
         return f, note
 
     def materialized(h, w, t, o, n):  # the logits in the input dtype, their lse in f32
@@ -202,6 +205,11 @@ def loss_head_fns(n: int, vocab: int, dtype, chunks=(), tiling_chunk: int = TILI
         fns[f"seqpack 1/4 {name}"] = fused(max_logits_bytes=quarter, logits_dtype=name)
         for c in chunks:
             fns[f"seqpack C={c} {name}"] = fused("chunked", size * vocab * c, name)
+    if bf16_carry:
+        fns["seqpack auto dw bf16"] = fused(weight_grad_dtype="bfloat16")
+        for c in chunks:
+            fns[f"seqpack C={c} dw bf16"] = fused("chunked", jnp.dtype(dtype).itemsize * vocab * c,
+                                                  weight_grad_dtype="bfloat16")
     return fns
 
 
@@ -287,7 +295,8 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
     kw = {} if impl == "auto" else dict(impl=impl, interpret=interpret)
     fns = loss_head_fns(n, vocab, dtype, getattr(args, "chunks", ()),
                         getattr(args, "tiling_chunk", TILING_CHUNK),
-                        getattr(args, "logits_dtypes", ()), **kw)
+                        getattr(args, "logits_dtypes", ()), getattr(args, "bf16_carry", False),
+                        **kw)
     paths = getattr(args, "paths", None) or list(fns)
     unknown = [p for p in paths if p not in fns]
     if unknown:
@@ -357,6 +366,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
                         choices=["float32", "bfloat16"],
                         help="extra rows: auto, 1/4 budget and --chunks with the fused head's "
                         "logits_dtype (default: the input dtype)")
+    parser.add_argument("--bf16-carry", action="store_true",
+                        help="extra rows: auto and --chunks with d weight carried in bf16 "
+                        "(weight_grad_dtype='bfloat16')")
     parser.add_argument("--repeats", type=int, default=5, help="0: memory and FLOPs only")
     parser.add_argument("--profile", action="store_true",
                         help="after the table: each path's device time by XLA op")

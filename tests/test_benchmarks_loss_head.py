@@ -22,10 +22,12 @@ def test_benchmark_smoke():
 
 def test_benchmark_reads_a_float32_master_weight():
     """--weight-dtype float32 beside bf16 hidden: every path takes the f32 weight (read cast to
-    bf16, as MaxText's layers) and agrees with materialized logits within bf16 rounding."""
+    bf16, as MaxText's layers) and agrees with materialized logits within bf16 rounding, the
+    --bf16-carry rows (d weight carried in bf16) too."""
     rows = loss_head.main(["--tokens", "512", "--dim", "64", "--vocab", "1000", "--repeats", "1",
-                           "--weight-dtype", "float32", "--chunks", "256"])
-    assert {"materialized", "vocab tiling", "seqpack C=256", "seqpack recompute"} <= set(rows)
+                           "--weight-dtype", "float32", "--chunks", "256", "--bf16-carry"])
+    assert {"materialized", "vocab tiling", "seqpack C=256", "seqpack recompute",
+            "seqpack auto dw bf16", "seqpack C=256 dw bf16"} <= set(rows)
     assert all(np.isfinite(r["ms"]) and r["err"] < 2e-2 for r in rows.values())
     assert all(r["dw_dtype"] == np.float32 for r in rows.values())
 

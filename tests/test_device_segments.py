@@ -110,10 +110,12 @@ def _materialized(hidden, weight, targets, offsets, lengths, mask, normalize):
 
 
 @functools.cache
-def _loss_head(mode: str | None, normalize: str, per_segment: bool):
-    """mode None: the materialized reference. Gradients of loss (+ w . per_segment_loss)."""
+def _loss_head(mode: str | None, normalize: str, per_segment: bool, carry: str | None = None):
+    """mode None: the materialized reference. Gradients of loss (+ w . per_segment_loss);
+    carry: weight_grad_dtype."""
     if mode == "chunked":  # chunks of L tokens: ROWS chunks
-        kw = dict(mode=mode, max_logits_bytes=4 * SIZES.vocab * SIZES.seq_len)
+        kw = dict(mode=mode, max_logits_bytes=4 * SIZES.vocab * SIZES.seq_len,
+                  weight_grad_dtype=carry)
     else:
         kw = dict(mode=mode)
     kw.update(options(block_sizes=kernels.LinearCrossEntropyBlockSizes(block_tokens=256,
@@ -135,20 +137,22 @@ def _loss_head(mode: str | None, normalize: str, per_segment: bool):
     return jax.jit(f)
 
 
-LOSS_HEAD_CASES = [  # (mode, dtype, normalize, a cotangent on per_segment_loss too)
-    ("logits", BF16, "tokens", False),
-    ("chunked", F32, "segments", True),
-    ("recompute", BF16, "segments", True),
-    ("recompute", F32, "tokens", False),
+LOSS_HEAD_CASES = [  # (mode, dtype, normalize, a cotangent on per_segment_loss too, carry)
+    ("logits", BF16, "tokens", False, None),
+    ("chunked", F32, "segments", True, None),
+    ("chunked", BF16, "tokens", False, "bfloat16"),
+    ("recompute", BF16, "segments", True, None),
+    ("recompute", F32, "tokens", False, None),
 ]
 
 
-@pytest.mark.parametrize("mode,dtype,normalize,per_segment", LOSS_HEAD_CASES,
-                         ids=[f"{m}-{d}-{n}{'-per_segment' if p else ''}"
-                              for m, d, n, p in LOSS_HEAD_CASES])
-def test_segment_linear_cross_entropy(mode, dtype, normalize, per_segment):
+@pytest.mark.parametrize("mode,dtype,normalize,per_segment,carry", LOSS_HEAD_CASES,
+                         ids=[f"{m}-{d}-{n}{'-per_segment' if p else ''}{'-dw_' + c if c else ''}"
+                              for m, d, n, p, c in LOSS_HEAD_CASES])
+def test_segment_linear_cross_entropy(mode, dtype, normalize, per_segment, carry):
     """Each mode with z-loss, a soft-cap, an odd vocabulary, -100 labels, a loss mask and NaN
-    hidden on padding: values, d hidden and d weight vs the materialized f32 logits."""
+    hidden on padding: values, d hidden and d weight vs the materialized f32 logits (chunked
+    also with d weight carried in bf16)."""
     rng = np.random.default_rng(2)
     offsets, lengths = metadata_sets()["wide"]
     pad = padding_of(offsets, lengths)
@@ -160,7 +164,7 @@ def test_segment_linear_cross_entropy(mode, dtype, normalize, per_segment):
     mask = rng.random(shape) > 0.2
     w = normal(rng, offsets.shape, F32, 0.1)
     args = (hidden, weight, targets, offsets, lengths, mask, w)
-    loss, seg_loss, tokens, dh, dw = fetch(_loss_head(mode, normalize, per_segment), *args)
+    loss, seg_loss, tokens, dh, dw = fetch(_loss_head(mode, normalize, per_segment, carry), *args)
     with HIGHEST():
         want = fetch(_loss_head(None, normalize, per_segment), *args)
     assert_close("loss", loss, want[0], *HEAD_VALUES)

@@ -119,6 +119,30 @@ def test_logits_dtype(mode):
         got(logits_dtype="int32")
 
 
+@pytest.mark.parametrize("mode", FAST_IN_FORWARD)
+def test_weight_grad_dtype(mode):
+    """weight_grad_dtype="bfloat16" carries d weight in bf16: beside bf16 hidden and an f32
+    master weight (whose gradient is f32), every value of d weight is a bf16 number, within the
+    carry's rounding of the f32 carry's; the loss, per-segment values and d hidden are the same
+    bits."""
+    hidden, weight, *rest = _args(np.random.default_rng(50), *case("mixed"), jnp.bfloat16)
+    master = np.asarray(weight, np.float32)
+    wide = run(_fn("tokens", True, impl=MODES[mode], loss_only=True), hidden, master, *rest)
+    narrow = run(_fn("tokens", True, impl=(*MODES[mode], ("weight_grad_dtype", "bfloat16")),
+                     loss_only=True), hidden, master, *rest)
+    for name, a, b in zip(("loss", "per_segment_loss", "tokens", "dhidden"), narrow, wide):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=name)
+    dw, dw_wide = np.asarray(narrow[4]), np.asarray(wide[4])
+    assert dw.dtype == np.float32
+    assert (np.asarray(jnp.asarray(dw).astype(jnp.bfloat16), np.float32) == dw).all()
+    assert (np.asarray(jnp.asarray(dw_wide).astype(jnp.bfloat16), np.float32) != dw_wide).any()
+    np.testing.assert_allclose(dw, dw_wide, rtol=0, atol=2 * 2**-8 * np.abs(dw_wide).max())
+    with pytest.raises(ValueError, match="weight_grad_dtype"):
+        kernels.segment_linear_cross_entropy(hidden, master, *rest[:3], mode="chunked",
+                                             weight_grad_dtype="int8")
+
+
 def _loss(mode, **kw):
     def f(hidden, weight, targets, offsets, lengths, mask, segment_weights):
         return kernels.segment_linear_cross_entropy(

@@ -16,7 +16,8 @@ segment's tokens): "segments"; 1: "none") and `u_s` its segment weight, token i 
     lse, target logit                            f32[C]
     d = (c (1 + 2 z_loss lse) softmax(z) - c onehot) softcap'    cast to the input dtype
     dx_c = d @ w^T                               the chunk's rows of d hidden
-    dw += x_c^T @ d                              f32[H, V], carried over the chunks
+    dw += x_c^T @ d                              f32[H, V], carried over the chunks (in
+                                                 weight_grad_dtype: bf16 halves it)
 
 6NHV FLOPs (as materialized logits) with C x V logits live; C = N is materialized logits that are
 never stored. The first chunk's x_c^T @ d starts dw (no zeros written and read back), a scan
@@ -138,6 +139,7 @@ class InForward:
     vocab_axis: str | None
     fallback_block_vocab: int = 512  # the recomputing backward of per_segment_loss cotangents
     logits_dtype: str = "float32"  # a chunk's logits as stored (rounded once, behind a barrier)
+    weight_grad_dtype: str = "float32"  # d weight as carried over the chunks
 
 
 def loss_scale(tokens: jax.Array, normalize: Normalize) -> jax.Array:  # i32[B, S] -> f32[B, S]
@@ -198,7 +200,15 @@ def _chunk(x, t, c, w, cfg: InForward, want_dx: bool, want_dw: bool):
 def _sweep(cfg: InForward, hidden, weight, targets, counted, coef, want_dx=False, want_dw=False):
     """Every chunk -> lse, tgt f32[B, L], dx hidden.dtype[B, L, H], dw weight.dtype[H, V] (None
     when not wanted). A float32 weight beside narrower hidden (a master weight) is read in
-    hidden's dtype, and its gradient, summed in float32, is returned unrounded."""
+    hidden's dtype, and its gradient, summed in float32, is returned unrounded. d weight is
+    carried in cfg.weight_grad_dtype: each chunk's f32 product is added to the carry in f32 and
+    the sum rounded to it (a narrow carry halves that [H, V] buffer, at an error growing with
+    the chunk count)."""
+    carry = jnp.dtype(cfg.weight_grad_dtype)
+
+    def add(dw, dw_c):  # dw_c f32; XLA fuses this into the d weight matmul's output
+        return (dw.astype(jnp.float32) + dw_c).astype(dw.dtype)
+
     batch, seq_len, dim = hidden.shape
     n, chunk = batch * seq_len, cfg.chunk
     x = jnp.where(counted[:, :, None], hidden, jnp.zeros((), hidden.dtype)).reshape(n, dim)
@@ -209,14 +219,15 @@ def _sweep(cfg: InForward, hidden, weight, targets, counted, coef, want_dx=False
                              want_dw=want_dw)
     if chunks == 1:
         lse, tgt, dx, dw = body(x, t, c)
+        dw = None if dw is None else dw.astype(carry)
     else:  # the first chunk starts d weight (no zeros written and read), a scan does the rest
         def step(dw, xs):
             lse, tgt, dx, dw_c = body(*xs)
-            return (None if dw is None else dw + dw_c), (lse, tgt, dx)
+            return (None if dw is None else add(dw, dw_c)), (lse, tgt, dx)
 
         lse0, tgt0, dx0, dw = body(x[:first], t[:first], c[:first])
         if dw is not None:
-            dw = varying_carry(dw, hidden, weight, targets, coef)
+            dw = varying_carry(dw.astype(carry), hidden, weight, targets, coef)
         xs = (x[first:].reshape(chunks - 1, chunk, dim), t[first:].reshape(chunks - 1, chunk),
               c[first:].reshape(chunks - 1, chunk))
         dw, rest = lax.scan(step, dw, xs)

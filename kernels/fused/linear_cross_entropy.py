@@ -150,7 +150,7 @@ def _vocab_parallel_terms(hidden, weight, targets, counted, axis: str, terms):
 
 @functools.partial(jax.jit, static_argnames=(
     "normalize", "z_loss", "logit_softcap", "impl", "interpret", "block_sizes", "vocab_axis",
-    "mode", "max_logits_bytes", "logits_dtype"))
+    "mode", "max_logits_bytes", "logits_dtype", "weight_grad_dtype"))
 def segment_linear_cross_entropy(
     hidden: jax.Array,  # f[B, L, H]
     weight: jax.Array,  # f[H, V] (with vocab_axis: this shard's [H, V / P]); hidden's dtype or f32
@@ -166,6 +166,7 @@ def segment_linear_cross_entropy(
     mode: LossHeadMode | str = "auto",
     max_logits_bytes: int | None = None,
     logits_dtype: str | None = None,
+    weight_grad_dtype: str | None = None,
     impl: Impl | str = "auto",
     interpret: Interpret = False,
     block_sizes: LinearCrossEntropyBlockSizes | GpuBlockSizes | None = None,
@@ -185,7 +186,9 @@ def segment_linear_cross_entropy(
     memory for all a chunk holds, its logits, their f32 softmax and gradient; in_forward.py).
     `logits_dtype` ("logits" and "chunked"): the dtype the logits are stored in (None: the
     inputs'), each rounded once as materialized logits are, their softmax in float32; a budget
-    holds twice as many bf16 logits as float32 ones.
+    holds twice as many bf16 logits as float32 ones. `weight_grad_dtype` ("logits" and
+    "chunked"): the dtype d weight is carried in over the chunks (None: float32); bfloat16
+    halves that [H, V] buffer, at an error growing with the chunk count (Liger's accum_dtype).
     `impl` applies to "recompute": "reference" (and "auto" off TPU / GPU) is the blockwise XLA
     path; "pallas_tpu" / "pallas_gpu" the kernels. `block_sizes`: LinearCrossEntropyBlockSizes
     (XLA, TPU) or GpuBlockSizes (GPU: its head_* tile sizes and num_warps). `vocab_axis`: a mesh
@@ -210,6 +213,10 @@ def segment_linear_cross_entropy(
     logits_dtype = jnp.dtype(logits_dtype or hidden.dtype)
     if logits_dtype not in FLOAT_DTYPES:
         raise ValueError(f"logits_dtype={logits_dtype} must be float32, bfloat16 or float16")
+    weight_grad_dtype = jnp.dtype(weight_grad_dtype or jnp.float32)
+    if weight_grad_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"weight_grad_dtype={weight_grad_dtype} must be float32, bfloat16 or "
+                         "float16")
     mode, chunk = choose(mode, hidden.shape[0] * hidden.shape[1], weight.shape[1],
                          max_logits_bytes, logits_dtype.itemsize)
     if mode is not LossHeadMode.RECOMPUTE:  # a float32 master weight: in_forward casts it
@@ -219,7 +226,8 @@ def segment_linear_cross_entropy(
         weights = (jnp.ones(segment_offsets.shape, jnp.float32) if segment_weights is None
                    else segment_weights.astype(jnp.float32))
         cfg = InForward(chunk, normalize, float(z_loss), softcap, vocab_axis,
-                        getattr(blocks, "block_vocab", 512), logits_dtype.name)
+                        getattr(blocks, "block_vocab", 512), logits_dtype.name,
+                        weight_grad_dtype.name)
         return head(cfg, hidden, weight, weights, local, counted, segment_offsets,
                     segment_lengths)
     weight = weight.astype(hidden.dtype)  # a float32 master weight: its gradient through the cast
