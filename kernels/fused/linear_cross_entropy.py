@@ -126,6 +126,22 @@ def _local_terms(hidden, weight, targets, counted, offsets, lengths, *, impl: Im
     return pallas_terms(hidden, weight, targets, counted.astype(jnp.float32), meta, fam)
 
 
+def _check_options(segment_weights, segment_offsets, max_logits_bytes) -> None:
+    if segment_weights is not None and segment_weights.shape != segment_offsets.shape:
+        raise ValueError(f"segment_weights.shape={segment_weights.shape} must be [B, S] like "
+                         f"segment_offsets {segment_offsets.shape}")
+    if max_logits_bytes is not None and max_logits_bytes <= 0:
+        raise ValueError(f"{max_logits_bytes=} must be a positive byte count or None")
+
+
+def _float_dtype(name: str, value, default) -> jnp.dtype:
+    """An option's dtype (None: default), a ValueError naming it unless a float one."""
+    dtype = jnp.dtype(value or default)
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}={dtype} must be float32, bfloat16 or float16")
+    return dtype
+
+
 def _shard(hidden, weight, targets, axis: str):
     """(hidden varying over `axis`, targets shifted to this shard's columns)."""
     try:
@@ -184,11 +200,10 @@ def segment_linear_cross_entropy(
     `max_logits_bytes`), "recompute" (the backward recomputes), "auto": the first of those that
     fits `max_logits_bytes` (the stored logits' bytes; None: two thirds of the device's free
     memory for all a chunk holds, its logits, their f32 softmax and gradient; in_forward.py).
-    `logits_dtype` ("logits" and "chunked"): the dtype the logits are stored in (None: the
-    inputs'), each rounded once as materialized logits are, their softmax in float32; a budget
-    holds twice as many bf16 logits as float32 ones. `weight_grad_dtype` ("logits" and
-    "chunked"): the dtype d weight is carried in over the chunks (None: float32); bfloat16
-    halves that [H, V] buffer, at an error growing with the chunk count (Liger's accum_dtype).
+    In "logits" and "chunked": `logits_dtype`, the dtype the logits are stored in (None: the
+    inputs'; each rounded once, as materialized logits are; a budget holds twice as many bf16
+    as f32), and `weight_grad_dtype`, the one d weight is carried in over the chunks (None:
+    f32; bf16 halves that [H, V] buffer, its error growing with the chunks: accum_dtype).
     `impl` applies to "recompute": "reference" (and "auto" off TPU / GPU) is the blockwise XLA
     path; "pallas_tpu" / "pallas_gpu" the kernels. `block_sizes`: LinearCrossEntropyBlockSizes
     (XLA, TPU) or GpuBlockSizes (GPU: its head_* tile sizes and num_warps). `vocab_axis`: a mesh
@@ -198,11 +213,7 @@ def segment_linear_cross_entropy(
     mode = parse_enum(LossHeadMode, "mode", mode)
     _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask, z_loss,
            logit_softcap)
-    if segment_weights is not None and segment_weights.shape != segment_offsets.shape:
-        raise ValueError(f"segment_weights.shape={segment_weights.shape} must be [B, S] like "
-                         f"segment_offsets {segment_offsets.shape}")
-    if max_logits_bytes is not None and max_logits_bytes <= 0:
-        raise ValueError(f"{max_logits_bytes=} must be a positive byte count or None")
+    _check_options(segment_weights, segment_offsets, max_logits_bytes)
     impl, blocks = resolve(impl, interpret, block_sizes, LinearCrossEntropyBlockSizes,
                            "segment_linear_cross_entropy")
     if impl is Impl.REFERENCE:  # the XLA path reads block_vocab alone, of either class
@@ -210,13 +221,8 @@ def segment_linear_cross_entropy(
     targets = targets.astype(jnp.int32)
     counted = _counted(targets, segment_offsets, segment_lengths, loss_mask)
     softcap = None if logit_softcap is None else float(logit_softcap)
-    logits_dtype = jnp.dtype(logits_dtype or hidden.dtype)
-    if logits_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"logits_dtype={logits_dtype} must be float32, bfloat16 or float16")
-    weight_grad_dtype = jnp.dtype(weight_grad_dtype or jnp.float32)
-    if weight_grad_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"weight_grad_dtype={weight_grad_dtype} must be float32, bfloat16 or "
-                         "float16")
+    logits_dtype = _float_dtype("logits_dtype", logits_dtype, hidden.dtype)
+    weight_grad_dtype = _float_dtype("weight_grad_dtype", weight_grad_dtype, jnp.float32)
     mode, chunk = choose(mode, hidden.shape[0] * hidden.shape[1], weight.shape[1],
                          max_logits_bytes, logits_dtype.itemsize)
     if mode is not LossHeadMode.RECOMPUTE:  # a float32 master weight: in_forward casts it
