@@ -25,7 +25,7 @@
 #   benchmarks/device_run.sh --only attention,loss_head,train_step
 #   benchmarks/device_run.sh --only train_step_32k,device_tests
 #   benchmarks/device_run.sh --only loss_head_need
-#                                       # the whole TPU run (~18 minutes on a v5e) in three
+#                                       # the whole TPU run (~25 minutes on a v5e) in three
 #                                       # calls of a device tool with a 10-minute limit
 #
 # Grain on a machine without it: with .whl-tpu/ in the repository (benchmarks/device_wheels.sh),

@@ -203,7 +203,7 @@ def segment_linear_cross_entropy(
     In "logits" and "chunked": `logits_dtype`, the dtype the logits are stored in (None: the
     inputs'; each rounded once, as materialized logits are; a budget holds twice as many bf16
     as f32), and `weight_grad_dtype`, the one d weight is carried in over the chunks (None:
-    f32; bf16 halves that [H, V] buffer, its error growing with the chunks: accum_dtype).
+    f32; bf16 halves that [H, V] buffer, its error growing with the chunk count).
     `impl` applies to "recompute": "reference" (and "auto" off TPU / GPU) is the blockwise XLA
     path; "pallas_tpu" / "pallas_gpu" the kernels. `block_sizes`: LinearCrossEntropyBlockSizes
     (XLA, TPU) or GpuBlockSizes (GPU: its head_* tile sizes and num_warps). `vocab_axis`: a mesh
