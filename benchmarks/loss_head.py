@@ -220,20 +220,12 @@ def _sample(out) -> tuple[np.ndarray, ...]:
                                                      dw[:, :512]))
 
 
-def free_bytes() -> int | None:
-    """bytes_limit - bytes_in_use of the first device; None where it keeps no statistics."""
-    stats = jax.local_devices()[0].memory_stats()
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
-
-
 def _exhausted(error: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(error)
 
 
 def least_free_bytes(call: Callable[[], Any], step: int = 64 * MIB,
-                     free: Callable[[], int | None] = free_bytes,
+                     free: Callable[[], int | None] = in_forward.reported_free_bytes,
                      allocate: Callable[[int], Any] = lambda size: jnp.zeros(size // 4, jnp.int32)
                      ) -> int | None:
     """The least free device memory `call` runs in, within `step`: a bisection on the size of a

@@ -74,15 +74,22 @@ class LossHeadMode(enum.StrEnum):
     RECOMPUTE = "recompute"  # lse only in the forward, the backward recomputes (8-10NHV; impl=)
 
 
-def free_device_bytes() -> int:
-    """bytes_limit - bytes_in_use of the first local device, DEFAULT_FREE_BYTES if unknown."""
+def reported_free_bytes() -> int | None:
+    """bytes_limit - bytes_in_use of the first local device; None where the backend reports
+    none."""
     try:
         stats = jax.local_devices()[0].memory_stats()
     except Exception:  # noqa: BLE001 (backends without memory stats raise various errors)
         stats = None
     if not stats or "bytes_limit" not in stats:
-        return DEFAULT_FREE_BYTES
+        return None
     return max(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), 0)
+
+
+def free_device_bytes() -> int:
+    """reported_free_bytes(), DEFAULT_FREE_BYTES where the backend reports none."""
+    free = reported_free_bytes()
+    return DEFAULT_FREE_BYTES if free is None else free
 
 
 def held_bytes(itemsize: int) -> int:
