@@ -46,7 +46,7 @@ from seqpack.pipelines.datasets import (
     SequentialIterDataset,
     Window,
 )
-from seqpack.pipelines.datasets.mixing import decode_refs
+from seqpack.pipelines.datasets.elastic import decode_refs
 
 UID = 10**7  # a token's value names its document: dataset * UID + index (lengths are real)
 

@@ -6,9 +6,10 @@ since the current stage began, counted as if the next example (of the mean size 
 already drawn (largest shortfall, ties to the lower index), so every prefix of the stream
 holds each share within about one example (docs/mixing.md). The rule counts what was drawn,
 never what a packer downstream still holds: it is open-loop, so no feedback can overshoot.
-A schedule switches weights at given totals of units consumed; a stage counts from its own
-start, and so does a dataset leaving the mixture (the others' weights renormalized) or a
-weight change at a restore.
+A schedule switches weights at given totals of units consumed (by the whole run: a mixer that
+is one of `scale` drawing alike counts its own units `scale` times); a stage counts from its
+own start, and so does a dataset leaving the mixture (the others' weights renormalized), a
+weight change at a restore, or a restore on another number of consumers.
 
 Worked example (weights 0.5 / 0.5; every example of `a` is 4 units, of `b` 1 unit)::
 
@@ -128,8 +129,9 @@ def normalized(names: Sequence[str], weights: Any, where: str) -> tuple[float, .
 class ShortfallMixer:
     """Picks datasets by largest shortfall (see the module docstring); small, exact state."""
 
-    def __init__(self, stages: Sequence[Stage]):
+    def __init__(self, stages: Sequence[Stage], *, scale: int = 1):
         self.stages = tuple(stages)
+        self.scale = int(scale)  # mixers of the run drawing alike: stage starts count them all
         k = len(self.stages[0].weights)
         self.consumed = [0] * k  # units per dataset since the start
         self.active = [True] * k
@@ -170,8 +172,9 @@ class ShortfallMixer:
         self.total += units
         self.count += 1
         nxt = self.stage + 1
-        if nxt < len(self.stages) and self.total >= self.stages[nxt].start:
-            while nxt + 1 < len(self.stages) and self.total >= self.stages[nxt + 1].start:
+        run = self.total * self.scale
+        if nxt < len(self.stages) and run >= self.stages[nxt].start:
+            while nxt + 1 < len(self.stages) and run >= self.stages[nxt + 1].start:
                 nxt += 1
             self.stage = nxt
             self._begin(self.stages[nxt].weights)
@@ -202,6 +205,22 @@ class ShortfallMixer:
         """Units drawn since the current stage began (with those held back)."""
         return self.total - self.base_total
 
+    def _stage_at(self, total: int) -> int:
+        return max(k for k, s in enumerate(self.stages) if s.start <= total * self.scale)
+
+    def resume_at(self, consumed: Sequence[float], total: float, count: float) -> None:
+        """Goes on from the run's draws so far, shared out over `scale` mixers (`consumed`,
+        `total` and `count` summed over the run's mixers before a change of their number):
+        this mixer's stage from them, every dataset active (one that ran out leaves again
+        when drawn), and a new stage of its weights counting from here."""
+        s = self.scale
+        self.consumed = [round(float(c) / s) for c in consumed]
+        self.total = round(float(total) / s)
+        self.count = round(float(count) / s)
+        self.active = [True] * len(self.consumed)
+        self.stage = self._stage_at(self.total)
+        self._begin(self.stages[self.stage].weights)
+
     def get_state(self) -> dict[str, Any]:
         return {"consumed": list(self.consumed), "active": list(self.active),
                 "stage": self.stage, "total": self.total, "count": self.count,
@@ -215,7 +234,7 @@ class ShortfallMixer:
         self.active = [bool(a) for a in state["active"]]
         self.total = int(state["total"])
         self.count = int(state["count"])  # a state's "held" (older versions) is not used
-        self.stage = max(k for k, s in enumerate(self.stages) if s.start <= self.total)
+        self.stage = self._stage_at(self.total)
         weights = self.stages[self.stage].weights
         same = self.stage == int(state["stage"]) and list(weights) == list(state["weights"])
         if same:

@@ -100,6 +100,15 @@ class MultiStreamPlanner:
         self._windows += 1
         return self._emit(final_only=True)
 
+    def reopen(self, ids: list[int], lengths: np.ndarray) -> None:
+        """Places pieces planned elsewhere (i64[n, F] lengths, each within capacity) into the
+        open rows, largest first, uncounted (a restore on another layout: their examples were
+        counted where they were read); the next `add` emits the rows they fill."""
+        lengths = np.asarray(lengths, np.int64).reshape(len(ids), self.caps.size)
+        sizes = self._aligned(lengths)
+        for i in np.argsort(-(sizes / self.caps).sum(axis=1), kind="stable").tolist():
+            self._place(int(ids[i]), lengths[i], sizes[i])
+
     def _place(self, ident: int, length: np.ndarray, size: np.ndarray) -> None:
         rows = self._rows
         if rows:

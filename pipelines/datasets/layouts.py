@@ -106,6 +106,22 @@ class SingleLayout:
     def open_ids(self, state: dict) -> set[int]:
         return {int(p[0]) for row in state["rows"] for p in row["pieces"]}
 
+    @staticmethod
+    def pieces(plan: packer.PackPlan) -> np.ndarray:
+        """i64[P, 4]: (row, id, start, length) of every piece of the plan's rows."""
+        return np.stack([plan.row, plan.example, plan.start, plan.length], 1).astype(np.int64)
+
+    @staticmethod
+    def open_pieces(state: dict) -> np.ndarray:
+        """i64[P, 3]: (id, start, length) of the pieces a planner state holds open or waiting."""
+        out = [p[:3] for row in state["rows"] for p in row["pieces"]]
+        return np.asarray(out, np.int64).reshape(len(out), 3)
+
+    def reopen(self, pieces: np.ndarray) -> None:
+        """Pieces (i64[P, 3]: id, start, length) of rows planned elsewhere, as waiting to be
+        planned with the next window (uncounted: their examples were counted when read)."""
+        self.planner.reopen(pieces[:, 0], pieces[:, 1], pieces[:, 2])
+
     def counters(self) -> dict[str, int]:
         return self.planner.counters.to_dict()
 
@@ -177,6 +193,23 @@ class MultiLayout:
 
     def open_ids(self, state: dict) -> set[int]:
         return {int(p[0]) for row in state["rows"] for p in row["pieces"]}
+
+    def pieces(self, rows: list[list[tuple]]) -> np.ndarray:
+        """i64[P, 3 + F]: (row, id, start 0, length per feature) of every piece of `rows`."""
+        F = len(self.features)
+        flat = [(r, p[0], 0, *p[1:]) for r, row in enumerate(rows) for p in row]
+        return np.asarray(flat, np.int64).reshape(len(flat), 3 + F)
+
+    def open_pieces(self, state: dict) -> np.ndarray:
+        """i64[P, 2 + F]: (id, start 0, length per feature) of the open rows' pieces."""
+        F = len(self.features)
+        out = [(p[0], 0, *p[1:1 + F]) for row in state["rows"] for p in row["pieces"]]
+        return np.asarray(out, np.int64).reshape(len(out), 2 + F)
+
+    def reopen(self, pieces: np.ndarray) -> None:
+        """Whole examples (i64[P, 2 + F]: id, start 0, length per feature) of rows planned
+        elsewhere, placed into open rows uncounted (their examples were counted when read)."""
+        self.planner.reopen(pieces[:, 0].tolist(), pieces[:, 2:])
 
     def counters(self) -> dict[str, int]:
         return self.planner.counters.to_dict()

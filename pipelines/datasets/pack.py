@@ -10,11 +10,14 @@ of those waiting for `window_rows` rows' worth, no tokens: compressed, a few byt
 counters, and the parent's state at the window holding the oldest open example: restoring
 re-reads the parent from there, keeps the tokens open rows need, re-plans the window being
 emitted and skips the rows already yielded, exactly as an uninterrupted iterator. Over a
-`Mixture`, the state names the examples held as (dataset, index) references and the mixture's
-positions instead: restoring fetches them, never replays, so edited weights repeat and lose
-nothing (and the pieces not yet emitted are planned again with the new stage's draws, which
-make up for them: `mixing/restore.py`); rows carry `segment_dataset_id` and leave in an
-order that keeps the shares.
+parent that names its examples (a `Mixture`; `elastic.ElasticExamples`, which
+`make_training_pipeline` packs) the state names the examples held as (dataset, index)
+references and the parent's positions instead, and the pieces in flight (`flight`): restoring
+fetches them, never replays, so edited weights repeat and lose nothing (the pieces not yet
+emitted are planned again with the new stage's draws, which make up for them: restore.py),
+and a state of another host or worker count restores as its share of what the old layout
+left (`elastic.merge`). Over a mixture rows carry `segment_dataset_id` and leave in an order
+that keeps the shares.
 
 Example::
 
@@ -44,31 +47,37 @@ from seqpack.pipelines.datasets.columns import (
     check_negative,
     check_type,
 )
+from seqpack.pipelines.datasets.elastic import (
+    ELASTIC,
+    RefTable,
+    decode_refs,
+    encode_table,
+    index_in,
+    restore,
+    share,
+)
 from seqpack.pipelines.datasets.layouts import (
     MultiLayout,
     SingleLayout,
     Window,
+    gather,
     pack_configs,
     plan_cut,
 )
-from seqpack.pipelines.datasets.mixing import (
-    Mixture,
-    MixtureIterator,
-    RefTable,
-    RestoreRefs,
-    balanced_order,
-)
+from seqpack.pipelines.datasets.mixing import Mixture, MixtureIterator, balanced_order
 from seqpack.pipelines.errors import InputError
 
 
-class PackIterator(RestoreRefs, grain.DatasetIterator):
+class PackIterator(grain.DatasetIterator):
     """Iterator of `PackIterDataset`; `counters` reports what the overflow policy did."""
 
     def __init__(self, parent: grain.DatasetIterator, ds: PackIterDataset):
         super().__init__(parent)
         self._ds = ds
         self._start_state = parent.get_state()
-        # Over a Mixture: held examples are (dataset, index) references, states never replay.
+        # A parent that names its examples: they are held as (dataset, index) references and
+        # states never replay; over a Mixture rows also carry their dataset and keep shares.
+        self._by_ref = hasattr(parent, "take_refs")
         self._mixed = isinstance(parent, MixtureIterator)
         self._fresh()
 
@@ -155,9 +164,9 @@ class PackIterator(RestoreRefs, grain.DatasetIterator):
                 if keep is not None:  # replay: hold only what open rows need
                     col = [v if first + i in keep else None for i, v in enumerate(col)]
                 self._held[n][k] = col
-            if self._mixed:
+            if self._by_ref:
                 self._refs.put(k, *self._parent.take_refs())
-        if self._mixed:  # where stages ended: the window is planned in parts (`plan_cut`)
+        if self._by_ref:  # where a mixture's stages ended: planned in parts (`plan_cut`)
             self._cuts += [first + c for c in self._parent.take_cuts()]
         return ids, cols
 
@@ -223,9 +232,9 @@ class PackIterator(RestoreRefs, grain.DatasetIterator):
             cuts, self._cuts = [c - ids[0] for c in self._cuts], []
             try:
                 plan, parts = plan_cut(layout, ids, lengths, cuts)
-            except InputError as e:  # over a mixture: name the dataset and its example
-                raise (InputError(self._refs.rename(str(e), self._parent)) if self._mixed
-                       else e) from None
+            except InputError as e:  # by reference: name the dataset and its example
+                raise (InputError(self._refs.rename(str(e), self._parent.names))
+                       if self._by_ref else e) from None
             phase, window_first = "window", ids[0]
         else:
             plan, parts, cuts, self._cuts = layout.finish(), None, [], []
@@ -236,8 +245,8 @@ class PackIterator(RestoreRefs, grain.DatasetIterator):
             self._snap["cuts"] = [window_first + c for c in cuts]
         batch = layout.build(plan, self._held, ds.window, self._dtypes)
         check_negative(batch, self._held, self._ds.features, self._ds.window)
-        if self._mixed:
-            self._refs.label(batch)
+        if self._by_ref:
+            self._refs.label(batch, datasets=self._mixed)
         self._planner_state = layout.planner.snapshot()
         self._oldest = layout.planner.oldest_open_id()
         oldest = self._next_id if self._oldest is None else self._oldest
@@ -258,6 +267,28 @@ class PackIterator(RestoreRefs, grain.DatasetIterator):
             if self._mixed:  # every run of rows near the mixture's shares
                 self._order = balanced_order(self._parent.dataset_units(batch), self._order,
                                              parts)
+        if self._by_ref:
+            self._snap["flight"] = self._flight(plan, self._order)
+
+    def _flight(self, plan: Any, order: list[int] | None) -> Any:
+        """The pieces in flight once this window's rows start to leave, encoded when called:
+        i64[P, 3 + F] (the row's turn to leave, or -1 open or waiting; id, start, length per
+        feature), and the planner's counters after the window (`elastic.merge` reads them)."""
+        layout, after = self._layout, self._planner_state
+        counters = layout.counters()
+
+        def encode() -> dict[str, Any]:
+            staged = layout.pieces(plan)
+            if order is not None and len(staged):
+                turn = np.empty(len(order), np.int64)
+                turn[np.asarray(order, np.int64)] = np.arange(len(order))
+                staged[:, 0] = turn[staged[:, 0]]
+            still = layout.open_pieces(decode_planner_state(after()))
+            held = np.concatenate([np.full((len(still), 1), -1, np.int64), still], 1)
+            return {"pieces": encode_table(np.concatenate([staged, held])),
+                    "counters": counters}
+
+        return encode
 
     def _snapshot(self, phase: str, window_first: int, before: Any,
                   oldest_before: int | None) -> dict[str, Any]:
@@ -267,7 +298,7 @@ class PackIterator(RestoreRefs, grain.DatasetIterator):
         parent's state at the window holding the oldest open example, to replay from."""
         snap = {"phase": phase, "window_first": window_first, "planner": before,
                 "dtypes": {n: dt.str for n, dt in self._dtypes.items()}}
-        if self._mixed:
+        if self._by_ref:
             layout = self._layout
             snap.update(parent=self._parent.get_state(), next_id=self._next_id,
                         refs=self._refs.deferred(
@@ -309,10 +340,16 @@ class PackIterator(RestoreRefs, grain.DatasetIterator):
             self._snap["planner"] = self._snap["planner"]()
         if callable(self._snap.get("refs")):
             self._snap["refs"] = self._snap["refs"](self._snap["planner"])
+        if callable(self._snap.get("flight")):
+            self._snap["flight"] = self._snap["flight"]()
         return {**self._snap, "emitted": self._emitted,
                 "rows_emitted": self._rows_emitted}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        if state["phase"] == ELASTIC:
+            self._fresh()
+            self._install(state)
+            return
         self._parent.set_state(state["parent"])
         self._fresh()
         if state["phase"] == "start":
@@ -324,18 +361,117 @@ class PackIterator(RestoreRefs, grain.DatasetIterator):
         layout.planner.set_state(planner_state)
         self._planner_state = layout.planner.snapshot()
         self._oldest = layout.planner.oldest_open_id()
-        if ("refs" in state) != self._mixed:
+        if ("refs" in state) != self._by_ref:
+            by = lambda named: "names its examples (a Mixture, make_training_pipeline's " \
+                "examples)" if named else "replays its parent"  # noqa: E731
             raise InputError(
-                "restoring: the state was saved by a packer "
-                f"{'over' if 'refs' in state else 'not over'} a Mixture, but this one is "
-                f"{'over' if self._mixed else 'not over'} one; restore into the same pipeline")
+                f"restoring: the state was saved by a packer that {by('refs' in state)}, but "
+                f"this one {by(self._by_ref)}; restore into the same pipeline")
         self._rows_emitted = int(state["rows_emitted"])
-        if self._mixed:
+        if self._by_ref:
             if self._restore_refs(state):
                 return  # re-planned under the edited weights: the new window's rows leave
         else:
             self._replay(state, layout.open_ids(planner_state))
         self._emitted = int(state["emitted"])
+
+    # ---- restoring by reference (restore.py) ----------------------------------------------
+
+    def _hold(self, ids: np.ndarray, dataset: np.ndarray, index: np.ndarray) -> restore.Held:
+        """Fetches the referenced examples and holds them under `ids`."""
+        ds = self._ds
+        self._refs.put_ids(ids, dataset, index)
+        held = restore.fetch(self._parent, ids, dataset, index, names=ds.names,
+                             window=ds.window, as_values=self._as_tokens, fit=self._fit_column)
+        for n in ds.names:
+            for k, values in held.tokens[n].items():
+                have = self._held[n].get(k)
+                self._held[n][k] = values if have is None else \
+                    [v if v is not None else h for v, h in zip(values, have)]
+        return held
+
+    def _restore_refs(self, state: dict[str, Any]) -> bool:
+        """Fetches the referenced examples and re-plans the window that was leaving (nothing
+        replayed: the parent goes on from its restored positions). Under a mixture's edited
+        weights, also plans the pieces not yet emitted again (`_replan`): True when it did."""
+        ds, parent = self._ds, self._parent
+        ids, dataset, index = decode_refs(state["refs"])
+        held = self._hold(ids, dataset, index)
+        self._next_id = int(state["next_id"])
+        window_first = int(state["window_first"])
+        if state["phase"] == "finish":
+            self._exhausted = True
+            self._stage(None)
+            return False
+        window_ids = list(range(window_first, self._next_id))
+        kept = {n: dict(h) for n, h in self._held.items()}, dict(self._refs.windows)
+        self._cuts = [int(c) for c in state.get("cuts", [])]  # planned in parts again
+        self._stage((window_ids, {n: gather(self._held[n], window_ids, ds.window)
+                                  for n in ds.names}))
+        if not (self._mixed and parent.reweighted and isinstance(self._layout, SingleLayout)):
+            return False
+        self._held, self._refs.windows = kept  # the rows not emitted are planned again
+        pieces = restore.unemitted(self._plan, self._order, self._num_rows,
+                                   int(state["emitted"]))
+        waiting = self._layout.planner.reopen(*pieces)
+        ref_of = dict(zip(ids.tolist(), zip(dataset.tolist(), index.tolist())))
+        self._read_and_stage(waiting, held.elements, ref_of)
+        return True
+
+    def _read_and_stage(self, waiting: np.ndarray, elements: dict[int, Any],
+                        ref_of: dict[int, tuple[int, int]]) -> None:
+        """Plans the `waiting` pieces (i64[P, 3]) again with the next draws: over a mixture
+        its new stage counts them as drawn and windows are read until they fit the weights
+        (restore.py); else with the next window."""
+        ds, parent = self._ds, self._parent
+        self._planner_state = self._layout.planner.snapshot()
+        self._oldest = self._layout.planner.oldest_open_id()
+        if not self._mixed:
+            self._advance()
+            return
+        units = restore.waiting_units(parent, waiting, ref_of, elements)
+        need = parent.hold_back(units, len(set(waiting[:, 0].tolist())))
+        need = min(need, restore.MAX_SPREAD * sum(units))
+        ids: list[int] = []
+        cols: dict[str, list] = {n: [] for n in ds.names}
+        while not self._exhausted:
+            got, c = self._read_window()
+            ids += got
+            for n in ds.names:
+                cols[n] += c[n]
+            if parent.stage_units() >= need:
+                break
+        self._stage((ids, cols) if ids else None)
+
+    def _install(self, state: dict[str, Any]) -> None:
+        """A restore state of another layout (`elastic.merge`): this consumer's share of what
+        the old layout left. Its streams go to the parent; its examples in flight are fetched
+        and wait in the planner to be planned with the next draws."""
+        ds, parent, layout = self._ds, self._parent, self._layout
+        if not self._by_ref:
+            raise InputError("restoring: a state of another host or worker count restores "
+                             "only a packer whose parent names its examples (a Mixture, or "
+                             "make_training_pipeline's examples)")
+        part = share(state, *index_in(state["over"], parent.layout()))
+        self._dtypes.update({n: np.dtype(d) for n, d in state.get("dtypes", {}).items()})
+        if self._mixed:
+            parent.install(part.streams, part.mixer, part.counters.get("datasets"))
+        else:
+            parent.install(part.streams)
+        if part.counters.get("planner"):
+            layout.planner.counters = packer.Counters(**part.counters["planner"])
+        self._rows_emitted = int(part.counters.get("rows_emitted", 0))
+        flight = part.flight
+        ids = np.arange(flight.num_examples, dtype=np.int64)
+        held = self._hold(ids, flight.dataset.astype(np.int32), flight.index)
+        self._next_id = -(-ids.size // ds.window) * ds.window
+        waiting = np.zeros((0, 3), np.int64)
+        if len(flight.pieces):
+            layout.reopen(flight.pieces)
+            waiting = flight.pieces[:, :3]  # id, start, length (of the first feature)
+        ref_of = dict(zip(ids.tolist(), zip(flight.dataset.tolist(), flight.index.tolist())))
+        self._read_and_stage(waiting, held.elements, ref_of)
+        self._emitted = 0
 
     def _replay(self, state: dict[str, Any], needed: set[int]) -> None:
         """Re-reads the parent from the window holding the oldest open example, holding only

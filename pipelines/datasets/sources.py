@@ -3,10 +3,8 @@
 `ArraySource` serves examples from ragged columns held in memory (Arrow list layout: flat
 values + offsets), as a `grain.MapDataset` with random access. `SequentialIterDataset` walks a
 `MapDataset` in index order with a one-integer state; it is what the packing datasets read from
-in benchmarks and in `make_training_pipeline` (Grain's own `to_iter_dataset()` adds a thread pool
-and per-element statistics, a cost per example measured in benchmarks/README.md).
-`ShardedPacking` wraps the online packing of one host's shard: its state records the shard, and
-restoring it as another shard refuses.
+in benchmarks (Grain's own `to_iter_dataset()` adds a thread pool and per-element statistics, a
+cost per example measured in benchmarks/README.md).
 
 Example::
 
@@ -208,51 +206,3 @@ class SequentialIterDataset(grain.IterDataset):
 def read_options_inline() -> grain.ReadOptions:
     """ReadOptions that read in the calling thread (no thread pool)."""
     return grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
-
-
-class ShardedPacking(grain.IterDataset):
-    """Online packing of shard `shard_index` of `shard_count`: its state records the shard, and
-    restoring it under another shard refuses (module docstring: the examples are sharded before
-    packing, so the state names positions in this shard's examples)."""
-
-    def __init__(self, parent: grain.IterDataset, *, shard_index: int, shard_count: int,
-                 examples: int):
-        super().__init__(parent)
-        self._shard, self._examples = (shard_index, shard_count), examples
-
-    def __iter__(self) -> _ShardedPackingIterator:
-        return _ShardedPackingIterator(self._parent.__iter__(), self._shard, self._examples)
-
-    def __str__(self) -> str:
-        return f"ShardedPacking(shard {self._shard[0]} of {self._shard[1]})"
-
-
-class _ShardedPackingIterator(grain.DatasetIterator):
-    def __init__(self, parent: grain.DatasetIterator, shard: tuple[int, int], examples: int):
-        super().__init__(parent)
-        self._shard, self._examples = shard, examples
-
-    def __next__(self) -> Any:
-        return next(self._parent)
-
-    def get_state(self) -> dict[str, Any]:
-        return {"shard_index": self._shard[0], "shard_count": self._shard[1],
-                "packing": self._parent.get_state()}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        saved = (int(state["shard_index"]), int(state["shard_count"]))
-        if saved != self._shard:
-            (h, H), (h2, H2), n = saved, self._shard, self._examples
-            raise ValueError(
-                f"this online-packing state was saved by shard {h} of {H} and is restored as "
-                f"shard {h2} of {H2}: examples are dealt to shards before packing (example i "
-                f"to shard i mod shard_count), and the state counts positions in shard {h} of "
-                f"{H}'s examples, which are not this shard's; restoring it would read again "
-                f"examples packed before the save on one host and skip others on another "
-                f"({n} examples dealt {H} ways then, {H2} ways now). Restore on {H} hosts, "
-                "each its own state, or pack offline (`seqpack pack`): packed rows resume on "
-                "any host count")
-        self._parent.set_state(state["packing"])
-
-    def __str__(self) -> str:
-        return "ShardedPackingIterator"

@@ -1,9 +1,10 @@
 """Builds the straight-line training input pipeline: shard, shuffle, pack, batch, prefetch.
 
-    source of examples (random access)
-      -> shard [shard_index::shard_count]      (defaults: jax.process_index() / process_count())
-      -> shuffle(shuffle_seed) -> repeat(num_epochs)     (reshuffled every epoch)
-      -> SequentialIterDataset -> PackIterDataset(pack)  (rows shuffled per window)
+    source of examples (random access), or a Mixture of such sources
+      -> the global order (shuffle_seed, reshuffled every epoch, num_epochs of them), host h of
+         H and worker w of W reading positions w H + h, + H W, ...   (defaults: jax's process
+         index and count; `elastic.ElasticExamples`)
+      -> PackIterDataset(pack)  (rows shuffled per window; examples held by reference)
       -> batch(batch_size): {"tokens": [B, L], ..., "tokens_segment_lengths": [B, S], ...}
     source of packed rows (`PackedArrayRecordSource`, see packed.py)
       -> shuffle(shuffle_seed) over all rows -> repeat -> global steps, host h block h of each
@@ -12,6 +13,7 @@
       -> + loss_tokens [B] (loss.LossTokens) -> BalanceRanks(balance.ranks), if asked
       -> ContextParallelLayout(batch.context_parallel), if asked (rows split over CP ranks)
       -> mp_prefetch(worker_count) or a prefetch thread
+      -> examples: `elastic.OnlineHosts` (a state restores on any host and worker count)
 
 The options come in groups, each a frozen dataclass: `packer.PackConfig` (the rows),
 `Batching` (the batch and this host's shard), `Columns` (columns.py), `Balance` (balance.py),
@@ -49,10 +51,10 @@ from seqpack.pipelines.datasets.columns import (
     check_type,
     loss_feature,
 )
+from seqpack.pipelines.datasets.elastic import ElasticExamples, OnlineHosts
 from seqpack.pipelines.datasets.loss import LossTokens
 from seqpack.pipelines.datasets.mixing import Mixture
 from seqpack.pipelines.datasets.pack import PackIterDataset, Window
-from seqpack.pipelines.datasets.sources import SequentialIterDataset, ShardedPacking
 from seqpack.pipelines.errors import InputError
 
 
@@ -267,32 +269,32 @@ def _check_feature(source: Any, feature: str, columns: Columns, *,
 def _example_batches(source: Any, *, pack: PackConfig, batch: Batching,
                      shard: tuple[int, int, int | None], shuffle_seed: int,
                      num_epochs: int | None, columns: Columns, window: Window
-                     ) -> grain.IterDataset:
-    """Examples -> shard -> shuffle -> repeat -> PackIterDataset -> batch (a mixture: each
-    dataset sharded and shuffled per epoch in the mixture, packed directly)."""
+                     ) -> tuple[grain.IterDataset, dict[str, Any]]:
+    """Examples in their seeded global order, this host's positions of it (each worker
+    process its own: `elastic.ElasticExamples`) -> PackIterDataset -> batch (a mixture: each
+    dataset's global order, dealt alike, mixed and packed directly); and what a state must
+    share to restore (the run: data, seed, epochs, packing)."""
+    shard_index, shard_count, _ = shard
+    run: dict[str, Any] = {"seed": shuffle_seed, "num_epochs": num_epochs,
+                           "pack": pack.to_dict(), "window": dataclasses.asdict(window),
+                           "columns": sorted(c.name for c in columns.of((pack.feature,)))}
     if isinstance(source, Mixture):
         source = source.for_feature(pack.feature)
         for name, src in zip(source.names, source.sources):
             _check_feature(src, pack.feature, columns, where=f"dataset {name!r}")
-        mix = source.configured(shard_index=shard[0], shard_count=shard[1],
-                                num_epochs=num_epochs)
-        rows = PackIterDataset(mix, pack, columns=columns, window=window, seed=shuffle_seed)
-        return rows.batch(batch.batch_size, drop_remainder=batch.drop_remainder)
-    _check_feature(source, pack.feature, columns)
-    ds = source if isinstance(source, grain.MapDataset) else grain.MapDataset.source(source)
-    shard_index, shard_count, _ = shard
-    ds = ds[shard_index::shard_count]
-    if len(ds) == 0:
-        raise ValueError(
-            f"shard {shard_index} of {shard_count} is empty (source has {len(source)} examples)"
-        )
-    ds = ds.shuffle(seed=shuffle_seed)
-    if num_epochs != 1:
-        ds = ds.repeat(num_epochs)
-    rows = PackIterDataset(SequentialIterDataset(ds), pack, columns=columns, window=window,
-                           seed=shuffle_seed)
-    return ShardedPacking(rows.batch(batch.batch_size, drop_remainder=batch.drop_remainder),
-                          shard_index=shard_index, shard_count=shard_count, examples=len(source))
+        parent: grain.IterDataset = source.configured(
+            shard_index=shard_index, shard_count=shard_count, num_epochs=num_epochs)
+        run["datasets"] = dict(zip(source.names, source.sizes))
+    else:
+        _check_feature(source, pack.feature, columns)
+        if len(source) <= shard_index:
+            raise ValueError(f"shard {shard_index} of {shard_count} is empty (source has "
+                             f"{len(source)} examples)")
+        parent = ElasticExamples(source, seed=shuffle_seed, num_epochs=num_epochs,
+                                 shard_index=shard_index, shard_count=shard_count)
+        run["examples"] = len(source)
+    rows = PackIterDataset(parent, pack, columns=columns, window=window, seed=shuffle_seed)
+    return rows.batch(batch.batch_size, drop_remainder=batch.drop_remainder), run
 
 
 def _loss_tokens(source: Any, feature: str, columns: Columns) -> LossTokens:
@@ -391,13 +393,19 @@ def make_training_pipeline(
             raise ValueError("pack=None: pass the packing config, e.g. pack=PackConfig(2048) "
                              "(only packed sources carry one)")
         feature = pack.feature
-        ds = _example_batches(source, pack=pack, batch=batch, shard=shard,
-                              shuffle_seed=shuffle_seed, num_epochs=num_epochs, columns=columns,
-                              window=window)
+        ds, run = _example_batches(source, pack=pack, batch=batch, shard=shard,
+                                   shuffle_seed=shuffle_seed, num_epochs=num_epochs,
+                                   columns=columns, window=window)
     ds = ds.map(_loss_tokens(source, feature, columns))
     if balance.ranks is not None:
         ds = ds.map(BalanceRanks(balance.ranks, feature=feature, cost_model=balance.cost))
     if batch.context_parallel is not None:
         ds = ds.map(ContextParallelLayout(batch.context_parallel, feature=feature,
                                           layout=batch.context_parallel_layout))
-    return _ClosedAtExit(_prefetch(ds, prefetch))
+    ds = _prefetch(ds, prefetch)
+    if not getattr(source, "is_packed", False):  # its state restores on any layout
+        ds = OnlineHosts(ds, shard_index=shard[0], shard_count=shard[1],
+                         workers=prefetch.worker_count, features=1,
+                         datasets=len(source.names) if isinstance(source, Mixture) else 1,
+                         mixed=isinstance(source, Mixture), run=run)
+    return _ClosedAtExit(ds)

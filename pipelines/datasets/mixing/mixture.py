@@ -1,12 +1,15 @@
 """`Mixture`: several datasets as one stream of examples, weighted in the unit the user names.
 
-Each dataset keeps its own seeded order (a permutation per epoch, of this host's shard and this
-worker's slice) and its own epoch; the next example comes from the dataset furthest below its
-target share (`packer.mixing.ShortfallMixer`). The state is positions and unit counts per
-dataset, never a replay: restored under edited weights or an edited schedule, the stream goes
-on from the same positions with the new weights. `PackIterDataset` placed directly on a
-mixture checkpoints the examples it holds as (dataset, index) references (`fetch`), so a resume
-repeats and loses nothing whatever the new weights.
+Each dataset keeps its own seeded global order (every example, reshuffled every epoch) and
+deals its positions to the consumers of the run (host h's worker w of H hosts with W workers
+reads positions w H + h, + H W, ...: `elastic.streams`); each consumer draws next from the
+dataset furthest below its target share (`packer.mixing.ShortfallMixer`; a schedule's stage
+starts count the run's units, all consumers together). The state is what each dataset's
+stream has left and unit counts, never a replay: restored under edited weights or an edited
+schedule, the stream goes on from the same positions with the new weights, and on another
+layout the positions left are dealt again. `PackIterDataset` placed directly on a mixture
+checkpoints the examples it holds as (dataset, index) references (`fetch`), so a resume
+repeats and loses nothing whatever the new weights or host count.
 
 Example::
 
@@ -35,6 +38,7 @@ from seqpack.packer.mixing import (
     make_stages,
     slot_counts,
 )
+from seqpack.pipelines.datasets.elastic import Stream, consumer_of, global_order
 from seqpack.pipelines.errors import InputError
 
 POLICIES = ("stop", "continue", "repeat")
@@ -103,15 +107,17 @@ class Mixture(grain.IterDataset):
         if not 0 <= shard_index < shard_count:
             raise ValueError(f"{shard_index=} must be in [0, {shard_count=})")
         self.shard = (int(shard_index), int(shard_count))
-        self.worker = (0, 1, False)  # (index, count, sequential) of Grain's worker slice
+        self.worker = (0, 1)  # (index, count) of Grain's worker slice
         self._check_shards()
 
     def _check_shards(self) -> None:
-        for name, rng in zip(self.names, self.ranges()):
-            if not len(rng):
-                raise ValueError(f"dataset {name!r} ({len(rng)} examples in shard "
-                                 f"{self.shard[0]} of {self.shard[1]}) has no example for "
-                                 "this shard or worker; use fewer hosts or workers")
+        j, K = self.consumer()
+        for name, n in zip(self.names, self.sizes):
+            if n <= j:
+                raise ValueError(f"dataset {name!r} ({n} examples) has no example for shard "
+                                 f"{self.shard[0]} of {self.shard[1]}, worker "
+                                 f"{self.worker[0]} of {self.worker[1]} (its first epoch is "
+                                 f"dealt to {K} hosts x workers); use fewer hosts or workers")
 
     def for_feature(self, feature: str) -> Mixture:
         """This mixture counting `feature` (a packer's): itself, or a copy when its feature was
@@ -135,24 +141,26 @@ class Mixture(grain.IterDataset):
         return out
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
-        """Called by Grain in each prefetch worker: the worker reads its slice of every
-        dataset's shard (and mixes it by the same rule)."""
-        self.worker = (sl.start or 0, sl.step or 1, bool(sequential_slice))
+        """Called by Grain in each prefetch worker: the worker reads its positions of every
+        dataset's global order (dealt in turn, `sequential_slice` or not) and mixes them by
+        the same rule."""
+        self.worker = (sl.start or 0, sl.step or 1)
         self._check_shards()
 
-    def ranges(self) -> list[range]:
-        """Per dataset: the original indices this host's worker reads (O(1) memory)."""
-        w, k, sequential = self.worker
-        out = []
-        for n in self.sizes:
-            r = range(n)[self.shard[0]::self.shard[1]]
-            if sequential:
-                m = len(r)
-                r = r[(m * w) // k:(m * (w + 1)) // k]
-            else:
-                r = r[w::k]
-            out.append(r)
-        return out
+    def consumer(self) -> tuple[int, int]:
+        """(this host's worker's consumer index, the run's consumers)."""
+        return consumer_of(self.shard, self.worker)
+
+    def orders(self) -> list[grain.MapDataset]:
+        """Per dataset: position -> example index (mod its size), reshuffled every epoch, seeded
+        by the mixture's seed and the dataset's name."""
+        return [global_order(n, zlib.crc32(f"{self.seed}/{name}".encode()))
+                for name, n in zip(self.names, self.sizes)]
+
+    def limits(self) -> list[int | None]:
+        """Per dataset: the end of its positions (None: endless, `repeat` or no num_epochs)."""
+        return [n * self.num_epochs if self.num_epochs is not None and p != "repeat" else None
+                for n, p in zip(self.sizes, self.policies)]
 
     def __iter__(self) -> MixtureIterator:
         return MixtureIterator(self)
@@ -195,15 +203,13 @@ class MixtureIterator(grain.DatasetIterator):
     def __init__(self, mix: Mixture):
         super().__init__()
         self._mix = mix
-        self._ranges = mix.ranges()
         k = len(mix.names)
-        self._limit = [len(r) * mix.num_epochs
-                       if mix.num_epochs is not None and p != "repeat" else -1
-                       for r, p in zip(self._ranges, mix.policies)]
-        self._perm: list[tuple[int, np.ndarray | None]] = [(-1, None)] * k
-        self._salt = [zlib.crc32(n.encode()) for n in mix.names]
-        self._mixer = ShortfallMixer(mix.stages)
-        self._pos = [0] * k
+        self._orders = mix.orders()
+        self._limits = mix.limits()
+        j, K = mix.consumer()
+        self._streams = [Stream.initial(j, K) for _ in range(k)]
+        self._mixer = ShortfallMixer(mix.stages, scale=K)
+        self._drawn = [0] * k
         self._tokens = [0] * k
         self._loss = [0] * k
         self._refs_d: list[int] = []
@@ -211,14 +217,16 @@ class MixtureIterator(grain.DatasetIterator):
         self._cuts: list[int] = []  # refs taken so far where a stage ended (`take_cuts`)
         self.reweighted = False  # set_state: the weights at the restored point were edited
 
-    def _order(self, d: int, epoch: int) -> np.ndarray:
-        """Dataset d's seeded order of this host's positions in `epoch` (int32 where it fits),
-        kept as the dataset's current order."""
-        m = len(self._ranges[d])
-        perm = np.random.default_rng([self._mix.seed, self._salt[d], epoch]).permutation(m)
-        perm = perm.astype(np.int32) if m < 2**31 else perm
-        self._perm[d] = (epoch, perm)
-        return perm
+    @property
+    def limits(self) -> list[int | None]:
+        return list(self._limits)
+
+    def consumer(self) -> tuple[int, int]:
+        return self._mix.consumer()
+
+    def layout(self) -> tuple[int, int, int, int]:
+        """(host, hosts, worker, workers) of this consumer."""
+        return (*self._mix.shard, *self._mix.worker)
 
     def __next__(self) -> Any:
         mixer = self._mixer
@@ -226,25 +234,20 @@ class MixtureIterator(grain.DatasetIterator):
             d = mixer.pick()
             if d < 0:
                 raise StopIteration
-            pos = self._pos[d]
-            if pos == self._limit[d]:
+            p = self._streams[d].next(self._limits[d])
+            if p is None:
                 if self._mix.policies[d] == "stop":
                     raise StopIteration
                 mixer.deactivate(d)
                 self._cuts.append(len(self._refs_d))
                 continue
             break
-        rng = self._ranges[d]
-        epoch, j = divmod(pos, len(rng))
-        have, perm = self._perm[d]
-        if have != epoch or perm is None:
-            perm = self._order(d, epoch)
-        index = rng[int(perm[j])]
+        index = int(self._orders[d][p]) % self._mix.sizes[d]
         element = self._mix.sources[d][index]
         tokens, loss = self._count(d, index, element)
         stage = mixer.stage
         mixer.add(d, self._in_unit(tokens, loss))
-        self._pos[d] = pos + 1
+        self._drawn[d] += 1
         self._tokens[d] += tokens
         self._loss[d] += loss
         self._refs_d.append(d)
@@ -329,12 +332,13 @@ class MixtureIterator(grain.DatasetIterator):
 
     @property
     def counters(self) -> dict[str, dict[str, int]]:
-        """Per dataset: tokens, loss tokens, examples and completed epochs drawn so far."""
+        """Per dataset: tokens, loss tokens and examples this consumer drew, and the epochs of
+        the global order wholly dealt before its next position."""
         out = {}
         for d, name in enumerate(self._mix.names):
-            m = len(self._ranges[d])
             out[name] = {"tokens": self._tokens[d], "loss_tokens": self._loss[d],
-                         "examples": self._pos[d], "epochs": self._pos[d] // m}
+                         "examples": self._drawn[d],
+                         "epochs": self._streams[d].peek() // self._mix.sizes[d]}
         return out
 
     # ---- state -----------------------------------------------------------------------------
@@ -342,17 +346,42 @@ class MixtureIterator(grain.DatasetIterator):
     def get_state(self) -> dict[str, Any]:
         mix = self._mix
         return {"names": list(mix.names), "sizes": list(mix.sizes), "shard": list(mix.shard),
-                "worker": list(mix.worker), "positions": list(self._pos),
-                "tokens": list(self._tokens), "loss_tokens": list(self._loss),
-                "mixer": self._mixer.get_state()}
+                "worker": list(mix.worker), "streams": [s.to_state() for s in self._streams],
+                "examples": list(self._drawn), "tokens": list(self._tokens),
+                "loss_tokens": list(self._loss), "mixer": self._mixer.get_state()}
 
     def set_state(self, state: dict[str, Any]) -> None:
         check_compatible(self._mix, state)
-        self._pos = [int(p) for p in state["positions"]]
+        self._refs_d, self._refs_i, self._cuts = [], [], []
+        self._mixer = ShortfallMixer(self._mix.stages, scale=self._mix.consumer()[1])
+        self._drawn = [int(p) for p in state["examples"]]
+        saved = consumer_of(tuple(state["shard"]), tuple(state["worker"])[:2])
+        if saved != self.consumer():  # nothing drawn (check_compatible): the first state of
+            self._streams = [Stream.initial(*self.consumer()) for _ in self._streams]
+            self._tokens = [0] * len(self._drawn)  # a worker, which Grain makes unsliced
+            self._loss = [0] * len(self._drawn)
+            self.reweighted = self._mixer.set_state(state["mixer"])
+            return
+        self._streams = [Stream.from_state(st) for st in state["streams"]]
         self._tokens = [int(t) for t in state["tokens"]]
         self._loss = [int(t) for t in state["loss_tokens"]]
-        self._mixer = ShortfallMixer(self._mix.stages)
         self.reweighted = self._mixer.set_state(state["mixer"])
+
+    def install(self, streams: list[Stream], mixer: Mapping[str, Any],
+                counters: Mapping[str, Any] | None) -> None:
+        """Goes on from a layout's pooled positions (a restore on another host or worker
+        count): `streams` per dataset, the run's units drawn so far (`mixer`: sums over the
+        old consumers, shared out evenly) from which a new stage of the weights counts, and
+        the old consumers' counters (`counters`: one consumer takes them, None elsewhere)."""
+        self._streams = [s.clip(lim) for s, lim in zip(streams, self._limits)]
+        self._mixer = ShortfallMixer(self._mix.stages, scale=self._mix.consumer()[1])
+        self._mixer.resume_at(mixer["consumed"], mixer["total"], mixer["count"])
+        self.reweighted = True
+        k = len(self._streams)
+        counters = counters or {}
+        self._drawn = [int(v) for v in counters.get("examples", [0] * k)]
+        self._tokens = [int(v) for v in counters.get("tokens", [0] * k)]
+        self._loss = [int(v) for v in counters.get("loss_tokens", [0] * k)]
         self._refs_d, self._refs_i, self._cuts = [], [], []
 
     def __str__(self) -> str:
@@ -376,10 +405,16 @@ def check_compatible(mix: Mixture, state: Mapping[str, Any]) -> None:
             raise InputError(f"restoring a mixture: dataset {name!r} holds {have} examples but "
                              f"held {had} when the state was saved; its positions would "
                              "point at other examples (restore into the same data)")
-    if not any(int(p) for p in state["positions"]):
+    if "streams" not in state:
+        raise InputError("restoring a mixture: the state was saved by an earlier version of "
+                         "seqpack (positions per host shard, no global order); restore it with "
+                         "that version, or start the mixture again")
+    if not any(int(p) for p in state["examples"]):
         return  # nothing drawn yet (Grain makes its workers' first states unsliced)
     for key, mine in (("shard", mix.shard), ("worker", mix.worker)):
-        if [int(v) for v in state[key]] != [int(v) for v in mine]:
+        if [int(v) for v in state[key]][:2] != [int(v) for v in mine]:
             raise InputError(f"restoring a mixture: the state's {key} is {state[key]} but this "
-                             f"pipeline's is {list(mine)}; positions are counted per {key}, "
-                             "so restore with the same host and worker counts")
+                             f"pipeline's is {list(mine)}; a state restores the same consumer; "
+                             "on another host or worker count restore through "
+                             "make_training_pipeline, from every host's state "
+                             "(docs/training.md, \"Many hosts\")")

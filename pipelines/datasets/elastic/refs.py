@@ -58,8 +58,9 @@ class RefTable:
                 i[(k - lo) * w:(k - lo) * w + ik.size] = ik
         return d[ids - lo * w], i[ids - lo * w]
 
-    def label(self, batch: dict[str, np.ndarray]) -> None:
-        """Rows of ids -> `segment_dataset_id` and the index within each dataset (in place)."""
+    def label(self, batch: dict[str, np.ndarray], *, datasets: bool = True) -> None:
+        """Rows of ids -> the index within each dataset (and, `datasets`, each segment's
+        `segment_dataset_id`), in place."""
         src = batch.get(SOURCE_INDEX)
         if src is None:
             return
@@ -68,7 +69,9 @@ class RefTable:
         dataset = np.full(src.shape, -1, DATASET_DTYPE)
         index = np.full(src.shape, -1, SOURCE_DTYPE)
         dataset[used], index[used] = d, i
-        batch[DATASET_ID], batch[SOURCE_INDEX] = dataset, index
+        batch[SOURCE_INDEX] = index
+        if datasets:
+            batch[DATASET_ID] = dataset
 
     def deferred(self, open_ids: Callable[[Any], Iterable[int]], first: int, end: int
                  ) -> Callable[[Any], str]:
@@ -78,12 +81,14 @@ class RefTable:
         table.windows = dict(self.windows)
         return lambda planner: table.encode([*open_ids(planner), *range(first, end)])
 
-    def rename(self, message: str, mixture: Any) -> str:
-        """`message` with "example <id>" (an id of the mixed stream) as the dataset's name
-        and the example's index there."""
+    def rename(self, message: str, names: tuple[str, ...]) -> str:
+        """`message` with "example <id>" (an id of the packer's stream) as the dataset's name
+        (of `names`; one: the source's) and the example's index there."""
         def named(m: re.Match) -> str:
             d, i = self.lookup(np.array([int(m.group(1))]))
-            return f"dataset {mixture.names[int(d[0])]!r} example {int(i[0])}"
+            if len(names) == 1:
+                return f"example {int(i[0])} of the source"
+            return f"dataset {names[int(d[0])]!r} example {int(i[0])}"
         return re.sub(r"\bexample (\d+)", named, message, count=1)
 
     def encode(self, ids: Iterable[int]) -> str:

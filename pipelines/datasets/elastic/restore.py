@@ -1,0 +1,73 @@
+"""Restoring `PackIterDataset` from references: what a state names is fetched, never replayed.
+
+Over a source that names its examples (a `Mixture`, `elastic.ElasticExamples`), a state names
+the examples the packer held as (dataset, index) references. `fetch` gets them again and
+returns what the iterator installs (`Held`: their tokens by window, the elements by id).
+Pieces planned but not emitted can go back to the planner to be planned again (`unemitted`):
+under edited weights, and on another layout (`elastic.merge`); a mixture's new stage then
+counts them as drawn in it (`waiting_units` -> `MixtureIterator.hold_back`), so the rule draws
+what makes up for them, and the packer reads until they fit the new weights (at most
+`MAX_SPREAD` times their units) before planning them with those draws as one window, whose
+rows leave in an order that keeps the shares: the first batches hold the new weights too
+(docs/mixing.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+# A restore that plans pieces again reads at most this many times their units before planning
+# them with the new draws.
+MAX_SPREAD = 8
+
+
+@dataclasses.dataclass
+class Held:
+    """Fetched examples: `tokens` name -> window number -> values (None where not held), and
+    the `elements` by id."""
+
+    tokens: dict[str, dict[int, list]]
+    elements: dict[int, Any]
+
+
+def fetch(parent: Any, ids: np.ndarray, dataset: np.ndarray, index: np.ndarray, *,
+          names: tuple[str, ...], window: int, as_values: Callable[[Any, int, str], np.ndarray],
+          fit: Callable[[list, str, int], None]) -> Held:
+    """The elements (`dataset`, `index`) from `parent.fetch`, held under `ids` in the windows
+    of `window` ids; `as_values` / `fit` check and cast each name's values as reading does."""
+    id_list = ids.tolist()
+    elements = [parent.fetch(int(d), int(i)) for d, i in zip(dataset, index)]
+    tokens: dict[str, dict[int, list]] = {n: {} for n in names}
+    for n in names:
+        col = [as_values(e[n], j, n) for j, e in zip(id_list, elements)]
+        fit(col, n, 0)
+        for j, v in zip(id_list, col):
+            tokens[n].setdefault(j // window, [None] * window)[j % window] = v
+    return Held(tokens, dict(zip(id_list, elements)))
+
+
+def unemitted(plan: Any, order: list[int] | None, num_rows: int, emitted: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(id, start, length) i64 of the pieces of a staged plan's rows after the first `emitted`
+    to leave (in `order`, None: row order)."""
+    rows = (list(range(num_rows)) if order is None else order)[emitted:]
+    bounds = plan.row_slices()
+    sel = np.concatenate([np.zeros(0, np.int64), *(np.arange(bounds[r], bounds[r + 1])
+                                                   for r in rows)])
+    return plan.example[sel], plan.start[sel], plan.length[sel]
+
+
+def waiting_units(parent: Any, waiting: np.ndarray, ref_of: dict[int, tuple[int, int]],
+                  elements: dict[int, Any]) -> list[int]:
+    """Per dataset, the units (the mixture's unit) of the `waiting` pieces (i64[P, 3]: id,
+    start, length): each piece its share of its example's units."""
+    units = [0] * len(parent.names)
+    for i, length in zip(waiting[:, 0].tolist(), waiting[:, 2].tolist()):
+        d, index = ref_of[i]
+        u, tokens = parent.units(d, index, elements[i])
+        units[d] += round(u * length / tokens) if tokens else u
+    return units
