@@ -6,7 +6,8 @@ with the segment kernels over a mesh spanning every process. Checked: the global
 bit for bit those of one process reading every shard itself (and, for packed rows, those of one
 host with the whole global batch); every row / example of an epoch is read exactly once across
 the processes; every process resumes exactly from its own state; a packed state of 2 processes
-restores 4. Processes run in a session of their own, each wait has a timeout, and the session
+restores 4; online packing saved on 4 processes resumes on 2 and 3, and on 2 grows to 4, with
+every example once. Processes run in a session of their own, each wait has a timeout, and the session
 is killed in a `finally` (a failing test leaves nothing behind).
 """
 
@@ -150,6 +151,30 @@ def test_a_packed_state_of_two_processes_restores_four(tmp_path, data):
                   resume_state=state, **kw)
     for r in four:
         _assert_batches_equal(r["batches"], two[0]["batches"][2:])
+
+
+@pytest.mark.parametrize("before,after", [(4, 2), (4, 3), (2, 4)])
+def test_online_packing_saved_on_some_processes_resumes_on_others(tmp_path, before, after):
+    """Online packing on `before` processes saves through Orbax's Grain handler (one file a
+    process) after 3 global steps; `after` processes restore from all of them
+    (`ElasticCheckpointHandler`), make 3 global steps and read their rows to the end: every
+    example of the epoch once, in the global batches before and after or the rows after."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    kw = dict(mode="online", global_batch=12, steps=3, save_at=3, drain=1)
+    first = launch(tmp_path, processes=before, devices=1, name="save", save_dir=ckpt, **kw)
+    assert sorted(p.name for p in ckpt.iterdir()) == [f"process_{i}-of-{before}.json"
+                                                      for i in range(before)]
+    second = launch(tmp_path, processes=after, devices=1, name="restore", restore_dir=ckpt,
+                    **kw)
+    ids = lambda batches: [int(t[o]) - 1000 for b in batches for t, offs, ns in zip(  # noqa: E731
+        b["tokens"], b["tokens_segment_offsets"], b["tokens_segment_lengths"], strict=True)
+        for o, n in zip(offs, ns, strict=True) if n]
+    for r in second:  # every process assembled the same global batches
+        _assert_batches_equal(r["batches"], second[0]["batches"])
+    seen = collections.Counter(ids(first[0]["batches"]) + ids(second[0]["batches"])
+                               + [i for r in second for i in r["drained"]])
+    assert sorted(seen) == list(range(400)) and set(seen.values()) == {1}
 
 
 def test_a_failing_process_stops_them_all(tmp_path):

@@ -2,7 +2,7 @@
 
 Packed rows: the state names the global position, so any one host's state restores every host
 of the new run, with no row of the epochs repeated or lost (plain rows and balanced steps).
-Online packing: restoring under another shard refuses, saying what would be repeated or lost.
+Online packing restores from every host's state (tests/test_pipelines_elastic_online.py).
 Hosts are simulated with Batching(shard_index, shard_count); tests/test_multihost.py runs
 real JAX processes.
 """
@@ -18,9 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqpack.packer import PackConfig
 from seqpack.pipelines.datasets import (
-    ArraySource,
     Batching,
     Columns,
     PackedArrayRecordSource,
@@ -109,38 +107,6 @@ def test_balanced_steps_resume_on_another_host_count(tmp_path, before, after):
     step_of = lambda seq: [seq[i] // (D * B) for i in range(0, len(seq), D * B)]
     whole, _ = run(1, None)
     assert step_of(first + rest) == step_of(whole)  # the same global order of steps
-
-
-def _examples(n=300):
-    rng = np.random.default_rng(0)
-    return ArraySource.from_sequences([rng.integers(1, 99, int(rng.integers(1, 20)))
-                                       for _ in range(n)])
-
-
-def test_online_packing_refuses_another_shard_and_says_what_breaks():
-    src = _examples()
-
-    def pipeline(host, hosts):
-        return make_training_pipeline(src, pack=PackConfig(32, max_segments=8),
-                                      batch=Batching(2, shard_index=host, shard_count=hosts),
-                                      shuffle_seed=0, num_epochs=1)
-
-    it = iter(pipeline(0, 2))
-    for _ in range(3):
-        next(it)
-    state = json.loads(json.dumps(it.get_state()))
-    expected = next(it)
-    for host, hosts in ((0, 4), (1, 2), (0, 1)):
-        other = iter(pipeline(host, hosts))
-        with pytest.raises(ValueError, match=rf"saved by shard 0 of 2 and is restored as shard "
-                                             rf"{host} of {hosts}.*read again examples packed "
-                                             "before the save on one host and skip others.*"
-                                             "packed rows resume on any"):
-            other.set_state(state)
-    same = iter(pipeline(0, 2))
-    same.set_state(state)
-    got = next(same)
-    assert all(np.array_equal(got[k], expected[k]) for k in expected)
 
 
 @settings(max_examples=60, deadline=None)

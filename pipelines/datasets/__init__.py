@@ -25,9 +25,14 @@ from seqpack.pipelines.errors import require
 
 require("grain", "seqpack.pipelines.datasets")  # one message naming the extra, if missing
 
+from seqpack.pipelines.datasets import elastic  # noqa: E402
 from seqpack.pipelines.datasets.balance import Balance, BalanceRanks  # noqa: E402
 from seqpack.pipelines.datasets.columns import IGNORE_INDEX, Columns  # noqa: E402
 from seqpack.pipelines.datasets.dropin import BestFitPackIterDataset, FirstFitPackIterDataset  # noqa: E402
+from seqpack.pipelines.datasets.elastic import (  # noqa: E402
+    ElasticCheckpointHandler,
+    read_host_states,
+)
 from seqpack.pipelines.datasets.files import (  # noqa: E402
     ArrayRecordSource,
     JsonlSource,
@@ -56,6 +61,7 @@ __all__ = [
     "BestFitPackIterDataset",
     "Columns",
     "ContextParallelLayout",
+    "ElasticCheckpointHandler",
     "FirstFitPackIterDataset",
     "JsonlSource",
     "LossTokens",
@@ -68,5 +74,7 @@ __all__ = [
     "Prefetch",
     "SequentialIterDataset",
     "Window",
+    "elastic",
     "make_training_pipeline",
+    "read_host_states",
 ]

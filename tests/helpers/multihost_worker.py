@@ -7,6 +7,10 @@ a jitted step (`kernels.segment_attention` + `kernels.segment_cross_entropy` und
 the loss summed over all devices). It writes, per step, the global batch (gathered back to
 every process) and the loss; the state after `--save-at` steps; and, restored from that state
 in a fresh pipeline, the batches it makes next (all hosts resume from their own states).
+Online, `--save-dir` saves every process's state after the steps as Orbax's Grain handler
+does (`process_<i>-of-<N>.json`), `--restore-dir` restores from such files on any number of
+processes (`ElasticCheckpointHandler`), and `--drain` reads this process's rows to the end
+of the epoch after the global steps (no short last batch dropped).
 
 `--processes 1 --simulate N` is the reference: one process reading the N shards itself
 (Batching(shard_index=h, shard_count=N)) and putting their batches side by side.
@@ -15,6 +19,7 @@ in a fresh pipeline, the batches it makes next (all hosts resume from their own 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -36,6 +41,9 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--workers", type=int, default=0, help="Prefetch(worker_count=)")
     p.add_argument("--bench", action="store_true", help="time the input only (no step)")
+    p.add_argument("--save-dir", default="")
+    p.add_argument("--restore-dir", default="")
+    p.add_argument("--drain", type=int, default=0)
     return p.parse_args()
 
 
@@ -60,6 +68,8 @@ def pipeline(args: argparse.Namespace, batching):
     )
 
     labels = Columns(labels=["labels"]) if args.mode != "online" and not args.bench else Columns()
+    if args.drain:
+        batching = dataclasses.replace(batching, drop_remainder=False)
     kw = dict(batch=batching, shuffle_seed=7, num_epochs=None if args.bench else 1,
               columns=labels, prefetch=Prefetch(worker_count=args.workers))
     if args.mode == "online" and args.data:  # a corpus (.npz: tokens, offsets), as benchmarked
@@ -103,6 +113,13 @@ def local_batches(args: argparse.Namespace, *, state=None):
     return side_by_side(), lambda: [it.get_state() for it in its]
 
 
+def example_ids(batch) -> list[int]:
+    """The example of every segment of an online batch (its first token - 1000)."""
+    return [int(tokens[o]) - 1000 for tokens, offsets, lengths in zip(
+        batch["tokens"], batch["tokens_segment_offsets"], batch["tokens_segment_lengths"],
+        strict=True) for o, n in zip(offsets, lengths, strict=True) if n]
+
+
 def epoch_pass(args: argparse.Namespace) -> list:
     """What this process reads in a whole epoch, without jax: each row's segment source
     indices (packed rows: global example ids), or each segment's example id (online: its
@@ -118,9 +135,7 @@ def epoch_pass(args: argparse.Namespace) -> list:
         if args.mode != "online":
             seen += [tuple(r) for r in b["segment_source_index"].tolist()]
             continue
-        for tokens, offsets, lengths in zip(b["tokens"], b["tokens_segment_offsets"],
-                                            b["tokens_segment_lengths"], strict=True):
-            seen += [int(tokens[o]) - 1000 for o, n in zip(offsets, lengths, strict=True) if n]
+        seen += example_ids(b)
     return seen if args.mode != "online" else sorted(np.asarray(seen).tolist())
 
 
@@ -180,15 +195,29 @@ def run(args: argparse.Namespace) -> dict:
         with open(args.resume_state) as f:
             resume = json.load(f)
     it, get_state = local_batches(args, state=resume)
-    out: dict = {"batches": [], "losses": [], "state": None, "resumed": [],
-                 "epoch": [] if args.simulate else epoch_pass(args)}
+    if args.restore_dir:
+        import etils.epath
+
+        from seqpack.pipelines.datasets import ElasticCheckpointHandler
+
+        ElasticCheckpointHandler().restore(etils.epath.Path(args.restore_dir), item=it)
+    out: dict = {"batches": [], "losses": [], "state": None, "resumed": [], "drained": [],
+                 "epoch": [] if args.simulate or args.drain else epoch_pass(args)}
     for k in range(args.steps):
         if k == args.save_at:
             out["state"] = json.loads(json.dumps(get_state()))
         b, loss = global_batch(next(it))
         out["batches"].append(b)
         out["losses"].append(loss)
-    if args.save_at < args.steps and resume is None:
+    if args.save_dir:
+        import etils.epath
+
+        from seqpack.pipelines.datasets import ElasticCheckpointHandler
+
+        ElasticCheckpointHandler().save(etils.epath.Path(args.save_dir), item=it)
+    if args.drain:
+        out["drained"] = [i for b in it for i in example_ids(b)]
+    elif args.save_at < args.steps and resume is None and not args.restore_dir:
         it2, _ = local_batches(args, state=out["state"])
         for _ in range(args.save_at, args.steps):
             out["resumed"].append(global_batch(next(it2))[0])

@@ -56,7 +56,8 @@ class Flight:
         (ids i64 sorted, dataset, index: `mixing.decode_refs`)."""
         ref_ids, dataset, index = refs
         ids = np.asarray(ids, np.int64)
-        lengths = np.asarray(lengths, np.int64).reshape(len(ids), -1)
+        lengths = np.asarray(lengths, np.int64)
+        lengths = lengths[:, None] if lengths.ndim == 1 else lengths
         if not ids.size:
             return cls.empty(lengths.shape[1])
         uniq, number = np.unique(ids, return_inverse=True)

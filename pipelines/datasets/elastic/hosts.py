@@ -54,24 +54,30 @@ class OnlineHostsIterator(grain.DatasetIterator):
         super().__init__(parent)
         self._ds = ds
         self._steps = 0
+        self._ended = False
 
     def __next__(self) -> Any:
-        out = next(self._parent)
+        try:
+            out = next(self._parent)
+        except StopIteration:
+            self._ended = True
+            raise
         self._steps += 1
         return out
 
     def get_state(self) -> dict[str, Any]:
         ds = self._ds
         return {"online": 1, "run": ds.run, "host": ds.host[0], "hosts": ds.host[1],
-                "workers": ds.workers, "steps": self._steps, "pipeline": self._parent.get_state()}
+                "workers": ds.workers, "steps": self._steps, "ended": self._ended,
+                "pipeline": self._parent.get_state()}
 
     def set_state(self, state: Mapping[str, Any]) -> None:
         ds = self._ds
         h, H = ds.host
-        states = _host_states(state)
+        states, every = _host_states(state)
         for k, s in enumerate(states):
-            _check_run(s, ds.run, k if len(states) > 1 else None)
-        if len(states) == 1:
+            _check_run(s, ds.run, k if every else None)
+        if not every:
             s = states[0]
             if (s["host"], s["hosts"]) != (h, H):
                 raise ValueError(
@@ -96,7 +102,8 @@ class OnlineHostsIterator(grain.DatasetIterator):
             restore = merge(consumers, whole=mine is None, features=ds.features,
                             datasets=ds.datasets, mixed=ds.mixed, dtypes=dtypes)
             self._parent.set_state(self._spread(restore))
-        self._steps = int(states[0]["steps"])
+        self._steps = max(int(s["steps"]) for s in states)
+        self._ended = False
 
     def _spread(self, restore: dict[str, Any]) -> Any:
         """The pipeline state that hands `restore` to every worker process (or the one
@@ -109,7 +116,8 @@ class OnlineHostsIterator(grain.DatasetIterator):
         return "OnlineHostsIterator"
 
 
-def _host_states(state: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+def _host_states(state: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], bool]:
+    """(the states in `state`, whether they are every host's)."""
     if not isinstance(state, Mapping):
         raise ValueError(f"state={type(state).__name__} must be a dict: this pipeline's state, "
                          "or {'hosts': [...]}, every host's")
@@ -117,8 +125,8 @@ def _host_states(state: Mapping[str, Any]) -> list[Mapping[str, Any]]:
         states = list(state[HOSTS])
         if not states:
             raise ValueError("state={'hosts': []} holds no host's state")
-        return states
-    return [state]
+        return states, True
+    return [state], False
 
 
 def _check_run(state: Mapping[str, Any], run: Mapping[str, Any], host: int | None) -> None:
@@ -149,8 +157,8 @@ def _check_complete(states: list[Mapping[str, Any]]) -> None:
         twice = sorted({x for x in have if have.count(x) > 1})
         raise ValueError(f"the states of a run of {H} hosts must hold each host once: "
                          f"missing {missing}, repeated {twice}")
-    steps = {s["steps"] for s in states}
-    if len(steps) > 1:
+    steps = {s["steps"] for s in states if not s.get("ended")}  # an ended host stopped early
+    if len(steps) > 1 or steps and any(s["steps"] > max(steps) for s in states):
         first = {s["host"]: s["steps"] for s in states}
         raise ValueError(f"the hosts' states were saved at different steps ({first}): pass "
                          "the states of one checkpoint")
