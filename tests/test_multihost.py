@@ -7,8 +7,8 @@ bit for bit those of one process reading every shard itself (and, for packed row
 host with the whole global batch); every row / example of an epoch is read exactly once across
 the processes; every process resumes exactly from its own state; a packed state of 2 processes
 restores 4; online packing saved on 4 processes resumes on 2 and 3, and on 2 grows to 4, with
-every example once. Processes run in a session of their own, each wait has a timeout, and the session
-is killed in a `finally` (a failing test leaves nothing behind).
+every example once. Processes run in a session of their own, each wait has a timeout, and the
+session is killed in a `finally` (a failing test leaves nothing behind).
 """
 
 from __future__ import annotations

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from seqpack.packer.inputs import fit_dtype
+from seqpack.packer.contract import check_not_packed
+from seqpack.packer.inputs import check_pad, fit_dtype
 from seqpack.pipelines.errors import InputError
 
 IGNORE_INDEX = -100  # the label of a position that takes no loss (PyTorch, Hugging Face)
@@ -228,3 +229,98 @@ def check_lengths(cols: Mapping[str, list], hosts: Mapping[str, str], first: int
             raise InputError(
                 f"element {first + i}: column {name!r} has length {m[i]} but the "
                 f"feature {host!r} it is packed with has {h[i]}; they must match per example")
+
+
+class RunValues:
+    """The values a packer reads, checked, in one dtype per name for the whole run: the dtype
+    given, else the first non-empty element's (restored from a state). `features` hold token
+    ids (>= 0); the other names are columns (any integers in range), padded with `pads`."""
+
+    def __init__(self, *, features: tuple[str, ...], names: tuple[str, ...],
+                 drop: tuple[str, ...], pad_id: int, pads: Mapping[str, int],
+                 given: Mapping[str, np.dtype]):
+        self.features, self.names, self.drop = features, names, drop
+        self.pad_id, self.pads, self.given = pad_id, pads, set(given)
+        self.dtypes: dict[str, np.dtype] = dict(given)
+
+    def check_first(self, element: Any) -> None:
+        """The parent's first element: not packed already, and every key declared."""
+        check_not_packed(element, self.features, "element 0 of the parent")
+        if isinstance(element, Mapping) and all(n in element for n in self.names):
+            check_declared(element, self.names, self.drop, "element 0 of the parent")
+
+    def bad_element(self, ident: int, e: Exception) -> None:
+        raise InputError(f"element {ident} of the parent lacks one of the features "
+                         f"{list(self.names)} ({type(e).__name__}: {e}); elements must be "
+                         "dicts of 1-D token arrays") from None
+
+    def values(self, v: Any, ident: int, name: str) -> np.ndarray:
+        return as_values(v, f"element {ident}: {name!r}", token_ids=name in self.features)
+
+    def read(self, parent: Iterator[Any], count: int, first: int
+             ) -> tuple[dict[str, list], bool]:
+        """Up to `count` elements of `parent` (the first of them element `first` of the run),
+        checked and cast: (their values per name, whether the parent ended)."""
+        cols: dict[str, list] = {n: [] for n in self.names}
+        ended = False
+        if len(self.names) == 1:  # the common case, element by element with no inner loop
+            vals = cols[self.names[0]]
+            append, key = vals.append, self.names[0]
+            try:
+                if first == 0:
+                    element = next(parent)
+                    self.check_first(element)
+                    append(element[key])
+                for _ in range(count - (first == 0)):
+                    append(next(parent)[key])
+            except StopIteration:
+                ended = True
+            except (KeyError, TypeError, IndexError) as e:
+                self.bad_element(first + len(vals), e)
+        else:
+            try:
+                for n in range(count):
+                    element = next(parent)
+                    if first + n == 0:
+                        self.check_first(element)
+                    try:
+                        for name in self.names:
+                            cols[name].append(element[name])
+                    except (KeyError, TypeError, IndexError) as e:
+                        self.bad_element(first + n, e)
+            except StopIteration:
+                ended = True
+        self.window(cols, first)
+        return cols, ended
+
+    def window(self, cols: Mapping[str, list], first: int) -> None:
+        """Checks and casts (in place) the values of a window whose first element is `first`."""
+        for n, col in cols.items():
+            if not all(type(v) is np.ndarray and v.ndim == 1 for v in col):
+                col[:] = [self.values(v, first + i, n) for i, v in enumerate(col)]
+            elif col and not all(v.dtype.kind in "iub" for v in col):
+                i = next(i for i, v in enumerate(col) if v.dtype.kind not in "iub")
+                self.values(col[i], first + i, n)
+        for n, col in cols.items():
+            self.fit(col, n, first)
+
+    def fit(self, col: list, name: str, first: int) -> None:
+        """Casts values of `name` to the run's dtype (fixed by the first non-empty element
+        unless given); InputError naming the element for a value it cannot hold."""
+        dtype = self.dtypes.get(name)
+        token_ids = name in self.features
+        if dtype is None:
+            nonempty = next((v for v in col if v.size), None)
+            if nonempty is None:
+                return
+            dtype = self.dtypes[name] = nonempty.dtype
+            if token_ids:
+                check_pad(self.pad_id, dtype)
+            else:
+                check_pad(self.pads[name], dtype, name=f"the pad of column {name!r}")
+        origin = " (dtype= of PackIterDataset)" if name in self.given else \
+            " (the first element's dtype; pass dtype= for a wider one)"
+        for i, v in enumerate(col):
+            if v.dtype != dtype and v.size:
+                col[i] = fit_dtype(v, dtype, f"element {first + i}: {name!r}",
+                                   token_ids=token_ids, origin=origin)

@@ -278,4 +278,8 @@ def pack_configs(pack: packer.PackConfig | Sequence[packer.PackConfig]
                     f"pack: {field}={value!r} for feature {c.feature!r} but "
                     f"{field}={want!r} for {configs[0].feature!r}; packed features "
                     "differ only in seq_len and feature")
+    strategy = configs[0].strategy
+    if len(configs) > 1 and strategy is not packer.Strategy.BEST_FIT_DECREASING:
+        raise ValueError(f"strategy={strategy.value!r}: several features pack with "
+                         "'best_fit_decreasing' only")
     return configs

@@ -5,19 +5,16 @@ into rows carried over between windows (`packer.StreamPlanner`; several features
 `MultiStreamPlanner`), and yields contract rows (`[L]` / `[S]` arrays per packed feature, see
 docs/contract.md) as they become final.
 
-Checkpoint state is small: the planner's state (ids and lengths of the open rows' pieces and
-of those waiting for `window_rows` rows' worth, no tokens: compressed, a few bytes a piece),
-counters, and the parent's state at the window holding the oldest open example: restoring
-re-reads the parent from there, keeps the tokens open rows need, re-plans the window being
-emitted and skips the rows already yielded, exactly as an uninterrupted iterator. Over a
+Checkpoint state is small: the planner's state (ids and lengths of the open rows' pieces, no
+tokens: compressed, a few bytes a piece), counters, and the parent's state at the window
+holding the oldest open example: restoring re-reads the parent from there, re-plans the window
+being emitted and skips the rows already yielded, exactly as an uninterrupted iterator. Over a
 parent that names its examples (a `Mixture`; `elastic.ElasticExamples`, which
-`make_training_pipeline` packs) the state names the examples held as (dataset, index)
-references and the parent's positions instead, and the pieces in flight (`flight`): restoring
-fetches them, never replays, so edited weights repeat and lose nothing (the pieces not yet
-emitted are planned again with the new stage's draws, which make up for them: restore.py),
-and a state of another host or worker count restores as its share of what the old layout
-left (`elastic.merge`). Over a mixture rows carry `segment_dataset_id` and leave in an order
-that keeps the shares.
+`make_training_pipeline` packs) the state names the examples held by reference and the pieces
+in flight instead: restoring fetches them, never replays, so edited weights repeat and lose
+nothing (`elastic.restore`), and a state of another host or worker count restores as this
+consumer's share of what the old layout left (`elastic.merge`). Over a mixture rows carry
+`segment_dataset_id` and leave in an order that keeps the shares.
 
 Example::
 
@@ -29,20 +26,18 @@ Example::
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grain
 import numpy as np
 
 from seqpack import packer
-from seqpack.packer.contract import check_not_packed
-from seqpack.packer.inputs import check_pad, fit_dtype, row_dtype
+from seqpack.packer.inputs import check_pad, row_dtype
 from seqpack.packer.online import decode_planner_state
 from seqpack.pipelines.datasets.columns import (
     Columns,
-    as_values,
-    check_declared,
+    RunValues,
     check_lengths,
     check_negative,
     check_type,
@@ -51,7 +46,7 @@ from seqpack.pipelines.datasets.elastic import (
     ELASTIC,
     RefTable,
     decode_refs,
-    encode_table,
+    deferred_flight,
     index_in,
     restore,
     share,
@@ -75,8 +70,7 @@ class PackIterator(grain.DatasetIterator):
         super().__init__(parent)
         self._ds = ds
         self._start_state = parent.get_state()
-        # A parent that names its examples: they are held as (dataset, index) references and
-        # states never replay; over a Mixture rows also carry their dataset and keep shares.
+        # A parent naming its examples: held as (dataset, index) references, never replayed.
         self._by_ref = hasattr(parent, "take_refs")
         self._mixed = isinstance(parent, MixtureIterator)
         self._fresh()
@@ -101,8 +95,7 @@ class PackIterator(grain.DatasetIterator):
         self._order: list[int] | None = None
         self._plan: Any = None  # the staged window's plan (a restore under edited weights)
         self._rows_emitted = 0
-        # The one dtype per name for the whole run (restored from the state).
-        self._dtypes: dict[str, np.dtype] = dict(ds.dtypes)
+        self._values = ds.run_values()  # checks; the one dtype per name (restored)
         self._refs = RefTable(ds.window)
         self._cuts: list[int] = []  # ids read where a mixture's stage ended (`plan_cut`)
 
@@ -113,50 +106,13 @@ class PackIterator(grain.DatasetIterator):
         parent, ds = self._parent, self._ds
         first = self._next_id
         self._attempt = (first, parent.get_state())
-        cols: dict[str, list] = {n: [] for n in ds.names}
-        if len(ds.names) == 1:
-            vals = cols[ds.names[0]]
-            append, key = vals.append, ds.names[0]
-            try:
-                if first == 0:
-                    element = next(parent)
-                    self._check_not_packed(element)
-                    append(element[key])
-                for _ in range(ds.window - (first == 0)):
-                    append(next(parent)[key])
-            except StopIteration:
-                self._exhausted = True
-            except (KeyError, TypeError, IndexError) as e:
-                self._bad_element(first + len(vals), e)
-            count = len(vals)
-        else:
-            count = 0
-            try:
-                for _ in range(ds.window):
-                    element = next(parent)
-                    if first + count == 0:
-                        self._check_not_packed(element)
-                    try:
-                        for n in ds.names:
-                            cols[n].append(element[n])
-                    except (KeyError, TypeError, IndexError) as e:
-                        self._bad_element(first + count, e)
-                    count += 1
-            except StopIteration:
-                self._exhausted = True
+        cols, ended = self._values.read(parent, ds.window, first)
+        self._exhausted |= ended
+        count = len(cols[ds.names[0]])
         if count:
             self._bounds.append(self._attempt)
         self._next_id = first + count
         ids = list(range(first, first + count))
-        for n in ds.names:
-            col = cols[n]
-            if not all(type(v) is np.ndarray and v.ndim == 1 for v in col):
-                col[:] = [self._as_tokens(v, first + i, n) for i, v in enumerate(col)]
-            elif count and not all(v.dtype.kind in "iub" for v in col):
-                i = next(i for i, v in enumerate(col) if v.dtype.kind not in "iub")
-                self._as_tokens(col[i], first + i, n)
-        for n in ds.names:
-            self._fit_column(cols[n], n, first)
         if count:
             k = first // ds.window
             for n in ds.names:
@@ -170,39 +126,6 @@ class PackIterator(grain.DatasetIterator):
             self._cuts += [first + c for c in self._parent.take_cuts()]
         return ids, cols
 
-    def _check_not_packed(self, element: Any) -> None:
-        ds = self._ds
-        check_not_packed(element, ds.features, "element 0 of the parent")
-        if isinstance(element, Mapping) and all(n in element for n in ds.names):
-            check_declared(element, ds.names, ds.drop_features, "element 0 of the parent")
-
-    def _bad_element(self, ident: int, e: Exception) -> None:
-        raise InputError(f"element {ident} of the parent lacks one of the features "
-                         f"{list(self._ds.names)} ({type(e).__name__}: {e}); elements must be "
-                         "dicts of 1-D token arrays") from None
-
-    def _as_tokens(self, v: Any, ident: int, name: str) -> np.ndarray:
-        return as_values(v, f"element {ident}: {name!r}", token_ids=name in self._ds.features)
-
-    def _fit_column(self, col: list, name: str, first: int) -> None:
-        """Casts a window's values of `name` to the run's dtype (fixed by the first non-empty
-        element unless given); InputError naming the element for a value it cannot hold."""
-        dtype = self._dtypes.get(name)
-        if dtype is None:
-            nonempty = next((v for v in col if v.size), None)
-            if nonempty is None:
-                return
-            dtype = self._dtypes[name] = nonempty.dtype
-            if name in self._ds.features:
-                check_pad(self._ds.configs[0].pad_id, dtype)
-            else:
-                check_pad(self._ds.pads[name], dtype, name=f"the pad of column {name!r}")
-        token_ids = name in self._ds.features
-        for i, v in enumerate(col):
-            if v.dtype != dtype and v.size:
-                col[i] = fit_dtype(v, dtype, f"element {first + i}: {name!r}",
-                                          token_ids=token_ids, origin=self._ds.dtype_origin(name))
-
     # ---- planning ---------------------------------------------------------------------------
 
     def _state_at(self, first: int) -> Any:
@@ -213,12 +136,8 @@ class PackIterator(grain.DatasetIterator):
 
     def _advance(self) -> None:
         """Reads the next window (or none: the final flush) and stages its rows."""
-        window = None
-        if not self._exhausted:
-            ids, cols = self._read_window()
-            if ids:
-                window = (ids, cols)
-        self._stage(window)
+        ids, cols = self._read_window() if not self._exhausted else ([], {})
+        self._stage((ids, cols) if ids else None)
 
     def _stage(self, window: tuple[list[int], dict[str, list]] | None) -> None:
         """Plans `window` (None: the final flush) and stages its rows for emission."""
@@ -243,7 +162,7 @@ class PackIterator(grain.DatasetIterator):
         self._snap = self._snapshot(phase, window_first, before, oldest_before)
         if cuts:
             self._snap["cuts"] = [window_first + c for c in cuts]
-        batch = layout.build(plan, self._held, ds.window, self._dtypes)
+        batch = layout.build(plan, self._held, ds.window, self._values.dtypes)
         check_negative(batch, self._held, self._ds.features, self._ds.window)
         if self._by_ref:
             self._refs.label(batch, datasets=self._mixed)
@@ -267,28 +186,9 @@ class PackIterator(grain.DatasetIterator):
             if self._mixed:  # every run of rows near the mixture's shares
                 self._order = balanced_order(self._parent.dataset_units(batch), self._order,
                                              parts)
-        if self._by_ref:
-            self._snap["flight"] = self._flight(plan, self._order)
-
-    def _flight(self, plan: Any, order: list[int] | None) -> Any:
-        """The pieces in flight once this window's rows start to leave, encoded when called:
-        i64[P, 3 + F] (the row's turn to leave, or -1 open or waiting; id, start, length per
-        feature), and the planner's counters after the window (`elastic.merge` reads them)."""
-        layout, after = self._layout, self._planner_state
-        counters = layout.counters()
-
-        def encode() -> dict[str, Any]:
-            staged = layout.pieces(plan)
-            if order is not None and len(staged):
-                turn = np.empty(len(order), np.int64)
-                turn[np.asarray(order, np.int64)] = np.arange(len(order))
-                staged[:, 0] = turn[staged[:, 0]]
-            still = layout.open_pieces(decode_planner_state(after()))
-            held = np.concatenate([np.full((len(still), 1), -1, np.int64), still], 1)
-            return {"pieces": encode_table(np.concatenate([staged, held])),
-                    "counters": counters}
-
-        return encode
+        if self._by_ref:  # the pieces in flight while these rows leave (`elastic.merge`)
+            self._snap["flight"] = deferred_flight(layout, plan, self._order,
+                                                   self._planner_state)
 
     def _snapshot(self, phase: str, window_first: int, before: Any,
                   oldest_before: int | None) -> dict[str, Any]:
@@ -297,7 +197,7 @@ class PackIterator(grain.DatasetIterator):
         those of rows still open before it (encoded on the first get_state). Else: the
         parent's state at the window holding the oldest open example, to replay from."""
         snap = {"phase": phase, "window_first": window_first, "planner": before,
-                "dtypes": {n: dt.str for n, dt in self._dtypes.items()}}
+                "dtypes": {n: dt.str for n, dt in self._values.dtypes.items()}}
         if self._by_ref:
             layout = self._layout
             snap.update(parent=self._parent.get_state(), next_id=self._next_id,
@@ -356,17 +256,15 @@ class PackIterator(grain.DatasetIterator):
             self._start_state = state["parent"]
             return
         layout = self._layout
-        self._dtypes.update({n: np.dtype(d) for n, d in state.get("dtypes", {}).items()})
+        self._values.dtypes.update({n: np.dtype(d) for n, d in state.get("dtypes", {}).items()})
         planner_state = decode_planner_state(state["planner"])
         layout.planner.set_state(planner_state)
         self._planner_state = layout.planner.snapshot()
         self._oldest = layout.planner.oldest_open_id()
         if ("refs" in state) != self._by_ref:
-            by = lambda named: "names its examples (a Mixture, make_training_pipeline's " \
-                "examples)" if named else "replays its parent"  # noqa: E731
-            raise InputError(
-                f"restoring: the state was saved by a packer that {by('refs' in state)}, but "
-                f"this one {by(self._by_ref)}; restore into the same pipeline")
+            raise InputError("restoring: the state was saved by a packer over another kind of "
+                             "parent (one naming its examples by reference or not); restore "
+                             "into the same pipeline")
         self._rows_emitted = int(state["rows_emitted"])
         if self._by_ref:
             if self._restore_refs(state):
@@ -378,16 +276,11 @@ class PackIterator(grain.DatasetIterator):
     # ---- restoring by reference (restore.py) ----------------------------------------------
 
     def _hold(self, ids: np.ndarray, dataset: np.ndarray, index: np.ndarray) -> restore.Held:
-        """Fetches the referenced examples and holds them under `ids`."""
-        ds = self._ds
+        """Fetches the referenced examples and holds them under `ids` (a fresh iterator)."""
         self._refs.put_ids(ids, dataset, index)
-        held = restore.fetch(self._parent, ids, dataset, index, names=ds.names,
-                             window=ds.window, as_values=self._as_tokens, fit=self._fit_column)
-        for n in ds.names:
-            for k, values in held.tokens[n].items():
-                have = self._held[n].get(k)
-                self._held[n][k] = values if have is None else \
-                    [v if v is not None else h for v, h in zip(values, have)]
+        held = restore.fetch(self._parent, ids, dataset, index, names=self._ds.names,
+                             window=self._ds.window, values=self._values)
+        self._held = held.tokens
         return held
 
     def _restore_refs(self, state: dict[str, Any]) -> bool:
@@ -414,12 +307,10 @@ class PackIterator(grain.DatasetIterator):
         pieces = restore.unemitted(self._plan, self._order, self._num_rows,
                                    int(state["emitted"]))
         waiting = self._layout.planner.reopen(*pieces)
-        ref_of = dict(zip(ids.tolist(), zip(dataset.tolist(), index.tolist())))
-        self._read_and_stage(waiting, held.elements, ref_of)
+        self._read_and_stage(waiting, held)
         return True
 
-    def _read_and_stage(self, waiting: np.ndarray, elements: dict[int, Any],
-                        ref_of: dict[int, tuple[int, int]]) -> None:
+    def _read_and_stage(self, waiting: np.ndarray, held: restore.Held) -> None:
         """Plans the `waiting` pieces (i64[P, 3]) again with the next draws: over a mixture
         its new stage counts them as drawn and windows are read until they fit the weights
         (restore.py); else with the next window."""
@@ -429,18 +320,16 @@ class PackIterator(grain.DatasetIterator):
         if not self._mixed:
             self._advance()
             return
-        units = restore.waiting_units(parent, waiting, ref_of, elements)
+        units = restore.waiting_units(parent, waiting, held)
         need = parent.hold_back(units, len(set(waiting[:, 0].tolist())))
         need = min(need, restore.MAX_SPREAD * sum(units))
         ids: list[int] = []
         cols: dict[str, list] = {n: [] for n in ds.names}
-        while not self._exhausted:
+        while not self._exhausted and (not ids or parent.stage_units() < need):
             got, c = self._read_window()
             ids += got
             for n in ds.names:
                 cols[n] += c[n]
-            if parent.stage_units() >= need:
-                break
         self._stage((ids, cols) if ids else None)
 
     def _install(self, state: dict[str, Any]) -> None:
@@ -449,11 +338,10 @@ class PackIterator(grain.DatasetIterator):
         and wait in the planner to be planned with the next draws."""
         ds, parent, layout = self._ds, self._parent, self._layout
         if not self._by_ref:
-            raise InputError("restoring: a state of another host or worker count restores "
-                             "only a packer whose parent names its examples (a Mixture, or "
-                             "make_training_pipeline's examples)")
+            raise InputError("restoring: a state of another layout needs a parent that names "
+                             "its examples (a Mixture, make_training_pipeline's examples)")
         part = share(state, *index_in(state["over"], parent.layout()))
-        self._dtypes.update({n: np.dtype(d) for n, d in state.get("dtypes", {}).items()})
+        self._values.dtypes.update({n: np.dtype(d) for n, d in state.get("dtypes", {}).items()})
         if self._mixed:
             parent.install(part.streams, part.mixer, part.counters.get("datasets"))
         else:
@@ -469,8 +357,7 @@ class PackIterator(grain.DatasetIterator):
         if len(flight.pieces):
             layout.reopen(flight.pieces)
             waiting = flight.pieces[:, :3]  # id, start, length (of the first feature)
-        ref_of = dict(zip(ids.tolist(), zip(flight.dataset.tolist(), flight.index.tolist())))
-        self._read_and_stage(waiting, held.elements, ref_of)
+        self._read_and_stage(waiting, held)
         self._emitted = 0
 
     def _replay(self, state: dict[str, Any], needed: set[int]) -> None:
@@ -513,8 +400,9 @@ class PackIterDataset(grain.IterDataset):
              instead of wrapping. Columns keep their own dtype (the first element's),
              range-checked the same way but free to be negative.
 
-    `segment_source_index` holds each segment's position in the parent's stream (0, 1, ... per
-    iterator; per worker under `mp_prefetch`).
+    `segment_source_index` holds each segment's example: its index in its source where the
+    parent names its examples (a `Mixture`, `elastic.ElasticExamples`), else its position in
+    the parent's stream (0, 1, ... per iterator; per worker under `mp_prefetch`).
     """
 
     def __init__(self, parent: grain.IterDataset,
@@ -537,13 +425,6 @@ class PackIterDataset(grain.IterDataset):
         self.shuffle_rows = window.shuffle_rows
         self.open_rows = window.max_open_rows(isinstance(parent, Mixture))
         self.seed = int(seed)
-        if len(self.features) > 1:
-            cfg = self.configs[0]
-            if cfg.strategy is not packer.Strategy.BEST_FIT_DECREASING:
-                raise ValueError(
-                    f"strategy={cfg.strategy.value!r}: several features pack with "
-                    "'best_fit_decreasing' only"
-                )
         self.dtypes: dict[str, np.dtype] = {}
         if dtype is not None:
             dt = row_dtype(dtype)
@@ -551,10 +432,9 @@ class PackIterDataset(grain.IterDataset):
             self.dtypes = dict.fromkeys(self.features, dt)
         self.make_layout()  # validates the combination early
 
-    def dtype_origin(self, name: str) -> str:
-        if name in self.dtypes:
-            return " (dtype= of PackIterDataset)"
-        return " (the first element's dtype; pass dtype= for a wider one)"
+    def run_values(self) -> RunValues:
+        return RunValues(features=self.features, names=self.names, drop=self.drop_features,
+                         pad_id=self.configs[0].pad_id, pads=self.pads, given=self.dtypes)
 
     def make_layout(self) -> SingleLayout | MultiLayout:
         kw = dict(window=self.window, meta=self.meta, pads=self.pads, open_rows=self.open_rows)

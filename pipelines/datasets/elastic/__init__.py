@@ -23,12 +23,12 @@ from seqpack.pipelines.datasets.elastic.examples import (
     consumer_of,
     global_order,
 )
-from seqpack.pipelines.datasets.elastic.flight import encode_table
+from seqpack.pipelines.datasets.elastic.flight import deferred_flight, encode_table
 from seqpack.pipelines.datasets.elastic.hosts import OnlineHosts
 from seqpack.pipelines.datasets.elastic.merge import ELASTIC, index_in, share
 from seqpack.pipelines.datasets.elastic.refs import RefTable, decode_refs
 from seqpack.pipelines.datasets.elastic.streams import Stream
 
 __all__ = ["ELASTIC", "ElasticCheckpointHandler", "ElasticExamples", "OnlineHosts", "RefTable",
-           "Stream", "consumer_of", "decode_refs", "encode_table", "global_order", "index_in",
-           "read_host_states", "restore", "share"]
+           "Stream", "consumer_of", "decode_refs", "deferred_flight", "encode_table",
+           "global_order", "index_in", "read_host_states", "restore", "share"]

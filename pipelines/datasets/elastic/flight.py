@@ -18,21 +18,49 @@ from __future__ import annotations
 import base64
 import dataclasses
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
+from seqpack.packer.online import decode_planner_state
 
-def encode_table(table: np.ndarray) -> str:
-    """i64[n, w] as one string: base64(zlib(i64[n, w, *values]))."""
+_WIDTHS = ("<i1", "<i2", "<i4", "<i8")
+
+
+def encode_table(table: np.ndarray, *, deltas: tuple[int, ...] = ()) -> str:
+    """i64[n, w] as one string, small: each column (its differences, for the columns in
+    `deltas`) less its minimum, in the narrowest integer type that holds it; zlib; base64.
+    States carry one with every element under worker processes, so bytes count."""
     table = np.asarray(table, np.int64)
-    flat = np.concatenate(([table.shape[0], table.shape[1]], table.ravel())).astype("<i8")
-    return base64.b64encode(zlib.compress(flat.tobytes(), 1)).decode("ascii")
+    n, w = table.shape
+    head, body = [n, w], []
+    for c in range(w):
+        col = table[:, c]
+        first = int(col[0]) if n else 0
+        if c in deltas and n:
+            col = np.diff(col, prepend=first)
+        low = int(col.min()) if n else 0
+        span = int(col.max()) - low if n else 0
+        code = next(k for k, t in enumerate(_WIDTHS) if span < np.iinfo(t).max)
+        head += [int(c in deltas), first, low, code]
+        body.append((col - low).astype(_WIDTHS[code]).tobytes())
+    raw = np.asarray(head, "<i8").tobytes() + b"".join(body)
+    return base64.b64encode(zlib.compress(raw, 1)).decode("ascii")
 
 
 def decode_table(blob: str) -> np.ndarray:
-    flat = np.frombuffer(zlib.decompress(base64.b64decode(blob)), "<i8")
-    n, w = int(flat[0]), int(flat[1])
-    return flat[2:].reshape(n, w).astype(np.int64)
+    """Inverse of `encode_table`: i64[n, w]."""
+    raw = zlib.decompress(base64.b64decode(blob))
+    n, w = (int(v) for v in np.frombuffer(raw[:16], "<i8"))
+    head = np.frombuffer(raw[16:16 + 32 * w], "<i8").reshape(w, 4)
+    out, at = np.empty((n, w), np.int64), 16 + 32 * w
+    for c, (delta, first, low, code) in enumerate(head.tolist()):
+        size = np.dtype(_WIDTHS[code]).itemsize * n
+        col = np.frombuffer(raw[at:at + size], _WIDTHS[code]).astype(np.int64) + low
+        out[:, c] = np.cumsum(col) - col[0] + first if delta and n else col
+        at += size
+    return out
 
 
 @dataclasses.dataclass
@@ -99,3 +127,25 @@ class Flight:
     def decode(cls, state: dict[str, str]) -> Flight:
         ex = decode_table(state["examples"])
         return cls(ex[:, 0].copy(), ex[:, 1].copy(), decode_table(state["pieces"]))
+
+
+def deferred_flight(layout: Any, plan: Any, order: list[int] | None,
+                    after: Callable[[], dict]) -> Callable[[], dict[str, Any]]:
+    """The pieces in flight while a staged window's rows leave, encoded when called: i64[P,
+    3 + F] (the row's turn to leave in `order`, or -1: open or waiting in the planner state
+    `after`; id, start, length per feature), by id; and the planner's counters."""
+    counters = layout.counters()
+
+    def encode() -> dict[str, Any]:
+        staged = layout.pieces(plan)
+        if order is not None and len(staged):
+            turn = np.empty(len(order), np.int64)
+            turn[np.asarray(order, np.int64)] = np.arange(len(order))
+            staged[:, 0] = turn[staged[:, 0]]
+        still = layout.open_pieces(decode_planner_state(after()))
+        held = np.concatenate([np.full((len(still), 1), -1, np.int64), still], 1)
+        table = np.concatenate([staged, held])
+        table = table[np.lexsort((table[:, 2], table[:, 1]))]  # by id: small differences
+        return {"pieces": encode_table(table, deltas=(1,)), "counters": counters}
+
+    return encode

@@ -3,20 +3,19 @@
 `PackIterDataset` over a `Mixture` numbers the examples it reads 0, 1, ... (its ids); this
 table maps each held id to its dataset and its index there, labels built rows with
 `segment_dataset_id` and the index within the dataset, and encodes the ids a checkpoint needs
-as one string (base64(zlib(i64))), so a restore fetches them instead of replaying the mixture.
+as one string (`flight.encode_table`), so a restore fetches them instead of replaying.
 """
 
 from __future__ import annotations
 
-import base64
 import re
-import zlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
 from seqpack.packer.contract import DATASET_DTYPE, DATASET_ID, SOURCE_DTYPE, SOURCE_INDEX
+from seqpack.pipelines.datasets.elastic.flight import decode_table, encode_table
 
 
 class RefTable:
@@ -92,15 +91,14 @@ class RefTable:
         return re.sub(r"\bexample (\d+)", named, message, count=1)
 
     def encode(self, ids: Iterable[int]) -> str:
-        """The references of `ids` as one string: base64(zlib(i64[n, ids, datasets, indices]))."""
+        """The references of `ids` as one string (`flight.encode_table` of the sorted ids, their
+        datasets and indices)."""
         arr = np.asarray(sorted(set(ids)), np.int64)
         d, i = self.lookup(arr)
-        flat = np.concatenate(([arr.size], arr, d.astype(np.int64), i)).astype("<i8")
-        return base64.b64encode(zlib.compress(flat.tobytes(), 1)).decode("ascii")
+        return encode_table(np.stack([arr, d.astype(np.int64), i], 1), deltas=(0,))
 
 
 def decode_refs(blob: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(ids i64, dataset i32, index i64) of `RefTable.encode`."""
-    flat = np.frombuffer(zlib.decompress(base64.b64decode(blob)), "<i8")
-    n = int(flat[0])
-    return flat[1:n + 1].copy(), flat[n + 1:2 * n + 1].astype(np.int32), flat[2 * n + 1:].copy()
+    table = decode_table(blob)
+    return table[:, 0].copy(), table[:, 1].astype(np.int32), table[:, 2].copy()

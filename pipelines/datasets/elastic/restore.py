@@ -15,7 +15,6 @@ rows leave in an order that keeps the shares: the first batches hold the new wei
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,27 +26,28 @@ MAX_SPREAD = 8
 
 @dataclasses.dataclass
 class Held:
-    """Fetched examples: `tokens` name -> window number -> values (None where not held), and
-    the `elements` by id."""
+    """Fetched examples: `tokens` name -> window number -> values (None where not held), the
+    `elements` by id and their references (id -> (dataset, index))."""
 
     tokens: dict[str, dict[int, list]]
     elements: dict[int, Any]
+    refs: dict[int, tuple[int, int]]
 
 
 def fetch(parent: Any, ids: np.ndarray, dataset: np.ndarray, index: np.ndarray, *,
-          names: tuple[str, ...], window: int, as_values: Callable[[Any, int, str], np.ndarray],
-          fit: Callable[[list, str, int], None]) -> Held:
+          names: tuple[str, ...], window: int, values: Any) -> Held:
     """The elements (`dataset`, `index`) from `parent.fetch`, held under `ids` in the windows
-    of `window` ids; `as_values` / `fit` check and cast each name's values as reading does."""
+    of `window` ids; `values` (`columns.RunValues`) checks and casts them as reading does."""
     id_list = ids.tolist()
     elements = [parent.fetch(int(d), int(i)) for d, i in zip(dataset, index)]
     tokens: dict[str, dict[int, list]] = {n: {} for n in names}
     for n in names:
-        col = [as_values(e[n], j, n) for j, e in zip(id_list, elements)]
-        fit(col, n, 0)
+        col = [values.values(e[n], j, n) for j, e in zip(id_list, elements)]
+        values.fit(col, n, 0)
         for j, v in zip(id_list, col):
             tokens[n].setdefault(j // window, [None] * window)[j % window] = v
-    return Held(tokens, dict(zip(id_list, elements)))
+    return Held(tokens, dict(zip(id_list, elements)),
+                dict(zip(id_list, zip(dataset.tolist(), index.tolist()))))
 
 
 def unemitted(plan: Any, order: list[int] | None, num_rows: int, emitted: int
@@ -61,13 +61,12 @@ def unemitted(plan: Any, order: list[int] | None, num_rows: int, emitted: int
     return plan.example[sel], plan.start[sel], plan.length[sel]
 
 
-def waiting_units(parent: Any, waiting: np.ndarray, ref_of: dict[int, tuple[int, int]],
-                  elements: dict[int, Any]) -> list[int]:
+def waiting_units(parent: Any, waiting: np.ndarray, held: Held) -> list[int]:
     """Per dataset, the units (the mixture's unit) of the `waiting` pieces (i64[P, 3]: id,
-    start, length): each piece its share of its example's units."""
+    start, length) of `held` examples: each piece its share of its example's units."""
     units = [0] * len(parent.names)
     for i, length in zip(waiting[:, 0].tolist(), waiting[:, 2].tolist()):
-        d, index = ref_of[i]
-        u, tokens = parent.units(d, index, elements[i])
+        d, index = held.refs[i]
+        u, tokens = parent.units(d, index, held.elements[i])
         units[d] += round(u * length / tokens) if tokens else u
     return units
