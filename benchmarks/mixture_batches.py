@@ -34,7 +34,7 @@ import numpy as np
 
 from benchmarks.common import DATA, print_table
 from seqpack.packer import PackConfig
-from seqpack.packer.mixing import carries_loss, dataset_tokens, slot_counts
+from seqpack.packer.mixing import carries_loss, row_units, slot_counts
 from seqpack.pipelines.datasets import (
     ArraySource,
     Columns,
@@ -111,11 +111,12 @@ def datasets() -> dict[str, tuple]:
 
 def _row_units(rows: dict[str, np.ndarray], K: int, unit: str) -> np.ndarray:
     """f64[R, K]: each row's units per dataset (loss tokens from `labels`)."""
-    n = rows["tokens_segment_lengths"]
+    n, loss = rows["tokens_segment_lengths"], None
     if unit == "loss_tokens":
         marks = carries_loss([(rows["labels"], "labels")], rows["tokens"].shape)
-        n = slot_counts(marks, rows["tokens_segment_offsets"], n)
-    return dataset_tokens(rows["segment_dataset_id"], n, K).astype(float)
+        loss = slot_counts(marks, rows["tokens_segment_offsets"], n)
+    return row_units(unit, rows["segment_dataset_id"], n, rows["segment_source_start"],
+                     num_datasets=K, loss=loss).astype(float)
 
 
 def _stack(rows: list[dict]) -> dict[str, np.ndarray]:

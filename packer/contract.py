@@ -35,6 +35,7 @@ SOURCE_DTYPE = np.dtype(np.int64)  # segment_source_index / segment_source_start
 SOURCE_INDEX = "segment_source_index"
 SOURCE_START = "segment_source_start"
 DATASET_ID = "segment_dataset_id"  # [S] i32, rows of a mixture only
+IGNORE_INDEX = -100  # the label of a position that takes no loss (PyTorch, Hugging Face)
 DATASET_DTYPE = np.dtype(np.int32)
 _LENGTHS, _OFFSETS, _IDS, _POSITIONS = (
     "_segment_lengths", "_segment_offsets", "_segment_ids", "_positions")

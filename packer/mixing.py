@@ -30,9 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from seqpack.packer.contract import IGNORE_INDEX
+
 UNITS = ("tokens", "loss_tokens", "examples")
 # What marks a token without a loss in a column of each role (`carries_loss`).
-NO_LOSS = {"labels": -100, "mask": 0}
+NO_LOSS = {"labels": IGNORE_INDEX, "mask": 0}
 
 
 def carries_loss(columns: Iterable[tuple[np.ndarray, str]], shape: int | tuple[int, ...]
@@ -59,18 +61,30 @@ def slot_counts(marks: np.ndarray,  # bool[R, L]: the tokens to count
     return np.take_along_axis(run, end, 1) - np.take_along_axis(run, start, 1)
 
 
-def dataset_tokens(dataset_id: np.ndarray,  # int[R, S]: each slot's dataset, -1 unused
-                   lengths: np.ndarray,  # int[R, S]: each slot's tokens
-                   num_datasets: int) -> np.ndarray:  # i64[R, K]
-    """Tokens of each dataset in each packed row."""
+def row_units(unit: str,
+              dataset_id: np.ndarray,  # int[R, S] (or [P]): each slot's dataset, -1 unused
+              lengths: np.ndarray,  # int[R, S] (or [P]): its tokens
+              starts: np.ndarray,  # int[R, S] (or [P]): where in its example it starts
+              *, num_datasets: int, loss: np.ndarray | None = None,
+              row: np.ndarray | None = None, num_rows: int = 0) -> np.ndarray:  # i64[R, K]
+    """Each packed row's units of each dataset of a mixture, in `unit`: tokens; loss tokens
+    (`loss`: each slot's, `slot_counts`; None: its tokens, where they are not known); or
+    examples (first pieces). Slots as `[R, S]` arrays, or pieces as `[P]` arrays with each
+    piece's `row` of `num_rows`. The one count of a row's shares, online (a window's row
+    order), offline (steps) and in `seqpack stats`."""
     ids = np.asarray(dataset_id, np.int64)
-    R, S = ids.shape
-    ids = ids.reshape(-1)
+    if row is None:
+        num_rows, slots = ids.shape
+        row = np.repeat(np.arange(num_rows), slots)
+    if unit == "examples":
+        weight = (np.asarray(starts) == 0) & (np.asarray(lengths) > 0)
+    else:
+        weight = np.asarray(lengths if loss is None or unit != "loss_tokens" else loss)
+    ids, weight = ids.reshape(-1), weight.reshape(-1).astype(np.int64)
     used = ids >= 0
-    at = np.repeat(np.arange(R), S)[used] * num_datasets + ids[used]
-    out = np.bincount(at, weights=np.asarray(lengths, np.int64).reshape(-1)[used],
-                      minlength=R * num_datasets)
-    return out.astype(np.int64).reshape(R, num_datasets)
+    at = np.asarray(row, np.int64).reshape(-1)[used] * num_datasets + ids[used]
+    out = np.bincount(at, weights=weight[used], minlength=num_rows * num_datasets)
+    return out.astype(np.int64).reshape(num_rows, num_datasets)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,9 +25,10 @@ from seqpack.pipelines.errors import require
 
 require("grain", "seqpack.pipelines.datasets")  # one message naming the extra, if missing
 
+from seqpack.packer.contract import IGNORE_INDEX  # noqa: E402
 from seqpack.pipelines.datasets import elastic  # noqa: E402
 from seqpack.pipelines.datasets.balance import Balance, BalanceRanks  # noqa: E402
-from seqpack.pipelines.datasets.columns import IGNORE_INDEX, Columns  # noqa: E402
+from seqpack.pipelines.datasets.columns import Columns  # noqa: E402
 from seqpack.pipelines.datasets.dropin import BestFitPackIterDataset, FirstFitPackIterDataset  # noqa: E402
 from seqpack.pipelines.datasets.elastic import (  # noqa: E402
     ElasticCheckpointHandler,

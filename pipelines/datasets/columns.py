@@ -32,11 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from seqpack.packer.contract import check_not_packed
+from seqpack.packer.contract import IGNORE_INDEX, check_not_packed
 from seqpack.packer.inputs import check_pad, fit_dtype
 from seqpack.pipelines.errors import InputError
-
-IGNORE_INDEX = -100  # the label of a position that takes no loss (PyTorch, Hugging Face)
 
 ColumnSpec = Mapping[str, Any] | Sequence[str]  # name -> pad (or (feature, pad)); or names
 

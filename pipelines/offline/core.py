@@ -44,6 +44,7 @@ import numpy as np
 
 from seqpack.packer import Counters, PackConfig, PackPlan
 from seqpack.packer.inputs import check_lengths
+from seqpack.packer.mixing import row_units
 from seqpack.packer.order import BlockLayout, GlobalOrder, block_layout, global_order
 from seqpack.packer.plan import order_pieces, pieces, plan_block_rows
 from seqpack.packer.stats import (
@@ -251,16 +252,12 @@ def plan_block(block: int, lengths: np.ndarray, job: PackJob, refs: np.ndarray |
 
 def _dataset_units(table: np.ndarray, firsts: np.ndarray, num_rows: int, job: PackJob
                    ) -> np.ndarray:
-    """i64[num_rows, K]: each row's units per dataset of a mixture (examples: first pieces;
-    tokens and loss tokens: tokens, the loss of a piece not being known)."""
-    example = table[EXAMPLE].astype(np.int64)
-    dataset = np.searchsorted(firsts, example, side="right") - 1
-    unit = job.mixture.mix_unit if job.mixture is not None else "tokens"
-    weight = table[START] == 0 if unit == "examples" else table[LENGTH]
-    K = firsts.size
-    at = table[ROW].astype(np.int64) * K + dataset
-    return np.bincount(at, weights=weight, minlength=num_rows * K).astype(np.int64).reshape(
-        num_rows, K)
+    """i64[num_rows, K]: each row's units per dataset of a mixture (`firsts`: each dataset's
+    first example; loss tokens counted as tokens, the loss of a piece not being known)."""
+    assert job.mixture is not None
+    dataset = np.searchsorted(firsts, table[EXAMPLE].astype(np.int64), side="right") - 1
+    return row_units(job.mixture.mix_unit, dataset, table[LENGTH], table[START],
+                     num_datasets=firsts.size, row=table[ROW], num_rows=num_rows)
 
 
 def _piece_table(lengths: np.ndarray, job: PackJob, first: int, row: np.ndarray,

@@ -318,7 +318,7 @@ def shares(record: Mapping, tokens: np.ndarray, step_rows: int | None) -> dict:
     """The stats of a mixture: per dataset what the manifest records, its share of the rows'
     tokens and the p5 / p50 / p95 of its share per step of `step_rows` rows (full steps; the
     whole output when it holds less than a step) or per row (None); `tokens`:
-    `packer.mixing.dataset_tokens` of every row, in output order."""
+    `packer.mixing.row_units` (in tokens) of every row, in output order."""
     step = step_rows or 1
     n = tokens.shape[0] // step
     steps = tokens[: n * step].reshape(n, step, -1).sum(axis=1) if n else \

@@ -28,8 +28,8 @@ import numpy as np
 
 from seqpack.packer import PackConfig
 from seqpack.packer.config import Overflow, Strategy
-from seqpack.packer.contract import DATASET_ID
-from seqpack.packer.mixing import dataset_tokens
+from seqpack.packer.contract import DATASET_ID, SOURCE_START
+from seqpack.packer.mixing import row_units
 from seqpack.packer.order import CostModel
 from seqpack.packer.plan import MapBlocks, check_block_size, pieces, plan_rows_many
 from seqpack.packer.stats import stats_of_pieces
@@ -163,7 +163,8 @@ def _mixture(output_dir: str, manifest: Manifest, batch_size: int | None) -> dic
     keys, K = manifest.pack_config().keys(), len(manifest.mixture["datasets"])
     rows = (read_shard(output_dir, name, n, restore=False, manifest=manifest)
             for name, n in zip(manifest.shards, manifest.shard_num_rows or []))
-    tokens = [dataset_tokens(r[DATASET_ID], r[keys.segment_lengths], K) for r in rows]
+    tokens = [row_units("tokens", r[DATASET_ID], r[keys.segment_lengths], r[SOURCE_START],
+                        num_datasets=K) for r in rows]
     return mixture.shares(manifest.mixture, np.concatenate(tokens), batch_size)
 
 

@@ -34,8 +34,8 @@ from seqpack.packer.mixing import (
     UNITS,
     ShortfallMixer,
     carries_loss,
-    dataset_tokens,
     make_stages,
+    row_units,
     slot_counts,
 )
 from seqpack.pipelines.datasets.elastic import Stream, consumer_of, global_order
@@ -321,14 +321,13 @@ class MixtureIterator(grain.DatasetIterator):
         first pieces)."""
         mix = self._mix
         lengths = rows[f"{mix.feature}_segment_lengths"]
-        units = lengths
-        if mix.unit == "examples":
-            units = (rows[SOURCE_START] == 0) & (lengths > 0)
-        elif mix.unit == "loss_tokens" and all(n in rows for n, _ in mix.loss_columns):
+        loss = None
+        if mix.unit == "loss_tokens" and all(n in rows for n, _ in mix.loss_columns):
             marks = carries_loss(((rows[n], r) for n, r in mix.loss_columns),
                                  rows[mix.feature].shape)
-            units = slot_counts(marks, rows[f"{mix.feature}_segment_offsets"], lengths)
-        return dataset_tokens(rows[DATASET_ID], units, len(mix.names))
+            loss = slot_counts(marks, rows[f"{mix.feature}_segment_offsets"], lengths)
+        return row_units(mix.unit, rows[DATASET_ID], lengths, rows[SOURCE_START],
+                         num_datasets=len(mix.names), loss=loss)
 
     @property
     def counters(self) -> dict[str, dict[str, int]]:

@@ -30,10 +30,9 @@ from typing import Any
 import numpy as np
 
 from seqpack.packer import PackConfig
-from seqpack.packer.contract import DATASET_ID, segment_ids_and_positions
+from seqpack.packer.contract import DATASET_ID, IGNORE_INDEX, segment_ids_and_positions
 from seqpack.pipelines.errors import InputError
 
-IGNORE_INDEX = -100  # a label that takes no loss (PyTorch, Hugging Face)
 COMPRESSIONS = ("none", "snappy", "zstd")
 
 

@@ -29,11 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from seqpack.packer.contract import DATASET_ID, SOURCE_INDEX, SOURCE_START
+from seqpack.packer.contract import DATASET_ID, IGNORE_INDEX, SOURCE_INDEX, SOURCE_START
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.encodings import arrow
 from seqpack.pipelines.formats.encodings.base import (
-    IGNORE_INDEX,
     Layout,
     allowed_positions,
     check_names,
