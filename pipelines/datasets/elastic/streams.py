@@ -25,12 +25,25 @@ from typing import Any
 
 
 @dataclasses.dataclass
-class Stream:
-    """Positions one consumer reads: `runs` ([start, step, count] each, in order), then the
-    endless `tail` [t, step]. Reading moves the front; the state is what is left."""
+class Positions:
+    """Finite `runs` ([start, step, count] each, in order), then the endless `tail` [t, step]:
+    t, t + step, ...; as a state, plain lists."""
 
     runs: list[list[int]]
     tail: list[int]
+
+    def to_state(self) -> dict[str, Any]:
+        return {"runs": [list(r) for r in self.runs], "tail": list(self.tail)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Any:
+        return cls([[int(v) for v in r] for r in state["runs"]],
+                   [int(v) for v in state["tail"]])
+
+
+class Stream(Positions):
+    """Positions one consumer reads, in order. Reading moves the front; the state is what is
+    left."""
 
     @classmethod
     def initial(cls, index: int, count: int) -> Stream:
@@ -70,37 +83,10 @@ class Stream:
             self.runs = runs
         return self
 
-    def left(self, limit: int | None) -> int | None:
-        """Positions left before `limit` (None: endless)."""
-        if limit is None:
-            return None
-        t, s = self.tail
-        return sum(c for _, _, c in self.clip(limit).runs) + max(0, -(-(limit - t) // s))
 
-    def to_state(self) -> dict[str, Any]:
-        return {"runs": [list(r) for r in self.runs], "tail": list(self.tail)}
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Stream:
-        return cls([[int(v) for v in r] for r in state["runs"]],
-                   [int(v) for v in state["tail"]])
-
-
-@dataclasses.dataclass
-class Pool:
+class Pool(Positions):
     """Positions left by a layout: `runs` (finite, dealt in contiguous shares), then every
     position t, t + step, ... of the tail (`step` 1: all; H: one host's class of H)."""
-
-    runs: list[list[int]]
-    tail: list[int]
-
-    def to_state(self) -> dict[str, Any]:
-        return {"runs": [list(r) for r in self.runs], "tail": list(self.tail)}
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Pool:
-        return cls([[int(v) for v in r] for r in state["runs"]],
-                   [int(v) for v in state["tail"]])
 
 
 def pool(streams: list[Stream], *, whole: bool) -> Pool:
