@@ -151,8 +151,9 @@ def _in_flight(state: dict) -> int:
 
 def restore_cost(src, args) -> None:
     print("\n### Restore cost: 4 hosts' states restored on 3 hosts (seconds, best of 3)\n")
-    print("| steps before the save | pieces in flight | set_state + first batch, every host |")
-    print("|---|---|---|")
+    print("| steps before the save | pieces in flight | set_state + first batch, every host | "
+          "per piece in flight |")
+    print("|---|---|---|---|")
     its = [iter(_elastic(src, host=h, hosts=4, workers=0, epochs=None)) for h in range(4)]
     done = 0
     for steps in (10, args.late // 5, args.late):
@@ -170,7 +171,8 @@ def restore_cost(src, args) -> None:
                 it.set_state(state)
                 next(it)
             best = min(best, time.perf_counter() - start)
-        print(f"| {steps} | {_in_flight(state):,} | {best:.3f} |")
+        pieces = _in_flight(state)
+        print(f"| {steps} | {pieces:,} | {best:.3f} s | {best / pieces * 1e6:.0f} us |")
 
 
 def main() -> None:

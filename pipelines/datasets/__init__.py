@@ -10,9 +10,11 @@ The only part of seqpack that imports grain (and so jax):
   output of `seqpack pack` in any `--format`); `SequentialIterDataset` walks one in order.
 - `Mixture`: several datasets as one stream, weighted in tokens, loss tokens or examples
   (docs/mixing.md); every row then carries `segment_dataset_id`.
-- `make_training_pipeline`: shard, shuffle, pack, batch, prefetch; or, over packed rows,
-  shuffle per epoch, deal global steps to hosts, batch (balanced datasets by whole steps): a
-  packed-rows state restores on any number of hosts. Its options come in
+- `make_training_pipeline`: a seeded global order dealt to hosts and worker processes, pack,
+  batch, prefetch; or, over packed rows, shuffle per epoch, deal global steps to hosts, batch
+  (balanced datasets by whole steps): either state restores on any number of hosts (online:
+  from every host's state, `read_host_states`, `ElasticCheckpointHandler`; the `elastic`
+  wing). Its options come in
   frozen dataclasses: `packer.PackConfig`, `Batching`, `Columns`, `Balance`, `Window`,
   `Prefetch` (docs/training.md); `Batching(context_parallel=C)` emits rows in the load-balanced
   layout of C context-parallel ranks (`ContextParallelLayout`).
