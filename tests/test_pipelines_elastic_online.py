@@ -86,6 +86,8 @@ def test_missing_repeated_or_mismatched_host_states_are_named():
         it.set_state({"hosts": [states[0], other[1], states[2]]})
     with pytest.raises(InputError, match="not a state of online packing"):
         it.set_state({"hosts": [{"position": 3}]})
+    with pytest.raises(InputError, match="earlier version of seqpack"):
+        it.set_state({"shard_index": 0, "shard_count": 2, "packing": {}})
 
 
 def test_a_restore_fetches_what_was_in_flight_and_replays_nothing():

@@ -163,7 +163,7 @@ def test_restore_at_every_step_across_a_schedules_switch():
     """The window where the next stage starts is planned in two parts (the state's "cuts"):
     a restore at every step plans it in the same parts."""
     src = named_sources()
-    ds = packing(Mixture(src, schedule=[(0, {"a": 3, "b": 1}), (600, {"a": 1, "b": 3})],
+    ds = packing(Mixture(src, schedule=[(0, {"a": 3, "b": 1}), (650, {"a": 1, "b": 3})],
                        on_exhausted="repeat"))
     it = iter(ds)
     states = [it.get_state() for _ in zip(range(30), it)]

@@ -20,6 +20,7 @@ from seqpack.pipelines.datasets.elastic.checkpoint import (
 )
 from seqpack.pipelines.datasets.elastic.examples import (
     ElasticExamples,
+    GlobalOrder,
     consumer_of,
     global_order,
 )
@@ -29,6 +30,7 @@ from seqpack.pipelines.datasets.elastic.merge import ELASTIC, index_in, share
 from seqpack.pipelines.datasets.elastic.refs import RefTable, decode_refs
 from seqpack.pipelines.datasets.elastic.streams import Stream
 
-__all__ = ["ELASTIC", "ElasticCheckpointHandler", "ElasticExamples", "OnlineHosts", "RefTable",
+__all__ = ["ELASTIC", "ElasticCheckpointHandler", "ElasticExamples", "GlobalOrder", "OnlineHosts",
+           "RefTable",
            "Stream", "consumer_of", "decode_refs", "deferred_flight", "encode_table",
            "global_order", "index_in", "read_host_states", "restore", "share"]

@@ -1,9 +1,9 @@
 """`ElasticExamples`: the examples of a random-access source in one seeded global order, each
 consumer (a host's worker process) reading its positions of it (`streams.Stream`).
 
-The global order is every example, shuffled per epoch (Grain's index shuffle: O(1) memory,
-reshuffled every epoch), epoch after epoch. Consumer j = w H + h of K = H W reads positions
-j, j + K, ... (one host without workers: the order itself, as `source.shuffle(seed).repeat()`).
+The global order is every example, shuffled per epoch (seeded, reshuffled every epoch:
+`GlobalOrder`), epoch after epoch. Consumer j = w H + h of K = H W reads positions j, j + K, ...
+(one host without workers: the order itself).
 Its state is what its stream has left, so the positions left by any layout can be pooled and
 dealt to another (`streams.pool` / `deal`). The packer above it names the examples it holds by
 their index in the source (`take_refs`) and fetches them again on a restore (`fetch`).
@@ -30,9 +30,38 @@ def consumer_of(shard: tuple[int, int], worker: tuple[int, int]) -> tuple[int, i
     return w * H + h, H * W
 
 
-def global_order(size: int, seed: int) -> grain.MapDataset:
-    """Position -> example index (mod `size`): every example, reshuffled every epoch."""
-    return grain.MapDataset.range(size).shuffle(seed=seed)
+class GlobalOrder:
+    """Position p -> the index of the example there: every example of `size`, shuffled per epoch
+    (seeded by `seed` and the epoch p // size), epoch after epoch. Up to `HELD` examples an
+    epoch's permutation is held (4 bytes an example, the last two epochs touched); past that
+    Grain's index shuffle computes each position in O(1) memory (a few microseconds; it takes
+    ~100 us a position on a few hundred examples, which a held permutation does not)."""
+
+    HELD = 1 << 20
+
+    def __init__(self, size: int, seed: int):
+        self.size, self.seed = int(size), int(seed)
+        self._epochs: dict[int, np.ndarray] = {}
+        self._shuffle = None if size <= self.HELD else \
+            grain.MapDataset.range(size).shuffle(seed=seed % 2**32)
+
+    def __getitem__(self, p: int) -> int:
+        if self._shuffle is not None:
+            return int(self._shuffle[p]) % self.size
+        epoch, i = divmod(p, self.size)
+        perm = self._epochs.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.size)
+            perm = perm.astype(np.int32)
+            if len(self._epochs) >= 2:
+                del self._epochs[min(self._epochs)]
+            self._epochs[epoch] = perm
+        return int(perm[i])
+
+
+def global_order(size: int, seed: int) -> GlobalOrder:
+    """Position -> example index: every example, reshuffled every epoch (`GlobalOrder`)."""
+    return GlobalOrder(size, seed)
 
 
 class ElasticExamples(grain.IterDataset):
@@ -90,12 +119,12 @@ class ElasticExamplesIterator(grain.DatasetIterator):
 
     def __next__(self) -> Any:
         ds, stream, refs = self._ds, self.stream, self._refs
-        source, order, n, limit = ds.source, ds.order, ds.size, ds.limit
+        source, order, limit = ds.source, ds.order, ds.limit
         while True:
             p = stream.next(limit)
             if p is None:
                 raise StopIteration
-            index = order[p] % n
+            index = order[p]
             element = source[index]
             self.read += 1
             if element is not None:

@@ -132,6 +132,9 @@ def _host_states(state: Mapping[str, Any]) -> tuple[list[Mapping[str, Any]], boo
 def _check_run(state: Mapping[str, Any], run: Mapping[str, Any], host: int | None) -> None:
     """InputError naming the first difference between the run that saved `state` and this."""
     where = "the state" if host is None else f"host state {host}"
+    if isinstance(state, Mapping) and "packing" in state and "shard_count" in state:
+        raise InputError(f"{where} was saved by an earlier version of seqpack (online packing "
+                         "per host shard); restore it with that version, or start again")
     if not isinstance(state, Mapping) or "online" not in state:
         keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
         raise InputError(f"{where} is not a state of online packing (keys: {keys}); "

@@ -38,7 +38,7 @@ from seqpack.packer.mixing import (
     row_units,
     slot_counts,
 )
-from seqpack.pipelines.datasets.elastic import Stream, consumer_of, global_order
+from seqpack.pipelines.datasets.elastic import GlobalOrder, Stream, consumer_of, global_order
 from seqpack.pipelines.errors import InputError
 
 POLICIES = ("stop", "continue", "repeat")
@@ -151,9 +151,9 @@ class Mixture(grain.IterDataset):
         """(this host's worker's consumer index, the run's consumers)."""
         return consumer_of(self.shard, self.worker)
 
-    def orders(self) -> list[grain.MapDataset]:
-        """Per dataset: position -> example index (mod its size), reshuffled every epoch, seeded
-        by the mixture's seed and the dataset's name."""
+    def orders(self) -> list[GlobalOrder]:
+        """Per dataset: position -> example index, reshuffled every epoch, seeded by the
+        mixture's seed and the dataset's name."""
         return [global_order(n, zlib.crc32(f"{self.seed}/{name}".encode()))
                 for name, n in zip(self.names, self.sizes)]
 
@@ -242,7 +242,7 @@ class MixtureIterator(grain.DatasetIterator):
                 self._cuts.append(len(self._refs_d))
                 continue
             break
-        index = int(self._orders[d][p]) % self._mix.sizes[d]
+        index = self._orders[d][p]
         element = self._mix.sources[d][index]
         tokens, loss = self._count(d, index, element)
         stage = mixer.stage
