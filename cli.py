@@ -15,6 +15,11 @@ imports jax; heavy modules are imported inside the commands so `seqpack --help` 
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # `python -m seqpack.cli`: the signal handlers before the imports
+    from seqpack.pipelines.signals import run_cli
+
+    run_cli()
+
 import contextlib
 import json
 import os
@@ -22,8 +27,9 @@ import sys
 
 import click
 
-from seqpack.pipelines.console import Group, handle_signals, show_warnings
+from seqpack.pipelines.console import Group, show_warnings
 from seqpack.pipelines.options import PACK_OPTIONS, STATS_OPTIONS
+from seqpack.pipelines.signals import handle_signals
 
 
 def _usage(build, *args, **kwargs):

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 
 import click
 
+from seqpack.pipelines.signals import Terminated, exit_within, interrupt_in
+
 # The library's parameters as its messages name them (`name=`, `name=value`, `name['key']=`)
 # -> the commands' flags; an entry `name=value` is a flag of its own.
 FLAGS = {
@@ -89,24 +91,6 @@ class Interrupted(click.ClickException):
     exit_code = 130
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (schedulers, `timeout`, container stops), handled like Ctrl-C."""
-
-
-_SIGNALLED: list[int] = []
-
-
-def _on_signal(signum: int, frame: object) -> None:
-    """The first SIGINT / SIGTERM ends the command (KeyboardInterrupt / Terminated); later ones
-    are ignored while it cleans up (a second Ctrl-C would only add a traceback)."""
-    import signal
-
-    if _SIGNALLED:
-        return
-    _SIGNALLED.append(signum)
-    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
-
-
 class _Warnings(logging.Formatter):
     """The library's warnings (the `seqpack` logger) as a command shows them: one line each,
     its parameters as flags."""
@@ -123,14 +107,6 @@ def show_warnings() -> None:
         handler.setFormatter(_Warnings())
         log.addHandler(handler)
         log.propagate = False
-
-
-def handle_signals() -> None:
-    """SIGINT and SIGTERM end a command with its one message (`Group.invoke`)."""
-    import signal
-
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
 
 
 def _bad_input(e: BaseException) -> bool:
@@ -185,9 +161,11 @@ class Group(click.Group):
             rv = super().main(args, prog_name, complete_var, False, **extra)
         except (click.Abort, KeyboardInterrupt):
             click.echo("Error: interrupted", err=True)
-            sys.exit(130)
+            exit_within(130)
         except click.ClickException as e:
             e.show()
+            if isinstance(e, Interrupted):
+                exit_within(e.exit_code)
             sys.exit(e.exit_code)
         sys.exit(rv if isinstance(rv, int) else 0)
 
@@ -209,10 +187,7 @@ class Group(click.Group):
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt as e:
-            error = Interrupted(("terminated (SIGTERM)" if isinstance(e, Terminated) else
-                                 "interrupted") + _resume_hint(ctx, args))
-            error.exit_code = 143 if isinstance(e, Terminated) else 130
-            raise error from None
+            raise _interrupted(e, ctx, args) from None
         except click.exceptions.NoArgsIsHelpError:
             raise
         except click.UsageError as e:  # a subcommand's options and arguments
@@ -221,11 +196,23 @@ class Group(click.Group):
             _quiet_stdout()
             raise click.exceptions.Exit(141) from None
         except Exception as e:
+            interrupt = interrupt_in(e)
+            if interrupt is not None:  # an interrupt wrapped on its way (see _interrupt_in)
+                raise _interrupted(interrupt, ctx, args) from None
             if isinstance(e, click.ClickException | click.exceptions.Exit | click.Abort) \
                     or os.environ.get("SEQPACK_DEBUG") or not _bad_input(e):
                 raise
             hint = _resume_hint(ctx, args) if isinstance(e, RunFailed) else ""
             raise BadInput(to_flags(one_line(e)).removesuffix(".") + hint) from None
+
+
+def _interrupted(e: KeyboardInterrupt, ctx: click.Context, args: list[str]) -> Interrupted:
+    """The one line of an interrupt (130) or a SIGTERM (143), with the command that finishes
+    an interrupted pack."""
+    error = Interrupted(("terminated (SIGTERM)" if isinstance(e, Terminated) else
+                         "interrupted") + _resume_hint(ctx, args))
+    error.exit_code = 143 if isinstance(e, Terminated) else 130
+    return error
 
 
 def _quiet_stdout() -> None:

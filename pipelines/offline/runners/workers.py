@@ -165,6 +165,10 @@ class Workers:
             for p in processes:
                 with contextlib.suppress(OSError, AttributeError):
                     p.kill()
+            # What the pool's calls queue holds would never be read: its feeder thread must not
+            # be joined at exit (Python < 3.12 joins it, and hangs where the pipe was full).
+            with contextlib.suppress(AttributeError):
+                pool._call_queue.cancel_join_thread()
             pool.shutdown(wait=False, cancel_futures=True)
             for p in processes:
                 p.join(timeout=5)
