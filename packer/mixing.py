@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from seqpack.packer.contract import IGNORE_INDEX
+from seqpack.packer.contract import DATASET_DTYPE, IGNORE_INDEX, SOURCE_DTYPE
 
 UNITS = ("tokens", "loss_tokens", "examples")
 # What marks a token without a loss in a column of each role (`carries_loss`).
@@ -85,6 +85,18 @@ def row_units(unit: str,
     at = np.asarray(row, np.int64).reshape(-1)[used] * num_datasets + ids[used]
     out = np.bincount(at, weights=weight[used], minlength=num_rows * num_datasets)
     return out.astype(np.int64).reshape(num_rows, num_datasets)
+
+
+def dataset_columns(source_index: np.ndarray,  # int[R, S]: each slot's corpus example
+                    firsts: np.ndarray  # i64[K]: each dataset's first corpus example
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """(`segment_dataset_id` i32, `segment_source_index` i64) of a mixture's rows whose source
+    index is a corpus example (datasets back to back from `firsts`); -1 on unused slots."""
+    source_index = np.asarray(source_index, np.int64)
+    used = source_index >= 0
+    dataset = np.searchsorted(firsts, np.where(used, source_index, 0), side="right") - 1
+    index = np.where(used, source_index - firsts[dataset], -1)
+    return np.where(used, dataset, -1).astype(DATASET_DTYPE), index.astype(SOURCE_DTYPE)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ from click_option_group import optgroup
 STRATEGIES = ["best_fit_decreasing", "best_fit", "first_fit", "concat_split"]
 OVERFLOWS = ["error", "truncate", "split", "drop"]
 FORMATS = ["jsonl", "parquet", "arrow", "arrayrecord", "text", "bytes"]
-OUTPUT_FORMATS = ["arrayrecord", "parquet", "hf", "megatron"]  # formats.encodings.FORMATS
+OUTPUT_FORMATS = ["arrayrecord", "parquet", "hf", "megatron", "index"]  # encodings.FORMATS
 Spec = tuple[tuple[str, ...], dict]  # an option's declarations and attributes: `_opt`
 
 
@@ -137,8 +137,10 @@ PACK_OPTIONS = _groups(
         show_default=True,
         help="Shard files: arrayrecord (SQP1 records; seqpack's Grain source), parquet (the row "
              "contract as columns: pyarrow, pandas, HF datasets, DuckDB, Spark), hf (TRL's "
-             "padding-free rows: input_ids, labels, seq_lengths, position_ids) or megatron "
-             "(Megatron-Bridge's packed SFT *.idx.parquet + metadata). docs/formats.md"), _opt(
+             "padding-free rows: input_ids, labels, seq_lengths, position_ids), megatron "
+             "(Megatron-Bridge's packed SFT *.idx.parquet + metadata) or index (rows by "
+             "reference into the inputs, no second copy of the tokens: Parquet, Arrow or "
+             "ArrayRecord inputs). docs/formats.md"), _opt(
         "--shard-rows", default=1024, show_default=True, type=click.IntRange(min=1),
         help="Packed rows per shard."), _opt(
         "--compression", type=click.Choice(["none", "snappy", "zstd"]), default="none",

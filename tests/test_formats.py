@@ -27,6 +27,8 @@ from tests.helpers.formats import COLUMNS, CONFIG, job, write_sft
 from tests.helpers.pipelines import check_restore_every_step, stack
 
 FORMATS = encodings.FORMATS
+# the formats that store the tokens (index stores references: tests/test_index_format.py)
+TOKEN_FORMATS = [f for f in FORMATS if not encodings.encoding(f).by_reference]
 
 
 @pytest.fixture(scope="module")
@@ -143,8 +145,8 @@ def rewrite(out, name: str, rows: dict[str, np.ndarray], fmt: str) -> None:
     (out / "manifest.json").write_text(json.dumps(signed(manifest)))
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("edit", ["bytes", "token", "labels"])
+@pytest.mark.parametrize("fmt,edit", [(f, "bytes") for f in FORMATS] + [
+    (f, e) for f in TOKEN_FORMATS for e in ("token", "labels")])
 def test_verify_refuses_an_edited_shard(tmp_path, packed, fmt, edit):
     out = tmp_path / fmt
     shutil.copytree(packed[0][fmt], out)
@@ -254,7 +256,7 @@ LAYOUT = Layout(CONFIG, ({"name": "labels", "source": "labels", "dtype": "<i4", 
 @settings(max_examples=25, deadline=None)
 @given(lengths=st.lists(st.integers(0, 60), min_size=1, max_size=30).filter(any),
        seed=st.integers(0, 99),
-       fmt=st.sampled_from(FORMATS))
+       fmt=st.sampled_from(TOKEN_FORMATS))
 def test_each_encoding_reads_back_what_it_wrote(tmp_path_factory, lengths, seed, fmt):
     """Any rows (a shard holds one at least): `read(write(rows))` gives the contract keys,
     the verbatim columns and the derived ones back, and its loss mask is the writer's."""
@@ -287,7 +289,7 @@ def test_each_encoding_reads_back_what_it_wrote(tmp_path_factory, lengths, seed,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["parquet", "megatron"])
+@pytest.mark.parametrize("fmt", ["parquet", "megatron", "index"])
 def test_two_workers_and_the_beam_job_write_the_same_bytes(tmp_path, packed, fmt):
     from seqpack.pipelines.offline.runners import pack_beam
 

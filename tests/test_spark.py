@@ -167,10 +167,13 @@ def test_local_master_writes_the_local_bytes_with_progress(corpus, tmp_path):
 @pytest.mark.slow
 @needs_java
 def test_local_master_writes_every_format_as_the_local_runner(corpus, tmp_path):
-    """--format parquet / hf / megatron: the shard writer and its side files are the core's, so
-    Spark's bytes are the local runner's in every format, and they verify."""
+    """--format parquet / hf / megatron / index: the shard writer and its side files are the
+    core's, so Spark's bytes are the local runner's in every format, and they verify (index:
+    the inputs that can be read at random, Parquet and ArrayRecord)."""
     paths, _ = corpus
-    for fmt in ("parquet", "hf", "megatron"):
+    for fmt in ("parquet", "hf", "megatron", "index"):
+        if fmt == "index":
+            paths = [p for p in paths if not p.endswith(".jsonl")]
         write = dataclasses.replace(WRITE, format=fmt)
         local, spark = tmp_path / f"local-{fmt}", tmp_path / f"spark-{fmt}"
         pack_to_dir(PackJob(paths, local, CONFIG, write_options=write, workers=1,

@@ -91,20 +91,27 @@ def example_chunks(path: str, column: str, *, aligned_columns: Sequence[str] = (
     try:
         n = num_records(reader, path)
         for first in range(0, n, _CHUNK_RECORDS):
-            count = min(_CHUNK_RECORDS, n - first)
-            try:
-                raws = reader.read(list(range(first, first + count)))
-            except RuntimeError as e:
-                raise InputError(f"{path}: corrupt ArrayRecord file ({first_line(e)})") from None
-            rows = [decode(raw, path, first + i) for i, raw in enumerate(raws)]
-            seqs = [_example(row, column, path, first + i) for i, row in enumerate(rows)]
-            dtype = common_id_dtype([s.dtype for s in seqs])  # ids checked >= 0 above
-            values, offsets = ragged(seqs, dtype)
-            extra = {name: _aligned(rows, seqs, column, name, path, first)
-                     for name in aligned_columns}
-            yield Chunk(values, offsets, first, extra_values=extra)
+            yield records_chunk(reader, path, first, min(_CHUNK_RECORDS, n - first), column,
+                                aligned_columns=aligned_columns)
     finally:
         close_quietly(reader)
+
+
+def records_chunk(reader: Any, path: str, first: int, count: int, column: str, *,
+                  aligned_columns: Sequence[str] = ()) -> Chunk:
+    """Records [first, first + count) of an open file as a checked `Chunk` (as
+    `example_chunks` reads them; random access: one record is `count=1`)."""
+    try:
+        raws = reader.read(list(range(first, first + count)))
+    except (RuntimeError, IndexError) as e:
+        raise InputError(f"{path}: corrupt ArrayRecord file, or no record {first} "
+                         f"({first_line(e)})") from None
+    rows = [decode(raw, path, first + i) for i, raw in enumerate(raws)]
+    seqs = [_example(row, column, path, first + i) for i, row in enumerate(rows)]
+    dtype = common_id_dtype([s.dtype for s in seqs])  # ids checked >= 0 above
+    values, offsets = ragged(seqs, dtype)
+    extra = {name: _aligned(rows, seqs, column, name, path, first) for name in aligned_columns}
+    return Chunk(values, offsets, first, extra_values=extra)
 
 
 def _aligned(rows: list[dict[str, np.ndarray]], seqs: list[np.ndarray], column: str, name: str,

@@ -258,7 +258,31 @@ class ArrowTokens(ParquetTokens):
                 yield batch.select(columns)
 
     def _group_rows(self) -> list[int]:
-        return []  # read in order only (no Grain source over Arrow files)
+        return []  # read in order (`chunks`), or at random by `open_groups`
+
+    def open_groups(self) -> list[int]:
+        """Opens the file for random access by record batch (memory-mapped: the batches are
+        views); returns and sets `group_rows`, each batch's records, for `read_group`."""
+        pa, _ = _pyarrow()
+        columns = [self.column, *self.extra, *self.aligned]
+        try:
+            source = pa.memory_map(self.path)
+            try:
+                reader: Any = pa.ipc.open_file(source)
+                batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            except pa.ArrowInvalid:
+                source.seek(0)
+                batches = list(pa.ipc.open_stream(source))
+        except (pa.ArrowException, OSError) as e:
+            raise InputError(f"{self.path}: not a readable Arrow IPC file or stream ({e})") \
+                from None
+        self._open_batches = [b.select(columns) for b in batches]
+        self.group_rows = [b.num_rows for b in self._open_batches]
+        return self.group_rows
+
+    def read_group(self, g: int) -> Chunk:
+        """Record batch g (`open_groups` first), checked."""
+        return self._checked(self._open_batches[g], sum(self.group_rows[:g]))
 
     def _whole(self, columns: list[str]) -> Any:
         pa, _ = _pyarrow()

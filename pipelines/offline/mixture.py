@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from seqpack.packer.contract import DATASET_DTYPE, DATASET_ID, SOURCE_DTYPE, FeatureKeys
+from seqpack.packer.contract import DATASET_ID, FeatureKeys
 from seqpack.pipelines.errors import UsageError
 from seqpack.pipelines.formats.inputs import fingerprint_path
 
@@ -210,17 +210,6 @@ def firsts_of(record: Mapping | None) -> np.ndarray | None:
     if not record:
         return None
     return np.array([d["first_example"] for d in record["datasets"]], np.int64)
-
-
-def dataset_columns(source_index: np.ndarray, firsts: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """(`segment_dataset_id` i32, `segment_source_index` i64) of rows whose source index is a
-    corpus example (`firsts`: `firsts_of`); -1 on unused slots."""
-    source_index = np.asarray(source_index, np.int64)
-    used = source_index >= 0
-    dataset = np.searchsorted(firsts, np.where(used, source_index, 0), side="right") - 1
-    index = np.where(used, source_index - firsts[dataset], -1)
-    return np.where(used, dataset, -1).astype(DATASET_DTYPE), index.astype(SOURCE_DTYPE)
 
 
 def corpus_index(dataset_id: np.ndarray, source_index: np.ndarray, record: Mapping

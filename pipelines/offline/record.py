@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -24,8 +25,9 @@ from seqpack.packer import PackConfig
 from seqpack.packer.config import Overflow, Strategy
 from seqpack.packer.order import StepBalance
 from seqpack.packer.stats import PackingStats
+from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
-from seqpack.pipelines.formats.encodings import DEFAULT
+from seqpack.pipelines.formats.encodings import DEFAULT, RANDOM_ACCESS
 from seqpack.pipelines.formats.inputs import (
     ReadOptions,
     combined_lengths_sha256,
@@ -70,6 +72,8 @@ def run_intent(job: PackJob, inputs: dict, num_rows: int,
     options = job.write_options
     layout = options.layout(job.config, columns or (), mixed=mixture is not None)
     encoding = options.encoding
+    if encoding.by_reference:
+        inputs = with_stamps(inputs)
     return Manifest(
         config=job.config.to_dict(),
         inputs=json.loads(json.dumps(inputs)),
@@ -84,6 +88,26 @@ def run_intent(job: PackJob, inputs: dict, num_rows: int,
         encoding=None if options.format == DEFAULT else options.format,
         mixture=mixture,
     )
+
+
+def with_stamps(inputs: dict) -> dict:
+    """`inputs` with each local file's modification stamp (`mtime_ns`), which readers of rows
+    stored by reference check with its size on every open (`encodings.check_stamp`); InputError
+    naming an input that cannot be read at random (`encodings.RANDOM_ACCESS`)."""
+    if inputs.get("tokenizer"):
+        raise InputError("format='index' reads the inputs' token ids at random; text tokenized "
+                         "while packing (tokenizer=) is not stored anywhere: pack it with "
+                         "format='arrayrecord'")
+    files = []
+    for f in inputs["files"]:
+        if f.get("format") not in RANDOM_ACCESS:
+            raise InputError(f"{f['path']}: a {f.get('format')} input cannot be read at random; "
+                             f"format='index' needs inputs in {list(RANDOM_ACCESS)}: pack it "
+                             "with format='arrayrecord'")
+        stamp = {} if storage.is_url(f["path"]) else \
+            {"mtime_ns": os.stat(f["path"]).st_mtime_ns}
+        files.append({**f, **stamp})
+    return {**inputs, "files": files}
 
 
 def column_entries(job: PackJob, dtypes: Mapping[str, np.dtype]) -> list[dict]:

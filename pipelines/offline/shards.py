@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from seqpack.packer import PackConfig, PackPlan, build_rows
-from seqpack.packer.contract import DATASET_ID, SOURCE_INDEX, restore_derived
+from seqpack.packer import PackConfig, PackPlan
+from seqpack.packer.contract import restore_derived
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import RunFailed
 from seqpack.pipelines.formats import encodings
@@ -33,10 +33,10 @@ from seqpack.pipelines.formats.encodings import (
     Layout,
     loss_positions,
     of_manifest,
+    shard_batch,
     with_segment_ids,
 )
 from seqpack.pipelines.formats.manifest import Manifest, file_digest, read_manifest
-from seqpack.pipelines.offline.mixture import dataset_columns
 from seqpack.pipelines.offline.outdir import OutputDir, as_output_dir, write_done
 
 
@@ -66,10 +66,12 @@ class WriteOptions:
         return encodings.encoding(self.format)
 
     def layout(self, config: PackConfig, columns: Sequence[Mapping[str, Any]] = (), *,
-               mixed: bool = False) -> Layout:
-        """The rows' `Layout` for `config` and the manifest's `columns` entries (`mixed`: rows
-        of a mixture)."""
-        return Layout(config, tuple(columns), self.compression, self.store_derived, mixed)
+               mixed: bool = False, firsts: np.ndarray | None = None) -> Layout:
+        """The rows' `Layout` for `config` and the manifest's `columns` entries (`mixed`, or
+        its datasets' first corpus examples `firsts`: rows of a mixture)."""
+        return Layout(config, tuple(columns), self.compression, self.store_derived,
+                      mixed or firsts is not None,
+                      None if firsts is None else tuple(int(f) for f in firsts))
 
 
 def stored_keys(config: PackConfig, options: WriteOptions,
@@ -119,18 +121,16 @@ def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndar
     # A name of its own per attempt: a runner may run two attempts of one shard at once
     # (Dataflow's backup tasks); each publishes a complete file under `name`, the same bytes.
     tmp = os.path.join(out.staging(), f"{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    layout = options.layout(config, entries, mixed=firsts is not None)
+    layout = options.layout(config, entries, firsts=firsts)
     encoding = options.encoding
-    batch = build_rows(pieces, p, config, dtype=dtype, derived=encoding.wants_derived(layout),
-                       values=values, columns=columns)
-    if firsts is not None:  # after the contract's keys, before the extra columns
-        ids, batch[SOURCE_INDEX] = dataset_columns(batch[SOURCE_INDEX], firsts)
-        extra = {name: batch.pop(name) for name in layout.names()}
-        batch[DATASET_ID] = ids
-        batch.update(extra)
+    batch = shard_batch(p, layout, dtype=dtype, derived=encoding.wants_derived(layout),
+                        pieces=pieces, values=values, columns=columns)
     loss = int(loss_positions(batch, layout).sum())
     try:
-        encoding.write(tmp, batch, layout)
+        if encoding.by_reference:
+            encoding.write_refs(tmp, p, layout, dtype)
+        else:
+            encoding.write(tmp, batch, layout)
         del batch
         if options.fsync:
             _fsync(tmp)

@@ -4,6 +4,8 @@
     parquet      the row contract as Parquet columns (table.py)
     hf           TRL's padding-free rows: input_ids, labels, seq_lengths, position_ids (trl.py)
     megatron     Megatron-Bridge's packed SFT *.idx.parquet and its metadata (megatron.py)
+    index        rows by reference: each piece's input example, start and length, no tokens
+                 (index.py; read back from the inputs, which the manifest fingerprints)
 
 The offline job, the manifest, resume, verify and the Grain source take an `Encoding` (by name:
 `encoding("parquet")`, or of a manifest: `of_manifest(m)`) and a `Layout` and never branch on
@@ -21,20 +23,23 @@ from seqpack.pipelines.formats.encodings.base import (
     ShardReader,
     loss_positions,
     next_token_mask,
+    shard_batch,
     with_segment_ids,
 )
+from seqpack.pipelines.formats.encodings.index import RANDOM_ACCESS, IndexRows, check_stamp
 from seqpack.pipelines.formats.encodings.megatron import METADATA, MegatronRows, metadata_name
 from seqpack.pipelines.formats.encodings.sqp1 import RowEncoder, Sqp1
 from seqpack.pipelines.formats.encodings.table import ParquetRows
 from seqpack.pipelines.formats.encodings.trl import TrlRows
 
-__all__ = ["COMPRESSIONS", "DEFAULT", "ENCODINGS", "FORMATS", "Encoding", "Layout",
+__all__ = ["COMPRESSIONS", "DEFAULT", "ENCODINGS", "FORMATS", "RANDOM_ACCESS", "Encoding",
+           "Layout", "check_stamp",
            "RowEncoder", "ShardReader", "encoding", "is_side_file", "layout_of",
            "loss_positions", "metadata_name", "next_token_mask", "of_manifest",
-           "with_segment_ids"]
+           "shard_batch", "with_segment_ids"]
 
 ENCODINGS: dict[str, Encoding] = {e.name: e for e in (Sqp1(), ParquetRows(), TrlRows(),
-                                                         MegatronRows())}
+                                                         MegatronRows(), IndexRows())}
 FORMATS = tuple(ENCODINGS)
 DEFAULT = "arrayrecord"
 
@@ -51,8 +56,10 @@ def encoding(name: str | None) -> Encoding:
 
 def layout_of(manifest: Any) -> Layout:
     """The `Layout` of a manifest's rows (for reading them back)."""
-    return Layout(manifest.pack_config(), tuple(manifest.columns or ()),
-                  mixed=bool(getattr(manifest, "mixture", None)))
+    mixture = getattr(manifest, "mixture", None)
+    firsts = tuple(int(d["first_example"]) for d in mixture["datasets"]) if mixture else None
+    return Layout(manifest.pack_config(), tuple(manifest.columns or ()), mixed=bool(mixture),
+                  firsts=firsts, inputs=getattr(manifest, "inputs", None))
 
 
 def of_manifest(manifest: Any) -> tuple[Encoding, Layout]:

@@ -29,8 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from seqpack.packer import PackConfig
-from seqpack.packer.contract import DATASET_ID, IGNORE_INDEX, segment_ids_and_positions
+from seqpack.packer import PackConfig, PackPlan, build_rows
+from seqpack.packer.contract import (
+    DATASET_ID,
+    IGNORE_INDEX,
+    SOURCE_INDEX,
+    segment_ids_and_positions,
+)
+from seqpack.packer.mixing import dataset_columns
 from seqpack.pipelines.errors import InputError
 
 COMPRESSIONS = ("none", "snappy", "zstd")
@@ -46,6 +52,11 @@ class Layout:
     compression: str = "none"  # one of COMPRESSIONS
     store_derived: bool = False  # SQP1 only: also store the segment ids / positions
     mixed: bool = False  # rows of a mixture: they carry `segment_dataset_id` too
+    # A mixture's datasets' first corpus examples (the manifest's `mixture`), where known
+    firsts: tuple[int, ...] | None = None
+    # The manifest's `inputs` record (read options, every input's fingerprint): what rows
+    # stored by reference are read from (`index`); None where the rows hold their tokens
+    inputs: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "columns", tuple(self.columns or ()))
@@ -70,6 +81,25 @@ class Layout:
 
     def pad(self, name: str) -> int:
         return next(int(c["pad"]) for c in self.columns if c["name"] == name)
+
+
+def shard_batch(p: PackPlan, layout: Layout, *, dtype: Any, derived: bool,
+                pieces: Sequence[np.ndarray] | None = None, values: np.ndarray | None = None,
+                columns: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """One shard's rows from its plan `p` as every encoding stores them (`packer.build_rows`:
+    `pieces[i]` the i-th piece's tokens, or `values` [R, L] in place; `columns` each extra
+    column's [R, L]); a mixture's (`layout.firsts`) with `segment_dataset_id` and each
+    example's index within its dataset, before the extra columns. The writer and the rows
+    read back by reference (`index`) are made here, so they are the same bytes."""
+    batch = build_rows(pieces, p, layout.config, dtype=dtype, derived=derived, values=values,
+                       columns=columns)
+    if layout.firsts is not None:
+        ids, batch[SOURCE_INDEX] = dataset_columns(batch[SOURCE_INDEX],
+                                                   np.asarray(layout.firsts, np.int64))
+        extra = {name: batch.pop(name) for name in layout.names()}
+        batch[DATASET_ID] = ids
+        batch.update(extra)
+    return batch
 
 
 class ShardReader:
@@ -111,6 +141,10 @@ class Encoding:
     def wants_derived(self, layout: Layout) -> bool:
         """Whether `write` needs the rows' segment ids and positions."""
         return True
+
+    # An encoding that stores rows by reference (`index`) writes the plan, not the tokens:
+    # `write_refs(path, p, layout, dtype)` instead of `write`.
+    by_reference: bool = False
 
     def write(self, path: str, batch: Mapping[str, np.ndarray], layout: Layout) -> None:
         """Writes the rows `batch` (`[R, L]` / `[R, S]`) as one shard file at `path`."""

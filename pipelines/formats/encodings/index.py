@@ -1,0 +1,279 @@
+"""`--format index`: each shard holds its rows as references into the inputs, not their tokens.
+
+A shard file (``.index``, a NumPy ``.npz``) is the shard's plan: every piece of every row as
+(corpus example, start, length, row), the corpus being the inputs back to back in the
+manifest's order, each column in the narrowest integer type that holds it; and the rows'
+token dtype. The manifest lists every input with its fingerprint (size, sha256) and, for rows
+by reference, its modification stamp. Reading resolves the references: the rows' plan is made
+again from the table (`packer.order_pieces`, as the writer made it), each piece's tokens and
+extra columns are read from its input at random (`InputReader`), and `shard_batch` assembles
+the rows: bit for bit those `--format arrayrecord` stores for the same plan.
+
+    table    example  start  length  row        (a 2-row shard of L = 8)
+             0        0      5       0          input 0's example 0, tokens [0, 5)
+             7        0      3       0
+             3        8      2       1          the second piece of a split example
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import zipfile
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from seqpack.packer import Counters, PackPlan
+from seqpack.packer.plan import order_pieces
+from seqpack.pipelines import storage
+from seqpack.pipelines.errors import InputError
+from seqpack.pipelines.formats import arrayrecord, parquet
+from seqpack.pipelines.formats.encodings.base import (
+    Encoding,
+    Layout,
+    ShardReader,
+    check_count,
+    shard_batch,
+)
+
+RANDOM_ACCESS = ("parquet", "arrow", "arrayrecord")  # input formats read at random
+_COLUMNS = ("example", "start", "length", "row")
+_CACHED_GROUPS = 8  # decoded Parquet row groups / Arrow batches an input keeps
+
+
+def _narrow(values: np.ndarray) -> np.ndarray:
+    values = np.asarray(values, np.int64)
+    low, high = (int(values.min()), int(values.max())) if values.size else (0, 0)
+    for dtype in (np.uint8, np.uint16, np.uint32, np.int32, np.int64):
+        info = np.iinfo(dtype)
+        if info.min <= low and high <= info.max:
+            return values.astype(dtype)
+    return values
+
+
+class IndexRows(Encoding):
+    name, suffix, record_encoding = "index", ".index", "seqpack-index-1"
+    by_reference = True
+
+    def check(self, layout: Layout) -> None:
+        if layout.config.strategy.value == "concat_split":
+            raise ValueError("format='index' stores rows by reference to whole examples' "
+                             "pieces; strategy='concat_split' is written with the tokens")
+
+    def writer_options(self, layout: Layout) -> str:
+        return "npz,deflate"
+
+    def stored_keys(self, layout: Layout) -> list[str]:
+        return list(_COLUMNS)
+
+    def decoded_keys(self, layout: Layout) -> list[str]:
+        """What `read` gives: the rows `--format arrayrecord` stores (no segment ids or
+        positions: readers rebuild them)."""
+        k = layout.config.keys()
+        return [n for n in k.roles().values() if n not in k.derived] + \
+            layout.sources()[2:] + layout.names()
+
+    def wants_derived(self, layout: Layout) -> bool:
+        return False
+
+    def write(self, path: str, batch: Mapping[str, np.ndarray], layout: Layout) -> None:
+        raise ValueError("format='index' writes a shard's plan (write_refs), not its rows")
+
+    def write_refs(self, path: str, p: PackPlan, layout: Layout, dtype: Any) -> None:
+        """The shard of plan `p` (pieces in (row, example) order, `example` a corpus example)."""
+        arrays = {name: _narrow(getattr(p, name)) for name in _COLUMNS}
+        meta = {"num_rows": int(p.num_rows), "row_dtype": np.dtype(dtype).str}
+        arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+        with open(path, "wb") as f:
+            np.savez_compressed(f, **arrays)
+
+    def read(self, path: str, layout: Layout, num_rows: int | None = None
+             ) -> dict[str, np.ndarray]:
+        reader = _Reader(path, layout)
+        check_count(path, reader.num_rows, num_rows)
+        return reader.rows(np.arange(reader.num_rows), derived=False)
+
+    def reader(self, path: str, layout: Layout) -> ShardReader:
+        return _Reader(path, layout)
+
+
+def read_plan(path: str, config: Any) -> tuple[PackPlan, np.dtype]:
+    """(the shard's plan, its rows' token dtype) from an index shard file; InputError naming
+    the file when it is not one."""
+    try:
+        with np.load(path) as z:
+            cols = {name: z[name].astype(np.int64) for name in _COLUMNS}
+            meta = json.loads(bytes(z["meta"]).decode())
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        raise InputError(f"{path}: not a seqpack index shard ({e})") from None
+    p = order_pieces(cols["example"], cols["start"], cols["length"], cols["row"],
+                     int(meta["num_rows"]), Counters(), config)
+    return p, np.dtype(meta["row_dtype"])
+
+
+class _Reader(ShardReader):
+    """Rows of one index shard, resolved against the run's inputs (`InputReader`)."""
+
+    def __init__(self, path: str, layout: Layout):
+        if layout.inputs is None:
+            raise InputError(f"{path}: rows stored by reference need the manifest's inputs; "
+                             "read the shard through its output directory")
+        self.path, self.layout = path, layout
+        self.plan, self.dtype = read_plan(path, layout.config)
+        self.num_rows = self.plan.num_rows
+        self.bounds = self.plan.row_slices()
+        self.inputs = input_reader(layout.inputs)
+
+    def rows(self, rows: np.ndarray, *, derived: bool) -> dict[str, np.ndarray]:
+        """Rows `rows` of the shard, as the writer assembled them."""
+        p, bounds, layout = self.plan, self.bounds, self.layout
+        sel = np.concatenate([np.zeros(0, np.int64),
+                              *(np.arange(bounds[r], bounds[r + 1]) for r in rows)])
+        counts = bounds[np.asarray(rows) + 1] - bounds[np.asarray(rows)]
+        sub = PackPlan(p.example[sel], p.start[sel], p.length[sel],
+                       np.repeat(np.arange(len(rows)), counts), p.slot[sel], p.offset[sel],
+                       len(rows), Counters())
+        L = layout.config.seq_len
+        dst = sub.row * L + sub.offset
+        values = np.full(len(rows) * L, layout.config.pad_id, self.dtype)
+        columns = {c["name"]: np.full(len(rows) * L, int(c["pad"]), np.dtype(c["dtype"]))
+                   for c in layout.columns}
+        for at, e, s, n in zip(dst.tolist(), sub.example.tolist(), sub.start.tolist(),
+                               sub.length.tolist()):
+            tokens, extra = self.inputs.example(e)
+            values[at:at + n] = tokens[s:s + n]
+            for name, col in columns.items():
+                col[at:at + n] = extra[name][s:s + n]
+        return shard_batch(sub, layout, dtype=self.dtype, derived=derived,
+                           values=values.reshape(len(rows), L),
+                           columns={k: v.reshape(len(rows), L) for k, v in columns.items()})
+
+    def row(self, j: int) -> dict[str, np.ndarray]:
+        if not 0 <= j < self.num_rows:
+            raise IndexError(f"{self.path}: row {j} of {self.num_rows}")
+        return {k: v[0] for k, v in self.rows(np.array([j]), derived=True).items()}
+
+
+_READERS: dict[int, tuple[Any, InputReader]] = {}  # id(inputs) -> (inputs, its reader)
+
+
+def input_reader(inputs: Mapping[str, Any]) -> InputReader:
+    """The one `InputReader` of a run's `inputs` record in this process (every shard of an
+    output reads through it: each input opened once)."""
+    held = _READERS.get(id(inputs))
+    if held is None or held[0] is not inputs or held[1].pid != os.getpid():
+        held = _READERS[id(inputs)] = (inputs, InputReader(inputs))
+    return held[1]
+
+
+class InputReader:
+    """Random access to a run's examples by corpus example (the manifest's `inputs` record:
+    its files back to back). Made, it checks every local input's size and modification stamp
+    against the manifest's, and again as it opens one (a changed input is refused, never read
+    as other tokens); Parquet is read by row group and Arrow IPC by record batch (a few
+    decoded ones kept), ArrayRecord by record; a URL is read from a local copy."""
+
+    def __init__(self, inputs: Mapping[str, Any]):
+        self.files = list(inputs["files"])
+        options = inputs["read_options"]
+        self.column = options["column"]
+        self.extra = tuple(options.get("extra_columns") or ())
+        counts = [int(f["num_examples"]) for f in self.files]
+        self.cum = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+        self._open: dict[int, Any] = {}
+        self.pid = os.getpid()
+        for entry in self.files:
+            if not storage.is_url(entry["path"]):
+                check_stamp(entry)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_open"] = {}
+        return state
+
+    def example(self, corpus: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """(tokens, extra column values) of corpus example `corpus`."""
+        f = int(np.searchsorted(self.cum, corpus, side="right")) - 1
+        if self.pid != os.getpid():
+            self._open, self.pid = {}, os.getpid()
+        source = self._open.get(f)
+        if source is None:
+            source = self._open[f] = _open_input(self.files[f], self.column, self.extra)
+        return source.example(corpus - int(self.cum[f]))
+
+
+def check_stamp(entry: Mapping[str, Any]) -> None:
+    """InputError naming the input when it is gone or its size or modification stamp differ
+    from the manifest's entry."""
+    path = entry["path"]
+    try:
+        st = os.stat(path)
+    except OSError:
+        raise InputError(f"{path}: the input the rows refer to is gone; restore it, or pack "
+                         "again") from None
+    if st.st_size != int(entry["size"]) or ("mtime_ns" in entry
+                                             and st.st_mtime_ns != int(entry["mtime_ns"])):
+        raise InputError(f"{path}: changed since it was packed by reference (size or "
+                         "modification time differ from the manifest's); its rows would be read "
+                         "as other tokens: pack again, or restore the input (`seqpack verify` "
+                         "checks its sha256)")
+
+
+def _open_input(entry: Mapping[str, Any], column: str, extra: tuple[str, ...]) -> Any:
+    fmt, path = entry.get("format"), entry["path"]
+    if fmt not in RANDOM_ACCESS:
+        raise _not_random(path, fmt)
+    if storage.is_url(path):  # a local copy (cached once), checked by its size
+        local = storage.cached_copy(path)
+        if os.path.getsize(local) != int(entry["size"]):
+            raise InputError(f"{path}: changed since it was packed by reference (its size "
+                             "differs from the manifest's): pack again, or restore the input")
+    else:
+        check_stamp(entry)
+        local = path
+    with storage.named(local, path):
+        return _Records(local, column, extra) if fmt == "arrayrecord" else \
+            _Groups(local, fmt, column, extra)
+
+
+def _not_random(path: str, fmt: Any) -> InputError:
+    return InputError(f"{path}: a {fmt} input cannot be read at random; rows by reference need "
+                      f"inputs in {list(RANDOM_ACCESS)}: pack it with --format arrayrecord")
+
+
+class _Records:
+    def __init__(self, path: str, column: str, extra: tuple[str, ...]):
+        self.path, self.column, self.extra = path, column, extra
+        self.reader = arrayrecord.open_reader(path)
+
+    def example(self, i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        chunk = arrayrecord.records_chunk(self.reader, self.path, i, 1, self.column,
+                                          aligned_columns=self.extra)
+        return chunk.tokens(), {n: chunk.column(n) for n in self.extra}
+
+
+class _Groups:
+    def __init__(self, path: str, fmt: str, column: str, extra: tuple[str, ...]):
+        cls = parquet.ParquetTokens if fmt == "parquet" else parquet.ArrowTokens
+        self.file = cls(path, column, aligned_columns=extra)
+        if fmt == "arrow":
+            self.file.open_groups()
+        self.cum = np.concatenate(([0], np.cumsum(self.file.group_rows))).astype(np.int64)
+        self.cache: collections.OrderedDict = collections.OrderedDict()
+        self.extra = extra
+
+    def example(self, i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        g = int(np.searchsorted(self.cum, i, side="right")) - 1
+        chunk = self.cache.get(g)
+        if chunk is None:
+            chunk = self.cache[g] = self.file.read_group(g)
+            if len(self.cache) > _CACHED_GROUPS:
+                self.cache.popitem(last=False)
+        else:
+            self.cache.move_to_end(g)
+        j = i - int(self.cum[g])
+        a, b = int(chunk.offsets[j]), int(chunk.offsets[j + 1])
+        return chunk.values[a:b], {n: chunk.extra_values[n][a:b] for n in self.extra}

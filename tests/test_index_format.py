@@ -1,0 +1,171 @@
+"""`seqpack pack --format index`: rows stored as references into the inputs, read back bit for
+bit as `--format arrayrecord` stores them (every shard, the Grain source, the training
+pipeline), with every option that plans rows; inputs that cannot be read at random and inputs
+that changed are refused, named; verify, stats and inspect work on an index."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from seqpack.pipelines.datasets import Batching, PackedSource, make_training_pipeline
+from seqpack.pipelines.errors import InputError
+from seqpack.pipelines.formats.manifest import file_digest, signed
+from seqpack.pipelines.offline.shards import read_shard
+from tests.helpers.files import invoke, random_seqs, write_arrayrecord, write_jsonl, write_parquet
+
+pytest.importorskip("array_record.python.array_record_module")
+
+
+def _write_arrow(path, seqs) -> str:
+    """An Arrow IPC stream (what HF `datasets` writes) in batches of 50 records."""
+    table = pa.table({"tokens": pa.array(seqs, pa.list_(pa.int32()))})
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as w:
+        for batch in table.to_batches(max_chunksize=50):
+            w.write_batch(batch)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """Parquet, Arrow and ArrayRecord inputs, 360 examples up to 90 tokens."""
+    d = tmp_path_factory.mktemp("index_inputs")
+    return [write_parquet(d / "a.parquet", random_seqs(150, max_len=90, seed=1)),
+            _write_arrow(d / "b.arrow", random_seqs(120, max_len=90, seed=2)),
+            write_arrayrecord(d / "c.arrayrecord", random_seqs(90, max_len=90, seed=3))]
+
+
+def _rows(out) -> dict[str, np.ndarray]:
+    names = json.loads((out / "manifest.json").read_text())["shards"]
+    parts = [read_shard(str(out), n) for n in names]
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _same(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), k
+
+
+OPTIONS = {
+    "split": ["--seq-len", 64, "--max-segments", 8, "--overflow", "split"],
+    "data_parallel": ["--seq-len", 128, "--data-parallel", 2, "--batch-size", 2],
+    "context_parallel": ["--seq-len", 128, "--context-parallel", 2, "--overflow", "truncate"],
+}
+
+
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_index_rows_are_the_arrayrecord_rows(tmp_path, inputs, case):
+    args = [*OPTIONS[case], "--shard-rows", 16]
+    invoke("pack", *inputs, "-o", tmp_path / "rows", *args)
+    invoke("pack", *inputs, "-o", tmp_path / "index", *args, "--format", "index")
+    _same(_rows(tmp_path / "rows"), _rows(tmp_path / "index"))
+    rows, index = PackedSource(str(tmp_path / "rows")), PackedSource(str(tmp_path / "index"))
+    assert len(rows) == len(index)
+    for j in (0, len(rows) // 2, len(rows) - 1):
+        _same(rows[j], index[j])
+    batching = Batching(4, shard_index=0, shard_count=1)  # one host of the two ranks' rows
+    batches = [next(iter(make_training_pipeline(src, batch=batching, shuffle_seed=1,
+                                                num_epochs=1))) for src in (rows, index)]
+    _same(*batches)
+    token_bytes = sum(os.path.getsize(p) for p in (tmp_path / "rows").glob("*.arrayrecord"))
+    index_bytes = sum(os.path.getsize(p) for p in (tmp_path / "index").glob("*.index"))
+    assert index_bytes < 0.2 * token_bytes, (index_bytes, token_bytes)  # tiny shards: zip headers
+
+
+def test_a_mixture_by_reference_is_the_mixture_stored(tmp_path, inputs):
+    args = ["--mix", f"p={inputs[0]}", "--mix", f"q={inputs[1]}", "--mix", f"r={inputs[2]}",
+            "--weights", "p=0.5,q=0.3,r=0.2", "--mix-tokens", 30000, "--seq-len", 64,
+            "--overflow", "split", "--shard-rows", 16]
+    invoke("pack", "-o", tmp_path / "rows", *args)
+    invoke("pack", "-o", tmp_path / "index", *args, "--format", "index")
+    _same(_rows(tmp_path / "rows"), _rows(tmp_path / "index"))
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(1, 60), max_len=st.integers(1, 150), seq_len=st.sampled_from([16, 48, 96]),
+       seed=st.integers(0, 999))
+def test_any_corpus_reads_back_bit_for_bit(tmp_path_factory, n, max_len, seq_len, seed):
+    d = tmp_path_factory.mktemp("any")
+    src = write_parquet(d / "in.parquet", random_seqs(n, max_len=max_len, seed=seed))
+    args = ["--seq-len", seq_len, "--max-segments", 4, "--overflow", "split", "--shard-rows", 5,
+            "--workers", 1]
+    invoke("pack", src, "-o", d / "rows", *args)
+    invoke("pack", src, "-o", d / "index", *args, "--format", "index")
+    _same(_rows(d / "rows"), _rows(d / "index"))
+
+
+def test_an_input_that_cannot_be_read_at_random_is_refused_with_what_to_run(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", random_seqs(20, seed=1))
+    result = invoke("pack", src, "-o", tmp_path / "out", "--seq-len", 64, "--format", "index",
+                    ok=False)
+    assert result.exit_code == 2
+    assert f"{src}: a jsonl input cannot be read at random" in result.stderr
+    assert "--format arrayrecord" in result.stderr
+
+
+def test_a_changed_input_is_refused_never_read_as_other_tokens(tmp_path, inputs):
+    local = [shutil.copy(p, tmp_path / os.path.basename(p)) for p in inputs]
+    invoke("pack", *local, "-o", tmp_path / "index", "--seq-len", 64, "--overflow", "split",
+           "--format", "index")
+    source = PackedSource(str(tmp_path / "index"))
+    first = source[0]
+    st_ = os.stat(local[0])
+    os.utime(local[0], ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**9))  # touched: refused
+    with pytest.raises(InputError, match=rf"{local[0]}: changed since it was packed"):
+        PackedSource(str(tmp_path / "index"))[0]
+    os.utime(local[0], ns=(st_.st_atime_ns, st_.st_mtime_ns))
+    _same(PackedSource(str(tmp_path / "index"))[0], first)
+    os.remove(local[1])
+    with pytest.raises(InputError, match=rf"{local[1]}: the input the rows refer to is gone"):
+        for j in range(len(source)):
+            PackedSource(str(tmp_path / "index"))[j]
+
+
+def test_verify_stats_and_inspect_read_an_index(tmp_path, inputs):
+    local = [shutil.copy(p, tmp_path / os.path.basename(p)) for p in inputs]
+    out = tmp_path / "index"
+    invoke("pack", *local, "-o", out, "--seq-len", 64, "--overflow", "split", "--format",
+           "index")
+    assert "format index" in invoke("stats", out).output
+    assert "segment_source_index" in invoke("inspect", out, "--row", 1).output
+    assert invoke("verify", out).exit_code == 0
+    # same size, same stamp, other bytes: only verify's sha256 sees it
+    data = bytearray(open(local[2], "rb").read())
+    st_ = os.stat(local[2])
+    data[-100] ^= 1
+    open(local[2], "wb").write(bytes(data))
+    os.utime(local[2], ns=(st_.st_atime_ns, st_.st_mtime_ns))
+    result = invoke("verify", out, ok=False)
+    assert result.exit_code == 1 and "sha256" in result.output
+
+
+def test_verify_refuses_an_edited_reference(tmp_path, inputs):
+    out = tmp_path / "index"
+    invoke("pack", *inputs, "-o", out, "--seq-len", 64, "--overflow", "split", "--format",
+           "index", "--shard-rows", 16)
+    manifest = json.loads((out / "manifest.json").read_text())
+    name = manifest["shards"][1]
+    with np.load(out / name) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["start"] = arrays["start"].copy()
+    i = int(np.argmax(arrays["length"] > 1))
+    arrays["start"][i] += 1  # a piece that starts one token late
+    arrays["length"] = arrays["length"].astype(np.int64)
+    arrays["length"][i] -= 1
+    with open(out / name, "wb") as f:
+        np.savez_compressed(f, **arrays)
+    k = manifest["shards"].index(name)
+    manifest["shard_bytes"][k], manifest["shard_sha256"][k] = file_digest(str(out / name))
+    (out / "manifest.json").write_text(json.dumps(signed(manifest)))
+    result = invoke("verify", out, ok=False)
+    assert result.exit_code == 1, result.output
+    assert "a piece starts at token 1 where the pieces before it end elsewhere" in result.output
+    assert "tokens are not in any row" in result.output
