@@ -340,3 +340,29 @@ def test_racers_for_a_stale_lock_on_s3_let_exactly_one_in(s3):  # noqa: F811
         {"pid": 2**22 + 11, "host": socket.gethostname(), "started": "1"}).encode())
     got = race(out, 6)
     assert sum(got) == 1, got
+
+
+@pytest.mark.slow  # two packs through the emulators, ~8 s
+def test_an_index_of_url_inputs_in_object_storage_reads_as_the_copy(store, inputs, tmp_path):
+    """`--format index` with inputs and output on object storage: the Grain source reads each
+    referenced example from a cached copy of its input, row for row the copy's rows; a
+    remote input that changed size is refused, named."""
+    from seqpack.pipelines.datasets import PackedSource
+
+    base = store.upload(os.path.dirname(inputs[0]), store.url("in"))
+    urls = [base + "/a.parquet", base + "/b.parquet"]
+    args = ["--seq-len", 64, "--max-segments", 8, "--overflow", "split", "--shard-rows", 10]
+    for fmt in ("arrayrecord", "index"):
+        done = run_cli("pack", *urls, "-o", store.url(fmt), *args, "--format", fmt)
+        assert done.returncode == 0, done.stderr
+    copy = PackedSource(store.url("arrayrecord"), cache_dir=tmp_path / "c1")
+    index = PackedSource(store.url("index"), cache_dir=tmp_path / "c2")
+    assert len(copy) == len(index)
+    for j in range(len(copy)):
+        a, b = copy[j], index[j]
+        assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a), j
+    store.fs.pipe_file(urls[1].split("://", 1)[1], open(inputs[0], "rb").read())
+    with pytest.raises(InputError, match=rf"{urls[1]}: changed since it was packed"):
+        fresh = PackedSource(store.url("index"), cache_dir=tmp_path / "c3")
+        for j in range(len(fresh)):
+            fresh[j]

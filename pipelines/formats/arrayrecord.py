@@ -97,6 +97,23 @@ def example_chunks(path: str, column: str, *, aligned_columns: Sequence[str] = (
         close_quietly(reader)
 
 
+def read_records(reader: Any, path: str, indices: list[int], column: str, *,
+                 aligned_columns: Sequence[str] = ()) -> list[dict[str, np.ndarray]]:
+    """Records `indices` of an open file (random access, one read), each checked as
+    `example_chunks` checks it: {column: token ids, aligned column: values}."""
+    out = []
+    for i, raw in zip(indices, read_raw(reader, path, indices)):
+        row = decode(raw, path, i)
+        seq = _example(row, column, path, i)
+        rec = {column: seq}
+        for name in aligned_columns:
+            arr = _example(row, name, path, i, token_ids=False)
+            check_aligned(f"{path} record {i}", column, seq.size, name, arr.size)
+            rec[name] = arr
+        out.append(rec)
+    return out
+
+
 def records_chunk(reader: Any, path: str, first: int, count: int, column: str, *,
                   aligned_columns: Sequence[str] = ()) -> Chunk:
     """Records [first, first + count) of an open file as a checked `Chunk` (as

@@ -141,9 +141,9 @@ class _Reader(ShardReader):
         values = np.full(len(rows) * L, layout.config.pad_id, self.dtype)
         columns = {c["name"]: np.full(len(rows) * L, int(c["pad"]), np.dtype(c["dtype"]))
                    for c in layout.columns}
-        for at, e, s, n in zip(dst.tolist(), sub.example.tolist(), sub.start.tolist(),
-                               sub.length.tolist()):
-            tokens, extra = self.inputs.example(e)
+        examples = self.inputs.examples(sub.example)
+        for at, (tokens, extra), s, n in zip(dst.tolist(), examples, sub.start.tolist(),
+                                             sub.length.tolist()):
             values[at:at + n] = tokens[s:s + n]
             for name, col in columns.items():
                 col[at:at + n] = extra[name][s:s + n]
@@ -194,15 +194,22 @@ class InputReader:
         state["_open"] = {}
         return state
 
-    def example(self, corpus: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """(tokens, extra column values) of corpus example `corpus`."""
-        f = int(np.searchsorted(self.cum, corpus, side="right")) - 1
+    def examples(self, corpus: np.ndarray) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        """(tokens, extra column values) of each corpus example of `corpus` (i64[n]), read
+        input by input (an input's records in one read)."""
         if self.pid != os.getpid():
             self._open, self.pid = {}, os.getpid()
-        source = self._open.get(f)
-        if source is None:
-            source = self._open[f] = _open_input(self.files[f], self.column, self.extra)
-        return source.example(corpus - int(self.cum[f]))
+        corpus = np.asarray(corpus, np.int64)
+        files = np.searchsorted(self.cum, corpus, side="right") - 1
+        out: list[Any] = [None] * corpus.size
+        for f in np.unique(files).tolist():
+            at = np.flatnonzero(files == f)
+            source = self._open.get(f)
+            if source is None:
+                source = self._open[f] = _open_input(self.files[f], self.column, self.extra)
+            for k, got in zip(at.tolist(), source.examples(corpus[at] - int(self.cum[f]))):
+                out[k] = got
+        return out
 
 
 def check_stamp(entry: Mapping[str, Any]) -> None:
@@ -249,10 +256,10 @@ class _Records:
         self.path, self.column, self.extra = path, column, extra
         self.reader = arrayrecord.open_reader(path)
 
-    def example(self, i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        chunk = arrayrecord.records_chunk(self.reader, self.path, i, 1, self.column,
-                                          aligned_columns=self.extra)
-        return chunk.tokens(), {n: chunk.column(n) for n in self.extra}
+    def examples(self, index: np.ndarray) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        records = arrayrecord.read_records(self.reader, self.path, index.tolist(), self.column,
+                                           aligned_columns=self.extra)
+        return [(r[self.column], {n: r[n] for n in self.extra}) for r in records]
 
 
 class _Groups:
@@ -264,6 +271,9 @@ class _Groups:
         self.cum = np.concatenate(([0], np.cumsum(self.file.group_rows))).astype(np.int64)
         self.cache: collections.OrderedDict = collections.OrderedDict()
         self.extra = extra
+
+    def examples(self, index: np.ndarray) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        return [self.example(i) for i in index.tolist()]
 
     def example(self, i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         g = int(np.searchsorted(self.cum, i, side="right")) - 1
