@@ -41,7 +41,8 @@ from seqpack.pipelines.formats.encodings.base import (
 
 RANDOM_ACCESS = ("parquet", "arrow", "arrayrecord")  # input formats read at random
 _COLUMNS = ("example", "start", "length", "row")
-_CACHED_GROUPS = 8  # decoded Parquet row groups / Arrow batches an input keeps
+# Decoded Parquet row groups a process keeps, all inputs together (least recently used out)
+CACHE_BYTES = int(os.environ.get("SEQPACK_INDEX_CACHE_MB", "256")) << 20
 
 
 def _narrow(values: np.ndarray) -> np.ndarray:
@@ -262,6 +263,34 @@ class _Records:
         return [(r[self.column], {n: r[n] for n in self.extra}) for r in records]
 
 
+class _GroupCache:
+    """Decoded row groups of every Parquet input of this process, least recently used out past
+    `CACHE_BYTES` (a random row's pieces come from anywhere: the larger the share of the
+    corpus held, the fewer groups decoded again)."""
+
+    def __init__(self) -> None:
+        self.groups: collections.OrderedDict = collections.OrderedDict()
+        self.bytes = 0
+
+    def get(self, key: tuple[str, int], load: Any) -> Any:
+        """The chunk of `key` (a local input's path, its group), loaded by `load()` if not held."""
+        entry = self.groups.get(key)
+        if entry is not None:
+            self.groups.move_to_end(key)
+            return entry[0]
+        chunk = load()
+        size = int(chunk.values.nbytes) + sum(int(v.nbytes) for v in chunk.extra_values.values())
+        self.groups[key] = (chunk, size)
+        self.bytes += size
+        while self.bytes > CACHE_BYTES and len(self.groups) > 1:
+            _, (_, dropped) = self.groups.popitem(last=False)
+            self.bytes -= dropped
+        return chunk
+
+
+_CACHE = _GroupCache()
+
+
 class _Groups:
     def __init__(self, path: str, fmt: str, column: str, extra: tuple[str, ...]):
         cls = parquet.ParquetTokens if fmt == "parquet" else parquet.ArrowTokens
@@ -269,7 +298,6 @@ class _Groups:
         if fmt == "arrow":
             self.file.open_groups()
         self.cum = np.concatenate(([0], np.cumsum(self.file.group_rows))).astype(np.int64)
-        self.cache: collections.OrderedDict = collections.OrderedDict()
         self.extra = extra
 
     def examples(self, index: np.ndarray) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
@@ -277,13 +305,7 @@ class _Groups:
 
     def example(self, i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         g = int(np.searchsorted(self.cum, i, side="right")) - 1
-        chunk = self.cache.get(g)
-        if chunk is None:
-            chunk = self.cache[g] = self.file.read_group(g)
-            if len(self.cache) > _CACHED_GROUPS:
-                self.cache.popitem(last=False)
-        else:
-            self.cache.move_to_end(g)
+        chunk = _CACHE.get((self.file.path, g), lambda: self.file.read_group(g))
         j = i - int(self.cum[g])
         a, b = int(chunk.offsets[j]), int(chunk.offsets[j + 1])
         return chunk.values[a:b], {n: chunk.extra_values[n][a:b] for n in self.extra}
