@@ -143,8 +143,12 @@ class Encoding:
         return True
 
     # An encoding that stores rows by reference (`index`) writes the plan, not the tokens:
-    # `write_refs(path, p, layout, dtype)` instead of `write`.
+    # `write_refs` instead of `write`.
     by_reference: bool = False
+
+    def write_refs(self, path: str, p: PackPlan, layout: Layout, dtype: Any) -> None:
+        """Writes the shard of plan `p` (rows by reference; `dtype`: the rows' tokens')."""
+        raise NotImplementedError
 
     def write(self, path: str, batch: Mapping[str, np.ndarray], layout: Layout) -> None:
         """Writes the rows `batch` (`[R, L]` / `[R, S]`) as one shard file at `path`."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from seqpack.packer import Counters, PackPlan
+from seqpack.packer import Counters, PackPlan, Strategy
 from seqpack.packer.plan import order_pieces
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
@@ -60,7 +60,7 @@ class IndexRows(Encoding):
     by_reference = True
 
     def check(self, layout: Layout) -> None:
-        if layout.config.strategy.value == "concat_split":
+        if Strategy(layout.config.strategy) is Strategy.CONCAT_SPLIT:
             raise ValueError("format='index' stores rows by reference to whole examples' "
                              "pieces; strategy='concat_split' is written with the tokens")
 
@@ -85,11 +85,11 @@ class IndexRows(Encoding):
 
     def write_refs(self, path: str, p: PackPlan, layout: Layout, dtype: Any) -> None:
         """The shard of plan `p` (pieces in (row, example) order, `example` a corpus example)."""
-        arrays = {name: _narrow(getattr(p, name)) for name in _COLUMNS}
         meta = {"num_rows": int(p.num_rows), "row_dtype": np.dtype(dtype).str}
-        arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
         with open(path, "wb") as f:
-            np.savez_compressed(f, **arrays)
+            np.savez_compressed(f, example=_narrow(p.example), start=_narrow(p.start),
+                                length=_narrow(p.length), row=_narrow(p.row),
+                                meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
 
     def read(self, path: str, layout: Layout, num_rows: int | None = None
              ) -> dict[str, np.ndarray]:
@@ -249,7 +249,7 @@ def _open_input(entry: Mapping[str, Any], column: str, extra: tuple[str, ...]) -
 
 def _not_random(path: str, fmt: Any) -> InputError:
     return InputError(f"{path}: a {fmt} input cannot be read at random; rows by reference need "
-                      f"inputs in {list(RANDOM_ACCESS)}: pack it with --format arrayrecord")
+                      f"inputs in {list(RANDOM_ACCESS)}: pack it with format='arrayrecord'")
 
 
 class _Records:
@@ -293,10 +293,12 @@ _CACHE = _GroupCache()
 
 class _Groups:
     def __init__(self, path: str, fmt: str, column: str, extra: tuple[str, ...]):
-        cls = parquet.ParquetTokens if fmt == "parquet" else parquet.ArrowTokens
-        self.file = cls(path, column, aligned_columns=extra)
         if fmt == "arrow":
-            self.file.open_groups()
+            arrow = parquet.ArrowTokens(path, column, aligned_columns=extra)
+            arrow.open_groups()
+            self.file: parquet.ParquetTokens = arrow
+        else:
+            self.file = parquet.ParquetTokens(path, column, aligned_columns=extra)
         self.cum = np.concatenate(([0], np.cumsum(self.file.group_rows))).astype(np.int64)
         self.extra = extra
 
