@@ -1,76 +1,119 @@
 """Packed by reference (`--format index`) against a copy (`--format arrayrecord`), one run.
 
-The corpus is `--copies` x chat_dev, written once under `--work` as Parquet (row groups of
-`--group-rows` examples) and as ArrayRecord (one SQP1 record an example), `--files` files of
-each. For each input kind both formats are packed (`PackConfig(2048, overflow="split")`,
-`--workers`), then read through `make_training_pipeline` (batches of 8 rows, `--read-workers`
-worker processes) for `--batches` batches after the first. Printed: the output's bytes against
-the tokens' (as the inputs hold them, and as the copy's shards hold them), the pack's seconds,
-and the rows per second read.
+The corpus is `--copies` x chat_dev, written once under `--work` in each input kind of
+`--kinds`: Parquet (row groups of `--group-rows` examples), Arrow IPC files (record batches as
+large), ArrayRecord (one SQP1 record an example), Megatron .bin/.idx (uint16) and stored .npz
+(tokens + offsets), `--files` files of each. For each input kind both formats are packed
+(`PackConfig(2048, overflow="split")`, `--workers`), then read through
+`make_training_pipeline` (batches of 8 rows, `--read-workers` worker processes) for `--batches`
+batches after the first. Printed: the output's bytes against the tokens' (as the inputs hold
+them, and as the copy's shards hold them), the pack's seconds, and the rows per second read,
+each also against the copy's. `--s3`: inputs and outputs on moto's S3 emulator.
 
 Usage (from the repo root)::
 
     python -m benchmarks.index_bench                          # 8 x chat_dev
     python -m benchmarks.index_bench --copies 2 --batches 200 --read-workers 2
+    python -m benchmarks.index_bench --s3 --kinds arrayrecord,megatron   # on moto's S3
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import pathlib
 import shutil
+import struct
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
 from benchmarks.common import corpora
 
+KINDS = ("parquet", "arrow", "arrayrecord", "megatron", "npz")
 
-def _write_inputs(work: pathlib.Path, copies: int, files: int, group_rows: int) -> dict:
+
+def _write_megatron(prefix: pathlib.Path, seqs: list[np.ndarray]) -> str:
+    """A Megatron-LM indexed dataset (uint16 tokens), as its `_IndexWriter` lays one out."""
+    sizes = np.array([s.size for s in seqs], np.int32)
+    pointers = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64) * 2
+    with open(f"{prefix}.bin", "wb") as f:
+        f.write(np.concatenate(seqs).astype(np.uint16).tobytes())
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 8, len(seqs), len(seqs) + 1))
+        f.write(sizes.tobytes() + pointers.tobytes())
+        f.write(np.arange(len(seqs) + 1, dtype=np.int64).tobytes())
+    return f"{prefix}.bin"
+
+
+def _write_one(kind: str, path: pathlib.Path, seqs: list[np.ndarray], group_rows: int) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from seqpack.pipelines.formats.records import encode_row
 
+    if kind == "megatron":
+        return str(path.with_suffix(".bin")) if path.with_suffix(".bin").exists() else \
+            _write_megatron(path, seqs)
+    path = path.with_suffix("." + kind)
+    if path.exists():
+        return str(path)
+    if kind in ("parquet", "arrow"):
+        table = pa.table({"tokens": pa.array(seqs, pa.list_(pa.int32()))})
+        if kind == "parquet":
+            pq.write_table(table, path, row_group_size=group_rows)
+        else:
+            with pa.OSFile(str(path), "wb") as sink, \
+                    pa.ipc.new_file(sink, table.schema) as w:
+                for batch in table.to_batches(max_chunksize=group_rows):
+                    w.write_batch(batch)
+    elif kind == "arrayrecord":
+        from array_record.python.array_record_module import ArrayRecordWriter
+
+        w = ArrayRecordWriter(str(path), "group_size:1")
+        for s in seqs:
+            w.write(encode_row({"tokens": s}))
+        w.close()
+    else:  # npz, stored: memory-mapped by the reader
+        np.savez(path, tokens=np.concatenate(seqs).astype(np.int32),
+                 offsets=np.concatenate(([0], np.cumsum([s.size for s in seqs]))))
+    return str(path)
+
+
+def _write_inputs(work: pathlib.Path, copies: int, files: int, group_rows: int,
+                  kinds: tuple[str, ...] = KINDS) -> dict:
     tokens, offsets = corpora(["chat_dev"])["chat_dev"]
     lengths = np.diff(offsets)
     n = lengths.size * copies
-    out: dict[str, list[str]] = {"parquet": [], "arrayrecord": []}
+    out: dict[str, list[str]] = {kind: [] for kind in kinds}
     bounds = np.linspace(0, n, files + 1).astype(np.int64)
     for f in range(files):
         idx = np.arange(bounds[f], bounds[f + 1]) % lengths.size
         seqs = [tokens[offsets[i]:offsets[i + 1]].astype(np.int32) for i in idx]
-        p = work / f"part{f}.parquet"
-        if not p.exists():
-            arr = pa.array(seqs, pa.list_(pa.int32()))
-            pq.write_table(pa.table({"tokens": arr}), p, row_group_size=group_rows)
-        out["parquet"].append(str(p))
-        a = work / f"part{f}.arrayrecord"
-        if not a.exists():
-            from array_record.python.array_record_module import ArrayRecordWriter
-
-            w = ArrayRecordWriter(str(a), "group_size:1")
-            for s in seqs:
-                w.write(encode_row({"tokens": s}))
-            w.close()
-        out["arrayrecord"].append(str(a))
+        for kind in kinds:
+            out[kind].append(_write_one(kind, work / f"part{f}", seqs, group_rows))
     return out
 
 
-def _pack(paths: list[str], out: pathlib.Path, fmt: str, workers: int) -> float:
+def _pack(paths: list[str], out: pathlib.Path | str, fmt: str, workers: int) -> float:
     from seqpack.packer import PackConfig
     from seqpack.pipelines.offline import PackJob, WriteOptions
     from seqpack.pipelines.offline import pack as run
 
-    shutil.rmtree(out, ignore_errors=True)
+    if isinstance(out, pathlib.Path):
+        shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
     run(PackJob(paths, str(out), PackConfig(2048, overflow="split"), workers=workers,
                 write_options=WriteOptions(format=fmt)))
     return time.perf_counter() - start
 
 
-def _rows_per_s(out: pathlib.Path, workers: int, batches: int) -> float:
+def _rows_per_s(out: pathlib.Path | str, workers: int, batches: int) -> float:
     from seqpack.pipelines.datasets import PackedSource, Prefetch, make_training_pipeline
     from seqpack.pipelines.datasets.training import ensure_flags_parsed
 
@@ -86,8 +129,59 @@ def _rows_per_s(out: pathlib.Path, workers: int, batches: int) -> float:
     return batches * 8 / seconds
 
 
-def _bytes(out: pathlib.Path, suffix: str) -> int:
+def _bytes(out: pathlib.Path | str, suffix: str) -> int:
+    if isinstance(out, str):  # a URL prefix
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(out)
+        return sum(int(i["size"]) for i in fs.ls(root, detail=True)
+                   if i["name"].endswith(suffix))
     return sum(p.stat().st_size for p in out.glob(f"*{suffix}"))
+
+
+@contextlib.contextmanager
+def _s3(work: pathlib.Path) -> Iterator[str]:
+    """A moto S3 server (the tests' emulator) with a bucket; yields its s3:// root and points
+    the standard variables at it; each read then fills a fresh download cache."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+    server = shutil.which("moto_server") or str(pathlib.Path(sys.executable).parent /
+                                                "moto_server")
+    proc = subprocess.Popen([server, "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/bench", method="PUT"),
+                               timeout=10).close()
+        os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing",
+                          AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                          AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull)
+        yield "s3://bench"
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def _upload(paths: list[str], url: str) -> list[str]:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(url)
+    out = []
+    for p in paths:
+        for q in ([p, p[:-4] + ".idx"] if p.endswith(".bin") else [p]):
+            fs.put_file(q, f"{root}/{pathlib.Path(q).name}")
+        out.append(f"{url}/{pathlib.Path(p).name}")
+    return out
 
 
 def main() -> None:
@@ -99,30 +193,48 @@ def main() -> None:
     p.add_argument("--read-workers", type=int, default=8)
     p.add_argument("--batches", type=int, default=300)
     p.add_argument("--work", default=None)
+    p.add_argument("--kinds", default=",".join(KINDS), help="input kinds, comma-separated")
+    p.add_argument("--s3", action="store_true", help="inputs and outputs on a moto S3 server "
+                   "(seqpack[cloud] and moto, as the tests use); reads fill a fresh cache")
     args = p.parse_args()
     work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="index_bench_"))
     work.mkdir(parents=True, exist_ok=True)
-    inputs = _write_inputs(work, args.copies, args.files, args.group_rows)
+    inputs = _write_inputs(work, args.copies, args.files, args.group_rows,
+                           tuple(args.kinds.split(",")))
     _, offsets = corpora(["chat_dev"])["chat_dev"]
     n_tokens = int(offsets[-1]) * args.copies
     print(f"\n{args.copies} x chat_dev: {n_tokens:,} tokens in {args.files} files "
-          f"(Parquet row groups of {args.group_rows}); pack workers {args.workers}, read "
-          f"workers {args.read_workers}\n")
-    print("| inputs | format | output MB | vs int32 tokens | vs the copy | pack s | rows/s read |")
-    print("|---|---|---|---|---|---|---|")
-    for kind, paths in inputs.items():
-        results = {}
-        for fmt, suffix in (("arrayrecord", ".arrayrecord"), ("index", ".index")):
-            out = work / f"out-{kind}-{fmt}"
-            seconds = _pack(paths, out, fmt, args.workers)
-            results[fmt] = (_bytes(out, suffix), seconds,
-                            _rows_per_s(out, args.read_workers, args.batches))
-        copy = results["arrayrecord"][0]
-        for fmt, (size, seconds, rate) in results.items():
-            print(f"| {kind} | {fmt} | {size / 1e6:,.1f} | {size / (4 * n_tokens):.2%} | "
-                  f"{size / copy:.2%} | {seconds:.1f} | {rate:,.0f} |")
+          f"(Parquet row groups, Arrow record batches of {args.group_rows}); pack workers "
+          f"{args.workers}, read workers {args.read_workers}\n")
+    print("| inputs | format | output MB | vs int32 tokens | vs the copy | pack s | vs the copy "
+          "| rows/s read | vs the copy |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    with contextlib.ExitStack() as stack:
+        root = stack.enter_context(_s3(work)) if args.s3 else None
+        for kind, paths in inputs.items():
+            if root is not None:
+                paths = _upload(paths, f"{root}/in-{kind}")
+            _table_rows(kind, paths, work, root, n_tokens, args)
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _table_rows(kind: str, paths: list[str], work: pathlib.Path, root: str | None,
+                n_tokens: int, args: argparse.Namespace) -> None:
+    results = {}
+    for fmt, suffix in (("arrayrecord", ".arrayrecord"), ("index", ".index")):
+        out: pathlib.Path | str = work / f"out-{kind}-{fmt}" if root is None else \
+            f"{root}/out-{kind}-{fmt}"
+        seconds = _pack(paths, out, fmt, args.workers)
+        if root is not None:
+            os.environ["SEQPACK_CACHE_DIR"] = tempfile.mkdtemp(dir=work, prefix="cache-")
+        results[fmt] = (_bytes(out, suffix), seconds,
+                        _rows_per_s(out, args.read_workers, args.batches))
+    copy, copy_s, copy_rate = results["arrayrecord"]
+    for fmt, (size, seconds, rate) in results.items():
+        print(f"| {kind} | {fmt} | {size / 1e6:,.1f} | {size / (4 * n_tokens):.2%} | "
+              f"{size / copy:.2%} | {seconds:.2f} | {copy_s / seconds:.2f}x | {rate:,.0f} "
+              f"| {rate / copy_rate:.0%} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ from click_option_group import optgroup
 
 STRATEGIES = ["best_fit_decreasing", "best_fit", "first_fit", "concat_split"]
 OVERFLOWS = ["error", "truncate", "split", "drop"]
-FORMATS = ["jsonl", "parquet", "arrow", "arrayrecord", "text", "bytes"]
+FORMATS = ["jsonl", "parquet", "arrow", "arrayrecord", "npz", "npy", "megatron", "text",
+           "bytes"]  # formats.detect.FORMATS
 OUTPUT_FORMATS = ["arrayrecord", "parquet", "hf", "megatron", "index"]  # encodings.FORMATS
 Spec = tuple[tuple[str, ...], dict]  # an option's declarations and attributes: `_opt`
 

@@ -250,13 +250,14 @@ def vocab_cases(*names: str) -> None:
 def test_vocab_parallel_equals_the_unsharded_loss():
     """The weight's columns over 4 devices (shard_map): loss, per-segment sums and the gradients
     of hidden and weight equal the materialized logits' (chunked, and recompute's XLA path; the
-    "logits" mode, one chunk of the same code, with -m slow below)."""
-    vocab_cases("chunked:4", "xla:4")
+    "logits" mode, one chunk of the same code, with -m slow below); also under
+    shard_map(check_vma=False), where the cotangents arrive divided by the shard count."""
+    vocab_cases("chunked:4", "xla:4", "chunked:2:unchecked")
 
 
 @pytest.mark.slow
 def test_vocab_parallel_on_8_devices_and_the_kernels():
-    vocab_cases("logits:4", "xla:8", "tpu:4", "gpu:4")
+    vocab_cases("logits:4", "xla:8", "tpu:4", "gpu:4", "logits:4:unchecked", "xla:4:unchecked")
 
 
 # -- the Pallas TPU kernels (interpret mode: NaN-filled memory, out-of-bounds reads raise) -------

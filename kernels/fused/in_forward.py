@@ -35,7 +35,9 @@ part with the recomputing XLA backward (blockwise.backward, from the saved lse; 
 Vocab-parallel (`vocab_axis`, inside shard_map, `w` this shard's columns, targets shifted to it):
 each chunk's row max and exp-sum combine with a pmax and a psum before the softmax, so the
 gradients use the global lse in the same pass; d hidden is each shard's partial sum (the caller
-pcasts hidden to varying, whose transpose sums it).
+pcasts hidden to varying, whose transpose sums it). Under shard_map(check_vma=False) a shard's
+cotangents arrive divided by the shard count, which no psum of the backward restores here, so
+bwd sums them over the axis first (`InForward.unchecked`).
 """
 
 from __future__ import annotations
@@ -144,6 +146,10 @@ class InForward:
     z_loss: float
     softcap: float | None
     vocab_axis: str | None
+    # shard_map(check_vma=False) hands each vocab shard its cotangents divided by the shard
+    # count (autodiff's psums restore them; gradients formed in the forward meet none): bwd
+    # sums them over vocab_axis first
+    unchecked: bool = False
     fallback_block_vocab: int = 512  # the recomputing backward of per_segment_loss cotangents
     logits_dtype: str = "float32"  # a chunk's logits as stored (rounded once, behind a barrier)
     weight_grad_dtype: str = "float32"  # d weight as carried over the chunks
@@ -282,6 +288,9 @@ def _head_bwd(cfg, residuals, cotangents):
     dx, dw, scale, per_segment_loss, hidden, weight, targets, counted, offsets, lengths, lse = (
         residuals)
     g_loss, g_seg, _ = cotangents
+    if cfg.unchecked:
+        g_loss, g_seg = (g if isinstance(g, SymbolicZero) else lax.psum(g, cfg.vocab_axis)
+                         for g in (g_loss, g_seg))
     d_hidden = d_weight = d_segw = None
     if not isinstance(g_loss, SymbolicZero):
         d_hidden = None if dx is None else _scaled(dx, g_loss)

@@ -231,7 +231,9 @@ def segment_linear_cross_entropy(
             hidden, local = _shard(hidden, weight, targets, vocab_axis)
         weights = (jnp.ones(segment_offsets.shape, jnp.float32) if segment_weights is None
                    else segment_weights.astype(jnp.float32))
-        cfg = InForward(chunk, normalize, float(z_loss), softcap, vocab_axis,
+        # pcast left hidden invariant: shard_map(check_vma=False), cotangents divided
+        unchecked = vocab_axis is not None and vocab_axis not in varying_axes(hidden)
+        cfg = InForward(chunk, normalize, float(z_loss), softcap, vocab_axis, unchecked,
                         getattr(blocks, "block_vocab", 512), logits_dtype.name,
                         weight_grad_dtype.name)
         return head(cfg, hidden, weight, weights, local, counted, segment_offsets,

@@ -6,8 +6,9 @@ The only part of seqpack that imports grain (and so jax):
 - `FirstFitPackIterDataset`, `BestFitPackIterDataset`: Grain's rows, faster, plus segment
   lengths/offsets (`segment_metadata=False`: exactly Grain's keys).
 - Sources (`grain.MapDataset`s with random access): `ArraySource`, `JsonlSource`,
-  `ParquetSource`, `ArrayRecordSource`, `PackedArrayRecordSource` (alias `PackedSource`: the
-  output of `seqpack pack` in any `--format`); `SequentialIterDataset` walks one in order.
+  `ParquetSource`, `ArrayRecordSource`, `TokenArraySource` (Megatron .bin/.idx, .npz, .npy),
+  `PackedArrayRecordSource` (alias `PackedSource`: the output of `seqpack pack` in any
+  `--format`); `SequentialIterDataset` walks one in order.
 - `Mixture`: several datasets as one stream, weighted in tokens, loss tokens or examples
   (docs/mixing.md); every row then carries `segment_dataset_id`.
 - `make_training_pipeline`: a seeded global order dealt to hosts and worker processes, pack,
@@ -42,6 +43,7 @@ from seqpack.pipelines.datasets.files import (  # noqa: E402
     PackedArrayRecordSource,
     PackedSource,
     ParquetSource,
+    TokenArraySource,
 )
 from seqpack.pipelines.datasets.loss import LossTokens  # noqa: E402
 from seqpack.pipelines.datasets.mixing import Mixture  # noqa: E402
@@ -76,6 +78,7 @@ __all__ = [
     "ParquetSource",
     "Prefetch",
     "SequentialIterDataset",
+    "TokenArraySource",
     "Window",
     "elastic",
     "make_training_pipeline",

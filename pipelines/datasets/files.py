@@ -1,4 +1,4 @@
-"""Grain sources over files: JSONL, Parquet and ArrayRecord, with random access.
+"""Grain sources over files: JSONL, Parquet, ArrayRecord and token arrays, random access.
 
 Each is a `grain.MapDataset` over the format readers in `pipelines.formats` (the same checks and
 errors as the offline CLI: `InputError` naming the file and the line or record).
@@ -6,6 +6,7 @@ errors as the offline CLI: `InputError` naming the file and the line or record).
     JsonlSource("a.jsonl")[1]                        # {"tokens": array([101, 102], dtype=int32)}
     ParquetSource(["p0.parquet", "p1.parquet"], column="tokens")
     ArrayRecordSource("examples.arrayrecord")        # SQP1 records, decoded zero-copy
+    TokenArraySource("corpus_text_document.bin")     # Megatron .bin/.idx, .npz, .npy: mapped
     PackedArrayRecordSource("out/packed")            # a `seqpack pack` directory (manifest.json)
 
 Paths may be URLs (gs://, s3://, any fsspec protocol; needs ``seqpack[cloud]``): each object is
@@ -37,6 +38,8 @@ from seqpack.pipelines import storage
 from seqpack.pipelines.datasets.sources import as_path_list, locate, norm_index
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats import arrayrecord, jsonl
+from seqpack.pipelines.formats.arrays import TokenArrays, megatron_pair
+from seqpack.pipelines.formats.detect import ARRAYS, format_by_name
 from seqpack.pipelines.formats.encodings import of_manifest
 from seqpack.pipelines.formats.manifest import (
     INTENT,
@@ -206,6 +209,44 @@ class ParquetSource(_FileSource):
             v = col[j]
             out[name] = np.asarray(v) if isinstance(v, (list, np.ndarray)) else v
         return out
+
+
+class TokenArraySource(_FileSource):
+    """Examples from token arrays (`formats.arrays`: Megatron .bin/.idx, .npz, 2-D .npy),
+    memory-mapped; element = {feature: int array view, **aligned columns}.
+
+    paths:           files (a Megatron dataset by its .bin, .idx or prefix) or URLs.
+    input_format:    "megatron", "npz" or "npy" (default: from each name).
+    column:          the .npz array of token ids; feature: the element key (default `column`).
+    aligned_columns: .npz arrays beside the tokens, one value per token (labels, masks).
+    """
+
+    def __init__(self, paths: Paths, *, input_format: str | None = None, column: str = "tokens",
+                 feature: str | None = None, aligned_columns: Sequence[str] = (),
+                 cache_dir: str | os.PathLike | None = None):
+        super().__init__()
+        self._names = [p if storage.is_url(p) or os.path.exists(p) or not os.path.isfile(
+            p + ".bin") else p + ".bin" for p in as_path_list(paths, name="TokenArraySource")]
+        self._paths, self._feature, self._arrays = [], feature or column, []
+        for name in self._names:
+            fmt = input_format or format_by_name(name)
+            if fmt not in ARRAYS:
+                raise InputError(f"{name}: not a token array by its name (.bin/.idx, .npz, "
+                                 ".npy); pass input_format=")
+            pair = None
+            if fmt == "megatron" and storage.is_url(name):
+                pair = tuple(storage.cached_copy(p, cache_dir=cache_dir)
+                             for p in megatron_pair(name))
+            local = pair[0] if pair else storage.cached_copy(name, cache_dir=cache_dir)
+            with storage.named(local, name):
+                self._arrays.append(TokenArrays(local, fmt, column, aligned_columns, pair=pair))
+            self._paths.append(local)
+        self._cum = np.concatenate([[0], np.cumsum([a.num_records for a in self._arrays])]
+                                   ).astype(np.int64)
+
+    def _get(self, index: int, f: int, j: int) -> dict[str, Any]:
+        (tokens, extra), = self._arrays[f].examples(np.array([j]))
+        return {self._feature: tokens, **extra}
 
 
 def shard_paths(paths: Any, *, packed: bool = False, cache_dir: str | os.PathLike | None = None

@@ -6,6 +6,8 @@ Names (case-insensitive; a compression suffix ``.gz`` / ``.zst`` / ``.zstd`` is 
     .parquet                      parquet
     .arrow                        arrow (Arrow IPC: HF datasets' save_to_disk shards)
     .arrayrecord .array_record    arrayrecord (also sharded: x.array_record-00000-of-00008)
+    .npz / .npy                   npz / npy (token arrays, `formats.arrays`)
+    .bin .idx                     megatron (Megatron-LM's indexed dataset: the pair)
     .txt                          text
 
 Content, where the name does not say (first 64 bytes; a compressed file's decompressed head)::
@@ -13,6 +15,8 @@ Content, where the name does not say (first 64 bytes; a compressed file's decomp
     b"PAR1"                           parquet
     b"ARROW1", or ff ff ff ff first   arrow (the IPC file, or the stream format)
     the Riegeli file signature        arrayrecord
+    b"PK\x03\x04" / b"\x93NUMPY"       npz (a zip of arrays) / npy
+    b"MMIDIDX"                        megatron (its .idx)
     1f 8b (gzip), 28 b5 2f fd (zstd)  compressed: its decompressed head decides (JSONL or text)
     "{" first (after blanks)          jsonl
     UTF-8 text without NUL bytes      text
@@ -35,13 +39,16 @@ from typing import Any, Protocol
 
 from seqpack.pipelines.errors import InputError, require
 
-FORMATS = ("jsonl", "parquet", "arrow", "arrayrecord", "text", "bytes")
+FORMATS = ("jsonl", "parquet", "arrow", "arrayrecord", "npz", "npy", "megatron", "text",
+           "bytes")
+ARRAYS = ("npz", "npy", "megatron")  # token arrays, memory-mapped (`formats.arrays`)
 AUTO = "auto"  # a format that only the content can tell (a URL is sniffed after download)
 
 _BY_EXTENSION = {
     ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
     ".arrow": "arrow",
     ".arrayrecord": "arrayrecord", ".array_record": "arrayrecord", ".txt": "text",
+    ".npz": "npz", ".npy": "npy", ".bin": "megatron", ".idx": "megatron",
 }
 _COMPRESSED_EXTENSIONS = (".gz", ".zst", ".zstd")
 _SHARDED = re.compile(r"(\.[a-z_]+)-\d+-of-\d+$")  # TFDS / Beam shard names
@@ -52,6 +59,7 @@ _RIEGELI = bytes.fromhex(  # the first 64 bytes of every Riegeli (ArrayRecord) f
     "91bac23c9287e1a90000000000000000e19f13c0e9b1c372"
     "73000000000000000000000000000000")
 _GZIP, _ZSTD = b"\x1f\x8b", b"\x28\xb5\x2f\xfd"
+_NPZ, _NPY, _MEGATRON = b"PK\x03\x04", b"\x93NUMPY", b"MMIDIDX\x00\x00"
 
 
 class Readable(Protocol):
@@ -60,7 +68,8 @@ class Readable(Protocol):
     def read(self, size: int = -1, /) -> bytes: ...
 
 
-_HINT = "pass input_format= (jsonl, parquet, arrow, arrayrecord, text; bytes packs its raw bytes)"
+_HINT = ("pass input_format= (jsonl, parquet, arrow, arrayrecord, npz, npy, megatron, text; "
+         "bytes packs its raw bytes)")
 
 
 def format_by_name(path: str) -> str | None:
@@ -106,7 +115,8 @@ def sniff_format(path: str, *, name: str | None = None) -> str:
         with open_stream(path) as stream:
             head = stream.read(4096)
     binary = {"Parquet": head.startswith(_PARQUET), "ArrayRecord": head.startswith(_RIEGELI),
-              "Arrow": head.startswith(_ARROW)}
+              "Arrow": head.startswith(_ARROW), "npz": head.startswith(_NPZ),
+              "npy": head.startswith(_NPY), "megatron": head.startswith(_MEGATRON)}
     for what, found in binary.items():
         if not found:
             continue
@@ -120,7 +130,8 @@ def sniff_format(path: str, *, name: str | None = None) -> str:
         return "text"
     what = f"{kind}-compressed data" if kind else "content"
     raise InputError(f"{name}: cannot tell the input format from the name or the {what} (not "
-                     f"Parquet, Arrow, ArrayRecord, JSONL or UTF-8 text); {_HINT}")
+                     f"Parquet, Arrow, ArrayRecord, NumPy, a Megatron index, JSONL or UTF-8 "
+                     f"text); {_HINT}")
 
 
 def _utf8_prefix(head: bytes) -> bool:

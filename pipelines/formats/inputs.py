@@ -63,9 +63,15 @@ from seqpack.packer.inputs import common_id_dtype
 from seqpack.packer.mixing import carries_loss
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
-from seqpack.pipelines.formats import arrayrecord, jsonl, parquet, text
+from seqpack.pipelines.formats import arrayrecord, arrays, jsonl, parquet, text
 from seqpack.pipelines.formats.chunks import Chunk
-from seqpack.pipelines.formats.detect import FORMATS, detect_format, resolve_format
+from seqpack.pipelines.formats.detect import (
+    ARRAYS,
+    FORMATS,
+    detect_format,
+    format_by_name,
+    resolve_format,
+)
 from seqpack.pipelines.formats.paths import expand_inputs
 
 __all__ = ["Corpus", "FileScan", "InputError", "ReadOptions", "detect_format", "expand_inputs",
@@ -147,6 +153,11 @@ def local_input(path: str) -> Iterator[str]:
             raise InputError(f"{path}: {what}")
         yield path
         return
+    if format_by_name(path) == "megatron":  # the pair, side by side
+        with storage.local_copies(arrays.megatron_pair(path)) as pair, \
+                storage.named(os.path.dirname(pair[0]), path.rsplit("/", 1)[0]):
+            yield pair[os.path.splitext(path)[1].lower() == ".idx"]
+        return
     with storage.local_copy(path) as local, storage.named(local, path):
         yield local
 
@@ -207,6 +218,10 @@ def file_chunks(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None
             raise InputError(f"{path}: ArrayRecord records hold token ids; tokenizer= is for "
                              "text (text files, JSONL text fields, Parquet text columns)")
         return arrayrecord.example_chunks(path, options.column, aligned_columns=extra)
+    if fmt in ARRAYS:
+        if tokenizer is not None:
+            raise InputError(f"{path}: a {fmt} input holds token ids; tokenizer= is for text")
+        return arrays.TokenArrays(path, fmt, options.column, extra).chunks()
     if extra:
         raise InputError(f"{path}: a {fmt} input has one column; extra columns {list(extra)} "
                          "need JSONL, Parquet, Arrow or ArrayRecord inputs")
@@ -278,6 +293,9 @@ def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
             chunks = _counting(chunks, loss_columns or {}, counts)
         lens, dtype, extra = _consume(chunks, fmt, options, sink, column_sinks or {})
         info = fingerprint(local)
+        if fmt == "megatron":  # the pair's other file, named as the input names it
+            info["companion"] = {**fingerprint(arrays.companion(local)),
+                                 "path": fingerprint_path(arrays.companion(path))}
     info["path"] = fingerprint_path(path)
     info.update(format=fmt, num_examples=int(lens.size), num_tokens=int(lens.sum()),
                 lengths_sha256=lengths_sha256(lens))

@@ -4,7 +4,8 @@
 
 - a local directory: its files whose name says a known format (`detect.format_by_name`:
   .jsonl / .ndjson / .json, .parquet, .arrow, .arrayrecord / .array_record and their shard
-  names, .txt, each also .gz / .zst), sorted by name. Hidden files (names starting with ".")
+  names, .npz, .npy, a Megatron .bin with its .idx (one input), .txt, each also .gz / .zst),
+  sorted by name. Hidden files (names starting with ".")
   are left out; every other file it leaves out (no known format by its name: ``_SUCCESS``,
   ``README.md``; a subdirectory, which is not read) is named in a warning on the ``seqpack``
   logger, with the reason. Text files beside token files (JSONL, Parquet, Arrow, ArrayRecord)
@@ -19,6 +20,7 @@
   skipped, as URL globs skip them); InputError if nothing matches.
 - a URL glob: the sorted objects it matches (`storage.expand`); a URL ending in "/": the
   objects under it of a known format by name, sorted.
+- a Megatron dataset's prefix (``x`` for ``x.bin`` and ``x.idx``): its ``.bin``.
 - anything else as it is (a missing file is named by the reader).
 
 The same file given twice (the same path, or another name for it: ``./a``, a symlink, a hard
@@ -45,7 +47,7 @@ _OUTPUT_NAMES = re.compile(r"^(rows-\d+-of-\d+\.(arrayrecord|parquet|idx\.parque
                            r"spill\.tmp|"
                            r"manifest\.json|pack_intent\.json)$")  # what `seqpack pack` writes
 _GLOB = re.compile(r"[*?[]")
-_TOKEN_FORMATS = ("jsonl", "parquet", "arrow", "arrayrecord")
+_TOKEN_FORMATS = ("jsonl", "parquet", "arrow", "arrayrecord", "npz", "npy", "megatron")
 log = logging.getLogger("seqpack")
 
 
@@ -64,11 +66,22 @@ def expand_inputs(args: Sequence[str | os.PathLike], *, allow_duplicates: bool =
             out.extend(hf_dataset_files(path) or _directory_files(path, input_format))
         elif not os.path.exists(path) and _GLOB.search(path):
             out.extend(_glob_files(path))
+        elif not os.path.exists(path) and all(os.path.isfile(path + e) for e in (".bin", ".idx")):
+            out.append(path + ".bin")  # a Megatron dataset's prefix
         else:
             out.append(path)
+    out = _one_of_each_pair(out)
     if not allow_duplicates:
         check_distinct(out)
     return out
+
+
+def _one_of_each_pair(paths: list[str]) -> list[str]:
+    """`paths` without the ``.idx`` of each Megatron ``.bin`` among them (the pair is one
+    input)."""
+    held = {os.path.splitext(p)[0] for p in paths if p.lower().endswith(".bin")}
+    return [p for p in paths if not (p.lower().endswith(".idx")
+                                     and os.path.splitext(p)[0] in held)]
 
 
 def is_output_dir(path: str) -> bool:
@@ -153,7 +166,7 @@ def _directory_files(path: str, input_format: str | None = None) -> list[str]:
         hint = f"; subdirectories are not read: pass '{os.path.join(path, '*', '*')}'" \
             if any(os.path.isdir(e) for e in entries) else ""
         raise InputError(f"{path}: a directory with no input files (.jsonl, .parquet, .arrow, "
-                         f".arrayrecord, .txt, also .gz / .zst){hint}")
+                         f".arrayrecord, .npz, .npy, .bin/.idx, .txt, also .gz / .zst){hint}")
     return files
 
 
@@ -162,10 +175,15 @@ def _choose(where: str, paths: list[str], input_format: str | None) -> list[str]
     by name, the others named in a warning; text beside token files refused unless
     `input_format` says which to read."""
     formats = {p: format_by_name(p) for p in paths}
+    listed = set(paths)
+    for p, f in formats.items():  # a .bin is a Megatron dataset beside its .idx only
+        if f == "megatron" and p.lower().endswith(".bin") and \
+                os.path.splitext(p)[0] + ".idx" not in listed:
+            formats[p] = None
     for p, f in formats.items():
         if f is None:
             log.warning("%s: left out: no known input format by its name (.jsonl, .parquet, "
-                        ".arrow, .arrayrecord, .txt, also .gz / .zst)", p)
+                        ".arrow, .arrayrecord, .npz, .npy, .bin/.idx, .txt, also .gz / .zst)", p)
     files = [p for p, f in formats.items() if f is not None]
     text = [p for p in files if formats[p] == "text"]
     tokens = [p for p in files if formats[p] in _TOKEN_FORMATS]
@@ -194,5 +212,6 @@ def _url_files(prefix: str, input_format: str | None = None) -> list[str]:
     files = _choose(prefix, listing, input_format)
     if not files:
         raise InputError(f"{prefix}: no objects of a known input format under it (.jsonl, "
-                         ".parquet, .arrow, .arrayrecord, .txt, also .gz / .zst)")
+                         ".parquet, .arrow, .arrayrecord, .npz, .npy, .bin/.idx, .txt, also "
+                         ".gz / .zst)")
     return files

@@ -397,11 +397,12 @@ def kept_shard(output: str | OutputDir, shard: int, table: np.ndarray, summary: 
     kept = shard_done(out, name, num_rows)
     if kept is None:
         return None
+    profile = record.order_profile(table[ROW], table[LENGTH], summary.intent.num_rows)
+    if of_manifest(summary.intent)[0].by_reference and not summary.intent.columns:
+        return num_rows, kept, record.ShardFacts(profile, shards.plan_loss_tokens(table[LENGTH]))
     rows = shards.read_shard(out.location, name, num_rows, restore=False,
                              manifest=summary.intent)  # its loss tokens, read back
-    return num_rows, kept, record.ShardFacts(
-        record.order_profile(table[ROW], table[LENGTH], summary.intent.num_rows),
-        shards.loss_tokens(rows, summary.intent))
+    return num_rows, kept, record.ShardFacts(profile, shards.loss_tokens(rows, summary.intent))
 
 
 def write_shard(output: str | OutputDir, shard: int, p: PackPlan, summary: JobSummary,

@@ -104,9 +104,14 @@ def with_stamps(inputs: dict) -> dict:
             raise InputError(f"{f['path']}: a {f.get('format')} input cannot be read at random; "
                              f"format='index' needs inputs in {list(RANDOM_ACCESS)}: pack it "
                              "with format='arrayrecord'")
-        stamp = {} if storage.is_url(f["path"]) else \
-            {"mtime_ns": os.stat(f["path"]).st_mtime_ns}
-        files.append({**f, **stamp})
+        if storage.is_url(f["path"]):
+            files.append(f)
+            continue
+        stamped = {**f, "mtime_ns": os.stat(f["path"]).st_mtime_ns}
+        if "companion" in f:  # a Megatron .bin's .idx (or the other way round)
+            stamped["companion"] = {**f["companion"],
+                                    "mtime_ns": os.stat(f["companion"]["path"]).st_mtime_ns}
+        files.append(stamped)
     return {**inputs, "files": files}
 
 

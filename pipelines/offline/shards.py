@@ -107,14 +107,14 @@ def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndar
     """Assembles the rows of plan `p` (one shard's rows, numbered from 0) and writes them.
 
     `pieces[i]` holds the tokens of the plan's i-th piece (or `values` the rows' tokens already
-    in place, see `packer.build_rows`); `columns` each extra column's `[R, L]` values in place
-    (`packer.fill_rows`), `entries` the manifest's entries of those columns; `firsts`: a
-    mixture's datasets' first corpus examples (`mixture.firsts_of`: the rows then carry
-    `segment_dataset_id` and each example's index within its dataset). Writes
-    ``name.<attempt>.tmp`` in the output's staging
-    directory, published as `name` when complete (a rename, or an upload), then the shard's
-    completion record (`name` + ".done": rows, size, sha256); returns ((size, sha256), the
-    rows' loss tokens: `encodings.loss_positions`). RunFailed naming the file when the system
+    in place, see `packer.build_rows`; neither for rows by reference with no `entries`);
+    `columns` each extra column's `[R, L]` values in place (`packer.fill_rows`), `entries` the
+    manifest's entries of those columns; `firsts`: a mixture's datasets' first corpus examples
+    (`mixture.firsts_of`: the rows then carry `segment_dataset_id` and each example's index
+    within its dataset). Writes ``name.<attempt>.tmp`` in the output's staging directory,
+    published as `name` when complete (a rename, or an upload), then the shard's completion
+    record (`name` + ".done": rows, size, sha256); returns ((size, sha256), the rows' loss
+    tokens: `encodings.loss_positions`). RunFailed naming the file when the system
     refuses the write.
     """
     out = as_output_dir(output_dir)
@@ -123,9 +123,12 @@ def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndar
     tmp = os.path.join(out.staging(), f"{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     layout = options.layout(config, entries, firsts=firsts)
     encoding = options.encoding
-    batch = shard_batch(p, layout, dtype=dtype, derived=encoding.wants_derived(layout),
-                        pieces=pieces, values=values, columns=columns)
-    loss = int(loss_positions(batch, layout).sum())
+    if encoding.by_reference and not entries:  # the plan alone: no tokens needed
+        batch, loss = {}, plan_loss_tokens(p.length)
+    else:
+        batch = shard_batch(p, layout, dtype=dtype, derived=encoding.wants_derived(layout),
+                            pieces=pieces, values=values, columns=columns)
+        loss = int(loss_positions(batch, layout).sum())
     try:
         if encoding.by_reference:
             encoding.write_refs(tmp, p, layout, dtype)
@@ -144,6 +147,14 @@ def write_shard(output_dir: str | OutputDir, name: str, pieces: Sequence[np.ndar
             os.remove(tmp)
         raise RunFailed.of(e, out.path(name), "cannot write the shard") from None
     return digest, loss
+
+
+def plan_loss_tokens(lengths: np.ndarray) -> int:
+    """The loss tokens of rows with no labels or mask columns, from their pieces' lengths: a
+    piece of n tokens is a segment whose n - 1 positions have a next token
+    (`encodings.loss_positions` of the same rows)."""
+    n = np.asarray(lengths, np.int64)
+    return int((n - (n > 0)).sum())
 
 
 def read_shard(output_dir: str, name: str, num_rows: int | None = None, *,

@@ -1,7 +1,6 @@
 """Reads a packed directory back and proves it lossless against its inputs; reads single rows.
 
-`verify(output_dir, inputs)` re-reads the inputs (the way the manifest says they were read) and
-checks, shard by shard:
+`verify(output_dir, inputs)` re-reads the inputs (as the manifest says they were read), checks:
 
     0. every shard's size and sha256 match the manifest (which matches its own digest);
     1. each input's fingerprint and the example lengths match the manifest;
@@ -337,8 +336,7 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
                                             [s.loss_counts for s in scans])
             for problem in problems:
                 out.add(problem)
-            offsets = np.zeros(lengths.size + 1, np.int64)
-            np.cumsum(lengths, out=offsets[1:])
+            offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
             np.save(os.path.join(spill_dir, "offsets.npy"), offsets)
             del offsets, scans
             context = save_context(spill_dir, _VerifyContext(
@@ -378,12 +376,14 @@ def _check_tokenizer(manifest: Manifest, out: _Collector) -> None:
 
 def _check_inputs(paths: Sequence[str], files: list[dict], lengths: np.ndarray,
                   manifest: Manifest, out: _Collector) -> None:
-    """Each input's fingerprint and the example lengths against the manifest's."""
+    """Each input's fingerprint (a Megatron .bin's with its .idx, the companion) and the
+    example lengths against the manifest's."""
     for i, (path, info, rec) in enumerate(zip(paths, files, manifest.inputs["files"])):
-        for key in ("size", "sha256"):
-            if info[key] != rec.get(key):
-                out.add(f"input {i} ({path}): {key} {info[key]} differs from the packed "
-                        f"input's {rec[key]} ({rec['path']})")
+        for got, was in ((info, rec), (info.get("companion"), rec.get("companion") or {})):
+            for key in ("size", "sha256") if got else ():
+                if got[key] != was.get(key):
+                    out.add(f"input {i} ({path}): {key} {got[key]} of {got['path']} differs "
+                            f"from the packed input's {was.get(key)} ({was.get('path')})")
     if combined_lengths_sha256(files) != manifest.inputs["lengths_sha256"]:
         out.add(f"the inputs' {lengths.size} example lengths differ from the packed inputs' "
                 f"{manifest.inputs['num_examples']}")
@@ -411,8 +411,8 @@ def _check_results(checks: list[_ShardCheck], lengths: np.ndarray, manifest: Man
     pieces = [c.pieces for c in checks if c.pieces is not None]
     if pieces:
         ex, st, ln = (np.concatenate(x) for x in zip(*pieces))
-        _check_coverage(ex, st, ln, lengths, config, Counters(**recorded["counters"]), out,
-                        times)
+        counters = Counters(**recorded["counters"])
+        _check_coverage(ex, st, ln, lengths, config, counters, out, times)
     used = sum((c.used_hist for c in checks if c.used_hist is not None),
                np.zeros(config.seq_len + 1, np.int64))
     nseg = sum((c.nseg_hist for c in checks if c.nseg_hist is not None),

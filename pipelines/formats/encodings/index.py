@@ -30,7 +30,8 @@ from seqpack.packer import Counters, PackPlan, Strategy
 from seqpack.packer.plan import order_pieces
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
-from seqpack.pipelines.formats import arrayrecord, parquet
+from seqpack.pipelines.formats import arrayrecord, arrays, parquet
+from seqpack.pipelines.formats.detect import ARRAYS
 from seqpack.pipelines.formats.encodings.base import (
     Encoding,
     Layout,
@@ -39,7 +40,7 @@ from seqpack.pipelines.formats.encodings.base import (
     shard_batch,
 )
 
-RANDOM_ACCESS = ("parquet", "arrow", "arrayrecord")  # input formats read at random
+RANDOM_ACCESS = ("parquet", "arrow", "arrayrecord", *ARRAYS)  # input formats read at random
 _COLUMNS = ("example", "start", "length", "row")
 # Decoded Parquet row groups a process keeps, all inputs together (least recently used out)
 CACHE_BYTES = int(os.environ.get("SEQPACK_INDEX_CACHE_MB", "256")) << 20
@@ -175,7 +176,8 @@ class InputReader:
     its files back to back). Made, it checks every local input's size and modification stamp
     against the manifest's, and again as it opens one (a changed input is refused, never read
     as other tokens); Parquet is read by row group and Arrow IPC by record batch (a few
-    decoded ones kept), ArrayRecord by record; a URL is read from a local copy."""
+    decoded ones kept), ArrayRecord by record, token arrays (.npz, .npy, Megatron .bin/.idx)
+    memory-mapped; a URL is read from a local copy."""
 
     def __init__(self, inputs: Mapping[str, Any]):
         self.files = list(inputs["files"])
@@ -215,7 +217,9 @@ class InputReader:
 
 def check_stamp(entry: Mapping[str, Any]) -> None:
     """InputError naming the input when it is gone or its size or modification stamp differ
-    from the manifest's entry."""
+    from the manifest's entry (and its companion's: a Megatron .bin's .idx)."""
+    if "companion" in entry:
+        check_stamp(entry["companion"])
     path = entry["path"]
     try:
         st = os.stat(path)
@@ -234,17 +238,32 @@ def _open_input(entry: Mapping[str, Any], column: str, extra: tuple[str, ...]) -
     fmt, path = entry.get("format"), entry["path"]
     if fmt not in RANDOM_ACCESS:
         raise _not_random(path, fmt)
+    pair = None
     if storage.is_url(path):  # a local copy (cached once), checked by its size
-        local = storage.cached_copy(path)
-        if os.path.getsize(local) != int(entry["size"]):
-            raise InputError(f"{path}: changed since it was packed by reference (its size "
-                             "differs from the manifest's): pack again, or restore the input")
+        local = _cached(entry)
+        if "companion" in entry:
+            other = _cached(entry["companion"])
+            pair = (local, other) if os.path.splitext(path)[1].lower() == ".bin" else \
+                (other, local)
     else:
         check_stamp(entry)
         local = path
     with storage.named(local, path):
-        return _Records(local, column, extra) if fmt == "arrayrecord" else \
-            _Groups(local, fmt, column, extra)
+        if fmt == "arrayrecord":
+            return _Records(local, column, extra)
+        if fmt in ARRAYS:
+            return arrays.TokenArrays(local, fmt, column, extra, pair=pair)
+        return _Groups(local, fmt, column, extra)
+
+
+def _cached(entry: Mapping[str, Any]) -> str:
+    """A cached local copy of the object of a manifest entry, checked by its size."""
+    path = entry["path"]
+    local = storage.cached_copy(path)
+    if os.path.getsize(local) != int(entry["size"]):
+        raise InputError(f"{path}: changed since it was packed by reference (its size "
+                         "differs from the manifest's): pack again, or restore the input")
+    return local
 
 
 def _not_random(path: str, fmt: Any) -> InputError:

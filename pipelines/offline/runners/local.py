@@ -15,6 +15,10 @@ from there. Memory is bounded by the number of examples, not tokens:
 4. write: shard by shard, in parallel: `core.shard_plan`, the shard's pieces gathered from the
    spill straight into its rows, `core.write_shard`; then `core.finish_job`.
 
+Rows stored by reference (`--format index`) with no extra columns skip the spill and the
+gather: pass 1 reads the inputs for their lengths, fingerprints and dtypes only, and a shard is
+its plan.
+
 This process holds the lengths (4 bytes an example) and the placed pieces (16 bytes a piece)
 and hands out one shard at a time to each worker; a worker holds one input chunk or one
 shard's rows. The bytes are the same for any number of workers, the same as
@@ -128,12 +132,14 @@ class _RunContext:
     options: WriteOptions
     runs: list[Run]  # the spill, inputs back to back
     column_runs: dict[str, list[Run]]  # each extra column's spill, at the tokens' positions
+    spilled: bool = True  # False: rows by reference with no extra columns, no spill
 
 
 def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
          progress: Progress | None) -> Manifest:
-    read = read_inputs(job.inputs, job.read_options, spill_dir, pool, progress,
-                       loss_columns=job.mix_loss_columns)
+    spill = not (job.write_options.encoding.by_reference and not job.read_options.extra_columns)
+    read = read_inputs(job.inputs, job.read_options, spill_dir if spill else None, pool,
+                       progress, loss_columns=job.mix_loss_columns)
     scans, runs, column_runs = read.scans, read.runs, read.column_runs
     del read
     files, lengths = _corpus(job, scans)
@@ -150,7 +156,7 @@ def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
     starts = ExampleStarts.of(lengths)
     del lengths
     context = _RunContext(out.location, out.staging(), summary, job.config, job.write_options,
-                          runs, column_runs)
+                          runs, column_runs, spill)
     written = write_shards(table, starts, context, pool, save_context(spill_dir, context),
                            resume=job.resume, progress=progress)
     return core.finish_job(written, summary, out)
@@ -236,7 +242,8 @@ def _write_task(context_path: str, task: _ShardTask) -> Written:
         reader.read_into(values, dst, task.src, p.length)
         return values.reshape(R, L)
 
-    values = gather(spill, summary.row_dtype, config.pad_id)
+    # rows by reference with no extra columns: nothing spilled, nothing to gather
+    values = gather(spill, summary.row_dtype, config.pad_id) if context.spilled else None
     columns = {c["name"]: gather(column_spills[c["name"]], c["dtype"], c["pad"])
                for c in summary.intent.columns or []}
     out = OutputDir(context.output_dir, stage=context.stage)

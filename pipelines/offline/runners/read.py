@@ -8,7 +8,8 @@ time) by one worker process, which appends its tokens to raw spill files in `spi
 (`runners.spill`), and each extra column's values (`ReadOptions.extra_columns`: labels, masks)
 to spill files of their own, at the same positions as the tokens; the scans come back in input
 order, so the lengths and the spill are the same for any number of workers. Memory in this
-process: the lengths (8 bytes an example).
+process: the lengths (8 bytes an example). Rows stored by reference with no extra columns
+(`--format index`) need no spill (spill_dir=None): the tokens are read, checked and dropped.
 
     scan_lengths(paths, options, workers)  ->  each input's example lengths
 
@@ -138,12 +139,17 @@ class Pass1:
     column_runs: dict[str, list[Run]]  # each extra column's values, at the tokens' positions
 
 
-def _read_input(index: int, path: str, fmt: str, options: ReadOptions, spill_dir: str,
+def _read_input(index: int, path: str, fmt: str, options: ReadOptions, spill_dir: str | None,
                 loss_columns: dict[str, str] | None = None
                 ) -> tuple[FileScan, list[Run], dict[str, list[Run]]]:
-    """Pass 1 for one input: scans it, its tokens (and extra columns) to the spill
-    (`loss_columns`: count each example's loss tokens too)."""
+    """Pass 1 for one input: scans it, its tokens (and extra columns) to the spill, or nowhere
+    without `spill_dir` (`loss_columns`: count each example's loss tokens too)."""
     tokenizer = _tokenizer(options.tokenizer) if options.tokenizer else None
+    if spill_dir is None:
+        try:
+            return scan_file(path, fmt, options, tokenizer, loss_columns=loss_columns), [], {}
+        finally:
+            _release_arrow_memory()
     sink = SpillWriter(spill_dir, f"in-{index:06d}")
     columns = {name: SpillWriter(spill_dir, f"in-{index:06d}-c{j}", signed=True)
                for j, name in enumerate(options.extra_columns)}
@@ -169,11 +175,12 @@ def _release_arrow_memory() -> None:
         pa.default_memory_pool().release_unused()
 
 
-def read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str, workers: Workers,
-                progress: Progress | None = None, *, loss_columns: dict[str, str] | None = None
-                ) -> Pass1:
-    """Every input scanned (in parallel), its tokens spilled; scans and runs in input order
-    (`loss_columns`: each scan counts its examples' loss tokens, `FileScan.loss_counts`)."""
+def read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str | None,
+                workers: Workers, progress: Progress | None = None, *,
+                loss_columns: dict[str, str] | None = None) -> Pass1:
+    """Every input scanned (in parallel), its tokens spilled (spill_dir=None: its tokens read,
+    checked and dropped, no runs); scans and runs in input order (`loss_columns`: each scan
+    counts its examples' loss tokens, `FileScan.loss_counts`)."""
     if not paths:
         raise InputError("no input files given")
     sizes = [storage.size(os.fspath(p)) for p in paths]  # InputError naming a missing input
