@@ -19,7 +19,14 @@ from seqpack.pipelines.datasets import Batching, PackedSource, make_training_pip
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.manifest import file_digest, signed
 from seqpack.pipelines.offline.shards import read_shard
-from tests.helpers.files import invoke, random_seqs, write_arrayrecord, write_jsonl, write_parquet
+from tests.helpers.files import (
+    dir_bytes,
+    invoke,
+    random_seqs,
+    write_arrayrecord,
+    write_jsonl,
+    write_parquet,
+)
 
 pytest.importorskip("array_record.python.array_record_module")
 
@@ -171,3 +178,42 @@ def test_verify_refuses_an_edited_reference(tmp_path, inputs):
     assert result.exit_code == 1, result.output
     assert "a piece starts at token 1 where the pieces before it end elsewhere" in result.output
     assert "tokens are not in any row" in result.output
+
+
+def test_a_resumed_index_run_keeps_its_shards_and_writes_the_same_bytes(tmp_path, inputs):
+    """The last shard gone from a complete run: --resume keeps the others (their loss tokens
+    counted from the plan, without reading the inputs) and the output is byte for byte the
+    uninterrupted run's."""
+    args = ["--seq-len", 64, "--overflow", "split", "--shard-rows", 8, "--format", "index"]
+    invoke("pack", *inputs, "-o", tmp_path / "whole", *args)
+    out = tmp_path / "out"
+    shutil.copytree(tmp_path / "whole", out)
+    names = json.loads((out / "manifest.json").read_text())["shards"]
+    os.remove(out / names[-1])
+    kept = {n: os.stat(out / n).st_mtime_ns for n in names[:-1]}
+    invoke("pack", *inputs, "-o", out, *args, "--resume")
+    assert dir_bytes(out) == dir_bytes(tmp_path / "whole")
+    assert {n: os.stat(out / n).st_mtime_ns for n in kept} == kept
+
+
+def test_parquet_groups_kept_on_disk_read_as_the_copy(tmp_path, inputs, monkeypatch):
+    """SEQPACK_INDEX_DISK_CACHE: each decoded Parquet row group is written once (keyed by the
+    input's sha256) and mapped from then on: the rows are the copy's, and a reader made later
+    maps the groups without decoding one."""
+    from seqpack.pipelines.formats.parquet import ParquetTokens
+
+    cache = tmp_path / "groups"
+    monkeypatch.setenv("SEQPACK_INDEX_DISK_CACHE", str(cache))
+    args = ["--seq-len", 64, "--overflow", "split", "--shard-rows", 16]
+    invoke("pack", inputs[0], "-o", tmp_path / "rows", *args)
+    invoke("pack", inputs[0], "-o", tmp_path / "index", *args, "--format", "index")
+    _same(_rows(tmp_path / "rows"), _rows(tmp_path / "index"))
+    sha = json.loads((tmp_path / "index" / "manifest.json").read_text())["inputs"]["files"][0]
+    files = sorted(os.listdir(cache / sha["sha256"]))
+    assert files and all(f.endswith(".npz") for f in files), files
+
+    def no_decode(self, g):
+        raise AssertionError(f"row group {g} decoded again")
+
+    monkeypatch.setattr(ParquetTokens, "read_group", no_decode)
+    _same(_rows(tmp_path / "rows"), _rows(tmp_path / "index"))

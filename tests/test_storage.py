@@ -26,6 +26,7 @@ from tests.helpers.files import (
     random_seqs,
     run_cli,
     write_jsonl,
+    write_megatron,
     write_parquet,
 )
 
@@ -350,7 +351,11 @@ def test_an_index_of_url_inputs_in_object_storage_reads_as_the_copy(store, input
     from seqpack.pipelines.datasets import PackedSource
 
     base = store.upload(os.path.dirname(inputs[0]), store.url("in"))
-    urls = [base + "/a.parquet", base + "/b.parquet"]
+    mega = write_megatron(tmp_path / "m", random_seqs(40, max_len=50, seed=9))
+    for name in ("m.bin", "m.idx"):  # a Megatron pair, named by its .idx
+        store.upload(tmp_path / name, base + "/" + name)
+    urls = [base + "/a.parquet", base + "/b.parquet", base + "/m.idx"]
+    assert os.path.isfile(mega)
     args = ["--seq-len", 64, "--max-segments", 8, "--overflow", "split", "--shard-rows", 10]
     for fmt in ("arrayrecord", "index"):
         done = run_cli("pack", *urls, "-o", store.url(fmt), *args, "--format", fmt)

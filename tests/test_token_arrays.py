@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 
 import numpy as np
 import pytest
@@ -18,26 +17,7 @@ from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.arrays import TokenArrays
 from seqpack.pipelines.formats.inputs import ReadOptions, expand_inputs, read_corpus
 from seqpack.pipelines.offline.shards import read_shard
-from tests.helpers.files import invoke, random_seqs, write_jsonl
-
-
-def write_megatron(prefix, seqs, dtype=np.uint16) -> str:
-    """A Megatron-LM indexed dataset as its `_IndexWriter` writes one (one document a
-    sequence); returns the .bin's path."""
-    dtype = np.dtype(dtype)
-    code = {np.dtype(np.uint8): 1, np.dtype(np.int32): 4, np.dtype(np.int64): 5,
-            np.dtype(np.uint16): 8, np.dtype(np.float32): 7}[dtype]
-    sizes = np.array([len(s) for s in seqs], np.int32)
-    pointers = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64) * dtype.itemsize
-    docs = np.arange(len(seqs) + 1, dtype=np.int64)
-    with open(f"{prefix}.bin", "wb") as f:
-        for s in seqs:
-            f.write(np.asarray(s, dtype).tobytes())
-    with open(f"{prefix}.idx", "wb") as f:
-        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", code))
-        f.write(struct.pack("<Q", len(seqs)) + struct.pack("<Q", docs.size))
-        f.write(sizes.tobytes() + pointers.tobytes() + docs.tobytes())
-    return f"{prefix}.bin"
+from tests.helpers.files import invoke, random_seqs, write_jsonl, write_megatron
 
 
 def write_npz(path, seqs, *, compressed=False, lengths=False, **columns) -> str:
@@ -74,7 +54,7 @@ def test_arrays_read_as_the_same_examples(tmp_path, kind):
         assert expand_inputs([str(tmp_path / "d_text_document")]) == [path]  # the prefix
     else:
         arr = TokenArrays(path, "npz")
-        assert isinstance(arr.values, np.memmap) == (kind != "npz_compressed")
+        assert isinstance(arr.values.base, np.memmap) == (kind != "npz_compressed")  # mapped
 
 
 def test_npz_extra_columns_and_npy(tmp_path):

@@ -118,6 +118,8 @@ class TokenArrays:
         copies of objects)."""
         self.path, self.fmt, self.column, self.pair = path, fmt, column, pair
         self.aligned: dict[str, np.ndarray] = {}
+        self.values: np.ndarray
+        self.offsets: np.ndarray
         names = tuple(aligned_columns)
         if fmt == "megatron":
             self._megatron(names)
@@ -129,6 +131,10 @@ class TokenArrays:
             raise ValueError(f"not a token-array format: {fmt!r}")
         if self.values.dtype.kind not in "iu":
             raise InputError(f"{self.path}: the token ids are {self.values.dtype}, not integers")
+        # plain views of the mapping (the memmap stays their base): slicing a memmap subclass
+        # costs more than reading a short example
+        self.values = self.values.view(np.ndarray)
+        self.aligned = {n: v.view(np.ndarray) for n, v in self.aligned.items()}
 
     def __getstate__(self) -> dict[str, Any]:
         return {"path": self.path, "fmt": self.fmt, "column": self.column,
@@ -149,7 +155,8 @@ class TokenArrays:
         self._no_columns(names, "a Megatron indexed dataset")
         for p in (bin_path, idx_path):
             if not os.path.isfile(p):
-                raise InputError(f"{self.path}: a Megatron indexed dataset needs {p} beside it")
+                raise InputError(f"{self.path}: a Megatron indexed dataset needs {p} beside it "
+                                 "(a .bin of other bytes: pass input_format='bytes')")
         dtype, sizes, pointers = read_megatron_index(idx_path)
         itemsize = dtype.itemsize
         offsets = np.zeros(sizes.size + 1, np.int64)

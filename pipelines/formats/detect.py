@@ -7,7 +7,7 @@ Names (case-insensitive; a compression suffix ``.gz`` / ``.zst`` / ``.zstd`` is 
     .arrow                        arrow (Arrow IPC: HF datasets' save_to_disk shards)
     .arrayrecord .array_record    arrayrecord (also sharded: x.array_record-00000-of-00008)
     .npz / .npy                   npz / npy (token arrays, `formats.arrays`)
-    .bin .idx                     megatron (Megatron-LM's indexed dataset: the pair)
+    .idx, .bin beside an .idx     megatron (Megatron-LM's indexed dataset: the pair)
     .txt                          text
 
 Content, where the name does not say (first 64 bytes; a compressed file's decompressed head)::
@@ -48,7 +48,7 @@ _BY_EXTENSION = {
     ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet",
     ".arrow": "arrow",
     ".arrayrecord": "arrayrecord", ".array_record": "arrayrecord", ".txt": "text",
-    ".npz": "npz", ".npy": "npy", ".bin": "megatron", ".idx": "megatron",
+    ".npz": "npz", ".npy": "npy", ".idx": "megatron",
 }
 _COMPRESSED_EXTENSIONS = (".gz", ".zst", ".zstd")
 _SHARDED = re.compile(r"(\.[a-z_]+)-\d+-of-\d+$")  # TFDS / Beam shard names
@@ -81,6 +81,10 @@ def format_by_name(path: str) -> str | None:
             break
     m = _SHARDED.search(name)
     ext = m.group(1) if m else os.path.splitext(name)[1]
+    if ext == ".bin":  # a Megatron dataset's tokens only beside its index (local paths)
+        local = "://" not in os.fspath(path)
+        return "megatron" if local and os.path.isfile(os.path.splitext(path)[0] + ".idx") \
+            else None
     return _BY_EXTENSION.get(ext)
 
 

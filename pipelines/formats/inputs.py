@@ -143,17 +143,18 @@ def fingerprint(path: str) -> dict:
 
 
 @contextlib.contextmanager
-def local_input(path: str) -> Iterator[str]:
+def local_input(path: str, fmt: str | None = None) -> Iterator[str]:
     """A local file to read `path` from: the path itself, or a URL's temporary download
-    (removed on exit). InputError if it is missing; an InputError raised while reading the
-    download names the URL, not the temporary file."""
+    (removed on exit; a Megatron dataset's, `fmt` "megatron", beside its other file).
+    InputError if it is missing; an InputError raised while reading the download names the URL,
+    not the temporary file."""
     if not storage.is_url(path):
         if not os.path.isfile(path):
             what = "a directory; pass its files" if os.path.isdir(path) else "no such file"
             raise InputError(f"{path}: {what}")
         yield path
         return
-    if format_by_name(path) == "megatron":  # the pair, side by side
+    if (fmt or format_by_name(path)) == "megatron":  # the pair, side by side
         with storage.local_copies(arrays.megatron_pair(path)) as pair, \
                 storage.named(os.path.dirname(pair[0]), path.rsplit("/", 1)[0]):
             yield pair[os.path.splitext(path)[1].lower() == ".idx"]
@@ -285,7 +286,7 @@ def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
     if column_sinks is not None and set(column_sinks) != set(options.extra_columns):
         raise ValueError(f"column_sinks={sorted(column_sinks)} must have one sink per extra "
                          f"column {list(options.extra_columns)}")
-    with local_input(path) as local:
+    with local_input(path, fmt) as local:
         fmt = resolve_format(local, fmt, name=path)
         counts: list[np.ndarray] | None = None if loss_columns is None else []
         chunks = file_chunks(local, fmt, options, tokenizer)

@@ -176,10 +176,9 @@ def _choose(where: str, paths: list[str], input_format: str | None) -> list[str]
     `input_format` says which to read."""
     formats = {p: format_by_name(p) for p in paths}
     listed = set(paths)
-    for p, f in formats.items():  # a .bin is a Megatron dataset beside its .idx only
-        if f == "megatron" and p.lower().endswith(".bin") and \
-                os.path.splitext(p)[0] + ".idx" not in listed:
-            formats[p] = None
+    for p in paths:  # a .bin beside its .idx: a Megatron dataset (by its .bin, one input)
+        if p.lower().endswith(".bin") and os.path.splitext(p)[0] + ".idx" in listed:
+            formats[p] = "megatron"
     for p, f in formats.items():
         if f is None:
             log.warning("%s: left out: no known input format by its name (.jsonl, .parquet, "

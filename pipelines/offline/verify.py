@@ -376,10 +376,10 @@ def _check_tokenizer(manifest: Manifest, out: _Collector) -> None:
 
 def _check_inputs(paths: Sequence[str], files: list[dict], lengths: np.ndarray,
                   manifest: Manifest, out: _Collector) -> None:
-    """Each input's fingerprint (a Megatron .bin's with its .idx, the companion) and the
-    example lengths against the manifest's."""
+    """Each input's fingerprint (a Megatron .bin's .idx too) and lengths against the manifest."""
     for i, (path, info, rec) in enumerate(zip(paths, files, manifest.inputs["files"])):
-        for got, was in ((info, rec), (info.get("companion"), rec.get("companion") or {})):
+        pair: dict = info.get("companion") or {}
+        for got, was in ((info, rec), (pair, rec.get("companion") or {})):
             for key in ("size", "sha256") if got else ():
                 if got[key] != was.get(key):
                     out.add(f"input {i} ({path}): {key} {got[key]} of {got['path']} differs "

@@ -1,10 +1,12 @@
-"""Input files for the CLI tests: JSONL, Parquet, ArrayRecord, text and a tiny tokenizer.json."""
+"""Input files for the CLI tests: JSONL, Parquet, ArrayRecord, Megatron .bin/.idx, text and a
+tiny tokenizer.json."""
 
 from __future__ import annotations
 
 import json
 import os
 import pathlib
+import struct
 import subprocess
 import sys
 
@@ -133,3 +135,21 @@ def invoke(*args, ok: bool = True):
         assert result.exit_code == 0, (result.output, result.exception)
     return result
 
+
+def write_megatron(prefix, seqs, dtype=np.uint16) -> str:
+    """A Megatron-LM indexed dataset as its `_IndexWriter` writes one (one document a
+    sequence); returns the .bin's path."""
+    dtype = np.dtype(dtype)
+    code = {np.dtype(np.uint8): 1, np.dtype(np.int32): 4, np.dtype(np.int64): 5,
+            np.dtype(np.uint16): 8, np.dtype(np.float32): 7}[dtype]
+    sizes = np.array([len(s) for s in seqs], np.int32)
+    pointers = np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64) * dtype.itemsize
+    docs = np.arange(len(seqs) + 1, dtype=np.int64)
+    with open(f"{prefix}.bin", "wb") as f:
+        for s in seqs:
+            f.write(np.asarray(s, dtype).tobytes())
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", code))
+        f.write(struct.pack("<Q", len(seqs)) + struct.pack("<Q", docs.size))
+        f.write(sizes.tobytes() + pointers.tobytes() + docs.tobytes())
+    return f"{prefix}.bin"

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import secrets
 import zipfile
 from collections.abc import Mapping
 from typing import Any
@@ -31,6 +32,7 @@ from seqpack.packer.plan import order_pieces
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats import arrayrecord, arrays, parquet
+from seqpack.pipelines.formats.chunks import Chunk
 from seqpack.pipelines.formats.detect import ARRAYS
 from seqpack.pipelines.formats.encodings.base import (
     Encoding,
@@ -253,7 +255,7 @@ def _open_input(entry: Mapping[str, Any], column: str, extra: tuple[str, ...]) -
             return _Records(local, column, extra)
         if fmt in ARRAYS:
             return arrays.TokenArrays(local, fmt, column, extra, pair=pair)
-        return _Groups(local, fmt, column, extra)
+        return _Groups(local, fmt, column, extra, entry.get("sha256", ""))
 
 
 def _cached(entry: Mapping[str, Any]) -> str:
@@ -310,23 +312,69 @@ class _GroupCache:
 _CACHE = _GroupCache()
 
 
+def disk_cache_dir() -> str | None:
+    """Where decoded Parquet row groups are kept on local disk (`SEQPACK_INDEX_DISK_CACHE`: a
+    directory, or "1" for the cache directory's ``index-groups``), or None: in memory only."""
+    where = os.environ.get("SEQPACK_INDEX_DISK_CACHE", "")
+    if where in ("", "0"):
+        return None
+    return os.path.join(storage.cache_root(), "index-groups") if where == "1" else where
+
+
 class _Groups:
-    def __init__(self, path: str, fmt: str, column: str, extra: tuple[str, ...]):
+    """A Parquet input's row groups (decoded into `_CACHE`; with a disk cache, decoded once
+    into an uncompressed .npz there, keyed by the input's sha256, and mapped by every process),
+    or an Arrow input's record batches (views of its memory map, each checked once and kept)."""
+
+    def __init__(self, path: str, fmt: str, column: str, extra: tuple[str, ...],
+                 sha256: str = ""):
+        self.mapped: dict[int, Any] | None = None
+        self.disk = None if fmt == "arrow" or not disk_cache_dir() else \
+            os.path.join(str(disk_cache_dir()), sha256 or "unknown")
         if fmt == "arrow":
             arrow = parquet.ArrowTokens(path, column, aligned_columns=extra)
             arrow.open_groups()
             self.file: parquet.ParquetTokens = arrow
         else:
             self.file = parquet.ParquetTokens(path, column, aligned_columns=extra)
+        if fmt == "arrow" or self.disk:
+            self.mapped = {}
         self.cum = np.concatenate(([0], np.cumsum(self.file.group_rows))).astype(np.int64)
         self.extra = extra
 
     def examples(self, index: np.ndarray) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
         return [self.example(i) for i in index.tolist()]
 
+    def _group(self, g: int) -> Any:
+        if self.mapped is None:
+            return _CACHE.get((self.file.path, g), lambda: self.file.read_group(g))
+        chunk = self.mapped.get(g)
+        if chunk is None:
+            chunk = self.mapped[g] = self._on_disk(g) if self.disk else self.file.read_group(g)
+        return chunk
+
+    def _on_disk(self, g: int) -> Chunk:
+        """Row group g mapped from the disk cache, decoded and written there first if absent
+        (a temporary name, then a rename: a process never maps a partial file)."""
+        assert self.disk is not None
+        path = os.path.join(self.disk, f"{g}.npz")
+        names = [f"extra_{j}" for j in range(len(self.extra))]
+        if not os.path.exists(path):
+            chunk = self.file.read_group(g)
+            lo, hi = int(chunk.offsets[0]), int(chunk.offsets[-1])
+            os.makedirs(self.disk, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+            with open(tmp, "wb") as f:
+                np.savez(f, values=chunk.values[lo:hi], offsets=chunk.offsets - lo,
+                         **{k: chunk.extra_values[n][lo:hi] for k, n in zip(names, self.extra)})
+            os.replace(tmp, path)
+        held = arrays.TokenArrays(path, "npz", "values", names)
+        return Chunk(held.values, held.offsets, 0,
+                     extra_values={n: held.aligned[k] for k, n in zip(names, self.extra)})
+
     def example(self, i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         g = int(np.searchsorted(self.cum, i, side="right")) - 1
-        chunk = _CACHE.get((self.file.path, g), lambda: self.file.read_group(g))
+        chunk = self._group(g)
         j = i - int(self.cum[g])
         a, b = int(chunk.offsets[j]), int(chunk.offsets[j + 1])
         return chunk.values[a:b], {n: chunk.extra_values[n][a:b] for n in self.extra}
