@@ -185,7 +185,8 @@ def _upload(paths: list[str], url: str) -> list[str]:
     for p in paths:
         for q in ([p, p[:-4] + ".idx"] if p.endswith(".bin") else [p]):
             fs.put_file(q, f"{root}/{pathlib.Path(q).name}")
-        out.append(f"{url}/{pathlib.Path(p).name}")
+        name = pathlib.Path(p).name  # a Megatron pair by its .idx: a .bin URL names no format
+        out.append(f"{url}/{name[:-4] + '.idx' if name.endswith('.bin') else name}")
     return out
 
 

@@ -50,7 +50,7 @@ from benchmarks.kernels_bench import MIB, Sizes, make_inputs, time_call
 from benchmarks.profile import profile_ops
 from seqpack import kernels
 from seqpack.kernels import reference
-from seqpack.kernels.fused import in_forward
+from seqpack.kernels.fused import free_device_bytes, reported_free_bytes
 
 PRESETS = {  # name -> (N tokens, H, V): the issue's sizes
     "16k": (16384, 4096, 128256),
@@ -173,12 +173,12 @@ def loss_head_fns(n: int, vocab: int, dtype, chunks=(), tiling_chunk: int = TILI
         note = TraceNote()
 
         def f(h, w, t, o, n):
-            # what the call chooses, as it chooses: at trace time, from the free memory then
-            chosen, chunk = in_forward.choose(in_forward.LossHeadMode(mode),
-                                              h.shape[0] * h.shape[1], vocab, max_logits_bytes,
-                                              jnp.dtype(logits_dtype or h.dtype).itemsize)
-            note.text = (f"chunked C={chunk}" if chosen is in_forward.LossHeadMode.CHUNKED
-                         else chosen.value)
+            # the call's plan, taken as the call takes it: at trace time, from the free memory
+            plan = kernels.loss_head_plan(h.shape[0] * h.shape[1], w.shape[1], mode=mode,
+                                          max_logits_bytes=max_logits_bytes,
+                                          logits_dtype=logits_dtype or h.dtype)
+            note.text = (f"chunked C={plan.chunk_tokens}"
+                         if plan.mode is kernels.LossHeadMode.CHUNKED else plan.mode.value)
             return kernels.segment_linear_cross_entropy(
                 h, w, t, o, n, mode=mode, max_logits_bytes=max_logits_bytes,
                 logits_dtype=logits_dtype, weight_grad_dtype=weight_grad_dtype, **seqpack_kw)[0]
@@ -225,7 +225,7 @@ def _exhausted(error: Exception) -> bool:
 
 
 def least_free_bytes(call: Callable[[], Any], step: int = 64 * MIB,
-                     free: Callable[[], int | None] = in_forward.reported_free_bytes,
+                     free: Callable[[], int | None] = reported_free_bytes,
                      allocate: Callable[[int], Any] = lambda size: jnp.zeros(size // 4, jnp.int32)
                      ) -> int | None:
     """The least free device memory `call` runs in, within `step`: a bisection on the size of a
@@ -266,7 +266,7 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
             jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
             jax.ShapeDtypeStruct((batch, args.segments), jnp.int32),
             jax.ShapeDtypeStruct((batch, args.segments), jnp.int32))
-    free = in_forward.free_device_bytes()
+    free = free_device_bytes()
     weight_note = "" if weight_dtype == dtype else f" (weight {weight_dtype.name})"
     print(f"\nloss head: N={n} H={dim} V={vocab} {dtype.name}{weight_note}  "
           f"backend={jax.default_backend()}  "

@@ -1,6 +1,7 @@
 """Pallas kernels (TPU, GPU) over packed rows: per-segment reduce, gather, broadcast, cross-entropy,
 the fused loss head (`segment_linear_cross_entropy`: the output projection inside the loss, no
-logits), and segment attention (`segment_attention`: only the blocks its segments need).
+logits; `loss_head_plan`: the mode and chunk it runs for a size and budget), and segment
+attention (`segment_attention`: only the blocks its segments need).
 
 All functions take the packed-row metadata (docs/contract.md), `segment_offsets` / `segment_lengths`
 i32[B, S], and treat every segment as its own example (padding and empty slots excluded). A slot is
@@ -15,10 +16,12 @@ metadata values before jit.
 Files: per op a public module with checks, dispatch and the custom VJP (segment_ops.py, gather.py,
 cross_entropy.py, attention.py; the fused loss head's in the wing fused/, with its XLA path);
 its kernels live in two wings, tpu/<op>.py (Mosaic, plus tpu/attention_bwd.py) and gpu/<op>.py
-(Triton), which import only the shared modules, never each other: common.py (dispatch, block
-sizes, masks, launch), attention_schedule.py (the attention block schedule), metadata.py (the row
-metadata in each family's layout), checks.py (input checks); reference.py holds the pure-jnp
-references.
+(Triton), which import only the shared modules, never each other: common.py (the family
+registry, block sizes, launch), attention_schedule.py (the attention block schedule and its
+family protocol), metadata.py (the row metadata in each family's layout), checks.py (input
+checks); reference.py holds the pure-jnp references. Each wing's family.py holds its kernel
+families (target, block sizes, calls); attention.py, segment_ops.py and fused/families.py list
+them in a `common.Registry` (FAMILIES), which `impl=` looks up.
 """
 
 try:
@@ -40,6 +43,8 @@ from seqpack.kernels.cross_entropy import CrossEntropyBlockSizes, segment_cross_
 from seqpack.kernels.fused import (
     LinearCrossEntropyBlockSizes,
     LossHeadMode,
+    LossHeadPlan,
+    loss_head_plan,
     segment_linear_cross_entropy,
 )
 from seqpack.kernels.gather import GatherBlockSizes, segment_gather
@@ -62,8 +67,10 @@ __all__ = [
     "Impl",
     "LinearCrossEntropyBlockSizes",
     "LossHeadMode",
+    "LossHeadPlan",
     "Normalize",
     "SegmentBlockSizes",
+    "loss_head_plan",
     "reference",
     "segment_attention",
     "segment_broadcast",

@@ -8,11 +8,17 @@ tokens of one segment (attention_schedule.py: the schedule, its worked example a
 where a masked kernel computes the whole causal triangle (how much is skipped on real rows:
 benchmarks/README.md).
 
-    TPU (Mosaic)   tpu/attention.py (forward), tpu/attention_bwd.py (dq, dk / dv): the schedule
-                   is scalar-prefetched; data-dependent index maps repeat the last block of a
-                   range (no copy) and `pl.when` skips the compute of the steps past it
-    GPU (Triton)   gpu/attention.py: the same schedule as loop bounds (`lax.fori_loop`)
-    reference      kernels/reference.py: dense and masked, on any backend
+    pallas_tpu   tpu/attention.py (forward), tpu/attention_bwd.py (dq, dk / dv): the schedule
+                 is scalar-prefetched; data-dependent index maps repeat the last block of a
+                 range (no copy) and `pl.when` skips the compute of the steps past it
+    pallas_gpu   gpu/attention.py: the same schedule as loop bounds (`lax.fori_loop`)
+    reference    kernels/reference.py: dense and masked, on any backend
+
+The kernel families are looked up in FAMILIES (a common.Registry of
+attention_schedule.AttentionFamily: each wing's family.py says its block sizes, whether it runs
+on the schedule, its logsumexp layout and its calls); `impl="auto"` takes the first of the
+current platform's families that can run here, else the reference. A new backend is one more
+wing with a family, listed in FAMILIES ahead of the one it should win over.
 
 Forward and backward are a `custom_vjp` (dq, dk, dv; no gradient for the metadata), flash
 attention style: an online softmax in f32 whatever the input dtype (bfloat16, float16, float32),
@@ -32,121 +38,38 @@ from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
 from seqpack.kernels import gpu, reference, ring, tpu
-from seqpack.kernels.attention_schedule import AttentionConfig, Schedule, make_schedule
-from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata
-from seqpack.kernels.common import (
-    LANES,
-    SMEM_METADATA_BUDGET_BYTES,
-    Impl,
-    Interpret,
-    check_multiple,
-    check_power_of_two,
-    next_power_of_two,
-    resolve,
-    round_up,
+from seqpack.kernels.attention_schedule import (
+    AttentionConfig,
+    AttentionFamily,
+    Schedule,
+    make_schedule,
 )
+from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata
+from seqpack.kernels.common import Impl, Interpret, Registry
 from seqpack.kernels.context_parallel import LAYOUTS
+from seqpack.kernels.gpu import GpuAttentionBlockSizes
+from seqpack.kernels.tpu import AttentionBlockSizes
+
+# auto's order within a platform: the first family that can run here is taken.
+FAMILIES: Registry[AttentionFamily] = Registry("segment_attention",
+                                              (tpu.ATTENTION, gpu.ATTENTION))
+Setup = tuple[Schedule | None, AttentionConfig, AttentionFamily]
 
 
-@dataclasses.dataclass(frozen=True)
-class AttentionBlockSizes:
-    """Block sizes of the TPU kernels: query and key rows per block, forward and backward.
-
-    Multiples of 128 (lanes: the (bq, bk) score tile and the (1, bq) logsumexp rows of the dk / dv
-    kernel). The defaults, 512 x 512 (a 1 MiB f32 score tile), are the fastest measured in a
-    training step on a TPU v5e (L = 8192, D = 128, chat data; the table: benchmarks/README.md
-    "On the chip"): each computed block pair costs a fixed grid step beside its matmuls, so
-    blocks larger than the segments still win, up to this size.
-
-    head_major (default): with `[B, L, H, D]` operands, the kernels read `[B, H, L, D]` (a
-    transpose XLA fuses into the neighbouring ops, as splash attention's callers do) instead of
-    folding heads into lanes (`[B, L, H * D]`, a free reshape that pins the operands' row-major
-    layout and made the rotary embedding's ops around it slower on the chip). Operands passed
-    `layout="bhld"` are read as is.
-
-    narrow_steps: the step axis of a grid is static, L / b, and steps past a range only cost the
-    grid loop (no copy, no compute), but L / b of them per block add up; when L / b is larger,
-    a second grid of `narrow_steps` steps is compiled and runs (`lax.cond`) whenever every range
-    of the batch fits it (8 blocks of 512 hold segments of ~3.5k tokens). None: the full grid
-    only.
-
-    lane_columns (default; the forward kernel): per-row values (running max and sum, the
-    query tokens' segment bounds, the key rows' liveness) held as (rows, 128) lane-replicated
-    tiles, as splash attention holds them, instead of (rows, 1) columns that every block pair
-    broadcasts across lanes: the forward 1.5x faster on the chip (benchmarks/README.md "On the
-    chip").
-
-    fused_bwd (default): the backward forms dq in the dk / dv kernel (5 block matmuls a
-    visited pair instead of 7, one exp pass instead of two), the group's dq resident in VMEM
-    over the whole row: the backward 1.65x faster on the chip. Where that dq does not fit its
-    share of VMEM (tpu/attention_bwd.py FUSED_VMEM_SHARE: on a v5e, 6 query heads a key head at
-    L = 8192, 1 at 32768), the dq and dk / dv kernels run apart.
-    """
-
-    block_q: int = 512
-    block_kv: int = 512
-    block_q_bwd: int = 512
-    block_kv_bwd: int = 512
-    narrow_steps: int | None = 8
-    head_major: bool = True
-    lane_columns: bool = True
-    fused_bwd: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
-            check_multiple(name, getattr(self, name), LANES, " (lanes)")
-        if self.narrow_steps is not None and self.narrow_steps < 1:
-            raise ValueError(f"narrow_steps={self.narrow_steps} must be >= 1 (or None)")
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _pallas_attention(q, k, v, sched: Schedule | None, cfg: AttentionConfig,
+                      family: AttentionFamily):
+    return family.forward(q, k, v, sched, cfg)[0]
 
 
-@dataclasses.dataclass(frozen=True)
-class GpuAttentionBlockSizes:
-    """Tile sizes of the Triton kernels: powers of two >= 16 (Triton's dot), plus launch options.
-
-    num_warps None: 4 for D <= 64, else 8 (jax's Pallas GPU attention does the same). Defaults are
-    chosen by register budget (a 64 x 64 f32 score tile and a 64 x D accumulator per program);
-    benchmarks/device_run.sh measures them (results: benchmarks/README.md).
-    """
-
-    block_q: int = 64
-    block_kv: int = 64
-    block_q_bwd: int = 64
-    block_kv_bwd: int = 64
-    num_warps: int | None = None
-    num_stages: int = 2
-
-    def __post_init__(self) -> None:
-        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
-            check_power_of_two(name, getattr(self, name), 16)
-        if self.num_warps is not None and self.num_warps < 1:
-            raise ValueError(f"num_warps={self.num_warps} must be >= 1 (or None)")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
-
-
-def _forward(q, k, v, sched: Schedule, cfg: AttentionConfig):
-    family = gpu if cfg.gpu is not None else tpu
-    return family.attention_forward(q, k, v, sched, cfg)
-
-
-def _backward(q, k, v, o, lse, do, sched: Schedule, cfg: AttentionConfig):
-    family = gpu if cfg.gpu is not None else tpu
-    return family.attention_backward(q, k, v, o, lse, do, sched, cfg)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _pallas_attention(q, k, v, sched: Schedule, cfg: AttentionConfig):
-    return _forward(q, k, v, sched, cfg)[0]
-
-
-def _pallas_attention_fwd(q, k, v, sched, cfg):
-    o, lse = _forward(q, k, v, sched, cfg)
+def _pallas_attention_fwd(q, k, v, sched, cfg, family):
+    o, lse = family.forward(q, k, v, sched, cfg)
     return o, (q, k, v, sched, o, lse)
 
 
-def _pallas_attention_bwd(cfg, residuals, do):
+def _pallas_attention_bwd(cfg, family, residuals, do):
     q, k, v, sched, o, lse = residuals
-    dq, dk, dv = _backward(q, k, v, o, lse, do, sched, cfg)
+    dq, dk, dv = family.backward(q, k, v, o, lse, do, sched, cfg)
     return dq, dk, dv, None
 
 
@@ -170,53 +93,32 @@ def _check(q, k, v, segment_offsets, segment_lengths) -> None:
     check_metadata(segment_offsets, segment_lengths, batch)
 
 
-def _check_smem(batch: int, cfg: AttentionConfig) -> None:
-    """The scalar-prefetched ranges (the dk / dv kernel's: 2 x (nq' + nk') i32 a row) fit SMEM."""
-    per_row = 4 * 2 * max(cfg.blocks(cfg.block_q),
-                          cfg.blocks(cfg.block_q_bwd) + cfg.blocks(cfg.block_kv_bwd))
-    if per_row * batch > SMEM_METADATA_BUDGET_BYTES:
-        raise ValueError(
-            f"B={batch} rows of L={cfg.seq_len} need {per_row * batch} bytes of block ranges in "
-            f"SMEM, over the {SMEM_METADATA_BUDGET_BYTES}-byte budget; pass larger block sizes, "
-            f"or call on chunks of at most {max(SMEM_METADATA_BUDGET_BYTES // per_row, 1)} rows")
-
-
-def _config(q, k, *, causal, scale, blocks, interpret, impl, count_visits,
+def _config(q, k, *, causal, scale, blocks, interpret, family: AttentionFamily, count_visits,
             operand="blhd") -> AttentionConfig:
-    _, seq_len, heads, dim = q.shape
-    if impl is Impl.PALLAS_GPU:
-        fit = lambda b: max(16, min(b, next_power_of_two(seq_len)))  # noqa: E731
-        warps = blocks.num_warps or (4 if dim <= 64 else 8)
-        gpu = (warps, blocks.num_stages)
-    else:
-        fit = lambda b: min(b, round_up(seq_len, LANES))  # noqa: E731
-        gpu = None
-    narrow = None if gpu is not None else blocks.narrow_steps
-    return AttentionConfig(
+    """The call's config, fitted by the family (which refuses a call it cannot run)."""
+    batch, seq_len, heads, dim = q.shape
+    cfg = AttentionConfig(
         seq_len=seq_len, heads=heads, kv_heads=k.shape[2], head_dim=dim, causal=causal,
-        scale=float(dim**-0.5 if scale is None else scale), block_q=fit(blocks.block_q),
-        block_kv=fit(blocks.block_kv), block_q_bwd=fit(blocks.block_q_bwd),
-        block_kv_bwd=fit(blocks.block_kv_bwd), interpret=interpret, gpu=gpu,
-        narrow_steps=narrow, count_visits=count_visits, operand=operand,
-        head_major=gpu is None and blocks.head_major,
-        lane_columns=gpu is None and blocks.lane_columns,
-        fused_bwd=gpu is None and blocks.fused_bwd)
+        scale=float(dim**-0.5 if scale is None else scale), block_q=blocks.block_q,
+        block_kv=blocks.block_kv, block_q_bwd=blocks.block_q_bwd,
+        block_kv_bwd=blocks.block_kv_bwd, interpret=interpret, count_visits=count_visits,
+        operand=operand)
+    return family.configure(cfg, blocks, batch)
 
 
 def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, interpret,
-           block_sizes, count_visits=False, operand="blhd"):
-    """Checks; None for the reference, else (Schedule, AttentionConfig). q, k, v: [B, L, N, D]
-    (or their shapes, for operands passed [B, N, L, D])."""
+           block_sizes, count_visits=False, operand="blhd") -> Setup | None:
+    """Checks; None for the reference, else (Schedule or None, AttentionConfig, the family).
+    q, k, v: [B, L, N, D] (or their shapes, for operands passed [B, N, L, D])."""
     _check(q, k, v, segment_offsets, segment_lengths)
-    impl, blocks = resolve(impl, interpret, block_sizes, AttentionBlockSizes, "segment_attention",
-                           gpu_type=GpuAttentionBlockSizes)
-    if impl is Impl.REFERENCE:
+    family, blocks = FAMILIES.resolve(impl, interpret, block_sizes)
+    if family is None:
         return None
     cfg = _config(q, k, causal=causal, scale=scale, blocks=blocks, interpret=interpret,
-                  impl=impl, count_visits=count_visits, operand=operand)
-    if cfg.gpu is None:
-        _check_smem(q.shape[0], cfg)
-    return make_schedule(segment_offsets, segment_lengths, cfg), cfg
+                  family=family, count_visits=count_visits, operand=operand)
+    sched = (make_schedule(segment_offsets, segment_lengths, cfg) if family.needs_schedule
+             else None)
+    return sched, cfg, family
 
 
 def _ring(q, k, v, segment_offsets, segment_lengths, axis: str, *, causal, scale, impl,
@@ -246,22 +148,21 @@ def _ring(q, k, v, segment_offsets, segment_lengths, axis: str, *, causal, scale
     if q.shape[1] % 2:
         raise ValueError(f"q.shape={q.shape}: a rank's shard of the load-balanced layout holds "
                          "L / C tokens, an even number (rows are multiples of 2C)")
-    impl, blocks = resolve(impl, interpret, block_sizes, AttentionBlockSizes,
-                           "segment_attention", gpu_type=GpuAttentionBlockSizes)
+    family, blocks = FAMILIES.resolve(impl, interpret, block_sizes)
     dim = q.shape[3]
     scale = float(dim**-0.5 if scale is None else scale)
-    if impl is Impl.REFERENCE:
+    if family is None:
         if count_visits:
             raise ValueError("visited_block_pairs counts the Pallas kernels' visits; pass "
                              "impl='pallas_tpu' or 'pallas_gpu' (with interpret= on a CPU)")
         return ring.Ring(axis, size, q.shape[1] * size, causal, scale, layout=computed)
+    if not family.needs_schedule:
+        raise ValueError(f"impl={family.target.impl.value!r} does not run on the block schedule "
+                         "that each ring step computes; pass impl='reference' or a Pallas family")
     # causality is in each step's bounds: the kernels run non-causal
-    cfg = _config(q, k, causal=False, scale=scale, blocks=blocks, interpret=interpret, impl=impl,
-                  count_visits=count_visits)
-    if cfg.gpu is None:
-        _check_smem(q.shape[0], cfg)
-    return ring.Ring(axis, size, q.shape[1] * size, causal, scale,
-                     gpu if cfg.gpu is not None else tpu, cfg,
+    cfg = _config(q, k, causal=False, scale=scale, blocks=blocks, interpret=interpret,
+                  family=family, count_visits=count_visits)
+    return ring.Ring(axis, size, q.shape[1] * size, causal, scale, family, cfg,
                      skip=not isinstance(interpret, pltpu.InterpretParams), layout=computed)
 
 
@@ -310,8 +211,8 @@ def segment_attention(
     Query head h uses key/value head h // (H / K). `layout`: "blhd" (q [B, L, H, D]) or "bhld"
     (q [B, H, L, D], splash attention's; the result in the same layout): the TPU kernels read
     either as it is, so a model may hand over whichever keeps its neighbouring ops cheap.
-    `impl`: common.resolve_impl; `block_sizes`: AttentionBlockSizes for the TPU kernels,
-    GpuAttentionBlockSizes for the GPU ones.
+    `impl`: common.resolve_impl's table over FAMILIES; `block_sizes`: the family's class,
+    AttentionBlockSizes for the TPU kernels, GpuAttentionBlockSizes for the GPU ones.
 
     context_parallel_axis: a mesh axis of C ranks; call inside `shard_map`, q / k / v being this
     rank's `[B, L/C, ...]` shard of the load-balanced layout (`packer.context_parallel_order`,
@@ -330,7 +231,8 @@ def segment_attention(
         setup = _setup(*(_shape_of(x, layout) for x in (q, k, v)), segment_offsets,
                        segment_lengths, causal=causal, scale=scale, impl=impl,
                        interpret=interpret, block_sizes=block_sizes, operand=layout)
-        if setup is not None and setup[1].gpu is None and context_parallel_axis is None:
+        if (setup is not None and layout in setup[2].operands
+                and context_parallel_axis is None):
             return _pallas_attention(q, k, v, *setup)
         out = segment_attention(  # every other path reads [B, L, N, D]
             *(_heads_second(x) for x in (q, k, v)), segment_offsets, segment_lengths,
@@ -354,11 +256,12 @@ def segment_attention(
     if setup is None:
         return reference.segment_attention(q, k, v, segment_offsets, segment_lengths,
                                            causal=causal, scale=scale)
-    sched, cfg = setup
-    if cfg.gpu is None and cfg.head_major:  # transposed outside the custom_vjp, so the backward
-        cfg = dataclasses.replace(cfg, operand="bhld")  # keeps them and transposes cotangents
-        return _heads_second(_pallas_attention(*map(_heads_second, (q, k, v)), sched, cfg))
-    return _pallas_attention(q, k, v, sched, cfg)
+    sched, cfg, family = setup
+    if cfg.head_major:  # transposed outside the custom_vjp, so the backward keeps them and
+        cfg = dataclasses.replace(cfg, operand="bhld")  # transposes cotangents
+        return _heads_second(_pallas_attention(*map(_heads_second, (q, k, v)), sched, cfg,
+                                               family))
+    return _pallas_attention(q, k, v, sched, cfg, family)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "impl", "interpret",
@@ -407,10 +310,13 @@ def visited_block_pairs(
     if setup is None:
         raise ValueError("visited_block_pairs counts the Pallas kernels' visits; pass "
                          "impl='pallas_tpu' or 'pallas_gpu' (with interpret= on a CPU)")
-    sched, cfg = setup
-    o, lse, visits_fwd = _forward(q, k, v, sched, cfg)
+    sched, cfg, family = setup
+    if sched is None:
+        raise ValueError(f"visited_block_pairs counts visits of the block schedule, which "
+                         f"impl={family.target.impl.value!r} does not run on")
+    o, lse, visits_fwd = family.forward(q, k, v, sched, cfg)
     do = jnp.ones_like(o) if do is None else do
-    (dq, dk, dv), visits_dq, visits_dkv = _backward(q, k, v, o, lse, do, sched, cfg)
+    (dq, dk, dv), visits_dq, visits_dkv = family.backward(q, k, v, o, lse, do, sched, cfg)
     return {"visits_fwd": visits_fwd, "visits_dq": visits_dq, "visits_dkv": visits_dkv, "o": o,
             "dq": dq, "dk": dk, "dv": dv, "lo": sched.lo, "hi": sched.hi,
             "lo_bwd": sched.lo_bwd, "hi_bwd": sched.hi_bwd}

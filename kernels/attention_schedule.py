@@ -36,14 +36,15 @@ host-side numpy counters at the end, used by tests and benchmarks/attention_benc
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+import enum
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from seqpack.kernels.common import Interpret, round_up
+from seqpack.kernels.common import Family, Interpret, round_up
 
 # Segment start of a token outside every segment: above any position, so `start <= c` never holds.
 NO_SEGMENT = 2**30
@@ -54,7 +55,7 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """Static (hashable) configuration of one segment_attention call: shapes, options and the
-    block sizes in effect (already fitted to L). `gpu` set: the Triton kernels run."""
+    block sizes in effect (already fitted to L by the family that runs, `AttentionFamily`)."""
 
     seq_len: int
     heads: int
@@ -67,7 +68,7 @@ class AttentionConfig:
     block_q_bwd: int
     block_kv_bwd: int
     interpret: Interpret
-    gpu: tuple[int, int] | None = None  # (num_warps, num_stages) of the Triton kernels
+    triton: tuple[int, int] | None = None  # GPU: the Triton kernels' (num_warps, num_stages)
     narrow_steps: int | None = None  # TPU: the narrow grid's steps (AttentionBlockSizes)
     count_visits: bool = False  # kernels also return how many block pairs they computed (tests)
     # TPU operand layout: "blhd" q [B, L, H, D] (the kernels fold heads into lanes when
@@ -89,6 +90,41 @@ class AttentionConfig:
         """Length of the per-token bounds: every block of every kernel lies inside it."""
         sizes = (self.block_q, self.block_kv, self.block_q_bwd, self.block_kv_bwd)
         return max(round_up(self.seq_len, b) for b in sizes)
+
+
+class LseLayout(enum.Enum):
+    """The shape of a family's f32 logsumexp: its forward returns it so, its backward takes it."""
+
+    BHL = "[B, H, L]"
+    BHL1 = "[B, H, L, 1]"  # a trailing unit axis: the TPU kernels' (rows, 1) blocks
+
+    def shape(self, batch: int, heads: int, seq_len: int) -> tuple[int, ...]:
+        return (batch, heads, seq_len, 1) if self is LseLayout.BHL1 else (batch, heads, seq_len)
+
+
+class AttentionFamily(Family, Protocol):
+    """A kernel family of segment attention (its Registry: attention.py; `target`, `block_sizes`:
+    common.Family). `configure` fits a call's config to the family (block sizes, options; a
+    ValueError where the call does not fit it); `forward` returns (o, lse[, visits]) with lse in
+    `lse_layout`; `backward` takes that lse back and returns (dq, dk, dv), with visit counters
+    (grads, visits_dq, visits_dkv) when `cfg.count_visits`."""
+
+    @property
+    def needs_schedule(self) -> bool: ...  # forward / backward read make_schedule's ranges
+
+    @property
+    def lse_layout(self) -> LseLayout: ...
+
+    @property
+    def operands(self) -> tuple[str, ...]: ...  # the q / k / v layouts read as they are
+
+    def configure(self, cfg: AttentionConfig, blocks: Any, batch: int) -> AttentionConfig: ...
+
+    def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, sched: Schedule | None,
+                cfg: AttentionConfig) -> tuple[jax.Array, ...]: ...
+
+    def backward(self, q: jax.Array, k: jax.Array, v: jax.Array, o: jax.Array, lse: jax.Array,
+                 do: jax.Array, sched: Schedule | None, cfg: AttentionConfig) -> tuple: ...
 
 
 class Schedule(NamedTuple):

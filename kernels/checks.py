@@ -59,6 +59,14 @@ def check_tokens_input(name: str, x: jax.Array, *, feature_axis: bool = True) ->
         raise ValueError(f"{name}.shape={x.shape} needs L >= 1")
 
 
+def float_dtype(name: str, value) -> jnp.dtype:
+    """An option's dtype, or a ValueError naming the option unless a float one."""
+    dtype = jnp.dtype(value)
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}={dtype} must be float32, bfloat16 or float16")
+    return dtype
+
+
 def check_smem(batch: int, num_segments: int) -> None:
     """The flattened offsets + lengths (2 x B x S i32) and row ends (B i32) must fit the budget."""
     per_row = 4 * (2 * num_segments + 1)

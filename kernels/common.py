@@ -1,32 +1,19 @@
-"""Shared pieces of the kernels: impl dispatch, block sizes, tile sizes, in-kernel masks, launch.
+"""Shared pieces of the kernels: the family registry, block sizes, tile sizes, launch.
 
 What the public ops and both kernel wings (tpu/, gpu/; the package docstring lists the files)
-share: `resolve` (the implementation and its block sizes), the block-size classes and their
-checks, `SegmentCall` (the static configuration of the reduce / broadcast kernels, which the
-gather and cross-entropy backwards call too) and its `Mode`, tile sizes, masks, and `triton_call`
-(how every GPU kernel is launched). The wings import these, never each other.
-
-The segment kernels walk a row of `L` tokens in blocks of `block_tokens` and, for
-each segment `j` (`segment_offsets[j]`, `segment_lengths[j]` read from SMEM), clips the segment to
-the block. Worked example, `block_tokens = 8`, block `t = 1` covers positions 8..15:
-
-    segment   offset  length   [start, end)   clipped to block 1   local [lo, hi)
-    0         0       5        [0, 5)         empty                 lo=0 hi=0  (skipped)
-    1         8       6        [8, 14)        [8, 14)               lo=0 hi=6
-    2         16      3        [16, 19)       empty                 lo=8 hi=8  (skipped)
-
-Inside a block, the rows `[lo, hi)` are visited in aligned chunks of `chunk` rows
-(`pl.ds(pl.multiple_of(c * chunk, chunk), chunk)`), and an `iota` mask keeps exactly the rows of the
-segment (and below the array's true length `L`, so the undefined tail of a partial last block never
-enters a reduction). Integer division uses `lax.div` on values known to be non-negative: `//`
-lowers through `sign`, which the Mosaic lowering cannot resolve without a TPU attached.
+share: the kernel families' seam (`Target`: where a family runs; `select`: which one `impl=`
+picks; `Registry`: one op's families, keyed by `Impl`, in auto's order), the block-size classes
+and their checks, `SegmentCall` (the static configuration of the reduce / broadcast kernels,
+which the gather and cross-entropy backwards call too) and its `Mode`, tile sizes, and
+`triton_call` (how every GPU kernel is launched). The wings import these, never each other.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Literal, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +54,80 @@ def parse_enum(cls: type[E], name: str, value: object) -> E:
         raise ValueError(f"{name}={value!r} is not known; pass one of {choices}") from None
 
 
-_NATIVE = {"tpu": Impl.PALLAS_TPU, "gpu": Impl.PALLAS_GPU}
+ACCELERATORS = ("tpu", "gpu")  # the backends kernel families compile for
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a kernel family runs, what `select` reads: its name (the `impl=` value, its key in a
+    Registry), the jax backend it compiles for, whether it is a Pallas family (which "pallas"
+    may pick and `interpret=` runs anywhere), and `requires`: why it cannot run in this
+    installation (versions, chip) or None, or None where it always can."""
+
+    impl: Impl
+    platform: str
+    pallas: bool = True
+    requires: Callable[[], str | None] | None = None
+
+    def refusal(self, backend: str, interpret: Interpret) -> str | None:
+        """Why the family cannot run on `backend` with `interpret`, or None. Off its platform
+        it runs interpreted, or lowered ahead of time where no accelerator is attached."""
+        name = f"impl={self.impl.value!r}"
+        if isinstance(interpret, pltpu.InterpretParams) and self.platform != "tpu":
+            return (f"{name} cannot run under pltpu.InterpretParams (the TPU interpreter); "
+                    "pass interpret=True")
+        if interpret and not self.pallas:
+            return f"{name} has no interpreter (not a Pallas family); pass interpret=False"
+        if not interpret and backend in ACCELERATORS and backend != self.platform:
+            return (f"{name} cannot run on the {backend!r} backend; pass impl='auto' or 'pallas' "
+                    f"(the {backend!r} kernel), 'reference', or interpret=True")
+        reason = self.requires() if self.requires else None
+        return f"{name} is not available here: {reason}" if reason else None
+
+
+PALLAS_TPU = Target(Impl.PALLAS_TPU, "tpu")  # the Mosaic kernels, kernels/tpu/
+PALLAS_GPU = Target(Impl.PALLAS_GPU, "gpu")  # the Triton kernels, kernels/gpu/
+
+
+def select(targets: Sequence[Target], impl: Impl | str, interpret: Interpret,
+           op: str = "kernels") -> Target | None:
+    """The target `impl` picks among `targets` (auto's order), or None for the reference.
+
+    "auto" and "pallas" take the first target of the platform here that can run ("pallas":
+    Pallas targets only): the backend's own, or the TPU's under `pltpu.InterpretParams` and with
+    `interpret=` on a backend no family compiles for; where none can, "auto" runs the reference
+    and "pallas" raises. A target named outright must be among `targets` and able to run here.
+    """
+    impl = parse_enum(Impl, "impl", impl)
+    if impl is Impl.REFERENCE:
+        return None
+    backend = jax.default_backend()
+    pallas = [t for t in targets if t.pallas]
+    choices = ", ".join(repr(n) for n in ("auto", "pallas", *(t.impl.value for t in targets),
+                                          "reference"))
+    if impl not in (Impl.AUTO, Impl.PALLAS):
+        target = next((t for t in targets if t.impl is impl), None)
+        why = (f"impl={impl.value!r} has no kernel family in {op}" if target is None
+               else target.refusal(backend, interpret))
+        if why:
+            raise ValueError(f"{why}. Choices: {choices}")
+        return target
+    platform = backend
+    if isinstance(interpret, pltpu.InterpretParams) or (
+            interpret and backend not in {t.platform for t in targets}):
+        platform = "tpu"  # what interpret= simulates where the backend has no family
+    mine = [t for t in (targets if impl is Impl.AUTO else pallas) if t.platform == platform]
+    refusals = [t.refusal(backend, interpret) for t in mine]
+    if None in refusals or impl is Impl.AUTO:
+        return next((t for t, why in zip(mine, refusals) if why is None), None)
+    if refusals:
+        raise ValueError(f"{'; '.join(filter(None, refusals))}. Choices: {choices}")
+    platforms = " and ".join(repr(p) for p in dict.fromkeys(t.platform for t in pallas))
+    names = " or ".join(repr(t.impl.value) for t in pallas)
+    raise ValueError(
+        f"impl='pallas' has no kernel on the {backend!r} backend (Pallas kernels exist for "
+        f"{platforms}); pass impl='reference', or interpret=True to simulate a kernel family "
+        f"on the CPU (impl={names}). Choices: {choices}")
 
 
 def resolve_impl(impl: Impl | str, interpret: Interpret) -> Impl:
@@ -84,41 +144,58 @@ def resolve_impl(impl: Impl | str, interpret: Interpret) -> Impl:
     * accepted so the kernel can be lowered for its platform ahead of time
     (`jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))` / `("cuda",)`); running it on
     the CPU needs `interpret=`. `pltpu.InterpretParams` is TPU semantics, so it selects the TPU
-    kernel under "auto" / "pallas" and is refused with "pallas_gpu".
+    kernel under "auto" / "pallas" and is refused with "pallas_gpu". The table is `select` over
+    the two Pallas targets; each op's Registry applies the same rule to its own families.
     """
-    impl = parse_enum(Impl, "impl", impl)
-    backend = jax.default_backend()
-    choices = ", ".join(repr(m.value) for m in Impl)
-    tpu_interpreter = isinstance(interpret, pltpu.InterpretParams)
-    if impl is Impl.REFERENCE:
-        return impl
-    if impl in (Impl.AUTO, Impl.PALLAS):
-        if tpu_interpreter:
-            return Impl.PALLAS_TPU
-        if backend in _NATIVE:
-            return _NATIVE[backend]
-        if interpret:
-            return Impl.PALLAS_TPU
-        if impl is Impl.AUTO:
-            return Impl.REFERENCE
-        raise ValueError(
-            f"impl='pallas' has no kernel on the {backend!r} backend (Pallas kernels exist for "
-            f"'tpu' and 'gpu'); pass impl='reference', or interpret=True to simulate a kernel "
-            f"family on the CPU (impl='pallas_tpu' or 'pallas_gpu'). Choices: {choices}"
-        )
-    if impl is Impl.PALLAS_GPU and tpu_interpreter:
-        raise ValueError(
-            "impl='pallas_gpu' cannot run under pltpu.InterpretParams (the TPU interpreter); "
-            "pass interpret=True"
-        )
-    foreign = {Impl.PALLAS_TPU: "gpu", Impl.PALLAS_GPU: "tpu"}[impl]
-    if backend == foreign and not interpret:
-        raise ValueError(
-            f"impl={impl.value!r} cannot run on the {backend!r} backend; pass impl='auto' or "
-            f"'pallas' (the {backend!r} kernel), 'reference', or interpret=True. Choices: "
-            f"{choices}"
-        )
-    return impl
+    target = select((PALLAS_TPU, PALLAS_GPU), impl, interpret)
+    return Impl.REFERENCE if target is None else target.impl
+
+
+class Family(Protocol):
+    """What a Registry reads of a kernel family; each op's protocol adds its kernels."""
+
+    @property
+    def target(self) -> Target: ...
+
+    @property
+    def block_sizes(self) -> type: ...  # its block-size class, whose instance is its defaults
+
+
+F = TypeVar("F", bound=Family)
+
+
+def fit_block_sizes(block_sizes: Any, want: type, impl: Impl, op: str) -> Any:
+    """`block_sizes` when a `want` (None: its defaults), else a ValueError naming the family."""
+    if block_sizes is not None and not isinstance(block_sizes, want):
+        raise ValueError(f"block_sizes={block_sizes!r} does not fit impl={impl.value!r} in {op}; "
+                         f"pass a {want.__name__} (or None for its defaults)")
+    return want() if block_sizes is None else block_sizes
+
+
+@dataclasses.dataclass(frozen=True)
+class Registry(Generic[F]):
+    """The kernel families of one op, keyed by their Impl, in auto's order within a platform."""
+
+    op: str
+    families: tuple[F, ...]
+
+    def __getitem__(self, impl: Impl) -> F:
+        for family in self.families:
+            if family.target.impl is impl:
+                return family
+        raise ValueError(f"impl={impl.value!r} has no kernel family in {self.op}")
+
+    def resolve(self, impl: Impl | str, interpret: Interpret, block_sizes: Any,
+                op: str | None = None) -> tuple[F | None, Any]:
+        """(the family `impl` picks here (`select`), its block sizes: its defaults for None,
+        else checked against its class); (None, None) for the reference. `op` names the
+        calling function in errors (default: the registry's op)."""
+        op = op or self.op
+        target = select([f.target for f in self.families], impl, interpret, op)
+        if target is None:
+            return None, None
+        family = self[target.impl]
+        return family, fit_block_sizes(block_sizes, family.block_sizes, target.impl, op)
 
 
 def check_multiple(name: str, value: int, multiple: int, why: str = "") -> None:
@@ -195,36 +272,37 @@ class GpuBlockSizes:
                 check_power_of_two(field.name, value)
 
 
-def resolve(impl: Impl | str, interpret: Interpret, block_sizes, tpu_type: type, name: str,
-            gpu_type: type | None = None) -> tuple[Impl, Any]:
-    """(resolve_impl(impl, interpret), the block sizes for it): the family's default when
-    `block_sizes` is None, else checked against the family; None for the reference.
-
-    gpu_type: the GPU family's block-size class (default GpuBlockSizes).
-    """
+def resolve(impl: Impl | str, interpret: Interpret, block_sizes, tpu_type: type,
+            name: str) -> tuple[Impl, Any]:
+    """(resolve_impl(impl, interpret), the block sizes for it): `tpu_type` or GpuBlockSizes,
+    fitted by `fit_block_sizes`; None for the reference. (The ops without a Registry.)"""
     impl = resolve_impl(impl, interpret)
     if impl is Impl.REFERENCE:
         return impl, None
-    want = (gpu_type or GpuBlockSizes) if impl is Impl.PALLAS_GPU else tpu_type
-    if block_sizes is None:
-        return impl, want()
-    if not isinstance(block_sizes, want):
-        raise ValueError(
-            f"block_sizes={block_sizes!r} does not fit impl={impl.value!r} in {name}; pass a "
-            f"{want.__name__} (or None for its defaults)"
-        )
-    return impl, block_sizes
+    want = GpuBlockSizes if impl is Impl.PALLAS_GPU else tpu_type
+    return impl, fit_block_sizes(block_sizes, want, impl, name)
+
+
+class SegmentFamily(Family, Protocol):
+    """A kernel family of the segment reduce and broadcast (its Registry: segment_ops.py).
+
+    offsets / lengths in the family's layout (metadata.family_metadata), ends: the rows' used
+    lengths (metadata.row_ends), which a family may ignore.
+    """
+
+    def reduce(self, x: jax.Array, offsets: jax.Array, lengths: jax.Array, ends: jax.Array, *,
+               mode: Mode, st: SegmentCall) -> jax.Array: ...  # f[B, L, D] -> f32[B, S, D]
+
+    def broadcast(self, values: jax.Array, offsets: jax.Array, lengths: jax.Array, *,
+                  out_dtype: jnp.dtype, st: SegmentCall) -> jax.Array: ...  # -> [B, L, D]
 
 
 @dataclasses.dataclass(frozen=True)
 class SegmentCall:
     """Static (hashable) configuration of one call of the reduce / broadcast kernels, carried
-    through custom_vjp as a nondiff argument.
-
-    The kernel family follows the block sizes: GpuBlockSizes runs kernels/gpu/segment_ops.py
-    (metadata i32[B, sp] from `metadata.padded_metadata`), SegmentBlockSizes the TPU kernels in
-    kernels/tpu/segment_ops.py (flat i32[B * S] metadata and the rows' used lengths, scalar-
-    prefetched).
+    through custom_vjp as a nondiff argument: the family that runs and its block sizes
+    (SegmentBlockSizes for the TPU family, GpuBlockSizes for the GPU one). The gather and
+    cross-entropy backwards call the broadcast too.
     """
 
     seq_len: int
@@ -232,15 +310,17 @@ class SegmentCall:
     dtype: jnp.dtype  # of the differentiated input: the dtype of its cotangent
     block_sizes: SegmentBlockSizes | GpuBlockSizes
     interpret: Interpret
+    family: SegmentFamily
 
     @property
-    def gpu(self) -> GpuBlockSizes | None:
-        """The Triton tile sizes when the GPU family runs, else None."""
-        return self.block_sizes if isinstance(self.block_sizes, GpuBlockSizes) else None
+    def gpu(self) -> GpuBlockSizes:
+        """The Triton tile sizes (the GPU family's kernels read them)."""
+        assert isinstance(self.block_sizes, GpuBlockSizes)
+        return self.block_sizes
 
     @property
     def tpu(self) -> SegmentBlockSizes:
-        """The TPU block sizes (only when the TPU family runs)."""
+        """The TPU block sizes (the TPU family's kernels read them)."""
         assert isinstance(self.block_sizes, SegmentBlockSizes)
         return self.block_sizes
 
@@ -276,36 +356,6 @@ def feature_block(dim: int, requested: int) -> int:
         if dim % bd == 0:
             return bd
     return requested // LANES * LANES
-
-
-def cdiv_nonneg(a: jax.Array, b: int) -> jax.Array:
-    """ceil(a / b) for a >= 0, without the `sign` op `//` lowers through."""
-    return lax.div(a + (b - 1), b)
-
-
-def block_interval(
-    offset: jax.Array, length: jax.Array, base: jax.Array, block: int, bound: int
-) -> tuple[jax.Array, jax.Array]:
-    """Segment [offset, offset + length) clipped to the block [base, base + block) and [0, bound).
-
-    Returns block-local `lo, hi` in [0, block]; the block holds rows of the segment iff hi > lo.
-    """
-    start = jnp.maximum(offset, base)
-    end = jnp.minimum(jnp.minimum(offset + length, bound), base + block)
-    lo = jnp.clip(start - base, 0, block)
-    hi = jnp.clip(end - base, 0, block)
-    return lo, hi
-
-
-def last_used_block(ends_ref, row: jax.Array, block: int):
-    """Index of the last token block holding any segment token (0 for an empty row)."""
-    return jnp.maximum(cdiv_nonneg(ends_ref[row], block) - 1, 0)
-
-
-def chunk_mask(start: jax.Array, lo: jax.Array, hi: jax.Array, shape: tuple[int, int]) -> jax.Array:
-    """Rows `start + i` of a chunk that fall inside the block-local interval [lo, hi)."""
-    pos = start + lax.broadcasted_iota(jnp.int32, shape, 0)
-    return (pos >= lo) & (pos < hi)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,7 +105,7 @@ def _pallas_ce_bwd(st, residuals, cotangents):
         return dlogits, None, None, None, None, None
     assert st.tpu is not None
     scatter = SegmentCall(st.tpu.seq_len, st.num_segments, jnp.dtype(jnp.float32),
-                          SegmentBlockSizes(), st.interpret)
+                          SegmentBlockSizes(), st.interpret, tpu.SEGMENT_OPS)
     weights = segment_ops.broadcast(g_loss[:, :, None], (offsets, lengths), jnp.float32, scatter)
     weights = jnp.where(mask > 0, weights, 0.0)
     dlogits = tpu.cross_entropy_backward(logits, targets, lse, weights, offsets, lengths, used,

@@ -111,7 +111,8 @@ def segment_gather(
     metadata = family_metadata(segment_offsets, segment_lengths, impl)
     # The backward scatters with the broadcast kernel: the TPU one at its own block sizes.
     scatter_blocks = blocks if impl is Impl.PALLAS_GPU else SegmentBlockSizes()
-    scatter = SegmentCall(seq_len, num_segments, jnp.dtype(x.dtype), scatter_blocks, interpret)
+    scatter = SegmentCall(seq_len, num_segments, jnp.dtype(x.dtype), scatter_blocks, interpret,
+                          segment_ops.FAMILIES[impl])
     st = _Static(k, blocks, scatter)
     x3 = x if x.ndim == 3 else x[:, :, None]
     out = _pallas_gather(x3, *metadata, st)

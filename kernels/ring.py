@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqpack.kernels.attention_schedule import MASK_VALUE, AttentionConfig
+from seqpack.kernels.attention_schedule import MASK_VALUE, AttentionConfig, AttentionFamily
 from seqpack.kernels.context_parallel import (
     Rows,
     pair_schedule,
@@ -51,7 +51,7 @@ class Ring(NamedTuple):
     seq_len: int  # L of the whole row (C x the local length)
     causal: bool
     scale: float
-    family: Any = None  # the kernel wing (kernels.tpu or kernels.gpu); None: the reference
+    family: AttentionFamily | None = None  # the kernels that run; None: the reference
     cfg: AttentionConfig | None = None  # the kernels' config: local shapes, non-causal
     count: bool = False  # also return each step's visit counters and ranges (tests)
     skip: bool = True  # False: every step runs its kernels (the TPU interpreter, see below)
@@ -147,7 +147,7 @@ def _forward(q, k, v, offsets, lengths, positions, ring: Ring, log: dict):
         sched, ran = schedule(kv[2], False)
 
         def run(acc):
-            out = ring.family.attention_forward(q, *kv[:2], sched, ring.cfg)
+            out = ring.family.forward(q, *kv[:2], sched, ring.cfg)
             o2, lse2 = _merge(*acc[:2], out[0], out[1].reshape(batch, heads, local))
             return o2, lse2, out[2] if ring.count else acc[2]
 
@@ -165,7 +165,7 @@ def _forward(q, k, v, offsets, lengths, positions, ring: Ring, log: dict):
 
 def _backward(q, k, v, offsets, lengths, positions, o, lse, do, ring: Ring, log: dict):
     schedule = _scheduler(offsets, lengths, positions, ring)
-    lse = lse[..., None] if ring.cfg.gpu is None else lse  # the family's layout
+    lse = lse.reshape(ring.family.lse_layout.shape(*lse.shape))  # as the family's forward
     f32 = lambda x: _vary(jnp.zeros(x.shape, jnp.float32), ring)  # noqa: E731
 
     def step(s, carry):
@@ -173,7 +173,7 @@ def _backward(q, k, v, offsets, lengths, positions, o, lse, do, ring: Ring, log:
         sched, ran = schedule(kv[2], True)
 
         def run(acc):
-            out = ring.family.attention_backward(q, *kv[:2], o, lse, do, sched, ring.cfg)
+            out = ring.family.backward(q, *kv[:2], o, lse, do, sched, ring.cfg)
             dq_s, dk_s, dv_s = out[0] if ring.count else out
             counts = out[1:] if ring.count else acc[2]
             return (acc[0] + dq_s, (acc[1][0] + dk_s, acc[1][1] + dv_s), counts)
@@ -196,7 +196,7 @@ def _backward(q, k, v, offsets, lengths, positions, o, lse, do, ring: Ring, log:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def pallas_ring(q, k, v, offsets, lengths, positions, ring: Ring) -> jax.Array:
-    """The ring over the Pallas kernels of `ring.family`; its backward is the ring's."""
+    """The ring over the kernels of `ring.family`; its backward is the ring's."""
     return _forward(q, k, v, offsets, lengths, positions, ring, {})[0]
 
 

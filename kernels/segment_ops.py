@@ -10,8 +10,9 @@ VJPs (a `pallas_call` with scalar prefetch has no JVP rule, hence `jax.custom_vj
     max        dx = [x == broadcast(max)] * broadcast(g / ties)   (ties split evenly, as jnp.max)
     broadcast  dvalues = sum(g)
 
-`impl` (common.resolve_impl) picks the TPU kernels (tpu/segment_ops.py), the GPU kernels
-(gpu/segment_ops.py) or kernels/reference.py; all functions are jitted with their options static.
+`impl` (common.resolve_impl's table) picks a family of FAMILIES, the TPU kernels
+(tpu/segment_ops.py) or the GPU ones (gpu/segment_ops.py), or kernels/reference.py; the
+SegmentCall carries the family to the VJPs. All functions are jitted with their options static.
 """
 
 from __future__ import annotations
@@ -28,23 +29,25 @@ from seqpack.kernels.common import (
     Impl,
     Interpret,
     Mode,
+    Registry,
     SegmentBlockSizes,
     SegmentCall,
+    SegmentFamily,
     per_slot,
-    resolve,
 )
 from seqpack.kernels.metadata import family_metadata, row_ends
 
 _STATIC = ("impl", "interpret", "block_sizes")
-# offsets, lengths in the family's layout (metadata.family_metadata), then (TPU) the row ends
+# auto's order within a platform: the first family that can run here is taken.
+FAMILIES: Registry[SegmentFamily] = Registry("the segment ops",
+                                             (tpu.SEGMENT_OPS, gpu.SEGMENT_OPS))
+# offsets, lengths in the family's layout (metadata.family_metadata), then the row ends
 Metadata = tuple[jax.Array, ...]
 
 
 def reduce(x: jax.Array, meta: Metadata, mode: Mode, st: SegmentCall) -> jax.Array:
     """The reduce kernel of st's family (no checks, no VJP): f[B, L, D] -> f32[B, S, D]."""
-    if st.gpu is not None:
-        return gpu.reduce_call(x, *meta[:2], mode=mode, st=st)
-    return tpu.reduce_call(x, *meta, mode=mode, st=st)
+    return st.family.reduce(x, *meta, mode=mode, st=st)
 
 
 def broadcast(values: jax.Array, meta: Metadata, out_dtype: jnp.dtype,
@@ -52,8 +55,7 @@ def broadcast(values: jax.Array, meta: Metadata, out_dtype: jnp.dtype,
     """The broadcast kernel of st's family (no checks, no VJP): f[B, S, D] -> out_dtype[B, L, D].
 
     Also the backward of the gather and of the TPU cross-entropy (per-segment cotangents)."""
-    family = gpu if st.gpu is not None else tpu
-    return family.broadcast_call(values, *meta[:2], out_dtype=out_dtype, st=st)
+    return st.family.broadcast(values, *meta[:2], out_dtype=out_dtype, st=st)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -113,14 +115,14 @@ _pallas_broadcast.defvjp(_pallas_broadcast_fwd, _pallas_broadcast_bwd)
 
 def _setup(segment_offsets, segment_lengths, *, seq_len, dtype, impl, interpret, block_sizes,
            name) -> tuple[Metadata, SegmentCall] | None:
-    """None for the reference, else (metadata for the resolved kernel family, SegmentCall)."""
-    impl, blocks = resolve(impl, interpret, block_sizes, SegmentBlockSizes, name)
-    if impl is Impl.REFERENCE:
+    """None for the reference, else (metadata for the family FAMILIES picks, SegmentCall)."""
+    family, blocks = FAMILIES.resolve(impl, interpret, block_sizes, op=name)
+    if family is None:
         return None
-    meta: Metadata = family_metadata(segment_offsets, segment_lengths, impl)
-    if impl is Impl.PALLAS_TPU:
-        meta = (*meta, row_ends(segment_offsets, segment_lengths, seq_len))
-    st = SegmentCall(seq_len, segment_offsets.shape[1], jnp.dtype(dtype), blocks, interpret)
+    meta: Metadata = (*family_metadata(segment_offsets, segment_lengths, family.target.impl),
+                      row_ends(segment_offsets, segment_lengths, seq_len))
+    st = SegmentCall(seq_len, segment_offsets.shape[1], jnp.dtype(dtype), blocks, interpret,
+                     family)
     return meta, st
 
 

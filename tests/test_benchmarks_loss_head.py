@@ -1,14 +1,17 @@
 """The loss head's benchmarks (benchmarks/loss_head.py, grad_accumulation.py) on CPU: every path
-runs and agrees, the rows named, a float32 master weight, the least-free-memory bisection, and
-the d-weight carry's error."""
+runs and agrees, the rows named and labelled by the loss head's plan, a float32 master weight,
+the least-free-memory bisection, and the d-weight carry's error."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from benchmarks import grad_accumulation, loss_head
 from benchmarks.kernels_bench import MIB
+from seqpack import kernels
 
 
 def test_benchmark_smoke():
@@ -30,6 +33,29 @@ def test_benchmark_reads_a_float32_master_weight():
             "seqpack auto dw bf16", "seqpack C=256 dw bf16"} <= set(rows)
     assert all(np.isfinite(r["ms"]) and r["err"] < 2e-2 for r in rows.values())
     assert all(r["dw_dtype"] == np.float32 for r in rows.values())
+
+
+def test_rows_are_labelled_by_the_plan():
+    """A seqpack row's mode column is kernels.loss_head_plan's for its size and options, taken
+    when the row is traced: at the smoke size a quarter of the logits is below the least chunk
+    (recompute), C=256 is two chunks, and auto's share of the CPU's default free memory holds
+    all logits."""
+    n, dim, vocab = loss_head.SMOKE
+    fns = loss_head.loss_head_fns(n, vocab, jnp.float32, chunks=(256,))
+    spec = (jax.ShapeDtypeStruct((1, n, dim), jnp.float32),
+            jax.ShapeDtypeStruct((dim, vocab), jnp.float32),
+            jax.ShapeDtypeStruct((1, n), jnp.int32), jax.ShapeDtypeStruct((1, 4), jnp.int32),
+            jax.ShapeDtypeStruct((1, 4), jnp.int32))
+    labels = {}
+    for name, (f, note) in fns.items():
+        if name.startswith("seqpack"):
+            assert format(note, "") == "?"  # set when traced
+            jax.eval_shape(f, *spec)
+            labels[name] = format(note, "")
+    assert labels == {"seqpack auto": "logits", "seqpack 1/4 budget": "recompute",
+                      "seqpack recompute": "recompute", "seqpack C=256": "chunked C=256"}
+    quarter = n * vocab * 4 // 4
+    assert kernels.loss_head_plan(n, vocab, max_logits_bytes=quarter).mode.value == "recompute"
 
 
 def test_least_free_bytes_bisects_on_a_ballast():

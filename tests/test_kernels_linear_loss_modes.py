@@ -12,7 +12,7 @@ import pytest
 from benchmarks.loss_head import jaxpr_values, matmul_flops
 from seqpack import kernels
 from seqpack.kernels import reference
-from seqpack.kernels.fused import in_forward
+from seqpack.kernels.fused import policy
 from tests.helpers.kernels import case, run, zero_padded
 from tests.test_kernels_linear_loss import NORMALIZE, XLA, V, _args, _fn, check
 
@@ -172,7 +172,7 @@ def test_eval_and_partial_gradients(mode):
 def test_choose():
     """Chunks balanced and rounded up to 128; auto: logits when N fits, chunked down to
     MIN_CHUNK_TOKENS, recompute below; forced modes keep their mode."""
-    choose, mode = in_forward.choose, kernels.LossHeadMode
+    choose, mode = policy.choose, kernels.LossHeadMode
     vocab = 1000
     per_token = 4 * vocab
     assert choose(mode.AUTO, 5000, vocab, 5000 * per_token) == (mode.LOGITS, 5000)
@@ -180,15 +180,15 @@ def test_choose():
     assert choose(mode.AUTO, 5000, vocab, 4096 * per_token) == (mode.CHUNKED, 2560)
     # bf16 logits (2 bytes): the same budget holds twice the tokens
     assert choose(mode.AUTO, 5000, vocab, 2048 * per_token, itemsize=2) == (mode.CHUNKED, 2560)
-    least = in_forward.MIN_CHUNK_TOKENS
+    least = policy.MIN_CHUNK_TOKENS
     assert choose(mode.AUTO, 5000, vocab, least * per_token)[0] is mode.CHUNKED
     assert choose(mode.AUTO, 5000, vocab, (least - 1) * per_token) == (mode.RECOMPUTE, None)
     assert choose(mode.AUTO, 300, vocab, 300 * per_token) == (mode.LOGITS, 300)  # N < least
     assert choose(mode.CHUNKED, 5000, vocab, 1) == (mode.CHUNKED, 128)
     assert choose(mode.LOGITS, 5000, vocab, 1) == (mode.LOGITS, 5000)
     assert choose(mode.RECOMPUTE, 5000, vocab, None) == (mode.RECOMPUTE, None)
-    free = in_forward.free_device_bytes()  # CPU: no memory stats, the documented default
-    assert free > 0 and (jax.default_backend() != "cpu" or free == in_forward.DEFAULT_FREE_BYTES)
+    free = policy.free_device_bytes()  # CPU: no memory stats, the documented default
+    assert free > 0 and (jax.default_backend() != "cpu" or free == policy.DEFAULT_FREE_BYTES)
 
 
 def test_auto_budget_counts_all_a_chunk_holds(monkeypatch):
@@ -197,16 +197,16 @@ def test_auto_budget_counts_all_a_chunk_holds(monkeypatch):
     free, bf16) keep 2 chunks at N = 16,384 (V = 128,256) and 8,192 (V = 256,000), all logits at
     once in the training step (N = V = 32,768), and take 7 chunks of 9,472 at N = 65,536, where a
     budget of the stored logits took 13,184 (12.5 GB held)."""
-    choose, mode = in_forward.choose, kernels.LossHeadMode
+    choose, mode = policy.choose, kernels.LossHeadMode
     free = 15 << 30
-    monkeypatch.setattr(in_forward, "free_device_bytes", lambda: free)
-    assert in_forward.held_bytes(2) == 8 and in_forward.held_bytes(4) == 12
+    monkeypatch.setattr(policy, "free_device_bytes", lambda: free)
+    assert policy.held_bytes(2) == 8 and policy.held_bytes(4) == 12
     assert choose(mode.AUTO, 16384, 128256, None, 2) == (mode.CHUNKED, 8192)
     assert choose(mode.AUTO, 8192, 256000, None, 2) == (mode.CHUNKED, 4096)
     assert choose(mode.AUTO, 32768, 32768, None, 2) == (mode.LOGITS, 32768)
     got, chunk = choose(mode.AUTO, 65536, 128256, None, 2)
     assert got is mode.CHUNKED and chunk == 9472
-    assert chunk * 128256 * in_forward.held_bytes(2) <= in_forward.BUDGET_SHARE * free
+    assert chunk * 128256 * policy.held_bytes(2) <= policy.BUDGET_SHARE * free
     # float32 logits: 12 bytes a logit, fewer tokens a chunk
     assert choose(mode.AUTO, 65536, 128256, None, 4)[1] < chunk
     # a budget given counts the stored logits alone, as before

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from seqpack.kernels.common import LANES, round_up
+
 
 @dataclasses.dataclass(frozen=True)
 class Blockwise:
@@ -36,6 +38,18 @@ class Blockwise:
 
     block_vocab: int
     logit_softcap: float | None
+
+
+def vocab_tiling(block_vocab: int, vocab: int, softcap: float | None) -> Blockwise:
+    """Blocks of block_vocab columns, or one of V rounded up to lanes where that is narrower."""
+    return Blockwise(min(block_vocab, round_up(vocab, LANES)), softcap)
+
+
+def counted_rows(hidden: jax.Array, counted: jax.Array) -> jax.Array:
+    """hidden f[B, L, H], counted bool[B, L] -> x f[B * L, H], uncounted rows zero (a `where`:
+    NaN there reaches nothing)."""
+    x = jnp.where(counted[:, :, None], hidden, jnp.zeros((), hidden.dtype))
+    return x.reshape(-1, hidden.shape[2])
 
 
 def _pad_columns(w: jax.Array, block: int) -> jax.Array:

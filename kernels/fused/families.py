@@ -1,8 +1,9 @@
-"""The Pallas paths of the fused loss head: the token-block schedule and the custom VJP around
-either family's kernels (tpu/linear_cross_entropy.py, gpu/linear_cross_entropy.py).
+"""The Pallas paths of the fused loss head: its kernel families (FAMILIES, each wing's
+LOSS_HEAD: tpu/linear_cross_entropy.py, gpu/linear_cross_entropy.py behind the LossHeadFamily
+protocol), the token-block schedule and the custom VJP around the family that runs.
 
-Both families take `hidden` as is (`[B, L, H]`, uncounted rows never enter a sum) and a counted
-mask, and return each token's lse and target logit (0 where not counted). The forward saves
+Every family takes `hidden` as is (`[B, L, H]`, uncounted rows never enter a sum) and a counted
+mask, and returns each token's lse and target logit (0 where not counted). The forward saves
 the lse only; the backward recomputes the logits tile by tile.
 
 Schedule, per row and token block of `bl` tokens: `live` (the block holds a counted token) and
@@ -17,20 +18,44 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from seqpack.kernels import gpu, tpu
+from seqpack.kernels.common import Family, Interpret, LossHeadTiling, Registry
+
+
+class LossHeadFamily(Family, Protocol):
+    """A kernel family of the loss head's "recompute" mode (`target`, `block_sizes`: common.Family).
+
+    tiling: its static configuration for one call from its block sizes; forward: x f[B, L, H],
+    w f[H, V], targets i32[B, L], mask f32[B, L], meta (block_schedule) -> (lse, target logit)
+    f32[B, L]; backward: -> (dx, dw) from the lse and the two cotangents f32[B, L].
+    """
+
+    def tiling(self, seq_len: int, vocab: int, dim: int, blocks: Any, softcap: float | None,
+               interpret: Interpret) -> LossHeadTiling: ...
+
+    def forward(self, x, w, targets, mask, meta, st: Any) -> tuple[jax.Array, jax.Array]: ...
+
+    def backward(self, x, w, targets, mask, meta, lse, g_lse, g_tgt,
+                 st: Any) -> tuple[jax.Array, jax.Array]: ...
+
+
+# auto's order within a platform: the first family that can run here is taken.
+FAMILIES: Registry[LossHeadFamily] = Registry("segment_linear_cross_entropy",
+                                              (tpu.LOSS_HEAD, gpu.LOSS_HEAD))
 
 
 @dataclasses.dataclass(frozen=True)
-class Family:
-    """Static configuration (a custom_vjp nondiff argument): exactly one of `tpu`, `gpu`."""
+class HeadCall:
+    """Static configuration (a custom_vjp nondiff argument): the family that runs, its tiling."""
 
-    tpu: tpu.LinearTiling | None = None
-    gpu: gpu.LinearTiling | None = None
+    family: LossHeadFamily
+    tiling: LossHeadTiling
 
 
 def block_schedule(counted: jax.Array, used: jax.Array, block: int):
@@ -44,34 +69,22 @@ def block_schedule(counted: jax.Array, used: jax.Array, block: int):
     return used.astype(jnp.int32), live.astype(jnp.int32).reshape(-1), src.reshape(-1)
 
 
-def _forward(x, w, targets, mask, meta, fam: Family):
-    if fam.gpu is not None:
-        return gpu.linear_forward(x, w, targets, mask, st=fam.gpu)
-    lse, tgt = tpu.linear_forward(x, w, targets[:, :, None], mask[:, :, None], meta, st=fam.tpu)
-    return lse[:, :, 0], tgt[:, :, 0]
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def pallas_terms(x, w, targets, mask, meta, fam: Family):
+def pallas_terms(x, w, targets, mask, meta, call: HeadCall):
     """x f[B, L, H], w f[H, V], targets i32[B, L], mask f32[B, L], meta (block_schedule) ->
     (lse, target logit) f32[B, L]."""
-    return _forward(x, w, targets, mask, meta, fam)
+    return call.family.forward(x, w, targets, mask, meta, call.tiling)
 
 
-def _pallas_terms_fwd(x, w, targets, mask, meta, fam):
-    lse, tgt = _forward(x, w, targets, mask, meta, fam)
+def _pallas_terms_fwd(x, w, targets, mask, meta, call):
+    lse, tgt = call.family.forward(x, w, targets, mask, meta, call.tiling)
     return (lse, tgt), (x, w, targets, mask, meta, lse)
 
 
-def _pallas_terms_bwd(fam, residuals, cotangents):
+def _pallas_terms_bwd(call, residuals, cotangents):
     x, w, targets, mask, meta, lse = residuals
     g_lse, g_tgt = (g.astype(jnp.float32) for g in cotangents)
-    if fam.gpu is not None:
-        dx, dw = gpu.linear_backward(x, w, targets, mask, lse, g_lse, g_tgt, st=fam.gpu)
-    else:
-        col = lambda a: a[:, :, None]  # noqa: E731
-        dx, dw = tpu.linear_backward(x, w, col(targets), col(mask), col(lse), col(g_lse),
-                                     col(g_tgt), meta, st=fam.tpu)
+    dx, dw = call.family.backward(x, w, targets, mask, meta, lse, g_lse, g_tgt, call.tiling)
     return dx, dw, None, None, tuple(None for _ in meta)
 
 

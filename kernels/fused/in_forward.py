@@ -1,5 +1,6 @@
 """The loss head's gradients computed in its forward, a chunk of tokens at a time: the "logits"
-(one chunk) and "chunked" modes of segment_linear_cross_entropy, in XLA on any backend.
+(one chunk) and "chunked" modes of segment_linear_cross_entropy, in XLA on any backend; the
+chunk is the plan's (policy.py).
 
     head   hidden f[B, L, H], weight f[H, V], segment_weights f32[B, S], targets, counted, metadata
            -> (loss f32[], per_segment_loss f32[B, S], tokens i32[B, S])
@@ -23,7 +24,7 @@ segment's tokens): "segments"; 1: "none") and `u_s` its segment weight, token i 
 never stored. The first chunk's x_c^T @ d starts dw (no zeros written and read back), a scan
 adds the others'; the first chunk takes what the scan's equal chunks leave (at most C), so no
 token is padded. Worked example, N = 1000 tokens, V = 32768, f32 logits, budget 64 MiB:
-C x V x 4 <= 64 MiB gives C <= 512 (a multiple of CHUNK_MULTIPLE); two chunks of 500 tokens
+C x V x 4 <= 64 MiB gives C <= 512 (a multiple of policy.CHUNK_MULTIPLE); two chunks of 500 tokens
 round up to 512: a first chunk of 488 tokens, then a scan over one of 512.
 
 custom_vjp with symbolic zeros: evaluated without differentiation it computes the values only;
@@ -43,7 +44,6 @@ bwd sums them over the axis first (`InForward.unchecked`).
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 
 import jax
@@ -53,88 +53,8 @@ from jax.custom_derivatives import SymbolicZero
 
 from seqpack.kernels import reference
 from seqpack.kernels.common import Normalize
-from seqpack.kernels.fused.blockwise import Blockwise, backward, varying_carry
-
-# Chunks are a multiple of this many tokens (MXU rows).
-CHUNK_MULTIPLE = 128
-# "auto" recomputes (8NHV, the kernels) when the budget allows no chunk of this many tokens:
-# smaller chunks re-read and re-write the f32 d weight [H, V] too often to beat recomputing.
-MIN_CHUNK_TOKENS = 512
-# "auto" without max_logits_bytes: this share of the device's free memory (memory_stats()
-# bytes_limit - bytes_in_use at trace time) for all a chunk holds, held_bytes a logit;
-# DEFAULT_FREE_BYTES where the backend reports none (CPU).
-BUDGET_SHARE = 2 / 3
-DEFAULT_FREE_BYTES = 1 << 30
-
-
-class LossHeadMode(enum.StrEnum):
-    """How segment_linear_cross_entropy computes the loss head (`mode=`)."""
-
-    AUTO = "auto"  # the fastest that fits max_logits_bytes (or a share of free memory)
-    LOGITS = "logits"  # all logits at once, gradients in the forward (6NHV, N x V live)
-    CHUNKED = "chunked"  # gradients in the forward over token chunks (6NHV, C x V live)
-    RECOMPUTE = "recompute"  # lse only in the forward, the backward recomputes (8-10NHV; impl=)
-
-
-def reported_free_bytes() -> int | None:
-    """bytes_limit - bytes_in_use of the first local device; None where the backend reports
-    none."""
-    try:
-        stats = jax.local_devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 (backends without memory stats raise various errors)
-        stats = None
-    if not stats or "bytes_limit" not in stats:
-        return None
-    return max(int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), 0)
-
-
-def free_device_bytes() -> int:
-    """reported_free_bytes(), DEFAULT_FREE_BYTES where the backend reports none."""
-    free = reported_free_bytes()
-    return DEFAULT_FREE_BYTES if free is None else free
-
-
-def held_bytes(itemsize: int) -> int:
-    """Bytes a chunk holds a logit, beside the f32 d weight: the logit as stored, its f32
-    softmax and its gradient (at most the stored size): what "auto" sizes its chunks by."""
-    return 2 * itemsize + 4
-
-
-def chunk_tokens(n: int, vocab: int, budget: int, least: int, itemsize: int = 4) -> int | None:
-    """Tokens per chunk: n when n x vocab logits (of itemsize bytes) fit `budget`, else the
-    chunks of at most budget balanced and rounded up to CHUNK_MULTIPLE; None when that is below
-    `least`."""
-    fit = budget // (itemsize * vocab)
-    if fit >= n:
-        return n
-    fit = fit // CHUNK_MULTIPLE * CHUNK_MULTIPLE
-    if fit < least:
-        return None
-    per_chunk = -(-n // -(-n // fit))
-    return -(-per_chunk // CHUNK_MULTIPLE) * CHUNK_MULTIPLE
-
-
-def choose(mode: LossHeadMode, n: int, vocab: int, max_logits_bytes: int | None,
-           itemsize: int = 4) -> tuple[LossHeadMode, int | None]:
-    """(the mode to run, its chunk) for n tokens and this shard's vocab columns, logits of
-    itemsize bytes: max_logits_bytes bounds the stored logits; without it, BUDGET_SHARE of the
-    free memory bounds all a chunk holds (held_bytes a logit)."""
-    if mode is LossHeadMode.RECOMPUTE:
-        return mode, None
-    if mode is LossHeadMode.LOGITS:
-        return mode, n
-    if max_logits_bytes is not None:
-        budget, per_logit = max_logits_bytes, itemsize
-    else:
-        budget, per_logit = int(free_device_bytes() * BUDGET_SHARE), held_bytes(itemsize)
-    if mode is LossHeadMode.CHUNKED:  # forced: the budget's chunk, at least one multiple
-        chunk = chunk_tokens(n, vocab, max(budget, per_logit * vocab * CHUNK_MULTIPLE),
-                             CHUNK_MULTIPLE, per_logit)
-        return mode, chunk
-    chunk = chunk_tokens(n, vocab, budget, min(MIN_CHUNK_TOKENS, n), per_logit)
-    if chunk is None:
-        return LossHeadMode.RECOMPUTE, None
-    return (LossHeadMode.LOGITS if chunk == n else LossHeadMode.CHUNKED), chunk
+from seqpack.kernels.fused.blockwise import backward, counted_rows, varying_carry, vocab_tiling
+from seqpack.kernels.tpu import LinearCrossEntropyBlockSizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +70,8 @@ class InForward:
     # count (autodiff's psums restore them; gradients formed in the forward meet none): bwd
     # sums them over vocab_axis first
     unchecked: bool = False
-    fallback_block_vocab: int = 512  # the recomputing backward of per_segment_loss cotangents
+    # the recomputing backward of per_segment_loss cotangents (the XLA path's vocab block)
+    fallback_block_vocab: int = LinearCrossEntropyBlockSizes.block_vocab
     logits_dtype: str = "float32"  # a chunk's logits as stored (rounded once, behind a barrier)
     weight_grad_dtype: str = "float32"  # d weight as carried over the chunks
 
@@ -163,12 +84,17 @@ def loss_scale(tokens: jax.Array, normalize: Normalize) -> jax.Array:  # i32[B, 
     return jax.grad(norm)(jnp.zeros(tokens.shape, jnp.float32))
 
 
-def finish(lse, tgt, counted, segment_weights, offsets, lengths, *, normalize, z_loss):
-    """Per-token (lse, target logit) f32[B, L] -> (loss, per_segment_loss, tokens): every mode's
-    last step (plain jnp; the recompute mode differentiates through it)."""
+def segment_tokens(counted, offsets, lengths) -> jax.Array:  # bool[B, L] -> i32[B, S]
+    """Each slot's counted tokens (the per_segment_tokens output, the normalization's count)."""
+    return reference.segment_sum(counted.astype(jnp.int32), offsets, lengths)
+
+
+def finish(lse, tgt, counted, tokens, segment_weights, offsets, lengths, *, normalize, z_loss):
+    """Per-token (lse, target logit) f32[B, L], tokens (segment_tokens) -> (loss,
+    per_segment_loss, tokens): every mode's last step (plain jnp; the recompute mode
+    differentiates through it)."""
     token_loss = jnp.where(counted, lse - tgt + z_loss * lse * lse, 0.0)
     per_segment_loss = reference.segment_sum(token_loss, offsets, lengths)
-    tokens = reference.segment_sum(counted.astype(jnp.int32), offsets, lengths)
     weighted = per_segment_loss if segment_weights is None else segment_weights * per_segment_loss
     return reference.normalize_loss(weighted, tokens, normalize), per_segment_loss, tokens
 
@@ -224,7 +150,7 @@ def _sweep(cfg: InForward, hidden, weight, targets, counted, coef, want_dx=False
 
     batch, seq_len, dim = hidden.shape
     n, chunk = batch * seq_len, cfg.chunk
-    x = jnp.where(counted[:, :, None], hidden, jnp.zeros((), hidden.dtype)).reshape(n, dim)
+    x = counted_rows(hidden, counted)
     t, c = targets.reshape(n), jnp.where(counted, coef, 0.0).reshape(n)
     chunks = -(-n // chunk)
     first = n - (chunks - 1) * chunk  # in (0, chunk]: chunk is at least n / chunks
@@ -251,32 +177,32 @@ def _sweep(cfg: InForward, hidden, weight, targets, counted, coef, want_dx=False
     return lse, tgt, dx, None if dw is None else dw.astype(weight.dtype)
 
 
-def _coefficients(segment_weights, counted, offsets, lengths, normalize):
-    """(tokens i32[B, S], a_s f32[B, S], c_i f32[B, L])."""
-    tokens = reference.segment_sum(counted.astype(jnp.int32), offsets, lengths)
+def _coefficients(tokens, segment_weights, counted, offsets, lengths, normalize):
+    """tokens i32[B, S] -> (a_s f32[B, S], c_i f32[B, L])."""
     scale = loss_scale(tokens, normalize)
     per_token = reference.segment_broadcast(segment_weights * scale, offsets, lengths,
                                             seq_len=counted.shape[1])
-    return tokens, scale, jnp.where(counted, per_token, 0.0)
+    return scale, jnp.where(counted, per_token, 0.0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def head(cfg: InForward, hidden, weight, segment_weights, targets, counted, offsets, lengths):
     """-> (loss, per_segment_loss, tokens); targets already this shard's (vocab_axis)."""
     lse, tgt, _, _ = _sweep(cfg, hidden, weight, targets, counted, jnp.zeros(counted.shape))
-    return finish(lse, tgt, counted, segment_weights, offsets, lengths,
-                  normalize=cfg.normalize, z_loss=cfg.z_loss)
+    return finish(lse, tgt, counted, segment_tokens(counted, offsets, lengths), segment_weights,
+                  offsets, lengths, normalize=cfg.normalize, z_loss=cfg.z_loss)
 
 
 def _head_fwd(cfg, hidden, weight, segment_weights, targets, counted, offsets, lengths):
     want_dx, want_dw = hidden.perturbed, weight.perturbed
     hidden, weight, segment_weights, targets, counted, offsets, lengths = (
         a.value for a in (hidden, weight, segment_weights, targets, counted, offsets, lengths))
-    tokens, scale, coef = _coefficients(segment_weights, counted, offsets, lengths,
-                                        cfg.normalize)
+    tokens = segment_tokens(counted, offsets, lengths)
+    scale, coef = _coefficients(tokens, segment_weights, counted, offsets, lengths,
+                                cfg.normalize)
     lse, tgt, dx, dw = _sweep(cfg, hidden, weight, targets, counted, coef, want_dx, want_dw)
-    out = finish(lse, tgt, counted, segment_weights, offsets, lengths, normalize=cfg.normalize,
-                 z_loss=cfg.z_loss)
+    out = finish(lse, tgt, counted, tokens, segment_weights, offsets, lengths,
+                 normalize=cfg.normalize, z_loss=cfg.z_loss)
     return out, (dx, dw, scale, out[1], hidden, weight, targets, counted, offsets, lengths, lse)
 
 
@@ -297,16 +223,14 @@ def _head_bwd(cfg, residuals, cotangents):
         d_weight = None if dw is None else _scaled(dw, g_loss)
         d_segw = g_loss * scale * per_segment_loss
     if not isinstance(g_seg, SymbolicZero):  # recompute: sum g_seg[s] per_segment_loss[s]
-        batch, seq_len, dim = hidden.shape
+        batch, seq_len = hidden.shape[:2]
         g_tok = jnp.where(counted, reference.segment_broadcast(
             g_seg.astype(jnp.float32), offsets, lengths, seq_len=seq_len), 0.0)
-        x = jnp.where(counted[:, :, None], hidden, jnp.zeros((), hidden.dtype))
         flat = lambda a: a.reshape(batch * seq_len)  # noqa: E731
-        st = Blockwise(min(cfg.fallback_block_vocab, -(-weight.shape[1] // 128) * 128),
-                       cfg.softcap)
-        rx, rw = backward(x.reshape(-1, dim), weight.astype(hidden.dtype), flat(targets),
-                          flat(lse), flat(g_tok * (1.0 + 2.0 * cfg.z_loss * lse)), flat(-g_tok),
-                          st)
+        st = vocab_tiling(cfg.fallback_block_vocab, weight.shape[1], cfg.softcap)
+        rx, rw = backward(counted_rows(hidden, counted), weight.astype(hidden.dtype),
+                          flat(targets), flat(lse), flat(g_tok * (1.0 + 2.0 * cfg.z_loss * lse)),
+                          flat(-g_tok), st)
         rx, rw = rx.reshape(hidden.shape), rw.astype(weight.dtype)
         d_hidden = rx if d_hidden is None else d_hidden + rx
         d_weight = rw if d_weight is None else d_weight + rw

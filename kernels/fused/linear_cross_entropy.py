@@ -3,12 +3,14 @@
     segment_linear_cross_entropy   hidden f[B, L, H], weight f[H, V], targets i32[B, L]
                                    -> (loss, per-segment loss sums f32[B, S], tokens i32[B, S])
 
-equal to `segment_cross_entropy(hidden @ weight, ...)` without storing logits. `mode` (chosen by
-`max_logits_bytes`, in_forward.choose): "logits" and "chunked" form the gradients in the forward
-(in_forward.py); "recompute" returns each token's log-sum-exp and target logit from the chosen
-implementation (blockwise.py on XLA, the Mosaic or Triton kernels), and the backward recomputes
-the logits block by block. Everything after that is plain jnp on `[B, L]` and `[B, S]` values
-(in_forward.finish), so its gradient comes from autodiff:
+equal to `segment_cross_entropy(hidden @ weight, ...)` without storing logits. The public
+function checks its inputs, takes the plan (policy.loss_head_plan: the mode and chunk for the
+size and `max_logits_bytes`) and runs one of two paths: `_in_forward` ("logits" and "chunked",
+the gradients formed in the forward: in_forward.py) or `_recompute`, which returns each token's
+log-sum-exp and target logit from the chosen implementation (blockwise.py on XLA, the Mosaic or
+Triton kernels) and whose backward recomputes the logits block by block. Everything after that
+is plain jnp on `[B, L]` and `[B, S]` values (in_forward.finish), so its gradient comes from
+autodiff:
 
     token loss      lse - target logit + z_loss * lse^2      (counted tokens only)
     per segment     sums over each slot's counted tokens     (reference.segment_sum)
@@ -26,51 +28,31 @@ the one of `hidden` is summed over the shards by the transpose of `pcast(..., to
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqpack.kernels import gpu, reference, tpu
-from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata
-from seqpack.kernels.common import (
-    GpuBlockSizes,
-    Impl,
-    Interpret,
-    Normalize,
-    check_multiple,
-    parse_enum,
-    resolve,
-    tile,
-    token_block,
+from seqpack.kernels import reference
+from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata, float_dtype
+from seqpack.kernels.common import GpuBlockSizes, Impl, Interpret, Normalize, parse_enum
+from seqpack.kernels.fused.blockwise import counted_rows, token_terms, varying_axes, vocab_tiling
+from seqpack.kernels.fused.families import (
+    FAMILIES,
+    HeadCall,
+    LossHeadFamily,
+    block_schedule,
+    pallas_terms,
 )
-from seqpack.kernels.fused.blockwise import Blockwise, token_terms, varying_axes
-from seqpack.kernels.fused.families import Family, block_schedule, pallas_terms
-from seqpack.kernels.fused.in_forward import InForward, LossHeadMode, choose, finish, head
+from seqpack.kernels.fused.in_forward import InForward, finish, head, segment_tokens
+from seqpack.kernels.fused.policy import LossHeadMode, loss_head_plan
 from seqpack.kernels.metadata import row_ends
+from seqpack.kernels.tpu import LinearCrossEntropyBlockSizes
 
 
-@dataclasses.dataclass(frozen=True)
-class LinearCrossEntropyBlockSizes:
-    """Block sizes of the fused loss head (the XLA path reads only block_vocab).
-
-    block_vocab = 512 columns: at N = 16k tokens an f32 `[N, 512]` logits block is 32 MiB, small
-    next to the 2 GiB of logits at V = 32k, and each matmul stays large enough for the MXU.
-    block_tokens = 256 rows (the Pallas kernels' token block). Multiples of 128 and 16.
-    """
-
-    block_tokens: int = 256
-    block_vocab: int = 512
-
-    def __post_init__(self) -> None:
-        check_multiple("block_tokens", self.block_tokens, 16, " (bf16 tile rows)")
-        check_multiple("block_vocab", self.block_vocab, 128, " (lanes)")
-
-
-def _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask, z_loss,
-           logit_softcap) -> int:
+def _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask,
+           segment_weights, z_loss, logit_softcap) -> int:
     for name, arr, ndim in (("hidden", hidden, 3), ("weight", weight, 2)):
         if arr.ndim != ndim or jnp.dtype(arr.dtype) not in FLOAT_DTYPES:
             want = "[B, L, H]" if ndim == 3 else "[H, V]"
@@ -88,6 +70,9 @@ def _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask,
                          f"[B, L] = {list(hidden.shape[:2])} (ids in [0, V), or -100: ignored)")
     if loss_mask is not None and loss_mask.shape != hidden.shape[:2]:
         raise ValueError(f"loss_mask.shape={loss_mask.shape} must be [B, L] like targets")
+    if segment_weights is not None and segment_weights.shape != segment_offsets.shape:
+        raise ValueError(f"segment_weights.shape={segment_weights.shape} must be [B, S] like "
+                         f"segment_offsets {segment_offsets.shape}")
     if not z_loss >= 0.0:
         raise ValueError(f"{z_loss=} must be >= 0 (typical: 1e-4)")
     if logit_softcap is not None and not logit_softcap > 0.0:
@@ -101,45 +86,18 @@ def _counted(targets, segment_offsets, segment_lengths, loss_mask) -> jax.Array:
     return counted if loss_mask is None else counted & (loss_mask != 0)
 
 
-def _local_terms(hidden, weight, targets, counted, offsets, lengths, *, impl: Impl, blocks,
-                 softcap, interpret):
-    """This shard's per-token (lse, target logit), f32[B, L] each."""
+def _local_terms(hidden, weight, targets, counted, offsets, lengths, *,
+                 family: LossHeadFamily | None, blocks, softcap, interpret):
+    """This shard's per-token (lse, target logit), f32[B, L] each; family None: the XLA path."""
     batch, seq_len, dim = hidden.shape
-    if impl is Impl.REFERENCE:
-        x = jnp.where(counted[:, :, None], hidden, jnp.zeros((), hidden.dtype))
-        st = Blockwise(min(blocks.block_vocab, -(-weight.shape[1] // 128) * 128), softcap)
-        lse, tgt = token_terms(x.reshape(-1, dim), weight, targets.reshape(-1), st)
+    if family is None:
+        st = vocab_tiling(blocks.block_vocab, weight.shape[1], softcap)
+        lse, tgt = token_terms(counted_rows(hidden, counted), weight, targets.reshape(-1), st)
         return lse.reshape(batch, seq_len), tgt.reshape(batch, seq_len)
-    vocab = weight.shape[1]
-    if impl is Impl.PALLAS_GPU:
-        fam = Family(gpu=gpu.LinearTiling(
-            seq_len, vocab, max(tile(seq_len, blocks.head_block_tokens), 16),
-            max(tile(vocab, blocks.head_block_vocab), 16), softcap,
-            block_hidden=max(tile(dim, blocks.head_block_hidden), 16),
-            num_warps=blocks.num_warps, interpret=bool(interpret)))
-        bl = fam.gpu.block_tokens
-    else:
-        bl = token_block(seq_len, blocks.block_tokens, 16)
-        bv = vocab if vocab <= blocks.block_vocab else blocks.block_vocab
-        fam = Family(tpu=tpu.LinearTiling(seq_len, vocab, bl, bv, softcap, interpret=interpret))
-    meta = block_schedule(counted, row_ends(offsets, lengths, seq_len), bl)
-    return pallas_terms(hidden, weight, targets, counted.astype(jnp.float32), meta, fam)
-
-
-def _check_options(segment_weights, segment_offsets, max_logits_bytes) -> None:
-    if segment_weights is not None and segment_weights.shape != segment_offsets.shape:
-        raise ValueError(f"segment_weights.shape={segment_weights.shape} must be [B, S] like "
-                         f"segment_offsets {segment_offsets.shape}")
-    if max_logits_bytes is not None and max_logits_bytes <= 0:
-        raise ValueError(f"{max_logits_bytes=} must be a positive byte count or None")
-
-
-def _float_dtype(name: str, value, default) -> jnp.dtype:
-    """An option's dtype (None: default), a ValueError naming it unless a float one."""
-    dtype = jnp.dtype(value or default)
-    if dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{name}={dtype} must be float32, bfloat16 or float16")
-    return dtype
+    tiling = family.tiling(seq_len, weight.shape[1], dim, blocks, softcap, interpret)
+    meta = block_schedule(counted, row_ends(offsets, lengths, seq_len), tiling.block_tokens)
+    return pallas_terms(hidden, weight, targets, counted.astype(jnp.float32), meta,
+                        HeadCall(family, tiling))
 
 
 def _shard(hidden, weight, targets, axis: str):
@@ -162,6 +120,41 @@ def _vocab_parallel_terms(hidden, weight, targets, counted, axis: str, terms):
     m = lax.pmax(lax.stop_gradient(lse_s), axis)
     lse = m + jnp.log(lax.psum(jnp.exp(lse_s - m), axis))
     return lse, lax.psum(tgt_s, axis)
+
+
+def _in_forward(hidden, weight, targets, offsets, lengths, counted, segment_weights, *,
+                chunk: int, blocks, normalize, z_loss, softcap, vocab_axis, logits_dtype: str,
+                weight_grad_dtype: str):
+    """The "logits" and "chunked" modes: in_forward.head over chunks of `chunk` tokens, with this
+    shard's targets (vocab_axis); a float32 master weight is passed as is (head casts it).
+    `blocks`' block_vocab tiles the recomputing backward of per_segment_loss cotangents."""
+    local = targets
+    if vocab_axis is not None:
+        hidden, local = _shard(hidden, weight, targets, vocab_axis)
+    weights = (jnp.ones(offsets.shape, jnp.float32) if segment_weights is None
+               else segment_weights.astype(jnp.float32))
+    # pcast left hidden invariant: shard_map(check_vma=False), cotangents divided
+    unchecked = vocab_axis is not None and vocab_axis not in varying_axes(hidden)
+    block_vocab = getattr(blocks, "block_vocab", LinearCrossEntropyBlockSizes.block_vocab)
+    cfg = InForward(chunk, normalize, float(z_loss), softcap, vocab_axis, unchecked, block_vocab,
+                    logits_dtype, weight_grad_dtype)
+    return head(cfg, hidden, weight, weights, local, counted, offsets, lengths)
+
+
+def _recompute(hidden, weight, targets, offsets, lengths, counted, segment_weights, *,
+               family: LossHeadFamily | None, blocks, softcap, interpret, normalize, z_loss,
+               vocab_axis):
+    """The "recompute" mode: per-token terms from the family (None: the XLA path), combined over
+    vocab_axis, then in_forward.finish, differentiated by autodiff."""
+    weight = weight.astype(hidden.dtype)  # a float32 master weight: its gradient through the cast
+    terms = functools.partial(_local_terms, offsets=offsets, lengths=lengths, family=family,
+                              blocks=blocks, softcap=softcap, interpret=interpret)
+    if vocab_axis is None:
+        lse, tgt = terms(hidden, weight, targets, counted)
+    else:
+        lse, tgt = _vocab_parallel_terms(hidden, weight, targets, counted, vocab_axis, terms)
+    return finish(lse, tgt, counted, segment_tokens(counted, offsets, lengths), segment_weights,
+                  offsets, lengths, normalize=normalize, z_loss=z_loss)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -199,7 +192,8 @@ def segment_linear_cross_entropy(
     gradients in the forward), "chunked" (the same over token chunks whose logits fit
     `max_logits_bytes`), "recompute" (the backward recomputes), "auto": the first of those that
     fits `max_logits_bytes` (the stored logits' bytes; None: two thirds of the device's free
-    memory for all a chunk holds, its logits, their f32 softmax and gradient; in_forward.py).
+    memory for all a chunk holds, its logits, their f32 softmax and gradient): what
+    `loss_head_plan` returns for the same size and options.
     In "logits" and "chunked": `logits_dtype`, the dtype the logits are stored in (None: the
     inputs'; each rounded once, as materialized logits are; a budget holds twice as many bf16
     as f32), and `weight_grad_dtype`, the one d weight is carried in over the chunks (None:
@@ -210,40 +204,25 @@ def segment_linear_cross_entropy(
     axis the vocabulary is sharded over (inside shard_map).
     """
     normalize = parse_enum(Normalize, "normalize", normalize)
-    mode = parse_enum(LossHeadMode, "mode", mode)
-    _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask, z_loss,
-           logit_softcap)
-    _check_options(segment_weights, segment_offsets, max_logits_bytes)
-    impl, blocks = resolve(impl, interpret, block_sizes, LinearCrossEntropyBlockSizes,
-                           "segment_linear_cross_entropy")
-    if impl is Impl.REFERENCE:  # the XLA path reads block_vocab alone, of either class
+    _check(hidden, weight, targets, segment_offsets, segment_lengths, loss_mask, segment_weights,
+           z_loss, logit_softcap)
+    stored = float_dtype("logits_dtype", hidden.dtype if logits_dtype is None else logits_dtype)
+    carry = float_dtype("weight_grad_dtype",
+                        jnp.float32 if weight_grad_dtype is None else weight_grad_dtype)
+    plan = loss_head_plan(hidden.shape[0] * hidden.shape[1], weight.shape[1], mode=mode,
+                          max_logits_bytes=max_logits_bytes, logits_dtype=stored)
+    family, blocks = FAMILIES.resolve(impl, interpret, block_sizes)
+    if family is None:  # the XLA path reads block_vocab alone, of either class
         blocks = block_sizes or LinearCrossEntropyBlockSizes()
     targets = targets.astype(jnp.int32)
     counted = _counted(targets, segment_offsets, segment_lengths, loss_mask)
+    data = (hidden, weight, targets, segment_offsets, segment_lengths, counted, segment_weights)
     softcap = None if logit_softcap is None else float(logit_softcap)
-    logits_dtype = _float_dtype("logits_dtype", logits_dtype, hidden.dtype)
-    weight_grad_dtype = _float_dtype("weight_grad_dtype", weight_grad_dtype, jnp.float32)
-    mode, chunk = choose(mode, hidden.shape[0] * hidden.shape[1], weight.shape[1],
-                         max_logits_bytes, logits_dtype.itemsize)
-    if mode is not LossHeadMode.RECOMPUTE:  # a float32 master weight: in_forward casts it
-        local = targets
-        if vocab_axis is not None:
-            hidden, local = _shard(hidden, weight, targets, vocab_axis)
-        weights = (jnp.ones(segment_offsets.shape, jnp.float32) if segment_weights is None
-                   else segment_weights.astype(jnp.float32))
-        # pcast left hidden invariant: shard_map(check_vma=False), cotangents divided
-        unchecked = vocab_axis is not None and vocab_axis not in varying_axes(hidden)
-        cfg = InForward(chunk, normalize, float(z_loss), softcap, vocab_axis, unchecked,
-                        getattr(blocks, "block_vocab", 512), logits_dtype.name,
-                        weight_grad_dtype.name)
-        return head(cfg, hidden, weight, weights, local, counted, segment_offsets,
-                    segment_lengths)
-    weight = weight.astype(hidden.dtype)  # a float32 master weight: its gradient through the cast
-    terms = functools.partial(_local_terms, offsets=segment_offsets, lengths=segment_lengths,
-                              impl=impl, blocks=blocks, softcap=softcap, interpret=interpret)
-    if vocab_axis is None:
-        lse, tgt = terms(hidden, weight, targets, counted)
-    else:
-        lse, tgt = _vocab_parallel_terms(hidden, weight, targets, counted, vocab_axis, terms)
-    return finish(lse, tgt, counted, segment_weights, segment_offsets, segment_lengths,
-                  normalize=normalize, z_loss=z_loss)
+    if plan.mode is LossHeadMode.RECOMPUTE:
+        return _recompute(*data, family=family, blocks=blocks, softcap=softcap,
+                          interpret=interpret, normalize=normalize, z_loss=z_loss,
+                          vocab_axis=vocab_axis)
+    assert plan.chunk_tokens is not None  # LOGITS and CHUNKED have a chunk
+    return _in_forward(*data, chunk=plan.chunk_tokens, blocks=blocks, normalize=normalize,
+                       z_loss=z_loss, softcap=softcap, vocab_axis=vocab_axis,
+                       logits_dtype=stored.name, weight_grad_dtype=carry.name)

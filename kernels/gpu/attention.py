@@ -194,7 +194,7 @@ def _call(kernel, grid, out_shapes, cfg: AttentionConfig, name: str, *args):
     batch, heads, blocks = grid
     if cfg.count_visits:
         out_shapes = [*out_shapes, jax.ShapeDtypeStruct((batch, heads, blocks), jnp.int32)]
-    num_warps, num_stages = cfg.gpu or (4, 2)
+    num_warps, num_stages = cfg.triton or (4, 2)
     out_shapes = varying_like(out_shapes, *args)  # inside shard_map (context parallelism)
     return triton_call(functools.partial(kernel, cfg=cfg), out_shape=out_shapes, grid=grid,
                        num_warps=num_warps, num_stages=num_stages, interpret=cfg.interpret,

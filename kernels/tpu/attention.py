@@ -25,9 +25,13 @@ every segment (padding, and the undefined rows past L of a partial block) are ze
 every segment) and the f32 logsumexp `m + log l` the backward needs (MASK_VALUE for a row that
 saw no key: a ring step of context parallelism merges partial results by it).
 
-Layout: heads ride in the lane dimension when D % 128 == 0 (q [B, L, H * D] by a free reshape,
-block (bq, D) at lane block h); otherwise q, k, v are transposed to [B, H, L, D] (a copy).
-Grouped-query heads: query head h reads key/value head h // (H / K).
+Layout (`cfg.operand`): the kernels read q, k, v as [B, H, L, D] blocks (bq, D) of head h.
+Operands passed so ("bhld") are read as they are; by default (AttentionBlockSizes.head_major)
+kernels/attention.py transposes [B, L, H, D] operands to it outside the custom VJP, where XLA
+can fuse the transpose into the neighbouring ops. With head_major=False, [B, L, H, D] operands
+have their heads folded into lanes when D % 128 == 0 (q [B, L, H * D], a free reshape; block
+(bq, D) at lane block h), else are transposed here. Grouped-query heads: query head h reads
+key/value head h // (H / K).
 """
 
 from __future__ import annotations

@@ -60,9 +60,11 @@ from seqpack.kernels.tpu.attention import (
     to_kernel,
 )
 
-# The fused backward keeps dq resident where it takes at most FUSED_VMEM_SHARE of the core's
-# VMEM (a TPU v5e's 128 MiB: 6 query heads of 128 over 8,192 bf16 rows, or 1 over 32,768) and
-# asks for VMEM_LIMIT_SHARE of it; DEFAULT_VMEM_BYTES where no TPU is attached (interpret mode).
+# The fused backward runs where its resident dq (`fused_vmem_bytes`) takes at most
+# FUSED_VMEM_SHARE of the core's VMEM, leaving the rest to the pipelined blocks, and asks for
+# VMEM_LIMIT_SHARE of it as its scoped limit; DEFAULT_VMEM_BYTES stands for the capacity where
+# no TPU is attached (interpret mode). The fused backward's measurements: benchmarks/README.md
+# ("On the chip", fourth session).
 FUSED_VMEM_SHARE = 3 / 8
 VMEM_LIMIT_SHARE = 3 / 4
 DEFAULT_VMEM_BYTES = 128 << 20

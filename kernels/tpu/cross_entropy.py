@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from seqpack.kernels.common import Interpret, last_used_block
+from seqpack.kernels.common import Interpret
+from seqpack.kernels.tpu.segment_ops import last_used_block
 
 
 @dataclasses.dataclass(frozen=True)

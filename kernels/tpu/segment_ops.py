@@ -1,9 +1,24 @@
 """Pallas TPU kernels of the per-segment ops: reduce (sum / max over a segment) and broadcast.
 
+Both kernels walk a row of `L` tokens in blocks of `block_tokens` and, for
+each segment `j` (`segment_offsets[j]`, `segment_lengths[j]` read from SMEM), clips the segment to
+the block. Worked example, `block_tokens = 8`, block `t = 1` covers positions 8..15:
+
+    segment   offset  length   [start, end)   clipped to block 1   local [lo, hi)
+    0         0       5        [0, 5)         empty                 lo=0 hi=0  (skipped)
+    1         8       6        [8, 14)        [8, 14)               lo=0 hi=6
+    2         16      3        [16, 19)       empty                 lo=8 hi=8  (skipped)
+
+Inside a block, the rows `[lo, hi)` are visited in aligned chunks of `chunk` rows
+(`pl.ds(pl.multiple_of(c * chunk, chunk), chunk)`), and an `iota` mask keeps exactly the rows of the
+segment (and below the array's true length `L`, so the undefined tail of a partial last block never
+enters a reduction). Integer division uses `lax.div` on values known to be non-negative: `//`
+lowers through `sign`, which the Mosaic lowering cannot resolve without a TPU attached.
+
 Reduce, grid `(B, D / bd, L / bl)`, semantics `("parallel", "parallel", "arbitrary")`. Offsets,
 lengths and each row's used length (`metadata.row_ends`) are scalar-prefetched into SMEM. At
 token block `t` the kernel walks the S slots, clips each segment to the block
-(`common.block_interval`) and reads only the chunks it covers with `pl.ds(start, chunk)` at a
+(`block_interval`) and reads only the chunks it covers with `pl.ds(start, chunk)` at a
 chunk-aligned start; an iota mask keeps the segment's rows. The per-row accumulator is the
 `[S, 1, bd]` output block itself, resident across the trailing "arbitrary" token axis, indexed on
 its leading (untiled) axis by the slot `j`.
@@ -25,7 +40,7 @@ the cross-entropy (per-segment cotangents become per-token weights), and of the 
 one-token "segments" at the gathered positions). Public as `kernels.segment_broadcast`.
 
 Its grid `(B, D / bd, L / bl)` is all "parallel": every output block is written exactly once. A
-block is zeroed, then for each slot `j` clipped to it (`common.block_interval`) the covered chunks
+block is zeroed, then for each slot `j` clipped to it (`block_interval`) the covered chunks
 are read-modified-written with `pl.ds(start, chunk)` and an iota mask, so neighbouring segments
 that share a chunk keep each other's rows. The `[S, 1, bd]` values block of a row stays in VMEM.
 
@@ -52,19 +67,45 @@ from seqpack.kernels.common import (
     LANES,
     Mode,
     SegmentCall,
-    block_interval,
-    cdiv_nonneg,
-    chunk_mask,
     feature_block,
-    last_used_block,
     token_block,
 )
+
+
+def cdiv_nonneg(a: jax.Array, b: int) -> jax.Array:
+    """ceil(a / b) for a >= 0, without the `sign` op `//` lowers through."""
+    return lax.div(a + (b - 1), b)
+
+
+def block_interval(
+    offset: jax.Array, length: jax.Array, base: jax.Array, block: int, bound: int
+) -> tuple[jax.Array, jax.Array]:
+    """Segment [offset, offset + length) clipped to the block [base, base + block) and [0, bound).
+
+    Returns block-local `lo, hi` in [0, block]; the block holds rows of the segment iff hi > lo.
+    """
+    start = jnp.maximum(offset, base)
+    end = jnp.minimum(jnp.minimum(offset + length, bound), base + block)
+    lo = jnp.clip(start - base, 0, block)
+    hi = jnp.clip(end - base, 0, block)
+    return lo, hi
+
+
+def last_used_block(ends_ref, row: jax.Array, block: int):
+    """Index of the last token block holding any segment token (0 for an empty row)."""
+    return jnp.maximum(cdiv_nonneg(ends_ref[row], block) - 1, 0)
+
+
+def chunk_mask(start: jax.Array, lo: jax.Array, hi: jax.Array, shape: tuple[int, int]) -> jax.Array:
+    """Rows `start + i` of a chunk that fall inside the block-local interval [lo, hi)."""
+    pos = start + lax.broadcasted_iota(jnp.int32, shape, 0)
+    return (pos >= lo) & (pos < hi)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Walk:
     """How both kernels walk a row: its S slots, clipped to token blocks of `block_tokens` rows,
-    each read in aligned chunks of `chunk` rows (common.py's worked example)."""
+    each read in aligned chunks of `chunk` rows (the module's first worked example)."""
 
     num_segments: int
     seq_len: int
@@ -80,7 +121,7 @@ class _Walk:
     def segments(self, offsets_ref, lengths_ref, row, base,
                  body: Callable[[jax.Array, jax.Array, jax.Array], None]) -> None:
         """body(j, lo, hi) for every slot j of `row` holding rows of the token block that starts
-        at `base`; [lo, hi) is block-local (common.block_interval)."""
+        at `base`; [lo, hi) is block-local (block_interval)."""
 
         def segment(j, carry):
             idx = row * self.num_segments + j

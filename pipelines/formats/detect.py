@@ -133,9 +133,11 @@ def sniff_format(path: str, *, name: str | None = None) -> str:
     if b"\0" not in head and _utf8_prefix(head):
         return "text"
     what = f"{kind}-compressed data" if kind else "content"
+    bin_hint = " (a Megatron .bin: name its .idx, or pass input_format='megatron')" \
+        if name.lower().endswith(".bin") else ""
     raise InputError(f"{name}: cannot tell the input format from the name or the {what} (not "
                      f"Parquet, Arrow, ArrayRecord, NumPy, a Megatron index, JSONL or UTF-8 "
-                     f"text); {_HINT}")
+                     f"text){bin_hint}; {_HINT}")
 
 
 def _utf8_prefix(head: bytes) -> bool:

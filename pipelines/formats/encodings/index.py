@@ -364,13 +364,15 @@ class _Groups:
             lo, hi = int(chunk.offsets[0]), int(chunk.offsets[-1])
             os.makedirs(self.disk, exist_ok=True)
             tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
+            held: dict[str, Any] = {"values": chunk.values[lo:hi], "offsets": chunk.offsets - lo}
+            held.update((k, chunk.extra_values[n][lo:hi]) for k, n in zip(names, self.extra))
+            save: Any = np.savez  # uncompressed: mapped in place
             with open(tmp, "wb") as f:
-                np.savez(f, values=chunk.values[lo:hi], offsets=chunk.offsets - lo,
-                         **{k: chunk.extra_values[n][lo:hi] for k, n in zip(names, self.extra)})
+                save(f, **held)
             os.replace(tmp, path)
-        held = arrays.TokenArrays(path, "npz", "values", names)
-        return Chunk(held.values, held.offsets, 0,
-                     extra_values={n: held.aligned[k] for k, n in zip(names, self.extra)})
+        mapped = arrays.TokenArrays(path, "npz", "values", names)
+        return Chunk(mapped.values, mapped.offsets, 0,
+                     extra_values={n: mapped.aligned[k] for k, n in zip(names, self.extra)})
 
     def example(self, i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         g = int(np.searchsorted(self.cum, i, side="right")) - 1
