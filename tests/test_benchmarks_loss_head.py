@@ -23,6 +23,7 @@ def test_benchmark_smoke():
     assert all(r["need"] is None for r in rows.values())  # no --need (and no CPU statistics)
 
 
+@pytest.mark.slow  # ~7-11 s on 2 cores: the README's run stays short
 def test_benchmark_reads_a_float32_master_weight():
     """--weight-dtype float32 beside bf16 hidden: every path takes the f32 weight (read cast to
     bf16, as MaxText's layers) and agrees with materialized logits within bf16 rounding, the

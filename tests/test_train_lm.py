@@ -20,6 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAST = ["--smoke", "--attention", "reference", "--layers", "1", "--pipeline-batches", "2"]
 
 
+@pytest.mark.slow  # ~7-11 s on 2 cores: the README's run stays short
 def test_smoke_save_resume_same_losses(tmp_path):
     whole = train_lm.run([*FAST, "--steps", "6"])
     assert len(whole["losses"]["packed"]) == 6 and whole["pipeline"]["batches_per_s"] > 0

@@ -29,6 +29,7 @@ def _rows(out: str) -> dict[str, list[str]]:
             for line in out.splitlines() if line.startswith("| ") and "ms / step" not in line}
 
 
+@pytest.mark.slow  # ~7-11 s on 2 cores: the README's run stays short
 def test_smoke_times_maxtexts_way_and_seqpack_on_the_same_rows(corpus, capsys):
     train_step.main(["--smoke", "--data", str(corpus), "--variants", "maxtext,seqpack"])
     rows = _rows(capsys.readouterr().out)
