@@ -170,3 +170,21 @@ def test_token_array_source_packs_online(tmp_path):
     assert packed == 2 * sum(len(s) for s in seqs)
     with pytest.raises(InputError, match="not a token array by its name"):
         TokenArraySource(str(tmp_path / "x.parquet"))
+
+
+@pytest.mark.slow  # two packs of 12.9M tokens, every row read back (~20 s)
+def test_real_corpora_by_reference_are_the_copy(tmp_path):
+    """The shared real corpora (../shared/data: .npz of tokens and offsets, read as they are):
+    every row of the index bit for bit the copy's row; skipped where the folder is absent."""
+    pytest.importorskip("array_record.python.array_record_module")
+    data = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+    inputs = [os.path.join(data, n) for n in ("chat_dev.npz", "gsm8k_train.npz")]
+    if not all(os.path.isfile(p) for p in inputs):
+        pytest.skip("../shared/data holds no chat_dev.npz / gsm8k_train.npz here")
+    args = ["--seq-len", 2048, "--overflow", "split", "--shard-rows", 1024]
+    invoke("pack", *inputs, "-o", tmp_path / "rows", *args)
+    invoke("pack", *inputs, "-o", tmp_path / "index", *args, "--format", "index")
+    copy, index = _rows(tmp_path / "rows"), _rows(tmp_path / "index")
+    assert sorted(copy) == sorted(index) and len(copy["tokens"]) > 5000
+    for k in copy:
+        assert copy[k].dtype == index[k].dtype and np.array_equal(copy[k], index[k]), k
