@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import DATA, print_table
+from benchmarks.common import BLOCK_OPTIONS, DATA, attention_blocks, print_table
 from benchmarks.kernels_bench import time_call
 from seqpack import kernels
 from seqpack.kernels import attention_schedule as sched
@@ -159,29 +159,17 @@ def _splash(q, k, v, offsets, lengths):  # [B, H, L, D]: MaxText's way on packed
     return splash_attention(q, k, v, _segment_ids(offsets, lengths, q.shape[2]))
 
 
-def _blocks(spec: str, cls):
-    return cls(*(int(x) for x in spec.split(",")))
-
-
-TPU_OPTIONS = "'+'-joined: columns (lane_columns=False), fused / unfused (fused_bwd), w<N> " \
-    "(narrow_steps N), wfull (no narrow grid)"
-
-
 def tpu_options(spec: str) -> kernels.AttentionBlockSizes:
-    """'columns+w16' -> the default AttentionBlockSizes with those options (TPU_OPTIONS)."""
-    kw: dict = {}
-    for opt in spec.split("+"):
-        if opt == "columns":
-            kw["lane_columns"] = False
-        elif opt in ("fused", "unfused"):
-            kw["fused_bwd"] = opt == "fused"
-        elif opt == "wfull":
-            kw["narrow_steps"] = None
-        elif opt[:1] == "w" and opt[1:].isdigit():
-            kw["narrow_steps"] = int(opt[1:])
-        else:
-            raise SystemExit(f"Error: unknown TPU option {opt!r} in {spec!r}: {TPU_OPTIONS}")
-    return kernels.AttentionBlockSizes(**kw)
+    """'columns+w16' -> the default AttentionBlockSizes with those options
+    (common.BLOCK_OPTIONS); SystemExit naming an unknown one."""
+    return _blocks(spec, kernels.AttentionBlockSizes())
+
+
+def _blocks(spec: str, base):
+    try:
+        return attention_blocks(spec, base)
+    except ValueError as e:
+        raise SystemExit(f"Error: {e}") from None
 
 
 def implementations(backend: str, sizes: dict, *, gpu_blocks, tpu_blocks, tpu_opts=()) -> dict:
@@ -190,7 +178,7 @@ def implementations(backend: str, sizes: dict, *, gpu_blocks, tpu_blocks, tpu_op
     on_cpu = backend not in ("gpu", "tpu")
     if backend == "tpu":
         for spec in tpu_blocks:
-            blocks = _blocks(spec, kernels.AttentionBlockSizes)
+            blocks = _blocks(spec, kernels.AttentionBlockSizes())
             impls[f"seqpack pallas_tpu {spec}"] = functools.partial(
                 kernels.segment_attention, impl="pallas_tpu", block_sizes=blocks)
         impls["seqpack pallas_tpu defaults, bhld"] = BHLD(functools.partial(
@@ -201,7 +189,7 @@ def implementations(backend: str, sizes: dict, *, gpu_blocks, tpu_blocks, tpu_op
         impls["splash 512 (segment ids), bhld"] = BHLD(_splash)
     else:
         for spec in gpu_blocks[:1] if on_cpu else gpu_blocks:
-            blocks = _blocks(spec, kernels.GpuAttentionBlockSizes)
+            blocks = _blocks(spec, kernels.GpuAttentionBlockSizes())
             impls[f"seqpack pallas_gpu {spec}"] = functools.partial(
                 kernels.segment_attention, impl="pallas_gpu", interpret=on_cpu,
                 block_sizes=blocks)
@@ -269,7 +257,7 @@ def main() -> None:
                         help="GpuAttentionBlockSizes to time: bq,bk,bq_bwd,bk_bwd each")
     parser.add_argument("--tpu-blocks", nargs="*", default=["256,256,256,256", "512,512,256,256"])
     parser.add_argument("--tpu-options", nargs="*", default=["unfused", "columns", "wfull"],
-                        help=f"rows of the defaults with options, {TPU_OPTIONS}")
+                        help=f"rows of the defaults with options, {BLOCK_OPTIONS}")
     parser.add_argument("--repeats", type=int, default=None, help="default 10, CPU 2")
     for key, value in FULL.items():
         parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None)

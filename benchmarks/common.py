@@ -1,11 +1,15 @@
-"""Benchmark helpers: load the shared corpora (or a synthetic one), time calls, print tables."""
+"""Benchmark helpers: load the shared corpora (or a synthetic one), time calls, print tables,
+read the attention kernels' block-size options (one syntax for every benchmark)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -68,3 +72,43 @@ def fmt_rate(x: float) -> str:
     if x >= 1e3:
         return f"{x / 1e3:.0f}k"
     return f"{x:.0f}"
+
+
+BLOCK_OPTIONS = (
+    "'+'-joined: b<fwd>[/<bwd>] (query and key blocks of each pass, e.g. b512 or b1024/512), "
+    "b<q>,<kv>,<q_bwd>,<kv_bwd> (each block); TPU kernels: hm (head_major), columns "
+    "(lane_columns=False), fused / unfused (fused_bwd), w<N> (narrow_steps N), wfull (no narrow "
+    "grid); GPU kernels: warps<N>, stages<N>")
+
+
+def attention_blocks(spec: str | Sequence[str], base: Any) -> Any:
+    """Block-size options (BLOCK_OPTIONS) applied to `base` (an AttentionBlockSizes or
+    GpuAttentionBlockSizes, its other fields kept); ValueError naming an option that does not
+    fit its class. A bare "<q>,<kv>,<q_bwd>,<kv_bwd>" is the same as with its "b"."""
+    opts = spec.split("+") if isinstance(spec, str) else list(spec)
+    fields = {f.name for f in dataclasses.fields(base)}
+    words = {"hm": ("head_major", True), "columns": ("lane_columns", False),
+             "fused": ("fused_bwd", True), "unfused": ("fused_bwd", False),
+             "wfull": ("narrow_steps", None)}
+    for opt in opts:
+        four = re.fullmatch(r"b?(\d+),(\d+),(\d+),(\d+)", opt)
+        two = re.fullmatch(r"b(\d+)(?:/(\d+))?", opt)
+        count = re.fullmatch(r"(w|warps|stages)(\d+)", opt)
+        if four:
+            q, kv, qb, kvb = map(int, four.groups())
+        elif two:
+            q = kv = int(two.group(1))
+            qb = kvb = int(two.group(2) or two.group(1))
+        change: dict[str, Any] = {}
+        if four or two:
+            change = dict(block_q=q, block_kv=kv, block_q_bwd=qb, block_kv_bwd=kvb)
+        elif opt in words:
+            change = dict([words[opt]])
+        elif count:
+            name = {"w": "narrow_steps", "warps": "num_warps", "stages": "num_stages"}
+            change = {name[count.group(1)]: int(count.group(2))}
+        if not change or not set(change) <= fields:
+            raise ValueError(f"unknown option {opt!r} for {type(base).__name__} in "
+                             f"{'+'.join(opts)!r}: {BLOCK_OPTIONS}")
+        base = dataclasses.replace(base, **change)
+    return base

@@ -20,15 +20,13 @@ time by XLA op (jax.profiler trace, parsed in process) for each variant.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
-import re
 import time
 
 import jax
 import numpy as np
 
-from benchmarks.common import DATA, print_table
+from benchmarks.common import BLOCK_OPTIONS, DATA, attention_blocks, print_table
 from benchmarks.profile import profile_ops
 from examples import lm
 from seqpack import kernels
@@ -39,22 +37,13 @@ SMOKE_MODEL = dict(vocab=512, dim=128, heads=2, head_dim=128, mlp=256, layers=1)
 PADDED_BUCKET = 512  # the shortest padded row; longer buckets double
 
 
-def _blocks(spec: str, base: kernels.AttentionBlockSizes) -> kernels.AttentionBlockSizes:
-    """'<fwd>[/<bwd>]' block sizes on `base`, its other options kept."""
-    fwd, _, bwd = spec.partition("/")
-    f, b = int(fwd), int(bwd or fwd)
-    return dataclasses.replace(base, block_q=f, block_kv=f, block_q_bwd=b, block_kv_bwd=b)
-
-
 BASE = {
     "padded": ("padded", dict(attention="splash", segment_ids=False, loss="materialized")),
     "maxtext": ("packed", dict(attention="splash", loss="materialized")),
     "seqpack": ("packed", dict()),
 }
-OPTIONS = "seqpack options, joined by '+': logits (materialized loss), bhld (layout), " \
-    "hm (head_major), columns (lane_columns=False), fused / unfused (fused_bwd: dq in the " \
-    "dk/dv kernel), f32 (the fused head's logits in float32), b<fwd>[/<bwd>] (block sizes, " \
-    "e.g. b512 or b1024/512)"
+OPTIONS = "seqpack options, joined by '+': logits (materialized loss), bhld (layout), f32 " \
+    f"(the fused head's logits in float32), and the attention kernels' {BLOCK_OPTIONS}"
 
 
 def variant(name: str) -> tuple[str, dict]:
@@ -64,24 +53,14 @@ def variant(name: str) -> tuple[str, dict]:
         raise SystemExit(f"Error: unknown variant {name!r}: {list(BASE)}; {OPTIONS}")
     rows, overrides = BASE[base]
     overrides = dict(overrides)
-    blocks = kernels.AttentionBlockSizes()
-    for opt in opts:
-        if opt == "logits":
-            overrides["loss"] = "materialized"
-        elif opt == "bhld":
-            overrides["attention_layout"] = "bhld"
-        elif opt == "hm":
-            blocks = dataclasses.replace(blocks, head_major=True)
-        elif opt == "columns":
-            blocks = dataclasses.replace(blocks, lane_columns=False)
-        elif opt in ("fused", "unfused"):
-            blocks = dataclasses.replace(blocks, fused_bwd=opt == "fused")
-        elif opt == "f32":
-            overrides["loss_logits_dtype"] = "float32"
-        elif re.fullmatch(r"b\d+(/\d+)?", opt):
-            blocks = _blocks(opt[1:], blocks)
-        else:
-            raise SystemExit(f"Error: unknown option {opt!r} in {name!r}; {OPTIONS}")
+    model = {"logits": ("loss", "materialized"), "bhld": ("attention_layout", "bhld"),
+             "f32": ("loss_logits_dtype", "float32")}
+    overrides.update(model[opt] for opt in opts if opt in model)
+    try:  # the rest: the attention kernels' block sizes and options
+        blocks = attention_blocks([o for o in opts if o not in model],
+                                  kernels.AttentionBlockSizes())
+    except ValueError as e:
+        raise SystemExit(f"Error: {e} (in {name!r}; {OPTIONS})") from None
     if blocks != kernels.AttentionBlockSizes():
         overrides["attention_block_sizes"] = blocks
     return rows, overrides

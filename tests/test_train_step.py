@@ -88,6 +88,27 @@ def test_variant_options_keep_each_other():
 def test_unknown_variant_is_refused():
     with pytest.raises(SystemExit, match="unknown option 'fast'"):
         train_step.variant("seqpack+fast")
+    with pytest.raises(SystemExit, match="unknown option 'warps4' for AttentionBlockSizes"):
+        train_step.variant("seqpack+warps4")  # a GPU kernels' option
+
+
+def test_one_syntax_for_every_benchmarks_block_sizes():
+    """benchmarks.common.attention_blocks: train_step's variants, attention_bench's
+    --tpu-blocks / --gpu-blocks / --tpu-options read the same options the same way."""
+    from benchmarks import attention_bench
+    from benchmarks.common import attention_blocks
+    from seqpack import kernels
+
+    tpu, gpu = kernels.AttentionBlockSizes(), kernels.GpuAttentionBlockSizes()
+    assert attention_blocks("b1024/512", tpu) == attention_blocks("1024,1024,512,512", tpu) \
+        == attention_blocks(["b1024,1024,512,512"], tpu) == kernels.AttentionBlockSizes(
+            1024, 1024, 512, 512)
+    assert train_step.variant("seqpack+b1024/512+columns")[1]["attention_block_sizes"] == \
+        attention_bench.tpu_options("b1024/512+columns")
+    assert attention_blocks("b128,64,64,32+warps4+stages3", gpu) == \
+        kernels.GpuAttentionBlockSizes(128, 64, 64, 32, num_warps=4, num_stages=3)
+    with pytest.raises(ValueError, match="unknown option 'columns' for GpuAttentionBlockSizes"):
+        attention_blocks("columns", gpu)
 
 
 def test_attention_bench_tpu_options():
@@ -101,7 +122,7 @@ def test_attention_bench_tpu_options():
     assert attention_bench.tpu_options("wfull").narrow_steps is None
     assert attention_bench.tpu_options("fused").fused_bwd
     assert not attention_bench.tpu_options("unfused").fused_bwd
-    with pytest.raises(SystemExit, match="unknown TPU option 'fast'"):
+    with pytest.raises(SystemExit, match="unknown option 'fast'"):
         attention_bench.tpu_options("columns+fast")
 
 
