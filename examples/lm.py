@@ -17,6 +17,9 @@ only how attention and the loss see the rows:
 RoPE: "half" rotates the halves of each head (x[:D/2], x[D/2:]), "interleaved" the even and
 odd lanes (GPT-J's x[0::2], x[1::2]). Positions are the rows' positions, restarting at 0 in
 every segment, so a packed step computes what the same examples padded one per row compute.
+The batch (`make_batch`, and `bucket` / `padded_rows` for padded rows) is examples/lm_data.py's,
+and the RMS norm examples/lm_layers.py's (shared with examples/tiny_lm.py); all are importable
+from here as before.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from examples.lm_data import bucket as bucket  # noqa: F401  (public here: benchmarks, tests)
+from examples.lm_data import make_batch
+from examples.lm_data import padded_rows as padded_rows  # noqa: F401
+from examples.lm_layers import rms_norm
 from examples.splash import splash_attention
 from seqpack import kernels
 
@@ -62,12 +69,6 @@ class LMConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (rotary positions)")
-
-
-def _rms_norm(x: jax.Array, w: jax.Array) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
-    return (y * w).astype(x.dtype)
 
 
 def rope(x: jax.Array, positions: jax.Array, cfg: LMConfig) -> jax.Array:
@@ -114,7 +115,7 @@ def _dense(features: int, fan_in: int, cfg: LMConfig, name: str) -> nn.Dense:
 class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _rms_norm(x, self.param("scale", nn.initializers.ones, (x.shape[-1],),
+        return rms_norm(x, self.param("scale", nn.initializers.ones, (x.shape[-1],),
                                        jnp.float32))
 
 
@@ -204,43 +205,6 @@ def loss_fn(p: Params, batch: dict, cfg: LMConfig) -> jax.Array:
 
 def param_count(p: Params) -> int:
     return sum(int(np.prod(a.shape)) for a in jax.tree.leaves(p))
-
-
-def make_batch(tokens, segment_ids, positions, offsets, lengths) -> dict:
-    """The model's batch from packed rows (numpy or jax arrays, [B, L] and [B, S]): next-token
-    targets inside each segment, -100 on every segment's last token and on padding."""
-    nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-    same = jnp.concatenate([segment_ids[:, 1:] == segment_ids[:, :-1],
-                            jnp.zeros_like(segment_ids[:, :1], bool)], axis=1)
-    targets = jnp.where(same & (segment_ids > 0), nxt.astype(jnp.int32), -100)
-    return {"tokens": jnp.asarray(tokens, jnp.int32), "targets": targets,
-            "segment_ids": jnp.asarray(segment_ids, jnp.int32),
-            "positions": jnp.asarray(positions, jnp.int32),
-            "offsets": jnp.asarray(offsets, jnp.int32), "lengths": jnp.asarray(lengths, jnp.int32)}
-
-
-def bucket(n: int, *, min_width: int, seq_len: int) -> int:
-    """The padded width of a row holding n tokens: min_width * 2^k >= n, at most seq_len."""
-    width = min_width
-    while width < n:
-        width *= 2
-    return min(width, seq_len)
-
-
-def padded_rows(pieces: list, rows: int, width: int, dtype=np.int32) -> dict[str, np.ndarray]:
-    """`pieces` (1-D token arrays, each at most `width`) one a row in `rows` rows of `width`:
-    make_batch's arrays (numpy), one segment slot a row; rows past the pieces hold none."""
-    out = {"tokens": np.zeros((rows, width), dtype),
-           "segment_ids": np.zeros((rows, width), np.int32),
-           "positions": np.zeros((rows, width), np.int32),
-           "offsets": np.full((rows, 1), width, np.int32),
-           "lengths": np.zeros((rows, 1), np.int32)}
-    for r, piece in enumerate(pieces):
-        n = len(piece)
-        out["tokens"][r, :n] = piece
-        out["segment_ids"][r, :n], out["positions"][r, :n] = 1, np.arange(n)
-        out["offsets"][r, 0], out["lengths"][r, 0] = 0, n
-    return out
 
 
 def value_and_grad(cfg: LMConfig):

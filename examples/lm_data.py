@@ -1,4 +1,4 @@
-"""The inputs of examples/train_lm.py: corpora, the mixture pipeline, and its batches padded.
+"""The inputs of the example models: corpora, the mixture pipeline, its batches packed and padded.
 
 - `load_corpus`: a token corpus `.npz` (`tokens`, `offsets`: example i is
   tokens[offsets[i]:offsets[i + 1]]) as a random-access source; `smoke_corpora`: two small
@@ -9,6 +9,11 @@
 - `padded_feeds`: the same batch's examples (its segments) one per row, longest first, in
   micro-batches of at most `slots` token slots whose rows are padded to a power of two from
   `min_width` (a micro-batch's longest): the padded baseline, example for example.
+- `next_token_targets`: next-token targets and the mask of those the loss counts (inside a
+  segment, and where a label column says so), the one builder both example models use;
+  `make_batch`: examples/lm.py's batch (targets -100 where not counted); `model_batch`: a
+  feed's; `counted_tokens`: the targets a pipeline batch's loss counts.
+- `bucket`, `padded_rows`: the widths and rows of the padded baseline.
 - `pipeline_rate`: the pipeline alone, drained without a model (batches/s, real tokens/s).
 
 Worked example of `padded_feeds` (slots 8, min_width 2; a packed batch of two rows of 4 holding
@@ -26,9 +31,10 @@ import time
 from collections.abc import Iterator, Mapping
 
 import grain
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from examples import lm
 from seqpack.packer import PackConfig
 from seqpack.pipelines.datasets import (
     ArraySource,
@@ -85,8 +91,66 @@ def real_tokens(batch: Mapping[str, np.ndarray]) -> int:
     return int(np.asarray(batch["tokens_segment_lengths"]).sum())
 
 
+def counted_tokens(batch: Mapping[str, np.ndarray]) -> int:
+    """The loss's counted tokens: every segment's next-token targets (its length - 1)."""
+    return int(np.maximum(np.asarray(batch["tokens_segment_lengths"]) - 1, 0).sum())
+
+
+def next_token_targets(tokens, segment_ids, labels=None) -> tuple[jax.Array, jax.Array]:
+    """(targets i32-like [B, L], counted bool [B, L]) of packed rows: the next token (0 past the
+    row's end), counted where it is in the same segment (never across a segment boundary, never
+    on padding) and, with `labels` [B, L] (SFT: -100 on the prompt), where its label is not -100."""
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    nxt = jnp.concatenate([segment_ids[:, 1:], jnp.zeros_like(segment_ids[:, :1])], axis=1)
+    counted = (segment_ids > 0) & (nxt == segment_ids)
+    if labels is not None:
+        counted &= jnp.concatenate([labels[:, 1:], jnp.full_like(labels[:, :1], -100)],
+                                   axis=1) != -100
+    return targets, counted
+
+
+def make_batch(tokens, segment_ids, positions, offsets, lengths) -> dict:
+    """examples/lm.py's batch from packed rows (numpy or jax arrays, [B, L] and [B, S]):
+    `next_token_targets`, -100 on every segment's last token and on padding."""
+    targets, counted = next_token_targets(tokens, segment_ids)
+    return {"tokens": jnp.asarray(tokens, jnp.int32),
+            "targets": jnp.where(counted, targets.astype(jnp.int32), -100),
+            "segment_ids": jnp.asarray(segment_ids, jnp.int32),
+            "positions": jnp.asarray(positions, jnp.int32),
+            "offsets": jnp.asarray(offsets, jnp.int32), "lengths": jnp.asarray(lengths, jnp.int32)}
+
+
+def model_batch(feed: Mapping[str, np.ndarray]) -> dict:
+    """`make_batch` of a feed (`packed_feed`'s or `padded_feeds`' arrays)."""
+    return make_batch(*(feed[k] for k in FEED_KEYS[:5]))
+
+
+def bucket(n: int, *, min_width: int, seq_len: int) -> int:
+    """The padded width of a row holding n tokens: min_width * 2^k >= n, at most seq_len."""
+    width = min_width
+    while width < n:
+        width *= 2
+    return min(width, seq_len)
+
+
+def padded_rows(pieces: list, rows: int, width: int, dtype=np.int32) -> dict[str, np.ndarray]:
+    """`pieces` (1-D token arrays, each at most `width`) one a row in `rows` rows of `width`:
+    make_batch's arrays (numpy), one segment slot a row; rows past the pieces hold none."""
+    out = {"tokens": np.zeros((rows, width), dtype),
+           "segment_ids": np.zeros((rows, width), np.int32),
+           "positions": np.zeros((rows, width), np.int32),
+           "offsets": np.full((rows, 1), width, np.int32),
+           "lengths": np.zeros((rows, 1), np.int32)}
+    for r, piece in enumerate(pieces):
+        n = len(piece)
+        out["tokens"][r, :n] = piece
+        out["segment_ids"][r, :n], out["positions"][r, :n] = 1, np.arange(n)
+        out["offsets"][r, 0], out["lengths"][r, 0] = 0, n
+    return out
+
+
 def packed_feed(batch: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The model step's arrays of a pipeline batch (`lm.make_batch`'s inputs + dataset_id)."""
+    """The model step's arrays of a pipeline batch (`make_batch`'s inputs + dataset_id)."""
     return {"tokens": batch["tokens"], "segment_ids": batch["tokens_segment_ids"],
             "positions": batch["tokens_positions"], "offsets": batch["tokens_segment_offsets"],
             "lengths": batch["tokens_segment_lengths"],
@@ -108,11 +172,11 @@ def padded_feeds(batch: Mapping[str, np.ndarray], *, slots: int, min_width: int
     pieces = [(int(rows[i]), int(cols[i])) for i in order]
     out = []
     while pieces:
-        width = lm.bucket(int(lengths[pieces[0]]), min_width=min(min_width, seq_len),
+        width = bucket(int(lengths[pieces[0]]), min_width=min(min_width, seq_len),
                           seq_len=seq_len)
         n_rows = max(1, slots // width)
         take, pieces = pieces[:n_rows], pieces[n_rows:]
-        feed = lm.padded_rows([tokens[row, offsets[row, col]:offsets[row, col] + lengths[row, col]]
+        feed = padded_rows([tokens[row, offsets[row, col]:offsets[row, col] + lengths[row, col]]
                                for row, col in take], n_rows, width, tokens.dtype)
         feed["dataset_id"] = np.full((n_rows, 1), -1, np.int32)
         feed["dataset_id"][:len(take), 0] = [dataset[row, col] for row, col in take]

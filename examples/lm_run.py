@@ -4,7 +4,9 @@
   and `data` (JSON: the step and the pipeline iterator's `get_state()`), written together.
 - `Meter`: real tokens, steps, wall time and the time spent waiting for input.
 - `Progress`: a rich progress bar on a terminal, plain lines otherwise.
+- `Log`: each feed's losses a step, the rates and the log lines of a run.
 - `write_curves`: loss curves as a CSV and an overlaid PNG (matplotlib).
+- `json_default`: the iterator state as JSON (examples/train_tiny_lm.py's checkpoints too).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class Checkpoints:
     def save(self, step: int, states: dict, iterator) -> None:
         ocp = self.ocp
         meta = json.loads(json.dumps({"step": step, "iterator": iterator.get_state()},
-                                     default=_json_default))
+                                     default=json_default))
         self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(states),
                                                         data=ocp.args.JsonSave(meta)))
         self.manager.wait_until_finished()
@@ -55,11 +57,15 @@ class Checkpoints:
         self.manager.close()
 
 
-def _json_default(x):
+def json_default(x):
+    """`json.dumps`'s `default` for a Grain iterator's get_state() (both example trainers):
+    numpy scalars and arrays as numbers and lists, bytes as latin-1 text."""
     if isinstance(x, np.integer | np.floating):
         return x.item()
     if isinstance(x, np.ndarray):
         return x.tolist()
+    if isinstance(x, bytes):
+        return x.decode("latin-1")
     raise TypeError(f"cannot write {type(x).__name__} of the iterator state as JSON")
 
 
@@ -119,6 +125,55 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+class Log:
+    """Each feed's figures a step (`history`: the loss; `per_dataset`: each dataset's loss),
+    the rates (`meter` from the end of the run's first step, which compiles; `window` since
+    the last logged line) and the log lines: every `log_every` steps, the first and the last."""
+
+    def __init__(self, feeds: list[str], names: list[str], *, steps: int, first: int,
+                 stop: int, log_every: int):
+        self.feeds, self.names, self.steps = feeds, names, steps
+        self.first, self.stop, self.log_every = first, stop, log_every
+        self.history: dict[str, list[float]] = {f: [] for f in feeds}
+        self.per_dataset: dict[str, list] = {f: [] for f in feeds}
+        self.meter, self.window = Meter(), Meter()
+        self.progress = Progress(steps, first)
+
+    def record(self, done: int, metrics: dict, tokens: int, wait: float) -> None:
+        """Step `done`'s metrics (per feed: loss, per-dataset sums and tokens), its real tokens
+        and its input wait."""
+        for f in self.feeds:
+            m = jax.device_get(metrics[f])
+            self.history[f].append(float(m["loss"]))
+            self.per_dataset[f].append(
+                (np.asarray(m["sums"]) / np.maximum(m["tokens"], 1)).tolist())
+        self.meter.add(tokens, wait)
+        self.window.add(tokens, wait)
+        line = None
+        if self.log_every and (done % self.log_every == 0 or done in (self.first + 1, self.stop)):
+            line = self._line(done)
+        if done == self.first + 1:  # the first step compiled: rates from here on
+            self.meter.start()
+        if line or done == self.first + 1:
+            self.window.start()
+        self.progress.update(done, line,
+                             " ".join(f"{f} {self.history[f][-1]:.4f}" for f in self.feeds))
+
+    def _line(self, done: int) -> str:
+        r = self.window.rates()
+        line = f"step {done:5d}/{self.steps}"
+        for f in self.feeds:
+            per = " ".join(f"{n} {v:.3f}" for n, v in zip(self.names, self.per_dataset[f][-1]))
+            line += f"  {f} loss {self.history[f][-1]:.4f} ({per})"
+        return line + (f"  {r['tokens_per_s'] / 1e3:,.1f}k real tok/s  input wait "
+                       f"{r['input_wait']:.1%}" if done > self.first + 1 else "  (compiled)")
+
+    def exclude(self, secs: float) -> None:
+        """Takes `secs` (a checkpoint's save) out of the rates."""
+        for m in (self.meter, self.window):
+            m.exclude(secs)
 
 
 def write_curves(path: str, history: dict[str, list[float]], first: int) -> None:

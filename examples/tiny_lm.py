@@ -8,8 +8,9 @@ restart per segment (the packed rows' positions), and the loss comes from
 states and the tied embedding instead: the same loss without the `[B, L, V]` logits).
 Both kernels take the rows' segment offsets and lengths; rows that carry only segment ids (Grain's
 own packers, MaxText) get them from `kernels.segment_metadata` (see `batch_metadata`).
-Parameters are a flat dict of arrays; the optimizer is a small Adam, so the example needs
-nothing beyond jax and numpy.
+Parameters are a flat dict of arrays; the optimizer is a small Adam, so the example needs no
+flax or optax. The RMS norm (examples/lm_layers.py) and the next-token targets
+(examples/lm_data.py) are the ones examples/lm.py uses.
 
 Context parallelism (`make_train_step(..., context_parallel=C)`): each row is split over C
 devices in the load-balanced layout the training pipeline emits (`Batching(context_parallel=C)`),
@@ -28,6 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from examples.lm_data import next_token_targets
+from examples.lm_layers import rms_norm
 from seqpack import kernels, packer
 from seqpack.kernels.common import Interpret
 
@@ -74,10 +77,6 @@ def init_params(key: jax.Array, cfg: ModelConfig) -> dict[str, jax.Array]:
     return p
 
 
-def _rms_norm(x: jax.Array, w: jax.Array) -> jax.Array:
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * w
-
-
 def attention(
     q: jax.Array,  # f32[B, L, H, hd]
     k: jax.Array,  # f32[B, L, H, hd]
@@ -105,27 +104,20 @@ def hidden_states(
     hd = cfg.dim // cfg.heads
     x = params["embed"][tokens] + params["pos_embed"][positions]
     for i in range(cfg.layers):
-        h = _rms_norm(x, params[f"l{i}.norm1"])
+        h = rms_norm(x, params[f"l{i}.norm1"])
         q, k, v = jnp.split(h @ params[f"l{i}.qkv"], 3, axis=-1)
         q, k, v = (t.reshape(B, L, cfg.heads, hd) for t in (q, k, v))
         o = attention(q, k, v, segment_offsets, segment_lengths, cfg).reshape(B, L, cfg.dim)
         x = x + o @ params[f"l{i}.proj"]
-        h = _rms_norm(x, params[f"l{i}.norm2"])
+        h = rms_norm(x, params[f"l{i}.norm2"])
         x = x + jax.nn.gelu(h @ params[f"l{i}.up"]) @ params[f"l{i}.down"]
-    return _rms_norm(x, params["out_norm"])
+    return rms_norm(x, params["out_norm"])
 
 
 def forward(params, tokens, positions, segment_offsets, segment_lengths,
             cfg: ModelConfig) -> jax.Array:  # f32[B, L, V]
     return hidden_states(params, tokens, positions, segment_offsets, segment_lengths,
                          cfg) @ params["embed"].T
-
-
-def next_token_targets(tokens: jax.Array, segment_ids: jax.Array):
-    """Targets = the next token; counted only where the next token is in the same segment."""
-    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-    nxt = jnp.concatenate([segment_ids[:, 1:], jnp.zeros_like(segment_ids[:, :1])], axis=1)
-    return targets, (segment_ids > 0) & (nxt == segment_ids)
 
 
 def batch_metadata(batch: dict, cfg: ModelConfig, feature: str = "tokens"):
@@ -150,10 +142,8 @@ def loss_fn(params, batch: dict, cfg: ModelConfig, *, normalize: str = "tokens",
     offsets, lengths = batch_metadata(batch, cfg, feature)
     hidden = hidden_states(params, tokens, jnp.asarray(batch[f"{feature}_positions"]), offsets,
                            lengths, cfg)
-    targets, mask = next_token_targets(tokens, seg)
-    if labels is not None:
-        lab = jnp.asarray(batch[labels])
-        mask &= jnp.concatenate([lab[:, 1:], jnp.full_like(lab[:, :1], -100)], axis=1) != -100
+    targets, mask = next_token_targets(
+        tokens, seg, None if labels is None else jnp.asarray(batch[labels]))
     if cfg.fused_loss:  # the projection inside the loss: the logits never exist
         loss, per_seg, count = kernels.segment_linear_cross_entropy(
             hidden, params["embed"].T, targets, offsets, lengths, normalize=normalize,

@@ -48,7 +48,7 @@ import numpy as np
 
 from examples import lm
 from examples import lm_data as data
-from examples.lm_run import Checkpoints, Meter, Progress, write_curves
+from examples.lm_run import Checkpoints, Log, write_curves
 from seqpack import kernels
 
 MODEL = dict(vocab=32768, dim=768, heads=6, head_dim=128, mlp=3072, layers=6)
@@ -159,17 +159,13 @@ def optimizer(lr: float, warmup: int, steps: int):
                        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1))
 
 
-def _model_batch(feed: dict) -> dict:
-    return lm.make_batch(*(feed[k] for k in data.FEED_KEYS[:5]))
-
-
 @functools.cache
 def packed_step(cfg: lm.LMConfig, opt, num_datasets: int):
     """jit: (state, feed) -> (state, metrics): one step on packed rows."""
     import optax
 
     def step(state, feed):
-        batch = _model_batch(feed)
+        batch = data.model_batch(feed)
 
         def objective(p):
             loss, per_seg, ntok = lm.losses(p, batch, cfg)
@@ -193,7 +189,7 @@ def padded_step(cfg: lm.LMConfig, opt, num_datasets: int):
     import optax
 
     def micro(params, acc, feed, counted):
-        batch = _model_batch(feed)
+        batch = data.model_batch(feed)
 
         def objective(p):
             _, per_seg, ntok = lm.losses(p, batch, cfg)
@@ -229,9 +225,7 @@ def padded_step(cfg: lm.LMConfig, opt, num_datasets: int):
         """Compiles the micro-batch of every width ahead (empty rows; no state changes)."""
         for w in widths:
             n = max(1, slots // w)
-            feed = {"tokens": np.zeros((n, w), dtype), "segment_ids": np.zeros((n, w), np.int32),
-                    "positions": np.zeros((n, w), np.int32),
-                    "offsets": np.full((n, 1), w, np.int32), "lengths": np.zeros((n, 1), np.int32),
+            feed = {**data.padded_rows([], n, w, dtype),
                     "dataset_id": np.full((n, 1), -1, np.int32)}
             jax.block_until_ready(micro_jit(params, zeros(params), feed, jnp.float32(1)))
 
@@ -239,9 +233,7 @@ def padded_step(cfg: lm.LMConfig, opt, num_datasets: int):
     return step
 
 
-def counted_tokens(batch: dict) -> int:
-    """The loss's counted tokens: every segment's next-token targets (its length - 1)."""
-    return int(np.maximum(np.asarray(batch["tokens_segment_lengths"]) - 1, 0).sum())
+counted_tokens = data.counted_tokens  # public here too: the padded step's denominator
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -251,20 +243,12 @@ def run(argv: list[str] | None = None) -> dict:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     srcs = sources(args)
-    make_pipeline = lambda: data.pipeline(  # noqa: E731
-        srcs, args.shares, seq_len=args.seq_len, batch_size=args.batch_size,
+    make_pipeline = functools.partial(
+        data.pipeline, srcs, args.shares, seq_len=args.seq_len, batch_size=args.batch_size,
         max_segments=args.max_segments, seed=args.seed, workers=args.workers,
         worker_buffer=args.worker_buffer)
     feeds = ["padded"] if args.padded else ["packed"] + (["padded"] if args.compare_steps else [])
-    cfgs, k = configs(args), len(args.names)
-    opt = optimizer(args.lr, args.warmup, args.schedule_steps or args.steps)
-    params = lm.init_params(jax.random.key(args.seed), cfgs["packed"])
-    n_params = lm.param_count(params)
-    states = jax.device_put(  # committed, as restored states are: one compile; own buffers
-        {f: {"params": jax.tree.map(jnp.copy, params), "opt": opt.init(params)} for f in feeds},
-        jax.devices()[0])
-    steps_fn = {"packed": packed_step(cfgs["packed"], opt, k),
-                "padded": padded_step(cfgs["padded"], opt, k)}
+    states, steps_fn, n_params = model_states(args, feeds)
     iterator = iter(make_pipeline())
     ckpt = Checkpoints(args.checkpoint_dir) if args.checkpoint_dir else None
     step = 0
@@ -278,73 +262,13 @@ def run(argv: list[str] | None = None) -> dict:
           f"B={args.batch_size} S={args.max_segments}; datasets {args.shares} (tokens); "
           f"workers {args.workers}", flush=True)
     if "padded" in feeds:
-        t0 = time.perf_counter()
-        widths = sorted({lm.bucket(n, min_width=min(args.padded_min_width, args.seq_len),
-                                   seq_len=args.seq_len)
-                         for n in 2 ** np.arange(int(np.log2(args.seq_len)) + 2)})
-        token_dtype = np.asarray(next(iter(srcs.values()))[0]["tokens"]).dtype
-        steps_fn["padded"].warm_up(states["padded"]["params"], widths, args.padded_tokens,
-                                   token_dtype)
-        print(f"padded widths {widths} compiled in {time.perf_counter() - t0:.1f}s", flush=True)
-    history = {f: [] for f in feeds}
-    per_dataset: dict[str, list] = {f: [] for f in feeds}
-    meter, window = Meter(), Meter()
-    progress = Progress(args.steps, step)
-    pending = None
-    first = step
+        warm_up_padded(args, steps_fn["padded"], states["padded"]["params"], srcs)
     stop = min(args.steps, step + args.stop_after) if args.stop_after else args.steps
-
-    def record(p) -> None:
-        done, metrics, tokens, wait = p
-        line = None
-        for f in feeds:
-            m = jax.device_get(metrics[f])
-            history[f].append(float(m["loss"]))
-            per_dataset[f].append((np.asarray(m["sums"]) / np.maximum(m["tokens"], 1)).tolist())
-        meter.add(tokens, wait)
-        window.add(tokens, wait)
-        if args.log_every and (done % args.log_every == 0 or done in (first + 1, stop)):
-            r = window.rates()
-            line = f"step {done:5d}/{args.steps}"
-            for f in feeds:
-                per = " ".join(f"{n} {v:.3f}" for n, v in zip(args.names, per_dataset[f][-1]))
-                line += f"  {f} loss {history[f][-1]:.4f} ({per})"
-            line += (f"  {r['tokens_per_s'] / 1e3:,.1f}k real tok/s  input wait "
-                     f"{r['input_wait']:.1%}" if done > first + 1 else "  (compiled)")
-        if done == first + 1:  # the first step compiled: rates from here on
-            meter.start()
-        if line or done == first + 1:
-            window.start()
-        progress.update(done, line, " ".join(f"{f} {history[f][-1]:.4f}" for f in feeds))
-
-    while step < stop:
-        t0 = time.perf_counter()
-        batch = next(iterator)
-        wait = time.perf_counter() - t0
-        metrics = {}
-        for f in feeds:
-            if f == "packed":
-                states[f], metrics[f] = steps_fn[f](states[f], data.packed_feed(batch))
-            else:
-                micro = data.padded_feeds(batch, slots=args.padded_tokens,
-                                          min_width=args.padded_min_width)
-                states[f], metrics[f] = steps_fn[f](states[f], micro, counted_tokens(batch))
-        if pending is not None:
-            record(pending)  # the previous step's figures: this step is already queued
-        step += 1
-        pending = (step, metrics, data.real_tokens(batch), wait)
-        if step == first + 1:  # the first step compiles: rates from its end on
-            record(pending)
-            pending = None
-        if ckpt and args.save_every and step % args.save_every == 0:
-            t0 = time.perf_counter()
-            ckpt.save(step, states, iterator)
-            for m in (meter, window):
-                m.exclude(time.perf_counter() - t0)
-    if pending is not None:
-        record(pending)
-    rates = meter.rates()
-    progress.close()
+    log = Log(feeds, args.names, steps=args.steps, first=step, stop=stop,
+              log_every=args.log_every)
+    states, step = train_loop(args, states, steps_fn, iterator, ckpt, log, step)
+    rates = log.meter.rates()
+    log.progress.close()
     if ckpt:
         if not args.save_every or step % args.save_every:
             ckpt.save(step, states, iterator)
@@ -352,26 +276,91 @@ def run(argv: list[str] | None = None) -> dict:
     close = getattr(iterator, "close", None)
     if close is not None:
         close()
-    out = {"steps": step, "params": n_params, "feeds": feeds, "losses": history,
-           "dataset_losses": per_dataset, "datasets": args.names, **rates,
+    out = {"steps": step, "params": n_params, "feeds": feeds, "losses": log.history,
+           "dataset_losses": log.per_dataset, "datasets": args.names, **rates,
            "batches_per_s": rates["steps_per_s"]}
-    print(f"{feeds[0] if len(feeds) == 1 else 'packed + padded'}: {meter.steps} steps timed: "
-          f"{rates['tokens_per_s'] / 1e3:,.1f}k real tokens/s, {rates['steps_per_s']:.2f} "
-          f"batches/s consumed, input wait {rates['input_wait']:.2%} of the wall time",
-          flush=True)
+    report(args, out, log, make_pipeline)
+    return out
+
+
+def model_states(args, feeds: list[str]) -> tuple[dict, dict, int]:
+    """(states: each feed's params and optimizer state from one initialization, on device;
+    the jitted step of each feed; the parameter count)."""
+    cfgs, k = configs(args), len(args.names)
+    opt = optimizer(args.lr, args.warmup, args.schedule_steps or args.steps)
+    params = lm.init_params(jax.random.key(args.seed), cfgs["packed"])
+    states = jax.device_put(  # committed, as restored states are: one compile; own buffers
+        {f: {"params": jax.tree.map(jnp.copy, params), "opt": opt.init(params)} for f in feeds},
+        jax.devices()[0])
+    steps_fn = {"packed": packed_step(cfgs["packed"], opt, k),
+                "padded": padded_step(cfgs["padded"], opt, k)}
+    return states, steps_fn, lm.param_count(params)
+
+
+def warm_up_padded(args, step_fn, params, srcs: dict) -> None:
+    """Compiles the padded micro-batch of every width the run can meet, before the first step."""
+    t0 = time.perf_counter()
+    widths = sorted({lm.bucket(n, min_width=min(args.padded_min_width, args.seq_len),
+                               seq_len=args.seq_len)
+                     for n in 2 ** np.arange(int(np.log2(args.seq_len)) + 2)})
+    token_dtype = np.asarray(next(iter(srcs.values()))[0]["tokens"]).dtype
+    step_fn.warm_up(params, widths, args.padded_tokens, token_dtype)
+    print(f"padded widths {widths} compiled in {time.perf_counter() - t0:.1f}s", flush=True)
+
+
+def train_loop(args, states: dict, steps_fn: dict, iterator, ckpt: Checkpoints | None,
+               log: Log, step: int) -> tuple[dict, int]:
+    """Steps from `step` to `log.stop`, each feed on the same batch; a step's figures are read
+    after the next one is queued (the first step's at once: it compiles). -> (states, step)."""
+    pending = None
+    while step < log.stop:
+        t0 = time.perf_counter()
+        batch = next(iterator)
+        wait = time.perf_counter() - t0
+        metrics = {}
+        for f in log.feeds:
+            if f == "packed":
+                states[f], metrics[f] = steps_fn[f](states[f], data.packed_feed(batch))
+            else:
+                micro = data.padded_feeds(batch, slots=args.padded_tokens,
+                                          min_width=args.padded_min_width)
+                states[f], metrics[f] = steps_fn[f](states[f], micro, counted_tokens(batch))
+        if pending is not None:
+            log.record(*pending)  # the previous step's figures: this step is already queued
+        step += 1
+        pending = (step, metrics, data.real_tokens(batch), wait)
+        if step == log.first + 1:  # the first step compiles: rates from its end on
+            log.record(*pending)
+            pending = None
+        if ckpt and args.save_every and step % args.save_every == 0:
+            t0 = time.perf_counter()
+            ckpt.save(step, states, iterator)
+            log.exclude(time.perf_counter() - t0)
+    if pending is not None:
+        log.record(*pending)
+    return states, step
+
+
+def report(args, out: dict, log: Log, make_pipeline) -> None:
+    """Prints the run's rates, then the pipeline's own (drained without the model, into
+    out["pipeline"]); writes the curves (--plot) and the summary (--summary)."""
+    feeds = out["feeds"]
+    print(f"{feeds[0] if len(feeds) == 1 else 'packed + padded'}: {log.meter.steps} steps "
+          f"timed: {out['tokens_per_s'] / 1e3:,.1f}k real tokens/s, "
+          f"{out['steps_per_s']:.2f} batches/s consumed, input wait "
+          f"{out['input_wait']:.2%} of the wall time", flush=True)
     if args.pipeline_batches:
         pipe = data.pipeline_rate(make_pipeline(), args.pipeline_batches)
         out["pipeline"] = pipe
         print(f"pipeline alone ({args.workers} workers, {args.pipeline_batches} batches): "
               f"{pipe['batches_per_s']:.2f} batches/s, {pipe['tokens_per_s'] / 1e3:,.1f}k real "
               f"tokens/s (first batch {pipe['first_batch_s']:.1f}s): "
-              f"{pipe['batches_per_s'] / max(rates['steps_per_s'], 1e-9):.1f}x the consumption",
+              f"{pipe['batches_per_s'] / max(out['steps_per_s'], 1e-9):.1f}x the consumption",
               flush=True)
     if args.plot:
-        write_curves(args.plot, history, first)
+        write_curves(args.plot, out["losses"], log.first)
     if args.summary:
         pathlib.Path(args.summary).write_text(json.dumps(out, indent=1))
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:

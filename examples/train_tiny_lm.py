@@ -49,6 +49,7 @@ import grain
 import jax
 import numpy as np
 
+from examples.lm_run import json_default
 from examples.tiny_lm import (
     ModelConfig,
     adam_init,
@@ -132,19 +133,9 @@ def save_checkpoint(path: pathlib.Path, params, opt_state, step: int, iterator) 
     path.mkdir(parents=True, exist_ok=True)
     np.savez(path / "state.tmp.npz", **flatten_state(params, opt_state))
     meta = {"step": step, "iterator": iterator.get_state()}
-    (path / "meta.tmp.json").write_text(json.dumps(meta, default=_json_default))
+    (path / "meta.tmp.json").write_text(json.dumps(meta, default=json_default))
     os.replace(path / "state.tmp.npz", path / "state.npz")
     os.replace(path / "meta.tmp.json", path / "meta.json")
-
-
-def _json_default(x):
-    if isinstance(x, np.integer):
-        return int(x)
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, bytes):
-        return x.decode("latin-1")
-    raise TypeError(f"cannot serialise {type(x).__name__} in the iterator state")
 
 
 def load_checkpoint(path: pathlib.Path, iterator):
