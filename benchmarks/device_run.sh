@@ -28,7 +28,8 @@
 #                                       # the whole TPU run (~25 minutes on a v5e) in three
 #                                       # calls of a device tool with a 10-minute limit
 #
-# Grain on a machine without it: with .whl-tpu/ in the repository (benchmarks/device_wheels.sh),
+# Grain on a machine without it: with .whl-gpu/ or .whl-tpu/ in the repository
+# (benchmarks/device_wheels.sh [--gpu]),
 # its wheels are installed into /tmp/site (--no-deps); where flax (the model of train_step and
 # train_lm), optax, orbax-checkpoint and matplotlib are not importable, they come from the
 # machine's own index (file:///opt/pypi/simple) into /tmp/site2 (less the jax and numpy pip puts
@@ -83,16 +84,18 @@ log="${OUT:+$OUT/device_run.log}"
 out="${OUT:-$tmp}"
 cd "$root"
 
-install_wheels() {  # grain (.whl-tpu); flax, optax, orbax-checkpoint (the machine's index)
-  if [[ ! -d "$root/.whl-tpu" ]]; then
+install_wheels() {  # grain (.whl-gpu / .whl-tpu); flax, optax, orbax-checkpoint (the machine's)
+  local wheels="$root/.whl-tpu"
+  [[ -d "$root/.whl-gpu" ]] && wheels="$root/.whl-gpu"
+  if [[ ! -d "$wheels" ]]; then
     :  # grain installed already, or not needed (the benchmarks read no pipeline)
   elif PIP_CONFIG_FILE=/dev/null "$python" -m pip install --isolated -q --no-index --no-deps \
-      --no-compile --no-cache-dir --upgrade --target /tmp/site "$root"/.whl-tpu/*.whl; then
+      --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl; then
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
-    echo "== installed $(ls "$root"/.whl-tpu/*.whl | wc -l) wheels of .whl-tpu into /tmp/site"
+    echo "== installed $(ls "$wheels"/*.whl | wc -l) wheels of $(basename "$wheels") into /tmp/site"
   else
-    echo "Error: installing .whl-tpu/*.whl into /tmp/site failed: rerun" \
-      "benchmarks/device_wheels.sh here (cp311 manylinux x86-64 wheels) and carry .whl-tpu" >&2
+    echo "Error: installing $wheels/*.whl into /tmp/site failed: rerun" \
+      "benchmarks/device_wheels.sh here (--gpu: cp312 wheels; else cp311) and carry the folder" >&2
   fi
   if "$python" -c "import flax, optax, orbax.checkpoint, matplotlib" 2>/dev/null; then
     return 0  # the machine's own (or the test venv's)
