@@ -38,7 +38,7 @@ from seqpack.pipelines import storage
 from seqpack.pipelines.datasets.sources import as_path_list, locate, norm_index
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats import arrayrecord, jsonl
-from seqpack.pipelines.formats.arrays import TokenArrays, megatron_pair
+from seqpack.pipelines.formats.arrays import TokenArrays, megatron_pair, megatron_prefix
 from seqpack.pipelines.formats.detect import ARRAYS, format_by_name
 from seqpack.pipelines.formats.encodings import of_manifest
 from seqpack.pipelines.formats.manifest import (
@@ -225,8 +225,7 @@ class TokenArraySource(_FileSource):
                  feature: str | None = None, aligned_columns: Sequence[str] = (),
                  cache_dir: str | os.PathLike | None = None):
         super().__init__()
-        self._names = [p if storage.is_url(p) or os.path.exists(p) or not os.path.isfile(
-            p + ".bin") else p + ".bin" for p in as_path_list(paths, name="TokenArraySource")]
+        self._names = [megatron_prefix(p) for p in as_path_list(paths, name="TokenArraySource")]
         self._paths, self._feature, self._arrays = [], feature or column, []
         for name in self._names:
             fmt = input_format or format_by_name(name)

@@ -48,6 +48,14 @@ def megatron_pair(path: str) -> tuple[str, str]:
     return stem + ".bin", stem + ".idx"
 
 
+def megatron_prefix(path: str) -> str:
+    """The ``.bin`` of the local Megatron pair that `path` is the shared prefix of (``x`` for
+    ``x.bin`` and ``x.idx``); any other path as it is."""
+    if os.path.exists(path) or not all(os.path.isfile(p) for p in megatron_pair(path)):
+        return path
+    return megatron_pair(path)[0]
+
+
 def companion(path: str) -> str:
     """The other file of the Megatron pair that ``.bin`` or ``.idx`` file `path` belongs to."""
     bin_path, idx_path = megatron_pair(path)

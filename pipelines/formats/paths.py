@@ -40,6 +40,7 @@ from typing import Any
 
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
+from seqpack.pipelines.formats.arrays import megatron_prefix
 from seqpack.pipelines.formats.detect import format_by_name
 
 OUTPUT_FILES = ("manifest.json", "pack_intent.json")  # formats.manifest's MANIFEST, INTENT
@@ -66,10 +67,8 @@ def expand_inputs(args: Sequence[str | os.PathLike], *, allow_duplicates: bool =
             out.extend(hf_dataset_files(path) or _directory_files(path, input_format))
         elif not os.path.exists(path) and _GLOB.search(path):
             out.extend(_glob_files(path))
-        elif not os.path.exists(path) and all(os.path.isfile(path + e) for e in (".bin", ".idx")):
-            out.append(path + ".bin")  # a Megatron dataset's prefix
         else:
-            out.append(path)
+            out.append(megatron_prefix(path))  # a Megatron dataset's prefix: its .bin
     out = _one_of_each_pair(out)
     if not allow_duplicates:
         check_distinct(out)

@@ -328,17 +328,16 @@ class _Groups:
 
     def __init__(self, path: str, fmt: str, column: str, extra: tuple[str, ...],
                  sha256: str = ""):
-        self.mapped: dict[int, Any] | None = None
-        self.disk = None if fmt == "arrow" or not disk_cache_dir() else \
-            os.path.join(str(disk_cache_dir()), sha256 or "unknown")
+        root = None if fmt == "arrow" else disk_cache_dir()
+        self.disk = None if root is None else os.path.join(root, sha256 or "unknown")
+        # groups kept whole by this reader: Arrow's (views of its map), those mapped from disk
+        self.mapped: dict[int, Any] | None = {} if fmt == "arrow" or self.disk else None
         if fmt == "arrow":
             arrow = parquet.ArrowTokens(path, column, aligned_columns=extra)
             arrow.open_groups()
             self.file: parquet.ParquetTokens = arrow
         else:
             self.file = parquet.ParquetTokens(path, column, aligned_columns=extra)
-        if fmt == "arrow" or self.disk:
-            self.mapped = {}
         self.cum = np.concatenate(([0], np.cumsum(self.file.group_rows))).astype(np.int64)
         self.extra = extra
 
