@@ -45,6 +45,29 @@ def corpora(names: list[str] | None = None) -> dict[str, tuple[np.ndarray, np.nd
     return out
 
 
+def packed_rows(path, seq_len: int, limit: int | None = None):
+    """(offsets, lengths) i32[R, S] of a token corpus (.npz: tokens, offsets) packed at
+    L = seq_len by seqpack.packer (best-fit decreasing, long examples split; S = L / 32)."""
+    from seqpack.packer import PackConfig, pack_ragged
+
+    z = np.load(path)
+    tokens, offsets = z["tokens"], z["offsets"].astype(np.int64)
+    if limit:
+        limit = min(limit, offsets.size - 1)
+        tokens, offsets = tokens[: offsets[limit]], offsets[: limit + 1]
+    cfg = PackConfig(seq_len, max_segments=max(seq_len // 32, 1), overflow="split")
+    batch = pack_ragged(tokens, offsets, cfg)
+    return batch["tokens_segment_offsets"], batch["tokens_segment_lengths"]
+
+
+def picked_rows(path, seq_len: int, batch: int, limit: int | None = None):
+    """(row indices, offsets, lengths) of `batch` packed rows drawn with seed 0: the rows every
+    attention benchmark times (attention_bench and torch_peers alike)."""
+    offsets, lengths = packed_rows(path, seq_len, limit)
+    pick = np.sort(np.random.default_rng(0).choice(len(offsets), batch, replace=False))
+    return pick, offsets[pick], lengths[pick]
+
+
 def best_time(fn: Callable[[], object], repeats: int = 3) -> tuple[float, object]:
     """Runs fn once to warm up, then `repeats` times; returns (best seconds, last result)."""
     result = fn()

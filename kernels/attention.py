@@ -12,13 +12,17 @@ benchmarks/README.md).
                  is scalar-prefetched; data-dependent index maps repeat the last block of a
                  range (no copy) and `pl.when` skips the compute of the steps past it
     pallas_gpu   gpu/attention.py: the same schedule as loop bounds (`lax.fori_loop`)
+    cudnn        gpu/cudnn.py: cuDNN's packed flash attention fed the offsets and lengths
+                 (Hopper; guarded, differentiated by cuDNN itself)
     reference    kernels/reference.py: dense and masked, on any backend
 
 The kernel families are looked up in FAMILIES (a common.Registry of
 attention_schedule.AttentionFamily: each wing's family.py says its block sizes, whether it runs
 on the schedule, its logsumexp layout and its calls); `impl="auto"` takes the first of the
-current platform's families that can run here, else the reference. A new backend is one more
-wing with a family, listed in FAMILIES ahead of the one it should win over.
+current platform's families that can run here and take the call (`refuses`), else the
+reference. A new backend is one more wing with a family, listed in FAMILIES ahead of the one it
+should win over. cuDNN stands behind pallas_gpu until a chip has measured it faster
+(`impl="cudnn"` runs it).
 
 Forward and backward are a `custom_vjp` (dq, dk, dv; no gradient for the metadata), flash
 attention style: an online softmax in f32 whatever the input dtype (bfloat16, float16, float32),
@@ -39,6 +43,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from seqpack.kernels import gpu, reference, ring, tpu
 from seqpack.kernels.attention_schedule import (
+    AttentionCall,
     AttentionConfig,
     AttentionFamily,
     Schedule,
@@ -52,8 +57,10 @@ from seqpack.kernels.tpu import AttentionBlockSizes
 
 # auto's order within a platform: the first family that can run here is taken.
 FAMILIES: Registry[AttentionFamily] = Registry("segment_attention",
-                                              (tpu.ATTENTION, gpu.ATTENTION))
+                                              (tpu.ATTENTION, gpu.ATTENTION,
+                                               gpu.CUDNN_ATTENTION))
 Setup = tuple[Schedule | None, AttentionConfig, AttentionFamily]
+BLOCKS = ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -93,16 +100,19 @@ def _check(q, k, v, segment_offsets, segment_lengths) -> None:
     check_metadata(segment_offsets, segment_lengths, batch)
 
 
+def _call(q, k, causal: bool, ring: bool) -> AttentionCall:
+    return AttentionCall(jnp.dtype(q.dtype), q.shape[2], k.shape[2], q.shape[3], causal, ring)
+
+
 def _config(q, k, *, causal, scale, blocks, interpret, family: AttentionFamily, count_visits,
             operand="blhd") -> AttentionConfig:
     """The call's config, fitted by the family (which refuses a call it cannot run)."""
     batch, seq_len, heads, dim = q.shape
     cfg = AttentionConfig(
         seq_len=seq_len, heads=heads, kv_heads=k.shape[2], head_dim=dim, causal=causal,
-        scale=float(dim**-0.5 if scale is None else scale), block_q=blocks.block_q,
-        block_kv=blocks.block_kv, block_q_bwd=blocks.block_q_bwd,
-        block_kv_bwd=blocks.block_kv_bwd, interpret=interpret, count_visits=count_visits,
-        operand=operand)
+        scale=float(dim**-0.5 if scale is None else scale), interpret=interpret,
+        count_visits=count_visits, operand=operand,
+        **{name: getattr(blocks, name, 0) for name in BLOCKS})  # 0: a family without blocks
     return family.configure(cfg, blocks, batch)
 
 
@@ -111,7 +121,8 @@ def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, in
     """Checks; None for the reference, else (Schedule or None, AttentionConfig, the family).
     q, k, v: [B, L, N, D] (or their shapes, for operands passed [B, N, L, D])."""
     _check(q, k, v, segment_offsets, segment_lengths)
-    family, blocks = FAMILIES.resolve(impl, interpret, block_sizes)
+    family, blocks = FAMILIES.resolve(impl, interpret, block_sizes,
+                                      call=_call(q, k, causal, ring=False))
     if family is None:
         return None
     cfg = _config(q, k, causal=causal, scale=scale, blocks=blocks, interpret=interpret,
@@ -148,7 +159,8 @@ def _ring(q, k, v, segment_offsets, segment_lengths, axis: str, *, causal, scale
     if q.shape[1] % 2:
         raise ValueError(f"q.shape={q.shape}: a rank's shard of the load-balanced layout holds "
                          "L / C tokens, an even number (rows are multiples of 2C)")
-    family, blocks = FAMILIES.resolve(impl, interpret, block_sizes)
+    family, blocks = FAMILIES.resolve(impl, interpret, block_sizes,
+                                      call=_call(q, k, causal, ring=True))
     dim = q.shape[3]
     scale = float(dim**-0.5 if scale is None else scale)
     if family is None:
@@ -257,6 +269,8 @@ def segment_attention(
         return reference.segment_attention(q, k, v, segment_offsets, segment_lengths,
                                            causal=causal, scale=scale)
     sched, cfg, family = setup
+    if family.own_vjp:
+        return family.attend(q, k, v, segment_offsets, segment_lengths, cfg)
     if cfg.head_major:  # transposed outside the custom_vjp, so the backward keeps them and
         cfg = dataclasses.replace(cfg, operand="bhld")  # transposes cotangents
         return _heads_second(_pallas_attention(*map(_heads_second, (q, k, v)), sched, cfg,

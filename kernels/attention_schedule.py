@@ -102,15 +102,34 @@ class LseLayout(enum.Enum):
         return (batch, heads, seq_len, 1) if self is LseLayout.BHL1 else (batch, heads, seq_len)
 
 
+class AttentionCall(NamedTuple):
+    """What a family's `refuses` reads of one call, before any config is built."""
+
+    dtype: Any  # q's
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+    ring: bool  # a ring step of context parallelism (runs on the schedule)
+
+
 class AttentionFamily(Family, Protocol):
     """A kernel family of segment attention (its Registry: attention.py; `target`, `block_sizes`:
-    common.Family). `configure` fits a call's config to the family (block sizes, options; a
-    ValueError where the call does not fit it); `forward` returns (o, lse[, visits]) with lse in
-    `lse_layout`; `backward` takes that lse back and returns (dq, dk, dv), with visit counters
-    (grads, visits_dq, visits_dkv) when `cfg.count_visits`."""
+    common.Family). `refuses(call)`: why it turns down an AttentionCall, or None. `configure`
+    fits a call's config to the family (block sizes, options; a ValueError where the call does
+    not fit it). A family with `own_vjp` is differentiated by JAX as it is: `attend(q, k, v,
+    offsets, lengths, cfg)` is the whole op (a library with a VJP of its own, cuDNN's). The
+    others are wrapped in attention.py's custom VJP: `forward` returns (o, lse[, visits]) with
+    lse in `lse_layout`; `backward` takes that lse back and returns (dq, dk, dv), with visit
+    counters (grads, visits_dq, visits_dkv) when `cfg.count_visits`."""
 
     @property
     def needs_schedule(self) -> bool: ...  # forward / backward read make_schedule's ranges
+
+    @property
+    def own_vjp(self) -> bool: ...
+
+    def refuses(self, call: AttentionCall) -> str | None: ...
 
     @property
     def lse_layout(self) -> LseLayout: ...

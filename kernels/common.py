@@ -42,6 +42,7 @@ class Impl(enum.StrEnum):
     PALLAS = "pallas"  # the current backend's kernel (on CPU: the TPU kernel, with `interpret=`)
     PALLAS_TPU = "pallas_tpu"  # the Pallas TPU (Mosaic) kernel
     PALLAS_GPU = "pallas_gpu"  # the Pallas GPU (Triton) kernel
+    CUDNN = "cudnn"  # cuDNN's packed flash attention (segment_attention on a Hopper GPU)
     REFERENCE = "reference"  # the pure-jnp reference in kernels/reference.py
 
 
@@ -139,13 +140,11 @@ def resolve_impl(impl: Impl | str, interpret: Interpret) -> Impl:
         pallas_tpu   pallas_tpu   ValueError   pallas_tpu *        pallas_tpu
         pallas_gpu   ValueError   pallas_gpu   pallas_gpu *        pallas_gpu (interpret=True only)
 
-    With `interpret=` on a TPU or GPU backend, the backend's own family runs interpreted; the
-    ValueErrors name the backend and the choices.
-    * accepted so the kernel can be lowered for its platform ahead of time
-    (`jax.jit(f).trace(...).lower(lowering_platforms=("tpu",))` / `("cuda",)`); running it on
-    the CPU needs `interpret=`. `pltpu.InterpretParams` is TPU semantics, so it selects the TPU
-    kernel under "auto" / "pallas" and is refused with "pallas_gpu". The table is `select` over
-    the two Pallas targets; each op's Registry applies the same rule to its own families.
+    With `interpret=` on a TPU or GPU backend, the backend's own family runs interpreted.
+    * accepted so the kernel can be lowered for its platform ahead of time (`lowering_platforms`
+    "tpu" / "cuda"); running it on the CPU needs `interpret=`. `pltpu.InterpretParams` (TPU
+    semantics) selects the TPU kernel under "auto" / "pallas" and is refused with "pallas_gpu".
+    This is `select` over the Pallas targets; each op's Registry applies it to its families.
     """
     target = select((PALLAS_TPU, PALLAS_GPU), impl, interpret)
     return Impl.REFERENCE if target is None else target.impl
@@ -186,15 +185,24 @@ class Registry(Generic[F]):
         raise ValueError(f"impl={impl.value!r} has no kernel family in {self.op}")
 
     def resolve(self, impl: Impl | str, interpret: Interpret, block_sizes: Any,
-                op: str | None = None) -> tuple[F | None, Any]:
+                op: str | None = None, call: Any = None) -> tuple[F | None, Any]:
         """(the family `impl` picks here (`select`), its block sizes: its defaults for None,
-        else checked against its class); (None, None) for the reference. `op` names the
-        calling function in errors (default: the registry's op)."""
+        else checked against its class); (None, None) for the reference. `op` names the caller
+        in errors. A family's `refuses(call)`, where it has one, turns down one call (a dtype, a
+        head dim): "auto" and "pallas" pass over it, and over a library family (not Pallas)
+        when `block_sizes` are given; named outright, it raises with its reason."""
         op = op or self.op
-        target = select([f.target for f in self.families], impl, interpret, op)
+        refuses = lambda f: getattr(f, "refuses", lambda c: None)(call) if call else None  # noqa: E731
+        families = self.families
+        if parse_enum(Impl, "impl", impl) in (Impl.AUTO, Impl.PALLAS):
+            families = tuple(f for f in families
+                             if not refuses(f) and (block_sizes is None or f.target.pallas))
+        target = select([f.target for f in families], impl, interpret, op)
         if target is None:
             return None, None
         family = self[target.impl]
+        if why := refuses(family):
+            raise ValueError(f"impl={target.impl.value!r} cannot run this {op} call: {why}")
         return family, fit_block_sizes(block_sizes, family.block_sizes, target.impl, op)
 
 
@@ -208,9 +216,8 @@ def check_multiple(name: str, value: int, multiple: int, why: str = "") -> None:
 class SegmentBlockSizes:
     """Block sizes of the segment reduce and broadcast kernels.
 
-    block_tokens: tokens per grid step along L. 512 rows x 512 lanes of bf16 is a 512 KiB block,
-      large enough that the ~0.35 us per-step overhead is small next to its DMA, small enough that
-      two buffers plus the accumulator stay far below the 16 MiB default scoped VMEM.
+    block_tokens: tokens per grid step along L (512 x 512 bf16: a 512 KiB block, its DMA long
+      next to a step's overhead, two buffers far below the default scoped VMEM).
     block_features: lanes per grid step along D (a multiple of 128; D itself when D is smaller).
       Lowered further so the [S, 8, bd] f32 accumulator stays within ACCUMULATOR_BUDGET_BYTES.
     chunk: rows per `pl.ds` read inside a block. A multiple of 16 keeps every read aligned to the

@@ -114,15 +114,56 @@ def test_segment_attention(heads, causal, dtype, layout):
     if layout in ("folded", *OPTIONS) and BACKEND == "gpu":
         pytest.skip("head_major, lane_columns, fused_bwd: options of the TPU kernels "
                     "(AttentionBlockSizes)")
+    f = _attention(causal, "bhld" if layout == "bhld" else "blhd", layout.startswith("folded"),
+                   OPTIONS.get(layout, ()))
+    _check_attention(f, heads, causal, dtype, SIZES.dim, layout == "bhld")
+
+
+GPU_CASES = [(heads, causal, dim) for heads in ("gqa", "mha") for causal in (True, False)
+             for dim in (64, 128)]
+
+
+@functools.cache
+def _gpu_attention(causal: bool, impl: str):
+    def f(q, k, v, offsets, lengths, g):
+        o, vjp = jax.vjp(lambda q, k, v: kernels.segment_attention(
+            q, k, v, offsets, lengths, causal=causal, impl=impl), q, k, v)
+        return (o, *vjp(g))
+
+    return jax.jit(f)
+
+
+@pytest.mark.skipif(BACKEND != "gpu", reason="the GPU's families: Triton and cuDNN")
+@pytest.mark.parametrize("impl", ["pallas_gpu", "cudnn"])
+@pytest.mark.parametrize("heads,causal,dim", GPU_CASES,
+                         ids=[f"{h}-{'causal' if c else 'full'}-d{d}" for h, c, d in GPU_CASES])
+def test_gpu_attention_families(impl, heads, causal, dim):
+    """Each GPU family at head dims 64 and 128, bf16, as test_segment_attention checks it. cuDNN
+    under GQA runs only where jax's key offsets follow the key's heads (kernels/gpu/cudnn.py);
+    elsewhere it must be refused, never run."""
+    from seqpack.kernels.gpu import cudnn
+
+    if impl == "cudnn" and cudnn.requires():
+        pytest.fail(f"cuDNN's packed attention cannot run on this GPU: {cudnn.requires()}")
+    if impl == "cudnn" and heads == "gqa" and not cudnn.kv_offsets_follow_key_heads():
+        h, kv = SIZES.gqa
+        q = jnp.zeros((1, SIZES.seq_len, h, dim), jnp.bfloat16)
+        k = jnp.zeros((1, SIZES.seq_len, kv, dim), jnp.bfloat16)
+        offsets, lengths = (x[:1] for x in metadata_sets()["wide"])
+        with pytest.raises(ValueError, match="wrong tokens under grouped-query attention"):
+            kernels.segment_attention(q, k, k, offsets, lengths, impl="cudnn")
+        return
+    _check_attention(_gpu_attention(causal, impl), heads, causal, BF16, dim, False)
+
+
+def _check_attention(f, heads, causal, dtype, dim, heads_second: bool):
     h, kv = getattr(SIZES, heads)
     rng = np.random.default_rng(len(ATTENTION_CASES) * h + kv + causal)
     shape = (ROWS, SIZES.seq_len)
-    q = normal(rng, (*shape, h, SIZES.dim), dtype)
-    k, v = (normal(rng, (*shape, kv, SIZES.dim), dtype) for _ in range(2))
+    q = normal(rng, (*shape, h, dim), dtype)
+    k, v = (normal(rng, (*shape, kv, dim), dtype) for _ in range(2))
     g = normal(rng, q.shape, dtype)
-    f = _attention(causal, "bhld" if layout == "bhld" else "blhd", layout.startswith("folded"),
-                   OPTIONS.get(layout, ()))
-    swap = _heads_second if layout == "bhld" else (lambda x: x)
+    swap = _heads_second if heads_second else (lambda x: x)
     rtol, atol = MATMUL[dtype]
     names = ("o", "dq", "dk", "dv")
     for which, (offsets, lengths) in metadata_sets().items():

@@ -69,7 +69,7 @@ def test_auto_runs_the_platforms_family(op, platform, interpret, want, backend):
 @pytest.mark.parametrize("op", REGISTRIES)
 @pytest.mark.parametrize("platform", ["tpu", "gpu", "cpu"])
 @pytest.mark.parametrize("interpret", [False, True, TPU_PARAMS], ids=["none", "true", "params"])
-@pytest.mark.parametrize("impl", [m.value for m in Impl])
+@pytest.mark.parametrize("impl", [m.value for m in Impl if m is not Impl.CUDNN])
 def test_every_registry_keeps_resolve_impls_table(op, platform, interpret, impl, backend):
     """Each op's registry picks what common.resolve_impl's documented table says, or refuses
     with the same error."""
@@ -179,11 +179,13 @@ def test_attention_families_declare_their_lse_layout_and_block_sizes(impl, layou
 def test_every_family_declares_a_target_and_block_sizes():
     for registry in REGISTRIES.values():
         impls = [f.target.impl for f in registry.families]
-        assert sorted(impls) == sorted([Impl.PALLAS_TPU, Impl.PALLAS_GPU]), registry.op
+        library = [Impl.CUDNN] if registry is attention.FAMILIES else []
+        assert sorted(impls) == sorted([Impl.PALLAS_TPU, Impl.PALLAS_GPU, *library]), registry.op
         for family in registry.families:
             assert isinstance(family.block_sizes(), family.block_sizes)
-            assert family.target.platform == {"pallas_tpu": "tpu",
-                                              "pallas_gpu": "gpu"}[family.target.impl]
+            assert family.target.platform == {"pallas_tpu": "tpu", "pallas_gpu": "gpu",
+                                              "cudnn": "gpu"}[family.target.impl]
+            assert family.target.pallas == (family.target.impl is not Impl.CUDNN)
 
 
 def _attention_args():

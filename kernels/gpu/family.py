@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from seqpack.kernels.attention_schedule import AttentionConfig, LseLayout
+from seqpack.kernels.attention_schedule import AttentionCall, AttentionConfig, LseLayout
 from seqpack.kernels.common import (
     PALLAS_GPU,
     GpuBlockSizes,
@@ -60,8 +60,12 @@ class GpuAttention:
     target = PALLAS_GPU
     block_sizes = GpuAttentionBlockSizes
     needs_schedule = True
+    own_vjp = False
     lse_layout = LseLayout.BHL
     operands = ("blhd",)
+
+    def refuses(self, call: AttentionCall) -> None:
+        del call  # every dtype, head dim and head grouping; ring steps too
 
     def configure(self, cfg: AttentionConfig, blocks: GpuAttentionBlockSizes,
                   batch: int) -> AttentionConfig:

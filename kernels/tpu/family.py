@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from seqpack.kernels.attention_schedule import AttentionConfig, LseLayout
+from seqpack.kernels.attention_schedule import AttentionCall, AttentionConfig, LseLayout
 from seqpack.kernels.common import (
     LANES,
     PALLAS_TPU,
@@ -105,8 +105,12 @@ class TpuAttention:
     target = PALLAS_TPU
     block_sizes = AttentionBlockSizes
     needs_schedule = True
+    own_vjp = False
     lse_layout = LseLayout.BHL1
     operands = ("blhd", "bhld")
+
+    def refuses(self, call: AttentionCall) -> None:
+        del call  # every dtype, head dim and head grouping; ring steps too
 
     def configure(self, cfg: AttentionConfig, blocks: AttentionBlockSizes,
                   batch: int) -> AttentionConfig:
