@@ -44,6 +44,7 @@ from benchmarks.common import (
     print_table,
 )
 from benchmarks.kernels_bench import time_call
+from examples.masked import dense_segment_mask, masked_attention, tokamax_available
 from seqpack import kernels
 from seqpack.kernels import attention_schedule as sched
 
@@ -107,8 +108,7 @@ def _segment_ids(offsets, lengths, seq_len):  # i32[B, L]: 1..n, 0 outside segme
 
 
 def _mask(offsets, lengths, seq_len):  # bool[B, 1, L, L]: same segment, causal applied apart
-    ids = _segment_ids(offsets, lengths, seq_len)
-    return ((ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] > 0))[:, None]
+    return dense_segment_mask(_segment_ids(offsets, lengths, seq_len))
 
 
 def _dpa(implementation):
@@ -131,23 +131,11 @@ def _dense_cudnn(q, k, v, offsets, lengths):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-def _tokamax_masked(q, k, v, offsets, lengths):
-    """MaxText's GPU `attention: flash`: tokamax's Triton kernel given the dense segment mask."""
-    import tokamax
-
-    return tokamax.dot_product_attention(q, k, v, mask=_mask(offsets, lengths, q.shape[1]),
-                                         is_causal=True, implementation="triton")
-
-
-def _jax_pallas_gpu(interpret: bool):
+def _masked(interpret: bool):
+    """MaxText's GPU attention (examples/masked.py) on the rows' segment ids."""
     def run(q, k, v, offsets, lengths):
-        from jax.experimental.pallas.ops.gpu import attention as jax_attention
-
-        groups = q.shape[2] // k.shape[2]  # no grouped-query heads there: repeat k, v
-        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
         ids = _segment_ids(offsets, lengths, q.shape[1])
-        return jax_attention.mha(q, k, v, ids, sm_scale=q.shape[-1] ** -0.5, causal=True,
-                                 interpret=interpret)
+        return masked_attention(q, k, v, ids, interpret=interpret)
 
     return run
 
@@ -202,10 +190,11 @@ def implementations(backend: str, sizes: dict, *, gpu_blocks, tpu_blocks, tpu_op
         impls["seqpack default (impl='auto')"] = kernels.segment_attention
         impls["cudnn packed (impl='cudnn')"] = functools.partial(kernels.segment_attention,
                                                                  impl="cudnn")
-        impls["masked: tokamax triton (dense mask)"] = _tokamax_masked
         impls["masked: jax.nn dpa cudnn (dense mask)"] = _dpa("cudnn")
     if backend != "tpu":
-        impls["masked: jax pallas gpu mha (ids)"] = _jax_pallas_gpu(on_cpu)
+        name = ("tokamax triton (dense mask)" if tokamax_available() and not on_cpu
+                else "jax pallas gpu mha (ids)")
+        impls[f"masked: {name}"] = _masked(on_cpu)
     if backend == "gpu":
         impls["bound: cudnn dense causal (no packing)"] = Dense(_dense_cudnn)
     impls["jax.nn dpa xla (mask, per row)"] = per_row(_dpa("xla"))

@@ -13,6 +13,12 @@ from typing import Any
 
 import numpy as np
 
+LOSS_HEAD_PRESETS = {  # name -> (N tokens, H, V): the loss head's sizes in the issues
+    "16k": (16384, 4096, 128256),
+    "8k": (8192, 2048, 256000),
+    "64k": (65536, 4096, 128256),
+    "gemma": (8192, 2304, 256000),  # the GPU issue's second size (Gemma-2 2B's head)
+}
 DATA = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 

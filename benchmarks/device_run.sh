@@ -13,9 +13,16 @@
 #      defaults, and at 8192 seqpack with materialized logits: its loss head in the step) at
 #      L=8192 and 32768, both RoPE styles;
 #   4. the device test suite (pytest -m device: compiled kernels against the references).
-# On a GPU, step 1 times the Triton tile sizes and the kernels benchmark runs at its hardware
-# sizes instead of 2-3. A step that fails prints "== FAILED" and the next one runs. Prints the
-# tables; with $OUT set (the device tool), also writes them to $OUT/device_run.log.
+# On a GPU (Hopper) the steps are the GPU issue's: attention at L=8192 (B=4, 8 heads of 128:
+# seqpack's default, its Triton tiles, cuDNN packed, MaxText's masked kernel, cuDNN dense causal)
+# and attention_32k (B=1); torch_attention / torch_loss_head: the PyTorch peers on the same rows
+# and sizes (benchmarks/torch_peers.py: FlexAttention, varlen_attn; Liger, Cut Cross-Entropy),
+# each a process of its own after JAX's released the GPU; loss_head --preset gpu (bf16 and an
+# f32 master weight); train_step with the GPU's ways (padded rows on cuDNN, MaxText's masked
+# kernel, cuDNN packed, seqpack) at 8192 and 32768; kernels at the kernels benchmark's hardware
+# sizes. The lent GPU machine runs 10-minute commands in a 15-minute budget: GPU_PLAN below.
+# A step that fails prints "== FAILED" and the next one runs. Prints the tables; with $OUT set
+# (the device tool), also writes them to $OUT/device_run.log.
 #
 #   benchmarks/device_run.sh            # on a TPU or GPU machine, from the repository root
 #   benchmarks/device_run.sh --smoke    # tiny sizes, any machine (CPU: interpret mode)
@@ -27,6 +34,13 @@
 #   benchmarks/device_run.sh --only loss_head_need
 #                                       # the whole TPU run (~25 minutes on a v5e) in three
 #                                       # calls of a device tool with a 10-minute limit
+#
+# GPU_PLAN (estimates, not yet timed on the chip; a fresh machine takes minutes to start):
+#   benchmarks/device_run.sh --only device_tests,attention,torch_attention
+#   benchmarks/device_run.sh --only loss_head,torch_loss_head,train_step
+#   benchmarks/device_run.sh --only attention_32k,train_step_32k,loss_head_need,kernels
+#   benchmarks/device_run.sh --train
+# (carry .whl-gpu: grain, array-record, portpicker, liger-kernel, cut-cross-entropy.)
 #
 # Grain on a machine without it: with .whl-gpu/ or .whl-tpu/ in the repository
 # (benchmarks/device_wheels.sh [--gpu]),
@@ -47,9 +61,9 @@ set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 smoke=""
 train=""
-only=""  # --only NAME[,NAME...]: the steps to run (attention, kernels, loss_head, loss_head_need,
-         # train_step, train_step_32k, device_tests); all when empty
-steps_named="attention,kernels,loss_head,loss_head_need,train_step,train_step_32k,device_tests"
+only=""  # --only NAME[,NAME...]: the steps to run (steps_named); all when empty
+steps_named="attention,attention_32k,torch_attention,kernels,loss_head,torch_loss_head"
+steps_named+=",loss_head_need,train_step,train_step_32k,device_tests"
 while (($#)); do
   case "$1" in
     --smoke) smoke="--smoke" ;;
@@ -163,6 +177,8 @@ step() {  # step NAME COMMAND...: runs one step (if --only names it), reports a 
     step loss_head "$python" -m benchmarks.loss_head --smoke --repeats 1
     step loss_head_need "$python" -m benchmarks.loss_head --smoke --repeats 1 --need
     step train_step "$python" -m benchmarks.train_step --smoke --data "$data"
+    step torch_attention "$python" -m benchmarks.torch_peers attention --smoke --data "$data"
+    step torch_loss_head "$python" -m benchmarks.torch_peers loss-head --smoke
   elif [[ "$backend" == "tpu" ]]; then
     step attention "$python" -m benchmarks.attention_bench --data "$data" --seq-lens 8192 \
       --blocks 512,1024 --batch 4 --heads 8 --kv-heads 8 --repeats 5 \
@@ -176,14 +192,30 @@ step() {  # step NAME COMMAND...: runs one step (if --only names it), reports a 
     step train_step_32k "$python" -m benchmarks.train_step --data "$data" --seq-len 32768 \
       --rope half interleaved --steps 2 --repeats 2 --variants maxtext,seqpack
     step device_tests "$python" -m pytest -q -m device tests/test_device.py tests/test_device_segments.py -p no:cacheprovider
-  else
-    step attention "$python" -m benchmarks.attention_bench --data "$data" \
-      --gpu-blocks 64,64,64,64 128,64,64,64 128,128,64,64 64,64,32,64
-    step kernels "$python" -m benchmarks.kernels_bench --gpu-sizes
-    step loss_head "$python" -m benchmarks.loss_head --preset all
+  else  # a GPU: GPU_PLAN's steps, the cheapest and most needed first
+    "$python" -c "import jax, jaxlib; from jax._src.cudnn.fused_attention_stablehlo import \
+      check_cudnn_version as v; print('== jaxlib', jaxlib.__version__, 'cuDNN', v())" || true
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    step device_tests "$python" -m pytest -q -m device tests/test_device.py tests/test_device_segments.py -p no:cacheprovider
+    step attention "$python" -m benchmarks.attention_bench --data "$data" --seq-lens 8192 \
+      --blocks 64,128 --batch 4 --heads 8 --kv-heads 8 --head-dim 128 --repeats 5 \
+      --gpu-blocks 64,64,64,64 128,64,64,64 128,128,64,64
+    step torch_attention "$python" -m benchmarks.torch_peers attention --data "$data" \
+      --seq-len 8192 --batch 4 --heads 8 --kv-heads 8 --repeats 5
+    step loss_head bash -c "$python -m benchmarks.loss_head --preset gpu &&
+      $python -m benchmarks.loss_head --preset gpu --weight-dtype float32"
+    step torch_loss_head bash -c "$python -m benchmarks.torch_peers loss-head --preset 16k &&
+      $python -m benchmarks.torch_peers loss-head --preset gemma"
+    step train_step "$python" -m benchmarks.train_step --data "$data" --seq-len 8192 \
+      --rope half interleaved --steps 4 --repeats 2 --variants padded,maxtext,cudnn,seqpack
+    step attention_32k "$python" -m benchmarks.attention_bench --data "$data" --seq-lens 32768 \
+      --blocks 128 --seq-len 32768 --batch 1 --heads 8 --kv-heads 8 --head-dim 128 \
+      --repeats 3 --gpu-blocks 64,64,64,64 128,64,64,64
+    step train_step_32k "$python" -m benchmarks.train_step --data "$data" --seq-len 32768 \
+      --rope half interleaved --steps 2 --repeats 2 --variants maxtext,cudnn,seqpack
     step loss_head_need "$python" -m benchmarks.loss_head --preset 64k --repeats 3 \
       --chunks 1024 2048 4096 --bf16-carry --need
-    step device_tests "$python" -m pytest -q -m device tests/test_device.py tests/test_device_segments.py -p no:cacheprovider
+    step kernels "$python" -m benchmarks.kernels_bench --gpu-sizes
   fi
   exit "$failed"
 } 2>&1 | if [[ -n "$log" ]]; then tee "$log"; else cat; fi

@@ -12,8 +12,10 @@
 # cloudpickle, etils, protobuf, portpicker, psutil (grain's imports and its worker processes);
 # the machine's own index gives optax, orbax-checkpoint and matplotlib (device_run.sh, into
 # /tmp/site2, without the jax and numpy pip puts beside them).
-# GPU (~4 MiB): grain, array-record, portpicker: its image holds the rest (absl-py,
-# cloudpickle, etils, protobuf, psutil, flax, optax, orbax-checkpoint, matplotlib, pyarrow).
+# GPU (~5 MiB): grain, array-record, portpicker, and the loss head's PyTorch peers (pure
+# Python, importing only torch and triton, which the image has: liger-kernel 0.8.5, 0.9 MiB;
+# cut-cross-entropy 25.1.1, 23 KiB); its image holds the rest (absl-py, cloudpickle, etils,
+# protobuf, psutil, flax, optax, orbax-checkpoint, matplotlib, pyarrow).
 # Run from the repository root on a machine with a package index; carry the folder.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -32,6 +34,9 @@ done
 dest="$root/.whl-$kind"
 python="${PYTHON:-python3}"
 packages=(grain==0.2.18 array-record==0.8.6 portpicker==1.6.0)
+if [[ $kind == gpu ]]; then
+  packages+=(liger-kernel==0.8.5 cut-cross-entropy==25.1.1)
+fi
 if [[ $kind == tpu ]]; then
   packages+=(absl-py==2.5.1 cloudpickle==3.1.3 etils==1.15.0 protobuf==6.33.6 psutil==7.2.2)
 fi

@@ -3,6 +3,7 @@ tiling and segment_linear_cross_entropy's modes; time, XLA temporary memory, mat
 
     python -m benchmarks.loss_head --preset all        # the issue's three sizes, bf16 (a chip)
     python -m benchmarks.loss_head --preset 16k        # N=16384 H=4096 V=128256
+    python -m benchmarks.loss_head --preset gpu        # 16k and gemma (N=8192 H=2304 V=256000)
     python -m benchmarks.loss_head --smoke             # tiny sizes, seconds on a CPU
     python -m benchmarks.loss_head --tokens 8192 --dim 2048 --vocab 256000 --chunks 1024 2048
     python -m benchmarks.kernels_bench --loss-head     # the same table from kernels_bench
@@ -45,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from benchmarks.common import LOSS_HEAD_PRESETS as PRESETS
 from benchmarks.common import print_table
 from benchmarks.kernels_bench import MIB, Sizes, make_inputs, time_call
 from benchmarks.profile import profile_ops
@@ -52,11 +54,7 @@ from seqpack import kernels
 from seqpack.kernels import reference
 from seqpack.kernels.fused import free_device_bytes, reported_free_bytes
 
-PRESETS = {  # name -> (N tokens, H, V): the issue's sizes
-    "16k": (16384, 4096, 128256),
-    "8k": (8192, 2048, 256000),
-    "64k": (65536, 4096, 128256),
-}
+GPU = ("16k", "gemma")  # --preset gpu: issue 65's sizes on the GPU
 SMOKE = (512, 64, 1000)
 TILING_CHUNK = 4096  # MaxText's vocab tiling: tokens per chunk
 
@@ -340,7 +338,7 @@ def loss_head_table(args, impl: str = "auto", interpret: bool = False, repeats: 
 
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=[*PRESETS, "all"], default=None)
+    parser.add_argument("--preset", choices=[*PRESETS, "all", "gpu"], default=None)
     parser.add_argument("--smoke", action="store_true", help=f"N, H, V = {SMOKE}, float32")
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--dim", type=int, default=4096)
@@ -376,7 +374,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     if args.smoke:
         sizes, args.dtype = [SMOKE], "float32"
     elif args.preset:
-        sizes = list(PRESETS.values()) if args.preset == "all" else [PRESETS[args.preset]]
+        names = {"all": ("16k", "8k", "64k"), "gpu": GPU}.get(args.preset, (args.preset,))
+        sizes = [PRESETS[name] for name in names]
     rows = {}
     for args.tokens, args.dim, args.vocab in sizes:
         rows = loss_head_table(args, repeats=args.repeats)

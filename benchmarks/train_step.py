@@ -12,6 +12,9 @@ long examples split) fed three ways:
 - maxtext: packed rows; splash attention with segment ids + materialized logits (MaxText);
 - seqpack: packed rows; kernels.segment_attention + kernels.segment_linear_cross_entropy, all
   defaults (the variant a user gets who passes nothing).
+On a GPU (GPU_BASE): padded rows through cuDNN with each row's length; maxtext: MaxText's GPU
+flash kernel masking the segments (examples/masked.py); cudnn: packed rows through cuDNN's packed
+layout (segment_attention(impl="cudnn")); all three with materialized logits.
 Extra variants (--variants seqpack+b512+bhld, ...) isolate one change each. Real tokens/s
 counts tokens inside segments, the same examples for every variant. --profile prints device
 time by XLA op (jax.profiler trace, parsed in process) for each variant.
@@ -42,26 +45,35 @@ BASE = {
     "maxtext": ("packed", dict(attention="splash", loss="materialized")),
     "seqpack": ("packed", dict()),
 }
+GPU_BASE = {  # the same ways on a GPU: cuDNN for padded rows, MaxText's masked flash kernel
+    "padded": ("padded", dict(attention="cudnn", segment_ids=False, loss="materialized")),
+    "maxtext": ("packed", dict(attention="masked", loss="materialized")),
+    "cudnn": ("packed", dict(attention="cudnn", loss="materialized")),  # cuDNN packed layout
+    "seqpack": ("packed", dict()),
+}
 OPTIONS = "seqpack options, joined by '+': logits (materialized loss), bhld (layout), f32 " \
     f"(the fused head's logits in float32), and the attention kernels' {BLOCK_OPTIONS}"
 
 
-def variant(name: str) -> tuple[str, dict]:
-    """'seqpack+b512+bhld' -> (rows, LMConfig overrides): one change from a base each."""
+def variant(name: str, backend: str | None = None) -> tuple[str, dict]:
+    """'seqpack+b512+bhld' -> (rows, LMConfig overrides): one change from a base each (the
+    bases of `backend`, default jax's: GPU_BASE on a GPU, else BASE)."""
+    bases = GPU_BASE if (backend or jax.default_backend()) == "gpu" else BASE
     base, *opts = name.split("+")
-    if base not in BASE or (opts and base != "seqpack"):
-        raise SystemExit(f"Error: unknown variant {name!r}: {list(BASE)}; {OPTIONS}")
-    rows, overrides = BASE[base]
+    if base not in bases or (opts and base != "seqpack"):
+        raise SystemExit(f"Error: unknown variant {name!r}: {list(bases)}; {OPTIONS}")
+    rows, overrides = bases[base]
     overrides = dict(overrides)
     model = {"logits": ("loss", "materialized"), "bhld": ("attention_layout", "bhld"),
              "f32": ("loss_logits_dtype", "float32")}
     overrides.update(model[opt] for opt in opts if opt in model)
+    defaults = (kernels.GpuAttentionBlockSizes() if bases is GPU_BASE
+                else kernels.AttentionBlockSizes())
     try:  # the rest: the attention kernels' block sizes and options
-        blocks = attention_blocks([o for o in opts if o not in model],
-                                  kernels.AttentionBlockSizes())
+        blocks = attention_blocks([o for o in opts if o not in model], defaults)
     except ValueError as e:
         raise SystemExit(f"Error: {e} (in {name!r}; {OPTIONS})") from None
-    if blocks != kernels.AttentionBlockSizes():
+    if blocks != defaults:
         overrides["attention_block_sizes"] = blocks
     return rows, overrides
 

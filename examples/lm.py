@@ -8,8 +8,12 @@ only how attention and the loss see the rows:
     attention="seqpack"   kernels.segment_attention on the rows' offsets / lengths: each
                           segment its own example, only the blocks its segments need
     attention="splash"    splash attention (`[B, H, L, D]`, 512 blocks) with segment ids:
-                          MaxText's way on packed rows; without ids (`segment_ids=False`),
-                          plain causal attention over padded rows
+                          MaxText's way on packed rows (a TPU); without ids
+                          (`segment_ids=False`), plain causal attention over padded rows
+    attention="masked"    MaxText's way on a GPU: a flash kernel masking the segments
+                          (examples/masked.py)
+    attention="cudnn"     cuDNN: packed rows through segment_attention(impl="cudnn"); padded
+                          rows (`segment_ids=False`) with each row's sequence length
     attention="reference" the jnp reference (any backend; tests)
     loss="fused"          kernels.segment_linear_cross_entropy (no `[B, L, V]` logits)
     loss="materialized"   logits = hidden @ W, f32 log-softmax (MaxText's way)
@@ -36,9 +40,11 @@ from examples.lm_data import bucket as bucket  # noqa: F401  (public here: bench
 from examples.lm_data import make_batch
 from examples.lm_data import padded_rows as padded_rows  # noqa: F401
 from examples.lm_layers import rms_norm
+from examples.masked import masked_attention
 from examples.splash import splash_attention
 from seqpack import kernels
 
+ATTENTION = ("seqpack", "splash", "masked", "cudnn", "reference")
 Params = dict  # flax's nested dict of f32 arrays: {"embed": ..., "block0": {"q": {"kernel": ...}}}
 
 
@@ -53,7 +59,7 @@ class LMConfig:
     rope: str = "half"  # "half" | "interleaved"
     rope_theta: float = 10_000.0
     dtype: str = "bfloat16"  # compute dtype; parameters stay f32
-    attention: str = "seqpack"  # "seqpack" | "splash" | "reference"
+    attention: str = "seqpack"  # "seqpack" | "splash" | "masked" | "cudnn" | "reference"
     attention_layout: str = "blhd"  # what segment_attention is handed: "blhd" or "bhld"
     attention_block_sizes: kernels.AttentionBlockSizes | None = None
     segment_ids: bool = True  # splash: mask by segment (packed rows) or causal only (padded)
@@ -62,7 +68,7 @@ class LMConfig:
     interpret: bool = False  # Pallas kernels in interpret mode (CPU tests)
 
     def __post_init__(self) -> None:
-        choices = {"rope": ("half", "interleaved"), "attention": ("seqpack", "splash", "reference"),
+        choices = {"rope": ("half", "interleaved"), "attention": ATTENTION,
                    "attention_layout": ("blhd", "bhld"), "loss": ("fused", "materialized")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -96,13 +102,38 @@ def attend(q, k, v, batch: dict, cfg: LMConfig) -> jax.Array:
                                              interpret=cfg.interpret))
     if cfg.attention == "reference":
         return kernels.reference.segment_attention(q, k, v, batch["offsets"], batch["lengths"])
+    if cfg.attention == "masked":
+        return masked_attention(q, k, v, batch["segment_ids"], interpret=cfg.interpret)
+    if cfg.attention == "cudnn" and not cfg.segment_ids:  # padded rows: one sequence a row
+        n = batch["lengths"][:, 0]
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, query_seq_lengths=n,
+                                            key_value_seq_lengths=n, implementation="cudnn")
+    if cfg.attention == "cudnn":
+        return kernels.segment_attention(q, k, v, batch["offsets"], batch["lengths"],
+                                         impl="cudnn")
+    schedule = batch.get("attention_schedule")  # LM.__call__'s, one for every layer
     if cfg.attention_layout == "bhld":
         return heads_second(kernels.segment_attention(
             *map(heads_second, (q, k, v)), batch["offsets"], batch["lengths"], layout="bhld",
-            impl="auto", interpret=cfg.interpret, block_sizes=cfg.attention_block_sizes))
+            impl="auto", interpret=cfg.interpret, block_sizes=cfg.attention_block_sizes,
+            schedule=schedule))
     return kernels.segment_attention(q, k, v, batch["offsets"], batch["lengths"],
                                      interpret=cfg.interpret,
-                                     block_sizes=cfg.attention_block_sizes)
+                                     block_sizes=cfg.attention_block_sizes, schedule=schedule)
+
+
+def attention_schedule(batch: dict, cfg: LMConfig, batch_size: int, seq_len: int):
+    """segment_attention's block schedule for this batch, made once for all the layers (None
+    where attention is not seqpack's, or its family takes none)."""
+    if cfg.attention != "seqpack":
+        return None
+    shape = (batch_size, seq_len, cfg.heads, cfg.head_dim)
+    if cfg.attention_layout == "bhld":
+        shape = (batch_size, cfg.heads, seq_len, cfg.head_dim)
+    qk = jax.ShapeDtypeStruct(shape, jnp.dtype(cfg.dtype))
+    return kernels.segment_attention_schedule(
+        qk, qk, batch["offsets"], batch["lengths"], layout=cfg.attention_layout,
+        interpret=cfg.interpret, block_sizes=cfg.attention_block_sizes)
 
 
 def _dense(features: int, fan_in: int, cfg: LMConfig, name: str) -> nn.Dense:
@@ -156,8 +187,9 @@ class LM(nn.Module):
         embed = self.param("embed", nn.initializers.normal(0.02), (cfg.vocab, cfg.dim),
                            jnp.float32)
         x = embed.astype(dt)[batch["tokens"]]  # a gather (nn.Embed's take adds bounds checks)
+        layers = {**batch, "attention_schedule": attention_schedule(batch, cfg, *x.shape[:2])}
         for i in range(cfg.layers):
-            x = Block(cfg, name=f"block{i}")(x, batch)
+            x = Block(cfg, name=f"block{i}")(x, layers)
         x = RMSNorm(name="out_norm")(x)
         w = self.param("unembed", nn.initializers.normal(cfg.dim ** -0.5),
                        (cfg.dim, cfg.vocab), jnp.float32).astype(dt)

@@ -1,14 +1,16 @@
 """Pallas kernels (TPU, GPU) over packed rows: per-segment reduce, gather, broadcast, cross-entropy,
 the fused loss head (`segment_linear_cross_entropy`: the output projection inside the loss, no
 logits; `loss_head_plan`: the mode and chunk it runs for a size and budget), and segment
-attention (`segment_attention`: only the blocks its segments need).
+attention (`segment_attention`: only the blocks its segments need; `segment_attention_schedule`:
+its block schedule made once per batch for every layer).
 
 All functions take the packed-row metadata (docs/contract.md), `segment_offsets` / `segment_lengths`
 i32[B, S], and treat every segment as its own example (padding and empty slots excluded). A slot is
 defined by (offset, length) alone: length 0 means unused, whatever its offset, so metadata from any
 packer works; `segment_metadata` builds it from [B, L] segment ids (Grain / MaxText).
 Options: `impl="auto" | "pallas" | "pallas_tpu" | "pallas_gpu" | "reference"` (auto: the TPU kernels
-on TPU, the GPU (Triton) kernels on GPU, the jnp reference elsewhere; see common.resolve_impl) and
+on TPU, the GPU (Triton) kernels on GPU, the jnp reference elsewhere; see common.resolve_impl;
+segment_attention also takes "cudnn": cuDNN's packed attention on a Hopper GPU, guarded) and
 `interpret=` (True, or `pltpu.InterpretParams()` for the TPU kernels) to run either Pallas family
 on CPU. Every function is jitted (options static) and differentiable. `validate_segments` checks
 metadata values before jit.
@@ -36,6 +38,7 @@ from seqpack.kernels.attention import (
     AttentionBlockSizes,
     GpuAttentionBlockSizes,
     segment_attention,
+    segment_attention_schedule,
 )
 from seqpack.kernels.checks import validate_segments
 from seqpack.kernels.common import GpuBlockSizes, Impl, Normalize, SegmentBlockSizes
@@ -73,6 +76,7 @@ __all__ = [
     "loss_head_plan",
     "reference",
     "segment_attention",
+    "segment_attention_schedule",
     "segment_broadcast",
     "segment_cross_entropy",
     "segment_gather",

@@ -117,9 +117,10 @@ def _config(q, k, *, causal, scale, blocks, interpret, family: AttentionFamily, 
 
 
 def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, interpret,
-           block_sizes, count_visits=False, operand="blhd") -> Setup | None:
+           block_sizes, count_visits=False, operand="blhd", schedule=None) -> Setup | None:
     """Checks; None for the reference, else (Schedule or None, AttentionConfig, the family).
-    q, k, v: [B, L, N, D] (or their shapes, for operands passed [B, N, L, D])."""
+    q, k, v: [B, L, N, D] (or their shapes, for operands passed [B, N, L, D]); `schedule`: one
+    made beforehand (segment_attention_schedule), checked against the call's."""
     _check(q, k, v, segment_offsets, segment_lengths)
     family, blocks = FAMILIES.resolve(impl, interpret, block_sizes,
                                       call=_call(q, k, causal, ring=False))
@@ -127,9 +128,19 @@ def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, in
         return None
     cfg = _config(q, k, causal=causal, scale=scale, blocks=blocks, interpret=interpret,
                   family=family, count_visits=count_visits, operand=operand)
-    sched = (make_schedule(segment_offsets, segment_lengths, cfg) if family.needs_schedule
-             else None)
-    return sched, cfg, family
+    if not family.needs_schedule:
+        return None, cfg, family
+    if schedule is None:
+        return make_schedule(segment_offsets, segment_lengths, cfg), cfg, family
+    want = jax.eval_shape(functools.partial(make_schedule, cfg=cfg), segment_offsets,
+                          segment_lengths)
+    got = jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), tuple(schedule))
+    if got != jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), tuple(want)):
+        raise ValueError("schedule= was made for another call (its arrays' shapes differ from "
+                         "this call's: another L, block sizes or family); make it with "
+                         "segment_attention_schedule and this call's q, k, causal, impl, "
+                         "interpret and block_sizes")
+    return Schedule(*schedule), cfg, family
 
 
 def _ring(q, k, v, segment_offsets, segment_lengths, axis: str, *, causal, scale, impl,
@@ -217,6 +228,7 @@ def segment_attention(
     context_parallel_axis: str | None = None,
     context_parallel_layout: str = "te",
     context_parallel_positions: jax.Array | None = None,  # int[B, L/C]
+    schedule: Schedule | None = None,
 ) -> jax.Array:  # f[B, L, H, D]
     """softmax(q k^T * scale) v within each segment (scale default D^-0.5); 0 outside segments.
 
@@ -233,16 +245,24 @@ def segment_attention(
     positions, which any layout may pass) and the metadata the whole rows' `[B, S]`.
     Returns this rank's shard of the result: ring attention (ring.py), K / V passed round by
     `ppermute`, each step's blocks scheduled from the metadata.
+
+    schedule: the block schedule of this call made once per batch by segment_attention_schedule
+    (same q / k shapes, metadata, causal, impl, interpret, block_sizes) and handed to every
+    layer's call, instead of each call computing its own; not with a context_parallel_axis.
     """
     if context_parallel_axis is None and context_parallel_positions is not None:
         raise ValueError("context_parallel_positions is for a call with a "
                          "context_parallel_axis (inside shard_map)")
+    if context_parallel_axis is not None and schedule is not None:
+        raise ValueError("schedule= is not for a call with a context_parallel_axis: each ring "
+                         "step schedules its own blocks")
     if layout not in ("blhd", "bhld"):
         raise ValueError(f"{layout=} must be 'blhd' (q [B, L, H, D]) or 'bhld' (q [B, H, L, D])")
     if layout == "bhld":
         setup = _setup(*(_shape_of(x, layout) for x in (q, k, v)), segment_offsets,
                        segment_lengths, causal=causal, scale=scale, impl=impl,
-                       interpret=interpret, block_sizes=block_sizes, operand=layout)
+                       interpret=interpret, block_sizes=block_sizes, operand=layout,
+                       schedule=schedule)
         if (setup is not None and layout in setup[2].operands
                 and context_parallel_axis is None):
             return _pallas_attention(q, k, v, *setup)
@@ -251,7 +271,7 @@ def segment_attention(
             causal=causal, scale=scale, impl=impl, interpret=interpret, block_sizes=block_sizes,
             context_parallel_axis=context_parallel_axis,
             context_parallel_layout=context_parallel_layout,
-            context_parallel_positions=context_parallel_positions)
+            context_parallel_positions=context_parallel_positions, schedule=schedule)
         return _heads_second(out)
     if context_parallel_axis is not None:
         cp = _ring(q, k, v, segment_offsets, segment_lengths, context_parallel_axis,
@@ -264,7 +284,7 @@ def segment_attention(
                        _positions(context_parallel_positions, segment_offsets, segment_lengths,
                                   cp), cp)
     setup = _setup(q, k, v, segment_offsets, segment_lengths, causal=causal, scale=scale,
-                   impl=impl, interpret=interpret, block_sizes=block_sizes)
+                   impl=impl, interpret=interpret, block_sizes=block_sizes, schedule=schedule)
     if setup is None:
         return reference.segment_attention(q, k, v, segment_offsets, segment_lengths,
                                            causal=causal, scale=scale)
@@ -276,6 +296,31 @@ def segment_attention(
         return _heads_second(_pallas_attention(*map(_heads_second, (q, k, v)), sched, cfg,
                                                family))
     return _pallas_attention(q, k, v, sched, cfg, family)
+
+
+def segment_attention_schedule(
+    q: jax.Array | jax.ShapeDtypeStruct,  # f[B, L, H, D] (layout="bhld": [B, H, L, D])
+    k: jax.Array | jax.ShapeDtypeStruct,  # f[B, L, K, D]
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+    *,
+    layout: str = "blhd",
+    causal: bool = True,
+    impl: Impl | str = "auto",
+    interpret: Interpret = False,
+    block_sizes: AttentionBlockSizes | GpuAttentionBlockSizes | None = None,
+) -> Schedule | None:
+    """The block schedule segment_attention computes for a call with these q / k shapes and
+    options: made once per batch and passed to every layer (`schedule=`), a model's layers
+    share one (a few O(B L) ops) whatever the compiler hoists. None where the family that runs
+    takes none (the reference, cuDNN): segment_attention then ignores `schedule=None`."""
+    if layout not in ("blhd", "bhld"):
+        raise ValueError(f"{layout=} must be 'blhd' (q [B, L, H, D]) or 'bhld' (q [B, H, L, D])")
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k)]
+    q, k = (_shape_of(x, layout) for x in shapes)
+    setup = _setup(q, k, k, segment_offsets, segment_lengths, causal=causal, scale=None,
+                   impl=impl, interpret=interpret, block_sizes=block_sizes, operand=layout)
+    return None if setup is None else setup[0]
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "impl", "interpret",

@@ -166,3 +166,56 @@ def _rows(draw):
 def test_schedule_property(rows, causal):
     offsets, lengths = metadata(rows, S)
     _check_exact(offsets, lengths, L, BLOCK, causal)
+
+
+# --- one schedule for every layer (segment_attention_schedule, schedule=) -------------------
+
+
+def _qk(heads=2, kv_heads=1, dim=32):
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.normal(size=(len(ROWS), L, heads, dim)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(len(ROWS), L, kv_heads, dim)), jnp.float32)
+    return q, k
+
+
+@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+def test_a_schedule_made_once_is_the_one_the_layers_run(impl):
+    """segment_attention(schedule=) gives what it computes itself (and its gradients); and
+    it runs the schedule it is handed (one that visits nothing gives 0): a layer computes none."""
+    import jax.numpy as jnp
+
+    from seqpack import kernels
+
+    offsets, lengths = metadata(ROWS, S)
+    q, k = _qk()
+    kw = dict(impl=impl, interpret=True)
+    schedule = kernels.segment_attention_schedule(
+        jax.ShapeDtypeStruct(q.shape, q.dtype), k, offsets, lengths, **kw)
+    attend = lambda q, k, s: kernels.segment_attention(  # noqa: E731
+        q, k, k, offsets, lengths, schedule=s, **kw)
+    run = (lambda s: attend(q, k, s)) if impl == "pallas_tpu" else (  # the backward: one family
+        lambda s: jax.value_and_grad(lambda q, k: attend(q, k, s).sum(), argnums=(0, 1))(q, k))
+    for got, want in zip(jax.tree.leaves(run(schedule)), jax.tree.leaves(run(None))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    empty = schedule._replace(lo=jnp.zeros_like(schedule.lo), hi=jnp.zeros_like(schedule.hi))
+    out = kernels.segment_attention(q, k, k, offsets, lengths, schedule=empty, **kw)
+    assert not np.asarray(out).any()
+
+
+def test_a_schedule_of_another_call_is_refused():
+    from seqpack import kernels
+
+    offsets, lengths = metadata(ROWS, S)
+    q, k = _qk()
+    small = kernels.GpuAttentionBlockSizes(32, 32, 32, 32)
+    schedule = kernels.segment_attention_schedule(q, k, offsets, lengths, impl="pallas_gpu",
+                                                  interpret=True, block_sizes=small)
+    with pytest.raises(ValueError, match="schedule= was made for another call"):
+        kernels.segment_attention(q, k, k, offsets, lengths, impl="pallas_gpu", interpret=True,
+                                  schedule=schedule)
+    assert kernels.segment_attention_schedule(q, k, offsets, lengths, impl="reference") is None
+    with pytest.raises(ValueError, match="not for a call with a context_parallel_axis"):
+        kernels.segment_attention(q, k, k, offsets, lengths, schedule=schedule,
+                                  context_parallel_axis="cp")

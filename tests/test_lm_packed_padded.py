@@ -11,6 +11,8 @@ import pytest
 
 from examples import lm
 from seqpack import packer
+from seqpack.kernels.gpu import cudnn
+from tests.helpers import cudnn as stand_in
 
 L = 64
 TOL = dict(rtol=2e-5, atol=2e-6)
@@ -60,8 +62,13 @@ def _padded(tokens, keep) -> dict:
                                                      marks=pytest.mark.slow),
                                         pytest.param(dict(attention="reference",
                                                           loss="materialized", rope="interleaved"),
+                                                     marks=pytest.mark.slow),
+                                        pytest.param(dict(attention="masked",
+                                                          loss="materialized", interpret=True),
                                                      marks=pytest.mark.slow)])
 def test_packed_step_equals_padded_step(packed_cfg):
+    """The packed step's loss and gradients equal the padded step's (the reference attention),
+    for each way of attending ("masked": MaxText's GPU kernel, interpreted)."""
     tokens, keep = _examples()
     packed, padded = _packed(tokens, keep), _padded(tokens, keep)
     assert packed["tokens"].shape[0] < padded["tokens"].shape[0]  # really packed
@@ -80,3 +87,20 @@ def test_packed_step_equals_padded_step(packed_cfg):
     for path, grad in named_p.items():
         np.testing.assert_allclose(np.asarray(grad), np.asarray(named_q[path]),
                                    err_msg=jax.tree_util.keystr(path), **TOL)
+
+
+@pytest.mark.slow
+def test_cudnn_attention_step_equals_the_reference_step(monkeypatch):
+    """attention="cudnn" (bfloat16: cuDNN's dtypes) on packed rows, the family run on
+    tests/helpers/cudnn.py's stand-in: the reference step's loss and gradients, to bf16."""
+    stand_in.install(monkeypatch, cudnn)
+    tokens, keep = _examples()
+    packed = _packed(tokens, keep)
+    model = {**MODEL, "dtype": "bfloat16"}
+    params = lm.init_params(jax.random.key(0), lm.LMConfig(**model))
+    got, want = (lm.value_and_grad(lm.LMConfig(**model, attention=a, loss="materialized"))(
+        params, packed) for a in ("cudnn", "reference"))
+    np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-2)
+    for a, b in zip(jax.tree_util.tree_leaves(got[1]), jax.tree_util.tree_leaves(want[1])):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2 * np.abs(b).max())

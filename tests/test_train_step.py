@@ -92,6 +92,22 @@ def test_unknown_variant_is_refused():
         train_step.variant("seqpack+warps4")  # a GPU kernels' option
 
 
+def test_gpu_variants_are_the_gpu_ways():
+    """On a GPU the bases are the GPU's: padded rows through cuDNN, MaxText's masked kernel,
+    cuDNN's packed layout; seqpack's options read as GpuAttentionBlockSizes."""
+    from seqpack import kernels
+
+    assert train_step.variant("padded", "gpu") == ("padded", dict(
+        attention="cudnn", segment_ids=False, loss="materialized"))
+    assert train_step.variant("maxtext", "gpu")[1]["attention"] == "masked"
+    assert train_step.variant("cudnn", "gpu") == ("packed", dict(attention="cudnn",
+                                                                 loss="materialized"))
+    assert train_step.variant("seqpack+warps4", "gpu")[1]["attention_block_sizes"] == \
+        kernels.GpuAttentionBlockSizes(num_warps=4)
+    with pytest.raises(SystemExit, match="unknown variant 'cudnn'"):
+        train_step.variant("cudnn", "tpu")
+
+
 def test_one_syntax_for_every_benchmarks_block_sizes():
     """benchmarks.common.attention_blocks: train_step's variants, attention_bench's
     --tpu-blocks / --gpu-blocks / --tpu-options read the same options the same way."""
