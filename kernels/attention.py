@@ -196,6 +196,17 @@ def _positions(positions, offsets, lengths, cp: ring.Ring) -> jax.Array:
     return positions.astype(jnp.int32)
 
 
+def _check_options(layout: str, axis, positions, schedule) -> None:
+    if axis is None and positions is not None:
+        raise ValueError("context_parallel_positions is for a call with a "
+                         "context_parallel_axis (inside shard_map)")
+    if axis is not None and schedule is not None:
+        raise ValueError("schedule= is not for a call with a context_parallel_axis: each ring "
+                         "step schedules its own blocks")
+    if layout not in ("blhd", "bhld"):
+        raise ValueError(f"{layout=} must be 'blhd' (q [B, L, H, D]) or 'bhld' (q [B, H, L, D])")
+
+
 def _heads_second(x: jax.Array) -> jax.Array:  # [B, L, N, D] <-> [B, N, L, D]
     return x.transpose(0, 2, 1, 3)
 
@@ -250,14 +261,7 @@ def segment_attention(
     (same q / k shapes, metadata, causal, impl, interpret, block_sizes) and handed to every
     layer's call, instead of each call computing its own; not with a context_parallel_axis.
     """
-    if context_parallel_axis is None and context_parallel_positions is not None:
-        raise ValueError("context_parallel_positions is for a call with a "
-                         "context_parallel_axis (inside shard_map)")
-    if context_parallel_axis is not None and schedule is not None:
-        raise ValueError("schedule= is not for a call with a context_parallel_axis: each ring "
-                         "step schedules its own blocks")
-    if layout not in ("blhd", "bhld"):
-        raise ValueError(f"{layout=} must be 'blhd' (q [B, L, H, D]) or 'bhld' (q [B, H, L, D])")
+    _check_options(layout, context_parallel_axis, context_parallel_positions, schedule)
     if layout == "bhld":
         setup = _setup(*(_shape_of(x, layout) for x in (q, k, v)), segment_offsets,
                        segment_lengths, causal=causal, scale=scale, impl=impl,
