@@ -244,40 +244,6 @@ def test_float32_master_weight(mode):
     assert rounded.mean() < 0.5 if mode in IN_FORWARD else rounded.all()
 
 
-def test_a_master_weight_is_cast_chunk_by_chunk_on_a_tpu(monkeypatch):
-    """On a TPU (where the cast fuses into the matmul) the chunked head keeps no [H, V] copy of
-    a float32 weight in hidden's dtype over its chunk loop: the compiled loop carries the f32
-    weight and casts inside; elsewhere the copy is made once. The results are bit for bit the
-    same (the same cast)."""
-    n, dim, vocab, chunk = 2048, 128, 1024, 256
-    rng = np.random.default_rng(50)
-    hidden = jnp.asarray(rng.normal(size=(4, n // 4, dim)) * 0.1, jnp.bfloat16)
-    weight = jnp.asarray(rng.normal(size=(dim, vocab)) * 0.1, jnp.float32)
-    targets = jnp.asarray(rng.integers(0, vocab, (4, n // 4)), jnp.int32)
-    offsets, lengths = jnp.zeros((4, 1), jnp.int32), jnp.full((4, 1), n // 4, jnp.int32)
-
-    def compiled():
-        jax.clear_caches()  # the op's own jit traces again, on the backend said
-        f = jax.jit(jax.value_and_grad(lambda h, w: kernels.segment_linear_cross_entropy(
-            h, w, targets, offsets, lengths, mode="chunked",
-            max_logits_bytes=chunk * vocab * 2)[0], argnums=(0, 1)))
-        loops = [line for line in f.lower(hidden, weight).compile().as_text().splitlines()
-                 if " while(" in line]
-        return jax.tree.leaves(f(hidden, weight)), " ".join(loops)
-
-    here, loop_here = compiled()
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    try:
-        tpu, loop_tpu = compiled()
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
-    copy = f"bf16[{dim},{vocab}]"
-    assert loop_here and copy in loop_here and copy not in loop_tpu, (loop_here, loop_tpu)
-    for a, b in zip(here, tpu):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
 def test_only_a_float32_weight_may_differ_from_hidden():
     hidden, weight, targets, offsets, lengths, _, _ = _args(np.random.default_rng(49),
                                                            *case("mixed"))

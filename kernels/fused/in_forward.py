@@ -102,10 +102,6 @@ def finish(lse, tgt, counted, tokens, segment_weights, offsets, lengths, *, norm
 def _chunk(x, t, c, w, cfg: InForward, want_dx: bool, want_dw: bool):
     """One chunk: x f[C, H] (uncounted rows zero), t i32[C] (this shard's columns), c f32[C]
     -> lse, tgt f32[C], dx x.dtype[C, H] | None, dw f32[H, V] | None."""
-    if w.dtype != x.dtype:  # a master weight read in x's dtype here, in the chunk's loop: the
-        # barrier ties it to the chunk so XLA cannot hoist the cast into one [H, V] copy
-        w, x = lax.optimization_barrier((w, x))
-        w = w.astype(x.dtype)
     z = jnp.dot(x, w, preferred_element_type=jnp.float32)
     if cfg.logits_dtype != "float32":  # stored narrow: the barrier keeps XLA from eliding the
         # rounding (excess precision), so the chunk's consumers read logits of this size; the
@@ -158,11 +154,8 @@ def _sweep(cfg: InForward, hidden, weight, targets, counted, coef, want_dx=False
     t, c = targets.reshape(n), jnp.where(counted, coef, 0.0).reshape(n)
     chunks = -(-n // chunk)
     first = n - (chunks - 1) * chunk  # in (0, chunk]: chunk is at least n / chunks
-    # A master weight is cast chunk by chunk where the TPU fuses the cast into the matmul (no
-    # [H, V] copy in hidden's dtype held over the loop), once before the loop elsewhere.
-    cast_in_loop = jax.default_backend() == "tpu"
-    body = functools.partial(_chunk, w=weight if cast_in_loop else weight.astype(hidden.dtype),
-                             cfg=cfg, want_dx=want_dx, want_dw=want_dw)
+    body = functools.partial(_chunk, w=weight.astype(hidden.dtype), cfg=cfg, want_dx=want_dx,
+                             want_dw=want_dw)
     if chunks == 1:
         lse, tgt, dx, dw = body(x, t, c)
         dw = None if dw is None else dw.astype(carry)
