@@ -14,6 +14,7 @@ from benchmarks.kernels_bench import MIB
 from seqpack import kernels
 
 
+@pytest.mark.slow
 def test_benchmark_smoke():
     """benchmarks/loss_head.py --smoke: every path runs, timed and measured, on CPU."""
     rows = loss_head.main(["--smoke", "--repeats", "1"])
@@ -110,6 +111,7 @@ def test_benchmark_runs_the_paths_named(capsys):
         loss_head.main(["--smoke", "--repeats", "0", "--paths", "seqpack C=256"])
 
 
+@pytest.mark.slow
 def test_grad_accumulation_benchmark():
     """benchmarks/grad_accumulation.py: a float32 carry costs one rounding whatever the chunks;
     a bf16 carry's error grows with the chunk count, and bf16 chunk gradients cost more still."""

@@ -48,6 +48,7 @@ print("MODULES", " ".join(sorted({{m.split(".")[0] for m in sys.modules}} | set(
     assert not modules & {"jax", "jaxlib", "grain", "seqpack.kernels", "torch"}, modules
 
 
+@pytest.mark.slow
 def test_pack_verify_stats_inspect(tmp_path):
     seqs = random_seqs(800, max_len=120, seed=4) + [list(range(300))]
     src = write_jsonl(tmp_path / "a.jsonl", seqs)
@@ -123,6 +124,7 @@ def test_bad_input_as_a_process(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_progress_bar_on_a_terminal(tmp_path):
     import pty
 

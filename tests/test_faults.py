@@ -72,6 +72,7 @@ def _writing(out) -> bool:
     return out.is_dir() and any(n.endswith(DONE) for n in os.listdir(out))
 
 
+@pytest.mark.slow
 def test_sigterm_is_handled_like_ctrl_c(corpus, tmp_path):
     paths, want = corpus
     out = tmp_path / "out"
@@ -126,6 +127,7 @@ def test_an_interrupt_after_the_run_completed_says_so(corpus, tmp_path, monkeypa
     assert dir_bytes(tmp_path / "out") == want
 
 
+@pytest.mark.slow
 def test_a_worker_killed_by_the_oom_killer_is_one_line(corpus, tmp_path):
     paths, want = corpus
     out = tmp_path / "out"

@@ -19,6 +19,7 @@ from tests.helpers.files import invoke, run_cli, write_jsonl, write_parquet
 ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository
 
 
+@pytest.mark.slow
 def test_a_directory_names_what_it_leaves_out_and_refuses_text_among_token_files(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -73,6 +74,7 @@ def test_sft_columns_keep_their_names_and_labels_pad_with_minus_100(tmp_path):
     assert manifest["config"]["feature"] == "input_ids"
 
 
+@pytest.mark.slow
 def test_counts_agree_across_the_table_the_json_and_the_training_pipeline(tmp_path, caplog):
     from seqpack.pipelines.datasets import Batching, PackedArrayRecordSource
     from seqpack.pipelines.datasets import make_training_pipeline as pipeline

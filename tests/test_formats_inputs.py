@@ -110,6 +110,7 @@ def store(request):
     return request.getfixturevalue("gcs" if request.param == "gs" else "s3")
 
 
+@pytest.mark.slow
 def test_a_remote_dataset_packed_to_a_remote_output(store, tmp_path):
     """A save_to_disk directory on object storage, packed as Parquet onto object storage: the
     bytes of the local run, verified, read by the Grain source and read back by pyarrow."""

@@ -128,6 +128,7 @@ def _start(args, env=None) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_a_second_run_into_the_same_directory_fails_at_once(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", random_seqs(300, max_len=60, seed=8))
     out = tmp_path / "out"
@@ -144,6 +145,7 @@ def test_a_second_run_into_the_same_directory_fails_at_once(tmp_path):
     assert run_cli("verify", out, src).returncode == 0
 
 
+@pytest.mark.slow
 def test_a_stale_lock_is_taken_over_after_a_kill(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", random_seqs(300, max_len=60, seed=9))
     clean = tmp_path / "clean"

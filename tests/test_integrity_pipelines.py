@@ -109,6 +109,7 @@ def _run_script(tmp_path, workers):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_training_pipeline_exits_cleanly(tmp_path):
     # Before: "Exception ignored in: <function DatasetIterator.__del__ ...>" and a traceback.
     done = _run_script(tmp_path, 0)

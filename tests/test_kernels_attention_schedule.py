@@ -180,7 +180,7 @@ def _qk(heads=2, kv_heads=1, dim=32):
     return q, k
 
 
-@pytest.mark.parametrize("impl", ["pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("impl", ["pallas_tpu", pytest.param("pallas_gpu", marks=pytest.mark.slow)])
 def test_a_schedule_made_once_is_the_one_the_layers_run(impl):
     """segment_attention(schedule=) gives what it computes itself (and its gradients); and
     it runs the schedule it is handed (one that visits nothing gives 0): a layer computes none."""

@@ -34,6 +34,7 @@ _order = jax.jit(cp.context_parallel_order,
                  static_argnames=("seq_len", "context_parallel", "layout"))
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(st.sampled_from([1, 2, 3, 4, 8]), st.lists(st.integers(1, 70), min_size=1, max_size=12),
        st.sampled_from(["te", "rotated"]))
@@ -81,6 +82,7 @@ def _cases(*names: str, timeout: int = 900) -> None:
     host_device_cases("tests.helpers.cp_cases", *names, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_ring_equals_the_unsharded_attention():
     """f32, C = 2: the jnp reference ring and the Triton kernels (interpret mode); rows of one
     segment over all ranks, many short ones, an empty row, padding inside spans, grouped
@@ -111,6 +113,7 @@ def test_ring_equals_the_unsharded_attention_on_more_ranks(C):
            f"gpu:{C}:rotated", f"reference:{C}:balanced", f"gpu:{C}:balanced")
 
 
+@pytest.mark.slow
 def test_the_ring_lowers_for_tpu_and_cuda():
     """The ring's kernels lower for TPU (Mosaic) and CUDA (Triton)."""
     _cases("lower:tpu", "lower:cuda")

@@ -83,8 +83,8 @@ def _assert_like_reference(q, k, v, offsets, lengths, causal=True):
         assert not a[pad].any(), f"{name}: nonzero on padding"
 
 
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
 def test_cudnn_family_matches_the_reference_and_keeps_padding_out(on_stand_in, causal, dtype):
     """Values and gradients, MHA; NaN in the padding of q, k and v reaches nothing, and what the
     stand-in leaves unwritten (NaN) never comes out."""
@@ -108,6 +108,7 @@ def test_packed_metadata_marks_every_empty_slot():
     np.testing.assert_array_equal(starts, [[0, -1, 5, -1, -1], [0, -1, -1, -1, -1]])
 
 
+@pytest.mark.slow
 def test_gqa_is_refused_exactly_where_jax_reads_the_wrong_keys(on_stand_in, monkeypatch):
     """The probe of jax's fix-up says whether GQA is right here: where it says no, the op refuses
     impl="cudnn" and the library, run anyway, gives wrong values; with the fix-up as PR #39521
@@ -136,6 +137,7 @@ def test_gqa_is_refused_exactly_where_jax_reads_the_wrong_keys(on_stand_in, monk
         cudnn.kv_offsets_follow_key_heads.cache_clear()
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 2**16), causal=st.booleans())
 def test_cudnn_family_on_random_rows(seed, causal):

@@ -247,6 +247,7 @@ def vocab_cases(*names: str) -> None:
     host_device_cases("tests.helpers.vocab_cases", *names, timeout=600)
 
 
+@pytest.mark.slow
 def test_vocab_parallel_equals_the_unsharded_loss():
     """The weight's columns over 4 devices (shard_map): loss, per-segment sums and the gradients
     of hidden and weight equal the materialized logits' (chunked, and recompute's XLA path; the
@@ -284,13 +285,15 @@ def test_tpu_kernels_match(normalize, dtype):
     check(normalize, _args(rng, offsets, lengths, dtype), dtype, impl=TPU, softcap=4.0)
 
 
-@pytest.mark.parametrize("name", ["empty_row", pytest.param("single_tokens", marks=SLOW),
+@pytest.mark.parametrize("name", [pytest.param("empty_row", marks=SLOW),
+                                  pytest.param("single_tokens", marks=SLOW),
                                   pytest.param("fills_row", marks=SLOW)])
 def test_tpu_kernels_row_layouts(name):
     offsets, lengths = zero_padded(*case(name))
     check("tokens", _args(np.random.default_rng(11), offsets, lengths), impl=TPU)
 
 
+@pytest.mark.slow
 def test_tpu_kernels_skip_prompt_blocks():
     """A loss mask off over whole token blocks (a prompt of 70 tokens: blocks 0 and 1 of 32) and
     -100 labels over the rest of the row's first segment: the kernels skip those blocks."""
@@ -319,6 +322,7 @@ def test_gpu_kernels_row_layouts(name):
     check("tokens", _args(np.random.default_rng(21), *case(name)), impl=GPU)
 
 
+@pytest.mark.slow
 def test_gpu_kernels_odd_shapes():
     """L = 37 (a partial 16-token block), H = 32 in two chunks of 16, prompt tokens masked."""
     offsets, lengths = metadata([[(0, 9), (9, 1), (20, 17)], [(3, 30)]], 3)
@@ -367,6 +371,7 @@ def test_kernels_lower_at_real_sizes(impl):
 
 # -- the tiny LM example's loss head ----------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("normalize", ["tokens", pytest.param("segments", marks=SLOW)])
 def test_tiny_lm_fused_loss_matches_materialized_logits(normalize):
     """examples/tiny_lm.py with fused_loss=True (the tied embedding as the projection): loss,

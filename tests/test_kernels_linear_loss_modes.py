@@ -152,6 +152,7 @@ def _loss(mode, **kw):
     return f
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", FAST_IN_FORWARD)
 def test_eval_and_partial_gradients(mode):
     """No differentiation (jit of the values), the gradient of one input alone (the forward
@@ -276,6 +277,7 @@ def temp_bytes(**kw) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_budget_is_honoured():
     """Chunked temp <= 2 x budget (the chunk's f32 logits and their gradient) + allowance (f32
     and final d weight, d hidden, metadata: 3 H V + 2 N H floats), far below N x V; the logits

@@ -81,7 +81,8 @@ def _check(normalize, logits, targets, offsets, lengths, mask, w, dtype, **kw):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, BF16_SLOW])
-@pytest.mark.parametrize("normalize", ["tokens", "segments",  # "none" runs fast below
+@pytest.mark.parametrize("normalize", ["tokens",  # "none" runs fast below
+                                       pytest.param("segments", marks=pytest.mark.slow),
                                        pytest.param("none", marks=pytest.mark.slow)])
 def test_matches_reference(normalize, dtype):
     rng = np.random.default_rng(0)
@@ -108,6 +109,7 @@ def test_no_mask_no_z_loss_default_blocks():
     np.testing.assert_array_equal(tokens, lengths)
 
 
+@pytest.mark.slow
 def test_normalizations_by_hand():
     """Per-segment sums from the kernel reproduce the three normalizations; padding is excluded."""
     rng = np.random.default_rng(3)

@@ -76,6 +76,33 @@ def test_without_a_budget_a_share_of_free_memory(monkeypatch):
     assert kernels.loss_head_plan(2048, V).mode is Mode.RECOMPUTE
 
 
+@pytest.mark.parametrize("kind,knee", [("TPU v5 lite", 6415), ("NVIDIA H100 80GB HBM3", 7873),
+                                       ("NVIDIA H200", 5495), ("cpu", None)])
+def test_the_chips_knee(kind, knee):
+    """K / KNEE_SHARE tokens, K = (4/3) peak / bandwidth: the cost model beside CHIPS."""
+    assert policy.knee_tokens(kind) == knee
+
+
+@pytest.mark.parametrize("n,want", [
+    (65536, Plan(Mode.CHUNKED, 6016, 6016 * 128256 * 2)),  # 6400 fit: 11 chunks of 5,958
+    (16384, Plan(Mode.CHUNKED, 5504, 5504 * 128256 * 2)),  # 3 chunks of 5,462
+    (8192, Plan(Mode.CHUNKED, 4096, 4096 * 128256 * 2)),
+    (6400, Plan(Mode.LOGITS, 6400, 6400 * 128256 * 2)),  # within the knee: all at once
+])
+def test_auto_takes_no_chunk_past_the_chips_knee(monkeypatch, n, want):
+    """On a TPU v5e with memory to spare (80 GB), "auto" stops at the knee, 6,415 tokens: past
+    it a larger chunk saves under 5% of the time and costs memory in proportion. A budget
+    below the knee still rules; a chip not in CHIPS takes what the budget holds."""
+    monkeypatch.setattr(policy, "free_device_bytes", lambda: 80 << 30)
+    monkeypatch.setattr(policy, "device_kind", lambda: "TPU v5 lite")
+    plan = functools.partial(kernels.loss_head_plan, vocab=128256, logits_dtype="bfloat16")
+    assert plan(n) == want
+    small = plan(n, max_logits_bytes=2048 * 128256 * 2)
+    monkeypatch.setattr(policy, "device_kind", lambda: "cpu")
+    assert plan(n, max_logits_bytes=2048 * 128256 * 2) == small
+    assert plan(65536).chunk_tokens > 6016 * 4
+
+
 @pytest.mark.parametrize("sizes,kw,match", [
     ((N, V), dict(mode="fast"), "mode='fast' is not known"),
     ((N, V), dict(max_logits_bytes=0), "max_logits_bytes=0 must be a positive"),

@@ -56,7 +56,9 @@ def _padded(tokens, keep) -> dict:
     return _labelled(b, keep_rows)
 
 
-@pytest.mark.parametrize("packed_cfg", [dict(attention="reference", loss="materialized"),
+@pytest.mark.parametrize("packed_cfg", [pytest.param(dict(attention="reference",
+                                                          loss="materialized"),
+                                                     marks=pytest.mark.slow),
                                         pytest.param(dict(attention="seqpack", loss="fused",
                                                           interpret=True),
                                                      marks=pytest.mark.slow),

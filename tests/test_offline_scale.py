@@ -180,7 +180,7 @@ def _kill_when(cmd: list, out, ready, env: dict) -> None:
     assert proc.returncode == -signal.SIGKILL, "the run finished before it could be killed"
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sigkill_in_the_read_pass_then_resume(tmp_path, workers):
     paths = [write_jsonl(tmp_path / f"{i}.jsonl", random_seqs(300, max_len=90, seed=i))
              for i in range(6)]

@@ -357,6 +357,7 @@ def test_stream_planner_repairs_windows_where_slots_and_tokens_bind_alike(seed):
     assert rows <= bound + max(1, 3 * bound // 1000)
 
 
+@pytest.mark.slow
 def test_stream_planner_plans_windows_of_rows_worth_where_a_row_takes_much_of_a_call():
     # dialogue-turn-like lengths (mean 41) with S = L / mean: a row takes 800 pieces, most of
     # a call's 1024 examples. Planned call by call the windows cannot mix sizes within a row

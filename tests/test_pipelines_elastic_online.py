@@ -37,6 +37,7 @@ def _every_example(seen, src=SRC, epochs=1):
     assert not bad, bad  # (tokens packed, tokens of the example x epochs)
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(hosts=st.sampled_from([1, 2, 3, 4, 8]), then=st.sampled_from([1, 2, 3, 4, 8]),
        last=st.integers(1, 5), first_steps=st.integers(0, 12), then_steps=st.integers(0, 12),

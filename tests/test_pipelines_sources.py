@@ -128,6 +128,7 @@ def test_array_source_several_columns():
         ArraySource({"a": (np.arange(6), [0, 2, 6]), "b": np.arange(3)})
 
 
+@pytest.mark.slow
 def test_sequential_slicing_under_mp_prefetch():
     seqs = _sequences(1, n=30)
     ds = SequentialIterDataset(ArraySource.from_sequences(seqs)).map(

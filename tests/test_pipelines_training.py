@@ -146,6 +146,7 @@ def test_bad_arguments():
         make_training_pipeline(src, batch=Batching(1, shard_index=0), **base)
 
 
+@pytest.mark.slow
 def test_jsonl_source_in_worker_processes(tmp_path):
     from seqpack.pipelines.datasets import JsonlSource
 

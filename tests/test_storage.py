@@ -148,6 +148,7 @@ def _rows(src) -> list[dict]:
     return [src[i] for i in range(len(src))]
 
 
+@pytest.mark.slow
 def test_packed_source_reads_a_remote_packed_dir(store, packed, tmp_path):
     from seqpack.pipelines.datasets import ArrayRecordSource, PackedArrayRecordSource
 
@@ -327,6 +328,7 @@ def test_url_to_url_round_trips_local_and_beam_give_the_local_bytes(store, input
     assert run_cli("verify", out).returncode == 0  # remote output against remote inputs
 
 
+@pytest.mark.slow
 def test_racers_for_a_stale_lock_on_s3_let_exactly_one_in(s3):  # noqa: F811
     """Take-over replaces the stale lock only if it is still the object that was read (S3
     If-Match on its ETag), so of many racers one wins. (The GCS emulator ignores preconditions,

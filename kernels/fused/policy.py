@@ -7,7 +7,9 @@
 C x V logits at once (6NHV); "recompute" holds only vocabulary blocks and recomputes them in the
 backward (8-10NHV). "auto" takes the first that fits its budget: `max_logits_bytes` bounds the
 stored logits (C x V x the logits dtype's size); without it, BUDGET_SHARE of the device's free
-memory (read when the call is traced) bounds all a chunk holds, held_bytes a logit. Chunks are
+memory (read when the call is traced) bounds all a chunk holds, held_bytes a logit; on a chip
+in CHIPS a chunk is also at most its knee (knee_tokens: past it a larger chunk gains under 5%
+of the time, by the cost model beside CHIPS). Chunks are
 balanced over the tokens and rounded up to CHUNK_MULTIPLE; where the budget allows no chunk of
 MIN_CHUNK_TOKENS (or of all tokens, if fewer), "auto" recomputes. Worked example, N = 5000
 tokens, V = 1000, float32 logits (4,000 bytes a token):
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 import jax
 from jax.typing import DTypeLike
@@ -42,6 +45,22 @@ MIN_CHUNK_TOKENS = 512
 # DEFAULT_FREE_BYTES where the backend reports none (CPU).
 BUDGET_SHARE = 2 / 3
 DEFAULT_FREE_BYTES = 1 << 30
+# The cost model of a chunk (benchmarks/README.md, "auto's chunk: the cost model"): each chunk
+# reads and writes the f32 d weight [H, V] once (8HV bytes) beside 6HV FLOPs a token, so the
+# head's time goes as 1 + K / C with K = (4/3) peak FLOP/s / memory bytes/s tokens, whatever H
+# and V. Past K / KNEE_SHARE tokens a larger chunk saves less than KNEE_SHARE of the time while
+# its memory grows in proportion, so "auto" takes no larger chunk on a chip listed here.
+CHIPS = {  # a substring of jax's device_kind -> (dense bf16 FLOP/s, memory bytes/s): datasheets
+    "TPU v5 lite": (197e12, 819e9),
+    "TPU v5": (459e12, 2765e9),
+    "TPU v6 lite": (918e12, 1640e9),
+    "TPU v4": (275e12, 1228e9),
+    "H100 PCIe": (756e12, 2.0e12),
+    "H100": (989e12, 3.35e12),
+    "H200": (989e12, 4.8e12),
+    "A100": (312e12, 2.039e12),
+}
+KNEE_SHARE = 0.05
 
 
 class LossHeadMode(enum.StrEnum):
@@ -81,6 +100,24 @@ def free_device_bytes() -> int:
     return DEFAULT_FREE_BYTES if free is None else free
 
 
+def device_kind() -> str:
+    """jax's device_kind of the first local device ("" where none can be read)."""
+    try:
+        return jax.local_devices()[0].device_kind
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def knee_tokens(kind: str | None = None) -> int | None:
+    """The chunk past which a larger one gains under KNEE_SHARE of the head's time on the chip
+    `kind` (default: this one's), K / KNEE_SHARE by CHIPS; None for a chip not listed."""
+    kind = device_kind() if kind is None else kind
+    for name, (peak, bandwidth) in CHIPS.items():
+        if name in kind:
+            return math.ceil(4 / 3 * peak / bandwidth / KNEE_SHARE)
+    return None
+
+
 def held_bytes(itemsize: int) -> int:
     """Bytes a chunk holds a logit, beside the f32 d weight: the logit as stored, its f32
     softmax and its gradient (at most the stored size): what "auto" sizes its chunks by."""
@@ -118,6 +155,9 @@ def choose(mode: LossHeadMode, n: int, vocab: int, max_logits_bytes: int | None,
         chunk = chunk_tokens(n, vocab, max(budget, per_logit * vocab * CHUNK_MULTIPLE),
                              CHUNK_MULTIPLE, per_logit)
         return mode, chunk
+    knee = knee_tokens()
+    if knee is not None:  # no larger chunk than the chip's knee (the cost model above)
+        budget = min(budget, knee * per_logit * vocab)
     chunk = chunk_tokens(n, vocab, budget, min(MIN_CHUNK_TOKENS, n), per_logit)
     if chunk is None:
         return LossHeadMode.RECOMPUTE, None
