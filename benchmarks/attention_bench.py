@@ -153,7 +153,7 @@ def _splash(q, k, v, offsets, lengths):  # [B, H, L, D]: MaxText's way on packed
 
 
 def tpu_options(spec: str) -> kernels.AttentionBlockSizes:
-    """'columns+w16' -> the default AttentionBlockSizes with those options
+    """'unfused+w16' -> the default AttentionBlockSizes with those options
     (common.BLOCK_OPTIONS); SystemExit naming an unknown one."""
     return _blocks(spec, kernels.AttentionBlockSizes())
 
@@ -278,7 +278,7 @@ def main() -> None:
     parser.add_argument("--gpu-blocks", nargs="*", default=["64,64,64,64", "128,64,64,64"],
                         help="GpuAttentionBlockSizes to time: bq,bk,bq_bwd,bk_bwd each")
     parser.add_argument("--tpu-blocks", nargs="*", default=["256,256,256,256", "512,512,256,256"])
-    parser.add_argument("--tpu-options", nargs="*", default=["unfused", "columns", "wfull"],
+    parser.add_argument("--tpu-options", nargs="*", default=["unfused", "wfull"],
                         help=f"rows of the defaults with options, {BLOCK_OPTIONS}")
     parser.add_argument("--repeats", type=int, default=None, help="default 10, CPU 2")
     for key, value in FULL.items():

@@ -105,9 +105,8 @@ def fmt_rate(x: float) -> str:
 
 BLOCK_OPTIONS = (
     "'+'-joined: b<fwd>[/<bwd>] (query and key blocks of each pass, e.g. b512 or b1024/512), "
-    "b<q>,<kv>,<q_bwd>,<kv_bwd> (each block); TPU kernels: hm (head_major), columns "
-    "(lane_columns=False), fused / unfused (fused_bwd), w<N> (narrow_steps N), wfull (no narrow "
-    "grid); GPU kernels: warps<N>, stages<N>")
+    "b<q>,<kv>,<q_bwd>,<kv_bwd> (each block); TPU kernels: fused / unfused (fused_bwd), w<N> "
+    "(narrow_steps N), wfull (no narrow grid); GPU kernels: warps<N>, stages<N>")
 
 
 def attention_blocks(spec: str | Sequence[str], base: Any) -> Any:
@@ -116,8 +115,7 @@ def attention_blocks(spec: str | Sequence[str], base: Any) -> Any:
     fit its class. A bare "<q>,<kv>,<q_bwd>,<kv_bwd>" is the same as with its "b"."""
     opts = spec.split("+") if isinstance(spec, str) else list(spec)
     fields = {f.name for f in dataclasses.fields(base)}
-    words = {"hm": ("head_major", True), "columns": ("lane_columns", False),
-             "fused": ("fused_bwd", True), "unfused": ("fused_bwd", False),
+    words = {"fused": ("fused_bwd", True), "unfused": ("fused_bwd", False),
              "wfull": ("narrow_steps", None)}
     for opt in opts:
         four = re.fullmatch(r"b?(\d+),(\d+),(\d+),(\d+)", opt)

@@ -104,20 +104,20 @@ def _call(q, k, causal: bool, ring: bool) -> AttentionCall:
     return AttentionCall(jnp.dtype(q.dtype), q.shape[2], k.shape[2], q.shape[3], causal, ring)
 
 
-def _config(q, k, *, causal, scale, blocks, interpret, family: AttentionFamily, count_visits,
-            operand="blhd") -> AttentionConfig:
+def _config(q, k, *, causal, scale, blocks, interpret, family: AttentionFamily,
+            count_visits) -> AttentionConfig:
     """The call's config, fitted by the family (which refuses a call it cannot run)."""
     batch, seq_len, heads, dim = q.shape
     cfg = AttentionConfig(
         seq_len=seq_len, heads=heads, kv_heads=k.shape[2], head_dim=dim, causal=causal,
         scale=float(dim**-0.5 if scale is None else scale), interpret=interpret,
-        count_visits=count_visits, operand=operand,
+        count_visits=count_visits,
         **{name: getattr(blocks, name, 0) for name in BLOCKS})  # 0: a family without blocks
     return family.configure(cfg, blocks, batch)
 
 
 def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, interpret,
-           block_sizes, count_visits=False, operand="blhd", schedule=None) -> Setup | None:
+           block_sizes, count_visits=False, schedule=None) -> Setup | None:
     """Checks; None for the reference, else (Schedule or None, AttentionConfig, the family).
     q, k, v: [B, L, N, D] (or their shapes, for operands passed [B, N, L, D]); `schedule`: one
     made beforehand (segment_attention_schedule), checked against the call's."""
@@ -127,7 +127,7 @@ def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, in
     if family is None:
         return None
     cfg = _config(q, k, causal=causal, scale=scale, blocks=blocks, interpret=interpret,
-                  family=family, count_visits=count_visits, operand=operand)
+                  family=family, count_visits=count_visits)
     if not family.needs_schedule:
         return None, cfg, family
     if schedule is None:
@@ -211,6 +211,11 @@ def _heads_second(x: jax.Array) -> jax.Array:  # [B, L, N, D] <-> [B, N, L, D]
     return x.transpose(0, 2, 1, 3)
 
 
+def _relayout(xs: tuple, layout: str, want: str) -> tuple:
+    """Arrays in `layout` ("blhd" / "bhld") as `want`: as they are, or heads and L swapped."""
+    return xs if layout == want else tuple(map(_heads_second, xs))
+
+
 def _shape_of(x: jax.Array, layout: str):
     """[B, L, N, D] view of an operand (its shape and dtype alone) for the checks."""
     if layout == "blhd":
@@ -244,10 +249,12 @@ def segment_attention(
     """softmax(q k^T * scale) v within each segment (scale default D^-0.5); 0 outside segments.
 
     Query head h uses key/value head h // (H / K). `layout`: "blhd" (q [B, L, H, D]) or "bhld"
-    (q [B, H, L, D], splash attention's; the result in the same layout): the TPU kernels read
-    either as it is, so a model may hand over whichever keeps its neighbouring ops cheap.
-    `impl`: common.resolve_impl's table over FAMILIES; `block_sizes`: the family's class,
-    AttentionBlockSizes for the TPU kernels, GpuAttentionBlockSizes for the GPU ones.
+    (q [B, H, L, D], splash attention's; the result in the same layout). Each family's kernels
+    read one layout (its `operands[0]`: the TPU's [B, H, L, D], the GPU's [B, L, H, D]); other
+    operands are transposed once, here, outside the custom VJP, where XLA fuses the transpose
+    into the neighbouring ops. `impl`: common.resolve_impl's table over FAMILIES, and "cudnn";
+    `block_sizes`: the family's class, AttentionBlockSizes for the TPU kernels,
+    GpuAttentionBlockSizes for the Triton ones.
 
     context_parallel_axis: a mesh axis of C ranks; call inside `shard_map`, q / k / v being this
     rank's `[B, L/C, ...]` shard of the load-balanced layout (`packer.context_parallel_order`,
@@ -262,44 +269,34 @@ def segment_attention(
     layer's call, instead of each call computing its own; not with a context_parallel_axis.
     """
     _check_options(layout, context_parallel_axis, context_parallel_positions, schedule)
-    if layout == "bhld":
-        setup = _setup(*(_shape_of(x, layout) for x in (q, k, v)), segment_offsets,
-                       segment_lengths, causal=causal, scale=scale, impl=impl,
-                       interpret=interpret, block_sizes=block_sizes, operand=layout,
-                       schedule=schedule)
-        if (setup is not None and layout in setup[2].operands
-                and context_parallel_axis is None):
-            return _pallas_attention(q, k, v, *setup)
-        out = segment_attention(  # every other path reads [B, L, N, D]
-            *(_heads_second(x) for x in (q, k, v)), segment_offsets, segment_lengths,
-            causal=causal, scale=scale, impl=impl, interpret=interpret, block_sizes=block_sizes,
-            context_parallel_axis=context_parallel_axis,
-            context_parallel_layout=context_parallel_layout,
-            context_parallel_positions=context_parallel_positions, schedule=schedule)
-        return _heads_second(out)
+    views = [_shape_of(x, layout) for x in (q, k, v)]  # [B, L, N, D] for the checks
     if context_parallel_axis is not None:
-        cp = _ring(q, k, v, segment_offsets, segment_lengths, context_parallel_axis,
+        cp = _ring(*views, segment_offsets, segment_lengths, context_parallel_axis,
                    causal=causal, scale=scale, impl=impl, interpret=interpret,
                    block_sizes=block_sizes, layout=context_parallel_layout,
                    positions=context_parallel_positions)
-        if cp is not None:
+        if cp is not None:  # the ring reads [B, L/C, N, D]
             run = ring.reference_ring if cp.family is None else ring.pallas_ring
-            return run(q, k, v, segment_offsets, segment_lengths,
-                       _positions(context_parallel_positions, segment_offsets, segment_lengths,
-                                  cp), cp)
-    setup = _setup(q, k, v, segment_offsets, segment_lengths, causal=causal, scale=scale,
+            out = run(*_relayout((q, k, v), layout, "blhd"), segment_offsets, segment_lengths,
+                      _positions(context_parallel_positions, segment_offsets, segment_lengths,
+                                 cp), cp)
+            return _relayout((out,), "blhd", layout)[0]
+    setup = _setup(*views, segment_offsets, segment_lengths, causal=causal, scale=scale,
                    impl=impl, interpret=interpret, block_sizes=block_sizes, schedule=schedule)
     if setup is None:
-        return reference.segment_attention(q, k, v, segment_offsets, segment_lengths,
-                                           causal=causal, scale=scale)
+        out = reference.segment_attention(*_relayout((q, k, v), layout, "blhd"),
+                                          segment_offsets, segment_lengths, causal=causal,
+                                          scale=scale)
+        return _relayout((out,), "blhd", layout)[0]
     sched, cfg, family = setup
+    want = family.operands[0]  # the one layout the kernels are handed: transposed once, here,
+    # outside the custom VJP, so XLA may fuse it into the neighbouring ops (splash's QKVLayout)
+    operands = _relayout((q, k, v), layout, want)
     if family.own_vjp:
-        return family.attend(q, k, v, segment_offsets, segment_lengths, cfg)
-    if cfg.head_major:  # transposed outside the custom_vjp, so the backward keeps them and
-        cfg = dataclasses.replace(cfg, operand="bhld")  # transposes cotangents
-        return _heads_second(_pallas_attention(*map(_heads_second, (q, k, v)), sched, cfg,
-                                               family))
-    return _pallas_attention(q, k, v, sched, cfg, family)
+        out = family.attend(*operands, segment_offsets, segment_lengths, cfg)
+    else:
+        out = _pallas_attention(*operands, sched, dataclasses.replace(cfg, operand=want), family)
+    return _relayout((out,), want, layout)[0]
 
 
 def segment_attention_schedule(
@@ -323,7 +320,7 @@ def segment_attention_schedule(
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k)]
     q, k = (_shape_of(x, layout) for x in shapes)
     setup = _setup(q, k, k, segment_offsets, segment_lengths, causal=causal, scale=None,
-                   impl=impl, interpret=interpret, block_sizes=block_sizes, operand=layout)
+                   impl=impl, interpret=interpret, block_sizes=block_sizes)
     return None if setup is None else setup[0]
 
 

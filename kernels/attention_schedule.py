@@ -71,11 +71,8 @@ class AttentionConfig:
     triton: tuple[int, int] | None = None  # GPU: the Triton kernels' (num_warps, num_stages)
     narrow_steps: int | None = None  # TPU: the narrow grid's steps (AttentionBlockSizes)
     count_visits: bool = False  # kernels also return how many block pairs they computed (tests)
-    # TPU operand layout: "blhd" q [B, L, H, D] (the kernels fold heads into lanes when
-    # `head_major` is False and D % 128 == 0, else transpose) or "bhld" q [B, H, L, D] (as is)
+    # the layout q / k / v reach the kernels in: "blhd" [B, L, H, D] or "bhld" [B, H, L, D]
     operand: str = "blhd"
-    head_major: bool = False
-    lane_columns: bool = False  # TPU forward: per-row values as (rows, 128) lane tiles
     fused_bwd: bool = False  # TPU backward: dq formed in the dk/dv kernel (tpu/attention_bwd.py)
 
     @property
@@ -135,7 +132,8 @@ class AttentionFamily(Family, Protocol):
     def lse_layout(self) -> LseLayout: ...
 
     @property
-    def operands(self) -> tuple[str, ...]: ...  # the q / k / v layouts read as they are
+    def operands(self) -> tuple[str, ...]: ...  # the layouts its kernels read; the first is
+    # the one segment_attention hands them (transposing other operands once, at its boundary)
 
     def configure(self, cfg: AttentionConfig, blocks: Any, batch: int) -> AttentionConfig: ...
 

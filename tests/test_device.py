@@ -39,14 +39,12 @@ pytestmark = DEVICE
 
 
 @functools.cache
-def _attention(causal: bool, layout: str, folded: bool, extra: tuple = ()):
-    """On a TPU the default block sizes, with the rows' narrow grid (so both grids run) and,
-    `folded`, heads folded into lanes instead of the default head-major kernels; `extra`: more
-    (name, value) pairs of AttentionBlockSizes."""
+def _attention(causal: bool, layout: str, extra: tuple = ()):
+    """On a TPU the default block sizes, with the rows' narrow grid (so both grids run);
+    `extra`: more (name, value) pairs of AttentionBlockSizes."""
     cpu_blocks = kernels.AttentionBlockSizes(128, 128, 128, 128, narrow_steps=SIZES.narrow,
-                                             head_major=not folded, **dict(extra))
-    tpu_blocks = kernels.AttentionBlockSizes(narrow_steps=SIZES.narrow, head_major=not folded,
                                              **dict(extra))
+    tpu_blocks = kernels.AttentionBlockSizes(narrow_steps=SIZES.narrow, **dict(extra))
     kw = options(tpu_blocks, block_sizes=cpu_blocks)
 
     def f(q, k, v, offsets, lengths, g):
@@ -83,9 +81,8 @@ def _heads_second(x):
     return np.swapaxes(x, 1, 2)
 
 
-ATTENTION_CASES = [  # (heads, causal, dtype, layout); layout "folded": blhd operands folded
-    ("gqa", True, F32, "blhd"),  # into lanes (AttentionBlockSizes(head_major=False)); "columns":
-    # blhd with AttentionBlockSizes(lane_columns=False), the forward's (rows, 1) columns
+ATTENTION_CASES = [  # (heads, causal, dtype, layout); "unfused": blhd with the dq kernel apart
+    ("gqa", True, F32, "blhd"),
     ("gqa", True, BF16, "blhd"),
     ("gqa", False, F32, "blhd"),
     ("gqa", False, BF16, "blhd"),
@@ -93,12 +90,10 @@ ATTENTION_CASES = [  # (heads, causal, dtype, layout); layout "folded": blhd ope
     ("mha", False, F32, "blhd"),
     ("gqa", True, BF16, "bhld"),
     ("gqa", False, F32, "bhld"),
-    ("gqa", True, BF16, "folded"),
-    ("gqa", True, BF16, "columns"),
     ("gqa", True, BF16, "unfused"),  # AttentionBlockSizes(fused_bwd=False): dq's own kernel
     ("mha", False, F32, "unfused"),
 ]
-OPTIONS = {"columns": (("lane_columns", False),), "unfused": (("fused_bwd", False),)}
+OPTIONS = {"unfused": (("fused_bwd", False),)}
 
 
 def _id(case):
@@ -111,11 +106,9 @@ def _id(case):
 def test_segment_attention(heads, causal, dtype, layout):
     """Values and dq / dk / dv vs the f32 reference on both metadata sets; padding output and
     gradients exactly 0; NaN in the padding of q, k and v changes nothing."""
-    if layout in ("folded", *OPTIONS) and BACKEND == "gpu":
-        pytest.skip("head_major, lane_columns, fused_bwd: options of the TPU kernels "
-                    "(AttentionBlockSizes)")
-    f = _attention(causal, "bhld" if layout == "bhld" else "blhd", layout.startswith("folded"),
-                   OPTIONS.get(layout, ()))
+    if layout in OPTIONS and BACKEND == "gpu":
+        pytest.skip("fused_bwd: an option of the TPU kernels (AttentionBlockSizes)")
+    f = _attention(causal, "bhld" if layout == "bhld" else "blhd", OPTIONS.get(layout, ()))
     _check_attention(f, heads, causal, dtype, SIZES.dim, layout == "bhld")
 
 

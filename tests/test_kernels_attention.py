@@ -154,7 +154,7 @@ def test_families_match_reference(family, causal, dtype):
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(3, 3, 16), (4, 1, 128), (4, 2, 64)])
 @pytest.mark.parametrize("family", ["tpu", "gpu"])
 def test_head_layouts(family, heads, kv_heads, dim):
-    """Multi-head, multi-query and D = 128 (TPU: heads folded into the lane dimension)."""
+    """Multi-head, multi-query and D = 128."""
     _fn.cache_clear()
     _check_family(family, F32, True, heads=heads, kv_heads=kv_heads, dim=dim)
 
@@ -198,33 +198,18 @@ def test_tpu_narrow_grid():
         np.testing.assert_array_equal(counted["visits_dkv"][:, 0], dkv)
 
 
-@pytest.mark.slow  # an option off the default path; its lowering is checked fast below
-@pytest.mark.parametrize("causal,dim", [(True, 32), (False, 32), (True, 192)])
-def test_tpu_lane_columns_off(causal, dim):
-    """lane_columns=False: the forward's per-row values as (rows, 1) columns (the default holds
-    them as (rows, 128) lane tiles); the same values, gradients and zeros outside every segment
-    as the reference (NaN there in q, k, v and in uninitialized memory), with D below, and not
-    a multiple of, 128."""
-    blocks = kernels.AttentionBlockSizes(128, 128, 128, 128, lane_columns=False)
-    args, outside = _inputs(F32, rows=TPU_ROWS, dim=dim)
-    got = jax.jit(functools.partial(_value_and_grads, causal=causal,
-                                    **dict(TPU, block_sizes=blocks)))(*args)
-    want = jax.jit(functools.partial(_value_and_grads, causal=causal, impl="reference"))(*args)
-    _assert_matches(got, want, F32, outside)
-
-
-@pytest.mark.parametrize("causal,dim,heads,kv_heads,head_major,narrow", [
-    (True, 32, H, K, True, 8),  # grouped heads, transposed operands: dq block (G, L, D)
-    pytest.param(False, 32, H, K, True, 8, marks=pytest.mark.slow),
-    pytest.param(True, 128, 4, 2, False, 8, marks=pytest.mark.slow),  # folded: (L, G D)
-    pytest.param(True, 32, H, K, True, 1, marks=pytest.mark.slow),  # narrow and full grids
+@pytest.mark.parametrize("causal,dim,heads,kv_heads,narrow", [
+    (True, 32, H, K, 8),  # grouped heads: dq block (G, L, D)
+    pytest.param(False, 32, H, K, 8, marks=pytest.mark.slow),
+    pytest.param(True, 128, 4, 2, 8, marks=pytest.mark.slow),
+    pytest.param(True, 32, H, K, 1, marks=pytest.mark.slow),  # narrow and full grids
 ])
-def test_tpu_fused_backward(causal, dim, heads, kv_heads, head_major, narrow):
+def test_tpu_fused_backward(causal, dim, heads, kv_heads, narrow):
     """fused_bwd (the default): dq formed in the dk/dv kernel (resident over the row) gives the
     reference's values and gradients, zeros outside every segment, with NaN there in q, k, v
     and in uninitialized memory. (The dq kernel apart: the visit-counting tests above.)"""
     blocks = kernels.AttentionBlockSizes(128, 128, 128, 128, fused_bwd=True,
-                                         head_major=head_major, narrow_steps=narrow)
+                                         narrow_steps=narrow)
     # narrow = 1: row 0's ranges fit one step (the narrow grid runs), row 3's do not (the full)
     for rows in ([[ROWS[0]], TPU_ROWS] if narrow == 1 else [TPU_ROWS]):
         args, outside = _inputs(F32, rows=rows, dim=dim, heads=heads, kv_heads=kv_heads)
@@ -290,17 +275,12 @@ def _loss(q, k, v, offsets, lengths, **kw):
 
 
 @pytest.mark.parametrize("dim,blocks,layout", [
-    (128, kernels.AttentionBlockSizes(), "blhd"),  # defaults: head-major, 512, lane tiles, fused
-    (128, kernels.AttentionBlockSizes(256, 256, 256, 256, head_major=False), "blhd"),  # folded
+    (128, kernels.AttentionBlockSizes(), "blhd"),  # defaults: 512, lane tiles, fused
     pytest.param(128, kernels.AttentionBlockSizes(), "bhld", marks=pytest.mark.slow),
-    pytest.param(64, kernels.AttentionBlockSizes(256, 256, 256, 256), "blhd",
+    (64, kernels.AttentionBlockSizes(256, 256, 256, 256), "blhd"),
+    pytest.param(192, kernels.AttentionBlockSizes(256, 256, 256, 256), "blhd",
                  marks=pytest.mark.slow),
-    (128, kernels.AttentionBlockSizes(lane_columns=False), "blhd"),
-    pytest.param(64, kernels.AttentionBlockSizes(256, 256, 256, 256, lane_columns=False),
-                 "blhd", marks=pytest.mark.slow),
     (128, kernels.AttentionBlockSizes(fused_bwd=False), "blhd"),  # forward, dq, dk/dv
-    pytest.param(128, kernels.AttentionBlockSizes(head_major=False), "blhd",
-                 marks=pytest.mark.slow),  # folded, fused: dq block (L, G D)
 ])
 def test_lowers_for_tpu(dim, blocks, layout):
     """Mosaic block-shape rules, forward and backward, for each operand / kernel layout.

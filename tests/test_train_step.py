@@ -43,18 +43,18 @@ def test_smoke_times_maxtexts_way_and_seqpack_on_the_same_rows(corpus, capsys):
 def test_smoke_times_every_variant_on_the_same_examples(corpus, capsys):
     train_step.main(["--smoke", "--data", str(corpus), "--rope", "interleaved", "--profile",
                      "--variants",
-                     "padded,maxtext,seqpack,seqpack+b128+bhld+logits,seqpack+columns+unfused+f32"])
+                     "padded,maxtext,seqpack,seqpack+b128+bhld+logits,seqpack+w4+unfused+f32"])
     out = capsys.readouterr().out
     rows = _rows(out)
     names = {"padded", "maxtext", "seqpack", "seqpack+b128+bhld+logits",
-             "seqpack+columns+unfused+f32"}
+             "seqpack+w4+unfused+f32"}
     assert names <= set(rows)
     losses = {name: float(rows[name][3]) for name in names}
     assert losses["maxtext"] == pytest.approx(losses["seqpack"], rel=2e-2)
     assert losses["seqpack+b128+bhld+logits"] == pytest.approx(losses["seqpack"], rel=2e-2)
-    # the same attention math (the forward's columns, the dq kernel apart); the head's logits in
+    # the same attention math (a narrow grid of 4 steps, the dq kernel apart); the head's logits in
     # f32 instead of bf16: within bf16 rounding
-    assert losses["seqpack+columns+unfused+f32"] == pytest.approx(losses["seqpack"], rel=1e-3)
+    assert losses["seqpack+w4+unfused+f32"] == pytest.approx(losses["seqpack"], rel=1e-3)
     assert all(np.isfinite(v) for v in losses.values())
     assert rows["maxtext"][4] == "1.00x" and rows["padded"][5] == "1.00x"
     assert "profile: seqpack, L=256" in out and "all device ops" in out
@@ -77,12 +77,12 @@ def test_padded_steps_hold_every_piece_once_in_bucketed_rows(corpus):
 
 
 def test_variant_options_keep_each_other():
-    """A block-size option keeps the options before it (fused_bwd, lane_columns)."""
+    """A block-size option keeps the options before it (fused_bwd, narrow_steps)."""
     from seqpack import kernels
 
-    _, overrides = train_step.variant("seqpack+fused+columns+b1024/512")
+    _, overrides = train_step.variant("seqpack+unfused+w16+b1024/512")
     assert overrides["attention_block_sizes"] == kernels.AttentionBlockSizes(
-        1024, 1024, 512, 512, lane_columns=False, fused_bwd=True)
+        1024, 1024, 512, 512, narrow_steps=16, fused_bwd=False)
 
 
 def test_unknown_variant_is_refused():
@@ -119,12 +119,12 @@ def test_one_syntax_for_every_benchmarks_block_sizes():
     assert attention_blocks("b1024/512", tpu) == attention_blocks("1024,1024,512,512", tpu) \
         == attention_blocks(["b1024,1024,512,512"], tpu) == kernels.AttentionBlockSizes(
             1024, 1024, 512, 512)
-    assert train_step.variant("seqpack+b1024/512+columns")[1]["attention_block_sizes"] == \
-        attention_bench.tpu_options("b1024/512+columns")
+    assert train_step.variant("seqpack+b1024/512+unfused")[1]["attention_block_sizes"] == \
+        attention_bench.tpu_options("b1024/512+unfused")
     assert attention_blocks("b128,64,64,32+warps4+stages3", gpu) == \
         kernels.GpuAttentionBlockSizes(128, 64, 64, 32, num_warps=4, num_stages=3)
-    with pytest.raises(ValueError, match="unknown option 'columns' for GpuAttentionBlockSizes"):
-        attention_blocks("columns", gpu)
+    with pytest.raises(ValueError, match="unknown option 'unfused' for GpuAttentionBlockSizes"):
+        attention_blocks("unfused", gpu)
 
 
 def test_attention_bench_tpu_options():
@@ -133,13 +133,13 @@ def test_attention_bench_tpu_options():
     from benchmarks import attention_bench
     from seqpack import kernels
 
-    got = attention_bench.tpu_options("columns+w16")
-    assert got == kernels.AttentionBlockSizes(lane_columns=False, narrow_steps=16)
+    got = attention_bench.tpu_options("unfused+w16")
+    assert got == kernels.AttentionBlockSizes(fused_bwd=False, narrow_steps=16)
     assert attention_bench.tpu_options("wfull").narrow_steps is None
     assert attention_bench.tpu_options("fused").fused_bwd
     assert not attention_bench.tpu_options("unfused").fused_bwd
     with pytest.raises(SystemExit, match="unknown option 'fast'"):
-        attention_bench.tpu_options("columns+fast")
+        attention_bench.tpu_options("unfused+fast")
 
 
 @pytest.mark.slow

@@ -25,13 +25,11 @@ every segment (padding, and the undefined rows past L of a partial block) are ze
 every segment) and the f32 logsumexp `m + log l` the backward needs (MASK_VALUE for a row that
 saw no key: a ring step of context parallelism merges partial results by it).
 
-Layout (`cfg.operand`): the kernels read q, k, v as [B, H, L, D] blocks (bq, D) of head h.
-Operands passed so ("bhld") are read as they are; by default (AttentionBlockSizes.head_major)
-kernels/attention.py transposes [B, L, H, D] operands to it outside the custom VJP, where XLA
-can fuse the transpose into the neighbouring ops. With head_major=False, [B, L, H, D] operands
-have their heads folded into lanes when D % 128 == 0 (q [B, L, H * D], a free reshape; block
-(bq, D) at lane block h), else are transposed here. Grouped-query heads: query head h reads
-key/value head h // (H / K).
+Layout: the kernels read q, k, v as [B, H, L, D] blocks (bq, D) of head h. kernels/attention.py
+hands them operands so, transposing [B, L, H, D] ones once outside the custom VJP (where XLA can
+fuse the transpose into the neighbouring ops); a ring step of context parallelism passes its
+[B, L/C, H, D] shards (`cfg.operand == "blhd"`), transposed here. Grouped-query heads: query
+head h reads key/value head h // (H / K).
 """
 
 from __future__ import annotations
@@ -54,49 +52,27 @@ VISIT_TILE = (8, 128)  # one (8, 128) i32 tile per counted block (debug output)
 Semantics = Literal["parallel", "arbitrary"]
 
 
-def folded(cfg: AttentionConfig) -> bool:
-    return cfg.operand == "blhd" and not cfg.head_major and cfg.head_dim % 128 == 0
-
-
 def to_kernel(x: jax.Array, cfg: AttentionConfig) -> jax.Array:
-    """Operand -> kernel layout: [B, N, L, D] as is; [B, L, N, D] -> [B, L, N * D] (folded,
-    free) or [B, N, L, D] (a transpose)."""
-    if cfg.operand == "bhld":
-        return x
-    batch, seq_len, heads, dim = x.shape
-    return x.reshape(batch, seq_len, heads * dim) if folded(cfg) else x.transpose(0, 2, 1, 3)
+    """Operand -> kernel layout [B, N, L, D]: as is, or transposed from [B, L, N, D]."""
+    return x if cfg.operand == "bhld" else x.transpose(0, 2, 1, 3)
 
 
 def from_kernel(y: jax.Array, cfg: AttentionConfig) -> jax.Array:
     """The inverse of `to_kernel`: back to the operand layout."""
-    if cfg.operand == "bhld":
-        return y
-    if folded(cfg):
-        return y.reshape(y.shape[0], y.shape[1], -1, cfg.head_dim)
-    return y.transpose(0, 2, 1, 3)
+    return y if cfg.operand == "bhld" else y.transpose(0, 2, 1, 3)
 
 
 def head_spec(cfg: AttentionConfig, rows: int, index) -> pl.BlockSpec:
     """BlockSpec of a (rows, D) block of head n, row block t; index(*grid, *refs) -> (b, n, t)."""
-    dim = cfg.head_dim
-    if folded(cfg):
-        def folded_index(*args):
-            b, n, t = index(*args)
-            return b, t, n
-
-        return pl.BlockSpec((None, rows, dim), folded_index)
-
     def head_major_index(*args):
         b, n, t = index(*args)
         return b, n, t, 0
 
-    return pl.BlockSpec((None, None, rows, dim), head_major_index)
+    return pl.BlockSpec((None, None, rows, cfg.head_dim), head_major_index)
 
 
 def kernel_shape(cfg: AttentionConfig, batch: int, heads: int, dtype) -> jax.ShapeDtypeStruct:
-    """The kernel-layout shape of a [B, L, heads, D] array (see `to_kernel`)."""
-    if folded(cfg):
-        return jax.ShapeDtypeStruct((batch, cfg.seq_len, heads * cfg.head_dim), dtype)
+    """The kernel-layout shape [B, heads, L, D] of a [B, L, heads, D] array."""
     return jax.ShapeDtypeStruct((batch, heads, cfg.seq_len, cfg.head_dim), dtype)
 
 
@@ -209,8 +185,7 @@ def count_visit(visits_ref, first: jax.Array, computed: jax.Array) -> None:
 def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, qe_ref, ks_ref, o_ref, lse_ref,
                     *rest, cfg: AttentionConfig, steps: int) -> None:
     # lo, hi SMEM i32[B * nq]; q [bq, D]; k, v [bk, D]; qs, qe i32[bq, w]; ks i32[bk, w];
-    # o [bq, D]; lse f32[bq, 1]; rest: (visits i32[8, 128]), m, l f32[bq, w], acc f32[bq, D];
-    # w = 128 with lane_columns (lane-replicated tiles), else 1
+    # o [bq, D]; lse f32[bq, 1]; rest: (visits i32[8, 128]), m, l f32[bq, 128], acc f32[bq, D]
     visits_ref, (m_ref, l_ref, acc_ref) = (rest[0] if cfg.count_visits else None), rest[-3:]
     bq, bk = cfg.block_q, cfg.block_kv
     i, j, lo, computed = range_step(lo_ref, hi_ref, cfg.blocks(bq))
@@ -222,9 +197,8 @@ def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, qe_ref, ks_ref,
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    # lane_columns: m, l and the bounds are (rows, 128) lane tiles, widened by lane_tile;
-    # otherwise (rows, 1) columns that broadcast
-    wide = lane_tile if cfg.lane_columns else lambda x, width: x
+    # m, l and the bounds are (rows, 128) lane tiles (lane-replicated), widened by lane_tile
+    wide = lane_tile
     dim = acc_ref.shape[1]
 
     def pair(diagonal: bool):
@@ -252,13 +226,9 @@ def _forward_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, qe_ref, ks_ref,
         seen = m_ref[...] > 0.5 * MASK_VALUE  # the row saw a key (its max is a real score)
         total = jnp.where(seen, l_ref[...], 1.0)
         lse = jnp.where(seen, m_ref[...] + jnp.log(total), MASK_VALUE)
-        if cfg.lane_columns:
-            o_ref[...] = (acc_ref[...] * wide(jnp.where(seen, 1.0 / total, 0.0), dim)
-                          ).astype(o_ref.dtype)
-            lse_ref[...] = lse[:, :1]
-        else:
-            o_ref[...] = jnp.where(seen, acc_ref[...] / total, 0.0).astype(o_ref.dtype)
-            lse_ref[...] = lse
+        o_ref[...] = (acc_ref[...] * wide(jnp.where(seen, 1.0 / total, 0.0), dim)
+                      ).astype(o_ref.dtype)
+        lse_ref[...] = lse[:, :1]
 
 
 def narrow_or_full(call, counts: jax.Array, full: int, cfg: AttentionConfig):
@@ -289,7 +259,7 @@ def _forward_call(q, k, v, sched: Schedule, cfg: AttentionConfig, steps: int):
         return b, kv_index(b, h, i, j, lo_ref, hi_ref)[2], 0
 
     q_spec = head_spec(cfg, bq, lambda b, h, i, j, *_: (b, h, i))
-    width = LANES if cfg.lane_columns else 1  # per-row values: lane tiles or columns
+    width = LANES  # per-row values: lane tiles
     column = lambda rows, index: pl.BlockSpec((None, rows, width), index)  # noqa: E731
     q_bounds = column(bq, lambda b, h, i, j, *_: (b, i, 0))
     out_shapes = [kernel_shape(cfg, batch, cfg.heads, q.dtype),

@@ -47,7 +47,6 @@ from seqpack.kernels.tpu.attention import (
     NN,
     NT,
     count_visit,
-    folded,
     from_kernel,
     head_spec,
     kernel_shape,
@@ -167,13 +166,8 @@ def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, l
     if fused:
         @pl.when((kb == nk - 1) & (g == cfg.groups - 1) & (j == steps - 1))
         def _finish_dq():
-            dim, seq_len = cfg.head_dim, cfg.seq_len
-            for h in range(cfg.groups):  # the block: (G, L, D) head-major, (L, G * D) folded
-                dq = (dq_acc[h, :seq_len, :] * cfg.scale).astype(dq_ref.dtype)
-                if folded(cfg):
-                    dq_ref[:, h * dim:(h + 1) * dim] = dq
-                else:
-                    dq_ref[h] = dq
+            for h in range(cfg.groups):  # the block: the group's (G, L, D)
+                dq_ref[h] = (dq_acc[h, :cfg.seq_len, :] * cfg.scale).astype(dq_ref.dtype)
 
 
 def _dq(q, k, v, do, lse, di, sched: Schedule, cfg: AttentionConfig, steps: int):
@@ -233,9 +227,7 @@ def _dkv(q, k, v, do, lse_row, di_row, sched: Schedule, cfg: AttentionConfig, st
         in_specs.append(pl.BlockSpec((None, bk, 1), lambda b, kh, kb, g, j, *_: (b, kb, 0)))
         extra.append(sched.k_live[:, :, None])
         out_shapes.append(kernel_shape(cfg, batch, cfg.heads, q.dtype))
-        out_specs.append(pl.BlockSpec((None, cfg.seq_len, groups * cfg.head_dim),
-                                      lambda b, kh, *_: (b, 0, kh)) if folded(cfg) else
-                         pl.BlockSpec((None, groups, cfg.seq_len, cfg.head_dim),
+        out_specs.append(pl.BlockSpec((None, groups, cfg.seq_len, cfg.head_dim),
                                       lambda b, kh, *_: (b, kh, 0, 0)))
         scratch = [*scratch, pltpu.VMEM((groups, nq * bq, cfg.head_dim), jnp.float32)]
         options = {"parallel_axes": 2, "fused": True,

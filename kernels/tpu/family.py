@@ -36,16 +36,9 @@ class AttentionBlockSizes:
 
     Block sizes are multiples of 128 (lanes: the (bq, bk) score tile and the (1, bq) logsumexp
     rows of the dk / dv kernel); each computed block pair costs a grid step beside its matmuls.
-    head_major: `[B, L, H, D]` operands are read as `[B, H, L, D]`, transposed outside the
-    kernels where XLA can fuse the transpose into the neighbouring ops (as splash attention's
-    callers do); False folds heads into lanes when D % 128 == 0 (`[B, L, H * D]`, a free
-    reshape that pins the operands' row-major layout). `layout="bhld"` operands are read as is.
     narrow_steps: a grid's step axis is static (L / b steps; those past a block's range cost
     only the grid loop); when L / b is larger, a second grid of `narrow_steps` steps is compiled
     and runs (`lax.cond`) whenever every range of the batch fits it. None: the full grid only.
-    lane_columns (forward): per-row values (running max and sum, segment bounds, key liveness)
-    held as (rows, 128) lane-replicated tiles, as splash attention does, not (rows, 1) columns
-    that every block pair broadcasts across lanes.
     fused_bwd: the dk / dv kernel also forms dq (5 block matmuls a visited pair instead of 7,
     one exp pass instead of two), the group's dq resident in VMEM over the row; where that does
     not fit (tpu/attention_bwd.py `fuses`), the dq and dk / dv kernels run apart.
@@ -58,8 +51,6 @@ class AttentionBlockSizes:
     block_q_bwd: int = 512
     block_kv_bwd: int = 512
     narrow_steps: int | None = 8
-    head_major: bool = True
-    lane_columns: bool = True
     fused_bwd: bool = True
 
     def __post_init__(self) -> None:
@@ -107,7 +98,7 @@ class TpuAttention:
     needs_schedule = True
     own_vjp = False
     lse_layout = LseLayout.BHL1
-    operands = ("blhd", "bhld")
+    operands = ("bhld", "blhd")  # handed [B, H, L, D]; a ring step's [B, L/C, H, D] too
 
     def refuses(self, call: AttentionCall) -> None:
         del call  # every dtype, head dim and head grouping; ring steps too
@@ -119,8 +110,7 @@ class TpuAttention:
         cfg = dataclasses.replace(
             cfg, block_q=fit(cfg.block_q), block_kv=fit(cfg.block_kv),
             block_q_bwd=fit(cfg.block_q_bwd), block_kv_bwd=fit(cfg.block_kv_bwd),
-            narrow_steps=blocks.narrow_steps, head_major=blocks.head_major,
-            lane_columns=blocks.lane_columns, fused_bwd=blocks.fused_bwd)
+            narrow_steps=blocks.narrow_steps, fused_bwd=blocks.fused_bwd)
         check_smem(batch, cfg)
         return cfg
 
