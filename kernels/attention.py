@@ -220,9 +220,10 @@ def _shape_of(x: jax.Array, layout: str):
     """[B, L, N, D] view of an operand (its shape and dtype alone) for the checks."""
     if layout == "blhd":
         return x
-    if x.ndim != 4:
+    if len(x.shape) != 4:
         raise ValueError(f"shape={x.shape} must be [B, N, L, D] with layout='bhld'")
-    return jax.ShapeDtypeStruct(_heads_second(x).shape, x.dtype)
+    batch, heads, seq_len, dim = x.shape
+    return jax.ShapeDtypeStruct((batch, seq_len, heads, dim), x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("causal", "scale", "impl", "interpret",

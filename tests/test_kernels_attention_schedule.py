@@ -216,6 +216,13 @@ def test_a_schedule_of_another_call_is_refused():
         kernels.segment_attention(q, k, k, offsets, lengths, impl="pallas_gpu", interpret=True,
                                   schedule=schedule)
     assert kernels.segment_attention_schedule(q, k, offsets, lengths, impl="reference") is None
+    heads_second = [jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], x.shape[3]),
+                                         x.dtype) for x in (q, k)]
+    bhld = kernels.segment_attention_schedule(*heads_second, offsets, lengths, layout="bhld",
+                                              impl="pallas_gpu", interpret=True,
+                                              block_sizes=small)
+    for a, b in zip(bhld, schedule):  # a schedule depends on the metadata, not the layout
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="not for a call with a context_parallel_axis"):
         kernels.segment_attention(q, k, k, offsets, lengths, schedule=schedule,
                                   context_parallel_axis="cp")
