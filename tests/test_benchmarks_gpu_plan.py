@@ -1,0 +1,85 @@
+"""What the GPU benchmarks share before a chip runs them: the same packed rows for the JAX and the
+PyTorch attention benchmarks, the PyTorch peers' document ids, the ratios attention_bench prints
+against the issue's targets, and device_run.sh's GPU plan naming only steps it has."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import subprocess
+
+import numpy as np
+import pytest
+
+from benchmarks import common, torch_peers
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 300, 400)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    path = tmp_path / "corpus.npz"
+    np.savez(path, tokens=rng.integers(0, 1000, offsets[-1]).astype(np.int32), offsets=offsets)
+    return path
+
+
+def test_both_attention_benchmarks_time_the_same_rows(corpus):
+    """picked_rows is seeded: every call draws the same rows, valid packed rows of L."""
+    pick, offsets, lengths = common.picked_rows(corpus, 1024, 4)
+    again = common.picked_rows(corpus, 1024, 4)
+    for a, b in zip((pick, offsets, lengths), again):
+        np.testing.assert_array_equal(a, b)
+    assert len(pick) == 4 and (np.diff(pick) > 0).all()
+    assert (offsets + lengths <= 1024).all() and lengths.sum() > 0
+    ends = np.where(lengths > 0, offsets + lengths, 0)
+    starts = np.where(lengths > 0, offsets, 1024)
+    for r in range(4):  # used slots back to back in order, no overlap
+        used = lengths[r] > 0
+        assert (starts[r][used][1:] >= ends[r][used][:-1]).all()
+
+
+def test_document_ids_are_the_segments(corpus):
+    """torch_peers' document ids: 1 + the slot of each token's segment, 0 outside segments."""
+    _, offsets, lengths = common.picked_rows(corpus, 1024, 3)
+    ids = torch_peers.document_ids(offsets, lengths, 1024)
+    for r in range(len(offsets)):
+        want = np.zeros(1024, np.int32)
+        for s, (o, n) in enumerate(zip(offsets[r], lengths[r])):
+            want[o:o + n] = s + 1
+        np.testing.assert_array_equal(ids[r], want)
+    assert (ids > 0).sum() == lengths.sum()
+
+
+def test_attention_bench_prints_the_issues_ratios():
+    pytest.importorskip("jax")
+    from benchmarks import attention_bench
+
+    rows = [["seqpack default (impl='auto')", "1.0", "2.0", "-", "50", "-", "1.00x", "0"],
+            ["cudnn packed (impl='cudnn')", "1.0", "3.0", "-", "33", "-", "1.50x", "0"],
+            ["masked: jax pallas gpu mha (ids)", "4.0", "8.0", "-", "12.5", "-", "4.00x", "0"],
+            ["masked: jax.nn dpa cudnn (dense mask)", "-", "-", "-", "-", "-", "-", "Error"],
+            ["bound: cudnn dense causal (no packing)", "1", "9.0", "-", "100", "-", "-", "nan"]]
+    (line,) = attention_bench.targets(rows)
+    assert line == ("seqpack default (impl='auto'): 4.00x the fastest masked kernel, 1.50x "
+                    "cuDNN packed, 50% of dense causal cuDNN's TFLOP/s")
+
+
+def _plan_steps() -> list[list[str]]:
+    header = (ROOT / "benchmarks" / "device_run.sh").read_text()
+    plan = header[header.index("# GPU_PLAN"):header.index("# Grain on a machine")]
+    return [m.split(",") for m in re.findall(r"--only (\S+)", plan)]
+
+
+def test_the_gpu_plan_names_only_steps_device_run_has():
+    """Each GPU_PLAN call's --only steps are accepted (device_run.sh refuses an unknown step
+    before running any), and together they cover every step but the TPU's."""
+    steps = [s for call in _plan_steps() for s in call]
+    assert len(steps) == len(set(steps)) >= 10
+    for call in _plan_steps():
+        run = subprocess.run(["bash", str(ROOT / "benchmarks" / "device_run.sh"), "--only",
+                              ",".join(call), "--bogus"], capture_output=True, text=True,
+                             timeout=60)
+        assert run.returncode == 2 and "unknown argument --bogus" in run.stderr, run.stderr
