@@ -71,11 +71,12 @@ def document_ids(offsets: np.ndarray, lengths: np.ndarray, seq_len: int) -> np.n
     return ids
 
 
-def _flex(torch, doc, causal_heads):
+def _flex(torch, doc, heads: tuple[int, int]):
+    """FlexAttention with the rows' document mask, causal (heads: query and key/value heads)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     batch, seq_len = doc.shape
-    gqa = causal_heads[0] != causal_heads[1]
+    gqa = heads[0] != heads[1]
 
     def mask_mod(b, h, q, k):
         return (doc[b, q] == doc[b, k]) & (doc[b, q] > 0) & (q >= k)
@@ -178,7 +179,7 @@ def attention(args) -> None:
                                          "fwd+bwd TFLOP/s", "err"], rows)
 
 
-def _loss_heads(torch, accum_fp32_only: bool = False) -> dict[str, Callable]:
+def _loss_heads(torch) -> dict[str, Callable]:
     def materialized(h, w, t):
         return torch.nn.functional.cross_entropy((h @ w.T).float(), t)
 
