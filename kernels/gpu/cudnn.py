@@ -77,9 +77,11 @@ def requires() -> str | None:
         return (f"jax {jax.__version__} has no cuDNN packed attention (jax._src.cudnn."
                 "fused_attention_stablehlo.dot_product_attention with q_offsets)")
     backend = jax.default_backend()
-    if backend != "gpu" or "cuda" not in jax.devices()[0].client.platform_version.lower():
+    device = jax.devices()[0]
+    version = str(getattr(getattr(device, "client", None), "platform_version", ""))
+    if backend != "gpu" or "cuda" not in version.lower():
         return f"it needs a CUDA GPU (the backend here is {backend!r})"
-    capability = jax.devices()[0].compute_capability
+    capability = str(getattr(device, "compute_capability", "0.0"))
     if int(capability.split(".")[0]) < 9:
         return (f"cuDNN's packed layout needs compute capability >= 9.0 (Hopper); this GPU has "
                 f"{capability}")
