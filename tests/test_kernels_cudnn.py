@@ -206,3 +206,22 @@ def test_cudnn_family_lowers_for_cuda_to_cudnns_fused_attention(monkeypatch):
     calls = set(re.findall(r"__cudnn\$\w+", text))
     assert calls == {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"}, calls
     assert "triton" not in text.lower()
+
+
+@pytest.mark.parametrize("platform,capability,why", [
+    ("cuda 12.9", "9.0", None), ("cuda 13.0", "10.0", None),
+    ("cuda 12.9", "8.0", "needs compute capability >= 9.0 (Hopper); this GPU has 8.0"),
+    ("rocm 6.2", "9.0", "needs a CUDA GPU"),
+])
+def test_cudnn_requires_a_hopper_or_later_cuda_gpu(monkeypatch, platform, capability, why):
+    class Client:
+        platform_version = platform
+
+    class Device:
+        client = Client()
+        compute_capability = capability
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [Device()])
+    got = cudnn.requires()
+    assert got is None if why is None else why in got
