@@ -16,20 +16,10 @@ from benchmarks import common, torch_peers
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def corpus(tmp_path):
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(1, 300, 400)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    path = tmp_path / "corpus.npz"
-    np.savez(path, tokens=rng.integers(0, 1000, offsets[-1]).astype(np.int32), offsets=offsets)
-    return path
-
-
-def test_both_attention_benchmarks_time_the_same_rows(corpus):
+def test_both_attention_benchmarks_time_the_same_rows(npz_corpus):
     """picked_rows is seeded: every call draws the same rows, valid packed rows of L."""
-    pick, offsets, lengths = common.picked_rows(corpus, 1024, 4)
-    again = common.picked_rows(corpus, 1024, 4)
+    pick, offsets, lengths = common.picked_rows(npz_corpus, 1024, 4)
+    again = common.picked_rows(npz_corpus, 1024, 4)
     for a, b in zip((pick, offsets, lengths), again):
         np.testing.assert_array_equal(a, b)
     assert len(pick) == 4 and (np.diff(pick) > 0).all()
@@ -41,9 +31,9 @@ def test_both_attention_benchmarks_time_the_same_rows(corpus):
         assert (starts[r][used][1:] >= ends[r][used][:-1]).all()
 
 
-def test_document_ids_are_the_segments(corpus):
+def test_document_ids_are_the_segments(npz_corpus):
     """torch_peers' document ids: 1 + the slot of each token's segment, 0 outside segments."""
-    _, offsets, lengths = common.picked_rows(corpus, 1024, 3)
+    _, offsets, lengths = common.picked_rows(npz_corpus, 1024, 3)
     ids = torch_peers.document_ids(offsets, lengths, 1024)
     for r in range(len(offsets)):
         want = np.zeros(1024, np.int32)

@@ -14,24 +14,14 @@ from benchmarks import train_step
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def corpus(tmp_path) -> pathlib.Path:
-    rng = np.random.default_rng(0)
-    lengths = rng.integers(5, 300, 400)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    path = tmp_path / "corpus.npz"
-    np.savez(path, tokens=rng.integers(0, 30000, offsets[-1]).astype(np.uint16), offsets=offsets)
-    return path
-
-
 def _rows(out: str) -> dict[str, list[str]]:
     return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in out.splitlines() if line.startswith("| ") and "ms / step" not in line}
 
 
 @pytest.mark.slow  # ~7-11 s on 2 cores: the README's run stays short
-def test_smoke_times_maxtexts_way_and_seqpack_on_the_same_rows(corpus, capsys):
-    train_step.main(["--smoke", "--data", str(corpus), "--variants", "maxtext,seqpack"])
+def test_smoke_times_maxtexts_way_and_seqpack_on_the_same_rows(npz_corpus, capsys):
+    train_step.main(["--smoke", "--data", str(npz_corpus), "--variants", "maxtext,seqpack"])
     rows = _rows(capsys.readouterr().out)
     assert set(rows) == {"maxtext", "seqpack"}
     # the same packed rows: splash with segment ids + logits, and seqpack's kernels, agree
@@ -40,8 +30,8 @@ def test_smoke_times_maxtexts_way_and_seqpack_on_the_same_rows(corpus, capsys):
 
 
 @pytest.mark.slow
-def test_smoke_times_every_variant_on_the_same_examples(corpus, capsys):
-    train_step.main(["--smoke", "--data", str(corpus), "--rope", "interleaved", "--profile",
+def test_smoke_times_every_variant_on_the_same_examples(npz_corpus, capsys):
+    train_step.main(["--smoke", "--data", str(npz_corpus), "--rope", "interleaved", "--profile",
                      "--variants",
                      "padded,maxtext,seqpack,seqpack+b128+bhld+logits,seqpack+w4+unfused+f32"])
     out = capsys.readouterr().out
@@ -60,8 +50,8 @@ def test_smoke_times_every_variant_on_the_same_examples(corpus, capsys):
     assert "profile: seqpack, L=256" in out and "all device ops" in out
 
 
-def test_padded_steps_hold_every_piece_once_in_bucketed_rows(corpus):
-    z = np.load(corpus)
+def test_padded_steps_hold_every_piece_once_in_bucketed_rows(npz_corpus):
+    z = np.load(npz_corpus)
     tokens, offsets = z["tokens"].astype(np.int32), z["offsets"]
     packed, pieces = train_step.packed_steps(tokens, offsets, 512, 2, 3)
     padded = train_step.padded_steps(tokens, offsets, pieces, 1024, 512)
@@ -143,8 +133,8 @@ def test_attention_bench_tpu_options():
 
 
 @pytest.mark.slow
-def test_device_run_smoke(corpus):
-    env = {**os.environ, "SEQPACK_DATA": str(corpus), "JAX_PLATFORMS": "cpu",
+def test_device_run_smoke(npz_corpus):
+    env = {**os.environ, "SEQPACK_DATA": str(npz_corpus), "JAX_PLATFORMS": "cpu",
            "PYTHON": sys.executable}
     run = subprocess.run(["bash", str(ROOT / "benchmarks" / "device_run.sh"), "--smoke"],
                          env=env, capture_output=True, text=True, timeout=900)
