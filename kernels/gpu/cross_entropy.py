@@ -65,8 +65,9 @@ def _forward_kernel(offsets_ref, lengths_ref, logits_ref, targets_ref, mask_ref,
         tgt = tgt + jnp.sum(jnp.where(cols[None, :] == targets[:, None], x, 0.0), axis=1)
         return m_new, s, tgt
 
-    any_counted = jnp.max(counted.astype(jnp.int32)) > 0
-    num_tiles = jnp.where(any_counted, pl.cdiv(vocab, bv), 0)
+    # A trip count as i32 arithmetic: Pallas's Triton lowering of `jnp.where(pred, n, 0)` on
+    # Python ints types both constants like the predicate (i1), an scf.for Triton refuses.
+    num_tiles = pl.cdiv(vocab, bv) * jnp.max(counted.astype(jnp.int32))
     init = (jnp.full((bl,), -jnp.inf, jnp.float32), jnp.zeros((bl,), jnp.float32),
             jnp.zeros((bl,), jnp.float32))
     m, s, tgt = jax.lax.fori_loop(0, num_tiles, step, init)

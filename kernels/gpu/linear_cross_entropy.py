@@ -63,7 +63,7 @@ def _logits(x_ref, w_ref, b, t, v, counted, live, st: LinearTiling):
         x, w = _chunks(x_ref, w_ref, b, t, v, k, counted, col_ok, st)
         return z + plgpu.dot(x, w)
 
-    chunks = jnp.where(live, pl.cdiv(dim, bh), 0)
+    chunks = pl.cdiv(dim, bh) * jnp.asarray(live, jnp.int32)  # i32: see cross_entropy.py
     raw = lax.fori_loop(0, chunks, chunk, jnp.zeros((bl, bv), jnp.float32))
     if st.softcap is not None:
         raw = st.softcap * jnp.tanh(raw / st.softcap)
@@ -96,8 +96,7 @@ def _forward_kernel(x_ref, w_ref, targets_ref, mask_ref, lse_ref, tgt_ref, *,
         tgt = tgt + jnp.sum(jnp.where(cols[None, :] == targets[:, None], raw, 0.0), axis=1)
         return m_new, s, tgt
 
-    tiles = jnp.where(jnp.max(counted.astype(jnp.int32)) > 0, pl.cdiv(st.vocab, st.block_vocab),
-                      0)
+    tiles = pl.cdiv(st.vocab, st.block_vocab) * jnp.max(counted.astype(jnp.int32))
     init = (jnp.full((bl,), -jnp.inf, jnp.float32), jnp.zeros((bl,), jnp.float32),
             jnp.zeros((bl,), jnp.float32))
     m, s, tgt = lax.fori_loop(0, tiles, step, init)
@@ -130,7 +129,7 @@ def _backward_kernel(x_ref, w_ref, targets_ref, mask_ref, lse_ref, gl_ref, gt_re
                          plgpu.dot(x, da, trans_a=True))
         return carry
 
-    lax.fori_loop(0, jnp.where(live, pl.cdiv(x_ref.shape[2], bh), 0), chunk, 0)
+    lax.fori_loop(0, pl.cdiv(x_ref.shape[2], bh) * jnp.asarray(live, jnp.int32), chunk, 0)
 
 
 def linear_forward(x, w, targets, mask, *, st: LinearTiling):

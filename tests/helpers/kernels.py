@@ -150,8 +150,27 @@ TRITON_CALL = "xla.gpu.triton"  # the custom call a Pallas GPU kernel lowers to 
 
 
 def lower_cuda(f, *args) -> str:
-    """StableHLO text of f lowered for CUDA (Pallas -> Triton) without a GPU attached."""
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    """StableHLO text of f lowered for CUDA (Pallas -> Triton) without a GPU attached. Every
+    Triton module the lowering emits must pass MLIR's verifier: the chip's Triton parses these
+    modules, and one that does not verify fails to compile there (interpret mode never sees it)."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    original = registration.lowering.lower_jaxpr_to_triton_module
+
+    def verified(*a, **kw):
+        result = original(*a, **kw)
+        try:
+            result.module.operation.verify()
+        except Exception as e:  # jax's MLIRError: the verifier's diagnostics
+            errors = [line for line in str(e).splitlines() if line.startswith("error")]
+            raise AssertionError(f"a Triton module does not verify: {errors or e}") from None
+        return result
+
+    registration.lowering.lower_jaxpr_to_triton_module = verified
+    try:
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        registration.lowering.lower_jaxpr_to_triton_module = original
 
 
 def zero_padded(offsets, lengths):
