@@ -234,3 +234,23 @@ def test_impl_errors_reach_the_caller():
         kernels.GpuBlockSizes(block_vocab=100)
     with pytest.raises(ValueError, match="token_splits=0 must be >= 1"):
         kernels.GpuBlockSizes(token_splits=0)
+
+
+def test_lower_cuda_refuses_python_numbers_typed_as_the_predicate():
+    """`lower_cuda` (which every CUDA lowering test uses) lets no Triton module through where a
+    `jnp.where(scalar, 5, 0)` became i1 constants: jax 0.10's lowering did that, and the
+    cross-entropy and loss-head kernels then built loops the chip's Triton refuses."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    def kernel(x_ref, o_ref):
+        o_ref[0] = jnp.where(x_ref[0] > 0, 5, 0).astype(jnp.float32)
+
+    call = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16,), jnp.float32),
+                          compiler_params=plgpu.CompilerParams(num_warps=4))
+    try:
+        text = lower_cuda(call, jnp.zeros(16, jnp.int32))
+    except AssertionError as e:
+        assert "lowered as i1" in str(e)
+    else:  # a jax whose lowering keeps the numbers' type: the module is right and accepted
+        assert TRITON_CALL in text

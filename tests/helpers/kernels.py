@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -164,6 +165,12 @@ def lower_cuda(f, *args) -> str:
         except Exception as e:  # jax's MLIRError: the verifier's diagnostics
             errors = [line for line in str(e).splitlines() if line.startswith("error")]
             raise AssertionError(f"a Triton module does not verify: {errors or e}") from None
+        # jax 0.10's lowering of `jnp.where(scalar, n, m)` on Python numbers types n and m like
+        # the predicate (i1): where that still verifies (a cast follows) the values are wrong.
+        asm = result.module.operation.get_asm(enable_debug_info=True, pretty_debug_info=True)
+        suspect = [line.strip() for line in asm.splitlines()
+                   if re.search(r"arith\.constant (true|false)\b.*select_n", line)]
+        assert not suspect, f"select_n of Python numbers lowered as i1: {suspect[:3]}"
         return result
 
     registration.lowering.lower_jaxpr_to_triton_module = verified
