@@ -73,3 +73,42 @@ def test_the_gpu_plan_names_only_steps_device_run_has():
                               ",".join(call), "--bogus"], capture_output=True, text=True,
                              timeout=60)
         assert run.returncode == 2 and "unknown argument --bogus" in run.stderr, run.stderr
+
+
+def test_triton_sm90_captures_each_kernel_with_its_launch():
+    """The offline sm_90 forecast reads every Triton kernel of an op with the num_warps /
+    num_stages it launches with (compiling them needs triton: benchmarks/README.md)."""
+    pytest.importorskip("jax")
+    from benchmarks import triton_sm90
+
+    found = triton_sm90.attention_cases([64], [(64, 64)], [4], [3])
+    assert [k.name for k in found] == ["segment_attention_fwd_gpu", "segment_attention_dq_gpu",
+                                       "segment_attention_dkv_gpu"]
+    assert {(k.num_warps, k.num_stages) for k in found} == {(4, 3)}
+    assert all("tt.dot" in k.ttir and k.case == "attention D=64 64x64" for k in found)
+
+
+def test_triton_sm90_occupancy():
+    from benchmarks import triton_sm90
+
+    # 128 registers x 32 threads x 8 warps = 32,768: two programs in 65,536
+    assert triton_sm90.occupancy(128, 80 * 1024, 8) == (2, "regs")
+    # 168 registers round up to 5,376 a warp: 65,536 // (5,376 x 4) = 3
+    assert triton_sm90.occupancy(168, 1024, 4) == (3, "regs")
+    assert triton_sm90.occupancy(32, 160 * 1024, 4) == (1, "smem")
+    assert triton_sm90.occupancy(16, 0, 4)[0] == 16  # 64 warps a SM
+
+
+def test_every_gpu_block_spec_in_device_run_parses():
+    """The GPU attention sweeps' --gpu-blocks options all fit GpuAttentionBlockSizes (a typo, or
+    a TPU-only option such as w<N>, would end the chip's step with an error)."""
+    pytest.importorskip("jax")
+    from seqpack.kernels import GpuAttentionBlockSizes
+
+    script = (ROOT / "benchmarks" / "device_run.sh").read_text().replace("\\\n", " ")
+    specs = [spec for line in re.findall(r"--gpu-blocks ((?:[\w,+]+ ?)+)", script)
+             for spec in line.split()]
+    assert "64,64,64,64+warps4" in specs and len(specs) >= 5
+    for spec in specs:
+        blocks = common.attention_blocks(spec, GpuAttentionBlockSizes())
+        assert blocks.block_q == int(spec.split(",")[0])
