@@ -5,6 +5,8 @@ labels), f32 on CPU. Tolerance: rtol 2e-5 / atol 2e-6 (f32 sums in another order
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -106,3 +108,38 @@ def test_cudnn_attention_step_equals_the_reference_step(monkeypatch):
     for a, b in zip(jax.tree_util.tree_leaves(got[1]), jax.tree_util.tree_leaves(want[1])):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         np.testing.assert_allclose(a, b, rtol=5e-2, atol=5e-2 * np.abs(b).max())
+
+
+@pytest.mark.parametrize("attention", ["seqpack", "masked", "cudnn"])
+def test_the_gpu_step_lowers_for_cuda(monkeypatch, attention):
+    """The training step of each GPU way, lowered for CUDA on a (patched) GPU backend without a
+    GPU: seqpack's own kernels ("auto" takes the Triton family) forward and backward; every
+    Triton module verifies (tests.helpers.kernels.lower_cuda), MaxText's masked
+    kernel's included; cuDNN's step is cuDNN's custom calls and no Triton."""
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    from tests.helpers.kernels import lower_cuda
+
+    tokens, keep = _examples()
+    packed = _packed(tokens, keep)
+    model = {**MODEL, "dtype": "bfloat16", "vocab": 128, "head_dim": 64}
+    cfg = lm.LMConfig(**model, attention=attention)
+    params = lm.init_params(jax.random.key(0), cfg)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for name, value in (("check_cudnn_version", lambda: 91000),
+                        ("check_compute_capability", lambda capability: True),
+                        ("is_cuda_compute_capability_equal", lambda capability: False)):
+        monkeypatch.setattr(fused, name, value)
+    monkeypatch.setattr(cudnn, "requires", lambda: None)
+    text = lower_cuda(lm.value_and_grad(cfg), params, packed)
+    kernels_named = re.findall(r'name = "(\w+_gpu)"', text)
+    if attention == "seqpack":
+        assert {"segment_attention_fwd_gpu", "segment_attention_dq_gpu",
+                "segment_attention_dkv_gpu"} <= set(kernels_named), kernels_named
+    elif attention == "masked":
+        assert "xla.gpu.triton" in text and not any("segment_attention" in k
+                                                    for k in kernels_named)
+    else:
+        assert set(re.findall(r"__cudnn\$\w+", text)) == {"__cudnn$fmhaSoftmax",
+                                                          "__cudnn$fmhaSoftmaxBackward"}
+        assert not any("attention" in k for k in kernels_named)
