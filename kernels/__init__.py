@@ -20,10 +20,11 @@ cross_entropy.py, attention.py; the fused loss head's in the wing fused/, with i
 its kernels live in two wings, tpu/<op>.py (Mosaic, plus tpu/attention_bwd.py) and gpu/<op>.py
 (Triton), which import only the shared modules, never each other: common.py (the family
 registry, block sizes, launch), attention_schedule.py (the attention block schedule and its
-family protocol), metadata.py (the row metadata in each family's layout), checks.py (input
-checks); reference.py holds the pure-jnp references. Each wing's family.py holds its kernel
-families (target, block sizes, calls); attention.py, segment_ops.py and fused/families.py list
-them in a `common.Registry` (FAMILIES), which `impl=` looks up.
+family protocol), metadata.py (the row metadata in the MetadataLayout each family declares),
+checks.py (input checks); reference.py holds the pure-jnp references. Each wing's family.py
+holds its kernel families (target, block sizes, metadata layout, calls); attention.py,
+segment_ops.py, cross_entropy.py, gather.py and fused/families.py list them in a
+`common.Registry` (FAMILIES), which `impl=` looks up.
 """
 
 try:

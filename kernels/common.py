@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
+
+if TYPE_CHECKING:  # metadata.py imports this module
+    from seqpack.kernels.metadata import MetadataLayout
 
 # Two i32 arrays of B * S entries are scalar-prefetched into SMEM (1 MiB on TPU v4+, 16 KiB on
 # v2/v3). Keep them to a quarter of the v4+ SMEM so the compiler's own scalars still fit.
@@ -279,23 +282,16 @@ class GpuBlockSizes:
                 check_power_of_two(field.name, value)
 
 
-def resolve(impl: Impl | str, interpret: Interpret, block_sizes, tpu_type: type,
-            name: str) -> tuple[Impl, Any]:
-    """(resolve_impl(impl, interpret), the block sizes for it): `tpu_type` or GpuBlockSizes,
-    fitted by `fit_block_sizes`; None for the reference. (The ops without a Registry.)"""
-    impl = resolve_impl(impl, interpret)
-    if impl is Impl.REFERENCE:
-        return impl, None
-    want = GpuBlockSizes if impl is Impl.PALLAS_GPU else tpu_type
-    return impl, fit_block_sizes(block_sizes, want, impl, name)
-
-
 class SegmentFamily(Family, Protocol):
     """A kernel family of the segment reduce and broadcast (its Registry: segment_ops.py).
 
-    offsets / lengths in the family's layout (metadata.family_metadata), ends: the rows' used
-    lengths (metadata.row_ends), which a family may ignore.
+    offsets / lengths in the layout it declares (`metadata_layout`, which
+    metadata.family_metadata reads), ends: the rows' used lengths (metadata.row_ends), which a
+    family may ignore.
     """
+
+    @property
+    def metadata_layout(self) -> MetadataLayout: ...
 
     def reduce(self, x: jax.Array, offsets: jax.Array, lengths: jax.Array, ends: jax.Array, *,
                mode: Mode, st: SegmentCall) -> jax.Array: ...  # f[B, L, D] -> f32[B, S, D]

@@ -5,9 +5,11 @@
 
 The kernels are fused and vocabulary-tiled (no softmax is materialized, no f32 copy of the logits):
 tpu/cross_entropy.py (Mosaic, online log-sum-exp over vocab tiles, scalar-prefetched metadata,
-token blocks past the row's used length skipped) and gpu/cross_entropy.py (Triton); `impl`
-(common.resolve_impl) picks the family or kernels/reference.py. The forward saves the per-token
-lse; the backward turns the per-segment cotangents into per-token weights and writes dlogits.
+token blocks past the row's used length skipped) and gpu/cross_entropy.py (Triton), each behind
+its wing's CROSS_ENTROPY family (the CrossEntropyFamily protocol); `impl` (common.resolve_impl's
+table) picks a family of FAMILIES or kernels/reference.py, and the custom VJP's static argument
+carries it. The forward saves the per-token lse; the backward turns the per-segment cotangents
+into per-token weights and writes dlogits.
 
 Normalization (`normalize=`) is plain jnp on the `[B, S]` sums (kernels.reference.normalize_loss),
 so its gradient comes from autodiff and reaches the kernel as the per-segment cotangent:
@@ -21,95 +23,79 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from seqpack.kernels import gpu, reference, segment_ops, tpu
+from seqpack.kernels import gpu, reference, tpu
 from seqpack.kernels.checks import FLOAT_DTYPES, check_metadata
 from seqpack.kernels.common import (
-    LANES,
+    Family,
     GpuBlockSizes,
     Impl,
     Interpret,
     Normalize,
-    SegmentBlockSizes,
-    SegmentCall,
-    check_multiple,
+    Registry,
     parse_enum,
-    resolve,
-    token_block,
 )
-from seqpack.kernels.metadata import family_metadata, row_ends
-from seqpack.kernels.tpu import CrossEntropyTiling
+from seqpack.kernels.metadata import MetadataLayout, family_metadata, row_ends
+from seqpack.kernels.tpu import CrossEntropyBlockSizes  # also importable from here, as before
 
 
-@dataclasses.dataclass(frozen=True)
-class CrossEntropyBlockSizes:
-    """Block sizes of the cross-entropy kernels.
+class CrossEntropyFamily(Family, Protocol):
+    """A kernel family of segment_cross_entropy (`target`, `block_sizes`: common.Family).
 
-    block_tokens x block_vocab = 256 x 2048: a 1 MiB bf16 logits tile (2 MiB f32), so the DMA per
-    step (~1.3 us at 800 GB/s) dominates the ~0.35 us step overhead, while the tile, its double
-    buffer and the f32 temporaries of exp / where stay well inside 16 MiB of scoped VMEM.
-    block_tokens must be a multiple of 16 (bf16 tile rows), block_vocab of 128 (lanes).
+    offsets / lengths come in its `metadata_layout`, `used` is metadata.row_ends, targets i32
+    and mask f32 [B, L]. tiling: its static configuration (hashable) for one call; forward ->
+    (per-slot loss sums, counted tokens) f32[B, S] and the per-token lse, in whatever layout
+    its backward takes back; backward: the per-slot cotangent g_loss f32[B, S] -> dlogits.
     """
 
-    block_tokens: int = 256
-    block_vocab: int = 2048
+    @property
+    def metadata_layout(self) -> MetadataLayout: ...
 
-    def __post_init__(self) -> None:
-        check_multiple("block_tokens", self.block_tokens, 16, " (bf16 tile rows)")
-        check_multiple("block_vocab", self.block_vocab, LANES, " (lanes)")
+    def tiling(self, seq_len: int, vocab: int, num_segments: int, z_loss: float, blocks: Any,
+               interpret: Interpret) -> Any: ...
+
+    def forward(self, logits, targets, mask, offsets, lengths, used,
+                st: Any) -> tuple[jax.Array, jax.Array, jax.Array]: ...
+
+    def backward(self, logits, targets, mask, lse, g_loss, offsets, lengths, used,
+                 st: Any) -> jax.Array: ...  # logits.dtype[B, L, V]
+
+
+# auto's order within a platform: the first family that can run here is taken.
+FAMILIES: Registry[CrossEntropyFamily] = Registry("segment_cross_entropy",
+                                                  (tpu.CROSS_ENTROPY, gpu.CROSS_ENTROPY))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-    """Static configuration (a custom_vjp nondiff argument): exactly one of `tpu`, `gpu` is set."""
+    """Static configuration (a custom_vjp nondiff argument): the family that runs, its tiling."""
 
-    num_segments: int
-    z_loss: float
-    interpret: Interpret
-    tpu: CrossEntropyTiling | None = None
-    gpu: GpuBlockSizes | None = None
-
-
-def _forward(logits, targets, mask, offsets, lengths, used, st: _Static):
-    """-> per-slot loss sums f32[B, S], counted tokens f32[B, S], per-token lse (the residual)."""
-    if st.gpu is not None:
-        return gpu.cross_entropy_forward(
-            logits, targets, mask, offsets, lengths, num_segments=st.num_segments,
-            z_loss=st.z_loss, blocks=st.gpu, interpret=bool(st.interpret))
-    assert st.tpu is not None
-    return tpu.cross_entropy_forward(logits, targets, mask, offsets, lengths, used, st=st.tpu)
+    family: CrossEntropyFamily
+    tiling: Any
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _pallas_ce(logits, targets, mask, offsets, lengths, used, st: _Static):
-    loss, count, _ = _forward(logits, targets, mask, offsets, lengths, used, st)
+    loss, count, _ = st.family.forward(logits, targets, mask, offsets, lengths, used, st.tiling)
     return loss, count
 
 
 def _pallas_ce_fwd(logits, targets, mask, offsets, lengths, used, st):
-    loss, count, lse = _forward(logits, targets, mask, offsets, lengths, used, st)
+    loss, count, lse = st.family.forward(logits, targets, mask, offsets, lengths, used,
+                                         st.tiling)
     return (loss, count), (logits, targets, mask, offsets, lengths, used, lse)
 
 
 def _pallas_ce_bwd(st, residuals, cotangents):
     logits, targets, mask, offsets, lengths, used, lse = residuals
     g_loss, _ = cotangents  # counts are piecewise constant: no gradient
-    if st.gpu is not None:
-        dlogits = gpu.cross_entropy_backward(
-            logits, targets, mask, lse, g_loss, offsets, lengths, z_loss=st.z_loss,
-            blocks=st.gpu, interpret=bool(st.interpret))
-        return dlogits, None, None, None, None, None
-    assert st.tpu is not None
-    scatter = SegmentCall(st.tpu.seq_len, st.num_segments, jnp.dtype(jnp.float32),
-                          SegmentBlockSizes(), st.interpret, tpu.SEGMENT_OPS)
-    weights = segment_ops.broadcast(g_loss[:, :, None], (offsets, lengths), jnp.float32, scatter)
-    weights = jnp.where(mask > 0, weights, 0.0)
-    dlogits = tpu.cross_entropy_backward(logits, targets, lse, weights, offsets, lengths, used,
-                                         st=st.tpu)
+    dlogits = st.family.backward(logits, targets, mask, lse, g_loss, offsets, lengths, used,
+                                 st.tiling)
     return dlogits, None, None, None, None, None
 
 
@@ -161,9 +147,8 @@ def segment_cross_entropy(
     """
     normalize = parse_enum(Normalize, "normalize", normalize)
     num_segments = _check(logits, targets, segment_offsets, segment_lengths, loss_mask, z_loss)
-    impl, blocks = resolve(impl, interpret, block_sizes, CrossEntropyBlockSizes,
-                           "segment_cross_entropy")
-    if impl is Impl.REFERENCE:
+    family, blocks = FAMILIES.resolve(impl, interpret, block_sizes, op="segment_cross_entropy")
+    if family is None:
         return reference.segment_cross_entropy(
             logits, targets, segment_offsets, segment_lengths, normalize=normalize,
             loss_mask=loss_mask, z_loss=z_loss,
@@ -173,21 +158,9 @@ def segment_cross_entropy(
             else (loss_mask != 0).astype(jnp.float32))
     targets = targets.astype(jnp.int32)
     used = row_ends(segment_offsets, segment_lengths, seq_len)
-    offsets, lengths = family_metadata(segment_offsets, segment_lengths, impl)
-    if impl is Impl.PALLAS_GPU:
-        st = _Static(num_segments, float(z_loss), interpret, gpu=blocks)
-    else:
-        tiling = CrossEntropyTiling(
-            seq_len=seq_len,
-            vocab=vocab,
-            num_segments=num_segments,
-            z_loss=float(z_loss),
-            block_tokens=token_block(seq_len, blocks.block_tokens, 16),
-            block_vocab=vocab if vocab <= blocks.block_vocab else blocks.block_vocab,
-            interpret=interpret,
-        )
-        st = _Static(num_segments, float(z_loss), interpret, tpu=tiling)
-        targets, mask = targets[:, :, None], mask[:, :, None]
+    offsets, lengths = family_metadata(segment_offsets, segment_lengths, family)
+    st = _Static(family, family.tiling(seq_len, vocab, num_segments, float(z_loss), blocks,
+                                       interpret))
     per_segment_loss, count = _pallas_ce(logits, targets, mask, offsets, lengths, used, st)
     count = lax.stop_gradient(count)
     loss = reference.normalize_loss(per_segment_loss, count, normalize)

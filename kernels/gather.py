@@ -4,14 +4,17 @@
     VJP              dx = the cotangent scattered back to the picked tokens: the broadcast kernel
                      over one-token "segments" [p, p + 1) (0 elsewhere)
 
-`impl` (common.resolve_impl) picks the TPU kernel (tpu/gather.py, a data-dependent index map per
-slot), the GPU kernel (gpu/gather.py, one gather-load per row) or kernels/reference.py.
+`impl` (common.resolve_impl's table) picks a family of FAMILIES: the TPU one (tpu/gather.py, a
+data-dependent index map per slot), the GPU one (gpu/gather.py, one gather-load per row), each
+its wing's GATHER behind the GatherFamily protocol, or kernels/reference.py. A family also says
+which segment-ops family, at which block sizes, its backward scatters with (`scatter_call`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -19,52 +22,55 @@ import jax.numpy as jnp
 from seqpack.kernels import gpu, reference, segment_ops, tpu
 from seqpack.kernels.checks import check_metadata, check_tokens_input
 from seqpack.kernels.common import (
-    LANES,
+    Family,
     GpuBlockSizes,
     Impl,
     Interpret,
-    SegmentBlockSizes,
+    Registry,
     SegmentCall,
-    check_multiple,
     gather_offset,
-    resolve,
     target_position,
 )
-from seqpack.kernels.metadata import family_metadata
+from seqpack.kernels.metadata import MetadataLayout, family_metadata
+from seqpack.kernels.tpu import GatherBlockSizes  # also importable from here, as before
 
 
-@dataclasses.dataclass(frozen=True)
-class GatherBlockSizes:
-    """Block sizes of the gather kernel.
+class GatherFamily(Family, Protocol):
+    """A kernel family of segment_gather (`target`, `block_sizes`: common.Family).
 
-    block_features: lanes per step (a multiple of 128; D itself when D is smaller). A step moves
-      only rows x bd elements (16 x 2048 bf16 = 64 KiB), so wide blocks amortize the per-step cost.
+    gather: x f[B, L, D], offsets / lengths in its `metadata_layout` -> f[B, S, D] (S =
+    num_segments), the token `k` (common.gather_offset) of each slot, 0 where the slot lacks it.
+    scatter_call: the broadcast its backward runs (a segment-ops family and its block sizes).
     """
 
-    block_features: int = 2048
+    @property
+    def metadata_layout(self) -> MetadataLayout: ...
 
-    def __post_init__(self) -> None:
-        check_multiple("block_features", self.block_features, LANES, " (lanes)")
+    def scatter_call(self, seq_len: int, num_segments: int, dtype: jnp.dtype, blocks: Any,
+                     interpret: Interpret) -> SegmentCall: ...
+
+    def gather(self, x: jax.Array, offsets: jax.Array, lengths: jax.Array, *, k: int,
+               num_segments: int, blocks: Any, interpret: Interpret) -> jax.Array: ...
+
+
+# auto's order within a platform: the first family that can run here is taken.
+FAMILIES: Registry[GatherFamily] = Registry("segment_gather", (tpu.GATHER, gpu.GATHER))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
     """Static configuration (a custom_vjp nondiff argument): the picked token `k` (gather_offset),
-    the gather kernel's block sizes, and the backward's broadcast call (same L, S, dtype)."""
+    the family that runs, its block sizes, and the backward's broadcast call (same L, S, dtype)."""
 
     k: int
-    block_sizes: GatherBlockSizes | GpuBlockSizes
+    family: GatherFamily
+    block_sizes: Any
     scatter: SegmentCall
 
     def gather(self, x, offsets, lengths):  # f[B, L, D] -> f[B, S, D]
-        interpret = self.scatter.interpret
-        if isinstance(self.block_sizes, GpuBlockSizes):
-            out = gpu.gather_call(x, offsets, lengths, k=self.k, blocks=self.block_sizes,
-                                  interpret=bool(interpret))
-            return out[:, :self.scatter.num_segments]  # drop the padding slots
-        return tpu.gather_call(x, offsets, lengths, k=self.k,
-                               block_features=self.block_sizes.block_features,
-                               interpret=interpret)
+        return self.family.gather(x, offsets, lengths, k=self.k,
+                                  num_segments=self.scatter.num_segments,
+                                  blocks=self.block_sizes, interpret=self.scatter.interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -105,15 +111,12 @@ def segment_gather(
     check_tokens_input("x", x)
     batch, seq_len = x.shape[:2]
     num_segments = check_metadata(segment_offsets, segment_lengths, batch)
-    impl, blocks = resolve(impl, interpret, block_sizes, GatherBlockSizes, "segment_gather")
-    if impl is Impl.REFERENCE:
+    family, blocks = FAMILIES.resolve(impl, interpret, block_sizes, op="segment_gather")
+    if family is None:
         return reference.segment_gather(x, segment_offsets, segment_lengths, position=position)
-    metadata = family_metadata(segment_offsets, segment_lengths, impl)
-    # The backward scatters with the broadcast kernel: the TPU one at its own block sizes.
-    scatter_blocks = blocks if impl is Impl.PALLAS_GPU else SegmentBlockSizes()
-    scatter = SegmentCall(seq_len, num_segments, jnp.dtype(x.dtype), scatter_blocks, interpret,
-                          segment_ops.FAMILIES[impl])
-    st = _Static(k, blocks, scatter)
+    metadata = family_metadata(segment_offsets, segment_lengths, family)
+    scatter = family.scatter_call(seq_len, num_segments, jnp.dtype(x.dtype), blocks, interpret)
+    st = _Static(k, family, blocks, scatter)
     x3 = x if x.ndim == 3 else x[:, :, None]
     out = _pallas_gather(x3, *metadata, st)
     return out if x.ndim == 3 else out[..., 0]

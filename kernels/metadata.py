@@ -13,25 +13,36 @@ contract):
 Each id must cover one contiguous run (as packers write them); ids above `max_segments` (and
 negative ids) are not counted, so pass the packer's segment cap.
 
-The kernels take the metadata in one of two layouts (every op module picks by kernel family):
+The kernels take the metadata in one of two layouts, a `MetadataLayout` each kernel family
+declares (its `metadata_layout`), so the op modules never branch on the family:
 
-    flat_metadata     TPU: 1-D i32[B * S] offsets and lengths, scalar-prefetched into SMEM
-    padded_metadata   GPU: i32[B, sp], sp = S rounded up to a power of two (Triton tiles), extra
-                      slots of length 0
+    flat_metadata     FLAT (TPU): 1-D i32[B * S] offsets and lengths, scalar-prefetched into SMEM
+    padded_metadata   PADDED (GPU): i32[B, sp], sp = S rounded up to a power of two (Triton
+                      tiles), extra slots of length 0
     row_ends          both: i32[B] used length of each row (largest end of a non-empty slot)
 
-`family_metadata` picks the layout for a resolved `Impl` (and checks the TPU layout fits SMEM).
+`family_metadata` lays the metadata out for a layout or a family (and checks the flat layout
+fits SMEM).
 """
 
 from __future__ import annotations
 
+import enum
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from seqpack.kernels.checks import check_smem
-from seqpack.kernels.common import Impl, next_power_of_two
+from seqpack.kernels.common import next_power_of_two
+
+
+class MetadataLayout(enum.Enum):
+    """How a kernel family reads the slot metadata (`family_metadata` lays it out so)."""
+
+    FLAT = "flat"  # 1-D i32[B * S], scalar-prefetched into SMEM (the TPU kernels)
+    PADDED = "padded"  # i32[B, sp], sp a power of two >= S (the Triton kernels' tiles)
 
 
 @functools.partial(jax.jit, static_argnames=("max_segments",))
@@ -85,10 +96,12 @@ def padded_metadata(
 def family_metadata(
     segment_offsets: jax.Array,  # int[B, S]
     segment_lengths: jax.Array,  # int[B, S]
-    impl: Impl,  # PALLAS_TPU or PALLAS_GPU (resolved)
-) -> tuple[jax.Array, jax.Array]:  # i32[B, sp] (GPU) or i32[B * S] (TPU), twice
-    """Offsets and lengths in the layout the kernel family of `impl` reads."""
-    if impl is Impl.PALLAS_GPU:
+    layout: MetadataLayout | Any,  # or a kernel family: its `metadata_layout`
+) -> tuple[jax.Array, jax.Array]:  # i32[B, sp] (PADDED) or i32[B * S] (FLAT), twice
+    """Offsets and lengths in `layout`, or in the layout a family declares; a ValueError for
+    anything else. The flat layout must fit the SMEM budget (checks.check_smem)."""
+    layout = MetadataLayout(getattr(layout, "metadata_layout", layout))
+    if layout is MetadataLayout.PADDED:
         return padded_metadata(segment_offsets, segment_lengths)
     check_smem(*segment_offsets.shape)
     return flat_metadata(segment_offsets, segment_lengths)

@@ -41,7 +41,7 @@ _STATIC = ("impl", "interpret", "block_sizes")
 # auto's order within a platform: the first family that can run here is taken.
 FAMILIES: Registry[SegmentFamily] = Registry("the segment ops",
                                              (tpu.SEGMENT_OPS, gpu.SEGMENT_OPS))
-# offsets, lengths in the family's layout (metadata.family_metadata), then the row ends
+# offsets, lengths in the family's metadata_layout (metadata.family_metadata), then the row ends
 Metadata = tuple[jax.Array, ...]
 
 
@@ -54,7 +54,8 @@ def broadcast(values: jax.Array, meta: Metadata, out_dtype: jnp.dtype,
               st: SegmentCall) -> jax.Array:
     """The broadcast kernel of st's family (no checks, no VJP): f[B, S, D] -> out_dtype[B, L, D].
 
-    Also the backward of the gather and of the TPU cross-entropy (per-segment cotangents)."""
+    Also the gather's backward (its family's `scatter_call`); the TPU cross-entropy family calls
+    its wing's broadcast kernel itself."""
     return st.family.broadcast(values, *meta[:2], out_dtype=out_dtype, st=st)
 
 
@@ -119,7 +120,7 @@ def _setup(segment_offsets, segment_lengths, *, seq_len, dtype, impl, interpret,
     family, blocks = FAMILIES.resolve(impl, interpret, block_sizes, op=name)
     if family is None:
         return None
-    meta: Metadata = (*family_metadata(segment_offsets, segment_lengths, family.target.impl),
+    meta: Metadata = (*family_metadata(segment_offsets, segment_lengths, family),
                       row_ends(segment_offsets, segment_lengths, seq_len))
     st = SegmentCall(seq_len, segment_offsets.shape[1], jnp.dtype(dtype), blocks, interpret,
                      family)

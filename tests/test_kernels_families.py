@@ -1,6 +1,6 @@
 """The kernel-family registries: which family `impl=` picks on each backend and in what order,
 what is refused (an unavailable family, an unregistered name, the wrong block sizes), and what
-each family declares (its logsumexp layout, its block-size class)."""
+each family declares (its logsumexp layout, its metadata layout, its block-size class)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from seqpack import kernels
-from seqpack.kernels import attention, gpu, segment_ops, tpu
+from seqpack.kernels import attention, cross_entropy, gather, gpu, segment_ops, tpu
 from seqpack.kernels import attention_schedule as sched
 from seqpack.kernels.common import (
     PALLAS_TPU,
+    GpuBlockSizes,
     Impl,
     Registry,
     SegmentBlockSizes,
@@ -26,10 +27,14 @@ from seqpack.kernels.common import (
     select,
 )
 from seqpack.kernels.fused import families as head
+from seqpack.kernels.metadata import MetadataLayout, family_metadata
 from seqpack.kernels.ring import Ring
 
 REGISTRIES = {"attention": attention.FAMILIES, "segment_ops": segment_ops.FAMILIES,
+              "cross_entropy": cross_entropy.FAMILIES, "gather": gather.FAMILIES,
               "loss_head": head.FAMILIES}
+# the registries whose families read the slot metadata (metadata.family_metadata)
+METADATA = ("segment_ops", "cross_entropy", "gather")
 TPU_PARAMS = pltpu.InterpretParams()
 # (backend, interpret) -> the platform whose family "auto" runs (None: the reference)
 AUTO = [("tpu", False, "tpu"), ("gpu", False, "gpu"), ("cpu", False, None),
@@ -235,3 +240,95 @@ def test_static_configs_carry_the_family_and_stay_hashable():
     tiling = tpu.LOSS_HEAD.tiling(64, 40, 8, blocks, None, True)
     assert hash(head.HeadCall(tpu.LOSS_HEAD, tiling)) == hash(head.HeadCall(tpu.LOSS_HEAD,
                                                                             tiling))
+
+
+@pytest.mark.parametrize("op,impl,given,want", [
+    ("segment_cross_entropy", "pallas_tpu", GpuBlockSizes(), "CrossEntropyBlockSizes"),
+    ("segment_cross_entropy", "pallas_gpu", kernels.CrossEntropyBlockSizes(), "GpuBlockSizes"),
+    ("segment_gather", "pallas_tpu", GpuBlockSizes(), "GatherBlockSizes"),
+    ("segment_gather", "pallas_gpu", kernels.GatherBlockSizes(), "GpuBlockSizes"),
+])
+def test_cross_entropy_and_gather_refuse_another_familys_block_sizes(op, impl, given, want):
+    x = jnp.ones((1, 48, 4), jnp.float32)
+    offsets, lengths = jnp.array([[0, 20]]), jnp.array([[20, 28]])
+    args = (x, jnp.zeros((1, 48), jnp.int32)) if op == "segment_cross_entropy" else (x,)
+    with pytest.raises(ValueError, match=f"does not fit impl='{impl}' in {op}; pass a {want} "):
+        getattr(kernels, op)(*args, offsets, lengths, impl=impl, interpret=True,
+                             block_sizes=given)
+
+
+def test_the_moved_block_sizes_stay_importable_where_they_were():
+    assert cross_entropy.CrossEntropyBlockSizes is kernels.CrossEntropyBlockSizes
+    assert cross_entropy.CrossEntropyBlockSizes is tpu.CROSS_ENTROPY.block_sizes
+    assert gather.GatherBlockSizes is kernels.GatherBlockSizes is tpu.GATHER.block_sizes
+    assert gpu.CROSS_ENTROPY.block_sizes is gpu.GATHER.block_sizes is GpuBlockSizes
+
+
+@pytest.mark.parametrize("op", METADATA)
+def test_families_declare_their_metadata_layout(op):
+    """The TPU families read flat metadata (scalar-prefetched, within the SMEM budget), the GPU
+    ones slots padded to a power of two; family_metadata lays it out by the family alone."""
+    registry = REGISTRIES[op]
+    offsets, lengths = jnp.array([[0, 5, 9]] * 2), jnp.array([[5, 4, 0]] * 2)
+    shapes = {MetadataLayout.FLAT: (6,), MetadataLayout.PADDED: (2, 4)}
+    for impl, layout in ((Impl.PALLAS_TPU, MetadataLayout.FLAT),
+                         (Impl.PALLAS_GPU, MetadataLayout.PADDED)):
+        family = registry[impl]
+        assert family.metadata_layout is layout
+        for got in (family_metadata(offsets, lengths, family),
+                    family_metadata(offsets, lengths, layout)):
+            assert [a.shape for a in got] == [shapes[layout]] * 2
+            assert all(a.dtype == jnp.int32 for a in got)
+
+
+def test_family_metadata_refuses_what_is_not_a_layout():
+    offsets = lengths = jnp.zeros((1, 2), jnp.int32)
+    with pytest.raises(ValueError, match="is not a valid MetadataLayout"):
+        family_metadata(offsets, lengths, Impl.PALLAS_TPU)  # an Impl is not a layout
+    with pytest.raises(ValueError, match="SMEM"):  # the flat layout's budget
+        family_metadata(jnp.zeros((1024, 64), jnp.int32), jnp.zeros((1024, 64), jnp.int32),
+                        tpu.SEGMENT_OPS)
+
+
+@pytest.mark.parametrize("impl", [Impl.PALLAS_TPU, Impl.PALLAS_GPU])
+def test_cross_entropy_families_run_forward_and_backward(impl):
+    """Each family takes targets and mask as [B, L] (the TPU one makes its own columns) and
+    gives per-slot sums [B, S] and dlogits like the logits (abstract evaluation)."""
+    family = cross_entropy.FAMILIES[impl]
+    batch, seq_len, vocab, nseg = 2, 40, 300, 3
+    offsets, lengths = jnp.array([[0, 10, 30]] * batch), jnp.array([[10, 20, 0]] * batch)
+    meta = family_metadata(offsets, lengths, family)
+    st = family.tiling(seq_len, vocab, nseg, 0.0, family.block_sizes(), True)
+    assert hash(st) == hash(family.tiling(seq_len, vocab, nseg, 0.0, family.block_sizes(), True))
+    logits = jax.ShapeDtypeStruct((batch, seq_len, vocab), jnp.bfloat16)
+    targets = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    mask = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)
+    used = jnp.full((batch,), 30, jnp.int32)
+    loss, count, lse = jax.eval_shape(
+        lambda lg, t, m: family.forward(lg, t, m, *meta, used, st), logits, targets, mask)
+    assert loss.shape == count.shape == (batch, nseg)
+    g = jax.ShapeDtypeStruct((batch, nseg), jnp.float32)
+    dlogits = jax.eval_shape(
+        lambda lg, t, m, lse, g: family.backward(lg, t, m, lse, g, *meta, used, st),
+        logits, targets, mask, lse, g)
+    assert (dlogits.shape, dlogits.dtype) == (logits.shape, logits.dtype)
+
+
+@pytest.mark.parametrize("impl,scatter_blocks", [
+    (Impl.PALLAS_TPU, SegmentBlockSizes()),  # the broadcast kernel's own defaults
+    (Impl.PALLAS_GPU, GpuBlockSizes(block_features=64)),  # the gather's, as given
+])
+def test_gather_families_own_their_scatter_and_slots(impl, scatter_blocks):
+    """A gather family gives S slots (the GPU one slices its padded slots back) and says how
+    its backward scatters: with its own wing's segment-ops family, at which block sizes."""
+    family = gather.FAMILIES[impl]
+    blocks = family.block_sizes(block_features=64 if impl is Impl.PALLAS_GPU else 128)
+    call = family.scatter_call(40, 3, jnp.dtype(jnp.bfloat16), blocks, True)
+    assert call.family is segment_ops.FAMILIES[impl] and call.block_sizes == scatter_blocks
+    assert (call.seq_len, call.num_segments, call.dtype) == (40, 3, jnp.dtype(jnp.bfloat16))
+    offsets, lengths = jnp.array([[0, 10, 30]] * 2), jnp.array([[10, 20, 0]] * 2)
+    meta = family_metadata(offsets, lengths, family)
+    x = jax.ShapeDtypeStruct((2, 40, 200), jnp.bfloat16)
+    out = jax.eval_shape(lambda x: family.gather(x, *meta, k=-1, num_segments=3, blocks=blocks,
+                                                 interpret=True), x)
+    assert (out.shape, out.dtype) == ((2, 3, 200), x.dtype)

@@ -1,13 +1,17 @@
 """The Pallas GPU (Triton) kernel families: what each op's Registry reads of this wing.
 
-    ATTENTION     segment_attention              GpuAttentionBlockSizes, lse f32[B, H, L]
-    SEGMENT_OPS   segment reduce / broadcast     common.GpuBlockSizes
-    LOSS_HEAD     segment_linear_cross_entropy   common.GpuBlockSizes (its head_* tiles)
+    ATTENTION       segment_attention              GpuAttentionBlockSizes, lse f32[B, H, L]
+    SEGMENT_OPS     segment reduce / broadcast     common.GpuBlockSizes, padded metadata
+    CROSS_ENTROPY   segment_cross_entropy          common.GpuBlockSizes, padded metadata
+    GATHER          segment_gather                 common.GpuBlockSizes, padded metadata
+    LOSS_HEAD       segment_linear_cross_entropy   common.GpuBlockSizes (its head_* tiles)
 
-Each is a small adapter: its `common.Target` (PALLAS_GPU), its block-size class, and this wing's
-kernels called the way its op's protocol says (attention_schedule.AttentionFamily,
-common.SegmentFamily, fused/families.py LossHeadFamily). The registries list it beside the TPU
-wing's; stateless frozen dataclasses, so equal and hashable as static arguments.
+Each is a small adapter: its `common.Target` (PALLAS_GPU), its block-size class, the metadata
+layout it reads (metadata.MetadataLayout), and this wing's kernels called the way its op's
+protocol says (attention_schedule.AttentionFamily, common.SegmentFamily, cross_entropy.py
+CrossEntropyFamily, gather.py GatherFamily, fused/families.py LossHeadFamily). The registries
+list it beside the TPU wing's; stateless frozen dataclasses, so equal and hashable as static
+arguments.
 """
 
 from __future__ import annotations
@@ -18,14 +22,19 @@ from seqpack.kernels.attention_schedule import AttentionCall, AttentionConfig, L
 from seqpack.kernels.common import (
     PALLAS_GPU,
     GpuBlockSizes,
+    SegmentCall,
     check_power_of_two,
     next_power_of_two,
     tile,
 )
 from seqpack.kernels.gpu.attention import backward as attention_backward
 from seqpack.kernels.gpu.attention import forward as attention_forward
+from seqpack.kernels.gpu.cross_entropy import backward_call as cross_entropy_backward
+from seqpack.kernels.gpu.cross_entropy import forward_call as cross_entropy_forward
+from seqpack.kernels.gpu.gather import gather_call
 from seqpack.kernels.gpu.linear_cross_entropy import LinearTiling, linear_backward, linear_forward
 from seqpack.kernels.gpu.segment_ops import broadcast_call, reduce_call
+from seqpack.kernels.metadata import MetadataLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +101,7 @@ class GpuSegmentOps:
 
     target = PALLAS_GPU
     block_sizes = GpuBlockSizes
+    metadata_layout = MetadataLayout.PADDED
 
     def reduce(self, x, offsets, lengths, ends, *, mode, st):
         del ends  # each program walks its own segment's tiles
@@ -126,6 +136,67 @@ class GpuLossHead:
         return linear_backward(x, w, targets, mask, lse, g_lse, g_tgt, st=st)
 
 
+@dataclasses.dataclass(frozen=True)
+class CrossEntropyTiling:
+    """Static configuration of the Triton cross-entropy (hashable: a custom_vjp nondiff
+    argument); its tiles are fitted to L and V inside each call (common.tile)."""
+
+    num_segments: int
+    z_loss: float
+    blocks: GpuBlockSizes
+    interpret: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuCrossEntropy:
+    """The per-segment cross-entropy on Triton (gpu/cross_entropy.py): targets and mask as
+    [B, L]; its backward is a kernel of its own (per-token weights from the same slot compare,
+    no broadcast kernel); the rows' ends are not read."""
+
+    target = PALLAS_GPU
+    block_sizes = GpuBlockSizes
+    metadata_layout = MetadataLayout.PADDED
+
+    def tiling(self, seq_len: int, vocab: int, num_segments: int, z_loss: float,
+               blocks: GpuBlockSizes, interpret) -> CrossEntropyTiling:
+        del seq_len, vocab  # read from the logits in each call
+        return CrossEntropyTiling(num_segments, z_loss, blocks, bool(interpret))
+
+    def forward(self, logits, targets, mask, offsets, lengths, used, st: CrossEntropyTiling):
+        del used  # every program masks its own tokens
+        return cross_entropy_forward(logits, targets, mask, offsets, lengths,
+                                     num_segments=st.num_segments, z_loss=st.z_loss,
+                                     blocks=st.blocks, interpret=st.interpret)
+
+    def backward(self, logits, targets, mask, lse, g_loss, offsets, lengths, used,
+                 st: CrossEntropyTiling):
+        del used
+        return cross_entropy_backward(logits, targets, mask, lse, g_loss, offsets, lengths,
+                                      z_loss=st.z_loss, blocks=st.blocks, interpret=st.interpret)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuGather:
+    """One token per segment on Triton (gpu/gather.py: one gather-load per row and lane block),
+    its output sliced back from the padded slots to S; the backward scatters with this wing's
+    broadcast kernel at the same GpuBlockSizes."""
+
+    target = PALLAS_GPU
+    block_sizes = GpuBlockSizes
+    metadata_layout = MetadataLayout.PADDED
+
+    def scatter_call(self, seq_len: int, num_segments: int, dtype, blocks: GpuBlockSizes,
+                     interpret) -> SegmentCall:
+        return SegmentCall(seq_len, num_segments, dtype, blocks, interpret, SEGMENT_OPS)
+
+    def gather(self, x, offsets, lengths, *, k: int, num_segments: int, blocks: GpuBlockSizes,
+               interpret):
+        out = gather_call(x, offsets, lengths, k=k, blocks=blocks, interpret=bool(interpret))
+        return out[:, :num_segments]  # drop the padding slots
+
+
 ATTENTION = GpuAttention()
 SEGMENT_OPS = GpuSegmentOps()
+CROSS_ENTROPY = GpuCrossEntropy()
+GATHER = GpuGather()
 LOSS_HEAD = GpuLossHead()

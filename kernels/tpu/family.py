@@ -1,18 +1,24 @@
 """The Pallas TPU (Mosaic) kernel families: what each op's Registry reads of this wing.
 
-    ATTENTION     segment_attention              AttentionBlockSizes, lse f32[B, H, L, 1]
-    SEGMENT_OPS   segment reduce / broadcast     common.SegmentBlockSizes
-    LOSS_HEAD     segment_linear_cross_entropy   LinearCrossEntropyBlockSizes
+    ATTENTION       segment_attention              AttentionBlockSizes, lse f32[B, H, L, 1]
+    SEGMENT_OPS     segment reduce / broadcast     common.SegmentBlockSizes, flat metadata
+    CROSS_ENTROPY   segment_cross_entropy          CrossEntropyBlockSizes, flat metadata
+    GATHER          segment_gather                 GatherBlockSizes, flat metadata
+    LOSS_HEAD       segment_linear_cross_entropy   LinearCrossEntropyBlockSizes
 
-Each is a small adapter: its `common.Target` (PALLAS_TPU), its block-size class, and this wing's
-kernels called the way its op's protocol says (attention_schedule.AttentionFamily,
-common.SegmentFamily, fused/families.py LossHeadFamily). The registries list it beside the GPU
-wing's; stateless frozen dataclasses, so equal and hashable as static arguments.
+Each is a small adapter: its `common.Target` (PALLAS_TPU), its block-size class, the metadata
+layout it reads (metadata.MetadataLayout), and this wing's kernels called the way its op's
+protocol says (attention_schedule.AttentionFamily, common.SegmentFamily, cross_entropy.py
+CrossEntropyFamily, gather.py GatherFamily, fused/families.py LossHeadFamily). The registries
+list it beside the GPU wing's; stateless frozen dataclasses, so equal and hashable as static
+arguments.
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import jax.numpy as jnp
 
 from seqpack.kernels.attention_schedule import AttentionCall, AttentionConfig, LseLayout
 from seqpack.kernels.common import (
@@ -20,12 +26,18 @@ from seqpack.kernels.common import (
     PALLAS_TPU,
     SMEM_METADATA_BUDGET_BYTES,
     SegmentBlockSizes,
+    SegmentCall,
     check_multiple,
     round_up,
     token_block,
 )
+from seqpack.kernels.metadata import MetadataLayout
 from seqpack.kernels.tpu.attention import forward as attention_forward
 from seqpack.kernels.tpu.attention_bwd import backward as attention_backward
+from seqpack.kernels.tpu.cross_entropy import Tiling as CrossEntropyTiling
+from seqpack.kernels.tpu.cross_entropy import backward_call as cross_entropy_backward
+from seqpack.kernels.tpu.cross_entropy import forward_call as cross_entropy_forward
+from seqpack.kernels.tpu.gather import gather_call
 from seqpack.kernels.tpu.linear_cross_entropy import LinearTiling, linear_backward, linear_forward
 from seqpack.kernels.tpu.segment_ops import broadcast_call, reduce_call
 
@@ -75,6 +87,38 @@ class LinearCrossEntropyBlockSizes:
     def __post_init__(self) -> None:
         check_multiple("block_tokens", self.block_tokens, 16, " (bf16 tile rows)")
         check_multiple("block_vocab", self.block_vocab, 128, " (lanes)")
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossEntropyBlockSizes:
+    """Block sizes of the cross-entropy kernels.
+
+    block_tokens x block_vocab = 256 x 2048: a 1 MiB bf16 logits tile (2 MiB f32), so the DMA per
+    step dominates the per-step overhead, while the tile, its double buffer and the f32
+    temporaries of exp / where stay well inside 16 MiB of scoped VMEM.
+    block_tokens must be a multiple of 16 (bf16 tile rows), block_vocab of 128 (lanes).
+    """
+
+    block_tokens: int = 256
+    block_vocab: int = 2048
+
+    def __post_init__(self) -> None:
+        check_multiple("block_tokens", self.block_tokens, 16, " (bf16 tile rows)")
+        check_multiple("block_vocab", self.block_vocab, LANES, " (lanes)")
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherBlockSizes:
+    """Block sizes of the gather kernel.
+
+    block_features: lanes per step (a multiple of 128; D itself when D is smaller). A step moves
+      only rows x bd elements (16 x 2048 bf16 = 64 KiB), so wide blocks amortize the per-step cost.
+    """
+
+    block_features: int = 2048
+
+    def __post_init__(self) -> None:
+        check_multiple("block_features", self.block_features, LANES, " (lanes)")
 
 
 def check_smem(batch: int, cfg: AttentionConfig) -> None:
@@ -128,6 +172,7 @@ class TpuSegmentOps:
 
     target = PALLAS_TPU
     block_sizes = SegmentBlockSizes
+    metadata_layout = MetadataLayout.FLAT
 
     def reduce(self, x, offsets, lengths, ends, *, mode, st):
         return reduce_call(x, offsets, lengths, ends, mode=mode, st=st)
@@ -161,6 +206,63 @@ class TpuLossHead:
                                meta, st=st)
 
 
+@dataclasses.dataclass(frozen=True)
+class TpuCrossEntropy:
+    """The per-segment cross-entropy on Mosaic (tpu/cross_entropy.py), which takes targets and
+    mask as [B, L, 1] columns and skips token blocks past the row's end; its backward turns the
+    per-slot cotangents into per-token weights with this wing's broadcast kernel."""
+
+    target = PALLAS_TPU
+    block_sizes = CrossEntropyBlockSizes
+    metadata_layout = MetadataLayout.FLAT
+
+    def tiling(self, seq_len: int, vocab: int, num_segments: int, z_loss: float,
+               blocks: CrossEntropyBlockSizes, interpret) -> CrossEntropyTiling:
+        """Token blocks of at most L rounded up to 16 rows, vocab tiles of at most V."""
+        bv = vocab if vocab <= blocks.block_vocab else blocks.block_vocab
+        return CrossEntropyTiling(seq_len, vocab, num_segments, z_loss,
+                                  token_block(seq_len, blocks.block_tokens, 16), bv, interpret)
+
+    def forward(self, logits, targets, mask, offsets, lengths, used, st: CrossEntropyTiling):
+        return cross_entropy_forward(logits, targets[:, :, None], mask[:, :, None], offsets,
+                                     lengths, used, st=st)
+
+    def backward(self, logits, targets, mask, lse, g_loss, offsets, lengths, used,
+                 st: CrossEntropyTiling):
+        scatter = SegmentCall(st.seq_len, st.num_segments, jnp.dtype(jnp.float32),
+                              SegmentBlockSizes(), st.interpret, SEGMENT_OPS)
+        weights = broadcast_call(g_loss[:, :, None], offsets, lengths, out_dtype=jnp.float32,
+                                 st=scatter)
+        weights = jnp.where(mask[:, :, None] > 0, weights, 0.0)
+        return cross_entropy_backward(logits, targets[:, :, None], lse, weights, offsets,
+                                      lengths, used, st=st)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuGather:
+    """One token per segment on Mosaic (tpu/gather.py: a data-dependent index map per slot); its
+    backward scatters with this wing's broadcast kernel at that kernel's default block sizes
+    (a GatherBlockSizes does not configure it)."""
+
+    target = PALLAS_TPU
+    block_sizes = GatherBlockSizes
+    metadata_layout = MetadataLayout.FLAT
+
+    def scatter_call(self, seq_len: int, num_segments: int, dtype, blocks: GatherBlockSizes,
+                     interpret) -> SegmentCall:
+        del blocks
+        return SegmentCall(seq_len, num_segments, dtype, SegmentBlockSizes(), interpret,
+                           SEGMENT_OPS)
+
+    def gather(self, x, offsets, lengths, *, k: int, num_segments: int,
+               blocks: GatherBlockSizes, interpret):
+        del num_segments  # the flat metadata holds B * S slots
+        return gather_call(x, offsets, lengths, k=k, block_features=blocks.block_features,
+                           interpret=interpret)
+
+
 ATTENTION = TpuAttention()
 SEGMENT_OPS = TpuSegmentOps()
+CROSS_ENTROPY = TpuCrossEntropy()
+GATHER = TpuGather()
 LOSS_HEAD = TpuLossHead()
