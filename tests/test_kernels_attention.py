@@ -25,6 +25,7 @@ from seqpack.kernels import attention_schedule as sched
 from tests.helpers.kernels import (
     INTERPRET,
     TRITON_CALL,
+    key_block_pairs,
     lower_cuda,
     lower_tpu,
     metadata,
@@ -104,14 +105,18 @@ def _tpu_counted(q, k, v, offsets, lengths, g):
 TPU_ROWS = [ROWS[0], ROWS[3]]
 
 
-def _expected_visits(out, groups):
+def _expected_visits(out, groups, *, gpu: bool = False):
     """The counts the schedule implies: per query block hi - lo; per key block, the query blocks
-    whose range holds it (times the query heads of its group)."""
+    whose range holds it (times the query heads of its group); on the GPU family every query
+    block from the first to the last of them (key_block_pairs), and those it adds are blocks of
+    no segment (lo = hi), whose pairs are masked out whole."""
     lo, hi = np.asarray(out["lo"]), np.asarray(out["hi"])
     lo_b, hi_b = np.asarray(out["lo_bwd"]), np.asarray(out["hi_bwd"])
     nk = out["visits_dkv"].shape[2]
-    kb = np.arange(nk)[None, None, :]
-    per_key = ((lo_b[:, :, None] <= kb) & (kb < hi_b[:, :, None])).sum(axis=1)
+    per_key = key_block_pairs(lo_b, hi_b, nk, spanned=gpu)
+    if gpu:
+        empty = (lo_b == hi_b).sum(axis=1)[:, None]  # per row: query blocks of no segment
+        assert (per_key - key_block_pairs(lo_b, hi_b, nk, spanned=False) <= empty).all()
     return hi - lo, hi_b - lo_b, groups * per_key
 
 
@@ -175,7 +180,7 @@ def test_unequal_block_sizes(blocks):
     got = jax.jit(functools.partial(_value_and_grads, causal=True, **kw))(*args)
     _assert_matches(got, _fn("reference", True)(*args), F32, outside)
     counted = attention.visited_block_pairs(*args, **kw)
-    fwd, dq, dkv = _expected_visits(counted, H // K)
+    fwd, dq, dkv = _expected_visits(counted, H // K, gpu=gpu)
     np.testing.assert_array_equal(np.asarray(counted["visits_fwd"])[:, 0], fwd)
     np.testing.assert_array_equal(np.asarray(counted["visits_dq"])[:, 0], dq)
     np.testing.assert_array_equal(np.asarray(counted["visits_dkv"])[:, 0], dkv)
@@ -250,7 +255,7 @@ def test_gpu_counts_and_zero_offset_padding():
         args[0], args[1], args[2], offsets, lengths, args[5], **GPU))
     want = _fn("reference", True)(*args)
     _assert_matches([counted[n] for n in ("o", "dq", "dk", "dv")], want, F32, outside)
-    fwd, dq, dkv = _expected_visits(counted, H // K)
+    fwd, dq, dkv = _expected_visits(counted, H // K, gpu=True)
     np.testing.assert_array_equal(counted["visits_fwd"][:, 1], fwd)
     np.testing.assert_array_equal(counted["visits_dq"][:, 1], dq)
     np.testing.assert_array_equal(counted["visits_dkv"][:, 0], dkv)

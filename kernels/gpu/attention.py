@@ -12,8 +12,8 @@ load mask.
                                logsumexp per token
     dq       grid (B, H, nq')  one query block, keys [lo_i, hi_i) of the backward block sizes
     dkv      grid (B, K, nk')  one key block of one key head: for each of the G query heads of its
-                               group, query blocks [qlo_k, qhi_k) (`transpose_ranges`), each
-                               computed only if lo_i <= k < hi_i (`lax.cond`)
+                               group, query blocks [qlo_k, qhi_k) (`transpose_ranges`), all of
+                               them computed (a block whose range lacks k: masked out whole)
 
 Worked example, the schedule module's row (L = 16, bq = bk = 4, ranges [0,1) [0,2) [2,3) [2,4)):
 forward program i = 1 loops over key blocks 0 and 1 and program 2 over block 2 only, the causal
@@ -145,7 +145,7 @@ def _dq_kernel(lo_ref, hi_ref, tok_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di
         visits[0][b, h, i] = n
 
 
-def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, tok_ref, q_ref, k_ref, v_ref,
+def _dkv_kernel(qlo_ref, qhi_ref, tok_ref, q_ref, k_ref, v_ref,
                 do_ref, lse_ref, di_ref, dk_ref, dv_ref, *visits, cfg: AttentionConfig) -> None:
     # dk, dv [B, L, K, D]; visits i32[B, K, nk'] (pairs summed over the group's query heads)
     b, kh, kb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -155,26 +155,27 @@ def _dkv_kernel(qlo_ref, qhi_ref, lo_ref, hi_ref, tok_ref, q_ref, k_ref, v_ref,
     k = _tile(k_ref, b, kh, kb * bk, bk, k_ok, d_ok, dp)
     v = _tile(v_ref, b, kh, kb * bk, bk, k_ok, d_ok, dp)
 
-    def pair(h, i, carry):
-        dk, dv, n = carry
-        q_pos, q_start, q_end, q_ok, q = _query_block(tok_ref, q_ref, b, h, i, bq, cfg)
-        do = _tile(do_ref, b, h, i * bq, bq, q_ok, d_ok, dp)
-        lse = plgpu.load(lse_ref.at[b, h, pl.ds(i * bq, bq)], mask=q_ok, other=0.0)
-        di = plgpu.load(di_ref.at[b, h, pl.ds(i * bq, bq)], mask=q_ok, other=0.0)
-        allowed = _allowed(q_pos, q_start, q_end, k_pos, cfg.causal)  # [bq, bk]
-        s = plgpu.dot(q, k, trans_b=True) * cfg.scale
-        p = jnp.where(allowed, jnp.exp(s - lse[:, None]), 0.0)
-        ds = jnp.where(allowed, p * (plgpu.dot(do, v, trans_b=True) - di[:, None]), 0.0)
-        dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
-        dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True)
-        return dk, dv, n + 1
-
     def head(g, carry):
         h = kh * cfg.groups + g
 
         def step(i, carry):
-            need = (lo_ref[b, i] <= kb) & (kb < hi_ref[b, i])
-            return lax.cond(need, functools.partial(pair, h, i), lambda c: c, carry)
+            # Every query block of [qlo, qhi) is computed, with no `lax.cond` on whether its
+            # range holds kb: inside an scf.if Triton's pipeliner prefetches nothing. One whose
+            # range lacks kb is masked out whole (`allowed`); in make_schedule's ranges (they
+            # grow with i) only a block of no live rows can lie between two that hold kb, and
+            # its masked loads read nothing.
+            dk, dv, n = carry
+            q_pos, q_start, q_end, q_ok, q = _query_block(tok_ref, q_ref, b, h, i, bq, cfg)
+            do = _tile(do_ref, b, h, i * bq, bq, q_ok, d_ok, dp)
+            lse = plgpu.load(lse_ref.at[b, h, pl.ds(i * bq, bq)], mask=q_ok, other=0.0)
+            di = plgpu.load(di_ref.at[b, h, pl.ds(i * bq, bq)], mask=q_ok, other=0.0)
+            allowed = _allowed(q_pos, q_start, q_end, k_pos, cfg.causal)  # [bq, bk]
+            s = plgpu.dot(q, k, trans_b=True) * cfg.scale
+            p = jnp.where(allowed, jnp.exp(s - lse[:, None]), 0.0)
+            ds = jnp.where(allowed, p * (plgpu.dot(do, v, trans_b=True) - di[:, None]), 0.0)
+            dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
+            dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True)
+            return dk, dv, n + 1
 
         return lax.fori_loop(qlo_ref[b, kb], qhi_ref[b, kb], step, carry)
 
@@ -219,8 +220,8 @@ def backward(q, k, v, o, lse, do, sched: Schedule, cfg: AttentionConfig):
                    sched.lo_bwd, sched.hi_bwd, _tokens(sched), q, k, v, do, lse, di)
     kv = jax.ShapeDtypeStruct(k.shape, k.dtype)
     dkv_out = _call(_dkv_kernel, (batch, cfg.kv_heads, cfg.blocks(cfg.block_kv_bwd)), [kv, kv],
-                    cfg, "segment_attention_dkv_gpu", sched.qlo_bwd, sched.qhi_bwd, sched.lo_bwd,
-                    sched.hi_bwd, _tokens(sched), q, k, v, do, lse, di)
+                    cfg, "segment_attention_dkv_gpu", sched.qlo_bwd, sched.qhi_bwd,
+                    _tokens(sched), q, k, v, do, lse, di)
     grads = (dq_out[0], dkv_out[0], dkv_out[1])
     if cfg.count_visits:
         return grads, dq_out[1], dkv_out[2]

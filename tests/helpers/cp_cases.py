@@ -34,6 +34,7 @@ from jax.sharding import AxisType, PartitionSpec  # noqa: E402
 
 from seqpack import kernels, packer  # noqa: E402
 from seqpack.kernels import attention, reference  # noqa: E402
+from tests.helpers.kernels import key_block_pairs  # noqa: E402
 
 jax.config.update("jax_cpu_enable_async_dispatch", False)  # interpret mode: see helpers.kernels
 
@@ -198,7 +199,7 @@ def check_visits(impl: str, C: int) -> None:
         np.testing.assert_array_equal(out["visits_dq"], np.repeat((hi_b - lo_b)[:, :, :, None],
                                                                    H, axis=3))
         kb = np.arange(out["visits_dkv"].shape[-1])
-        per_key = ((lo_b[..., None] <= kb) & (kb < hi_b[..., None])).sum(axis=3)
+        per_key = key_block_pairs(lo_b, hi_b, kb.size, spanned=impl == "gpu")
         np.testing.assert_array_equal(out["visits_dkv"][:, :, :, 0], (H // K) * per_key)
         has_pairs = (hi > lo).any(axis=(2, 3))
         if impl == "tpu":  # the TPU interpreter's barrier: every step runs (ring.py)

@@ -196,3 +196,18 @@ def host_device_cases(module: str, *names: str, timeout: int = 900) -> None:
                           capture_output=True, text=True, timeout=timeout)
     ok = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("ok ")]
     assert done.returncode == 0 and ok == list(names), done.stdout + done.stderr[-6000:]
+
+
+def key_block_pairs(lo: np.ndarray, hi: np.ndarray, num_kv_blocks: int, *, spanned: bool
+                    ) -> np.ndarray:
+    """Per key block kb: how many query blocks i have lo_i <= kb < hi_i (ranges [..., nq]
+    -> counts [..., nk]); `spanned`: how many lie from the first such i to the last, the query
+    blocks the GPU dk / dv kernel computes (those between that lack kb: masked out whole)."""
+    kb = np.arange(num_kv_blocks)
+    need = (lo[..., None] <= kb) & (kb < hi[..., None])  # [..., nq, nk]
+    if spanned:
+        idx = np.arange(need.shape[-2])[:, None]
+        first = np.argmax(need, axis=-2)[..., None, :]
+        last = need.shape[-2] - 1 - np.argmax(need[..., ::-1, :], axis=-2)[..., None, :]
+        need = (idx >= first) & (idx <= last) & need.any(axis=-2)[..., None, :]
+    return need.sum(axis=-2)
