@@ -199,7 +199,7 @@ step() {  # step NAME COMMAND...: runs one step (if --only names it), reports a 
     step device_tests "$python" -m pytest -q -m device tests/test_device.py tests/test_device_segments.py -p no:cacheprovider
     step attention "$python" -m benchmarks.attention_bench --data "$data" --seq-lens 8192 \
       --blocks 64,128 --batch 4 --heads 8 --kv-heads 8 --head-dim 128 --repeats 5 \
-      --gpu-blocks 64,64,64,64 128,64,64,64 128,128,64,64 64,64,64,64+warps4
+      --gpu-blocks 64,64,64,64 128,64,64,64 128,128,64,64
     step torch_attention "$python" -m benchmarks.torch_peers attention --data "$data" \
       --seq-len 8192 --batch 4 --heads 8 --kv-heads 8 --repeats 5
     step loss_head bash -c "$python -m benchmarks.loss_head --preset gpu &&

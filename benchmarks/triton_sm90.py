@@ -7,13 +7,15 @@ configuration costs in registers, spills and shared memory, and whether its dots
 
 Each op is lowered for CUDA (`lowering_platforms=("cuda",)`), the Triton IR of its pallas_calls
 captured, and each kernel compiled by standalone Triton for `cuda:90` in a child process (two
-copies of MLIR in one process do not mix), reading register and local-memory use off the cubin
-(`cuobjdump -res-usage`, bundled with Triton). On the chip XLA compiles the same IR with its own
-Triton, so the numbers are a forecast of the chip's, for choosing which tiles the chip measures.
+copies of MLIR in one process do not mix), reading registers, stack and local memory off the
+cubin (`cuobjdump -res-usage`, bundled with Triton). On the chip XLA compiles the same IR with
+its own Triton, so the numbers are a forecast of the chip's, for choosing which tiles it measures.
 Columns: wgmma / mma.sync: tensor-core instructions in the PTX (Hopper's async warpgroup MMA, or
-Ampere's); regs a thread; local: spilled bytes a thread (0 is the goal); smem: dynamic shared
-memory a program; CTAs/SM: programs resident per SM on an H100 (registers, shared memory and
-warps; the least of them is named).
+Ampere's); cp.async: asynchronous copies into shared memory (0: Triton's software pipeliner
+prefetches no load of the loop; it skips loads inside a conditional); regs a thread; spill:
+stack frame and local memory a thread, in bytes (0 is the goal: registers spilled to memory);
+smem: dynamic shared memory a program; CTAs/SM: programs resident per SM on an H100 (registers,
+shared memory and warps; the least of them is named).
 """
 
 from __future__ import annotations
@@ -167,8 +169,10 @@ for job in json.load(sys.stdin):
                              capture_output=True, text=True, check=True).stdout
     out.append({"wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
                 "mma_sync": len(re.findall(r"\bmma\.sync", ptx)),
+                "cp_async": len(re.findall(r"cp\.async\.c[ag]\.shared\.global", ptx)),
                 "regs": int(re.search(r"REG:(\d+)", res).group(1)),
-                "local": int(re.search(r"LOCAL:(\d+)", res).group(1)),
+                "spill": int(re.search(r"STACK:(\d+)", res).group(1))
+                         + int(re.search(r"LOCAL:(\d+)", res).group(1)),
                 "smem": int(k.metadata.shared)})
 print(json.dumps({"triton": triton.__version__, "results": out}))
 """
@@ -203,8 +207,8 @@ def occupancy(regs: int, smem: int, warps: int) -> tuple[int, str]:
 
 
 def table(kernels_: list[Kernel], results: list[dict]) -> list[str]:
-    head = (f"| {'case':<22} | {'kernel':<32} | warps | stages | wgmma | mma.sync | regs | "
-            "local | smem KiB | CTAs/SM |")
+    head = (f"| {'case':<22} | {'kernel':<32} | warps | stages | wgmma | mma.sync | cp.async | "
+            "regs | spill | smem KiB | CTAs/SM |")
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for k, r in zip(kernels_, results):
         if "error" in r:
@@ -214,8 +218,8 @@ def table(kernels_: list[Kernel], results: list[dict]) -> list[str]:
         ctas, limit = occupancy(r["regs"], r["smem"], k.num_warps)
         lines.append(
             f"| {k.case:<22} | {k.name:<32} | {k.num_warps:>5} | {k.num_stages:>6} | "
-            f"{r['wgmma']:>5} | {r['mma_sync']:>8} | {r['regs']:>4} | {r['local']:>5} | "
-            f"{r['smem'] / 1024:>8.0f} | {ctas:>3} ({limit}) |")
+            f"{r['wgmma']:>5} | {r['mma_sync']:>8} | {r['cp_async']:>8} | {r['regs']:>4} | "
+            f"{r['spill']:>5} | {r['smem'] / 1024:>8.0f} | {ctas:>3} ({limit}) |")
     return lines
 
 

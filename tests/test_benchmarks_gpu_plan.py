@@ -108,7 +108,7 @@ def test_every_gpu_block_spec_in_device_run_parses():
     script = (ROOT / "benchmarks" / "device_run.sh").read_text().replace("\\\n", " ")
     specs = [spec for line in re.findall(r"--gpu-blocks ((?:[\w,+]+ ?)+)", script)
              for spec in line.split()]
-    assert "64,64,64,64+warps4" in specs and len(specs) >= 5
+    assert len(specs) >= 5
     for spec in specs:
         blocks = common.attention_blocks(spec, GpuAttentionBlockSizes())
         assert blocks.block_q == int(spec.split(",")[0])
