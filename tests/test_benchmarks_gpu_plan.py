@@ -1,6 +1,7 @@
 """What the GPU benchmarks share before a chip runs them: the same packed rows for the JAX and the
 PyTorch attention benchmarks, the PyTorch peers' document ids, the ratios attention_bench prints
-against the issue's targets, and device_run.sh's GPU plan naming only steps it has."""
+against the issue's targets, device_run.sh's GPU plan naming only steps it has and every
+benchmark command in it parsing, and the offline sm_90 forecast (benchmarks/triton_sm90.py)."""
 
 from __future__ import annotations
 
@@ -112,3 +113,47 @@ def test_every_gpu_block_spec_in_device_run_parses():
     for spec in specs:
         blocks = common.attention_blocks(spec, GpuAttentionBlockSizes())
         assert blocks.block_q == int(spec.split(",")[0])
+
+
+class _Parsed(Exception):
+    """Raised by the patched parse_args once a benchmark's arguments parsed."""
+
+
+def _device_run_steps() -> list[tuple[str, list[str]]]:
+    """(module, arguments) of every `python -m benchmarks.<module>` step of device_run.sh, on
+    every branch (smoke, TPU, GPU), `bash -c "a && b"` steps split."""
+    script = (ROOT / "benchmarks" / "device_run.sh").read_text().replace("\\\n", " ")
+    script = script.replace('"$python"', "$python").replace('"$data"', "/data/chat_dev.npz")
+    calls = []
+    for body in re.findall(r"^\s*step \w+ (.*?)(?=^\s*(?:step|fi|elif|else)\b)", script,
+                          re.MULTILINE | re.DOTALL):
+        for part in body.split("&&"):
+            found = re.search(r"\$python -m (benchmarks\.\w+)([^\"]*)", part)
+            if found:
+                calls.append((found.group(1), found.group(2).split()))
+    return calls
+
+
+def test_every_device_run_benchmark_step_parses(monkeypatch):
+    """Each benchmark command device_run.sh runs on a chip is accepted by the benchmark's own
+    argument parser (a renamed or misspelt flag would end the chip's step), checked here by
+    parsing only: the patched parse_args stops main before it runs anything."""
+    import argparse
+    import importlib
+
+    pytest.importorskip("jax")
+    calls = _device_run_steps()
+    modules = {module for module, _ in calls}
+    assert len(calls) >= 20  # three branches of steps, two of them "a && b"
+    assert {"benchmarks.attention_bench", "benchmarks.loss_head", "benchmarks.train_step",
+            "benchmarks.torch_peers", "benchmarks.kernels_bench"} <= modules
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_only(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    for module, args in calls:
+        monkeypatch.setattr("sys.argv", [module, *args])
+        with pytest.raises(_Parsed):
+            importlib.import_module(module).main()
