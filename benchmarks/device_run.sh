@@ -20,7 +20,9 @@
 # each a process of its own after JAX's released the GPU; loss_head --preset gpu (bf16 and an
 # f32 master weight); train_step with the GPU's ways (padded rows on cuDNN, MaxText's masked
 # kernel, cuDNN packed, seqpack) at 8192 and 32768; kernels at the kernels benchmark's hardware
-# sizes. The lent GPU machine runs 10-minute commands in a 15-minute budget: GPU_PLAN below.
+# sizes; sanitize: every GPU kernel once under compute-sanitizer (memcheck); profile_attention:
+# Nsight Compute's sections of the attention kernels at L=8192 (benchmarks/gpu_probe.py runs
+# both). The lent GPU machine runs 10-minute commands in a 15-minute budget: GPU_PLAN below.
 # A step that fails prints "== FAILED" and the next one runs. Prints the tables; with $OUT set
 # (the device tool), also writes them to $OUT/device_run.log.
 #
@@ -38,6 +40,7 @@
 # GPU_PLAN (estimates, not yet timed on the chip; a fresh machine takes minutes to start):
 #   benchmarks/device_run.sh --only device_tests,attention,torch_attention
 #   benchmarks/device_run.sh --only loss_head,torch_loss_head,train_step
+#   benchmarks/device_run.sh --only sanitize,profile_attention
 #   benchmarks/device_run.sh --only attention_32k,train_step_32k,loss_head_need,kernels
 #   benchmarks/device_run.sh --train
 # (carry .whl-gpu: grain, array-record, portpicker, liger-kernel, cut-cross-entropy.)
@@ -63,7 +66,7 @@ smoke=""
 train=""
 only=""  # --only NAME[,NAME...]: the steps to run (steps_named); all when empty
 steps_named="attention,attention_32k,torch_attention,kernels,loss_head,torch_loss_head"
-steps_named+=",loss_head_need,train_step,train_step_32k,device_tests"
+steps_named+=",loss_head_need,train_step,train_step_32k,device_tests,sanitize,profile_attention"
 while (($#)); do
   case "$1" in
     --smoke) smoke="--smoke" ;;
@@ -216,6 +219,16 @@ step() {  # step NAME COMMAND...: runs one step (if --only names it), reports a 
     step loss_head_need "$python" -m benchmarks.loss_head --preset 64k --repeats 3 \
       --chunks 1024 2048 4096 --bf16-carry --need
     step kernels "$python" -m benchmarks.kernels_bench --gpu-sizes
+    # every GPU kernel once under compute-sanitizer's memcheck, each buffer its own allocation
+    # (XLA's pool would hide an access past a buffer's end inside it)
+    step sanitize env XLA_PYTHON_CLIENT_ALLOCATOR=platform compute-sanitizer --tool memcheck \
+      --kernel-name kns=segment_ --error-exitcode 9 "$python" -m benchmarks.gpu_probe \
+      --data "$data" --seq-len 1024 --batch 2 --runs 1
+    # where the attention kernels' time goes at L=8192 (the second run's fwd, dq, dk/dv)
+    step profile_attention ncu --clock-control none --kernel-name regex:segment_attention \
+      --launch-skip 3 --launch-count 3 --section SpeedOfLight --section Occupancy \
+      --section WarpStateStats --section MemoryWorkloadAnalysis "$python" -m benchmarks.gpu_probe \
+      --data "$data" --only attention --seq-len 8192 --batch 4 --heads 8 --kv-heads 8 --runs 2
   fi
   exit "$failed"
 } 2>&1 | if [[ -n "$log" ]]; then tee "$log"; else cat; fi

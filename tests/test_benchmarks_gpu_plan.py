@@ -124,6 +124,7 @@ def _device_run_steps() -> list[tuple[str, list[str]]]:
     every branch (smoke, TPU, GPU), `bash -c "a && b"` steps split."""
     script = (ROOT / "benchmarks" / "device_run.sh").read_text().replace("\\\n", " ")
     script = script.replace('"$python"', "$python").replace('"$data"', "/data/chat_dev.npz")
+    script = re.sub(r"^\s*#.*$", "", script, flags=re.MULTILINE)  # comment lines
     calls = []
     for body in re.findall(r"^\s*step \w+ (.*?)(?=^\s*(?:step|fi|elif|else)\b)", script,
                           re.MULTILINE | re.DOTALL):
@@ -146,7 +147,7 @@ def test_every_device_run_benchmark_step_parses(monkeypatch):
     modules = {module for module, _ in calls}
     assert len(calls) >= 20  # three branches of steps, two of them "a && b"
     assert {"benchmarks.attention_bench", "benchmarks.loss_head", "benchmarks.train_step",
-            "benchmarks.torch_peers", "benchmarks.kernels_bench"} <= modules
+            "benchmarks.torch_peers", "benchmarks.kernels_bench", "benchmarks.gpu_probe"} <= modules
     original = argparse.ArgumentParser.parse_args
 
     def parse_only(self, args=None, namespace=None):
@@ -157,3 +158,29 @@ def test_every_device_run_benchmark_step_parses(monkeypatch):
         monkeypatch.setattr("sys.argv", [module, *args])
         with pytest.raises(_Parsed):
             importlib.import_module(module).main()
+
+
+def test_gpu_probe_runs_each_kernel_once(capsys, npz_corpus):
+    """The sanitizer's and profiler's program (interpreted here): each probe named prints "ok"
+    with a finite checksum, on rows packed from a corpus; an unknown probe is refused."""
+    pytest.importorskip("jax")
+    from benchmarks import gpu_probe
+
+    gpu_probe.main(["--smoke", "--data", str(npz_corpus), "--only", "segment_sum",
+                    "segment_gather"])
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in out if line.startswith("ok ")] == [
+        ["ok", "segment_sum"], ["ok", "segment_gather"]]
+    with pytest.raises(SystemExit, match="unknown probes \\['attn'\\]"):
+        gpu_probe.main(["--smoke", "--only", "attn"])
+
+
+def test_gpu_probe_synthetic_rows_keep_the_row_contract():
+    from benchmarks import gpu_probe
+
+    offsets, lengths = gpu_probe.synthetic_rows(64, 3)
+    for o, n in zip(offsets, lengths):
+        used = n > 0
+        ends = o[used] + n[used]
+        assert (o[used][1:] == ends[:-1]).all() and ends[-1] <= 64  # back to back from 0
+        assert (o[~used] == ends[-1]).all()  # unused slots at the row's used length
