@@ -28,6 +28,7 @@ from tests.helpers.kernels import (
     S,
     assert_close,
     case,
+    loads_under_conditionals,
     lower_cuda,
     metadata,
     random_array,
@@ -254,3 +255,34 @@ def test_lower_cuda_refuses_python_numbers_typed_as_the_predicate():
         assert "lowered as i1" in str(e)
     else:  # a jax whose lowering keeps the numbers' type: the module is right and accepted
         assert TRITON_CALL in text
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_kernel_loops_load_outside_conditionals(kv_heads):
+    """In every loop of the attention and loss-head Triton kernels the loads sit outside any
+    conditional, where Triton's software pipeliner can prefetch them (the dk/dv kernel once ran
+    each query block under `lax.cond`, and prefetched nothing)."""
+    offsets = jnp.array([[0, 200, 512, 512]] * 2, jnp.int32)
+    lengths = jnp.array([[200, 312, 0, 0]] * 2, jnp.int32)
+    q = jnp.zeros((2, 512, 4, 64), jnp.bfloat16)
+    kv = jnp.zeros((2, 512, kv_heads, 64), jnp.bfloat16)
+    x, w = jnp.zeros((2, 512, 256), jnp.bfloat16), jnp.zeros((256, 1024), jnp.bfloat16)
+    targets = jnp.zeros((2, 512), jnp.int32)
+    seen = {}
+
+    def attention(q, k, v):
+        return kernels.segment_attention(q, k, v, offsets, lengths, impl="pallas_gpu")
+
+    def loss_head(x, w):
+        return kernels.segment_linear_cross_entropy(x, w, targets, offsets, lengths,
+                                                    mode="recompute", impl="pallas_gpu")[0]
+
+    record = lambda name, op: seen.setdefault(name, loads_under_conditionals(op))  # noqa: E731
+    for fn, args in ((attention, (q, kv, kv)), (loss_head, (x, w))):
+        grads = jax.grad(lambda *a, fn=fn: fn(*a).astype(jnp.float32).sum(),
+                         tuple(range(len(args))))
+        lower_cuda(grads, *args, on_module=record)
+    assert set(seen) == {"segment_attention_fwd_gpu", "segment_attention_dq_gpu",
+                         "segment_attention_dkv_gpu", "segment_linear_cross_entropy_fwd_gpu",
+                         "segment_linear_cross_entropy_bwd_gpu"}
+    assert not any(seen.values()), {k: v[:2] for k, v in seen.items() if v}

@@ -150,10 +150,11 @@ GPU_BLOCKS = GpuBlockSizes(block_tokens=16, block_features=64, ce_block_tokens=1
 TRITON_CALL = "xla.gpu.triton"  # the custom call a Pallas GPU kernel lowers to for CUDA
 
 
-def lower_cuda(f, *args) -> str:
+def lower_cuda(f, *args, on_module=None) -> str:
     """StableHLO text of f lowered for CUDA (Pallas -> Triton) without a GPU attached. Every
     Triton module the lowering emits must pass MLIR's verifier: the chip's Triton parses these
-    modules, and one that does not verify fails to compile there (interpret mode never sees it)."""
+    modules, and one that does not verify fails to compile there (interpret mode never sees it).
+    `on_module(name, op)` is called with each module's kernel name and MLIR operation."""
     from jax._src.pallas.triton import pallas_call_registration as registration
 
     original = registration.lowering.lower_jaxpr_to_triton_module
@@ -171,6 +172,8 @@ def lower_cuda(f, *args) -> str:
         suspect = [line.strip() for line in asm.splitlines()
                    if re.search(r"arith\.constant (true|false)\b.*select_n", line)]
         assert not suspect, f"select_n of Python numbers lowered as i1: {suspect[:3]}"
+        if on_module is not None:
+            on_module(re.search(r"module @(\w+)", asm).group(1), result.module.operation)
         return result
 
     registration.lowering.lower_jaxpr_to_triton_module = verified
@@ -178,6 +181,21 @@ def lower_cuda(f, *args) -> str:
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         registration.lowering.lower_jaxpr_to_triton_module = original
+
+
+def loads_under_conditionals(op, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The `tt.load`s of a Triton module that sit inside an `scf.if` inside an `scf.for` (each as
+    its chain of enclosing ops): Triton's software pipeliner prefetches none of them."""
+    found = []
+    for region in op.regions:
+        for block in region.blocks:
+            for child in block.operations:
+                name = child.operation.name
+                loop = path.index("scf.for") if "scf.for" in path else None
+                if name == "tt.load" and loop is not None and "scf.if" in path[loop:]:
+                    found.append(path)
+                found += loads_under_conditionals(child.operation, (*path, name))
+    return found
 
 
 def zero_padded(offsets, lengths):
