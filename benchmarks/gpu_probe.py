@@ -41,30 +41,35 @@ def synthetic_rows(seq_len: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
 
 def probes(offsets, lengths, seq_len: int, *, heads: int, kv_heads: int, head_dim: int,
            dim: int, vocab: int, interpret: bool) -> dict:
-    """{name: (jitted fn, its inputs)}: value and gradients of each GPU kernel family."""
+    """{name: (jitted fn, a thunk making its inputs)}: value and gradients of each GPU kernel
+    family; the inputs are made only for the probes that run."""
     batch = offsets.shape[0]
-    key = iter(jax.random.split(jax.random.key(0), 8))
-    normal = lambda *shape: jax.random.normal(next(key), shape, jnp.bfloat16)  # noqa: E731
+    key = jax.random.key(0)
+
+    def normal(seed: int, *shape):
+        return jax.random.normal(jax.random.fold_in(key, seed), shape, jnp.bfloat16)
+
     o, n = jnp.asarray(offsets), jnp.asarray(lengths)
     kw = dict(impl="pallas_gpu", interpret=interpret)
     grad = lambda f, argnums=0: jax.jit(jax.value_and_grad(  # noqa: E731
         lambda *a: f(*a).astype(jnp.float32).sum(), argnums=argnums))
-    targets = jax.random.randint(next(key), (batch, seq_len), 0, vocab)
-    q = normal(batch, seq_len, heads, head_dim)
-    kv = normal(batch, seq_len, kv_heads, head_dim)
-    x, logits, w = normal(batch, seq_len, dim), normal(batch, seq_len, vocab), normal(dim, vocab)
+    targets = jax.random.randint(jax.random.fold_in(key, 0), (batch, seq_len), 0, vocab)
+    x = lambda: (normal(3, batch, seq_len, dim),)  # noqa: E731
     return {
         "attention": (grad(lambda q, k, v: kernels.segment_attention(q, k, v, o, n, **kw),
-                           (0, 1, 2)), (q, kv, kv)),
-        "segment_sum": (grad(lambda x: kernels.segment_sum(x, o, n, **kw)), (x,)),
-        "segment_max": (grad(lambda x: kernels.segment_max(x, o, n, **kw)), (x,)),
+                           (0, 1, 2)),
+                      lambda: (normal(1, batch, seq_len, heads, head_dim),
+                               *[normal(2, batch, seq_len, kv_heads, head_dim)] * 2)),
+        "segment_sum": (grad(lambda x: kernels.segment_sum(x, o, n, **kw)), x),
+        "segment_max": (grad(lambda x: kernels.segment_max(x, o, n, **kw)), x),
         "segment_broadcast": (grad(lambda x: kernels.segment_broadcast(
-            kernels.segment_mean(x, o, n, **kw), o, n, seq_len=seq_len, **kw)), (x,)),
-        "segment_gather": (grad(lambda x: kernels.segment_gather(x, o, n, **kw)), (x,)),
+            kernels.segment_mean(x, o, n, **kw), o, n, seq_len=seq_len, **kw)), x),
+        "segment_gather": (grad(lambda x: kernels.segment_gather(x, o, n, **kw)), x),
         "cross_entropy": (grad(lambda z: kernels.segment_cross_entropy(
-            z, targets, o, n, **kw)[0]), (logits,)),
+            z, targets, o, n, **kw)[0]), lambda: (normal(4, batch, seq_len, vocab),)),
         "loss_head": (grad(lambda h, w: kernels.segment_linear_cross_entropy(
-            h, w, targets, o, n, mode="recompute", **kw)[0], (0, 1)), (x, w)),
+            h, w, targets, o, n, mode="recompute", **kw)[0], (0, 1)),
+            lambda: (*x(), normal(5, dim, vocab))),
     }
 
 
@@ -97,9 +102,10 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"Error: unknown probes {sorted(unknown)}; choose from {sorted(found)}")
     print(f"== jax {jax.__version__} {jax.devices()[0].device_kind}; B={args.batch} "
           f"L={args.seq_len} segments={int((lengths > 0).sum())}")
-    for name, (fn, inputs) in found.items():
+    for name, (fn, make_inputs) in found.items():
         if args.only and name not in args.only:
             continue
+        inputs = make_inputs()
         for _ in range(args.runs):
             value, grads = jax.block_until_ready(fn(*inputs))
         total = float(value) + sum(float(jnp.sum(g.astype(jnp.float32)))
