@@ -21,6 +21,7 @@ shared memory and warps; the least of them is named).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -50,37 +51,47 @@ class Kernel:
     num_stages: int
 
 
-def capture(fn, *args) -> list[tuple[str, str, int, int]]:
-    """(name, Triton IR text, num_warps, num_stages) of every pallas_call in `fn` lowered for CUDA.
-
-    Hooks jax's Pallas Triton lowering (private: jax._src.pallas.triton) to keep each module's
-    text, and stops at one that does not verify; the launch options are read off the lowered
-    custom calls, matched by kernel name."""
-    import jax
+@contextlib.contextmanager
+def triton_modules(on_module):
+    """While open, every Triton module jax's Pallas lowering emits must pass MLIR's verifier (the
+    chip's Triton parses these modules: one that does not verify fails to compile there; a
+    ValueError names its kernel), then `on_module(name, op)` sees its kernel name and MLIR
+    operation. Hooks jax's private lowering (jax._src.pallas.triton)."""
     from jax._src.pallas.triton import pallas_call_registration as registration
 
-    caught: list[tuple[str, str]] = []
     original = registration.lowering.lower_jaxpr_to_triton_module
 
     def hook(*a, **kw):
         result = original(*a, **kw)
-        ttir = result.module.operation.get_asm(enable_debug_info=False)
-        name = re.search(r'module @(\w+)|sym_name = "(\w+)"', ttir)
-        name = name.group(1) or name.group(2)
+        op = result.module.operation
+        found = re.search(r'module @(\w+)|sym_name = "(\w+)"', op.get_asm())
+        name = found.group(1) or found.group(2)  # sym_name: the generic form of a bad module
         try:
-            result.module.operation.verify()
-        except Exception as e:  # jax's MLIRError; Triton would refuse the module on the chip
+            op.verify()
+        except Exception as e:  # jax's MLIRError: the verifier's diagnostics
             errors = [line for line in str(e).splitlines() if line.startswith("error")]
-            raise SystemExit(f"Error: the Triton module of {name} does not verify: "
-                             f"{errors}") from None
-        caught.append((name, ttir))
+            raise ValueError(f"the Triton module of {name} does not verify: "
+                             f"{errors or e}") from None
+        on_module(name, op)
         return result
 
     registration.lowering.lower_jaxpr_to_triton_module = hook
     try:
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        yield
     finally:
         registration.lowering.lower_jaxpr_to_triton_module = original
+
+
+def capture(fn, *args) -> list[tuple[str, str, int, int]]:
+    """(name, Triton IR text, num_warps, num_stages) of every pallas_call in `fn` lowered for CUDA
+    (`triton_modules`); the launch options are read off the lowered custom calls, matched by
+    kernel name."""
+    import jax
+
+    caught: list[tuple[str, str]] = []
+    with triton_modules(lambda name, op: caught.append(
+            (name, op.get_asm(enable_debug_info=False)))):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     launches = {m.group(1): (int(m.group(3)), int(m.group(2))) for m in re.finditer(
         r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)}
     missing = {name for name, _ in caught} - set(launches)

@@ -152,35 +152,22 @@ TRITON_CALL = "xla.gpu.triton"  # the custom call a Pallas GPU kernel lowers to 
 
 def lower_cuda(f, *args, on_module=None) -> str:
     """StableHLO text of f lowered for CUDA (Pallas -> Triton) without a GPU attached. Every
-    Triton module the lowering emits must pass MLIR's verifier: the chip's Triton parses these
-    modules, and one that does not verify fails to compile there (interpret mode never sees it).
-    `on_module(name, op)` is called with each module's kernel name and MLIR operation."""
-    from jax._src.pallas.triton import pallas_call_registration as registration
+    Triton module the lowering emits must verify (benchmarks.triton_sm90.triton_modules):
+    interpret mode never builds them. `on_module(name, op)` also sees each module."""
+    from benchmarks.triton_sm90 import triton_modules
 
-    original = registration.lowering.lower_jaxpr_to_triton_module
-
-    def verified(*a, **kw):
-        result = original(*a, **kw)
-        try:
-            result.module.operation.verify()
-        except Exception as e:  # jax's MLIRError: the verifier's diagnostics
-            errors = [line for line in str(e).splitlines() if line.startswith("error")]
-            raise AssertionError(f"a Triton module does not verify: {errors or e}") from None
+    def check(name, op):
         # jax 0.10's lowering of `jnp.where(scalar, n, m)` on Python numbers types n and m like
         # the predicate (i1): where that still verifies (a cast follows) the values are wrong.
-        asm = result.module.operation.get_asm(enable_debug_info=True, pretty_debug_info=True)
+        asm = op.get_asm(enable_debug_info=True, pretty_debug_info=True)
         suspect = [line.strip() for line in asm.splitlines()
                    if re.search(r"arith\.constant (true|false)\b.*select_n", line)]
         assert not suspect, f"select_n of Python numbers lowered as i1: {suspect[:3]}"
         if on_module is not None:
-            on_module(re.search(r"module @(\w+)", asm).group(1), result.module.operation)
-        return result
+            on_module(name, op)
 
-    registration.lowering.lower_jaxpr_to_triton_module = verified
-    try:
+    with triton_modules(check):
         return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    finally:
-        registration.lowering.lower_jaxpr_to_triton_module = original
 
 
 def loads_under_conditionals(op, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
