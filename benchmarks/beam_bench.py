@@ -10,11 +10,13 @@ best fit decreasing, L = 2048, S = 64, over-length examples truncated, shards of
     beam, 1    ... --runner beam --beam-option direct_num_workers=1
     beam, 2    ... --runner beam --beam-option direct_num_workers=2
 
-Runs alternate, best and median of ``--repeats``. Every Beam output is checked byte for byte
+``--format index`` packs rows by reference (no tokens routed after the plan). Runs alternate,
+best and median of ``--repeats``. Every Beam output is checked byte for byte
 against the local one (shards and manifest.json). A last row times the 2-worker Beam job on a
 one-example input: its fixed cost (Beam import, worker processes, gRPC), whatever the data. ::
 
     .venv/bin/python -m benchmarks.beam_bench [--data PATH.npz] [--files 8] [--repeats 3]
+        [--format index]
 """
 
 from __future__ import annotations
@@ -84,17 +86,19 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=8, help="Parquet files the corpus becomes")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--format", default="arrayrecord", help="seqpack pack --format")
     args = parser.parse_args()
+    runs = {name: [*extra, "--format", args.format] for name, extra in RUNS.items()}
     with tempfile.TemporaryDirectory(prefix="seqpack-beam-bench-") as tmp:
         paths, n, num_tokens = to_parquet_files(args.data, tmp, args.files)
         print(f"corpus: {args.data}: {n:,} examples, {num_tokens:,} tokens in {args.files} "
               f"Parquet files; L = {args.seq_len}, S = 64, best_fit_decreasing, truncate; "
-              f"{os.cpu_count()} CPUs\n")
+              f"--format {args.format}; {os.cpu_count()} CPUs\n")
         times: dict[str, list[float]] = {name: [] for name in RUNS}
         outputs = {name: os.path.join(tmp, f"out{k}") for k, name in enumerate(RUNS)}
         identical = {}
         for _ in range(args.repeats):
-            for name, extra in RUNS.items():
+            for name, extra in runs.items():
                 times[name].append(run_pack(paths, outputs[name], extra, args.seq_len))
         want = dir_bytes(outputs["local CLI"])
         manifest = json.loads(want["manifest.json"])

@@ -4,6 +4,7 @@ run again as a runner retries a bundle, they rebuild the local runner's bytes.""
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -41,14 +42,15 @@ def _inputs(tmp_path) -> list[str]:
 
 
 def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=False,
-               overwrite=False) -> dict:
+               overwrite=False, after_plan=None) -> dict:
     """The job's stages in this process, each stage's elements in a shuffled order.
 
     `retries`: the steps that write to the output run again, as a runner may run them (Beam
     retries a bundle whose outputs were lost, and may recompute any PCollection; only one
     attempt's outputs are kept): finish_plan twice before the shards, then again halfway
     through the shards and after the manifest (a side input recomputed for a later step), a
-    third of the shards written twice (their parts in another order), finish_job twice."""
+    third of the shards written twice (their parts in another order), finish_job twice.
+    `after_plan`: called once the plan is finished (the inputs' stamps taken)."""
     read = ReadOptions()
     job = PackJob(paths, out, config, write_options=write_options,
                   block_size=block_size or 1 << 22, existing="overwrite" if overwrite else "refuse")
@@ -68,6 +70,8 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=
 
     for _ in range(1 + retries):
         summary = finish_plan()
+    if after_plan is not None:
+        after_plan()
     by_file: dict[int, list] = {}
     for p in plans:
         for index, table in beam_steps.split_block(p, summary, files):
@@ -76,7 +80,7 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=
     by_shard: dict[int, list] = {}
     for k in rng.permutation(len(jobs)):
         for shard, part in beam_steps.route_file(jobs[k], read, summary.shard_rows,
-                                                 summary.row_dtype):
+                                                 summary.row_dtype, plan_only=job.plan_only):
             by_shard.setdefault(shard, []).append(part)
     rows = {}
     shards = rng.permutation(sorted(by_shard)).tolist()
@@ -124,6 +128,29 @@ def test_steps_in_any_order_give_the_local_bytes(tmp_path, name, seed, block_siz
 def test_steps_run_again_give_the_local_bytes(tmp_path, name, seed, block_size, overwrite):
     """As a runner may run them: the directory is prepared once, shards rewritten alike."""
     _check_steps(tmp_path, name, seed, block_size, retries=True, overwrite=overwrite)
+
+
+@pytest.mark.parametrize("seed,block_size", [(4, None), (5, 17)])
+def test_an_index_is_written_from_the_plan_alone(tmp_path, seed, block_size):
+    """Rows by reference with no extra columns: once the plan is made no input is read again
+    (they are moved away), no token is routed, and the shards are the local runner's bytes."""
+    config, write_options = PackConfig(48, max_segments=6, overflow="split"), WriteOptions(
+        shard_rows=4, format="index")
+    paths = [write_parquet(tmp_path / f"{k}.parquet", random_seqs(n, max_len=70, seed=k))
+             for k, n in ((1, 40), (2, 0), (3, 55))]
+    job = PackJob(paths, tmp_path / "local", config, write_options=write_options,
+                  block_size=block_size or 1 << 22, workers=1)
+    assert job.plan_only
+    local = pack_to_dir(job)
+    assert len(local.shards) >= 3
+    away = tmp_path / "away"
+    away.mkdir()
+    moved = lambda: [os.rename(p, away / os.path.basename(p)) for p in paths]  # noqa: E731
+    manifest = _run_steps(paths, tmp_path / "steps", config, write_options,
+                          np.random.default_rng(seed), block_size, after_plan=moved)
+    assert not any(os.path.exists(p) for p in paths)
+    assert manifest == local
+    assert dir_bytes(tmp_path / "steps") == dir_bytes(tmp_path / "local")
 
 
 def test_blocks_give_each_piece_to_its_input_once(tmp_path):

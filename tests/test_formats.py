@@ -124,7 +124,8 @@ def test_the_beam_steps_write_the_local_bytes(tmp_path, packed, fmt):
     by_shard: dict[int, list] = {}
     for file_job in jobs[::-1]:
         for shard, part in beam_steps.route_file(file_job, steps_job.read_options,
-                                                 summary.shard_rows, summary.row_dtype):
+                                                 summary.shard_rows, summary.row_dtype,
+                                                 plan_only=steps_job.plan_only):
             by_shard.setdefault(shard, []).append(part)
     written = [(s, *beam_steps.write_shard_parts(s, parts[::-1], summary, steps_job.output,
                                                   CONFIG, write_options=steps_job.write_options))

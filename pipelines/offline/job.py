@@ -125,6 +125,12 @@ class PackJob:
         except ValueError as e:
             raise UsageError(str(e)) from None
 
+    @property
+    def plan_only(self) -> bool:
+        """Rows by reference with no extra columns: a shard is its plan, so no input is read
+        after its scan (no spill locally, no tokens routed on Beam or Spark)."""
+        return self.write_options.encoding.by_reference and not self.read_options.extra_columns
+
     def _check_columns(self) -> None:
         extra = list(self.read_options.extra_columns)
         unknown = [n for n in self.pads if n not in extra]

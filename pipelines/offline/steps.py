@@ -21,7 +21,8 @@ What each step takes and gives, for n examples in P pieces::
     split_block        one BlockPlan      -> (input, pieces with their output rows) per input
     file_job           one input's tables -> FileJob: where each of its pieces goes
     route_file         one FileJob        -> (shard, ShardPart) per shard the input feeds: the
-                                             pieces + their tokens, back to back
+                                             pieces + their tokens, back to back (a plan-only
+                                             job, rows by reference: the pieces, no re-read)
     write_shard_parts  one shard's parts  -> the shard file (core.write_shard): its row count,
                                              (size, sha256), ShardFacts
     finish_job         every shard's      -> manifest.json (core)
@@ -110,7 +111,8 @@ class ShardPart:
     """The pieces one input sends to one shard."""
 
     pieces: np.ndarray  # i64[4, P]: as in FileJob
-    tokens: np.ndarray  # the pieces' tokens back to back, in the corpus dtype
+    tokens: np.ndarray | None  # the pieces' tokens back to back, in the corpus dtype (None:
+    # a plan-only job, `PackJob.plan_only`)
     columns: dict = dataclasses.field(default_factory=dict)  # extra column -> values, as tokens
 
 
@@ -212,9 +214,16 @@ def file_job(index: int, tables: Iterable[np.ndarray], files: Sequence[FileSumma
 # -- route and write -------------------------------------------------------------------------
 
 
-def route_file(job: FileJob, options: ReadOptions, shard_rows: int, dtype: str
-               ) -> list[tuple[int, ShardPart]]:
-    """Re-reads one input and cuts its pieces' tokens into one ShardPart per destination shard."""
+def route_file(job: FileJob, options: ReadOptions, shard_rows: int, dtype: str, *,
+               plan_only: bool = False) -> list[tuple[int, ShardPart]]:
+    """Re-reads one input and cuts its pieces' tokens into one ShardPart per destination shard;
+    `plan_only` (`PackJob.plan_only`): the pieces alone, the input not read again."""
+    if plan_only:
+        shard = job.pieces[ROW] // shard_rows
+        order = np.argsort(shard, kind="stable")
+        keys, firsts = np.unique(shard[order], return_index=True)
+        return [(int(k), ShardPart(part, None))
+                for k, part in zip(keys.tolist(), np.split(job.pieces[:, order], firsts[1:], 1))]
     corpus = read_corpus([job.path], options)
     if corpus.files[0] != job.info:
         raise InputError(f"{job.path}: changed while the job ran (was {job.info}, now "
@@ -240,12 +249,14 @@ def route_file(job: FileJob, options: ReadOptions, shard_rows: int, dtype: str
 
 
 def plan_parts(shard: int, parts: Sequence[ShardPart], summary: JobSummary, config: PackConfig
-               ) -> tuple[PackPlan, list[np.ndarray], dict[str, np.ndarray]]:
-    """One shard's plan (`core.shard_plan`), its pieces' tokens in the plan's order, and each
-    extra column's `[R, L]` values in place (its pad elsewhere)."""
+               ) -> tuple[PackPlan, list[np.ndarray] | None, dict[str, np.ndarray]]:
+    """One shard's plan (`core.shard_plan`), its pieces' tokens in the plan's order (None for
+    plan-only parts), and each extra column's `[R, L]` values in place (its pad elsewhere)."""
     table = np.concatenate([part.pieces for part in parts], axis=1)
-    tokens = np.concatenate([part.tokens for part in parts])
     p, order = shard_plan(table, shard, summary, config)
+    if any(part.tokens is None for part in parts):  # plan-only: the shard is its plan
+        return p, None, {}
+    tokens = np.concatenate([part.tokens for part in parts])
     starts = (np.cumsum(table[LENGTH]) - table[LENGTH])[order]
     cuts = list(zip(starts.tolist(), table[LENGTH, order].tolist()))
     pieces = [tokens[s : s + m] for s, m in cuts]

@@ -17,6 +17,8 @@ block of examples or per output shard; nothing per example meets in one place::
                                             first row, the stats, the order; pack_intent.json
        SplitBlocks   per block  (parallel)  the block's pieces with their output rows, per input
     C  RouteTokens   per input  (parallel)  re-read the file, send each piece's tokens to its shard
+                                            (rows by reference with no extra columns: the
+                                            pieces alone, the file not read again)
     D  WriteShards   per shard  (parallel)  `core.shard_plan` and `core.write_shard`
        WriteManifest once, after every shard: manifest.json (then the run is complete)
 
@@ -178,7 +180,7 @@ def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True) -> None:
         | "SplitBlocks" >> beam.FlatMap(steps.split_block, summary, files)
         | "GroupByInput" >> beam.GroupByKey()
         | "FileJobs" >> beam.Map(_file_job, files)
-        | "RouteTokens" >> beam.FlatMap(_route, summary, read_options)
+        | "RouteTokens" >> beam.FlatMap(_route, summary, read_options, job.plan_only)
         | "GroupByShard" >> beam.GroupByKey()
         | "WriteShards" >> beam.Map(_write_shard, summary, output_dir, config,
                                          write_options, job.resume)
@@ -224,11 +226,12 @@ def _finish_plan(blocks: list[steps.BlockSummary], files: list[steps.FileSummary
         yield summary
 
 
-def _route(job: steps.FileJob, summary: steps.JobSummary | None,
-           read_options: ReadOptions) -> list[tuple[int, steps.ShardPart]]:
+def _route(job: steps.FileJob, summary: steps.JobSummary | None, read_options: ReadOptions,
+           plan_only: bool) -> list[tuple[int, steps.ShardPart]]:
     if summary is None:
         return []
-    return steps.route_file(job, read_options, summary.shard_rows, summary.row_dtype)
+    return steps.route_file(job, read_options, summary.shard_rows, summary.row_dtype,
+                            plan_only=plan_only)
 
 
 def _report_error(message: str, output_dir: str, report: bool) -> None:

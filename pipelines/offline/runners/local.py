@@ -137,7 +137,7 @@ class _RunContext:
 
 def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
          progress: Progress | None) -> Manifest:
-    spill = not (job.write_options.encoding.by_reference and not job.read_options.extra_columns)
+    spill = not job.plan_only
     read = read_inputs(job.inputs, job.read_options, spill_dir if spill else None, pool,
                        progress, loss_columns=job.mix_loss_columns)
     scans, runs, column_runs = read.scans, read.runs, read.column_runs

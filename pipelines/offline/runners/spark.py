@@ -6,7 +6,8 @@
 
 The driver maps `offline.steps` onto RDDs (the plan, order and shard plans are
 `offline.core`'s, as for the local runner and the Beam job); nothing per example meets in the
-driver, and tokens move once, from the task re-reading an input to the task writing a shard::
+driver, and tokens move once, from the task re-reading an input to the task writing a shard
+(not at all for rows by reference with no extra columns: `PackJob.plan_only`)::
 
     scan      per input  mapPartitions  steps.scan_file: lengths, fingerprint (kept, persisted)
     summarize driver                    each input's FileSummary, collected
@@ -204,7 +205,7 @@ def _plan(block: int, slices: Iterable[steps.BlockSlice], files: Any, job: PackJ
 def _route(index: int, tables: Iterable[np.ndarray], files: Any, job: PackJob, shard_rows: int,
            dtype: str) -> list[tuple[int, steps.ShardPart]]:
     return steps.route_file(steps.file_job(index, tables, files.value), job.read_options,
-                            shard_rows, dtype)
+                            shard_rows, dtype, plan_only=job.plan_only)
 
 
 def _write(shard: int, parts: Iterable[steps.ShardPart], summary: Any, job: PackJob,
