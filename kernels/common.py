@@ -255,7 +255,8 @@ class GpuBlockSizes:
     head_block_tokens x head_block_vocab: the logits tile of the fused loss head
       (segment_linear_cross_entropy), summed over head_block_hidden-wide chunks of H; its backward
       adds (tokens + vocab) x H f32 per tile for 6 x tokens x vocab x H FLOPs, so the tile is
-      squarer than the cross-entropy's (64 x 128: 64 f32 registers a thread at 4 warps).
+      squarer than the cross-entropy's (64 x 128: 64 f32 registers a thread at 4 warps). The
+      backward sums H in head_block_hidden_bwd chunks: its x^T da is a Hopper wgmma from 64 rows.
     num_warps: warps per program (Triton's `num_warps`).
     token_splits: programs per segment in the reduce kernel, taking its tiles in turn (tile c goes
       to program c % token_splits), so one long segment still spreads over several SMs.
@@ -271,6 +272,7 @@ class GpuBlockSizes:
     head_block_tokens: int = 64
     head_block_vocab: int = 128
     head_block_hidden: int = 32
+    head_block_hidden_bwd: int = 64
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

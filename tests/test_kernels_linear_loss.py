@@ -45,7 +45,7 @@ XLA = (("impl", "reference"), ("block_sizes", BLOCKS)) + RECOMPUTE  # keyword op
 TPU = (("impl", "pallas_tpu"), ("interpret", INTERPRET), ("block_sizes", BLOCKS)) + RECOMPUTE
 GPU = RECOMPUTE + (("impl", "pallas_gpu"), ("interpret", True),
        ("block_sizes", kernels.GpuBlockSizes(head_block_tokens=16, head_block_vocab=128,
-                                             head_block_hidden=16)))
+                                             head_block_hidden=16, head_block_hidden_bwd=16)))
 BIG = (4, 8192, 4096, 128256)  # B, L, H, V of the lowering checks: B * L = 32768, bf16
 
 

@@ -114,7 +114,8 @@ class GpuSegmentOps:
 @dataclasses.dataclass(frozen=True)
 class GpuLossHead:
     """The fused loss head's recompute kernels on Triton (gpu/linear_cross_entropy.py): tiles of
-    the head_* sizes, H summed in head_block_hidden chunks; `meta` is not read."""
+    the head_* sizes, H summed in head_block_hidden chunks (head_block_hidden_bwd in the
+    backward); `meta` is not read."""
 
     target = PALLAS_GPU
     block_sizes = GpuBlockSizes
@@ -125,6 +126,7 @@ class GpuLossHead:
         return LinearTiling(seq_len, vocab, edge(seq_len, blocks.head_block_tokens),
                             edge(vocab, blocks.head_block_vocab), softcap,
                             block_hidden=edge(dim, blocks.head_block_hidden),
+                            block_hidden_bwd=edge(dim, blocks.head_block_hidden_bwd),
                             num_warps=blocks.num_warps, interpret=bool(interpret))
 
     def forward(self, x, w, targets, mask, meta, st: LinearTiling):

@@ -3,7 +3,9 @@
 
 A logits tile `z [bl, bv]` is `sum_k x[:, k-chunk] @ w[k-chunk, :]` over `bh`-wide chunks of H
 (`plgpu.dot`: bf16 inputs, f32 accumulation), loaded with masks, so rows past L or not counted,
-chunks past H and columns past V read as 0 (NaN there reaches nothing).
+chunks past H and columns past V read as 0 (NaN there reaches nothing). The backward has a chunk
+width of its own (`block_hidden_bwd`): its `x^T da` has the chunk as its rows, and on Hopper a
+dot becomes a wgmma only with 64 rows a warpgroup.
 
     forward   grid (B, L / bl)          online lse (m, s) and target logit over the V / bv tiles
     backward  grid (B, L / bl, V / bv)  da = (g_lse p + g_tgt onehot) softcap' for the tile, then
@@ -38,6 +40,7 @@ class LinearTiling(LossHeadTiling):
     """Static configuration of the Triton kernels; tile edges are powers of two."""
 
     block_hidden: int = 64
+    block_hidden_bwd: int = 64
     num_warps: int = 4
     interpret: bool = False
 
@@ -51,16 +54,16 @@ def _rows(mask_ref, b, t, st: LinearTiling):
     return row_ok, counted
 
 
-def _logits(x_ref, w_ref, b, t, v, counted, live, st: LinearTiling):
-    """(z f32[bl, bv] with -inf past V, raw softcapped z, column ids, column flags); the H loop
-    runs only when `live` (else z is 0)."""
-    bl, bv, bh = st.block_tokens, st.block_vocab, st.block_hidden
+def _logits(x_ref, w_ref, b, t, v, counted, live, bh: int, st: LinearTiling):
+    """(z f32[bl, bv] with -inf past V, raw softcapped z, column ids, column flags), H summed in
+    chunks of bh; the H loop runs only when `live` (else z is 0)."""
+    bl, bv = st.block_tokens, st.block_vocab
     dim = x_ref.shape[2]
     cols = v * bv + jnp.arange(bv)
     col_ok = cols < st.vocab
 
     def chunk(k, z):
-        x, w = _chunks(x_ref, w_ref, b, t, v, k, counted, col_ok, st)
+        x, w = _chunks(x_ref, w_ref, b, t, v, k, counted, col_ok, bh, st)
         return z + plgpu.dot(x, w)
 
     chunks = pl.cdiv(dim, bh) * jnp.asarray(live, jnp.int32)  # i32: see cross_entropy.py
@@ -70,9 +73,9 @@ def _logits(x_ref, w_ref, b, t, v, counted, live, st: LinearTiling):
     return jnp.where(col_ok[None, :], raw, -jnp.inf), raw, cols, col_ok
 
 
-def _chunks(x_ref, w_ref, b, t, v, k, counted, col_ok, st: LinearTiling):
+def _chunks(x_ref, w_ref, b, t, v, k, counted, col_ok, bh: int, st: LinearTiling):
     """x[rows of block t, chunk k] (0 off counted rows) and w[chunk k, columns of tile v]."""
-    bl, bv, bh = st.block_tokens, st.block_vocab, st.block_hidden
+    bl, bv = st.block_tokens, st.block_vocab
     h_ok = k * bh + jnp.arange(bh) < x_ref.shape[2]
     x = plgpu.load(x_ref.at[b, pl.ds(t * bl, bl), pl.ds(k * bh, bh)],
                    mask=counted[:, None] & h_ok[None, :], other=0.0)
@@ -90,7 +93,7 @@ def _forward_kernel(x_ref, w_ref, targets_ref, mask_ref, lse_ref, tgt_ref, *,
 
     def step(v, carry):
         m, s, tgt = carry
-        z, raw, cols, _ = _logits(x_ref, w_ref, b, t, v, counted, True, st)
+        z, raw, cols, _ = _logits(x_ref, w_ref, b, t, v, counted, True, st.block_hidden, st)
         m_new = jnp.maximum(m, jnp.max(z, axis=1))
         s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(z - m_new[:, None]), axis=1)
         tgt = tgt + jnp.sum(jnp.where(cols[None, :] == targets[:, None], raw, 0.0), axis=1)
@@ -108,12 +111,12 @@ def _forward_kernel(x_ref, w_ref, targets_ref, mask_ref, lse_ref, tgt_ref, *,
 def _backward_kernel(x_ref, w_ref, targets_ref, mask_ref, lse_ref, gl_ref, gt_ref, _dx, _dw,
                      dx_ref, dw_ref, *, st: LinearTiling) -> None:
     b, t, v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    bl, bv, bh = st.block_tokens, st.block_vocab, st.block_hidden
+    bl, bv, bh = st.block_tokens, st.block_vocab, st.block_hidden_bwd
     row_ok, counted = _rows(mask_ref, b, t, st)
     live = jnp.max(counted.astype(jnp.int32)) > 0
     column = lambda ref, other: plgpu.load(ref.at[b, pl.ds(t * bl, bl)], mask=row_ok,  # noqa
                                            other=other)
-    z, raw, cols, col_ok = _logits(x_ref, w_ref, b, t, v, counted, live, st)
+    z, raw, cols, col_ok = _logits(x_ref, w_ref, b, t, v, counted, live, bh, st)
     onehot = cols[None, :] == column(targets_ref, -1)[:, None]
     p = jnp.exp(z - column(lse_ref, 0.0)[:, None])
     da = column(gl_ref, 0.0)[:, None] * p + jnp.where(onehot, column(gt_ref, 0.0)[:, None], 0.0)
@@ -122,7 +125,7 @@ def _backward_kernel(x_ref, w_ref, targets_ref, mask_ref, lse_ref, gl_ref, gt_re
     da = jnp.where(counted[:, None] & col_ok[None, :], da, 0.0).astype(x_ref.dtype)
 
     def chunk(k, carry):
-        x, w = _chunks(x_ref, w_ref, b, t, v, k, counted, col_ok, st)
+        x, w = _chunks(x_ref, w_ref, b, t, v, k, counted, col_ok, bh, st)
         plgpu.atomic_add(dx_ref, (b, pl.ds(t * bl, bl), pl.ds(k * bh, bh)),
                          plgpu.dot(da, w, trans_b=True))
         plgpu.atomic_add(dw_ref, (pl.ds(k * bh, bh), pl.ds(v * bv, bv)),
@@ -150,8 +153,9 @@ def linear_backward(x, w, targets, mask, lse, g_lse, g_tgt, *, st: LinearTiling)
     """-> dx x.dtype[B, L, H], dw w.dtype[H, V], summed in f32 (tile-padded, then sliced)."""
     (batch, seq_len, dim), vocab = x.shape, w.shape[1]
     up = lambda n, b: pl.cdiv(n, b) * b  # noqa: E731
-    shapes = ((batch, up(seq_len, st.block_tokens), up(dim, st.block_hidden)),
-              (up(dim, st.block_hidden), up(vocab, st.block_vocab)))
+    bh = st.block_hidden_bwd
+    shapes = ((batch, up(seq_len, st.block_tokens), up(dim, bh)),
+              (up(dim, bh), up(vocab, st.block_vocab)))
     args = (x, w, targets, mask, lse, g_lse, g_tgt)
     zeros = [jnp.zeros(shape, jnp.float32) for shape in shapes]
     dx, dw = pl.pallas_call(

@@ -38,7 +38,7 @@ IMPLS = {
                 interpret=pltpu.InterpretParams(random_seed=7, uninitialized_memory="nan")),
     "gpu": dict(impl="pallas_gpu", interpret=True, mode="recompute",
                 block_sizes=kernels.GpuBlockSizes(head_block_tokens=16, head_block_vocab=128,
-                                                  head_block_hidden=16)),
+                                                  head_block_hidden=16)),  # bwd: one chunk
 }
 OPTIONS = dict(normalize="segments", z_loss=1e-3, logit_softcap=4.0)
 
