@@ -153,6 +153,19 @@ def test_an_index_is_written_from_the_plan_alone(tmp_path, seed, block_size):
     assert dir_bytes(tmp_path / "steps") == dir_bytes(tmp_path / "local")
 
 
+def test_an_index_refuses_an_input_whose_size_changed_after_its_scan(tmp_path):
+    """An index reads no input after the plan; its manifest stamps each input when the plan is
+    finished, so an input that changed size since its scan is refused there."""
+    path = write_parquet(tmp_path / "a.parquet", random_seqs(20, seed=5))
+    read = ReadOptions()
+    scans = [beam_steps.scan_file(0, path, read)]
+    write_parquet(path, random_seqs(40, seed=6))
+    job = PackJob([path], tmp_path / "o", PackConfig(64), write_options=WriteOptions(
+        format="index"))
+    with pytest.raises(InputError, match=r"a\.parquet: changed while the job ran"):
+        beam_steps.plan_in_process(scans, job)
+
+
 def test_blocks_give_each_piece_to_its_input_once(tmp_path):
     config, write_options = CONFIGS["bfd_split"]
     paths = _inputs(tmp_path)

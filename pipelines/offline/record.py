@@ -107,12 +107,20 @@ def with_stamps(inputs: dict) -> dict:
         if storage.is_url(f["path"]):
             files.append(f)
             continue
-        stamped = {**f, "mtime_ns": os.stat(f["path"]).st_mtime_ns}
+        stamped = {**f, "mtime_ns": _stamp(f)}
         if "companion" in f:  # a Megatron .bin's .idx (or the other way round)
-            stamped["companion"] = {**f["companion"],
-                                    "mtime_ns": os.stat(f["companion"]["path"]).st_mtime_ns}
+            stamped["companion"] = {**f["companion"], "mtime_ns": _stamp(f["companion"])}
         files.append(stamped)
     return {**inputs, "files": files}
+
+
+def _stamp(entry: dict) -> int:
+    """The input's modification stamp now; InputError if its size is no longer the scan's."""
+    st = os.stat(entry["path"])
+    if st.st_size != int(entry["size"]):
+        raise InputError(f"{entry['path']}: changed while the job ran (read as {entry['size']} "
+                         f"bytes, now {st.st_size}); rerun on inputs that stay put")
+    return st.st_mtime_ns
 
 
 def column_entries(job: PackJob, dtypes: Mapping[str, np.dtype]) -> list[dict]:
