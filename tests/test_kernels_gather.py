@@ -24,6 +24,7 @@ from tests.helpers.kernels import (
     S,
     assert_close,
     case,
+    check_vjp_pair,
     lower_tpu,
     metadata,
     random_array,
@@ -46,12 +47,8 @@ def _fn(position, pallas: bool, grad: bool = True):
 
 
 def _check(position, x, offsets, lengths, g, dtype):
-    out, dx = run(_fn(position, True), x, offsets, lengths, g)
-    ref, dx_ref = run(_fn(position, False), x, offsets, lengths, g)
-    assert out.shape == ref.shape and out.dtype == dtype and dx.dtype == dtype
-    assert_close(out, ref, dtype)
-    assert_close(dx, dx_ref, dtype, "grad")
-    return out
+    return check_vjp_pair(_fn(position, True), _fn(position, False), x, offsets, lengths, g,
+                          dtype)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, BF16_SLOW])

@@ -24,6 +24,7 @@ from tests.helpers.kernels import (
     S,
     assert_close,
     case,
+    check_vjp_pair,
     lower_tpu,
     metadata,
     random_array,
@@ -47,11 +48,7 @@ def _fn(op: str, pallas: bool, grad: bool = True):
 
 
 def _check(op, x, offsets, lengths, g, dtype):
-    out, dx = run(_fn(op, True), x, offsets, lengths, g)
-    ref, dx_ref = run(_fn(op, False), x, offsets, lengths, g)
-    assert out.shape == ref.shape and out.dtype == dtype and dx.dtype == dtype
-    assert_close(out, ref, dtype)
-    assert_close(dx, dx_ref, dtype, "grad")
+    check_vjp_pair(_fn(op, True), _fn(op, False), x, offsets, lengths, g, dtype)
 
 
 def _mean_off_mixed_slow(names):

@@ -73,6 +73,17 @@ def value_and_vjp(f):
     return jax.jit(both)
 
 
+def check_vjp_pair(kernel, ref, x, offsets, lengths, g, dtype):
+    """Runs two `value_and_vjp` functions (a kernel, its reference) on the same arguments:
+    equal shapes, `dtype` values and gradients within tolerance; returns the kernel's value."""
+    out, dx = run(kernel, x, offsets, lengths, g)
+    want, dx_want = run(ref, x, offsets, lengths, g)
+    assert out.shape == want.shape and out.dtype == dtype and dx.dtype == dtype
+    assert_close(out, want, dtype)
+    assert_close(dx, dx_want, dtype, "grad")
+    return out
+
+
 def assert_close(actual, expected, dtype, what: str = "value") -> None:
     """allclose with the TOLERANCES entry; for "grad" atol is relative to max |expected|."""
     rtol, atol = TOLERANCES[(jnp.dtype(dtype).name, what)]
