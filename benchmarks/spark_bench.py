@@ -22,7 +22,7 @@ per added example, is the driver's memory per example. Every output is checked b
 against the local runner's (shards and manifest). ::
 
     .venv/bin/python -m benchmarks.spark_bench [--k 8] [--small-k 1] [--runs local beam spark1
-        spark2] [--work /tmp/seqpack-spark-bench]
+        spark2] [--work /tmp/seqpack-spark-bench] [--format index]
 """
 
 from __future__ import annotations
@@ -186,7 +186,9 @@ def main() -> None:
     ap.add_argument("--runs", nargs="+", default=["local", "beam", "spark1", "spark2"])
     ap.add_argument("--executor-memory", default="2g")
     ap.add_argument("--work", default="/tmp/seqpack-spark-bench")
+    ap.add_argument("--format", default="arrayrecord", help="seqpack pack --format")
     args = ap.parse_args()
+    ARGS.extend(["--format", args.format])
     from tests.helpers.spark_cluster import spark_class, standalone_cluster
 
     if any(r.startswith("spark") for r in args.runs) and spark_class() is None:
@@ -237,7 +239,7 @@ def _report(args, manifest: dict, results: dict, shuffles: dict, small) -> None:
     n, tokens = inputs["num_examples"], inputs["num_tokens"]
     print(f"\ncorpus: {args.k} x chat_dev as {args.k} Parquet files: {n:,} examples, "
           f"{tokens:,} tokens; {s['num_rows']:,} rows in {len(manifest['shards'])} shards; "
-          f"{os.cpu_count()} CPUs")
+          f"--format {args.format}; {os.cpu_count()} CPUs")
     want = results["local"][2]
     rows = []
     for run, (seconds, peaks, digest) in results.items():
