@@ -265,7 +265,8 @@ def test_a_killed_driver_is_finished_by_resume(corpus, cluster, tmp_path):
     wait_for(lambda: _shards_done(out), run, timeout=240)
     os.kill(run.pid, signal.SIGKILL)
     run.communicate(timeout=30)
-    wait_for(lambda: not session(run.pid), timeout=60)  # its JVM and workers end with it
+    # its JVM and workers end with it (past 60 s once, with `-n 2` running another Spark job)
+    wait_for(lambda: not session(run.pid), timeout=120)
     wait_for(lambda: not cluster.executors(), timeout=60)  # the master ends its executors
     assert (out / INTENT).exists() and not (out / MANIFEST).exists()
     kept = {n.removesuffix(DONE) for n in os.listdir(out) if n.endswith(DONE)}
