@@ -188,7 +188,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/seqpack-spark-bench")
     ap.add_argument("--format", default="arrayrecord", help="seqpack pack --format")
     args = ap.parse_args()
-    ARGS.extend(["--format", args.format])
+    fmt = ["--format", args.format]
     from tests.helpers.spark_cluster import spark_class, standalone_cluster
 
     if any(r.startswith("spark") for r in args.runs) and spark_class() is None:
@@ -211,7 +211,7 @@ def main() -> None:
                 shutil.rmtree(events, ignore_errors=True)
                 events.mkdir(parents=True)
                 extra = _spark_flags(cluster.url, int(run[5:]), args.executor_memory, events)
-            seconds, peaks = run_pack(paths, out, extra)
+            seconds, peaks = run_pack(paths, out, [*extra, *fmt])
             results[run] = (seconds, peaks, dir_digest(out))
             if run.startswith("spark"):
                 shuffles[run] = stages(events)
@@ -225,8 +225,8 @@ def main() -> None:
             events = work / "events-small"
             shutil.rmtree(events, ignore_errors=True)
             events.mkdir(parents=True)
-            seconds, peaks = run_pack(small_paths, work / "out-small",
-                                      _spark_flags(cluster.url, 2, args.executor_memory, events))
+            seconds, peaks = run_pack(small_paths, work / "out-small", [*_spark_flags(
+                cluster.url, 2, args.executor_memory, events), *fmt])
             small = (seconds, peaks, json.loads(
                 (work / "out-small" / "manifest.json").read_text())["inputs"]["num_examples"])
             shutil.rmtree(work / "out-small")

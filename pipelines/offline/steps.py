@@ -218,33 +218,27 @@ def route_file(job: FileJob, options: ReadOptions, shard_rows: int, dtype: str, 
                plan_only: bool = False) -> list[tuple[int, ShardPart]]:
     """Re-reads one input and cuts its pieces' tokens into one ShardPart per destination shard;
     `plan_only` (`PackJob.plan_only`): the pieces alone, the input not read again."""
+    shard = job.pieces[ROW] // shard_rows
+    order = np.argsort(shard, kind="stable")
+    pieces = job.pieces[:, order]
+    keys, firsts = np.unique(shard[order], return_index=True)
+    piece_cuts = np.append(firsts, shard.size).tolist()
+    spans = list(zip(keys.tolist(), piece_cuts[:-1], piece_cuts[1:]))
     if plan_only:
-        shard = job.pieces[ROW] // shard_rows
-        order = np.argsort(shard, kind="stable")
-        keys, firsts = np.unique(shard[order], return_index=True)
-        return [(int(k), ShardPart(part, None))
-                for k, part in zip(keys.tolist(), np.split(job.pieces[:, order], firsts[1:], 1))]
+        return [(k, ShardPart(pieces[:, a:b], None)) for k, a, b in spans]
     corpus = read_corpus([job.path], options)
     if corpus.files[0] != job.info:
         raise InputError(f"{job.path}: changed while the job ran (was {job.info}, now "
                          f"{corpus.files[0]}); rerun on inputs that stay put")
-    shard = job.pieces[ROW] // shard_rows
-    order = np.argsort(shard, kind="stable")
-    pieces = job.pieces[:, order]
     src = corpus.offsets[pieces[EXAMPLE] - job.first_example] + pieces[START]
     at = ragged_arange(src, pieces[LENGTH])
     tokens = corpus.values.astype(dtype, copy=False)[at]
     columns = {name: values[at] for name, values in corpus.extra_values.items()}
-    shard = shard[order]
-    keys, firsts = np.unique(shard, return_index=True)
-    piece_cuts = np.append(firsts, shard.size)
-    token_cuts = np.concatenate(([0], np.cumsum(pieces[LENGTH])))[piece_cuts]
+    token_cuts = np.concatenate(([0], np.cumsum(pieces[LENGTH])))[piece_cuts].tolist()
     return [
-        (int(k), ShardPart(pieces[:, a:b], tokens[ta:tb],
-                           {name: col[ta:tb] for name, col in columns.items()}))
-        for k, a, b, ta, tb in zip(keys.tolist(), piece_cuts[:-1].tolist(),
-                                   piece_cuts[1:].tolist(), token_cuts[:-1].tolist(),
-                                   token_cuts[1:].tolist())
+        (k, ShardPart(pieces[:, a:b], tokens[ta:tb],
+                      {name: col[ta:tb] for name, col in columns.items()}))
+        for (k, a, b), ta, tb in zip(spans, token_cuts[:-1], token_cuts[1:])
     ]
 
 
