@@ -46,7 +46,7 @@ from typing import Any
 
 from seqpack.pipelines.errors import InputError, MissingDependency, require
 
-__all__ = ["cache_root", "cached_copy", "exists", "expand", "glob", "is_url", "join", "local_copy",
+__all__ = ["Replaced", "cache_root", "cached_copy", "exists", "expand", "glob", "is_url", "join", "local_copy",
            "named", "read_bytes", "read_json", "size", "sizes"]
 
 BLOCK = 8 << 20  # bytes per read while copying an object
@@ -55,6 +55,10 @@ _GLOB = re.compile(r"[*?[]")
 _CLIENTS = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "s3a": "s3fs"}
 # What identifies one version of an object, in the order the stores report it.
 _VERSION_KEYS = ("generation", "VersionId", "ETag", "etag", "md5Hash", "LastModified", "mtime")
+
+
+class Replaced(InputError):
+    """An object whose bytes are not the ones its caller knows it by (`cached_copy(expect=)`)."""
 
 
 def is_url(path: Any) -> bool:
@@ -210,7 +214,7 @@ def _download(url: str, target: str, expect: tuple[int, str] | None = None) -> N
             except FileNotFoundError:
                 raise _missing(url) from None
         if expect is not None and (n, digest.hexdigest()) != (expect[0], expect[1]):
-            raise InputError(f"{url}: {n} bytes with sha256 {digest.hexdigest()[:12]}..., the "
+            raise Replaced(f"{url}: {n} bytes with sha256 {digest.hexdigest()[:12]}..., the "
                              f"manifest says {expect[0]} bytes, {expect[1][:12]}...; the object "
                              "is damaged or replaced")
         os.replace(tmp, target)

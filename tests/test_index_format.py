@@ -217,3 +217,27 @@ def test_parquet_groups_kept_on_disk_read_as_the_copy(tmp_path, inputs, monkeypa
 
     monkeypatch.setattr(ParquetTokens, "read_group", no_decode)
     _same(_rows(tmp_path / "rows"), _rows(tmp_path / "index"))
+
+
+def test_a_replaced_object_is_read_as_packed_or_refused_never_as_other_tokens(
+        tmp_path, inputs, monkeypatch):
+    """A URL input (file://, read through fsspec like gs:// or s3://) replaced in its store by
+    other bytes of the same size: a reader whose cache holds the packed bytes reads them; a
+    reader with an empty cache refuses the object, named (its download is checked against the
+    manifest's sha256)."""
+    pytest.importorskip("fsspec")
+    local = shutil.copy(inputs[2], tmp_path / "c.arrayrecord")
+    url = "file://" + os.path.abspath(local)
+    invoke("pack", url, "-o", tmp_path / "index", "--seq-len", 64, "--overflow", "split",
+           "--format", "index")
+    monkeypatch.setenv("SEQPACK_CACHE_DIR", str(tmp_path / "warm"))
+    rows = [PackedSource(str(tmp_path / "index"))[j] for j in range(2)]
+    data = bytearray(open(local, "rb").read())
+    data[len(data) // 2] ^= 0xFF  # one byte of a record: same size, other tokens
+    with open(local, "wb") as f:
+        f.write(bytes(data))
+    for j, row in enumerate(rows):
+        _same(PackedSource(str(tmp_path / "index"))[j], row)
+    monkeypatch.setenv("SEQPACK_CACHE_DIR", str(tmp_path / "cold"))
+    with pytest.raises(InputError, match=rf"{url}: changed since it was packed by reference"):
+        PackedSource(str(tmp_path / "index"))[0]

@@ -33,6 +33,9 @@ Fingerprint (documented contract, stored per input in manifest.json)::
 
     {"path": absolute path or URL, "size": bytes, "sha256": sha256 of the whole content}
 
+A local input's scan also notes its modification stamp as read (``mtime_ns``; a file that
+changes while it is read is refused); only a manifest of rows stored by reference keeps it.
+
 Inputs may be URLs (gs://, s3://, any fsspec protocol; `pipelines.storage`): each is downloaded
 to a local temporary file (one at a time per process, streamed in blocks, removed after it is
 read) and read like a local file; its manifest entry keeps the URL as `path`, and the size and
@@ -75,7 +78,7 @@ from seqpack.pipelines.formats.detect import (
 from seqpack.pipelines.formats.paths import expand_inputs
 
 __all__ = ["Corpus", "FileScan", "InputError", "ReadOptions", "detect_format", "expand_inputs",
-           "fingerprint", "read_corpus", "sample_files", "scan_file"]
+           "fingerprint", "read_corpus", "sample_files", "scan_file", "unstamped"]
 
 TEXT_UNITS = ("file", "line", "paragraph")
 Sink = Callable[[np.ndarray], None]  # receives a chunk's values back to back
@@ -288,6 +291,8 @@ def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
                          f"column {list(options.extra_columns)}")
     with local_input(path, fmt) as local:
         fmt = resolve_format(local, fmt, name=path)
+        locals_ = [local, arrays.companion(local)] if fmt == "megatron" else [local]
+        stamps = None if storage.is_url(path) else [_stamp(f) for f in locals_]
         counts: list[np.ndarray] | None = None if loss_columns is None else []
         chunks = file_chunks(local, fmt, options, tokenizer)
         if counts is not None:
@@ -297,6 +302,12 @@ def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
         if fmt == "megatron":  # the pair's other file, named as the input names it
             info["companion"] = {**fingerprint(arrays.companion(local)),
                                  "path": fingerprint_path(arrays.companion(path))}
+        if stamps is not None:  # a local file: its stamp as read (rows by reference check it)
+            if [_stamp(f) for f in locals_] != stamps:
+                raise InputError(f"{path}: changed while it was read; rerun on inputs that "
+                                 "stay put")
+            for entry, (_, mtime_ns) in zip((info, info.get("companion")), stamps):
+                entry["mtime_ns"] = mtime_ns
     info["path"] = fingerprint_path(path)
     info.update(format=fmt, num_examples=int(lens.size), num_tokens=int(lens.sum()),
                 lengths_sha256=lengths_sha256(lens))
@@ -316,6 +327,20 @@ def _counting(chunks: Iterator[Chunk], roles: Mapping[str, str], out: list[np.nd
         total = np.concatenate(([0], np.cumsum(allowed, dtype=np.int64)))
         out.append(total[ends] - total[ends - sizes])
         yield chunk
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def unstamped(entry: Mapping[str, Any]) -> dict:
+    """An input's entry without its modification stamps (`mtime_ns`, its companion's too):
+    what names its content (a file touched, not changed, is the same input)."""
+    out = {k: v for k, v in entry.items() if k != "mtime_ns"}
+    if "companion" in out:
+        out["companion"] = unstamped(out["companion"])
+    return out
 
 
 def fingerprint_path(path: str) -> str:

@@ -32,6 +32,7 @@ from seqpack.pipelines.formats.inputs import (
     ReadOptions,
     combined_lengths_sha256,
     tokenizer_fingerprint,
+    unstamped,
 )
 from seqpack.pipelines.formats.manifest import Manifest, shard_names
 from seqpack.pipelines.offline.job import PackJob
@@ -72,8 +73,7 @@ def run_intent(job: PackJob, inputs: dict, num_rows: int,
     options = job.write_options
     layout = options.layout(job.config, columns or (), mixed=mixture is not None)
     encoding = options.encoding
-    if encoding.by_reference:
-        inputs = with_stamps(inputs)
+    inputs = with_stamps(inputs) if encoding.by_reference else without_stamps(inputs)
     return Manifest(
         config=job.config.to_dict(),
         inputs=json.loads(json.dumps(inputs)),
@@ -90,10 +90,17 @@ def run_intent(job: PackJob, inputs: dict, num_rows: int,
     )
 
 
+def without_stamps(inputs: dict) -> dict:
+    """`inputs` without the scans' modification stamps: a manifest of stored rows depends on
+    the inputs' content alone (a touched input resumes)."""
+    return {**inputs, "files": [unstamped(f) for f in inputs["files"]]}
+
+
 def with_stamps(inputs: dict) -> dict:
-    """`inputs` with each local file's modification stamp (`mtime_ns`), which readers of rows
-    stored by reference check with its size on every open (`encodings.check_stamp`); InputError
-    naming an input that cannot be read at random (`encodings.RANDOM_ACCESS`)."""
+    """`inputs` with each local file's modification stamp as its scan read it (`mtime_ns`),
+    which readers of rows stored by reference check with its size on every open
+    (`encodings.check_stamp`); InputError naming an input that changed since its scan, or that
+    cannot be read at random (`encodings.RANDOM_ACCESS`)."""
     if inputs.get("tokenizer"):
         raise InputError("format='index' reads the inputs' token ids at random; text tokenized "
                          "while packing (tokenizer=) is not stored anywhere: pack it with "
@@ -115,12 +122,15 @@ def with_stamps(inputs: dict) -> dict:
 
 
 def _stamp(entry: dict) -> int:
-    """The input's modification stamp now; InputError if its size is no longer the scan's."""
+    """The input's modification stamp as scanned (now, for an entry without one); InputError
+    if its size or stamp is no longer the scan's."""
     st = os.stat(entry["path"])
-    if st.st_size != int(entry["size"]):
+    scanned = int(entry.get("mtime_ns", st.st_mtime_ns))
+    if (st.st_size, st.st_mtime_ns) != (int(entry["size"]), scanned):
         raise InputError(f"{entry['path']}: changed while the job ran (read as {entry['size']} "
-                         f"bytes, now {st.st_size}); rerun on inputs that stay put")
-    return st.st_mtime_ns
+                         f"bytes stamped {scanned}, now {st.st_size} bytes stamped "
+                         f"{st.st_mtime_ns}); rerun on inputs that stay put")
+    return scanned
 
 
 def column_entries(job: PackJob, dtypes: Mapping[str, np.dtype]) -> list[dict]:

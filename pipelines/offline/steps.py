@@ -45,7 +45,7 @@ from seqpack.packer.assemble import fill_rows
 from seqpack.packer.contract import ragged_arange
 from seqpack.pipelines.errors import InputError, UsageError, one_line
 from seqpack.pipelines.formats import inputs
-from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus
+from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus, unstamped
 from seqpack.pipelines.formats.text import load_tokenizer
 from seqpack.pipelines.offline.core import (
     EXAMPLE,
@@ -227,7 +227,7 @@ def route_file(job: FileJob, options: ReadOptions, shard_rows: int, dtype: str, 
     if plan_only:
         return [(k, ShardPart(pieces[:, a:b], None)) for k, a, b in spans]
     corpus = read_corpus([job.path], options)
-    if corpus.files[0] != job.info:
+    if unstamped(corpus.files[0]) != unstamped(job.info):
         raise InputError(f"{job.path}: changed while the job ran (was {job.info}, now "
                          f"{corpus.files[0]}); rerun on inputs that stay put")
     src = corpus.offsets[pieces[EXAMPLE] - job.first_example] + pieces[START]

@@ -241,7 +241,7 @@ def _open_input(entry: Mapping[str, Any], column: str, extra: tuple[str, ...]) -
     if fmt not in RANDOM_ACCESS:
         raise _not_random(path, fmt)
     pair = None
-    if storage.is_url(path):  # a local copy (cached once), checked by its size
+    if storage.is_url(path):  # a local copy of the packed bytes (cached once)
         local = _cached(entry)
         if "companion" in entry:
             other = _cached(entry["companion"])
@@ -259,9 +259,17 @@ def _open_input(entry: Mapping[str, Any], column: str, extra: tuple[str, ...]) -
 
 
 def _cached(entry: Mapping[str, Any]) -> str:
-    """A cached local copy of the object of a manifest entry, checked by its size."""
+    """A cached local copy of the object of a manifest entry: the bytes its scan read (by size
+    and sha256: a copy already cached is read even if the store now holds others), else
+    InputError naming the object."""
     path = entry["path"]
-    local = storage.cached_copy(path)
+    expect = (int(entry["size"]), entry["sha256"]) if entry.get("sha256") else None
+    try:  # with the scan's sha256: a copy of those bytes, whatever the store holds now
+        local = storage.cached_copy(path, expect=expect)
+    except storage.Replaced:
+        raise InputError(f"{path}: changed since it was packed by reference (its bytes are not "
+                         "the manifest's size and sha256): pack again, or restore the input"
+                         ) from None
     if os.path.getsize(local) != int(entry["size"]):
         raise InputError(f"{path}: changed since it was packed by reference (its size "
                          "differs from the manifest's): pack again, or restore the input")
