@@ -8,8 +8,9 @@ large), ArrayRecord (one SQP1 record an example), Megatron .bin/.idx (uint16) an
 `make_training_pipeline` (batches of 8 rows, `--read-workers` worker processes) for `--batches`
 batches after the first. Printed: the output's bytes against the tokens' (as the inputs hold
 them, and as the copy's shards hold them), the pack's seconds, and the rows per second read,
-each also against the copy's (medians of `--repeats` runs, the formats alternating). `--s3`:
-inputs and outputs on moto's S3 emulator.
+each also against the copy's, and the seconds to the first batch (medians of `--repeats` runs,
+the formats alternating). `--s3`: inputs and outputs on moto's S3 emulator; an index of
+Megatron inputs then read each way of `--remote` (by byte range, or from whole copies).
 
 Usage (from the repo root)::
 
@@ -118,11 +119,13 @@ def _pack(paths: list[str], out: pathlib.Path | str, fmt: str, workers: int) -> 
     return time.perf_counter() - start
 
 
-def _rows_per_s(out: pathlib.Path | str, workers: int, batches: int) -> float:
+def _rows_per_s(out: pathlib.Path | str, workers: int, batches: int) -> tuple[float, float]:
+    """(seconds to the first batch, rows per second over the next `batches`)."""
     from seqpack.pipelines.datasets import PackedSource, Prefetch, make_training_pipeline
     from seqpack.pipelines.datasets.training import ensure_flags_parsed
 
     ensure_flags_parsed()
+    begin = time.perf_counter()
     it = iter(make_training_pipeline(PackedSource(str(out)), batch=8, shuffle_seed=0,
                                      num_epochs=None, prefetch=Prefetch(worker_count=workers)))
     next(it)
@@ -131,7 +134,7 @@ def _rows_per_s(out: pathlib.Path | str, workers: int, batches: int) -> float:
         next(it)
     seconds = time.perf_counter() - start
     it.close()
-    return batches * 8 / seconds
+    return start - begin, batches * 8 / seconds
 
 
 def _bytes(out: pathlib.Path | str, suffix: str) -> int:
@@ -203,6 +206,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3, help="runs of each; medians printed")
     p.add_argument("--s3", action="store_true", help="inputs and outputs on a moto S3 server "
                    "(seqpack[cloud] and moto, as the tests use); reads fill a fresh cache")
+    p.add_argument("--remote", default="copy,ranges", help="with --s3: how an index reads its "
+                   "Megatron inputs (SEQPACK_INDEX_REMOTE), comma-separated")
     args = p.parse_args()
     work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="index_bench_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -214,8 +219,8 @@ def main() -> None:
           f"(Parquet row groups, Arrow record batches of {args.group_rows}); pack workers "
           f"{args.workers}, read workers {args.read_workers}\n")
     print("| inputs | format | output MB | vs int32 tokens | vs the copy | pack s | vs the copy "
-          "| rows/s read | vs the copy |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| first batch s | rows/s read | vs the copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     with contextlib.ExitStack() as stack:
         root = stack.enter_context(_s3(work)) if args.s3 else None
         for kind, paths in inputs.items():
@@ -228,29 +233,35 @@ def main() -> None:
 
 def _table_rows(kind: str, paths: list[str], work: pathlib.Path, root: str | None,
                 n_tokens: int, args: argparse.Namespace) -> None:
-    runs: dict[str, list[tuple[float, float]]] = {"arrayrecord": [], "index": []}
+    modes = args.remote.split(",") if root is not None and kind == "megatron" else [""]
+    runs: dict[str, list[tuple[float, float, float]]] = {}
     sizes = {}
-    for _ in range(args.repeats):  # the two formats alternate: the machine's drift hits both
-        for fmt, suffix in (("arrayrecord", ".arrayrecord"), ("index", ".index")):
+    for r in range(args.repeats):  # the formats alternate: the machine's drift hits them all
+        for fmt, suffix, read_modes in (("arrayrecord", ".arrayrecord", [""]),
+                                        ("index", ".index", modes)):
             out: pathlib.Path | str = work / f"out-{kind}-{fmt}" if root is None else \
-                f"{root}/out-{kind}-{fmt}"
+                f"{root}/out-{kind}-{fmt}-{r}"
             seconds = _pack(paths, out, fmt, args.workers)
-            if root is not None:
-                os.environ["SEQPACK_CACHE_DIR"] = tempfile.mkdtemp(dir=work, prefix="cache-")
-            sizes[fmt] = _bytes(out, suffix)
-            disk = kind.endswith("_disk") and fmt == "index"
-            if disk:
-                os.environ["SEQPACK_INDEX_DISK_CACHE"] = tempfile.mkdtemp(dir=work)
-                _rows_per_s(out, args.read_workers, args.batches)  # fills the cache
-            runs[fmt].append((seconds, _rows_per_s(out, args.read_workers, args.batches)))
-            if disk:
-                shutil.rmtree(os.environ.pop("SEQPACK_INDEX_DISK_CACHE"))
-    results = {fmt: (sizes[fmt], *np.median(np.array(r), axis=0)) for fmt, r in runs.items()}
-    copy, copy_s, copy_rate = results["arrayrecord"]
-    for fmt, (size, seconds, rate) in results.items():
-        print(f"| {kind} | {fmt} | {size / 1e6:,.1f} | {size / (4 * n_tokens):.2%} | "
-              f"{size / copy:.2%} | {seconds:.2f} | {copy_s / seconds:.2f}x | {rate:,.0f} "
-              f"| {rate / copy_rate:.0%} |", flush=True)
+            for mode in read_modes:
+                name = f"{fmt} ({mode})" if mode else fmt
+                if root is not None:
+                    os.environ["SEQPACK_CACHE_DIR"] = tempfile.mkdtemp(dir=work, prefix="cache-")
+                os.environ["SEQPACK_INDEX_REMOTE"] = mode or "copy"
+                sizes[name] = _bytes(out, suffix)
+                disk = kind.endswith("_disk") and fmt == "index"
+                if disk:
+                    os.environ["SEQPACK_INDEX_DISK_CACHE"] = tempfile.mkdtemp(dir=work)
+                    _rows_per_s(out, args.read_workers, args.batches)  # fills the cache
+                runs.setdefault(name, []).append(
+                    (seconds, *_rows_per_s(out, args.read_workers, args.batches)))
+                if disk:
+                    shutil.rmtree(os.environ.pop("SEQPACK_INDEX_DISK_CACHE"))
+    results = {name: (sizes[name], *np.median(np.array(r), axis=0)) for name, r in runs.items()}
+    copy, copy_s, _, copy_rate = results["arrayrecord"]
+    for name, (size, seconds, first, rate) in results.items():
+        print(f"| {kind} | {name} | {size / 1e6:,.1f} | {size / (4 * n_tokens):.2%} | "
+              f"{size / copy:.2%} | {seconds:.2f} | {copy_s / seconds:.2f}x | {first:.2f} | "
+              f"{rate:,.0f} | {rate / copy_rate:.0%} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ protocol's client (gcsfs, s3fs: the ``cloud`` extra) is imported only when a URL
     exists(url), size(url), read_json(url)          # small objects, metadata
     with local_copy(url) as path: ...               # one-shot: a temp file, removed after
     cached_copy(url, cache_dir=...)                 # the training reader's kept copy
+    version(url), read_ranges(url, starts, ends)     # an index's reads of parts of objects
 
 Copies are streamed in blocks (`BLOCK` bytes; memory does not grow with the object) to a
 temporary name in the target directory and renamed when complete, so a copy that exists is
@@ -46,8 +47,9 @@ from typing import Any
 
 from seqpack.pipelines.errors import InputError, MissingDependency, require
 
-__all__ = ["Replaced", "cache_root", "cached_copy", "exists", "expand", "glob", "is_url", "join", "local_copy",
-           "named", "read_bytes", "read_json", "size", "sizes"]
+__all__ = ["Replaced", "cache_root", "cached_copy", "exists", "expand", "glob", "is_url", "join",
+           "local_copy", "named", "read_bytes", "read_json", "read_ranges", "size", "sizes",
+           "version"]
 
 BLOCK = 8 << 20  # bytes per read while copying an object
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -168,6 +170,47 @@ def sizes(prefix: str) -> dict[str, int]:
         return {}
     return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e["size"]) for e in listing
             if e.get("type") != "directory"}
+
+
+def version(url: str) -> str:
+    """What identifies the object's current version (generation, ETag, ...: the first of
+    `_VERSION_KEYS` the store reports; "" if none); InputError naming it if it is missing."""
+    return _tag(_info(url))
+
+
+def _tag(info: dict[str, Any]) -> str:
+    return next((str(info[k]) for k in _VERSION_KEYS if info.get(k)), "")
+
+
+def read_ranges(urls: str | Sequence[str], starts: Sequence[int], ends: Sequence[int]
+                ) -> list[bytes]:
+    """The bytes [start, end) of each range of `urls` (one URL for all, or one a range),
+    fetched together (concurrently where the client is asynchronous: gcsfs, s3fs); InputError
+    naming an object that is missing or shorter."""
+    urls = [urls] * len(starts) if isinstance(urls, str) else list(urls)
+    starts, ends = [int(a) for a in starts], [int(b) for b in ends]
+    groups: dict[int, tuple[Any, list[int], list[str]]] = {}
+    for k, url in enumerate(urls):  # one call per filesystem (in practice: one)
+        fs, path = filesystem(url)
+        groups.setdefault(id(fs), (fs, [], []))[1].append(k)
+        groups[id(fs)][2].append(path)
+    got: list[Any] = [b""] * len(urls)
+    for fs, ks, paths in groups.values():
+        try:
+            blobs = fs.cat_ranges(paths, [starts[k] for k in ks], [ends[k] for k in ks])
+        except FileNotFoundError:
+            raise _missing(urls[ks[0]]) from None
+        for k, blob in zip(ks, blobs):
+            got[k] = blob
+    for url, blob, a, b in zip(urls, got, starts, ends):
+        if isinstance(blob, FileNotFoundError):
+            raise _missing(url)
+        if isinstance(blob, BaseException):
+            raise InputError(f"{url}: bytes [{a}, {b}) could not be read ({blob})")
+        if len(blob) != b - a:
+            raise InputError(f"{url}: bytes [{a}, {b}) read as {len(blob)} bytes; the object "
+                             "is shorter than its manifest entry")
+    return got
 
 
 def join(base: str, name: str) -> str:
@@ -300,8 +343,7 @@ def cached_copy(path: str, *, cache_dir: str | os.PathLike | None = None,
         key = "sha256-" + expect[1]
     else:
         info = _info(path)
-        version = next((str(info[k]) for k in _VERSION_KEYS if info.get(k)), "")
-        key = hashlib.sha256(f"{path}\n{info['size']}\n{version}".encode()).hexdigest()[:32]
+        key = hashlib.sha256(f"{path}\n{info['size']}\n{_tag(info)}".encode()).hexdigest()[:32]
     target = os.path.join(root, key, _object_name(path))
     if os.path.isfile(target) and (expect is None or os.path.getsize(target) == expect[0]):
         return target

@@ -25,6 +25,7 @@ from tests.helpers.files import (
     random_seqs,
     write_arrayrecord,
     write_jsonl,
+    write_megatron,
     write_parquet,
 )
 
@@ -241,3 +242,58 @@ def test_a_replaced_object_is_read_as_packed_or_refused_never_as_other_tokens(
     monkeypatch.setenv("SEQPACK_CACHE_DIR", str(tmp_path / "cold"))
     with pytest.raises(InputError, match=rf"{url}: changed since it was packed by reference"):
         PackedSource(str(tmp_path / "index"))[0]
+
+
+def _url_inputs(tmp_path) -> tuple[list[str], list[str]]:
+    """(local paths, file:// URLs) of a Megatron pair (named by its .idx) and a 2-D .npy."""
+    d = tmp_path / "in"
+    d.mkdir()
+    write_megatron(d / "m", random_seqs(80, max_len=90, seed=4))
+    np.save(d / "f.npy", np.random.default_rng(5).integers(0, 30000, (40, 24), np.int32))
+    local = [str(d / "m.idx"), str(d / "f.npy")]
+    return local, ["file://" + p for p in local]
+
+
+def test_an_index_reads_object_inputs_by_range_without_a_copy(tmp_path, monkeypatch):
+    """Megatron and .npy inputs given as URLs (file://, through fsspec as gs:// or s3://): the
+    index reads each example's bytes by range, the rows are the copy's, and the only object
+    copied into the cache is the Megatron .idx (`SEQPACK_INDEX_REMOTE=ranges`); by default
+    ("copy") whole copies are read, the same rows."""
+    pytest.importorskip("fsspec")
+    local, urls = _url_inputs(tmp_path)
+    args = ["--seq-len", 64, "--overflow", "split", "--shard-rows", 16]
+    invoke("pack", *local, "-o", tmp_path / "copy", *args)
+    invoke("pack", *urls, "-o", tmp_path / "index", *args, "--format", "index")
+    files = json.loads((tmp_path / "index" / "manifest.json").read_text())["inputs"]["files"]
+    assert all(f["version"] for f in files) and files[0]["companion"]["version"]
+    for mode in ("ranges", "copy"):
+        cache = tmp_path / f"cache-{mode}"
+        monkeypatch.setenv("SEQPACK_CACHE_DIR", str(cache))
+        monkeypatch.setenv("SEQPACK_INDEX_REMOTE", mode)
+        _same(_rows(tmp_path / "copy"), _rows(tmp_path / "index"))
+        copied = sorted(p.name for p in cache.rglob("*") if p.is_file())
+        assert copied == (["m.idx"] if mode == "ranges" else ["f.npy", "m.bin", "m.idx"])
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_an_object_replaced_after_packing_is_refused_when_read_by_range(tmp_path, monkeypatch,
+                                                                       which):
+    """The object's version (here its modification time) is checked before any range is
+    read: the same size with other bytes, a Megatron .bin as an .npy, is refused, named."""
+    pytest.importorskip("fsspec")
+    local, urls = _url_inputs(tmp_path)
+    invoke("pack", *urls, "-o", tmp_path / "index", "--seq-len", 64, "--overflow", "split",
+           "--format", "index")
+    monkeypatch.setenv("SEQPACK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SEQPACK_INDEX_REMOTE", "ranges")
+    target = local[0].replace(".idx", ".bin") if which == 0 else local[1]
+    data = bytearray(open(target, "rb").read())
+    data[-1] ^= 0x01
+    st_ = os.stat(target)
+    with open(target, "wb") as f:
+        f.write(bytes(data))
+    os.utime(target, ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**9))
+    with pytest.raises(InputError, match=rf"file://{target}: changed since it was packed"):
+        source = PackedSource(str(tmp_path / "index"))
+        for j in range(len(source)):
+            source[j]

@@ -75,11 +75,30 @@ def test_cached_copy_is_reused_until_the_object_changes(store, inputs, tmp_path)
     assert again != first and pathlib.Path(again).read_bytes() == b'{"tokens": [1, 2]}\n'
 
 
+def test_read_ranges_of_several_objects_and_the_version_of_one(store, inputs):
+    """Byte ranges of two objects in one call, in the order asked; a range past an object's
+    end is refused, named; a new write of an object gives it a new version."""
+    base = store.upload(os.path.dirname(inputs[0]), store.url("in"))
+    a, b = base + "/a.parquet", base + "/c.jsonl"
+    data = {a: pathlib.Path(inputs[0]).read_bytes(), b: pathlib.Path(inputs[2]).read_bytes()}
+    asked = [(b, 5, 40), (a, 0, 4), (b, 0, 1), (a, 100, 100 + 3)]
+    got = storage.read_ranges([u for u, _, _ in asked], [s for _, s, _ in asked],
+                              [e for _, _, e in asked])
+    assert got == [data[u][s:e] for u, s, e in asked]
+    with pytest.raises(InputError, match=f"{a}: bytes .* shorter than its manifest entry"):
+        storage.read_ranges(a, [0], [len(data[a]) + 10])
+    before = storage.version(b)
+    assert before
+    store.fs.pipe_file(b.split("://", 1)[1], b'{"tokens": [1, 2]}\n')
+    assert storage.version(b) != before
+
+
 def test_a_missing_object_names_its_url(store, tmp_path):
     url = store.url("nope/missing.parquet")
     for call in (lambda: storage.size(url), lambda: storage.read_json(url),
                  lambda: storage.cached_copy(url, cache_dir=tmp_path),
-                 lambda: storage.local_copy(url).__enter__()):
+                 lambda: storage.local_copy(url).__enter__(),
+                 lambda: storage.version(url), lambda: storage.read_ranges(url, [0], [4])):
         with pytest.raises(InputError, match=f"{url}: no such object"):
             call()
     with pytest.raises(InputError, match="no objects match"):
@@ -346,11 +365,17 @@ def test_racers_for_a_stale_lock_on_s3_let_exactly_one_in(s3):  # noqa: F811
 
 
 @pytest.mark.slow  # two packs through the emulators, ~8 s
-def test_an_index_of_url_inputs_in_object_storage_reads_as_the_copy(store, inputs, tmp_path):
+def test_an_index_of_url_inputs_in_object_storage_reads_as_the_copy(store, inputs, tmp_path,
+                                                                    monkeypatch):
     """`--format index` with inputs and output on object storage: the Grain source reads each
-    referenced example from a cached copy of its input, row for row the copy's rows; a
-    remote input that changed size is refused, named."""
+    referenced example from a cached copy of its packed bytes (Parquet), or by byte range
+    (the Megatron .bin: only its .idx is copied), row for row the copy's rows; a remote input
+    replaced since is read from the packed bytes already cached, refused, named, on a cold
+    cache (its sha256) or read by range (its version)."""
     from seqpack.pipelines.datasets import PackedSource
+
+    monkeypatch.setenv("SEQPACK_CACHE_DIR", str(tmp_path / "inputs"))
+    monkeypatch.setenv("SEQPACK_INDEX_REMOTE", "ranges")
 
     base = store.upload(os.path.dirname(inputs[0]), store.url("in"))
     mega = write_megatron(tmp_path / "m", random_seqs(40, max_len=50, seed=9))
@@ -368,8 +393,22 @@ def test_an_index_of_url_inputs_in_object_storage_reads_as_the_copy(store, input
     for j in range(len(copy)):
         a, b = copy[j], index[j]
         assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a), j
+    copied = sorted(p.name for p in (tmp_path / "inputs").rglob("*") if p.is_file())
+    assert copied == ["a.parquet", "b.parquet", "m.idx"], copied
     store.fs.pipe_file(urls[1].split("://", 1)[1], open(inputs[0], "rb").read())
+    warm = PackedSource(store.url("index"), cache_dir=tmp_path / "c3")
+    assert all(np.array_equal(warm[j]["tokens"], copy[j]["tokens"]) for j in range(len(copy)))
+    monkeypatch.setenv("SEQPACK_CACHE_DIR", str(tmp_path / "cold"))
     with pytest.raises(InputError, match=rf"{urls[1]}: changed since it was packed"):
-        fresh = PackedSource(store.url("index"), cache_dir=tmp_path / "c3")
+        fresh = PackedSource(store.url("index"), cache_dir=tmp_path / "c4")
+        for j in range(len(fresh)):
+            fresh[j]
+    store.fs.pipe_file(urls[1].split("://", 1)[1],
+                       open(os.path.join(os.path.dirname(inputs[0]), "b.parquet"), "rb").read())
+    bin_url, data = base + "/m.bin", bytearray(open(tmp_path / "m.bin", "rb").read())
+    data[-1] ^= 0x01  # the same size, other bytes: a new generation / ETag
+    store.fs.pipe_file(bin_url.split("://", 1)[1], bytes(data))
+    with pytest.raises(InputError, match=rf"{bin_url}: changed since it was packed"):
+        fresh = PackedSource(store.url("index"), cache_dir=tmp_path / "c5")
         for j in range(len(fresh)):
             fresh[j]

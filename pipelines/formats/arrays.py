@@ -22,6 +22,7 @@ integers >= 0.
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import zipfile
@@ -273,3 +274,78 @@ class TokenArrays:
             a, b = int(self.offsets[i]), int(self.offsets[i + 1])
             out.append((self.values[a:b], {n: v[a:b] for n, v in self.aligned.items()}))
         return out
+
+
+RANGED = ("megatron", "npy")  # token arrays an example of which is one byte range
+_NPY_HEAD = 1 << 16  # bytes read for an .npy header (NumPy writes a few hundred)
+
+
+class RangedArrays:
+    """A Megatron ``.bin`` or a 2-D ``.npy`` object read by byte range: each example's bytes
+    fetched on their own (`storage.read_ranges`, concurrently), no copy of the object; a
+    Megatron ``.idx`` is read from `idx_local` (a local copy). `examples` as `TokenArrays`'."""
+
+    def __init__(self, url: str, fmt: str, idx_local: str | None = None):
+        self.url, self.fmt, self.idx_local = url, fmt, idx_local
+        if fmt == "megatron":
+            assert idx_local is not None
+            self.dtype, sizes, self.starts = read_megatron_index(idx_local)
+            self.stops = self.starts + sizes * self.dtype.itemsize
+            self.url = megatron_pair(url)[0]
+        elif fmt == "npy":
+            self._npy_header()
+        else:
+            raise ValueError(f"not a token-array format read by range: {fmt!r}")
+
+    def _npy_header(self) -> None:
+        from seqpack.pipelines import storage
+
+        size = storage.size(self.url)
+        head = io.BytesIO(storage.read_ranges(self.url, [0], [min(size, _NPY_HEAD)])[0])
+        fmt = np.lib.format
+        try:
+            read = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(
+                fmt.read_magic(head), fmt.read_array_header_2_0)
+            shape, fortran, dtype = read(head)
+        except ValueError as e:
+            raise InputError(f"{self.url}: not a readable .npy ({e})") from None
+        if len(shape) != 2 or fortran or dtype.kind not in "iu":
+            raise InputError(f"{self.url}: a {dtype} array of shape {shape}"
+                             f"{' in Fortran order' if fortran else ''}; an .npy input is "
+                             "[examples, tokens] of integers in C order")
+        row = shape[1] * dtype.itemsize
+        self.dtype = dtype
+        self.starts = head.tell() + np.arange(shape[0], dtype=np.int64) * row
+        self.stops = self.starts + row
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "fmt": self.fmt, "idx_local": self.idx_local}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["fmt"], state["idx_local"])  # type: ignore[misc]
+
+    @property
+    def num_records(self) -> int:
+        return int(self.starts.size)
+
+    def examples(self, index: np.ndarray) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        """(tokens, {}) of each record of `index`, every range fetched in one call."""
+        return RangedArrays.fetch([(self, index)])
+
+    @staticmethod
+    def fetch(wanted: Sequence[tuple[RangedArrays, np.ndarray]]
+              ) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+        """(tokens, {}) of each record of each (input, records) pair, in order: every range of
+        every input fetched in one call (a row's pieces wait on one round of requests)."""
+        from seqpack.pipelines import storage
+
+        parts = []
+        for source, index in wanted:
+            index = np.asarray(index, np.int64)
+            parts.append((source, source.starts[index], source.stops[index]))
+        urls = [src.url for src, a, b in parts for live in (b > a) if live]
+        blobs = iter(storage.read_ranges(
+            urls, np.concatenate([a[b > a] for _, a, b in parts] or [[]]).tolist(),
+            np.concatenate([b[b > a] for _, a, b in parts] or [[]]).tolist()))
+        return [(np.frombuffer(next(blobs), src.dtype) if live else np.zeros(0, src.dtype), {})
+                for src, a, b in parts for live in (b > a)]

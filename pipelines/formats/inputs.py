@@ -33,8 +33,9 @@ Fingerprint (documented contract, stored per input in manifest.json)::
 
     {"path": absolute path or URL, "size": bytes, "sha256": sha256 of the whole content}
 
-A local input's scan also notes its modification stamp as read (``mtime_ns``; a file that
-changes while it is read is refused); only a manifest of rows stored by reference keeps it.
+A scan also notes a local input's modification stamp (``mtime_ns``) and an object's version
+(``version``: generation, ETag, ...) as read (an input that changes while it is read is
+refused); only a manifest of rows stored by reference keeps them.
 
 Inputs may be URLs (gs://, s3://, any fsspec protocol; `pipelines.storage`): each is downloaded
 to a local temporary file (one at a time per process, streamed in blocks, removed after it is
@@ -51,7 +52,6 @@ Every bad input raises `InputError` (a ValueError) with one line naming the file
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import glob
 import hashlib
@@ -75,10 +75,19 @@ from seqpack.pipelines.formats.detect import (
     format_by_name,
     resolve_format,
 )
-from seqpack.pipelines.formats.paths import expand_inputs
+from seqpack.pipelines.formats.paths import (
+    entry_files,
+    expand_inputs,
+    file_stamp,
+    fingerprint,
+    fingerprint_path,
+    local_input,
+    unstamped,
+)
 
 __all__ = ["Corpus", "FileScan", "InputError", "ReadOptions", "detect_format", "expand_inputs",
-           "fingerprint", "read_corpus", "sample_files", "scan_file", "unstamped"]
+           "fingerprint", "fingerprint_path", "local_input", "read_corpus", "sample_files",
+           "scan_file", "unstamped"]
 
 TEXT_UNITS = ("file", "line", "paragraph")
 Sink = Callable[[np.ndarray], None]  # receives a chunk's values back to back
@@ -134,36 +143,6 @@ class Corpus:
     @property
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
-
-
-def fingerprint(path: str) -> dict:
-    """{"path", "size", "sha256"} of a file or an object (see the module docstring)."""
-    with local_input(path) as local:
-        with open(local, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
-            size = f.tell()
-    return {"path": fingerprint_path(path), "size": size, "sha256": digest}
-
-
-@contextlib.contextmanager
-def local_input(path: str, fmt: str | None = None) -> Iterator[str]:
-    """A local file to read `path` from: the path itself, or a URL's temporary download
-    (removed on exit; a Megatron dataset's, `fmt` "megatron", beside its other file).
-    InputError if it is missing; an InputError raised while reading the download names the URL,
-    not the temporary file."""
-    if not storage.is_url(path):
-        if not os.path.isfile(path):
-            what = "a directory; pass its files" if os.path.isdir(path) else "no such file"
-            raise InputError(f"{path}: {what}")
-        yield path
-        return
-    if (fmt or format_by_name(path)) == "megatron":  # the pair, side by side
-        with storage.local_copies(arrays.megatron_pair(path)) as pair, \
-                storage.named(os.path.dirname(pair[0]), path.rsplit("/", 1)[0]):
-            yield pair[os.path.splitext(path)[1].lower() == ".idx"]
-        return
-    with storage.local_copy(path) as local, storage.named(local, path):
-        yield local
 
 
 def sample_files() -> list[str]:
@@ -289,10 +268,16 @@ def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
     if column_sinks is not None and set(column_sinks) != set(options.extra_columns):
         raise ValueError(f"column_sinks={sorted(column_sinks)} must have one sink per extra "
                          f"column {list(options.extra_columns)}")
+    remote = storage.is_url(path)
+    if remote:  # the objects' versions as read (rows by reference check them)
+        urls = [path, arrays.companion(path)] if (fmt or format_by_name(path)) == "megatron" \
+            else [path]
+        versions = [storage.version(u) for u in urls]
     with local_input(path, fmt) as local:
         fmt = resolve_format(local, fmt, name=path)
-        locals_ = [local, arrays.companion(local)] if fmt == "megatron" else [local]
-        stamps = None if storage.is_url(path) else [_stamp(f) for f in locals_]
+        locals_ = [f for f in ([local, arrays.companion(local)] if fmt == "megatron" else
+                               [local]) if os.path.isfile(f)]  # a missing .idx: named below
+        stamps = None if remote else [file_stamp(f) for f in locals_]
         counts: list[np.ndarray] | None = None if loss_columns is None else []
         chunks = file_chunks(local, fmt, options, tokenizer)
         if counts is not None:
@@ -303,11 +288,16 @@ def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
             info["companion"] = {**fingerprint(arrays.companion(local)),
                                  "path": fingerprint_path(arrays.companion(path))}
         if stamps is not None:  # a local file: its stamp as read (rows by reference check it)
-            if [_stamp(f) for f in locals_] != stamps:
+            if [file_stamp(f) for f in locals_] != stamps:
                 raise InputError(f"{path}: changed while it was read; rerun on inputs that "
                                  "stay put")
-            for entry, (_, mtime_ns) in zip((info, info.get("companion")), stamps):
+            for entry, (_, mtime_ns) in zip(entry_files(info), stamps):
                 entry["mtime_ns"] = mtime_ns
+    if remote:
+        if [storage.version(u) for u in urls] != versions:
+            raise InputError(f"{path}: changed while it was read; rerun on inputs that stay put")
+        for entry, tag in zip(entry_files(info), versions):
+            entry["version"] = tag
     info["path"] = fingerprint_path(path)
     info.update(format=fmt, num_examples=int(lens.size), num_tokens=int(lens.sum()),
                 lengths_sha256=lengths_sha256(lens))
@@ -327,25 +317,6 @@ def _counting(chunks: Iterator[Chunk], roles: Mapping[str, str], out: list[np.nd
         total = np.concatenate(([0], np.cumsum(allowed, dtype=np.int64)))
         out.append(total[ends] - total[ends - sizes])
         yield chunk
-
-
-def _stamp(path: str) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_size, st.st_mtime_ns
-
-
-def unstamped(entry: Mapping[str, Any]) -> dict:
-    """An input's entry without its modification stamps (`mtime_ns`, its companion's too):
-    what names its content (a file touched, not changed, is the same input)."""
-    out = {k: v for k, v in entry.items() if k != "mtime_ns"}
-    if "companion" in out:
-        out["companion"] = unstamped(out["companion"])
-    return out
-
-
-def fingerprint_path(path: str) -> str:
-    """The `path` of an input's manifest entry: its absolute path, or its URL."""
-    return path if storage.is_url(path) else os.path.abspath(path)
 
 
 def _consume(chunks: Iterator[Chunk], fmt: str, options: ReadOptions, sink: Sink | None,

@@ -30,16 +30,19 @@ rarely meant.
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import hashlib
 import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
+from seqpack.pipelines.formats import arrays
 from seqpack.pipelines.formats.arrays import megatron_prefix
 from seqpack.pipelines.formats.detect import format_by_name
 
@@ -213,3 +216,64 @@ def _url_files(prefix: str, input_format: str | None = None) -> list[str]:
                          ".parquet, .arrow, .arrayrecord, .npz, .npy, .bin/.idx, .txt, also "
                          ".gz / .zst)")
     return files
+
+
+# -- an input's identity: its fingerprint and stamps (see formats.inputs) ----------------------
+
+
+def fingerprint(path: str) -> dict:
+    """{"path", "size", "sha256"} of a file or an object (see the module docstring)."""
+    with local_input(path) as local:
+        with open(local, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            size = f.tell()
+    return {"path": fingerprint_path(path), "size": size, "sha256": digest}
+
+
+@contextlib.contextmanager
+def local_input(path: str, fmt: str | None = None) -> Iterator[str]:
+    """A local file to read `path` from: the path itself, or a URL's temporary download
+    (removed on exit; a Megatron dataset's, `fmt` "megatron", beside its other file).
+    InputError if it is missing; an InputError raised while reading the download names the URL,
+    not the temporary file."""
+    if not storage.is_url(path):
+        if not os.path.isfile(path):
+            what = "a directory; pass its files" if os.path.isdir(path) else "no such file"
+            raise InputError(f"{path}: {what}")
+        yield path
+        return
+    if (fmt or format_by_name(path)) == "megatron":  # the pair, side by side
+        with storage.local_copies(arrays.megatron_pair(path)) as pair, \
+                storage.named(os.path.dirname(pair[0]), path.rsplit("/", 1)[0]):
+            yield pair[os.path.splitext(path)[1].lower() == ".idx"]
+        return
+    with storage.local_copy(path) as local, storage.named(local, path):
+        yield local
+
+
+def file_stamp(path: str) -> tuple[int, int]:
+    """(size, modification stamp in ns) of a local file."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+STAMPS = ("mtime_ns", "version")  # a file's modification stamp, an object's version
+
+
+def entry_files(entry: Any) -> list[Any]:
+    """An input's entry and, for a Megatron pair, its other file's (`companion`)."""
+    return [entry, entry["companion"]] if "companion" in entry else [entry]
+
+
+def unstamped(entry: Mapping[str, Any]) -> dict:
+    """An input's entry without its stamps (`STAMPS`, its companion's too): what names its
+    content (a file touched, not changed, is the same input)."""
+    out = {k: v for k, v in entry.items() if k not in STAMPS}
+    if "companion" in out:
+        out["companion"] = unstamped(out["companion"])
+    return out
+
+
+def fingerprint_path(path: str) -> str:
+    """The `path` of an input's manifest entry: its absolute path, or its URL."""
+    return path if storage.is_url(path) else os.path.abspath(path)

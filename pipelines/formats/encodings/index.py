@@ -41,6 +41,7 @@ from seqpack.pipelines.formats.encodings.base import (
     check_count,
     shard_batch,
 )
+from seqpack.pipelines.formats.paths import entry_files
 
 RANDOM_ACCESS = ("parquet", "arrow", "arrayrecord", *ARRAYS)  # input formats read at random
 _COLUMNS = ("example", "start", "length", "row")
@@ -207,13 +208,20 @@ class InputReader:
         corpus = np.asarray(corpus, np.int64)
         files = np.searchsorted(self.cum, corpus, side="right") - 1
         out: list[Any] = [None] * corpus.size
+        ranged: list[tuple[np.ndarray, arrays.RangedArrays, np.ndarray]] = []
         for f in np.unique(files).tolist():
             at = np.flatnonzero(files == f)
             source = self._open.get(f)
             if source is None:
                 source = self._open[f] = _open_input(self.files[f], self.column, self.extra)
+            if isinstance(source, arrays.RangedArrays):  # fetched below, all inputs at once
+                ranged.append((at, source, corpus[at] - int(self.cum[f])))
+                continue
             for k, got in zip(at.tolist(), source.examples(corpus[at] - int(self.cum[f]))):
                 out[k] = got
+        for k, got in zip([k for at, _, _ in ranged for k in at.tolist()],
+                          arrays.RangedArrays.fetch([(s, i) for _, s, i in ranged])):
+            out[k] = got
         return out
 
 
@@ -241,6 +249,8 @@ def _open_input(entry: Mapping[str, Any], column: str, extra: tuple[str, ...]) -
     if fmt not in RANDOM_ACCESS:
         raise _not_random(path, fmt)
     pair = None
+    if storage.is_url(path) and fmt in arrays.RANGED and _by_range(entry):
+        return _ranged(entry)
     if storage.is_url(path):  # a local copy of the packed bytes (cached once)
         local = _cached(entry)
         if "companion" in entry:
@@ -256,6 +266,30 @@ def _open_input(entry: Mapping[str, Any], column: str, extra: tuple[str, ...]) -
         if fmt in ARRAYS:
             return arrays.TokenArrays(local, fmt, column, extra, pair=pair)
         return _Groups(local, fmt, column, extra, entry.get("sha256", ""))
+
+
+def _by_range(entry: Mapping[str, Any]) -> bool:
+    """Whether an object's examples are read by byte range (`SEQPACK_INDEX_REMOTE`: "copy",
+    the default, or "ranges"): only with the versions its scan read, which vouch for the
+    bytes."""
+    mode = os.environ.get("SEQPACK_INDEX_REMOTE", "copy")
+    if mode not in ("ranges", "copy"):
+        raise InputError(f"SEQPACK_INDEX_REMOTE={mode!r} must be 'ranges' or 'copy'")
+    return mode == "ranges" and all(e.get("version") for e in entry_files(entry))
+
+
+def _ranged(entry: Mapping[str, Any]) -> arrays.RangedArrays:
+    """An object read by byte range once its version is the scan's (a Megatron `.idx` from a
+    cached copy of its packed bytes); InputError naming an object that changed."""
+    objects = entry_files(entry)
+    for e in objects:
+        now = storage.version(e["path"])
+        if now != e["version"]:
+            raise InputError(f"{e['path']}: changed since it was packed by reference (its "
+                             f"version is {now!r}, the manifest's {e['version']!r}): pack "
+                             "again, or restore the input")
+    idx = next((_cached(e) for e in objects if e["path"].lower().endswith(".idx")), None)
+    return arrays.RangedArrays(entry["path"], entry["format"], idx)
 
 
 def _cached(entry: Mapping[str, Any]) -> str:
