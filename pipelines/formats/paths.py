@@ -26,6 +26,9 @@
 The same file given twice (the same path, or another name for it: ``./a``, a symlink, a hard
 link; a URL spelled the same) is refused unless `allow_duplicates`: packing it twice is
 rarely meant.
+
+An input's identity lives here too: its `fingerprint` (size, sha256), the local file it is read
+from (`local_input`), and the stamps a scan notes beside them (`STAMPS`; `unstamped`).
 """
 
 from __future__ import annotations
@@ -222,7 +225,7 @@ def _url_files(prefix: str, input_format: str | None = None) -> list[str]:
 
 
 def fingerprint(path: str) -> dict:
-    """{"path", "size", "sha256"} of a file or an object (see the module docstring)."""
+    """{"path", "size", "sha256"} of a file or an object (the contract: `formats.inputs`)."""
     with local_input(path) as local:
         with open(local, "rb") as f:
             digest = hashlib.file_digest(f, "sha256").hexdigest()

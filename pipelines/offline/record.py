@@ -91,16 +91,18 @@ def run_intent(job: PackJob, inputs: dict, num_rows: int,
 
 
 def without_stamps(inputs: dict) -> dict:
-    """`inputs` without the scans' modification stamps: a manifest of stored rows depends on
-    the inputs' content alone (a touched input resumes)."""
+    """`inputs` without the stamps their scans noted (files' modification stamps, objects'
+    versions): a manifest of stored rows depends on the inputs' content alone (a touched
+    input resumes)."""
     return {**inputs, "files": [unstamped(f) for f in inputs["files"]]}
 
 
 def with_stamps(inputs: dict) -> dict:
     """`inputs` with each local file's modification stamp as its scan read it (`mtime_ns`),
     which readers of rows stored by reference check with its size on every open
-    (`encodings.check_stamp`); InputError naming an input that changed since its scan, or that
-    cannot be read at random (`encodings.RANDOM_ACCESS`)."""
+    (`encodings.check_stamp`; an object keeps its scan's `version`); InputError naming a file
+    that changed since its scan, or an input that cannot be read at random
+    (`encodings.RANDOM_ACCESS`)."""
     if inputs.get("tokenizer"):
         raise InputError("format='index' reads the inputs' token ids at random; text tokenized "
                          "while packing (tokenizer=) is not stored anywhere: pack it with "
