@@ -297,3 +297,22 @@ def test_an_object_replaced_after_packing_is_refused_when_read_by_range(tmp_path
         source = PackedSource(str(tmp_path / "index"))
         for j in range(len(source)):
             source[j]
+
+
+def test_packed_source_copies_an_index_s_url_inputs_into_its_cache_dir(tmp_path, monkeypatch):
+    """`PackedSource(cache_dir=)` is where every copy of a read goes: an index's input objects
+    too, not the default cache."""
+    pytest.importorskip("fsspec")
+    local, urls = _url_inputs(tmp_path)
+    args = ["--seq-len", 64, "--overflow", "split"]
+    invoke("pack", *local, "-o", tmp_path / "copy", *args)
+    invoke("pack", *urls, "-o", tmp_path / "index", *args, "--format", "index")
+    monkeypatch.setenv("SEQPACK_CACHE_DIR", str(tmp_path / "default"))
+    source = PackedSource(str(tmp_path / "index"), cache_dir=tmp_path / "mine")
+    copy = PackedSource(str(tmp_path / "copy"))
+    assert len(source) == len(copy)
+    for j in range(len(copy)):
+        _same(source[j], copy[j])
+    assert sorted(p.name for p in (tmp_path / "mine").rglob("*") if p.is_file()) == \
+        ["f.npy", "m.bin", "m.idx"]
+    assert not (tmp_path / "default").exists()

@@ -26,6 +26,7 @@ row for the contract keys of its feature; `make_training_pipeline` batches it wi
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -310,6 +311,9 @@ class ArrayRecordSource(_FileSource):
         # SQP1 records, or the rows of another encoding (`seqpack pack --format`) by its reader
         self._encoding = of_manifest(self.manifest) if self.manifest is not None \
             and self.manifest.encoding is not None else None
+        if self._encoding is not None and cache_dir is not None:  # an index's input copies
+            encoding, layout = self._encoding
+            self._encoding = encoding, dataclasses.replace(layout, cache_dir=os.fspath(cache_dir))
         expected = self.manifest.shard_num_rows if self.manifest else None
         counts = []
         for f, (path, name) in enumerate(zip(self._paths, self._names)):
@@ -366,7 +370,8 @@ class PackedArrayRecordSource(ArrayRecordSource):
     row group decoded and kept at a time), or from ArrayRecord shard files.
 
     feature:   the packed feature; defaults to the manifest's `feature`, else "tokens".
-    cache_dir: where the shards of a URL prefix are copied (see the module docstring).
+    cache_dir: where the shards of a URL prefix are copied (see the module docstring), and an
+               index's URL inputs.
 
     Every stored array of a row is in the element (the manifest's `stored_keys`, plus the
     segment ids / positions rebuilt on read); `columns` names the extra columns packed with the

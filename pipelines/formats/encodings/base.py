@@ -57,6 +57,8 @@ class Layout:
     # The manifest's `inputs` record (read options, every input's fingerprint): what rows
     # stored by reference are read from (`index`); None where the rows hold their tokens
     inputs: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
+    # where rows by reference copy their URL inputs (None: `storage.cache_root()`)
+    cache_dir: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "columns", tuple(self.columns or ()))

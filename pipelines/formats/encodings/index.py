@@ -130,7 +130,7 @@ class _Reader(ShardReader):
         self.plan, self.dtype = read_plan(path, layout.config)
         self.num_rows = self.plan.num_rows
         self.bounds = self.plan.row_slices()
-        self.inputs = input_reader(layout.inputs)
+        self.inputs = input_reader(layout.inputs, layout.cache_dir)
 
     def rows(self, rows: np.ndarray, *, derived: bool) -> dict[str, np.ndarray]:
         """Rows `rows` of the shard, as the writer assembled them."""
@@ -162,15 +162,17 @@ class _Reader(ShardReader):
         return {k: v[0] for k, v in self.rows(np.array([j]), derived=True).items()}
 
 
-_READERS: dict[int, tuple[Any, InputReader]] = {}  # id(inputs) -> (inputs, its reader)
+# (id(inputs), cache_dir) -> (inputs, its reader)
+_READERS: dict[tuple[int, str | None], tuple[Any, InputReader]] = {}
 
 
-def input_reader(inputs: Mapping[str, Any]) -> InputReader:
-    """The one `InputReader` of a run's `inputs` record in this process (every shard of an
-    output reads through it: each input opened once)."""
-    held = _READERS.get(id(inputs))
+def input_reader(inputs: Mapping[str, Any], cache_dir: str | None = None) -> InputReader:
+    """The one `InputReader` of a run's `inputs` record (and cache directory) in this process
+    (every shard of an output reads through it: each input opened once)."""
+    key = (id(inputs), cache_dir)
+    held = _READERS.get(key)
     if held is None or held[0] is not inputs or held[1].pid != os.getpid():
-        held = _READERS[id(inputs)] = (inputs, InputReader(inputs))
+        held = _READERS[key] = (inputs, InputReader(inputs, cache_dir))
     return held[1]
 
 
@@ -180,10 +182,12 @@ class InputReader:
     against the manifest's, and again as it opens one (a changed input is refused, never read
     as other tokens); Parquet is read by row group and Arrow IPC by record batch (a few
     decoded ones kept), ArrayRecord by record, token arrays (.npz, .npy, Megatron .bin/.idx)
-    memory-mapped; a URL is read from a local copy."""
+    memory-mapped; a URL is read from a local copy (in `cache_dir`, default
+    `storage.cache_root()`) or by byte range."""
 
-    def __init__(self, inputs: Mapping[str, Any]):
+    def __init__(self, inputs: Mapping[str, Any], cache_dir: str | None = None):
         self.files = list(inputs["files"])
+        self.cache_dir = cache_dir
         options = inputs["read_options"]
         self.column = options["column"]
         self.extra = tuple(options.get("extra_columns") or ())
@@ -213,7 +217,8 @@ class InputReader:
             at = np.flatnonzero(files == f)
             source = self._open.get(f)
             if source is None:
-                source = self._open[f] = _open_input(self.files[f], self.column, self.extra)
+                source = self._open[f] = _open_input(self.files[f], self.column, self.extra,
+                                                     self.cache_dir)
             if isinstance(source, arrays.RangedArrays):  # fetched below, all inputs at once
                 ranged.append((at, source, corpus[at] - int(self.cum[f])))
                 continue
@@ -244,17 +249,18 @@ def check_stamp(entry: Mapping[str, Any]) -> None:
                          "checks its sha256)")
 
 
-def _open_input(entry: Mapping[str, Any], column: str, extra: tuple[str, ...]) -> Any:
+def _open_input(entry: Mapping[str, Any], column: str, extra: tuple[str, ...],
+                cache_dir: str | None = None) -> Any:
     fmt, path = entry.get("format"), entry["path"]
     if fmt not in RANDOM_ACCESS:
         raise _not_random(path, fmt)
     pair = None
     if storage.is_url(path) and fmt in arrays.RANGED and _by_range(entry):
-        return _ranged(entry)
+        return _ranged(entry, cache_dir)
     if storage.is_url(path):  # a local copy of the packed bytes (cached once)
-        local = _cached(entry)
+        local = _cached(entry, cache_dir)
         if "companion" in entry:
-            other = _cached(entry["companion"])
+            other = _cached(entry["companion"], cache_dir)
             pair = (local, other) if os.path.splitext(path)[1].lower() == ".bin" else \
                 (other, local)
     else:
@@ -278,7 +284,7 @@ def _by_range(entry: Mapping[str, Any]) -> bool:
     return mode == "ranges" and all(e.get("version") for e in entry_files(entry))
 
 
-def _ranged(entry: Mapping[str, Any]) -> arrays.RangedArrays:
+def _ranged(entry: Mapping[str, Any], cache_dir: str | None) -> arrays.RangedArrays:
     """An object read by byte range once its version is the scan's (a Megatron `.idx` from a
     cached copy of its packed bytes); InputError naming an object that changed."""
     objects = entry_files(entry)
@@ -288,18 +294,19 @@ def _ranged(entry: Mapping[str, Any]) -> arrays.RangedArrays:
             raise InputError(f"{e['path']}: changed since it was packed by reference (its "
                              f"version is {now!r}, the manifest's {e['version']!r}): pack "
                              "again, or restore the input")
-    idx = next((_cached(e) for e in objects if e["path"].lower().endswith(".idx")), None)
+    idx = next((_cached(e, cache_dir) for e in objects if e["path"].lower().endswith(".idx")),
+               None)
     return arrays.RangedArrays(entry["path"], entry["format"], idx)
 
 
-def _cached(entry: Mapping[str, Any]) -> str:
+def _cached(entry: Mapping[str, Any], cache_dir: str | None) -> str:
     """A cached local copy of the object of a manifest entry: the bytes its scan read (by size
     and sha256: a copy already cached is read even if the store now holds others), else
     InputError naming the object."""
     path = entry["path"]
     expect = (int(entry["size"]), entry["sha256"]) if entry.get("sha256") else None
     try:  # with the scan's sha256: a copy of those bytes, whatever the store holds now
-        local = storage.cached_copy(path, expect=expect)
+        local = storage.cached_copy(path, cache_dir=cache_dir, expect=expect)
     except storage.Replaced:
         raise InputError(f"{path}: changed since it was packed by reference (its bytes are not "
                          "the manifest's size and sha256): pack again, or restore the input"
