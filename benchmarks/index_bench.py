@@ -11,12 +11,16 @@ them, and as the copy's shards hold them), the pack's seconds, and the rows per 
 each also against the copy's, and the seconds to the first batch (medians of `--repeats` runs,
 the formats alternating). `--s3`: inputs and outputs on moto's S3 emulator; an index of
 Megatron inputs then read each way of `--remote` (by byte range, or from whole copies).
+`--latency-ms`: instead, an index of Megatron inputs as file:// URLs read by byte range in one
+process, each request round made to wait that long, one row at a time and with the source's
+`read_threads`.
 
 Usage (from the repo root)::
 
     python -m benchmarks.index_bench                          # 8 x chat_dev
     python -m benchmarks.index_bench --copies 2 --batches 200 --read-workers 2
     python -m benchmarks.index_bench --s3 --kinds arrayrecord,megatron   # on moto's S3
+    python -m benchmarks.index_bench --copies 2 --latency-ms 0,10,30,60  # a store's round trip
 """
 
 from __future__ import annotations
@@ -119,7 +123,8 @@ def _pack(paths: list[str], out: pathlib.Path | str, fmt: str, workers: int) -> 
     return time.perf_counter() - start
 
 
-def _rows_per_s(out: pathlib.Path | str, workers: int, batches: int) -> tuple[float, float]:
+def _rows_per_s(out: pathlib.Path | str, workers: int, batches: int,
+                read_threads: int | None = None) -> tuple[float, float]:
     """(seconds to the first batch, rows per second over the next `batches`)."""
     from seqpack.pipelines.datasets import PackedSource, Prefetch, make_training_pipeline
     from seqpack.pipelines.datasets.training import ensure_flags_parsed
@@ -127,7 +132,8 @@ def _rows_per_s(out: pathlib.Path | str, workers: int, batches: int) -> tuple[fl
     ensure_flags_parsed()
     begin = time.perf_counter()
     it = iter(make_training_pipeline(PackedSource(str(out)), batch=8, shuffle_seed=0,
-                                     num_epochs=None, prefetch=Prefetch(worker_count=workers)))
+                                     num_epochs=None, prefetch=Prefetch(
+                                         worker_count=workers, read_threads=read_threads)))
     next(it)
     start = time.perf_counter()
     for _ in range(batches):
@@ -193,6 +199,33 @@ def _upload(paths: list[str], url: str) -> list[str]:
     return out
 
 
+def _latency_rows(work: pathlib.Path, latencies: list[float], args: argparse.Namespace) -> None:
+    """An index of Megatron inputs named as file:// URLs (fsspec, as gs:// or s3://) read by
+    byte range in this process, each `storage.read_ranges` call first waiting `ms` (a store's
+    round trip; the ranges of one call wait together): rows/s one row at a time against the
+    source's `read_threads` (16 rows in flight)."""
+    from seqpack.pipelines import storage
+
+    paths = _write_inputs(work, args.copies, args.files, args.group_rows, ("megatron",))
+    urls = ["file://" + p[:-4] + ".idx" for p in paths["megatron"]]
+    out = work / "out-latency"
+    _pack(urls, out, "index", args.workers)
+    os.environ["SEQPACK_INDEX_REMOTE"] = "ranges"
+    read = storage.read_ranges
+    print("| round trip ms | rows/s, one at a time | rows/s, read_threads (16) | speed-up |")
+    print("|---|---|---|---|")
+    for ms in latencies:
+        def waiting(*a, ms=ms):
+            time.sleep(ms / 1e3)
+            return read(*a)
+
+        storage.read_ranges = waiting
+        rates = [_rows_per_s(out, 0, args.batches, threads)[1] for threads in (0, None)]
+        print(f"| {ms:g} | {rates[0]:,.0f} | {rates[1]:,.0f} | {rates[1] / rates[0]:.2f}x |",
+              flush=True)
+    storage.read_ranges = read
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--copies", type=int, default=8)
@@ -208,9 +241,16 @@ def main() -> None:
                    "(seqpack[cloud] and moto, as the tests use); reads fill a fresh cache")
     p.add_argument("--remote", default="copy,ranges", help="with --s3: how an index reads its "
                    "Megatron inputs (SEQPACK_INDEX_REMOTE), comma-separated")
+    p.add_argument("--latency-ms", default=None, help="instead: an index read by byte range "
+                   "with each request round made to wait this long (comma-separated ms)")
     args = p.parse_args()
     work = pathlib.Path(args.work or tempfile.mkdtemp(prefix="index_bench_"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.latency_ms is not None:
+        _latency_rows(work, [float(x) for x in args.latency_ms.split(",")], args)
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     inputs = _write_inputs(work, args.copies, args.files, args.group_rows,
                            tuple(args.kinds.split(",")))
     _, offsets = corpora(["chat_dev"])["chat_dev"]

@@ -273,6 +273,19 @@ def test_an_index_reads_object_inputs_by_range_without_a_copy(tmp_path, monkeypa
         _same(_rows(tmp_path / "copy"), _rows(tmp_path / "index"))
         copied = sorted(p.name for p in cache.rglob("*") if p.is_file())
         assert copied == (["m.idx"] if mode == "ranges" else ["f.npy", "m.bin", "m.idx"])
+        # rows that wait on the store are read 16 at once by the training pipeline
+        assert PackedSource(str(tmp_path / "index")).read_threads == (16 if mode == "ranges"
+                                                                     else 0)
+    assert PackedSource(str(tmp_path / "copy")).read_threads == 0
+    monkeypatch.setenv("SEQPACK_INDEX_REMOTE", "ranges")
+    assert PackedSource(str(tmp_path / "index")).read_threads == 16
+    batching = Batching(4, shard_index=0, shard_count=1, drop_remainder=False)
+    a, b = (list(make_training_pipeline(PackedSource(str(tmp_path / out)), batch=batching,
+                                        shuffle_seed=3, num_epochs=1))
+            for out in ("copy", "index"))  # the index's rows by 16 threads, ranges
+    assert len(a) == len(b) > 1
+    for x, y in zip(a, b):
+        _same(x, y)
 
 
 @pytest.mark.parametrize("which", [0, 1])

@@ -132,6 +132,27 @@ def test_balanced_rows_reach_their_ranks_by_whole_steps(tmp_path, hosts):
     assert first != second
 
 
+@pytest.mark.parametrize("balanced", [False, True])
+def test_rows_read_by_threads_make_the_same_batches(tmp_path, balanced):
+    """`Prefetch(read_threads=)`: a batch's rows read at once by a pool give the batches one at
+    a time gives, in the same order; a plain copy's source asks for no threads."""
+    if balanced:
+        _, src = _balanced(tmp_path)
+        kw = _kw(batch_size=4, shard_index=1, shard_count=2, num_epochs=2)
+    else:
+        _packed_dir(tmp_path)
+        src = PackedArrayRecordSource(tmp_path)
+        kw = _kw(batch_size=3, num_epochs=2, drop_remainder=False)
+    assert src.read_threads == 0
+    runs = [list(make_training_pipeline(src, **kw, prefetch=Prefetch(read_threads=t)))
+            for t in (0, 4)]
+    assert len(runs[0]) == len(runs[1]) > 2
+    for a, b in zip(*runs):
+        assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="read_threads=-1 must be an int >= 0"):
+        Prefetch(read_threads=-1)
+
+
 def test_balanced_layout_arithmetic_is_checked(tmp_path):
     stored, src = _balanced(tmp_path)
     with pytest.raises(ValueError, match="shard_count=3 hosts must divide 4"):

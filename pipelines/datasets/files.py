@@ -41,7 +41,7 @@ from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats import arrayrecord, jsonl
 from seqpack.pipelines.formats.arrays import TokenArrays, megatron_pair, megatron_prefix
 from seqpack.pipelines.formats.detect import ARRAYS, format_by_name
-from seqpack.pipelines.formats.encodings import of_manifest
+from seqpack.pipelines.formats.encodings import of_manifest, read_threads
 from seqpack.pipelines.formats.manifest import (
     INTENT,
     MANIFEST,
@@ -393,6 +393,15 @@ class PackedArrayRecordSource(ArrayRecordSource):
             encoding, layout = self._encoding
             contract = {*keys(self.feature).roles().values()}
             self.columns = [k for k in encoding.decoded_keys(layout) if k not in contract]
+
+    @property
+    def read_threads(self) -> int:
+        """Rows the training pipeline should read at once in each process: more than one
+        where each row waits on the store (an index reading its inputs by byte range:
+        `encodings.read_threads`), else 0."""
+        if self._encoding is None or self._encoding[1].inputs is None:
+            return 0
+        return read_threads(self._encoding[1].inputs)
 
     def _check(self, row: dict[str, np.ndarray]) -> None:
         k = keys(self.feature)

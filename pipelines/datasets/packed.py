@@ -29,7 +29,9 @@ counts global steps, so a run restores on any H that divides D.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grain
@@ -123,13 +125,33 @@ def is_balanced(source: Any) -> bool:
     return isinstance(order, Mapping) and order.get("mode") == "balanced"
 
 
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}  # (pid, threads) -> its pool
+
+
+def read_rows(rows: grain.MapDataset, positions: Iterable[int], threads: int
+              ) -> dict[str, np.ndarray]:
+    """The rows at `positions`, stacked in order; `threads` > 1: read that many at once (rows
+    that wait on storage: `Prefetch.read_threads`), by one pool per process."""
+    positions = list(positions)
+    if threads > 1 and len(positions) > 1:
+        key = (os.getpid(), threads)
+        pool = _POOLS.get(key) or _POOLS.setdefault(
+            key, ThreadPoolExecutor(threads, thread_name_prefix="seqpack-rows"))
+        got = list(pool.map(rows.__getitem__, positions))
+    else:
+        got = [rows[i] for i in positions]
+    return {k: np.stack([r[k] for r in got]) for k in got[0]}
+
+
 class HostSteps(grain.MapDataset):
     """Element k: host `shard_index`'s batch of step k of a balanced dataset (rows stacked)."""
 
-    def __init__(self, rows: grain.MapDataset, *, step_rows: int, first: int, count: int):
+    def __init__(self, rows: grain.MapDataset, *, step_rows: int, first: int, count: int,
+                 read_threads: int = 0):
         super().__init__(rows)
         self._rows, self._step_rows, self._first, self._count = rows, step_rows, first, count
         self._n = len(rows) // step_rows
+        self._threads = read_threads
 
     def __len__(self) -> int:
         return self._n
@@ -138,8 +160,7 @@ class HostSteps(grain.MapDataset):
         if isinstance(index, slice):
             return self.slice(index)
         base = (int(index) % self._n) * self._step_rows + self._first
-        rows = [self._rows[base + i] for i in range(self._count)]
-        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        return read_rows(self._rows, range(base, base + self._count), self._threads)
 
     def __str__(self) -> str:
         return f"HostSteps(steps={self._n}, rows {self._first}..+{self._count} of each)"
@@ -147,11 +168,11 @@ class HostSteps(grain.MapDataset):
 
 def packed_batches(source: Any, *, batch_size: int, shuffle_seed: int, num_epochs: int | None,
                    shard_index: int, shard_count: int, drop_remainder: bool,
-                   balanced_steps: bool | None, local_devices: int | None
-                   ) -> grain.IterDataset:
+                   balanced_steps: bool | None, local_devices: int | None,
+                   read_threads: int = 0) -> grain.IterDataset:
     """Batches of packed rows (see the module docstring); `balanced_steps` None follows the
     manifest, False reads a balanced dataset as plain rows; `local_devices` (None: unknown)
-    is checked against a balanced layout."""
+    is checked against a balanced layout; `read_threads`: rows read at once (`read_rows`)."""
     rows = source if isinstance(source, grain.MapDataset) else grain.MapDataset.source(source)
     if balanced_steps is None:
         balanced_steps = is_balanced(source)
@@ -162,7 +183,7 @@ def packed_batches(source: Any, *, batch_size: int, shuffle_seed: int, num_epoch
         D, b = balanced_layout(source, batch_size=batch_size, shard_count=shard_count,
                                drop_remainder=drop_remainder, local_devices=local_devices)
         steps = HostSteps(rows, step_rows=D * b, first=shard_index * batch_size,
-                          count=batch_size).shuffle(seed=shuffle_seed)
+                          count=batch_size, read_threads=read_threads).shuffle(seed=shuffle_seed)
         left = len(rows) % (D * b)
         if left:
             log.warning("the last %d packed rows (a partial step of D=%d ranks x b=%d rows) are "
@@ -179,7 +200,8 @@ def packed_batches(source: Any, *, batch_size: int, shuffle_seed: int, num_epoch
         _dropped(rows, left[shard_index * batch_size:(shard_index + 1) * batch_size],
                  len(left), batch_size, getattr(source, "feature", "tokens"))
     return GlobalRowBatches(rows, batch_size=batch_size, shard_index=shard_index,
-                            shard_count=shard_count, drop_remainder=drop_remainder)
+                            shard_count=shard_count, drop_remainder=drop_remainder,
+                            read_threads=read_threads)
 
 
 class GlobalRowBatches(grain.IterDataset):
@@ -196,9 +218,9 @@ class GlobalRowBatches(grain.IterDataset):
     and their order do not depend on the worker count."""
 
     def __init__(self, rows: grain.MapDataset, *, batch_size: int, shard_index: int,
-                 shard_count: int, drop_remainder: bool):
+                 shard_count: int, drop_remainder: bool, read_threads: int = 0):
         super().__init__()
-        self._rows, self._drop = rows, drop_remainder
+        self._rows, self._drop, self._threads = rows, drop_remainder, read_threads
         self._b, self._h, self._H = batch_size, shard_index, shard_count
         self._steps = (0, 1)  # (first step, stride): this copy's steps
 
@@ -245,8 +267,7 @@ class GlobalRowIterator(grain.DatasetIterator):
                 raise StopIteration
         self._position = min(start + self._stride * self._step_rows, n)  # n: finished
         self._count += 1
-        rows = [ds._rows[i] for i in mine]
-        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+        return read_rows(ds._rows, mine, ds._threads)
 
     def get_state(self) -> dict[str, Any]:
         ds = self._ds

@@ -176,16 +176,22 @@ class Prefetch:
                         with a prefetch thread.
     worker_buffer_size: batches each worker process makes ahead.
     buffer_size:        batches the prefetch thread makes ahead (worker_count 0; 0: no thread).
+    read_threads:       packed rows of a batch read at once in each process, for rows that
+                        wait on storage; None: the source's `read_threads` (an index read by
+                        byte range: 16), else 0 (one at a time).
     """
 
     worker_count: int = 0
     worker_buffer_size: int = 1
     buffer_size: int = 2
+    read_threads: int | None = None
 
     def __post_init__(self) -> None:
         check_int("worker_count", self.worker_count, low=0)
         check_int("worker_buffer_size", self.worker_buffer_size, low=1)
         check_int("buffer_size", self.buffer_size, low=0)
+        if self.read_threads is not None:
+            check_int("read_threads", self.read_threads, low=0)
 
 
 def _process_shard() -> tuple[int, int, int | None]:
@@ -387,7 +393,8 @@ def make_training_pipeline(
             source, batch_size=batch.batch_size, shuffle_seed=shuffle_seed,
             num_epochs=num_epochs, shard_index=shard[0], shard_count=shard[1],
             drop_remainder=batch.drop_remainder, balanced_steps=balance.steps,
-            local_devices=shard[2])
+            local_devices=shard[2], read_threads=getattr(source, "read_threads", 0)
+            if prefetch.read_threads is None else prefetch.read_threads)
     else:
         if pack is None:
             raise ValueError("pack=None: pass the packing config, e.g. pack=PackConfig(2048) "

@@ -26,14 +26,19 @@ from seqpack.pipelines.formats.encodings.base import (
     shard_batch,
     with_segment_ids,
 )
-from seqpack.pipelines.formats.encodings.index import RANDOM_ACCESS, IndexRows, check_stamp
+from seqpack.pipelines.formats.encodings.index import (
+    RANDOM_ACCESS,
+    IndexRows,
+    check_stamp,
+    read_threads,
+)
 from seqpack.pipelines.formats.encodings.megatron import METADATA, MegatronRows, metadata_name
 from seqpack.pipelines.formats.encodings.sqp1 import RowEncoder, Sqp1
 from seqpack.pipelines.formats.encodings.table import ParquetRows
 from seqpack.pipelines.formats.encodings.trl import TrlRows
 
 __all__ = ["COMPRESSIONS", "DEFAULT", "ENCODINGS", "FORMATS", "RANDOM_ACCESS", "Encoding",
-           "Layout", "check_stamp",
+           "Layout", "check_stamp", "read_threads",
            "RowEncoder", "ShardReader", "encoding", "is_side_file", "layout_of",
            "loss_positions", "metadata_name", "next_token_mask", "of_manifest",
            "shard_batch", "with_segment_ids"]

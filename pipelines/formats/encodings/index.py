@@ -21,6 +21,7 @@ import collections
 import json
 import os
 import secrets
+import threading
 import zipfile
 from collections.abc import Mapping
 from typing import Any
@@ -274,6 +275,20 @@ def _open_input(entry: Mapping[str, Any], column: str, extra: tuple[str, ...],
         return _Groups(local, fmt, column, extra, entry.get("sha256", ""))
 
 
+ROW_THREADS = 16  # rows in flight per reading process when each waits on the store
+
+
+def read_threads(inputs: Mapping[str, Any]) -> int:
+    """How many rows a reading process should read at once (`Prefetch.read_threads`):
+    `ROW_THREADS` when some input is read by byte range (each row waits on the store) and
+    every other one is a local token array (mapped), else 0."""
+    files = inputs["files"]
+    ranged = [storage.is_url(f["path"]) and f.get("format") in arrays.RANGED and _by_range(f)
+              for f in files]
+    mapped = [not storage.is_url(f["path"]) and f.get("format") in ARRAYS for f in files]
+    return ROW_THREADS if any(ranged) and all(r or m for r, m in zip(ranged, mapped)) else 0
+
+
 def _by_range(entry: Mapping[str, Any]) -> bool:
     """Whether an object's examples are read by byte range (`SEQPACK_INDEX_REMOTE`: "copy",
     the default, or "ranges"): only with the versions its scan read, which vouch for the
@@ -341,20 +356,24 @@ class _GroupCache:
     def __init__(self) -> None:
         self.groups: collections.OrderedDict = collections.OrderedDict()
         self.bytes = 0
+        self.lock = threading.Lock()  # rows read by threads (`Prefetch.read_threads`)
 
     def get(self, key: tuple[str, int], load: Any) -> Any:
         """The chunk of `key` (a local input's path, its group), loaded by `load()` if not held."""
-        entry = self.groups.get(key)
-        if entry is not None:
-            self.groups.move_to_end(key)
-            return entry[0]
+        with self.lock:
+            entry = self.groups.get(key)
+            if entry is not None:
+                self.groups.move_to_end(key)
+                return entry[0]
         chunk = load()
         size = int(chunk.values.nbytes) + sum(int(v.nbytes) for v in chunk.extra_values.values())
-        self.groups[key] = (chunk, size)
-        self.bytes += size
-        while self.bytes > CACHE_BYTES and len(self.groups) > 1:
-            _, (_, dropped) = self.groups.popitem(last=False)
-            self.bytes -= dropped
+        with self.lock:
+            held = self.groups.pop(key, None)  # loaded by another thread meanwhile
+            self.bytes += size - (held[1] if held else 0)
+            self.groups[key] = (chunk, size)
+            while self.bytes > CACHE_BYTES and len(self.groups) > 1:
+                _, (_, dropped) = self.groups.popitem(last=False)
+                self.bytes -= dropped
         return chunk
 
 
