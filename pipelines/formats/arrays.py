@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.chunks import Chunk, check_aligned, record_of
 
@@ -285,8 +286,10 @@ class RangedArrays:
     fetched on their own (`storage.read_ranges`, concurrently), no copy of the object; a
     Megatron ``.idx`` is read from `idx_local` (a local copy). `examples` as `TokenArrays`'."""
 
-    def __init__(self, url: str, fmt: str, idx_local: str | None = None):
-        self.url, self.fmt, self.idx_local = url, fmt, idx_local
+    def __init__(self, url: str, fmt: str, size: int, idx_local: str | None = None):
+        """`size`: the bytes of the object `url` names (its manifest entry's; an .npy's header
+        is read within them)."""
+        self.url, self.fmt, self.size, self.idx_local = url, fmt, size, idx_local
         if fmt == "megatron":
             assert idx_local is not None
             self.dtype, sizes, self.starts = read_megatron_index(idx_local)
@@ -298,10 +301,7 @@ class RangedArrays:
             raise ValueError(f"not a token-array format read by range: {fmt!r}")
 
     def _npy_header(self) -> None:
-        from seqpack.pipelines import storage
-
-        size = storage.size(self.url)
-        head = io.BytesIO(storage.read_ranges(self.url, [0], [min(size, _NPY_HEAD)])[0])
+        head = io.BytesIO(storage.read_ranges(self.url, [0], [min(self.size, _NPY_HEAD)])[0])
         fmt = np.lib.format
         try:
             read = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(
@@ -319,10 +319,10 @@ class RangedArrays:
         self.stops = self.starts + row
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url, "fmt": self.fmt, "idx_local": self.idx_local}
+        return {"url": self.url, "fmt": self.fmt, "size": self.size, "idx_local": self.idx_local}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["url"], state["fmt"], state["idx_local"])  # type: ignore[misc]
+        self.__init__(**state)  # type: ignore[misc]
 
     @property
     def num_records(self) -> int:
@@ -337,15 +337,18 @@ class RangedArrays:
               ) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
         """(tokens, {}) of each record of each (input, records) pair, in order: every range of
         every input fetched in one call (a row's pieces wait on one round of requests)."""
-        from seqpack.pipelines import storage
-
-        parts = []
-        for source, index in wanted:
+        urls: list[str] = []
+        starts: list[int] = []
+        ends: list[int] = []
+        sizes = []  # (input, bytes of each record asked)
+        for src, index in wanted:
             index = np.asarray(index, np.int64)
-            parts.append((source, source.starts[index], source.stops[index]))
-        urls = [src.url for src, a, b in parts for live in (b > a) if live]
-        blobs = iter(storage.read_ranges(
-            urls, np.concatenate([a[b > a] for _, a, b in parts] or [[]]).tolist(),
-            np.concatenate([b[b > a] for _, a, b in parts] or [[]]).tolist()))
-        return [(np.frombuffer(next(blobs), src.dtype) if live else np.zeros(0, src.dtype), {})
-                for src, a, b in parts for live in (b > a)]
+            a, b = src.starts[index], src.stops[index]
+            live = b > a  # an empty record asks for nothing
+            urls += [src.url] * int(live.sum())
+            starts += a[live].tolist()
+            ends += b[live].tolist()
+            sizes.append((src, (b - a).tolist()))
+        blobs = iter(storage.read_ranges(urls, starts, ends))
+        return [(np.frombuffer(next(blobs), src.dtype) if n else np.zeros(0, src.dtype), {})
+                for src, ns in sizes for n in ns]

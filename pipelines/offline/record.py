@@ -124,10 +124,10 @@ def with_stamps(inputs: dict) -> dict:
 
 
 def _stamp(entry: dict) -> int:
-    """The input's modification stamp as scanned (now, for an entry without one); InputError
-    if its size or stamp is no longer the scan's."""
+    """The input's modification stamp as scanned; InputError if its size or stamp is no longer
+    the scan's."""
     st = os.stat(entry["path"])
-    scanned = int(entry.get("mtime_ns", st.st_mtime_ns))
+    scanned = int(entry["mtime_ns"])
     if (st.st_size, st.st_mtime_ns) != (int(entry["size"]), scanned):
         raise InputError(f"{entry['path']}: changed while the job ran (read as {entry['size']} "
                          f"bytes stamped {scanned}, now {st.st_size} bytes stamped "

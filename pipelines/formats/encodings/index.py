@@ -311,7 +311,7 @@ def _ranged(entry: Mapping[str, Any], cache_dir: str | None) -> arrays.RangedArr
                              "again, or restore the input")
     idx = next((_cached(e, cache_dir) for e in objects if e["path"].lower().endswith(".idx")),
                None)
-    return arrays.RangedArrays(entry["path"], entry["format"], idx)
+    return arrays.RangedArrays(entry["path"], entry["format"], int(entry["size"]), idx)
 
 
 def _cached(entry: Mapping[str, Any], cache_dir: str | None) -> str:
