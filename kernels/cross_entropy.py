@@ -125,7 +125,7 @@ def _check(logits, targets, segment_offsets, segment_lengths, loss_mask, z_loss)
 )
 def segment_cross_entropy(
     logits: jax.Array,  # f[B, L, V]
-    targets: jax.Array,  # int[B, L], values in [0, V)
+    targets: jax.Array,  # int[B, L], ids in [0, V) or negative (-100: not counted)
     segment_offsets: jax.Array,  # int[B, S]
     segment_lengths: jax.Array,  # int[B, S]
     *,
@@ -139,7 +139,8 @@ def segment_cross_entropy(
     """Segment-aware cross-entropy: (loss, per_segment_loss, per_segment_tokens).
 
     Token loss = logsumexp(logits) - logits[target] + z_loss * logsumexp^2, counted when the token
-    lies in a segment and `loss_mask` is set. per_segment_loss holds each slot's sum of counted
+    lies in a segment, its target is >= 0 (-100: ignored) and `loss_mask` is set; a counted
+    target >= V makes its segment's loss NaN. per_segment_loss holds each slot's sum of counted
     token losses (its mean is per_segment_loss / max(per_segment_tokens, 1)); empty slots hold 0.
     `normalize`: "tokens" (sum / counted tokens), "segments" (mean over non-empty segments of the
     segment means) or "none" (sum); an empty batch gives loss 0. `impl`: common.resolve_impl;
@@ -154,14 +155,16 @@ def segment_cross_entropy(
             loss_mask=loss_mask, z_loss=z_loss,
         )
     batch, seq_len, vocab = logits.shape
-    mask = (jnp.ones((batch, seq_len), jnp.float32) if loss_mask is None
-            else (loss_mask != 0).astype(jnp.float32))
-    targets = targets.astype(jnp.int32)
+    kept = targets >= 0  # -100 (any negative id): not counted
+    mask = (kept if loss_mask is None else kept & (loss_mask != 0)).astype(jnp.float32)
+    targets = jnp.maximum(targets, 0).astype(jnp.int32)
     used = row_ends(segment_offsets, segment_lengths, seq_len)
     offsets, lengths = family_metadata(segment_offsets, segment_lengths, family)
     st = _Static(family, family.tiling(seq_len, vocab, num_segments, float(z_loss), blocks,
                                        interpret))
     per_segment_loss, count = _pallas_ce(logits, targets, mask, offsets, lengths, used, st)
     count = lax.stop_gradient(count)
+    per_segment_loss = reference.out_of_vocab(per_segment_loss, targets, mask > 0,
+                                              segment_offsets, segment_lengths, vocab)
     loss = reference.normalize_loss(per_segment_loss, count, normalize)
     return loss, per_segment_loss, count.astype(jnp.int32)

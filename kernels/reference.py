@@ -66,6 +66,22 @@ def _segment_totals(x, segment_offsets, segment_lengths):  # f[B, L(, D)] -> f32
                           segment_lengths)
 
 
+def out_of_vocab(
+    per_segment_loss: jax.Array,  # f32[B, S]
+    targets: jax.Array,  # int[B, L]
+    counted: jax.Array,  # bool[B, L]
+    segment_offsets: jax.Array,  # int[B, S]
+    segment_lengths: jax.Array,  # int[B, S]
+    vocab: int | jax.Array,
+) -> jax.Array:  # f32[B, S]
+    """per_segment_loss with NaN in every segment holding a counted target >= vocab: an id the
+    logits lack (a vocabulary mismatch) shows the same under every impl, never a made-up
+    loss."""
+    bad = (counted & (targets >= vocab)).astype(jnp.float32)
+    return jnp.where(_segment_totals(bad, segment_offsets, segment_lengths) > 0, jnp.nan,
+                     per_segment_loss)
+
+
 def mean_of_sums(
     totals: jax.Array,  # f32[B, S] or f32[B, S, D], per-segment sums
     segment_lengths: jax.Array,  # int[B, S]
@@ -177,19 +193,21 @@ def segment_cross_entropy(
     """Cross-entropy per segment: (loss, per_segment_loss sums, per_segment_tokens counts).
 
     Token loss = logsumexp(logits) - logits[target] + z_loss * logsumexp^2, counted when the token
-    lies in a segment and loss_mask (if given) is set.
+    lies in a segment, its target is >= 0 (-100: PyTorch's ignore_index) and loss_mask (if
+    given) is set. A counted target >= V makes its segment's loss NaN.
     """
     batch, seq_len, _ = logits.shape
     num_segments = segment_offsets.shape[1]
     ids = segment_index(segment_offsets, segment_lengths, seq_len)
-    counted = ids < num_segments
+    counted = (ids < num_segments) & (targets >= 0)
     if loss_mask is not None:
         counted &= loss_mask.astype(bool)
     # Excluded tokens get zero logits *before* the math, so whatever they hold (even NaN) never
     # reaches the loss or the gradient (a `where` after the logsumexp would leak 0 * NaN).
     lf = jnp.where(counted[..., None], logits.astype(jnp.float32), 0.0)
     lse = jax.nn.logsumexp(lf, axis=-1)
-    target_logit = jnp.take_along_axis(lf, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    picked = jnp.maximum(targets, 0).astype(jnp.int32)[..., None]  # >= V: NaN (take's fill)
+    target_logit = jnp.take_along_axis(lf, picked, axis=-1)[..., 0]
     token_loss = lse - target_logit + z_loss * lse * lse
     ids = jnp.where(counted, ids, num_segments)
     ids = (ids + (num_segments + 1) * jnp.arange(batch, dtype=jnp.int32)[:, None]).reshape(-1)
@@ -199,7 +217,8 @@ def segment_cross_entropy(
         out = jax.ops.segment_sum(values.reshape(-1), ids, num_segments=buckets)
         return out.reshape(batch, num_segments + 1)[:, :num_segments]
 
-    per_segment_loss = per_slot(jnp.where(counted, token_loss, 0.0))
+    per_segment_loss = out_of_vocab(per_slot(jnp.where(counted, token_loss, 0.0)), targets,
+                                    counted, segment_offsets, segment_lengths, logits.shape[2])
     per_segment_tokens = per_slot(counted.astype(jnp.int32))
     loss = normalize_loss(per_segment_loss, per_segment_tokens, normalize)
     return loss, per_segment_loss, per_segment_tokens

@@ -34,10 +34,11 @@ CONFIGS = {
 
 
 def _inputs(tmp_path) -> list[str]:
-    """Four inputs: token ids read as uint8 (text bytes), int32 (JSONL, Parquet), one empty."""
-    (tmp_path / "t.txt").write_text("text inputs are bytes")
+    """Four inputs: token ids of uint8 (.npz), int32 (JSONL, Parquet), one empty."""
+    ids = np.frombuffer(b"token ids of one byte", np.uint8)
+    np.savez(tmp_path / "t.npz", tokens=ids, offsets=np.array([0, 8, ids.size]))
     return [
-        str(tmp_path / "t.txt"),
+        str(tmp_path / "t.npz"),
         write_jsonl(tmp_path / "a.jsonl", random_seqs(40, max_len=70, seed=1)),
         write_jsonl(tmp_path / "empty.jsonl", []),
         write_parquet(tmp_path / "b.parquet", random_seqs(55, max_len=70, seed=2, vocab=300)),

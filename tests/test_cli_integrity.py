@@ -57,11 +57,17 @@ def test_seq_len_bounds_are_checked_before_anything_is_written(tmp_path, monkeyp
     monkeypatch.setattr(job, "available_memory", lambda: 2**30)
     result = invoke("pack", src, "-o", out, "--seq-len", 100_000_000, ok=False)
     assert result.exit_code == 2
-    assert "--seq-len 100000000: one packed row needs 1.5 GiB, more than the 1.0 GiB" \
-        in result.output
+    assert "--seq-len 100000000, --max-segments 64: one packed row needs 1.5 GiB, more than " \
+        "the 1.0 GiB" in result.output
+    result = invoke("pack", src, "-o", out, "--seq-len", 1024, "--max-segments", 50_000_000,
+                    ok=False)  # the per-segment arrays count too
+    assert result.exit_code == 2
+    assert "--seq-len 1024, --max-segments 50000000: one packed row needs 2.2 GiB" \
+        in result.output and "or --max-segments" in result.output
     result = invoke("pack", src, "-o", out, "--seq-len", 1_000_000, "--workers", 2, ok=False)
     assert result.exit_code == 2  # 1024 rows of 16 MB in each of 2 workers: 32 GiB
-    assert "--shard-rows 1024 x --seq-len 1000000 x 2 worker(s) needs 30.5 GiB" in result.output
+    assert "--shard-rows 1024 x (--seq-len 1000000, --max-segments 64) x 2 worker(s) needs " \
+        "30.5 GiB" in result.output
     assert "pass --shard-rows 33 or fewer" in result.output
     assert not out.exists()
 

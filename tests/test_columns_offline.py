@@ -244,3 +244,28 @@ def test_the_training_pipeline_reads_the_columns_by_their_recorded_roles(tmp_pat
     want = LossTokens(feature="input_ids", labels=("labels",), masks=("mask",)).count(batch)
     np.testing.assert_array_equal(batch["loss_tokens"], want)
     assert (want < LossTokens(feature="input_ids").count(batch)).all()  # prompts: no loss
+
+
+@pytest.mark.parametrize("dtype,pad,want", [
+    ("int8", 0, "int8"), ("int8", -100, "int8"), ("uint8", 0, "uint8"), ("uint8", -100, "int16"),
+    ("int8", 200, "int16"), ("uint16", 70000, "uint32"), ("int32", -100, "int32"),
+    ("int64", -100, "int64"), ("uint32", -100, "int64")])
+def test_a_column_keeps_its_dtype_unless_its_pad_is_outside_it(dtype, pad, want):
+    from seqpack.pipelines.offline.shards import row_dtype
+
+    assert row_dtype(np.dtype(dtype), pad) == np.dtype(want)
+
+
+def test_an_int8_mask_is_stored_as_int8(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "sft.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array([[5, 6, 7], [8, 9]], pa.list_(pa.int32())),
+                             "mask": pa.array([[0, 1, 1], [1, 1]], pa.list_(pa.int8()))}), path)
+    invoke("pack", path, "-o", tmp_path / "out", "--column", "input_ids", "--column", "mask",
+           "--seq-len", 8)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert [c["dtype"] for c in manifest["columns"]] == ["|i1"]
+    rows = read_shard(str(tmp_path / "out"), manifest["shards"][0])
+    assert rows["mask"].dtype == np.int8 and rows["mask"][0].tolist() == [0, 1, 1, 1, 1, 0, 0, 0]

@@ -44,6 +44,27 @@ def test_a_directory_names_what_it_leaves_out_and_refuses_text_among_token_files
         result.stderr, result.stderr
 
 
+
+@pytest.mark.parametrize("runner", ["local", pytest.param("beam", marks=pytest.mark.slow)])
+def test_text_among_token_files_is_refused_however_the_inputs_are_named(tmp_path, runner):
+    """A glob or a list is checked as a directory is, by the format each input is read as
+    (a LICENSE without an extension is text by its content): pack (every runner) and the
+    dry run refuse it, naming the file; without it, both run."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "part-0.jsonl", [[1, 2, 3], [4, 5]])
+    (data / "LICENSE").write_text("Permission is hereby granted\n")
+    want = f"{data / 'LICENSE'}: a text file among 1 token file(s) (jsonl)"
+    for i, inputs in enumerate([[data / "*"], [data / "LICENSE", data / "part-0.jsonl"]]):
+        result = invoke("pack", *inputs, "-o", tmp_path / f"out{i}", "--seq-len", 8,
+                        "--runner", runner, ok=False)
+        assert result.exit_code == 2 and want in result.output, result.output
+        assert not (tmp_path / f"out{i}" / "manifest.json").exists()
+    if runner == "local":
+        result = invoke("stats", data / "*", "--seq-len", 8, ok=False)
+        assert result.exit_code == 2 and want in result.output, result.output
+        invoke("stats", data / "part-0.jsonl", "--seq-len", 8)
+
 def test_empty_inputs_are_named(tmp_path):
     empty = write_jsonl(tmp_path / "empty.jsonl", [])
     full = write_jsonl(tmp_path / "full.jsonl", [[1, 2, 3]])

@@ -17,6 +17,7 @@ from tests.helpers.kernels import (
     BF16_SLOW,
     CASES,
     CE_BLOCKS,
+    GPU_BLOCKS,
     INTERPRET,
     B,
     L,
@@ -186,3 +187,47 @@ def test_one_slot_filling_the_row():
     logits, targets, mask, w = _inputs(rng, offsets)
     _, _, tokens, _ = _check("segments", logits, targets, offsets, lengths, mask, w, jnp.float32)
     np.testing.assert_array_equal(tokens[:, 0], [mask[0].sum(), mask[1, 20:].sum()])
+
+
+IGNORE_CASES = {  # impl name -> keyword arguments of segment_cross_entropy
+    "reference": dict(impl="reference"),
+    "pallas_tpu": dict(impl="pallas_tpu", interpret=INTERPRET, block_sizes=CE_BLOCKS),
+    "pallas_gpu": dict(impl="pallas_gpu", interpret=True, block_sizes=GPU_BLOCKS),
+}
+
+
+@pytest.mark.parametrize("name", list(IGNORE_CASES))
+def test_negative_targets_are_ignored_and_out_of_vocab_ones_poison_their_segment(name):
+    """-100 (PyTorch's ignore_index) is not counted, as under a zero loss_mask, by every impl
+    and the fused head; a target >= V makes its own segment's loss and the loss NaN, never a
+    made-up value, leaving the other segments' losses as they were."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(1, 16, 5)), jnp.float32)
+    targets = rng.integers(0, 5, (1, 16))
+    off, ln = jnp.asarray([[0, 8]], jnp.int32), jnp.asarray([[8, 8]], jnp.int32)
+    ignored = np.zeros((1, 16), bool)
+    ignored[0, [2, 5, 11]] = True
+    ce = functools.partial(kernels.segment_cross_entropy, **IGNORE_CASES[name])
+    want = reference.segment_cross_entropy(logits, jnp.asarray(targets), off, ln,
+                                           loss_mask=jnp.asarray(~ignored))
+    got = ce(logits, jnp.asarray(np.where(ignored, -100, targets)), off, ln)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    assert int(got[2].sum()) == 13
+    bad = targets.copy()
+    bad[0, 12] = 7  # in the second segment
+    loss, per_seg, _ = ce(logits, jnp.asarray(bad), off, ln)
+    assert np.isnan(float(loss)) and np.isnan(float(per_seg[0, 1]))
+    clean = reference.segment_cross_entropy(logits, jnp.asarray(targets), off, ln)[1]
+    np.testing.assert_allclose(float(per_seg[0, 0]), float(clean[0, 0]), rtol=1e-5)
+    if name == "reference":  # the fused head, every mode, agrees
+        eye = jnp.eye(5, dtype=jnp.float32)
+        for mode in ("logits", "chunked", "recompute"):
+            head = functools.partial(kernels.segment_linear_cross_entropy, mode=mode,
+                                     max_logits_bytes=8 * 5 * 4 if mode == "chunked" else None)
+            got = head(logits, eye, jnp.asarray(np.where(ignored, -100, targets)), off, ln)
+            for g, w in zip(got, want):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+            loss, per_seg, _ = head(logits, eye, jnp.asarray(bad), off, ln)
+            assert np.isnan(float(loss)) and np.isnan(float(per_seg[0, 1])), mode
+            assert np.isfinite(float(per_seg[0, 0])), mode

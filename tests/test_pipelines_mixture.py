@@ -226,6 +226,8 @@ def test_edited_weights_take_hold_from_the_restored_point():
     rows = [next(resumed) for _ in range(60)]
     after = resumed.counters["datasets"]
     since = [after[n]["tokens"] - t for n, t in zip("ab", drawn_before)]
+    # no labels or mask column: every token carries a loss, as a batch's loss_tokens counts
+    assert all(after[n]["loss_tokens"] == after[n]["tokens"] > 0 for n in "ab"), after
     assert abs(since[1] / sum(since) - 0.75) < 0.03, since  # drawn since the restore
     tok = np.array([[sum(n for d, _, _, n in checked_segments([r]) if d == k) for k in (0, 1)]
                     for r in rows[20:]])  # rows of windows drawn after it

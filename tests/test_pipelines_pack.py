@@ -218,6 +218,12 @@ def test_bad_elements_and_arguments():
     floats = SequentialIterDataset(grain.MapDataset.source([{"tokens": np.ones(3)}] * 2))
     with pytest.raises(ValueError, match="element 0: 'tokens' must be a 1-D array of integer"):
         list(PackIterDataset(floats, PackConfig(64)))
+    for first in (0, 1):  # bool is no token id: the first element, or a later one
+        elements = [{"tokens": np.ones(3, np.int32)}, {"tokens": np.ones(3, bool)}][first:]
+        bools = SequentialIterDataset(grain.MapDataset.source(elements * 2))
+        with pytest.raises(ValueError, match=f"element {1 - first}: 'tokens' must be a 1-D "
+                                             "array of integer token ids.*dtype bool"):
+            list(PackIterDataset(bools, PackConfig(64)))
     with pytest.raises(ValueError, match="must be a PackConfig, or a non-empty list of them"):
         PackIterDataset(ds, [])
     with pytest.raises(ValueError, match="concat_split"):

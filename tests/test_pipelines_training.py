@@ -77,6 +77,25 @@ def test_shards_cover_every_example_exactly_once(shard_count):
     assert sorted(seen) == list(range(200))
 
 
+
+def test_a_last_short_batch_is_dropped_with_its_rows_and_tokens_named(caplog):
+    """Online, as for packed rows: the rows a last batch drops are said, with their tokens
+    (every token of the epoch is in a batch or in that count); kept with drop_remainder=False."""
+    src, values, _ = _source(n=200, seed=4)
+    make = lambda drop: make_training_pipeline(  # noqa: E731
+        src, pack=packer.PackConfig(128), batch=Batching(4, drop_remainder=drop,
+                                                         shard_index=0, shard_count=1),
+        shuffle_seed=0, num_epochs=1)
+    kept = list(make(False))
+    assert kept[-1]["tokens"].shape[0] < 4  # (the corpus leaves a short batch)
+    with caplog.at_level("WARNING", logger="seqpack"):
+        batches = list(make(True))
+    assert len(batches) == len(kept) - 1
+    rows = kept[-1]["tokens"].shape[0]
+    tokens = int(kept[-1]["tokens_segment_lengths"].sum())
+    assert sum(int(b["tokens_segment_lengths"].sum()) for b in batches) + tokens == values.size
+    assert f"the last {rows} packed rows ({tokens} tokens) are dropped" in caplog.text
+
 def test_defaults_shard_from_jax_and_epochs_reshuffle():
     src, values, offsets = _source(n=60, seed=4)
     ds = make_training_pipeline(src, pack=packer.PackConfig(128),
@@ -144,6 +163,10 @@ def test_bad_arguments():
         make_training_pipeline(src, batch=Batching(1, shard_index=3, shard_count=2), **base)
     with pytest.raises(ValueError, match="both or neither"):
         make_training_pipeline(src, batch=Batching(1, shard_index=0), **base)
+    for seed in (None, -1, 1.5, True, "0"):
+        with pytest.raises(ValueError, match=rf"shuffle_seed={seed!r} must be an int >= 0"):
+            make_training_pipeline(src, batch=1, **{**base, "shuffle_seed": seed})
+    make_training_pipeline(src, batch=1, **{**base, "shuffle_seed": np.int64(3)})
 
 
 @pytest.mark.slow

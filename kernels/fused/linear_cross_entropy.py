@@ -219,10 +219,23 @@ def segment_linear_cross_entropy(
     data = (hidden, weight, targets, segment_offsets, segment_lengths, counted, segment_weights)
     softcap = None if logit_softcap is None else float(logit_softcap)
     if plan.mode is LossHeadMode.RECOMPUTE:
-        return _recompute(*data, family=family, blocks=blocks, softcap=softcap,
-                          interpret=interpret, normalize=normalize, z_loss=z_loss,
-                          vocab_axis=vocab_axis)
-    assert plan.chunk_tokens is not None  # LOGITS and CHUNKED have a chunk
-    return _in_forward(*data, chunk=plan.chunk_tokens, blocks=blocks, normalize=normalize,
-                       z_loss=z_loss, softcap=softcap, vocab_axis=vocab_axis,
-                       logits_dtype=stored.name, weight_grad_dtype=carry.name)
+        out = _recompute(*data, family=family, blocks=blocks, softcap=softcap,
+                         interpret=interpret, normalize=normalize, z_loss=z_loss,
+                         vocab_axis=vocab_axis)
+    else:
+        assert plan.chunk_tokens is not None  # LOGITS and CHUNKED have a chunk
+        out = _in_forward(*data, chunk=plan.chunk_tokens, blocks=blocks, normalize=normalize,
+                          z_loss=z_loss, softcap=softcap, vocab_axis=vocab_axis,
+                          logits_dtype=stored.name, weight_grad_dtype=carry.name)
+    return _out_of_vocab(out, targets, counted, segment_offsets, segment_lengths,
+                         weight.shape[1], vocab_axis)
+
+
+def _out_of_vocab(out, targets, counted, offsets, lengths, columns: int, vocab_axis):
+    """`out` with NaN in each segment holding a counted target past the whole vocabulary (this
+    shard's columns times the shards), and in the loss then (`reference.out_of_vocab`)."""
+    loss, per_segment_loss, tokens = out
+    vocab = columns if vocab_axis is None else columns * lax.psum(1, vocab_axis)
+    per_segment_loss = reference.out_of_vocab(per_segment_loss, targets, counted, offsets,
+                                              lengths, vocab)
+    return jnp.where(jnp.isnan(per_segment_loss).any(), jnp.nan, loss), per_segment_loss, tokens

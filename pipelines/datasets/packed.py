@@ -76,10 +76,20 @@ def check_columns(source: Any, columns: Sequence[Column], *, explicit_pads: Iter
                              f"manifest says pad={int(pad)}")
     given = {c.name for c in columns}
     feature = str(getattr(source, "feature", "tokens"))
+    held = getattr(source, "columns", None)  # the [L] columns the rows hold as decoded
     out = list(columns)
     for name, entry in listed.items():
         if name in given:
             continue
+        if held is not None and name not in held and entry.get("role") in ("labels", "mask"):
+            if any(c.role in (Role.LABELS, Role.MASK) for c in columns):
+                continue  # the caller said how to count loss tokens from what the rows hold
+            raise ValueError(
+                f"the packed rows ({getattr(manifest, 'encoding', None) or 'arrayrecord'} "
+                f"format) do not hold the {entry['role']} column {name!r} they were packed "
+                f"with (they hold {sorted(held)}); train from an arrayrecord, parquet or hf "
+                "output, or say how to count loss tokens: Megatron's loss_mask is already "
+                "shifted, Columns(masks=['loss_mask'], next_token_loss=False)")
         if entry.get("role") not in {r.value for r in Role}:
             raise ValueError(
                 f"the packed rows hold the column {name!r} (pad {entry.get('pad')}); say what "
@@ -296,6 +306,46 @@ class GlobalRowIterator(grain.DatasetIterator):
 
     def __str__(self) -> str:
         return "GlobalRowIterator"
+
+
+class FullBatches(grain.IterDataset):
+    """Rows packed on the fly in batches of `batch_size`, a last, short batch (the end of the
+    data: `num_epochs`) dropped with a warning naming its rows and tokens, as packed rows'
+    is (Grain's `batch(drop_remainder=True)` drops it without a word). The state is Grain's
+    batch's: a checkpoint restores either way."""
+
+    def __init__(self, rows: grain.IterDataset, batch_size: int, feature: str):
+        super().__init__(rows.batch(batch_size, drop_remainder=False))
+        self._b, self._feature = batch_size, feature
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _FullBatchIterator(self._parent.__iter__(), self._b, self._feature)
+
+    def __str__(self) -> str:
+        return f"FullBatches(batch_size={self._b})"
+
+
+class _FullBatchIterator(grain.DatasetIterator):
+    def __init__(self, parent: grain.DatasetIterator, batch_size: int, feature: str):
+        super().__init__(parent)
+        self._b, self._feature = batch_size, feature
+
+    def __next__(self) -> dict[str, Any]:
+        batch = next(self._parent)
+        rows = len(batch[self._feature])
+        if rows < self._b:
+            tokens = int(np.sum(batch[f"{self._feature}_segment_lengths"]))
+            log.warning("the last %d packed rows (%d tokens) are dropped: a batch needs %d "
+                        "rows (Batching(drop_remainder=False) keeps them)", rows, tokens,
+                        self._b)
+            raise StopIteration
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return self._parent.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state)
 
 
 def _dropped(rows: grain.MapDataset, positions: Sequence[int], total: int, batch_size: int,

@@ -300,7 +300,9 @@ def _example_batches(source: Any, *, pack: PackConfig, batch: Batching,
                                  shard_index=shard_index, shard_count=shard_count)
         run["examples"] = len(source)
     rows = PackIterDataset(parent, pack, columns=columns, window=window, seed=shuffle_seed)
-    return rows.batch(batch.batch_size, drop_remainder=batch.drop_remainder), run
+    if batch.drop_remainder:
+        return packed.FullBatches(rows, batch.batch_size, pack.feature), run
+    return rows.batch(batch.batch_size, drop_remainder=False), run
 
 
 def _loss_tokens(source: Any, feature: str, columns: Columns) -> LossTokens:
@@ -383,6 +385,10 @@ def make_training_pipeline(
     prefetch:     `Prefetch`: worker processes or a prefetch thread. Iterators still open at
                   interpreter exit are closed then.
     """
+    if isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, (int, np.integer)) \
+            or shuffle_seed < 0:
+        raise ValueError(f"shuffle_seed={shuffle_seed!r} must be an int >= 0")
+    shuffle_seed = int(shuffle_seed)
     batch = _check_options(pack, batch, num_epochs, columns, balance, window, prefetch)
     pack = _context_parallel(source, pack, batch.context_parallel)
     shard = batch.shard()

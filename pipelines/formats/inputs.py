@@ -76,6 +76,7 @@ from seqpack.pipelines.formats.detect import (
     resolve_format,
 )
 from seqpack.pipelines.formats.paths import (
+    check_text_beside_tokens,
     entry_files,
     expand_inputs,
     file_stamp,
@@ -85,7 +86,8 @@ from seqpack.pipelines.formats.paths import (
     unstamped,
 )
 
-__all__ = ["Corpus", "FileScan", "InputError", "ReadOptions", "detect_format", "expand_inputs",
+__all__ = ["Corpus", "FileScan", "InputError", "ReadOptions", "check_text_beside_tokens",
+           "detect_format", "expand_inputs",
            "fingerprint", "fingerprint_path", "local_input", "read_corpus", "sample_files",
            "scan_file", "unstamped"]
 
@@ -169,6 +171,7 @@ def read_corpus(paths: Sequence[str], options: ReadOptions) -> Corpus:
                                tokenizer, tokens.append,
                                column_sinks={n: c.append for n, c in cols.items()}))
         parts.append((tokens, cols))
+    check_text_beside_tokens([(s.info["path"], s.info["format"]) for s in scans])
     dtype = corpus_dtype([s.dtype for s in scans])
     values = _joined([t for tokens, _ in parts for t in tokens], dtype)
     extra = {name: _joined([v for _, cols in parts for v in cols[name]], col_dtype)
@@ -406,6 +409,7 @@ def read_lengths(paths: Sequence[str], options: ReadOptions) -> tuple[np.ndarray
     tokenizer = text.load_tokenizer(options.tokenizer) if options.tokenizer else None
     scans = [scan_file(os.fspath(p), detect_format(os.fspath(p), options.input_format), options,
                        tokenizer) for p in paths]
+    check_text_beside_tokens([(s.info["path"], s.info["format"]) for s in scans])
     return np.concatenate([s.lengths for s in scans]), [s.info for s in scans]
 
 

@@ -194,14 +194,26 @@ def _choose(where: str, paths: list[str], input_format: str | None) -> list[str]
     if not (text and tokens):
         return files
     if input_format is None:
-        kinds = ", ".join(sorted({str(formats[p]) for p in tokens}))
-        raise InputError(f"{text[0]}: a text file among {len(tokens)} token file(s) ({kinds}) "
-                         f"in {where}: its UTF-8 bytes would be packed beside the token ids; "
-                         "move it out, or pass input_format= to say which files to read")
+        check_text_beside_tokens([(p, str(formats[p])) for p in files], where=f" in {where}",
+                                 hint="pass input_format= to say which files to read")
     for p in files:
         if formats[p] != input_format:
             log.warning("%s: left out: not of input_format=%r", p, input_format)
     return [p for p in files if formats[p] == input_format]
+
+
+def check_text_beside_tokens(formats: Sequence[tuple[str, str]], *, where: str = "",
+                             hint: str = "pack it in a run of its own") -> None:
+    """InputError naming the first text input when `formats` ((path, format) of every input,
+    by name or content) holds both text and token files: its UTF-8 bytes would be packed as
+    ids 0..255 beside the token ids."""
+    text = [p for p, f in formats if f == "text"]
+    kinds = sorted({f for _, f in formats if f in _TOKEN_FORMATS})
+    if text and kinds:
+        count = sum(f in _TOKEN_FORMATS for _, f in formats)
+        raise InputError(f"{text[0]}: a text file among {count} token file(s) "
+                         f"({', '.join(kinds)}){where}: its UTF-8 bytes would be packed beside "
+                         f"the token ids; move it out, or {hint}")
 
 
 def _glob_files(pattern: str) -> list[str]:

@@ -196,6 +196,7 @@ def check_files(files: Iterable[FileSummary], job: PackJob) -> list[FileSummary]
     for f in files:
         if f.error is not None:
             raise InputError(f.error)
+    inputs.check_text_beside_tokens([(f.path, str(f.info["format"])) for f in files])
     record.check_overlength([f.path for f in files], [f.overlength for f in files], job.config)
     empty = [f for f in files if not int(f.info["num_tokens"])]
     if len(empty) == len(files):

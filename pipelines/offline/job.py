@@ -197,20 +197,24 @@ class PackJob:
     def check_memory(self) -> None:
         """UsageError unless one packed row, and one shard of rows in each worker, fit in the
         memory available now; checked before anything is read or written."""
-        L = self.config.seq_len
-        row = L * 16  # tokens (<= 8 bytes) + int32 segment ids and positions
+        L, S = self.config.seq_len, self.config.max_segments
+        # tokens (<= 8 bytes) + int32 segment ids and positions; per slot its offset, length
+        # (int32) and source example and start (int64), and as much again while it is built
+        row = L * 16 + S * 48
         available = available_memory()
         if available is None:
             return
         if row > available:
-            raise UsageError(f"seq_len={L}: one packed row needs {row / 2**30:.1f} GiB, more "
-                             f"than the {available / 2**30:.1f} GiB of memory available; pick "
-                             "a smaller seq_len=")
+            raise UsageError(f"seq_len={L}, max_segments={S}: one packed row needs "
+                             f"{row / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB "
+                             "of memory available; pick a smaller seq_len= or max_segments= "
+                             "(a row never holds more segments than tokens)")
         shard_rows, workers = self.write_options.shard_rows, self.num_workers
         need = row * shard_rows * workers  # each worker assembles one shard at a time
         if need > available:
             fit = max(1, available // (row * workers))
-            raise UsageError(f"shard_rows={shard_rows} x seq_len={L} x {workers} worker(s) "
+            raise UsageError(f"shard_rows={shard_rows} x (seq_len={L}, max_segments={S}) x "
+                             f"{workers} worker(s) "
                              f"needs {need / 2**30:.1f} GiB, more than the "
                              f"{available / 2**30:.1f} GiB of memory available; pass "
                              f"shard_rows={fit} or fewer (or fewer workers=)")

@@ -82,11 +82,14 @@ def stored_keys(config: PackConfig, options: WriteOptions,
 
 
 def row_dtype(values_dtype: np.dtype, pad_id: int) -> np.dtype:
-    """The rows' token dtype: the inputs' dtype, widened when it cannot hold `pad_id`."""
+    """The rows' dtype of a column (tokens, labels, a mask): the inputs' dtype, widened only
+    when `pad_id` is outside its range (an int8 mask padded with 0 stays int8)."""
     dtype = np.dtype(values_dtype)
-    if not np.can_cast(np.min_scalar_type(pad_id), dtype):
-        dtype = np.result_type(dtype, np.min_scalar_type(pad_id))
-    return dtype
+    if dtype.kind in "iu":
+        fits = np.iinfo(dtype).min <= pad_id <= np.iinfo(dtype).max
+    else:
+        fits = np.can_cast(np.min_scalar_type(pad_id), dtype)
+    return dtype if fits else np.result_type(dtype, np.min_scalar_type(pad_id))
 
 
 def _fsync(path: str) -> None:

@@ -261,8 +261,8 @@ class MixtureIterator(grain.DatasetIterator):
         cols = self._mix.loss_columns
         try:
             tokens = len(element[self._mix.feature])
-            if not cols:
-                return tokens, 0
+            if not cols:  # no labels or mask column: every token carries a loss
+                return tokens, tokens
             return tokens, int(np.count_nonzero(carries_loss(
                 ((np.asarray(element[n]), r) for n, r in cols), tokens)))
         except (KeyError, TypeError, IndexError, ValueError) as e:

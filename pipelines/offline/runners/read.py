@@ -31,7 +31,13 @@ import numpy as np
 
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
-from seqpack.pipelines.formats.inputs import FileScan, ReadOptions, detect_format, scan_file
+from seqpack.pipelines.formats.inputs import (
+    FileScan,
+    ReadOptions,
+    check_text_beside_tokens,
+    detect_format,
+    scan_file,
+)
 from seqpack.pipelines.formats.text import load_tokenizer
 from seqpack.pipelines.offline.runners.spill import Run, SpillWriter
 from seqpack.pipelines.offline.runners.workers import Workers
@@ -91,11 +97,12 @@ def _load_tokenizer(path: str, size: int, mtime_ns: int) -> Any:
     return load_tokenizer(path)
 
 
-def _scan_lengths(path: str, fmt: str, options: ReadOptions) -> np.ndarray:
-    """One input's example lengths (its tokens read and dropped)."""
+def _scan_lengths(path: str, fmt: str, options: ReadOptions) -> tuple[np.ndarray, str]:
+    """One input's example lengths (its tokens read and dropped), and its format as read."""
     try:
-        return scan_file(path, fmt, options, _tokenizer(options.tokenizer) if options.tokenizer
-                         else None).lengths
+        scan = scan_file(path, fmt, options, _tokenizer(options.tokenizer) if options.tokenizer
+                         else None)
+        return scan.lengths, str(scan.info["format"])
     finally:
         _release_arrow_memory()
 
@@ -126,8 +133,11 @@ def scan_lengths(paths: Sequence[str], options: ReadOptions, workers: Workers
     calls = [(os.fspath(p), detect_format(os.fspath(p), options.input_format), options)
              for p in paths]
     if small:  # starting the worker processes would cost more
-        return [_scan_lengths(*call) for call in calls]
-    return list(workers.map(_scan_lengths, calls, len(calls), what="reading the inputs"))
+        scans = [_scan_lengths(*call) for call in calls]
+    else:
+        scans = list(workers.map(_scan_lengths, calls, len(calls), what="reading the inputs"))
+    check_text_beside_tokens([(call[0], fmt) for call, (_, fmt) in zip(calls, scans)])
+    return [lengths for lengths, _ in scans]
 
 
 @dataclasses.dataclass(frozen=True)
