@@ -87,6 +87,28 @@ def _row_order(row_order, seed, data_parallel, batch_size, cost_model, d_model, 
                   batch_size=batch_size or 1, cost=cost)
 
 
+def _given(name: str) -> bool:
+    """Whether option `name` (its parameter name) was given, not left at its default."""
+    from click.core import ParameterSource
+
+    source = click.get_current_context().get_parameter_source(name)
+    return source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+
+
+def _refuse_inapplicable(inputs, input_format, cost_model) -> None:
+    """UsageError for an option given where it does nothing: --text-unit without a text input
+    (by --input-format, else by the inputs' names), --d-model with --cost-model tokens."""
+    from seqpack.pipelines.formats.detect import format_by_name
+
+    if _given("text_unit"):
+        formats = [input_format] if input_format else [format_by_name(p) for p in inputs]
+        if formats and all(f is not None and f != "text" for f in formats):
+            raise click.UsageError(f"--text-unit applies to text inputs; these are "
+                                   f"{', '.join(sorted(set(map(str, formats))))}: leave it out")
+    if _given("d_model") and cost_model == "tokens":
+        raise click.UsageError("--d-model applies to --cost-model attention; leave it out")
+
+
 def _read_options(input_format, columns, tokenizer, text_unit):
     from seqpack.pipelines.formats.inputs import ReadOptions
 
@@ -212,6 +234,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
                        allow_duplicates=allow_duplicates, input_format=input_format)
     inputs = mixture.inputs if mixture else _expand(inputs, allow_duplicates=allow_duplicates,
                                                     input_format=input_format)
+    _refuse_inapplicable(inputs, input_format, cost_model)
     if strategy == "concat_split" and overflow is not None:
         raise click.UsageError(f"--overflow {overflow} does not apply to --strategy "
                                "concat_split, which cuts examples at row ends itself; leave it "
@@ -281,6 +304,7 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
         from seqpack.packer.order import CostModel
         from seqpack.pipelines.offline import default_workers
 
+        _refuse_inapplicable(paths, input_format, cost_model)
         config = _config("best_fit_decreasing", seq_len, max_segments, overflow,
                          segment_alignment, pad_id, _feature(feature, columns, tokenizer),
                          context_parallel)

@@ -159,6 +159,18 @@ def test_options_that_do_not_apply_are_refused_or_said(tmp_path, monkeypatch):
     assert result.returncode == 2 and "--overflow truncate does not apply to --strategy " \
         "concat_split" in result.stderr
     assert "overflow does not apply" in run_cli("stats", src, "--seq-len", 8).stdout
+    for cmd in ("pack", "stats"):
+        out = ("-o", tmp_path / "o2") if cmd == "pack" else ()
+        result = invoke(cmd, src, *out, "--seq-len", 8, "--text-unit", "line", ok=False)
+        assert result.exit_code == 2 and "--text-unit applies to text inputs; these are " \
+            "jsonl" in result.output, result.output
+        result = invoke(cmd, src, *out, "--seq-len", 8, "--cost-model", "tokens", "--d-model",
+                        64, ok=False)
+        assert result.exit_code == 2 and "--d-model applies to --cost-model attention" in \
+            result.output
+    text = tmp_path / "t.txt"
+    text.write_text("one line\nanother\n")
+    invoke("stats", text, "--seq-len", 8, "--text-unit", "line")  # where it applies
     # plots carry the data's name and the row length
     from seqpack.pipelines.offline import report
 

@@ -22,7 +22,7 @@ from seqpack.pipelines.formats.manifest import file_digest, signed
 from seqpack.pipelines.offline import steps as beam_steps
 from seqpack.pipelines.offline.runners import pack_to_dir
 from seqpack.pipelines.offline.verify import read_shard, verify
-from tests.helpers.files import dir_bytes, invoke
+from tests.helpers.files import dir_bytes, invoke, write_jsonl
 from tests.helpers.formats import COLUMNS, CONFIG, job, write_sft
 from tests.helpers.pipelines import check_restore_every_step, stack
 
@@ -321,3 +321,17 @@ def test_two_workers_and_the_beam_job_write_the_same_bytes(tmp_path, packed, fmt
     pack_beam(job(paths, tmp_path / "beam", fmt, workers=2), quiet=True)
     assert dir_bytes(tmp_path / "beam") == want
     assert verify(str(tmp_path / "beam"), workers=2).ok
+
+
+def test_an_id_the_format_cannot_store_is_refused_before_anything_is_written(tmp_path):
+    """Megatron-Bridge's input_ids are int32: an input id past it is named by file and
+    example when the inputs are read, with no output left (the other formats store it)."""
+    path = write_jsonl(tmp_path / "big.jsonl", [[1, 2], [3], [4, 2**40, 5], [6, 2**33]])
+    result = invoke("pack", path, "-o", tmp_path / "meg", "--seq-len", 8, "--format",
+                    "megatron", ok=False)
+    assert result.exit_code == 2, result.output
+    assert f"{path}: example 2 (counting from 0) holds token id {2**40}, more than the megatron " \
+        "format stores (2147483647)" in result.output
+    assert not (tmp_path / "meg").exists()
+    invoke("pack", path, "-o", tmp_path / "pq", "--seq-len", 8, "--format", "parquet")
+    assert verify(str(tmp_path / "pq")).ok

@@ -23,7 +23,7 @@ from seqpack.pipelines.datasets import (
     Prefetch,
     make_training_pipeline,
 )
-from seqpack.pipelines.formats.inputs import ReadOptions, scan_file
+from seqpack.pipelines.formats.inputs import LossCount, ReadOptions, scan_file
 from seqpack.pipelines.offline.verify import read_shard
 from tests.helpers.files import invoke, write_parquet
 
@@ -282,7 +282,7 @@ def test_loss_tokens_are_counted_alike_online_and_offline(tmp_path):
                              "labels": [x.tolist() for x in labels],
                              "loss_mask": [x.tolist() for x in mask]}), path)
     scan = scan_file(path, "parquet", ReadOptions(extra_columns=("labels", "loss_mask")),
-                     loss_columns={"labels": "labels", "loss_mask": "mask"})
+                     loss_columns=LossCount({"labels": "labels", "loss_mask": "mask"}))
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     src = ArraySource({"tokens": (np.concatenate(toks), offsets),
                        "labels": (np.concatenate(labels), offsets),

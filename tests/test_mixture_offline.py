@@ -252,6 +252,43 @@ def test_loss_tokens_and_examples_units(tmp_path):
         assert verify(str(out)).ok
 
 
+
+@pytest.mark.parametrize("overflow,unit,runner", [
+    ("truncate", "loss_tokens", "local"), ("drop", "tokens", "local"),
+    pytest.param("truncate", "loss_tokens", "beam", marks=pytest.mark.slow)])
+def test_weights_hold_in_the_rows_after_truncate_and_drop(tmp_path, overflow, unit, runner):
+    """The weights are of what the rows keep: a truncated example counts its first seq_len
+    tokens (and the loss tokens among them), a dropped one nothing; the record and the
+    summary agree with the rows, within one example of each target."""
+    import pyarrow as pa
+
+    if runner != "local":
+        _need(runner)
+    rng = np.random.default_rng(6)
+    paths = {}
+    for name, n, top in (("short", 150, 30), ("long", 60, 120)):
+        seqs = random_seqs(n, max_len=top, seed=n)
+        labels = [[-100 if rng.random() < 0.5 else t for t in s] for s in seqs]
+        paths[name] = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"input_ids": seqs, "labels": labels}), paths[name])
+    out = tmp_path / "out"
+    result = invoke("pack", *(a for n, p in paths.items() for a in ("--mix", f"{n}={p}")),
+                    "--weights", "short=1,long=1", "--mix-unit", unit, "--column", "input_ids",
+                    "--column", "labels", "--overflow", overflow, "--runner", runner,
+                    "-o", out, "--seq-len", 48, "--max-segments", 16, "--shard-rows", 16)
+    record = json.loads((out / "manifest.json").read_text())["mixture"]
+    rows, k = _rows(out), PackConfig(48, feature="input_ids").keys()
+    got = np.zeros((2, 2), np.int64)  # per dataset: tokens, loss tokens in the rows
+    for r, j in zip(*np.nonzero(rows[k.segment_lengths])):
+        a, n = rows[k.segment_offsets][r, j], rows[k.segment_lengths][r, j]
+        got[rows["segment_dataset_id"][r, j]] += n, (rows["labels"][r, a:a + n] != -100).sum()
+    for d, entry in enumerate(record["datasets"]):
+        assert [entry["tokens"], entry["loss_tokens"]] == got[d].tolist(), entry
+        assert f"{entry['tokens']:>14,}{entry['loss_tokens']:>14,}" in result.output
+    units = [e["units"] for e in record["datasets"]]
+    assert abs(units[0] - units[1]) <= 48, units
+    assert verify(str(out)).ok
+
 def test_stats_show_each_datasets_share_per_step_and_resume_repairs(data, tmp_path):
     out = tmp_path / "out"
     invoke("pack", *_mix(data, "--weights", "chat=0.5,math=0.5"), "-o", out, *ARGS)

@@ -90,6 +90,12 @@ def test_bad_arrays_are_refused_by_name(tmp_path):
     _raises(tmp_path / "nobounds.npz", "no 'offsets'")
     np.savez(tmp_path / "badoff.npz", tokens=np.arange(4), offsets=np.array([0, 3, 2, 4]))
     _raises(tmp_path / "badoff.npz", "never decreasing")
+    np.savez(tmp_path / "both.npz", tokens=np.arange(4), offsets=np.array([0, 1, 4]),
+             lengths=np.array([2, 2]))
+    _raises(tmp_path / "both.npz", "both 'offsets' and 'lengths', and they disagree")
+    np.savez(tmp_path / "agree.npz", tokens=np.arange(4), offsets=np.array([0, 1, 4]),
+             lengths=np.array([1, 3]))
+    assert TokenArrays(str(tmp_path / "agree.npz"), "npz").num_records == 2
     write_npz(tmp_path / "short.npz", [[1, 2]], labels=np.zeros(1, np.int64))
     _raises(tmp_path / "short.npz", "'labels' holds 1 values", extra_columns=("labels",))
     np.save(tmp_path / "flat.npy", np.arange(5))

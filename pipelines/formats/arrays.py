@@ -207,6 +207,9 @@ class TokenArrays:
                     offsets[-1] != values.size or (np.diff(offsets) < 0).any():
                 raise InputError(f"{self.path}: 'offsets' must run from 0 to the {values.size} "
                                  "token ids, never decreasing")
+            if "lengths" in arrays and not np.array_equal(arrays["lengths"], np.diff(offsets)):
+                raise InputError(f"{self.path}: holds both 'offsets' and 'lengths', and they "
+                                 "disagree; keep the one that is right")
         elif "lengths" in arrays:
             lengths = np.asarray(arrays["lengths"], np.int64)
             if lengths.ndim != 1 or (lengths < 0).any() or lengths.sum() != values.size:

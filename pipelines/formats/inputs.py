@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import hashlib
 import os
 import sysconfig
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -77,19 +76,21 @@ from seqpack.pipelines.formats.detect import (
 )
 from seqpack.pipelines.formats.paths import (
     check_text_beside_tokens,
+    combined_lengths_sha256,
     entry_files,
     expand_inputs,
     file_stamp,
     fingerprint,
     fingerprint_path,
+    lengths_sha256,
     local_input,
     unstamped,
 )
 
-__all__ = ["Corpus", "FileScan", "InputError", "ReadOptions", "check_text_beside_tokens",
-           "detect_format", "expand_inputs",
-           "fingerprint", "fingerprint_path", "local_input", "read_corpus", "sample_files",
-           "scan_file", "unstamped"]
+__all__ = ["Corpus", "FileScan", "InputError", "LossCount", "ReadOptions",
+           "check_text_beside_tokens", "combined_lengths_sha256", "detect_format",
+           "expand_inputs", "fingerprint", "fingerprint_path", "lengths_sha256", "local_input",
+           "read_corpus", "sample_files", "scan_file", "unstamped"]
 
 TEXT_UNITS = ("file", "line", "paragraph")
 Sink = Callable[[np.ndarray], None]  # receives a chunk's values back to back
@@ -218,7 +219,7 @@ def read_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None
               ) -> tuple[np.ndarray, np.ndarray]:
     """One local input file as (values, offsets): its chunks back to back, ids `narrow`-ed."""
     tokens: list[np.ndarray] = []
-    lengths, dtype, _ = _consume(file_chunks(path, fmt, options, tokenizer), fmt, options,
+    lengths, dtype, _, _ = _consume(file_chunks(path, fmt, options, tokenizer), fmt, options,
                                  tokens.append, {})
     offsets = np.zeros(lengths.size + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
@@ -251,11 +252,22 @@ class FileScan:
     extra_ranges: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # i64[n_f]: each example's loss tokens, when asked for (`scan_file(loss_columns=)`)
     loss_counts: np.ndarray | None = None
+    top: int = 0  # its largest token id
+
+
+@dataclasses.dataclass(frozen=True)
+class LossCount:
+    """What a scan counts as an example's loss tokens: positions where no labels column
+    (`roles`: extra column -> "labels" or "mask") holds -100 and no mask column 0, among its
+    first `limit` tokens (None: all; a run that truncates keeps only those)."""
+
+    roles: Mapping[str, str]
+    limit: int | None = None
 
 
 def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
               sink: Sink | None = None, *, column_sinks: Mapping[str, Sink] | None = None,
-              loss_columns: Mapping[str, str] | None = None) -> FileScan:
+              loss_columns: LossCount | None = None) -> FileScan:
     """Reads one input chunk by chunk: lengths, dtypes and fingerprint; tokens go to `sink`.
 
     `column_sinks` (one per `options.extra_columns`, or None to check and drop them): each
@@ -284,8 +296,9 @@ def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
         counts: list[np.ndarray] | None = None if loss_columns is None else []
         chunks = file_chunks(local, fmt, options, tokenizer)
         if counts is not None:
-            chunks = _counting(chunks, loss_columns or {}, counts)
-        lens, dtype, extra = _consume(chunks, fmt, options, sink, column_sinks or {})
+            assert loss_columns is not None
+            chunks = _counting(chunks, loss_columns, counts)
+        lens, dtype, extra, top = _consume(chunks, fmt, options, sink, column_sinks or {})
         info = fingerprint(local)
         if fmt == "megatron":  # the pair's other file, named as the input names it
             info["companion"] = {**fingerprint(arrays.companion(local)),
@@ -306,27 +319,42 @@ def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
                 lengths_sha256=lengths_sha256(lens))
     loss = None if counts is None else np.concatenate([np.zeros(0, np.int64), *counts])
     return FileScan(info, lens, dtype, {n: d for n, (d, _) in extra.items()},
-                    {n: r for n, (_, r) in extra.items()}, loss)
+                    {n: r for n, (_, r) in extra.items()}, loss, top)
 
 
-def _counting(chunks: Iterator[Chunk], roles: Mapping[str, str], out: list[np.ndarray]
+def first_id_above(path: str, fmt: str, options: ReadOptions, limit: int) -> int:
+    """The first example of input `path` holding a token id above `limit` (-1: none): read
+    again only to name it in an error."""
+    with local_input(path, fmt) as local:
+        seen = 0
+        for chunk in file_chunks(local, fmt, options):
+            over = np.flatnonzero(chunk.tokens() > limit)
+            if over.size:
+                at = int(chunk.offsets[0]) + int(over[0])
+                return seen + int(np.searchsorted(chunk.offsets, at, side="right")) - 1
+            seen += chunk.offsets.size - 1
+    return -1
+
+
+def _counting(chunks: Iterator[Chunk], count: LossCount, out: list[np.ndarray]
               ) -> Iterator[Chunk]:
     """The chunks, as they pass: each record's loss tokens appended to `out`."""
     for chunk in chunks:
         sizes = np.diff(chunk.offsets)
-        allowed = carries_loss(((chunk.column(n), r) for n, r in roles.items()),
+        allowed = carries_loss(((chunk.column(n), r) for n, r in count.roles.items()),
                                int(sizes.sum()))
-        ends = np.cumsum(sizes)
+        starts = np.cumsum(sizes) - sizes
+        kept = sizes if count.limit is None else np.minimum(sizes, count.limit)
         total = np.concatenate(([0], np.cumsum(allowed, dtype=np.int64)))
-        out.append(total[ends] - total[ends - sizes])
+        out.append(total[starts + kept] - total[starts])
         yield chunk
 
 
 def _consume(chunks: Iterator[Chunk], fmt: str, options: ReadOptions, sink: Sink | None,
              column_sinks: Mapping[str, Sink]
-             ) -> tuple[np.ndarray, np.dtype, dict[str, tuple[np.dtype, tuple[int, int]]]]:
+             ) -> tuple[np.ndarray, np.dtype, dict[str, tuple[np.dtype, tuple[int, int]]], int]:
     """Feeds a file's chunks to the sinks: (lengths i64[n], token dtype, per extra column
-    (dtype, (min, max)))."""
+    (dtype, (min, max)), the largest token id)."""
     names = options.extra_columns
     lengths, dtypes = [], []
     col_dtypes: dict[str, list[np.dtype]] = {n: [] for n in names}
@@ -356,7 +384,7 @@ def _consume(chunks: Iterator[Chunk], fmt: str, options: ReadOptions, sink: Sink
     dtype = narrow_dtype(corpus_dtype(dtypes), num_tokens, top)
     extra = {n: (column_dtype(col_dtypes[n], ranges.get(n, (0, 0)), narrow=fmt == "jsonl",
                               name=n), ranges.get(n, (0, 0))) for n in names}
-    return lens, dtype, extra
+    return lens, dtype, extra, top
 
 
 def column_dtype(dtypes: Sequence[np.dtype], value_range: tuple[int, int], *, narrow: bool,
@@ -388,17 +416,6 @@ def extra_corpus_dtypes(scans: Sequence[FileScan]) -> dict[str, np.dtype]:
         out[n] = column_dtype([s.extra_dtypes[n] for s in used], (lo, hi), narrow=False,
                               name=n)
     return out
-
-
-def lengths_sha256(lengths: np.ndarray) -> str:
-    """sha256 of example lengths as little-endian int64: one input's entry in the manifest."""
-    return hashlib.sha256(np.ascontiguousarray(lengths, "<i8").tobytes()).hexdigest()
-
-
-def combined_lengths_sha256(files: Sequence[dict]) -> str:
-    """The manifest's digest of every example length, from each input's `lengths_sha256` (in
-    input order): computed input by input, so no step needs every length."""
-    return hashlib.sha256("".join(f["lengths_sha256"] for f in files).encode()).hexdigest()
 
 
 def read_lengths(paths: Sequence[str], options: ReadOptions) -> tuple[np.ndarray, list[dict]]:

@@ -43,6 +43,8 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats import arrays
@@ -234,6 +236,17 @@ def _url_files(prefix: str, input_format: str | None = None) -> list[str]:
 
 
 # -- an input's identity: its fingerprint and stamps (see formats.inputs) ----------------------
+
+
+def lengths_sha256(lengths: np.ndarray) -> str:
+    """sha256 of example lengths as little-endian int64: one input's entry in the manifest."""
+    return hashlib.sha256(np.ascontiguousarray(lengths, "<i8").tobytes()).hexdigest()
+
+
+def combined_lengths_sha256(files: Sequence[dict]) -> str:
+    """The manifest's digest of every example length, from each input's `lengths_sha256` (in
+    input order): computed input by input, so no step needs every length."""
+    return hashlib.sha256("".join(f["lengths_sha256"] for f in files).encode()).hexdigest()
 
 
 def fingerprint(path: str) -> dict:

@@ -8,8 +8,8 @@ examples in file order) and shards of `shard_rows` output rows::
                                                 runner reads its own way: `runners.read` into
                                                 a local spill, `steps.scan_file` without one)
     summarize_file  one input's FileScan     -> FileSummary: the scan without its lengths
-    check_files     every FileSummary           InputError: a bad input, an over-length example
-                                                the overflow policy refuses, no tokens at all
+    check_files     every FileSummary           InputError: a bad input (`record.check_inputs`,
+                                                check_overlength), no tokens at all
     plan_block      one block's lengths      -> BlockPlan: its pieces [4, P_b] (example, start,
                                                 length, row in the block) + BlockSummary (rows,
                                                 counters, histograms, costs, the block's
@@ -92,12 +92,12 @@ class FileScan:
     extra_dtypes: dict = dataclasses.field(default_factory=dict)  # extra column -> its dtype
     extra_ranges: dict = dataclasses.field(default_factory=dict)  # extra column -> (min, max)
     loss_counts: np.ndarray | None = None  # i64[n_f] loss tokens per example, when asked for
+    top: int = 0  # its largest token id
 
     @classmethod
     def of(cls, index: int, path: str, scan: inputs.FileScan) -> FileScan:
-        return cls(index, path, scan.info, scan.lengths, scan.dtype.str,
-                   extra_dtypes=scan.extra_dtypes, extra_ranges=scan.extra_ranges,
-                   loss_counts=scan.loss_counts)
+        return cls(index, path, scan.info, scan.lengths, scan.dtype.str, None,
+                   scan.extra_dtypes, scan.extra_ranges, scan.loss_counts, scan.top)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +115,7 @@ class FileSummary:
     overlength: tuple[int, int, int] | None = None
     extra_dtypes: dict = dataclasses.field(default_factory=dict)  # as in FileScan
     extra_ranges: dict = dataclasses.field(default_factory=dict)
+    top: int = 0  # its largest token id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +165,7 @@ def summarize_file(scan: FileScan, config: PackConfig) -> FileSummary:
     return FileSummary(scan.index, scan.path, scan.info, int(scan.lengths.size), scan.dtype,
                        int(scan.lengths.max(initial=0)), scan.error,
                        record.first_overlength(scan.lengths, config), scan.extra_dtypes,
-                       scan.extra_ranges)
+                       scan.extra_ranges, scan.top)
 
 
 def first_examples(files: Sequence[FileSummary]) -> np.ndarray:
@@ -188,15 +189,15 @@ def longest(files: Iterable[FileSummary]) -> int:
 
 
 def check_files(files: Iterable[FileSummary], job: PackJob) -> list[FileSummary]:
-    """The inputs in job order; InputError for the first bad input (in input order), then an
-    over-length example the overflow policy refuses (named by file and record), then inputs
-    that hold no tokens (each input without a token is named in a warning)."""
+    """The inputs in job order; InputError for the first bad input (in input order), then
+    `record.check_inputs` and `record.check_overlength`, then inputs that hold no tokens
+    (each one named in a warning)."""
     files = sorted(files, key=lambda f: f.index)
     assert [f.index for f in files] == list(range(len(files))), "an input is missing"
     for f in files:
         if f.error is not None:
             raise InputError(f.error)
-    inputs.check_text_beside_tokens([(f.path, str(f.info["format"])) for f in files])
+    record.check_inputs([(f.path, str(f.info["format"]), f.top) for f in files], job)
     record.check_overlength([f.path for f in files], [f.overlength for f in files], job.config)
     empty = [f for f in files if not int(f.info["num_tokens"])]
     if len(empty) == len(files):

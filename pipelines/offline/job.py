@@ -32,9 +32,9 @@ from seqpack.packer import PackConfig
 from seqpack.packer.order import RowOrder
 from seqpack.packer.plan import DEFAULT_BLOCK_SIZE, check_block_size
 from seqpack.pipelines.errors import UsageError
-from seqpack.pipelines.formats.inputs import ReadOptions
+from seqpack.pipelines.formats.inputs import LossCount, ReadOptions
 from seqpack.pipelines.offline.lock import DirLock
-from seqpack.pipelines.offline.mixture import MixSpec
+from seqpack.pipelines.offline.mixture import MixSpec, loss_count
 from seqpack.pipelines.offline.outdir import OutputDir, check_dir
 from seqpack.pipelines.offline.shards import WriteOptions
 
@@ -171,6 +171,10 @@ class PackJob:
         if mix.mix_unit == "loss_tokens" and not self.loss_columns:
             raise UsageError("mix_unit='loss_tokens' counts labels other than -100 or masks "
                              "other than 0: pack a labels or mask column (extra_columns=)")
+        cut = self.config.overflow in ("truncate", "drop")  # the weights are of what rows keep
+        object.__setattr__(self, "mixture", dataclasses.replace(
+            mix, overflow=str(self.config.overflow) if cut else None,
+            seq_len=self.config.seq_len if cut else None))
 
     @property
     def loss_columns(self) -> dict[str, str]:
@@ -178,9 +182,11 @@ class PackJob:
         return {n: r for n, r in self.roles.items() if r in ("labels", "mask")}
 
     @property
-    def mix_loss_columns(self) -> dict[str, str] | None:
-        """The columns whose loss tokens the scans of a mixture count, else None."""
-        return self.loss_columns if self.mixture is not None and self.loss_columns else None
+    def mix_loss_columns(self) -> LossCount | None:
+        """What the scans of a mixture count as loss tokens, else None."""
+        if self.mixture is None or not self.loss_columns:
+            return None
+        return loss_count(self.loss_columns, self.mixture)
 
     @property
     def resume(self) -> bool:

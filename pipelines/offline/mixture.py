@@ -30,7 +30,7 @@ import numpy as np
 
 from seqpack.packer.contract import DATASET_ID, FeatureKeys
 from seqpack.pipelines.errors import UsageError
-from seqpack.pipelines.formats.inputs import fingerprint_path
+from seqpack.pipelines.formats.inputs import LossCount, fingerprint_path
 
 UNITS = ("tokens", "loss_tokens", "examples")
 # Past about four epochs, repeated data is worth markedly less than new data (Muennighoff et al.
@@ -49,6 +49,10 @@ class MixSpec:
     mix_tokens: int | None = None  # total units; None: the largest mixture with no repetition
     max_repetition: float = DEFAULT_MAX_REPETITION  # with mix_tokens: most epochs a dataset gets
     seed: int = 0
+    # what the rows keep of an example longer than seq_len (the run's overflow, set by the
+    # job): "truncate" its first seq_len tokens, "drop" none; None: every token (split, error)
+    overflow: str | None = None
+    seq_len: int | None = None
 
     def __post_init__(self) -> None:
         datasets = tuple((str(n), tuple(str(p) for p in paths)) for n, paths in self.datasets)
@@ -88,6 +92,19 @@ class MixSpec:
         r = self.max_repetition
         if isinstance(r, bool) or not isinstance(r, int | float) or not r >= 1:
             raise UsageError(f"max_repetition={r!r} must be a number >= 1")
+        if self.overflow not in (None, "truncate", "drop") or (self.overflow is None) != (
+                self.seq_len is None):
+            raise UsageError(f"overflow={self.overflow!r}, seq_len={self.seq_len!r}: both None, "
+                             "or 'truncate' / 'drop' with the run's seq_len")
+
+    def kept(self, lengths: np.ndarray) -> np.ndarray:
+        """i64[n]: the tokens the rows keep of examples of `lengths`."""
+        lengths = np.asarray(lengths, np.int64)
+        if self.seq_len is None:
+            return lengths
+        if self.overflow == "truncate":
+            return np.minimum(lengths, self.seq_len)
+        return np.where(lengths > self.seq_len, 0, lengths)
 
     @property
     def names(self) -> list[str]:
@@ -99,8 +116,11 @@ class MixSpec:
         return [p for _, paths in self.datasets for p in paths]
 
     def to_dict(self) -> dict:
-        return {"unit": self.mix_unit, "mix_tokens": self.mix_tokens,
-                "max_repetition": float(self.max_repetition), "seed": self.seed}
+        out = {"unit": self.mix_unit, "mix_tokens": self.mix_tokens,
+               "max_repetition": float(self.max_repetition), "seed": self.seed}
+        if self.overflow is not None:  # (absent from records of runs that keep every token)
+            out.update(overflow=self.overflow, seq_len=self.seq_len)
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +183,12 @@ def select(spec: MixSpec, lengths: Sequence[np.ndarray], loss: Sequence[np.ndarr
            ) -> Selection:
     """The mixed stream of datasets whose examples have `lengths[d]` and loss tokens
     `loss[d]` (see the module docstring); the same for the same inputs and spec, wherever it
-    runs."""
-    units = [units_of(spec.mix_unit, np.asarray(x), np.asarray(y)) for x, y in zip(lengths, loss)]
+    runs. Units, tokens and loss tokens are those the rows keep (`MixSpec.kept`; `loss` counted
+    within them)."""
+    kept = [spec.kept(x) for x in lengths]
+    loss = [np.where(k < np.asarray(x), 0, y) if spec.overflow == "drop" else np.asarray(y)
+            for x, k, y in zip(lengths, kept, loss)]
+    units = [units_of(spec.mix_unit, k, np.asarray(y)) for k, y in zip(kept, loss)]
     available = [int(u.sum()) for u in units]
     total, targets = _targets(spec, available)
     counts = [int(x.size) for x in lengths]
@@ -186,7 +210,7 @@ def select(spec: MixSpec, lengths: Sequence[np.ndarray], loss: Sequence[np.ndarr
         entries.append({
             "name": name, "inputs": [fingerprint_path(p) for p in paths],
             "weight": spec.weights[name], "target": round(t, 3), "units": realized,
-            "tokens": int((np.asarray(lengths[d], np.int64) * times).sum()),
+            "tokens": int((kept[d] * times).sum()),
             "loss_tokens": int((np.asarray(loss[d], np.int64) * times).sum()),
             "examples": int(local.size), "repetitions": round(realized / available[d], 6),
             "epochs": epochs, "available_units": available[d],
@@ -245,17 +269,23 @@ def spec_of(record: Mapping) -> MixSpec:
     return MixSpec([(d["name"], d["inputs"]) for d in record["datasets"]],
                    {d["name"]: d["weight"] for d in record["datasets"]}, mix_unit=record["unit"],
                    mix_tokens=record["mix_tokens"], max_repetition=record["max_repetition"],
-                   seed=record["seed"])
+                   seed=record["seed"], overflow=record.get("overflow"),
+                   seq_len=record.get("seq_len"))
 
 
 def loss_columns_of(record: Mapping | None, columns: Sequence[Mapping] | None
-                    ) -> dict[str, str] | None:
-    """The columns whose loss tokens a mixture's scans count (`PackJob.mix_loss_columns`),
-    from a manifest's `mixture` and `columns`; None otherwise."""
+                    ) -> LossCount | None:
+    """What a mixture's scans count as loss tokens (`PackJob.mix_loss_columns`), from a
+    manifest's `mixture` and `columns`; None otherwise."""
     if not record:
         return None
-    return {c["source"]: c["role"] for c in columns or () if c["role"] in ("labels", "mask")} \
-        or None
+    roles = {c["source"]: c["role"] for c in columns or () if c["role"] in ("labels", "mask")}
+    return loss_count(roles, spec_of(record)) if roles else None
+
+
+def loss_count(roles: Mapping[str, str], spec: MixSpec) -> LossCount:
+    """The scans' `LossCount` for a mixture: within the tokens a truncating run keeps."""
+    return LossCount(dict(roles), spec.seq_len if spec.overflow == "truncate" else None)
 
 
 def example_times(record: Mapping | None, lengths: Sequence[np.ndarray],
@@ -293,7 +323,7 @@ def select_inputs(spec: MixSpec, lengths: Sequence[np.ndarray],
         per_lengths.append(np.concatenate([np.zeros(0, np.int64), *(
             np.asarray(x, np.int64) for x in lengths[a:b])]))
         per_loss.append(np.concatenate([np.zeros(0, np.int64), *(
-            np.asarray(x if y is None else y, np.int64)
+            np.asarray(spec.kept(x) if y is None else y, np.int64)
             for x, y in zip(lengths[a:b], loss_counts[a:b]))]))
     return select(spec, per_lengths, per_loss)
 

@@ -30,7 +30,9 @@ from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.encodings import DEFAULT, RANDOM_ACCESS
 from seqpack.pipelines.formats.inputs import (
     ReadOptions,
+    check_text_beside_tokens,
     combined_lengths_sha256,
+    first_id_above,
     tokenizer_fingerprint,
     unstamped,
 )
@@ -133,6 +135,21 @@ def _stamp(entry: dict) -> int:
                          f"bytes stamped {scanned}, now {st.st_size} bytes stamped "
                          f"{st.st_mtime_ns}); rerun on inputs that stay put")
     return scanned
+
+
+def check_inputs(files: Sequence[tuple[str, str, int]], job: PackJob) -> None:
+    """InputError for text among token files (`inputs.check_text_beside_tokens`), and naming
+    the first input and example holding a token id the output format cannot store
+    (`Encoding.max_token_id`): before anything is written. `files`: each input's (path,
+    format, largest id)."""
+    check_text_beside_tokens([(path, fmt) for path, fmt, _ in files])
+    encoding = job.write_options.encoding
+    limit = encoding.max_token_id
+    for path, fmt, top in files:
+        if limit is not None and top > limit:
+            example = first_id_above(path, fmt, job.read_options, limit)
+            raise InputError(f"{path}: example {example} (counting from 0) holds token id "
+                             f"{top}, more than the {encoding.name} format stores ({limit})")
 
 
 def column_entries(job: PackJob, dtypes: Mapping[str, np.dtype]) -> list[dict]:

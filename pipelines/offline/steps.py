@@ -45,7 +45,13 @@ from seqpack.packer.assemble import fill_rows
 from seqpack.packer.contract import ragged_arange
 from seqpack.pipelines.errors import InputError, UsageError, one_line
 from seqpack.pipelines.formats import inputs
-from seqpack.pipelines.formats.inputs import ReadOptions, detect_format, read_corpus, unstamped
+from seqpack.pipelines.formats.inputs import (
+    LossCount,
+    ReadOptions,
+    detect_format,
+    read_corpus,
+    unstamped,
+)
 from seqpack.pipelines.formats.text import load_tokenizer
 from seqpack.pipelines.offline.core import (
     EXAMPLE,
@@ -120,7 +126,7 @@ class ShardPart:
 
 
 def scan_file(index: int, path: str, options: ReadOptions,
-              loss_columns: dict[str, str] | None = None) -> FileScan:
+              loss_columns: LossCount | None = None) -> FileScan:
     """Reads one input for its example lengths (`loss_columns`: and loss tokens,
     `PackJob.mix_loss_columns`); a bad input gives a FileScan with `error`."""
     try:

@@ -12,8 +12,8 @@
        what the overflow policy allows and the manifest's counters say (truncated / dropped /
        split examples and tokens); the manifest's stats match the rows.
 
-A shard that cannot be decoded is bad input (`InputError`); everything else is a violation,
-collected (first `max_violations`) in the returned report.
+A shard the manifest vouches for that cannot be decoded is bad input (`InputError`); all else is
+a violation (a missing shard too), collected (first `max_violations`) in the returned report.
 """
 
 from __future__ import annotations
@@ -275,15 +275,17 @@ def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int,
                                       manifest=context.manifest), None
         except InputError as e:
             batch, error = {}, e
-        damaged = found.result() not in (None, tuple(digest))
+        damaged = (held := found.result()) != tuple(digest)  # missing (None) too
     if damaged:
-        out.add(f"{name}: size or sha256 differs from the manifest's ({digest[0]} bytes, "
-                f"{digest[1][:12]}...): the shard was damaged or replaced after the run "
-                "(`seqpack pack ... --resume` rewrites it)")
+        out.add((f"{name}: missing ({num_rows} rows)" if held is None else
+                 f"{name}: size or sha256 differs from the manifest's ({digest[0]} bytes, "
+                 f"{digest[1][:12]}...): the shard was damaged or replaced after the run")
+                + " (`seqpack pack ... --resume` rewrites it)")
     if error is not None:
         if not damaged:  # a shard the manifest vouches for must decode
             raise error
-        out.add(f"{name}: cannot be decoded ({error})")
+        if held is not None:
+            out.add(f"{name}: cannot be decoded ({error})")
         return _ShardCheck(out.items, None, None, None)
     if not batch:
         return _ShardCheck(out.items, None, None, None)
@@ -395,11 +397,9 @@ def _check_shards(manifest: Manifest, context_path: str, pool: Workers, out: _Co
     digests = list(zip(manifest.shard_bytes or [], manifest.shard_sha256 or []))
     calls = [(context_path, name, rows, digest, out.limit) for name, rows, digest in
              zip(manifest.shards, manifest.shard_num_rows or [], digests, strict=True)]
-    checks = []
-    for check in pool.map(_check_shard, calls, len(calls), what="checking shards"):
-        for v in check.violations:
-            out.add(v)
-        checks.append(check)
+    checks = list(pool.map(_check_shard, calls, len(calls), what="checking shards"))
+    for v in (v for check in checks for v in check.violations):
+        out.add(v)
     return checks
 
 

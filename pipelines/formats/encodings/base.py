@@ -123,6 +123,7 @@ class Encoding:
     name: str = ""  # the --format value
     suffix: str = ""  # shard file names: rows-00000-of-00008<suffix>
     record_encoding: str = ""  # the manifest's "record_encoding"
+    max_token_id: int | None = None  # the largest token id its rows store (None: any)
 
     def check(self, layout: Layout) -> None:
         """ValueError naming the parameter (format=, segment_alignment=, ...) when the rows of

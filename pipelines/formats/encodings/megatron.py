@@ -95,6 +95,7 @@ def starts_to_segments(so: np.ndarray, starts: np.ndarray, sizes: np.ndarray, S:
 
 class MegatronRows(arrow.ParquetEncoding):
     name, suffix, record_encoding = "megatron", ".idx.parquet", "megatron-bridge-packed-sft"
+    max_token_id = int(_INT32.max)  # input_ids: list<int32>
 
     def check(self, layout: Layout) -> None:
         check_unpadded(self.name, layout)

@@ -68,7 +68,7 @@ import numpy as np
 
 from seqpack.packer import PackConfig
 from seqpack.pipelines.errors import InputError, UsageError, one_line, require
-from seqpack.pipelines.formats.inputs import ReadOptions
+from seqpack.pipelines.formats.inputs import LossCount, ReadOptions
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import steps
 from seqpack.pipelines.offline.job import PackJob, default_workers, output_session
@@ -193,7 +193,7 @@ def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True) -> None:
 
 
 def _scan(element: tuple[int, str], read_options: ReadOptions,
-          loss_columns: dict[str, str] | None) -> steps.FileScan:
+          loss_columns: LossCount | None) -> steps.FileScan:
     index, path = element
     return steps.scan_file(index, path, read_options, loss_columns)
 

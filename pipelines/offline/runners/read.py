@@ -33,6 +33,7 @@ from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.inputs import (
     FileScan,
+    LossCount,
     ReadOptions,
     check_text_beside_tokens,
     detect_format,
@@ -150,7 +151,7 @@ class Pass1:
 
 
 def _read_input(index: int, path: str, fmt: str, options: ReadOptions, spill_dir: str | None,
-                loss_columns: dict[str, str] | None = None
+                loss_columns: LossCount | None = None
                 ) -> tuple[FileScan, list[Run], dict[str, list[Run]]]:
     """Pass 1 for one input: scans it, its tokens (and extra columns) to the spill, or nowhere
     without `spill_dir` (`loss_columns`: count each example's loss tokens too)."""
@@ -187,7 +188,7 @@ def _release_arrow_memory() -> None:
 
 def read_inputs(paths: Sequence[str], options: ReadOptions, spill_dir: str | None,
                 workers: Workers, progress: Progress | None = None, *,
-                loss_columns: dict[str, str] | None = None) -> Pass1:
+                loss_columns: LossCount | None = None) -> Pass1:
     """Every input scanned (in parallel), its tokens spilled (spill_dir=None: its tokens read,
     checked and dropped, no runs); scans and runs in input order (`loss_columns`: each scan
     counts its examples' loss tokens, `FileScan.loss_counts`)."""
