@@ -208,7 +208,22 @@ def assemble(values: object, offsets: object, p: PackPlan, config: PackConfig) -
                 f"the plan's piece of example {int(p.example[i])} ends past that example; "
                 "plan and assemble with the same data"
             )
+        check_fits(p, config)
     return _assemble_checked(values, offsets, p, config)
+
+
+def check_fits(p: PackPlan, config: PackConfig) -> None:
+    """ValueError unless plan `p` fits `config`'s rows: its slots within max_segments, its
+    pieces within seq_len and on segment_alignment (a plan made under another config)."""
+    wrong = [f"slot {int(p.slot.max())} >= max_segments={config.max_segments}"
+             if p.num_pieces and int(p.slot.max()) >= config.max_segments else "",
+             f"a piece ends at {int((p.offset + p.length).max())} > seq_len={config.seq_len}"
+             if p.num_pieces and int((p.offset + p.length).max()) > config.seq_len else "",
+             f"an offset off segment_alignment={config.alignment}"
+             if p.num_pieces and (p.offset % config.alignment).any() else ""]
+    if any(wrong):
+        raise ValueError(f"the plan does not fit the config: {'; '.join(w for w in wrong if w)}; "
+                         "plan and assemble with the same config")
 
 
 def _assemble_checked(values: np.ndarray, offsets: np.ndarray, p: PackPlan,

@@ -301,9 +301,14 @@ def plan(lengths: object, config: PackConfig, *, block_size: int | None = None) 
 def order_pieces(example, start, length, row, num_rows, counters, config) -> PackPlan:
     """Sorts pieces into (row, example, start) order and lays out slots and offsets."""
     # Two pieces of one example never share a row (only an example's last piece is shorter than
-    # seq_len), so (row, example) is a unique key: one stable argsort instead of a lexsort.
-    n_ex = int(example.max()) + 1 if example.size else 1
-    order = np.argsort(row * n_ex + example, kind="stable")
+    # seq_len), so (row, example) is a unique key: one stable argsort instead of a lexsort,
+    # where the key fits int64 (a caller's ids may be negative or huge: then the lexsort).
+    lo = int(example.min()) if example.size else 0
+    n_ex = int(example.max()) - lo + 1 if example.size else 1
+    if (int(row.max()) + 1 if row.size else 0) * n_ex < 2**62:
+        order = np.argsort(row * n_ex + (example - lo), kind="stable")
+    else:
+        order = np.lexsort((example, row))
     example, start, length, row = example[order], start[order], length[order], row[order]
     n = row.size
     first = np.searchsorted(row, row, side="left")  # index of the row's first piece

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -66,8 +67,9 @@ def test_cli_runner_beam_matches_the_local_cli_and_verifies(tmp_path):
     seqs = random_seqs(300, max_len=100, seed=7) + [list(range(250))]
     src = [write_jsonl(tmp_path / "a.jsonl", seqs[:170]), write_parquet(tmp_path / "b.parquet",
                                                                         seqs[170:])]
-    (tmp_path / "c.txt").write_text("one example of UTF-8 bytes\n")  # uint8 ids, widened by pad
-    src.append(str(tmp_path / "c.txt"))
+    ids = np.frombuffer(b"one example of byte ids", np.uint8)  # uint8 ids, widened by pad
+    np.savez(tmp_path / "c.npz", tokens=ids, offsets=np.array([0, ids.size]))
+    src.append(str(tmp_path / "c.npz"))
     common = ["--seq-len", 96, "--max-segments", 6, "--overflow", "truncate", "--strategy",
               "first_fit", "--segment-alignment", 4, "--pad-id", 300, "--shard-rows", 9,
               "--compression", "zstd", "--block-size", 64]  # 5 blocks, planned by the workers

@@ -335,3 +335,14 @@ def test_an_id_the_format_cannot_store_is_refused_before_anything_is_written(tmp
     assert not (tmp_path / "meg").exists()
     invoke("pack", path, "-o", tmp_path / "pq", "--seq-len", 8, "--format", "parquet")
     assert verify(str(tmp_path / "pq")).ok
+
+
+def test_a_shard_of_another_format_given_alone_says_to_pass_its_directory(packed):
+    from seqpack.pipelines.datasets import PackedSource
+    from seqpack.pipelines.errors import InputError
+
+    for fmt in ("parquet", "index"):
+        shard = os.path.join(packed[0][fmt], manifest_of(packed[0][fmt])["shards"][0])
+        with pytest.raises(InputError, match=rf"{shard}: a {fmt} shard is read through its "
+                                             "output directory .*pass the directory"):
+            PackedSource(shard)

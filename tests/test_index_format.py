@@ -329,3 +329,44 @@ def test_packed_source_copies_an_index_s_url_inputs_into_its_cache_dir(tmp_path,
     assert sorted(p.name for p in (tmp_path / "mine").rglob("*") if p.is_file()) == \
         ["f.npy", "m.bin", "m.idx"]
     assert not (tmp_path / "default").exists()
+
+
+def test_a_damaged_index_shard_is_refused_naming_it(tmp_path, inputs):
+    """Any byte of a shard flipped: its rows read as packed (a byte no row depends on) or an
+    InputError naming the shard, never another exception."""
+    out = tmp_path / "index"
+    invoke("pack", *inputs, "-o", out, "--seq-len", 64, "--overflow", "split", "--format",
+           "index", "--shard-rows", 64)
+    shard = out / json.loads((out / "manifest.json").read_text())["shards"][0]
+    good, want = shard.read_bytes(), _rows(out)
+    for pos in np.linspace(0, len(good) - 1, 80).astype(int).tolist():
+        bad = bytearray(good)
+        bad[pos] ^= 0x10
+        shard.write_bytes(bytes(bad))
+        try:
+            _same(_rows(out), want)
+        except InputError as e:
+            assert str(shard) in str(e), (pos, e)
+    shard.write_bytes(good)
+
+
+def test_an_input_rewritten_in_place_while_read_is_refused(tmp_path, monkeypatch):
+    """A memory-mapped input rewritten in place (same size, new stamp) under an open reader:
+    its next read after the recheck interval refuses it, never returns other tokens."""
+    from seqpack.pipelines.formats.encodings import index
+
+    bin_path = write_megatron(tmp_path / "m", random_seqs(80, max_len=40, seed=5))
+    out = tmp_path / "index"
+    invoke("pack", bin_path, "-o", out, "--seq-len", 64, "--overflow", "split", "--format",
+           "index")
+    source = PackedSource(str(out))
+    first = source[0]
+    monkeypatch.setattr(index, "RECHECK_S", 0.0)
+    _same(source[0], first)  # unchanged: read as packed, also when checked again
+    size = os.path.getsize(bin_path)
+    with open(bin_path, "r+b") as f:  # the same file, new bytes
+        f.write(b"\0" * size)
+    st_ = os.stat(bin_path)
+    os.utime(bin_path, ns=(st_.st_atime_ns, st_.st_mtime_ns + 10**9))
+    with pytest.raises(InputError, match=rf"{bin_path}: changed since it was packed"):
+        source[0]

@@ -170,3 +170,23 @@ def test_stats_numbers():
     assert sp.counters["dropped_tokens"] == 20 and sp.real_tokens == 15
     with pytest.raises(ValueError, match="needs seq_len= and max_segments="):
         stats(p)
+
+
+@pytest.mark.parametrize("overflow", ["truncate", "drop", "split"])
+def test_a_negative_id_in_tokens_a_policy_cuts_is_still_refused(overflow):
+    """pack_stream checks every id of an example, also those truncation or dropping leaves
+    out (as `pack` does), naming the example."""
+    bad = np.array([5] * 8 + [-1] * 4, np.int32)
+    with pytest.raises(ValueError, match=r"example 1: token id -1 at position 8 is negative"):
+        list(pack_stream([np.array([1, 2], np.int32), bad], PackConfig(8, overflow=overflow)))
+
+
+def test_assemble_refuses_a_plan_made_under_another_config():
+    values, offsets = np.arange(1, 9), np.array([0, 3, 8])
+    p = plan(np.diff(offsets), PackConfig(16, max_segments=4))  # one row: offsets 0 and 3
+    for config, match in ((PackConfig(16, segment_alignment=8), "an offset off segment_align"),
+                          (PackConfig(16, max_segments=1), "slot 1 >= max_segments=1"),
+                          (PackConfig(4), "a piece ends at 8 > seq_len=4")):
+        with pytest.raises(ValueError, match=f"the plan does not fit the config: {match}"):
+            assemble(values, offsets, p, config)
+    validate(assemble(values, offsets, p, PackConfig(8)), PackConfig(8))  # it fits

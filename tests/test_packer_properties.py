@@ -21,6 +21,7 @@ from seqpack.packer import (
     validate,
 )
 from seqpack.packer.online.state_codec import encode_planner_state
+from seqpack.packer.plan import aligned
 from tests.helpers.packer import check_lossless, corpus, expected_counters
 
 OFFLINE = ["first_fit", "best_fit", "best_fit_decreasing"]
@@ -132,6 +133,24 @@ def test_stream_planner_state_restores_exactly(config, lengths, window, window_r
                         r.offset.tolist()) for batch in rs for r in batch]
     assert flat(got) == flat(expected)
 
+
+@settings(max_examples=40, deadline=None)
+@given(configs(strategies=("best_fit_decreasing",)), lengths_st,
+       st.sampled_from([-10**6, -3, 0, 2**40, 2**62, 2**63 - 10**4]))
+def test_stream_planner_rows_do_not_depend_on_the_callers_ids(config, lengths, base):
+    """`add(ids, lengths)` takes any int64 ids (negative, huge): the same rows as ids 0..n-1,
+    each row within seq_len, under the caller's ids."""
+    n = len(lengths)
+    rows = []
+    for ids in (np.arange(n, dtype=np.int64), base + np.arange(n, dtype=np.int64)):
+        planner = StreamPlanner(config, window=4, window_rows=0)
+        out = [planner.add(ids[i : i + 4], lengths[i : i + 4]) for i in range(0, n, 4)]
+        rows.append([r for batch in out + [planner.finish()] for r in batch])
+    assert len(rows[0]) == len(rows[1])
+    for a, b in zip(*rows):
+        assert (b.index - base).tolist() == a.index.tolist()
+        assert (a.offset.tolist(), a.length.tolist()) == (b.offset.tolist(), b.length.tolist())
+        assert int((b.offset + aligned(b.length, config.alignment)).max()) <= config.seq_len
 
 @settings(max_examples=100, deadline=None)
 @given(st.one_of(configs(), configs(strategies=("concat_split",), overflows=("error",))),

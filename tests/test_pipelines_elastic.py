@@ -22,6 +22,7 @@ from seqpack.pipelines.datasets import (
     Batching,
     Columns,
     PackedArrayRecordSource,
+    Prefetch,
     make_training_pipeline,
 )
 from seqpack.pipelines.datasets.packed import GlobalRowBatches
@@ -31,11 +32,13 @@ pytest.importorskip("array_record.python.array_record_module")
 EPOCHS = 2
 
 
-def _pipeline(src, *, hosts: int, host: int, batch_size: int, drop_remainder: bool = False):
+def _pipeline(src, *, hosts: int, host: int, batch_size: int, drop_remainder: bool = False,
+              workers: int = 0):
     return make_training_pipeline(
         src, batch=Batching(batch_size, drop_remainder=drop_remainder, shard_index=host,
                             shard_count=hosts),
-        shuffle_seed=3, num_epochs=EPOCHS, columns=Columns(labels=["labels"]))
+        shuffle_seed=3, num_epochs=EPOCHS, columns=Columns(labels=["labels"]),
+        prefetch=Prefetch(worker_count=workers))
 
 
 def _run(src, ids, *, hosts: int, batch_size: int, steps: int | None, state=None, **kw):
@@ -74,6 +77,20 @@ def test_packed_rows_resume_on_another_host_count(tmp_path, before, after, batch
     whole, _ = _run(src, ids, hosts=1, batch_size=1, steps=None)
     assert sorted(first) == sorted(whole[: len(first)])
     assert sorted(rest) == sorted(whole[len(first):])
+
+
+@pytest.mark.slow
+def test_a_state_saved_with_worker_processes_restores_on_another_host_count(tmp_path):
+    """Saved by 2 hosts of 2 worker processes, restored on 3 hosts without: every row once per
+    epoch; restored with another worker count: a ValueError saying what restores it."""
+    stored = packed_dir(tmp_path)
+    src, ids = PackedArrayRecordSource(tmp_path), row_ids(stored)
+    first, state = _run(src, ids, hosts=2, batch_size=2, steps=5, workers=2)
+    rest, _ = _run(src, ids, hosts=3, batch_size=2, steps=None, state=state)
+    counts = collections.Counter(first + rest)
+    assert sorted(counts) == list(range(len(stored))) and set(counts.values()) == {EPOCHS}
+    with pytest.raises(ValueError, match=r"saved with 2 worker process\(es\) cannot restore 1"):
+        _run(src, ids, hosts=2, batch_size=2, steps=1, state=state, workers=1)
 
 
 def test_any_hosts_state_is_enough(tmp_path):

@@ -179,11 +179,18 @@ def test_multi_feature_overflow_and_empty():
         list(PackIterDataset(src, packs(), **kw))
     it = iter(PackIterDataset(src, packs(overflow="truncate"), **kw))
     rows = list(it)
-    assert it.counters["truncated_tokens"] == 2 and it.counters["empty_examples"] == 1
+    # example 3 has no inputs but a target: dropped, its target token counted
+    assert it.counters["truncated_tokens"] == 2 and it.counters["empty_examples"] == 0
+    assert (it.counters["dropped_examples"], it.counters["dropped_tokens"]) == (1, 1)
     assert sum(int(r["targets_segment_lengths"].sum()) for r in rows) == 2 + 8 + 1
-    it = iter(PackIterDataset(src, packs(overflow="drop"), **kw))
-    rows = list(it)
-    assert it.counters["dropped_examples"] == 1 and it.counters["dropped_tokens"] == 20
+    for overflow, dropped in (("truncate", (1, 1)), ("drop", (2, 21))):
+        it = iter(PackIterDataset(src, packs(overflow=overflow), **kw))
+        rows = list(it)
+        c = it.counters
+        assert (c["dropped_examples"], c["dropped_tokens"]) == dropped
+        packed = sum(int(r[f"{f}_segment_lengths"].sum()) for r in rows
+                     for f in ("inputs", "targets"))
+        assert c["input_tokens"] == 44 == packed + c["truncated_tokens"] + c["dropped_tokens"]
     with pytest.raises(ValueError, match="split"):
         PackIterDataset(src, packs(overflow="split"), **kw)
 

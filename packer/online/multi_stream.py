@@ -16,7 +16,9 @@ Worked example (capacities inputs 8 / targets 4, max_segments 4, one window)::
     row 0: inputs full -> emitted [e0, e1]; row 1 carried over
 
 Overflow: "error", "truncate" (each feature cut to its capacity) or "drop"; "split" needs a single
-feature. Examples with an empty feature are skipped and counted in `empty_examples`.
+feature. Examples with no tokens are skipped and counted in `empty_examples`; an example with an
+empty feature but tokens in another is dropped (no segment holds an empty feature), its tokens
+counted in `dropped_examples` / `dropped_tokens`.
 """
 
 from __future__ import annotations
@@ -88,8 +90,11 @@ class MultiStreamPlanner:
                 c["dropped_examples"] = int(bad.sum())
                 c["dropped_tokens"] = int(lengths[bad].sum())
         keep = ~bad if self.overflow == "drop" else np.ones(len(ids), bool)
-        empty = keep & (lengths == 0).any(axis=1)
-        c["empty_examples"] = int(empty.sum())
+        empty = keep & (lengths == 0).any(axis=1)  # no segment can hold an empty feature
+        partial = empty & (lengths > 0).any(axis=1)  # its other features' tokens are dropped
+        c["empty_examples"] = int((empty & ~partial).sum())
+        c["dropped_examples"] = c.get("dropped_examples", 0) + int(partial.sum())
+        c["dropped_tokens"] = c.get("dropped_tokens", 0) + int(lengths[partial].sum())
         self.counters = self.counters + Counters(**c)
         keep &= ~empty
         sizes = self._aligned(lengths)

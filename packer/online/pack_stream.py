@@ -57,8 +57,7 @@ def pack_stream(
             yield {k: c[i] for k, c in zip(keys, cols)}
 
     def name_first_bad() -> None:
-        # Examples of the run's dtype are checked for negative ids only when their rows are
-        # built, so on any failure the first bad example may be one still held: raise for it.
+        # Ids of the run's dtype are checked as rows are built: the first bad may be one held.
         if run_dtype is None:  # only empty examples so far
             return
         for e in sorted(held):
@@ -82,7 +81,8 @@ def pack_stream(
                 run_dtype = arr.dtype
                 check_pad(config.pad_id, run_dtype)
                 origin = " (the first example's dtype; pass dtype= for a wider one)"
-            elif arr.dtype != run_dtype:  # same dtype: the negative check runs per batch
+            elif arr.dtype != run_dtype or arr.size > config.seq_len and arr.dtype.kind == "i" \
+                    and int(arr.min()) < 0:  # same dtype: checked per batch, but for cut tokens
                 try:
                     arr = fit_dtype(arr, run_dtype, f"example {i}", origin=origin)
                 except InputError:

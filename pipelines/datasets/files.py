@@ -273,6 +273,10 @@ def shard_paths(paths: Any, *, packed: bool = False, cache_dir: str | os.PathLik
             raise InputError(f"{directory}: no manifest.json and no *.arrayrecord files")
         return found, found, None
     names = as_path_list(paths, name="ArrayRecord source")
+    for name in names:  # a shard of another format: its directory reads it (the manifest)
+        if name.endswith((".parquet", ".index")):
+            raise InputError(f"{name}: a {name.rsplit('.', 1)[1]} shard is read through its "
+                             "output directory (its manifest says how): pass the directory")
     return [storage.cached_copy(p, cache_dir=cache_dir) for p in names], names, None
 
 

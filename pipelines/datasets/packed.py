@@ -287,6 +287,7 @@ class GlobalRowIterator(grain.DatasetIterator):
     def set_state(self, state: dict[str, Any]) -> None:
         ds = self._ds
         if (self._first, self._stride) == (0, 1):
+            state = _one_state(state)  # (saved with worker processes: restored without)
             position, count = int(state["position"]), int(state.get("steps", 0))
         elif (state.get("shard_count"), state.get("batch_size")) != (ds._H, ds._b):
             raise ValueError(
@@ -306,6 +307,64 @@ class GlobalRowIterator(grain.DatasetIterator):
 
     def __str__(self) -> str:
         return "GlobalRowIterator"
+
+
+def worker_states(state: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The workers' states of a state saved with worker processes (Grain's interleave of
+    them, or its earlier multiprocess prefetch); None for a state saved without."""
+    if "iterators_in_use_states" in state:
+        found = [*state["iterators_in_use_states"], *state.get("future_states", {}).values()]
+    elif "workers_state" in state:
+        found = list(state["workers_state"].values())
+    else:
+        return None
+    return [s for s in found if s]
+
+
+def _one_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A state saved with worker processes as one iterator's: the first step no worker had
+    handed over (the least of their positions, each a worker's next step) and all their
+    steps; a state saved without, as it is."""
+    workers = worker_states(state)
+    if workers is None:
+        return state
+    return {**workers[0], "position": min(int(s["position"]) for s in workers),
+            "steps": sum(int(s["steps"]) for s in workers)}
+
+
+class WorkerLayout(grain.IterDataset):
+    """Packed rows' pipeline of `workers` processes: a state restores on the worker count it
+    was saved with, or without workers (the global position); another count is a ValueError
+    saying so (Grain's own restore would fail inside)."""
+
+    def __init__(self, parent: grain.IterDataset, workers: int):
+        super().__init__(parent)
+        self._workers = workers
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _WorkerLayoutIterator(self._parent.__iter__(), self._workers)
+
+
+class _WorkerLayoutIterator(grain.DatasetIterator):
+    def __init__(self, parent: grain.DatasetIterator, workers: int):
+        super().__init__(parent)
+        self._workers = workers
+
+    def __next__(self) -> dict[str, Any]:
+        return next(self._parent)
+
+    def get_state(self) -> dict[str, Any]:
+        return self._parent.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        saved = worker_states(state)
+        if self._workers and (saved is None or len(saved) != self._workers):
+            raise ValueError(
+                f"a state saved with {len(saved) if saved else 0} worker process(es) cannot "
+                f"restore {self._workers}: restore it with Prefetch(worker_count="
+                f"{len(saved) if saved else 0}) or worker_count=0 (which reads the global "
+                "position, on any host count), and save again")
+        self._parent.set_state(state)
 
 
 class FullBatches(grain.IterDataset):

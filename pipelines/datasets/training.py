@@ -416,7 +416,9 @@ def make_training_pipeline(
         ds = ds.map(ContextParallelLayout(batch.context_parallel, feature=feature,
                                           layout=batch.context_parallel_layout))
     ds = _prefetch(ds, prefetch)
-    if not getattr(source, "is_packed", False):  # its state restores on any layout
+    if getattr(source, "is_packed", False):
+        ds = packed.WorkerLayout(ds, prefetch.worker_count)
+    else:  # its state restores on any layout
         ds = OnlineHosts(ds, shard_index=shard[0], shard_count=shard[1],
                          workers=prefetch.worker_count, features=1,
                          datasets=len(source.names) if isinstance(source, Mixture) else 1,

@@ -17,12 +17,11 @@ the rows: bit for bit those `--format arrayrecord` stores for the same plan.
 
 from __future__ import annotations
 
-import collections
 import json
 import os
-import secrets
-import threading
+import time
 import zipfile
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,9 +31,9 @@ from seqpack.packer import Counters, PackPlan, Strategy
 from seqpack.packer.plan import order_pieces
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
-from seqpack.pipelines.formats import arrayrecord, arrays, parquet
-from seqpack.pipelines.formats.chunks import Chunk
+from seqpack.pipelines.formats import arrays
 from seqpack.pipelines.formats.detect import ARRAYS
+from seqpack.pipelines.formats.encodings import groups
 from seqpack.pipelines.formats.encodings.base import (
     Encoding,
     Layout,
@@ -46,8 +45,7 @@ from seqpack.pipelines.formats.paths import entry_files
 
 RANDOM_ACCESS = ("parquet", "arrow", "arrayrecord", *ARRAYS)  # input formats read at random
 _COLUMNS = ("example", "start", "length", "row")
-# Decoded Parquet row groups a process keeps, all inputs together (least recently used out)
-CACHE_BYTES = int(os.environ.get("SEQPACK_INDEX_CACHE_MB", "256")) << 20
+RECHECK_S = 0.0  # seconds after its last check an open local input's stamp is checked again
 
 
 def _narrow(values: np.ndarray) -> np.ndarray:
@@ -113,7 +111,8 @@ def read_plan(path: str, config: Any) -> tuple[PackPlan, np.dtype]:
         with np.load(path) as z:
             cols = {name: z[name].astype(np.int64) for name in _COLUMNS}
             meta = json.loads(bytes(z["meta"]).decode())
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+    except (OSError, ValueError, KeyError, EOFError, NotImplementedError, zipfile.BadZipFile,
+            zlib.error) as e:
         raise InputError(f"{path}: not a seqpack index shard ({e})") from None
     p = order_pieces(cols["example"], cols["start"], cols["length"], cols["row"],
                      int(meta["num_rows"]), Counters(), config)
@@ -179,12 +178,12 @@ def input_reader(inputs: Mapping[str, Any], cache_dir: str | None = None) -> Inp
 
 class InputReader:
     """Random access to a run's examples by corpus example (the manifest's `inputs` record:
-    its files back to back). Made, it checks every local input's size and modification stamp
-    against the manifest's, and again as it opens one (a changed input is refused, never read
-    as other tokens); Parquet is read by row group and Arrow IPC by record batch (a few
-    decoded ones kept), ArrayRecord by record, token arrays (.npz, .npy, Megatron .bin/.idx)
-    memory-mapped; a URL is read from a local copy (in `cache_dir`, default
-    `storage.cache_root()`) or by byte range."""
+    its files back to back). Every local input's size and modification stamp are checked
+    against the manifest's when it is made, as it opens one, and before each read of one (one
+    stat; `RECHECK_S` spaces them): a changed input is refused, never read as other tokens.
+    Parquet is read by row group, Arrow IPC by record batch (a few decoded ones kept),
+    ArrayRecord by record, token arrays memory-mapped; a URL from a local copy (in `cache_dir`,
+    default `storage.cache_root()`) or by byte range."""
 
     def __init__(self, inputs: Mapping[str, Any], cache_dir: str | None = None):
         self.files = list(inputs["files"])
@@ -195,6 +194,7 @@ class InputReader:
         counts = [int(f["num_examples"]) for f in self.files]
         self.cum = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
         self._open: dict[int, Any] = {}
+        self._checked: dict[int, float] = {}  # input -> when its stamp was last checked
         self.pid = os.getpid()
         for entry in self.files:
             if not storage.is_url(entry["path"]):
@@ -214,12 +214,18 @@ class InputReader:
         files = np.searchsorted(self.cum, corpus, side="right") - 1
         out: list[Any] = [None] * corpus.size
         ranged: list[tuple[np.ndarray, arrays.RangedArrays, np.ndarray]] = []
+        now = time.monotonic()
         for f in np.unique(files).tolist():
             at = np.flatnonzero(files == f)
+            if f in self._checked and now - self._checked[f] >= RECHECK_S:  # rewritten since?
+                check_stamp(self.files[f])  # (`_checked` holds the open local inputs)
+                self._checked[f] = now
             source = self._open.get(f)
             if source is None:
                 source = self._open[f] = _open_input(self.files[f], self.column, self.extra,
                                                      self.cache_dir)
+                if not storage.is_url(self.files[f]["path"]):
+                    self._checked[f] = now
             if isinstance(source, arrays.RangedArrays):  # fetched below, all inputs at once
                 ranged.append((at, source, corpus[at] - int(self.cum[f])))
                 continue
@@ -269,10 +275,10 @@ def _open_input(entry: Mapping[str, Any], column: str, extra: tuple[str, ...],
         local = path
     with storage.named(local, path):
         if fmt == "arrayrecord":
-            return _Records(local, column, extra)
+            return groups.Records(local, column, extra)
         if fmt in ARRAYS:
             return arrays.TokenArrays(local, fmt, column, extra, pair=pair)
-        return _Groups(local, fmt, column, extra, entry.get("sha256", ""))
+        return groups.Groups(local, fmt, column, extra, entry.get("sha256", ""))
 
 
 ROW_THREADS = 16  # rows in flight per reading process when each waits on the store
@@ -335,115 +341,3 @@ def _cached(entry: Mapping[str, Any], cache_dir: str | None) -> str:
 def _not_random(path: str, fmt: Any) -> InputError:
     return InputError(f"{path}: a {fmt} input cannot be read at random; rows by reference need "
                       f"inputs in {list(RANDOM_ACCESS)}: pack it with format='arrayrecord'")
-
-
-class _Records:
-    def __init__(self, path: str, column: str, extra: tuple[str, ...]):
-        self.path, self.column, self.extra = path, column, extra
-        self.reader = arrayrecord.open_reader(path)
-
-    def examples(self, index: np.ndarray) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
-        records = arrayrecord.read_records(self.reader, self.path, index.tolist(), self.column,
-                                           aligned_columns=self.extra)
-        return [(r[self.column], {n: r[n] for n in self.extra}) for r in records]
-
-
-class _GroupCache:
-    """Decoded row groups of every Parquet input of this process, least recently used out past
-    `CACHE_BYTES` (a random row's pieces come from anywhere: the larger the share of the
-    corpus held, the fewer groups decoded again)."""
-
-    def __init__(self) -> None:
-        self.groups: collections.OrderedDict = collections.OrderedDict()
-        self.bytes = 0
-        self.lock = threading.Lock()  # rows read by threads (`Prefetch.read_threads`)
-
-    def get(self, key: tuple[str, int], load: Any) -> Any:
-        """The chunk of `key` (a local input's path, its group), loaded by `load()` if not held."""
-        with self.lock:
-            entry = self.groups.get(key)
-            if entry is not None:
-                self.groups.move_to_end(key)
-                return entry[0]
-        chunk = load()
-        size = int(chunk.values.nbytes) + sum(int(v.nbytes) for v in chunk.extra_values.values())
-        with self.lock:
-            held = self.groups.pop(key, None)  # loaded by another thread meanwhile
-            self.bytes += size - (held[1] if held else 0)
-            self.groups[key] = (chunk, size)
-            while self.bytes > CACHE_BYTES and len(self.groups) > 1:
-                _, (_, dropped) = self.groups.popitem(last=False)
-                self.bytes -= dropped
-        return chunk
-
-
-_CACHE = _GroupCache()
-
-
-def disk_cache_dir() -> str | None:
-    """Where decoded Parquet row groups are kept on local disk (`SEQPACK_INDEX_DISK_CACHE`: a
-    directory, or "1" for the cache directory's ``index-groups``), or None: in memory only."""
-    where = os.environ.get("SEQPACK_INDEX_DISK_CACHE", "")
-    if where in ("", "0"):
-        return None
-    return os.path.join(storage.cache_root(), "index-groups") if where == "1" else where
-
-
-class _Groups:
-    """A Parquet input's row groups (decoded into `_CACHE`; with a disk cache, decoded once
-    into an uncompressed .npz there, keyed by the input's sha256, and mapped by every process),
-    or an Arrow input's record batches (views of its memory map, each checked once and kept)."""
-
-    def __init__(self, path: str, fmt: str, column: str, extra: tuple[str, ...],
-                 sha256: str = ""):
-        root = None if fmt == "arrow" else disk_cache_dir()
-        self.disk = None if root is None else os.path.join(root, sha256 or "unknown")
-        # groups kept whole by this reader: Arrow's (views of its map), those mapped from disk
-        self.mapped: dict[int, Any] | None = {} if fmt == "arrow" or self.disk else None
-        if fmt == "arrow":
-            arrow = parquet.ArrowTokens(path, column, aligned_columns=extra)
-            arrow.open_groups()
-            self.file: parquet.ParquetTokens = arrow
-        else:
-            self.file = parquet.ParquetTokens(path, column, aligned_columns=extra)
-        self.cum = np.concatenate(([0], np.cumsum(self.file.group_rows))).astype(np.int64)
-        self.extra = extra
-
-    def examples(self, index: np.ndarray) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
-        return [self.example(i) for i in index.tolist()]
-
-    def _group(self, g: int) -> Any:
-        if self.mapped is None:
-            return _CACHE.get((self.file.path, g), lambda: self.file.read_group(g))
-        chunk = self.mapped.get(g)
-        if chunk is None:
-            chunk = self.mapped[g] = self._on_disk(g) if self.disk else self.file.read_group(g)
-        return chunk
-
-    def _on_disk(self, g: int) -> Chunk:
-        """Row group g mapped from the disk cache, decoded and written there first if absent
-        (a temporary name, then a rename: a process never maps a partial file)."""
-        assert self.disk is not None
-        path = os.path.join(self.disk, f"{g}.npz")
-        names = [f"extra_{j}" for j in range(len(self.extra))]
-        if not os.path.exists(path):
-            chunk = self.file.read_group(g)
-            lo, hi = int(chunk.offsets[0]), int(chunk.offsets[-1])
-            os.makedirs(self.disk, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
-            held: dict[str, Any] = {"values": chunk.values[lo:hi], "offsets": chunk.offsets - lo}
-            held.update((k, chunk.extra_values[n][lo:hi]) for k, n in zip(names, self.extra))
-            save: Any = np.savez  # uncompressed: mapped in place
-            with open(tmp, "wb") as f:
-                save(f, **held)
-            os.replace(tmp, path)
-        mapped = arrays.TokenArrays(path, "npz", "values", names)
-        return Chunk(mapped.values, mapped.offsets, 0,
-                     extra_values={n: mapped.aligned[k] for k, n in zip(names, self.extra)})
-
-    def example(self, i: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        g = int(np.searchsorted(self.cum, i, side="right")) - 1
-        chunk = self._group(g)
-        j = i - int(self.cum[g])
-        a, b = int(chunk.offsets[j]), int(chunk.offsets[j + 1])
-        return chunk.values[a:b], {n: chunk.extra_values[n][a:b] for n in self.extra}
