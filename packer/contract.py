@@ -189,9 +189,10 @@ def segment_ids_and_positions(
     rows, slots = np.nonzero(lengths > 0)  # row-major: slot order within each row
     lens = lengths[rows, slots]
     run_lens = runs(rows * seq_len + offsets[rows, slots], lens, R * seq_len)
-    if lens.size and (run_lens.min() < 0 or (offsets[rows, slots] + lens > seq_len).any()):
+    if lens.size and (run_lens.min() < 0 or (offsets[rows, slots] + lens > seq_len).any()) \
+            or (lengths < 0).any():
         raise ValueError(
-            "segment lengths/offsets overlap, run backwards or past seq_len="
+            "segment lengths/offsets negative, overlap, run backwards or past seq_len="
             f"{seq_len}: the row metadata is corrupt"
         )
     seg_ids, positions = ids_and_positions_of_runs(run_lens, slots, seq_len)

@@ -27,6 +27,9 @@ def check_lengths(lengths: object, *, first: int = 0) -> np.ndarray:
         return np.zeros(0, np.int64)
     if not np.issubdtype(arr.dtype, np.integer):
         raise ValueError(f"lengths must be integers, got dtype {arr.dtype}; cast with .astype(int)")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > 2**63 - 1:
+        i = int(np.argmax(arr > 2**63 - 1))
+        raise InputError(f"lengths[{first + i}]={int(arr[i])} is past int64")
     arr = arr.astype(np.int64, copy=False)
     bad = np.flatnonzero(arr < 0)
     if bad.size:

@@ -20,8 +20,9 @@ def validate(batch: dict, config: PackConfig, *, derived: bool = True, padding: 
              ) -> None:
     """Raises ValueError for the first contract violation in `batch` (a `[R, ...]` dict or a row).
 
-    Checked: keys, shapes and dtypes; lengths >= 0 with used slots first; offsets non-decreasing,
-    aligned, in range and not overlapping; unused slots hold the row's used length and source -1;
+    Checked: keys, shapes and dtypes; token ids >= 0; lengths >= 0 with used slots first;
+    offsets non-decreasing, aligned, in range and not overlapping; unused slots hold the row's
+    used length and source -1;
     segment ids, positions and padding tokens agree with lengths / offsets. `derived=False`:
     the batch need not hold the segment ids and positions (rows as stored, before
     `contract.restore_derived` rebuilds them from these very lengths and offsets).
@@ -64,6 +65,9 @@ def _arrays(batch: dict, k: dict[str, str], config: PackConfig) -> dict[str, np.
             _fail(f"{k[role]} has dtype {arrs[role].dtype}, expected int64")
     if not np.issubdtype(arrs["values"].dtype, np.integer):
         _fail(f"{k['values']} has dtype {arrs['values'].dtype}, expected integer token ids")
+    if arrs["values"].dtype.kind == "i" and arrs["values"].size and arrs["values"].min() < 0:
+        rc = _first(arrs["values"] < 0)
+        _fail(f"row {rc[0]} position {rc[1]}: negative token id {arrs['values'][rc]}")
     return arrs
 
 

@@ -56,6 +56,8 @@ def test_empty_slots_are_ignored_whatever_their_offset():
 def test_overlapping_metadata_is_refused():
     with pytest.raises(ValueError, match="corrupt"):
         segment_ids_and_positions(np.array([[3, 2]]), np.array([[0, 2]]), 8)
+    with pytest.raises(ValueError, match="negative.*corrupt"):  # not read as an unused slot
+        segment_ids_and_positions(np.array([[-2, 3]]), np.array([[0, 0]]), 8)
 
 
 def test_ragged_arange_matches_slicing():

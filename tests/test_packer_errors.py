@@ -75,6 +75,16 @@ def test_bad_lengths(lengths, match):
         plan(lengths, PackConfig(8))
 
 
+def test_validate_refuses_a_negative_token_id_and_plan_a_length_past_int64():
+    config = PackConfig(8)
+    batch = pack([np.array([1, 2, 3])], config)
+    batch["tokens"][0, 1] = -5
+    with pytest.raises(ValueError, match=r"row 0 position 1: negative token id -5"):
+        validate(batch, config)
+    with pytest.raises(ValueError, match=rf"lengths\[1\]={2**63 + 4} is past int64"):
+        plan(np.array([3, 2**63 + 4], np.uint64), config)
+
+
 def test_bad_sequences():
     with pytest.raises(ValueError, match=r"sequences\[1\] must hold integer token ids"):
         pack([np.array([1]), np.array([0.5])], PackConfig(8))
