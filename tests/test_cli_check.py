@@ -295,6 +295,21 @@ def test_inspect_out_of_range(packed):
     assert result.exit_code == 2 and "out of range" in result.stderr
 
 
+def test_a_tokenizer_reads_text_files_beside_jsonl_text(tmp_path):
+    """With --tokenizer every input gives the tokenizer's ids: a .txt beside JSONL text is one
+    corpus (without one, its bytes beside token ids are refused: tests/test_first_hour.py)."""
+    from tests.helpers.files import write_tokenizer
+
+    (tmp_path / "a.txt").write_text("the cat sat\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "the dog ran on a mat"}) + "\n")
+    tok = write_tokenizer(tmp_path / "tok.json")
+    out = tmp_path / "out"
+    invoke("pack", tmp_path / "a.txt", tmp_path / "b.jsonl", "-o", out, "--seq-len", 16,
+           "--tokenizer", tok, "--field", "text")
+    assert invoke("verify", out).stdout.startswith("OK:")
+    assert json.loads((out / "manifest.json").read_text())["stats"]["real_tokens"] == 3 + 6
+
+
 def test_verify_notices_a_changed_tokenizer(tmp_path):
     from tests.helpers.files import write_tokenizer
 

@@ -172,7 +172,8 @@ def read_corpus(paths: Sequence[str], options: ReadOptions) -> Corpus:
                                tokenizer, tokens.append,
                                column_sinks={n: c.append for n, c in cols.items()}))
         parts.append((tokens, cols))
-    check_text_beside_tokens([(s.info["path"], s.info["format"]) for s in scans])
+    check_text_beside_tokens([(s.info["path"], s.info["format"]) for s in scans],
+                             tokenized=bool(options.tokenizer))
     dtype = corpus_dtype([s.dtype for s in scans])
     values = _joined([t for tokens, _ in parts for t in tokens], dtype)
     extra = {name: _joined([v for _, cols in parts for v in cols[name]], col_dtype)
@@ -426,7 +427,8 @@ def read_lengths(paths: Sequence[str], options: ReadOptions) -> tuple[np.ndarray
     tokenizer = text.load_tokenizer(options.tokenizer) if options.tokenizer else None
     scans = [scan_file(os.fspath(p), detect_format(os.fspath(p), options.input_format), options,
                        tokenizer) for p in paths]
-    check_text_beside_tokens([(s.info["path"], s.info["format"]) for s in scans])
+    check_text_beside_tokens([(s.info["path"], s.info["format"]) for s in scans],
+                             tokenized=bool(options.tokenizer))
     return np.concatenate([s.lengths for s in scans]), [s.info for s in scans]
 
 

@@ -205,11 +205,12 @@ def _choose(where: str, paths: list[str], input_format: str | None) -> list[str]
 
 
 def check_text_beside_tokens(formats: Sequence[tuple[str, str]], *, where: str = "",
-                             hint: str = "pack it in a run of its own") -> None:
+                             hint: str = "pack it in a run of its own",
+                             tokenized: bool = False) -> None:
     """InputError naming the first text input when `formats` ((path, format) of every input,
     by name or content) holds both text and token files: its UTF-8 bytes would be packed as
-    ids 0..255 beside the token ids."""
-    text = [p for p, f in formats if f == "text"]
+    ids 0..255 beside the token ids (`tokenized`: a tokenizer reads every input, no check)."""
+    text = [p for p, f in formats if f == "text" and not tokenized]
     kinds = sorted({f for _, f in formats if f in _TOKEN_FORMATS})
     if text and kinds:
         count = sum(f in _TOKEN_FORMATS for _, f in formats)

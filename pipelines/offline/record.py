@@ -142,7 +142,8 @@ def check_inputs(files: Sequence[tuple[str, str, int]], job: PackJob) -> None:
     the first input and example holding a token id the output format cannot store
     (`Encoding.max_token_id`): before anything is written. `files`: each input's (path,
     format, largest id)."""
-    check_text_beside_tokens([(path, fmt) for path, fmt, _ in files])
+    check_text_beside_tokens([(path, fmt) for path, fmt, _ in files],
+                             tokenized=bool(job.read_options.tokenizer))
     encoding = job.write_options.encoding
     limit = encoding.max_token_id
     for path, fmt, top in files:

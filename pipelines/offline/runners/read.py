@@ -137,7 +137,8 @@ def scan_lengths(paths: Sequence[str], options: ReadOptions, workers: Workers
         scans = [_scan_lengths(*call) for call in calls]
     else:
         scans = list(workers.map(_scan_lengths, calls, len(calls), what="reading the inputs"))
-    check_text_beside_tokens([(call[0], fmt) for call, (_, fmt) in zip(calls, scans)])
+    check_text_beside_tokens([(call[0], fmt) for call, (_, fmt) in zip(calls, scans)],
+                             tokenized=bool(options.tokenizer))
     return [lengths for lengths, _ in scans]
 
 
