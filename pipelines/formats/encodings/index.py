@@ -45,7 +45,7 @@ from seqpack.pipelines.formats.paths import entry_files
 
 RANDOM_ACCESS = ("parquet", "arrow", "arrayrecord", *ARRAYS)  # input formats read at random
 _COLUMNS = ("example", "start", "length", "row")
-RECHECK_S = 0.0  # seconds after its last check an open local input's stamp is checked again
+RECHECK_S = 1.0  # seconds after its last check an open local input's stamp is checked again
 
 
 def _narrow(values: np.ndarray) -> np.ndarray:
@@ -179,8 +179,8 @@ def input_reader(inputs: Mapping[str, Any], cache_dir: str | None = None) -> Inp
 class InputReader:
     """Random access to a run's examples by corpus example (the manifest's `inputs` record:
     its files back to back). Every local input's size and modification stamp are checked
-    against the manifest's when it is made, as it opens one, and before each read of one (one
-    stat; `RECHECK_S` spaces them): a changed input is refused, never read as other tokens.
+    against the manifest's when it is made, as it opens one, and at a read of one `RECHECK_S`
+    after its last check (a stat): a changed input is refused, not read as other tokens.
     Parquet is read by row group, Arrow IPC by record batch (a few decoded ones kept),
     ArrayRecord by record, token arrays memory-mapped; a URL from a local copy (in `cache_dir`,
     default `storage.cache_root()`) or by byte range."""
