@@ -239,3 +239,25 @@ def test_an_element_without_the_packed_feature_names_its_keys_and_the_fix():
     rows = list(make_training_pipeline(src, pack=packer.PackConfig(8, feature="input_ids"),
                                        **kw))
     assert sum(int(b["input_ids_segment_lengths"].sum()) for b in rows) == 5
+
+
+def test_a_bad_later_element_is_named_by_its_example_in_the_source():
+    """Past the first element, a missing feature or a bad array names the example of the
+    source (or the dataset and example of a mixture) it came from, not only its position in
+    the shuffled stream."""
+    from seqpack.pipelines.datasets import Mixture
+    from seqpack.pipelines.errors import InputError
+
+    good = [{"tokens": np.arange(1, 5)} for _ in range(20)]
+    kw = dict(pack=packer.PackConfig(16), batch=Batching(2, shard_index=0, shard_count=1),
+              shuffle_seed=0, num_epochs=1)
+    for bad, what in (({"text": np.arange(3)}, "lacks one of the features"),
+                      ({"tokens": np.ones(3)}, "'tokens' must be a 1-D array of integer")):
+        src = [*good[:7], bad, *good[8:]]
+        with pytest.raises(InputError, match=rf"element \d+( of the parent)? \(example 7 of "
+                                             rf"the source\):? {what}"):
+            list(make_training_pipeline(src, **kw))
+    mix = Mixture({"a": good, "b": [*good[:5], {"tokens": np.ones(2)}]},
+                  weights={"a": 1, "b": 1})
+    with pytest.raises(InputError, match=r"\(dataset 'b', example 5\): 'tokens' must be"):
+        list(make_training_pipeline(mix, **kw))

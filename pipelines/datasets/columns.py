@@ -240,6 +240,14 @@ class RunValues:
         self.features, self.names, self.drop = features, names, drop
         self.pad_id, self.pads, self.given = pad_id, pads, set(given)
         self.dtypes: dict[str, np.dtype] = dict(given)
+        self._source: tuple[Any, int] = (None, 0)  # the parent's `ref_of`, the window's first
+
+    def _ref(self, ident: int) -> str:
+        """Where element `ident` came from, when the parent says (`ref_of`: its example in
+        the source, or its dataset and example), as " (...)"; else ""."""
+        ref_of, first = self._source
+        ref = ref_of(ident - first) if ref_of is not None else None
+        return f" ({ref})" if ref else ""
 
     def check_first(self, element: Any) -> None:
         """The parent's first element: not packed already, and every key declared."""
@@ -248,17 +256,19 @@ class RunValues:
             check_declared(element, self.names, self.drop, "element 0 of the parent")
 
     def bad_element(self, ident: int, e: Exception) -> None:
-        raise InputError(f"element {ident} of the parent lacks one of the features "
-                         f"{list(self.names)} ({type(e).__name__}: {e}); elements must be "
+        raise InputError(f"element {ident} of the parent{self._ref(ident)} lacks one of the "
+                         f"features {list(self.names)} ({type(e).__name__}: {e}); elements must be "
                          "dicts of 1-D token arrays") from None
 
     def values(self, v: Any, ident: int, name: str) -> np.ndarray:
-        return as_values(v, f"element {ident}: {name!r}", token_ids=name in self.features)
+        return as_values(v, f"element {ident}{self._ref(ident)}: {name!r}",
+                         token_ids=name in self.features)
 
     def read(self, parent: Iterator[Any], count: int, first: int
              ) -> tuple[dict[str, list], bool]:
         """Up to `count` elements of `parent` (the first of them element `first` of the run),
         checked and cast: (their values per name, whether the parent ended)."""
+        self._source = (getattr(parent, "ref_of", None), first)
         cols: dict[str, list] = {n: [] for n in self.names}
         ended = False
         if len(self.names) == 1:  # the common case, element by element with no inner loop

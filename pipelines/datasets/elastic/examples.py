@@ -131,6 +131,10 @@ class ElasticExamplesIterator(grain.DatasetIterator):
                 refs.append(index)
                 return element
 
+    def ref_of(self, i: int) -> str | None:
+        """Where the i-th element since the last `take_refs` came from, for an error."""
+        return f"example {self._refs[i]} of the source" if 0 <= i < len(self._refs) else None
+
     def take_refs(self) -> tuple[np.ndarray, np.ndarray]:
         """(dataset i32[n] (all 0), index i64[n]) of the n elements yielded since the last call."""
         index = np.asarray(self._refs, np.int64)

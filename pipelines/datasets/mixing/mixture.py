@@ -272,6 +272,12 @@ class MixtureIterator(grain.DatasetIterator):
 
     # ---- what the packer reads ------------------------------------------------------------
 
+    def ref_of(self, i: int) -> str | None:
+        """Where the i-th element since the last `take_refs` came from, for an error."""
+        if not 0 <= i < len(self._refs_d):
+            return None
+        return f"dataset {self._mix.names[self._refs_d[i]]!r}, example {self._refs_i[i]}"
+
     def take_refs(self) -> tuple[np.ndarray, np.ndarray]:
         """(dataset i32[n], index i64[n]) of the n elements yielded since the last call."""
         out = (np.asarray(self._refs_d, np.int32), np.asarray(self._refs_i, np.int64))
