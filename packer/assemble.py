@@ -215,12 +215,14 @@ def assemble(values: object, offsets: object, p: PackPlan, config: PackConfig) -
 def check_fits(p: PackPlan, config: PackConfig) -> None:
     """ValueError unless plan `p` fits `config`'s rows: its slots within max_segments, its
     pieces within seq_len and on segment_alignment (a plan made under another config)."""
-    wrong = [f"slot {int(p.slot.max())} >= max_segments={config.max_segments}"
-             if p.num_pieces and int(p.slot.max()) >= config.max_segments else "",
-             f"a piece ends at {int((p.offset + p.length).max())} > seq_len={config.seq_len}"
-             if p.num_pieces and int((p.offset + p.length).max()) > config.seq_len else "",
+    if not p.num_pieces:
+        return
+    slot, end = int(p.slot.max()), int((p.offset + p.length).max())
+    wrong = [f"slot {slot} >= max_segments={config.max_segments}"
+             if slot >= config.max_segments else "",
+             f"a piece ends at {end} > seq_len={config.seq_len}" if end > config.seq_len else "",
              f"an offset off segment_alignment={config.alignment}"
-             if p.num_pieces and (p.offset % config.alignment).any() else ""]
+             if (p.offset % config.alignment).any() else ""]
     if any(wrong):
         raise ValueError(f"the plan does not fit the config: {'; '.join(w for w in wrong if w)}; "
                          "plan and assemble with the same config")

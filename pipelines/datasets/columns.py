@@ -190,10 +190,15 @@ def check_declared(element: Any, declared: Iterable[str], drop: Iterable[str], w
             f"Columns(drop={extra!r})")
 
 
+def value_kinds(token_ids: bool) -> str:
+    """The numpy dtype kinds a packed array may have: token ids are never bool."""
+    return "iu" if token_ids else "iub"
+
+
 def as_values(v: Any, where: str, *, token_ids: bool) -> np.ndarray:
     """`v` as a 1-D integer array (an empty one as int32); InputError naming `where` else."""
     arr = np.asarray(v)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in ("iu" if token_ids else "iub")):
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in value_kinds(token_ids)):
         what = "integer token ids" if token_ids else "integers"
         raise InputError(f"{where} must be a 1-D array of {what}, got shape {arr.shape} "
                          f"dtype {arr.dtype}")
@@ -307,7 +312,7 @@ class RunValues:
             if not all(type(v) is np.ndarray and v.ndim == 1 for v in col):
                 col[:] = [self.values(v, first + i, n) for i, v in enumerate(col)]
             elif col:
-                kinds = "iu" if n in self.features else "iub"  # token ids: never bool
+                kinds = value_kinds(n in self.features)
                 if not all(v.dtype.kind in kinds for v in col):
                     i = next(i for i, v in enumerate(col) if v.dtype.kind not in kinds)
                     self.values(col[i], first + i, n)

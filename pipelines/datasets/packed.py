@@ -39,6 +39,7 @@ import numpy as np
 
 from seqpack.packer import PackConfig
 from seqpack.pipelines.datasets.columns import Column, Role
+from seqpack.pipelines.datasets.elastic import grain_worker_states
 from seqpack.pipelines.datasets.sources import SequentialIterDataset
 
 log = logging.getLogger("seqpack")
@@ -310,15 +311,10 @@ class GlobalRowIterator(grain.DatasetIterator):
 
 
 def worker_states(state: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The workers' states of a state saved with worker processes (Grain's interleave of
-    them, or its earlier multiprocess prefetch); None for a state saved without."""
-    if "iterators_in_use_states" in state:
-        found = [*state["iterators_in_use_states"], *state.get("future_states", {}).values()]
-    elif "workers_state" in state:
-        found = list(state["workers_state"].values())
-    else:
-        return None
-    return [s for s in found if s]
+    """The workers' states of a state saved with worker processes; None for one saved
+    without (`elastic.hosts.grain_worker_states`)."""
+    found = grain_worker_states(state)
+    return None if found is None else [s for s in found.values() if s]
 
 
 def _one_state(state: dict[str, Any]) -> dict[str, Any]:

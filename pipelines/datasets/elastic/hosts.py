@@ -168,22 +168,28 @@ def _check_complete(states: list[Mapping[str, Any]]) -> None:
     states.sort(key=lambda s: s["host"])
 
 
+def grain_worker_states(pipe: Mapping[str, Any]) -> dict[int, Any] | None:
+    """worker -> its state, of a state Grain's worker processes saved (its interleave of them,
+    or its earlier multiprocess prefetch); None for a state saved without them."""
+    if "iterators_in_use_states" in pipe:
+        out = dict(zip(pipe["iterators_in_use_indices"], pipe["iterators_in_use_states"]))
+        out.update((int(i), s) for i, s in pipe.get("future_states", {}).items())
+        return out
+    if "workers_state" in pipe:
+        return {int(i): s for i, s in pipe["workers_state"].items()}
+    return None
+
+
 def _worker_states(state: Mapping[str, Any]) -> list[Any]:
     """Every worker's packer state of a host state (the one packer without workers)."""
     pipe = state["pipeline"]
     if not state["workers"]:
         return [pipe]
-    if "iterators_in_use_states" in pipe:  # Grain's interleave of worker processes
-        out: list[Any] = [None] * state["workers"]
-        for i, s in zip(pipe["iterators_in_use_indices"], pipe["iterators_in_use_states"]):
-            out[i] = s
-        for i, s in pipe.get("future_states", {}).items():
-            out[int(i)] = s
-        return out
-    if "workers_state" in pipe:  # Grain's earlier multiprocess prefetch
-        return [pipe["workers_state"][str(i)] for i in range(state["workers"])]
-    raise ValueError(f"a worker-process state of an unknown form (keys {sorted(pipe)}); this "
-                     f"version of Grain ({grain.__version__}) is not supported")
+    found = grain_worker_states(pipe)
+    if found is None:
+        raise ValueError(f"a worker-process state of an unknown form (keys {sorted(pipe)}); "
+                         f"this version of Grain ({grain.__version__}) is not supported")
+    return [found.get(i) for i in range(state["workers"])]
 
 
 def _with_worker_states(template: Mapping[str, Any], states: list[Any]) -> dict[str, Any]:
