@@ -1,4 +1,5 @@
-"""Checks a packed batch against the row contract; raises ValueError naming row and slot."""
+"""Checks a packed batch against the row contract (raises ValueError naming row and slot), and
+the pieces of many rows against the examples they came from (`coverage`)."""
 
 from __future__ import annotations
 
@@ -151,3 +152,78 @@ def _runs(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, value: np.ndar
     delta[rows * width + starts] = value
     delta[rows * width + ends] -= value
     return np.cumsum(delta.reshape(R, width), axis=1)[:, :L]
+
+
+def coverage(ex: np.ndarray, st: np.ndarray, ln: np.ndarray, lengths: np.ndarray,
+             times: np.ndarray, config: PackConfig) -> tuple[list[str], dict[str, int]]:
+    """Whether pieces (example `ex`, start `st`, length `ln`; the used slots of a corpus's
+    rows) tile each example's kept tokens [0, kept) `times[e]` times (once, or as a mixture
+    takes it), what is not kept being what `config.overflow` allows. Returns the problems
+    (at most 3 of each kind) and the `Counters` values the pieces give. Only the pieces of
+    examples cut or taken other than once are sorted (memory: a few bytes per piece)."""
+    problems: list[str] = []
+    npieces = np.bincount(ex, minlength=lengths.size)
+    many = ~((npieces == 1) & (times == 1))[ex]
+    for i in np.flatnonzero(~many & (st != 0))[:3]:
+        problems.append(f"example {ex[i]}: a piece starts at token {st[i]} where the pieces "
+                        "before it end elsewhere (tokens missing or duplicated)")
+    # Tokens and pieces of each example, each distinct piece counted once.
+    covered = np.zeros(lengths.size, np.int64)
+    covered[ex] = ln
+    sub = ex[many], st[many], ln[many]
+    del many
+    found, (dex, dln) = _tiling(*sub, times)
+    problems += found
+    covered[sub[0]] = 0
+    np.add.at(covered, dex, dln)
+    np.subtract.at(npieces, sub[0], 1)
+    np.add.at(npieces, dex, 1)
+    del sub
+    missing = np.where(times > 0, lengths - covered, 0)
+    L = config.seq_len
+    policy = config.overflow.value if config.strategy.value != "concat_split" else "split"
+    cut = np.flatnonzero(missing != 0)
+    lost = {"examples": int(times[cut].sum()), "tokens": int((missing * times)[cut].sum())}
+    if policy == "truncate":
+        allowed = (lengths > L) & (covered == L)
+        want = {f"truncated_{k}": v for k, v in lost.items()}
+    elif policy == "drop":
+        allowed = (lengths > L) & (covered == 0)
+        want = {f"dropped_{k}": v for k, v in lost.items()}
+    else:
+        allowed = np.zeros(lengths.size, bool)
+        want = {}
+    for i in cut[~allowed[cut]][:3]:
+        problems.append(f"example {i}: {missing[i]} of its {lengths[i]} tokens are not in any "
+                        f"row, which overflow={policy!r} does not allow")
+    split = npieces > 1
+    want.update(split_examples=int(times[split].sum()),
+                split_pieces=int((npieces * times)[split].sum()),
+                num_examples=int(times.sum()), input_tokens=int((lengths * times).sum()),
+                empty_examples=int(times[lengths == 0].sum()))
+    return problems, want
+
+
+def _tiling(ex: np.ndarray, st: np.ndarray, ln: np.ndarray, times: np.ndarray
+            ) -> tuple[list[str], tuple[np.ndarray, np.ndarray]]:
+    """The problems of some examples' pieces (each distinct piece must come `times[e]` times,
+    the distinct pieces must tile from token 0), and the distinct pieces' (example, length)."""
+    problems = []
+    order = np.lexsort((ln, st, ex))
+    ex, st, ln = ex[order], st[order], ln[order]
+    new = np.ones(ex.size, bool)
+    new[1:] = (ex[1:] != ex[:-1]) | (st[1:] != st[:-1]) | (ln[1:] != ln[:-1])
+    count = np.diff(np.append(np.flatnonzero(new), ex.size))
+    ex, st, ln = ex[new], st[new], ln[new]  # each piece once, `count` times
+    for i in np.flatnonzero(count != times[ex])[:3]:
+        problems.append(f"example {ex[i]}: its tokens [{st[i]}, {st[i] + ln[i]}) are in "
+                        f"{count[i]} segment(s), the run takes the example {times[ex[i]]} "
+                        "time(s) (tokens missing or duplicated)")
+    first = np.ones(ex.size, bool)
+    first[1:] = ex[1:] != ex[:-1]
+    contiguous = ~first
+    contiguous[1:] &= st[1:] != st[:-1] + ln[:-1]
+    for i in np.union1d(np.flatnonzero(first & (st != 0)), np.flatnonzero(contiguous))[:3]:
+        problems.append(f"example {ex[i]}: a piece starts at token {st[i]} where the pieces "
+                        "before it end elsewhere (tokens missing or duplicated)")
+    return problems, (ex, ln)

@@ -7,6 +7,7 @@ protocol's client (gcsfs, s3fs: the ``cloud`` extra) is imported only when a URL
     expand("gs://bucket/data/*.parquet")            # sorted URLs of the matching objects
     exists(url), size(url), read_json(url)          # small objects, metadata
     with local_copy(url) as path: ...               # one-shot: a temp file, removed after
+    scratch_dir("stage"), sweep_scratch()           # temp directories a killed run leaves
     cached_copy(url, cache_dir=...)                 # the training reader's kept copy
     version(url), read_ranges(url, starts, ends)     # an index's reads of parts of objects
 
@@ -48,8 +49,8 @@ from typing import Any
 from seqpack.pipelines.errors import InputError, MissingDependency, require
 
 __all__ = ["Replaced", "cache_root", "cached_copy", "exists", "expand", "glob", "is_url", "join",
-           "local_copy", "named", "read_bytes", "read_json", "read_ranges", "size", "sizes",
-           "version"]
+           "local_copy", "named", "process_gone", "process_start_time", "read_bytes", "read_json",
+           "read_ranges", "scratch", "scratch_dir", "size", "sizes", "sweep_scratch", "version"]
 
 BLOCK = 8 << 20  # bytes per read while copying an object
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -267,6 +268,62 @@ def _download(url: str, target: str, expect: tuple[int, str] | None = None) -> N
         raise
 
 
+_SCRATCH = re.compile(r"seqpack-[a-z]+-(\d+)\.(\d+|x)-[a-z0-9_]+")
+
+
+def process_start_time(pid: int | None = None) -> str | None:
+    """A process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def process_gone(pid: int, started: str | None) -> bool:
+    """Whether process `pid` of this host (started at `started`, if known) has ended."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's: alive
+        return False
+    return started is not None and process_start_time(pid) not in (None, started)
+
+
+def scratch_dir(kind: str, *, dir: str | None = None) -> str:
+    """A new temporary directory named by this process (``seqpack-<kind>-<pid>.<start>-...``),
+    so that `sweep_scratch` can remove it once the process is gone, however it died."""
+    return tempfile.mkdtemp(prefix=f"seqpack-{kind}-{os.getpid()}.{process_start_time() or 'x'}-",
+                            dir=dir)
+
+
+@contextlib.contextmanager
+def scratch(kind: str) -> Iterator[str]:
+    """A `scratch_dir`, removed on exit; first removes those of processes that are gone."""
+    sweep_scratch()
+    path = scratch_dir(kind)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def sweep_scratch() -> int:
+    """Removes the system temp directory's `scratch_dir`s whose process has ended (a run killed
+    with SIGKILL, or by the OOM killer, leaves its staged shards, spill and downloads there);
+    returns how many."""
+    removed = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(tempfile.gettempdir()):
+            m = _SCRATCH.fullmatch(entry.name)
+            if m and entry.is_dir(follow_symlinks=False) and int(m[1]) != os.getpid() \
+                    and process_gone(int(m[1]), None if m[2] == "x" else m[2]):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed += 1
+    return removed
+
+
 @contextlib.contextmanager
 def local_copy(path: str, *, dir: str | None = None) -> Iterator[str]:
     """A local file holding `path`'s bytes, for one read: a local path is yielded as it is; a
@@ -275,7 +332,7 @@ def local_copy(path: str, *, dir: str | None = None) -> Iterator[str]:
     if not is_url(path):
         yield path
         return
-    tmpdir = tempfile.mkdtemp(prefix="seqpack-", dir=dir)
+    tmpdir = scratch_dir("copy", dir=dir)
     try:
         target = os.path.join(tmpdir, _object_name(path))
         _download(path, target)
@@ -291,7 +348,7 @@ def local_copies(paths: Sequence[str]) -> Iterator[list[str]]:
     if not any(is_url(p) for p in paths):
         yield list(paths)
         return
-    tmpdir = tempfile.mkdtemp(prefix="seqpack-")
+    tmpdir = scratch_dir("copy")
     try:
         targets = []
         for p in paths:

@@ -31,6 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from seqpack.packer import PackConfig
 from seqpack.packer.order import RowOrder
 from seqpack.packer.plan import DEFAULT_BLOCK_SIZE, check_block_size
+from seqpack.pipelines import storage
 from seqpack.pipelines.errors import UsageError
 from seqpack.pipelines.formats.inputs import LossCount, ReadOptions
 from seqpack.pipelines.offline.lock import DirLock
@@ -246,6 +247,7 @@ def output_session(job: PackJob) -> Iterator[OutputDir]:
     """The output, checked, created and locked for the run (see the module docstring)."""
     out = OutputDir(job.output)
     check_dir(out, overwrite=job.overwrite, resume=job.resume)
+    storage.sweep_scratch()  # what killed runs on this host left in the temp directory
     created = out.makedirs()
     lock = DirLock(out)
     ok = False

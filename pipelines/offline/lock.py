@@ -12,6 +12,7 @@ import json
 import os
 import socket
 
+from seqpack.pipelines import storage
 from seqpack.pipelines.errors import UsageError
 from seqpack.pipelines.offline.outdir import LOCK, OutputDir, as_output_dir
 
@@ -46,7 +47,8 @@ class DirLock:
         self.release()
 
     def acquire(self) -> None:
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": _start_time()}
+        me = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": storage.process_start_time()}
         if self.out.remote:
             self._acquire_object(me)
         else:
@@ -109,7 +111,8 @@ class DirLock:
                 raise self._busy(owner)
             if self.out.replace_json_if(LOCK, me, version):  # stale: the owner is gone
                 return
-        raise UsageError(f"{self.path}: could not take the lock (another run keeps taking it)")
+        raise UsageError(f"{self.path}: could not take the lock (another run keeps taking it); "
+                         "if no seqpack run is writing here, remove it")
 
 
 def _read_fd(fd: int) -> bytes:
@@ -124,26 +127,8 @@ def _parse_owner(data: bytes) -> dict | None:
     return owner if isinstance(owner, dict) else None
 
 
-def _start_time(pid: int | None = None) -> str | None:
-    """A process's start time in clock ticks since boot (Linux), to tell a reused pid apart."""
-    try:
-        with open(f"/proc/{pid or os.getpid()}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
 def _stale(owner: dict) -> bool:
     if owner.get("host") != socket.gethostname():
         return False
     pid = owner.get("pid")
-    if not isinstance(pid, int):
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    started = owner.get("started")
-    return started is not None and _start_time(pid) not in (None, started)
+    return not isinstance(pid, int) or storage.process_gone(pid, owner.get("started"))

@@ -24,13 +24,12 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from typing import Any
 
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError, UsageError
 from seqpack.pipelines.formats import manifest as manifest_io
-from seqpack.pipelines.formats.encodings import is_side_file
+from seqpack.pipelines.formats.encodings import ENCODINGS, is_side_file
 from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, Manifest
 
 DONE = ".done"  # a shard's completion record: rows-....arrayrecord.done
@@ -112,8 +111,14 @@ class OutputDir:
     # -- writing ----------------------------------------------------------------------------
 
     def makedirs(self) -> bool:
-        """Creates a local directory (True if it was not there); a prefix needs nothing."""
-        if self.remote or os.path.isdir(self.location):
+        """Creates a local directory (True if it was not there); a prefix on object storage
+        needs nothing, a file:// URL its directory."""
+        if self.remote:
+            fs, inside = self._fs()
+            if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+                fs.makedirs(inside, exist_ok=True)
+            return False
+        if os.path.isdir(self.location):
             return False
         os.makedirs(self.location)
         return True
@@ -207,7 +212,7 @@ class OutputDir:
         if not self.remote:
             return self.location
         if self._stage is None:
-            self._stage = tempfile.mkdtemp(prefix="seqpack-stage-")
+            self._stage = storage.scratch_dir("stage")
             self._own_stage = True
         return self._stage
 
@@ -234,9 +239,15 @@ def _precondition_failed(e: BaseException) -> bool:
     return "412" in text or "precondition" in text
 
 
-def _version(info: dict) -> str | None:
+def _version(info: dict) -> str:
+    """An object's version: S3's ETag, GCS's generation; elsewhere (file://, memory://) its
+    size and modification time, which only tells a read's content from a write in between
+    (`replace_json_if` then deletes and creates if absent)."""
     version = info.get("ETag") or info.get("etag") or info.get("generation")
-    return None if version is None else str(version)
+    if version is None:
+        when = info.get("mtime") or info.get("created") or info.get("LastModified")
+        version = f"{info.get('size')}@{when}"
+    return str(version)
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -276,8 +287,13 @@ def as_output_dir(output_dir: str | OutputDir) -> OutputDir:
     return output_dir if isinstance(output_dir, OutputDir) else OutputDir(output_dir)
 
 
+_SHARD_SUFFIXES = tuple(sorted({e.suffix for e in ENCODINGS.values()}))
+
+
 def _owned(name: str) -> bool:
-    return name.startswith("rows-") and (".arrayrecord" in name or ".parquet" in name) \
+    """Whether a run writes `name`: a shard of any encoding (with its completion record or a
+    temporary), a side file, the manifest or the intent."""
+    return name.startswith("rows-") and any(s in name for s in _SHARD_SUFFIXES) \
         or is_side_file(name) or name in (MANIFEST, INTENT, MANIFEST + ".tmp", INTENT + ".tmp")
 
 
@@ -357,7 +373,20 @@ def _check_same_run(path: str, old: dict, new: dict) -> None:
     diff = [k for k in new if old.get(k) != new[k]]
     if diff:
         raise UsageError(f"cannot resume: {', '.join(diff)} differ from the run recorded in "
-                         f"{path}; rerun with existing='overwrite'")
+                         f"{path}{_changed_input(old, new)}; rerun with existing='overwrite'")
+
+
+def _changed_input(old: dict, new: dict) -> str:
+    """' (input i, path: what differs)' for the first input file that differs, else ''."""
+    was = (old.get("inputs") or {}).get("files") or []
+    now = (new.get("inputs") or {}).get("files") or []
+    if len(was) != len(now):
+        return f" ({len(now)} inputs, the run had {len(was)})"
+    for i, (a, b) in enumerate(zip(was, now)):
+        if a != b:
+            keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            return f" (input {i}, {b.get('path')}: its {', '.join(keys)} changed)"
+    return ""
 
 
 def write_done(out: OutputDir, name: str, rows: int, digest: tuple[int, str]) -> None:

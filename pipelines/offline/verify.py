@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 
 import numpy as np
@@ -29,6 +28,7 @@ import numpy as np
 from seqpack.packer import Counters, PackConfig, validate
 from seqpack.packer.contract import restore_derived
 from seqpack.packer.stats import length_histograms, stats_from_histograms
+from seqpack.packer.validate import coverage
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.encodings import of_manifest, with_segment_ids
@@ -161,51 +161,11 @@ def _check_tokens(batch, config, spills: dict[str, tuple[SpillReader, int]], off
 
 def _check_coverage(ex, st, ln, lengths, config, counters: Counters, out: _Collector,
                     times: np.ndarray) -> None:
-    """Each example's pieces tile [0, kept) `times[e]` times (once, or as a mixture takes it);
-    the rest matches the policy and counters."""
-    order = np.lexsort((ln, st, ex))
-    ex, st, ln = ex[order], st[order], ln[order]
-    new = np.ones(ex.size, bool)
-    new[1:] = (ex[1:] != ex[:-1]) | (st[1:] != st[:-1]) | (ln[1:] != ln[:-1])
-    count = np.diff(np.append(np.flatnonzero(new), ex.size))
-    ex, st, ln = ex[new], st[new], ln[new]  # each piece once, `count` times
-    for i in np.flatnonzero(count != times[ex])[:3]:
-        out.add(f"example {ex[i]}: its tokens [{st[i]}, {st[i] + ln[i]}) are in {count[i]} "
-                f"segment(s), the run takes the example {times[ex[i]]} time(s) (tokens missing "
-                "or duplicated)")
-    first = np.ones(ex.size, bool)
-    first[1:] = ex[1:] != ex[:-1]
-    gap = np.flatnonzero(first & (st != 0))
-    contiguous = ~first
-    contiguous[1:] &= st[1:] != st[:-1] + ln[:-1]
-    gap = np.union1d(gap, np.flatnonzero(contiguous))
-    for i in gap[:3]:
-        out.add(f"example {ex[i]}: a piece starts at token {st[i]} where the pieces before it "
-                "end elsewhere (tokens missing or duplicated)")
-    covered = np.bincount(ex, weights=ln, minlength=lengths.size).astype(np.int64)
-    npieces = np.bincount(ex, minlength=lengths.size)
-    missing = np.where(times > 0, lengths - covered, 0)
-    L = config.seq_len
-    policy = config.overflow.value if config.strategy.value != "concat_split" else "split"
-    cut = np.flatnonzero(missing != 0)
-    lost = {"examples": int(times[cut].sum()), "tokens": int((missing * times)[cut].sum())}
-    if policy == "truncate":
-        allowed = (lengths > L) & (covered == L)
-        want = {f"truncated_{k}": v for k, v in lost.items()}
-    elif policy == "drop":
-        allowed = (lengths > L) & (covered == 0)
-        want = {f"dropped_{k}": v for k, v in lost.items()}
-    else:
-        allowed = np.zeros(lengths.size, bool)
-        want = {}
-    for i in cut[~allowed[cut]][:3]:
-        out.add(f"example {i}: {missing[i]} of its {lengths[i]} tokens are not in any row, "
-                f"which overflow={policy!r} does not allow")
-    split = npieces > 1
-    want.update(split_examples=int(times[split].sum()),
-                split_pieces=int((npieces * times)[split].sum()),
-                num_examples=int(times.sum()), input_tokens=int((lengths * times).sum()),
-                empty_examples=int(times[lengths == 0].sum()))
+    """Each example's pieces tile [0, kept) `times[e]` times (`packer.validate.coverage`); the
+    manifest's counters are the ones the pieces give."""
+    problems, want = coverage(ex, st, ln, lengths, times, config)
+    for problem in problems:
+        out.add(problem)
     have = counters.to_dict()
     for key, value in want.items():
         if have.get(key) != value:
@@ -311,7 +271,12 @@ def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int,
     except (IndexError, KeyError, ValueError):
         return _ShardCheck(out.items, None, None, None)
     used, nseg = length_histograms(batch[config.keys().segment_lengths], config.seq_len)
-    return _ShardCheck(out.items, (ex, st, ln), used, nseg, n, loss)
+    return _ShardCheck(out.items, tuple(_narrow(x) for x in (ex, st, ln)), used, nseg, n, loss)
+
+
+def _narrow(x: np.ndarray) -> np.ndarray:
+    """`x` as int32 where its values fit (the pieces a worker sends back: half the bytes)."""
+    return x.astype(np.int32) if not x.size or (x.min() >= 0 and x.max() < 2**31) else x
 
 
 def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violations: int = 20,
@@ -328,7 +293,7 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
     _check_tokenizer(manifest, out)
     pool = Workers(workers)
     try:
-        with tempfile.TemporaryDirectory(prefix="seqpack-verify-") as spill_dir:
+        with storage.scratch("verify") as spill_dir:
             read = read_inputs(paths, options, spill_dir, pool, loss_columns=loss_columns_of(
                 manifest.mixture, manifest.columns))
             scans, columns = read.scans, manifest.columns or []
@@ -408,9 +373,9 @@ def _check_results(checks: list[_ShardCheck], lengths: np.ndarray, manifest: Man
     """Coverage of every example over all shards, and the manifest's stats against the rows."""
     config = manifest.pack_config()
     recorded = manifest.stats or {}
-    pieces = [c.pieces for c in checks if c.pieces is not None]
+    pieces = any(c.pieces is not None for c in checks)
     if pieces:
-        ex, st, ln = (np.concatenate(x) for x in zip(*pieces))
+        ex, st, ln = _all_pieces(checks, lengths)
         counters = Counters(**recorded["counters"])
         _check_coverage(ex, st, ln, lengths, config, counters, out, times)
     used = sum((c.used_hist for c in checks if c.used_hist is not None),
@@ -425,6 +390,24 @@ def _check_results(checks: list[_ShardCheck], lengths: np.ndarray, manifest: Man
     if manifest.shapes is not None and pieces:
         _check_shapes(manifest, used, nseg, int(ln.max(initial=0)),
                       sum(c.loss_tokens for c in checks), out, OutputDir(output_dir))
+
+
+def _all_pieces(checks: list[_ShardCheck], lengths: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every shard's pieces (example, start, length) in one array each, in the narrowest types
+    that hold them; each shard's own arrays are dropped as they are copied."""
+    n = sum(c.pieces[0].size for c in checks if c.pieces is not None)
+    big = lengths.size >= 2**31 or int(lengths.max(initial=0)) >= 2**31
+    wide = np.int64 if big else np.int32
+    ex, st, ln = np.empty(n, wide), np.empty(n, wide), np.empty(n, np.int32)
+    at = 0
+    for c in checks:
+        if c.pieces is not None:
+            for whole, x in zip((ex, st, ln), c.pieces):
+                whole[at : at + x.size] = x
+            at += c.pieces[0].size
+            c.pieces = None
+    return ex, st, ln
 
 
 def _check_shapes(manifest: Manifest, used: np.ndarray, nseg: np.ndarray, longest: int,
