@@ -18,7 +18,15 @@ import pytest
 
 from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, signed
 from seqpack.pipelines.offline.outdir import DONE, LOCK
-from tests.helpers.files import ROOT, dir_bytes, invoke, random_seqs, run_cli, write_jsonl
+from tests.helpers.files import (
+    ROOT,
+    dir_bytes,
+    invoke,
+    random_seqs,
+    run_cli,
+    write_jsonl,
+    write_parquet,
+)
 
 ARGS = ["--seq-len", 64, "--max-segments", 8, "--shard-rows", 10, "--workers", 1]
 
@@ -122,6 +130,35 @@ def test_overwrite_removes_only_what_seqpack_wrote(clean, tmp_path):
     assert _manifest(out)["seq_len"] == 128
 
 
+def test_overwrite_removes_every_formats_shards_and_completion_records(tmp_path):
+    src = write_parquet(tmp_path / "a.parquet", random_seqs(300, max_len=60, seed=4))
+    out = tmp_path / "out"
+    invoke("pack", src, "-o", out, *ARGS, "--format", "index")
+    stale = sorted(n for n in os.listdir(out) if n.endswith(".index"))
+    assert len(stale) >= 5
+    (out / (stale[0] + DONE)).write_text("{}")  # as a killed run leaves one
+    invoke("pack", src, "-o", out, "--seq-len", 128, "--shard-rows", 1000, "--workers", 1,
+           "--format", "index", "--overwrite")
+    names = os.listdir(out)
+    assert not any(n.endswith(DONE) for n in names)
+    assert [n for n in names if n.endswith(".index")] == _manifest(out)["shards"] != stale
+    assert run_cli("verify", out, src).returncode == 0
+
+
+def test_a_file_url_output_is_created_and_a_dead_runs_lock_there_is_taken_over(clean, tmp_path):
+    import socket
+
+    src, local = clean
+    out = tmp_path / "new" / "out"
+    url = out.as_uri()
+    invoke("pack", src, "-o", url, *ARGS)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (out / LOCK).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    invoke("pack", src, "-o", url, *ARGS, "--overwrite")
+    assert dir_bytes(out) == dir_bytes(local) and LOCK not in os.listdir(out)
+
+
 def _start(args, env=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "seqpack.cli", *map(str, args)], cwd=ROOT,
                             env=dict(os.environ, **(env or {})), stdout=subprocess.DEVNULL,
@@ -182,3 +219,4 @@ def test_an_input_edited_between_kill_and_resume_is_refused(tmp_path):
     src.write_bytes(bytes(data))
     result = run_cli("pack", src, "-o", out, *ARGS, "--resume")
     assert result.returncode == 2 and "cannot resume: inputs differ" in result.stderr
+    assert f"(input 0, {src}: its " in result.stderr and "sha256" in result.stderr

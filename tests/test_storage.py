@@ -413,3 +413,23 @@ def test_an_index_of_url_inputs_in_object_storage_reads_as_the_copy(store, input
         for j in range(len(fresh)):
             fresh[j]
     assert not (tmp_path / "default").exists()  # every copy went to its reader's cache_dir
+
+
+def test_scratch_directories_of_gone_processes_are_swept_and_others_kept(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "from seqpack.pipelines import storage; "
+                           "print(storage.scratch_dir('stage'))"], capture_output=True,
+                          text=True, check=True, env=dict(os.environ, TMPDIR=str(tmp_path)))
+    left = gone.stdout.strip()
+    open(os.path.join(left, "spill.bin"), "wb").write(b"x" * 1000)
+    mine = storage.scratch_dir("copy")
+    other = tmp_path / "seqpack-sample-abc"  # not a scratch directory: never touched
+    other.mkdir()
+    assert os.path.dirname(left) == str(tmp_path) and os.path.isdir(left)
+    assert storage.sweep_scratch() == 1
+    assert not os.path.exists(left) and os.path.isdir(mine) and other.is_dir()
+    with storage.scratch("verify") as path:
+        assert os.path.isdir(path)
+    assert not os.path.exists(path)
