@@ -121,3 +121,15 @@ def test_the_weights_hold_per_global_batch_from_the_first_after_a_change(edited,
     assert np.percentile(dev, 95) <= 0.02, np.round(dev, 3)
     run_share = per_step.sum(0) / per_step.sum()
     assert np.abs(run_share - w).max() <= run_within, run_share
+
+
+@pytest.mark.parametrize("then", [2, 3])
+def test_a_restore_onto_any_host_count_refuses_the_datasets_in_another_order(then):
+    from seqpack.pipelines.errors import InputError
+
+    sources = named_sources(ns=(60, 30), highs=(12, 200))
+    kw = dict(pack=PACK, window=WINDOW, collect=_segments)
+    _, states, _ = run(_mix(sources, "continue"), 2, steps=3, **kw)
+    swapped = {"b": sources["b"], "a": sources["a"]}
+    with pytest.raises(InputError, match="its datasets is"):
+        run(_mix(swapped, "continue"), then, steps=1, state={"hosts": states}, **kw)

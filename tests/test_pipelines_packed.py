@@ -217,3 +217,23 @@ def test_a_partial_global_step_is_dropped_on_every_host(tmp_path, caplog):
               for h in range(H)]
     assert counts == [len(stored) // (H * b)] * H  # the same steps on every host
     assert f"the last {len(stored) % (H * b)} packed rows (a partial global step" in caplog.text
+
+
+def test_a_state_restores_only_into_the_rows_seed_and_epochs_it_was_saved_over(tmp_path):
+    from seqpack.pipelines.errors import InputError
+
+    _packed_dir(tmp_path)
+    src = PackedArrayRecordSource(tmp_path)
+    it = iter(make_training_pipeline(src, **_kw()))
+    next(it)
+    state = it.get_state()
+    for other, named in ((dict(shuffle_seed=6), "seed"), (dict(num_epochs=2), "num_epochs")):
+        again = iter(make_training_pipeline(src, **_kw(**other)))
+        with pytest.raises(InputError, match=f"its {named} is"):
+            again.set_state(state)
+    legacy = {k: v for k, v in state.items() if k != "run"}  # saved before the stamp
+    again = iter(make_training_pipeline(src, **_kw()))
+    again.set_state(legacy)
+    assert np.array_equal(next(again)["tokens"], next(it)["tokens"])
+    with pytest.raises(InputError, match="online packing: restore it into a pipeline over"):
+        iter(make_training_pipeline(src, **_kw())).set_state({"online": 1, "run": {}})

@@ -41,6 +41,7 @@ from seqpack.packer import PackConfig
 from seqpack.pipelines.datasets.columns import Column, Role
 from seqpack.pipelines.datasets.elastic import grain_worker_states
 from seqpack.pipelines.datasets.sources import SequentialIterDataset
+from seqpack.pipelines.errors import InputError
 
 log = logging.getLogger("seqpack")
 
@@ -202,6 +203,7 @@ def packed_batches(source: Any, *, batch_size: int, shuffle_seed: int, num_epoch
         return SequentialIterDataset(steps if num_epochs == 1 else steps.repeat(num_epochs))
     if len(rows) < shard_count:
         raise ValueError(f"{len(rows)} packed rows cannot be dealt to {shard_count} hosts")
+    run = run_stamp(source, len(rows), shuffle_seed=shuffle_seed, num_epochs=num_epochs)
     rows = rows.shuffle(seed=shuffle_seed)
     if num_epochs != 1:
         rows = rows.repeat(num_epochs)
@@ -212,7 +214,21 @@ def packed_batches(source: Any, *, batch_size: int, shuffle_seed: int, num_epoch
                  len(left), batch_size, getattr(source, "feature", "tokens"))
     return GlobalRowBatches(rows, batch_size=batch_size, shard_index=shard_index,
                             shard_count=shard_count, drop_remainder=drop_remainder,
-                            read_threads=read_threads)
+                            read_threads=read_threads, run=run)
+
+
+def run_stamp(source: Any, rows: int, *, shuffle_seed: int, num_epochs: int | None
+              ) -> dict[str, Any]:
+    """What a state of packed rows is valid for: the rows (their count, length and, where
+    the manifest records them, a digest of the shards' digests), the seed and the epochs."""
+    import hashlib
+
+    manifest = getattr(source, "manifest", None)
+    digests = getattr(manifest, "shard_sha256", None)
+    return {"rows": rows, "seq_len": getattr(source, "seq_len", None), "seed": shuffle_seed,
+            "num_epochs": num_epochs,
+            "shards": hashlib.sha256("".join(digests).encode()).hexdigest()[:16]
+            if digests else None}
 
 
 class GlobalRowBatches(grain.IterDataset):
@@ -229,9 +245,11 @@ class GlobalRowBatches(grain.IterDataset):
     and their order do not depend on the worker count."""
 
     def __init__(self, rows: grain.MapDataset, *, batch_size: int, shard_index: int,
-                 shard_count: int, drop_remainder: bool, read_threads: int = 0):
+                 shard_count: int, drop_remainder: bool, read_threads: int = 0,
+                 run: Mapping[str, Any] | None = None):
         super().__init__()
         self._rows, self._drop, self._threads = rows, drop_remainder, read_threads
+        self._run = dict(run or {})  # `run_stamp`: what a state restores into
         self._b, self._h, self._H = batch_size, shard_index, shard_count
         self._steps = (0, 1)  # (first step, stride): this copy's steps
 
@@ -283,10 +301,11 @@ class GlobalRowIterator(grain.DatasetIterator):
     def get_state(self) -> dict[str, Any]:
         ds = self._ds
         return {"position": self._position, "steps": self._count, "shard_index": ds._h,
-                "shard_count": ds._H, "batch_size": ds._b}
+                "shard_count": ds._H, "batch_size": ds._b, "run": ds._run}
 
     def set_state(self, state: dict[str, Any]) -> None:
         ds = self._ds
+        _check_stamp(state, ds._run)
         if (self._first, self._stride) == (0, 1):
             state = _one_state(state)  # (saved with worker processes: restored without)
             position, count = int(state["position"]), int(state.get("steps", 0))
@@ -308,6 +327,27 @@ class GlobalRowIterator(grain.DatasetIterator):
 
     def __str__(self) -> str:
         return "GlobalRowIterator"
+
+
+def _check_stamp(state: Any, run: Mapping[str, Any]) -> None:
+    """InputError unless `state` is a state of packed rows saved over the same rows, seed and
+    epochs (a state of an earlier version, without a stamp, is taken as it is)."""
+    workers = worker_states(state) if isinstance(state, Mapping) else None
+    for one in [state] if workers is None else workers:
+        if isinstance(one, Mapping) and "online" in one:
+            raise InputError("the state is one of online packing: restore it into a pipeline "
+                             "over examples, not packed rows")
+        if not isinstance(one, Mapping) or "position" not in one:
+            what = sorted(one) if isinstance(one, Mapping) else type(one).__name__
+            raise InputError(f"the state is not a state of packed rows (keys: {what}); restore "
+                             "the state this pipeline's iterator saved")
+        saved = one.get("run")
+        for key in sorted(set(saved or ()) | set(run)) if saved is not None else ():
+            if saved.get(key) != run.get(key):
+                raise InputError(f"the state was saved by another run: its {key} is "
+                                 f"{saved.get(key)!r}, this pipeline's {run.get(key)!r}; "
+                                 "restore into a pipeline over the same packed rows, "
+                                 "shuffle_seed and num_epochs")
 
 
 def worker_states(state: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -141,10 +141,15 @@ def _check_run(state: Mapping[str, Any], run: Mapping[str, Any], host: int | Non
                          "restore the state this pipeline's iterator saved")
     saved = state["run"]
     for key in sorted(set(saved) | set(run)):
-        if saved.get(key) != run.get(key):
+        if _in_order(saved.get(key)) != _in_order(run.get(key)):
             raise InputError(f"{where} was saved by another run: its {key} is "
                              f"{saved.get(key)!r}, this pipeline's {run.get(key)!r}; restore "
                              "into a pipeline over the same data, seed, epochs and packing")
+
+
+def _in_order(value: Any) -> Any:
+    """A run's field compared with its order (a mixture's datasets: name -> size, in order)."""
+    return list(value.items()) if isinstance(value, Mapping) else value
 
 
 def _check_complete(states: list[Mapping[str, Any]]) -> None:
