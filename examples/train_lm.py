@@ -1,10 +1,11 @@
 """Trains examples/lm.py on an accelerator from seqpack's pipeline: packed rows of two corpora.
 
-    python -m examples.train_lm --smoke                    # tiny model, generated data, seconds
-    python -m examples.train_lm --steps 300 --workers 8    # ~107M parameters, L=8192
-    python -m examples.train_lm --padded --steps 100       # the same examples, padded
-    python -m examples.train_lm --compare-steps 200 --plot loss.png   # both, in lockstep
-    python -m examples.train_lm --steps 400 --checkpoint-dir ckpt --save-every 100 [--resume]
+    python -m examples.train_lm --smoke          # tiny model, generated data, seconds
+    D="--data ../shared/data"                     # the corpora (see ../shared/data/README)
+    python -m examples.train_lm $D --steps 300 --workers 8     # ~107M parameters, L=8192
+    python -m examples.train_lm $D --padded --steps 100        # the same examples, padded
+    python -m examples.train_lm $D --compare-steps 200 --plot loss.png   # both, in lockstep
+    python -m examples.train_lm $D --steps 400 --checkpoint-dir ckpt --save-every 100 [--resume]
 
 The model is examples/lm.py's flax (linen) module, the definition benchmarks/train_step.py
 times; optax optimizes its parameters and orbax-checkpoint saves them.

@@ -95,6 +95,18 @@ def _start_forkserver(context: Any) -> None:
         signal.signal(signal.SIGINT, saved)
 
 
+def _unguarded_main() -> str:
+    """A hint for a run started from a script: every worker process imports the script (as
+    multiprocessing does), so a call at its top level runs again in each worker."""
+    import sys
+
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or os.path.basename(path) in ("cli.py", "seqpack", "__main__.py"):
+        return ""
+    return (f"; or, if {path} calls pack() or verify() at its top level, put the call under "
+            "`if __name__ == \"__main__\":` (each worker process imports the script)")
+
+
 class Workers:
     """Runs calls in up to `n` worker processes, in order, at most 2 per process in flight (so
     results never pile up). The processes start on the first `map` with more than one call;
@@ -153,7 +165,7 @@ class Workers:
         how = f"was killed by {signal.Signals(killed[0]).name}" if killed else "died"
         oom = " (SIGKILL: often the kernel's out-of-memory killer)" \
             if killed and killed[0] == signal.SIGKILL else ""
-        return f"a worker process {how}{oom} while {what}; {self.retry}"
+        return f"a worker process {how}{oom} while {what}; {self.retry}{_unguarded_main()}"
 
     def close(self, *, kill: bool = False) -> None:
         """Ends the pool: waits for the calls in flight, or (`kill`) kills the workers now."""
