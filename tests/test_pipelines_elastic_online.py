@@ -183,3 +183,14 @@ def test_read_host_states_reads_graines_files_and_names_what_is_missing(tmp_path
     a, _, _ = run(SRC, 3, steps=3)
     _every_example(a + c)
     assert isinstance(elastic.ElasticCheckpointHandler(), grain_checkpoint.CheckpointHandler)
+
+
+@pytest.mark.parametrize("then", [2, 3])
+def test_a_restore_over_other_data_of_as_many_examples_is_refused(then):
+    """The examples in flight are fetched again: one now shorter than the tokens the state
+    holds of it names the data as changed (before: a reshape error inside the packer, or
+    segments cut at the old places, without a word)."""
+    _, states, _ = run(SRC, 2, steps=3)
+    short = examples(len(SRC), high=3, seed=1)  # as many examples, other (shorter) contents
+    with pytest.raises(InputError, match="the data is not the data the state was saved over"):
+        run(short, then, steps=1, state={"hosts": states})

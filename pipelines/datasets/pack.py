@@ -275,11 +275,11 @@ class PackIterator(grain.DatasetIterator):
 
     # ---- restoring by reference (restore.py) ----------------------------------------------
 
-    def _hold(self, ids: np.ndarray, dataset: np.ndarray, index: np.ndarray) -> restore.Held:
+    def _hold(self, ids: np.ndarray, dataset, index, extents=None) -> restore.Held:
         """Fetches the referenced examples and holds them under `ids` (a fresh iterator)."""
         self._refs.put_ids(ids, dataset, index)
         held = restore.fetch(self._parent, ids, dataset, index, names=self._ds.names,
-                             window=self._ds.window, values=self._values)
+                             window=self._ds.window, values=self._values, extents=extents)
         self._held = held.tokens
         return held
 
@@ -289,7 +289,7 @@ class PackIterator(grain.DatasetIterator):
         weights, also plans the pieces not yet emitted again (`_replan`): True when it did."""
         ds, parent = self._ds, self._parent
         ids, dataset, index = decode_refs(state["refs"])
-        held = self._hold(ids, dataset, index)
+        held = self._hold(ids, dataset, index, restore.extents_of(state))
         self._next_id = int(state["next_id"])
         window_first = int(state["window_first"])
         if state["phase"] == "finish":
@@ -351,7 +351,7 @@ class PackIterator(grain.DatasetIterator):
         self._rows_emitted = int(part.counters.get("rows_emitted", 0))
         flight = part.flight
         ids = np.arange(flight.num_examples, dtype=np.int64)
-        held = self._hold(ids, flight.dataset.astype(np.int32), flight.index)
+        held = self._hold(ids, flight.dataset.astype(np.int32), flight.index, flight.pieces)
         self._next_id = -(-ids.size // ds.window) * ds.window
         waiting = np.zeros((0, 3), np.int64)
         if len(flight.pieces):

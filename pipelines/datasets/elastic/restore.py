@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from seqpack.pipelines.errors import InputError
+
 # A restore that plans pieces again reads at most this many times their units before planning
 # them with the new draws.
 MAX_SPREAD = 8
@@ -35,19 +37,50 @@ class Held:
 
 
 def fetch(parent: Any, ids: np.ndarray, dataset: np.ndarray, index: np.ndarray, *,
-          names: tuple[str, ...], window: int, values: Any) -> Held:
-    """The elements (`dataset`, `index`) from `parent.fetch`, held under `ids` in the windows
-    of `window` ids; `values` (`columns.RunValues`) checks and casts them as reading does."""
+          names: tuple[str, ...], window: int, values: Any,
+          extents: np.ndarray | None = None) -> Held:
+    """The elements (`dataset`, `index`) from `parent.fetch`, held under `ids` (sorted) in the
+    windows of `window` ids; `values` (`columns.RunValues`) checks and casts them as reading
+    does. `extents` (i64[P, 3]: id, start, length of the first feature's pieces the state
+    holds): InputError where an example is now too short for them (the data changed)."""
     id_list = ids.tolist()
     elements = [parent.fetch(int(d), int(i)) for d, i in zip(dataset, index)]
     tokens: dict[str, dict[int, list]] = {n: {} for n in names}
     for n in names:
         col = [values.values(e[n], j, n) for j, e in zip(id_list, elements)]
+        if n == names[0] and extents is not None and len(extents):
+            _check_extents(parent, col, ids, dataset, index, extents)
         values.fit(col, n, 0)
         for j, v in zip(id_list, col):
             tokens[n].setdefault(j // window, [None] * window)[j % window] = v
     return Held(tokens, dict(zip(id_list, elements)),
                 dict(zip(id_list, zip(dataset.tolist(), index.tolist()))))
+
+
+def _check_extents(parent: Any, col: list, ids: np.ndarray, dataset: np.ndarray,
+                   index: np.ndarray, extents: np.ndarray) -> None:
+    have = np.array([len(v) for v in col], np.int64)
+    extents = extents[np.isin(extents[:, 0], ids)]
+    at = np.searchsorted(ids, extents[:, 0])  # extents: (id, start, length, ...) per piece
+    end = extents[:, 1] + extents[:, 2]
+    bad = np.flatnonzero(end > have[at])
+    if bad.size:
+        p, e = int(bad[0]), int(at[bad[0]])
+        names = getattr(parent, "names", None)
+        where = (f"dataset {names[int(dataset[e])]!r} example {int(index[e])}"
+                 if names and len(names) > 1 else f"example {int(index[e])} of the source")
+        raise InputError(f"restoring: {where} holds {int(have[e])} tokens, but the state holds "
+                         f"its tokens [{int(extents[p, 1])}, {int(end[p])}) in flight: the "
+                         "data is not the data the state was saved over (the same number of "
+                         "examples, other contents?); restore into a pipeline over that data")
+
+
+def extents_of(state: dict[str, Any]) -> np.ndarray | None:
+    """(id, start, length, ...) of the pieces in flight a state records (None: none recorded)."""
+    from seqpack.pipelines.datasets.elastic.flight import decode_table
+
+    flight = state.get("flight")
+    return decode_table(flight["pieces"])[:, 1:] if isinstance(flight, dict) else None
 
 
 def unemitted(plan: Any, order: list[int] | None, num_rows: int, emitted: int
