@@ -346,3 +346,26 @@ def test_a_shard_of_another_format_given_alone_says_to_pass_its_directory(packed
         with pytest.raises(InputError, match=rf"{shard}: a {fmt} shard is read through its "
                                              "output directory .*pass the directory"):
             PackedSource(shard)
+
+
+def test_hf_rows_of_a_labels_column_named_otherwise_train_with_its_loss_tokens(tmp_path):
+    """TRL's rows name their labels `labels` whatever the input called them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from seqpack.pipelines.datasets import PackedSource, make_training_pipeline
+
+    rng = np.random.default_rng(1)
+    ids = [rng.integers(0, 500, rng.integers(2, 60)).tolist() for _ in range(40)]
+    labels = [[t if rng.random() < 0.6 else -100 for t in x] for x in ids]
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"input_ids": ids, "answer_labels": labels}), src)
+    totals = {}
+    for fmt in ("arrayrecord", "hf"):
+        out = tmp_path / fmt
+        invoke("pack", src, "-o", out, "--column", "input_ids", "--column", "answer_labels",
+               "--seq-len", 128, "--format", fmt, "--workers", 1)
+        ds = make_training_pipeline(PackedSource(str(out)), batch=1, shuffle_seed=0,
+                                    num_epochs=1)
+        totals[fmt] = sum(int(b["loss_tokens"].sum()) for b in ds)
+    assert totals["hf"] == totals["arrayrecord"] > 0

@@ -339,3 +339,50 @@ class RunValues:
             if v.dtype != dtype and v.size:
                 col[i] = fit_dtype(v, dtype, f"element {first + i}: {name!r}",
                                    token_ids=token_ids, origin=origin)
+
+
+def check_packed_columns(source: Any, columns: Sequence[Column], *,
+                         explicit_pads: Iterable[str]) -> list[Column]:
+    """The `columns` given for a packed source, checked against its manifest (each must be a
+    key of the rows; a pad given explicitly must be the manifest's), plus the manifest's columns
+    that carry a "role" ("labels" / "mask" / "values"). A manifest column with neither is a
+    ValueError: what it means for `loss_tokens` is never guessed."""
+    manifest = getattr(source, "manifest", None)
+    listed = {str(c["name"]): c for c in (getattr(manifest, "columns", None) or [])}
+    keys = set(getattr(manifest, "stored_keys", None) or []) | set(listed)
+    explicit = set(explicit_pads)
+    for c in columns:
+        if manifest is not None and c.name not in keys:
+            raise ValueError(f"column {c.name!r} is not in the packed rows (their keys: "
+                             f"{sorted(keys)})")
+        pad = listed.get(c.name, {}).get("pad")
+        if c.name in explicit and pad is not None and int(pad) != c.pad:
+            raise ValueError(f"column {c.name!r}: pad={c.pad} given but the packed rows' "
+                             f"manifest says pad={int(pad)}")
+    given = {c.name for c in columns}
+    feature = str(getattr(source, "feature", "tokens"))
+    held = getattr(source, "columns", None)  # the [L] columns the rows hold as decoded
+    out = list(columns)
+    for name, entry in listed.items():
+        if name in given:
+            continue
+        if held is not None and name not in held and entry.get("role") in ("labels", "mask"):
+            if any(c.role in (Role.LABELS, Role.MASK) for c in out):
+                continue  # the caller said how to count loss tokens from what the rows hold
+            encoding = getattr(manifest, "encoding", None) or "arrayrecord"
+            if encoding == "hf" and "labels" in held:  # TRL's labels: every column folded in
+                out.append(Column("labels", feature, -100, Role.LABELS))
+                continue
+            raise ValueError(
+                f"the packed rows ({encoding} format) do not hold the {entry['role']} column "
+                f"{name!r} they were packed with (they hold {sorted(held)}); train from an "
+                "arrayrecord, parquet or hf output, or say how to count loss tokens: "
+                "Megatron's loss_mask is already shifted, "
+                "Columns(masks=['loss_mask'], next_token_loss=False)")
+        if entry.get("role") not in {r.value for r in Role}:
+            raise ValueError(
+                f"the packed rows hold the column {name!r} (pad {entry.get('pad')}); say what "
+                f"it means for loss_tokens: Columns(labels=[{name!r}]) (-100 takes no loss), "
+                f"Columns(masks=[{name!r}]) (0 takes no loss) or Columns(meta=[{name!r}])")
+        out.append(Column(name, feature, int(entry["pad"]), Role(entry["role"])))
+    return out

@@ -38,7 +38,6 @@ import grain
 import numpy as np
 
 from seqpack.packer import PackConfig
-from seqpack.pipelines.datasets.columns import Column, Role
 from seqpack.pipelines.datasets.elastic import grain_worker_states
 from seqpack.pipelines.datasets.sources import SequentialIterDataset
 from seqpack.pipelines.errors import InputError
@@ -56,49 +55,6 @@ def check_shape(source: Any, pack: PackConfig | None) -> None:
         if have is not None and given != have:
             raise ValueError(f"{name}={given} but the packed rows have {name}={have} (from "
                              f"their manifest); pass a PackConfig with {name}={have}, or no pack")
-
-
-def check_columns(source: Any, columns: Sequence[Column], *, explicit_pads: Iterable[str]
-                  ) -> list[Column]:
-    """The `columns` given for a packed source, checked against its manifest (each must be a
-    key of the rows; a pad given explicitly must be the manifest's), plus the manifest's columns
-    that carry a "role" ("labels" / "mask" / "values"). A manifest column with neither is a
-    ValueError: what it means for `loss_tokens` is never guessed."""
-    manifest = getattr(source, "manifest", None)
-    listed = {str(c["name"]): c for c in (getattr(manifest, "columns", None) or [])}
-    keys = set(getattr(manifest, "stored_keys", None) or []) | set(listed)
-    explicit = set(explicit_pads)
-    for c in columns:
-        if manifest is not None and c.name not in keys:
-            raise ValueError(f"column {c.name!r} is not in the packed rows (their keys: "
-                             f"{sorted(keys)})")
-        pad = listed.get(c.name, {}).get("pad")
-        if c.name in explicit and pad is not None and int(pad) != c.pad:
-            raise ValueError(f"column {c.name!r}: pad={c.pad} given but the packed rows' "
-                             f"manifest says pad={int(pad)}")
-    given = {c.name for c in columns}
-    feature = str(getattr(source, "feature", "tokens"))
-    held = getattr(source, "columns", None)  # the [L] columns the rows hold as decoded
-    out = list(columns)
-    for name, entry in listed.items():
-        if name in given:
-            continue
-        if held is not None and name not in held and entry.get("role") in ("labels", "mask"):
-            if any(c.role in (Role.LABELS, Role.MASK) for c in columns):
-                continue  # the caller said how to count loss tokens from what the rows hold
-            raise ValueError(
-                f"the packed rows ({getattr(manifest, 'encoding', None) or 'arrayrecord'} "
-                f"format) do not hold the {entry['role']} column {name!r} they were packed "
-                f"with (they hold {sorted(held)}); train from an arrayrecord, parquet or hf "
-                "output, or say how to count loss tokens: Megatron's loss_mask is already "
-                "shifted, Columns(masks=['loss_mask'], next_token_loss=False)")
-        if entry.get("role") not in {r.value for r in Role}:
-            raise ValueError(
-                f"the packed rows hold the column {name!r} (pad {entry.get('pad')}); say what "
-                f"it means for loss_tokens: Columns(labels=[{name!r}]) (-100 takes no loss), "
-                f"Columns(masks=[{name!r}]) (0 takes no loss) or Columns(meta=[{name!r}])")
-        out.append(Column(name, feature, int(entry["pad"]), Role(entry["role"])))
-    return out
 
 
 def balanced_layout(source: Any, *, batch_size: int, shard_count: int, drop_remainder: bool,

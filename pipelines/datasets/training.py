@@ -48,6 +48,7 @@ from seqpack.pipelines.datasets.columns import (
     Columns,
     Role,
     check_int,
+    check_packed_columns,
     check_type,
     loss_feature,
 )
@@ -310,7 +311,7 @@ def _loss_tokens(source: Any, feature: str, columns: Columns) -> LossTokens:
     checked against its manifest, plus the columns the manifest gives a "role")."""
     cols: Sequence[Column] = columns.of((feature,))
     if getattr(source, "is_packed", False):
-        cols = packed.check_columns(source, cols, explicit_pads=columns.explicit_pads())
+        cols = check_packed_columns(source, cols, explicit_pads=columns.explicit_pads())
     return LossTokens(feature=loss_feature((feature,), cols),
                       labels=tuple(c.name for c in cols if c.role is Role.LABELS),
                       masks=tuple(c.name for c in cols if c.role is Role.MASK),
