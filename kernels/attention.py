@@ -137,7 +137,8 @@ def _setup(q, k, v, segment_offsets, segment_lengths, *, causal, scale, impl, in
     got = jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), tuple(schedule))
     if got != jax.tree.map(lambda x: (tuple(x.shape), jnp.dtype(x.dtype)), tuple(want)):
         raise ValueError("schedule= was made for another call (its arrays' shapes differ from "
-                         "this call's: another L, block sizes or family); make it with "
+                         "this call's: another L, causality, block sizes or family); make it "
+                         "with "
                          "segment_attention_schedule and this call's q, k, causal, impl, "
                          "interpret and block_sizes")
     return Schedule(*schedule), cfg, family

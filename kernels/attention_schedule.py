@@ -164,6 +164,15 @@ class Schedule(NamedTuple):
     qhi_bwd: jax.Array  # [B, nk']
     q_live: jax.Array  # [B, Lp] <= the query row's index iff it lies in a segment
     k_live: jax.Array  # [B, Lp] the same for the key rows
+    stamp: jax.Array  # i32[0, causal, block_q, block_kv, block_q_bwd, block_kv_bwd]: empty,
+    # its shape names what the ranges were made for, so a call of other blocks or causality
+    # refuses the schedule (`stamp_of`)
+
+
+def stamp_of(cfg: AttentionConfig) -> jax.Array:
+    """The empty array whose shape records a config's causality and block sizes."""
+    return jnp.zeros((0, int(cfg.causal), cfg.block_q, cfg.block_kv, cfg.block_q_bwd,
+                      cfg.block_kv_bwd), jnp.int32)
 
 
 def make_schedule(
@@ -178,7 +187,7 @@ def make_schedule(
     lo_b, hi_b = block_ranges(start, end, block_q=cfg.block_q_bwd, block_kv=cfg.block_kv_bwd,
                               num_q_blocks=cfg.blocks(cfg.block_q_bwd), causal=cfg.causal)
     qlo_b, qhi_b = transpose_ranges(lo_b, hi_b, cfg.blocks(cfg.block_kv_bwd))
-    return Schedule(start, end, lo, hi, lo_b, hi_b, qlo_b, qhi_b, start, start)
+    return Schedule(start, end, lo, hi, lo_b, hi_b, qlo_b, qhi_b, start, start, stamp_of(cfg))
 
 
 def bounded_schedule(start: jax.Array, end: jax.Array, q_live: jax.Array, k_live: jax.Array,
@@ -200,7 +209,7 @@ def bounded_schedule(start: jax.Array, end: jax.Array, q_live: jax.Array, k_live
     lo, hi = ranges(cfg.block_q, cfg.block_kv)
     lo_b, hi_b = ranges(cfg.block_q_bwd, cfg.block_kv_bwd)
     qlo_b, qhi_b = transpose_ranges(lo_b, hi_b, cfg.blocks(cfg.block_kv_bwd))
-    return Schedule(start, end, lo, hi, lo_b, hi_b, qlo_b, qhi_b, q_live, k_live)
+    return Schedule(start, end, lo, hi, lo_b, hi_b, qlo_b, qhi_b, q_live, k_live, stamp_of(cfg))
 
 
 def token_bounds(

@@ -50,7 +50,11 @@ def segment_metadata(
     segment_ids: jax.Array,  # int[B, L], 1..n per row, 0 on padding
     max_segments: int,
 ) -> tuple[jax.Array, jax.Array]:  # i32[B, S], i32[B, S]
-    """(segment_offsets, segment_lengths) i32[B, max_segments] from 1-based segment ids."""
+    """(segment_offsets, segment_lengths) i32[B, max_segments] from 1-based segment ids.
+
+    A segment whose id is above `max_segments` is left out, its tokens treated as padding
+    (no attention, no loss): pass the packer's cap, or check `lengths.sum(1)` against the
+    rows' non-zero ids."""
     if segment_ids.ndim != 2 or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
         raise ValueError(
             f"segment_ids.shape={segment_ids.shape} dtype={segment_ids.dtype} must be int [B, L] "

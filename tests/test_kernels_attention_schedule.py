@@ -215,6 +215,11 @@ def test_a_schedule_of_another_call_is_refused():
     with pytest.raises(ValueError, match="schedule= was made for another call"):
         kernels.segment_attention(q, k, k, offsets, lengths, impl="pallas_gpu", interpret=True,
                                   schedule=schedule)
+    for other in (dict(causal=False, block_sizes=small),  # the same shapes, other ranges
+                  dict(block_sizes=kernels.GpuAttentionBlockSizes(32, 16, 32, 32))):
+        with pytest.raises(ValueError, match="another L, causality, block sizes"):
+            kernels.segment_attention(q, k, k, offsets, lengths, impl="pallas_gpu",
+                                      interpret=True, schedule=schedule, **other)
     assert kernels.segment_attention_schedule(q, k, offsets, lengths, impl="reference") is None
     heads_second = [jax.ShapeDtypeStruct((x.shape[0], x.shape[2], x.shape[1], x.shape[3]),
                                          x.dtype) for x in (q, k)]
