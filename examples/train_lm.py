@@ -334,6 +334,7 @@ def train_loop(args, states: dict, steps_fn: dict, iterator, ckpt: Checkpoints |
             log.record(*pending)
             pending = None
         if ckpt and args.save_every and step % args.save_every == 0:
+            jax.block_until_ready(states)  # the step's own time stays in the rates
             t0 = time.perf_counter()
             ckpt.save(step, states, iterator)
             log.exclude(time.perf_counter() - t0)

@@ -181,7 +181,7 @@ def coverage(ex: np.ndarray, st: np.ndarray, ln: np.ndarray, lengths: np.ndarray
     del sub
     missing = np.where(times > 0, lengths - covered, 0)
     L = config.seq_len
-    policy = config.overflow.value if config.strategy.value != "concat_split" else "split"
+    policy = str(config.overflow) if str(config.strategy) != "concat_split" else "split"
     cut = np.flatnonzero(missing != 0)
     lost = {"examples": int(times[cut].sum()), "tokens": int((missing * times)[cut].sum())}
     if policy == "truncate":

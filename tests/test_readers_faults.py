@@ -81,6 +81,21 @@ def test_parquet_null_ids_name_their_record_in_any_batch(tmp_path):
         reader.read_group(0)
 
 
+def test_a_corrupt_parquet_row_group_is_named_with_its_records(tmp_path):
+    path = tmp_path / "x.parquet"
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(0, 30000, rng.integers(50, 400)).astype(np.int32) for _ in range(600)]
+    pq.write_table(pa.table({"tokens": pa.array(ids, pa.list_(pa.int32()))}), path,
+                   row_group_size=256, compression="snappy")
+    col = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    at = col.data_page_offset + col.total_compressed_size // 2
+    data = bytearray(path.read_bytes())
+    data[at : at + 64] = b"\xff" * 64
+    path.write_bytes(bytes(data))
+    with pytest.raises(InputError, match=r"cannot read row group 1 \(records 256 to 511\)"):
+        list(ParquetTokens(path, "tokens").chunks())
+
+
 @pytest.mark.parametrize("array, message", [
     (np.array([1.0, 2.0]), "'tokens' is float64[2], not a 1-D integer array of token ids"),
     (np.array([True]), "'tokens' is bool[1], not a 1-D integer array"),

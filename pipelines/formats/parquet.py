@@ -148,16 +148,20 @@ class ParquetTokens:
         """
         pa, pq = _pyarrow()
         columns = [self.column, *self.extra, *self.aligned]
-        first = 0
+        first = g = 0
+        where = "records from 0 on"
         try:
             pf = pq.ParquetFile(self.path, pre_buffer=False, buffer_size=1 << 20)
-            for batch in pf.iter_batches(batch_size=batch_rows, columns=columns,
-                                         use_threads=False):
-                chunk = self._checked(batch, first)
-                first += batch.num_rows
-                yield chunk
+            for g in range(pf.num_row_groups):  # a group at a time: an error names its group
+                size = pf.metadata.row_group(g).num_rows
+                where = f"row group {g} (records {first} to {first + size - 1})"
+                for batch in pf.iter_batches(batch_size=batch_rows, row_groups=[g],
+                                             columns=columns, use_threads=False):
+                    chunk = self._checked(batch, first)
+                    first += batch.num_rows
+                    yield chunk
         except (pa.ArrowException, OSError) as e:
-            raise InputError(f"{self.path}: cannot read records from {first} on ({e})") from None
+            raise InputError(f"{self.path}: cannot read {where} ({e})") from None
 
     def read_group(self, g: int) -> Chunk:
         """Row group g, checked; `extra` holds the extra columns as numpy arrays."""

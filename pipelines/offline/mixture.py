@@ -351,7 +351,7 @@ def shares(record: Mapping, tokens: np.ndarray, step_rows: int | None) -> dict:
                                 "p95": round(float(c), 6)}}
                 for d, t, a, b, c in zip(record["datasets"], total, p5, p50, p95)]
     return {"unit": record["unit"], "step_rows": step_rows, "steps": max(n, 1),
-            "datasets": datasets}
+            "whole": not n, "datasets": datasets}
 
 
 def table(mix: Mapping) -> str:
@@ -359,8 +359,9 @@ def table(mix: Mapping) -> str:
     per = mix.get("step_rows")
     head = f"mixture in {mix['unit'].replace('_', ' ')}"
     if "steps" in mix:
+        count = "the whole output: less than a step" if mix.get("whole") else f"{mix['steps']:,}"
         head += f"; share of tokens per {f'step of {per} rows' if per else 'row'}" \
-                f" ({mix['steps']:,}): p5 / p50 / p95"
+                f" ({count}): p5 / p50 / p95"
     lines = [head, f"{'dataset':<16}{'weight':>8}{'tokens':>14}{'loss tokens':>14}"
                    f"{'examples':>11}{'repeated':>10}{'share':>9}  per step"]
     total = sum(int(d["tokens"]) for d in mix["datasets"]) or 1

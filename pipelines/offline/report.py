@@ -203,7 +203,10 @@ def format_pack(manifest: Manifest, output_dir: str, *, what: str,
     for c in manifest.columns or []:
         keys += f", column {c['name']!r} ({c.get('role', 'values')}, padded with {c['pad']})"
     mixed = f"\n\n{mixture.table(manifest.mixture)}" if manifest.mixture else ""
-    return (f"packed {what}: {manifest.inputs['num_examples']:,} examples -> "
+    taken = (manifest.stats.get("counters") or {}).get("num_examples")
+    examples = f"{manifest.inputs['num_examples']:,} examples" + (
+        f" ({taken:,} taken by the mixture)" if manifest.mixture and taken is not None else "")
+    return (f"packed {what}: {examples} -> "
             f"{manifest.num_rows:,} rows in {len(manifest.shards)} shard(s) at {output_dir}\n"
             f"{keys}\n\n"
             + format_table({Strategy(config.strategy).value: summary(manifest.stats,

@@ -271,7 +271,7 @@ def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int,
     except (IndexError, KeyError, ValueError):
         return _ShardCheck(out.items, None, None, None)
     used, nseg = length_histograms(batch[config.keys().segment_lengths], config.seq_len)
-    return _ShardCheck(out.items, tuple(_narrow(x) for x in (ex, st, ln)), used, nseg, n, loss)
+    return _ShardCheck(out.items, (_narrow(ex), _narrow(st), _narrow(ln)), used, nseg, n, loss)
 
 
 def _narrow(x: np.ndarray) -> np.ndarray:
