@@ -205,8 +205,13 @@ class TokenArrays:
             offsets = np.asarray(arrays["offsets"], np.int64)
             if offsets.ndim != 1 or not offsets.size or offsets[0] != 0 or \
                     offsets[-1] != values.size or (np.diff(offsets) < 0).any():
+                down = np.flatnonzero(np.diff(offsets) < 0) if offsets.ndim == 1 else []
+                at = f" (record {down[0]}: offsets[{down[0] + 1}] = {offsets[down[0] + 1]} < " \
+                     f"offsets[{down[0]}] = {offsets[down[0]]})" if len(down) else \
+                     f" (they run from {offsets[0]} to {offsets[-1]})" if offsets.ndim == 1 \
+                     and offsets.size else ""
                 raise InputError(f"{self.path}: 'offsets' must run from 0 to the {values.size} "
-                                 "token ids, never decreasing")
+                                 f"token ids, never decreasing{at}")
             if "lengths" in arrays and not np.array_equal(arrays["lengths"], np.diff(offsets)):
                 raise InputError(f"{self.path}: holds both 'offsets' and 'lengths', and they "
                                  "disagree; keep the one that is right")
