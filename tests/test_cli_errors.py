@@ -28,7 +28,8 @@ def assert_bad_input(result, *needles):
 
 def _jsonl_lines(tmp_path, bad_line: str) -> str:
     path = tmp_path / "in.jsonl"
-    path.write_text('{"tokens": [1, 2]}\n\n{"tokens": [3]}\n' + bad_line + "\n")
+    path.write_bytes(('{"tokens": [1, 2]}\n\n{"tokens": [3]}\n' + bad_line + "\n")
+                     .encode("utf-8", "surrogateescape"))
     return str(path)
 
 
@@ -40,6 +41,10 @@ JSONL_CASES = {
     "float_token": ('{"tokens": [1, 2.5]}', "in.jsonl:4: tokens[1]=2.5 is not"),
     "negative_token": ('{"tokens": [1, -3]}', "in.jsonl:4: tokens[1]=-3 is not"),
     "null_field": ('{"tokens": null}', "in.jsonl:4: field 'tokens' must be a list"),
+    # pyarrow's reader takes these as two records; a JSON Lines line holds one object
+    "two_objects": ('{"tokens": [1]}{"tokens": [5]}', "in.jsonl:4: not valid JSON"),
+    "lone_cr": ('{"tokens": [1]}\r{"tokens": [5]}', "in.jsonl:4: not valid JSON"),
+    "latin1": ('{"tokens": [1], "note": "caf\udce9"}', "in.jsonl:4: not valid JSON"),
 }
 
 

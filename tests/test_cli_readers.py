@@ -109,3 +109,15 @@ def test_read_text_paragraphs(tmp_path):
     values, offsets = text.read_text(str(path), None, "paragraph")
     chunks = [bytes(values[offsets[i] : offsets[i + 1]]) for i in range(offsets.size - 1)]
     assert chunks == [b"a b\ncd", b"xyz", b"q"]
+
+
+@pytest.mark.parametrize("unit, want", [("line", [b"a b", b"cd", b"xyz"]),
+                                        ("paragraph", [b"a b\ncd", b"xyz"])])
+def test_windows_text_reads_as_unix_text(tmp_path, unit, want):
+    """A byte order mark is dropped, and CRLF ends lines as LF does."""
+    for name, data in (("unix", b"a b\ncd\n\nxyz\n"),
+                       ("windows", b"\xef\xbb\xbfa b\r\ncd\r\n\r\nxyz\r\n")):
+        (tmp_path / f"{name}.txt").write_bytes(data)
+        values, offsets = text.read_text(str(tmp_path / f"{name}.txt"), None, unit)
+        got = [bytes(values[offsets[i] : offsets[i + 1]]) for i in range(offsets.size - 1)]
+        assert got == want, name

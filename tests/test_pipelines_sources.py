@@ -182,6 +182,14 @@ def test_jsonl_bad_records_name_file_and_line(tmp_path, line, match):
     assert f"{path}:4 (record 2)" in str(e.value)
 
 
+def test_jsonl_lines_of_white_space_are_not_records(tmp_path):
+    """As the offline reader skips them (a CRLF file's blank line is "\\r")."""
+    path = tmp_path / "crlf.jsonl"
+    path.write_bytes(b'{"tokens": [1, 2]}\r\n\r\n   \n\t\n{"tokens": [3]}\r\n')
+    src = JsonlSource(path)
+    assert len(src) == 2 and src[1]["tokens"].tolist() == [3]
+
+
 # ---- Parquet ---------------------------------------------------------------------------------
 
 

@@ -205,7 +205,8 @@ class TokenArrays:
             offsets = np.asarray(arrays["offsets"], np.int64)
             if offsets.ndim != 1 or not offsets.size or offsets[0] != 0 or \
                     offsets[-1] != values.size or (np.diff(offsets) < 0).any():
-                down = np.flatnonzero(np.diff(offsets) < 0) if offsets.ndim == 1 else []
+                down = np.flatnonzero(np.diff(offsets) < 0) if offsets.ndim == 1 else \
+                    np.zeros(0, np.int64)
                 at = f" (record {down[0]}: offsets[{down[0] + 1}] = {offsets[down[0] + 1]} < " \
                      f"offsets[{down[0]}] = {offsets[down[0]]})" if len(down) else \
                      f" (they run from {offsets[0]} to {offsets[-1]})" if offsets.ndim == 1 \

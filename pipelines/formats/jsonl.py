@@ -55,11 +55,16 @@ def line_index(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
                              "it for a Grain source (the offline CLI reads it as it is)")
         data = np.frombuffer(mm, np.uint8)
         newlines = np.flatnonzero(data == ord("\n"))
+        starts = np.concatenate([[0], newlines + 1])
+        ends = np.concatenate([newlines, [size]])
+        keep = ends > starts
+        first = data[np.minimum(starts, size - 1)]  # a copy: the view goes before the map
         del data
-    starts = np.concatenate([[0], newlines + 1])
-    ends = np.concatenate([newlines, [size]])
+        # A line that starts with white space may be only white space (a blank line of a
+        # CRLF file): skipped, as the offline reader skips it.
+        for i in np.flatnonzero(keep & np.isin(first, list(b" \t\r\f\v"))).tolist():
+            keep[i] = bool(mm[starts[i] : ends[i]].strip())
     line_no = np.arange(1, starts.size + 1, dtype=np.int64)
-    keep = ends > starts
     return starts[keep], ends[keep], line_no[keep]
 
 
@@ -162,6 +167,12 @@ def _read_arrow(block: bytes, fields: tuple[str, ...], first: int) -> Chunk | No
             table = pj.read_json(pa.BufferReader(block), parse_options=opts, read_options=one)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
         return None
+    if table.num_rows != _nonblank_lines(block):
+        return None  # not one object a line (two on one, lone \r ends): the checked reader
+    try:
+        block.decode("utf-8")  # JSON is UTF-8, also in the fields not read (as json.loads)
+    except UnicodeDecodeError:
+        return None
     cols = [table.column(i).combine_chunks() for i in range(len(fields))]
     if any(c.null_count or c.values.null_count for c in cols):  # null lists / ids
         return None
@@ -175,6 +186,14 @@ def _read_arrow(block: bytes, fields: tuple[str, ...], first: int) -> Chunk | No
             return None
         extra[name] = numpy_view(col.values)
     return Chunk(numpy_view(tok.values), offsets, first, extra_values=extra)
+
+
+def _nonblank_lines(block: bytes) -> int:
+    """How many lines of `block` hold more than white space (a count of line ends unless a
+    line may be blank)."""
+    if block[:1].isspace() or any(x in block for x in (b"\n\n", b"\n ", b"\n\t", b"\n\r")):
+        return sum(1 for line in block.split(b"\n") if line.strip())
+    return block.count(b"\n") + (bool(block) and not block.endswith(b"\n"))
 
 
 def _read_python(block: bytes, path: str, line: int, fields: tuple[str, ...], first: int

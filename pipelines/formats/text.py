@@ -4,7 +4,8 @@ With a `tokenizers` tokenizer.json the ids are the tokenizer's; without one, the
 the ids (0..255). Text that is not UTF-8 is refused, naming the line and byte; the input format
 ``bytes`` (`raw=True`) packs a file's bytes as they are (no UTF-8 check, no decompression).
 Text may be gzip- or zstd-compressed (`detect.open_stream`). Paragraphs are runs of non-blank
-lines, numbered by their first line, so a bad one is named ``path:line``. `encode` is the one
+lines, numbered by their first line, so a bad one is named ``path:line``; a leading byte order
+mark is dropped, and lines and paragraphs end at ``\n`` or ``\r\n`` alike. `encode` is the one
 place texts become ids (text files here, text fields of JSONL and text columns of Parquet
 there).
 
@@ -72,6 +73,9 @@ def read_text(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
             data = f.read()
         check_utf8(data, path, hint="" if tokenizer is not None else
                    "; pass input_format='bytes' to pack its raw bytes")
+        data = data.removeprefix(b"\xef\xbb\xbf")  # a byte order mark is not text
+        if text_unit != "file":  # a Windows line end is a line end
+            data = data.replace(b"\r\n", b"\n")
     if text_unit == "line":
         numbered = [(k, line) for k, line in enumerate(data.split(b"\n"), 1) if line.strip()]
     elif text_unit == "paragraph":  # runs of non-blank lines, numbered by their first line
