@@ -82,6 +82,12 @@ def keys(feature: str = "tokens") -> FeatureKeys:
     return FeatureKeys.of(feature)
 
 
+def is_per_slot(name: str) -> bool:
+    """Whether a row's key holds one value per segment slot (`[S]`: any feature's lengths or
+    offsets, the source and dataset keys), not one per token, whatever the shapes."""
+    return name in (SOURCE_INDEX, SOURCE_START, DATASET_ID) or name.endswith((_LENGTHS, _OFFSETS))
+
+
 def packed_features(row: Mapping[str, object]) -> list[str]:
     """Packed features of a row or batch: `f` with `f`, its lengths and its offsets present."""
     out = []

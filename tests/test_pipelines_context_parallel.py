@@ -105,6 +105,11 @@ def test_the_layout_map_keeps_per_slot_arrays_when_s_equals_l():
     np.testing.assert_array_equal(out["tokens_segment_offsets"], rows["tokens_segment_offsets"])
     np.testing.assert_array_equal(out["segment_source_index"], rows["segment_source_index"])
     assert not np.array_equal(out["tokens"], rows["tokens"])
+    rows["segment_dataset_id"] = np.arange(8, dtype=np.int32)[None].repeat(len(rows["tokens"]), 0)
+    rows["other_segment_lengths"] = rows["tokens_segment_lengths"] + 1  # a second feature's
+    out = ContextParallelLayout(2)(rows)  # a mixture's per-slot dataset ids stay per slot
+    for key in ("segment_dataset_id", "other_segment_lengths"):
+        np.testing.assert_array_equal(out[key], rows[key])
 
 
 def _pack_dir(tmp_path, C):

@@ -228,9 +228,8 @@ class ContextParallelLayout:
         order = packer.context_parallel_order(
             batch[k.segment_offsets], batch[k.segment_lengths], seq_len=seq_len,
             context_parallel=self.context_parallel, layout=self.layout)
-        per_slot = {*k.per_slot, k.source_index, k.source_start}
-        out = {name: np.take_along_axis(v, order, axis=1)
-               if np.ndim(v) == 2 and np.shape(v)[1] == seq_len and name not in per_slot else v
+        out = {name: np.take_along_axis(v, order, axis=1) if np.ndim(v) == 2 and
+               np.shape(v)[1] == seq_len and not packer.contract.is_per_slot(name) else v
                for name, v in batch.items()}
         if self.layout == "balanced":  # no twin on device: the kernels read the order
             out[f"{self.feature}_row_positions"] = order
