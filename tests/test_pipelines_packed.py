@@ -206,6 +206,9 @@ def test_worker_processes_read_every_row_once_and_resume(tmp_path, balanced):
         restored.set_state(states[step])
         assert ids(next(restored)) == ids(batches[step])
         restored.close()
+    alone = iter(make_training_pipeline(src, **{**kw, "prefetch": Prefetch(worker_count=0)}))
+    alone.set_state(states[len(batches) // 2])  # saved with 2 workers, restored without
+    assert ids(next(alone)) == ids(batches[len(batches) // 2])
 
 
 def test_a_partial_global_step_is_dropped_on_every_host(tmp_path, caplog):
@@ -217,6 +220,20 @@ def test_a_partial_global_step_is_dropped_on_every_host(tmp_path, caplog):
               for h in range(H)]
     assert counts == [len(stored) // (H * b)] * H  # the same steps on every host
     assert f"the last {len(stored) % (H * b)} packed rows (a partial global step" in caplog.text
+
+
+def test_a_balanced_state_restores_only_into_its_run(tmp_path):
+    from seqpack.pipelines.errors import InputError
+
+    _, src = _balanced(tmp_path)
+    kw = _kw(batch_size=4, shard_index=1, shard_count=2)
+    it = iter(make_training_pipeline(src, **kw))
+    next(it)
+    state = it.get_state()
+    with pytest.raises(InputError, match="its seed is 5, this pipeline's 6"):
+        iter(make_training_pipeline(src, **{**kw, "shuffle_seed": 6})).set_state(state)
+    with pytest.raises(InputError, match="not a state of balanced steps"):
+        iter(make_training_pipeline(src, **kw)).set_state({"position": 0, "steps": 0})
 
 
 def test_a_state_restores_only_into_the_rows_seed_and_epochs_it_was_saved_over(tmp_path):
@@ -237,3 +254,6 @@ def test_a_state_restores_only_into_the_rows_seed_and_epochs_it_was_saved_over(t
     assert np.array_equal(next(again)["tokens"], next(it)["tokens"])
     with pytest.raises(InputError, match="online packing: restore it into a pipeline over"):
         iter(make_training_pipeline(src, **_kw())).set_state({"online": 1, "run": {}})
+    workers = {"workers_state": {"0": state, "1": state}}  # Grain's form: each worker's state
+    again = iter(make_training_pipeline(src, **_kw()))
+    again.set_state(workers)  # every worker's stamp checked, restored without workers

@@ -39,7 +39,7 @@ import numpy as np
 
 from seqpack.packer import PackConfig
 from seqpack.pipelines.datasets.elastic import grain_worker_states
-from seqpack.pipelines.datasets.sources import SequentialIterDataset
+from seqpack.pipelines.datasets.sources import SequentialIterDataset, _SequentialIterator
 from seqpack.pipelines.errors import InputError
 
 log = logging.getLogger("seqpack")
@@ -156,7 +156,9 @@ def packed_batches(source: Any, *, batch_size: int, shuffle_seed: int, num_epoch
         if left:
             log.warning("the last %d packed rows (a partial step of D=%d ranks x b=%d rows) are "
                         "not read: every rank of a step needs b rows", left, D, b)
-        return SequentialIterDataset(steps if num_epochs == 1 else steps.repeat(num_epochs))
+        run = {**run_stamp(source, len(rows), shuffle_seed=shuffle_seed,
+                           num_epochs=num_epochs), "ranks": D, "rank_rows": b}
+        return BalancedSteps(steps if num_epochs == 1 else steps.repeat(num_epochs), run)
     if len(rows) < shard_count:
         raise ValueError(f"{len(rows)} packed rows cannot be dealt to {shard_count} hosts")
     run = run_stamp(source, len(rows), shuffle_seed=shuffle_seed, num_epochs=num_epochs)
@@ -285,23 +287,25 @@ class GlobalRowIterator(grain.DatasetIterator):
         return "GlobalRowIterator"
 
 
-def _check_stamp(state: Any, run: Mapping[str, Any]) -> None:
-    """InputError unless `state` is a state of packed rows saved over the same rows, seed and
-    epochs (a state of an earlier version, without a stamp, is taken as it is)."""
+def _check_stamp(state: Any, run: Mapping[str, Any], key: str = "position") -> None:
+    """InputError unless `state` is a state of packed rows (`key`: "position"; balanced
+    steps: "next_index") saved over the same rows, seed and epochs (a state of an earlier
+    version, without a stamp, is taken as it is)."""
     workers = worker_states(state) if isinstance(state, Mapping) else None
     for one in [state] if workers is None else workers:
         if isinstance(one, Mapping) and "online" in one:
             raise InputError("the state is one of online packing: restore it into a pipeline "
                              "over examples, not packed rows")
-        if not isinstance(one, Mapping) or "position" not in one:
+        if not isinstance(one, Mapping) or key not in one:
             what = sorted(one) if isinstance(one, Mapping) else type(one).__name__
-            raise InputError(f"the state is not a state of packed rows (keys: {what}); restore "
+            kind = "balanced steps" if key == "next_index" else "packed rows read as rows"
+            raise InputError(f"the state is not a state of {kind} (keys: {what}); restore "
                              "the state this pipeline's iterator saved")
         saved = one.get("run")
-        for key in sorted(set(saved or ()) | set(run)) if saved is not None else ():
-            if saved.get(key) != run.get(key):
-                raise InputError(f"the state was saved by another run: its {key} is "
-                                 f"{saved.get(key)!r}, this pipeline's {run.get(key)!r}; "
+        for field in sorted(set(saved or ()) | set(run)) if saved is not None else ():
+            if saved.get(field) != run.get(field):
+                raise InputError(f"the state was saved by another run: its {field} is "
+                                 f"{saved.get(field)!r}, this pipeline's {run.get(field)!r}; "
                                  "restore into a pipeline over the same packed rows, "
                                  "shuffle_seed and num_epochs")
 
@@ -322,6 +326,37 @@ def _one_state(state: dict[str, Any]) -> dict[str, Any]:
         return state
     return {**workers[0], "position": min(int(s["position"]) for s in workers),
             "steps": sum(int(s["steps"]) for s in workers)}
+
+
+class BalancedSteps(SequentialIterDataset):
+    """A balanced dataset's steps in order (`SequentialIterDataset`), the state stamped with
+    the run (`run_stamp`, D and b); a state saved with worker processes restores without them
+    (worker w of W reads steps w, w + W, ...: the first step no worker handed over)."""
+
+    def __init__(self, parent: grain.MapDataset, run: Mapping[str, Any]):
+        super().__init__(parent)
+        self._run = dict(run)
+
+    def __iter__(self) -> _BalancedIterator:
+        return _BalancedIterator(self._parent, self._run)
+
+
+class _BalancedIterator(_SequentialIterator):
+    def __init__(self, parent: grain.MapDataset, run: dict[str, Any]):
+        super().__init__(parent)
+        self._run = run
+
+    def get_state(self) -> dict[str, Any]:
+        return {**super().get_state(), "run": self._run}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        _check_stamp(state, self._run, "next_index")
+        found = grain_worker_states(state)
+        if found is not None:  # saved with W workers, restored without
+            W = len(found)
+            state = {"next_index": min(w + int(s["next_index"]) * W
+                                       for w, s in found.items() if s)}
+        super().set_state(state)
 
 
 class WorkerLayout(grain.IterDataset):
