@@ -92,6 +92,22 @@ def test_rows_equal_grain(ours_cls, grain_cls, case, seed):
 
 
 @pytest.mark.parametrize("ours_cls,grain_cls", PAIRS, ids=["first_fit", "best_fit"])
+def test_negative_values_pack_as_grain_packs_them(ours_cls, grain_cls):
+    """MaxText's SFT writes its pad id (-1 for Llama 3's tokenizer) over the prompt's
+    targets: Grain packs them, so the drop-ins do."""
+    rng = np.random.default_rng(3)
+    lengths = random_lengths(rng, 120, high=40)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    inputs = rng.integers(0, 1000, int(offsets[-1])).astype(np.int32)
+    targets = np.where(rng.random(inputs.size) < 0.4, -1, inputs).astype(np.int32)
+    ds = grain.MapDataset.source([{"inputs": inputs[a:b], "targets": targets[a:b]}
+                                  for a, b in zip(offsets[:-1], offsets[1:])]).to_iter_dataset()
+    ours, _ = _grain_vs_ours(ours_cls, grain_cls, ds, num_packing_bins=4,
+                             length_struct={"inputs": 64, "targets": 64})
+    assert min(int(r["targets"].min()) for r in ours) == -1
+
+
+@pytest.mark.parametrize("ours_cls,grain_cls", PAIRS, ids=["first_fit", "best_fit"])
 def test_group_by_feature_shuffle_equal_grain(ours_cls, grain_cls):
     rng = np.random.default_rng(3)
     n = 120

@@ -15,7 +15,8 @@ in Grain. Swap in one line::
 
 One dtype per packed feature for the whole run (the first element's): an element whose values it
 cannot hold raises `InputError` naming it (Grain's buffers take each batch's first element's dtype
-and wrap), and so does a negative token id in a feature with segment ids. A parent whose
+and wrap). Negative values pass, as in Grain (MaxText's SFT writes its pad id, -1 for some
+tokenizers, over the prompt's `targets`). A parent whose
 elements are already packed (`f_segment_ids`) is refused. Keys outside `length_struct` and
 `meta_features` are left out, as Grain does (so `Columns.meta` and `Columns.drop` are refused).
 
@@ -44,7 +45,6 @@ import grain
 import numpy as np
 
 from seqpack.packer.contract import check_not_packed
-from seqpack.packer.inputs import fit_dtype
 from seqpack.packer.online import BatchSpec, FitBatch, element_dtypes
 from seqpack.pipelines.datasets.columns import Column, Columns
 from seqpack.pipelines.datasets.grain_args import (
@@ -93,7 +93,6 @@ class DropinPackIterator(grain.DatasetIterator):
         self._counter = 0
         self._dtypes: list[np.dtype] | None = None  # one per packed feature, for the whole run
         self._read = 0  # parent elements read since the start or the last set_state
-        self._added: list[tuple[int, dict[str, Any]]] = []  # (read number, element) per batch
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -130,12 +129,9 @@ class DropinPackIterator(grain.DatasetIterator):
 
     def _add(self, element: dict[str, Any]) -> bool:
         try:
-            added = self._batch.try_add(element)
+            return self._batch.try_add(element)
         except InputError as e:
             raise InputError(f"parent element {self._read - 1}: {e}") from None
-        if added:
-            self._added.append((self._read - 1, element))
-        return added
 
     def _check_columns(self, element: dict[str, Any]) -> None:
         for name, host in self._columns:
@@ -146,27 +142,8 @@ class DropinPackIterator(grain.DatasetIterator):
                     f"{n[0] if n else 1} but the feature {host!r} it is packed with has "
                     f"{m[0] if m else 1}; they must match per example")
 
-    def _check_token_ids(self) -> None:
-        """Token ids are >= 0: one pass over the batch's real tokens; names the first element
-        holding a negative one (labels belong in Columns.labels, which may be negative)."""
-        spec, packed = self._spec, self._packed
-        assert packed is not None
-        for i, f in enumerate(spec.features):
-            if f not in spec.segment_features or packed[f].dtype.kind != "i":
-                continue
-            values, pad = packed[f], spec.paddings[i]
-            real = values if pad is None or pad >= 0 else values[packed[f + "_segment_ids"] > 0]
-            if not real.size or real.min() >= 0:
-                continue
-            for read, element in self._added:
-                fit_dtype(np.asarray(element[f]), packed[f].dtype,
-                          f"parent element {read}: {f!r} (negative labels go in Columns.labels)")
-            raise InputError(f"a packed row of {f!r} holds a negative token id")
-
     def _finalize(self, element_for_shapes: dict[str, Any] | None) -> None:
         self._packed, self._num_rows = self._batch.finalize()
-        self._check_token_ids()
-        self._added = []
         if self._shuffle_bins:
             self._shuffle()
         self._batch = None if element_for_shapes is None else self._new_batch(element_for_shapes)
