@@ -70,11 +70,15 @@ def test_empty_inputs_are_named(tmp_path):
     full = write_jsonl(tmp_path / "full.jsonl", [[1, 2, 3]])
     result = run_cli("pack", empty, full, "-o", tmp_path / "out", "--seq-len", 8)
     assert result.returncode == 0
-    assert f"{empty}: no tokens (0 examples): nothing of it is packed" in result.stderr
+    warning = f"{empty}: no tokens (0 examples): nothing of it is packed"
+    assert result.stderr.count(warning) == 1, result.stderr
+    dry = run_cli("stats", empty, full, "--seq-len", 8)  # the dry run says what pack says
+    assert dry.returncode == 0 and dry.stderr.count(warning) == 1, dry.stderr
     blank = write_jsonl(tmp_path / "blank.jsonl", [[], []])
-    result = run_cli("pack", empty, blank, "-o", tmp_path / "out2", "--seq-len", 8)
-    assert result.returncode == 2
-    assert f"Error: {empty}, {blank}: no tokens in any input (2 examples)" in result.stderr
+    for args in (["pack", empty, blank, "-o", tmp_path / "out2"], ["stats", empty, blank]):
+        result = run_cli(*args, "--seq-len", 8)
+        assert result.returncode == 2
+        assert f"Error: {empty}, {blank}: no tokens in any input (2 examples)" in result.stderr
 
 
 def test_sft_columns_keep_their_names_and_labels_pad_with_minus_100(tmp_path):

@@ -269,3 +269,14 @@ def test_jsonl_fast_and_slow_paths_agree_on_valid_input(tmp_path, monkeypatch):
     slow = read_corpus([path], ReadOptions())
     assert _values(fast) == _values(slow) == SEQS + [[2**40, 0], long] + SEQS
     assert fast.values.dtype == slow.values.dtype == np.int64
+
+
+def test_a_shard_of_a_packed_output_given_as_an_input_is_refused(tmp_path):
+    """It would read as examples of padded rows, several examples merged into each."""
+    src = write_jsonl(tmp_path / "a.jsonl", random_seqs(30, max_len=10))
+    files.invoke("pack", src, "-o", tmp_path / "out", "--seq-len", 32, "--workers", 1)
+    shard = next(p for p in (tmp_path / "out").iterdir() if p.suffix == ".arrayrecord")
+    for command in ("pack", "stats"):
+        args = ["-o", tmp_path / "again"] if command == "pack" else []
+        assert_bad_input(files.invoke(command, shard, *args, ok=False),
+                         f"{shard.name} record 0: a packed row")

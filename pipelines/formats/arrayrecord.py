@@ -155,6 +155,10 @@ def _where(path: str, index: int, name: str, k: int) -> str:
 def _example(row: dict[str, np.ndarray], column: str, path: str, index: int, *,
              token_ids: bool = True) -> np.ndarray:
     arr = row.get(column)
+    if f"{column}_segment_lengths" in row or f"{column}_segment_ids" in row:
+        raise InputError(f"{path} record {index}: a packed row (it holds {column!r}'s segment "
+                         "metadata), not an example: it is a shard of a seqpack output; pack "
+                         "the inputs the output was packed from, or train from the output")
     if arr is None:
         raise InputError(f"{path} record {index}: array {column!r} is missing (has "
                          f"{sorted(row)}); pass column= naming arrays the records hold")

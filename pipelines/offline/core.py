@@ -188,10 +188,11 @@ def longest(files: Iterable[FileSummary]) -> int:
     return max((f.max_length for f in files), default=0)
 
 
-def check_files(files: Iterable[FileSummary], job: PackJob) -> list[FileSummary]:
+def check_files(files: Iterable[FileSummary], job: PackJob, *, warn: bool = True
+                ) -> list[FileSummary]:
     """The inputs in job order; InputError for the first bad input (in input order), then
     `record.check_inputs` and `record.check_overlength`, then inputs that hold no tokens
-    (each one named in a warning)."""
+    (each one named in a warning, unless `warn` is False: checked again)."""
     files = sorted(files, key=lambda f: f.index)
     assert [f.index for f in files] == list(range(len(files))), "an input is missing"
     for f in files:
@@ -199,15 +200,8 @@ def check_files(files: Iterable[FileSummary], job: PackJob) -> list[FileSummary]
             raise InputError(f.error)
     record.check_inputs([(f.path, str(f.info["format"]), f.top) for f in files], job)
     record.check_overlength([f.path for f in files], [f.overlength for f in files], job.config)
-    empty = [f for f in files if not int(f.info["num_tokens"])]
-    if len(empty) == len(files):
-        names = ", ".join(f.path for f in empty[:3]) + (f" and {len(empty) - 3} more"
-                                                          if len(empty) > 3 else "")
-        raise InputError(f"{names}: no tokens in any input ({sum(f.num_examples for f in files)} "
-                         "examples); nothing to pack")
-    for f in empty:
-        log.warning("%s: no tokens (%d examples): nothing of it is packed", f.path,
-                    f.num_examples)
+    record.check_empty([f.path for f in files], [f.num_examples for f in files],
+                       [int(f.info["num_tokens"]) for f in files], warn=warn)
     return files
 
 
@@ -300,7 +294,7 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
     record (`mixture.Selection.record`; its blocks are of the mixed stream).
     """
     config, block_size = job.config, job.block_size
-    files = check_files(files, job)
+    files = check_files(files, job, warn=False)  # the runners checked them first
     blocks = sorted(blocks, key=lambda b: b.block)
     total = int(first_examples(files)[-1]) if mixture is None else \
         sum(int(d["examples"]) for d in mixture["datasets"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Mapping, Sequence
 
@@ -39,6 +40,8 @@ from seqpack.pipelines.formats.inputs import (
 from seqpack.pipelines.formats.manifest import Manifest, shard_names
 from seqpack.pipelines.offline.job import PackJob
 from seqpack.pipelines.offline.shards import row_dtype
+
+log = logging.getLogger("seqpack")
 
 _HIST_BINS = 50
 
@@ -265,3 +268,18 @@ def check_overlength(paths: Sequence[str], found: Sequence[tuple[int, int, int] 
                 f"{path}: example {hit[0]} (counting from 0) has {hit[1]} tokens, more than "
                 f"seq_len {config.seq_len} ({total} over-length example(s) in the inputs); pass "
                 "overflow='truncate', 'split' or 'drop' to keep them, or a larger seq_len=")
+
+
+def check_empty(paths: Sequence[str], examples: Sequence[int], tokens: Sequence[int], *,
+                warn: bool = True) -> None:
+    """InputError when no input holds a token; a warning naming each input that holds none
+    (`warn`)."""
+    empty = [i for i, n in enumerate(tokens) if not int(n)]
+    if len(empty) == len(paths):
+        names = ", ".join(paths[i] for i in empty[:3]) + (f" and {len(empty) - 3} more"
+                                                           if len(empty) > 3 else "")
+        raise InputError(f"{names}: no tokens in any input ({sum(examples)} examples); "
+                         "nothing to pack")
+    for i in empty if warn else ():
+        log.warning("%s: no tokens (%d examples): nothing of it is packed", paths[i],
+                    examples[i])

@@ -38,7 +38,12 @@ from seqpack.pipelines.errors import require
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import MANIFEST, Manifest, read_manifest
 from seqpack.pipelines.offline import mixture
-from seqpack.pipelines.offline.record import check_overlength, first_overlength, length_histogram
+from seqpack.pipelines.offline.record import (
+    check_empty,
+    check_overlength,
+    first_overlength,
+    length_histogram,
+)
 from seqpack.pipelines.offline.shards import read_shard
 
 STRATEGIES = tuple(s.value for s in Strategy)
@@ -76,6 +81,8 @@ def dry_run_inputs(paths: Sequence[str], options: ReadOptions, config: PackConfi
     pool = Workers(workers, retry="pass fewer workers= if memory is short")
     try:
         per_input = scan_lengths(paths, options, pool)
+        check_empty([os.fspath(p) for p in paths], [x.size for x in per_input],
+                    [int(x.sum()) for x in per_input])
         _check_overlength(paths, per_input, config, strategies)
         lengths = np.concatenate(per_input)
         del per_input
