@@ -116,7 +116,7 @@ CASES = {
                             ["name the token list with --column or --field"]),
     "jsonl_text_without_tokenizer": (
         lambda mp, t: jsonl.tokens("the cat", "tokens", "a.jsonl:1", np.dtype(np.int32)),
-        ["; text is tokenized with --tokenizer"]),
+        ["; text is tokenized by seqpack pack with --tokenizer (a Grain source: map it"]),
     "jsonl_ids_with_tokenizer": (
         _read(write_jsonl, "a.jsonl", tokenizer=True),
         ["holds token ids, not text; --tokenizer tokenizes a text field (drop --tokenizer for "
@@ -143,7 +143,8 @@ CASES = {
                                      ["pass --column naming columns the file holds"]),
     "parquet_text_without_tokenizer": (
         lambda mp, t: read_corpus([_text_parquet(t)], ReadOptions()),
-        ["text: pass --tokenizer tokenizer.json to tokenize it, or --column naming token ids"]),
+        ["text: name the token ids with --column, or tokenize the text (seqpack pack: "
+         "--tokenizer tokenizer.json; a Grain source: map it"]),
     "parquet_ids_with_tokenizer": (
         _read(write_parquet, "a.parquet", tokenizer=True),
         ["not text; --tokenizer tokenizes a text column (drop --tokenizer for token ids, or "

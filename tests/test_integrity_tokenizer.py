@@ -87,8 +87,8 @@ def test_text_without_a_tokenizer_says_to_pass_one(tmp_path):
     jsonl = tmp_path / "a.jsonl"
     jsonl.write_text(json.dumps({"text": "the cat"}) + "\n")
     parquet = _write_text_parquet(tmp_path / "b.parquet", ["the cat"])
-    for path, message in ((jsonl, "got str; text is tokenized with --tokenizer"),
-                          (parquet, "has type string, text: pass --tokenizer")):
+    for path, message in ((jsonl, "got str; text is tokenized by seqpack pack with --tokenizer"),
+                          (parquet, "seqpack pack: --tokenizer tokenizer.json")):
         result = invoke("pack", path, "-o", tmp_path / "o", "--field", "text", ok=False)
         assert result.exit_code == 2 and message in result.output, result.output
 

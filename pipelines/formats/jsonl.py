@@ -89,7 +89,8 @@ def tokens(value: Any, field: str, where: str, dtype: np.dtype, *, token_ids: bo
     sign) as a `dtype` array; InputError for anything else or a value `dtype` cannot hold."""
     what = "token ids" if token_ids else "integers"
     if not isinstance(value, list):
-        hint = "; text is tokenized with tokenizer=" if isinstance(value, str) else ""
+        hint = ("; text is tokenized by seqpack pack with tokenizer= (a Grain source: map it "
+                "through a tokenizer before packing)") if isinstance(value, str) else ""
         raise InputError(f"{where}: field {field!r} must be a list of {what}, "
                          f"got {type(value).__name__}{hint}")
     if not value:

@@ -106,9 +106,10 @@ class ParquetTokens:
                              "tokenizes a text column (drop tokenizer= for token ids, or point "
                              "column= at the text)")
         if tokenizer is None and is_text:
-            raise InputError(f"{self.path}: column {column!r} has type {t}, text: pass "
-                             "tokenizer='tokenizer.json' to tokenize it, or column= naming "
-                             "token ids")
+            raise InputError(f"{self.path}: column {column!r} has type {t}, text: name the "
+                             "token ids with column=, or tokenize the text (seqpack pack: "
+                             "tokenizer='tokenizer.json'; a Grain source: map it through a "
+                             "tokenizer before packing)")
         if tokenizer is None and not (is_list and pa.types.is_integer(t.value_type)):
             where = self._first_non_integer() if is_list and pa.types.is_floating(
                 t.value_type) else ""
