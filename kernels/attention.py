@@ -262,9 +262,11 @@ def segment_attention(
     rank's `[B, L/C, ...]` shard of the load-balanced layout (`packer.context_parallel_order`,
     rows packed with `PackConfig(context_parallel=C)`; `context_parallel_layout` names it: "te",
     "rotated" or "balanced", the last with `context_parallel_positions`, this rank's tokens' row
-    positions, which any layout may pass) and the metadata the whole rows' `[B, S]`.
-    Returns this rank's shard of the result: ring attention (ring.py), K / V passed round by
-    `ppermute`, each step's blocks scheduled from the metadata.
+    positions, which any layout may pass) and the metadata the whole rows' `[B, S]`, every
+    used offset a multiple of 2C (not checked here, under jit: other rows give wrong values;
+    `validate_segments(..., context_parallel=C)` checks a host batch). Returns this rank's
+    shard of the result: ring attention (ring.py), K / V passed round by `ppermute`, each
+    step's blocks scheduled from the metadata.
 
     schedule: the block schedule of this call made once per batch by segment_attention_schedule
     (same q / k shapes, metadata, causal, impl, interpret, block_sizes) and handed to every

@@ -86,12 +86,15 @@ def validate_segments(
     segment_lengths: object,  # int[B, S] (or [S])
     *,
     seq_len: int,
+    context_parallel: int | None = None,
 ) -> None:
     """Checks metadata values against the row contract; raises ValueError naming the first bad slot.
 
     Offsets must lie in [0, seq_len], lengths be >= 0, every segment end within seq_len, offsets
-    non-decreasing and segments non-overlapping (offsets[j + 1] >= offsets[j] + lengths[j]).
-    Needs concrete values: call it outside `jax.jit`.
+    non-decreasing and segments non-overlapping (offsets[j + 1] >= offsets[j] + lengths[j]);
+    with `context_parallel` C (rows for ring attention over C ranks), every used segment's
+    offset a multiple of 2C, as the load-balanced layout needs (rows packed with
+    context_parallel=C are). Needs concrete values: call it outside `jax.jit`.
     """
     try:
         offsets = np.asarray(segment_offsets)
@@ -128,6 +131,14 @@ def validate_segments(
                 f"{name}[{row}, {slot}]={int(values[row, slot])} {rule}; rebuild the batch with "
                 "the packer or fix the metadata"
             )
+    if context_parallel is not None:
+        bad = (lengths > 0) & (offsets % (2 * context_parallel) != 0)
+        if bad.any():
+            row, slot = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"segment_offsets[{row}, {slot}]={int(offsets[row, slot])} is not a multiple of "
+                f"2 x context_parallel = {2 * context_parallel}: pack the rows with "
+                f"context_parallel={context_parallel} for ring attention over that many ranks")
     if offsets.shape[1] > 1:
         backwards = offsets[:, 1:] < offsets[:, :-1]
         overlap = offsets[:, 1:] < ends[:, :-1]

@@ -17,6 +17,14 @@ def test_valid_cases_pass(name):
     kernels.validate_segments(*case(name), seq_len=L)
 
 
+def test_rows_for_a_ring_of_c_ranks_need_offsets_of_multiples_of_2c():
+    offsets, lengths = np.array([[0, 4, 12, 16]]), np.array([[3, 8, 2, 0]])  # unused at 16
+    kernels.validate_segments(offsets, lengths, seq_len=16, context_parallel=2)
+    with pytest.raises(ValueError, match=r"segment_offsets\[0, 1\]=4 is not a multiple of "
+                                         r"2 x context_parallel = 8"):
+        kernels.validate_segments(offsets, lengths, seq_len=16, context_parallel=4)
+
+
 def test_one_row_and_jax_arrays_pass():
     kernels.validate_segments(np.array([0, 5, 9, 9]), np.array([5, 4, 0, 0]), seq_len=12)
     kernels.validate_segments(jnp.array([[0, 5]]), jnp.array([[5, 7]]), seq_len=12)
