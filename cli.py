@@ -95,6 +95,16 @@ def _given(name: str) -> bool:
     return source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 
+def _refuse_given(why: str, *, keep: tuple[str, ...]) -> None:
+    """UsageError naming the options given (not left at their defaults) outside `keep`."""
+    ctx = click.get_current_context()
+    given = [p.opts[0] for p in ctx.command.params if p.name not in keep and _given(p.name)]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} "
+                               f"to a dry run on inputs; {why}: leave "
+                               f"{'it' if len(given) == 1 else 'them'} out")
+
+
 def _refuse_inapplicable(inputs, input_format, cost_model) -> None:
     """UsageError for an option given where it does nothing: --text-unit without a text input
     (by --input-format, else by the inputs' names), --d-model with --cost-model tokens."""
@@ -284,9 +294,9 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
           allow_duplicates, workers, block_size, cost_model, d_model):
     """Packing statistics of a packed directory, or a dry run on raw input files.
 
-    For a directory written by `seqpack pack`, reads its manifest (the packing options are
-    ignored). For raw inputs, plans the packing on the example lengths (nothing is written) with
-    each strategy and the given options.
+    For a directory written by `seqpack pack`, reads its manifest (packing options given are
+    refused: the manifest says how it was packed). For raw inputs, plans the packing on the
+    example lengths (nothing is written) with each strategy and the given options.
     """
     from seqpack.pipelines.offline.report import (
         STRATEGIES,
@@ -299,6 +309,8 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
     paths = _expand(paths, output_ok=True, allow_duplicates=allow_duplicates,
                     input_format=input_format)
     if len(paths) == 1 and is_packed(paths[0]):
+        _refuse_given(f"{paths[0]} is a packed output (its manifest says how it was packed)",
+                      keep=("paths", "batch_size", "as_json", "plot", "allow_duplicates"))
         result = output_stats(paths[0], batch_size=batch_size)
     else:
         from seqpack.packer.order import CostModel

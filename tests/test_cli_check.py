@@ -68,6 +68,9 @@ def test_stats_of_a_packed_dir(packed, tmp_path):
     png = tmp_path / "stats.png"
     invoke("stats", out, "--plot", png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    refused = invoke("stats", out, "--cost-model", "tokens", "--seq-len", 64, ok=False)
+    assert refused.exit_code == 2 and "--seq-len, --cost-model apply to a dry run" in \
+        refused.output, refused.output  # they would be ignored: the manifest decides
 
 
 def test_stats_dry_run_per_strategy_matches_the_planner(tmp_path):

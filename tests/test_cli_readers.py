@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from seqpack.pipelines.formats import inputs as readers
 from seqpack.pipelines.formats import jsonl, text
@@ -121,3 +123,13 @@ def test_windows_text_reads_as_unix_text(tmp_path, unit, want):
         values, offsets = text.read_text(str(tmp_path / f"{name}.txt"), None, unit)
         got = [bytes(values[offsets[i] : offsets[i + 1]]) for i in range(offsets.size - 1)]
         assert got == want, name
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([b"{}", b"", b" ", b"\t", b"\r", b" {}", b"{} "]), max_size=12),
+       st.booleans())
+def test_jsonl_blocks_count_their_non_blank_lines(lines, final_newline):
+    from seqpack.pipelines.formats.jsonl import _nonblank_lines
+
+    block = b"\n".join(lines) + (b"\n" if final_newline and lines else b"")
+    assert _nonblank_lines(block) == sum(1 for line in block.split(b"\n") if line.strip())

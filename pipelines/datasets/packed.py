@@ -39,7 +39,7 @@ import numpy as np
 
 from seqpack.packer import PackConfig
 from seqpack.pipelines.datasets.elastic import grain_worker_states
-from seqpack.pipelines.datasets.sources import SequentialIterDataset, _SequentialIterator
+from seqpack.pipelines.datasets.sources import SequentialIterator, SequentialIterDataset
 from seqpack.pipelines.errors import InputError
 
 log = logging.getLogger("seqpack")
@@ -341,7 +341,7 @@ class BalancedSteps(SequentialIterDataset):
         return _BalancedIterator(self._parent, self._run)
 
 
-class _BalancedIterator(_SequentialIterator):
+class _BalancedIterator(SequentialIterator):
     def __init__(self, parent: grain.MapDataset, run: dict[str, Any]):
         super().__init__(parent)
         self._run = run

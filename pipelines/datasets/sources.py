@@ -135,7 +135,7 @@ class ArraySource(grain.MapDataset):
         return out
 
 
-class _SequentialIterator(grain.DatasetIterator):
+class SequentialIterator(grain.DatasetIterator):
     """Reads parent[0], parent[1], ... skipping None (filtered) elements."""
 
     def __init__(self, parent: grain.MapDataset):
@@ -196,8 +196,8 @@ class SequentialIterDataset(grain.IterDataset):
         else:
             self._parents = (parent.slice(sl),)
 
-    def __iter__(self) -> _SequentialIterator:
-        return _SequentialIterator(self._parent)
+    def __iter__(self) -> SequentialIterator:
+        return SequentialIterator(self._parent)
 
     def __str__(self) -> str:
         return "SequentialIterDataset"
