@@ -94,7 +94,7 @@ def test_pack_iter_dataset_column_errors():
     short = ArraySource({"tokens": (values, offsets), "labels": (labels[1:], offsets - 1
                                                                  + (offsets == 0))},
                         value_columns=["labels"])
-    with pytest.raises(InputError, match="element 0: column 'labels' has length 2 but the "
+    with pytest.raises(InputError, match="example 0: column 'labels' has length 2 but the "
                                          "feature 'tokens' it is packed with has 3"):
         list(PackIterDataset(SequentialIterDataset(short), PackConfig(16),
                              columns=Columns(labels=["labels"])))

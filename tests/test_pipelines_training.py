@@ -12,6 +12,7 @@ from seqpack import packer
 from seqpack.pipelines.datasets import (
     ArraySource,
     Batching,
+    Columns,
     PackedArrayRecordSource,
     Prefetch,
     Window,
@@ -261,3 +262,8 @@ def test_a_bad_later_element_is_named_by_its_example_in_the_source():
                   weights={"a": 1, "b": 1})
     with pytest.raises(InputError, match=r"\(dataset 'b', example 5\): 'tokens' must be"):
         list(make_training_pipeline(mix, **kw))
+    labels = [{"tokens": np.arange(1, 5), "labels": np.arange(4)} for _ in range(20)]
+    labels[9] = {"tokens": np.arange(1, 5), "labels": np.arange(3)}  # one label short
+    with pytest.raises(InputError, match=r"example 9 of the source: column 'labels' has "
+                                         r"length 3 but the feature 'tokens'"):
+        list(make_training_pipeline(labels, **kw, columns=Columns(labels=["labels"])))

@@ -230,7 +230,7 @@ def check_lengths(cols: Mapping[str, list], hosts: Mapping[str, str], first: int
         if bad.size:
             i = int(bad[0])
             raise InputError(
-                f"element {first + i}: column {name!r} has length {m[i]} but the "
+                f"example {first + i}: column {name!r} has length {m[i]} but the "
                 f"feature {host!r} it is packed with has {h[i]}; they must match per example")
 
 

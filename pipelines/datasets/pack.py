@@ -147,9 +147,9 @@ class PackIterator(grain.DatasetIterator):
         if window is not None:
             ids, cols = window
             lengths = layout.window_lengths(cols)
-            check_lengths(cols, ds.meta, ids[0])
             cuts, self._cuts = [c - ids[0] for c in self._cuts], []
             try:
+                check_lengths(cols, ds.meta, ids[0])
                 plan, parts = plan_cut(layout, ids, lengths, cuts)
             except InputError as e:  # by reference: name the dataset and its example
                 raise (InputError(self._refs.rename(str(e), self._parent.names))
