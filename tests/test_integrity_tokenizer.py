@@ -35,12 +35,14 @@ def _pack(tmp_path, *inputs, extra=()):
     return out
 
 
-def _write_text_parquet(path, texts, column="text"):
+def _write_text_parquet(path, texts, column="text", categories=False):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({column: pa.array(texts, type=pa.string()), "n": range(len(texts))}),
-                   path, row_group_size=2)
+    text = pa.array(texts, type=pa.string())
+    if categories:  # as pandas writes a categorical column: read back dictionary-encoded
+        text = text.dictionary_encode()
+    pq.write_table(pa.table({column: text, "n": range(len(texts))}), path, row_group_size=2)
     return path
 
 
@@ -63,6 +65,14 @@ def test_jsonl_text_field_and_parquet_text_column_are_tokenized(tmp_path, padded
     out = _pack(tmp_path, jsonl, parquet, extra=("--field", "text", "--tokenizer", padded))
     assert_same_rows(all_rows(out), expected_rows(IDS + IDS[::-1], seq_len=32, max_segments=4))
     assert invoke("verify", out).stdout.startswith("OK:")  # re-tokenizes the same way
+
+
+def test_a_dictionary_encoded_text_column_is_tokenized(tmp_path, padded):
+    parquet = _write_text_parquet(tmp_path / "b.parquet", LINES + LINES[:1], categories=True)
+    # Before: refused, "column 'text' has type dictionary<values=string, ...>, not text".
+    out = _pack(tmp_path, parquet, extra=("--column", "text", "--tokenizer", padded))
+    assert_same_rows(all_rows(out), expected_rows(IDS + IDS[:1], seq_len=32, max_segments=4))
+    assert invoke("verify", out).stdout.startswith("OK:")
 
 
 def test_tokenizer_with_token_ids_is_an_error(tmp_path, padded):

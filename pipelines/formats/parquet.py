@@ -100,7 +100,8 @@ class ParquetTokens:
                                  "to int8 / int32)")
         t = schema.field(column).type
         is_list = pa.types.is_list(t) or pa.types.is_large_list(t)
-        is_text = pa.types.is_string(t) or pa.types.is_large_string(t)
+        v = t.value_type if pa.types.is_dictionary(t) else t  # text written from categories
+        is_text = pa.types.is_string(v) or pa.types.is_large_string(v)
         if tokenizer is not None and not is_text:
             raise InputError(f"{self.path}: column {column!r} has type {t}, not text; tokenizer= "
                              "tokenizes a text column (drop tokenizer= for token ids, or point "
