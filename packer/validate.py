@@ -1,5 +1,5 @@
 """Checks a packed batch against the row contract (raises ValueError naming row and slot), and
-the pieces of many rows against the examples they came from (`coverage`)."""
+the pieces of many rows against the examples they came from (`Coverage`)."""
 
 from __future__ import annotations
 
@@ -154,76 +154,105 @@ def _runs(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, value: np.ndar
     return np.cumsum(delta.reshape(R, width), axis=1)[:, :L]
 
 
-def coverage(ex: np.ndarray, st: np.ndarray, ln: np.ndarray, lengths: np.ndarray,
-             times: np.ndarray, config: PackConfig) -> tuple[list[str], dict[str, int]]:
-    """Whether pieces (example `ex`, start `st`, length `ln`; the used slots of a corpus's
-    rows) tile each example's kept tokens [0, kept) `times[e]` times (once, or as a mixture
-    takes it), what is not kept being what `config.overflow` allows. Returns the problems
-    (at most 3 of each kind) and the `Counters` values the pieces give. Only the pieces of
-    examples cut or taken other than once are sorted (memory: a few bytes per piece)."""
-    problems: list[str] = []
-    npieces = np.bincount(ex, minlength=lengths.size)
-    many = ~((npieces == 1) & (times == 1))[ex]
-    for i in np.flatnonzero(~many & (st != 0))[:3]:
-        problems.append(f"example {ex[i]}: a piece starts at token {st[i]} where the pieces "
-                        "before it end elsewhere (tokens missing or duplicated)")
-    # Tokens and pieces of each example, each distinct piece counted once.
-    covered = np.zeros(lengths.size, np.int64)
-    covered[ex] = ln
-    sub = ex[many], st[many], ln[many]
-    del many
-    found, (dex, dln) = _tiling(*sub, times)
-    problems += found
-    covered[sub[0]] = 0
-    np.add.at(covered, dex, dln)
-    np.subtract.at(npieces, sub[0], 1)
-    np.add.at(npieces, dex, 1)
-    del sub
-    missing = np.where(times > 0, lengths - covered, 0)
-    L = config.seq_len
-    policy = str(config.overflow) if str(config.strategy) != "concat_split" else "split"
-    cut = np.flatnonzero(missing != 0)
-    lost = {"examples": int(times[cut].sum()), "tokens": int((missing * times)[cut].sum())}
-    if policy == "truncate":
-        allowed = (lengths > L) & (covered == L)
-        want = {f"truncated_{k}": v for k, v in lost.items()}
-    elif policy == "drop":
-        allowed = (lengths > L) & (covered == 0)
-        want = {f"dropped_{k}": v for k, v in lost.items()}
-    else:
-        allowed = np.zeros(lengths.size, bool)
-        want = {}
-    for i in cut[~allowed[cut]][:3]:
-        problems.append(f"example {i}: {missing[i]} of its {lengths[i]} tokens are not in any "
-                        f"row, which overflow={policy!r} does not allow")
-    split = npieces > 1
-    want.update(split_examples=int(times[split].sum()),
-                split_pieces=int((npieces * times)[split].sum()),
-                num_examples=int(times.sum()), input_tokens=int((lengths * times).sum()),
-                empty_examples=int(times[lengths == 0].sum()))
-    return problems, want
+class Coverage:
+    """Whether pieces (example `ex`, start `st`, length `ln`: the used slots of a corpus's rows,
+    added shard by shard) tile each example's kept tokens [0, kept) `times[e]` times (once, or
+    as a mixture takes it), what is not kept being what the overflow policy allows.
+
+    Held per example, not per piece (about 20 bytes an example): the tokens covered, the
+    pieces, and a fingerprint, the sum over its pieces of mark(e, start) - mark(e, end) mod
+    2**64 (`_marks`: 64-bit hashes). Pieces that are t tilings of [0, c) sum to
+    t * (mark(e, 0) - mark(e, c)), their ends telescoping; a gap, an overlap or a piece too
+    many or too few leaves other marks in the sum, which then differs but by chance (2**-64 an
+    example). No sort: the pieces of a shard are added and dropped."""
+
+    def __init__(self, lengths: np.ndarray, times: np.ndarray):
+        self.lengths, self.times = lengths, times
+        self.covered = np.zeros(lengths.size, np.int64)
+        self.pieces = np.zeros(lengths.size, np.int32)
+        self.sums = np.zeros(lengths.size, np.uint64)
+        self.longest = 0
+
+    def add(self, ex: np.ndarray, st: np.ndarray, ln: np.ndarray) -> None:
+        if not ex.size:
+            return
+        ex = ex.astype(np.intp, copy=False)
+        np.add.at(self.covered, ex, ln)
+        np.add.at(self.pieces, ex, 1)
+        np.add.at(self.sums, ex, _marks(ex, st) - _marks(ex, st.astype(np.int64) + ln))
+        self.longest = max(self.longest, int(ln.max()))
+
+    def check(self, config: PackConfig, chunk: int = 1 << 20
+              ) -> tuple[list[str], dict[str, int]]:
+        """The problems (at most 3 of each kind) and the `Counters` values the pieces give;
+        examples a chunk at a time, so numpy's temporaries stay small."""
+        found: dict[str, list[str]] = {"tiling": [], "kept": []}
+        want: dict[str, int] = {}
+        for lo in range(0, max(self.lengths.size, 1), chunk):
+            for key, value in self._check(slice(lo, lo + chunk), config, found).items():
+                want[key] = want.get(key, 0) + value
+        return found["tiling"] + found["kept"], want
+
+    def _check(self, part: slice, config: PackConfig, found: dict[str, list[str]]
+               ) -> dict[str, int]:
+        lengths, times = self.lengths[part].astype(np.int64), self.times[part].astype(np.int64)
+        covered, npieces = self.covered[part], self.pieces[part].astype(np.int64)
+        first = part.start
+        taken = np.maximum(times, 1)
+        kept = covered // taken  # each take's tokens, where the pieces are whole takes
+        ids = np.arange(first, first + lengths.size, dtype=np.int64)
+        whole = times.astype(np.uint64) * (_marks(ids, 0) - _marks(ids, kept))
+        bad = (self.sums[part] != whole) | (covered % taken != 0) | (covered > times * lengths)
+        for i in np.flatnonzero(bad)[: 3 - len(found["tiling"])]:
+            found["tiling"].append(_tiling_problem(first + int(i), int(npieces[i]),
+                                                   int(covered[i]), int(times[i]),
+                                                   int(lengths[i])))
+        missing = np.where(times > 0, np.maximum(lengths - kept, 0), 0)
+        L, policy = config.seq_len, _policy(config)
+        cut = np.flatnonzero(missing != 0)
+        lost = {"examples": int(times[cut].sum()), "tokens": int((missing * times)[cut].sum())}
+        if policy == "truncate":
+            allowed = (lengths > L) & (kept == L)
+        elif policy == "drop":
+            allowed = (lengths > L) & (kept == 0)
+        else:
+            allowed = np.zeros(lengths.size, bool)
+        for i in cut[~allowed[cut]][: 3 - len(found["kept"])]:
+            found["kept"].append(f"example {first + int(i)}: {int(missing[i])} of its "
+                                 f"{int(lengths[i])} tokens are not in any row, which "
+                                 f"overflow={policy!r} does not allow")
+        split = npieces > times  # some take of it in more than one piece
+        name = {"truncate": "truncated", "drop": "dropped"}.get(policy)
+        want = {f"{name}_{k}": v for k, v in lost.items()} if name else {}
+        want.update(split_examples=int(times[split].sum()),
+                    split_pieces=int(npieces[split].sum()),
+                    num_examples=int(times.sum()), input_tokens=int((lengths * times).sum()),
+                    empty_examples=int(times[lengths == 0].sum()))
+        return want
 
 
-def _tiling(ex: np.ndarray, st: np.ndarray, ln: np.ndarray, times: np.ndarray
-            ) -> tuple[list[str], tuple[np.ndarray, np.ndarray]]:
-    """The problems of some examples' pieces (each distinct piece must come `times[e]` times,
-    the distinct pieces must tile from token 0), and the distinct pieces' (example, length)."""
-    problems = []
-    order = np.lexsort((ln, st, ex))
-    ex, st, ln = ex[order], st[order], ln[order]
-    new = np.ones(ex.size, bool)
-    new[1:] = (ex[1:] != ex[:-1]) | (st[1:] != st[:-1]) | (ln[1:] != ln[:-1])
-    count = np.diff(np.append(np.flatnonzero(new), ex.size))
-    ex, st, ln = ex[new], st[new], ln[new]  # each piece once, `count` times
-    for i in np.flatnonzero(count != times[ex])[:3]:
-        problems.append(f"example {ex[i]}: its tokens [{st[i]}, {st[i] + ln[i]}) are in "
-                        f"{count[i]} segment(s), the run takes the example {times[ex[i]]} "
-                        "time(s) (tokens missing or duplicated)")
-    first = np.ones(ex.size, bool)
-    first[1:] = ex[1:] != ex[:-1]
-    contiguous = ~first
-    contiguous[1:] &= st[1:] != st[:-1] + ln[:-1]
-    for i in np.union1d(np.flatnonzero(first & (st != 0)), np.flatnonzero(contiguous))[:3]:
-        problems.append(f"example {ex[i]}: a piece starts at token {st[i]} where the pieces "
-                        "before it end elsewhere (tokens missing or duplicated)")
-    return problems, (ex, ln)
+def _policy(config: PackConfig) -> str:
+    return str(config.overflow) if str(config.strategy) != "concat_split" else "split"
+
+
+def _tiling_problem(e: int, pieces: int, covered: int, times: int, length: int) -> str:
+    held = f"example {e}: its {pieces} piece(s) hold {covered} tokens"
+    if covered > times * length:
+        return (f"{held}, more than the {times * length} the run takes (its {length} tokens "
+                f"{times} time(s)): tokens duplicated")
+    if covered % times:
+        return (f"{held}, not a multiple of the {times} times the run takes it (tokens missing "
+                "or duplicated)")
+    tile = "do not tile" if times == 1 else f"are not {times} tilings of"
+    return (f"{held} but {tile} its tokens [0, {covered // times}) (a gap or an overlap: "
+            "tokens missing or duplicated)")
+
+
+def _marks(ex: np.ndarray, at: np.ndarray | int) -> np.ndarray:
+    """A 64-bit hash of each (example, token position) (splitmix64's finalizer)."""
+    with np.errstate(over="ignore"):
+        x = (np.asarray(ex).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+             + np.asarray(at).astype(np.uint64) + np.uint64(0x632BE59BD9B4E019))
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))

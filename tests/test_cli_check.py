@@ -230,7 +230,7 @@ def test_verify_finds_a_duplicated_segment(packed):
     m = manifest_of(out)
     rewrite_shard(out, m["shards"][2], lambda rows: [rows[0], *rows[:-1]])
     result = invoke("verify", out, src, ok=False)
-    assert result.exit_code == 1 and "missing or duplicated" in result.stdout
+    assert result.exit_code == 1 and "): tokens duplicated" in result.stdout, result.stdout
 
 
 def test_verify_finds_broken_contract_and_counters(packed):

@@ -205,14 +205,18 @@ def test_blocked_plans_are_lossless_ordered_and_match_plan_rows(config, lengths,
 @st.composite
 def tilings(draw):
     """Examples' lengths, how many times each is taken, and pieces (example, start, length)
-    that tile each example's tokens that many times, in a random order."""
+    that tile each example's tokens that many times (each take cut alike, or each its own
+    way), in a random order."""
     lengths = np.array(draw(st.lists(st.integers(0, 12), min_size=1, max_size=12)), np.int64)
-    times = np.array([draw(st.integers(0, 2)) for _ in lengths], np.int64)
+    times = np.array([draw(st.integers(0, 3)) for _ in lengths], np.int64)
+    alike = draw(st.booleans())
     pieces = []
     for e, (n, t) in enumerate(zip(lengths, times)):
-        cuts = sorted(draw(st.sets(st.integers(1, max(n - 1, 1)), max_size=3))) if n > 1 else []
-        bounds = [0, *[c for c in cuts if c < n], int(n)]
-        for _ in range(t):
+        for take in range(t):
+            if take == 0 or not alike:
+                cuts = sorted(draw(st.sets(st.integers(1, max(n - 1, 1)), max_size=3))) \
+                    if n > 1 else []
+            bounds = [0, *[c for c in cuts if c < n], int(n)]
             pieces += [(e, a, b - a) for a, b in zip(bounds, bounds[1:]) if b > a]
     order = draw(st.permutations(range(len(pieces))))
     return lengths, times, [pieces[i] for i in order]
@@ -221,7 +225,7 @@ def tilings(draw):
 @given(tilings(), st.sampled_from(["none", "duplicate", "drop", "shift"]), st.data())
 @settings(max_examples=150, deadline=None)
 def test_coverage_finds_exactly_the_pieces_that_do_not_tile(case, damage, data):
-    from seqpack.packer.validate import coverage
+    from seqpack.packer.validate import Coverage
 
     lengths, times, pieces = case
     if damage != "none" and not pieces:
@@ -236,12 +240,17 @@ def test_coverage_finds_exactly_the_pieces_that_do_not_tile(case, damage, data):
         else:
             pieces = pieces[:i] + [(e, a + 1, n)] + pieces[i + 1 :]
     ex, s, ln = (np.array([p[k] for p in pieces], np.int32).reshape(-1) for k in range(3))
-    problems, counters = coverage(ex, s, ln, lengths, times, PackConfig(16, overflow="split"))
+    cover = Coverage(lengths, times)  # the pieces added as shards of them come, then checked
+    cuts = sorted(data.draw(st.lists(st.integers(0, ex.size), max_size=3)))
+    for part in np.split(np.arange(ex.size), cuts):
+        cover.add(ex[part], s[part], ln[part])
+    problems, counters = cover.check(PackConfig(16, overflow="split"), chunk=data.draw(
+        st.integers(1, 13)))
     assert bool(problems) == (damage != "none"), (damage, pieces, problems)
     if damage == "none":
-        npieces = np.array([len({p for p in pieces if p[0] == e}) for e in range(lengths.size)])
+        npieces = np.bincount(ex, minlength=lengths.size)  # every take's
+        split = npieces > times  # a take of it in more than one piece
         assert counters == dict(
-            split_examples=int(times[npieces > 1].sum()),
-            split_pieces=int((npieces * times)[npieces > 1].sum()),
+            split_examples=int(times[split].sum()), split_pieces=int(npieces[split].sum()),
             num_examples=int(times.sum()), input_tokens=int((lengths * times).sum()),
             empty_examples=int(times[lengths == 0].sum()))

@@ -290,17 +290,19 @@ def loss_count(roles: Mapping[str, str], spec: MixSpec) -> LossCount:
 
 def example_times(record: Mapping | None, lengths: Sequence[np.ndarray],
                   loss_counts: Sequence[np.ndarray | None]) -> tuple[np.ndarray, list[str]]:
-    """How often a run takes each corpus example (i64[n]: once each without a mixture),
+    """How often a run takes each corpus example (i64[n]: once each without a mixture, a
+    read-only view of one 1 that takes no memory),
     recomputed from the inputs' lengths (and loss counts) as the run made it, and what
     differs from the manifest's `mixture` record (its `inputs` paths aside: verify may read
     the inputs elsewhere)."""
     total = sum(int(np.asarray(x).size) for x in lengths)
+    once = np.broadcast_to(np.ones(1, np.int64), (total,))
     if not record:
-        return np.ones(total, np.int64), []
+        return once, []
     try:
         selection = select_inputs(spec_of(record), lengths, loss_counts)
     except ValueError as e:
-        return np.ones(total, np.int64), [f"the inputs no longer give the manifest's mixture: "
+        return once, [f"the inputs no longer give the manifest's mixture: "
                                           f"{e}"]
     times = np.bincount(selection.ref, minlength=total).astype(np.int64)
     problems = []

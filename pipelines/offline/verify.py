@@ -28,7 +28,7 @@ import numpy as np
 from seqpack.packer import Counters, PackConfig, validate
 from seqpack.packer.contract import restore_derived
 from seqpack.packer.stats import length_histograms, stats_from_histograms
-from seqpack.packer.validate import coverage
+from seqpack.packer.validate import Coverage
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.encodings import of_manifest, with_segment_ids
@@ -159,11 +159,10 @@ def _check_tokens(batch, config, spills: dict[str, tuple[SpillReader, int]], off
     return ex, st, ln, int(ln.sum())
 
 
-def _check_coverage(ex, st, ln, lengths, config, counters: Counters, out: _Collector,
-                    times: np.ndarray) -> None:
-    """Each example's pieces tile [0, kept) `times[e]` times (`packer.validate.coverage`); the
+def _check_coverage(cover: Coverage, config, counters: Counters, out: _Collector) -> None:
+    """Each example's pieces tile [0, kept) `times[e]` times (`packer.validate.Coverage`); the
     manifest's counters are the ones the pieces give."""
-    problems, want = coverage(ex, st, ln, lengths, times, config)
+    problems, want = cover.check(config)
     for problem in problems:
         out.add(problem)
     have = counters.to_dict()
@@ -194,6 +193,7 @@ class _ShardCheck:
     nseg_hist: np.ndarray | None
     tokens: int = 0
     loss_tokens: int = 0
+    covered: bool = False  # its pieces went to the run's `Coverage`
 
 
 def _check_derived(batch, wants: dict[str, np.ndarray], manifest: Manifest, shard: str,
@@ -310,15 +310,16 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
                 output_dir, config, read.runs,
                 [(c["name"], c["pad"], read.column_runs[c["source"]]) for c in columns],
                 manifest, os.path.join(spill_dir, "offsets.npy")))
-            checks = _check_shards(manifest, context, pool, out)
+            cover = Coverage(lengths, times)
+            checks = _check_shards(manifest, context, pool, out, cover)
     except BaseException:
         pool.close(kill=True)
         raise
     pool.close()
-    _check_results(checks, lengths, manifest, out, output_dir, times)
+    _check_results(checks, cover, manifest, out, output_dir)
     return VerifyReport(not out.items, out.items, int(sum(manifest.shard_num_rows or [])),
                         int(lengths.size), sum(c.tokens for c in checks),
-                        int(np.maximum(times - 1, 0).sum()))
+                        int(times.sum()) - int(np.count_nonzero(times)))
 
 
 def _input_paths(manifest: Manifest, inputs: Sequence[str] | None) -> list[str]:
@@ -356,28 +357,32 @@ def _check_inputs(paths: Sequence[str], files: list[dict], lengths: np.ndarray,
                 f"{manifest.inputs['num_examples']}")
 
 
-def _check_shards(manifest: Manifest, context_path: str, pool: Workers, out: _Collector
-                  ) -> list[_ShardCheck]:
-    """Every shard checked by a worker; their violations collected in shard order."""
+def _check_shards(manifest: Manifest, context_path: str, pool: Workers, out: _Collector,
+                  cover: Coverage) -> list[_ShardCheck]:
+    """Every shard checked by a worker; their violations collected in shard order, their
+    pieces added to `cover` as they come (and dropped)."""
     digests = list(zip(manifest.shard_bytes or [], manifest.shard_sha256 or []))
     calls = [(context_path, name, rows, digest, out.limit) for name, rows, digest in
              zip(manifest.shards, manifest.shard_num_rows or [], digests, strict=True)]
-    checks = list(pool.map(_check_shard, calls, len(calls), what="checking shards"))
+    checks = []
+    for check in pool.map(_check_shard, calls, len(calls), what="checking shards"):
+        if check.pieces is not None:
+            cover.add(*check.pieces)
+            check.pieces, check.covered = None, True
+        checks.append(check)
     for v in (v for check in checks for v in check.violations):
         out.add(v)
     return checks
 
 
-def _check_results(checks: list[_ShardCheck], lengths: np.ndarray, manifest: Manifest,
-                   out: _Collector, output_dir: str, times: np.ndarray) -> None:
+def _check_results(checks: list[_ShardCheck], cover: Coverage, manifest: Manifest,
+                   out: _Collector, output_dir: str) -> None:
     """Coverage of every example over all shards, and the manifest's stats against the rows."""
     config = manifest.pack_config()
     recorded = manifest.stats or {}
-    pieces = any(c.pieces is not None for c in checks)
+    pieces = any(c.covered for c in checks)
     if pieces:
-        ex, st, ln = _all_pieces(checks, lengths)
-        counters = Counters(**recorded["counters"])
-        _check_coverage(ex, st, ln, lengths, config, counters, out, times)
+        _check_coverage(cover, config, Counters(**recorded["counters"]), out)
     used = sum((c.used_hist for c in checks if c.used_hist is not None),
                np.zeros(config.seq_len + 1, np.int64))
     nseg = sum((c.nseg_hist for c in checks if c.nseg_hist is not None),
@@ -388,26 +393,8 @@ def _check_results(checks: list[_ShardCheck], lengths: np.ndarray, manifest: Man
         if got[key] != recorded[key]:
             out.add(f"manifest stats {key}={recorded[key]} but the rows give {got[key]}")
     if manifest.shapes is not None and pieces:
-        _check_shapes(manifest, used, nseg, int(ln.max(initial=0)),
+        _check_shapes(manifest, used, nseg, cover.longest,
                       sum(c.loss_tokens for c in checks), out, OutputDir(output_dir))
-
-
-def _all_pieces(checks: list[_ShardCheck], lengths: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every shard's pieces (example, start, length) in one array each, in the narrowest types
-    that hold them; each shard's own arrays are dropped as they are copied."""
-    n = sum(c.pieces[0].size for c in checks if c.pieces is not None)
-    big = lengths.size >= 2**31 or int(lengths.max(initial=0)) >= 2**31
-    wide = np.int64 if big else np.int32
-    ex, st, ln = np.empty(n, wide), np.empty(n, wide), np.empty(n, np.int32)
-    at = 0
-    for c in checks:
-        if c.pieces is not None:
-            for whole, x in zip((ex, st, ln), c.pieces):
-                whole[at : at + x.size] = x
-            at += c.pieces[0].size
-            c.pieces = None
-    return ex, st, ln
 
 
 def _check_shapes(manifest: Manifest, used: np.ndarray, nseg: np.ndarray, longest: int,
