@@ -106,3 +106,36 @@ def test_text_without_a_tokenizer_says_to_pass_one(tmp_path):
 def test_help_says_padding_and_truncation_are_off():
     text = " ".join(invoke("pack", "--help").output.split())
     assert "padding and truncation are switched off" in text
+
+
+def test_a_relative_tokenizer_path_is_recorded_whole(tmp_path, monkeypatch):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in LINES))
+    monkeypatch.chdir(tmp_path / "run")
+    write_tokenizer("tok.json")
+    args = ("pack", jsonl, "-o", tmp_path / "out", "--field", "text", "--seq-len", 32)
+    invoke(*args, "--tokenizer", "tok.json")
+    invoke(*args, "--tokenizer", "./tok.json", "--resume")  # before: "inputs differ"
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    # Before: "tok.json: tokenizer file does not exist" here, and with another tok.json in
+    # this directory verify read the text with it and found false violations.
+    write_tokenizer("tok.json", pad_to=4)
+    assert invoke("verify", tmp_path / "out").stdout.startswith("OK:")
+
+
+def test_verify_and_resume_name_a_changed_tokenizer(tmp_path):
+    jsonl = tmp_path / "a.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in LINES))
+    tok = write_tokenizer(tmp_path / "tok.json")
+    args = ("pack", jsonl, "-o", tmp_path / "out", "--field", "text", "--seq-len", 32,
+            "--tokenizer", tok)
+    invoke(*args)
+    write_tokenizer(tok, pad_to=4)  # another tokenizer under the same name
+    result = invoke("verify", tmp_path / "out", ok=False)
+    assert result.exit_code == 1
+    assert f"tokenizer {tok} is not the one that packed the rows" in result.output
+    result = invoke(*args, "--resume", ok=False)
+    assert result.exit_code == 2
+    assert f"(the tokenizer: {tok}, the run had {tok}, another file)" in result.output

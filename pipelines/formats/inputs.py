@@ -132,6 +132,8 @@ class ReadOptions:
         if self.input_format == "bytes" and self.tokenizer:
             raise InputError("input_format='bytes' packs raw bytes; drop tokenizer=, or read "
                              "the files as text")
+        if self.tokenizer:  # as the manifest records it: verify and resume run elsewhere
+            object.__setattr__(self, "tokenizer", os.path.abspath(self.tokenizer))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -378,6 +378,10 @@ def _check_same_run(path: str, old: dict, new: dict) -> None:
 
 def _changed_input(old: dict, new: dict) -> str:
     """' (input i, path: what differs)' for the first input file that differs, else ''."""
+    was_tok, now_tok = ((d.get("inputs") or {}).get("tokenizer") or {} for d in (old, new))
+    if was_tok != now_tok:
+        return (f" (the tokenizer: {now_tok.get('path')}, the run had {was_tok.get('path')}"
+                f"{', another file' if was_tok.get('sha256') != now_tok.get('sha256') else ''})")
     was = (old.get("inputs") or {}).get("files") or []
     now = (new.get("inputs") or {}).get("files") or []
     if len(was) != len(now):

@@ -290,7 +290,7 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
     out = _Collector(max_violations)
     paths = _input_paths(manifest, inputs)
     options = ReadOptions(**manifest.inputs["read_options"])
-    _check_tokenizer(manifest, out)
+    _check_tokenizer(manifest, options, out)
     pool = Workers(workers)
     try:
         with storage.scratch("verify") as spill_dir:
@@ -334,12 +334,14 @@ def _input_paths(manifest: Manifest, inputs: Sequence[str] | None) -> list[str]:
     return paths
 
 
-def _check_tokenizer(manifest: Manifest, out: _Collector) -> None:
+def _check_tokenizer(manifest: Manifest, options: ReadOptions, out: _Collector) -> None:
+    """The tokenizer verify reads with (the manifest's read options) against the fingerprint
+    the run recorded."""
     tokenizer = manifest.inputs.get("tokenizer")
-    if tokenizer and os.path.isfile(tokenizer["path"]):
-        fp = fingerprint(tokenizer["path"])
-        if fp["sha256"] != tokenizer.get("sha256"):
-            out.add(f"tokenizer {tokenizer['path']} changed since the run that packed the rows")
+    if tokenizer and options.tokenizer and os.path.isfile(options.tokenizer):
+        if fingerprint(options.tokenizer)["sha256"] != tokenizer.get("sha256"):
+            out.add(f"tokenizer {options.tokenizer} is not the one that packed the rows (its "
+                    f"sha256 differs from that of {tokenizer['path']} when they were packed)")
 
 
 def _check_inputs(paths: Sequence[str], files: list[dict], lengths: np.ndarray,
