@@ -249,11 +249,23 @@ def test_the_training_pipeline_reads_the_columns_by_their_recorded_roles(tmp_pat
 @pytest.mark.parametrize("dtype,pad,want", [
     ("int8", 0, "int8"), ("int8", -100, "int8"), ("uint8", 0, "uint8"), ("uint8", -100, "int16"),
     ("int8", 200, "int16"), ("uint16", 70000, "uint32"), ("int32", -100, "int32"),
-    ("int64", -100, "int64"), ("uint32", -100, "int64")])
+    ("int64", -100, "int64"), ("uint32", -100, "int64"),
+    # Before: float64 rows (numpy's common type of int32 and uint64).
+    ("int32", 5_000_000_000, "int64"), ("int16", 2**32, "int64"), ("uint8", 2**40, "uint64"),
+    ("uint64", 5, "uint64"), ("int64", 2**63 - 1, "int64")])
 def test_a_column_keeps_its_dtype_unless_its_pad_is_outside_it(dtype, pad, want):
     from seqpack.pipelines.offline.shards import row_dtype
 
     assert row_dtype(np.dtype(dtype), pad) == np.dtype(want)
+
+
+@pytest.mark.parametrize("dtype,pad", [("uint64", -1), ("int64", 2**63), ("int32", 2**64)])
+def test_a_pad_no_integer_type_holds_with_the_ids_is_refused(dtype, pad):
+    from seqpack.pipelines.errors import InputError
+    from seqpack.pipelines.offline.shards import row_dtype
+
+    with pytest.raises(InputError, match=f"pad {pad} and the {dtype} ids of its column fit no"):
+        row_dtype(np.dtype(dtype), pad)
 
 
 def test_an_int8_mask_is_stored_as_int8(tmp_path):

@@ -21,7 +21,7 @@ from seqpack.pipelines.formats.encodings import Layout
 from seqpack.pipelines.formats.manifest import file_digest, signed
 from seqpack.pipelines.offline import steps as beam_steps
 from seqpack.pipelines.offline.runners import pack_to_dir
-from seqpack.pipelines.offline.verify import read_shard, verify
+from seqpack.pipelines.offline.verify import read_row, read_shard, verify
 from tests.helpers.files import dir_bytes, invoke, write_jsonl
 from tests.helpers.formats import COLUMNS, CONFIG, job, write_sft
 from tests.helpers.pipelines import check_restore_every_step, stack
@@ -335,6 +335,23 @@ def test_an_id_the_format_cannot_store_is_refused_before_anything_is_written(tmp
     assert not (tmp_path / "meg").exists()
     invoke("pack", path, "-o", tmp_path / "pq", "--seq-len", 8, "--format", "parquet")
     assert verify(str(tmp_path / "pq")).ok
+
+
+def test_a_pad_the_format_cannot_store_is_refused_before_anything_is_written(tmp_path):
+    path = write_jsonl(tmp_path / "a.jsonl", [[1, 2], [3]])
+    result = invoke("pack", path, "-o", tmp_path / "meg", "--seq-len", 8, "--format",
+                    "megatron", "--pad-id", 2**31, ok=False)
+    # Before: refused while a shard was written, naming its temporary file as holding a
+    # "token id", and leaving an intent that only --overwrite cleared.
+    assert result.exit_code == 2, result.output
+    assert f"--pad-id {2**31} is more than the megatron format stores (2147483647): pass a " \
+        "smaller one" in result.output
+    assert not (tmp_path / "meg").exists()
+    for fmt in ("parquet", "arrayrecord"):  # other formats widen the rows (before: float64)
+        invoke("pack", path, "-o", tmp_path / fmt, "--seq-len", 8, "--format", fmt,
+               "--pad-id", 5 * 10**9)
+        assert verify(str(tmp_path / fmt)).ok
+        assert read_row(str(tmp_path / fmt), 0)[0]["tokens"].dtype == np.int64
 
 
 def test_a_shard_of_another_format_given_alone_says_to_pass_its_directory(packed):

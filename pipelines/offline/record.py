@@ -149,6 +149,9 @@ def check_inputs(files: Sequence[tuple[str, str, int]], job: PackJob) -> None:
                              tokenized=bool(job.read_options.tokenizer))
     encoding = job.write_options.encoding
     limit = encoding.max_token_id
+    if limit is not None and job.config.pad_id > limit:
+        raise InputError(f"pad_id={job.config.pad_id} is more than the {encoding.name} format "
+                         f"stores ({limit}): pass a smaller one")
     for path, fmt, top in files:
         if limit is not None and top > limit:
             example = first_id_above(path, fmt, job.read_options, limit)

@@ -25,7 +25,7 @@ import numpy as np
 from seqpack.packer import PackConfig, PackPlan
 from seqpack.packer.contract import restore_derived
 from seqpack.pipelines import storage
-from seqpack.pipelines.errors import RunFailed
+from seqpack.pipelines.errors import InputError, RunFailed
 from seqpack.pipelines.formats import encodings
 from seqpack.pipelines.formats.encodings import (
     COMPRESSIONS,
@@ -85,11 +85,18 @@ def row_dtype(values_dtype: np.dtype, pad_id: int) -> np.dtype:
     """The rows' dtype of a column (tokens, labels, a mask): the inputs' dtype, widened only
     when `pad_id` is outside its range (an int8 mask padded with 0 stays int8)."""
     dtype = np.dtype(values_dtype)
-    if dtype.kind in "iu":
-        fits = np.iinfo(dtype).min <= pad_id <= np.iinfo(dtype).max
-    else:
+    if dtype.kind not in "iu":
         fits = np.can_cast(np.min_scalar_type(pad_id), dtype)
-    return dtype if fits else np.result_type(dtype, np.min_scalar_type(pad_id))
+        return dtype if fits else np.result_type(dtype, np.min_scalar_type(pad_id))
+    lo, hi = min(np.iinfo(dtype).min, pad_id), max(np.iinfo(dtype).max, pad_id)
+    other = "i" if dtype.kind == "u" else "u"
+    for size in (1, 2, 4, 8):  # the narrowest integer type holding the ids and the pad
+        for kind in (dtype.kind, other):
+            wider = np.dtype(f"{kind}{size}")
+            if size >= dtype.itemsize and np.iinfo(wider).min <= lo and hi <= np.iinfo(wider).max:
+                return wider
+    raise InputError(f"pad {pad_id} and the {dtype} ids of its column fit no integer type: pass "
+                     "a pad within int64 (for uint64 ids: one >= 0)")
 
 
 def _fsync(path: str) -> None:
