@@ -139,3 +139,54 @@ def test_verify_and_resume_name_a_changed_tokenizer(tmp_path):
     result = invoke(*args, "--resume", ok=False)
     assert result.exit_code == 2
     assert f"(the tokenizer: {tok}, the run had {tok}, another file)" in result.output
+
+
+def test_text_fields_a_tokenizer_cannot_read_are_named_by_line(tmp_path, padded):
+    jsonl = tmp_path / "a.jsonl"
+    cases = {
+        r'{"text": "the \ud800 cat"}': ":2: the text holds '\\ud800' at character 4, a lone "
+                                        "surrogate",  # before: a TypeError traceback, exit 1
+        '{"text": null}': ":2: field 'text' is null; write an empty string",
+        '{"text": [{"role": "user", "content": "hi"}]}':
+            ":2: field 'text' holds a list of objects (chat messages?), not text",
+    }
+    for line, message in cases.items():
+        jsonl.write_text('{"text": "the cat"}\n' + line + "\n")
+        result = invoke("pack", jsonl, "-o", tmp_path / "o", "--field", "text", "--tokenizer",
+                        padded, ok=False)
+        assert result.exit_code == 2, result.output
+        assert f"Error: {jsonl}{message}" in result.output, result.output
+
+
+def test_tokenized_text_is_read_a_block_at_a_time(tmp_path, padded, monkeypatch):
+    """A JSONL text field and a text file's lines come a block of lines a chunk, each tokenized
+    a bounded text at a time (before: the whole file tokenized in one call, one chunk: about
+    130 bytes a token held at once)."""
+    from seqpack.pipelines.formats import jsonl, text
+
+    calls = []
+    monkeypatch.setattr(text, "ENCODE_CHARS", 40)
+    monkeypatch.setattr(text, "TEXT_CHUNK", 100)
+    tok = text.load_tokenizer(padded)
+    real = tok.encode_batch_fast
+
+    class Counting:
+        def encode_batch_fast(self, texts):
+            calls.append(sum(map(len, texts)))
+            return real(texts)
+
+    lines = [LINES[i % 3] for i in range(40)]
+    path = tmp_path / "a.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    txt = tmp_path / "a.txt"
+    txt.write_text("\n".join(lines) + "\n")
+    want = [IDS[i % 3] for i in range(40)]
+    monkeypatch.setattr(jsonl, "BLOCK_BYTES", 300)
+    for chunks in (jsonl.read_chunks(str(path), "text", Counting()),
+                   text.read_chunks(str(txt), Counting(), "line")):
+        calls.clear()
+        chunks = list(chunks)
+        assert len(chunks) > 3 and [c.first for c in chunks] == sorted({c.first for c in chunks})
+        got = [c.values[a:b].tolist() for c in chunks for a, b in zip(c.offsets, c.offsets[1:])]
+        assert got == want
+        assert max(calls) <= max(40, max(map(len, lines)))

@@ -108,12 +108,12 @@ def tokens(value: Any, field: str, where: str, dtype: np.dtype, *, token_ids: bo
 def read_chunks(path: str, field: str, tokenizer: Any = None, *,
                 aligned_columns: Sequence[str] = ()) -> Iterator[Chunk]:
     """The token lists (and aligned fields, int64) of one JSONL file, a block of lines per
-    chunk; with a tokenizer its tokenized text field (one chunk)."""
+    chunk; with a tokenizer its tokenized text field."""
     if tokenizer is not None:
         if aligned_columns:
             raise InputError(f"{path}: extra columns cannot be read with tokenizer= (the "
                              "tokenized lengths would not match them)")
-        yield read_text_field(path, field, tokenizer)
+        yield from read_text_field(path, field, tokenizer)
         return
     fields = (field, *aligned_columns)
     first = 0
@@ -237,22 +237,35 @@ def read_python(path: str, field: str) -> Chunk:
         return _read_python(stream.read(), path, 1, (field,), 0)
 
 
-def read_text_field(path: str, field: str, tokenizer: Any) -> Chunk:
-    """The text field of every record, tokenized; InputError naming the line of a record whose
-    field is not a string (token ids with a tokenizer are an error, not silently kept)."""
-    texts = []
+def read_text_field(path: str, field: str, tokenizer: Any) -> Iterator[Chunk]:
+    """The text field of every record, tokenized, a block of lines per chunk; InputError naming
+    the line of a record whose field is not a string (token ids with a tokenizer are an error,
+    not silently kept) or that the tokenizer refuses."""
+    first = 0
     with open_stream(path) as stream:
-        data = stream.read()
-    for line_no, raw in enumerate(data.split(b"\n"), 1):
-        if not raw.strip():
-            continue
-        where = f"{path}:{line_no}"
-        value = parse_line(raw, field, where)[field]
-        if not isinstance(value, str):
-            what = "token ids" if isinstance(value, list) else type(value).__name__
-            raise InputError(f"{where}: field {field!r} holds {what}, not text; tokenizer= "
-                             "tokenizes a text field (drop tokenizer= for token ids, or "
-                             "point column= at the text)")
-        texts.append(value)
-    values, offsets = encode(tokenizer, texts)
-    return Chunk(values, offsets, 0)
+        for block, line in line_blocks(stream):
+            texts, lines = [], []
+            for line_no, raw in enumerate(block.split(b"\n"), line):
+                if not raw.strip():
+                    continue
+                where = f"{path}:{line_no}"
+                value = parse_line(raw, field, where)[field]
+                if not isinstance(value, str):
+                    raise InputError(_not_text(where, field, value))
+                texts.append(value)
+                lines.append(line_no)
+            values, offsets = encode(tokenizer, texts, lambda k, lines=lines: f"{path}:{lines[k]}")
+            yield Chunk(values, offsets, first)
+            first += len(texts)
+
+
+def _not_text(where: str, field: str, value: Any) -> str:
+    if value is None:
+        return f"{where}: field {field!r} is null; write an empty string for an empty example"
+    if isinstance(value, list) and all(type(v) is int for v in value):
+        return (f"{where}: field {field!r} holds token ids, not text; tokenizer= tokenizes a "
+                "text field (drop tokenizer= for token ids, or point column= at the text)")
+    what = "a list of objects (chat messages?)" if isinstance(value, list) else \
+        type(value).__name__
+    return (f"{where}: field {field!r} holds {what}, not text; tokenizer= tokenizes a text "
+            "field: render it to text first (a chat template), or point column= at the text")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -44,14 +44,48 @@ def load_tokenizer(path: str) -> Any:
     return tokenizer
 
 
-def encode(tokenizer: Any, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """The ids of `texts` (values, offsets); i64 values."""
-    ids = [np.asarray(enc.ids, np.int64) for enc in tokenizer.encode_batch(texts)]
+# Characters of text a tokenizer call takes at most (one longer text goes alone): bounds the
+# tokenizer's own memory (~200 bytes a token while it works) and how long an interrupt waits.
+ENCODE_CHARS = 1 << 20
+TEXT_CHUNK = 16 << 20  # bytes of a text file's examples tokenized into one chunk
+
+
+def encode(tokenizer: Any, texts: list[str], where: Callable[[int], str] | None = None
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """The ids of `texts` (values, offsets); i64 values. `where(i)`: text i's file and record,
+    for an InputError on a text the tokenizer refuses (a lone surrogate from a JSON escape)."""
+    batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch  # no offsets
+    ids: list[np.ndarray] = []
+    i = 0
+    while i < len(texts):
+        j, size = i + 1, len(texts[i])
+        while j < len(texts) and size + len(texts[j]) <= ENCODE_CHARS:
+            size += len(texts[j])
+            j += 1
+        try:
+            ids += [np.asarray(enc.ids, np.int64) for enc in batch(texts[i:j])]
+        except Exception as e:  # TypeError for a lone surrogate; tokenizers' own errors
+            raise InputError(_refused(texts, i, j, where, e)) from None
+        i = j
     lengths = np.fromiter((a.size for a in ids), np.int64, len(ids))
     values = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     offsets = np.zeros(lengths.size + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return values, offsets
+
+
+def _refused(texts: list[str], i: int, j: int, where: Callable[[int], str] | None,
+             e: Exception) -> str:
+    for k in range(i, j):
+        try:
+            texts[k].encode("utf-8")
+        except UnicodeEncodeError as u:
+            at = where(k) if where else f"text {k}"
+            return (f"{at}: the text holds {texts[k][u.start]!r} at character {u.start}, a "
+                    "lone surrogate (an unpaired \\ud800-\\udfff escape), which is not "
+                    "Unicode text; the tokenizer cannot read it")
+    at = where(i) if where else f"text {i}"
+    return f"{at}: the tokenizer refused the text ({first_line(e)})"
 
 
 _PARAGRAPH = re.compile(rb"(?:[^\n]*\S[^\n]*(?:\n|$))+")
@@ -62,6 +96,20 @@ def read_text(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
     """One example per file, non-blank line or paragraph (lines between blank lines): tokenizer
     ids, or UTF-8 bytes as ids (`raw`: the file's bytes, whatever they are). Returns (values,
     offsets)."""
+    numbered = _units(path, tokenizer, text_unit, raw)
+    chunks = [c for _, c in numbered]
+    if tokenizer is not None:
+        return encode(tokenizer, [c.decode("utf-8") for c in chunks],  # checked in _units
+                      lambda k: f"{path}:{numbered[k][0]}")
+    lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
+    values = np.frombuffer(b"".join(chunks), np.uint8)
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return values, offsets
+
+
+def _units(path: str, tokenizer: Any, text_unit: str, raw: bool) -> list[tuple[int, bytes]]:
+    """The file's examples as (line number, bytes), checked as `read_text` says."""
     if raw:
         if tokenizer is not None:
             raise InputError(f"{path}: the input format bytes packs raw bytes; drop tokenizer= "
@@ -77,23 +125,15 @@ def read_text(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
         if text_unit != "file":  # a Windows line end is a line end
             data = data.replace(b"\r\n", b"\n")
     if text_unit == "line":
-        numbered = [(k, line) for k, line in enumerate(data.split(b"\n"), 1) if line.strip()]
-    elif text_unit == "paragraph":  # runs of non-blank lines, numbered by their first line
+        return [(k, line) for k, line in enumerate(data.split(b"\n"), 1) if line.strip()]
+    if text_unit == "paragraph":  # runs of non-blank lines, numbered by their first line
         numbered, line_no, pos = [], 1, 0
         for m in _PARAGRAPH.finditer(data):
             line_no += data.count(b"\n", pos, m.start())
             pos = m.start()
             numbered.append((line_no, m.group().rstrip(b"\n")))
-    else:
-        numbered = [(0, data)]
-    chunks = [c for _, c in numbered]
-    if tokenizer is not None:
-        return encode(tokenizer, [c.decode("utf-8") for c in chunks])  # checked above
-    lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
-    values = np.frombuffer(b"".join(chunks), np.uint8)
-    offsets = np.zeros(lengths.size + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return values, offsets
+        return numbered
+    return [(1, data)]
 
 
 def check_utf8(data: bytes, path: str, *, hint: str = "") -> None:
@@ -108,6 +148,20 @@ def check_utf8(data: bytes, path: str, *, hint: str = "") -> None:
 
 def read_chunks(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
                 ) -> Iterator[Chunk]:
-    """One chunk per file (`read_text`)."""
-    values, offsets = read_text(path, tokenizer, text_unit, raw=raw)
-    yield Chunk(values, offsets, 0)
+    """The file's examples (`read_text`): tokenized, about `TEXT_CHUNK` bytes of text a chunk
+    (the ids of a whole file at once take 8 bytes a token); else one chunk (a byte an id)."""
+    if tokenizer is None:
+        values, offsets = read_text(path, tokenizer, text_unit, raw=raw)
+        yield Chunk(values, offsets, 0)
+        return
+    numbered, first = _units(path, tokenizer, text_unit, raw), 0
+    while first < len(numbered):
+        end, size = first + 1, len(numbered[first][1])
+        while end < len(numbered) and size + len(numbered[end][1]) <= TEXT_CHUNK:
+            size += len(numbered[end][1])
+            end += 1
+        part = numbered[first:end]
+        values, offsets = encode(tokenizer, [c.decode("utf-8") for _, c in part],
+                                 lambda k, part=part: f"{path}:{part[k][0]}")
+        yield Chunk(values, offsets, first)
+        first = end
