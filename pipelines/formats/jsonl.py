@@ -36,7 +36,7 @@ from seqpack.packer.inputs import check_range
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.chunks import Chunk, check_aligned, numpy_view, ragged
 from seqpack.pipelines.formats.detect import Readable, compression, open_stream
-from seqpack.pipelines.formats.text import encode
+from seqpack.pipelines.formats.text import encode, lines_of
 
 BLOCK_BYTES = 16 << 20  # whole lines parsed at a time (about 2M short token ids)
 _INT64 = np.dtype(np.int64)
@@ -254,7 +254,7 @@ def read_text_field(path: str, field: str, tokenizer: Any) -> Iterator[Chunk]:
                     raise InputError(_not_text(where, field, value))
                 texts.append(value)
                 lines.append(line_no)
-            values, offsets = encode(tokenizer, texts, lambda k, lines=lines: f"{path}:{lines[k]}")
+            values, offsets = encode(tokenizer, texts, lines_of(path, lines))
             yield Chunk(values, offsets, first)
             first += len(texts)
 

@@ -74,6 +74,11 @@ def encode(tokenizer: Any, texts: list[str], where: Callable[[int], str] | None 
     return values, offsets
 
 
+def lines_of(path: str, lines: list[int]) -> Callable[[int], str]:
+    """`encode`'s `where` for texts from lines `lines` of `path`: "path:line"."""
+    return lambda k: f"{path}:{lines[k]}"
+
+
 def _refused(texts: list[str], i: int, j: int, where: Callable[[int], str] | None,
              e: Exception) -> str:
     for k in range(i, j):
@@ -100,7 +105,7 @@ def read_text(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
     chunks = [c for _, c in numbered]
     if tokenizer is not None:
         return encode(tokenizer, [c.decode("utf-8") for c in chunks],  # checked in _units
-                      lambda k: f"{path}:{numbered[k][0]}")
+                      lines_of(path, [n for n, _ in numbered]))
     lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
     values = np.frombuffer(b"".join(chunks), np.uint8)
     offsets = np.zeros(lengths.size + 1, np.int64)
@@ -162,6 +167,6 @@ def read_chunks(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
             end += 1
         part = numbered[first:end]
         values, offsets = encode(tokenizer, [c.decode("utf-8") for _, c in part],
-                                 lambda k, part=part: f"{path}:{part[k][0]}")
+                                 lines_of(path, [n for n, _ in part]))
         yield Chunk(values, offsets, first)
         first = end
