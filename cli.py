@@ -362,8 +362,11 @@ def verify(output_dir, inputs, max_violations, as_json, workers):
         click.echo(f"OK: {report.num_rows:,} rows, {report.num_examples:,} examples, "
                    f"{report.tokens_checked:,} tokens checked against their sources{repeats}")
     else:
-        click.echo(f"FAILED: {len(report.violations)} violation(s) (first {max_violations} "
-                   "listed)", err=True)
+        listed = len(report.violations)
+        click.echo(f"FAILED: {report.found} violation(s)" if report.found <= listed else
+                   f"FAILED: {report.found} violation(s) found, the first {listed} listed "
+                   "(--max-violations; a shard's check stops there, so there may be more)",
+                   err=True)
         for v in report.violations:
             click.echo(f"  {v}")
     if not report.ok:

@@ -187,14 +187,22 @@ class Coverage:
         """The problems (at most 3 of each kind) and the `Counters` values the pieces give;
         examples a chunk at a time, so numpy's temporaries stay small."""
         found: dict[str, list[str]] = {"tiling": [], "kept": []}
+        counts = {"tiling": 0, "kept": 0}
         want: dict[str, int] = {}
         for lo in range(0, max(self.lengths.size, 1), chunk):
-            for key, value in self._check(slice(lo, lo + chunk), config, found).items():
+            for key, value in self._check(slice(lo, lo + chunk), config, found, counts).items():
                 want[key] = want.get(key, 0) + value
-        return found["tiling"] + found["kept"], want
+        problems = []
+        for kind, what in (("tiling", "whose pieces do not tile"),
+                           ("kept", "with tokens in no row")):
+            problems += found[kind]
+            if counts[kind] > len(found[kind]):
+                problems.append(f"{counts[kind] - len(found[kind])} more example(s) {what} "
+                                f"(the first {len(found[kind])} named)")
+        return problems, want
 
-    def _check(self, part: slice, config: PackConfig, found: dict[str, list[str]]
-               ) -> dict[str, int]:
+    def _check(self, part: slice, config: PackConfig, found: dict[str, list[str]],
+               counts: dict[str, int]) -> dict[str, int]:
         lengths, times = self.lengths[part].astype(np.int64), self.times[part].astype(np.int64)
         covered, npieces = self.covered[part], self.pieces[part].astype(np.int64)
         first = part.start
@@ -203,6 +211,7 @@ class Coverage:
         ids = np.arange(first, first + lengths.size, dtype=np.int64)
         whole = times.astype(np.uint64) * (_marks(ids, 0) - _marks(ids, kept))
         bad = (self.sums[part] != whole) | (covered % taken != 0) | (covered > times * lengths)
+        counts["tiling"] += int(np.count_nonzero(bad))
         for i in np.flatnonzero(bad)[: 3 - len(found["tiling"])]:
             found["tiling"].append(_tiling_problem(first + int(i), int(npieces[i]),
                                                    int(covered[i]), int(times[i]),
@@ -217,6 +226,7 @@ class Coverage:
             allowed = (lengths > L) & (kept == 0)
         else:
             allowed = np.zeros(lengths.size, bool)
+        counts["kept"] += int(np.count_nonzero(~allowed[cut]))
         for i in cut[~allowed[cut]][: 3 - len(found["kept"])]:
             found["kept"].append(f"example {first + int(i)}: {int(missing[i])} of its "
                                  f"{int(lengths[i])} tokens are not in any row, which "

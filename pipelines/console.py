@@ -19,6 +19,7 @@ import os
 import re
 import shlex
 import sys
+import time
 from collections.abc import Iterable
 
 import click
@@ -46,6 +47,7 @@ FLAGS = {
     "weights": "--weights", "mix_unit": "--mix-unit", "mix_tokens": "--mix-tokens",
     "max_repetition": "--max-repetition",
 }
+_STARTED = time.time()  # the CLI's start (this module is imported as it starts)
 _QUOTED = r"'[^']*'"
 
 
@@ -135,11 +137,24 @@ def _resume_hint(ctx: click.Context, args: list[str]) -> str:
         state = run_state(out) if out else ""
     except Exception:  # noqa: BLE001 - a hint must never hide the error it goes with
         return ""
+    if state == "complete" and "--overwrite" in args and not _written_since_start(out):
+        return (f"; the output at {out} is still the earlier run's (this one stopped before "
+                "replacing it): run the same command again")
     if state != "interrupted":
         return {"complete": f"; the output at {out} is complete",
                 "none": "; nothing was written yet: run the same command again"}.get(state, "")
     again = [a for a in args if a not in ("--resume", "--overwrite")]
     return f"; finish the run with: seqpack {shlex.join([*again, '--resume'])}"
+
+
+def _written_since_start(out: str) -> bool:
+    """Whether the manifest at `out` was written by this process (after it started); True
+    where that cannot be told (an object store's output)."""
+    try:
+        written = os.path.getmtime(os.path.join(out, "manifest.json"))
+        return written >= _STARTED
+    except (OSError, ValueError):
+        return True
 
 
 class Group(click.Group):

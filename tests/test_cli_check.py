@@ -12,6 +12,7 @@ from seqpack.packer import PackConfig, plan, stats
 from seqpack.packer.order import CostModel
 from seqpack.pipelines.formats.manifest import signed
 from seqpack.pipelines.formats.records import decode_row, encode_row
+from seqpack.pipelines.offline.verify import verify
 from tests.helpers.files import invoke, random_seqs, write_jsonl, write_parquet
 
 SEQS = random_seqs(400, max_len=60, seed=2) + [list(range(150))]  # one over-length example
@@ -252,11 +253,16 @@ def test_verify_finds_broken_contract_and_counters(packed):
 def test_verify_finds_a_changed_input(packed, tmp_path):
     _, out = packed
     seqs = [list(s) for s in SEQS]
-    seqs[5][0] = (seqs[5][0] + 1) % 1000 if seqs[5] else 1
+    for k in (5, 100, 200, 300):
+        seqs[k][0] = (seqs[k][0] + 1) % 1000 if seqs[k] else 1
     other = write_jsonl(tmp_path / "b.jsonl", seqs)
     result = invoke("verify", out, other, "--max-violations", 2, ok=False)
     assert result.exit_code == 1 and "differs from the packed input" in result.stdout
     assert result.stdout.count("\n  ") <= 2
+    found = int(re.search(r"FAILED: (\d+) violation\(s\) found, the first 2 listed",
+                          result.stderr)[1])
+    # Before: "FAILED: 2 violation(s) (first 2 listed)", the count capped at the limit.
+    assert found == len(verify(str(out), [str(other)], max_violations=100).violations) > 2
 
 
 def test_verify_wrong_number_of_inputs(packed):

@@ -251,3 +251,25 @@ def test_a_missing_extra_names_the_extra(tmp_path, monkeypatch):
     path = tmp_path / "a.parquet"  # never opened: the reader needs pyarrow first
     path.write_bytes(b"PAR1")
     assert_bad_input(invoke("stats", path), "needs pyarrow", "pip install seqpack")
+
+
+def test_an_interrupted_overwrite_does_not_call_the_earlier_output_its_own(tmp_path):
+    import click
+
+    from seqpack import cli
+    from seqpack.pipelines import console
+
+    src = write_jsonl(tmp_path / "a.jsonl", [[1, 2, 3], [4, 5]])
+    out = tmp_path / "out"
+    invoke("pack", src, "-o", out, "--seq-len", 8)
+    ctx = click.Context(cli.seqpack)
+    args = ["pack", str(src), "-o", str(out), "--seq-len", "8", "--overwrite"]
+    # This process wrote it: complete.
+    assert console._resume_hint(ctx, args) == f"; the output at {out} is complete"
+    earlier = console._STARTED - 60
+    os.utime(out / "manifest.json", (earlier, earlier))  # an earlier run's
+    # Before: "is complete", for the earlier run's output a Ctrl-C left in place.
+    assert console._resume_hint(ctx, args) == (
+        f"; the output at {out} is still the earlier run's (this one stopped before replacing "
+        "it): run the same command again")
+    assert console._resume_hint(ctx, args[:-1]) == f"; the output at {out} is complete"

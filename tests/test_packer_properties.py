@@ -254,3 +254,18 @@ def test_coverage_finds_exactly_the_pieces_that_do_not_tile(case, damage, data):
             split_examples=int(times[split].sum()), split_pieces=int(npieces[split].sum()),
             num_examples=int(times.sum()), input_tokens=int((lengths * times).sum()),
             empty_examples=int(times[lengths == 0].sum()))
+
+
+def test_coverage_counts_the_problems_past_the_ones_it_names():
+    from seqpack.packer.validate import Coverage
+
+    lengths = np.full(10, 4, np.int64)
+    cover = Coverage(lengths, np.ones(10, np.int64))
+    ex = np.repeat(np.arange(10), 2)
+    starts = np.tile([0, 2], 10)
+    cover.add(ex, starts, np.tile([2, 1], 10))  # token 3 of every example in no row
+    cover.add(np.array([0, 1, 2, 3]), np.array([0, 0, 0, 0]), np.ones(4, np.int64))  # twice
+    problems, _ = cover.check(PackConfig(16, overflow="split"), chunk=3)
+    assert len(problems) == 8, problems
+    assert problems[3] == "1 more example(s) whose pieces do not tile (the first 3 named)"
+    assert problems[-1] == "3 more example(s) with tokens in no row (the first 3 named)"

@@ -55,6 +55,8 @@ class VerifyReport:
     num_examples: int
     tokens_checked: int
     repeats: int = 0  # a mixture's: segments of an example it takes again (checked as such)
+    # violations found, listed or not (a shard's check stops at the limit: there may be more)
+    found: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -93,7 +95,10 @@ class _Collector:
         self.items: list[str] = []
         self.limit = limit
 
+    found = 0  # every violation added, listed or not
+
     def add(self, msg: str) -> None:
+        self.found += 1
         if len(self.items) < self.limit:
             self.items.append(msg)
 
@@ -319,7 +324,7 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
     _check_results(checks, cover, manifest, out, output_dir)
     return VerifyReport(not out.items, out.items, int(sum(manifest.shard_num_rows or [])),
                         int(lengths.size), sum(c.tokens for c in checks),
-                        int(times.sum()) - int(np.count_nonzero(times)))
+                        int(times.sum()) - int(np.count_nonzero(times)), out.found)
 
 
 def _input_paths(manifest: Manifest, inputs: Sequence[str] | None) -> list[str]:
