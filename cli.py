@@ -393,6 +393,8 @@ def inspect(output_dir, row_index, start, count, width, as_json):
 
     row, manifest, shard, record = read_row(output_dir, row_index)
     config = manifest.pack_config()
+    if start >= config.seq_len:
+        raise click.UsageError(f"--start {start} is past the row's {config.seq_len} positions")
     if as_json:  # the [L] arrays cut to the positions asked for, as the table shows them
         L = config.seq_len
         end = L if count is None else min(L, start + count)

@@ -302,6 +302,10 @@ def test_inspect_out_of_range(packed):
     _, out = packed
     result = invoke("inspect", out, "--row", 10**6, ok=False)
     assert result.exit_code == 2 and "out of range" in result.stderr
+    for extra in ((), ("--json",)):  # before: exit 0, no positions shown
+        result = invoke("inspect", out, "--row", 0, "--start", 64, *extra, ok=False)
+        assert result.exit_code == 2 and "--start 64 is past the row's 64 positions" in \
+            result.stderr, result.output
 
 
 def test_a_tokenizer_reads_text_files_beside_jsonl_text(tmp_path):

@@ -46,7 +46,7 @@ def load_tokenizer(path: str) -> Any:
 
 # Characters of text a tokenizer call takes at most (one longer text goes alone): bounds the
 # tokenizer's own memory (~200 bytes a token while it works) and how long an interrupt waits.
-ENCODE_CHARS = 1 << 20
+ENCODE_CHARS = 1 << 18
 TEXT_CHUNK = 16 << 20  # bytes of a text file's examples tokenized into one chunk
 
 
