@@ -60,7 +60,8 @@ def write_parquet(path: str, columns: Mapping[str, Any], layout: Layout, *,
     codec, level = _COMPRESSION[layout.compression]
     pq.write_table(pa.table(dict(columns)), path, row_group_size=ROW_GROUP_ROWS,
                    compression=codec, compression_level=level,
-                   use_dictionary=list(dictionary) or False, write_statistics=False)
+                   use_dictionary=list(dictionary) or False, write_statistics=False,
+                   write_page_checksum=True)  # a flipped byte is an error when read, not a token
 
 
 def writer_options(layout: Layout) -> str:
@@ -72,7 +73,8 @@ def open_file(path: str, names: Sequence[str]) -> Any:
     """A ParquetFile holding columns `names`; InputError naming the file otherwise."""
     pa, pq = modules()
     try:
-        pf = pq.ParquetFile(path, pre_buffer=False)  # random reads: only what a row needs
+        pf = pq.ParquetFile(path, pre_buffer=False,  # random reads: only what a row needs
+                            page_checksum_verification=True)  # pages written with a CRC
         have = pf.schema_arrow.names
     except (pa.ArrowException, OSError) as e:
         raise InputError(f"{path}: not a readable Parquet shard ({e})") from None
