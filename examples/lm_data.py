@@ -2,7 +2,8 @@
 
 - `load_corpus`: a token corpus `.npz` (`tokens`, `offsets`: example i is
   tokens[offsets[i]:offsets[i + 1]]) as a random-access source; `smoke_corpora`: two small
-  generated datasets (no files), for `--smoke` and tests.
+  generated datasets (no files), for `--smoke` and tests; both in `token_dtype(vocab)`, one
+  dtype for every corpus of a run.
 - `pipeline`: `make_training_pipeline` over a token-weighted `Mixture` of the datasets (each
   repeats in a new order when it runs out), packed rows of `seq_len`, `workers` processes.
 - `packed_feed`: a pipeline batch as the arrays the model step reads (numpy, [B, L] / [B, S]).
@@ -47,14 +48,22 @@ from seqpack.pipelines.datasets import (
 FEED_KEYS = ("tokens", "segment_ids", "positions", "offsets", "lengths", "dataset_id")
 
 
+def token_dtype(vocab: int) -> np.dtype:
+    """The one token dtype of every corpus (and so of every row) for a model of `vocab` ids:
+    uint16 where the ids fit, else int32. The rows take the dtype of the first example drawn,
+    so corpora of different dtypes would give the run's rows (and compilations) whichever
+    dataset came first, and ids past uint16 from one corpus would not fit another's."""
+    return np.dtype(np.uint16 if vocab <= 1 << 16 else np.int32)
+
+
 def load_corpus(path: str | pathlib.Path, vocab: int) -> ArraySource:
     """Examples `tokens[offsets[i]:offsets[i + 1]]` of an `.npz` corpus; ids >= vocab folded
-    (id % vocab), so a smaller model vocabulary reads any corpus."""
+    (id % vocab), so a smaller model vocabulary reads any corpus; `token_dtype(vocab)`."""
     with np.load(path) as z:
         tokens, offsets = z["tokens"], z["offsets"].astype(np.int64)
     if tokens.size and int(tokens.max()) >= vocab:
-        tokens = (tokens.astype(np.int64) % vocab).astype(np.int32)
-    return ArraySource({"tokens": (tokens, offsets)})
+        tokens = tokens.astype(np.int64) % vocab
+    return ArraySource({"tokens": (tokens.astype(token_dtype(vocab), copy=False), offsets)})
 
 
 def smoke_corpora(vocab: int, *, examples: int = 400, seed: int = 0) -> dict[str, ArraySource]:
@@ -65,12 +74,13 @@ def smoke_corpora(vocab: int, *, examples: int = 400, seed: int = 0) -> dict[str
              for _ in range(examples)]
     motif = [np.resize(rng.integers(0, vocab, rng.integers(3, 7)), rng.integers(16, 97))
              for _ in range(examples)]
-    return {name: _ragged_source(seqs) for name, seqs in (("count", count), ("motif", motif))}
+    return {name: _ragged_source(seqs, token_dtype(vocab))
+            for name, seqs in (("count", count), ("motif", motif))}
 
 
-def _ragged_source(seqs: list[np.ndarray]) -> ArraySource:
+def _ragged_source(seqs: list[np.ndarray], dtype: np.dtype) -> ArraySource:
     offsets = np.concatenate([[0], np.cumsum([s.size for s in seqs])]).astype(np.int64)
-    return ArraySource({"tokens": (np.concatenate(seqs).astype(np.int32), offsets)})
+    return ArraySource({"tokens": (np.concatenate(seqs).astype(dtype), offsets)})
 
 
 def pipeline(sources: Mapping[str, ArraySource], weights: Mapping[str, float], *,

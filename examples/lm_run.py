@@ -5,6 +5,8 @@
 - `Meter`: real tokens, steps, wall time and the time spent waiting for input.
 - `Progress`: a rich progress bar on a terminal, plain lines otherwise.
 - `Log`: each feed's losses a step, the rates and the log lines of a run.
+- `dataset_means`, `fmt_loss`, `summary_json`: each dataset's loss (NaN where it had no
+  tokens: "n/a" in the log, null in the JSON summary).
 - `write_curves`: loss curves as a CSV and an overlaid PNG (matplotlib).
 - `json_default`: the iterator state as JSON (examples/train_tiny_lm.py's checkpoints too).
 """
@@ -147,8 +149,7 @@ class Log:
         for f in self.feeds:
             m = jax.device_get(metrics[f])
             self.history[f].append(float(m["loss"]))
-            self.per_dataset[f].append(
-                (np.asarray(m["sums"]) / np.maximum(m["tokens"], 1)).tolist())
+            self.per_dataset[f].append(dataset_means(m["sums"], m["tokens"]))
         self.meter.add(tokens, wait)
         self.window.add(tokens, wait)
         line = None
@@ -165,7 +166,8 @@ class Log:
         r = self.window.rates()
         line = f"step {done:5d}/{self.steps}"
         for f in self.feeds:
-            per = " ".join(f"{n} {v:.3f}" for n, v in zip(self.names, self.per_dataset[f][-1]))
+            per = " ".join(f"{n} {fmt_loss(v, 3)}"
+                           for n, v in zip(self.names, self.per_dataset[f][-1]))
             line += f"  {f} loss {self.history[f][-1]:.4f} ({per})"
         return line + (f"  {r['tokens_per_s'] / 1e3:,.1f}k real tok/s  input wait "
                        f"{r['input_wait']:.1%}" if done > self.first + 1 else "  (compiled)")
@@ -176,9 +178,38 @@ class Log:
             m.exclude(secs)
 
 
+def dataset_means(sums, tokens) -> list[float]:
+    """Each dataset's per-token loss: its loss sum over its tokens; NaN for a dataset with no
+    tokens in the batch (no figure, not a loss of 0)."""
+    sums, tokens = np.asarray(sums, np.float64), np.asarray(tokens)
+    return np.where(tokens > 0, sums / np.maximum(tokens, 1), np.nan).tolist()
+
+
+def fmt_loss(value: float, digits: int = 4) -> str:
+    """A loss for a log line: "n/a" where there is none (NaN: no tokens)."""
+    return "n/a" if np.isnan(value) else f"{value:.{digits}f}"
+
+
+def summary_json(out: dict) -> str:
+    """A run's figures as JSON: NaN and infinities (no tokens, or a diverged loss) as null
+    (strict JSON has no NaN)."""
+    def clean(x):
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [clean(v) for v in x]
+        if isinstance(x, float) and not np.isfinite(x):
+            return None
+        return x
+
+    return json.dumps(clean(out), indent=1, allow_nan=False)
+
+
 def write_curves(path: str, history: dict[str, list[float]], first: int) -> None:
-    """The loss curves as a CSV (step, one column per feed) and a PNG, overlaid."""
+    """The loss curves as a CSV (step, one column per feed) and a PNG, overlaid (the folder
+    made if missing)."""
     png = pathlib.Path(path)
+    png.parent.mkdir(parents=True, exist_ok=True)
     feeds = list(history)
     steps = np.arange(first + 1, first + 1 + len(history[feeds[0]]))
     rows = ["step," + ",".join(f"{f}_loss" for f in feeds)]

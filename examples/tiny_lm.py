@@ -195,29 +195,49 @@ def cp_loss_fn(params, batch: dict, cfg: ModelConfig, *, normalize: str = "token
     return kernels.reference.normalize_loss(sums, count, normalize), (sums, count)
 
 
-def cp_value_and_grad(cfg: ModelConfig, context_parallel: int, *, normalize: str = "tokens"):
-    """(params, cp batch) -> ((loss, (per-segment loss, tokens)), grads): the batch's [B, L]
-    arrays split over a mesh of `context_parallel` devices ("cp"), the rest replicated."""
-    from jax.sharding import AxisType, PartitionSpec
+def cp_mesh(context_parallel: int) -> jax.sharding.Mesh:
+    """The mesh of the context-parallel ranks: axis "cp" over the first C devices."""
+    from jax.sharding import AxisType
 
     if len(jax.devices()) < context_parallel:
         raise ValueError(f"context_parallel={context_parallel} needs that many devices, "
                          f"{len(jax.devices())} found (on a CPU: XLA_FLAGS="
                          f"--xla_force_host_platform_device_count={context_parallel})")
-    mesh = jax.make_mesh((context_parallel,), ("cp",), axis_types=(AxisType.Auto,),
+    return jax.make_mesh((context_parallel,), ("cp",), axis_types=(AxisType.Auto,),
                          devices=jax.devices()[:context_parallel])
+
+
+def cp_replicated(tree, context_parallel: int):
+    """`tree` (parameters, optimizer state) replicated over the `cp_mesh`, as a context-parallel
+    step returns them: the second step then runs the first one's compilation."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.device_put(tree, NamedSharding(cp_mesh(context_parallel), PartitionSpec()))
+
+
+def cp_loss(cfg: ModelConfig, context_parallel: int, *, normalize: str = "tokens"):
+    """(params, cp batch) -> (loss, (per-segment loss sums, tokens) [B, S]): `cp_loss_fn` with
+    the batch's [B, L] arrays split over a mesh of `context_parallel` devices ("cp"), the rest
+    replicated."""
+    from jax.sharding import PartitionSpec
+
+    mesh = cp_mesh(context_parallel)
     cfg = dataclasses.replace(cfg, context_parallel_axis="cp")
 
-    def value_and_grad(params, batch):
+    def loss(params, batch):
         L = batch["targets"].shape[1]
         specs = {k: PartitionSpec(None, "cp") if v.ndim == 2 and v.shape[1] == L
                  else PartitionSpec() for k, v in batch.items()}
-        loss = jax.shard_map(functools.partial(cp_loss_fn, cfg=cfg, normalize=normalize),
+        return jax.shard_map(functools.partial(cp_loss_fn, cfg=cfg, normalize=normalize),
                              mesh=mesh, in_specs=(PartitionSpec(), specs),
-                             out_specs=PartitionSpec())
-        return jax.value_and_grad(loss, has_aux=True)(params, batch)
+                             out_specs=PartitionSpec())(params, batch)
 
-    return value_and_grad
+    return loss
+
+
+def cp_value_and_grad(cfg: ModelConfig, context_parallel: int, *, normalize: str = "tokens"):
+    """(params, cp batch) -> ((loss, (per-segment loss, tokens)), grads) of `cp_loss`."""
+    return jax.value_and_grad(cp_loss(cfg, context_parallel, normalize=normalize), has_aux=True)
 
 
 # -- a small Adam ----------------------------------------------------------------------------

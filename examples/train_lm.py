@@ -13,7 +13,9 @@ times; optax optimizes its parameters and orbax-checkpoint saves them.
 Input: `make_training_pipeline` over a `Mixture` of two corpora in `--data` (`--datasets`,
 default chat_dev and gsm8k_train; `--weights` their shares of the tokens; each repeats
 in a new order when it runs out), packed at `--seq-len` (long examples split), `--workers`
-processes packing (Grain's `mp_prefetch`). `--smoke` reads two generated datasets instead.
+processes packing (Grain's `mp_prefetch`). `--smoke` reads two generated datasets instead
+(count and motif, equal shares unless `--weights` says) and small sizes for the flags the
+command line does not give (examples/lm_args.py: the flags, each checked up front).
 
 Packed (the default): `kernels.segment_attention` (each segment attends to itself) and
 `kernels.segment_linear_cross_entropy` (no [B, L, V] logits), positions restarting per
@@ -27,19 +29,19 @@ lockstep, each step's examples packed for one model and padded for the other, an
 both loss curves (`--plot` PNG + CSV).
 
 Logged every `--log-every` steps: the loss, each dataset's loss (`segment_dataset_id` through
-`kernels.segment_dataset_loss`), real tokens/s (tokens inside segments) and the host's wait
-for input (time in `next(iterator)`, as a share of the wall time). At the end: the run's rates
-beside the pipeline's own (`--pipeline-batches` drained without the model). A checkpoint
+`kernels.segment_dataset_loss`; "n/a" for one with no tokens in the step, null in `--summary`),
+real tokens/s (tokens inside segments) and the host's wait for input (time in
+`next(iterator)`, as a share of the wall time). At the end: the run's rates beside the
+pipeline's own (`--pipeline-batches` drained without the model). A checkpoint
 (orbax) holds the parameters, the optimizer state, the step and the iterator state
-(`get_state()`, as JSON): `--resume` continues with the same batches and the same losses.
+(`get_state()`, as JSON): `--resume` continues with the same batches and the same losses
+(`--checkpoint-dir` must exist; one without a checkpoint starts at step 0 and says so).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import pathlib
 import time
 
@@ -49,87 +51,15 @@ import numpy as np
 
 from examples import lm
 from examples import lm_data as data
-from examples.lm_run import Checkpoints, Log, write_curves
+from examples.lm_args import parse_args
+from examples.lm_run import Checkpoints, Log, summary_json, write_curves
 from seqpack import kernels
-
-MODEL = dict(vocab=32768, dim=768, heads=6, head_dim=128, mlp=3072, layers=6)
-SMOKE_MODEL = dict(vocab=256, dim=64, heads=2, head_dim=32, mlp=128, layers=2)
-SMOKE = dict(seq_len=128, batch_size=4, steps=6, log_every=1, pipeline_batches=5,
-             padded_min_width=32, warmup=2)
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny model and sizes, generated data (no --data needed): seconds on CPU")
-    ap.add_argument("--data", default=None,
-                    help="folder of the corpora, one NAME.npz each (tokens, offsets)")
-    ap.add_argument("--datasets", default="chat_dev,gsm8k_train", help="two or more, by name")
-    ap.add_argument("--weights", default="0.7,0.3", help="each dataset's share of the tokens")
-    ap.add_argument("--seq-len", type=int, default=8192)
-    ap.add_argument("--batch-size", type=int, default=4, help="packed rows a step")
-    ap.add_argument("--max-segments", type=int, default=None, help="default seq_len // 64")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--schedule-steps", type=int, default=None,
-                    help="steps of the learning-rate schedule (default --steps): runs of "
-                         "different lengths on one schedule share compilations and losses")
-    ap.add_argument("--seed", type=int, default=0)
-    for key, value in MODEL.items():
-        ap.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None,
-                        help=f"default {value}")
-    ap.add_argument("--rope", default="half", choices=["half", "interleaved"])
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--attention", default="seqpack", choices=["seqpack", "splash", "reference"],
-                    help="the packed model's attention")
-    ap.add_argument("--padded", action="store_true", help="train on the batches padded instead")
-    ap.add_argument("--compare-steps", type=int, default=0, metavar="N",
-                    help="N steps of packed and padded models in lockstep (overrides --steps)")
-    ap.add_argument("--plot", help="PNG of the loss curves (+ a CSV beside it)")
-    ap.add_argument("--padded-tokens", type=int, default=None,
-                    help="token slots of a padded micro-batch (default min(B * L, 16384))")
-    ap.add_argument("--padded-min-width", type=int, default=512)
-    ap.add_argument("--workers", type=int, default=0, help="pipeline worker processes")
-    ap.add_argument("--worker-buffer", type=int, default=2, help="batches each worker makes ahead")
-    ap.add_argument("--pipeline-batches", type=int, default=300,
-                    help="batches drained without the model at the end (0: skip)")
-    ap.add_argument("--checkpoint-dir")
-    ap.add_argument("--save-every", type=int, default=0)
-    ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--stop-after", type=int, default=0,
-                    help="end after this many steps of this run, as if preempted (a drill)")
-    ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--compilation-cache", help="a persistent JAX compilation cache folder")
-    ap.add_argument("--summary", help="write the run's figures as JSON here")
-    args = ap.parse_args(argv)
-    if args.smoke:
-        defaults = ap.parse_args([])
-        for key, value in SMOKE.items():
-            if getattr(args, key) == getattr(defaults, key):
-                setattr(args, key, value)
-        if args.data is None:
-            args.datasets, args.weights = "count,motif", "0.5,0.5"
-    base = SMOKE_MODEL if args.smoke else MODEL
-    args.model = {k: getattr(args, k) if getattr(args, k) is not None else v
-                  for k, v in base.items()}
-    if args.compare_steps and args.padded:
-        ap.error("--compare-steps trains both feeds; leave out --padded")
-    if args.compare_steps:
-        args.steps = args.compare_steps
-    args.names = [n.strip() for n in args.datasets.split(",") if n.strip()]
-    shares = [float(w) for w in args.weights.split(",")]
-    if len(shares) != len(args.names):
-        ap.error(f"--weights {args.weights} needs one share per dataset of {args.names}")
-    args.shares = dict(zip(args.names, shares))
-    args.max_segments = args.max_segments or max(16, args.seq_len // 64)
-    args.padded_tokens = args.padded_tokens or min(args.batch_size * args.seq_len, 16384)
-    return args
 
 
 def sources(args) -> dict:
     if args.smoke and args.data is None:
-        return data.smoke_corpora(args.model["vocab"], seed=args.seed)
+        corpora = data.smoke_corpora(args.model["vocab"], seed=args.seed)
+        return {n: corpora[n] for n in args.names}
     if args.data is None:
         raise SystemExit("Error: pass --data FOLDER holding the --datasets as NAME.npz (token "
                          "corpora: tokens, offsets), or --smoke for generated data")
@@ -258,12 +188,14 @@ def run(argv: list[str] | None = None) -> dict:
         if restored is not None:
             states, step = restored
             print(f"resumed at step {step} from {args.checkpoint_dir}", flush=True)
+        else:
+            print(f"no checkpoint in {args.checkpoint_dir}: starting at step 0", flush=True)
     print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind}; model "
           f"{args.model} ({n_params / 1e6:.1f}M parameters); feeds {feeds}; L={args.seq_len} "
           f"B={args.batch_size} S={args.max_segments}; datasets {args.shares} (tokens); "
           f"workers {args.workers}", flush=True)
     if "padded" in feeds:
-        warm_up_padded(args, steps_fn["padded"], states["padded"]["params"], srcs)
+        warm_up_padded(args, steps_fn["padded"], states["padded"]["params"])
     stop = min(args.steps, step + args.stop_after) if args.stop_after else args.steps
     log = Log(feeds, args.names, steps=args.steps, first=step, stop=stop,
               log_every=args.log_every)
@@ -298,14 +230,14 @@ def model_states(args, feeds: list[str]) -> tuple[dict, dict, int]:
     return states, steps_fn, lm.param_count(params)
 
 
-def warm_up_padded(args, step_fn, params, srcs: dict) -> None:
-    """Compiles the padded micro-batch of every width the run can meet, before the first step."""
+def warm_up_padded(args, step_fn, params) -> None:
+    """Compiles the padded micro-batch of every width the run can meet, before the first step,
+    for the rows' token dtype (one for all corpora: lm_data.token_dtype)."""
     t0 = time.perf_counter()
     widths = sorted({lm.bucket(n, min_width=min(args.padded_min_width, args.seq_len),
                                seq_len=args.seq_len)
                      for n in 2 ** np.arange(int(np.log2(args.seq_len)) + 2)})
-    token_dtype = np.asarray(next(iter(srcs.values()))[0]["tokens"]).dtype
-    step_fn.warm_up(params, widths, args.padded_tokens, token_dtype)
+    step_fn.warm_up(params, widths, args.padded_tokens, data.token_dtype(args.model["vocab"]))
     print(f"padded widths {widths} compiled in {time.perf_counter() - t0:.1f}s", flush=True)
 
 
@@ -345,24 +277,27 @@ def train_loop(args, states: dict, steps_fn: dict, iterator, ckpt: Checkpoints |
 
 def report(args, out: dict, log: Log, make_pipeline) -> None:
     """Prints the run's rates, then the pipeline's own (drained without the model, into
-    out["pipeline"]); writes the curves (--plot) and the summary (--summary)."""
-    feeds = out["feeds"]
-    print(f"{feeds[0] if len(feeds) == 1 else 'packed + padded'}: {log.meter.steps} steps "
-          f"timed: {out['tokens_per_s'] / 1e3:,.1f}k real tokens/s, "
-          f"{out['steps_per_s']:.2f} batches/s consumed, input wait "
-          f"{out['input_wait']:.2%} of the wall time", flush=True)
+    out["pipeline"]); writes the summary (--summary), then the curves (--plot)."""
+    feeds, timed = out["feeds"], log.meter.steps
+    rates = (f"{out['tokens_per_s'] / 1e3:,.1f}k real tokens/s, {out['steps_per_s']:.2f} "
+             f"batches/s consumed, input wait {out['input_wait']:.2%} of the wall time"
+             if timed else "no rates (the run's first step compiles and is not timed)")
+    print(f"{feeds[0] if len(feeds) == 1 else 'packed + padded'}: {timed} steps timed: "
+          f"{rates}", flush=True)
     if args.pipeline_batches:
         pipe = data.pipeline_rate(make_pipeline(), args.pipeline_batches)
         out["pipeline"] = pipe
+        ratio = (f": {pipe['batches_per_s'] / out['steps_per_s']:.1f}x the consumption"
+                 if out["steps_per_s"] > 0 else "; the consumption: n/a (no timed steps)")
         print(f"pipeline alone ({args.workers} workers, {args.pipeline_batches} batches): "
               f"{pipe['batches_per_s']:.2f} batches/s, {pipe['tokens_per_s'] / 1e3:,.1f}k real "
-              f"tokens/s (first batch {pipe['first_batch_s']:.1f}s): "
-              f"{pipe['batches_per_s'] / max(out['steps_per_s'], 1e-9):.1f}x the consumption",
-              flush=True)
+              f"tokens/s (first batch {pipe['first_batch_s']:.1f}s){ratio}", flush=True)
+    if args.summary:  # first: a failing plot leaves the figures written
+        path = pathlib.Path(args.summary)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(summary_json(out))
     if args.plot:
         write_curves(args.plot, out["losses"], log.first)
-    if args.summary:
-        pathlib.Path(args.summary).write_text(json.dumps(out, indent=1))
 
 
 def main(argv: list[str] | None = None) -> None:

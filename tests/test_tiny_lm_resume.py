@@ -22,7 +22,9 @@ def test_resume_continues_exactly(tmp_path, mix):
     examples = stdlib_corpus(max_examples=300)
     full = train(9, examples=examples, mix=mix, **KW)
     first = train(4, examples=examples, checkpoint_dir=str(tmp_path), mix=mix, **KW)
-    meta = json.loads((tmp_path / "meta.json").read_text())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.npz"]  # one file
+    with np.load(tmp_path / "checkpoint.npz") as z:
+        meta = json.loads(str(z["meta"]))
     assert meta["step"] == 4 and meta["iterator"]  # the Grain iterator state is in the checkpoint
     rest = train(9, examples=examples, checkpoint_dir=str(tmp_path), resume=True, mix=mix, **KW)
     assert first == full[:4]

@@ -4,6 +4,7 @@ and packed vs padded in lockstep."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import subprocess
 import sys
@@ -81,3 +82,27 @@ def test_smoke_cli_with_worker_processes(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert "pipeline alone (2 workers" in run.stdout and "input wait" in run.stdout
     assert (tmp_path / "s.json").is_file() and any((tmp_path / "ckpt").iterdir())
+
+
+@pytest.mark.slow  # one short smoke run: ~10-15 s on 2 cores
+def test_smoke_run_writes_its_figures_where_asked(tmp_path, capsys):
+    """A dataset given no share has no loss (null in the summary, "n/a" in the log, never
+    0.000); --plot and --summary into folders that do not exist yet are written (before, the
+    plot crashed after the last step and the summary was lost); a run with no timed step says
+    so instead of a ratio to 0 batches/s; --resume from an empty folder starts at step 0 and
+    says so."""
+    summary, png = tmp_path / "a" / "s.json", tmp_path / "b" / "c" / "loss.png"
+    empty = tmp_path / "ckpt"
+    empty.mkdir()
+    out = train_lm.run([*FAST, "--steps", "1", "--weights", "0,1", "--summary", str(summary),
+                        "--plot", str(png), "--checkpoint-dir", str(empty), "--resume"])
+    text = capsys.readouterr().out
+    assert f"no checkpoint in {empty}: starting at step 0" in text
+    assert "(count n/a motif " in text and "consumption: n/a (no timed steps)" in text
+    assert "0 steps timed: no rates" in text
+    assert np.isnan(out["dataset_losses"]["packed"][0][0])
+    figures = json.loads(summary.read_text())
+    none, motif = figures["dataset_losses"]["packed"][0]
+    assert none is None and motif == pytest.approx(figures["losses"]["packed"][0], rel=1e-5)
+    assert png.with_suffix(".csv").is_file()
+    assert any(empty.iterdir())  # the end-of-run checkpoint
