@@ -16,6 +16,14 @@ class InputError(ValueError):
     """Bad input data: the message names the file and line / record (or the example)."""
 
 
+def check_count(name: str, value: object, low: int = 0) -> int:
+    """`value` as an int; ValueError naming the argument `name` unless it is an int (a Python
+    or numpy integer: not a bool, nor a float however whole, nor a string) >= `low`."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}")
+    return int(value)
+
+
 def check_lengths(lengths: object, *, first: int = 0) -> np.ndarray:
     """Returns `lengths` as i64[n]; raises ValueError for anything that is not n >= 0 integers.
 

@@ -88,8 +88,9 @@ def apply_overflow(lengths: np.ndarray, config: PackConfig, *, ids: np.ndarray |
         i = int(np.argmax(over))
         name = int(ids[i]) if ids is not None else first + i
         raise InputError(
-            f"example {name} has length {int(lengths[i])} > seq_len={L} ({num_over} examples are "
-            "over-length); pass overflow='truncate', 'split' or 'drop', or raise seq_len"
+            f"example {name} has length {int(lengths[i])} > seq_len={L} ({num_over} "
+            f"{'example is' if num_over == 1 else 'examples are'} over-length); pass "
+            "overflow='truncate', 'split' or 'drop', or raise seq_len"
         )
     if not num_over or config.overflow is Overflow.TRUNCATE:
         keep = np.flatnonzero(~empty)

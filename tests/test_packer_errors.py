@@ -8,15 +8,20 @@ import numpy as np
 import pytest
 
 from seqpack.packer import (
+    MultiStreamPlanner,
     PackConfig,
+    StreamPlanner,
     assemble,
     pack,
     pack_ragged,
     pack_stream,
     plan,
     stats,
+    step_balance,
+    tight_lower_bound,
     validate,
 )
+from seqpack.packer.bounds import lower_bound
 
 
 @pytest.mark.parametrize(
@@ -45,8 +50,12 @@ def test_config_accepts_numpy_ints_and_enums_round_trip():
 
 
 def test_over_length_error_names_example_and_length():
-    with pytest.raises(ValueError, match=r"example 2 has length 9 > seq_len=8 .*'truncate'"):
+    with pytest.raises(ValueError, match=r"example 2 has length 9 > seq_len=8 \(2 examples are "
+                                         r"over-length\).*'truncate'"):
         plan([1, 2, 9, 10], PackConfig(8))
+    with pytest.raises(ValueError, match=r"example 1 has length 9 > seq_len=8 \(1 example is "
+                                         r"over-length\)"):
+        plan([1, 9, 8], PackConfig(8))
 
 
 @pytest.mark.parametrize(
@@ -200,3 +209,62 @@ def test_assemble_refuses_a_plan_made_under_another_config():
         with pytest.raises(ValueError, match=f"the plan does not fit the config: {match}"):
             assemble(values, offsets, p, config)
     validate(assemble(values, offsets, p, PackConfig(8)), PackConfig(8))  # it fits
+
+
+@pytest.mark.parametrize("name", ["window", "max_open_rows", "max_carry", "window_rows"])
+@pytest.mark.parametrize("value", [1024.0, 1.5, "8", True, None, -1])
+def test_stream_planner_counts_must_be_ints(name, value):
+    """Each count is checked up front (not after the input is read, nor by a raw comparison):
+    an int, not a float however whole, a string or a bool. (max_open_rows=None: the window.)"""
+    if name == "max_open_rows" and value is None:
+        assert StreamPlanner(PackConfig(64), max_open_rows=None).max_open_rows == 1024
+        return
+    low = 1 if name == "window" else 0
+    with pytest.raises(ValueError, match=rf"^{name}={value!r} must be an int >= {low}$"):
+        StreamPlanner(PackConfig(64, max_segments=8), **{name: value})
+    stream = pack_stream(iter(()), PackConfig(64), **{name: value})
+    with pytest.raises(ValueError, match=rf"^{name}={value!r} must be an int"):
+        next(stream)
+
+
+@pytest.mark.parametrize("name, value, low", [("window", 8.0, 1), ("window", 0, 1),
+                                               ("max_open_rows", "4", 0), ("max_carry", 2.5, 0)])
+def test_multi_stream_planner_counts_must_be_ints(name, value, low):
+    with pytest.raises(ValueError, match=rf"^{name}={value!r} must be an int >= {low}$"):
+        MultiStreamPlanner(("inputs", "targets"), (8, 4), max_segments=4, **{name: value})
+
+
+def test_stream_planner_takes_numpy_ints():
+    p = StreamPlanner(PackConfig(64), window=np.int64(8), max_open_rows=np.int32(4),
+                      max_carry=np.int64(2), window_rows=np.int16(0))
+    assert (p.window, p.max_open_rows, p.max_carry, p.window_rows) == (8, 4, 2, 0)
+    assert all(type(v) is int for v in (p.window, p.max_open_rows, p.max_carry, p.window_rows))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(capacity=8, max_segments=0), r"max_segments=0 must be an int >= 1"),
+    (dict(capacity=0, max_segments=2), r"capacity=0 must be an int >= 1"),
+    (dict(capacity=8, max_segments=2.0), r"max_segments=2.0 must be an int >= 1"),
+])
+def test_tight_lower_bound_checks_its_limits(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        tight_lower_bound([1, 3], **kwargs)
+    with pytest.raises(ValueError, match=match.replace("capacity", "seq_len")):
+        lower_bound(4, 2, kwargs["capacity"], kwargs["max_segments"])
+
+
+@pytest.mark.parametrize("args, match", [
+    (([1, 2, 3, 4, 5], 2.5), r"data_parallel=2.5 must be an int >= 1"),
+    (([1, 9], True), r"data_parallel=True must be an int >= 1"),
+    (([1, 9], 0), r"data_parallel=0 must be an int >= 1"),
+    (([1, 9], 1, 1.0), r"batch_size=1.0 must be an int >= 1"),
+    (([np.nan, 2.0], 2), r"costs must be finite: row 0 costs nan"),
+    (([1.0, np.inf, 2.0, 2.0], 2), r"costs must be finite: row 1 costs inf"),
+    (([[1.0, 2.0]], 1), r"costs must be 1-D"),
+])
+def test_step_balance_refuses_what_it_cannot_measure(args, match):
+    """As `balance_slices` and `RowOrder` do: a count that is not an int is refused, not
+    truncated (2.5 ran as 2, True as 1); a NaN cost is refused, not reported as a perfect 1.0."""
+    with pytest.raises(ValueError, match=match):
+        step_balance(*args)
+    assert step_balance([1, 3, 2, 2], np.int64(2)).tolist() == [1.5, 1.0]

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from seqpack.packer.contract import Counters
-from seqpack.packer.inputs import InputError
+from seqpack.packer.inputs import InputError, check_count
 from seqpack.packer.online.state_codec import encode_planner_state
 from seqpack.packer.plan import aligned
 
@@ -54,13 +54,15 @@ class MultiStreamPlanner:
                 f"{overflow=} is not supported with several features; use 'error', 'truncate' "
                 "or 'drop' ('split' needs a single feature)"
             )
+        window = check_count("window", window, 1)
         self.features = features
         self.caps = np.asarray(capacities, np.int64)
         self.max_segments = max_segments
         self.alignment = alignment
         self.overflow = overflow
-        self.max_open_rows = window if max_open_rows is None else max_open_rows
-        self.max_carry = max_carry
+        self.max_open_rows = window if max_open_rows is None else \
+            check_count("max_open_rows", max_open_rows, 0)
+        self.max_carry = check_count("max_carry", max_carry, 0)
         self._rows: list[dict[str, Any]] = []  # open rows, oldest first
         self._windows = 0
         self.counters = Counters()

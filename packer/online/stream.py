@@ -53,7 +53,7 @@ import numpy as np
 
 from seqpack.packer.bounds import SLOTS_BIND_HALF, slot_share
 from seqpack.packer.config import PackConfig, Strategy
-from seqpack.packer.inputs import check_lengths
+from seqpack.packer.inputs import check_count, check_lengths
 from seqpack.packer.online.state_codec import decode_planner_state, encode_row_arrays
 from seqpack.packer.plan import Counters, PackPlan, aligned, apply_overflow, order_pieces
 from seqpack.packer.strategies import BestFitBins, assign_best_fit_decreasing, keep_open
@@ -98,17 +98,14 @@ class StreamPlanner:
                 f"strategy={str(config.strategy)!r} cannot stream; use one of "
                 f"{[s.value for s in STREAM_STRATEGIES]} (concat_split: plan offline)"
             )
-        if window < 1:
-            raise ValueError(f"window={window} must be >= 1")
-        if max_carry < 0:
-            raise ValueError(f"max_carry={max_carry} must be >= 0")
-        if window_rows < 0:
-            raise ValueError(f"window_rows={window_rows} must be >= 0")
+        window = check_count("window", window, 1)
+        max_open_rows = window if max_open_rows is None else \
+            check_count("max_open_rows", max_open_rows, 0)
+        max_carry = check_count("max_carry", max_carry, 0)
+        window_rows = check_count("window_rows", window_rows, 0)
         self.config = config
         self.window = window
-        self.max_open_rows = window if max_open_rows is None else max_open_rows
-        if self.max_open_rows < 0:
-            raise ValueError(f"max_open_rows={self.max_open_rows} must be >= 0")
+        self.max_open_rows = max_open_rows
         self.max_carry = max_carry
         self.window_rows = window_rows
         # Pieces of the open rows, i64[P, 5]: id, start, length, window it arrived in, open row

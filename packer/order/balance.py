@@ -27,6 +27,8 @@ import dataclasses
 
 import numpy as np
 
+from seqpack.packer.inputs import check_count
+
 _SWAPS = 64
 
 
@@ -70,11 +72,17 @@ def balance_slices(costs: object, parts: int) -> np.ndarray:
 
 def step_balance(costs: object, data_parallel: int, batch_size: int = 1) -> np.ndarray:
     """f64[full steps]: max / mean of the ranks' costs in each full step of rows in output
-    order (costs f64[n]); an incomplete last step is left out."""
+    order (costs f64[n], finite); an incomplete last step is left out. `data_parallel` and
+    `batch_size` are ints >= 1 (as `balance_slices`' parts and `RowOrder`'s: 2.5 is refused,
+    not run as 2), and a NaN cost is refused, not measured as a perfect 1.0."""
+    D = check_count("data_parallel", data_parallel, 1)
+    b = check_count("batch_size", batch_size, 1)
     c = np.asarray(costs, np.float64)
-    D, b = int(data_parallel), int(batch_size)
-    if D < 1 or b < 1:
-        raise ValueError(f"data_parallel={D} and batch_size={b} must be >= 1")
+    if c.ndim != 1:
+        raise ValueError(f"costs must be 1-D (one per row), got shape {c.shape}")
+    if not np.isfinite(c).all():
+        bad = int(np.flatnonzero(~np.isfinite(c))[0])
+        raise ValueError(f"costs must be finite: row {bad} costs {c[bad]}")
     steps = c.size // (D * b)
     ranks = c[: steps * D * b].reshape(steps, D, b).sum(axis=2)
     mean = ranks.mean(axis=1)

@@ -26,11 +26,12 @@ Worked example of `fill_sorted` (capacity 10)::
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right, insort
 
 import numpy as np
 
 _PAIR_TRIES = 32  # sizes the pair search tries one by one before it looks at all of them
+_LIVE_PICKS = 64  # the nudge lists the sizes left where it has a pick per this many sizes
 
 
 def _pair(avail: list[int], cnt: list[int], has: np.ndarray, room: int) -> int:
@@ -236,7 +237,7 @@ def _sample(vals: np.ndarray, vals_list: list[int], cnt: np.ndarray, room: int, 
     picks = best[1].tolist()
     d = int(vals[best[1]].sum()) - room  # over (> 0) or under (< 0) a full row
     if d > 0 or (d < 0 and tokens_bind):
-        picks, d = _nudge(picks, d, vals, vals_list, cnt)
+        picks, d = _nudge(picks, d, vals_list, cnt)
     while d > 0:  # still over: the largest pieces go back
         j = picks.pop()
         cnt[j] += 1
@@ -249,32 +250,54 @@ def _sample(vals: np.ndarray, vals_list: list[int], cnt: np.ndarray, room: int, 
     return picks
 
 
-def _nudge(picks: list[int], d: int, vals: np.ndarray, vals_list: list[int], cnt: np.ndarray
+def _nudge(picks: list[int], d: int, vals_list: list[int], cnt: np.ndarray
            ) -> tuple[list[int], int]:
-    """Swaps picks (indices into `vals`, ascending), largest first, for the size left nearest
-    to closing the gap `d` (the sum over the room: > 0 over, < 0 under), between the two sizes;
-    `cnt` (pieces left per size) is kept up to date. Returns (picks ascending, gap left)."""
+    """Swaps picks (indices into `vals_list`, ascending sizes), largest first, for the size
+    left nearest to closing the gap `d` (the sum over the room: > 0 over, < 0 under), between
+    the two sizes; `cnt` (pieces left per size) is kept up to date. Returns (picks ascending,
+    gap left).
+
+    The sizes left are looked up in `cnt` a pick at a time, or, for many picks against few
+    sizes (a row far over its room swaps most of its picks), in a list of them kept up to
+    date: the same swaps either way, the list without a numpy call a pick."""
+    live = np.flatnonzero(cnt > 0).tolist() if len(picks) * _LIVE_PICKS >= cnt.size else None
     for q in range(len(picks) - 1, -1, -1):
         if d == 0:
             break
         j = picks[q]
         x = vals_list[j]
-        want = x - d
-        if want < x:  # the smallest size left in [want, x)
-            lo = int(np.searchsorted(vals, want, side="left"))
-            free = np.flatnonzero(cnt[lo:j] > 0)
-            if not free.size:
-                continue
-            y = lo + int(free[0])
-        else:  # the largest size left in (x, want]
-            hi = int(np.searchsorted(vals, want, side="right"))
-            free = np.flatnonzero(cnt[j + 1 : hi] > 0)
-            if not free.size:
-                continue
-            y = j + 1 + int(free[-1])
+        y = _nearest(j, x - d, vals_list, cnt, live)
+        if y < 0:
+            continue
         cnt[y] -= 1
         cnt[j] += 1
+        if live is not None:
+            if not cnt[y]:
+                del live[bisect_left(live, y)]
+            if cnt[j] == 1:
+                insort(live, j)
         picks[q] = y
         d -= x - vals_list[y]
     picks.sort()
     return picks, d
+
+
+def _nearest(j: int, want: int, vals_list: list[int], cnt: np.ndarray, live: list[int] | None
+             ) -> int:
+    """The size left (its index) to swap size `j` for: the smallest in [want, vals[j]) where
+    `want` is below it, else the largest in (vals[j], want]; -1 where none is left (sizes
+    `vals_list` ascending, pieces left `cnt`; `live`: the indices of the sizes left, ascending,
+    or None: look in `cnt`)."""
+    if want < vals_list[j]:
+        lo = bisect_left(vals_list, want)
+        if live is not None:
+            i = bisect_left(live, lo)
+            return live[i] if i < len(live) and live[i] < j else -1
+        free = np.flatnonzero(cnt[lo:j] > 0)
+        return lo + int(free[0]) if free.size else -1
+    hi = bisect_right(vals_list, want)
+    if live is not None:
+        i = bisect_left(live, hi) - 1
+        return live[i] if i >= 0 and live[i] > j else -1
+    free = np.flatnonzero(cnt[j + 1 : hi] > 0)
+    return j + 1 + int(free[-1]) if free.size else -1

@@ -11,7 +11,9 @@
 3. the refine steps (`refine`) while it is above `repair_target` (the bound + 0.1%): the probes
    (the repair, or near the bound the merge; the exact fill, repaired), the sieve, the repair
    with the merge, the sample fills, the whole sieve, the swap search. A stream's window gets
-   the repair alone where slots and tokens bind alike.
+   the repair alone where slots and tokens bind alike. No step runs on a plan at the floor
+   no plan goes below (`bounds.dff_lower_bound`): where pieces do not combine (lengths just
+   over L/3 come two a row, and the bound counts three) the target is out of reach.
 
 Why each step is there, where it runs and what it gained: docs/offline_default.md.
 
@@ -31,6 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from seqpack.packer.bounds import dff_lower_bound
 from seqpack.packer.strategies.bfd.deal import deal_sorted
 from seqpack.packer.strategies.bfd.fill import fill_sorted, sample_fill_sorted
 from seqpack.packer.strategies.bfd.greedy import bfd_sorted, worst_fit_sorted
@@ -174,29 +177,32 @@ def refine(sizes_desc: np.ndarray, rows: np.ndarray, num_rows: int, regime: Regi
     """The refine steps on a plan above `target` (`rows` of the pieces `sizes_desc`, i64[P]
     sorted largest first): the probes (where slots and tokens both bind), the repair with the
     merge and the sieve in the regime's order, then the sample fills, the whole sieve and the
-    swap search, each while the plan is still above `target`."""
+    swap search, each while the plan is still above `target` and above the floor (`_Steps`)."""
     steps = _Steps(sizes_desc, regime, target)
+    stop = steps.stop  # the target, or the floor where no plan gets to the target
     early = (rows, num_rows)  # the probes' plan (where they miss, the sieve starts from rows)
+    if num_rows <= stop:
+        return rows, num_rows
     if not regime.two_dimensional:
         order = [steps.fix, steps.mix]
     elif regime.slots_bind_all:
         order = [steps.fix]  # every row is full in slots: the loose rows alone free no slot
     else:
         order = [steps.mix, steps.fix]
-        if num_rows > target:  # the probes, kept where they reach the target
+        if num_rows > stop:  # the probes, kept where they reach the target
             early = steps.probes(rows, num_rows)
             if early[1] <= target:
                 rows, num_rows = early
     for step in order:
-        if num_rows > target:
+        if num_rows > stop:
             rows, num_rows = step(rows, num_rows)
     if early[1] < num_rows:
         rows, num_rows = early
-    if num_rows > target:
+    if num_rows > stop:
         rows, num_rows = steps.sample_fills(rows, num_rows)
-    if num_rows > target:
+    if num_rows > stop:
         rows, num_rows = steps.whole_sieve(rows, num_rows)
-    if num_rows > target:  # small plans: swaps between a row's pieces and the others'
+    if num_rows > stop:  # small plans: swaps between a row's pieces and the others'
         rows, num_rows = swap_search(sizes_desc, rows, num_rows, regime.capacity,
                                      regime.max_segments, target=target)
     return rows, num_rows
@@ -207,6 +213,8 @@ class _Steps:
 
     def __init__(self, sizes_desc: np.ndarray, regime: Regime, target: int) -> None:
         self.sizes, self.regime, self.target = sizes_desc, regime, target
+        # no plan has fewer rows than the floor: past the target, the steps stop at it
+        self.stop = max(target, regime.bound, dff_lower_bound(sizes_desc[::-1], regime.capacity))
         self.L, self.S = regime.capacity, regime.max_segments
         self.window = sieve_window(regime.pieces_per_row)
         self.plan, self.last = sieve_planners(self.L, self.S)
@@ -245,20 +253,25 @@ class _Steps:
 
     def sample_fills(self, rows: np.ndarray, n: int) -> tuple[np.ndarray, int]:
         """Rows as samples of the pieces left (`fill.sample_fill_sorted`, each rank mode in
-        turn), then sieved and repaired, until one reaches the target."""
+        turn), then sieved and repaired (a plan another mode made already is not: the same
+        steps would make the same rows), until one reaches the target."""
         bound, target = self.regime.bound, self.target
         limit = bound + max(_SAMPLE_SPREAD * (n - bound), bound // 20)
+        tried: list[np.ndarray] = []  # the sample plans sieved so far
         for mode, seed in _SAMPLE_MODES:
             got, m = sample_fill_sorted(self.sizes, self.L, self.S, bound, mode=mode, seed=seed,
                                         limit=limit)
             if m > limit:
                 continue  # too far off to be worth the sieve (long pieces crowd the samples)
+            if any(np.array_equal(got, plan) for plan in tried):
+                continue  # another mode's plan (one short piece a row: gsm8k at L=320 / S=64)
+            tried.append(got)
             for step in (self.mix, self.fix):
                 if m > target:
                     got, m = step(got, m)
             if m < n:
                 rows, n = got, m
-            if n <= target:
+            if n <= self.stop:
                 break
         return rows, n
 
