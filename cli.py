@@ -306,17 +306,23 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
         plot_stats,
     )
 
+    if plot and os.path.splitext(plot)[1].lower() not in (".png", ".pdf", ".svg"):
+        raise click.UsageError(f"--plot {plot}: name a .png, .pdf or .svg file")
     paths = _expand(paths, output_ok=True, allow_duplicates=allow_duplicates,
                     input_format=input_format)
     if len(paths) == 1 and is_packed(paths[0]):
         _refuse_given(f"{paths[0]} is a packed output (its manifest says how it was packed)",
-                      keep=("paths", "batch_size", "as_json", "plot", "allow_duplicates"))
+                      keep=("paths", "batch_size", "as_json", "plot"))
         result = output_stats(paths[0], batch_size=batch_size)
     else:
         from seqpack.packer.order import CostModel
         from seqpack.pipelines.offline import default_workers
 
         _refuse_inapplicable(paths, input_format, cost_model)
+        if set(strategies) == {"concat_split"} and overflow is not None:  # as pack refuses it
+            raise click.UsageError(f"--overflow {overflow} does not apply to --strategy "
+                                   "concat_split, which cuts examples at row ends itself; "
+                                   "leave it out")
         config = _config("best_fit_decreasing", seq_len, max_segments, overflow,
                          segment_alignment, pad_id, _feature(feature, columns, tokenizer),
                          context_parallel)
@@ -325,12 +331,15 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
             strategies or STRATEGIES, workers=workers or default_workers(),
             block_size=block_size, cost=_usage(CostModel, kind=cost_model, d_model=d_model),
             batch_size=batch_size)
-    if plot:
-        plot_stats(plot, result.length_histogram, result.per_strategy, title=result.title)
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        click.echo(result.table() + (f"\n\nplots written to {plot}" if plot else ""))
+        click.echo(result.table())
+    if plot:  # after the figures: a plot that fails loses nothing
+        os.makedirs(os.path.dirname(os.path.abspath(plot)), exist_ok=True)
+        plot_stats(plot, result.length_histogram, result.per_strategy, title=result.title)
+        if not as_json:
+            click.echo(f"\nplots written to {plot}")
 
 
 @seqpack.command()

@@ -162,14 +162,17 @@ def stats_from_lengths(
     counters: Counters | None = None,
     *,
     cost: CostModel | None = None,
+    alignment: int = 1,
 ) -> PackingStats:
-    """Statistics from the per-row segment lengths alone; with `cost`, the rows' costs too."""
+    """Statistics from the per-row segment lengths alone; with `cost`, the rows' costs too
+    (`alignment`: as `stats_of_pieces`)."""
     seg = np.asarray(segment_lengths, np.int64).reshape(-1, np.shape(segment_lengths)[-1])
     c = None
     if cost is not None:
         row = np.repeat(np.arange(seg.shape[0]), seg.shape[1])
         c = cost_summary(row, seg.reshape(-1), seg.shape[0], seq_len, cost)
-    return stats_from_histograms(*length_histograms(seg, seq_len), seq_len, counters, costs=c)
+    return stats_from_histograms(*length_histograms(seg, seq_len), seq_len, counters, costs=c,
+                                 slack=alignment_slack(seg, alignment))
 
 
 def length_histograms(segment_lengths: np.ndarray, seq_len: int
@@ -181,12 +184,21 @@ def length_histograms(segment_lengths: np.ndarray, seq_len: int
 
 def stats_of_pieces(row: np.ndarray, length: np.ndarray, num_rows: int, seq_len: int,
                     max_segments: int, counters: Counters | None = None, *,
-                    cost: CostModel | None = None) -> PackingStats:
+                    cost: CostModel | None = None, alignment: int = 1) -> PackingStats:
     """Statistics from each piece's row and length (any order): 16 bytes a row, no [R, S]
-    (24 with `cost`: the rows' costs too, as `cost_summary` gives them)."""
+    (24 with `cost`: the rows' costs too, as `cost_summary` gives them). `alignment`: the
+    config's (`PackConfig.alignment`): the lower bound counts each piece rounded up to it."""
     c = None if cost is None else cost_summary(row, length, num_rows, seq_len, cost)
     return stats_from_histograms(*row_histograms(row, length, num_rows, seq_len, max_segments),
-                                 seq_len, counters, costs=c)
+                                 seq_len, counters, costs=c,
+                                 slack=alignment_slack(length, alignment))
+
+
+def alignment_slack(length: np.ndarray, alignment: int) -> int:
+    """Tokens that rounding each piece of `length` up to `alignment` adds (each segment starts
+    at a multiple of it): what the rows hold besides the tokens and no plan avoids."""
+    length = np.asarray(length, np.int64)
+    return int((-length % alignment).sum()) if alignment > 1 else 0
 
 
 def row_histograms(row: np.ndarray, length: np.ndarray, num_rows: int, seq_len: int,
@@ -229,9 +241,10 @@ def _quantile(counts: np.ndarray, q: float) -> float:
 
 def stats_from_histograms(used_hist: np.ndarray, nseg_hist: np.ndarray, seq_len: int,
                           counters: Counters | None = None, *,
-                          costs: CostSummary | None = None) -> PackingStats:
+                          costs: CostSummary | None = None, slack: int = 0) -> PackingStats:
     """Statistics from `row_histograms` and `cost_summary` (each summed over any parts of a
-    packing); without `costs` the cost fields are None."""
+    packing); without `costs` the cost fields are None. `slack`: the alignment's tokens
+    (`alignment_slack`, summed likewise), counted in the lower bound."""
     used_hist = np.asarray(used_hist, np.int64)
     nseg_hist = np.asarray(nseg_hist, np.int64)
     S = nseg_hist.size - 1
@@ -240,7 +253,7 @@ def stats_from_histograms(used_hist: np.ndarray, nseg_hist: np.ndarray, seq_len:
     n = int((nseg_hist * np.arange(nseg_hist.size)).sum())
     cap = R * seq_len
     eff = real / cap if cap else 0.0
-    lb = lower_bound(real, n, seq_len, S)
+    lb = lower_bound(real + slack, n, seq_len, S)
     fills = np.arange(seq_len + 1) / seq_len
     hist = np.histogram(fills, bins=_FILL_BINS, range=(0.0, 1.0), weights=used_hist)[0]
     quant = {k: _quantile(used_hist, q) / seq_len if R else 0.0 for k, q in _QUANTILES.items()}
@@ -281,9 +294,11 @@ def stats(
     counters: Counters | None = None,
     feature: str | None = None,
     cost: CostModel | None = None,
+    alignment: int = 1,
 ) -> PackingStats:
     """Statistics of a packed batch (contract dict) or of a `PackPlan` (with its counters);
-    with `cost` (a `CostModel`) the rows' attention and cost too (else those fields are None).
+    with `cost` (a `CostModel`) the rows' attention and cost too (else those fields are None);
+    `alignment` (`PackConfig.alignment`): the lower bound counts each segment rounded up to it.
 
     A plan does not know seq_len / max_segments: pass them. A batch knows both from its shapes;
     pass `counters` (e.g. `plan(...).counters`) to include truncated / dropped / split counts.
@@ -292,11 +307,12 @@ def stats(
         if seq_len is None or max_segments is None:
             raise ValueError("stats(plan) needs seq_len= and max_segments=")
         return stats_of_pieces(batch.row, batch.length, batch.num_rows, seq_len, max_segments,
-                               counters or batch.counters, cost=cost)
+                               counters or batch.counters, cost=cost, alignment=alignment)
     k = keys(feature or _feature(batch))
     missing = [name for name in (k.values, k.segment_lengths) if name not in batch]
     if missing:
         raise ValueError(f"batch has no {missing[0]!r}; keys are {sorted(batch)}")
     seg = np.asarray(batch[k.segment_lengths])
     values = np.asarray(batch[k.values])
-    return stats_from_lengths(seg, int(values.shape[-1]), counters, cost=cost)
+    return stats_from_lengths(seg, int(values.shape[-1]), counters, cost=cost,
+                              alignment=alignment)

@@ -72,6 +72,9 @@ def test_stats_of_a_packed_dir(packed, tmp_path):
     refused = invoke("stats", out, "--cost-model", "tokens", "--seq-len", 64, ok=False)
     assert refused.exit_code == 2 and "--seq-len, --cost-model apply to a dry run" in \
         refused.output, refused.output  # they would be ignored: the manifest decides
+    refused = invoke("stats", out, "--allow-duplicates", ok=False)  # before: ignored
+    assert refused.exit_code == 2 and "--allow-duplicates applies to a dry run" in \
+        refused.output, refused.output
 
 
 def test_stats_dry_run_per_strategy_matches_the_planner(tmp_path):
@@ -182,11 +185,26 @@ def test_stats_dry_run_names_the_file_of_an_over_length_example(tmp_path):
     assert "concat_split" in text
 
 
+def test_stats_refuses_an_overflow_for_concat_split_alone_as_pack_does(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", SEQS)
+    for cmd in (("pack", src, "-o", tmp_path / "o"), ("stats", src)):  # before: stats took it
+        result = invoke(*cmd, "--strategy", "concat_split", "--overflow", "truncate", ok=False)
+        assert result.exit_code == 2 and "--overflow truncate does not apply to --strategy " \
+            "concat_split" in result.output, result.output
+
+
 def test_stats_dry_run_plot(tmp_path):
     src = write_jsonl(tmp_path / "a.jsonl", SEQS)
     png = tmp_path / "p.png"
     assert "plots written" in invoke("stats", src, "--overflow", "split", "--plot", png).stdout
     assert png.stat().st_size > 1000
+    # A missing folder is made (before: a bare ENOENT after the work, the table lost).
+    deep = tmp_path / "a" / "b" / "p.png"
+    assert "rows over bound" in invoke("stats", src, "--overflow", "split", "--plot", deep).stdout
+    assert deep.stat().st_size > 1000
+    # A name matplotlib cannot write is refused before the work (before: its traceback).
+    result = invoke("stats", src, "--overflow", "split", "--plot", tmp_path / "p.txt", ok=False)
+    assert result.exit_code == 2 and "name a .png, .pdf or .svg file" in result.output
 
 
 # -- verify --------------------------------------------------------------------------------------
@@ -340,3 +358,24 @@ def test_verify_notices_a_changed_tokenizer(tmp_path):
     result = invoke("verify", out, ok=False)
     assert result.exit_code == 1 and "tokenizer" in result.stdout and "changed" in result.stdout
     assert "tokens 2 != 7" in result.stdout  # the row holds "cat" = 2, which now encodes as 7
+
+
+def test_the_lower_bound_counts_the_segment_alignment(tmp_path):
+    """Each segment starts at a multiple of the alignment: the rows hold the lengths rounded
+    up, which no plan avoids (before: the bound counted the tokens alone, and a plan at the
+    optimum read 20% over it)."""
+    seqs = random_seqs(300, max_len=90, seed=3)
+    src = write_jsonl(tmp_path / "a.jsonl", seqs)
+    args = ("--seq-len", 256, "--segment-alignment", 32, "--max-segments", 64)
+    want = -(-sum(-(-len(s) // 32) * 32 for s in seqs) // 256)
+    dry = json.loads(invoke("stats", src, *args, "--json").output)
+    assert dry["stats"]["best_fit_decreasing"]["lower_bound_rows"] == want
+    out = tmp_path / "out"
+    invoke("pack", src, "-o", out, *args)
+    m = manifest_of(out)
+    assert m["stats"]["lower_bound_rows"] == want
+    assert invoke("verify", out).exit_code == 0
+    # A manifest written before, with the bound of the tokens alone, still verifies.
+    m["stats"]["lower_bound_rows"] = -(-sum(map(len, seqs)) // 256)
+    (out / "manifest.json").write_text(json.dumps(signed(m)))
+    assert invoke("verify", out).stdout.startswith("OK:")

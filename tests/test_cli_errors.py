@@ -273,3 +273,17 @@ def test_an_interrupted_overwrite_does_not_call_the_earlier_output_its_own(tmp_p
         f"; the output at {out} is still the earlier run's (this one stopped before replacing "
         "it): run the same command again")
     assert console._resume_hint(ctx, args[:-1]) == f"; the output at {out} is complete"
+
+
+def test_packing_nothing_is_refused_and_the_dry_run_says_so(tmp_path):
+    src = write_jsonl(tmp_path / "a.jsonl", [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]])
+    args = ("--seq-len", 4, "--overflow", "drop")
+    result = invoke("pack", src, "-o", tmp_path / "out", *args, ok=False)
+    # Before: a TypeError traceback (exit 1), an intent left in the output.
+    assert result.exit_code == 2, result.output
+    assert result.output == ("Error: nothing to pack: --overflow drop dropped all 2 example(s), "
+                             "each longer than --seq-len 4; keep them with --overflow split or "
+                             "truncate, or pack with longer rows\n")
+    assert not (tmp_path / "out").exists()
+    dry = invoke("stats", src, *args).output
+    assert "warning: overflow drop drops every example" in dry

@@ -49,6 +49,7 @@ from seqpack.packer.order import BlockLayout, GlobalOrder, block_layout, global_
 from seqpack.packer.plan import order_pieces, pieces, plan_block_rows
 from seqpack.packer.stats import (
     CostSummary,
+    alignment_slack,
     cost_summary,
     row_histograms,
     stats_from_histograms,
@@ -133,6 +134,7 @@ class BlockSummary:
     costs: CostSummary | None = None  # its rows' costs under the run's cost model
     longest: int = 0  # its longest segment
     min_row_next: int | None = None  # the fewest (tokens - segments) of a row; None: no rows
+    slack: int = 0  # tokens the segment alignment adds (`packer.stats.alignment_slack`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +244,8 @@ def plan_block(block: int, lengths: np.ndarray, job: PackJob, refs: np.ndarray |
                            costs=cost_summary(table[ROW], table[LENGTH], num_rows, L,
                                               order.cost),
                            longest=int(table[LENGTH].max(initial=0)),
-                           min_row_next=record.min_row_next(table[ROW], table[LENGTH], num_rows))
+                           min_row_next=record.min_row_next(table[ROW], table[LENGTH], num_rows),
+                           slack=alignment_slack(table[LENGTH], config.alignment))
     return BlockPlan(summary, table, layout)
 
 
@@ -302,6 +305,11 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
     for b in blocks:
         if b.error is not None:
             raise InputError(b.error)
+    if not sum(b.num_rows for b in blocks):
+        dropped = sum((b.counters for b in blocks), Counters()).dropped_examples
+        raise InputError(f"nothing to pack: overflow='drop' dropped all {dropped:,} "
+                         f"example(s), each longer than seq_len={config.seq_len}; keep them "
+                         "with overflow='split' or 'truncate', or pack with longer rows")
     dtype = inputs.corpus_dtype([np.dtype(f.dtype) for f in files])
     columns = record.column_entries(job, inputs.extra_corpus_dtypes(files))  # type: ignore
     intent = record.run_intent(job, record.inputs_record([f.info for f in files], dtype,
@@ -322,7 +330,8 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
     used = np.sum([b.used_hist for b in blocks if b.used_hist.size], axis=0)
     nseg = np.sum([b.nseg_hist for b in blocks if b.nseg_hist.size], axis=0)
     costs = functools.reduce(operator.add, [b.costs for b in blocks if b.costs is not None])
-    stats = stats_from_histograms(used, nseg, config.seq_len, counters, costs=costs)
+    stats = stats_from_histograms(used, nseg, config.seq_len, counters, costs=costs,
+                                  slack=sum(b.slack for b in blocks))
     hist = record.length_histogram(np.zeros(0, np.int64), longest(files))
     hist["counts"] = [int(c) for c in np.sum([b.length_counts for b in blocks], axis=0)]
     base = np.concatenate(([0], np.cumsum([b.num_rows for b in blocks])))[:-1]

@@ -63,7 +63,8 @@ def dry_run(lengths: np.ndarray, config: PackConfig, strategies: Sequence[str], 
             lengths, configs, block_size=block_size, map_blocks=map_blocks)):
         length = np.concatenate([n for _, _, n in pieces(lengths, cfg, block_size=a.block_size)])
         out[name] = stats_of_pieces(a.row, length, a.num_rows, cfg.seq_len, cfg.max_segments,
-                                    a.counters, cost=cost or CostModel()).to_dict()
+                                    a.counters, cost=cost or CostModel(),
+                                    alignment=cfg.alignment).to_dict()
     return out
 
 
@@ -186,6 +187,9 @@ def dry_run_stats(paths: Sequence[str], options: ReadOptions, config: PackConfig
              f"{config.max_segments}, overflow {Overflow(config.overflow).value}")
     if Strategy.CONCAT_SPLIT.value in strategies:
         title += " (concat_split cuts examples at row ends itself: overflow does not apply)"
+    if any(not s["num_rows"] for n, s in per_strategy.items() if n != "concat_split"):
+        title += ("\nwarning: overflow drop drops every example (each is over seq_len): "
+                  "seqpack pack refuses to pack nothing")
     return Stats(per_strategy, length_histogram(lengths), title, batch_size)
 
 
