@@ -42,6 +42,8 @@ class CostSummary:
     min_row_cost: float
     cost_hist: np.ndarray  # i64[COST_BINS]: rows by cost / full_row_cost
     attention_hist: np.ndarray  # i64[COST_BINS]: rows by sum of l^2 / L^2
+    min_row_sq: int = 0  # the least and most sum of l^2 of a row (exact, where the
+    max_row_sq: int = 0  # histogram's quantiles are bin centres)
 
     def __add__(self, other: CostSummary) -> CostSummary:
         if (self.model, self.seq_len) != (other.model, other.seq_len):
@@ -56,7 +58,9 @@ class CostSummary:
                            max(self.max_row_cost, other.max_row_cost),
                            min(self.min_row_cost, other.min_row_cost),
                            self.cost_hist + other.cost_hist,
-                           self.attention_hist + other.attention_hist)
+                           self.attention_hist + other.attention_hist,
+                           min(self.min_row_sq, other.min_row_sq),
+                           max(self.max_row_sq, other.max_row_sq))
 
 
 def _bin(x: np.ndarray) -> np.ndarray:
@@ -83,12 +87,14 @@ def cost_summary(row: np.ndarray, length: np.ndarray, num_rows: int, seq_len: in
         min_row_cost=float(cost.min()) if num_rows else 0.0,
         cost_hist=_bin(cost / full),
         attention_hist=_bin(sq / float(seq_len) ** 2),
+        min_row_sq=int(sq.min()) if num_rows else 0,
+        max_row_sq=int(sq.max()) if num_rows else 0,
     )
 
 
 def _hist_quantiles(hist: np.ndarray, lo: float, hi: float, scale: float) -> dict[str, float]:
-    """Quantiles of values binned over [0, 1) x scale (bin centres, within [lo, hi]); min and
-    max are lo and hi."""
+    """Quantiles of values binned over [0, 1) x scale (bin centres, within [lo, hi]: within
+    half a bin, scale / 2000, of the values'); min and max are lo and hi (exact)."""
     out = {}
     for k, q in _QUANTILES.items():
         value = (_quantile(hist, q) + 0.5) / COST_BINS * scale
@@ -102,8 +108,6 @@ def cost_fields(c: CostSummary | None) -> dict:
         return {k: None for k in _COST_FIELDS}
     L2 = float(c.seq_len) ** 2
     full = c.model.full_row_cost(c.seq_len)
-    att = c.attention_hist
-    occupied = np.flatnonzero(att)
     mean = c.total_cost / c.num_rows
     return {
         "cost_model": c.model.to_dict(),
@@ -111,7 +115,7 @@ def cost_fields(c: CostSummary | None) -> dict:
         "attention_full_sq": int(c.num_rows * c.seq_len * c.seq_len),
         "attention_fraction": float(c.sum_sq / (c.num_rows * L2)),
         "row_attention_quantiles": _hist_quantiles(
-            att, (occupied[0] + 0.5) / COST_BINS, (occupied[-1] + 0.5) / COST_BINS, 1.0),
+            c.attention_hist, c.min_row_sq / L2, c.max_row_sq / L2, 1.0),
         "cost_total": float(c.total_cost),
         "cost_full_row": float(full),
         "row_cost_quantiles": _hist_quantiles(c.cost_hist, c.min_row_cost, c.max_row_cost, full),

@@ -306,10 +306,7 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
         if b.error is not None:
             raise InputError(b.error)
     if not sum(b.num_rows for b in blocks):
-        dropped = sum((b.counters for b in blocks), Counters()).dropped_examples
-        raise InputError(f"nothing to pack: overflow='drop' dropped all {dropped:,} "
-                         f"example(s), each longer than seq_len={config.seq_len}; keep them "
-                         "with overflow='split' or 'truncate', or pack with longer rows")
+        record.nothing_packed(sum(b.counters.dropped_examples for b in blocks), config.seq_len)
     dtype = inputs.corpus_dtype([np.dtype(f.dtype) for f in files])
     columns = record.column_entries(job, inputs.extra_corpus_dtypes(files))  # type: ignore
     intent = record.run_intent(job, record.inputs_record([f.info for f in files], dtype,
@@ -330,8 +327,8 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
     used = np.sum([b.used_hist for b in blocks if b.used_hist.size], axis=0)
     nseg = np.sum([b.nseg_hist for b in blocks if b.nseg_hist.size], axis=0)
     costs = functools.reduce(operator.add, [b.costs for b in blocks if b.costs is not None])
-    stats = stats_from_histograms(used, nseg, config.seq_len, counters, costs=costs,
-                                  slack=sum(b.slack for b in blocks))
+    slack = sum(b.slack for b in blocks)  # the alignment's tokens, in the lower bound
+    stats = stats_from_histograms(used, nseg, config.seq_len, counters, costs=costs, slack=slack)
     hist = record.length_histogram(np.zeros(0, np.int64), longest(files))
     hist["counts"] = [int(c) for c in np.sum([b.length_counts for b in blocks], axis=0)]
     base = np.concatenate(([0], np.cumsum([b.num_rows for b in blocks])))[:-1]

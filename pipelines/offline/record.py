@@ -286,3 +286,11 @@ def check_empty(paths: Sequence[str], examples: Sequence[int], tokens: Sequence[
     for i in empty if warn else ():
         log.warning("%s: no tokens (%d examples): nothing of it is packed", paths[i],
                     examples[i])
+
+
+def nothing_packed(dropped: int, seq_len: int) -> None:
+    """InputError for a run whose every example `overflow="drop"` dropped: before anything
+    is written (an output of no rows trains nothing)."""
+    raise InputError(f"nothing to pack: overflow='drop' dropped all {dropped:,} example(s), "
+                     f"each longer than seq_len={seq_len}; keep them with overflow='split' or "
+                     "'truncate', or pack with longer rows")

@@ -11,11 +11,8 @@ size: a last, short batch is not a step, as the training pipeline drops it)::
     efficiency                         99.96%
     ...
 
-`format_row` prints one packed row column-aligned, the way the packer's docstrings do::
-
-    position             0     1     2     3 ...
-    tokens               7     8     9     5
-    tokens_segment_ids   1     1     1     2
+`format_row` prints one packed row column-aligned (a line per array, a column per position),
+the way the packer's docstrings do.
 """
 
 from __future__ import annotations
@@ -188,8 +185,7 @@ def dry_run_stats(paths: Sequence[str], options: ReadOptions, config: PackConfig
     if Strategy.CONCAT_SPLIT.value in strategies:
         title += " (concat_split cuts examples at row ends itself: overflow does not apply)"
     if any(not s["num_rows"] for n, s in per_strategy.items() if n != "concat_split"):
-        title += ("\nwarning: overflow drop drops every example (each is over seq_len): "
-                  "seqpack pack refuses to pack nothing")
+        title += "\nwarning: overflow drop drops every example (each is over seq_len)"
     return Stats(per_strategy, length_histogram(lengths), title, batch_size)
 
 
@@ -294,8 +290,8 @@ _ROWS = [
     ("steps / epoch", "steps_per_epoch", "{:,}"),
     ("  rows left over (not a step)", "rows_left_per_epoch", "{:,}"),
     ("attention vs whole rows", "attention_fraction", "{:.2%}"),
-    ("  per row, p50", "row_attention_p50", "{:.2%}"),
-    ("row cost p50 (token-equivalents)", "row_cost_p50", "{:,.0f}"),
+    ("  per row, p50", "row_attention_p50", "{:.1%}"),  # binned by 0.1% of a full row
+    ("row cost p50 (token-equivalents)", "row_cost_p50", "~{:,.0f}"),  # binned too
     ("row cost max / mean", "row_cost_max_over_mean", "{:.2f}"),
     ("step: ranks' max / mean", "step_max_over_mean", "{:.3f}"),
     ("  p99", "step_max_over_mean_p99", "{:.3f}"),
