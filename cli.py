@@ -59,6 +59,14 @@ def _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id
                   pad_id=pad_id, feature=feature, context_parallel=context_parallel)
 
 
+def _refuse_overflow_for_concat_split(strategies, overflow) -> None:
+    """concat_split alone cuts examples at row ends: an --overflow given for it is a mistake."""
+    if set(strategies) == {"concat_split"} and overflow is not None:
+        raise click.UsageError(f"--overflow {overflow} does not apply to --strategy "
+                               "concat_split, which cuts examples at row ends itself; leave it "
+                               "out")
+
+
 def _expand(paths: tuple[str, ...], *, allow_duplicates: bool = False,
             output_ok: bool = False, input_format: str | None = None) -> list[str]:
     """INPUT arguments as input files (`formats.paths.expand_inputs`); with `output_ok` one
@@ -245,10 +253,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     inputs = mixture.inputs if mixture else _expand(inputs, allow_duplicates=allow_duplicates,
                                                     input_format=input_format)
     _refuse_inapplicable(inputs, input_format, cost_model)
-    if strategy == "concat_split" and overflow is not None:
-        raise click.UsageError(f"--overflow {overflow} does not apply to --strategy "
-                               "concat_split, which cuts examples at row ends itself; leave it "
-                               "out")
+    _refuse_overflow_for_concat_split([strategy], overflow)
     if sample:
         import tempfile
 
@@ -319,10 +324,7 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
         from seqpack.pipelines.offline import default_workers
 
         _refuse_inapplicable(paths, input_format, cost_model)
-        if set(strategies) == {"concat_split"} and overflow is not None:  # as pack refuses it
-            raise click.UsageError(f"--overflow {overflow} does not apply to --strategy "
-                                   "concat_split, which cuts examples at row ends itself; "
-                                   "leave it out")
+        _refuse_overflow_for_concat_split(strategies, overflow)
         config = _config("best_fit_decreasing", seq_len, max_segments, overflow,
                          segment_alignment, pad_id, _feature(feature, columns, tokenizer),
                          context_parallel)

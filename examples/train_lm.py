@@ -1,7 +1,7 @@
 """Trains examples/lm.py on an accelerator from seqpack's pipeline: packed rows of two corpora.
 
     python -m examples.train_lm --smoke          # tiny model, generated data, seconds
-    D="--data ../shared/data"                     # the corpora (see ../shared/data/README)
+    D="--data CORPORA"        # a folder of NAME.npz (tokens, offsets): chat_dev, gsm8k_train
     python -m examples.train_lm $D --steps 300 --workers 8     # ~107M parameters, L=8192
     python -m examples.train_lm $D --padded --steps 100        # the same examples, padded
     python -m examples.train_lm $D --compare-steps 200 --plot loss.png   # both, in lockstep

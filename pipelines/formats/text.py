@@ -56,22 +56,29 @@ def encode(tokenizer: Any, texts: list[str], where: Callable[[int], str] | None 
     for an InputError on a text the tokenizer refuses (a lone surrogate from a JSON escape)."""
     batch = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch  # no offsets
     ids: list[np.ndarray] = []
-    i = 0
-    while i < len(texts):
-        j, size = i + 1, len(texts[i])
-        while j < len(texts) and size + len(texts[j]) <= ENCODE_CHARS:
-            size += len(texts[j])
-            j += 1
+    for i, j in _spans([len(t) for t in texts], ENCODE_CHARS):
         try:
             ids += [np.asarray(enc.ids, np.int64) for enc in batch(texts[i:j])]
         except Exception as e:  # TypeError for a lone surrogate; tokenizers' own errors
             raise InputError(_refused(texts, i, j, where, e)) from None
-        i = j
     lengths = np.fromiter((a.size for a in ids), np.int64, len(ids))
     values = np.concatenate(ids) if ids else np.zeros(0, np.int64)
     offsets = np.zeros(lengths.size + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return values, offsets
+
+
+def _spans(sizes: list[int], budget: int) -> Iterator[tuple[int, int]]:
+    """Consecutive [i, j) covering `sizes`, each summing to at most `budget` (or one item
+    larger than it, alone)."""
+    i = 0
+    while i < len(sizes):
+        j, total = i + 1, sizes[i]
+        while j < len(sizes) and total + sizes[j] <= budget:
+            total += sizes[j]
+            j += 1
+        yield i, j
+        i = j
 
 
 def lines_of(path: str, lines: list[int]) -> Callable[[int], str]:
@@ -159,14 +166,9 @@ def read_chunks(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
         values, offsets = read_text(path, tokenizer, text_unit, raw=raw)
         yield Chunk(values, offsets, 0)
         return
-    numbered, first = _units(path, tokenizer, text_unit, raw), 0
-    while first < len(numbered):
-        end, size = first + 1, len(numbered[first][1])
-        while end < len(numbered) and size + len(numbered[end][1]) <= TEXT_CHUNK:
-            size += len(numbered[end][1])
-            end += 1
+    numbered = _units(path, tokenizer, text_unit, raw)
+    for first, end in _spans([len(c) for _, c in numbered], TEXT_CHUNK):
         part = numbered[first:end]
         values, offsets = encode(tokenizer, [c.decode("utf-8") for _, c in part],
                                  lines_of(path, [n for n, _ in part]))
         yield Chunk(values, offsets, first)
-        first = end

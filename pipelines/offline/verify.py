@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from seqpack.packer import Counters, PackConfig, validate
+from seqpack.packer.bounds import lower_bound
 from seqpack.packer.contract import restore_derived
 from seqpack.packer.stats import alignment_slack, length_histograms, stats_from_histograms
 from seqpack.packer.validate import Coverage
@@ -399,8 +400,9 @@ def _check_results(checks: list[_ShardCheck], cover: Coverage, manifest: Manifes
                np.zeros(config.max_segments + 1, np.int64))
     got = stats_from_histograms(used, nseg, config.seq_len,
                                 slack=sum(c.slack for c in checks)).to_dict()
-    # before the alignment counted in the bound (2026-12-07), a manifest recorded it without
-    plain = stats_from_histograms(used, nseg, config.seq_len).lower_bound_rows
+    # a manifest written before the bound counted the alignment holds the tokens' bound
+    plain = lower_bound(got["real_tokens"], got["num_segments"], config.seq_len,
+                        config.max_segments)
     for key in ("num_rows", "num_segments", "real_tokens", "lower_bound_rows",
                 "segments_per_row", "row_fill_histogram"):
         if key == "lower_bound_rows" and recorded[key] == plain:
