@@ -164,10 +164,11 @@ class Coverage:
     2**64 (`_marks`: 64-bit hashes). Pieces that are t tilings of [0, c) sum to
     t * (mark(e, 0) - mark(e, c)), their ends telescoping; a gap, an overlap or a piece too
     many or too few leaves other marks in the sum, which then differs but by chance (2**-64 an
-    example). No sort: the pieces of a shard are added and dropped."""
+    example). No sort: the pieces of a shard are added and dropped. `first`: the number of
+    the first example held (pieces and problems name examples by their corpus number)."""
 
-    def __init__(self, lengths: np.ndarray, times: np.ndarray):
-        self.lengths, self.times = lengths, times
+    def __init__(self, lengths: np.ndarray, times: np.ndarray, first: int = 0):
+        self.lengths, self.times, self.first = lengths, times, first
         self.covered = np.zeros(lengths.size, np.int64)
         self.pieces = np.zeros(lengths.size, np.int32)
         self.sums = np.zeros(lengths.size, np.uint64)
@@ -176,36 +177,37 @@ class Coverage:
     def add(self, ex: np.ndarray, st: np.ndarray, ln: np.ndarray) -> None:
         if not ex.size:
             return
-        ex = ex.astype(np.intp, copy=False)
-        np.add.at(self.covered, ex, ln)
-        np.add.at(self.pieces, ex, 1)
-        np.add.at(self.sums, ex, _marks(ex, st) - _marks(ex, st.astype(np.int64) + ln))
+        at = ex.astype(np.intp) - self.first
+        np.add.at(self.covered, at, ln)
+        np.add.at(self.pieces, at, 1)
+        np.add.at(self.sums, at, _marks(ex, st) - _marks(ex, st.astype(np.int64) + ln))
         self.longest = max(self.longest, int(ln.max()))
 
     def check(self, config: PackConfig, chunk: int = 1 << 20
               ) -> tuple[list[str], dict[str, int]]:
         """The problems (at most 3 of each kind) and the `Counters` values the pieces give;
         examples a chunk at a time, so numpy's temporaries stay small."""
+        found, counts, want = self.findings(config, chunk)
+        return coverage_problems(found, counts), want
+
+    def findings(self, config: PackConfig, chunk: int = 1 << 20
+                 ) -> tuple[dict[str, list[str]], dict[str, int], dict[str, int]]:
+        """(the first 3 problems of each kind, how many of each kind, the `Counters` values):
+        what `check` reports, before `coverage_problems` words it (parts of a corpus checked
+        apart, e.g. input by input, merge by kind)."""
         found: dict[str, list[str]] = {"tiling": [], "kept": []}
         counts = {"tiling": 0, "kept": 0}
         want: dict[str, int] = {}
         for lo in range(0, max(self.lengths.size, 1), chunk):
             for key, value in self._check(slice(lo, lo + chunk), config, found, counts).items():
                 want[key] = want.get(key, 0) + value
-        problems = []
-        for kind, what in (("tiling", "whose pieces do not tile"),
-                           ("kept", "with tokens in no row")):
-            problems += found[kind]
-            if counts[kind] > len(found[kind]):
-                problems.append(f"{counts[kind] - len(found[kind])} more example(s) {what} "
-                                f"(the first {len(found[kind])} named)")
-        return problems, want
+        return found, counts, want
 
     def _check(self, part: slice, config: PackConfig, found: dict[str, list[str]],
                counts: dict[str, int]) -> dict[str, int]:
         lengths, times = self.lengths[part].astype(np.int64), self.times[part].astype(np.int64)
         covered, npieces = self.covered[part], self.pieces[part].astype(np.int64)
-        first = part.start
+        first = self.first + part.start
         taken = np.maximum(times, 1)
         kept = covered // taken  # each take's tokens, where the pieces are whole takes
         ids = np.arange(first, first + lengths.size, dtype=np.int64)
@@ -239,6 +241,17 @@ class Coverage:
                     num_examples=int(times.sum()), input_tokens=int((lengths * times).sum()),
                     empty_examples=int(times[lengths == 0].sum()))
         return want
+
+
+def coverage_problems(found: dict[str, list[str]], counts: dict[str, int]) -> list[str]:
+    """`Coverage.findings`' problems as lines, with "N more" where more were counted."""
+    problems = []
+    for kind, what in (("tiling", "whose pieces do not tile"), ("kept", "with tokens in no row")):
+        problems += found[kind]
+        if counts[kind] > len(found[kind]):
+            problems.append(f"{counts[kind] - len(found[kind])} more example(s) {what} "
+                            f"(the first {len(found[kind])} named)")
+    return problems
 
 
 def _policy(config: PackConfig) -> str:

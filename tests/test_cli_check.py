@@ -296,7 +296,7 @@ def test_inspect_row_column_aligned(packed):
     _, out = packed
     m = manifest_of(out)
     text = invoke("inspect", out, "--row", 21, "--width", 10).stdout
-    from seqpack.pipelines.offline.verify import read_shard
+    from seqpack.pipelines.offline.shards import read_shard
 
     row = {k: v[1] for k, v in read_shard(str(out), m["shards"][1]).items()}  # 20 rows per shard
     assert text.startswith(f"row 21 of {m['num_rows']:,} ({m['shards'][1]} record 1)")

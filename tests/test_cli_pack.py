@@ -13,7 +13,7 @@ from seqpack.packer.inputs import ragged_from_sequences
 from seqpack.pipelines.formats import encodings
 from seqpack.pipelines.formats.manifest import INTENT
 from seqpack.pipelines.formats.records import decode_row, encode_row
-from seqpack.pipelines.offline.verify import read_shard
+from seqpack.pipelines.offline.shards import read_shard
 from tests.helpers.files import (
     dir_bytes,
     invoke,

@@ -20,7 +20,8 @@ from seqpack.packer import PackConfig
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline import PackJob, WriteOptions
 from seqpack.pipelines.offline.runners import pack_to_dir
-from seqpack.pipelines.offline.verify import read_shard, verify
+from seqpack.pipelines.offline.shards import read_shard
+from seqpack.pipelines.offline.verify import verify
 from tests.helpers.files import dir_bytes, invoke, write_jsonl
 
 CONFIG = PackConfig(32, max_segments=4, overflow="split")

@@ -21,7 +21,8 @@ from seqpack.pipelines.formats.encodings import Layout
 from seqpack.pipelines.formats.manifest import file_digest, signed
 from seqpack.pipelines.offline import steps as beam_steps
 from seqpack.pipelines.offline.runners import pack_to_dir
-from seqpack.pipelines.offline.verify import read_row, read_shard, verify
+from seqpack.pipelines.offline.shards import read_shard
+from seqpack.pipelines.offline.verify import read_row, verify
 from tests.helpers.files import dir_bytes, invoke, write_jsonl
 from tests.helpers.formats import COLUMNS, CONFIG, job, write_sft
 from tests.helpers.pipelines import check_restore_every_step, stack

@@ -24,7 +24,7 @@ from seqpack.pipelines.datasets import (
     make_training_pipeline,
 )
 from seqpack.pipelines.formats.inputs import LossCount, ReadOptions, scan_file
-from seqpack.pipelines.offline.verify import read_shard
+from seqpack.pipelines.offline.shards import read_shard
 from tests.helpers.files import invoke, write_parquet
 
 L, B = 4096, 64

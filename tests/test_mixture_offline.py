@@ -20,7 +20,8 @@ from seqpack.pipelines.errors import UsageError
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline import PackJob, WriteOptions, pack
 from seqpack.pipelines.offline.mixture import MixSpec, select
-from seqpack.pipelines.offline.verify import read_shard, verify
+from seqpack.pipelines.offline.shards import read_shard
+from seqpack.pipelines.offline.verify import verify
 from tests.helpers.cloud import s3, s3_server  # noqa: F401
 from tests.helpers.files import dir_bytes, invoke, random_seqs, write_jsonl, write_parquet
 
@@ -422,3 +423,15 @@ def test_balanced_steps_of_a_mixture_verify_and_stats_use_their_step(data, tmp_p
     stats = json.loads(invoke("stats", out, "--json").output)["mixture"]
     assert stats["step_rows"] == 6 and stats["steps"] == json.loads(
         (out / "manifest.json").read_text())["num_rows"] // 6
+
+
+def test_a_natural_size_mixture_takes_no_example_twice_for_rounding_noise():
+    # the binding dataset's target is its whole size up to float noise (27.000000000000004):
+    # the noise once sampled its leading empty examples a second time
+    lengths = [np.array([9]), np.array([0, 1, 0, 0, 0, 0, 26]), np.array([7]), np.array([25])]
+    weights = {"d0": 1.0, "d1": 3.3125, "d2": 0.8125, "d3": 3.0}
+    spec = MixSpec([(n, [f"{n}.jsonl"]) for n in weights], weights, mix_unit="tokens", seed=0)
+    s = select(spec, lengths, lengths)
+    times = np.bincount(s.ref, minlength=10)
+    assert times.max() == 1
+    assert [d["examples"] for d in s.record["datasets"]][1] == 7

@@ -25,7 +25,7 @@ from seqpack.pipelines.formats.manifest import INTENT
 from seqpack.pipelines.offline import PackJob, WriteOptions
 from seqpack.pipelines.offline.job import SPILL_DIR
 from seqpack.pipelines.offline.runners import pack_to_dir
-from seqpack.pipelines.offline.verify import read_shard
+from seqpack.pipelines.offline.shards import read_shard
 from tests.helpers.files import (
     ROOT,
     dir_bytes,

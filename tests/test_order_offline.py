@@ -22,7 +22,8 @@ from seqpack.packer import PackConfig
 from seqpack.packer.order import CostModel, RowOrder
 from seqpack.pipelines.offline import PackJob, WriteOptions
 from seqpack.pipelines.offline.runners import pack_to_dir
-from seqpack.pipelines.offline.verify import read_shard, verify
+from seqpack.pipelines.offline.shards import read_shard
+from seqpack.pipelines.offline.verify import verify
 from tests.helpers.files import dir_bytes, write_jsonl
 
 CONFIG = PackConfig(64, max_segments=16, overflow="split")

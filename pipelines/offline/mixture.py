@@ -199,7 +199,8 @@ def select(spec: MixSpec, lengths: Sequence[np.ndarray], loss: Sequence[np.ndarr
         u, t = units[d], targets[d]
         epochs = int((t + 1e-9 * t) // available[d])
         picks = [rng.permutation(u.size) for _ in range(epochs)]
-        picks.append(_sample(u, t - epochs * available[d], rng))
+        rest = t - epochs * available[d]  # below rounding noise: none (not empty examples)
+        picks.append(_sample(u, rest if rest > 1e-9 * t else 0.0, rng))
         local = np.concatenate(picks).astype(np.int64)
         got = u[local]
         # the share of its target reached before each example: the interleaving key

@@ -19,24 +19,28 @@ a violation (a missing shard too), collected (first `max_violations`) in the ret
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Sequence
 
 import numpy as np
 
-from seqpack.packer import Counters, PackConfig, validate
-from seqpack.packer.bounds import lower_bound
+from seqpack.packer import Counters, PackConfig
 from seqpack.packer.contract import restore_derived
-from seqpack.packer.stats import alignment_slack, length_histograms, stats_from_histograms
 from seqpack.packer.validate import Coverage
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError
-from seqpack.pipelines.formats.encodings import of_manifest, with_segment_ids
+from seqpack.pipelines.formats.encodings import of_manifest
 from seqpack.pipelines.formats.inputs import ReadOptions, combined_lengths_sha256, fingerprint
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
-from seqpack.pipelines.offline.mixture import corpus_sources, example_times, loss_columns_of
-from seqpack.pipelines.offline.outdir import OutputDir
+from seqpack.pipelines.offline.checks import (
+    Collector,
+    ShardCheck,
+    Totals,
+    check_counters,
+    check_shard,
+    check_totals,
+)
+from seqpack.pipelines.offline.mixture import example_times, loss_columns_of
 from seqpack.pipelines.offline.runners import (
     Run,
     SpillReader,
@@ -45,7 +49,6 @@ from seqpack.pipelines.offline.runners import (
     read_inputs,
     save_context,
 )
-from seqpack.pipelines.offline.shards import loss_tokens, read_shard
 
 
 @dataclasses.dataclass
@@ -91,90 +94,29 @@ def read_row(output_dir: str, index: int) -> tuple[dict[str, np.ndarray], Manife
     return row, manifest, name, j
 
 
-class _Collector:
-    def __init__(self, limit: int):
-        self.items: list[str] = []
-        self.limit = limit
+class SpillSource:
+    """The local verify's `checks.Source`: every input's values, spilled by pass 1."""
 
-    found = 0  # every violation added, listed or not
+    def __init__(self, spills: dict[str, tuple[SpillReader, int]], offsets: np.ndarray):
+        self.spills, self.offsets = spills, offsets
+        self.num_examples = offsets.shape[0] - 1
 
-    def add(self, msg: str) -> None:
-        self.found += 1
-        if len(self.items) < self.limit:
-            self.items.append(msg)
+    def pads(self) -> dict[str, int]:
+        return {key: pad for key, (_, pad) in self.spills.items()}
 
-    @property
-    def full(self) -> bool:
-        return len(self.items) >= self.limit
+    def dtypes(self, key: str) -> list[np.dtype]:
+        return [np.dtype(run.dtype) for run in self.spills[key][0].runs]
 
+    def outside(self, ex: np.ndarray, st: np.ndarray, ln: np.ndarray) -> np.ndarray:
+        bad = (ex < 0) | (ex >= self.num_examples)
+        good = ~bad
+        lengths = self.offsets[ex[good] + 1] - self.offsets[ex[good]]
+        bad[good] |= st[good] + ln[good] > lengths
+        return bad
 
-def _check_tokens(batch, config, spills: dict[str, tuple[SpillReader, int]], offsets, shard,
-                  out: _Collector, wants: dict[str, np.ndarray] | None = None,
-                  verbatim: Sequence[str] | None = None):
-    """Every position of the rows, for the token feature and each extra column the shard
-    holds as read (`verbatim`, default all): segment values == source values (read from the
-    spill, `spills`: row key -> (reader, pad); `offsets`: i64[n + 1] of the examples), padding
-    == the pad. The rows the writer should have written are rebuilt from the segment metadata
-    and compared whole (and kept in `wants`, `[R, L]` each, every spilled key, when given).
-    Returns (example, start, length) of the used slots and the tokens checked."""
-    k = config.keys()
-    seg_len = batch[k.segment_lengths].astype(np.int64)
-    rows, slots = np.nonzero(seg_len > 0)
-    ex = batch[k.source_index][rows, slots]
-    st = batch[k.source_start][rows, slots]
-    ln = seg_len[rows, slots]
-    at = batch[k.segment_offsets][rows, slots].astype(np.int64)
-    n = offsets.shape[0] - 1
-    bad = (ex < 0) | (ex >= n)
-    good = ~bad
-    bad[good] |= st[good] + ln[good] > offsets[ex[good] + 1] - offsets[ex[good]]
-    if bad.any():
-        i = int(np.argmax(bad))
-        out.add(f"{shard} row {rows[i]} slot {slots[i]}: source example {ex[i]} [{st[i]}, "
-                f"{st[i] + ln[i]}) is not inside the {n} input examples")
-        keep = ~bad
-        rows, slots, ex, st, ln, at = (x[keep] for x in (rows, slots, ex, st, ln, at))
-    L = config.seq_len
-    for key, (reader, pad) in spills.items():
-        # Compared in the rows' dtype when every spilled value fits it (no value can wrap into
-        # it unseen), else widened; a column the encoding does not store as read is only
-        # rebuilt (for `_check_derived`).
-        stored = key == k.values or verbatim is None or key in verbatim
-        got = batch[key].reshape(-1) if stored else np.zeros(0, np.int64)
-        fits = all(np.can_cast(np.dtype(run.dtype), got.dtype) for run in reader.runs)
-        wide = got.dtype if fits else np.uint64 if got.dtype == np.uint64 else np.int64
-        want = np.full(batch[k.values].size, pad, wide)
-        reader.read_into(want, rows * L + at, offsets[ex] + st, ln)
-        if wants is not None:
-            wants[key] = want.reshape(-1, L)
-        if not stored:
-            continue
-        diff = np.flatnonzero(got.astype(wide, copy=False) != want)
-        if not diff.size:
-            continue
-        r, pos = divmod(int(diff[0]), L)
-        mine = np.flatnonzero((rows == r) & (at <= pos) & (pos < at + ln))
-        what = f"{diff.size} positions of {key!r} differ in this shard"
-        if mine.size:
-            i = int(mine[0])
-            out.add(f"{shard} row {r} slot {slots[i]} position {pos}: {key} {got[diff[0]]} != "
-                    f"{want[diff[0]]}, value {st[i] + pos - at[i]} of example {ex[i]} ({what})")
-        else:
-            out.add(f"{shard} row {r} position {pos}: {key} padding holds {got[diff[0]]}, "
-                    f"expected the pad {pad} ({what})")
-    return ex, st, ln, int(ln.sum())
-
-
-def _check_coverage(cover: Coverage, config, counters: Counters, out: _Collector) -> None:
-    """Each example's pieces tile [0, kept) `times[e]` times (`packer.validate.Coverage`); the
-    manifest's counters are the ones the pieces give."""
-    problems, want = cover.check(config)
-    for problem in problems:
-        out.add(problem)
-    have = counters.to_dict()
-    for key, value in want.items():
-        if have.get(key) != value:
-            out.add(f"manifest counter {key}={have.get(key)} but the rows give {value}")
+    def read_into(self, key: str, want: np.ndarray, dst: np.ndarray, ex: np.ndarray,
+                  st: np.ndarray, ln: np.ndarray, which: np.ndarray) -> None:
+        self.spills[key][0].read_into(want, dst, self.offsets[ex] + st, ln)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,103 +131,15 @@ class _VerifyContext:
     offsets_path: str  # i64[n + 1] example offsets (np.save; memory-mapped by the workers)
 
 
-@dataclasses.dataclass
-class _ShardCheck:
-    """What checking one shard found."""
-
-    violations: list[str]
-    pieces: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # (example, start, length)
-    used_hist: np.ndarray | None
-    nseg_hist: np.ndarray | None
-    tokens: int = 0
-    loss_tokens: int = 0
-    covered: bool = False  # its pieces went to the run's `Coverage`
-    slack: int = 0  # tokens the segment alignment adds (`packer.stats.alignment_slack`)
-
-
-def _check_derived(batch, wants: dict[str, np.ndarray], manifest: Manifest, shard: str,
-                   out: _Collector) -> None:
-    """The columns the encoding computes from the rows (TRL's labels and position ids,
-    Megatron-Bridge's loss mask) against the same computed from the rows rebuilt from the
-    inputs (`wants`) under the shard's own segment metadata."""
-    encoding, layout = of_manifest(manifest)
-    expected = with_segment_ids({k: v for k, v in batch.items() if k not in wants} | wants,
-                                layout.config)
-    for key, want in encoding.derived(expected, layout).items():
-        diff = np.flatnonzero(np.asarray(batch[key]).reshape(-1) != want.reshape(-1))
-        if diff.size:
-            r, pos = divmod(int(diff[0]), layout.config.seq_len)
-            out.add(f"{shard} row {r} position {pos}: {key} {batch[key][r, pos]} != "
-                    f"{want[r, pos]}, what the inputs give ({diff.size} positions of {key!r} "
-                    "differ in this shard)")
-
-
-def _verify_context(path: str) -> tuple[_VerifyContext, dict[str, tuple[SpillReader, int]],
-                                        np.ndarray]:
-    context = load_context(path)
+def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int, str],
+                 limit: int) -> ShardCheck:
+    """One shard, in a worker (`checks.check_shard`, its values read from the spill)."""
+    context = load_context(context_path)
     spills = {context.config.keys().values: (SpillReader(context.runs), context.config.pad_id)}
     spills.update((name, (SpillReader(runs), pad)) for name, pad, runs in context.columns)
-    return context, spills, np.load(context.offsets_path, mmap_mode="r")
-
-
-def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int, str],
-                 limit: int) -> _ShardCheck:
-    """One shard, in a worker: its digest, decoding, the row contract, tokens against the spill."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    context, spills, offsets = _verify_context(context_path)
-    config, out = context.config, _Collector(limit)
-    with ThreadPoolExecutor(1) as hasher:  # sha256 (no GIL) while the shard is decoded
-        found = hasher.submit(OutputDir(context.output_dir).digest, name)
-        try:
-            batch, error = read_shard(context.output_dir, name, num_rows, restore=False,
-                                      manifest=context.manifest), None
-        except InputError as e:
-            batch, error = {}, e
-        damaged = (held := found.result()) != tuple(digest)  # missing (None) too
-    if damaged:
-        out.add((f"{name}: missing ({num_rows} rows)" if held is None else
-                 f"{name}: size or sha256 differs from the manifest's ({digest[0]} bytes, "
-                 f"{digest[1][:12]}...): the shard was damaged or replaced after the run")
-                + " (`seqpack pack ... --resume` rewrites it)")
-    if error is not None:
-        if not damaged:  # a shard the manifest vouches for must decode
-            raise error
-        if held is not None:
-            out.add(f"{name}: cannot be decoded ({error})")
-        return _ShardCheck(out.items, None, None, None)
-    if not batch:
-        return _ShardCheck(out.items, None, None, None)
-    encoding, layout = of_manifest(context.manifest)
-    missing = [key for key in encoding.decoded_keys(layout) if key not in batch]
-    if missing:
-        out.add(f"{name}: the rows lack {missing}, which the manifest says every row holds")
-        return _ShardCheck(out.items, None, None, None)
-    for problem in corpus_sources(batch, context.manifest.mixture, config.keys()):
-        out.add(f"{name}: {problem}")  # a mixture's (dataset, index) as corpus examples
-    # Segment ids / positions only where stored (else they are made from what is checked);
-    # padding with the tokens, position by position (`_check_tokens`).
-    try:
-        validate(batch, config, derived=config.keys().segment_ids in batch, padding=False)
-    except ValueError as e:
-        out.add(f"{name}: {e}")
-    wants: dict[str, np.ndarray] = {}
-    try:  # still compare tokens and count pieces where the segment metadata allows it
-        ex, st, ln, n = _check_tokens(batch, config, spills, offsets, name, out, wants,
-                                      encoding.verbatim(layout))
-        _check_derived(batch, wants, context.manifest, name, out)
-        loss = loss_tokens(batch, context.manifest)
-    except (IndexError, KeyError, ValueError):
-        return _ShardCheck(out.items, None, None, None)
-    seg = batch[config.keys().segment_lengths]
-    used, nseg = length_histograms(seg, config.seq_len)
-    return _ShardCheck(out.items, (_narrow(ex), _narrow(st), _narrow(ln)), used, nseg, n, loss,
-                       slack=alignment_slack(seg, config.alignment))
-
-
-def _narrow(x: np.ndarray) -> np.ndarray:
-    """`x` as int32 where its values fit (the pieces a worker sends back: half the bytes)."""
-    return x.astype(np.int32) if not x.size or (x.min() >= 0 and x.max() < 2**31) else x
+    source = SpillSource(spills, np.load(context.offsets_path, mmap_mode="r"))
+    return check_shard(context.output_dir, name, num_rows, digest, context.manifest, source,
+                       limit)
 
 
 def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violations: int = 20,
@@ -296,10 +150,10 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
     the shards, one at a time each; the report does not depend on it."""
     manifest = read_manifest(output_dir, check_shards=False)  # damaged shards are violations
     config = manifest.pack_config()
-    out = _Collector(max_violations)
-    paths = _input_paths(manifest, inputs)
+    out = Collector(max_violations)
+    paths = input_paths(manifest, inputs)
     options = ReadOptions(**manifest.inputs["read_options"])
-    _check_tokenizer(manifest, options, out)
+    check_tokenizer(manifest, options, out)
     pool = Workers(workers)
     try:
         with storage.scratch("verify") as spill_dir:
@@ -307,7 +161,9 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
                 manifest.mixture, manifest.columns))
             scans, columns = read.scans, manifest.columns or []
             lengths = np.concatenate([s.lengths for s in scans])
-            _check_inputs(paths, [s.info for s in scans], lengths, manifest, out)
+            for i, (path, scan) in enumerate(zip(paths, scans)):
+                check_input(i, path, scan.info, manifest, out)
+            check_lengths([s.info for s in scans], manifest, out)
             times, problems = example_times(manifest.mixture, [s.lengths for s in scans],
                                             [s.loss_counts for s in scans])
             for problem in problems:
@@ -320,18 +176,21 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
                 [(c["name"], c["pad"], read.column_runs[c["source"]]) for c in columns],
                 manifest, os.path.join(spill_dir, "offsets.npy")))
             cover = Coverage(lengths, times)
-            checks = _check_shards(manifest, context, pool, out, cover)
+            totals = _check_shards(manifest, context, pool, out, cover)
     except BaseException:
         pool.close(kill=True)
         raise
     pool.close()
-    _check_results(checks, cover, manifest, out, output_dir)
+    if totals.covered:
+        check_counters(*cover.check(config), Counters(**manifest.stats["counters"]), out)
+    check_totals(totals, cover.longest, manifest, out, output_dir)
     return VerifyReport(not out.items, out.items, int(sum(manifest.shard_num_rows or [])),
-                        int(lengths.size), sum(c.tokens for c in checks),
+                        int(lengths.size), totals.tokens,
                         int(times.sum()) - int(np.count_nonzero(times)), out.found)
 
 
-def _input_paths(manifest: Manifest, inputs: Sequence[str] | None) -> list[str]:
+def input_paths(manifest: Manifest, inputs: Sequence[str] | None) -> list[str]:
+    """The inputs to verify against: `inputs`, or the manifest's paths; each must exist."""
     recorded = manifest.inputs["files"]
     paths = list(inputs) if inputs else [f["path"] for f in recorded]
     if len(paths) != len(recorded):
@@ -343,7 +202,7 @@ def _input_paths(manifest: Manifest, inputs: Sequence[str] | None) -> list[str]:
     return paths
 
 
-def _check_tokenizer(manifest: Manifest, options: ReadOptions, out: _Collector) -> None:
+def check_tokenizer(manifest: Manifest, options: ReadOptions, out: Collector) -> None:
     """The tokenizer verify reads with (the manifest's read options) against the fingerprint
     the run recorded."""
     tokenizer = manifest.inputs.get("tokenizer")
@@ -353,85 +212,40 @@ def _check_tokenizer(manifest: Manifest, options: ReadOptions, out: _Collector) 
                     f"sha256 differs from that of {tokenizer['path']} when they were packed)")
 
 
-def _check_inputs(paths: Sequence[str], files: list[dict], lengths: np.ndarray,
-                  manifest: Manifest, out: _Collector) -> None:
-    """Each input's fingerprint (a Megatron .bin's .idx too) and lengths against the manifest."""
-    for i, (path, info, rec) in enumerate(zip(paths, files, manifest.inputs["files"])):
-        pair: dict = info.get("companion") or {}
-        for got, was in ((info, rec), (pair, rec.get("companion") or {})):
-            for key in ("size", "sha256") if got else ():
-                if got[key] != was.get(key):
-                    out.add(f"input {i} ({path}): {key} {got[key]} of {got['path']} differs "
-                            f"from the packed input's {was.get(key)} ({was.get('path')})")
+def check_input(i: int, path: str, info: dict, manifest: Manifest, out: Collector) -> None:
+    """Input `i`'s fingerprint (a Megatron .bin's .idx too) against the manifest's."""
+    rec = manifest.inputs["files"][i]
+    pair: dict = info.get("companion") or {}
+    for got, was in ((info, rec), (pair, rec.get("companion") or {})):
+        for key in ("size", "sha256") if got else ():
+            if got[key] != was.get(key):
+                out.add(f"input {i} ({path}): {key} {got[key]} of {got['path']} differs "
+                        f"from the packed input's {was.get(key)} ({was.get('path')})")
+
+
+def check_lengths(files: list[dict], manifest: Manifest, out: Collector) -> None:
+    """Every input's example lengths (the digest of each, in input order) against the
+    manifest's."""
     if combined_lengths_sha256(files) != manifest.inputs["lengths_sha256"]:
-        out.add(f"the inputs' {lengths.size} example lengths differ from the packed inputs' "
-                f"{manifest.inputs['num_examples']}")
+        out.add(f"the inputs' {sum(f['num_examples'] for f in files)} example lengths differ "
+                f"from the packed inputs' {manifest.inputs['num_examples']}")
 
 
-def _check_shards(manifest: Manifest, context_path: str, pool: Workers, out: _Collector,
-                  cover: Coverage) -> list[_ShardCheck]:
+def _check_shards(manifest: Manifest, context_path: str, pool: Workers, out: Collector,
+                  cover: Coverage) -> Totals:
     """Every shard checked by a worker; their violations collected in shard order, their
     pieces added to `cover` as they come (and dropped)."""
     digests = list(zip(manifest.shard_bytes or [], manifest.shard_sha256 or []))
     calls = [(context_path, name, rows, digest, out.limit) for name, rows, digest in
              zip(manifest.shards, manifest.shard_num_rows or [], digests, strict=True)]
-    checks = []
+    totals, violations = Totals.zeros(manifest.pack_config()), []
     for check in pool.map(_check_shard, calls, len(calls), what="checking shards"):
+        totals.add(check)
         if check.pieces is not None:
             cover.add(*check.pieces)
-            check.pieces, check.covered = None, True
-        checks.append(check)
-    for v in (v for check in checks for v in check.violations):
-        out.add(v)
-    return checks
-
-
-def _check_results(checks: list[_ShardCheck], cover: Coverage, manifest: Manifest,
-                   out: _Collector, output_dir: str) -> None:
-    """Coverage of every example over all shards, and the manifest's stats against the rows."""
-    config = manifest.pack_config()
-    recorded = manifest.stats or {}
-    pieces = any(c.covered for c in checks)
-    if pieces:
-        _check_coverage(cover, config, Counters(**recorded["counters"]), out)
-    used = sum((c.used_hist for c in checks if c.used_hist is not None),
-               np.zeros(config.seq_len + 1, np.int64))
-    nseg = sum((c.nseg_hist for c in checks if c.nseg_hist is not None),
-               np.zeros(config.max_segments + 1, np.int64))
-    got = stats_from_histograms(used, nseg, config.seq_len,
-                                slack=sum(c.slack for c in checks)).to_dict()
-    # a manifest written before the bound counted the alignment holds the tokens' bound
-    plain = lower_bound(got["real_tokens"], got["num_segments"], config.seq_len,
-                        config.max_segments)
-    for key in ("num_rows", "num_segments", "real_tokens", "lower_bound_rows",
-                "segments_per_row", "row_fill_histogram"):
-        if key == "lower_bound_rows" and recorded[key] == plain:
-            continue
-        if got[key] != recorded[key]:
-            out.add(f"manifest stats {key}={recorded[key]} but the rows give {got[key]}")
-    if manifest.shapes is not None and pieces:
-        _check_shapes(manifest, used, nseg, cover.longest,
-                      sum(c.loss_tokens for c in checks), out, OutputDir(output_dir))
-
-
-def _check_shapes(manifest: Manifest, used: np.ndarray, nseg: np.ndarray, longest: int,
-                  loss: int, out: _Collector, where: OutputDir) -> None:
-    """The manifest's `shapes` against the rows, then the encoding's side files (Megatron-
-    Bridge's metadata) against the manifest."""
-    shapes = manifest.shapes or {}
-    filled, segs = np.flatnonzero(used), np.flatnonzero(nseg)
-    got = {"max_row_segments": int(segs[-1]) if segs.size else 0, "longest_segment": longest,
-           "shortest_row": int(filled[0]) if filled.size else 0, "loss_tokens": loss}
-    for key, value in got.items():
-        if shapes.get(key) != value:
-            out.add(f"manifest shapes {key}={shapes.get(key)} but the rows give {value}")
-    encoding, layout = of_manifest(manifest)
-    for name, want in encoding.side_files({"shapes": shapes, "stats": manifest.stats},
-                                          layout).items():
-        try:
-            have = where.read_json(name)
-        except (OSError, ValueError):
-            have = None
-        if have != json.loads(json.dumps(want)):
-            out.add(f"{where.path(name)}: {'differs from' if have else 'missing, not'} what "
-                    "the manifest gives (repack with `seqpack pack ... --overwrite`)")
+        violations.append(check)
+    for check in violations:
+        for v in check.violations:
+            out.add(v)
+        out.found += check.found - len(check.violations)  # past the shard's limit
+    return totals
