@@ -351,8 +351,17 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
               help="Stop listing after this many violations.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="Processes that read the inputs and check shards.  [default: the CPU count]")
-def verify(output_dir, inputs, max_violations, as_json, workers):
+              help="Processes that read the inputs and check shards (with --runner beam: the "
+                   "DirectRunner's direct_num_workers).  [default: the CPU count]")
+@click.option("--runner", type=click.Choice(["local", "beam"]), default="local",
+              show_default=True,
+              help="local: this machine (a spill of every input on its disk). beam: as an "
+                   "Apache Beam job, the same report (each worker holds one input or one "
+                   "shard; needs seqpack[beam]).")
+@click.option("--beam-option", "beam_options", multiple=True, metavar="KEY=VALUE",
+              help="A Beam pipeline option for --runner beam (repeatable), e.g. "
+                   "runner=DataflowRunner.")
+def verify(output_dir, inputs, max_violations, as_json, workers, runner, beam_options):
     """Prove OUTPUT_DIR lossless against its INPUT files (default: the manifest's paths).
 
     Every input token must appear exactly once, in order within its segment, or be counted as
@@ -360,11 +369,22 @@ def verify(output_dir, inputs, max_violations, as_json, workers):
     and lists the first violations otherwise.
     """
     from seqpack.pipelines.offline import default_workers
-    from seqpack.pipelines.offline.verify import verify as run_verify
 
     # (a repeat is checked against the manifest's inputs, which may hold one)
-    report = run_verify(output_dir, _expand(inputs, allow_duplicates=True),
-                        max_violations=max_violations, workers=workers or default_workers())
+    paths = _expand(inputs, allow_duplicates=True)
+    if runner == "beam":
+        from seqpack.pipelines.offline.runners import verify_beam
+
+        report = verify_beam(output_dir, paths, max_violations=max_violations,
+                             beam_options=beam_options, workers=workers,
+                             quiet=not os.environ.get("SEQPACK_DEBUG"))
+    else:
+        from seqpack.pipelines.offline.verify import verify as run_verify
+
+        if beam_options:
+            raise click.UsageError("--beam-option is for --runner beam")
+        report = run_verify(output_dir, paths, max_violations=max_violations,
+                            workers=workers or default_workers())
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     elif report.ok:

@@ -19,6 +19,7 @@ import numpy as np
 
 from seqpack.packer import Counters, PackConfig, validate
 from seqpack.packer.bounds import lower_bound
+from seqpack.packer.contract import ragged_arange
 from seqpack.packer.stats import alignment_slack, length_histograms, stats_from_histograms
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.encodings import of_manifest, with_segment_ids
@@ -40,6 +41,12 @@ class Collector:
         self.found += 1
         if len(self.items) < self.limit:
             self.items.append(msg)
+
+    def merge(self, items: Sequence[str], found: int) -> None:
+        """Another collector's violations (`found` of them, `items` listed)."""
+        for msg in items:
+            self.add(msg)
+        self.found += found - len(items)
 
     @property
     def full(self) -> bool:
@@ -64,6 +71,46 @@ class Source(Protocol):
                   st: np.ndarray, ln: np.ndarray, which: np.ndarray) -> None:
         """want[dst[i] : dst[i] + ln[i]] = piece i's source values of `key` (`which`: the
         pieces' places among the shard's used slots, in row-major order)."""
+
+
+@dataclasses.dataclass
+class RoutedPart:
+    """Some pieces of a shard (their places among its used slots) with their source values."""
+
+    slots: np.ndarray
+    lengths: np.ndarray
+    values: dict[str, np.ndarray]
+
+
+class RoutedSource:
+    """The distributed verify's `Source`: the values inputs routed to one shard."""
+
+    def __init__(self, parts: list[RoutedPart], pads: dict[str, int], num_examples: int):
+        self._pads, self.num_examples, self.parts = pads, num_examples, parts
+        slots = np.concatenate([p.slots for p in parts] + [np.zeros(0, np.int64)])
+        lengths = np.concatenate([p.lengths for p in parts] + [np.zeros(0, np.int64)])
+        self.slots = slots.astype(np.int64)
+        self.start = np.zeros(int(self.slots.max()) + 1 if slots.size else 0, np.int64)
+        self.start[self.slots] = np.cumsum(lengths) - lengths
+
+    def pads(self) -> dict[str, int]:
+        return self._pads
+
+    def dtypes(self, key: str) -> list[np.dtype]:
+        return [p.values[key].dtype for p in self.parts]
+
+    def outside(self, ex: np.ndarray, st: np.ndarray, ln: np.ndarray) -> np.ndarray:
+        bad = np.ones(ex.size, bool)  # an input routes a piece only if its example holds it
+        bad[self.slots[self.slots < ex.size]] = False
+        return bad
+
+    def read_into(self, key: str, want: np.ndarray, dst: np.ndarray, ex: np.ndarray,
+                  st: np.ndarray, ln: np.ndarray, which: np.ndarray) -> None:
+        values = [p.values[key] for p in self.parts]
+        kind = np.result_type(*values) if values else want.dtype
+        joined = np.concatenate([v.astype(np.int64 if kind.kind == "f" else kind, copy=False)
+                                 for v in values] + [np.zeros(0, want.dtype)])
+        want[ragged_arange(dst, ln)] = joined[ragged_arange(self.start[which], ln)]
 
 
 @dataclasses.dataclass

@@ -20,26 +20,36 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from seqpack.packer import Counters, PackConfig
-from seqpack.packer.contract import restore_derived
-from seqpack.packer.validate import Coverage
+from seqpack.packer.contract import ragged_arange, restore_derived
+from seqpack.packer.validate import Coverage, coverage_problems
 from seqpack.pipelines import storage
-from seqpack.pipelines.errors import InputError
+from seqpack.pipelines.errors import InputError, one_line
 from seqpack.pipelines.formats.encodings import of_manifest
-from seqpack.pipelines.formats.inputs import ReadOptions, combined_lengths_sha256, fingerprint
+from seqpack.pipelines.formats.inputs import (
+    ReadOptions,
+    combined_lengths_sha256,
+    fingerprint,
+    read_corpus,
+)
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline.checks import (
     Collector,
+    RoutedPart,
+    RoutedSource,
     ShardCheck,
     Totals,
     check_counters,
     check_shard,
     check_totals,
+    decode_shard,
+    used_slots,
 )
+from seqpack.pipelines.offline.core import FileScan
 from seqpack.pipelines.offline.mixture import example_times, loss_columns_of
 from seqpack.pipelines.offline.runners import (
     Run,
@@ -182,7 +192,7 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
         raise
     pool.close()
     if totals.covered:
-        check_counters(*cover.check(config), Counters(**manifest.stats["counters"]), out)
+        check_counters(*cover.check(config), Counters(**(manifest.stats or {})["counters"]), out)
     check_totals(totals, cover.longest, manifest, out, output_dir)
     return VerifyReport(not out.items, out.items, int(sum(manifest.shard_num_rows or [])),
                         int(lengths.size), totals.tokens,
@@ -245,7 +255,177 @@ def _check_shards(manifest: Manifest, context_path: str, pool: Workers, out: Col
             cover.add(*check.pieces)
         violations.append(check)
     for check in violations:
-        for v in check.violations:
-            out.add(v)
-        out.found += check.found - len(check.violations)  # past the shard's limit
+        out.merge(check.violations, check.found)
     return totals
+
+
+# -- the distributed verify: the steps the Beam and Spark runners map -------------------------
+#
+#   per shard   shard_pieces   its used slots, as (shard, slot number, example, start, length)
+#                              grouped by the input that holds the example
+#   per input   input_parts    reads the input once: its fingerprint, each example's coverage
+#                              by the pieces, and the pieces' values, grouped by shard
+#   per shard   check_routed   `checks.check_shard` over the values routed to it
+#   once        finish_verify  the violations in the local verify's order, the totals
+#
+# Nothing per example meets in one place; an input's worker holds that input, a shard's its
+# rows and their values (a mixture's run counts also each example's takes, once).
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyJob:
+    """What every step of a distributed verify reads."""
+
+    output_dir: str
+    paths: list[str]
+    manifest: Manifest
+    limit: int  # violations listed, per step and in all
+
+    @property
+    def firsts(self) -> np.ndarray:
+        """i64[n + 1]: each input's first example, then the number of examples."""
+        counts = [f["num_examples"] for f in self.manifest.inputs["files"]]
+        return np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+
+    def pads(self) -> dict[str, int]:
+        """The keys the rows take from the inputs -> their pads."""
+        config = self.manifest.pack_config()
+        return {config.keys().values: config.pad_id} | {
+            c["name"]: c["pad"] for c in self.manifest.columns or []}
+
+
+@dataclasses.dataclass
+class InputCheck:
+    """What checking one input (`input_parts`) found."""
+
+    index: int
+    violations: list[str]
+    found: int = 0
+    info: dict | None = None  # its fingerprint, lengths digest and counts
+    coverage: tuple[dict, dict, dict] | None = None  # `Coverage.findings` of its examples
+    longest: int = 0
+    error: str | None = None  # the input cannot be read (the run fails with it)
+
+
+def plan_verify(output_dir: str, inputs: Sequence[str] | None, max_violations: int
+                ) -> tuple[VerifyJob, Collector]:
+    """The job, and the violations found before any step runs (the tokenizer's)."""
+    manifest = read_manifest(output_dir, check_shards=False)
+    out = Collector(max_violations)
+    check_tokenizer(manifest, ReadOptions(**manifest.inputs["read_options"]), out)
+    return VerifyJob(output_dir, input_paths(manifest, inputs), manifest, max_violations), out
+
+
+def shard_pieces(shard: int, job: VerifyJob) -> list[tuple[int, np.ndarray]]:
+    """(input, i64[5, k]: shard, slot number, example, start, length) of a shard's used slots
+    whose example is an input's; none if the shard cannot be read (`check_routed` says why)."""
+    manifest = job.manifest
+    batch = decode_shard(job.output_dir, manifest.shards[shard],
+                         (manifest.shard_num_rows or [])[shard], manifest)
+    if not batch:
+        return []
+    _, _, ex, st, ln, _ = used_slots(batch, manifest.pack_config())
+    firsts = job.firsts
+    table = np.stack([np.full(ex.size, shard), np.arange(ex.size), ex, st, ln])
+    table = table[:, (ex >= 0) & (ex < firsts[-1])]
+    owner = np.searchsorted(firsts, table[2], side="right") - 1
+    return [(int(i), table[:, owner == i]) for i in np.unique(owner).tolist()]
+
+
+def input_parts(index: int, pieces: Iterable[np.ndarray], times: np.ndarray | None,
+                job: VerifyJob) -> tuple[InputCheck, list[tuple[int, RoutedPart]]]:
+    """Input `index` read once: its check (fingerprint, each of its examples covered by the
+    `pieces` `shard_pieces` gave it, `times` over: a mixture's takes of every corpus example,
+    None: once each) and the pieces' values, by shard."""
+    manifest, config, first = job.manifest, job.manifest.pack_config(), int(job.firsts[index])
+    try:
+        corpus = read_corpus([job.paths[index]], ReadOptions(**manifest.inputs["read_options"]))
+    except (InputError, ValueError, OSError) as e:
+        return InputCheck(index, [], error=one_line(e)), []
+    out = Collector(job.limit)
+    check_input(index, job.paths[index], corpus.files[0], manifest, out)
+    lengths, offsets = corpus.lengths, corpus.offsets
+    shard, slot, ex, st, ln = np.concatenate([np.zeros((5, 0), np.int64), *pieces], axis=1)
+    local = ex - first
+    inside = (local < lengths.size) & (st >= 0)
+    inside[inside] &= st[inside] + ln[inside] <= lengths[local[inside]]
+    order = np.flatnonzero(inside)[np.argsort(shard[inside], kind="stable")]  # by shard
+    shard, slot, ex, st, ln, local = (x[order] for x in (shard, slot, ex, st, ln, local))
+    once = np.broadcast_to(np.ones(1, np.int64), lengths.shape)
+    cover = Coverage(lengths, once if times is None else times[first:first + lengths.size],
+                     first)
+    cover.add(ex, st, ln)
+    at = ragged_arange(offsets[local] + st, ln)
+    values = {config.keys().values: corpus.values[at]} | {
+        c["name"]: corpus.extra_values[c["source"]][at] for c in manifest.columns or []}
+    cuts = np.flatnonzero(np.diff(shard)) + 1
+    lo, hi = np.concatenate(([0], cuts)), np.concatenate((cuts, [shard.size]))
+    ends = np.concatenate(([0], np.cumsum(ln)))
+    parts = [(int(shard[i]), RoutedPart(slot[i:j], ln[i:j], {
+        key: v[ends[i]:ends[j]] for key, v in values.items()}))
+        for i, j in zip(lo.tolist(), hi.tolist()) if j > i]
+    return InputCheck(index, out.items, out.found, corpus.files[0], cover.findings(config),
+                      cover.longest), parts
+
+
+def check_routed(shard: int, parts: Iterable[RoutedPart], job: VerifyJob) -> ShardCheck:
+    """Shard `shard` checked against the values its inputs routed to it; its pieces counted
+    (their coverage is the inputs'), not kept."""
+    manifest = job.manifest
+    digest = ((manifest.shard_bytes or [])[shard], (manifest.shard_sha256 or [])[shard])
+    source = RoutedSource(list(parts), job.pads(), int(job.firsts[-1]))
+    check = check_shard(job.output_dir, manifest.shards[shard],
+                        (manifest.shard_num_rows or [])[shard], digest, manifest, source,
+                        job.limit)
+    check.covered, check.pieces = check.pieces is not None, None
+    return check
+
+
+def mixture_times(scans: Sequence[FileScan], job: VerifyJob
+                  ) -> tuple[np.ndarray | None, list[str]]:
+    """A mixture's takes of every corpus example and what differs from its record, from every
+    input's scan (`steps.scan_file` with the loss columns); (None, []) without a mixture."""
+    if not job.manifest.mixture:
+        return None, []
+    scans = sorted(scans, key=lambda s: s.index)
+    for scan in scans:
+        if scan.error is not None:
+            raise InputError(scan.error)
+    return example_times(job.manifest.mixture, [s.lengths for s in scans],
+                         [s.loss_counts for s in scans])
+
+
+def finish_verify(job: VerifyJob, out: Collector, inputs: Sequence[InputCheck],
+                  shards: Sequence[tuple[int, list[str], int]], totals: Totals,
+                  times: tuple[np.ndarray | None, list[str]]) -> VerifyReport:
+    """The report from every step's findings (`shards`: shard, violations, found), in the
+    order the local verify gives them; an input that cannot be read raises its InputError."""
+    inputs = sorted(inputs, key=lambda c: c.index)
+    for check in inputs:
+        if check.error is not None:
+            raise InputError(check.error)
+    for check in inputs:
+        out.merge(check.violations, check.found)
+    check_lengths([c.info or {} for c in inputs], job.manifest, out)
+    for problem in times[1]:
+        out.add(problem)
+    for _, items, listed in sorted(shards, key=lambda s: s[0]):
+        out.merge(items, listed)
+    found: dict[str, list[str]] = {"tiling": [], "kept": []}
+    counts: dict[str, int] = {"tiling": 0, "kept": 0}
+    want: dict[str, int] = {}
+    for part in (c.coverage for c in inputs if c.coverage is not None):
+        for kind in found:
+            found[kind] += part[0][kind][: 3 - len(found[kind])]
+            counts[kind] += part[1][kind]
+        for key, value in part[2].items():
+            want[key] = want.get(key, 0) + value
+    if totals.covered:
+        check_counters(coverage_problems(found, counts), want,
+                       Counters(**(job.manifest.stats or {})["counters"]), out)
+    check_totals(totals, max((c.longest for c in inputs), default=0), job.manifest, out,
+                 job.output_dir)
+    taken = times[0]
+    repeats = 0 if taken is None else int(taken.sum()) - int(np.count_nonzero(taken))
+    return VerifyReport(not out.items, out.items, int(sum(job.manifest.shard_num_rows or [])),
+                        int(job.firsts[-1]), totals.tokens, repeats, out.found)

@@ -4,7 +4,8 @@ A runner maps `offline.core`'s steps onto an executor; nothing of the job's logi
 twice. Arranged by role::
 
     local.py    the local runner (`pack_to_dir`): worker processes, a local token spill
-    beam.py     the Beam job (`pack_beam`): the steps of `offline.steps` as a pipeline
+    beam.py     the Beam job (`pack_beam`): the steps of `offline.steps` as a pipeline; and
+                `verify_beam`, `offline.verify`'s distributed steps as one
     spark.py    the Spark job (`pack_spark`): the same steps as RDD stages, by block and shard
     read.py     pass 1 (`read_inputs`), shared by pack and verify: inputs scanned in parallel,
                 tokens spilled; `scan_lengths`, the same scan without a spill (stats)
@@ -18,7 +19,7 @@ this package only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from seqpack.pipelines.offline.runners.local import pack_to_dir, plan_map
 from seqpack.pipelines.offline.runners.read import (
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Pass1", "Progress", "Run", "SpillReader", "Workers", "load_context", "pack_beam",
     "pack_spark", "pack_to_dir", "plan_map", "read_inputs", "save_context", "scan_lengths",
+    "verify_beam",
 ]
 
 
@@ -58,3 +60,13 @@ def pack_spark(job: PackJob, *, spark_options: Sequence[str] = (), quiet: bool =
     from seqpack.pipelines.offline.runners import spark
 
     return spark.pack_spark(job, spark_options=spark_options, quiet=quiet, progress=progress)
+
+
+def verify_beam(output_dir: str, inputs: Sequence[str] | None = None, *,
+                max_violations: int = 20, beam_options: Sequence[str] = (),
+                workers: int | None = None, quiet: bool = False) -> Any:
+    """`beam.verify_beam` (a VerifyReport), apache_beam imported when it runs."""
+    from seqpack.pipelines.offline.runners import beam
+
+    return beam.verify_beam(output_dir, inputs, max_violations=max_violations,
+                            beam_options=beam_options, workers=workers, quiet=quiet)

@@ -56,6 +56,8 @@ is run. `pipeline_options` refuses it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -72,6 +74,7 @@ from seqpack.pipelines.formats.inputs import LossCount, ReadOptions
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import steps
 from seqpack.pipelines.offline.job import PackJob, default_workers, output_session
+from seqpack.pipelines.offline.mixture import loss_columns_of
 from seqpack.pipelines.offline.outdir import ERROR, OutputDir
 from seqpack.pipelines.offline.record import ShardFacts
 from seqpack.pipelines.offline.shards import WriteOptions
@@ -289,6 +292,112 @@ def pack_beam(job: PackJob, *, beam_options: Sequence[str] = (), quiet: bool = F
         if log_path is not None and not keep_log:
             os.remove(log_path)
     return read_manifest(job.output)
+
+
+def build_verify(p: Any, job: Any, out: Any, report: tuple[str, str]) -> None:
+    """Adds `offline.verify`'s distributed steps for `job` (a `VerifyJob`) to pipeline `p`:
+    shards to the inputs their pieces come from, inputs to the shards their values go to; the
+    report (`out`: the violations found before) or the error that stops it goes to `report`
+    (directory, name) as JSON."""
+    from seqpack.pipelines.offline import verify
+
+    m, n = job.manifest, len(job.manifest.shards)
+    keyed = (lambda name, keys: p | name >> beam.Create([(k, None) for k in keys]))
+    scans = (p | "ScanInputs" >> beam.Create(list(enumerate(job.paths)) if m.mixture else [])
+             | "SpreadScans" >> beam.Reshuffle()
+             | "Scan" >> beam.Map(_scan, ReadOptions(**m.inputs["read_options"]),
+                                  loss_columns_of(m.mixture, m.columns)))
+    times = beam.pvalue.AsSingleton(scans | "GatherScans" >> beam.combiners.ToList()
+                                    | "Takes" >> beam.Map(_times, job))
+    pieces = (p | "Shards" >> beam.Create(list(range(n))) | "SpreadShards" >> beam.Reshuffle()
+              | "ShardPieces" >> beam.FlatMap(verify.shard_pieces, job))
+    routed = (
+        (pieces, keyed("EveryInput", range(len(job.paths)))) | "AllInputs" >> beam.Flatten()
+        | "GroupByInput" >> beam.GroupByKey()
+        | "InputParts" >> beam.Map(lambda kv, t: verify.input_parts(
+            kv[0], [x for x in kv[1] if x is not None], t[0], job), times))
+    checked = (
+        (routed | "Parts" >> beam.FlatMap(lambda r: r[1]), keyed("EveryShard", range(n)))
+        | "AllShards" >> beam.Flatten() | "GroupByShard" >> beam.GroupByKey()
+        | "CheckShards" >> beam.Map(lambda kv: (kv[0], verify.check_routed(
+            kv[0], [x for x in kv[1] if x is not None], job))))
+    zero = verify.Totals.zeros(m.pack_config())
+    totals = (checked | "Totals" >> beam.Map(lambda c: _totals(c[1], zero))
+              | "SumTotals" >> beam.CombineGlobally(lambda ts: functools.reduce(
+                  verify.Totals.merge, ts, zero)))
+    side = [beam.pvalue.AsSingleton(x) for x in (
+        routed | "InputChecks" >> beam.Map(lambda r: r[0])
+        | "GatherInputChecks" >> beam.combiners.ToList(),
+        checked | "Found" >> beam.Map(lambda c: (c[0], c[1].violations, c[1].found))
+        | "GatherFound" >> beam.combiners.ToList(), totals)]
+    _ = (p | "Once" >> beam.Create([None])
+         | "FinishVerify" >> beam.Map(_finish_verify, job, out, report, times, *side))
+
+
+def _times(scans: list[steps.FileScan], job: Any) -> tuple[Any, list[str], str | None]:
+    from seqpack.pipelines.offline.verify import mixture_times
+
+    try:
+        return (*mixture_times(scans, job), None)
+    except InputError as e:
+        return None, [], one_line(e)
+
+
+def _totals(check: Any, zero: Any) -> Any:
+    totals = dataclasses.replace(zero)
+    totals.add(check)
+    return totals
+
+
+def _finish_verify(_: None, job: Any, out: Any, report: tuple[str, str], times: tuple,
+                   inputs: list, found: list, totals: Any) -> None:
+    from seqpack.pipelines.offline.verify import finish_verify
+
+    where = OutputDir(report[0])
+    try:
+        if times[2] is not None:
+            raise InputError(times[2])
+        done = finish_verify(job, out, inputs, found, totals, times[:2])
+        where.write_json(report[1], {"report": done.to_dict()})
+    except InputError as e:
+        where.write_json(report[1], {"error": one_line(e)})
+
+
+def verify_beam(output_dir: str, inputs: Sequence[str] | None = None, *,
+                max_violations: int = 20, beam_options: Sequence[str] = (),
+                workers: int | None = None, quiet: bool = False) -> Any:
+    """`offline.verify.verify` as a Beam job (see `build_verify`); returns its VerifyReport.
+    The report travels through a temporary file: local with the DirectRunner, else in
+    OUTPUT_DIR (every worker of a cluster sees it), removed once read."""
+    from seqpack.pipelines.offline.verify import VerifyReport, plan_verify
+
+    job, out = plan_verify(output_dir, inputs, max_violations)
+    options = pipeline_options(beam_options, workers)
+    direct = options.get_all_options().get("runner") in (None, "DirectRunner", "direct")
+    log_path, keep_log = None, False
+    if quiet:
+        fd, log_path = tempfile.mkstemp(prefix="seqpack-beam-", suffix=".log")
+        os.close(fd)
+    with tempfile.TemporaryDirectory(prefix="seqpack-verify-") as local:
+        where = OutputDir(local if direct else output_dir)
+        report = (where.location, f"verify-report-{os.getpid()}.json")
+        try:
+            with _output_to(log_path), beam.Pipeline(options=options) as p:
+                build_verify(p, job, out, report)
+            result = where.read_json(report[1])
+        except Exception as e:
+            keep_log = log_path is not None
+            if not keep_log:
+                raise
+            raise RuntimeError(f"the Beam job failed: {_cause(e)} (Beam's log: {log_path})") \
+                from e
+        finally:
+            where.remove(report[1])
+            if log_path is not None and not keep_log:
+                os.remove(log_path)
+    if "error" in result:
+        raise InputError(result["error"])
+    return VerifyReport(**result["report"])
 
 
 def _cause(e: BaseException) -> str:

@@ -1,0 +1,150 @@
+"""The distributed verify's steps (`offline.verify`: shard_pieces, input_parts, check_routed,
+finish_verify) give the local verify's report: the same verdict, counts and violations."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from seqpack.pipelines.formats.manifest import signed
+from seqpack.pipelines.offline.verify import verify
+from tests.helpers.files import invoke, random_seqs, write_jsonl
+from tests.helpers.verify_steps import verify_by_steps
+from tests.test_cli_check import rewrite_shard
+
+SEQS = random_seqs(300, max_len=60, seed=12) + [list(range(150))]
+ARGS = ["--seq-len", 64, "--max-segments", 8, "--shard-rows", 20, "--workers", 1]
+
+
+def _same(out, inputs=None, limit=20):
+    local = verify(str(out), inputs, max_violations=limit)
+    steps = verify_by_steps(out, inputs, limit)
+    assert steps.to_dict() == local.to_dict()
+    return local
+
+
+@pytest.fixture
+def two_inputs(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", SEQS[:150])
+    b = write_jsonl(tmp_path / "b.jsonl", SEQS[150:])
+    out = tmp_path / "out"
+    invoke("pack", a, b, "-o", out, "--overflow", "split", *ARGS)
+    return [str(a), str(b)], out
+
+
+@pytest.mark.parametrize("overflow", ["split", "truncate", "drop"])
+def test_clean_runs_agree(tmp_path, overflow):
+    a = write_jsonl(tmp_path / "a.jsonl", SEQS)
+    out = tmp_path / "out"
+    invoke("pack", a, "-o", out, "--overflow", overflow, *ARGS)
+    report = _same(out)
+    assert report.ok and report.num_examples == len(SEQS)
+
+
+@pytest.mark.parametrize("fmt", ["arrayrecord", "parquet", "hf", "megatron", "index"])
+def test_columns_and_encodings_agree(tmp_path, fmt):
+    rng = np.random.default_rng(3)
+    seqs = random_seqs(120, max_len=50, seed=7)
+    labels = [[-100 if rng.random() < 0.5 else t for t in s] for s in seqs]
+    pq.write_table(pa.table({"input_ids": seqs, "labels": labels}), tmp_path / "in.parquet")
+    out = tmp_path / "out"
+    invoke("pack", tmp_path / "in.parquet", "-o", out, "--column", "input_ids", "--column",
+           "labels", "--format", fmt, *ARGS)
+    assert _same(out).ok
+
+
+def test_a_mixture_agrees(tmp_path):
+    chat = write_jsonl(tmp_path / "chat.jsonl", random_seqs(200, max_len=40, seed=1))
+    math = write_jsonl(tmp_path / "math.jsonl", random_seqs(60, max_len=60, seed=2))
+    out = tmp_path / "out"
+    invoke("pack", "--mix", f"chat={chat}", "--mix", f"math={math}", "--weights",
+           "chat=0.3,math=0.7", "--mix-tokens", 6000, "-o", out, *ARGS)
+    report = _same(out)
+    assert report.ok and report.repeats > 0
+
+
+def _damage(paths, out, tmp_path) -> list[str]:
+    """A changed token, a duplicated and a lost row, a missing shard, a wrong counter and a
+    changed input; the inputs to verify against."""
+    m = json.loads((out / "manifest.json").read_text())
+
+    def edit(rows):
+        rows[3]["tokens"][2] += 1
+        return [rows[0], *rows[:-1]]
+
+    rewrite_shard(out, m["shards"][1], edit)
+    (out / m["shards"][4]).unlink()
+    m["stats"]["counters"]["split_examples"] = 0
+    (out / "manifest.json").write_text(json.dumps(signed(m)))
+    seqs = [list(s) for s in SEQS[150:]]
+    seqs[7][0] = (seqs[7][0] + 1) % 1000
+    return [paths[0], write_jsonl(tmp_path / "b2.jsonl", seqs)]
+
+
+DAMAGE = ("differs from the packed input", "position 2: token", "missing (20 rows)",
+          "tokens duplicated", "are not in any row", "split_examples=0")
+
+
+def test_damage_is_reported_alike(two_inputs, tmp_path):
+    paths, out = two_inputs
+    inputs = _damage(paths, out, tmp_path)
+    report = _same(out, inputs, limit=50)
+    text = "\n".join(report.violations)
+    for what in DAMAGE:
+        assert what in text, (what, text)
+    assert report.found > 6
+    short = verify_by_steps(out, inputs, 3)
+    assert len(short.violations) == 3 and short.found == report.found
+
+
+def test_an_input_that_cannot_be_read_is_an_input_error(two_inputs, tmp_path):
+    paths, out = two_inputs
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": [1, 2]}\nnot json\n')
+    from seqpack.pipelines.errors import InputError
+
+    with pytest.raises(InputError, match="bad.jsonl"):
+        verify_by_steps(out, [paths[0], str(bad)])
+
+
+def test_local_verify_refuses_beam_options(two_inputs):
+    _, out = two_inputs
+    result = invoke("verify", out, "--beam-option", "direct_num_workers=2", ok=False)
+    assert result.exit_code == 2 and "--beam-option is for --runner beam" in result.output
+
+
+@pytest.mark.slow
+def test_the_beam_job_reports_what_the_local_verify_reports(two_inputs, tmp_path):
+    beam = pytest.importorskip("seqpack.pipelines.offline.runners.beam",
+                               reason="the Beam job needs seqpack[beam]")
+    paths, out = two_inputs
+    assert beam.verify_beam(str(out), workers=2, quiet=True) == verify(str(out))
+    inputs = _damage(paths, out, tmp_path)
+    got = beam.verify_beam(str(out), inputs, max_violations=50, workers=2, quiet=True)
+    assert got == verify(str(out), inputs, max_violations=50) and not got.ok
+    result = invoke("verify", out, *inputs, "--runner", "beam", "--workers", 2,
+                    "--max-violations", 4, ok=False)
+    assert result.exit_code == 1 and result.stdout.count("\n") == 4
+    assert f"FAILED: {got.found} violation(s) found, the first 4 listed" in result.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"tokens": [1, 2]}\nnot json\n')
+    result = invoke("verify", out, paths[0], bad, "--runner", "beam", ok=False)
+    assert result.exit_code == 2 and result.output.startswith("Error: ") and "bad.jsonl" in \
+        result.output, result.output
+
+
+@pytest.mark.slow
+def test_the_beam_job_verifies_a_mixture(tmp_path):
+    beam = pytest.importorskip("seqpack.pipelines.offline.runners.beam",
+                               reason="the Beam job needs seqpack[beam]")
+    chat = write_jsonl(tmp_path / "chat.jsonl", random_seqs(200, max_len=40, seed=1))
+    math = write_jsonl(tmp_path / "math.jsonl", random_seqs(60, max_len=60, seed=2))
+    out = tmp_path / "out"
+    invoke("pack", "--mix", f"chat={chat}", "--mix", f"math={math}", "--weights",
+           "chat=0.3,math=0.7", "--mix-tokens", 6000, "--format", "parquet", "-o", out, *ARGS)
+    got = beam.verify_beam(str(out), workers=2, quiet=True)
+    assert got == verify(str(out)) and got.ok and got.repeats > 0
