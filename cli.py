@@ -353,15 +353,18 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
 @click.option("--workers", type=click.IntRange(min=1), default=None,
               help="Processes that read the inputs and check shards (with --runner beam: the "
                    "DirectRunner's direct_num_workers).  [default: the CPU count]")
-@click.option("--runner", type=click.Choice(["local", "beam"]), default="local",
+@click.option("--runner", type=click.Choice(["local", "beam", "spark"]), default="local",
               show_default=True,
-              help="local: this machine (a spill of every input on its disk). beam: as an "
-                   "Apache Beam job, the same report (each worker holds one input or one "
-                   "shard; needs seqpack[beam]).")
+              help="local: this machine (a spill of every input on its disk). beam, spark: as "
+                   "an Apache Beam or Spark job, the same report (each worker holds one input "
+                   "or one shard; needs seqpack[beam] or seqpack[spark]).")
 @click.option("--beam-option", "beam_options", multiple=True, metavar="KEY=VALUE",
               help="A Beam pipeline option for --runner beam (repeatable), e.g. "
                    "runner=DataflowRunner.")
-def verify(output_dir, inputs, max_violations, as_json, workers, runner, beam_options):
+@click.option("--spark-option", "spark_options", multiple=True, metavar="KEY=VALUE",
+              help="For --runner spark (repeatable): master=URL or a Spark property.")
+def verify(output_dir, inputs, max_violations, as_json, workers, runner, beam_options,
+           spark_options):
     """Prove OUTPUT_DIR lossless against its INPUT files (default: the manifest's paths).
 
     Every input token must appear exactly once, in order within its segment, or be counted as
@@ -371,20 +374,23 @@ def verify(output_dir, inputs, max_violations, as_json, workers, runner, beam_op
     from seqpack.pipelines.offline import default_workers
 
     # (a repeat is checked against the manifest's inputs, which may hold one)
-    paths = _expand(inputs, allow_duplicates=True)
-    if runner == "beam":
-        from seqpack.pipelines.offline.runners import verify_beam
-
-        report = verify_beam(output_dir, paths, max_violations=max_violations,
-                             beam_options=beam_options, workers=workers,
-                             quiet=not os.environ.get("SEQPACK_DEBUG"))
-    else:
+    paths, quiet = _expand(inputs, allow_duplicates=True), not os.environ.get("SEQPACK_DEBUG")
+    for given, flag in ((beam_options, "beam"), (spark_options, "spark")):
+        if given and runner != flag:
+            raise click.UsageError(f"--{flag}-option is for --runner {flag}")
+    if runner == "local":
         from seqpack.pipelines.offline.verify import verify as run_verify
 
-        if beam_options:
-            raise click.UsageError("--beam-option is for --runner beam")
         report = run_verify(output_dir, paths, max_violations=max_violations,
                             workers=workers or default_workers())
+    else:
+        from seqpack.pipelines.offline import runners
+
+        options = {"beam_options": beam_options} if runner == "beam" else \
+            {"spark_options": spark_options}
+        report = getattr(runners, f"verify_{runner}")(
+            output_dir, paths, max_violations=max_violations, workers=workers, quiet=quiet,
+            **options)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     elif report.ok:

@@ -4,6 +4,7 @@ finish_verify) give the local verify's report: the same verdict, counts and viol
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pyarrow as pa
@@ -111,40 +112,52 @@ def test_an_input_that_cannot_be_read_is_an_input_error(two_inputs, tmp_path):
         verify_by_steps(out, [paths[0], str(bad)])
 
 
-def test_local_verify_refuses_beam_options(two_inputs):
+def test_runner_options_need_their_runner(two_inputs):
     _, out = two_inputs
     result = invoke("verify", out, "--beam-option", "direct_num_workers=2", ok=False)
     assert result.exit_code == 2 and "--beam-option is for --runner beam" in result.output
+    result = invoke("verify", out, "--runner", "beam", "--spark-option", "master=local[2]",
+                    ok=False)
+    assert result.exit_code == 2 and "--spark-option is for --runner spark" in result.output
+
+
+def _runner(name: str):
+    """The distributed verify of runner `name` (skipped without its extra, or Spark's Java)."""
+    if name == "spark" and shutil.which("java") is None:
+        pytest.skip("Spark needs Java 17+")
+    job = pytest.importorskip(f"seqpack.pipelines.offline.runners.{name}",
+                              reason=f"the {name} job needs seqpack[{name}]")
+    return getattr(job, f"verify_{name}")
 
 
 @pytest.mark.slow
-def test_the_beam_job_reports_what_the_local_verify_reports(two_inputs, tmp_path):
-    beam = pytest.importorskip("seqpack.pipelines.offline.runners.beam",
-                               reason="the Beam job needs seqpack[beam]")
+@pytest.mark.parametrize("runner", ["beam", "spark"])
+def test_a_distributed_job_reports_what_the_local_verify_reports(two_inputs, tmp_path, runner):
+    run = _runner(runner)
     paths, out = two_inputs
-    assert beam.verify_beam(str(out), workers=2, quiet=True) == verify(str(out))
+    assert run(str(out), workers=2, quiet=True) == verify(str(out))
     inputs = _damage(paths, out, tmp_path)
-    got = beam.verify_beam(str(out), inputs, max_violations=50, workers=2, quiet=True)
+    got = run(str(out), inputs, max_violations=50, workers=2, quiet=True)
     assert got == verify(str(out), inputs, max_violations=50) and not got.ok
-    result = invoke("verify", out, *inputs, "--runner", "beam", "--workers", 2,
+    result = invoke("verify", out, *inputs, "--runner", runner, "--workers", 2,
                     "--max-violations", 4, ok=False)
     assert result.exit_code == 1 and result.stdout.count("\n") == 4
     assert f"FAILED: {got.found} violation(s) found, the first 4 listed" in result.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"tokens": [1, 2]}\nnot json\n')
-    result = invoke("verify", out, paths[0], bad, "--runner", "beam", ok=False)
+    result = invoke("verify", out, paths[0], bad, "--runner", runner, ok=False)
     assert result.exit_code == 2 and result.output.startswith("Error: ") and "bad.jsonl" in \
         result.output, result.output
 
 
 @pytest.mark.slow
-def test_the_beam_job_verifies_a_mixture(tmp_path):
-    beam = pytest.importorskip("seqpack.pipelines.offline.runners.beam",
-                               reason="the Beam job needs seqpack[beam]")
+@pytest.mark.parametrize("runner", ["beam", "spark"])
+def test_a_distributed_job_verifies_a_mixture(tmp_path, runner):
+    run = _runner(runner)
     chat = write_jsonl(tmp_path / "chat.jsonl", random_seqs(200, max_len=40, seed=1))
     math = write_jsonl(tmp_path / "math.jsonl", random_seqs(60, max_len=60, seed=2))
     out = tmp_path / "out"
     invoke("pack", "--mix", f"chat={chat}", "--mix", f"math={math}", "--weights",
            "chat=0.3,math=0.7", "--mix-tokens", 6000, "--format", "parquet", "-o", out, *ARGS)
-    got = beam.verify_beam(str(out), workers=2, quiet=True)
+    got = run(str(out), workers=2, quiet=True)
     assert got == verify(str(out)) and got.ok and got.repeats > 0

@@ -14,6 +14,9 @@
 
 A shard the manifest vouches for that cannot be decoded is bad input (`InputError`); all else is
 a violation (a missing shard too), collected (first `max_violations`) in the returned report.
+The checks are `offline.checks`'; `verify` runs them on one machine over a spill of the inputs,
+the distributed steps below (`runners.verify_beam`, `runners.verify_spark`) with each input
+read by one worker and its values routed to the shards that hold them: the same report.
 """
 
 from __future__ import annotations

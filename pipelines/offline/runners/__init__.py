@@ -6,7 +6,8 @@ twice. Arranged by role::
     local.py    the local runner (`pack_to_dir`): worker processes, a local token spill
     beam.py     the Beam job (`pack_beam`): the steps of `offline.steps` as a pipeline; and
                 `verify_beam`, `offline.verify`'s distributed steps as one
-    spark.py    the Spark job (`pack_spark`): the same steps as RDD stages, by block and shard
+    spark.py    the Spark job (`pack_spark`): the same steps as RDD stages, by block and shard;
+                `verify_spark`, verify's as well
     read.py     pass 1 (`read_inputs`), shared by pack and verify: inputs scanned in parallel,
                 tokens spilled; `scan_lengths`, the same scan without a spill (stats)
     spill.py    pass 1's token spill (`SpillWriter`, `SpillReader`, `ExampleStarts`)
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Pass1", "Progress", "Run", "SpillReader", "Workers", "load_context", "pack_beam",
     "pack_spark", "pack_to_dir", "plan_map", "read_inputs", "save_context", "scan_lengths",
-    "verify_beam",
+    "verify_beam", "verify_spark",
 ]
 
 
@@ -70,3 +71,13 @@ def verify_beam(output_dir: str, inputs: Sequence[str] | None = None, *,
 
     return beam.verify_beam(output_dir, inputs, max_violations=max_violations,
                             beam_options=beam_options, workers=workers, quiet=quiet)
+
+
+def verify_spark(output_dir: str, inputs: Sequence[str] | None = None, *,
+                 max_violations: int = 20, spark_options: Sequence[str] = (),
+                 workers: int | None = None, quiet: bool = False) -> Any:
+    """`spark.verify_spark` (a VerifyReport), pyspark imported when it runs."""
+    from seqpack.pipelines.offline.runners import spark
+
+    return spark.verify_spark(output_dir, inputs, max_violations=max_violations,
+                              spark_options=spark_options, workers=workers, quiet=quiet)

@@ -62,9 +62,11 @@ import numpy as np
 
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError, RunFailed, UsageError, one_line, require
+from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import steps
 from seqpack.pipelines.offline.job import PackJob, default_workers, output_session
+from seqpack.pipelines.offline.mixture import loss_columns_of
 from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.runners.read import Progress, delay_seconds
 
@@ -331,16 +333,79 @@ def pack_spark(job: PackJob, *, spark_options: Sequence[str] = (), quiet: bool =
     temporary file, removed after the run unless the job failed unexpectedly (the error names
     it); `progress`: reading and writing progress, from the driver.
     """
-    conf = spark_conf(spark_options, job.workers)
+    with output_session(job) as out, _spark_job(spark_options, job.workers, quiet) as sc:
+        return _run(sc, job, out, progress)
+
+
+def verify_spark(output_dir: str, inputs: Sequence[str] | None = None, *,
+                 max_violations: int = 20, spark_options: Sequence[str] = (),
+                 workers: int | None = None, quiet: bool = False) -> Any:
+    """`offline.verify.verify` as a Spark job (its distributed steps, by shard and by input,
+    as `runners.beam.build_verify` maps them); returns the VerifyReport."""
+    from seqpack.pipelines.offline import verify
+
+    job, out = verify.plan_verify(output_dir, inputs, max_violations)
+    m, shards, inputs_ = job.manifest, len(job.manifest.shards), len(job.paths)
+    with _spark_job(spark_options, workers, quiet) as sc:
+        times: tuple = (None, [])
+        if m.mixture:
+            options, loss = ReadOptions(**m.inputs["read_options"]), loss_columns_of(
+                m.mixture, m.columns)
+            times = verify.mixture_times(sc.parallelize(
+                list(enumerate(job.paths)), max(1, min(inputs_, MAX_TASKS))).map(
+                lambda ip: steps.scan_file(ip[0], ip[1], options, loss)).collect(), job)
+        every = (lambda n: sc.parallelize([(k, None) for k in range(n)],
+                                          max(1, min(n, MAX_TASKS))))
+        pieces = sc.parallelize(list(range(shards)), max(1, min(shards, MAX_TASKS))).flatMap(
+            functools.partial(verify.shard_pieces, job=job))
+        routed = by_key(pieces.union(every(inputs_)), inputs_, _input_parts,
+                        sc.broadcast(times[0]), job).persist(pyspark.StorageLevel.MEMORY_AND_DISK)
+        checks = routed.map(operator.itemgetter(0)).collect()
+        parts = routed.flatMap(operator.itemgetter(1)).union(every(shards))
+        zero: tuple[Any, list] = (verify.Totals.zeros(m.pack_config()), [])
+        totals, found = by_key(parts, shards, _check_routed, job).aggregate(
+            zero, _add_check, lambda a, b: (a[0].merge(b[0]), a[1] + b[1]))
+        routed.unpersist()
+    return verify.finish_verify(job, out, checks, found, totals, times)
+
+
+def _input_parts(index: int, tables: Iterable[Any], times: Any, job: Any) -> list[tuple]:
+    from seqpack.pipelines.offline.verify import input_parts
+
+    return [input_parts(index, [t for t in tables if t is not None], times.value, job)]
+
+
+def _check_routed(shard: int, parts: Iterable[Any], job: Any) -> list[tuple[int, Any]]:
+    from seqpack.pipelines.offline.verify import check_routed
+
+    return [(shard, check_routed(shard, [p for p in parts if p is not None], job))]
+
+
+def _add_check(acc: tuple[Any, list], item: tuple[int, Any]) -> tuple[Any, list]:
+    """Adds one shard's check to (the totals, the shards' violations where there are some)."""
+    shard, check = item
+    acc[0].add(check)
+    if check.found:
+        acc[1].append((shard, check.violations, check.found))
+    return acc
+
+
+@contextlib.contextmanager
+def _spark_job(spark_options: Sequence[str], workers: int | None, quiet: bool
+               ) -> Iterator[Any]:
+    """A SparkContext for one job (`spark_conf`); an error a task raised is raised again as
+    its kind (`_driver_error`); `quiet`: the JVM's log goes to a temporary file, kept and
+    named when the job fails unexpectedly."""
+    conf = spark_conf(spark_options, workers)
     log_path, keep_log = None, False
     if quiet:
         fd, log_path = tempfile.mkstemp(prefix="seqpack-spark-", suffix=".log")
         os.close(fd)
     seen = f" (Spark's log: {log_path})" if log_path else ""
     try:
-        with output_session(job) as out, spark_context(conf, log_path=log_path) as sc:
+        with spark_context(conf, log_path=log_path) as sc:
             try:
-                return _run(sc, job, out, progress)
+                yield sc
             except Exception as e:
                 error = _driver_error(e, seen)
                 if error is None:
