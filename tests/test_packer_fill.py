@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -101,6 +105,39 @@ def test_sample_fill_keeps_every_piece_within_both_limits(inst, extra, mode):
     same = fill_mod.sample_fill_sorted(desc, L, S, bound + extra, mode=mode, limit=n)
     assert same[1] == n and np.array_equal(same[0], rows)
     assert fill_mod.sample_fill_sorted(desc, L, S, bound + extra, mode=mode, limit=n - 1)[1] >= n
+
+
+@pytest.mark.parametrize("L, S, spread, want", [
+    (512, 256, (165, 225), "2c625c7d5c6a1770"), (320, 64, (1, 320), "dd5e2b6d00f73945"),
+    (2048, 8, (424, 834), "7211ba3d1e04ae01"), (64, 300, (1, 64), "34ece1f6858a0d97"),
+    (2048, 64, (1, 2048), "625c39a8ce2aabbc"), (8192, 256, (1, 200), "353cc8ae7054b765")])
+def test_sample_fill_plans_are_pinned(L, S, spread, want):
+    # the sample fill's rows, every mode of the schedule, with and without a limit, pinned
+    # (benchmarks/plan_digests.json pins whole plans only at L >= 2048): a faster fill must
+    # make the same rows
+    rng = np.random.default_rng(L + S)
+    desc = np.sort(rng.integers(spread[0], spread[1] + 1, 2_000))[::-1]
+    bound = tight_lower_bound(desc, L, S)
+    h = hashlib.sha256()
+    for (mode, seed), limit in itertools.product(bfd._SAMPLE_MODES, (None, bound + 3)):
+        rows, n = fill_mod.sample_fill_sorted(desc, L, S, bound, mode=mode, seed=seed,
+                                              limit=limit)
+        h.update(rows.astype(np.int64).tobytes())
+        h.update(str(n).encode())
+    assert h.hexdigest()[:16] == want
+
+
+@pytest.mark.parametrize("mode", ["middle", "span", "random"])
+def test_sample_ranks_in_python_are_numpy_s(mode):
+    # few ranks are worked out in Python, many in numpy: the same float64 steps, the same
+    # ranks and the same draws from the generator
+    for pool in (1, 2, 3, 7, 64, 1000, 12_345):
+        for k in range(1, min(pool, 40)):
+            a, b = np.random.default_rng(pool + k), np.random.default_rng(pool + k)
+            got = fill_mod._ranks(k, pool, mode, a)
+            assert got == fill_mod._ranks_array(k, pool, mode, b).tolist(), (pool, k)
+            assert a.random() == b.random()
+            assert got == sorted(set(got)) and 0 <= got[0] and got[-1] < pool
 
 
 def test_sample_fill_worked_example():

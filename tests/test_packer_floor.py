@@ -1,6 +1,6 @@
 """What the offline default's refine steps cost where they cannot gain: the floor no plan goes
 below (`bounds.dff_lower_bound`) ends them, a sample plan another mode made already is not
-sieved again, and the nudge's two lookups agree."""
+sieved again, and the sample's ranks are the same in Python and in numpy."""
 
 from __future__ import annotations
 
@@ -112,17 +112,18 @@ def test_a_sample_plan_made_again_is_not_sieved_again(monkeypatch):
 
 
 @pytest.mark.parametrize("L, S, spread", [(512, 256, (165, 225)), (320, 64, (1, 320)),
-                                          (2048, 8, (424, 834)), (64, 300, (1, 64))])
-def test_nudge_lookups_agree(monkeypatch, L, S, spread):
-    # the nudge looks the sizes left up in the counts a pick at a time or in a list of them:
-    # the same rows either way, every mode, with and without a limit
+                                          (2048, 8, (424, 834)), (64, 300, (1, 64)),
+                                          (8192, 256, (1, 200))])
+def test_sample_ranks_in_python_and_numpy_agree(monkeypatch, L, S, spread):
+    # the sample's ranks are worked out in Python for few ranks and in numpy for many: the
+    # same rows either way, every mode, with and without a limit
     rng = np.random.default_rng(L + S)
     desc = np.sort(rng.integers(spread[0], spread[1] + 1, 2_000))[::-1]
     bound = tight_lower_bound(desc, L, S)
     for (mode, seed), limit in itertools.product(bfd._SAMPLE_MODES, (None, bound + 3)):
         got = []
-        for picks in (10**9, 0):  # always the list, never the list
-            monkeypatch.setattr(fill_mod, "_LIVE_PICKS", picks)
+        for many in (10**9, 0):  # always Python, always numpy
+            monkeypatch.setattr(fill_mod, "_NUMPY_RANKS", many)
             got.append(fill_mod.sample_fill_sorted(desc, L, S, bound, mode=mode, seed=seed,
                                                    limit=limit))
         assert got[0][1] == got[1][1] and np.array_equal(got[0][0], got[1][0])

@@ -31,7 +31,7 @@ from bisect import bisect_left, bisect_right, insort
 import numpy as np
 
 _PAIR_TRIES = 32  # sizes the pair search tries one by one before it looks at all of them
-_LIVE_PICKS = 64  # the nudge lists the sizes left where it has a pick per this many sizes
+_NUMPY_RANKS = 32  # a sample of more ranks than this works them out in numpy
 
 
 def _pair(avail: list[int], cnt: list[int], has: np.ndarray, room: int) -> int:
@@ -166,29 +166,27 @@ def sample_fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int,
     vals, cnt = np.unique(asc, return_counts=True)  # distinct sizes ascending, counts
     first = n - np.cumsum(cnt)  # pieces of vals[j] are sizes_desc[first[j] : first[j] + cnt[j]]
     nxt = first.tolist()
-    cnt = cnt.astype(np.int64)
-    vals_list = vals.tolist()
+    left = _Left(vals, cnt)
+    vals_list = left.vals_list
     L, S = int(capacity), int(max_segments)
     rng = np.random.default_rng(seed)
     n_left, t_left = n, int(asc.sum())
-    top = vals.size - 1  # the largest size left
     num_rows = 0
     while n_left:
         if limit is not None:
             need = num_rows + max(-(-t_left // L), -(-n_left // S))
             if need > limit:
                 return out, need
-        while not cnt[top]:
-            top -= 1
+        top = left.live[-1]  # the largest size left
         rows_left = max(1, rows - num_rows)
         k_min = -(-n_left // rows_left)  # pieces a row takes so the rest fit the rows left
         opener: list[int] = []
         room, slots = L, S
         if 2 * vals_list[top] > L:  # over half a row: it opens the row, the sample fills it
             opener = [top]
-            cnt[top] -= 1
+            left.take(top)
             room, slots, k_min = L - vals_list[top], S - 1, k_min - 1
-        picks = _sample(vals, vals_list, cnt, room, slots, k_min, mode, rng)
+        picks = _sample(left, room, slots, k_min, mode, rng)
         for j in opener + picks:
             out[nxt[j]] = num_rows
             nxt[j] += 1
@@ -198,106 +196,140 @@ def sample_fill_sorted(sizes_desc: np.ndarray, capacity: int, max_segments: int,
     return out, num_rows
 
 
-def _ranks(k: int, pool: int, mode: str, rng: np.random.Generator) -> np.ndarray:
+class _Left:
+    """The pieces left per size for the sample fill: `vals` (distinct sizes ascending, also as
+    `vals_list`), `cnt` (pieces left per size, i64, for the sums over a prefix of sizes),
+    `counts` (the same as a list, for one size at a time) and `live` (the indices of the sizes
+    left, ascending), kept in step by `take` and `give`."""
+
+    def __init__(self, vals: np.ndarray, cnt: np.ndarray) -> None:
+        self.vals, self.vals_list = vals, vals.tolist()
+        self.cnt = cnt.astype(np.int64)
+        self.counts: list[int] = self.cnt.tolist()
+        self.live = [j for j, c in enumerate(self.counts) if c]
+
+    def take(self, j: int) -> None:
+        """One piece of size index `j` off."""
+        c = self.counts[j] - 1
+        self.counts[j] = c
+        self.cnt[j] = c
+        if not c:
+            del self.live[bisect_left(self.live, j)]
+
+    def give(self, j: int) -> None:
+        """One piece of size index `j` back."""
+        c = self.counts[j] + 1
+        self.counts[j] = c
+        self.cnt[j] = c
+        if c == 1:
+            insort(self.live, j)
+
+
+def _ranks(k: int, pool: int, mode: str, rng: np.random.Generator) -> list[int]:
     """k ranks among `pool` pieces in order of size (all of them if k >= pool): each of k equal
     strata's middle ("middle"), a random rank in each ("random"), or evenly from the smallest
-    to the largest ("span")."""
+    to the largest ("span"). Few ranks are worked out in Python, many in numpy: the same
+    float64 steps, the same ranks."""
     if k >= pool:
-        return np.arange(pool)
+        return list(range(pool))
+    if k > _NUMPY_RANKS:
+        return _ranks_array(k, pool, mode, rng).tolist()
+    if mode == "span":
+        step = max(1, k - 1)
+        return [round(i * (pool - 1) / step) for i in range(k)]
+    if mode == "middle":
+        return [int((i + 0.5) * pool / k) for i in range(k)]
+    edge = [i * pool // k for i in range(k + 1)]  # at random within each stratum (distinct)
+    u = rng.random(k).tolist()
+    return [edge[i] + int(u[i] * (edge[i + 1] - edge[i])) for i in range(k)]
+
+
+def _ranks_array(k: int, pool: int, mode: str, rng: np.random.Generator) -> np.ndarray:
+    """`_ranks` for k < pool in numpy."""
     if mode == "span":
         return np.rint(np.arange(k) * (pool - 1) / max(1, k - 1)).astype(np.int64)
     if mode == "middle":
         return ((np.arange(k) + 0.5) * pool / k).astype(np.int64)
-    edge = np.arange(k + 1) * pool // k  # at random within each stratum (distinct)
+    edge = np.arange(k + 1) * pool // k
     return edge[:-1] + (rng.random(k) * np.diff(edge)).astype(np.int64)
 
 
-def _sample(vals: np.ndarray, vals_list: list[int], cnt: np.ndarray, room: int, slots: int,
-            k_min: int, mode: str, rng: np.random.Generator) -> list[int]:
-    """The sample that fills one row's `room` in at most `slots` pieces (indices into `vals`,
-    ascending sizes; their pieces taken off `cnt`): the ranks of `_ranks` at the count that
-    fills the room at the mean piece (the one below or above, whichever sums closer), nudged
-    to end the row exactly (see `sample_fill_sorted`)."""
-    m = int(np.searchsorted(vals, room, side="right"))  # sizes that fit the room
-    cum = np.cumsum(cnt[:m])
-    pool = int(cum[-1]) if m else 0
-    if not (pool and slots):
+def _sample(left: _Left, room: int, slots: int, k_min: int, mode: str,
+            rng: np.random.Generator) -> list[int]:
+    """The sample that fills one row's `room` in at most `slots` pieces (indices into
+    `left.vals`, ascending sizes; their pieces taken off `left`): the ranks of `_ranks` at the
+    count that fills the room at the mean piece (the one below or above, whichever sums
+    closer), nudged to end the row exactly (see `sample_fill_sorted`)."""
+    vals_list = left.vals_list
+    m = bisect_right(vals_list, room)  # sizes that fit the room
+    if not (m and slots):
         return []
-    k_tok = room * pool / int(np.dot(cnt[:m], vals[:m]))
+    cnt = left.cnt[:m]
+    cum = cnt.cumsum()
+    pool = int(cum[-1])
+    if not pool:
+        return []
+    k_tok = room * pool / int(cnt.dot(left.vals[:m]))
     k_lo = min(slots, pool, max(k_min, 1))
-    best: tuple[int, np.ndarray] | None = None
-    for k in sorted({max(k_lo, min(slots, pool, int(k_tok) + e)) for e in (0, 1)}):
-        got = np.searchsorted(cum, _ranks(k, pool, mode, rng), side="right")  # into vals
-        gap = abs(int(vals[got].sum()) - room)
-        if best is None or gap < best[0]:
-            best = (gap, got)
-    assert best is not None
+    ks = [max(k_lo, min(slots, pool, int(k_tok) + e)) for e in (0, 1)]
+    if ks[0] == ks[1]:
+        del ks[1]
+    ranks = _ranks(ks[0], pool, mode, rng)
+    if len(ks) > 1:
+        ranks += _ranks(ks[1], pool, mode, rng)
+    got = cum.searchsorted(ranks, side="right").tolist()  # into vals, every k at once
+    d = 0  # the sample nearest the room is over (> 0) or under (< 0) a full row by d
+    picks: list[int] = []
+    for k in ks:
+        here, got = got[:k], got[k:]
+        gap = sum([vals_list[j] for j in here]) - room
+        if not picks or abs(gap) < abs(d):
+            d, picks = gap, here
     tokens_bind = k_tok >= k_lo
-    np.subtract.at(cnt, best[1], 1)
-    picks = best[1].tolist()
-    d = int(vals[best[1]].sum()) - room  # over (> 0) or under (< 0) a full row
+    for j in picks:
+        left.take(j)
     if d > 0 or (d < 0 and tokens_bind):
-        picks, d = _nudge(picks, d, vals_list, cnt)
+        d = _nudge(picks, d, left)
     while d > 0:  # still over: the largest pieces go back
         j = picks.pop()
-        cnt[j] += 1
+        left.give(j)
         d -= vals_list[j]
     if d < 0 and len(picks) < slots:  # under: a piece of exactly the room left
-        j = int(np.searchsorted(vals, -d))
-        if j < vals.size and vals_list[j] == -d and cnt[j] > 0:
-            cnt[j] -= 1
+        j = bisect_left(vals_list, -d)
+        if j < len(vals_list) and vals_list[j] == -d and left.counts[j] > 0:
+            left.take(j)
             picks.append(j)
     return picks
 
 
-def _nudge(picks: list[int], d: int, vals_list: list[int], cnt: np.ndarray
-           ) -> tuple[list[int], int]:
-    """Swaps picks (indices into `vals_list`, ascending sizes), largest first, for the size
+def _nudge(picks: list[int], d: int, left: _Left) -> int:
+    """Swaps picks (indices into `left.vals_list`, ascending sizes), largest first, for the size
     left nearest to closing the gap `d` (the sum over the room: > 0 over, < 0 under), between
-    the two sizes; `cnt` (pieces left per size) is kept up to date. Returns (picks ascending,
-    gap left).
-
-    The sizes left are looked up in `cnt` a pick at a time, or, for many picks against few
-    sizes (a row far over its room swaps most of its picks), in a list of them kept up to
-    date: the same swaps either way, the list without a numpy call a pick."""
-    live = np.flatnonzero(cnt > 0).tolist() if len(picks) * _LIVE_PICKS >= cnt.size else None
+    the two sizes; the pieces are moved in `left`, and `picks` sorted ascending in place.
+    Returns the gap left."""
+    vals_list = left.vals_list
     for q in range(len(picks) - 1, -1, -1):
         if d == 0:
             break
         j = picks[q]
         x = vals_list[j]
-        y = _nearest(j, x - d, vals_list, cnt, live)
+        y = _nearest(j, x - d, vals_list, left.live)
         if y < 0:
             continue
-        cnt[y] -= 1
-        cnt[j] += 1
-        if live is not None:
-            if not cnt[y]:
-                del live[bisect_left(live, y)]
-            if cnt[j] == 1:
-                insort(live, j)
+        left.take(y)
+        left.give(j)
         picks[q] = y
         d -= x - vals_list[y]
     picks.sort()
-    return picks, d
+    return d
 
 
-def _nearest(j: int, want: int, vals_list: list[int], cnt: np.ndarray, live: list[int] | None
-             ) -> int:
+def _nearest(j: int, want: int, vals_list: list[int], live: list[int]) -> int:
     """The size left (its index) to swap size `j` for: the smallest in [want, vals[j]) where
     `want` is below it, else the largest in (vals[j], want]; -1 where none is left (sizes
-    `vals_list` ascending, pieces left `cnt`; `live`: the indices of the sizes left, ascending,
-    or None: look in `cnt`)."""
+    `vals_list` ascending; `live`: the indices of the sizes left, ascending)."""
     if want < vals_list[j]:
-        lo = bisect_left(vals_list, want)
-        if live is not None:
-            i = bisect_left(live, lo)
-            return live[i] if i < len(live) and live[i] < j else -1
-        free = np.flatnonzero(cnt[lo:j] > 0)
-        return lo + int(free[0]) if free.size else -1
-    hi = bisect_right(vals_list, want)
-    if live is not None:
-        i = bisect_left(live, hi) - 1
-        return live[i] if i >= 0 and live[i] > j else -1
-    free = np.flatnonzero(cnt[j + 1 : hi] > 0)
-    return j + 1 + int(free[-1]) if free.size else -1
+        i = bisect_left(live, bisect_left(vals_list, want))
+        return live[i] if i < len(live) and live[i] < j else -1
+    i = bisect_left(live, bisect_right(vals_list, want)) - 1
+    return live[i] if i >= 0 and live[i] > j else -1
