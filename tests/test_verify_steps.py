@@ -102,6 +102,29 @@ def test_damage_is_reported_alike(two_inputs, tmp_path):
     assert len(short.violations) == 3 and short.found == report.found
 
 
+def test_a_segment_past_the_row_is_a_violation_not_a_crash(two_inputs):
+    # before: the stats' histogram of a row holding 164 tokens of 64 broke numpy (ValueError)
+    _, out = two_inputs
+    name = json.loads((out / "manifest.json").read_text())["shards"][1]
+
+    def edit(rows):
+        rows[0]["tokens_segment_lengths"][0] += 100
+        return rows
+
+    rewrite_shard(out, name, edit)
+    report = _same(out)
+    assert f"{name}: packed batch violates the row contract: row 0 slot 0: segment ends at" \
+        in report.violations[1], report.violations
+
+
+def _vouched_but_unreadable(out) -> str:
+    """Shard 2's manifest entry says one row more than it holds, re-signed; its name."""
+    m = json.loads((out / "manifest.json").read_text())
+    m["shard_num_rows"][2] += 1
+    (out / "manifest.json").write_text(json.dumps(signed(m)))
+    return m["shards"][2]
+
+
 def test_an_input_that_cannot_be_read_is_an_input_error(two_inputs, tmp_path):
     paths, out = two_inputs
     bad = tmp_path / "bad.jsonl"
@@ -148,6 +171,13 @@ def test_a_distributed_job_reports_what_the_local_verify_reports(two_inputs, tmp
     result = invoke("verify", out, paths[0], bad, "--runner", runner, ok=False)
     assert result.exit_code == 2 and result.output.startswith("Error: ") and "bad.jsonl" in \
         result.output, result.output
+    # a shard the manifest vouches for that cannot be decoded: bad input, as locally (before:
+    # the Beam job's traceback, exit 1)
+    name = _vouched_but_unreadable(out)
+    want = invoke("verify", out, *inputs, ok=False)
+    result = invoke("verify", out, *inputs, "--runner", runner, ok=False)
+    assert result.exit_code == want.exit_code == 2 and result.output == want.output
+    assert result.output.startswith("Error: ") and name in result.output
 
 
 @pytest.mark.slow

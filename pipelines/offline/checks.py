@@ -267,10 +267,20 @@ def check_shard(output_dir: str, name: str, num_rows: int, digest: tuple[int, st
         loss = loss_tokens(batch, manifest)
     except (IndexError, KeyError, ValueError):
         return _unchecked(out)
-    seg = batch[config.keys().segment_lengths]
+    seg = _counted(batch[config.keys().segment_lengths], config.seq_len)
     used, nseg = length_histograms(seg, config.seq_len)
     return ShardCheck(out.items, (narrow(ex), narrow(st), narrow(ln)), used, nseg, n, loss,
                       slack=alignment_slack(seg, config.alignment), found=out.found)
+
+
+def _counted(seg: np.ndarray, seq_len: int) -> np.ndarray:
+    """Segment lengths as the stats count them: a row that breaks the contract (a length
+    below 0, or past the row: a violation already) cut to [0, seq_len] tokens."""
+    seg = np.asarray(seg, np.int64)
+    if seg.size and (seg.min() < 0 or seg.sum(axis=-1).max() > seq_len):
+        ends = np.minimum(np.cumsum(np.maximum(seg, 0), axis=-1), seq_len)
+        seg = np.diff(ends, axis=-1, prepend=0)
+    return seg
 
 
 def _unchecked(out: Collector) -> ShardCheck:

@@ -319,8 +319,7 @@ def build_verify(p: Any, job: Any, out: Any, report: tuple[str, str]) -> None:
     checked = (
         (routed | "Parts" >> beam.FlatMap(lambda r: r[1]), keyed("EveryShard", range(n)))
         | "AllShards" >> beam.Flatten() | "GroupByShard" >> beam.GroupByKey()
-        | "CheckShards" >> beam.Map(lambda kv: (kv[0], verify.check_routed(
-            kv[0], [x for x in kv[1] if x is not None], job))))
+        | "CheckShards" >> beam.Map(_check_shard, job))
     zero = verify.Totals.zeros(m.pack_config())
     totals = (checked | "Totals" >> beam.Map(lambda c: _totals(c[1], zero))
               | "SumTotals" >> beam.CombineGlobally(lambda ts: functools.reduce(
@@ -328,7 +327,8 @@ def build_verify(p: Any, job: Any, out: Any, report: tuple[str, str]) -> None:
     side = [beam.pvalue.AsSingleton(x) for x in (
         routed | "InputChecks" >> beam.Map(lambda r: r[0])
         | "GatherInputChecks" >> beam.combiners.ToList(),
-        checked | "Found" >> beam.Map(lambda c: (c[0], c[1].violations, c[1].found))
+        checked | "Found" >> beam.Map(lambda c: (c[0], c[1]) if isinstance(c[1], str) else
+                                      (c[0], c[1].violations, c[1].found))
         | "GatherFound" >> beam.combiners.ToList(), totals)]
     _ = (p | "Once" >> beam.Create([None])
          | "FinishVerify" >> beam.Map(_finish_verify, job, out, report, times, *side))
@@ -343,9 +343,22 @@ def _times(scans: list[steps.FileScan], job: Any) -> tuple[Any, list[str], str |
         return None, [], one_line(e)
 
 
+def _check_shard(element: tuple[int, Iterable[Any]], job: Any) -> tuple[int, Any]:
+    """(shard, its ShardCheck, or the InputError that stops the run: a shard the manifest
+    vouches for that cannot be decoded)."""
+    from seqpack.pipelines.offline.verify import check_routed
+
+    shard, parts = element
+    try:
+        return shard, check_routed(shard, [x for x in parts if x is not None], job)
+    except InputError as e:
+        return shard, one_line(e)
+
+
 def _totals(check: Any, zero: Any) -> Any:
     totals = dataclasses.replace(zero)
-    totals.add(check)
+    if not isinstance(check, str):
+        totals.add(check)
     return totals
 
 
@@ -355,8 +368,9 @@ def _finish_verify(_: None, job: Any, out: Any, report: tuple[str, str], times: 
 
     where = OutputDir(report[0])
     try:
-        if times[2] is not None:
-            raise InputError(times[2])
+        errors = sorted(f for f in found if len(f) == 2)  # shards that cannot be read
+        if times[2] is not None or errors:
+            raise InputError(times[2] or errors[0][1])
         done = finish_verify(job, out, inputs, found, totals, times[:2])
         where.write_json(report[1], {"report": done.to_dict()})
     except InputError as e:

@@ -312,6 +312,14 @@ def _run(sc: Any, job: PackJob, out: OutputDir, progress: Progress | None) -> Ma
     return steps.finish_job(written, summary, out)
 
 
+def _worded(e: BaseException) -> str:
+    """`one_line(e)`, or its type where wording it fails (a Py4J error once the JVM is gone)."""
+    try:
+        return one_line(e)
+    except Exception:  # noqa: BLE001 - any failure to word it
+        return f"{type(e).__name__} (its message could not be read)"
+
+
 def _driver_error(e: Exception, seen: str = "") -> Exception | None:
     """The error a failed Spark job stands for: a task's tagged error as its own kind, a job
     Spark aborted (a task failed too often: executors lost) as RunFailed; None otherwise."""
@@ -408,17 +416,20 @@ def _spark_job(spark_options: Sequence[str], workers: int | None, quiet: bool
                 yield sc
             except Exception as e:
                 error = _driver_error(e, seen)
+                if error is None and log_path is not None:  # worded while the JVM runs
+                    error = RuntimeError(f"the Spark job failed: {type(e).__name__}: "
+                                         f"{_worded(e)[:2000]}{seen}")
                 if error is None:
                     raise
-                keep_log = isinstance(error, RunFailed) and bool(seen)
+                keep_log = not isinstance(error, (InputError, UsageError)) and bool(seen)
                 raise error from None
     except (InputError, UsageError, RunFailed):
         raise
     except Exception as e:
-        if log_path is None:
+        if log_path is None or isinstance(e, RuntimeError) and seen in str(e):
             raise
         keep_log = True
-        raise RuntimeError(f"the Spark job failed: {type(e).__name__}: {one_line(e)[:2000]}"
+        raise RuntimeError(f"the Spark job failed: {type(e).__name__}: {_worded(e)[:2000]}"
                            f"{seen}") from e
     finally:
         if log_path is not None and not keep_log:
