@@ -4,6 +4,7 @@ finish_verify) give the local verify's report: the same verdict, counts and viol
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -191,3 +192,19 @@ def test_a_distributed_job_verifies_a_mixture(tmp_path, runner):
            "chat=0.3,math=0.7", "--mix-tokens", 6000, "--format", "parquet", "-o", out, *ARGS)
     got = run(str(out), workers=2, quiet=True)
     assert got == verify(str(out)) and got.ok and got.repeats > 0
+
+
+@pytest.mark.slow
+def test_a_spark_tasks_unexpected_error_is_worded_and_its_log_kept():
+    # before: the error was worded after the JVM stopped: "Error: [Errno 111] Connection
+    # refused", exit 2, the cause only in a log the message did not name
+    if shutil.which("java") is None:
+        pytest.skip("Spark needs Java 17+")
+    spark = pytest.importorskip("seqpack.pipelines.offline.runners.spark")
+    with pytest.raises(RuntimeError, match=r"^the Spark job failed: Py4JJavaError: .*"
+                       r"ZeroDivisionError.*\(Spark's log: (\S+)\)$") as caught:
+        with spark._spark_job((), 1, True) as sc:
+            sc.parallelize([1]).map(lambda x: 1 / 0).collect()
+    log = str(caught.value).rsplit("(Spark's log: ", 1)[1].rstrip(")")
+    assert os.path.getsize(log) > 0
+    os.remove(log)
