@@ -103,6 +103,22 @@ def test_damage_is_reported_alike(two_inputs, tmp_path):
     assert len(short.violations) == 3 and short.found == report.found
 
 
+def test_an_input_that_lost_examples_leaves_the_others_numbered_as_packed(two_inputs, tmp_path):
+    # before: the local verify numbered examples as read now, so every example of b.jsonl
+    # moved down 50 and failed, and the distributed steps (numbering as packed) disagreed
+    paths, out = two_inputs
+    short = write_jsonl(tmp_path / "a_short.jsonl", SEQS[:100])
+    report = _same(out, [short, paths[1]], limit=1000)
+    assert not report.ok and report.num_examples == 100 + len(SEQS[150:])
+    assert "the inputs' 251 example lengths differ from the packed inputs' 301" in \
+        report.violations
+    named = [int(v.split("source example ")[1].split()[0]) for v in report.violations
+             if "source example" in v]
+    assert named and all(100 <= e < 150 for e in named), named  # a's lost examples only
+    # the lost examples' places read as padding; no example's tokens differ from its source
+    assert not [v for v in report.violations if " != " in v]
+
+
 def test_a_segment_past_the_row_is_a_violation_not_a_crash(two_inputs):
     # before: the stats' histogram of a row holding 164 tokens of 64 broke numpy (ValueError)
     _, out = two_inputs
@@ -163,6 +179,9 @@ def test_a_distributed_job_reports_what_the_local_verify_reports(two_inputs, tmp
     inputs = _damage(paths, out, tmp_path)
     got = run(str(out), inputs, max_violations=50, workers=2, quiet=True)
     assert got == verify(str(out), inputs, max_violations=50) and not got.ok
+    fewer = [write_jsonl(tmp_path / "a_short.jsonl", SEQS[:100]), inputs[1]]  # 50 lost
+    assert run(str(out), fewer, max_violations=50, workers=2, quiet=True) == verify(
+        str(out), fewer, max_violations=50)
     result = invoke("verify", out, *inputs, "--runner", runner, "--workers", 2,
                     "--max-violations", 4, ok=False)
     assert result.exit_code == 1 and result.stdout.count("\n") == 4

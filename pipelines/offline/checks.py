@@ -21,6 +21,7 @@ from seqpack.packer import Counters, PackConfig, validate
 from seqpack.packer.bounds import lower_bound
 from seqpack.packer.contract import ragged_arange
 from seqpack.packer.stats import alignment_slack, length_histograms, stats_from_histograms
+from seqpack.packer.validate import Coverage, coverage_problems
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.encodings import of_manifest, with_segment_ids
 from seqpack.pipelines.formats.manifest import Manifest
@@ -56,7 +57,7 @@ class Collector:
 class Source(Protocol):
     """Where a shard's check reads what its segments should hold."""
 
-    num_examples: int
+    num_examples: int  # the examples the run packed (its numbering: the manifest's)
 
     def pads(self) -> dict[str, int]:
         """Each key the rows take from the inputs (the tokens, extra columns) -> its pad."""
@@ -154,7 +155,8 @@ def check_tokens(batch, config, source: Source, shard, out: Collector,
     if bad.any():
         i = int(np.argmax(bad))
         out.add(f"{shard} row {rows[i]} slot {slots[i]}: source example {ex[i]} [{st[i]}, "
-                f"{st[i] + ln[i]}) is not inside the {source.num_examples} input examples")
+                f"{st[i] + ln[i]}) is not among the inputs' examples as they read now (the "
+                f"run packed {source.num_examples})")
         keep = ~bad
         rows, slots, ex, st, ln, at, which = (x[keep] for x in
                                               (rows, slots, ex, st, ln, at, which))
@@ -321,6 +323,53 @@ class Totals:
         return Totals(self.used + other.used, self.nseg + other.nseg, self.slack + other.slack,
                       self.tokens + other.tokens, self.loss + other.loss,
                       self.covered or other.covered)
+
+
+def packed_firsts(manifest: Manifest) -> np.ndarray:
+    """i64[n + 1]: each input's first example as the run numbered them, then their number."""
+    counts = [f["num_examples"] for f in manifest.inputs["files"]]
+    return np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+
+
+class Coverages:
+    """`packer.validate.Coverage` per input, examples numbered as the run packed them (`firsts`,
+    `packed_firsts`) over the lengths (and takes) each input gives now: whatever an input
+    became, the others' examples keep their numbers."""
+
+    def __init__(self, lengths: list[np.ndarray], times: list[np.ndarray],
+                 firsts: np.ndarray):
+        self.firsts = firsts
+        self.parts = [Coverage(x, t, int(f)) for x, t, f in zip(lengths, times, firsts)]
+
+    def add(self, ex: np.ndarray, st: np.ndarray, ln: np.ndarray) -> None:
+        """Pieces whose example each input holds now (`Source.outside` said so)."""
+        owner = np.searchsorted(self.firsts, ex, side="right") - 1
+        for i in np.unique(owner).tolist():
+            mine = owner == i
+            self.parts[i].add(ex[mine], st[mine], ln[mine])
+
+    @property
+    def longest(self) -> int:
+        return max((c.longest for c in self.parts), default=0)
+
+    def check(self, config: PackConfig) -> tuple[list[str], dict[str, int]]:
+        """`Coverage.check` over every input, in input order."""
+        return merge_findings([c.findings(config) for c in self.parts])
+
+
+def merge_findings(parts: Sequence[tuple[dict, dict, dict]]) -> tuple[list[str], dict[str, int]]:
+    """`Coverage.findings` of consecutive parts of a corpus (in order) as one corpus's
+    `Coverage.check`: its problems (the first 3 of each kind) and counters."""
+    found: dict[str, list[str]] = {"tiling": [], "kept": []}
+    counts: dict[str, int] = {"tiling": 0, "kept": 0}
+    want: dict[str, int] = {}
+    for part_found, part_counts, part_want in parts:
+        for kind in found:
+            found[kind] += part_found[kind][: 3 - len(found[kind])]
+            counts[kind] += part_counts[kind]
+        for key, value in part_want.items():
+            want[key] = want.get(key, 0) + value
+    return coverage_problems(found, counts), want
 
 
 def check_counters(problems: list[str], want: dict[str, int], counters: Counters,

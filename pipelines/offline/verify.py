@@ -29,7 +29,7 @@ import numpy as np
 
 from seqpack.packer import Counters, PackConfig
 from seqpack.packer.contract import ragged_arange, restore_derived
-from seqpack.packer.validate import Coverage, coverage_problems
+from seqpack.packer.validate import Coverage
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError, one_line
 from seqpack.pipelines.formats.encodings import of_manifest
@@ -42,6 +42,7 @@ from seqpack.pipelines.formats.inputs import (
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline.checks import (
     Collector,
+    Coverages,
     RoutedPart,
     RoutedSource,
     ShardCheck,
@@ -50,6 +51,8 @@ from seqpack.pipelines.offline.checks import (
     check_shard,
     check_totals,
     decode_shard,
+    merge_findings,
+    packed_firsts,
     used_slots,
 )
 from seqpack.pipelines.offline.core import FileScan
@@ -108,11 +111,20 @@ def read_row(output_dir: str, index: int) -> tuple[dict[str, np.ndarray], Manife
 
 
 class SpillSource:
-    """The local verify's `checks.Source`: every input's values, spilled by pass 1."""
+    """The local verify's `checks.Source`: every input's values, spilled by pass 1 (`offsets`:
+    i64[n + 1] of the examples as read now, `firsts` each input's first of them; `packed`:
+    `checks.packed_firsts`, the numbering the rows use)."""
 
-    def __init__(self, spills: dict[str, tuple[SpillReader, int]], offsets: np.ndarray):
-        self.spills, self.offsets = spills, offsets
-        self.num_examples = offsets.shape[0] - 1
+    def __init__(self, spills: dict[str, tuple[SpillReader, int]], offsets: np.ndarray,
+                 firsts: np.ndarray, packed: np.ndarray):
+        self.spills, self.offsets, self.firsts, self.packed = spills, offsets, firsts, packed
+        self.num_examples = int(packed[-1])
+
+    def _read_now(self, ex: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(each packed example's number as read now, whether its input still holds it)."""
+        owner = np.searchsorted(self.packed, ex, side="right") - 1
+        local = ex - self.packed[owner]
+        return self.firsts[owner] + local, local < self.firsts[owner + 1] - self.firsts[owner]
 
     def pads(self) -> dict[str, int]:
         return {key: pad for key, (_, pad) in self.spills.items()}
@@ -122,14 +134,17 @@ class SpillSource:
 
     def outside(self, ex: np.ndarray, st: np.ndarray, ln: np.ndarray) -> np.ndarray:
         bad = (ex < 0) | (ex >= self.num_examples)
-        good = ~bad
-        lengths = self.offsets[ex[good] + 1] - self.offsets[ex[good]]
-        bad[good] |= st[good] + ln[good] > lengths
+        good = np.flatnonzero(~bad)
+        now, held = self._read_now(ex[good])
+        bad[good[~held]] = True
+        good, now = good[held], now[held]
+        bad[good] |= st[good] + ln[good] > self.offsets[now + 1] - self.offsets[now]
         return bad
 
     def read_into(self, key: str, want: np.ndarray, dst: np.ndarray, ex: np.ndarray,
                   st: np.ndarray, ln: np.ndarray, which: np.ndarray) -> None:
-        self.spills[key][0].read_into(want, dst, self.offsets[ex] + st, ln)
+        now, _ = self._read_now(ex)
+        self.spills[key][0].read_into(want, dst, self.offsets[now] + st, ln)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +157,8 @@ class _VerifyContext:
     columns: list[tuple[str, int, list[Run]]]  # extra columns: name, pad, spill
     manifest: Manifest  # the run's (its encoding, the keys every row holds)
     offsets_path: str  # i64[n + 1] example offsets (np.save; memory-mapped by the workers)
+    firsts: np.ndarray  # i64[inputs + 1]: each input's first example as read now
+    packed: np.ndarray  # the same as the run numbered them (`checks.packed_firsts`)
 
 
 def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int, str],
@@ -150,7 +167,8 @@ def _check_shard(context_path: str, name: str, num_rows: int, digest: tuple[int,
     context = load_context(context_path)
     spills = {context.config.keys().values: (SpillReader(context.runs), context.config.pad_id)}
     spills.update((name, (SpillReader(runs), pad)) for name, pad, runs in context.columns)
-    source = SpillSource(spills, np.load(context.offsets_path, mmap_mode="r"))
+    source = SpillSource(spills, np.load(context.offsets_path, mmap_mode="r"), context.firsts,
+                         context.packed)
     return check_shard(context.output_dir, name, num_rows, digest, context.manifest, source,
                        limit)
 
@@ -183,12 +201,14 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
                 out.add(problem)
             offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
             np.save(os.path.join(spill_dir, "offsets.npy"), offsets)
+            firsts = np.cumsum([0, *(s.lengths.size for s in scans)], dtype=np.int64)
+            cover = Coverages([s.lengths for s in scans], np.split(times, firsts[1:-1]),
+                              packed_firsts(manifest))
             del offsets, scans
             context = save_context(spill_dir, _VerifyContext(
                 output_dir, config, read.runs,
                 [(c["name"], c["pad"], read.column_runs[c["source"]]) for c in columns],
-                manifest, os.path.join(spill_dir, "offsets.npy")))
-            cover = Coverage(lengths, times)
+                manifest, os.path.join(spill_dir, "offsets.npy"), firsts, cover.firsts))
             totals = _check_shards(manifest, context, pool, out, cover)
     except BaseException:
         pool.close(kill=True)
@@ -245,7 +265,7 @@ def check_lengths(files: list[dict], manifest: Manifest, out: Collector) -> None
 
 
 def _check_shards(manifest: Manifest, context_path: str, pool: Workers, out: Collector,
-                  cover: Coverage) -> Totals:
+                  cover: Coverages) -> Totals:
     """Every shard checked by a worker; their violations collected in shard order, their
     pieces added to `cover` as they come (and dropped)."""
     digests = list(zip(manifest.shard_bytes or [], manifest.shard_sha256 or []))
@@ -286,9 +306,8 @@ class VerifyJob:
 
     @property
     def firsts(self) -> np.ndarray:
-        """i64[n + 1]: each input's first example, then the number of examples."""
-        counts = [f["num_examples"] for f in self.manifest.inputs["files"]]
-        return np.concatenate(([0], np.cumsum(counts, dtype=np.int64)))
+        """i64[n + 1]: each input's first example as the run numbered them, then their number."""
+        return packed_firsts(self.manifest)
 
     def pads(self) -> dict[str, int]:
         """The keys the rows take from the inputs -> their pads."""
@@ -335,11 +354,11 @@ def shard_pieces(shard: int, job: VerifyJob) -> list[tuple[int, np.ndarray]]:
     return [(int(i), table[:, owner == i]) for i in np.unique(owner).tolist()]
 
 
-def input_parts(index: int, pieces: Iterable[np.ndarray], times: np.ndarray | None,
+def input_parts(index: int, pieces: Iterable[np.ndarray], times: list[np.ndarray] | None,
                 job: VerifyJob) -> tuple[InputCheck, list[tuple[int, RoutedPart]]]:
     """Input `index` read once: its check (fingerprint, each of its examples covered by the
-    `pieces` `shard_pieces` gave it, `times` over: a mixture's takes of every corpus example,
-    None: once each) and the pieces' values, by shard."""
+    `pieces` `shard_pieces` gave it, `times[index]` times: a mixture's takes of each of its
+    examples, None: once each) and the pieces' values, by shard."""
     manifest, config, first = job.manifest, job.manifest.pack_config(), int(job.firsts[index])
     try:
         corpus = read_corpus([job.paths[index]], ReadOptions(**manifest.inputs["read_options"]))
@@ -355,8 +374,7 @@ def input_parts(index: int, pieces: Iterable[np.ndarray], times: np.ndarray | No
     order = np.flatnonzero(inside)[np.argsort(shard[inside], kind="stable")]  # by shard
     shard, slot, ex, st, ln, local = (x[order] for x in (shard, slot, ex, st, ln, local))
     once = np.broadcast_to(np.ones(1, np.int64), lengths.shape)
-    cover = Coverage(lengths, once if times is None else times[first:first + lengths.size],
-                     first)
+    cover = Coverage(lengths, once if times is None else times[index], first)
     cover.add(ex, st, ln)
     at = ragged_arange(offsets[local] + st, ln)
     values = {config.keys().values: corpus.values[at]} | {
@@ -385,8 +403,8 @@ def check_routed(shard: int, parts: Iterable[RoutedPart], job: VerifyJob) -> Sha
 
 
 def mixture_times(scans: Sequence[FileScan], job: VerifyJob
-                  ) -> tuple[np.ndarray | None, list[str]]:
-    """A mixture's takes of every corpus example and what differs from its record, from every
+                  ) -> tuple[list[np.ndarray] | None, list[str]]:
+    """A mixture's takes of each input's examples and what differs from its record, from every
     input's scan (`steps.scan_file` with the loss columns); (None, []) without a mixture."""
     if not job.manifest.mixture:
         return None, []
@@ -394,8 +412,9 @@ def mixture_times(scans: Sequence[FileScan], job: VerifyJob
     for scan in scans:
         if scan.error is not None:
             raise InputError(scan.error)
-    return example_times(job.manifest.mixture, [s.lengths for s in scans],
-                         [s.loss_counts for s in scans])
+    times, problems = example_times(job.manifest.mixture, [s.lengths for s in scans],
+                                    [s.loss_counts for s in scans])
+    return np.split(times, np.cumsum([s.lengths.size for s in scans])[:-1]), problems
 
 
 def finish_verify(job: VerifyJob, out: Collector, inputs: Sequence[InputCheck],
@@ -414,21 +433,13 @@ def finish_verify(job: VerifyJob, out: Collector, inputs: Sequence[InputCheck],
         out.add(problem)
     for _, items, listed in sorted(shards, key=lambda s: s[0]):
         out.merge(items, listed)
-    found: dict[str, list[str]] = {"tiling": [], "kept": []}
-    counts: dict[str, int] = {"tiling": 0, "kept": 0}
-    want: dict[str, int] = {}
-    for part in (c.coverage for c in inputs if c.coverage is not None):
-        for kind in found:
-            found[kind] += part[0][kind][: 3 - len(found[kind])]
-            counts[kind] += part[1][kind]
-        for key, value in part[2].items():
-            want[key] = want.get(key, 0) + value
     if totals.covered:
-        check_counters(coverage_problems(found, counts), want,
+        check_counters(*merge_findings([c.coverage for c in inputs if c.coverage is not None]),
                        Counters(**(job.manifest.stats or {})["counters"]), out)
     check_totals(totals, max((c.longest for c in inputs), default=0), job.manifest, out,
                  job.output_dir)
-    taken = times[0]
-    repeats = 0 if taken is None else int(taken.sum()) - int(np.count_nonzero(taken))
+    taken = np.concatenate(times[0]) if times[0] is not None else np.zeros(0, np.int64)
+    repeats = int(taken.sum()) - int(np.count_nonzero(taken))
     return VerifyReport(not out.items, out.items, int(sum(job.manifest.shard_num_rows or [])),
-                        int(job.firsts[-1]), totals.tokens, repeats, out.found)
+                        sum(int((c.info or {}).get("num_examples", 0)) for c in inputs),
+                        totals.tokens, repeats, out.found)
