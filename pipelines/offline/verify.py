@@ -276,9 +276,9 @@ def _check_shards(manifest: Manifest, context_path: str, pool: Workers, out: Col
         totals.add(check)
         if check.pieces is not None:
             cover.add(*check.pieces)
-        violations.append(check)
-    for check in violations:
-        out.merge(check.violations, check.found)
+        violations.append((check.violations, check.found))  # its pieces and histograms dropped
+    for items, found in violations:
+        out.merge(items, found)
     return totals
 
 
@@ -291,8 +291,9 @@ def _check_shards(manifest: Manifest, context_path: str, pool: Workers, out: Col
 #   per shard   check_routed   `checks.check_shard` over the values routed to it
 #   once        finish_verify  the violations in the local verify's order, the totals
 #
-# Nothing per example meets in one place; an input's worker holds that input, a shard's its
-# rows and their values (a mixture's run counts also each example's takes, once).
+# Nothing per example meets in one place but a mixture's takes of each example (counted once,
+# from every input's lengths, as `pack` selects them); an input's worker holds that input, a
+# shard's its rows and their values.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,16 +376,17 @@ def input_parts(index: int, pieces: Iterable[np.ndarray], times: list[np.ndarray
     shard, slot, ex, st, ln, local = (x[order] for x in (shard, slot, ex, st, ln, local))
     once = np.broadcast_to(np.ones(1, np.int64), lengths.shape)
     cover = Coverage(lengths, once if times is None else times[index], first)
-    cover.add(ex, st, ln)
-    at = ragged_arange(offsets[local] + st, ln)
-    values = {config.keys().values: corpus.values[at]} | {
-        c["name"]: corpus.extra_values[c["source"]][at] for c in manifest.columns or []}
+    for a in range(0, ex.size, 1 << 20):  # numpy's temporaries a million pieces at a time
+        cover.add(ex[a:a + (1 << 20)], st[a:a + (1 << 20)], ln[a:a + (1 << 20)])
+    sources = {config.keys().values: corpus.values} | {
+        c["name"]: corpus.extra_values[c["source"]] for c in manifest.columns or []}
     cuts = np.flatnonzero(np.diff(shard)) + 1
-    lo, hi = np.concatenate(([0], cuts)), np.concatenate((cuts, [shard.size]))
-    ends = np.concatenate(([0], np.cumsum(ln)))
-    parts = [(int(shard[i]), RoutedPart(slot[i:j], ln[i:j], {
-        key: v[ends[i]:ends[j]] for key, v in values.items()}))
-        for i, j in zip(lo.tolist(), hi.tolist()) if j > i]
+    parts = []
+    for i, j in zip([0, *cuts.tolist()], [*cuts.tolist(), shard.size]):
+        if j > i:  # one shard's pieces: their values gathered, no index over the whole input
+            at = ragged_arange(offsets[local[i:j]] + st[i:j], ln[i:j])
+            parts.append((int(shard[i]), RoutedPart(slot[i:j].copy(), ln[i:j].copy(), {
+                key: v[at] for key, v in sources.items()})))
     return InputCheck(index, out.items, out.found, corpus.files[0], cover.findings(config),
                       cover.longest), parts
 
