@@ -119,6 +119,17 @@ def test_an_input_that_lost_examples_leaves_the_others_numbered_as_packed(two_in
     assert not [v for v in report.violations if " != " in v]
 
 
+@pytest.mark.parametrize("fault", ["drop", "repeat"])
+def test_a_runner_that_loses_or_repeats_records_fails_the_run(two_inputs, fault):
+    # a lost record once read as a shard's every token missing (seen once in five Beam runs
+    # of a 10^7-example input); a repeated one would pass unseen: both stop the run
+    from seqpack.pipelines.errors import RunFailed
+
+    _, out = two_inputs
+    with pytest.raises(RunFailed, match="the runner lost or repeated records; verify again"):
+        verify_by_steps(out, runner_fault=fault)
+
+
 def test_a_segment_past_the_row_is_a_violation_not_a_crash(two_inputs):
     # before: the stats' histogram of a row holding 164 tokens of 64 broke numpy (ValueError)
     _, out = two_inputs

@@ -75,6 +75,20 @@ class Source(Protocol):
 
 
 @dataclasses.dataclass
+class InputCheck:
+    """What checking one input (the distributed verify's `input_parts`) found."""
+
+    index: int
+    violations: list[str]
+    found: int = 0
+    info: dict | None = None  # its fingerprint, lengths digest and counts
+    coverage: tuple[dict, dict, dict] | None = None  # `Coverage.findings` of its examples
+    longest: int = 0
+    error: str | None = None  # the input cannot be read (the run fails with it)
+    routed: int = 0  # pieces it sent to their shards
+
+
+@dataclasses.dataclass
 class RoutedPart:
     """Some pieces of a shard (their places among its used slots) with their source values."""
 
@@ -127,6 +141,7 @@ class ShardCheck:
     covered: bool = False  # its pieces went to the run's `Coverage`
     slack: int = 0  # tokens the segment alignment adds (`packer.stats.alignment_slack`)
     found: int = 0  # violations, listed or not
+    received: int = 0  # pieces the inputs sent it (the distributed verify)
 
 
 def used_slots(batch: dict[str, np.ndarray], config: PackConfig
@@ -304,6 +319,7 @@ class Totals:
     tokens: int = 0
     loss: int = 0
     covered: bool = False  # some shard gave its pieces (else coverage was not checked)
+    received: int = 0  # pieces the shards got from the inputs (the distributed verify)
 
     @classmethod
     def zeros(cls, config: PackConfig) -> Totals:
@@ -318,11 +334,12 @@ class Totals:
         self.tokens += check.tokens
         self.loss += check.loss_tokens
         self.covered |= check.pieces is not None or check.covered
+        self.received += check.received
 
     def merge(self, other: Totals) -> Totals:
         return Totals(self.used + other.used, self.nseg + other.nseg, self.slack + other.slack,
                       self.tokens + other.tokens, self.loss + other.loss,
-                      self.covered or other.covered)
+                      self.covered or other.covered, self.received + other.received)
 
 
 def packed_firsts(manifest: Manifest) -> np.ndarray:

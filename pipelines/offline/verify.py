@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from seqpack.packer import Counters, PackConfig
 from seqpack.packer.contract import ragged_arange, restore_derived
 from seqpack.packer.validate import Coverage
 from seqpack.pipelines import storage
-from seqpack.pipelines.errors import InputError, one_line
+from seqpack.pipelines.errors import InputError, RunFailed, one_line
 from seqpack.pipelines.formats.encodings import of_manifest
 from seqpack.pipelines.formats.inputs import (
     ReadOptions,
@@ -43,6 +43,7 @@ from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline.checks import (
     Collector,
     Coverages,
+    InputCheck,
     RoutedPart,
     RoutedSource,
     ShardCheck,
@@ -317,19 +318,6 @@ class VerifyJob:
             c["name"]: c["pad"] for c in self.manifest.columns or []}
 
 
-@dataclasses.dataclass
-class InputCheck:
-    """What checking one input (`input_parts`) found."""
-
-    index: int
-    violations: list[str]
-    found: int = 0
-    info: dict | None = None  # its fingerprint, lengths digest and counts
-    coverage: tuple[dict, dict, dict] | None = None  # `Coverage.findings` of its examples
-    longest: int = 0
-    error: str | None = None  # the input cannot be read (the run fails with it)
-
-
 def plan_verify(output_dir: str, inputs: Sequence[str] | None, max_violations: int
                 ) -> tuple[VerifyJob, Collector]:
     """The job, and the violations found before any step runs (the tokenizer's)."""
@@ -388,7 +376,17 @@ def input_parts(index: int, pieces: Iterable[np.ndarray], times: list[np.ndarray
             parts.append((int(shard[i]), RoutedPart(slot[i:j].copy(), ln[i:j].copy(), {
                 key: v[at] for key, v in sources.items()})))
     return InputCheck(index, out.items, out.found, corpus.files[0], cover.findings(config),
-                      cover.longest), parts
+                      cover.longest, routed=int(shard.size)), parts
+
+
+def input_records(index: int, pieces: Iterable[np.ndarray | None],
+                  times: list[np.ndarray] | None, job: VerifyJob
+                  ) -> Iterator[tuple[int | None, InputCheck | RoutedPart]]:
+    """`input_parts` (None among `pieces` ignored) as records a runner moves one by one:
+    (None, the InputCheck), then (shard, RoutedPart) each; no record holds a whole input."""
+    check, parts = input_parts(index, [x for x in pieces if x is not None], times, job)
+    yield None, check
+    yield from parts
 
 
 def check_routed(shard: int, parts: Iterable[RoutedPart], job: VerifyJob) -> ShardCheck:
@@ -397,10 +395,11 @@ def check_routed(shard: int, parts: Iterable[RoutedPart], job: VerifyJob) -> Sha
     manifest = job.manifest
     digest = ((manifest.shard_bytes or [])[shard], (manifest.shard_sha256 or [])[shard])
     source = RoutedSource(list(parts), job.pads(), int(job.firsts[-1]))
+    received = int(source.slots.size)
     check = check_shard(job.output_dir, manifest.shards[shard],
                         (manifest.shard_num_rows or [])[shard], digest, manifest, source,
                         job.limit)
-    check.covered, check.pieces = check.pieces is not None, None
+    check.covered, check.pieces, check.received = check.pieces is not None, None, received
     return check
 
 
@@ -428,6 +427,10 @@ def finish_verify(job: VerifyJob, out: Collector, inputs: Sequence[InputCheck],
     for check in inputs:
         if check.error is not None:
             raise InputError(check.error)
+    routed = sum(c.routed for c in inputs)
+    if routed != totals.received:  # a runner that dropped or repeated records
+        raise RunFailed(0, f"the inputs sent {routed:,} pieces, the shards received "
+                        f"{totals.received:,}: the runner lost or repeated records; verify again")
     for check in inputs:
         out.merge(check.violations, check.found)
     check_lengths([c.info or {} for c in inputs], job.manifest, out)

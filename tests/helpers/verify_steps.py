@@ -13,14 +13,17 @@ from seqpack.pipelines.offline.verify import (
     VerifyReport,
     check_routed,
     finish_verify,
-    input_parts,
+    input_records,
     mixture_times,
     plan_verify,
     shard_pieces,
 )
 
 
-def verify_by_steps(output_dir, inputs=None, max_violations: int = 20) -> VerifyReport:
+def verify_by_steps(output_dir, inputs=None, max_violations: int = 20, *,
+                    runner_fault: str | None = None) -> VerifyReport:
+    """`runner_fault`: "drop" or "repeat" the last record an input sends to a shard, as a
+    faulty runner would."""
     job, out = plan_verify(str(output_dir), inputs, max_violations)
     m = job.manifest
     options = ReadOptions(**m.inputs["read_options"])
@@ -33,10 +36,16 @@ def verify_by_steps(output_dir, inputs=None, max_violations: int = 20) -> Verify
             by_input[index].append(table)
     checks, by_shard = [], defaultdict(list)
     for index in range(len(job.paths)):
-        check, parts = input_parts(index, by_input[index], times[0], job)
-        checks.append(check)
-        for shard, part in parts:
-            by_shard[shard].append(part)
+        for shard, record in input_records(index, by_input[index], times[0], job):
+            if shard is None:
+                checks.append(record)
+            else:
+                by_shard[shard].append(record)
+                last = shard
+    if runner_fault == "drop":
+        by_shard[last].pop()
+    elif runner_fault == "repeat":
+        by_shard[last].append(by_shard[last][-1])
     totals, shards = Totals.zeros(m.pack_config()), []
     for shard in range(len(m.shards)):
         check = check_routed(shard, by_shard[shard], job)

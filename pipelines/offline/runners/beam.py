@@ -314,19 +314,19 @@ def build_verify(p: Any, job: Any, out: Any, report: tuple[str, str]) -> None:
     routed = (
         (pieces, keyed("EveryInput", range(len(job.paths)))) | "AllInputs" >> beam.Flatten()
         | "GroupByInput" >> beam.GroupByKey()
-        | "InputParts" >> beam.Map(lambda kv, t: verify.input_parts(
-            kv[0], [x for x in kv[1] if x is not None], t[0], job), times))
+        | "InputParts" >> beam.FlatMap(lambda kv, t: verify.input_records(
+            kv[0], kv[1], t[0], job), times))
+    parts = routed | "Parts" >> beam.Filter(lambda r: r[0] is not None)
     checked = (
-        (routed | "Parts" >> beam.FlatMap(lambda r: r[1]), keyed("EveryShard", range(n)))
-        | "AllShards" >> beam.Flatten() | "GroupByShard" >> beam.GroupByKey()
+        (parts, keyed("EveryShard", range(n))) | "AllShards" >> beam.Flatten()
+        | "GroupByShard" >> beam.GroupByKey()
         | "CheckShards" >> beam.Map(_check_shard, job))
     zero = verify.Totals.zeros(m.pack_config())
-    totals = (checked | "Totals" >> beam.Map(lambda c: _totals(c[1], zero))
-              | "SumTotals" >> beam.CombineGlobally(lambda ts: functools.reduce(
-                  verify.Totals.merge, ts, zero)))
+    totals = (checked | "Totals" >> beam.Map(lambda c: _totals(c[1], zero)) | "SumTotals"
+              >> beam.CombineGlobally(lambda ts: functools.reduce(verify.Totals.merge, ts, zero)))
     side = [beam.pvalue.AsSingleton(x) for x in (
-        routed | "InputChecks" >> beam.Map(lambda r: r[0])
-        | "GatherInputChecks" >> beam.combiners.ToList(),
+        routed | "InputChecks" >> beam.Filter(lambda r: r[0] is None)
+        | "Checks" >> beam.Map(lambda r: r[1]) | "GatherInputChecks" >> beam.combiners.ToList(),
         checked | "Found" >> beam.Map(lambda c: (c[0], c[1]) if isinstance(c[1], str) else
                                       (c[0], c[1].violations, c[1].found))
         | "GatherFound" >> beam.combiners.ToList(), totals)]

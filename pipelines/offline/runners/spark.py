@@ -77,6 +77,8 @@ _TAG = "seqpack-task-error"  # marks an error a task raised, for the driver to r
 _KINDS: dict[str, Callable[[str], Exception]] = {
     "input": InputError, "usage": UsageError, "run": lambda m: RunFailed(0, m)}
 _RESUME = "see the executors' logs, then run the same job with existing='resume'"
+_AGAIN = ("see the executors' logs (a task out of memory: give it more, e.g. spark.driver.memory= "
+          "on a local master), then verify again")
 
 
 def spark_conf(spark_options: Sequence[str] = (), workers: int | None = None) -> dict[str, str]:
@@ -320,16 +322,17 @@ def _worded(e: BaseException) -> str:
         return f"{type(e).__name__} (its message could not be read)"
 
 
-def _driver_error(e: Exception, seen: str = "") -> Exception | None:
+def _driver_error(e: Exception, seen: str = "", advice: str = _RESUME) -> Exception | None:
     """The error a failed Spark job stands for: a task's tagged error as its own kind, a job
-    Spark aborted (a task failed too often: executors lost) as RunFailed; None otherwise."""
+    Spark aborted (a task failed too often: executors lost) as RunFailed with `advice`; None
+    otherwise."""
     text = str(e)
     tagged = re.search(rf"{_TAG}\[(\w+)\]: (.*?) :{_TAG}", text)
     if tagged:
         return _KINDS[tagged[1]](tagged[2])
     aborted = re.search(r"Job aborted due to stage failure: ([^\n]*)", text)
     if aborted:
-        return RunFailed(0, f"the Spark job failed ({aborted[1][:300]}); {_RESUME}{seen}")
+        return RunFailed(0, f"the Spark job failed ({aborted[1][:300]}); {advice}{seen}")
     return None
 
 
@@ -354,7 +357,7 @@ def verify_spark(output_dir: str, inputs: Sequence[str] | None = None, *,
 
     job, out = verify.plan_verify(output_dir, inputs, max_violations)
     m, shards, inputs_ = job.manifest, len(job.manifest.shards), len(job.paths)
-    with _spark_job(spark_options, workers, quiet) as sc:
+    with _spark_job(spark_options, workers, quiet, _AGAIN) as sc:
         times: tuple = (None, [])
         if m.mixture:
             options, loss = ReadOptions(**m.inputs["read_options"]), loss_columns_of(
@@ -367,9 +370,9 @@ def verify_spark(output_dir: str, inputs: Sequence[str] | None = None, *,
         pieces = sc.parallelize(list(range(shards)), max(1, min(shards, MAX_TASKS))).flatMap(
             functools.partial(verify.shard_pieces, job=job))
         routed = by_key(pieces.union(every(inputs_)), inputs_, _input_parts,
-                        sc.broadcast(times[0]), job).persist(pyspark.StorageLevel.MEMORY_AND_DISK)
-        checks = routed.map(operator.itemgetter(0)).collect()
-        parts = routed.flatMap(operator.itemgetter(1)).union(every(shards))
+                        sc.broadcast(times[0]), job).persist(pyspark.StorageLevel.DISK_ONLY)
+        checks = routed.filter(lambda r: r[0] is None).map(operator.itemgetter(1)).collect()
+        parts = routed.filter(lambda r: r[0] is not None).union(every(shards))
         zero: tuple[Any, list] = (verify.Totals.zeros(m.pack_config()), [])
         totals, found = by_key(parts, shards, _check_routed, job).aggregate(
             zero, _add_check, lambda a, b: (a[0].merge(b[0]), a[1] + b[1]))
@@ -377,10 +380,10 @@ def verify_spark(output_dir: str, inputs: Sequence[str] | None = None, *,
     return verify.finish_verify(job, out, checks, found, totals, times)
 
 
-def _input_parts(index: int, tables: Iterable[Any], times: Any, job: Any) -> list[tuple]:
-    from seqpack.pipelines.offline.verify import input_parts
+def _input_parts(index: int, tables: Iterable[Any], times: Any, job: Any) -> Iterator[tuple]:
+    from seqpack.pipelines.offline.verify import input_records
 
-    return [input_parts(index, [t for t in tables if t is not None], times.value, job)]
+    return input_records(index, tables, times.value, job)
 
 
 def _check_routed(shard: int, parts: Iterable[Any], job: Any) -> list[tuple[int, Any]]:
@@ -399,11 +402,11 @@ def _add_check(acc: tuple[Any, list], item: tuple[int, Any]) -> tuple[Any, list]
 
 
 @contextlib.contextmanager
-def _spark_job(spark_options: Sequence[str], workers: int | None, quiet: bool
-               ) -> Iterator[Any]:
+def _spark_job(spark_options: Sequence[str], workers: int | None, quiet: bool,
+               advice: str = _RESUME) -> Iterator[Any]:
     """A SparkContext for one job (`spark_conf`); an error a task raised is raised again as
-    its kind (`_driver_error`); `quiet`: the JVM's log goes to a temporary file, kept and
-    named when the job fails unexpectedly."""
+    its kind (`_driver_error`, a job Spark aborted with `advice`); `quiet`: the JVM's log goes
+    to a temporary file, kept and named when the job fails unexpectedly."""
     conf = spark_conf(spark_options, workers)
     log_path, keep_log = None, False
     if quiet:
@@ -415,7 +418,7 @@ def _spark_job(spark_options: Sequence[str], workers: int | None, quiet: bool
             try:
                 yield sc
             except Exception as e:
-                error = _driver_error(e, seen)
+                error = _driver_error(e, seen, advice)
                 if error is None and log_path is not None:  # worded while the JVM runs
                     error = RuntimeError(f"the Spark job failed: {type(e).__name__}: "
                                          f"{_worded(e)[:2000]}{seen}")
