@@ -417,6 +417,8 @@ def _spark_job(spark_options: Sequence[str], workers: int | None, quiet: bool,
         with spark_context(conf, log_path=log_path) as sc:
             try:
                 yield sc
+            except (InputError, UsageError, RunFailed):  # the driver's own: as raised
+                raise
             except Exception as e:
                 error = _driver_error(e, seen, advice)
                 if error is None and log_path is not None:  # worded while the JVM runs
