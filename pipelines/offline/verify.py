@@ -389,12 +389,12 @@ def input_records(index: int, pieces: Iterable[np.ndarray | None],
     yield from parts
 
 
-def check_routed(shard: int, parts: Iterable[RoutedPart], job: VerifyJob) -> ShardCheck:
-    """Shard `shard` checked against the values its inputs routed to it; its pieces counted
-    (their coverage is the inputs'), not kept."""
+def check_routed(shard: int, parts: Iterable[RoutedPart | None], job: VerifyJob) -> ShardCheck:
+    """Shard `shard` checked against the values its inputs routed to it (None among `parts`:
+    a runner's placeholder, ignored); its pieces counted (their coverage is the inputs')."""
     manifest = job.manifest
     digest = ((manifest.shard_bytes or [])[shard], (manifest.shard_sha256 or [])[shard])
-    source = RoutedSource(list(parts), job.pads(), int(job.firsts[-1]))
+    source = RoutedSource([x for x in parts if x is not None], job.pads(), int(job.firsts[-1]))
     received = int(source.slots.size)
     check = check_shard(job.output_dir, manifest.shards[shard],
                         (manifest.shard_num_rows or [])[shard], digest, manifest, source,

@@ -48,7 +48,7 @@ def verify_by_steps(output_dir, inputs=None, max_violations: int = 20, *,
         by_shard[last].append(by_shard[last][-1])
     totals, shards = Totals.zeros(m.pack_config()), []
     for shard in range(len(m.shards)):
-        check = check_routed(shard, by_shard[shard], job)
+        check = check_routed(shard, [None, *by_shard[shard]], job)  # as the runners' placeholder
         totals.add(check)
         shards.append((shard, check.violations, check.found))
     return finish_verify(job, out, checks[::-1], shards[::-1], totals, times)

@@ -350,7 +350,7 @@ def _check_shard(element: tuple[int, Iterable[Any]], job: Any) -> tuple[int, Any
 
     shard, parts = element
     try:
-        return shard, check_routed(shard, [x for x in parts if x is not None], job)
+        return shard, check_routed(shard, parts, job)
     except InputError as e:
         return shard, one_line(e)
 

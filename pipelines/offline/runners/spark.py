@@ -389,7 +389,7 @@ def _input_parts(index: int, tables: Iterable[Any], times: Any, job: Any) -> Ite
 def _check_routed(shard: int, parts: Iterable[Any], job: Any) -> list[tuple[int, Any]]:
     from seqpack.pipelines.offline.verify import check_routed
 
-    return [(shard, check_routed(shard, [p for p in parts if p is not None], job))]
+    return [(shard, check_routed(shard, parts, job))]
 
 
 def _add_check(acc: tuple[Any, list], item: tuple[int, Any]) -> tuple[Any, list]:
