@@ -103,14 +103,16 @@ def _given(name: str) -> bool:
     return source in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
 
 
-def _refuse_given(why: str, *, keep: tuple[str, ...]) -> None:
-    """UsageError naming the options given (not left at their defaults) outside `keep`."""
-    ctx = click.get_current_context()
-    given = [p.opts[0] for p in ctx.command.params if p.name not in keep and _given(p.name)]
+def _refuse_given(why: str, *, keep: tuple[str, ...] = (), among: tuple[str, ...] = (),
+                  to: str = "a dry run on inputs") -> None:
+    """UsageError naming the options given (not left at their defaults) outside `keep` (and,
+    where `among` names some, among those): they apply `to` something else, `why` says."""
+    params = click.get_current_context().command.params
+    given = [p.opts[0] for p in params if p.name not in keep and (not among or p.name in among)
+             and _given(p.name)]
     if given:
         raise click.UsageError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} "
-                               f"to a dry run on inputs; {why}: leave "
-                               f"{'it' if len(given) == 1 else 'them'} out")
+                               f"to {to}; {why}: leave {'it' if len(given) == 1 else 'them'} out")
 
 
 def _refuse_inapplicable(inputs, input_format, cost_model) -> None:
@@ -169,39 +171,10 @@ def _mixture(inputs, mixes, weights, mix_unit, mix_tokens, max_repetition, seed,
             input_format=input_format)
     expanded = [_expand((p,), allow_duplicates=True, input_format=input_format)
                 for _, p in datasets]
-    spec = {}
-    for item in weights.split(","):
-        name, eq, value = item.partition("=")
-        try:
-            w = float(value)
-        except ValueError:
-            eq = ""
-        if not eq or not name.strip():
-            raise click.UsageError(f"--weights {item!r} must be NAME=NUMBER, e.g. --weights "
-                                   "chat=0.3,math=0.7")
-        if name.strip() in spec:
-            raise click.UsageError(f"--weights gives {name.strip()!r} twice")
-        spec[name.strip()] = w
-    return _usage(MixSpec, list(zip(names, expanded)), spec, mix_unit=mix_unit or "tokens",
+    return _usage(MixSpec, list(zip(names, expanded)), weights, mix_unit=mix_unit or "tokens",
                   mix_tokens=mix_tokens, seed=seed,
                   max_repetition=DEFAULT_MAX_REPETITION if max_repetition is None
                   else max_repetition)
-
-
-def _pairs(items: tuple[str, ...], option: str, kind: type) -> dict:
-    """--pad NAME=VALUE / --role NAME=ROLE options as {name: value}."""
-    example = "labels=-100" if kind is int else "labels=mask"
-    out = {}
-    for item in items:
-        name, eq, value = item.partition("=")
-        try:
-            out[name.strip()] = kind(value)
-        except ValueError:
-            eq = ""
-        if not eq or not name.strip() or not value:
-            raise click.UsageError(f"--{option} {item!r} must be NAME=" + (
-                "INTEGER" if kind is int else "ROLE") + f", e.g. --{option} {example}")
-    return out
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -232,7 +205,7 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
          shard_rows, compression, resume, overwrite, fsync, row_order, seed, data_parallel,
          batch_size, cost_model, d_model, as_json, workers, block_size, runner, beam_options,
          spark_options, pads, roles, allow_duplicates, output_format, mixes, weights, mix_unit,
-         mix_tokens, max_repetition):
+         mix_tokens, max_repetition, dry_run):
     """Pack INPUT files (JSONL, Parquet, ArrayRecord, text) into shards (--format).
 
     INPUT may be files, directories (every file of a known format, sorted; hidden files left
@@ -242,10 +215,11 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     With no INPUT, packs the built-in sample corpus: the top-level .py files of this Python's
     standard library, byte-tokenized, one example per paragraph (no download).
     """
+    from seqpack.pipelines.console import terminal_progress
     from seqpack.pipelines.formats.inputs import sample_files
     from seqpack.pipelines.offline import PackJob, WriteOptions
     from seqpack.pipelines.offline import pack as run
-    from seqpack.pipelines.offline.report import format_pack, terminal_progress
+    from seqpack.pipelines.offline.report import format_pack, pack_dry_run
 
     sample = not inputs and not mixes
     mixture = _mixture(inputs, mixes, weights, mix_unit, mix_tokens, max_repetition, seed,
@@ -254,39 +228,49 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
                                                     input_format=input_format)
     _refuse_inapplicable(inputs, input_format, cost_model)
     _refuse_overflow_for_concat_split([strategy], overflow)
+    if dry_run:
+        _refuse_given("--dry-run writes nothing, planning here", to="a run that writes",
+                      among=("resume", "overwrite", "fsync", "runner", "beam_options",
+                             "spark_options"))
     if sample:
         import tempfile
 
         inputs = sample_files()
         input_format, tokenizer, text_unit = "text", None, "paragraph"
         overflow = overflow or (None if strategy == "concat_split" else "split")
-        output_dir = output_dir or tempfile.mkdtemp(prefix="seqpack-sample-")
-    elif output_dir is None:
+        output_dir = output_dir or ("" if dry_run else tempfile.mkdtemp(prefix="seqpack-sample-"))
+    elif output_dir is None and not dry_run:
         raise click.UsageError("-o/--output is required when INPUT files are given")
     if resume and overwrite:
         raise click.UsageError("pass either --overwrite or --resume, not both")
     config = _config(strategy, seq_len, max_segments, overflow, segment_alignment, pad_id,
                      _feature(feature, columns, tokenizer), context_parallel)
-    job = _usage(PackJob, inputs, output_dir, config,
+    job = _usage(PackJob, inputs, output_dir or "", config,
                  read_options=_read_options(input_format, columns, tokenizer, text_unit),
                  write_options=_usage(WriteOptions, shard_rows=shard_rows,
                                       compression=compression, fsync=fsync,
                                       format=output_format),
                  block_size=block_size, workers=workers,
                  existing="resume" if resume else "overwrite" if overwrite else "refuse",
-                 pads=_pairs(pads, "pad", int), roles=_pairs(roles, "role", str),
+                 pads=pads, roles=roles,
                  order=_row_order(row_order, seed, data_parallel, batch_size, cost_model,
                                   d_model, mixed=mixture is not None), mixture=mixture)
     progress = terminal_progress() if runner != "beam" else None
+    what = "the built-in sample (Python stdlib sources, bytes)" if sample else \
+        f"{len(inputs)} input file(s)"
+    step = data_parallel * (batch_size or 1) if data_parallel else batch_size
+    if dry_run:
+        with progress or contextlib.nullcontext():
+            result = pack_dry_run(job, what=what, batch_size=step, progress=progress)
+        click.echo(json.dumps({"dry_run": True, **result.to_dict()}, indent=2) if as_json
+                   else result.table())
+        return
     with progress or contextlib.nullcontext():
         manifest = run(job, runner=runner, progress=progress, beam_options=beam_options,
                        spark_options=spark_options, quiet=not os.environ.get("SEQPACK_DEBUG"))
     if as_json:
         click.echo(json.dumps({"output_dir": output_dir, "stats": manifest.stats}, indent=2))
         return
-    what = "the built-in sample (Python stdlib sources, bytes)" if sample else \
-        f"{len(inputs)} input file(s)"
-    step = data_parallel * (batch_size or 1) if data_parallel else batch_size
     click.echo(format_pack(manifest, output_dir, what=what, batch_size=step))
 
 

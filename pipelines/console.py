@@ -236,3 +236,54 @@ def _quiet_stdout() -> None:
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, sys.stdout.fileno())
         os.close(null)
+
+
+class RichProgress:
+    """A transient rich progress bar on stderr, per phase of the run: "reading" (input bytes)
+    then "writing" (tokens packed, rows written), each with its rate and time left."""
+
+    def __init__(self):
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.bar = Progress(
+            TextColumn("{task.description}"), BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"), TextColumn("{task.fields[detail]}"),
+            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("eta"),
+            TimeRemainingColumn(), console=Console(stderr=True), transient=True,
+        )
+        self.task = self.bar.add_task("starting", total=None, detail="", rate="")
+        self.unit = ""
+
+    def __enter__(self):
+        self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.stop()
+
+    def phase(self, name: str, total: int) -> None:
+        self.unit = " MB" if name == "reading" else "M tokens"
+        self.bar.reset(self.task, description=name, total=total, detail="", rate="")
+
+    def advance(self, amount: int, rows: int = 0) -> None:
+        self.bar.advance(self.task, amount)
+        speed = self.bar.tasks[0].speed
+        rate = f"{speed / 1e6:.1f}{self.unit}/s" if speed else ""
+        self.bar.update(self.task, detail=f"{rows:,} rows" if rows else "", rate=rate)
+
+
+def terminal_progress() -> RichProgress | None:
+    """A progress bar when stderr is a terminal and rich is installed; None otherwise."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        return RichProgress()
+    except ImportError:
+        return None

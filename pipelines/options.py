@@ -43,6 +43,37 @@ def _groups(*groups: Callable[[Callable], Callable]) -> Callable[[Callable], Cal
     return lambda f: functools.reduce(lambda g, group: group(g), reversed(groups), f)
 
 
+_PAIRS = {int: ("INTEGER", "labels=-100"), str: ("ROLE", "labels=mask"),
+          float: ("NUMBER", "chat=0.3,math=0.7")}
+
+
+def _pairs(kind: type, *, sep: str | None = None) -> Callable:
+    """An option's callback: its NAME=VALUE items (the option repeated, or `sep` between them
+    in one value) as {name: value of `kind`}; None where the option is not given."""
+
+    def parse(ctx: click.Context, param: click.Parameter, given: object) -> dict | None:
+        if given is None:
+            return None
+        what, example = _PAIRS[kind]
+        option, out = param.opts[0], {}
+        for item in given.split(sep) if isinstance(given, str) else given:  # type: ignore
+            name, eq, value = item.partition("=")
+            name = name.strip()
+            try:
+                parsed = kind(value)
+            except ValueError:
+                eq = ""
+            if not eq or not name or not value:
+                raise click.UsageError(f"{option} {item!r} must be NAME={what}, e.g. {option} "
+                                       f"{example}")
+            if name in out:
+                raise click.UsageError(f"{option} gives {name!r} twice")
+            out[name] = parsed
+        return out
+
+    return parse
+
+
 def _workers(text: str) -> Spec:
     return _opt("--workers", type=click.IntRange(min=1), help=f"{text}  [default: the CPU count]")
 
@@ -110,7 +141,7 @@ PACK_OPTIONS = _groups(
         help="A dataset of a mixture (repeatable; instead of INPUT): its name and its files (a "
              "file, a directory or a quoted glob). Rows carry segment_dataset_id. "
              "docs/offline.md#mixtures"), _opt(
-        "--weights", default=None, metavar="NAME=W,...",
+        "--weights", default=None, metavar="NAME=W,...", callback=_pairs(float, sep=","),
         help="Each --mix dataset's weight, e.g. chat=0.3,math=0.7 (normalized)."), _opt(
         "--mix-unit", type=click.Choice(["tokens", "loss_tokens", "examples"]), default=None,
         help="What the weights share: tokens, loss tokens (labels other than -100 and masks "
@@ -123,10 +154,10 @@ PACK_OPTIONS = _groups(
                   "is refused.  [default: 4]")),
     _group("Packing", _opt("--strategy", type=click.Choice(STRATEGIES),
                            default="best_fit_decreasing", show_default=True), *_SHAPE, _opt(
-        "--pad", "pads", multiple=True, metavar="NAME=VALUE",
+        "--pad", "pads", multiple=True, metavar="NAME=VALUE", callback=_pairs(int),
         help="Padding of an extra --column (repeatable), e.g. mask=0.  [default: -100 for "
              "labels, 0 for the others]"), _opt(
-        "--role", "roles", multiple=True, metavar="NAME=ROLE",
+        "--role", "roles", multiple=True, metavar="NAME=ROLE", callback=_pairs(str),
         help="What an extra --column means for the loss (repeatable): labels (-100 takes no "
              "loss), mask (0 takes no loss) or values; recorded in the manifest for the "
              "training pipeline.  [default: from the name: *labels, *mask*, else values]")),
@@ -169,7 +200,11 @@ PACK_OPTIONS = _groups(
                            "--runner beam: the DirectRunner's direct_num_workers); the output "
                            "is the same for any number."),
            _block_size("Examples planned together; larger corpora are planned per block of "
-                       "consecutive examples (bounded memory, a few rows more).")),
+                       "consecutive examples (bounded memory, a few rows more)."), _opt(
+        "--dry-run", is_flag=True,
+        help="Plan the run and print what it would pack (the stats, static shapes, the "
+             "order's balance, a mixture's shares per step) without writing anything: every "
+             "input is read and checked as by a run, here, in --workers processes.")),
     _group("Distributed", _opt(
         "--runner", type=click.Choice(["local", "beam", "spark"]), default="local",
         show_default=True,

@@ -201,6 +201,8 @@ def test_the_cli_packs_labels_and_refuses_bad_columns(tmp_path):
     for args, needle in ((["--pad", "mask=0"], "--pad mask=...: 'mask' is not an extra column "
                                                "(--column ['labels'])"),
                          (["--pad", "labels"], "must be NAME=INTEGER"),
+                         (["--pad", "labels=-1", "--pad", "labels=-100"],
+                          "--pad gives 'labels' twice"),
                          (["--role", "labels=loss"], "the role must be one of"),
                          (["--column", "input_ids_segment_lengths"], "already have a key")):
         result = invoke("pack", good, "-o", tmp_path / "o3", "--column", "input_ids",

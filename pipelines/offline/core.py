@@ -44,7 +44,6 @@ import numpy as np
 
 from seqpack.packer import Counters, PackConfig, PackPlan
 from seqpack.packer.inputs import check_lengths
-from seqpack.packer.mixing import row_units
 from seqpack.packer.order import BlockLayout, GlobalOrder, block_layout, global_order
 from seqpack.packer.plan import order_pieces, pieces, plan_block_rows
 from seqpack.packer.stats import (
@@ -60,7 +59,7 @@ from seqpack.pipelines.formats.encodings import of_manifest
 from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, Manifest
 from seqpack.pipelines.offline import record, shards
 from seqpack.pipelines.offline.job import PackJob
-from seqpack.pipelines.offline.mixture import firsts_of
+from seqpack.pipelines.offline.mixture import firsts_of, piece_units
 from seqpack.pipelines.offline.outdir import (
     OutputDir,
     as_output_dir,
@@ -236,7 +235,8 @@ def plan_block(block: int, lengths: np.ndarray, job: PackJob, refs: np.ndarray |
     L, S = config.seq_len, config.max_segments
     used, nseg = row_histograms(table[ROW], table[LENGTH], num_rows, L, S)
     segments = np.bincount(table[ROW], minlength=num_rows) if order.data_parallel else None
-    units = None if firsts is None else _dataset_units(table, firsts, num_rows, job)
+    units = None if firsts is None or job.mixture is None else piece_units(
+        job.mixture.mix_unit, table, firsts, num_rows)
     layout = block_layout(order.row_costs(table[ROW], table[LENGTH], num_rows), order,
                           block=block, segments=segments, units=units)
     summary = BlockSummary(block, num_rows, counters, used, nseg, counts,
@@ -247,16 +247,6 @@ def plan_block(block: int, lengths: np.ndarray, job: PackJob, refs: np.ndarray |
                            min_row_next=record.min_row_next(table[ROW], table[LENGTH], num_rows),
                            slack=alignment_slack(table[LENGTH], config.alignment))
     return BlockPlan(summary, table, layout)
-
-
-def _dataset_units(table: np.ndarray, firsts: np.ndarray, num_rows: int, job: PackJob
-                   ) -> np.ndarray:
-    """i64[num_rows, K]: each row's units per dataset of a mixture (`firsts`: each dataset's
-    first example; loss tokens counted as tokens, the loss of a piece not being known)."""
-    assert job.mixture is not None
-    dataset = np.searchsorted(firsts, table[EXAMPLE].astype(np.int64), side="right") - 1
-    return row_units(job.mixture.mix_unit, dataset, table[LENGTH], table[START],
-                     num_datasets=firsts.size, row=table[ROW], num_rows=num_rows)
 
 
 def _piece_table(lengths: np.ndarray, job: PackJob, first: int, row: np.ndarray,
@@ -289,13 +279,33 @@ def _to_corpus(table: np.ndarray, refs: np.ndarray, first: int) -> np.ndarray:
 
 def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], job: PackJob, *,
                 rerun: bool = True, mixture: dict | None = None) -> JobSummary | None:
-    """Sums the blocks up, writes pack_intent.json; None when `resume` finds the run complete.
+    """`summarize_plan`, then writes pack_intent.json; None when `resume` finds the run complete.
 
-    Raises InputError for what `check_files` refuses, then the first block's planning error,
-    then what the output refuses (a non-empty directory). `rerun`: whether the executor may
-    run this step again (see below; the local runner runs it once). `mixture`: a mixture's
-    record (`mixture.Selection.record`; its blocks are of the mixed stream).
+    Raises what `summarize_plan` raises, then what the output refuses (a non-empty directory).
+    `rerun`: whether the executor may run this step again (see below; the local runner runs it
+    once).
     """
+    summary = summarize_plan(files, blocks, job, mixture=mixture)
+    intent = summary.intent
+    # The directory is prepared once. A runner may run this step again: Beam retries a bundle
+    # whose outputs were lost, and may recompute any PCollection (a side input for each step
+    # reading it, even after the shards were written). prepare_dir is not idempotent (again
+    # without `resume` it refuses the directory, with `overwrite` it deletes the shards written
+    # since), so when the output already records this very run (an earlier attempt, or an
+    # identical run overwritten), the step goes on as a resume of it: nothing is deleted, and
+    # the writers rewrite every shard (the bytes of a fresh run).
+    again = rerun and not job.resume and _records_run(job.output, intent)
+    if prepare_dir(job.output, intent, overwrite=job.overwrite and not again,
+                   resume=job.resume or again) is not None:
+        return None
+    return summary
+
+
+def summarize_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], job: PackJob,
+                   *, mixture: dict | None = None) -> JobSummary:
+    """Sums the blocks up: the run's intent, stats and output order (nothing is written).
+    Raises InputError for what `check_files` refuses, then the first block's planning error.
+    `mixture`: a mixture's record (`mixture.Selection.record`; blocks of the mixed stream)."""
     config, block_size = job.config, job.block_size
     files = check_files(files, job, warn=False)  # the runners checked them first
     blocks = sorted(blocks, key=lambda b: b.block)
@@ -312,17 +322,6 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
     intent = record.run_intent(job, record.inputs_record([f.info for f in files], dtype,
                                                          job.read_options),
                                sum(b.num_rows for b in blocks), columns, mixture)
-    # The directory is prepared once. A runner may run this step again: Beam retries a bundle
-    # whose outputs were lost, and may recompute any PCollection (a side input for each step
-    # reading it, even after the shards were written). prepare_dir is not idempotent: again
-    # without `resume` it refuses the directory, again with `overwrite` it deletes the shards
-    # written since. So when the output already records this very run (this job's earlier
-    # attempt, or an identical run being overwritten), the step goes on as a resume of it:
-    # nothing is deleted, and the shard writers rewrite every shard (the bytes of a fresh run).
-    again = rerun and not job.resume and _records_run(job.output, intent)
-    if prepare_dir(job.output, intent, overwrite=job.overwrite and not again,
-                   resume=job.resume or again) is not None:
-        return None
     counters = sum((b.counters for b in blocks), Counters())
     used = np.sum([b.used_hist for b in blocks if b.used_hist.size], axis=0)
     nseg = np.sum([b.nseg_hist for b in blocks if b.nseg_hist.size], axis=0)

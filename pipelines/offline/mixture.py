@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from seqpack.packer.contract import DATASET_ID, FeatureKeys
+from seqpack.packer.mixing import row_units
 from seqpack.pipelines.errors import UsageError
 from seqpack.pipelines.formats.inputs import LossCount, fingerprint_path
 
@@ -235,6 +236,16 @@ def firsts_of(record: Mapping | None) -> np.ndarray | None:
     if not record:
         return None
     return np.array([d["first_example"] for d in record["datasets"]], np.int64)
+
+
+def piece_units(unit: str, table: np.ndarray, firsts: np.ndarray, num_rows: int) -> np.ndarray:
+    """i64[num_rows, K]: each row's units (`row_units`, loss tokens as tokens) per dataset, from
+    pieces as a [4, P] table (corpus example, start, length, row: `offline.core`'s rows);
+    `firsts`: each dataset's first example."""
+    example, start, length, row = table
+    dataset = np.searchsorted(firsts, np.asarray(example, np.int64), side="right") - 1
+    return row_units(unit, dataset, length, start, num_datasets=firsts.size, row=row,
+                     num_rows=num_rows)
 
 
 def corpus_index(dataset_id: np.ndarray, source_index: np.ndarray, record: Mapping

@@ -1,5 +1,6 @@
 """What the CLI shows: packing statistics (`output_stats` of a packed directory, `dry_run_stats`
-of raw inputs: `Stats`), what a pack run prints (`format_pack`), plots, a row, progress.
+of raw inputs: `Stats`), what a pack run prints (`format_pack`) and what it would
+(`pack_dry_run`: its plan alone), plots, a row.
 
 Stats table (one column per strategy in a dry run; with a batch size, steps = rows // batch
 size: a last, short batch is not a step, as the training pipeline drops it)::
@@ -20,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,7 +36,9 @@ from seqpack.pipelines import storage
 from seqpack.pipelines.errors import require
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import MANIFEST, Manifest, read_manifest
-from seqpack.pipelines.offline import mixture
+from seqpack.pipelines.offline import mixture, record
+from seqpack.pipelines.offline.core import LENGTH, ROW
+from seqpack.pipelines.offline.job import PackJob
 from seqpack.pipelines.offline.record import (
     check_empty,
     check_overlength,
@@ -42,6 +46,9 @@ from seqpack.pipelines.offline.record import (
     length_histogram,
 )
 from seqpack.pipelines.offline.shards import read_shard
+
+if TYPE_CHECKING:
+    from seqpack.pipelines.offline.runners import Progress
 
 STRATEGIES = tuple(s.value for s in Strategy)
 _PARALLEL_PLAN = 1 << 18  # examples times strategies a dry run plans in worker processes from
@@ -201,23 +208,53 @@ def format_pack(manifest: Manifest, output_dir: str, *, what: str,
     """What `seqpack pack` prints: the run in a line (`what`: its inputs), the row keys and what
     each extra column was padded with, then the stats table of its strategy (with steps of
     `batch_size` rows where one is given)."""
-    config = manifest.pack_config()
     assert manifest.stats is not None  # a complete output's
+    mixed = f"\n\n{mixture.table(manifest.mixture)}" if manifest.mixture else ""
+    name = Strategy(manifest.pack_config().strategy).value
+    return (_run_lines(manifest, output_dir, what=what, verb="packed") + "\n\n"
+            + format_table({name: summary(manifest.stats, batch_size)}) + mixed)
+
+
+def _run_lines(manifest: Manifest, output_dir: str, *, what: str, verb: str) -> str:
+    """A run in two lines: its inputs, examples, rows and shards, then the rows' keys and each
+    extra column's role and pad."""
+    config = manifest.pack_config()
     keys = f"rows of {config.seq_len} tokens, key {config.feature!r}"
     if config.context_parallel is not None:
         keys += (f", for {config.context_parallel} context-parallel ranks (segments start and "
                  f"span multiples of {config.alignment} tokens; the rest is padding)")
     for c in manifest.columns or []:
         keys += f", column {c['name']!r} ({c.get('role', 'values')}, padded with {c['pad']})"
-    mixed = f"\n\n{mixture.table(manifest.mixture)}" if manifest.mixture else ""
-    taken = (manifest.stats.get("counters") or {}).get("num_examples")
+    taken = ((manifest.stats or {}).get("counters") or {}).get("num_examples")
     examples = f"{manifest.inputs['num_examples']:,} examples" + (
         f" ({taken:,} taken by the mixture)" if manifest.mixture and taken is not None else "")
-    return (f"packed {what}: {examples} -> "
-            f"{manifest.num_rows:,} rows in {len(manifest.shards)} shard(s) at {output_dir}\n"
-            f"{keys}\n\n"
-            + format_table({Strategy(config.strategy).value: summary(manifest.stats,
-                                                                      batch_size)}) + mixed)
+    where = f" at {output_dir}" if output_dir else ""
+    return (f"{verb} {what}: {examples} -> {manifest.num_rows:,} rows in "
+            f"{len(manifest.shards)} shard(s){where}\n{keys}")
+
+
+def pack_dry_run(job: PackJob, *, what: str, batch_size: int | None = None,
+                 progress: Progress | None = None) -> Stats:
+    """What `pack(job)` would record, from its plan alone (`runners.plan_job`: every input read,
+    nothing written): its stats with the output order's profile, the static shapes (less
+    `loss_tokens`, counted from the rows' values), and a mixture's shares per step of
+    `batch_size` rows (None: per row). `what`: the inputs in a few words, for the title."""
+    from seqpack.pipelines.offline.runners import plan_job
+
+    planned, table = plan_job(job, progress=progress)
+    intent, results, R = planned.intent, planned.results, planned.intent.num_rows
+    profile = record.order_profile(table[ROW], table[LENGTH], R)
+    stats = {**results["stats"], "along_output": record.along_output(profile, R)}
+    shares = None
+    firsts = mixture.firsts_of(intent.mixture)
+    if intent.mixture and firsts is not None:
+        tokens = mixture.piece_units("tokens", table, firsts, R)
+        shares = mixture.shares(intent.mixture, tokens, batch_size)
+    del table
+    title = _run_lines(dataclasses.replace(intent, stats=stats), job.output, what=what,
+                       verb="dry run (nothing written): would pack")
+    return Stats({Strategy(job.config.strategy).value: stats}, results["example_length_histogram"],
+                 title, batch_size, results["shapes"], shares)
 
 
 def summary(s: dict, batch_size: int | None) -> dict:
@@ -395,56 +432,3 @@ def _block(cols, lo: int, hi: int, width: int) -> list[str]:
             lines.append(f"{name:<{name_w}}  " + " ".join(f"{x:>{cw}}" for x in col))
         lines.append("")
     return lines
-
-
-class RichProgress:
-    """A transient rich progress bar on stderr, per phase of the run: "reading" (input bytes)
-    then "writing" (tokens packed, rows written), each with its rate and time left."""
-
-    def __init__(self):
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
-        self.bar = Progress(
-            TextColumn("{task.description}"), BarColumn(),
-            TextColumn("{task.percentage:>3.0f}%"), TextColumn("{task.fields[detail]}"),
-            TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("eta"),
-            TimeRemainingColumn(), console=Console(stderr=True), transient=True,
-        )
-        self.task = self.bar.add_task("starting", total=None, detail="", rate="")
-        self.unit = ""
-
-    def __enter__(self):
-        self.bar.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.bar.stop()
-
-    def phase(self, name: str, total: int) -> None:
-        self.unit = " MB" if name == "reading" else "M tokens"
-        self.bar.reset(self.task, description=name, total=total, detail="", rate="")
-
-    def advance(self, amount: int, rows: int = 0) -> None:
-        self.bar.advance(self.task, amount)
-        speed = self.bar.tasks[0].speed
-        rate = f"{speed / 1e6:.1f}{self.unit}/s" if speed else ""
-        self.bar.update(self.task, detail=f"{rows:,} rows" if rows else "", rate=rate)
-
-
-def terminal_progress() -> RichProgress | None:
-    """A progress bar when stderr is a terminal and rich is installed; None otherwise."""
-    import sys
-
-    if not sys.stderr.isatty():
-        return None
-    try:
-        return RichProgress()
-    except ImportError:
-        return None

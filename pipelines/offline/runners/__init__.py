@@ -3,7 +3,8 @@
 A runner maps `offline.core`'s steps onto an executor; nothing of the job's logic is here
 twice. Arranged by role::
 
-    local.py    the local runner (`pack_to_dir`): worker processes, a local token spill
+    local.py    the local runner (`pack_to_dir`): worker processes, a local token spill; its
+                plan alone (`plan_job`: `seqpack pack --dry-run`)
     beam.py     the Beam job (`pack_beam`): the steps of `offline.steps` as a pipeline; and
                 `verify_beam`, `offline.verify`'s distributed steps as one
     spark.py    the Spark job (`pack_spark`): the same steps as RDD stages, by block and shard;
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from seqpack.pipelines.offline.runners.local import pack_to_dir, plan_map
+from seqpack.pipelines.offline.runners.local import pack_to_dir, plan_job, plan_map
 from seqpack.pipelines.offline.runners.read import (
     Pass1,
     Progress,
@@ -40,8 +41,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Pass1", "Progress", "Run", "SpillReader", "Workers", "load_context", "pack_beam",
-    "pack_spark", "pack_to_dir", "plan_map", "read_inputs", "save_context", "scan_lengths",
-    "verify_beam", "verify_spark",
+    "pack_spark", "pack_to_dir", "plan_job", "plan_map", "read_inputs", "save_context",
+    "scan_lengths", "verify_beam", "verify_spark",
 ]
 
 

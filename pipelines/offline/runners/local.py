@@ -70,6 +70,7 @@ from seqpack.pipelines.offline.mixture import Selection, select_inputs
 from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.record import ShardFacts
 from seqpack.pipelines.offline.runners.read import (
+    Pass1,
     Progress,
     delay_seconds,
     load_context,
@@ -138,18 +139,12 @@ class _RunContext:
 def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
          progress: Progress | None) -> Manifest:
     spill = not job.plan_only
-    read = read_inputs(job.inputs, job.read_options, spill_dir if spill else None, pool,
-                       progress, loss_columns=job.mix_loss_columns)
-    scans, runs, column_runs = read.scans, read.runs, read.column_runs
+    read, files, lengths, plans, mixed = _read_and_plan(job, spill_dir if spill else None,
+                                                        pool, progress)
+    runs, column_runs = read.runs, read.column_runs
     del read
-    files, lengths = _corpus(job, scans)
-    mixed = None if job.mixture is None else select_inputs(
-        job.mixture, [s.lengths for s in scans], [s.loss_counts for s in scans])
-    del scans  # 8 bytes an example
-    plans = _plan_blocks(lengths, files, job, pool, mixed)
     summary = core.finish_plan(files, [bp.summary for bp in plans], job, rerun=False,
-                               mixture=None if mixed is None else mixed.record)
-    del mixed
+                               mixture=mixed)
     if summary is None:  # a resumed run that had finished
         return read_manifest(job.output, check_shards=False)
     table = _place(plans, summary)
@@ -160,6 +155,39 @@ def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
     written = write_shards(table, starts, context, pool, save_context(spill_dir, context),
                            resume=job.resume, progress=progress)
     return core.finish_job(written, summary, out)
+
+
+def plan_job(job: PackJob, *, progress: Progress | None = None
+             ) -> tuple[JobSummary, np.ndarray]:
+    """What `pack_to_dir` plans, with no output: every input read (its tokens checked, not
+    kept), the blocks planned and summed up (`core.summarize_plan`), each piece placed in its
+    output row; (the summary, `_place`'s table). Nothing is written (`seqpack pack --dry-run`)."""
+    pool = Workers(job.num_workers)
+    try:
+        _, files, _, plans, mixed = _read_and_plan(job, None, pool, progress)
+        summary = core.summarize_plan(files, [bp.summary for bp in plans], job, mixture=mixed)
+        table = _place(plans, summary)
+    except BaseException:
+        pool.close(kill=True)
+        raise
+    pool.close()
+    return summary, table
+
+
+def _read_and_plan(job: PackJob, spill_dir: str | None, pool: Workers,
+                   progress: Progress | None
+                   ) -> tuple[Pass1, list[FileSummary], np.ndarray, list[BlockPlan], dict | None]:
+    """Pass 1 (`read_inputs`: into `spill_dir`, None: no spill) and the blocks' plans: (pass
+    1 without its scans, the inputs' summaries, every example's length, the plans, a mixture's
+    record)."""
+    read = read_inputs(job.inputs, job.read_options, spill_dir, pool, progress,
+                       loss_columns=job.mix_loss_columns)
+    files, lengths = _corpus(job, read.scans)
+    mixed = None if job.mixture is None else select_inputs(
+        job.mixture, [s.lengths for s in read.scans], [s.loss_counts for s in read.scans])
+    read = dataclasses.replace(read, scans=[])  # 8 bytes an example
+    plans = _plan_blocks(lengths, files, job, pool, mixed)
+    return read, files, lengths, plans, None if mixed is None else mixed.record
 
 
 def _corpus(job: PackJob, scans: list[inputs.FileScan]) -> tuple[list[FileSummary], np.ndarray]:

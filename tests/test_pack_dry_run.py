@@ -1,0 +1,94 @@
+"""`seqpack pack --dry-run`: the figures a run would record (stats, static shapes, the order's
+balance, a mixture's shares per step) equal the run's own, for every kind of run, and nothing is
+written; bad input fails as the run fails; options that only a writing run takes are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers.files import invoke, random_seqs, write_jsonl, write_parquet
+
+SHORT = random_seqs(300, max_len=40, seed=5)
+LONG = random_seqs(80, max_len=150, seed=6)
+ARGS = ["--seq-len", 128, "--max-segments", 12, "--workers", 1, "--shard-rows", 32]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dry")
+    write_jsonl(d / "a.jsonl", SHORT)
+    write_parquet(d / "b.parquet", LONG)
+    columns = [{"input_ids": s, "labels": [t if i % 3 else -100 for i, t in enumerate(s)]}
+               for s in SHORT]
+    (d / "c.jsonl").write_text("".join(json.dumps(c) + "\n" for c in columns))
+    return d
+
+
+RUNS = {
+    "shuffled, split": lambda d: [d / "a.jsonl", d / "b.parquet", "--overflow", "split"],
+    "truncated, plan order": lambda d: [d / "a.jsonl", d / "b.parquet", "--overflow",
+                                        "truncate", "--row-order", "plan"],
+    "balanced for 4 ranks": lambda d: [d / "a.jsonl", d / "b.parquet", "--overflow", "drop",
+                                       "--data-parallel", 4, "--batch-size", 2,
+                                       "--cost-model", "attention", "--d-model", 64],
+    "a mixture in steps of 8 rows": lambda d: [
+        "--mix", f"short={d / 'a.jsonl'}", "--mix", f"long={d / 'b.parquet'}", "--weights",
+        "short=0.7,long=0.3", "--mix-tokens", 12000, "--overflow", "split",
+        "--batch-size", 8, "--seed", 3],
+    "concat_split": lambda d: [d / "a.jsonl", d / "b.parquet", "--strategy", "concat_split"],
+    "extra columns, parquet": lambda d: [d / "c.jsonl", "--column", "input_ids", "--column",
+                                         "labels", "--format", "parquet"],
+    "by reference": lambda d: [d / "b.parquet", "--format", "index", "--overflow", "split"],
+}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_dry_run_shows_what_the_run_records(data, tmp_path, name):
+    args = [*RUNS[name](data), *ARGS]
+    never = tmp_path / "never"
+    dry = json.loads(invoke("pack", *args, "-o", never, "--dry-run", "--json").output)
+    assert not never.exists()  # nothing written, not even the directory
+    out = tmp_path / "out"
+    invoke("pack", *args, "-o", out)
+    run = json.loads(invoke("stats", out, "--json").output)
+    assert dry["dry_run"] is True
+    assert dry["stats"] == run["stats"]  # every figure, the order's balance and profile too
+    assert dry["summary"] == run["summary"]
+    assert dry["example_length_histogram"] == run["example_length_histogram"]
+    assert dry["shapes"] == {k: v for k, v in run["shapes"].items() if k != "loss_tokens"}
+    assert dry.get("mixture") == run.get("mixture")  # a mixture's shares per step
+    if "mixture" in name:
+        assert dry["mixture"]["step_rows"] == 8 and dry["mixture"]["steps"] > 1
+    if "balanced" in name:
+        assert dry["summary"]["best_fit_decreasing"]["step_max_over_mean"] is not None
+
+
+def test_the_table_names_the_run_and_needs_no_output(data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    text = invoke("pack", data / "a.jsonl", *ARGS, "--dry-run", "--data-parallel", 2).output
+    head = text.splitlines()[0]
+    assert head.startswith("dry run (nothing written): would pack 1 input file(s): 300 "
+                           "examples ->") and " at " not in head
+    assert "step: ranks' max / mean" in text and "steps / epoch (batch 2)" in text
+    assert list(tmp_path.iterdir()) == []
+    sample = invoke("pack", "--dry-run", "--workers", 1).output
+    assert sample.startswith("dry run (nothing written): would pack the built-in sample")
+
+
+def test_bad_input_fails_the_dry_run_as_it_fails_the_run(data, tmp_path):
+    args = [data / "b.parquet", *ARGS]  # examples longer than 128; overflow error by default
+    dry = invoke("pack", *args, "--dry-run", ok=False)
+    run = invoke("pack", *args, "-o", tmp_path / "o", ok=False)
+    assert dry.exit_code == run.exit_code == 2
+    assert "b.parquet" in dry.stderr and dry.stderr == run.stderr
+
+
+@pytest.mark.parametrize("option", [["--resume"], ["--overwrite"], ["--fsync"],
+                                    ["--runner", "beam"], ["--spark-option", "master=x"]])
+def test_options_of_a_writing_run_are_refused(data, option):
+    result = invoke("pack", data / "a.jsonl", *ARGS, "--dry-run", *option, ok=False)
+    assert result.exit_code == 2
+    assert f"{option[0]} applies to a run that writes; --dry-run writes nothing" \
+        in result.stderr, result.stderr
