@@ -81,12 +81,16 @@ def test_tables_round_trip_in_the_narrowest_integers(n, w, span, sort, seed):
 
 
 def test_examples_in_flight_are_dealt_whole():
-    refs = (np.array([3, 5, 9]), np.array([0, 1, 0], np.int32), np.array([70, 30, 71]))
+    refs = (np.array([3, 5, 9]), (np.array([0, 1, 0], np.int32), np.array([70, 30, 71]),
+                                  np.array([7, 74, 3])))
     flight = Flight.of(np.array([5, 3, 5, 9]), np.array([0, 0, 64, 0]),
                        np.array([64, 7, 10, 3]), refs)
     assert flight.index.tolist() == [70, 30, 71] and flight.dataset.tolist() == [0, 1, 0]
+    assert flight.size.tolist() == [7, 74, 3]
     back = Flight.decode(flight.encode())
-    assert np.array_equal(back.pieces, flight.pieces)
+    assert np.array_equal(back.pieces, flight.pieces) and np.array_equal(back.size, flight.size)
+    old = flight.encode() | {"examples": encode_table(np.stack([flight.dataset, flight.index], 1))}
+    assert Flight.decode(old).size.tolist() == [-1, -1, -1]  # a state saved before sizes
     parts = [flight.share(i, 2) for i in range(2)]
     assert [p.index.tolist() for p in parts] == [[70, 71], [30]]
     assert sorted(parts[1].pieces[:, 1].tolist()) == [0, 64]  # both pieces of example 30

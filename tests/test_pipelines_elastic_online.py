@@ -194,3 +194,17 @@ def test_a_restore_over_other_data_of_as_many_examples_is_refused(then):
     short = examples(len(SRC), high=3, seed=1)  # as many examples, other (shorter) contents
     with pytest.raises(InputError, match="the data is not the data the state was saved over"):
         run(short, then, steps=1, state={"hosts": states})
+
+
+@pytest.mark.parametrize("then", [2, 3])
+def test_a_restore_over_examples_that_grew_is_refused(then):
+    """An example in flight that grew since the save (its pieces still fit it) is named too:
+    before, its pieces were read as recorded and the tokens past them never packed, silently.
+    The same layout restores each host's state (refs), another layout the merged flight."""
+    _, states, _ = run(SRC, 2, steps=3)
+    grown = examples(len(SRC), grow=3)  # the same examples, each 3 tokens longer
+    with pytest.raises(InputError, match=r"example \d+ of the source holds (\d+) tokens, but "
+                                         r"held \d+ when the state was saved.*the data is not "):
+        run(grown, then, steps=1, state={"hosts": states})
+    again, _, _ = run(SRC, then, steps=None, state={"hosts": states})  # the data saved over
+    assert again

@@ -44,6 +44,7 @@ from seqpack.pipelines.datasets.columns import (
 )
 from seqpack.pipelines.datasets.elastic import (
     ELASTIC,
+    Refs,
     RefTable,
     decode_refs,
     deferred_flight,
@@ -109,19 +110,19 @@ class PackIterator(grain.DatasetIterator):
         cols, ended = self._values.read(parent, ds.window, first)
         self._exhausted |= ended
         count = len(cols[ds.names[0]])
-        if count:
-            self._bounds.append(self._attempt)
         self._next_id = first + count
         ids = list(range(first, first + count))
         if count:
+            self._bounds.append(self._attempt)
             k = first // ds.window
             for n in ds.names:
                 col = cols[n]
                 if keep is not None:  # replay: hold only what open rows need
                     col = [v if first + i in keep else None for i, v in enumerate(col)]
                 self._held[n][k] = col
-            if self._by_ref:
-                self._refs.put(k, *self._parent.take_refs())
+            if self._by_ref:  # each example's size too: a restore checks it
+                self._refs.put(k, *self._parent.take_refs(),
+                               np.fromiter(map(len, cols[ds.names[0]]), np.int64, count))
         if self._by_ref:  # where a mixture's stages ended: planned in parts (`plan_cut`)
             self._cuts += [first + c for c in self._parent.take_cuts()]
         return ids, cols
@@ -275,11 +276,11 @@ class PackIterator(grain.DatasetIterator):
 
     # ---- restoring by reference (restore.py) ----------------------------------------------
 
-    def _hold(self, ids: np.ndarray, dataset, index, extents=None) -> restore.Held:
-        """Fetches the referenced examples and holds them under `ids` (a fresh iterator)."""
-        self._refs.put_ids(ids, dataset, index)
-        held = restore.fetch(self._parent, ids, dataset, index, names=self._ds.names,
+    def _hold(self, ids: np.ndarray, refs: Refs, extents=None) -> restore.Held:
+        """Holds the examples `refs` names under `ids` (a fresh iterator): `restore.fetch`."""
+        held = restore.fetch(self._parent, ids, refs, names=self._ds.names,
                              window=self._ds.window, values=self._values, extents=extents)
+        self._refs.put_ids(ids, *refs[:2], held.sizes)
         self._held = held.tokens
         return held
 
@@ -288,8 +289,7 @@ class PackIterator(grain.DatasetIterator):
         replayed: the parent goes on from its restored positions). Under a mixture's edited
         weights, also plans the pieces not yet emitted again (`_replan`): True when it did."""
         ds, parent = self._ds, self._parent
-        ids, dataset, index = decode_refs(state["refs"])
-        held = self._hold(ids, dataset, index, restore.extents_of(state))
+        held = self._hold(*decode_refs(state["refs"]), restore.extents_of(state))
         self._next_id = int(state["next_id"])
         window_first = int(state["window_first"])
         if state["phase"] == "finish":
@@ -351,7 +351,7 @@ class PackIterator(grain.DatasetIterator):
         self._rows_emitted = int(part.counters.get("rows_emitted", 0))
         flight = part.flight
         ids = np.arange(flight.num_examples, dtype=np.int64)
-        held = self._hold(ids, flight.dataset.astype(np.int32), flight.index, flight.pieces)
+        held = self._hold(ids, flight.refs, flight.pieces)
         self._next_id = -(-ids.size // ds.window) * ds.window
         waiting = np.zeros((0, 3), np.int64)
         if len(flight.pieces):

@@ -26,10 +26,11 @@ PACK = PackConfig(32, max_segments=8, overflow="split")
 WINDOW = Window(16, window_rows=4)
 
 
-def examples(n: int = 240, *, high: int = 50, seed: int = 0) -> ArraySource:
-    """n examples of 0..high tokens (some longer than PACK's rows: split), tokens naming them."""
+def examples(n: int = 240, *, high: int = 50, seed: int = 0, grow: int = 0) -> ArraySource:
+    """n examples of 0..high tokens (some longer than PACK's rows: split), tokens naming them;
+    `grow`: each that many tokens longer (the same examples, changed)."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(0, high + 1, n)
+    lengths = rng.integers(0, high + 1, n) + grow
     offsets = np.concatenate(([0], np.cumsum(lengths)))
     ex = np.repeat(np.arange(n), lengths)
     values = 10**6 + ex * 1000 + (np.arange(offsets[-1]) - offsets[ex])

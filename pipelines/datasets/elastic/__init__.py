@@ -27,11 +27,10 @@ from seqpack.pipelines.datasets.elastic.examples import (
 from seqpack.pipelines.datasets.elastic.flight import deferred_flight, encode_table
 from seqpack.pipelines.datasets.elastic.hosts import OnlineHosts, grain_worker_states
 from seqpack.pipelines.datasets.elastic.merge import ELASTIC, index_in, share
-from seqpack.pipelines.datasets.elastic.refs import RefTable, decode_refs
+from seqpack.pipelines.datasets.elastic.refs import Refs, RefTable, decode_refs
 from seqpack.pipelines.datasets.elastic.streams import Stream
 
 __all__ = ["ELASTIC", "ElasticCheckpointHandler", "ElasticExamples", "GlobalOrder", "OnlineHosts",
-           "RefTable",
-           "Stream", "consumer_of", "decode_refs", "deferred_flight", "encode_table",
-           "global_order", "grain_worker_states", "index_in", "read_host_states", "restore",
-           "share"]
+           "RefTable", "Refs", "Stream", "consumer_of", "decode_refs", "deferred_flight",
+           "encode_table", "global_order", "grain_worker_states", "index_in", "read_host_states",
+           "restore", "share"]

@@ -2,9 +2,11 @@
 
 In flight at a checkpoint: the pieces of the rows planned but not yet emitted, and of the rows
 kept open or waiting. Each piece is (example, start, length per packed feature); each example
-is (dataset, index) in its source. A `Flight` holds them as arrays; `encode` / `decode` are its
-checkpoint form (base64(zlib(i64))). `share` deals whole examples (every piece of a split
-example together) to the consumers of a new layout, example e to consumer e mod K.
+is (dataset, index) in its source, with its size when saved (the first feature's tokens; -1:
+not recorded), by which a restore tells an example that changed. A `Flight` holds them as
+arrays; `encode` / `decode` are its checkpoint form (base64(zlib(i64))). `share` deals whole
+examples (every piece of a split example together) to the consumers of a new layout, example e
+to consumer e mod K.
 
 Worked example (two examples in flight, one split; K = 2)::
 
@@ -65,24 +67,25 @@ def decode_table(blob: str) -> np.ndarray:
 
 @dataclasses.dataclass
 class Flight:
-    """Examples in flight: `dataset` and `index` i64[E] each; `pieces` i64[P, 2 + F]:
+    """Examples in flight: `dataset`, `index` and `size` i64[E] each; `pieces` i64[P, 2 + F]:
     (example number in [0, E), start, length per packed feature)."""
 
     dataset: np.ndarray
     index: np.ndarray
+    size: np.ndarray
     pieces: np.ndarray
 
     @classmethod
     def empty(cls, features: int) -> Flight:
         none = np.zeros(0, np.int64)
-        return cls(none, none.copy(), np.zeros((0, 2 + features), np.int64))
+        return cls(none, none.copy(), none.copy(), np.zeros((0, 2 + features), np.int64))
 
     @classmethod
     def of(cls, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-           refs: tuple[np.ndarray, np.ndarray, np.ndarray]) -> Flight:
+           refs: tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray]]) -> Flight:
         """Pieces of a packer's examples `ids` (i64[P]; `lengths` i64[P, F]), named by `refs`
-        (ids i64 sorted, dataset, index: `mixing.decode_refs`)."""
-        ref_ids, dataset, index = refs
+        (ids i64 sorted, (dataset, index, size): `refs.decode_refs`)."""
+        ref_ids, (dataset, index, size) = refs
         ids = np.asarray(ids, np.int64)
         lengths = np.asarray(lengths, np.int64)
         lengths = lengths[:, None] if lengths.ndim == 1 else lengths
@@ -93,7 +96,13 @@ class Flight:
         assert np.array_equal(ref_ids[np.minimum(at, len(ref_ids) - 1)], uniq), "unreferenced"
         pieces = np.concatenate([number[:, None], np.asarray(starts, np.int64)[:, None],
                                  lengths], 1)
-        return cls(dataset[at].astype(np.int64), index[at].astype(np.int64), pieces)
+        return cls(dataset[at].astype(np.int64), index[at].astype(np.int64),
+                   size[at].astype(np.int64), pieces)
+
+    @property
+    def refs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(dataset i32, index, size): `refs.Refs`, as a restore fetches them."""
+        return self.dataset.astype(np.int32), self.index, self.size
 
     @property
     def num_examples(self) -> int:
@@ -105,11 +114,10 @@ class Flight:
         for f in flights:
             p = f.pieces.copy()
             p[:, 0] += first
-            out.append(Flight(f.dataset, f.index, p))
+            out.append(Flight(f.dataset, f.index, f.size, p))
             first += f.num_examples
-        return cls(np.concatenate([f.dataset for f in out]),
-                   np.concatenate([f.index for f in out]),
-                   np.concatenate([f.pieces for f in out]))
+        return cls(*(np.concatenate([getattr(f, k) for f in out])
+                     for k in ("dataset", "index", "size", "pieces")))
 
     def share(self, index: int, count: int) -> Flight:
         """Consumer `index` of `count`'s examples (e mod count == index), renumbered."""
@@ -117,16 +125,17 @@ class Flight:
         keep = self.pieces[:, 0] % count == index
         pieces = self.pieces[keep].copy()
         pieces[:, 0] //= count
-        return Flight(self.dataset[mine], self.index[mine], pieces)
+        return Flight(self.dataset[mine], self.index[mine], self.size[mine], pieces)
 
     def encode(self) -> dict[str, str]:
-        return {"examples": encode_table(np.stack([self.dataset, self.index], 1)),
+        return {"examples": encode_table(np.stack([self.dataset, self.index, self.size], 1)),
                 "pieces": encode_table(self.pieces)}
 
     @classmethod
     def decode(cls, state: dict[str, str]) -> Flight:
-        ex = decode_table(state["examples"])
-        return cls(ex[:, 0].copy(), ex[:, 1].copy(), decode_table(state["pieces"]))
+        ex = decode_table(state["examples"])  # a state saved before sizes: two columns
+        size = ex[:, 2].copy() if ex.shape[1] > 2 else np.full(len(ex), -1, np.int64)
+        return cls(ex[:, 0].copy(), ex[:, 1].copy(), size, decode_table(state["pieces"]))
 
 
 def deferred_flight(layout: Any, plan: Any, order: list[int] | None,

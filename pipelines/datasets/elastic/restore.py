@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from seqpack.pipelines.datasets.elastic.refs import Refs
 from seqpack.pipelines.errors import InputError
 
 # A restore that plans pieces again reads at most this many times their units before planning
@@ -29,50 +30,67 @@ MAX_SPREAD = 8
 @dataclasses.dataclass
 class Held:
     """Fetched examples: `tokens` name -> window number -> values (None where not held), the
-    `elements` by id and their references (id -> (dataset, index))."""
+    `elements` by id, their references (id -> (dataset, index)) and their sizes (the first
+    feature's tokens, i64 in the order of the ids)."""
 
     tokens: dict[str, dict[int, list]]
     elements: dict[int, Any]
     refs: dict[int, tuple[int, int]]
+    sizes: np.ndarray
 
 
-def fetch(parent: Any, ids: np.ndarray, dataset: np.ndarray, index: np.ndarray, *,
-          names: tuple[str, ...], window: int, values: Any,
-          extents: np.ndarray | None = None) -> Held:
-    """The elements (`dataset`, `index`) from `parent.fetch`, held under `ids` (sorted) in the
-    windows of `window` ids; `values` (`columns.RunValues`) checks and casts them as reading
-    does. `extents` (i64[P, 3]: id, start, length of the first feature's pieces the state
-    holds): InputError where an example is now too short for them (the data changed)."""
+_CHANGED = ("the data is not the data the state was saved over (the same number of examples, "
+            "other contents?); restore into a pipeline over that data")
+
+
+def fetch(parent: Any, ids: np.ndarray, refs: Refs, *, names: tuple[str, ...], window: int,
+          values: Any, extents: np.ndarray | None = None) -> Held:
+    """The elements `refs` names (dataset, index) from `parent.fetch`, held under `ids`
+    (sorted) in the windows of `window` ids; `values` (`columns.RunValues`) checks and casts
+    them as reading does. InputError where an example changed since the save: its size is not
+    the one `refs` recorded (-1: none), or it is too short for `extents` (i64[P, 3]: id, start,
+    length of the first feature's pieces the state holds)."""
+    dataset, index, sizes = refs
     id_list = ids.tolist()
     elements = [parent.fetch(int(d), int(i)) for d, i in zip(dataset, index)]
     tokens: dict[str, dict[int, list]] = {n: {} for n in names}
+    have = np.zeros(0, np.int64)
     for n in names:
         col = [values.values(e[n], j, n) for j, e in zip(id_list, elements)]
-        if n == names[0] and extents is not None and len(extents):
-            _check_extents(parent, col, ids, dataset, index, extents)
+        if n == names[0]:
+            have = np.array([len(v) for v in col], np.int64)
+            _check_sizes(parent, have, sizes, ids, dataset, index, extents)
         values.fit(col, n, 0)
         for j, v in zip(id_list, col):
             tokens[n].setdefault(j // window, [None] * window)[j % window] = v
     return Held(tokens, dict(zip(id_list, elements)),
-                dict(zip(id_list, zip(dataset.tolist(), index.tolist()))))
+                dict(zip(id_list, zip(dataset.tolist(), index.tolist()))), have)
 
 
-def _check_extents(parent: Any, col: list, ids: np.ndarray, dataset: np.ndarray,
-                   index: np.ndarray, extents: np.ndarray) -> None:
-    have = np.array([len(v) for v in col], np.int64)
+def _check_sizes(parent: Any, have: np.ndarray, sizes: np.ndarray, ids: np.ndarray,
+                 dataset: np.ndarray, index: np.ndarray, extents: np.ndarray | None) -> None:
+    def where(e: int) -> str:
+        names = getattr(parent, "names", None)
+        return (f"dataset {names[int(dataset[e])]!r} example {int(index[e])}"
+                if names and len(names) > 1 else f"example {int(index[e])} of the source")
+
+    bad = np.flatnonzero((sizes >= 0) & (sizes != have))
+    if bad.size:
+        e = int(bad[0])
+        raise InputError(f"restoring: {where(e)} holds {int(have[e])} tokens, but held "
+                         f"{int(sizes[e])} when the state was saved, which holds some of them "
+                         f"in flight: {_CHANGED}")
+    if extents is None or not len(extents):
+        return
     extents = extents[np.isin(extents[:, 0], ids)]
     at = np.searchsorted(ids, extents[:, 0])  # extents: (id, start, length, ...) per piece
     end = extents[:, 1] + extents[:, 2]
     bad = np.flatnonzero(end > have[at])
     if bad.size:
         p, e = int(bad[0]), int(at[bad[0]])
-        names = getattr(parent, "names", None)
-        where = (f"dataset {names[int(dataset[e])]!r} example {int(index[e])}"
-                 if names and len(names) > 1 else f"example {int(index[e])} of the source")
-        raise InputError(f"restoring: {where} holds {int(have[e])} tokens, but the state holds "
-                         f"its tokens [{int(extents[p, 1])}, {int(end[p])}) in flight: the "
-                         "data is not the data the state was saved over (the same number of "
-                         "examples, other contents?); restore into a pipeline over that data")
+        raise InputError(f"restoring: {where(e)} holds {int(have[e])} tokens, but the state "
+                         f"holds its tokens [{int(extents[p, 1])}, {int(end[p])}) in flight: "
+                         f"{_CHANGED}")
 
 
 def extents_of(state: dict[str, Any]) -> np.ndarray | None:
