@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from seqpack.packer import PackConfig
+from seqpack.pipelines.errors import RunFailed
 from seqpack.pipelines.formats import inputs
 from seqpack.pipelines.formats.inputs import InputError, ReadOptions
 from seqpack.pipelines.offline import PackJob, WriteOptions
@@ -46,7 +47,7 @@ def _inputs(tmp_path) -> list[str]:
 
 
 def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=False,
-               overwrite=False, after_plan=None) -> dict:
+               overwrite=False, after_plan=None, fault=None) -> dict:
     """The job's stages in this process, each stage's elements in a shuffled order.
 
     `retries`: the steps that write to the output run again, as a runner may run them (Beam
@@ -54,7 +55,8 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=
     attempt's outputs are kept): finish_plan twice before the shards, then again halfway
     through the shards and after the manifest (a side input recomputed for a later step), a
     third of the shards written twice (their parts in another order), finish_job twice.
-    `after_plan`: called once the plan is finished (the inputs' stamps taken)."""
+    `after_plan`: called once the plan is finished (the inputs' stamps taken). `fault`: "drop"
+    or "repeat" one part of a shard fed by several inputs, as a faulty runner would."""
     read = ReadOptions()
     job = PackJob(paths, out, config, write_options=write_options,
                   block_size=block_size or 1 << 22, existing="overwrite" if overwrite else "refuse")
@@ -86,6 +88,16 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=
         for shard, part in beam_steps.route_file(jobs[k], read, summary.shard_rows,
                                                  summary.row_dtype, plan_only=job.plan_only):
             by_shard.setdefault(shard, []).append(part)
+    if fault == "drop_inside":  # a part with no piece in its shard's first or last row
+        edges = {k: (k * summary.shard_rows, min((k + 1) * summary.shard_rows,
+                                                  summary.intent.num_rows) - 1) for k in by_shard}
+        shard, part = next((k, i) for k in sorted(by_shard) for i, p in enumerate(by_shard[k])
+                           if len(by_shard[k]) > 1 and not np.isin(p.pieces[3], edges[k]).any())
+        del by_shard[shard][part]
+    elif fault is not None:
+        shard = next(k for k in sorted(by_shard) if len(by_shard[k]) > 1)
+        by_shard[shard] = by_shard[shard][1:] if fault == "drop" else \
+            [*by_shard[shard], by_shard[shard][-1]]
     rows = {}
     shards = rng.permutation(sorted(by_shard)).tolist()
     if retries:
@@ -132,6 +144,32 @@ def test_steps_in_any_order_give_the_local_bytes(tmp_path, name, seed, block_siz
 def test_steps_run_again_give_the_local_bytes(tmp_path, name, seed, block_size, overwrite):
     """As a runner may run them: the directory is prepared once, shards rewritten alike."""
     _check_steps(tmp_path, name, seed, block_size, retries=True, overwrite=overwrite)
+
+
+@pytest.mark.parametrize("fault", ["drop", "repeat", "drop_inside"])
+def test_a_part_lost_or_repeated_by_the_runner_stops_the_run_and_resume_repairs_it(
+        tmp_path, fault):
+    """A record a runner lost or repeated between the inputs and the shards stops the run
+    before its manifest: the shard that misses its first or last row, or gets a piece twice,
+    fails as it is written; one that misses pieces inside fails the last step, which keeps no
+    shard. A resumed run then writes what it must again: the local runner's bytes."""
+    config, write_options = CONFIGS["bfd_split"]
+    paths = _inputs(tmp_path)
+    local = pack_to_dir(PackJob(paths, tmp_path / "local", config, write_options=write_options,
+                                workers=1))
+    said = (r"the shards hold [\d,]+ segments of [\d,]+ tokens, the plan placed [\d,]+ of "
+            r"[\d,]+: the runner lost or repeated records; no shard is kept"
+            if fault == "drop_inside" else r"shard \d+ received pieces the plan did not send "
+            r"it \(or not one of its first or last row\): the runner lost or repeated records")
+    with pytest.raises(RunFailed, match=said):
+        _run_steps(paths, tmp_path / "steps", config, write_options,
+                   np.random.default_rng(6), fault=fault)
+    assert not (tmp_path / "steps" / "manifest.json").exists()
+    if fault == "drop_inside":
+        assert not list((tmp_path / "steps").glob("*.done"))
+    again = pack_to_dir(PackJob(paths, tmp_path / "steps", config, write_options=write_options,
+                                workers=1, existing="resume"))
+    assert again == local and dir_bytes(tmp_path / "steps") == dir_bytes(tmp_path / "local")
 
 
 @pytest.mark.parametrize("seed,block_size", [(4, None), (5, 17)])

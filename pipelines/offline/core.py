@@ -23,12 +23,11 @@ examples in file order) and shards of `shard_rows` output rows::
     kept_shard      a shard's pieces            the same, for a shard `resume` keeps
     finish_job      every shard's result     -> manifest.json
 
-Runners map these steps onto their executors and move the data between them their own way:
-`runners.local` plans blocks in worker processes and gathers each shard's tokens from a local
-spill; a runner whose workers share no disk (`runners.beam`) routes the tokens through its
-pipeline with `offline.steps`. Every runner plans the same blocks with the same functions, so
-the bytes do not depend on the runner or the number of workers. Nothing here knows an
-executor: no Beam, no process pool.
+Runners map these steps onto their executors and move the data their own way (`runners.local`
+gathers each shard's tokens from a local spill; Beam and Spark route them with `offline.steps`);
+all plan the same blocks with the same functions, so the bytes depend on neither the runner nor
+the workers. Nothing here knows an executor. `finish_job` refuses shards that hold other
+tokens than the plan placed (a runner that lost or repeated records).
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ import numpy as np
 from seqpack.packer import Counters, PackConfig, PackPlan
 from seqpack.packer.inputs import check_lengths
 from seqpack.packer.order import BlockLayout, GlobalOrder, block_layout, global_order
-from seqpack.packer.plan import order_pieces, pieces, plan_block_rows
+from seqpack.packer.plan import aligned, order_pieces, pieces, plan_block_rows
 from seqpack.packer.stats import (
     CostSummary,
     alignment_slack,
@@ -53,10 +52,10 @@ from seqpack.packer.stats import (
     row_histograms,
     stats_from_histograms,
 )
-from seqpack.pipelines.errors import InputError, one_line
+from seqpack.pipelines.errors import InputError, RunFailed, one_line
 from seqpack.pipelines.formats import inputs
 from seqpack.pipelines.formats.encodings import of_manifest
-from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, Manifest
+from seqpack.pipelines.formats.manifest import Manifest
 from seqpack.pipelines.offline import record, shards
 from seqpack.pipelines.offline.job import PackJob
 from seqpack.pipelines.offline.mixture import firsts_of, piece_units
@@ -65,6 +64,8 @@ from seqpack.pipelines.offline.outdir import (
     as_output_dir,
     commit_manifest,
     prepare_dir,
+    records_run,
+    refuse_incomplete,
     shard_done,
 )
 from seqpack.pipelines.offline.shards import WriteOptions, row_dtype
@@ -280,11 +281,8 @@ def _to_corpus(table: np.ndarray, refs: np.ndarray, first: int) -> np.ndarray:
 def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], job: PackJob, *,
                 rerun: bool = True, mixture: dict | None = None) -> JobSummary | None:
     """`summarize_plan`, then writes pack_intent.json; None when `resume` finds the run complete.
-
     Raises what `summarize_plan` raises, then what the output refuses (a non-empty directory).
-    `rerun`: whether the executor may run this step again (see below; the local runner runs it
-    once).
-    """
+    `rerun`: whether the executor may run this step again (below; the local runner: once)."""
     summary = summarize_plan(files, blocks, job, mixture=mixture)
     intent = summary.intent
     # The directory is prepared once. A runner may run this step again: Beam retries a bundle
@@ -294,7 +292,7 @@ def finish_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary], jo
     # since), so when the output already records this very run (an earlier attempt, or an
     # identical run overwritten), the step goes on as a resume of it: nothing is deleted, and
     # the writers rewrite every shard (the bytes of a fresh run).
-    again = rerun and not job.resume and _records_run(job.output, intent)
+    again = rerun and not job.resume and records_run(job.output, intent)
     if prepare_dir(job.output, intent, overwrite=job.overwrite and not again,
                    resume=job.resume or again) is not None:
         return None
@@ -340,21 +338,6 @@ def summarize_plan(files: Iterable[FileSummary], blocks: Iterable[BlockSummary],
                       [int(r) for r in base], order)
 
 
-def _records_run(output_dir: str, intent: Manifest) -> bool:
-    """Whether the output's pack_intent.json, or its complete manifest.json, is of `intent`."""
-    out = OutputDir(output_dir)
-    try:
-        for name in (INTENT, MANIFEST):
-            if out.exists(name) and Manifest.from_json(
-                    out.read_json(name), out.path(name)).intent().to_json() == intent.to_json():
-                return True
-    except (OSError, ValueError):  # unreadable: not this run (prepare_dir reports it)
-        pass
-    finally:
-        out.close()
-    return False
-
-
 def output_rows(bp: BlockPlan, summary: JobSummary) -> np.ndarray:
     """i64[P_b]: the output row of each of the block's pieces (its plan row made global, then
     put in the run's order: `GlobalOrder.output_positions`, one query per row of the block)."""
@@ -383,10 +366,24 @@ def shard_plan(table: np.ndarray, shard: int, summary: JobSummary, config: PackC
     order = np.lexsort((table[EXAMPLE], table[ROW]))
     example, start, length, row = (table[k, order].astype(np.int64) for k in range(4))
     row -= r0
-    assert row.size and row[0] == 0 and row[-1] == num_rows - 1, (shard, row[:1], row[-1:])
+    _check_received(shard, example, length, row, num_rows, config,
+                    repeats=summary.intent.mixture is not None)
     p = order_pieces(example, start, length, row, num_rows, Counters(), config)
     assert p.example is example or np.array_equal(p.example, example)
     return p, order
+
+
+def _check_received(shard: int, example: np.ndarray, length: np.ndarray, row: np.ndarray,
+                    num_rows: int, config: PackConfig, *, repeats: bool) -> None:
+    """RunFailed where shard `shard`'s pieces (by row, then example) cannot be what the plan
+    sent: none in its first or last row, a row over L tokens or S segments, or (`repeats`
+    False: no mixture's repeated examples) a piece twice. A runner lost or repeated records."""
+    size = np.bincount(row, weights=aligned(length, config.alignment), minlength=num_rows)
+    twice = not repeats and bool(((np.diff(row) == 0) & (np.diff(example) == 0)).any())
+    if not row.size or row[0] != 0 or row[-1] != num_rows - 1 or twice or size.max() > \
+            config.seq_len or np.bincount(row).max() > config.max_segments:
+        raise RunFailed(0, f"shard {shard} received pieces the plan did not send it (or not "
+                        "one of its first or last row): the runner lost or repeated records")
 
 
 def kept_shard(output: str | OutputDir, shard: int, table: np.ndarray, summary: JobSummary
@@ -437,11 +434,14 @@ def finish_job(rows: Iterable[tuple[int, int, tuple[int, str], record.ShardFacts
         raise RuntimeError(f"shards {missing[:8]} were not written; the manifest is not written")
     done = [by_shard[k] for k in range(len(names))]
     facts = functools.reduce(operator.add, [f for _, _, f in done])
+    out = as_output_dir(output)
+    stats = summary.results["stats"]
+    refuse_incomplete(out, summary.intent.shards, facts.profile.sum(axis=0).tolist(),
+                      [stats["num_segments"], stats["real_tokens"]])
     results = json.loads(json.dumps(summary.results))
     results["stats"]["along_output"] = record.along_output(facts.profile,
                                                            summary.intent.num_rows)
     results["shapes"]["loss_tokens"] = facts.loss_tokens
-    out = as_output_dir(output)
     encoding, layout = of_manifest(summary.intent)
     for name, obj in encoding.side_files(results, layout).items():
         out.write_json(name, obj)

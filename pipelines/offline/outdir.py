@@ -24,10 +24,11 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from typing import Any
 
 from seqpack.pipelines import storage
-from seqpack.pipelines.errors import InputError, UsageError
+from seqpack.pipelines.errors import InputError, RunFailed, UsageError
 from seqpack.pipelines.formats import manifest as manifest_io
 from seqpack.pipelines.formats.encodings import ENCODINGS, is_side_file
 from seqpack.pipelines.formats.manifest import INTENT, MANIFEST, Manifest
@@ -391,6 +392,36 @@ def _changed_input(old: dict, new: dict) -> str:
             keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
             return f" (input {i}, {b.get('path')}: its {', '.join(keys)} changed)"
     return ""
+
+
+def refuse_incomplete(out: OutputDir, shards: Sequence[str], written: Sequence[int],
+                      planned: Sequence[int]) -> None:
+    """RunFailed where the shards hold other [segments, tokens] than the plan placed: a runner
+    lost or repeated records between the inputs and the shards. No shard is then kept (their
+    completion records removed: a resumed run writes every one again)."""
+    got, want = [int(x) for x in written], [int(x) for x in planned]
+    if got == want:
+        return
+    for name in shards:
+        out.remove(name + DONE)
+    raise RunFailed(0, f"{out.location}: the shards hold {got[0]:,} segments of {got[1]:,} "
+                    f"tokens, the plan placed {want[0]:,} of {want[1]:,}: the runner lost or "
+                    "repeated records; no shard is kept and the manifest is not written")
+
+
+def records_run(output_dir: str, intent: Manifest) -> bool:
+    """Whether the output's pack_intent.json, or its complete manifest.json, is of `intent`."""
+    out = OutputDir(output_dir)
+    try:
+        for name in (INTENT, MANIFEST):
+            if out.exists(name) and Manifest.from_json(
+                    out.read_json(name), out.path(name)).intent().to_json() == intent.to_json():
+                return True
+    except (OSError, ValueError):  # unreadable: not this run (prepare_dir reports it)
+        pass
+    finally:
+        out.close()
+    return False
 
 
 def write_done(out: OutputDir, name: str, rows: int, digest: tuple[int, str]) -> None:
