@@ -32,6 +32,8 @@ Worked example (capacity 10, max_segments 8; the victim V = [2])::
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from seqpack.packer.bounds import slot_share
@@ -54,6 +56,12 @@ def _subsets(items: list[int]) -> list[tuple[int, ...]]:
     return out
 
 
+class _Outs(NamedTuple):
+    sets: list[tuple[int, ...]]
+    sums: np.ndarray
+    left: np.ndarray
+
+
 class _Search:
     def __init__(self, sizes: np.ndarray, rows: np.ndarray, num_rows: int, capacity: int,
                  max_segments: int, seed: int) -> None:
@@ -66,28 +74,38 @@ class _Search:
             self.members[r].append(p)
         self.room = room_count(sizes, self.owner, num_rows, capacity)[0]
         self.alive = np.ones(num_rows, bool)
+        self.by_size = np.argsort(self.size, kind="stable")  # pieces, smallest first
         self.rng = np.random.default_rng(seed)
         self.work = 0  # candidate moves looked at
+        self.outs: dict[int, _Outs] = {}  # each row's subsets, kept until its pieces change
+
+    def _outs(self, r: int) -> _Outs:
+        """Row r's subsets of at most two pieces (`_subsets` of its members, in their order),
+        their tokens and the pieces each leaves in the row."""
+        got = self.outs.get(r)
+        if got is None:
+            m, sz = self.members[r], self.sz
+            subs = _subsets(m)
+            got = _Outs(subs, np.array([sum(sz[p] for p in sub) for sub in subs], np.int64),
+                        np.array([len(m) - len(sub) for sub in subs], np.int64))
+            self.outs[r] = got
+        return got
 
     def _into_row(self, loose: list[int], tabu: dict[tuple[int, int], int], it: int) -> bool:
         """The best move of up to two pieces of U into a row (module docstring)."""
         sz, S = self.sz, self.S
-        rs, out_sum, left, out_sets = [], [], [], []
-        for r in np.flatnonzero(self.alive).tolist():
-            m = self.members[r]
-            for sub in _subsets(m):
-                rs.append(r)
-                out_sum.append(sum(sz[p] for p in sub))
-                left.append(len(m) - len(sub))
-                out_sets.append(sub)
+        alive = np.flatnonzero(self.alive)
+        outs = [self._outs(r) for r in alive.tolist()]
+        counts = np.array([len(o.sets) for o in outs], np.int64)
         ins = _subsets(loose)[1:]
         in_sum = np.array([sum(sz[p] for p in sub) for sub in ins], np.int64)
         in_len = np.array([len(sub) for sub in ins], np.int64)
-        rs_a = np.array(rs, np.int64)
+        rs_a = np.repeat(alive, counts)
         self.work += rs_a.size * len(ins)
-        gain = in_sum[None, :] - np.array(out_sum, np.int64)[:, None]
+        gain = in_sum[None, :] - np.concatenate([o.sums for o in outs])[:, None]
         room = self.room[rs_a][:, None]
-        ok = (gain > 0) & (gain <= room) & (np.array(left)[:, None] + in_len[None, :] <= S)
+        left = np.concatenate([o.left for o in outs])
+        ok = (gain > 0) & (gain <= room) & (left[:, None] + in_len[None, :] <= S)
         for key in [key for key, until in tabu.items() if until <= it]:
             del tabu[key]
         for k, sub in enumerate(ins):  # a piece may not go back into a row it just left
@@ -100,7 +118,8 @@ class _Search:
                          -np.inf)
         a, k = divmod(int(np.argmax(score)), len(ins))
         r = int(rs_a[a])
-        for p in out_sets[a]:
+        at = int(np.searchsorted(alive, r))
+        for p in outs[at].sets[a - int(counts[:at].sum())]:
             self._move(p, -1)
             loose.append(p)
             tabu[(p, r)] = it + _TABU
@@ -114,29 +133,29 @@ class _Search:
         row B for a larger piece a of row A, where B has room for the difference d; A's room
         grows by d and B's shrinks by d, which adds 2 d (room A - room B + d) to the sum of
         the squared rooms. Pieces a are looked up by size, in the window (b, b + room B]."""
-        placed = np.flatnonzero(self.owner >= 0)
-        order = placed[np.argsort(self.size[placed], kind="stable")]
-        by_size = self.size[order]
         owner = self.owner
-        rb = self.room[owner[order]]
+        order = self.by_size[owner[self.by_size] >= 0]  # the placed pieces, smallest first
+        by_size = self.size[order]
+        row = owner[order]
+        room = self.room[row]
         lo = np.searchsorted(by_size, by_size, side="right")
-        hi = np.searchsorted(by_size, by_size + rb, side="right")
+        hi = np.searchsorted(by_size, by_size + room, side="right")
         count = hi - lo
         total = int(count.sum())
         self.work += order.size + total
         if not total:
             return False
-        b_pos = np.repeat(np.arange(order.size), count)
-        a_pos = np.arange(total) - np.repeat(np.cumsum(count) - count, count) + np.repeat(lo, count)
-        a, b = order[a_pos], order[b_pos]
-        A, B = owner[a], owner[b]
-        d = self.size[a] - self.size[b]
-        gain = np.where(A != B, 2 * d * (self.room[A] - self.room[B] + d), -1)
+        a_pos = np.arange(total) + np.repeat(lo - (np.cumsum(count) - count), count)
+        A = row[a_pos]
+        B = np.repeat(row, count)
+        d = by_size[a_pos] - np.repeat(by_size, count)
+        gain = np.where(A != B, 2 * d * (room[a_pos] - np.repeat(room, count) + d), -1)
         gain = gain + self.rng.random(gain.size)  # ties, and swaps of two rows' rooms (gain 0)
         q = int(np.argmax(gain))
         if not gain[q] >= 0:
             return False
-        pa, pb, ra, rb_ = int(a[q]), int(b[q]), int(A[q]), int(B[q])
+        b_at = int(np.searchsorted(np.cumsum(count), q, side="right"))
+        pa, pb, ra, rb_ = int(order[a_pos[q]]), int(order[b_at]), int(A[q]), int(B[q])
         self._move(pa, rb_)
         self._move(pb, ra)
         return True
@@ -144,6 +163,8 @@ class _Search:
     def _move(self, p: int, to: int) -> None:
         frm = int(self.owner[p])
         s = int(self.size[p])
+        self.outs.pop(frm, None)
+        self.outs.pop(to, None)
         if frm >= 0:
             self.members[frm].remove(p)
             self.room[frm] += s
@@ -173,6 +194,7 @@ class _Search:
         if not loose:
             return True
         self.owner, self.members, self.room = saved
+        self.outs.clear()
         self.alive[victim] = True
         return False
 
