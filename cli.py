@@ -285,7 +285,8 @@ def stats(paths, strategies, seq_len, max_segments, overflow, segment_alignment,
 
     For a directory written by `seqpack pack`, reads its manifest (packing options given are
     refused: the manifest says how it was packed). For raw inputs, plans the packing on the
-    example lengths (nothing is written) with each strategy and the given options.
+    example lengths (nothing is written) with each strategy and the given options. One run's
+    own figures before it runs (a mixture, --data-parallel): `seqpack pack ... --dry-run`.
     """
     from seqpack.pipelines.offline.report import (
         STRATEGIES,
