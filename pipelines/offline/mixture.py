@@ -203,10 +203,13 @@ def select(spec: MixSpec, lengths: Sequence[np.ndarray], loss: Sequence[np.ndarr
         rest = t - epochs * available[d]  # below rounding noise: none (not empty examples)
         picks.append(_sample(u, rest if rest > 1e-9 * t else 0.0, rng))
         local = np.concatenate(picks).astype(np.int64)
+        del picks
         got = u[local]
         # the share of its target reached before each example: the interleaving key
-        keys.append((np.cumsum(got) - got) / max(t, 1e-300))
-        parts.append(local + firsts[d])
+        key = np.cumsum(got)
+        key -= got
+        keys.append(key / max(t, 1e-300))
+        del key
         times = np.bincount(local, minlength=u.size)
         realized = int(got.sum())
         entries.append({
@@ -218,13 +221,25 @@ def select(spec: MixSpec, lengths: Sequence[np.ndarray], loss: Sequence[np.ndarr
             "epochs": epochs, "available_units": available[d],
             "available_examples": counts[d], "first_example": int(firsts[d]),
             "unused_examples": int((times == 0).sum())})
-    dataset = np.concatenate([np.full(p.size, d, np.int64) for d, p in enumerate(parts)])
+        local += firsts[d]
+        parts.append(local)
+        del got, times, local
+    # the stream: by key, ties in dataset order; its temporaries as small as they fit
+    dataset = np.repeat(np.arange(len(parts), dtype=np.min_scalar_type(len(parts))),
+                        [p.size for p in parts])
     key = np.concatenate(keys)
+    del keys
     order = np.lexsort((dataset, key))
-    ref = np.concatenate(parts)[order]
-    corpus = np.concatenate([np.asarray(x, np.int64) for x in lengths])
+    del dataset, key
+    ref = np.concatenate(parts)
+    del parts
+    ref = ref[order]
+    del order
+    small = max((int(x.max(initial=0)) for x in lengths), default=0) < 2**31
+    corpus = np.concatenate([np.asarray(x) for x in lengths]).astype(
+        np.int32 if small else np.int64, copy=False)
     record = {**spec.to_dict(), "total": round(total, 3), "datasets": entries}
-    return Selection(ref, corpus[ref], record)
+    return Selection(ref, corpus[ref].astype(np.int64), record)
 
 
 # -- rows and outputs of a mixture ------------------------------------------------------------
