@@ -287,7 +287,7 @@ def _check_shards(manifest: Manifest, context_path: str, pool: Workers, out: Col
 #
 #   per shard   shard_pieces   its used slots, as (shard, slot number, example, start, length)
 #                              grouped by the input that holds the example
-#   per input   input_parts    reads the input once: its fingerprint, each example's coverage
+#   per input   input_records  reads the input once: its fingerprint, each example's coverage
 #                              by the pieces, and the pieces' values, grouped by shard
 #   per shard   check_routed   `checks.check_shard` over the values routed to it
 #   once        finish_verify  the violations in the local verify's order, the totals
@@ -328,8 +328,9 @@ def plan_verify(output_dir: str, inputs: Sequence[str] | None, max_violations: i
 
 
 def shard_pieces(shard: int, job: VerifyJob) -> list[tuple[int, np.ndarray]]:
-    """(input, i64[5, k]: shard, slot number, example, start, length) of a shard's used slots
-    whose example is an input's; none if the shard cannot be read (`check_routed` says why)."""
+    """(input, [5, k]: shard, slot number, example, start, length; i32 where every value fits)
+    of a shard's used slots whose example is an input's; none if the shard cannot be read
+    (`check_routed` says why)."""
     manifest = job.manifest
     batch = decode_shard(job.output_dir, manifest.shards[shard],
                          (manifest.shard_num_rows or [])[shard], manifest)
@@ -340,53 +341,52 @@ def shard_pieces(shard: int, job: VerifyJob) -> list[tuple[int, np.ndarray]]:
     table = np.stack([np.full(ex.size, shard), np.arange(ex.size), ex, st, ln])
     table = table[:, (ex >= 0) & (ex < firsts[-1])]
     owner = np.searchsorted(firsts, table[2], side="right") - 1
+    if table.size and int(table.max()) < 2**31 and int(table.min()) >= -2**31:
+        table = table.astype(np.int32)  # half the bytes a runner moves and holds
     return [(int(i), table[:, owner == i]) for i in np.unique(owner).tolist()]
-
-
-def input_parts(index: int, pieces: Iterable[np.ndarray], times: list[np.ndarray] | None,
-                job: VerifyJob) -> tuple[InputCheck, list[tuple[int, RoutedPart]]]:
-    """Input `index` read once: its check (fingerprint, each of its examples covered by the
-    `pieces` `shard_pieces` gave it, `times[index]` times: a mixture's takes of each of its
-    examples, None: once each) and the pieces' values, by shard."""
-    manifest, config, first = job.manifest, job.manifest.pack_config(), int(job.firsts[index])
-    try:
-        corpus = read_corpus([job.paths[index]], ReadOptions(**manifest.inputs["read_options"]))
-    except (InputError, ValueError, OSError) as e:
-        return InputCheck(index, [], error=one_line(e)), []
-    out = Collector(job.limit)
-    check_input(index, job.paths[index], corpus.files[0], manifest, out)
-    lengths, offsets = corpus.lengths, corpus.offsets
-    shard, slot, ex, st, ln = np.concatenate([np.zeros((5, 0), np.int64), *pieces], axis=1)
-    local = ex - first
-    inside = (local < lengths.size) & (st >= 0)
-    inside[inside] &= st[inside] + ln[inside] <= lengths[local[inside]]
-    order = np.flatnonzero(inside)[np.argsort(shard[inside], kind="stable")]  # by shard
-    shard, slot, ex, st, ln, local = (x[order] for x in (shard, slot, ex, st, ln, local))
-    once = np.broadcast_to(np.ones(1, np.int64), lengths.shape)
-    cover = Coverage(lengths, once if times is None else times[index], first)
-    for a in range(0, ex.size, 1 << 20):  # numpy's temporaries a million pieces at a time
-        cover.add(ex[a:a + (1 << 20)], st[a:a + (1 << 20)], ln[a:a + (1 << 20)])
-    sources = {config.keys().values: corpus.values} | {
-        c["name"]: corpus.extra_values[c["source"]] for c in manifest.columns or []}
-    cuts = np.flatnonzero(np.diff(shard)) + 1
-    parts = []
-    for i, j in zip([0, *cuts.tolist()], [*cuts.tolist(), shard.size]):
-        if j > i:  # one shard's pieces: their values gathered, no index over the whole input
-            at = ragged_arange(offsets[local[i:j]] + st[i:j], ln[i:j])
-            parts.append((int(shard[i]), RoutedPart(slot[i:j].copy(), ln[i:j].copy(), {
-                key: v[at] for key, v in sources.items()})))
-    return InputCheck(index, out.items, out.found, corpus.files[0], cover.findings(config),
-                      cover.longest, routed=int(shard.size)), parts
 
 
 def input_records(index: int, pieces: Iterable[np.ndarray | None],
                   times: list[np.ndarray] | None, job: VerifyJob
                   ) -> Iterator[tuple[int | None, InputCheck | RoutedPart]]:
-    """`input_parts` (None among `pieces` ignored) as records a runner moves one by one:
-    (None, the InputCheck), then (shard, RoutedPart) each; no record holds a whole input."""
-    check, parts = input_parts(index, [x for x in pieces if x is not None], times, job)
-    yield None, check
-    yield from parts
+    """Input `index` read once, as records a runner moves one by one: (None, its check:
+    fingerprint, each example covered by the `pieces` `shard_pieces` gave it (None ignored)
+    `times[index]` times, None: once), then (shard, RoutedPart) for each shard its pieces go
+    to, gathered as it is sent: nothing here holds the values of the whole input."""
+    manifest, config, first = job.manifest, job.manifest.pack_config(), int(job.firsts[index])
+    try:
+        corpus = read_corpus([job.paths[index]], ReadOptions(**manifest.inputs["read_options"]))
+    except (InputError, ValueError, OSError) as e:
+        yield None, InputCheck(index, [], error=one_line(e))
+        return
+    out = Collector(job.limit)
+    check_input(index, job.paths[index], corpus.files[0], manifest, out)
+    lengths, offsets = corpus.lengths, corpus.offsets
+    table = np.concatenate([np.zeros((5, 0), np.int32), *(x for x in pieces if x is not None)],
+                           axis=1)
+    local = table[2].astype(np.int64) - first
+    inside = (local < lengths.size) & (table[3] >= 0)
+    keep = np.flatnonzero(inside)
+    keep = keep[table[3][keep].astype(np.int64) + table[4][keep] <= lengths[local[keep]]]
+    del inside, local
+    table = table[:, keep[np.argsort(table[0][keep], kind="stable")]]  # by shard
+    shard, slot, ex, st, ln = table
+    local = ex.astype(np.int64) - first
+    once = np.broadcast_to(np.ones(1, np.int64), lengths.shape)
+    cover = Coverage(lengths, once if times is None else times[index], first)
+    for a in range(0, ex.size, 1 << 20):  # numpy's temporaries a million pieces at a time
+        cover.add(ex[a:a + (1 << 20)], st[a:a + (1 << 20)], ln[a:a + (1 << 20)])
+    yield None, InputCheck(index, out.items, out.found, corpus.files[0], cover.findings(config),
+                           cover.longest, routed=int(shard.size))
+    del cover
+    sources = {config.keys().values: corpus.values} | {
+        c["name"]: corpus.extra_values[c["source"]] for c in manifest.columns or []}
+    cuts = np.flatnonzero(np.diff(shard)) + 1
+    for i, j in zip([0, *cuts.tolist()], [*cuts.tolist(), shard.size]):
+        if j > i:  # one shard's pieces: their values gathered, no index over the whole input
+            at = ragged_arange(offsets[local[i:j]] + st[i:j], ln[i:j])
+            yield int(shard[i]), RoutedPart(slot[i:j].astype(np.int64), ln[i:j].astype(np.int64),
+                                            {key: v[at] for key, v in sources.items()})
 
 
 def check_routed(shard: int, parts: Iterable[RoutedPart | None], job: VerifyJob) -> ShardCheck:
