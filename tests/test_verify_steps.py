@@ -1,4 +1,4 @@
-"""The distributed verify's steps (`offline.verify`: shard_pieces, input_parts, check_routed,
+"""The distributed verify's steps (`offline.verify`: shard_pieces, input_records, check_routed,
 finish_verify) give the local verify's report: the same verdict, counts and violations."""
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class Source(Protocol):
 
 @dataclasses.dataclass
 class InputCheck:
-    """What checking one input (the distributed verify's `input_parts`) found."""
+    """What checking one input (the distributed verify's `input_records`) found."""
 
     index: int
     violations: list[str]
