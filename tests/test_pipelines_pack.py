@@ -17,6 +17,7 @@ from seqpack.pipelines.datasets import (
     SequentialIterDataset,
     Window,
 )
+from seqpack.pipelines.errors import InputError
 from tests.helpers.pipelines import (
     assert_rows_equal,
     check_restore_every_step,
@@ -134,6 +135,33 @@ def test_deterministic_restore_after_n_steps_and_state_is_small():
         restored.set_state(state)
         assert_rows_equal(list(restored), full[n:])
         assert restored.counters["rows_emitted"] == len(full)
+
+
+def test_a_replaying_restore_over_changed_data_is_refused():
+    """A restore that replays re-plans the window the state was leaving and skips the rows
+    already emitted: over data whose examples there changed size, that would skip other rows
+    (before: silently). The state records the window's sizes (a digest); it is checked."""
+    rng = np.random.default_rng(8)
+    lengths = random_lengths(rng, 400, high=60)
+    values, offsets = unique_corpus(lengths)
+    window = Window(16, window_rows=4)
+    ds = PackIterDataset(iter_source(values, offsets), PackConfig(64), window=window)
+    it = iter(ds)
+    for _ in range(30):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    assert state["phase"] == "window" and "sizes" in state
+    grown = lengths.copy()
+    grown[int(state["window_first"]) + 3] += 2  # one example of the window, two tokens longer
+    changed = PackIterDataset(iter_source(*unique_corpus(grown)), PackConfig(64), window=window)
+    with pytest.raises(InputError, match=r"restoring: the parent's elements from \d+ \(the "
+                                         r"window the state was leaving\) have other sizes"):
+        iter(changed).set_state(state)
+    same = iter(ds)
+    same.set_state(state)  # the data it was saved over
+    assert_rows_equal(list(same), list(ds)[30:])
+    del state["sizes"]  # a state saved before the digest: restored unchecked, as before
+    iter(changed).set_state(state)
 
 
 def test_multi_feature_rows():

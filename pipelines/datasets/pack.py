@@ -161,6 +161,8 @@ class PackIterator(grain.DatasetIterator):
             phase, window_first = "finish", self._next_id
             self._finished = True
         self._snap = self._snapshot(phase, window_first, before, oldest_before)
+        if window is not None and not self._by_ref:  # what a replay checks it re-read
+            self._snap["sizes"] = restore.sizes_digest(window[1][ds.names[0]])
         if cuts:
             self._snap["cuts"] = [window_first + c for c in cuts]
         batch = layout.build(plan, self._held, ds.window, self._values.dtypes)
@@ -262,16 +264,14 @@ class PackIterator(grain.DatasetIterator):
         layout.planner.set_state(planner_state)
         self._planner_state = layout.planner.snapshot()
         self._oldest = layout.planner.oldest_open_id()
-        if ("refs" in state) != self._by_ref:
-            raise InputError("restoring: the state was saved by a packer over another kind of "
-                             "parent (one naming its examples by reference or not); restore "
-                             "into the same pipeline")
+        restore.check_kind(state, by_ref=self._by_ref)
         self._rows_emitted = int(state["rows_emitted"])
         if self._by_ref:
             if self._restore_refs(state):
                 return  # re-planned under the edited weights: the new window's rows leave
         else:
             self._replay(state, layout.open_ids(planner_state))
+            restore.check_replayed(state, self._snap)
         self._emitted = int(state["emitted"])
 
     # ---- restoring by reference (restore.py) ----------------------------------------------

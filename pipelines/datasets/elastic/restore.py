@@ -1,4 +1,5 @@
-"""Restoring `PackIterDataset` from references: what a state names is fetched, never replayed.
+"""Restoring `PackIterDataset`: from references, what a state names is fetched, never replayed;
+else a replay is checked against the sizes of the window it re-plans (`check_replayed`).
 
 Over a source that names its examples (a `Mixture`, `elastic.ElasticExamples`), a state names
 the examples the packer held as (dataset, index) references. `fetch` gets them again and
@@ -15,6 +16,7 @@ rows leave in an order that keeps the shares: the first batches hold the new wei
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from typing import Any
 
 import numpy as np
@@ -91,6 +93,33 @@ def _check_sizes(parent: Any, have: np.ndarray, sizes: np.ndarray, ids: np.ndarr
         raise InputError(f"restoring: {where(e)} holds {int(have[e])} tokens, but the state "
                          f"holds its tokens [{int(extents[p, 1])}, {int(end[p])}) in flight: "
                          f"{_CHANGED}")
+
+
+def check_kind(state: dict[str, Any], *, by_ref: bool) -> None:
+    """InputError where `state` was saved by a packer over another kind of parent than this
+    one's (`by_ref`: one naming its examples by reference)."""
+    if ("refs" in state) != by_ref:
+        raise InputError("restoring: the state was saved by a packer over another kind of "
+                         "parent (one naming its examples by reference or not); restore into "
+                         "the same pipeline")
+
+
+def sizes_digest(values: list) -> int:
+    """crc32 of the sizes of a window's elements (`values`: its first feature's): what a state
+    that replays records of the window it re-plans (`check_replayed`)."""
+    return zlib.crc32(np.fromiter(map(len, values), np.int64, len(values)).tobytes())
+
+
+def check_replayed(state: dict[str, Any], snap: dict[str, Any] | None) -> None:
+    """InputError where the window a replay re-planned (`snap`: its new snapshot) holds other
+    sizes than the one `state` was saved in: the parent's data changed, and skipping the rows
+    already emitted would skip other rows. States saved before the digest pass."""
+    if snap is None or "sizes" not in state or snap.get("sizes") == state["sizes"]:
+        return
+    first = int(state["window_first"])
+    raise InputError(f"restoring: the parent's elements from {first} (the window the state "
+                     "was leaving) have other sizes than when the state was saved: "
+                     f"{_CHANGED}")
 
 
 def extents_of(state: dict[str, Any]) -> np.ndarray | None:
