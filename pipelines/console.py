@@ -122,7 +122,7 @@ def _resume_hint(ctx: click.Context, args: list[str]) -> str:
     """For a `pack` that stopped after it started writing: the command that finishes the run,
     or that its output is complete. `ctx`: the group's; `args`: the command line after
     `seqpack`."""
-    if not args or args[0] != "pack":
+    if not args or args[0] != "pack" or "--dry-run" in args:  # a dry run writes nothing
         return ""
     from seqpack.pipelines.offline.outdir import run_state
 

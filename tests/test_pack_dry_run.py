@@ -85,6 +85,27 @@ def test_bad_input_fails_the_dry_run_as_it_fails_the_run(data, tmp_path):
     assert "b.parquet" in dry.stderr and dry.stderr == run.stderr
 
 
+def test_an_interrupted_dry_run_names_no_resume(data, tmp_path, monkeypatch):
+    """Over an interrupted output, an interrupted run names the --resume that finishes it; a
+    dry run writes nothing there, so its interruption does not."""
+    from seqpack.pipelines import offline
+    from seqpack.pipelines.offline import report
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "o"
+    invoke("pack", data / "a.jsonl", *ARGS, "-o", out)
+    (out / "manifest.json").rename(out / "pack_intent.json")  # as an interrupted run leaves it
+    monkeypatch.setattr(offline, "pack", interrupted)
+    monkeypatch.setattr(report, "pack_dry_run", interrupted)
+    run = invoke("pack", data / "a.jsonl", *ARGS, "-o", out, "--resume", ok=False)
+    assert run.exit_code == 130 and "finish the run with: seqpack pack" in run.stderr
+    dry = invoke("pack", data / "a.jsonl", *ARGS, "-o", out, "--dry-run", ok=False)
+    assert dry.exit_code == 130 and "interrupted" in dry.stderr
+    assert "--resume" not in dry.stderr and "finish the run" not in dry.stderr
+
+
 @pytest.mark.parametrize("option", [["--resume"], ["--overwrite"], ["--fsync"],
                                     ["--runner", "beam"], ["--spark-option", "master=x"]])
 def test_options_of_a_writing_run_are_refused(data, option):
