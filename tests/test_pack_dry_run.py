@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from tests.helpers.cloud import s3, s3_server  # noqa: F401
 from tests.helpers.files import invoke, random_seqs, write_jsonl, write_parquet
 
 SHORT = random_seqs(300, max_len=40, seed=5)
@@ -113,3 +114,16 @@ def test_options_of_a_writing_run_are_refused(data, option):
     assert result.exit_code == 2
     assert f"{option[0]} applies to a run that writes; --dry-run writes nothing" \
         in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_a_dry_run_over_object_storage_shows_the_local_figures(data, tmp_path, s3):  # noqa: F811
+    """Inputs and output on object storage: the same figures as the local inputs give, and
+    nothing is written under the output prefix."""
+    a, b = s3.upload(data / "a.jsonl", s3.url("in/a.jsonl")), s3.upload(data / "b.parquet",
+                                                                         s3.url("in/b.parquet"))
+    args = ["--overflow", "split", "--data-parallel", 2, *ARGS, "--dry-run", "--json"]
+    local = json.loads(invoke("pack", data / "a.jsonl", data / "b.parquet", *args).output)
+    remote = json.loads(invoke("pack", a, b, *args, "-o", s3.url("out/")).output)
+    assert remote == local
+    assert not s3.fs.exists(s3.url("out/").split("://", 1)[1])
