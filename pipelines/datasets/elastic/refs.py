@@ -41,8 +41,8 @@ class RefTable:
             sel = ids // w == k
             d = np.full(w, -1, np.int32)
             i, n = np.full(w, -1, np.int64), np.full(w, -1, np.int64)
-            d[ids[sel] % w], i[ids[sel] % w], n[ids[sel] % w] = dataset[sel], index[sel], \
-                size[sel]
+            at = ids[sel] % w
+            d[at], i[at], n[at] = dataset[sel], index[sel], size[sel]
             self.windows[k] = (d, i, n)
 
     def drop_below(self, oldest: int) -> None:
