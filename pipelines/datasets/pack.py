@@ -162,7 +162,7 @@ class PackIterator(grain.DatasetIterator):
             self._finished = True
         self._snap = self._snapshot(phase, window_first, before, oldest_before)
         if window is not None and not self._by_ref:  # what a replay checks it re-read
-            self._snap["sizes"] = restore.sizes_digest(window[1][ds.names[0]])
+            self._snap["sizes"] = restore.sizes_digest(lengths)
         if cuts:
             self._snap["cuts"] = [window_first + c for c in cuts]
         batch = layout.build(plan, self._held, ds.window, self._values.dtypes)

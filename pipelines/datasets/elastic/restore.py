@@ -104,10 +104,11 @@ def check_kind(state: dict[str, Any], *, by_ref: bool) -> None:
                          "the same pipeline")
 
 
-def sizes_digest(values: list) -> int:
-    """crc32 of the sizes of a window's elements (`values`: its first feature's): what a state
-    that replays records of the window it re-plans (`check_replayed`)."""
-    return zlib.crc32(np.fromiter(map(len, values), np.int64, len(values)).tobytes())
+def sizes_digest(lengths: Any) -> int:
+    """crc32 of the sizes of a window's elements (`lengths`: the layout's `window_lengths`,
+    every packed feature's): what a state that replays records of the window it re-plans
+    (`check_replayed`)."""
+    return zlib.crc32(np.asarray(lengths, np.int64).tobytes())
 
 
 def check_replayed(state: dict[str, Any], snap: dict[str, Any] | None) -> None:
