@@ -170,10 +170,20 @@ def test_tokenized_text_is_read_a_block_at_a_time(tmp_path, padded, monkeypatch)
     tok = text.load_tokenizer(padded)
     real = tok.encode_batch_fast
 
+    monkeypatch.setattr(text, "WINDOWS", 1)  # a long text: one window a call
+
     class Counting:
         def encode_batch_fast(self, texts):
             calls.append(sum(map(len, texts)))
             return real(texts)
+
+        def encode_batch(self, texts, **kw):
+            calls.append(sum(map(len, texts)))
+            return tok.encode_batch(texts, **kw)
+
+        def encode(self, text, **kw):
+            calls.append(len(text))
+            return tok.encode(text, **kw)
 
     lines = [LINES[i % 3] for i in range(40)]
     path = tmp_path / "a.jsonl"

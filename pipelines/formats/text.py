@@ -58,7 +58,10 @@ def encode(tokenizer: Any, texts: list[str], where: Callable[[int], str] | None 
     ids: list[np.ndarray] = []
     for i, j in _spans([len(t) for t in texts], ENCODE_CHARS):
         try:
-            ids += [np.asarray(enc.ids, np.int64) for enc in batch(texts[i:j])]
+            if len(texts[i]) > ENCODE_CHARS:  # a long text goes alone (`_spans`)
+                ids.append(encode_long(tokenizer, texts[i]))
+            else:
+                ids += [np.asarray(enc.ids, np.int64) for enc in batch(texts[i:j])]
         except Exception as e:  # TypeError for a lone surrogate; tokenizers' own errors
             raise InputError(_refused(texts, i, j, where, e)) from None
     lengths = np.fromiter((a.size for a in ids), np.int64, len(ids))
@@ -81,6 +84,82 @@ def _spans(sizes: list[int], budget: int) -> Iterator[tuple[int, int]]:
         i = j
 
 
+# A long text's windows: each overlaps the last by width // OVERLAP characters and is joined to
+# it at a character both cut at, at least width // MARGIN clear of either's edges, where both
+# hold the same SYNC tokens on either side; WINDOWS of them go to the tokenizer a call.
+OVERLAP, MARGIN, SYNC, WINDOWS = 8, 32, 8, 8
+
+
+def encode_long(tokenizer: Any, text: str) -> np.ndarray:
+    """The ids one call gives for `text` (special tokens included), tokenized in windows of
+    `ENCODE_CHARS` characters: the tokenizer's memory is WINDOWS windows', not the text's, and
+    its threads share them. Windows are joined where they agree (see OVERLAP): a tokenizer's
+    model works within pre-tokens, and two windows cut at one character with the same tokens
+    around it have pre-tokenized alike there. Where two windows never agree, or the special
+    tokens cannot be told from the text's, the text goes in one call."""
+    width = ENCODE_CHARS
+    step, margin = width - width // OVERLAP, width // MARGIN
+    specials = _specials(tokenizer)
+    if specials is None:
+        return _one_call(tokenizer, text)
+    starts = list(range(0, max(len(text) - width, 0) + step, step))  # the last reaches the end
+    parts, keep, window = [specials[0]], 0, None
+    for k in range(0, len(starts), WINDOWS):
+        for start, following in _windows(tokenizer, text, starts[k : k + WINDOWS], width):
+            if window is not None:
+                join = _join(window, following, start + margin, start - step + width - margin)
+                if join is None:
+                    return _one_call(tokenizer, text)
+                parts.append(window[0][keep : join[0]])
+                keep = join[1]
+            window = following
+    assert window is not None
+    parts += [window[0][keep:], specials[1]]
+    return np.concatenate(parts)
+
+
+def _one_call(tokenizer: Any, text: str) -> np.ndarray:
+    return np.asarray(tokenizer.encode(text).ids, np.int64)
+
+
+def _specials(tokenizer: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """The ids the tokenizer's post-processor puts before and after a text's (BOS, [CLS] ...);
+    None when a probe's own ids are not found whole among them."""
+    full = tokenizer.encode("a b").ids
+    bare = tokenizer.encode("a b", add_special_tokens=False).ids
+    for k in range(len(full) - len(bare) + 1 if bare else 0):
+        if full[k : k + len(bare)] == bare:
+            return (np.asarray(full[:k], np.int64), np.asarray(full[k + len(bare):], np.int64))
+    return None
+
+
+def _windows(tokenizer: Any, text: str, starts: list[int], width: int
+             ) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """(start, (ids, character offsets in `text` [n, 2], the cuts: indices i whose token starts
+    at or after every earlier token's end)) of each text[start:start + width], no special
+    tokens, tokenized in one call."""
+    encs = tokenizer.encode_batch([text[a : a + width] for a in starts], add_special_tokens=False)
+    for start, enc in zip(starts, encs):
+        ids = np.asarray(enc.ids, np.int64)
+        offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2) + start
+        ends = np.maximum.accumulate(offsets[:, 1])
+        yield start, (ids, offsets, np.flatnonzero(offsets[1:, 0] >= ends[:-1]) + 1)
+
+
+def _join(a: tuple, b: tuple, lo: int, hi: int) -> tuple[int, int] | None:
+    """(i, j): a's tokens before i then b's from j, cut at one character in [lo, hi] where a
+    and b hold the same SYNC tokens (ids and offsets) either side; None if there is none."""
+    (ids_a, off_a, cuts_a), (ids_b, off_b, cuts_b) = a, b
+    at, ia, ib = np.intersect1d(off_a[cuts_a, 0], off_b[cuts_b, 0], return_indices=True)
+    inside = (at >= lo) & (at <= hi)
+    for i, j in zip(cuts_a[ia[inside]].tolist(), cuts_b[ib[inside]].tolist()):
+        if (SYNC <= min(i, j) and i + SYNC <= ids_a.size and j + SYNC <= ids_b.size
+                and np.array_equal(ids_a[i - SYNC : i + SYNC], ids_b[j - SYNC : j + SYNC])
+                and np.array_equal(off_a[i - SYNC : i + SYNC], off_b[j - SYNC : j + SYNC])):
+            return i, j
+    return None
+
+
 def lines_of(path: str, lines: list[int]) -> Callable[[int], str]:
     """`encode`'s `where` for texts from lines `lines` of `path`: "path:line"."""
     return lambda k: f"{path}:{lines[k]}"
@@ -101,74 +180,103 @@ def _refused(texts: list[str], i: int, j: int, where: Callable[[int], str] | Non
 
 
 _PARAGRAPH = re.compile(rb"(?:[^\n]*\S[^\n]*(?:\n|$))+")
-
-
-def read_text(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
-              ) -> tuple[np.ndarray, np.ndarray]:
-    """One example per file, non-blank line or paragraph (lines between blank lines): tokenizer
-    ids, or UTF-8 bytes as ids (`raw`: the file's bytes, whatever they are). Returns (values,
-    offsets)."""
-    numbered = _units(path, tokenizer, text_unit, raw)
-    chunks = [c for _, c in numbered]
-    if tokenizer is not None:
-        return encode(tokenizer, [c.decode("utf-8") for c in chunks],  # checked in _units
-                      lines_of(path, [n for n, _ in numbered]))
-    lengths = np.fromiter((len(c) for c in chunks), np.int64, len(chunks))
-    values = np.frombuffer(b"".join(chunks), np.uint8)
-    offsets = np.zeros(lengths.size + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return values, offsets
-
-
-def _units(path: str, tokenizer: Any, text_unit: str, raw: bool) -> list[tuple[int, bytes]]:
-    """The file's examples as (line number, bytes), checked as `read_text` says."""
-    if raw:
-        if tokenizer is not None:
-            raise InputError(f"{path}: the input format bytes packs raw bytes; drop tokenizer= "
-                             "(or read the file as text)")
-        with open(path, "rb") as f:
-            data = f.read()
-    else:
-        with open_stream(path) as f:
-            data = f.read()
-        check_utf8(data, path, hint="" if tokenizer is not None else
-                   "; pass input_format='bytes' to pack its raw bytes")
-        data = data.removeprefix(b"\xef\xbb\xbf")  # a byte order mark is not text
-        if text_unit != "file":  # a Windows line end is a line end
-            data = data.replace(b"\r\n", b"\n")
-    if text_unit == "line":
-        return [(k, line) for k, line in enumerate(data.split(b"\n"), 1) if line.strip()]
-    if text_unit == "paragraph":  # runs of non-blank lines, numbered by their first line
-        numbered, line_no, pos = [], 1, 0
-        for m in _PARAGRAPH.finditer(data):
-            line_no += data.count(b"\n", pos, m.start())
-            pos = m.start()
-            numbered.append((line_no, m.group().rstrip(b"\n")))
-        return numbered
-    return [(1, data)]
-
-
-def check_utf8(data: bytes, path: str, *, hint: str = "") -> None:
-    """InputError naming ``path:line`` and the byte unless `data` is UTF-8."""
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise InputError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start} of the "
-                         f"file){hint}") from None
+_BLANK = re.compile(rb"^[ \t\r\f\v]*\n", re.MULTILINE)  # a line _PARAGRAPH does not take
+_BOM = b"\xef\xbb\xbf"
 
 
 def read_chunks(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
                 ) -> Iterator[Chunk]:
-    """The file's examples (`read_text`): tokenized, about `TEXT_CHUNK` bytes of text a chunk
-    (the ids of a whole file at once take 8 bytes a token); else one chunk (a byte an id)."""
-    if tokenizer is None:
-        values, offsets = read_text(path, tokenizer, text_unit, raw=raw)
-        yield Chunk(values, offsets, 0)
-        return
-    numbered = _units(path, tokenizer, text_unit, raw)
-    for first, end in _spans([len(c) for _, c in numbered], TEXT_CHUNK):
-        part = numbered[first:end]
-        values, offsets = encode(tokenizer, [c.decode("utf-8") for _, c in part],
-                                 lines_of(path, [n for n, _ in part]))
-        yield Chunk(values, offsets, first)
+    """The file's examples: one per file, non-blank line or paragraph (lines between blank
+    lines), tokenizer ids or UTF-8 bytes as ids (`raw`: the file's bytes, whatever they are).
+    Lines and paragraphs are read about `TEXT_CHUNK` bytes at a time, a chunk each (tokenized:
+    one per `TEXT_CHUNK` bytes of text), so memory holds a block, not the file."""
+    if raw and tokenizer is not None:
+        raise InputError(f"{path}: the input format bytes packs raw bytes; drop tokenizer= "
+                         "(or read the file as text)")
+    hint = "" if tokenizer is not None else "; pass input_format='bytes' to pack its raw bytes"
+    first = 0
+    for numbered in _blocks(path, text_unit, raw, hint):
+        if tokenizer is None:
+            values, offsets = _bytes_ids([c for _, c in numbered])
+            yield Chunk(values, offsets, first)
+            first += len(numbered)
+            continue
+        for a, b in _spans([len(c) for _, c in numbered], TEXT_CHUNK):
+            part = numbered[a:b]
+            values, offsets = encode(tokenizer, [c.decode("utf-8") for _, c in part],  # checked
+                                     lines_of(path, [n for n, _ in part]))
+            yield Chunk(values, offsets, first)
+            first += len(part)
+
+
+def _bytes_ids(texts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    lengths = np.fromiter(map(len, texts), np.int64, len(texts))
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return np.frombuffer(b"".join(texts), np.uint8), offsets
+
+
+def _blocks(path: str, text_unit: str, raw: bool, hint: str
+            ) -> Iterator[list[tuple[int, bytes]]]:
+    """The file's examples as (line number, bytes), checked as `read_chunks` says: a block of
+    whole lines or paragraphs of about `TEXT_CHUNK` bytes at a time (at least one block), a
+    file whole."""
+    with open(path, "rb") if raw else open_stream(path) as f:
+        pending, line, byte, end, done = bytearray(), 1, 0, False, 0
+        while not end:
+            more = f.read() if text_unit == "file" else f.read(TEXT_CHUNK)
+            end = not more or text_unit == "file"
+            since = len(pending)
+            pending += more
+            cut = len(pending) if end else _cut(pending, since, text_unit)
+            if not cut and not end:
+                continue
+            ready = bytes(pending[:cut])
+            del pending[:cut]
+            if not raw:
+                check_utf8(ready, path, hint=hint, line=line, byte=byte)
+                if not byte:
+                    ready = ready.removeprefix(_BOM)  # a byte order mark is not text
+                if text_unit != "file":  # a Windows line end is a line end
+                    ready = ready.replace(b"\r\n", b"\n")
+            numbered = _numbered(ready, text_unit, line)
+            if numbered or (end and not done):
+                yield numbered
+                done += 1
+            line, byte = line + ready.count(b"\n"), byte + cut
+
+
+def _cut(pending: bytearray, since: int, text_unit: str) -> int:
+    """Where the whole lines (paragraphs: up to the last blank line) of `pending` end; 0 if
+    none do. Bytes before `since` held no cut when they came."""
+    if text_unit == "line":
+        return pending.rfind(b"\n", since) + 1
+    end = 0
+    for m in _BLANK.finditer(pending, pending.rfind(b"\n", 0, since) + 1):
+        end = m.end()
+    return end
+
+
+def _numbered(data: bytes, text_unit: str, line: int) -> list[tuple[int, bytes]]:
+    """The examples of `data`, whose first line is line `line` of the file."""
+    if text_unit == "line":
+        return [(k, x) for k, x in enumerate(data.split(b"\n"), line) if x.strip()]
+    if text_unit == "paragraph":  # runs of non-blank lines, numbered by their first line
+        numbered, pos = [], 0
+        for m in _PARAGRAPH.finditer(data):
+            line += data.count(b"\n", pos, m.start())
+            pos = m.start()
+            numbered.append((line, m.group().rstrip(b"\n")))
+        return numbered
+    return [(1, data)]
+
+
+def check_utf8(data: bytes, path: str, *, hint: str = "", line: int = 1, byte: int = 0) -> None:
+    """InputError naming ``path:line`` and the byte unless `data` is UTF-8; `data` starts at
+    line `line`, byte `byte` of the file."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line += data.count(b"\n", 0, e.start)
+        raise InputError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {byte + e.start} "
+                         f"of the file){hint}") from None
