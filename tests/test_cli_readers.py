@@ -72,19 +72,12 @@ def test_several_files_concatenate_in_order(tmp_path):
     assert corpus.files[1]["num_tokens"] == sum(map(len, SEQS[50:]))
 
 
-def _read_text(path, unit: str) -> tuple[np.ndarray, np.ndarray]:
-    """A text file's UTF-8 bytes as ids, its chunks joined: (values, offsets)."""
-    chunks = list(text.read_chunks(str(path), None, unit))
-    lengths = np.concatenate([np.diff(c.offsets) for c in chunks])
-    return np.concatenate([c.values for c in chunks]), np.concatenate(([0], np.cumsum(lengths)))
-
-
 def test_text_units_and_bytes(tmp_path):
     path = tmp_path / "t.txt"
     path.write_bytes(b"ab\n\ncd e\n")
-    values, offsets = _read_text(path, "line")
+    values, offsets = text.read_text(str(path), None, "line")
     assert bytes(values) == b"abcd e" and offsets.tolist() == [0, 2, 6]
-    values, offsets = _read_text(path, "file")
+    values, offsets = text.read_text(str(path), None, "file")
     assert bytes(values) == b"ab\n\ncd e\n" and offsets.tolist() == [0, 9]
 
 
@@ -115,7 +108,7 @@ def test_unknown_format_or_unit_is_an_input_error():
 def test_read_text_paragraphs(tmp_path):
     path = tmp_path / "p.txt"
     path.write_bytes(b"a b\ncd\n\n\n  \nxyz\n\nq")
-    values, offsets = _read_text(path, "paragraph")
+    values, offsets = text.read_text(str(path), None, "paragraph")
     chunks = [bytes(values[offsets[i] : offsets[i + 1]]) for i in range(offsets.size - 1)]
     assert chunks == [b"a b\ncd", b"xyz", b"q"]
 
@@ -127,7 +120,7 @@ def test_windows_text_reads_as_unix_text(tmp_path, unit, want):
     for name, data in (("unix", b"a b\ncd\n\nxyz\n"),
                        ("windows", b"\xef\xbb\xbfa b\r\ncd\r\n\r\nxyz\r\n")):
         (tmp_path / f"{name}.txt").write_bytes(data)
-        values, offsets = _read_text(tmp_path / f"{name}.txt", unit)
+        values, offsets = text.read_text(str(tmp_path / f"{name}.txt"), None, unit)
         got = [bytes(values[offsets[i] : offsets[i + 1]]) for i in range(offsets.size - 1)]
         assert got == want, name
 

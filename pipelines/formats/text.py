@@ -209,6 +209,17 @@ def read_chunks(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
             first += len(part)
 
 
+def read_text(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """The file's examples (`read_chunks`) joined: (values, offsets)."""
+    chunks = list(read_chunks(path, tokenizer, text_unit, raw=raw))
+    lengths = np.concatenate([np.diff(c.offsets) for c in chunks] or [np.zeros(0, np.int64)])
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = [c.values for c in chunks]
+    return (np.concatenate(values) if values else np.zeros(0, np.int64)), offsets
+
+
 def _bytes_ids(texts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
     lengths = np.fromiter(map(len, texts), np.int64, len(texts))
     offsets = np.zeros(lengths.size + 1, np.int64)
