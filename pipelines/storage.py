@@ -309,6 +309,25 @@ def scratch(kind: str) -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def scratch_tempdir(kind: str) -> Iterator[str]:
+    """Runs the body with this process's temporary files (`tempfile`, and TMPDIR for the
+    processes it starts) in a `scratch_dir`, removed after: for a framework that leaves its
+    own behind (Beam's job service and workers leave empty directories each run)."""
+    path = scratch_dir(kind)
+    saved = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = path
+    try:
+        yield path
+    finally:
+        tempfile.tempdir = saved[0]
+        if saved[1] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[1]
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def sweep_scratch() -> int:
     """Removes the system temp directory's `scratch_dir`s whose process has ended (a run killed
     with SIGKILL, or by the OOM killer, leaves its staged shards, spill and downloads there);

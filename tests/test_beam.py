@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 import numpy as np
 import pytest
@@ -60,6 +61,22 @@ def test_one_and_two_workers_write_the_local_clis_bytes(corpus, tmp_path):
         assert abs(eff - local_eff) <= 1e-3 * local_eff
         report = verify(str(out))
         assert report.ok and report.num_rows == manifest.num_rows, report.violations
+
+
+@pytest.mark.slow
+def test_a_job_leaves_nothing_in_the_temp_directory(corpus, tmp_path, monkeypatch):
+    """Beam's job service and workers left three empty directories in the system's temp
+    directory every run (hundreds after a test suite); they now go to one removed after."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    paths, _ = corpus
+    pack_beam(PackJob(paths, tmp_path / "out", CONFIG, write_options=WRITE, workers=2),
+              quiet=True)
+    assert beam_job.verify_beam(str(tmp_path / "out"), workers=2, quiet=True).ok
+    assert os.listdir(tmp) == []
+    assert tempfile.gettempdir() == os.environ["TMPDIR"] == str(tmp)
 
 
 @pytest.mark.slow

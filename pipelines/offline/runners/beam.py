@@ -45,12 +45,9 @@ WriteManifest) may be run again, as Beam allows (a retried bundle; a recomputed 
 even after the shards were written): each run writes the same bytes, and FinishPlan prepares
 the directory only once (`core.finish_plan`).
 
-Refused runners: Beam's Dask runner (`apache_beam.runners.dask`) breaks the Beam model: a
-PCollection read both as a main input and, through later steps, as a side input reaches the
-side input twice (each DoFn keeps its outputs in one list, shipped inside the task graph and
-never emptied per bundle, and the side input is recomputed from that graph after the main input
-filled the list); tagged outputs reach every consumer of the step; only the pipeline's last leaf
-is run. `pipeline_options` refuses it.
+Refused runners: Beam's Dask runner (`apache_beam.runners.dask`) breaks the Beam model (a side
+input gets elements twice, tagged outputs reach every consumer, only the last leaf runs:
+tests/test_beam_dask.py); `pipeline_options` refuses it.
 """
 
 from __future__ import annotations
@@ -78,6 +75,7 @@ from seqpack.pipelines.offline.mixture import loss_columns_of
 from seqpack.pipelines.offline.outdir import ERROR, OutputDir
 from seqpack.pipelines.offline.record import ShardFacts
 from seqpack.pipelines.offline.shards import WriteOptions
+from seqpack.pipelines.storage import scratch_tempdir
 
 # Runners this job refuses (the `runner` option's last dotted part, lower case), and why; see the
 # module docstring (tests/test_beam_dask.py reproduces the Dask runner's faults with plain Beam).
@@ -275,7 +273,8 @@ def pack_beam(job: PackJob, *, beam_options: Sequence[str] = (), quiet: bool = F
     try:
         with output_session(job) as out:
             out.remove(ERROR)  # a report of an earlier job
-            with _output_to(log_path), beam.Pipeline(options=options) as p:
+            with _output_to(log_path), scratch_tempdir("beam"), \
+                    beam.Pipeline(options=options) as p:
                 build_pipeline(p, job)
             if out.exists(ERROR):
                 message = out.read_json(ERROR).get("error", "a worker rejected an input")
@@ -396,7 +395,8 @@ def verify_beam(output_dir: str, inputs: Sequence[str] | None = None, *,
         where = OutputDir(local if direct else output_dir)
         report = (where.location, f"verify-report-{os.getpid()}.json")
         try:
-            with _output_to(log_path), beam.Pipeline(options=options) as p:
+            with _output_to(log_path), scratch_tempdir("beam"), \
+                    beam.Pipeline(options=options) as p:
                 build_verify(p, job, out, report)
             result = where.read_json(report[1])
         except Exception as e:
