@@ -229,9 +229,8 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     _refuse_inapplicable(inputs, input_format, cost_model)
     _refuse_overflow_for_concat_split([strategy], overflow)
     if dry_run:
-        _refuse_given("--dry-run writes nothing, planning here", to="a run that writes",
-                      among=("resume", "overwrite", "fsync", "runner", "beam_options",
-                             "spark_options"))
+        _refuse_given("--dry-run writes nothing", to="a run that writes",
+                      among=("resume", "overwrite", "fsync"))
     if sample:
         import tempfile
 
@@ -261,7 +260,10 @@ def pack(inputs, output_dir, strategy, seq_len, max_segments, overflow, segment_
     step = data_parallel * (batch_size or 1) if data_parallel else batch_size
     if dry_run:
         with progress or contextlib.nullcontext():
-            result = pack_dry_run(job, what=what, batch_size=step, progress=progress)
+            result = pack_dry_run(job, what=what, batch_size=step, progress=progress,
+                                  runner=runner, beam_options=beam_options,
+                                  spark_options=spark_options,
+                                  quiet=not os.environ.get("SEQPACK_DEBUG"))
         click.echo(json.dumps({"dry_run": True, **result.to_dict()}, indent=2) if as_json
                    else result.table())
         return

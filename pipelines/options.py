@@ -204,7 +204,8 @@ PACK_OPTIONS = _groups(
         "--dry-run", is_flag=True,
         help="Plan the run and print what it would pack (the stats, static shapes, the "
              "order's balance, a mixture's shares per step) without writing anything: every "
-             "input is read and checked as by a run, here, in --workers processes.")),
+             "input is read and checked as by a run, in --workers processes or on --runner's "
+             "workers.")),
     _group("Distributed", _opt(
         "--runner", type=click.Choice(["local", "beam", "spark"]), default="local",
         show_default=True,

@@ -29,6 +29,7 @@ from tests.helpers.files import (
 beam_job = pytest.importorskip("seqpack.pipelines.offline.runners.beam",
                                reason="the Beam job needs seqpack[beam]")
 pack_beam, pipeline_options = beam_job.pack_beam, beam_job.pipeline_options
+from seqpack.pipelines.offline.runners import beam_verify  # noqa: E402
 
 CONFIG = PackConfig(64, max_segments=8, overflow="split")
 WRITE = WriteOptions(shard_rows=7)
@@ -74,7 +75,7 @@ def test_a_job_leaves_nothing_in_the_temp_directory(corpus, tmp_path, monkeypatc
     paths, _ = corpus
     pack_beam(PackJob(paths, tmp_path / "out", CONFIG, write_options=WRITE, workers=2),
               quiet=True)
-    assert beam_job.verify_beam(str(tmp_path / "out"), workers=2, quiet=True).ok
+    assert beam_verify.verify_beam(str(tmp_path / "out"), workers=2, quiet=True).ok
     assert os.listdir(tmp) == []
     assert tempfile.gettempdir() == os.environ["TMPDIR"] == str(tmp)
 
@@ -170,6 +171,13 @@ def test_pipeline_options_defaults_and_overrides():
     for bad in ("=2", "direct num workers=2", "runner="):
         with pytest.raises(ValueError, match="must be KEY=VALUE"):
             pipeline_options([bad])
+
+
+def test_a_dry_run_on_a_cluster_runner_needs_an_output(tmp_path):
+    """Its figures come back through a file every worker sees: -o, not this machine's temp."""
+    job = PackJob([str(tmp_path / "a.jsonl")], "", CONFIG)
+    with pytest.raises(UsageError, match="needs an output directory"):
+        beam_job.plan_beam(job, None, beam_options=["runner=FlinkRunner"])
 
 
 def test_the_dask_runner_is_refused_by_any_of_its_names():

@@ -244,7 +244,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(corpus, tmp_path):
 
 def test_a_failed_beam_job_names_its_cause():
     pytest.importorskip("apache_beam")
-    from seqpack.pipelines.offline.runners.beam import _cause
+    from seqpack.pipelines.offline.runners.beam import cause as _cause
 
     try:
         try:

@@ -107,13 +107,32 @@ def test_an_interrupted_dry_run_names_no_resume(data, tmp_path, monkeypatch):
     assert "--resume" not in dry.stderr and "finish the run" not in dry.stderr
 
 
-@pytest.mark.parametrize("option", [["--resume"], ["--overwrite"], ["--fsync"],
-                                    ["--runner", "beam"], ["--spark-option", "master=x"]])
+@pytest.mark.parametrize("option", [["--resume"], ["--overwrite"], ["--fsync"]])
 def test_options_of_a_writing_run_are_refused(data, option):
     result = invoke("pack", data / "a.jsonl", *ARGS, "--dry-run", *option, ok=False)
     assert result.exit_code == 2
     assert f"{option[0]} applies to a run that writes; --dry-run writes nothing" \
         in result.stderr, result.stderr
+    result = invoke("pack", data / "a.jsonl", *ARGS, "--dry-run", "--spark-option", "master=x",
+                    ok=False)
+    assert result.exit_code == 2 and "--spark-option needs --runner spark" in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runner", ["beam", "spark"])
+def test_a_dry_run_on_beam_or_spark_shows_the_local_figures(data, tmp_path, runner):
+    """The blocks planned (64 examples each) and their figures summed by the runner's workers:
+    the local dry run's every figure, nothing written; bad input fails as it fails locally."""
+    pytest.importorskip("apache_beam" if runner == "beam" else "pyspark")
+    never = tmp_path / "never"
+    for name in ("balanced for 4 ranks", "a mixture in steps of 8 rows", "shuffled, split"):
+        args = [*RUNS[name](data), *ARGS, "--block-size", 64, "-o", never, "--dry-run", "--json"]
+        local = json.loads(invoke("pack", *args).output)
+        assert json.loads(invoke("pack", *args, "--runner", runner).output) == local, name
+    assert not never.exists()
+    bad = ["pack", data / "b.parquet", *ARGS, "--dry-run"]
+    local, remote = invoke(*bad, ok=False), invoke(*bad, "--runner", runner, ok=False)
+    assert remote.exit_code == local.exit_code == 2 and remote.stderr == local.stderr
 
 
 @pytest.mark.slow

@@ -233,7 +233,7 @@ def test_a_spark_tasks_unexpected_error_is_worded_and_its_log_kept():
     spark = pytest.importorskip("seqpack.pipelines.offline.runners.spark")
     with pytest.raises(RuntimeError, match=r"^the Spark job failed: Py4JJavaError: .*"
                        r"ZeroDivisionError.*\(Spark's log: (\S+)\)$") as caught:
-        with spark._spark_job((), 1, True) as sc:
+        with spark.spark_job((), 1, True) as sc:
             sc.parallelize([1]).map(lambda x: 1 / 0).collect()
     log = str(caught.value).rsplit("(Spark's log: ", 1)[1].rstrip(")")
     assert os.path.getsize(log) > 0

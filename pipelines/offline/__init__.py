@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from seqpack.pipelines.formats.manifest import Manifest
     from seqpack.pipelines.offline.runners import Progress
 
-__all__ = ["Existing", "PackJob", "WriteOptions", "default_workers", "pack"]
+__all__ = ["Existing", "PackJob", "WriteOptions", "check_runner", "default_workers", "pack"]
 
 
 def pack(job: PackJob, *, runner: str = "local", progress: Progress | None = None,
@@ -46,15 +46,9 @@ def pack(job: PackJob, *, runner: str = "local", progress: Progress | None = Non
     "master=URL" or "spark.NAME=VALUE"; `progress` too); `quiet`: Beam's or Spark's logs to a
     temporary file. First checks that a shard of rows in each worker fits in memory. Returns
     the manifest."""
-    from seqpack.pipelines.errors import UsageError
     from seqpack.pipelines.offline import runners
 
-    if runner not in ("local", "beam", "spark"):
-        raise UsageError(f"runner={runner!r} must be 'local', 'beam' or 'spark'")
-    if beam_options and runner != "beam":
-        raise UsageError("beam_options= needs runner='beam'")
-    if spark_options and runner != "spark":
-        raise UsageError("spark_options= needs runner='spark'")
+    check_runner(runner, beam_options, spark_options)
     job.check_memory()
     if runner == "beam":
         return runners.pack_beam(job, beam_options=beam_options, quiet=quiet)
@@ -62,3 +56,15 @@ def pack(job: PackJob, *, runner: str = "local", progress: Progress | None = Non
         return runners.pack_spark(job, spark_options=spark_options, quiet=quiet,
                                   progress=progress)
     return runners.pack_to_dir(job, progress=progress)
+
+
+def check_runner(runner: str, beam_options: Sequence[str], spark_options: Sequence[str]) -> None:
+    """UsageError for a runner `pack` does not know, or options given to another runner."""
+    from seqpack.pipelines.errors import UsageError
+
+    if runner not in ("local", "beam", "spark"):
+        raise UsageError(f"runner={runner!r} must be 'local', 'beam' or 'spark'")
+    if beam_options and runner != "beam":
+        raise UsageError("beam_options= needs runner='beam'")
+    if spark_options and runner != "spark":
+        raise UsageError("spark_options= needs runner='spark'")

@@ -369,11 +369,19 @@ def shares(record: Mapping, tokens: np.ndarray, step_rows: int | None) -> dict:
     `packer.mixing.row_units` (in tokens) of every row, in output order."""
     step = step_rows or 1
     n = tokens.shape[0] // step
-    steps = tokens[: n * step].reshape(n, step, -1).sum(axis=1) if n else \
-        tokens.sum(axis=0, keepdims=True)
+    return step_shares(record, tokens[: n * step].reshape(n, step, -1).sum(axis=1),
+                       tokens.sum(axis=0), step_rows)
+
+
+def step_shares(record: Mapping, steps: np.ndarray, total: np.ndarray, step_rows: int | None
+                ) -> dict:
+    """`shares` from each full step's tokens of each dataset (`steps` [n, K]; n = 0: the output
+    holds less than a step) and every row's (`total` [K])."""
+    n = steps.shape[0]
+    if not n:
+        steps = np.asarray(total)[None]
     share = steps / np.maximum(steps.sum(axis=1, keepdims=True), 1)
     p5, p50, p95 = np.percentile(share, [5, 50, 95], axis=0)
-    total = tokens.sum(axis=0)
     whole = max(1, int(total.sum()))
     datasets = [{**{k: d[k] for k in _SHOWN}, "token_share": round(float(t / whole), 6),
                  "step_share": {"p5": round(float(a), 6), "p50": round(float(b), 6),

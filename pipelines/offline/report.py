@@ -37,7 +37,6 @@ from seqpack.pipelines.errors import require
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import MANIFEST, Manifest, read_manifest
 from seqpack.pipelines.offline import mixture, record
-from seqpack.pipelines.offline.core import LENGTH, ROW
 from seqpack.pipelines.offline.job import PackJob
 from seqpack.pipelines.offline.record import (
     check_empty,
@@ -234,23 +233,33 @@ def _run_lines(manifest: Manifest, output_dir: str, *, what: str, verb: str) -> 
 
 
 def pack_dry_run(job: PackJob, *, what: str, batch_size: int | None = None,
-                 progress: Progress | None = None) -> Stats:
-    """What `pack(job)` would record, from its plan alone (`runners.plan_job`: every input read,
-    nothing written): its stats with the output order's profile, the static shapes (less
-    `loss_tokens`, counted from the rows' values), and a mixture's shares per step of
-    `batch_size` rows (None: per row). `what`: the inputs in a few words, for the title."""
-    from seqpack.pipelines.offline.runners import plan_job
+                 progress: Progress | None = None, runner: str = "local",
+                 beam_options: Sequence[str] = (), spark_options: Sequence[str] = (),
+                 quiet: bool = True) -> Stats:
+    """What `pack(job)` would record, from its plan alone (every input read, nothing written;
+    on the `runner` with its options, as `offline.pack` runs them): its stats with the output
+    order's profile, the static shapes (less `loss_tokens`, counted from the rows' values),
+    and a mixture's shares per step of `batch_size` rows (None: per row). `what`: the inputs
+    in a few words, for the title."""
+    from seqpack.pipelines.offline import check_runner, runners
 
-    planned, table = plan_job(job, progress=progress)
-    intent, results, R = planned.intent, planned.results, planned.intent.num_rows
-    profile = record.order_profile(table[ROW], table[LENGTH], R)
-    stats = {**results["stats"], "along_output": record.along_output(profile, R)}
+    check_runner(runner, beam_options, spark_options)
+    if runner == "beam":
+        intent, results, figures = runners.plan_beam(
+            job, batch_size, beam_options=beam_options, quiet=quiet)
+    elif runner == "spark":
+        intent, results, figures = runners.plan_spark(
+            job, batch_size, spark_options=spark_options, quiet=quiet, progress=progress)
+    else:
+        intent, results, figures = runners.plan_job(job, batch_size, progress=progress)
+    R = intent.num_rows
+    stats = {**results["stats"], "along_output": record.along_output(figures.profile, R)}
     shares = None
-    firsts = mixture.firsts_of(intent.mixture)
-    if intent.mixture and firsts is not None:
-        tokens = mixture.piece_units("tokens", table, firsts, R)
-        shares = mixture.shares(intent.mixture, tokens, batch_size)
-    del table
+    if intent.mixture and figures.tokens is not None:
+        assert figures.steps is not None and figures.step_tokens is not None
+        steps = np.zeros((R // (batch_size or 1), figures.tokens.size), np.int64)
+        steps[figures.steps] = figures.step_tokens
+        shares = mixture.step_shares(intent.mixture, steps, figures.tokens, batch_size)
     title = _run_lines(dataclasses.replace(intent, stats=stats), job.output, what=what,
                        verb="dry run (nothing written): would pack")
     return Stats({Strategy(job.config.strategy).value: stats}, results["example_length_histogram"],

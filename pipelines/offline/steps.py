@@ -19,6 +19,8 @@ What each step takes and gives, for n examples in P pieces::
     finish_plan        every FileSummary
                        + BlockSummary     -> JobSummary (core) and pack_intent.json
     split_block        one BlockPlan      -> (input, pieces with their output rows) per input
+    plan_figures       one BlockPlan      -> PlanFigures: what a dry run shows of its pieces
+                                             (summed over the blocks: `summarize_plan`'s run)
     file_job           one input's tables -> FileJob: where each of its pieces goes
     route_file         one FileJob        -> (shard, ShardPart) per shard the input feeds: the
                                              pieces + their tokens, back to back (a plan-only
@@ -75,20 +77,22 @@ from seqpack.pipelines.offline.core import (
     plan_block,
     shard_plan,
     summarize_file,
+    summarize_plan,
     write_shard,
 )
 from seqpack.pipelines.offline.job import PackJob
-from seqpack.pipelines.offline.mixture import Selection, select_inputs
+from seqpack.pipelines.offline.mixture import Selection, firsts_of, select_inputs
 from seqpack.pipelines.offline.outdir import OutputDir
+from seqpack.pipelines.offline.record import order_profile
 from seqpack.pipelines.offline.shards import WriteOptions
 
 __all__ = [
     "EXAMPLE", "LENGTH", "ROW", "START", "BlockPlan", "BlockSlice", "BlockSummary", "FileJob",
     "Selection", "check_files",
-    "FileScan", "FileSummary", "JobSummary", "ShardPart", "cut_blocks", "file_job",
-    "cut_stream", "finish_job", "finish_plan", "plan_block_slices", "plan_in_process",
-    "route_file", "scan_file", "select_mixture", "split_block", "summarize_file",
-    "write_shard_parts",
+    "FileScan", "FileSummary", "JobSummary", "PlanFigures", "ShardPart", "cut_blocks",
+    "file_job", "cut_stream", "finish_job", "finish_plan", "plan_block_slices",
+    "plan_figures", "plan_in_process", "route_file", "scan_file", "select_mixture",
+    "split_block", "summarize_file", "summarize_plan", "write_shard_parts",
 ]
 
 
@@ -207,6 +211,47 @@ def split_block(bp: BlockPlan, summary: JobSummary | None, files: Sequence[FileS
     cuts = np.flatnonzero(np.diff(file_of)) + 1  # pieces are in example order
     return [(int(file_of[a]), table[:, a:b])
             for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), file_of.size])]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanFigures:
+    """What a dry run shows of some blocks' pieces in the output; blocks' figures add up."""
+
+    profile: np.ndarray  # i64[10, 2]: `record.order_profile`
+    tokens: np.ndarray | None = None  # a mixture's: i64[K] each dataset's tokens
+    steps: np.ndarray | None = None  # i64[m]: full steps the pieces reach, ascending
+    step_tokens: np.ndarray | None = None  # i64[m, K]: each one's tokens of each dataset
+
+    def __add__(self, other: PlanFigures) -> PlanFigures:
+        if self.tokens is None or other.tokens is None:
+            return PlanFigures(self.profile + other.profile)
+        assert self.steps is not None and other.steps is not None
+        steps, at = np.unique(np.concatenate([self.steps, other.steps]), return_inverse=True)
+        summed = np.zeros((steps.size, self.tokens.size), np.int64)
+        np.add.at(summed, at, np.concatenate([self.step_tokens, other.step_tokens]))
+        return PlanFigures(self.profile + other.profile, self.tokens + other.tokens, steps,
+                           summed)
+
+
+def plan_figures(bp: BlockPlan, summary: JobSummary, step_rows: int | None) -> PlanFigures:
+    """One block's `PlanFigures`: its pieces' output rows profiled, and a mixture's tokens per
+    dataset, in all and per full step of `step_rows` rows (None: a row), as the rows'
+    `packer.mixing.row_units` would count them."""
+    rows, length = output_rows(bp, summary), np.asarray(bp.pieces[LENGTH], np.int64)
+    num_rows = summary.intent.num_rows
+    profile = order_profile(rows, length, num_rows)
+    firsts = firsts_of(summary.intent.mixture)
+    if firsts is None:
+        return PlanFigures(profile)
+    k = firsts.size
+    dataset = np.searchsorted(firsts, np.asarray(bp.pieces[EXAMPLE], np.int64), "right") - 1
+    step = rows // (step_rows or 1)
+    full = step < num_rows // (step_rows or 1)
+    steps, at = np.unique(step[full], return_inverse=True)
+    step_tokens = np.bincount(at * k + dataset[full], weights=length[full],
+                              minlength=steps.size * k).astype(np.int64).reshape(-1, k)
+    return PlanFigures(profile, np.bincount(dataset, weights=length, minlength=k).astype(
+        np.int64), steps, step_tokens)
 
 
 def file_job(index: int, tables: Iterable[np.ndarray], files: Sequence[FileSummary]

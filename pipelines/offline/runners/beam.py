@@ -22,6 +22,9 @@ block of examples or per output shard; nothing per example meets in one place::
     D  WriteShards   per shard  (parallel)  `core.shard_plan` and `core.write_shard`
        WriteManifest once, after every shard: manifest.json (then the run is complete)
 
+A dry run (`plan_beam`) is A and B, the plan summed up without writing, and each block's
+`steps.plan_figures` summed; its figures come back to the driver through one file.
+
 What moves: a block's lengths go to the worker planning it, its pieces to the inputs they come
 from; the one global step gets a summary per input and per block (histograms of a few KB).
 Tokens move once, from the worker reading an input to the workers writing its shards. A worker
@@ -52,11 +55,13 @@ tests/test_beam_dask.py); `pipeline_options` refuses it.
 
 from __future__ import annotations
 
+import base64
 import contextlib
-import dataclasses
 import functools
 import logging
+import operator
 import os
+import pickle
 import sys
 import tempfile
 import types
@@ -71,7 +76,6 @@ from seqpack.pipelines.formats.inputs import LossCount, ReadOptions
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import steps
 from seqpack.pipelines.offline.job import PackJob, default_workers, output_session
-from seqpack.pipelines.offline.mixture import loss_columns_of
 from seqpack.pipelines.offline.outdir import ERROR, OutputDir
 from seqpack.pipelines.offline.record import ShardFacts
 from seqpack.pipelines.offline.shards import WriteOptions
@@ -135,11 +139,14 @@ def pipeline_options(beam_options: Sequence[str] = (), workers: int | None = Non
     return PipelineOptions(flags)
 
 
-def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True) -> None:
+def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True,
+                   dry_run: tuple[tuple[str, str], int | None] | None = None) -> None:
     """Adds the packing `job` to Beam pipeline `p` (see the module docstring for its stages).
 
     `report_errors`: a rejected input is written to ``OUTPUT/pack_error.json`` (which
-    `pack_beam` reads and raises), not raised in the worker; False fails the job with it."""
+    `pack_beam` reads and raises), not raised in the worker; False fails the job with it.
+    `dry_run` ((directory, name), rows a step): stages A and B only, the plan summed up and its
+    figures (`steps.plan_figures`) or its error written to that file (`plan_beam`)."""
     config, block_size, output_dir = job.config, job.block_size, job.output
     read_options, write_options = job.read_options, job.write_options
     scans = (
@@ -170,11 +177,19 @@ def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True) -> None:
         plans
         | "BlockSummaries" >> beam.Map(lambda bp: bp.summary)
         | "GatherBlocks" >> beam.combiners.ToList()
-        | "FinishPlan" >> beam.FlatMap(_finish_plan, files, job,
+        | "FinishPlan" >> beam.FlatMap(_finish_plan, files, job, dry_run is not None,
                                        *([] if mixed is None else [mixed]))
         .with_outputs("error", main="summary")
     )
     summary = beam.pvalue.AsSingleton(finished.summary, default_value=None)
+    if dry_run is not None:
+        figures = (plans | "Figures" >> beam.FlatMap(
+            lambda bp, s: [] if s is None else [steps.plan_figures(bp, s, dry_run[1])], summary)
+                   | "SumFigures" >> beam.CombineGlobally(_sum))
+        _ = (p | "Once" >> beam.Create([None]) | "ReportPlan" >> beam.Map(
+            _report_plan, dry_run[0], summary, beam.pvalue.AsSingleton(figures),
+            beam.pvalue.AsList(finished.error)))
+        return
     _ = finished.error | "ReportError" >> beam.Map(_report_error, output_dir, report_errors)
     rows = (
         plans
@@ -212,19 +227,36 @@ def _file_job(element: tuple[int, Iterable[np.ndarray]], files: list[steps.FileS
 
 
 def _finish_plan(blocks: list[steps.BlockSummary], files: list[steps.FileSummary],
-                 job: PackJob, mixed: Any = None
+                 job: PackJob, dry: bool, mixed: Any = None
                  ) -> Iterator[Any]:  # the JobSummary, or a TaggedOutput error
     try:
         if isinstance(mixed, str):  # the mixture was refused
             steps.check_files(files, job)  # a bad input first, as locally
             raise UsageError(mixed)
         record = None if mixed is None else mixed.record
-        summary = steps.finish_plan(files, blocks, job, mixture=record)
+        summary = (steps.summarize_plan if dry else steps.finish_plan)(files, blocks, job,
+                                                                       mixture=record)
     except (ValueError, OSError) as e:
         yield beam.pvalue.TaggedOutput("error", one_line(e))
         return
     if summary is not None:
         yield summary
+
+
+def _sum(figures: Iterable[steps.PlanFigures | None]) -> steps.PlanFigures | None:
+    present = [f for f in figures if f is not None]
+    return functools.reduce(operator.add, present) if present else None
+
+
+def _report_plan(_: None, report: tuple[str, str], summary: steps.JobSummary | None,
+                 figures: steps.PlanFigures | None, errors: list[str]) -> None:
+    """Writes what `plan_beam` returns (pickled, in JSON), or the plan's first error."""
+    if errors or summary is None:
+        OutputDir(report[0]).write_json(report[1], {"error": errors[0] if errors else
+                                                    "the plan was not summed up"})
+        return
+    planned = pickle.dumps((summary.intent, summary.results, figures))
+    OutputDir(report[0]).write_json(report[1], {"plan": base64.b64encode(planned).decode()})
 
 
 def _route(job: steps.FileJob, summary: steps.JobSummary | None, read_options: ReadOptions,
@@ -261,160 +293,78 @@ def pack_beam(job: PackJob, *, beam_options: Sequence[str] = (), quiet: bool = F
     """`runners.local.pack_to_dir` as a Beam job; returns the manifest.
 
     `beam_options`: Beam pipeline options as "KEY=VALUE" (see `pipeline_options`; the
-    DirectRunner runs `job.workers` processes). `quiet`: Beam's log output and its worker
-    processes' stderr go to a temporary file, removed after the run unless the job failed
-    unexpectedly (the error names it).
+    DirectRunner runs `job.workers` processes). `quiet`: as `job_pipeline`.
     """
+    with output_session(job) as out:
+        out.remove(ERROR)  # a report of an earlier job
+        with job_pipeline(pipeline_options(beam_options, job.workers), quiet) as p:
+            build_pipeline(p, job)
+        if out.exists(ERROR):
+            message = out.read_json(ERROR).get("error", "a worker rejected an input")
+            out.remove(ERROR)
+            raise InputError(message)
+    return read_manifest(job.output)
+
+
+def plan_beam(job: PackJob, step_rows: int | None, *, beam_options: Sequence[str] = (),
+              quiet: bool = False) -> tuple[Any, dict, steps.PlanFigures]:
+    """`runners.local.plan_job` as a Beam job (inputs scanned and blocks planned by the
+    workers, nothing written): (the run's intent, its results, its `PlanFigures`). They come
+    back through a file: local with the DirectRunner, else in OUTPUT_DIR (every worker of a
+    cluster sees it), removed once read."""
     options = pipeline_options(beam_options, job.workers)
+    direct = is_direct(options)
+    if not direct and not job.output:
+        raise UsageError("a dry run on a Beam runner other than the DirectRunner needs an "
+                         "output directory every worker sees: its figures come back through a "
+                         "file there")
+    with tempfile.TemporaryDirectory(prefix="seqpack-plan-") as local:
+        where = OutputDir(local if direct else job.output)
+        report = (where.location, f"plan-report-{os.getpid()}.json")
+        try:
+            with job_pipeline(options, quiet) as p:
+                build_pipeline(p, job, dry_run=(report, step_rows))
+            result = where.read_json(report[1])
+        finally:
+            where.remove(report[1])
+    if "error" in result:
+        raise InputError(result["error"])
+    intent, results, figures = pickle.loads(base64.b64decode(result["plan"]))
+    return intent, results, figures
+
+
+def is_direct(options: Any) -> bool:
+    """Whether Beam `options` run the job on this machine (the DirectRunner)."""
+    return options.get_all_options().get("runner") in (None, "DirectRunner", "direct")
+
+
+@contextlib.contextmanager
+def job_pipeline(options: Any, quiet: bool) -> Iterator[Any]:
+    """A `beam.Pipeline`, run when the block ends, its temporary files in a scratch directory
+    removed after (`storage.scratch_tempdir`: Beam's job service and workers leave theirs).
+    `quiet`: Beam's log output and its worker processes' stderr go to a temporary file, removed
+    after the run unless the job failed unexpectedly (the error names it)."""
     log_path, keep_log = None, False
     if quiet:
         fd, log_path = tempfile.mkstemp(prefix="seqpack-beam-", suffix=".log")
         os.close(fd)
     try:
-        with output_session(job) as out:
-            out.remove(ERROR)  # a report of an earlier job
-            with _output_to(log_path), scratch_tempdir("beam"), \
-                    beam.Pipeline(options=options) as p:
-                build_pipeline(p, job)
-            if out.exists(ERROR):
-                message = out.read_json(ERROR).get("error", "a worker rejected an input")
-                out.remove(ERROR)
-                raise InputError(message)
+        with _output_to(log_path), scratch_tempdir("beam"), \
+                beam.Pipeline(options=options) as p:
+            yield p
     except (InputError, UsageError):
         raise
     except Exception as e:
         if log_path is None:
             raise
         keep_log = True
-        raise RuntimeError(f"the Beam job failed: {_cause(e)} (Beam's log: {log_path})") from e
+        raise RuntimeError(f"the Beam job failed: {cause(e)} (Beam's log: {log_path})") from e
     finally:
         if log_path is not None and not keep_log:
             os.remove(log_path)
-    return read_manifest(job.output)
 
 
-def build_verify(p: Any, job: Any, out: Any, report: tuple[str, str]) -> None:
-    """Adds `offline.verify`'s distributed steps for `job` (a `VerifyJob`) to pipeline `p`:
-    shards to the inputs their pieces come from, inputs to the shards their values go to; the
-    report (`out`: the violations found before) or the error that stops it goes to `report`
-    (directory, name) as JSON."""
-    from seqpack.pipelines.offline import verify
-
-    m, n = job.manifest, len(job.manifest.shards)
-    keyed = (lambda name, keys: p | name >> beam.Create([(k, None) for k in keys]))
-    scans = (p | "ScanInputs" >> beam.Create(list(enumerate(job.paths)) if m.mixture else [])
-             | "SpreadScans" >> beam.Reshuffle()
-             | "Scan" >> beam.Map(_scan, ReadOptions(**m.inputs["read_options"]),
-                                  loss_columns_of(m.mixture, m.columns)))
-    times = beam.pvalue.AsSingleton(scans | "GatherScans" >> beam.combiners.ToList()
-                                    | "Takes" >> beam.Map(_times, job))
-    pieces = (p | "Shards" >> beam.Create(list(range(n))) | "SpreadShards" >> beam.Reshuffle()
-              | "ShardPieces" >> beam.FlatMap(verify.shard_pieces, job))
-    routed = (
-        (pieces, keyed("EveryInput", range(len(job.paths)))) | "AllInputs" >> beam.Flatten()
-        | "GroupByInput" >> beam.GroupByKey()
-        | "InputParts" >> beam.FlatMap(lambda kv, t: verify.input_records(
-            kv[0], kv[1], t[0], job), times))
-    parts = routed | "Parts" >> beam.Filter(lambda r: r[0] is not None)
-    checked = (
-        (parts, keyed("EveryShard", range(n))) | "AllShards" >> beam.Flatten()
-        | "GroupByShard" >> beam.GroupByKey()
-        | "CheckShards" >> beam.Map(_check_shard, job))
-    zero = verify.Totals.zeros(m.pack_config())
-    totals = (checked | "Totals" >> beam.Map(lambda c: _totals(c[1], zero)) | "SumTotals"
-              >> beam.CombineGlobally(lambda ts: functools.reduce(verify.Totals.merge, ts, zero)))
-    side = [beam.pvalue.AsSingleton(x) for x in (
-        routed | "InputChecks" >> beam.Filter(lambda r: r[0] is None)
-        | "Checks" >> beam.Map(lambda r: r[1]) | "GatherInputChecks" >> beam.combiners.ToList(),
-        checked | "Found" >> beam.Map(lambda c: (c[0], c[1]) if isinstance(c[1], str) else
-                                      (c[0], c[1].violations, c[1].found))
-        | "GatherFound" >> beam.combiners.ToList(), totals)]
-    _ = (p | "Once" >> beam.Create([None])
-         | "FinishVerify" >> beam.Map(_finish_verify, job, out, report, times, *side))
-
-
-def _times(scans: list[steps.FileScan], job: Any) -> tuple[Any, list[str], str | None]:
-    from seqpack.pipelines.offline.verify import mixture_times
-
-    try:
-        return (*mixture_times(scans, job), None)
-    except InputError as e:
-        return None, [], one_line(e)
-
-
-def _check_shard(element: tuple[int, Iterable[Any]], job: Any) -> tuple[int, Any]:
-    """(shard, its ShardCheck, or the InputError that stops the run: a shard the manifest
-    vouches for that cannot be decoded)."""
-    from seqpack.pipelines.offline.verify import check_routed
-
-    shard, parts = element
-    try:
-        return shard, check_routed(shard, parts, job)
-    except InputError as e:
-        return shard, one_line(e)
-
-
-def _totals(check: Any, zero: Any) -> Any:
-    totals = dataclasses.replace(zero)
-    if not isinstance(check, str):
-        totals.add(check)
-    return totals
-
-
-def _finish_verify(_: None, job: Any, out: Any, report: tuple[str, str], times: tuple,
-                   inputs: list, found: list, totals: Any) -> None:
-    from seqpack.pipelines.offline.verify import finish_verify
-
-    where = OutputDir(report[0])
-    try:
-        errors = sorted(f for f in found if len(f) == 2)  # shards that cannot be read
-        if times[2] is not None or errors:
-            raise InputError(times[2] or errors[0][1])
-        done = finish_verify(job, out, inputs, found, totals, times[:2])
-        where.write_json(report[1], {"report": done.to_dict()})
-    except InputError as e:
-        where.write_json(report[1], {"error": one_line(e)})
-
-
-def verify_beam(output_dir: str, inputs: Sequence[str] | None = None, *,
-                max_violations: int = 20, beam_options: Sequence[str] = (),
-                workers: int | None = None, quiet: bool = False) -> Any:
-    """`offline.verify.verify` as a Beam job (see `build_verify`); returns its VerifyReport.
-    The report travels through a temporary file: local with the DirectRunner, else in
-    OUTPUT_DIR (every worker of a cluster sees it), removed once read."""
-    from seqpack.pipelines.offline.verify import VerifyReport, plan_verify
-
-    job, out = plan_verify(output_dir, inputs, max_violations)
-    options = pipeline_options(beam_options, workers)
-    direct = options.get_all_options().get("runner") in (None, "DirectRunner", "direct")
-    log_path, keep_log = None, False
-    if quiet:
-        fd, log_path = tempfile.mkstemp(prefix="seqpack-beam-", suffix=".log")
-        os.close(fd)
-    with tempfile.TemporaryDirectory(prefix="seqpack-verify-") as local:
-        where = OutputDir(local if direct else output_dir)
-        report = (where.location, f"verify-report-{os.getpid()}.json")
-        try:
-            with _output_to(log_path), scratch_tempdir("beam"), \
-                    beam.Pipeline(options=options) as p:
-                build_verify(p, job, out, report)
-            result = where.read_json(report[1])
-        except Exception as e:
-            keep_log = log_path is not None
-            if not keep_log:
-                raise
-            raise RuntimeError(f"the Beam job failed: {_cause(e)} (Beam's log: {log_path})") \
-                from e
-        finally:
-            where.remove(report[1])
-            if log_path is not None and not keep_log:
-                os.remove(log_path)
-    if "error" in result:
-        raise InputError(result["error"])
-    return VerifyReport(**result["report"])
-
-
-def _cause(e: BaseException) -> str:
+def cause(e: BaseException) -> str:
     """The innermost exception of a Beam failure, as "Type: message" on one line."""
     while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
         e = e.__cause__ or e.__context__  # type: ignore[assignment]

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import os
 import shutil
 import time
@@ -80,6 +81,7 @@ from seqpack.pipelines.offline.runners.read import (
 from seqpack.pipelines.offline.runners.spill import ExampleStarts, Run, SpillReader
 from seqpack.pipelines.offline.runners.workers import Workers
 from seqpack.pipelines.offline.shards import WriteOptions
+from seqpack.pipelines.offline.steps import PlanFigures, plan_figures
 
 # (shard, rows, (size, sha256), order profile and loss tokens): a written shard, as
 # `core.finish_job` takes it
@@ -157,21 +159,23 @@ def _run(job: PackJob, out: OutputDir, spill_dir: str, pool: Workers,
     return core.finish_job(written, summary, out)
 
 
-def plan_job(job: PackJob, *, progress: Progress | None = None
-             ) -> tuple[JobSummary, np.ndarray]:
+def plan_job(job: PackJob, step_rows: int | None = None, *, progress: Progress | None = None
+             ) -> tuple[Any, dict, PlanFigures]:
     """What `pack_to_dir` plans, with no output: every input read (its tokens checked, not
-    kept), the blocks planned and summed up (`core.summarize_plan`), each piece placed in its
-    output row; (the summary, `_place`'s table). Nothing is written (`seqpack pack --dry-run`)."""
+    kept), the blocks planned and summed up (`core.summarize_plan`); (the run's intent, its
+    results, what a dry run shows of the pieces in their output rows: `steps.plan_figures`,
+    steps of `step_rows` rows). Nothing is written (`seqpack pack --dry-run`)."""
     pool = Workers(job.num_workers)
     try:
         _, files, _, plans, mixed = _read_and_plan(job, None, pool, progress)
         summary = core.summarize_plan(files, [bp.summary for bp in plans], job, mixture=mixed)
-        table = _place(plans, summary)
+        figures = functools.reduce(operator.add, [plan_figures(bp, summary, step_rows)
+                                                  for bp in plans])
     except BaseException:
         pool.close(kill=True)
         raise
     pool.close()
-    return summary, table
+    return summary.intent, summary.results, figures
 
 
 def _read_and_plan(job: PackJob, spill_dir: str | None, pool: Workers,

@@ -17,6 +17,9 @@ driver, and tokens move once, from the task re-reading an input to the task writ
     write     per shard  by key         steps.write_shard_parts: the shard, its .done record
     manifest  driver                    steps.finish_job: manifest.json
 
+A dry run (`plan_spark`) is scan, summarize and plan, the plan summed up in the driver without
+writing, and each block's `steps.plan_figures` summed by the tasks (`treeReduce`).
+
 "By key": elements keyed by block, input or shard (0..n-1) go to tasks holding contiguous key
 ranges (one key a task up to `MAX_TASKS` tasks a stage) through
 `repartitionAndSortWithinPartitions` (Spark's shuffle; pyspark's sorter spills to disk), and
@@ -62,11 +65,9 @@ import numpy as np
 
 from seqpack.pipelines import storage
 from seqpack.pipelines.errors import InputError, RunFailed, UsageError, one_line, require
-from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import steps
 from seqpack.pipelines.offline.job import PackJob, default_workers, output_session
-from seqpack.pipelines.offline.mixture import loss_columns_of
 from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.runners.read import Progress, delay_seconds
 
@@ -77,8 +78,6 @@ _TAG = "seqpack-task-error"  # marks an error a task raised, for the driver to r
 _KINDS: dict[str, Callable[[str], Exception]] = {
     "input": InputError, "usage": UsageError, "run": lambda m: RunFailed(0, m)}
 _RESUME = "see the executors' logs, then run the same job with existing='resume'"
-_AGAIN = ("see the executors' logs (a task out of memory: give it more, e.g. spark.driver.memory= "
-          "on a local master), then verify again")
 
 
 def spark_conf(spark_options: Sequence[str] = (), workers: int | None = None) -> dict[str, str]:
@@ -258,10 +257,10 @@ class _Meter:
         self.shown = max(self.shown, now)
 
 
-def _plan_job(sc: Any, job: PackJob, progress: Progress | None
+def _plan_job(sc: Any, job: PackJob, progress: Progress | None, *, dry: bool = False
               ) -> tuple[Any, Any, list[steps.FileSummary], steps.JobSummary | None]:
     """Scan, plan, finish: the persisted block plans, the inputs' broadcast and summaries, and
-    the JobSummary (None: a resumed run that had finished)."""
+    the JobSummary (None: a resumed run that had finished; `dry`: summed up, nothing written)."""
     inputs = list(job.inputs)
     sizes = [storage.size(p) for p in inputs] if progress else [0] * len(inputs)
     if progress:
@@ -291,9 +290,10 @@ def _plan_job(sc: Any, job: PackJob, progress: Progress | None
         pyspark.StorageLevel.MEMORY_AND_DISK)
     block_summaries = plans.map(lambda bp: bp.summary).collect()
     scans.unpersist()
-    return plans, files_bc, files, steps.finish_plan(
-        files, block_summaries, job, rerun=False,
-        mixture=None if not isinstance(mixed, steps.Selection) else mixed.record)
+    record = None if not isinstance(mixed, steps.Selection) else mixed.record
+    return plans, files_bc, files, steps.summarize_plan(
+        files, block_summaries, job, mixture=record) if dry else steps.finish_plan(
+        files, block_summaries, job, rerun=False, mixture=record)
 
 
 def _run(sc: Any, job: PackJob, out: OutputDir, progress: Progress | None) -> Manifest:
@@ -312,6 +312,22 @@ def _run(sc: Any, job: PackJob, out: OutputDir, progress: Progress | None) -> Ma
                          meter).collect()
     plans.unpersist()
     return steps.finish_job(written, summary, out)
+
+
+def plan_spark(job: PackJob, step_rows: int | None, *, spark_options: Sequence[str] = (),
+               quiet: bool = False, progress: Progress | None = None
+               ) -> tuple[Any, dict, steps.PlanFigures]:
+    """`runners.local.plan_job` as a Spark job (inputs scanned and blocks planned by the
+    tasks, nothing written): (the run's intent, its results, its `PlanFigures`, summed by the
+    tasks)."""
+    with spark_job(spark_options, job.workers, quiet) as sc:
+        plans, _, _, summary = _plan_job(sc, job, progress, dry=True)
+        assert summary is not None
+        summary_bc = sc.broadcast(summary)
+        figures = plans.map(lambda bp: steps.plan_figures(bp, summary_bc.value, step_rows)
+                            ).treeReduce(operator.add)
+        plans.unpersist()
+    return summary.intent, summary.results, figures
 
 
 def _worded(e: BaseException) -> str:
@@ -344,65 +360,12 @@ def pack_spark(job: PackJob, *, spark_options: Sequence[str] = (), quiet: bool =
     temporary file, removed after the run unless the job failed unexpectedly (the error names
     it); `progress`: reading and writing progress, from the driver.
     """
-    with output_session(job) as out, _spark_job(spark_options, job.workers, quiet) as sc:
+    with output_session(job) as out, spark_job(spark_options, job.workers, quiet) as sc:
         return _run(sc, job, out, progress)
 
 
-def verify_spark(output_dir: str, inputs: Sequence[str] | None = None, *,
-                 max_violations: int = 20, spark_options: Sequence[str] = (),
-                 workers: int | None = None, quiet: bool = False) -> Any:
-    """`offline.verify.verify` as a Spark job (its distributed steps, by shard and by input,
-    as `runners.beam.build_verify` maps them); returns the VerifyReport."""
-    from seqpack.pipelines.offline import verify
-
-    job, out = verify.plan_verify(output_dir, inputs, max_violations)
-    m, shards, inputs_ = job.manifest, len(job.manifest.shards), len(job.paths)
-    with _spark_job(spark_options, workers, quiet, _AGAIN) as sc:
-        times: tuple = (None, [])
-        if m.mixture:
-            options, loss = ReadOptions(**m.inputs["read_options"]), loss_columns_of(
-                m.mixture, m.columns)
-            times = verify.mixture_times(sc.parallelize(
-                list(enumerate(job.paths)), max(1, min(inputs_, MAX_TASKS))).map(
-                lambda ip: steps.scan_file(ip[0], ip[1], options, loss)).collect(), job)
-        every = (lambda n: sc.parallelize([(k, None) for k in range(n)],
-                                          max(1, min(n, MAX_TASKS))))
-        pieces = sc.parallelize(list(range(shards)), max(1, min(shards, MAX_TASKS))).flatMap(
-            functools.partial(verify.shard_pieces, job=job))
-        routed = by_key(pieces.union(every(inputs_)), inputs_, _input_parts,
-                        sc.broadcast(times[0]), job).persist(pyspark.StorageLevel.DISK_ONLY)
-        checks = routed.filter(lambda r: r[0] is None).map(operator.itemgetter(1)).collect()
-        parts = routed.filter(lambda r: r[0] is not None).union(every(shards))
-        zero: tuple[Any, list] = (verify.Totals.zeros(m.pack_config()), [])
-        totals, found = by_key(parts, shards, _check_routed, job).aggregate(
-            zero, _add_check, lambda a, b: (a[0].merge(b[0]), a[1] + b[1]))
-        routed.unpersist()
-    return verify.finish_verify(job, out, checks, found, totals, times)
-
-
-def _input_parts(index: int, tables: Iterable[Any], times: Any, job: Any) -> Iterator[tuple]:
-    from seqpack.pipelines.offline.verify import input_records
-
-    return input_records(index, tables, times.value, job)
-
-
-def _check_routed(shard: int, parts: Iterable[Any], job: Any) -> list[tuple[int, Any]]:
-    from seqpack.pipelines.offline.verify import check_routed
-
-    return [(shard, check_routed(shard, parts, job))]
-
-
-def _add_check(acc: tuple[Any, list], item: tuple[int, Any]) -> tuple[Any, list]:
-    """Adds one shard's check to (the totals, the shards' violations where there are some)."""
-    shard, check = item
-    acc[0].add(check)
-    if check.found:
-        acc[1].append((shard, check.violations, check.found))
-    return acc
-
-
 @contextlib.contextmanager
-def _spark_job(spark_options: Sequence[str], workers: int | None, quiet: bool,
+def spark_job(spark_options: Sequence[str], workers: int | None, quiet: bool,
                advice: str = _RESUME) -> Iterator[Any]:
     """A SparkContext for one job (`spark_conf`); an error a task raised is raised again as
     its kind (`_driver_error`, a job Spark aborted with `advice`); `quiet`: the JVM's log goes
