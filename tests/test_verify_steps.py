@@ -176,7 +176,7 @@ def _runner(name: str):
     """The distributed verify of runner `name` (skipped without its extra, or Spark's Java)."""
     if name == "spark" and shutil.which("java") is None:
         pytest.skip("Spark needs Java 17+")
-    job = pytest.importorskip(f"seqpack.pipelines.offline.runners.{name}",
+    job = pytest.importorskip(f"seqpack.pipelines.offline.runners.{name}_verify",
                               reason=f"the {name} job needs seqpack[{name}]")
     return getattr(job, f"verify_{name}")
 

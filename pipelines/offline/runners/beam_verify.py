@@ -34,8 +34,8 @@ def build_verify(p: Any, job: Any, out: Any, report: tuple[str, str]) -> None:
     keyed = (lambda name, keys: p | name >> beam.Create([(k, None) for k in keys]))
     scans = (p | "ScanInputs" >> beam.Create(list(enumerate(job.paths)) if m.mixture else [])
              | "SpreadScans" >> beam.Reshuffle()
-             | "Scan" >> beam.MapTuple(steps.scan_file, ReadOptions(**m.inputs["read_options"]),
-                                       loss_columns_of(m.mixture, m.columns)))
+             | "Scan" >> beam.Map(_scan, ReadOptions(**m.inputs["read_options"]),
+                                  loss_columns_of(m.mixture, m.columns)))
     times = beam.pvalue.AsSingleton(scans | "GatherScans" >> beam.combiners.ToList()
                                     | "Takes" >> beam.Map(_times, job))
     pieces = (p | "Shards" >> beam.Create(list(range(n))) | "SpreadShards" >> beam.Reshuffle()
@@ -61,6 +61,10 @@ def build_verify(p: Any, job: Any, out: Any, report: tuple[str, str]) -> None:
         | "GatherFound" >> beam.combiners.ToList(), totals)]
     _ = (p | "Once" >> beam.Create([None])
          | "FinishVerify" >> beam.Map(_finish_verify, job, out, report, times, *side))
+
+
+def _scan(element: tuple[int, str], options: ReadOptions, loss: Any) -> steps.FileScan:
+    return steps.scan_file(*element, options, loss)
 
 
 def _times(scans: list[steps.FileScan], job: Any) -> tuple[Any, list[str], str | None]:
