@@ -1,5 +1,5 @@
 """The distributed verify's steps run one after another in this process, as a runner maps them
-(`pipelines/offline/runners/beam.py`, `spark.py`)."""
+(`pipelines/offline/runners/beam_verify.py`, `spark_verify.py`)."""
 
 from __future__ import annotations
 
