@@ -72,13 +72,25 @@ def test_prose_is_joined_not_sent_whole(small_windows, name):
     assert not small_windows and len(calls) > 10 and max(calls) <= 3 * 256
 
 
-def test_a_text_without_breaks_goes_whole(small_windows):
+def test_a_token_longer_than_the_overlap_widens_the_windows(small_windows):
     """One token longer than the windows' overlap (WordPiece's [UNK] for a word past 100
-    characters): no two windows can join, so the text goes in one call, still right."""
+    characters): no two windows agree across it, so the windows double from the last join
+    until they do; the text never goes whole, and the ids are still one call's."""
     tok = families()["bert_wordpiece"]
-    s = "the cat " + "z" * 2000 + " sat"
-    assert text.encode_long(tok, s).tolist() == tok.encode(s).ids
-    assert small_windows == [len(s)]
+    s = sample_text(1500, seed=2) + "z" * 2000 + " " + sample_text(1500, seed=3)
+    calls = []
+
+    class Spy:
+        def encode(self, t, **kw):
+            calls.append(len(t))
+            return tok.encode(t, **kw)
+
+        def encode_batch(self, texts, **kw):
+            calls.append(max(map(len, texts)))
+            return tok.encode_batch(texts, **kw)
+
+    assert text.encode_long(Spy(), s).tolist() == tok.encode(s).ids
+    assert not small_windows and 2000 < max(calls) <= 4 * 2048 < len(s)
 
 
 def _units(path, unit: str, raw: bool = False) -> list[tuple[int, bytes]]:

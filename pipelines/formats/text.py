@@ -95,25 +95,28 @@ def encode_long(tokenizer: Any, text: str) -> np.ndarray:
     `ENCODE_CHARS` characters: the tokenizer's memory is WINDOWS windows', not the text's, and
     its threads share them. Windows are joined where they agree (see OVERLAP): a tokenizer's
     model works within pre-tokens, and two windows cut at one character with the same tokens
-    around it have pre-tokenized alike there. Where two windows never agree, or the special
-    tokens cannot be told from the text's, the text goes in one call."""
-    width = ENCODE_CHARS
-    step, margin = width - width // OVERLAP, width // MARGIN
+    around it have pre-tokenized alike there. Two windows that do not agree (a token longer
+    than their overlap) are made twice as wide from the last join on; where the special tokens
+    cannot be told from the text's, the text goes in one call."""
     specials = _specials(tokenizer)
     if specials is None:
         return _one_call(tokenizer, text)
-    starts = list(range(0, max(len(text) - width, 0) + step, step))  # the last reaches the end
-    parts, keep, window = [specials[0]], 0, None
-    for k in range(0, len(starts), WINDOWS):
-        for start, following in _windows(tokenizer, text, starts[k : k + WINDOWS], width):
-            if window is not None:
-                join = _join(window, following, start + margin, start - step + width - margin)
-                if join is None:
-                    return _one_call(tokenizer, text)
-                parts.append(window[0][keep : join[0]])
-                keep = join[1]
-            window = following
-    assert window is not None
+    width, start, keep, parts = ENCODE_CHARS, 0, 0, [specials[0]]
+    window = next(_windows(tokenizer, text, [0], width))[1]
+    ahead: list = []  # the windows after `window`, tokenized in one call
+    while start + width < len(text):
+        step, margin = width - width // OVERLAP, width // MARGIN
+        if not ahead:
+            ahead = list(_windows(tokenizer, text, [start + step * k for k in range(
+                1, WINDOWS + 1) if start + step * (k - 1) + width < len(text)], width))
+        after, following = ahead.pop(0)
+        join = _join(window, following, after + margin, start + width - margin)
+        if join is None:  # `keep`, early in `window`, holds in a wider one from `start`
+            width, ahead = 2 * width, []
+            window = next(_windows(tokenizer, text, [start], width))[1]
+            continue
+        parts.append(window[0][keep : join[0]])
+        keep, window, start = join[1], following, after
     parts += [window[0][keep:], specials[1]]
     return np.concatenate(parts)
 
