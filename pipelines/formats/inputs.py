@@ -270,7 +270,8 @@ class LossCount:
 
 def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
               sink: Sink | None = None, *, column_sinks: Mapping[str, Sink] | None = None,
-              loss_columns: LossCount | None = None) -> FileScan:
+              loss_columns: LossCount | None = None,
+              chunk_sink: Callable[[Chunk], None] | None = None) -> FileScan:
     """Reads one input chunk by chunk: lengths, dtypes and fingerprint; tokens go to `sink`.
 
     `column_sinks` (one per `options.extra_columns`, or None to check and drop them): each
@@ -281,7 +282,8 @@ def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
     records, a block of JSONL lines, a text file). A URL is read from a temporary local copy
     (see the module docstring). `loss_columns` (extra column -> "labels" or "mask"): also
     count each example's loss tokens, the positions where no labels column holds -100 and no
-    mask column 0 (`FileScan.loss_counts`; a mixture's `loss_tokens` unit).
+    mask column 0 (`FileScan.loss_counts`; a mixture's `loss_tokens` unit). `chunk_sink`: each
+    chunk whole, as read (its records' offsets too).
     """
     if column_sinks is not None and set(column_sinks) != set(options.extra_columns):
         raise ValueError(f"column_sinks={sorted(column_sinks)} must have one sink per extra "
@@ -301,7 +303,8 @@ def scan_file(path: str, fmt: str, options: ReadOptions, tokenizer: Any = None,
         if counts is not None:
             assert loss_columns is not None
             chunks = _counting(chunks, loss_columns, counts)
-        lens, dtype, extra, top = _consume(chunks, fmt, options, sink, column_sinks or {})
+        lens, dtype, extra, top = _consume(chunks, fmt, options, sink, column_sinks or {},
+                                           chunk_sink)
         info = fingerprint(local)
         if fmt == "megatron":  # the pair's other file, named as the input names it
             info["companion"] = {**fingerprint(arrays.companion(local)),
@@ -354,7 +357,7 @@ def _counting(chunks: Iterator[Chunk], count: LossCount, out: list[np.ndarray]
 
 
 def _consume(chunks: Iterator[Chunk], fmt: str, options: ReadOptions, sink: Sink | None,
-             column_sinks: Mapping[str, Sink]
+             column_sinks: Mapping[str, Sink], chunk_sink: Callable[[Chunk], None] | None = None
              ) -> tuple[np.ndarray, np.dtype, dict[str, tuple[np.dtype, tuple[int, int]]], int]:
     """Feeds a file's chunks to the sinks: (lengths i64[n], token dtype, per extra column
     (dtype, (min, max)), the largest token id)."""
@@ -369,6 +372,8 @@ def _consume(chunks: Iterator[Chunk], fmt: str, options: ReadOptions, sink: Sink
         dtypes.append(chunk.values.dtype)
         for n in names:
             col_dtypes[n].append(chunk.extra_values[n].dtype)
+        if chunk_sink is not None:
+            chunk_sink(chunk)
         if not tokens.size:
             continue
         top = max(top, int(tokens.max()))

@@ -47,11 +47,11 @@ from seqpack.packer.assemble import fill_rows
 from seqpack.packer.contract import ragged_arange
 from seqpack.pipelines.errors import InputError, UsageError, one_line
 from seqpack.pipelines.formats import inputs
+from seqpack.pipelines.formats.chunks import Chunk
 from seqpack.pipelines.formats.inputs import (
     LossCount,
     ReadOptions,
     detect_format,
-    read_corpus,
     unstamped,
 )
 from seqpack.pipelines.formats.text import load_tokenizer
@@ -88,7 +88,7 @@ from seqpack.pipelines.offline.shards import WriteOptions
 
 __all__ = [
     "EXAMPLE", "LENGTH", "ROW", "START", "BlockPlan", "BlockSlice", "BlockSummary", "FileJob",
-    "Selection", "check_files",
+    "Selection", "check_files", "column_dtypes",
     "FileScan", "FileSummary", "JobSummary", "PlanFigures", "ShardPart", "cut_blocks",
     "file_job", "cut_stream", "finish_job", "finish_plan", "plan_block_slices",
     "plan_figures", "plan_in_process", "route_file", "scan_file", "select_mixture",
@@ -124,6 +124,17 @@ class ShardPart:
     tokens: np.ndarray | None  # the pieces' tokens back to back, in the corpus dtype (None:
     # a plan-only job, `PackJob.plan_only`)
     columns: dict = dataclasses.field(default_factory=dict)  # extra column -> values, as tokens
+
+    @staticmethod
+    def of(parts: Sequence[ShardPart]) -> ShardPart:
+        """Parts of one input for one shard as one (pieces, tokens and columns back to back)."""
+        if len(parts) == 1:
+            return parts[0]
+        tokens = [p.tokens for p in parts]
+        return ShardPart(np.concatenate([p.pieces for p in parts], axis=1),
+                         None if tokens[0] is None else np.concatenate(tokens),
+                         {n: np.concatenate([p.columns[n] for p in parts]) for n in
+                          parts[0].columns})
 
 
 # -- scan and plan ---------------------------------------------------------------------------
@@ -266,31 +277,59 @@ def file_job(index: int, tables: Iterable[np.ndarray], files: Sequence[FileSumma
 
 
 def route_file(job: FileJob, options: ReadOptions, shard_rows: int, dtype: str, *,
-               plan_only: bool = False) -> list[tuple[int, ShardPart]]:
-    """Re-reads one input and cuts its pieces' tokens into one ShardPart per destination shard;
-    `plan_only` (`PackJob.plan_only`): the pieces alone, the input not read again."""
+               plan_only: bool = False, columns: dict[str, str] | None = None
+               ) -> list[tuple[int, ShardPart]]:
+    """Re-reads one input and cuts its pieces' tokens into one ShardPart per destination shard
+    (`columns`: each extra column's dtype in the rows, else int64); `plan_only`
+    (`PackJob.plan_only`): the pieces alone, the input not read again. The input is read a
+    chunk at a time: what is held is the pieces and their tokens, not the input's."""
     shard = job.pieces[ROW] // shard_rows
-    order = np.argsort(shard, kind="stable")
-    pieces = job.pieces[:, order]
-    keys, firsts = np.unique(shard[order], return_index=True)
-    piece_cuts = np.append(firsts, shard.size).tolist()
-    spans = list(zip(keys.tolist(), piece_cuts[:-1], piece_cuts[1:]))
     if plan_only:
-        return [(k, ShardPart(pieces[:, a:b], None)) for k, a, b in spans]
-    corpus = read_corpus([job.path], options)
-    if unstamped(corpus.files[0]) != unstamped(job.info):
+        order = np.argsort(shard, kind="stable")
+        keys, firsts = np.unique(shard[order], return_index=True)
+        cuts = np.append(firsts, shard.size).tolist()
+        return [(k, ShardPart(job.pieces[:, order[a:b]], None))
+                for k, a, b in zip(keys.tolist(), cuts[:-1], cuts[1:])]
+    pieces, example = job.pieces, job.pieces[EXAMPLE] - job.first_example
+    if (np.diff(example) < 0).any():  # blocks' tables in any order: by example
+        by_example = np.argsort(example, kind="stable")
+        pieces, shard, example = pieces[:, by_example], shard[by_example], example[by_example]
+    got: dict[int, list[ShardPart]] = {}
+    changed: list[bool] = []
+
+    def route(chunk: Chunk) -> None:  # the chunk's pieces' tokens, to their shards
+        a, b = np.searchsorted(example, [chunk.first, chunk.first + chunk.num_records])
+        if a == b or changed:
+            return
+        own = np.argsort(shard[a:b], kind="stable") + a
+        i = example[own] - chunk.first
+        if (pieces[START, own] + pieces[LENGTH, own] > np.diff(chunk.offsets)[i]).any():
+            changed.append(True)  # an example shorter than planned: named below
+            return
+        src = chunk.offsets[i] - chunk.offsets[0] + pieces[START, own]
+        at = ragged_arange(src, pieces[LENGTH, own])
+        tokens = chunk.tokens().astype(dtype, copy=False)[at]
+        cols = {n: chunk.column(n)[at].astype((columns or {}).get(n, np.int64), copy=False)
+                for n in options.extra_columns}
+        keys, firsts = np.unique(shard[own], return_index=True)
+        cuts = np.append(firsts, own.size)
+        ends = np.concatenate(([0], np.cumsum(pieces[LENGTH, own])))[cuts].tolist()
+        for k, i, j, ta, tb in zip(keys.tolist(), cuts[:-1], cuts[1:], ends[:-1], ends[1:]):
+            got.setdefault(k, []).append(ShardPart(pieces[:, own[i:j]], tokens[ta:tb], {
+                n: c[ta:tb] for n, c in cols.items()}))
+
+    scan = inputs.scan_file(job.path, detect_format(job.path, options.input_format), options,
+                            load_tokenizer(options.tokenizer) if options.tokenizer else None,
+                            column_sinks=None, chunk_sink=route)
+    if changed or unstamped(scan.info) != unstamped(job.info):
         raise InputError(f"{job.path}: changed while the job ran (was {job.info}, now "
-                         f"{corpus.files[0]}); rerun on inputs that stay put")
-    src = corpus.offsets[pieces[EXAMPLE] - job.first_example] + pieces[START]
-    at = ragged_arange(src, pieces[LENGTH])
-    tokens = corpus.values.astype(dtype, copy=False)[at]
-    columns = {name: values[at] for name, values in corpus.extra_values.items()}
-    token_cuts = np.concatenate(([0], np.cumsum(pieces[LENGTH])))[piece_cuts].tolist()
-    return [
-        (k, ShardPart(pieces[:, a:b], tokens[ta:tb],
-                      {name: col[ta:tb] for name, col in columns.items()}))
-        for (k, a, b), ta, tb in zip(spans, token_cuts[:-1], token_cuts[1:])
-    ]
+                         f"{scan.info}); rerun on inputs that stay put")
+    return [(k, ShardPart.of(got.pop(k))) for k in sorted(got)]  # each shard's copy freed
+
+
+def column_dtypes(summary: JobSummary) -> dict[str, str]:
+    """Each extra column's dtype in the rows (`route_file`'s `columns`)."""
+    return {c["name"]: c["dtype"] for c in summary.intent.columns or []}
 
 
 def plan_parts(shard: int, parts: Sequence[ShardPart], summary: JobSummary, config: PackConfig

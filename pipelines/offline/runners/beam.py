@@ -264,7 +264,7 @@ def _route(job: steps.FileJob, summary: steps.JobSummary | None, read_options: R
     if summary is None:
         return []
     return steps.route_file(job, read_options, summary.shard_rows, summary.row_dtype,
-                            plan_only=plan_only)
+                            plan_only=plan_only, columns=steps.column_dtypes(summary))
 
 
 def _report_error(message: str, output_dir: str, report: bool) -> None:

@@ -205,10 +205,12 @@ def _plan(block: int, slices: Iterable[steps.BlockSlice], files: Any, job: PackJ
     return [steps.plan_block_slices(block, slices, files.value, job)]
 
 
-def _route(index: int, tables: Iterable[np.ndarray], files: Any, job: PackJob, shard_rows: int,
-           dtype: str) -> list[tuple[int, steps.ShardPart]]:
+def _route(index: int, tables: Iterable[np.ndarray], files: Any, job: PackJob, summary: Any
+           ) -> list[tuple[int, steps.ShardPart]]:
+    s = summary.value
     return steps.route_file(steps.file_job(index, tables, files.value), job.read_options,
-                            shard_rows, dtype, plan_only=job.plan_only)
+                            s.shard_rows, s.row_dtype, plan_only=job.plan_only,
+                            columns=steps.column_dtypes(s))
 
 
 def _write(shard: int, parts: Iterable[steps.ShardPart], summary: Any, job: PackJob,
@@ -302,8 +304,7 @@ def _run(sc: Any, job: PackJob, out: OutputDir, progress: Progress | None) -> Ma
         return read_manifest(job.output, check_shards=False)
     summary_bc = sc.broadcast(summary)
     tables = plans.flatMap(lambda bp: steps.split_block(bp, summary_bc.value, files_bc.value))
-    routed = by_key(tables, len(files), _route, files_bc, job, summary.shard_rows,
-                    summary.row_dtype)
+    routed = by_key(tables, len(files), _route, files_bc, job, summary_bc)
     meter = (sc.accumulator(0), sc.accumulator(0))
     if progress:
         progress.phase("writing", int(summary.results["stats"]["real_tokens"]))
