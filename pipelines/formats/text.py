@@ -84,6 +84,8 @@ def _spans(sizes: list[int], budget: int) -> Iterator[tuple[int, int]]:
         i = j
 
 
+_SPACES = np.array([c for c in range(0x3001) if chr(c).isspace()], np.uint32)  # str.isspace
+
 # A long text's windows: each overlaps the last by width // OVERLAP characters and is joined to
 # it at a character both cut at, at least width // MARGIN clear of either's edges, where both
 # hold the same SYNC tokens on either side; WINDOWS of them go to the tokenizer a call.
@@ -96,27 +98,33 @@ def encode_long(tokenizer: Any, text: str) -> np.ndarray:
     its threads share them. Windows are joined where they agree (see OVERLAP): a tokenizer's
     model works within pre-tokens, and two windows cut at one character with the same tokens
     around it have pre-tokenized alike there. Two windows that do not agree (a token longer
-    than their overlap) are made twice as wide from the last join on; where the special tokens
-    cannot be told from the text's, the text goes in one call."""
-    specials = _specials(tokenizer)
+    than their overlap) are made twice as wide from the last join, until they do. A Unigram
+    model (SentencePiece's) goes in one call: its best split of a word can turn on a tie whose
+    rounding depends on where the text starts, far from the join; and so does a text whose
+    special tokens cannot be told from its own."""
+    specials = None if type(getattr(tokenizer, "model", None)).__name__ == "Unigram" else \
+        _specials(tokenizer)
     if specials is None:
         return _one_call(tokenizer, text)
     width, start, keep, parts = ENCODE_CHARS, 0, 0, [specials[0]]
-    window = next(_windows(tokenizer, text, [0], width))[1]
+    window, at, held = next(_windows(tokenizer, text, [0], width))[1], 0, width  # from, wide
     ahead: list = []  # the windows after `window`, tokenized in one call
-    while start + width < len(text):
+    while at + held < len(text):  # `start`: where the windows ahead are counted from
         step, margin = width - width // OVERLAP, width // MARGIN
         if not ahead:
             ahead = list(_windows(tokenizer, text, [start + step * k for k in range(
                 1, WINDOWS + 1) if start + step * (k - 1) + width < len(text)], width))
         after, following = ahead.pop(0)
         join = _join(window, following, after + margin, start + width - margin)
-        if join is None:  # `keep`, early in `window`, holds in a wider one from `start`
-            width, ahead = 2 * width, []
-            window = next(_windows(tokenizer, text, [start], width))[1]
+        if join is None:  # `keep`, early in `window`, holds in a wider one from `at`
+            width = held = 2 * max(width, held)
+            start, ahead = at, []
+            window = next(_windows(tokenizer, text, [at], width))[1]
             continue
         parts.append(window[0][keep : join[0]])
-        keep, window, start = join[1], following, after
+        keep, window, start, at, held = join[1], following, after, after, width
+        if width != ENCODE_CHARS:  # past the long token: narrower windows after the join
+            width, ahead, start = ENCODE_CHARS, [], int(window[1][keep, 0])
     parts += [window[0][keep:], specials[1]]
     return np.concatenate(parts)
 
@@ -139,14 +147,22 @@ def _specials(tokenizer: Any) -> tuple[np.ndarray, np.ndarray] | None:
 def _windows(tokenizer: Any, text: str, starts: list[int], width: int
              ) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
     """(start, (ids, character offsets in `text` [n, 2], the cuts: indices i whose token starts
-    at or after every earlier token's end)) of each text[start:start + width], no special
-    tokens, tokenized in one call."""
-    encs = tokenizer.encode_batch([text[a : a + width] for a in starts], add_special_tokens=False)
-    for start, enc in zip(starts, encs):
+    at or after every earlier token's end, where text turns to whitespace or from it)) of each
+    text[start:start + width], no special tokens, tokenized in one call. Only there: within a
+    word, or a run of digits or spaces, a tokenizer's split can depend on all of it (a
+    WordPiece word past its longest is [UNK]; digits go three by three from the run's start)."""
+    texts = [text[a : a + width] for a in starts]
+    encs = tokenizer.encode_batch(texts, add_special_tokens=False)
+    for start, piece, enc in zip(starts, texts, encs):
         ids = np.asarray(enc.ids, np.int64)
-        offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2) + start
+        offsets = np.asarray(enc.offsets, np.int64).reshape(-1, 2)
         ends = np.maximum.accumulate(offsets[:, 1])
-        yield start, (ids, offsets, np.flatnonzero(offsets[1:, 0] >= ends[:-1]) + 1)
+        cuts = np.flatnonzero(offsets[1:, 0] >= ends[:-1]) + 1
+        space = np.isin(np.frombuffer(piece.encode("utf-32-le"), np.uint32), _SPACES)
+        at = offsets[cuts, 0]
+        turn = (at > 0) & (at < space.size)
+        turn[turn] = space[at[turn] - 1] != space[at[turn]]
+        yield start, (ids, offsets + start, cuts[turn])
 
 
 def _join(a: tuple, b: tuple, lo: int, hi: int) -> tuple[int, int] | None:

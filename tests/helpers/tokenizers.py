@@ -7,7 +7,11 @@ import functools
 import numpy as np
 
 WORDS = ("the cat sat on a mat dog ran über naïve 日本語 café 1234 3.14 don't it's (x) [y] "
-         "foo_bar <|endoftext|>").split()
+         "foo_bar <|endoftext|> 1999 42").split()
+# GPT-4's pre-tokenizer: digits three by three from a run's start, a letter run's one leading
+# non-letter with it
+GPT4 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+        r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 def sample_text(n: int, seed: int = 0) -> str:
@@ -24,10 +28,12 @@ def _trained(tok, trainer):
 
 @functools.cache
 def families() -> dict:
-    """name -> Tokenizer: GPT-2's byte-level BPE; Llama 2's BPE over the whole text (no
-    pre-tokenizer, spaces as "▁", byte fallback, BOS); BERT's WordPiece ([CLS] ... [SEP]); T5's
-    Unigram (Metaspace, EOS); a BPE over Metaspace with "▁" prepended to the first piece only."""
+    """name -> Tokenizer: GPT-2's byte-level BPE; GPT-4's (its split, BOS); Llama 2's BPE over
+    the whole text (no pre-tokenizer, spaces as "▁", byte fallback, BOS); BERT's WordPiece
+    ([CLS] ... [SEP]); T5's Unigram (Metaspace, EOS); a BPE over Metaspace with "▁" prepended
+    to the first piece only."""
     from tokenizers import (
+        Regex,
         Tokenizer,
         decoders,
         models,
@@ -47,6 +53,13 @@ def families() -> dict:
     gpt2.decoder = decoders.ByteLevel()
     _trained(gpt2, trainers.BpeTrainer(vocab_size=400, show_progress=False,
                                        special_tokens=["<|endoftext|>"],
+                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    gpt4 = Tokenizer(models.BPE())
+    gpt4.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(GPT4), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    _trained(gpt4, trainers.BpeTrainer(vocab_size=500, show_progress=False,
+                                       special_tokens=["<|bos|>"],
                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     llama = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
     llama.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
@@ -68,6 +81,7 @@ def families() -> dict:
     first.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
     _trained(first, trainers.BpeTrainer(vocab_size=300, show_progress=False,
                                         special_tokens=["<unk>"]))
-    return {"gpt2_bytes": gpt2, "llama_bpe": template(llama, "<s> $A", "<s>"),
+    return {"gpt2_bytes": gpt2, "gpt4_split": template(gpt4, "<|bos|> $A", "<|bos|>"),
+            "llama_bpe": template(llama, "<s> $A", "<s>"),
             "bert_wordpiece": template(bert, "[CLS] $A [SEP]", "[CLS]", "[SEP]"),
             "t5_unigram": template(t5, "$A </s>", "</s>"), "metaspace_first": first}
