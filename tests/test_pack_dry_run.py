@@ -9,7 +9,7 @@ import json
 import pytest
 
 from tests.helpers.cloud import s3, s3_server  # noqa: F401
-from tests.helpers.files import invoke, random_seqs, write_jsonl, write_parquet
+from tests.helpers.files import invoke, random_seqs, run_cli, write_jsonl, write_parquet
 
 SHORT = random_seqs(300, max_len=40, seed=5)
 LONG = random_seqs(80, max_len=150, seed=6)
@@ -38,6 +38,9 @@ RUNS = {
         "--mix", f"short={d / 'a.jsonl'}", "--mix", f"long={d / 'b.parquet'}", "--weights",
         "short=0.7,long=0.3", "--mix-tokens", 12000, "--overflow", "split",
         "--batch-size", 8, "--seed", 3],
+    "a mixture smaller than a step": lambda d: [
+        "--mix", f"short={d / 'a.jsonl'}", "--mix", f"long={d / 'b.parquet'}", "--weights",
+        "short=0.5,long=0.5", "--overflow", "split", "--batch-size", 4096],
     "concat_split": lambda d: [d / "a.jsonl", d / "b.parquet", "--strategy", "concat_split"],
     "extra columns, parquet": lambda d: [d / "c.jsonl", "--column", "input_ids", "--column",
                                          "labels", "--format", "parquet"],
@@ -60,8 +63,10 @@ def test_a_dry_run_shows_what_the_run_records(data, tmp_path, name):
     assert dry["example_length_histogram"] == run["example_length_histogram"]
     assert dry["shapes"] == {k: v for k, v in run["shapes"].items() if k != "loss_tokens"}
     assert dry.get("mixture") == run.get("mixture")  # a mixture's shares per step
-    if "mixture" in name:
+    if "steps of 8" in name:
         assert dry["mixture"]["step_rows"] == 8 and dry["mixture"]["steps"] > 1
+    if "smaller than a step" in name:  # the whole output's shares (`stats` crashed on it)
+        assert dry["mixture"]["whole"] and dry["mixture"]["steps"] == 1
     if "balanced" in name:
         assert dry["summary"]["best_fit_decreasing"]["step_max_over_mean"] is not None
 
@@ -133,6 +138,12 @@ def test_a_dry_run_on_beam_or_spark_shows_the_local_figures(data, tmp_path, runn
     bad = ["pack", data / "b.parquet", *ARGS, "--dry-run"]
     local, remote = invoke(*bad, ok=False), invoke(*bad, "--runner", runner, ok=False)
     assert remote.exit_code == local.exit_code == 2 and remote.stderr == local.stderr
+    if runner == "spark":  # the inputs checked in the driver: an empty one warned of, as locally
+        (tmp_path / "empty.jsonl").write_text("")
+        empty = ["pack", tmp_path / "empty.jsonl", data / "a.jsonl", *ARGS, "--dry-run"]
+        local, remote = run_cli(*empty), run_cli(*empty, "--runner", runner)  # its log too
+        assert local.returncode == remote.returncode == 0
+        assert "no tokens (0 examples)" in local.stderr and remote.stderr == local.stderr
 
 
 @pytest.mark.slow

@@ -369,7 +369,7 @@ def shares(record: Mapping, tokens: np.ndarray, step_rows: int | None) -> dict:
     `packer.mixing.row_units` (in tokens) of every row, in output order."""
     step = step_rows or 1
     n = tokens.shape[0] // step
-    return step_shares(record, tokens[: n * step].reshape(n, step, -1).sum(axis=1),
+    return step_shares(record, tokens[: n * step].reshape(n, step, tokens.shape[1]).sum(axis=1),
                        tokens.sum(axis=0), step_rows)
 
 

@@ -275,6 +275,7 @@ def _plan_job(sc: Any, job: PackJob, progress: Progress | None, *, dry: bool = F
     scans = scans.persist(pyspark.StorageLevel.MEMORY_AND_DISK)
     with _Meter(progress, read):
         files = scans.map(lambda s: steps.summarize_file(s[1], job.config)).collect()
+    steps.check_files(files, job)  # here, as locally: a bad input first, empty ones warned of
     files_bc = sc.broadcast(files)
     mixed = None
     if job.mixture is None:
@@ -283,7 +284,6 @@ def _plan_job(sc: Any, job: PackJob, progress: Progress | None, *, dry: bool = F
     else:  # the mixed stream, selected in the driver from every input's lengths
         mixed = steps.select_mixture(scans.values().collect(), job)
         if isinstance(mixed, str):
-            steps.check_files(files, job)  # a bad input first, as locally
             raise UsageError(mixed)
         stream = steps.cut_stream(mixed, job.block_size)
         blocks = len(stream)
