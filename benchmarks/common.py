@@ -74,6 +74,17 @@ def picked_rows(path, seq_len: int, batch: int, limit: int | None = None):
     return pick, offsets[pick], lengths[pick]
 
 
+def file_at(rev: str, path: str, into: pathlib.Path) -> pathlib.Path:
+    """Repository file `path` as of git revision `rev`, written to `into` (a baseline module
+    to load beside this tree's, in the same seqpack)."""
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    into.write_text(subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root,
+                                   capture_output=True, text=True, check=True).stdout)
+    return into
+
+
 def best_time(fn: Callable[[], object], repeats: int = 3) -> tuple[float, object]:
     """Runs fn once to warm up, then `repeats` times; returns (best seconds, last result)."""
     result = fn()

@@ -24,7 +24,7 @@ import tempfile
 
 import numpy as np
 
-from benchmarks.common import print_table
+from benchmarks.common import file_at, print_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -95,10 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        base = tmp / "steps_base.py"
-        base.write_text(subprocess.run(
-            ["git", "show", f"{args.baseline}:pipelines/offline/steps.py"], cwd=ROOT,
-            capture_output=True, text=True, check=True).stdout)
+        base = file_at(args.baseline, "pipelines/offline/steps.py", tmp / "steps_base.py")
         path = tmp / f"input.{args.format}"
         tokens = _write(path, args.examples, args.mu, args.format)
         rows, results = [], {}

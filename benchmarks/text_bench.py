@@ -23,7 +23,7 @@ import tempfile
 
 import numpy as np
 
-from benchmarks.common import print_table
+from benchmarks.common import file_at, print_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -96,10 +96,7 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = pathlib.Path(tmp)
-        base = tmp / "text_base.py"
-        base.write_text(subprocess.run(
-            ["git", "show", f"{args.baseline}:pipelines/formats/text.py"], cwd=ROOT,
-            capture_output=True, text=True, check=True).stdout)
+        base = file_at(args.baseline, "pipelines/formats/text.py", tmp / "text_base.py")
         here = ROOT / "pipelines" / "formats" / "text.py"
         doc = _words(int(args.doc_mb * 1e6), 0)
         tok = _tokenizer(tmp / "tokenizer.json", doc[:2_000_000])
