@@ -130,9 +130,9 @@ class ShardPart:
         """Parts of one input for one shard as one (pieces, tokens and columns back to back)."""
         if len(parts) == 1:
             return parts[0]
-        tokens = [p.tokens for p in parts]
+        tokens = [p.tokens for p in parts if p.tokens is not None]
         return ShardPart(np.concatenate([p.pieces for p in parts], axis=1),
-                         None if tokens[0] is None else np.concatenate(tokens),
+                         np.concatenate(tokens) if tokens else None,
                          {n: np.concatenate([p.columns[n] for p in parts]) for n in
                           parts[0].columns})
 
