@@ -87,8 +87,9 @@ def _spans(sizes: list[int], budget: int) -> Iterator[tuple[int, int]]:
 _SPACES = np.array([c for c in range(0x3001) if chr(c).isspace()], np.uint32)  # str.isspace
 
 # A long text's windows: each overlaps the last by width // OVERLAP characters and is joined to
-# it at a character both cut at, at least width // MARGIN clear of either's edges, where both
-# hold the same SYNC tokens on either side; WINDOWS of them go to the tokenizer a call.
+# it at a character both cut at where text turns to or from whitespace, at least width // MARGIN
+# clear of either's edges, where both hold the same SYNC tokens on either side; WINDOWS of them
+# go to the tokenizer a call.
 OVERLAP, MARGIN, SYNC, WINDOWS = 8, 32, 8, 8
 
 
