@@ -26,7 +26,7 @@ import numpy as np
 
 from seqpack.pipelines.errors import InputError, require
 from seqpack.pipelines.formats.arrayrecord import first_line
-from seqpack.pipelines.formats.chunks import Chunk
+from seqpack.pipelines.formats.chunks import Chunk, concat
 from seqpack.pipelines.formats.detect import open_stream
 
 
@@ -233,11 +233,7 @@ def read_text(path: str, tokenizer: Any, text_unit: str, *, raw: bool = False
               ) -> tuple[np.ndarray, np.ndarray]:
     """The file's examples (`read_chunks`) joined: (values, offsets)."""
     chunks = list(read_chunks(path, tokenizer, text_unit, raw=raw))
-    lengths = np.concatenate([np.diff(c.offsets) for c in chunks] or [np.zeros(0, np.int64)])
-    offsets = np.zeros(lengths.size + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = [c.values for c in chunks]
-    return (np.concatenate(values) if values else np.zeros(0, np.int64)), offsets
+    return concat(chunks) if chunks else (np.zeros(0, np.int64), np.zeros(1, np.int64))
 
 
 def _bytes_ids(texts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:

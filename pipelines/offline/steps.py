@@ -314,8 +314,8 @@ def route_file(job: FileJob, options: ReadOptions, shard_rows: int, dtype: str, 
         keys, firsts = np.unique(shard[own], return_index=True)
         cuts = np.append(firsts, own.size)
         ends = np.concatenate(([0], np.cumsum(pieces[LENGTH, own])))[cuts].tolist()
-        for k, i, j, ta, tb in zip(keys.tolist(), cuts[:-1], cuts[1:], ends[:-1], ends[1:]):
-            got.setdefault(k, []).append(ShardPart(pieces[:, own[i:j]], tokens[ta:tb], {
+        for k, pa, pb, ta, tb in zip(keys.tolist(), cuts[:-1], cuts[1:], ends[:-1], ends[1:]):
+            got.setdefault(k, []).append(ShardPart(pieces[:, own[pa:pb]], tokens[ta:tb], {
                 n: c[ta:tb] for n, c in cols.items()}))
 
     scan = inputs.scan_file(job.path, detect_format(job.path, options.input_format), options,

@@ -91,7 +91,7 @@ def verify_beam(output_dir: str, inputs: Sequence[str] | None = None, *,
     from seqpack.pipelines.offline.runners import beam_verify
 
     return beam_verify.verify_beam(output_dir, inputs, max_violations=max_violations,
-                            beam_options=beam_options, workers=workers, quiet=quiet)
+                                   beam_options=beam_options, workers=workers, quiet=quiet)
 
 
 def verify_spark(output_dir: str, inputs: Sequence[str] | None = None, *,
@@ -101,4 +101,4 @@ def verify_spark(output_dir: str, inputs: Sequence[str] | None = None, *,
     from seqpack.pipelines.offline.runners import spark_verify
 
     return spark_verify.verify_spark(output_dir, inputs, max_violations=max_violations,
-                              spark_options=spark_options, workers=workers, quiet=quiet)
+                                     spark_options=spark_options, workers=workers, quiet=quiet)

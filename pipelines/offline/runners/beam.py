@@ -65,7 +65,7 @@ import pickle
 import sys
 import tempfile
 import types
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -153,7 +153,7 @@ def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True,
         p
         | "Inputs" >> beam.Create(list(enumerate(job.inputs)))
         | "SpreadInputs" >> beam.Reshuffle()
-        | "ScanLengths" >> beam.Map(_scan, read_options, job.mix_loss_columns)
+        | "ScanLengths" >> beam.Map(scan_input, read_options, job.mix_loss_columns)
     )
     files = beam.pvalue.AsSingleton(
         scans
@@ -208,8 +208,9 @@ def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True,
     )
 
 
-def _scan(element: tuple[int, str], read_options: ReadOptions,
-          loss_columns: LossCount | None) -> steps.FileScan:
+def scan_input(element: tuple[int, str], read_options: ReadOptions,
+               loss_columns: LossCount | None) -> steps.FileScan:
+    """`steps.scan_file` of an (index, path) element."""
     index, path = element
     return steps.scan_file(index, path, read_options, loss_columns)
 
@@ -313,24 +314,32 @@ def plan_beam(job: PackJob, step_rows: int | None, *, beam_options: Sequence[str
     back through a file: local with the DirectRunner, else in OUTPUT_DIR (every worker of a
     cluster sees it), removed once read."""
     options = pipeline_options(beam_options, job.workers)
-    direct = is_direct(options)
-    if not direct and not job.output:
+    if not is_direct(options) and not job.output:
         raise UsageError("a dry run on a Beam runner other than the DirectRunner needs an "
                          "output directory every worker sees: its figures come back through a "
                          "file there")
-    with tempfile.TemporaryDirectory(prefix="seqpack-plan-") as local:
-        where = OutputDir(local if direct else job.output)
-        report = (where.location, f"plan-report-{os.getpid()}.json")
-        try:
-            with job_pipeline(options, quiet) as p:
-                build_pipeline(p, job, dry_run=(report, step_rows))
-            result = where.read_json(report[1])
-        finally:
-            where.remove(report[1])
+    result = job_report(options, quiet, job.output, "plan", lambda p, report: build_pipeline(
+        p, job, dry_run=(report, step_rows)))
     if "error" in result:
         raise InputError(result["error"])
     intent, results, figures = pickle.loads(base64.b64decode(result["plan"]))
     return intent, results, figures
+
+
+def job_report(options: Any, quiet: bool, output_dir: str, kind: str,
+               build: Callable[[Any, tuple[str, str]], None]) -> dict:
+    """Runs the pipeline `build(p, report)` adds, whose last step writes one JSON report to
+    `report` (directory, name): a temporary directory here with the DirectRunner, else
+    `output_dir` (every worker of a cluster sees it); returns the report, its file removed."""
+    with tempfile.TemporaryDirectory(prefix=f"seqpack-{kind}-") as local:
+        where = OutputDir(local if is_direct(options) else output_dir)
+        report = (where.location, f"{kind}-report-{os.getpid()}.json")
+        try:
+            with job_pipeline(options, quiet) as p:
+                build(p, report)
+            return where.read_json(report[1])
+        finally:
+            where.remove(report[1])
 
 
 def is_direct(options: Any) -> bool:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -17,9 +15,9 @@ from seqpack.pipelines.offline.mixture import loss_columns_of
 from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.runners.beam import (
     beam,
-    is_direct,
-    job_pipeline,
+    job_report,
     pipeline_options,
+    scan_input,
 )
 
 
@@ -34,7 +32,7 @@ def build_verify(p: Any, job: Any, out: Any, report: tuple[str, str]) -> None:
     keyed = (lambda name, keys: p | name >> beam.Create([(k, None) for k in keys]))
     scans = (p | "ScanInputs" >> beam.Create(list(enumerate(job.paths)) if m.mixture else [])
              | "SpreadScans" >> beam.Reshuffle()
-             | "Scan" >> beam.Map(_scan, ReadOptions(**m.inputs["read_options"]),
+             | "Scan" >> beam.Map(scan_input, ReadOptions(**m.inputs["read_options"]),
                                   loss_columns_of(m.mixture, m.columns)))
     times = beam.pvalue.AsSingleton(scans | "GatherScans" >> beam.combiners.ToList()
                                     | "Takes" >> beam.Map(_times, job))
@@ -61,10 +59,6 @@ def build_verify(p: Any, job: Any, out: Any, report: tuple[str, str]) -> None:
         | "GatherFound" >> beam.combiners.ToList(), totals)]
     _ = (p | "Once" >> beam.Create([None])
          | "FinishVerify" >> beam.Map(_finish_verify, job, out, report, times, *side))
-
-
-def _scan(element: tuple[int, str], options: ReadOptions, loss: Any) -> steps.FileScan:
-    return steps.scan_file(*element, options, loss)
 
 
 def _times(scans: list[steps.FileScan], job: Any) -> tuple[Any, list[str], str | None]:
@@ -119,17 +113,8 @@ def verify_beam(output_dir: str, inputs: Sequence[str] | None = None, *,
     from seqpack.pipelines.offline.verify import VerifyReport, plan_verify
 
     job, out = plan_verify(output_dir, inputs, max_violations)
-    options = pipeline_options(beam_options, workers)
-    direct = is_direct(options)
-    with tempfile.TemporaryDirectory(prefix="seqpack-verify-") as local:
-        where = OutputDir(local if direct else output_dir)
-        report = (where.location, f"verify-report-{os.getpid()}.json")
-        try:
-            with job_pipeline(options, quiet) as p:
-                build_verify(p, job, out, report)
-            result = where.read_json(report[1])
-        finally:
-            where.remove(report[1])
+    result = job_report(pipeline_options(beam_options, workers), quiet, output_dir, "verify",
+                        lambda p, report: build_verify(p, job, out, report))
     if "error" in result:
         raise InputError(result["error"])
     return VerifyReport(**result["report"])
