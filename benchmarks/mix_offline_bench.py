@@ -6,8 +6,9 @@ from ``../shared/data``, each written as one Parquet file of `tokens` (`list<int
 runs `seqpack pack --mix chat=... --mix math=... --weights ...` as a subprocess (L = --seq-len,
 best fit decreasing, --overflow split, shuffled rows, --workers), then `seqpack stats --json
 --batch-size B` for the shares per step of B rows; the unmixed run packs the very examples the
-mixture took (with their repeats: `offline.mixture.select` on the same lengths), as one Parquet
-file in the mixed stream's order, with the same options. Times are wall-clock of the whole command.
+mixture took (with their repeats: `offline.mixture.hashed.select_inputs` on the same lengths),
+as one Parquet file in the mixed stream's order, with the same options. Times are wall-clock
+of the whole command.
 Usage::
 
     python -m benchmarks.mix_offline_bench [--seq-len 4096] [--batch-size 64] [--workers 2]
@@ -52,7 +53,7 @@ def _seqpack(*args: object) -> tuple[float, str]:
 
 
 def main() -> None:
-    from seqpack.pipelines.offline.mixture import MixSpec, select
+    from seqpack.pipelines.offline.mixture import MixSpec, hashed
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq-len", type=int, default=4096)
@@ -79,7 +80,7 @@ def main() -> None:
                                         a.batch_size)[1])
             # the same examples, unmixed: the stream as one input
             spec = MixSpec([("chat", ["c"]), ("math", ["m"])], weights, mix_tokens=mix_tokens)
-            s = select(spec, lengths, lengths)
+            s = hashed.select_inputs(spec, lengths, [None, None], 1 << 22)
             starts = np.concatenate([data["chat"]["offsets"][:-1],
                                      data["math"]["offsets"][:-1] + data["chat"]["offsets"][-1]])
             tokens = np.concatenate([data["chat"]["tokens"], data["math"]["tokens"]])

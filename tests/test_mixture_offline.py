@@ -19,7 +19,7 @@ from seqpack.packer import PackConfig
 from seqpack.pipelines.errors import UsageError
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline import PackJob, WriteOptions, pack
-from seqpack.pipelines.offline.mixture import MixSpec, select
+from seqpack.pipelines.offline.mixture import MixSpec, hashed, legacy
 from seqpack.pipelines.offline.shards import read_shard
 from seqpack.pipelines.offline.verify import verify
 from tests.helpers.cloud import s3, s3_server  # noqa: F401
@@ -65,10 +65,18 @@ def _datasets(draw):
     return lengths, loss, weights
 
 
+def _select(kind, spec, lengths, loss, block_size=1 << 22):
+    """The stream of either selection, each dataset one input."""
+    if kind == "legacy":
+        return legacy.select(spec, lengths, loss)
+    return hashed.select_inputs(spec, lengths, loss, block_size)
+
+
 @settings(max_examples=150, deadline=None)
 @given(_datasets(), st.sampled_from(["tokens", "loss_tokens", "examples"]),
-       st.one_of(st.none(), st.floats(0.2, 3.9)), st.integers(0, 5))
-def test_each_dataset_gets_its_target_within_one_example(case, unit, scale, seed):
+       st.one_of(st.none(), st.floats(0.2, 3.9)), st.integers(0, 5),
+       st.sampled_from(["legacy", "hashed"]), st.integers(1, 50))
+def test_each_dataset_gets_its_target_within_one_example(case, unit, scale, seed, kind, block):
     lengths, loss, weights = case
     units = [x if unit == "tokens" else y if unit == "loss_tokens" else np.ones_like(x)
              for x, y in zip(lengths, loss)]
@@ -79,7 +87,7 @@ def test_each_dataset_gets_its_target_within_one_example(case, unit, scale, seed
     spec = MixSpec([(n, [f"{n}.jsonl"]) for n in names], weights, mix_unit=unit,
                    mix_tokens=n_tokens, seed=seed)
     try:
-        s = select(spec, lengths, loss)
+        s = _select(kind, spec, lengths, loss, block)
     except UsageError as e:  # only past max_repetition
         assert n_tokens is not None and "max_repetition" in str(e)
         assert (w * n_tokens / avail).max() > spec.max_repetition
@@ -93,6 +101,7 @@ def test_each_dataset_gets_its_target_within_one_example(case, unit, scale, seed
         t = times[firsts[d] : firsts[d + 1]]
         got = int((units[d] * t).sum())
         assert entry["units"] == got and entry["examples"] == t.sum()
+        assert entry["tokens"] == int((lengths[d] * t).sum())
         assert abs(got - w[d] * total) <= units[d].max() + 1e-6 * total, (d, got, w[d] * total)
         assert t.max() - t.min() <= 1  # whole epochs, then a sample without replacement
         assert entry["epochs"] == t.min() or entry["unused_examples"] == (t == 0).sum()
@@ -101,27 +110,88 @@ def test_each_dataset_gets_its_target_within_one_example(case, unit, scale, seed
     if n_tokens is None:  # the binding dataset is taken whole
         binding = int(np.argmin(avail / w))
         assert (times[firsts[binding] : firsts[binding + 1]] == 1).all()
-    assert np.array_equal(select(spec, lengths, loss).ref, s.ref)  # seeded: the same again
+    again = _select(kind, spec, lengths, loss, block)
+    assert np.array_equal(again.ref, s.ref)  # seeded: the same again
+    if kind == "hashed":  # what verify counts: each input's takes from the record alone
+        mix = hashed.plan_of(s.record)
+        np.testing.assert_array_equal(np.concatenate([
+            mix.times(seed, d, 0, x.size) for d, x in enumerate(lengths)]), times)
 
 
-def test_the_stream_holds_the_mixture_all_along():
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=5), st.integers(0, 2**32),
+       st.sampled_from(["tokens", "examples"]), st.integers(20, 400))
+def test_the_hashed_stream_is_the_same_however_a_dataset_is_cut_into_inputs(cuts, seed, unit,
+                                                                            block):
+    rng = np.random.default_rng(seed)
+    lengths = [rng.integers(0, 40, 700), rng.integers(1, 90, 150)]
+    lengths[0][0] = 1
+    spec = MixSpec([("a", ["a"]), ("b", ["b"])], {"a": 0.6, "b": 0.4}, mix_unit=unit,
+                   mix_tokens=int(rng.integers(5_000, 40_000)), max_repetition=1000, seed=seed)
+    whole = hashed.select_inputs(spec, lengths, [None, None], block)
+    cuts = sorted(set(cuts))
+    parts = np.split(lengths[0], cuts)
+    split = MixSpec([("a", [f"a{i}" for i in range(len(parts))]), ("b", ["b"])],
+                    spec.weights, mix_unit=unit, mix_tokens=spec.mix_tokens,
+                    max_repetition=1000, seed=seed)
+    cut = hashed.select_inputs(split, [*parts, lengths[1]], [None] * (len(parts) + 1), block)
+    np.testing.assert_array_equal(cut.ref, whole.ref)
+    assert [d["sample_below"] for d in cut.record["datasets"]] == \
+        [d["sample_below"] for d in whole.record["datasets"]]
+
+
+@pytest.mark.parametrize("kind", ["legacy", "hashed"])
+def test_the_stream_holds_the_mixture_all_along(kind):
     lengths = [np.full(3000, 5), np.full(500, 30)]
     spec = MixSpec([("a", ["a"]), ("b", ["b"])], {"a": 1, "b": 1})
-    s = select(spec, lengths, lengths)
+    s = _select(kind, spec, lengths, lengths)  # one chunk: exact all along
     is_b = s.ref >= 3000
     for end in range(100, s.num_examples, 250):  # every prefix within one example of 50/50
         tokens_b = s.lengths[:end][is_b[:end]].sum()
         assert abs(tokens_b - s.lengths[:end].sum() / 2) <= 30
 
 
+def test_each_chunk_of_the_hashed_stream_holds_the_mixture():
+    rng = np.random.default_rng(0)
+    lengths = [rng.integers(1, 10, 40_000), rng.integers(20, 60, 4_000)]
+    spec = MixSpec([("a", ["a"]), ("b", ["b"])], {"a": 1, "b": 1})
+    s = hashed.select_inputs(spec, lengths, lengths, 2_000)  # about 22 chunks
+    is_b = s.ref >= 40_000
+    tokens = s.lengths.astype(float)
+    for a in range(0, s.num_examples - 2_000, 2_000):  # each block: within a few %
+        share = tokens[a : a + 2_000][is_b[a : a + 2_000]].sum() / tokens[a : a + 2_000].sum()
+        assert abs(share - 0.5) < 0.04, (a, share)
+
+
+def test_verify_recomputes_a_legacy_record_with_the_legacy_selection():
+    from seqpack.pipelines.offline.mixture import example_times
+
+    rng = np.random.default_rng(3)
+    lengths = [rng.integers(1, 30, 300), rng.integers(1, 60, 80)]
+    spec = MixSpec([("a", ["a"]), ("b", ["b"])], {"a": 0.5, "b": 0.5}, mix_tokens=9_000)
+    old = legacy.select(spec, lengths, lengths)
+    assert "selection" not in old.record
+    times, problems = example_times(old.record, lengths, [None, None])
+    assert problems == []
+    np.testing.assert_array_equal(times, np.bincount(old.ref, minlength=380))
+    new = hashed.select_inputs(spec, lengths, [None, None], 64)
+    assert new.record["selection"] == "hashed"
+    times, problems = example_times(new.record, lengths, [None, None])
+    assert problems == []
+    np.testing.assert_array_equal(times, np.bincount(new.ref, minlength=380))
+    changed = [lengths[0], lengths[1] + 1]
+    assert example_times(new.record, changed, [None, None])[1]  # the inputs changed
+
+
 def test_repetition_past_the_bound_is_refused_naming_the_dataset(data, tmp_path):
     spec = MixSpec([("a", ["a"]), ("b", ["b"])], {"a": 0.5, "b": 0.5}, mix_tokens=1000,
                    max_repetition=2)
     with pytest.raises(UsageError, match=r"'b' would be repeated 5 times .*max_repetition=5"):
-        select(spec, [np.full(100, 5), np.full(10, 10)], [np.full(100, 5), np.full(10, 10)])
+        hashed.select_inputs(spec, [np.full(100, 5), np.full(10, 10)],
+                             [np.full(100, 5), np.full(10, 10)], 64)
     with pytest.raises(UsageError, match="'b' holds no loss tokens"):
-        select(dataclasses.replace(spec, mix_unit="loss_tokens"), [np.ones(3), np.ones(3)],
-               [np.ones(3), np.zeros(3)])
+        hashed.select_inputs(dataclasses.replace(spec, mix_unit="loss_tokens"),
+                             [np.ones(3), np.ones(3)], [np.ones(3), np.zeros(3)], 64)
     result = invoke("pack", *_mix(data, "--weights", "chat=0.3,math=0.7", "--mix-tokens",
                                   100_000), "-o", tmp_path / "o", *ARGS, ok=False)
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
@@ -425,13 +495,14 @@ def test_balanced_steps_of_a_mixture_verify_and_stats_use_their_step(data, tmp_p
         (out / "manifest.json").read_text())["num_rows"] // 6
 
 
-def test_a_natural_size_mixture_takes_no_example_twice_for_rounding_noise():
+@pytest.mark.parametrize("kind", ["legacy", "hashed"])
+def test_a_natural_size_mixture_takes_no_example_twice_for_rounding_noise(kind):
     # the binding dataset's target is its whole size up to float noise (27.000000000000004):
     # the noise once sampled its leading empty examples a second time
     lengths = [np.array([9]), np.array([0, 1, 0, 0, 0, 0, 26]), np.array([7]), np.array([25])]
     weights = {"d0": 1.0, "d1": 3.3125, "d2": 0.8125, "d3": 3.0}
     spec = MixSpec([(n, [f"{n}.jsonl"]) for n in weights], weights, mix_unit="tokens", seed=0)
-    s = select(spec, lengths, lengths)
+    s = _select(kind, spec, lengths, lengths)
     times = np.bincount(s.ref, minlength=10)
     assert times.max() == 1
     assert [d["examples"] for d in s.record["datasets"]][1] == 7

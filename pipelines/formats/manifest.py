@@ -94,9 +94,9 @@ class Manifest:
     # What a trainer sizes static shapes by (a result): max_row_segments, longest_segment,
     # shortest_row, min_row_next_tokens (a row's tokens less its segments), loss_tokens.
     shapes: dict[str, Any] | None = None
-    # A mixture's spec and what each dataset gave (`offline.mixture`: unit, seed, and per
-    # dataset name, inputs, weight, units, tokens, examples, repetitions, first example);
-    # None: no mixture. Its rows carry `segment_dataset_id`.
+    # A mixture's spec and what each dataset gave (`offline.mixture`: unit, seed, selection,
+    # and per dataset name, inputs, weight, units, tokens, examples, repetitions, first
+    # example, sample_below); None: no mixture. Its rows carry `segment_dataset_id`.
     mixture: dict[str, Any] | None = None
 
     @property

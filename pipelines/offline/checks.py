@@ -86,6 +86,7 @@ class InputCheck:
     longest: int = 0
     error: str | None = None  # the input cannot be read (the run fails with it)
     routed: int = 0  # pieces it sent to their shards
+    repeats: int = 0  # takes of its examples past their first (a mixture's)
 
 
 @dataclasses.dataclass

@@ -372,6 +372,8 @@ def _demote_if_damaged(out: OutputDir, manifest: Manifest) -> list[str] | None:
 
 def _check_same_run(path: str, old: dict, new: dict) -> None:
     diff = [k for k in new if old.get(k) != new[k]]
+    if "mixture" in diff and "selection" not in (old.get("mixture") or {"selection": 0}):
+        diff[diff.index("mixture")] = "mixture (made by an older seqpack's selection)"
     if diff:
         raise UsageError(f"cannot resume: {', '.join(diff)} differ from the run recorded in "
                          f"{path}{_changed_input(old, new)}; rerun with existing='overwrite'")

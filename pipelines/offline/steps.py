@@ -10,11 +10,15 @@ What each step takes and gives, for n examples in P pieces::
     summarize_file     one FileScan       -> FileSummary (core): the scan without its lengths
     cut_blocks         one FileScan       -> (block, BlockSlice) per block of `block_size`
                                              consecutive examples the input's examples fall in
-    (a mixture:)
-    select_mixture     every FileScan     -> the mixed stream (`mixture.select`: 16 bytes an
-                                             example of the stream, in one place)
-    cut_stream         the mixed stream   -> (block, BlockSlice) per block of the stream, its
-                                             examples' lengths and corpus examples
+    (a mixture: `mixture.hashed`'s steps, as `runners.mixing` maps them)
+    tally, crossings,
+    members, plan      every input        -> MixPlan: what the mixture takes of each dataset
+                                             (sums per input and per hash bucket meet, no
+                                             example does)
+    picks, chunk       one input, chunk   -> the stream's chunks (about a block each): lengths
+                                             and corpus examples of its takes
+    cut_chunk          one chunk          -> (block, BlockSlice) per block of the stream it
+                                             falls in
     plan_block_slices  one block's slices -> BlockPlan (core.plan_block): pieces + BlockSummary
     finish_plan        every FileSummary
                        + BlockSummary     -> JobSummary (core) and pack_intent.json
@@ -45,7 +49,7 @@ import numpy as np
 from seqpack.packer import PackConfig, PackPlan
 from seqpack.packer.assemble import fill_rows
 from seqpack.packer.contract import ragged_arange
-from seqpack.pipelines.errors import InputError, UsageError, one_line
+from seqpack.pipelines.errors import InputError, one_line
 from seqpack.pipelines.formats import inputs
 from seqpack.pipelines.formats.chunks import Chunk
 from seqpack.pipelines.formats.inputs import (
@@ -81,7 +85,7 @@ from seqpack.pipelines.offline.core import (
     write_shard,
 )
 from seqpack.pipelines.offline.job import PackJob
-from seqpack.pipelines.offline.mixture import Selection, firsts_of, select_inputs
+from seqpack.pipelines.offline.mixture import Selection, firsts_of, hashed
 from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.record import order_profile
 from seqpack.pipelines.offline.shards import WriteOptions
@@ -91,7 +95,7 @@ __all__ = [
     "Selection", "check_files", "column_dtypes",
     "FileScan", "FileSummary", "JobSummary", "PlanFigures", "ShardPart", "cut_blocks",
     "file_job", "cut_stream", "finish_job", "finish_plan", "plan_block_slices",
-    "plan_figures", "plan_in_process", "route_file", "scan_file", "select_mixture",
+    "plan_figures", "plan_in_process", "route_file", "scan_file", "cut_chunk",
     "split_block", "summarize_file", "summarize_plan", "write_shard_parts",
 ]
 
@@ -169,30 +173,24 @@ def cut_blocks(scan: FileScan, files: Sequence[FileSummary], block_size: int
     return out
 
 
-def select_mixture(scans: Iterable[FileScan], job: PackJob) -> Selection | str | None:
-    """The job's mixed stream from every input's scan (`mixture.select_inputs`); None when an
-    input failed to read (`finish_plan` reports it), the error's message when the mixture is
-    refused (a dataset repeated past `max_repetition`)."""
-    scans = sorted(scans, key=lambda s: s.index)
-    assert job.mixture is not None
-    if any(s.error is not None for s in scans):
-        return None
-    try:
-        return select_inputs(job.mixture, [s.lengths for s in scans],
-                             [s.loss_counts for s in scans])
-    except ValueError as e:
-        return one_line(e)
+def cut_chunk(chunk: tuple[int, np.ndarray, np.ndarray], sizes: Iterable[tuple[int, int]],
+              block_size: int) -> list[tuple[int, BlockSlice]]:
+    """One chunk of a mixed stream (`mixture.hashed.chunk`: chunk, lengths, corpus examples)
+    cut at the stream's block boundaries (`sizes`: every chunk's examples)."""
+    g, lengths, refs = chunk
+    first = sum(n for c, n in sizes if c < g)
+    out, at = [], 0
+    while at < lengths.size:
+        block = (first + at) // block_size
+        end = min(lengths.size, (block + 1) * block_size - first)
+        out.append((block, BlockSlice(first + at, lengths[at:end], refs[at:end])))
+        at = end
+    return out
 
 
-def cut_stream(selection: Selection | str | None, block_size: int
-               ) -> list[tuple[int, BlockSlice]]:
-    """A mixed stream cut into its blocks (nothing when `select_mixture` failed)."""
-    if not isinstance(selection, Selection):
-        return []
-    n = selection.num_examples
-    return [(b, BlockSlice(a, selection.lengths[a : a + block_size],
-                           selection.ref[a : a + block_size]))
-            for b, a in enumerate(range(0, n, block_size))]
+def cut_stream(selection: Selection, block_size: int) -> list[tuple[int, BlockSlice]]:
+    """A mixed stream at hand cut into its blocks."""
+    return cut_chunk((0, selection.lengths, selection.ref), [], block_size)
 
 
 def plan_block_slices(block: int, slices: Iterable[BlockSlice], files: Sequence[FileSummary],
@@ -379,16 +377,17 @@ def plan_in_process(scans: Sequence[FileScan], job: PackJob
     config, block_size = job.config, job.block_size
     files = [summarize_file(s, config) for s in scans]
     by_block: dict[int, list[BlockSlice]] = {}
-    mixed = None if job.mixture is None else select_mixture(scans, job)
+    mixed = None
+    if job.mixture is not None and not any(f.error for f in files):
+        mixed = hashed.select_inputs(job.mixture, [s.lengths for s in scans],
+                                     [s.loss_counts for s in scans], block_size)
     cuts = [cut_blocks(s, files, block_size) for s in scans] if job.mixture is None else \
-        [cut_stream(mixed, block_size)]
+        [cut_stream(mixed, block_size)] if mixed is not None else []
     for block, piece in (c for cut in cuts for c in cut):
         by_block.setdefault(block, []).append(piece)
     plans = [plan_block_slices(b, sl, files, job) for b, sl in by_block.items()]
-    if isinstance(mixed, str):
-        raise UsageError(mixed)
     summary = finish_plan(files, [p.summary for p in plans], job,
-                          mixture=mixed.record if isinstance(mixed, Selection) else None)
+                          mixture=None if mixed is None else mixed.record)
     by_file: dict[int, list[np.ndarray]] = {}
     for p in plans:
         for index, table in split_block(p, summary, files):

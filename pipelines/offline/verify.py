@@ -57,7 +57,7 @@ from seqpack.pipelines.offline.checks import (
     used_slots,
 )
 from seqpack.pipelines.offline.core import FileScan
-from seqpack.pipelines.offline.mixture import example_times, loss_columns_of
+from seqpack.pipelines.offline.mixture import example_times, loss_columns_of, takes
 from seqpack.pipelines.offline.runners import (
     Run,
     SpillReader,
@@ -292,9 +292,8 @@ def _check_shards(manifest: Manifest, context_path: str, pool: Workers, out: Col
 #   per shard   check_routed   `checks.check_shard` over the values routed to it
 #   once        finish_verify  the violations in the local verify's order, the totals
 #
-# Nothing per example meets in one place but a mixture's takes of each example (counted once,
-# from every input's lengths, as `pack` selects them); an input's worker holds that input, a
-# shard's its rows and their values.
+# Nothing per example meets in one place (but a legacy mixture's takes, from every input's
+# lengths); an input's worker holds that input, a shard's its rows and their values.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,8 +350,8 @@ def input_records(index: int, pieces: Iterable[np.ndarray | None],
                   ) -> Iterator[tuple[int | None, InputCheck | RoutedPart]]:
     """Input `index` read once, as records a runner moves one by one: (None, its check:
     fingerprint, each example covered by the `pieces` `shard_pieces` gave it (None ignored)
-    `times[index]` times, None: once), then (shard, RoutedPart) for each shard its pieces go
-    to, gathered as it is sent: nothing here holds the values of the whole input."""
+    `times[index]` times, None: as a hashed mixture's record says, else once), then (shard,
+    RoutedPart) per shard its pieces go to, gathered as sent: no values of the whole input."""
     manifest, config, first = job.manifest, job.manifest.pack_config(), int(job.firsts[index])
     try:
         corpus = read_corpus([job.paths[index]], ReadOptions(**manifest.inputs["read_options"]))
@@ -372,12 +371,15 @@ def input_records(index: int, pieces: Iterable[np.ndarray | None],
     table = table[:, keep[np.argsort(table[0][keep], kind="stable")]]  # by shard
     shard, slot, ex, st, ln = table
     local = ex.astype(np.int64) - first
-    once = np.broadcast_to(np.ones(1, np.int64), lengths.shape)
-    cover = Coverage(lengths, once if times is None else times[index], first)
+    taken = times[index] if times is not None else takes(
+        manifest.mixture, np.diff(job.firsts).tolist(), index)
+    cover = Coverage(lengths, np.broadcast_to(np.ones(1, np.int64), lengths.shape) if taken is
+                     None else taken, first)
     for a in range(0, ex.size, 1 << 20):  # numpy's temporaries a million pieces at a time
         cover.add(ex[a:a + (1 << 20)], st[a:a + (1 << 20)], ln[a:a + (1 << 20)])
     yield None, InputCheck(index, out.items, out.found, corpus.files[0], cover.findings(config),
-                           cover.longest, routed=int(shard.size))
+                           cover.longest, routed=int(shard.size), repeats=0 if taken is None else
+                           int(taken.sum()) - int(np.count_nonzero(taken)))
     del cover
     sources = {config.keys().values: corpus.values} | {
         c["name"]: corpus.extra_values[c["source"]] for c in manifest.columns or []}
@@ -405,8 +407,9 @@ def check_routed(shard: int, parts: Iterable[RoutedPart | None], job: VerifyJob)
 
 def mixture_times(scans: Sequence[FileScan], job: VerifyJob
                   ) -> tuple[list[np.ndarray] | None, list[str]]:
-    """A mixture's takes of each input's examples and what differs from its record, from every
-    input's scan (`steps.scan_file` with the loss columns); (None, []) without a mixture."""
+    """A legacy mixture's takes of each input's examples and what differs from its record,
+    from every input's scan (`steps.scan_file` with the loss columns), gathered in one place
+    (a hashed one's: `runners.mixing`); (None, []) without a mixture."""
     if not job.manifest.mixture:
         return None, []
     scans = sorted(scans, key=lambda s: s.index)
@@ -427,8 +430,7 @@ def finish_verify(job: VerifyJob, out: Collector, inputs: Sequence[InputCheck],
     for check in inputs:
         if check.error is not None:
             raise InputError(check.error)
-    routed = sum(c.routed for c in inputs)
-    if routed != totals.received:  # a runner that dropped or repeated records
+    if (routed := sum(c.routed for c in inputs)) != totals.received:  # a runner's fault
         raise RunFailed(0, f"the inputs sent {routed:,} pieces, the shards received "
                         f"{totals.received:,}: the runner lost or repeated records; verify again")
     for check in inputs:
@@ -443,8 +445,6 @@ def finish_verify(job: VerifyJob, out: Collector, inputs: Sequence[InputCheck],
                        Counters(**(job.manifest.stats or {})["counters"]), out)
     check_totals(totals, max((c.longest for c in inputs), default=0), job.manifest, out,
                  job.output_dir)
-    taken = np.concatenate(times[0]) if times[0] is not None else np.zeros(0, np.int64)
-    repeats = int(taken.sum()) - int(np.count_nonzero(taken))
     return VerifyReport(not out.items, out.items, int(sum(job.manifest.shard_num_rows or [])),
                         sum(int((c.info or {}).get("num_examples", 0)) for c in inputs),
-                        totals.tokens, repeats, out.found)
+                        totals.tokens, sum(c.repeats for c in inputs), out.found)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
+
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline import steps
 from seqpack.pipelines.offline.checks import Totals
-from seqpack.pipelines.offline.mixture import loss_columns_of
+from seqpack.pipelines.offline.mixture import is_hashed, loss_columns_of, plan_problems, spec_of
+from seqpack.pipelines.offline.runners import mixing
 from seqpack.pipelines.offline.verify import (
     VerifyReport,
     check_routed,
@@ -20,6 +23,20 @@ from seqpack.pipelines.offline.verify import (
 )
 
 
+def _hashed_times(scans, job):
+    """A hashed mixture's record checked as the runners check it (`runners.mixing`: tallies
+    summed per dataset, crossings, members, plan); each input's takes then from the record."""
+    record = job.manifest.mixture
+    spec, counts = spec_of(record), np.diff(job.firsts).tolist()
+    sums = {}
+    for scan in scans:
+        for d, t in mixing.tally(scan, spec, counts):
+            sums[d] = mixing.add([sums.get(d), t])
+    crossed = mixing.crossings(sums.items(), spec)
+    found = [m for scan in scans for m in mixing.members(scan, spec, counts, crossed)]
+    return None, plan_problems(mixing.plan(found, spec, crossed), record)
+
+
 def verify_by_steps(output_dir, inputs=None, max_violations: int = 20, *,
                     runner_fault: str | None = None) -> VerifyReport:
     """`runner_fault`: "drop" or "repeat" the last record an input sends to a shard, as a
@@ -28,8 +45,9 @@ def verify_by_steps(output_dir, inputs=None, max_violations: int = 20, *,
     m = job.manifest
     options = ReadOptions(**m.inputs["read_options"])
     loss = loss_columns_of(m.mixture, m.columns)
-    times = mixture_times([steps.scan_file(i, p, options, loss) for i, p in
-                           enumerate(job.paths)], job) if m.mixture else (None, [])
+    scans = [steps.scan_file(i, p, options, loss) for i, p in enumerate(job.paths)]
+    times = _hashed_times(scans, job) if is_hashed(m.mixture) else \
+        mixture_times(scans, job) if m.mixture else (None, [])
     by_input = defaultdict(list)
     for shard in reversed(range(len(m.shards))):  # any order
         for index, table in shard_pieces(shard, job):

@@ -10,7 +10,8 @@ block of examples or per output shard; nothing per example meets in one place::
 
     A  ScanLengths   per input  (parallel)  read the file -> fingerprint + example lengths
        CutBlocks     per input              its lengths cut into blocks of `block_size`
-                                            consecutive examples (global numbering)
+                                            consecutive examples (global numbering; a mixture:
+                                            its stream's, made by `runners.mixing`'s stages)
     B  PlanBlocks    per block  (parallel)  `core.plan_block`: pieces + rows within the block,
                                             histograms, costs and layout for the summary
        FinishPlan    once                   per-input and per-block summaries -> each block's
@@ -78,6 +79,7 @@ from seqpack.pipelines.offline import steps
 from seqpack.pipelines.offline.job import PackJob, default_workers, output_session
 from seqpack.pipelines.offline.outdir import ERROR, OutputDir
 from seqpack.pipelines.offline.record import ShardFacts
+from seqpack.pipelines.offline.runners.mixing import beam_stream
 from seqpack.pipelines.offline.shards import WriteOptions
 from seqpack.pipelines.storage import scratch_tempdir
 
@@ -155,19 +157,13 @@ def build_pipeline(p: Any, job: PackJob, *, report_errors: bool = True,
         | "SpreadInputs" >> beam.Reshuffle()
         | "ScanLengths" >> beam.Map(scan_input, read_options, job.mix_loss_columns)
     )
-    files = beam.pvalue.AsSingleton(
-        scans
-        | "SummarizeInputs" >> beam.Map(steps.summarize_file, config)
-        | "GatherInputs" >> beam.combiners.ToList())
+    gathered = (scans | "SummarizeInputs" >> beam.Map(steps.summarize_file, config)
+                | "GatherInputs" >> beam.combiners.ToList())
+    files = beam.pvalue.AsSingleton(gathered)
     if job.mixture is None:
         cut, mixed = scans | "CutBlocks" >> beam.FlatMap(steps.cut_blocks, files, block_size), None
-    else:  # the mixed stream, selected in one place from every input's lengths
-        mixed = beam.pvalue.AsSingleton(
-            scans
-            | "GatherScans" >> beam.combiners.ToList()
-            | "SelectMixture" >> beam.Map(steps.select_mixture, job))
-        cut = (p | "Stream" >> beam.Create([block_size])
-               | "CutStream" >> beam.FlatMap(lambda size, sel: steps.cut_stream(sel, size), mixed))
+    else:  # the mixed stream, made on the workers (`runners.mixing`)
+        cut, mixed = beam_stream(p, scans, gathered, job)
     plans = (
         cut
         | "GroupBlocks" >> beam.GroupByKey()

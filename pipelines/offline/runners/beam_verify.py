@@ -8,10 +8,12 @@ import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from seqpack.pipelines.errors import InputError, one_line
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline import steps
-from seqpack.pipelines.offline.mixture import loss_columns_of
+from seqpack.pipelines.offline.mixture import is_hashed, loss_columns_of, plan_problems, spec_of
 from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.runners.beam import (
     beam,
@@ -19,6 +21,7 @@ from seqpack.pipelines.offline.runners.beam import (
     pipeline_options,
     scan_input,
 )
+from seqpack.pipelines.offline.runners.mixing import beam_plan
 
 
 def build_verify(p: Any, job: Any, out: Any, report: tuple[str, str]) -> None:
@@ -34,7 +37,8 @@ def build_verify(p: Any, job: Any, out: Any, report: tuple[str, str]) -> None:
              | "SpreadScans" >> beam.Reshuffle()
              | "Scan" >> beam.Map(scan_input, ReadOptions(**m.inputs["read_options"]),
                                   loss_columns_of(m.mixture, m.columns)))
-    times = beam.pvalue.AsSingleton(scans | "GatherScans" >> beam.combiners.ToList()
+    times = beam.pvalue.AsSingleton(_hashed_times(p, scans, job) if is_hashed(m.mixture) else
+                                    scans | "GatherScans" >> beam.combiners.ToList()
                                     | "Takes" >> beam.Map(_times, job))
     pieces = (p | "Shards" >> beam.Create(list(range(n))) | "SpreadShards" >> beam.Reshuffle()
               | "ShardPieces" >> beam.FlatMap(verify.shard_pieces, job))
@@ -59,6 +63,18 @@ def build_verify(p: Any, job: Any, out: Any, report: tuple[str, str]) -> None:
         | "GatherFound" >> beam.combiners.ToList(), totals)]
     _ = (p | "Once" >> beam.Create([None])
          | "FinishVerify" >> beam.Map(_finish_verify, job, out, report, times, *side))
+
+
+def _hashed_times(p: Any, scans: Any, job: Any) -> Any:
+    """A hashed mixture's (None: each input's takes come from the record, what differs from
+    the record, the first input that cannot be read) with `runners.mixing`'s steps: no
+    example meets in one place."""
+    record = job.manifest.mixture
+    mix = beam_plan(p, scans, spec_of(record), np.diff(job.firsts).tolist())
+    errors = beam.pvalue.AsList(scans | "Unread" >> beam.Filter(lambda s: s.error is not None))
+    return (p | "Compare" >> beam.Create([None]) | "CompareRecord" >> beam.Map(
+        lambda _, mx, bad: (None, plan_problems(mx, record), min(
+            [(s.index, s.error) for s in bad])[1] if bad else None), mix, errors))
 
 
 def _times(scans: list[steps.FileScan], job: Any) -> tuple[Any, list[str], str | None]:

@@ -188,7 +188,8 @@ def _read_and_plan(job: PackJob, spill_dir: str | None, pool: Workers,
                        loss_columns=job.mix_loss_columns)
     files, lengths = _corpus(job, read.scans)
     mixed = None if job.mixture is None else select_inputs(
-        job.mixture, [s.lengths for s in read.scans], [s.loss_counts for s in read.scans])
+        job.mixture, [s.lengths for s in read.scans], [s.loss_counts for s in read.scans],
+        job.block_size)
     read = dataclasses.replace(read, scans=[])  # 8 bytes an example
     plans = _plan_blocks(lengths, files, job, pool, mixed)
     return read, files, lengths, plans, None if mixed is None else mixed.record

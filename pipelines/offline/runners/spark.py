@@ -11,7 +11,8 @@ driver, and tokens move once, from the task re-reading an input to the task writ
 
     scan      per input  mapPartitions  steps.scan_file: lengths, fingerprint (kept, persisted)
     summarize driver                    each input's FileSummary, collected
-    plan      per block  by key         steps.cut_blocks -> steps.plan_block_slices (persisted)
+    plan      per block  by key         steps.cut_blocks -> steps.plan_block_slices (persisted;
+                                        a mixture: its stream by `runners.mixing`'s stages)
     finish    driver                    steps.finish_plan: JobSummary, pack_intent.json
     route     per input  by key         steps.split_block -> steps.file_job -> steps.route_file
     write     per shard  by key         steps.write_shard_parts: the shard, its .done record
@@ -69,6 +70,7 @@ from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import steps
 from seqpack.pipelines.offline.job import PackJob, default_workers, output_session
 from seqpack.pipelines.offline.outdir import OutputDir
+from seqpack.pipelines.offline.runners.mixing import spark_stream
 from seqpack.pipelines.offline.runners.read import Progress, delay_seconds
 
 pyspark: Any = require("pyspark", "runner='spark'")  # imported at run time: no static types
@@ -277,22 +279,19 @@ def _plan_job(sc: Any, job: PackJob, progress: Progress | None, *, dry: bool = F
         files = scans.map(lambda s: steps.summarize_file(s[1], job.config)).collect()
     steps.check_files(files, job)  # here, as locally: a bad input first, empty ones warned of
     files_bc = sc.broadcast(files)
-    mixed = None
+    record = None
     if job.mixture is None:
         blocks = -(-int(steps.first_examples(files)[-1]) // job.block_size)
         cut = scans.flatMap(lambda s: steps.cut_blocks(s[1], files_bc.value, job.block_size))
-    else:  # the mixed stream, selected in the driver from every input's lengths
-        mixed = steps.select_mixture(scans.values().collect(), job)
+    else:  # the mixed stream, made by the tasks (`runners.mixing`)
+        cut, blocks, mixed = spark_stream(scans, files, job, by_key)
         if isinstance(mixed, str):
             raise UsageError(mixed)
-        stream = steps.cut_stream(mixed, job.block_size)
-        blocks = len(stream)
-        cut = sc.parallelize(stream, max(1, min(blocks, MAX_TASKS)))
+        record = None if mixed is None else mixed.record
     plans = by_key(cut, blocks, _plan, files_bc, job).persist(
         pyspark.StorageLevel.MEMORY_AND_DISK)
     block_summaries = plans.map(lambda bp: bp.summary).collect()
     scans.unpersist()
-    record = None if not isinstance(mixed, steps.Selection) else mixed.record
     return plans, files_bc, files, steps.summarize_plan(
         files, block_summaries, job, mixture=record) if dry else steps.finish_plan(
         files, block_summaries, job, rerun=False, mixture=record)

@@ -8,9 +8,13 @@ import operator
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
+from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline import steps
-from seqpack.pipelines.offline.mixture import loss_columns_of
+from seqpack.pipelines.offline.mixture import is_hashed, loss_columns_of, plan_problems, spec_of
+from seqpack.pipelines.offline.runners.mixing import spark_plan
 from seqpack.pipelines.offline.runners.spark import MAX_TASKS, by_key, pyspark, spark_job
 
 _AGAIN = ("see the executors' logs (a task out of memory: give it more, e.g. spark.driver.memory= "
@@ -31,9 +35,10 @@ def verify_spark(output_dir: str, inputs: Sequence[str] | None = None, *,
         if m.mixture:
             options, loss = ReadOptions(**m.inputs["read_options"]), loss_columns_of(
                 m.mixture, m.columns)
-            times = verify.mixture_times(sc.parallelize(
-                list(enumerate(job.paths)), max(1, min(inputs_, MAX_TASKS))).map(
-                lambda ip: steps.scan_file(ip[0], ip[1], options, loss)).collect(), job)
+            scans = sc.parallelize(list(enumerate(job.paths)), max(1, min(inputs_, MAX_TASKS))
+                                   ).map(lambda ip: steps.scan_file(ip[0], ip[1], options, loss))
+            times = _hashed_times(scans, job) if is_hashed(m.mixture) else \
+                verify.mixture_times(scans.collect(), job)
         every = (lambda n: sc.parallelize([(k, None) for k in range(n)],
                                           max(1, min(n, MAX_TASKS))))
         pieces = sc.parallelize(list(range(shards)), max(1, min(shards, MAX_TASKS))).flatMap(
@@ -47,6 +52,19 @@ def verify_spark(output_dir: str, inputs: Sequence[str] | None = None, *,
             zero, _add_check, lambda a, b: (a[0].merge(b[0]), a[1] + b[1]))
         routed.unpersist()
     return verify.finish_verify(job, out, checks, found, totals, times)
+
+
+def _hashed_times(scans: Any, job: Any) -> tuple[None, list[str]]:
+    """A hashed mixture's (None: each input's takes come from the record, what differs from
+    the record) with `runners.mixing`'s steps: no example meets in the driver."""
+    scans = scans.map(lambda s: (s.index, s)).persist()
+    bad = scans.filter(lambda s: s[1].error is not None).collect()
+    if bad:
+        raise InputError(min(bad)[1].error)  # the first input that cannot be read
+    record = job.manifest.mixture
+    mix = spark_plan(scans, spec_of(record), np.diff(job.firsts).tolist())
+    scans.unpersist()
+    return None, plan_problems(mix, record)
 
 
 def _input_parts(index: int, tables: Iterable[Any], times: Any, job: Any) -> Iterator[tuple]:

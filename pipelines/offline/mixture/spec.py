@@ -1,24 +1,5 @@
-"""Offline mixtures (`seqpack pack --mix`): which examples of each dataset a run packs, and
-how often, so that each dataset gets its weight of the units (tokens, loss tokens, examples).
-
-A mixture is one more kind of input to the same job: its datasets' inputs are the job's inputs
-(dataset after dataset), and `select` turns their example lengths into the *mixed stream*, the
-examples the job plans, each a reference to a corpus example (a repeated one is referenced more
-than once). The plan is made on the stream's lengths; each piece then names its corpus example,
-so reading, routing and writing tokens are as without a mixture. Per dataset d of weight w_d
-holding A_d units::
-
-    no mix_tokens     T = min_d A_d / w_d: the binding dataset whole, no repetition
-    mix_tokens=N      T = N; dataset d is repeated t_d / A_d times, refused past max_repetition
-    target            t_d = w_d * T: e_d = floor(t_d / A_d) whole epochs (each in a seeded
-                      order), then a seeded sample: the prefix of a seeded permutation whose
-                      units come nearest t_d - e_d * A_d (exact within one example)
-
-The stream interleaves the datasets by the share of its target each has reached (every block
-of the plan holds the mixture); the rows are then shuffled as ever (`--row-order`). Rows carry
-`segment_dataset_id` and the example's index within its dataset (`dataset_columns`); the
-manifest's `mixture` records the spec and what each dataset gave (`record`).
-"""
+"""A mixture's spec (`MixSpec`), its targets per dataset, and what its record in a manifest
+gives back: the spec, each dataset's first corpus example, a row's units per dataset."""
 
 from __future__ import annotations
 
@@ -31,7 +12,7 @@ import numpy as np
 from seqpack.packer.contract import DATASET_ID, FeatureKeys
 from seqpack.packer.mixing import row_units
 from seqpack.pipelines.errors import UsageError
-from seqpack.pipelines.formats.inputs import LossCount, fingerprint_path
+from seqpack.pipelines.formats.inputs import LossCount
 
 UNITS = ("tokens", "loss_tokens", "examples")
 # Past about four epochs, repeated data is worth markedly less than new data (Muennighoff et al.
@@ -145,19 +126,19 @@ def units_of(unit: str, lengths: np.ndarray, loss: np.ndarray) -> np.ndarray:
     return np.asarray(loss if unit == "loss_tokens" else lengths, np.int64)
 
 
-def _sample(units: np.ndarray, want: float, rng: np.random.Generator) -> np.ndarray:
-    """A seeded prefix of a permutation of the examples whose units come nearest `want`."""
-    order = rng.permutation(units.size)
-    if want <= 0:
-        return order[:0]
-    cum = np.cumsum(units[order])
-    k = int(np.searchsorted(cum, want, side="left"))  # cum[k - 1] < want <= cum[k]
-    if k < cum.size and cum[k] - want <= want - (cum[k - 1] if k else 0):
-        k += 1
-    return order[:k]
+def example_units(spec: MixSpec, lengths: np.ndarray, loss: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """i64[n] each, for examples of `lengths` with `loss` loss tokens: the tokens the rows keep
+    (`MixSpec.kept`), the loss tokens among them, and their units."""
+    lengths = np.asarray(lengths, np.int64)
+    kept = spec.kept(lengths)
+    loss = np.asarray(loss, np.int64)
+    if spec.overflow == "drop":
+        loss = np.where(kept < lengths, 0, loss)
+    return kept, loss, units_of(spec.mix_unit, kept, loss)
 
 
-def _targets(spec: MixSpec, available: list[int]) -> tuple[float, list[float]]:
+def targets(spec: MixSpec, available: list[int]) -> tuple[float, list[float]]:
     """(total units, each dataset's target); UsageError when a dataset holds no units, or
     would be repeated more than max_repetition."""
     weights = [spec.weights[n] for n in spec.names]
@@ -180,66 +161,12 @@ def _targets(spec: MixSpec, available: list[int]) -> tuple[float, list[float]]:
     return total, targets
 
 
-def select(spec: MixSpec, lengths: Sequence[np.ndarray], loss: Sequence[np.ndarray]
-           ) -> Selection:
-    """The mixed stream of datasets whose examples have `lengths[d]` and loss tokens
-    `loss[d]` (see the module docstring); the same for the same inputs and spec, wherever it
-    runs. Units, tokens and loss tokens are those the rows keep (`MixSpec.kept`; `loss` counted
-    within them)."""
-    kept = [spec.kept(x) for x in lengths]
-    loss = [np.where(k < np.asarray(x), 0, y) if spec.overflow == "drop" else np.asarray(y)
-            for x, k, y in zip(lengths, kept, loss)]
-    units = [units_of(spec.mix_unit, k, np.asarray(y)) for k, y in zip(kept, loss)]
-    available = [int(u.sum()) for u in units]
-    total, targets = _targets(spec, available)
-    counts = [int(x.size) for x in lengths]
-    firsts = np.concatenate(([0], np.cumsum(counts)))
-    parts, keys, entries = [], [], []
-    for d, (name, paths) in enumerate(spec.datasets):
-        rng = np.random.default_rng([spec.seed, d])
-        u, t = units[d], targets[d]
-        epochs = int((t + 1e-9 * t) // available[d])
-        picks = [rng.permutation(u.size) for _ in range(epochs)]
-        rest = t - epochs * available[d]  # below rounding noise: none (not empty examples)
-        picks.append(_sample(u, rest if rest > 1e-9 * t else 0.0, rng))
-        local = np.concatenate(picks).astype(np.int64)
-        del picks
-        got = u[local]
-        # the share of its target reached before each example: the interleaving key
-        key = np.cumsum(got)
-        key -= got
-        keys.append(key / max(t, 1e-300))
-        del key
-        times = np.bincount(local, minlength=u.size)
-        realized = int(got.sum())
-        entries.append({
-            "name": name, "inputs": [fingerprint_path(p) for p in paths],
-            "weight": spec.weights[name], "target": round(t, 3), "units": realized,
-            "tokens": int((kept[d] * times).sum()),
-            "loss_tokens": int((np.asarray(loss[d], np.int64) * times).sum()),
-            "examples": int(local.size), "repetitions": round(realized / available[d], 6),
-            "epochs": epochs, "available_units": available[d],
-            "available_examples": counts[d], "first_example": int(firsts[d]),
-            "unused_examples": int((times == 0).sum())})
-        local += firsts[d]
-        parts.append(local)
-        del got, times, local
-    # the stream: by key, ties in dataset order; its temporaries as small as they fit
-    dataset = np.repeat(np.arange(len(parts), dtype=np.min_scalar_type(len(parts))),
-                        [p.size for p in parts])
-    key = np.concatenate(keys)
-    del keys
-    order = np.lexsort((dataset, key))
-    del dataset, key
-    ref = np.concatenate(parts)
-    del parts
-    ref = ref[order]
-    del order
-    small = max((int(x.max(initial=0)) for x in lengths), default=0) < 2**31
-    corpus = np.concatenate([np.asarray(x) for x in lengths]).astype(
-        np.int32 if small else np.int64, copy=False)
-    record = {**spec.to_dict(), "total": round(total, 3), "datasets": entries}
-    return Selection(ref, corpus[ref].astype(np.int64), record)
+def epochs_of(target: float, available: int) -> tuple[int, float]:
+    """(whole epochs, the units the sample after them wants) of a dataset holding `available`
+    units for its `target`: a rest below rounding noise is none (not empty examples)."""
+    epochs = int((target + 1e-9 * target) // available)
+    rest = target - epochs * available
+    return epochs, rest if rest > 1e-9 * target else 0.0
 
 
 # -- rows and outputs of a mixture ------------------------------------------------------------
@@ -313,101 +240,3 @@ def loss_columns_of(record: Mapping | None, columns: Sequence[Mapping] | None
 def loss_count(roles: Mapping[str, str], spec: MixSpec) -> LossCount:
     """The scans' `LossCount` for a mixture: within the tokens a truncating run keeps."""
     return LossCount(dict(roles), spec.seq_len if spec.overflow == "truncate" else None)
-
-
-def example_times(record: Mapping | None, lengths: Sequence[np.ndarray],
-                  loss_counts: Sequence[np.ndarray | None]) -> tuple[np.ndarray, list[str]]:
-    """How often a run takes each corpus example (i64[n]: once each without a mixture, a
-    read-only view of one 1 that takes no memory),
-    recomputed from the inputs' lengths (and loss counts) as the run made it, and what
-    differs from the manifest's `mixture` record (its `inputs` paths aside: verify may read
-    the inputs elsewhere)."""
-    total = sum(int(np.asarray(x).size) for x in lengths)
-    once = np.broadcast_to(np.ones(1, np.int64), (total,))
-    if not record:
-        return once, []
-    try:
-        selection = select_inputs(spec_of(record), lengths, loss_counts)
-    except ValueError as e:
-        return once, [f"the inputs no longer give the manifest's mixture: "
-                                          f"{e}"]
-    times = np.bincount(selection.ref, minlength=total).astype(np.int64)
-    problems = []
-    for got, want in zip(selection.record["datasets"], record["datasets"]):
-        for key, value in got.items():
-            if key != "inputs" and want.get(key) != value:
-                problems.append(f"mixture dataset {got['name']!r}: the manifest records {key}="
-                                f"{want.get(key)}, the inputs give {value}")
-    return times, problems[:3]
-
-
-def select_inputs(spec: MixSpec, lengths: Sequence[np.ndarray],
-                  loss_counts: Sequence[np.ndarray | None]) -> Selection:
-    """`select` on a job's inputs (`spec.inputs`: dataset after dataset): each input's example
-    lengths and loss counts (None: no labels or masks, every token counts), in input order."""
-    cuts = np.cumsum([0, *(len(paths) for _, paths in spec.datasets)])
-    assert cuts[-1] == len(lengths), (cuts, len(lengths))
-    per_lengths, per_loss = [], []
-    for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
-        per_lengths.append(np.concatenate([np.zeros(0, np.int64), *(
-            np.asarray(x, np.int64) for x in lengths[a:b])]))
-        per_loss.append(np.concatenate([np.zeros(0, np.int64), *(
-            np.asarray(spec.kept(x) if y is None else y, np.int64)
-            for x, y in zip(lengths[a:b], loss_counts[a:b]))]))
-    return select(spec, per_lengths, per_loss)
-
-
-# -- what `seqpack stats` shows of a mixture ---------------------------------------------------
-
-_SHOWN = ("name", "weight", "tokens", "loss_tokens", "examples", "repetitions")
-
-
-def shares(record: Mapping, tokens: np.ndarray, step_rows: int | None) -> dict:
-    """The stats of a mixture: per dataset what the manifest records, its share of the rows'
-    tokens and the p5 / p50 / p95 of its share per step of `step_rows` rows (full steps; the
-    whole output when it holds less than a step) or per row (None); `tokens`:
-    `packer.mixing.row_units` (in tokens) of every row, in output order."""
-    step = step_rows or 1
-    n = tokens.shape[0] // step
-    return step_shares(record, tokens[: n * step].reshape(n, step, tokens.shape[1]).sum(axis=1),
-                       tokens.sum(axis=0), step_rows)
-
-
-def step_shares(record: Mapping, steps: np.ndarray, total: np.ndarray, step_rows: int | None
-                ) -> dict:
-    """`shares` from each full step's tokens of each dataset (`steps` [n, K]; n = 0: the output
-    holds less than a step) and every row's (`total` [K])."""
-    n = steps.shape[0]
-    if not n:
-        steps = np.asarray(total)[None]
-    share = steps / np.maximum(steps.sum(axis=1, keepdims=True), 1)
-    p5, p50, p95 = np.percentile(share, [5, 50, 95], axis=0)
-    whole = max(1, int(total.sum()))
-    datasets = [{**{k: d[k] for k in _SHOWN}, "token_share": round(float(t / whole), 6),
-                 "step_share": {"p5": round(float(a), 6), "p50": round(float(b), 6),
-                                "p95": round(float(c), 6)}}
-                for d, t, a, b, c in zip(record["datasets"], total, p5, p50, p95)]
-    return {"unit": record["unit"], "step_rows": step_rows, "steps": max(n, 1),
-            "whole": not n, "datasets": datasets}
-
-
-def table(mix: Mapping) -> str:
-    """A mixture's stats (`shares`, or a manifest's record) as lines of text."""
-    per = mix.get("step_rows")
-    head = f"mixture in {mix['unit'].replace('_', ' ')}"
-    if "steps" in mix:
-        count = "the whole output: less than a step" if mix.get("whole") else f"{mix['steps']:,}"
-        head += f"; share of tokens per {f'step of {per} rows' if per else 'row'}" \
-                f" ({count}): p5 / p50 / p95"
-    lines = [head, f"{'dataset':<16}{'weight':>8}{'tokens':>14}{'loss tokens':>14}"
-                   f"{'examples':>11}{'repeated':>10}{'share':>9}  per step"]
-    total = sum(int(d["tokens"]) for d in mix["datasets"]) or 1
-    for d in mix["datasets"]:
-        share = d.get("token_share", d["tokens"] / total)
-        s = d.get("step_share")
-        spread = "" if s is None else \
-            f"  {s['p5']:.1%} / {s['p50']:.1%} / {s['p95']:.1%}"
-        lines.append(f"{d['name'][:15]:<16}{d['weight']:>8.1%}{d['tokens']:>14,}"
-                     f"{d['loss_tokens']:>14,}{d['examples']:>11,}{d['repetitions']:>9.2f}x"
-                     f"{share:>9.1%}{spread}")
-    return "\n".join(lines)
