@@ -506,3 +506,45 @@ def test_a_natural_size_mixture_takes_no_example_twice_for_rounding_noise(kind):
     times = np.bincount(s.ref, minlength=10)
     assert times.max() == 1
     assert [d["examples"] for d in s.record["datasets"]][1] == 7
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 6), st.sampled_from(["tokens", "loss_tokens",
+                                                                   "examples"]),
+       st.floats(0.3, 3.5))
+def test_the_hashed_sample_is_the_prefix_of_its_hash_order_nearest_the_target(
+        seed, bucket_examples, unit, scale):
+    """Against a one-place oracle, with buckets of a few examples (many buckets, the crossing
+    one found by the tallies): the sample is the prefix of the sample-hash order whose units
+    come nearest the rest, `legacy._sample`'s rule."""
+    import unittest.mock
+
+    rng = np.random.default_rng(seed)
+    lengths = [rng.integers(0, 30, int(rng.integers(1, 3000))) for _ in range(2)]
+    loss = [np.minimum(x, rng.integers(0, 10, x.size)) for x in lengths]
+    for x, y in zip(lengths, loss):
+        x[0], y[0] = x[0] + 1, y[0] + 1  # a unit in every dataset
+    spec = MixSpec([("a", ["a"]), ("b", ["b"])], {"a": 0.4, "b": 0.6}, mix_unit=unit,
+                   max_repetition=1e9, seed=seed % 1000)
+    units = [hashed.example_units(spec, x, y)[2] for x, y in zip(lengths, loss)]
+    natural = min(u.sum() / w for u, w in zip(units, (0.4, 0.6)))
+    spec = dataclasses.replace(spec, mix_tokens=max(1, int(scale * natural)))
+    with unittest.mock.patch.object(hashed, "_BUCKET_EXAMPLES", bucket_examples):
+        mix = hashed.plan_inputs(spec, hashed.inputs_of(spec, lengths, loss))
+    total, wanted = hashed.targets(spec, [int(u.sum()) for u in units])
+    for d, (u, want) in enumerate(zip(units, wanted)):
+        epochs, rest = hashed.epochs_of(want, int(u.sum()))
+        h = hashed.sample_hashes(spec.seed, d, 0, u.size)
+        order = np.argsort(h)
+        cum = np.cumsum(u[order])
+        k = 0
+        if rest > 0:
+            k = int(np.searchsorted(cum, rest, side="left"))
+            k += bool(cum[k] - rest <= rest - (cum[k - 1] if k else 0))
+        taken = np.zeros(u.size, np.int64)
+        taken[order[:k]] = 1
+        assert mix.epochs[d] == epochs
+        np.testing.assert_array_equal(mix.times(spec.seed, d, 0, u.size), taken + epochs)
+        entry = mix.record["datasets"][d]
+        assert entry["units"] == int((u * (taken + epochs)).sum())
+        assert entry["examples"] == int((taken + epochs).sum())

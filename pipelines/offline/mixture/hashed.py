@@ -89,15 +89,20 @@ class Input:
     first: int
     corpus_first: int
     lengths: np.ndarray
-    loss: np.ndarray
+    loss: np.ndarray | None  # None: every kept token counts
 
     def sample_hashes(self, seed: int) -> np.ndarray:
         return sample_hashes(seed, self.dataset, self.first, self.lengths.size)
 
     def sums(self, spec: MixSpec) -> np.ndarray:
         """i64[4, n]: each example's units, kept tokens, loss tokens and 1."""
-        kept, loss, units = example_units(spec, self.lengths, self.loss)
+        kept, loss, units = self.units(spec)
         return np.stack([units, kept, loss, np.ones_like(kept)])
+
+    def units(self, spec: MixSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`spec.example_units` of its examples."""
+        kept = spec.kept(self.lengths)
+        return example_units(spec, self.lengths, kept if self.loss is None else self.loss)
 
 
 def inputs_of(spec: MixSpec, lengths: Sequence[np.ndarray], loss: Sequence[np.ndarray | None]
@@ -105,8 +110,7 @@ def inputs_of(spec: MixSpec, lengths: Sequence[np.ndarray], loss: Sequence[np.nd
     """The job's inputs (`spec.inputs`, dataset after dataset) as `Input`s; `loss` None: every
     kept token counts."""
     places = places_of(spec, [np.asarray(x).size for x in lengths])
-    return [Input(d, f, c, np.asarray(x, np.int64),
-                  np.asarray(spec.kept(x) if y is None else y, np.int64))
+    return [Input(d, f, c, np.asarray(x), None if y is None else np.asarray(y))
             for (d, f, c), x, y in zip(places, lengths, loss)]
 
 
@@ -267,8 +271,8 @@ class Picks:
     epoch: int  # the sample's: the dataset's epochs
     hash: np.ndarray  # u64: each take's hash in that epoch
     ref: np.ndarray  # i64: its corpus example
-    length: np.ndarray  # its length (the lengths' dtype)
-    units: np.ndarray  # i64: its units
+    length: np.ndarray  # its length (i32 where lengths and units fit, else i64)
+    units: np.ndarray  # its units (as `length`)
 
 
 def picks(spec: MixSpec, mix: MixPlan, chunks: int, item: Input) -> list[tuple[int, Picks]]:
@@ -276,7 +280,10 @@ def picks(spec: MixSpec, mix: MixPlan, chunks: int, item: Input) -> list[tuple[i
     d, n = item.dataset, item.lengths.size
     a, e = mix.available[d], mix.epochs[d]
     total = max(1, e * a + mix.sample[d])
-    units = example_units(spec, item.lengths, item.loss)[2]
+    units = item.units(spec)[2]
+    small = max(int(item.lengths.max(initial=0)), int(units.max(initial=0))) < 2**31
+    lengths = item.lengths.astype(np.int32 if small else np.int64, copy=False)
+    units = units.astype(lengths.dtype, copy=False)
     out: list[tuple[int, Picks]] = []
 
     def emit(epoch: int, h: np.ndarray, place: np.ndarray, take: np.ndarray | None) -> None:
@@ -290,8 +297,8 @@ def picks(spec: MixSpec, mix: MixPlan, chunks: int, item: Input) -> list[tuple[i
             if j > i:
                 run = order[i:j]
                 at = run if take is None else take[run]
-                out.append((g, Picks(d, epoch, h[run], item.corpus_first + at,
-                                     item.lengths[at], units[at])))
+                out.append((g, Picks(d, epoch, h[run], item.corpus_first + at, lengths[at],
+                                     units[at])))
 
     for j in range(e):  # place: the units before the take, over `total`, estimated
         h = hashes(key(spec.seed, d, j), item.first, n)
@@ -340,9 +347,14 @@ def select_inputs(spec: MixSpec, lengths: Sequence[np.ndarray],
     for item in items:
         for g, p in picks(spec, mix, chunks, item):
             found.setdefault(g, []).append(p)
-    parts = [chunk(found[g]) for g in sorted(found)]
-    stream = np.concatenate([np.zeros(0, np.int64), *(p[0] for p in parts)])
-    ref = np.concatenate([np.zeros(0, np.int64), *(p[1] for p in parts)])
+    stream = np.empty(mix.num_examples, np.int64)
+    ref = np.empty(mix.num_examples, np.int64)
+    at = 0
+    for g in sorted(found):  # each chunk's takes freed once it is made
+        part = chunk(found.pop(g))
+        stream[at : at + part[0].size], ref[at : at + part[0].size] = part
+        at += part[0].size
+    assert at == mix.num_examples, (at, mix.num_examples)
     return Selection(ref, stream, mix.record)
 
 

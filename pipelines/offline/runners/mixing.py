@@ -41,8 +41,7 @@ def _item(scan: steps.FileScan, spec: MixSpec, counts: Counts) -> hashed.Input |
     if counts is None or scan.error is not None:
         return None
     place = hashed.places_of(spec, counts)[scan.index]
-    return hashed.Input(*place, scan.lengths, np.asarray(
-        spec.kept(scan.lengths) if scan.loss_counts is None else scan.loss_counts, np.int64))
+    return hashed.Input(*place, scan.lengths, scan.loss_counts)
 
 
 def tally(scan: steps.FileScan, spec: MixSpec, counts: Counts) -> list[tuple[int, np.ndarray]]:
