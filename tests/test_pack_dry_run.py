@@ -138,12 +138,16 @@ def test_a_dry_run_on_beam_or_spark_shows_the_local_figures(data, tmp_path, runn
     bad = ["pack", data / "b.parquet", *ARGS, "--dry-run"]
     local, remote = invoke(*bad, ok=False), invoke(*bad, "--runner", runner, ok=False)
     assert remote.exit_code == local.exit_code == 2 and remote.stderr == local.stderr
-    if runner == "spark":  # the inputs checked in the driver: an empty one warned of, as locally
-        (tmp_path / "empty.jsonl").write_text("")
-        empty = ["pack", tmp_path / "empty.jsonl", data / "a.jsonl", *ARGS, "--dry-run"]
-        local, remote = run_cli(*empty), run_cli(*empty, "--runner", runner)  # its log too
-        assert local.returncode == remote.returncode == 0
-        assert "no tokens (0 examples)" in local.stderr and remote.stderr == local.stderr
+    # an empty input warned of, as locally (Spark checks the inputs in its driver first; Beam
+    # warns from what the job found, once it has run)
+    (tmp_path / "empty.jsonl").write_text("")
+    empty = ["pack", tmp_path / "empty.jsonl", data / "a.jsonl", *ARGS, "--dry-run"]
+    local, remote = run_cli(*empty), run_cli(*empty, "--runner", runner)  # its log too
+    assert local.returncode == remote.returncode == 0
+    assert "no tokens (0 examples)" in local.stderr and remote.stderr == local.stderr
+    written = [*empty[:-1], "-o", tmp_path / f"out-{runner}"]
+    remote = run_cli(*written, "--runner", runner)
+    assert remote.returncode == 0 and "empty.jsonl: no tokens (0 examples)" in remote.stderr
 
 
 @pytest.mark.slow

@@ -78,7 +78,7 @@ from seqpack.pipelines.formats.manifest import Manifest, read_manifest
 from seqpack.pipelines.offline import steps
 from seqpack.pipelines.offline.job import PackJob, default_workers, output_session
 from seqpack.pipelines.offline.outdir import ERROR, OutputDir
-from seqpack.pipelines.offline.record import ShardFacts
+from seqpack.pipelines.offline.record import ShardFacts, check_empty
 from seqpack.pipelines.offline.runners.mixing import beam_stream
 from seqpack.pipelines.offline.shards import WriteOptions
 from seqpack.pipelines.storage import scratch_tempdir
@@ -300,7 +300,9 @@ def pack_beam(job: PackJob, *, beam_options: Sequence[str] = (), quiet: bool = F
             message = out.read_json(ERROR).get("error", "a worker rejected an input")
             out.remove(ERROR)
             raise InputError(message)
-    return read_manifest(job.output)
+    manifest = read_manifest(job.output)
+    _warn_empty(manifest.inputs)
+    return manifest
 
 
 def plan_beam(job: PackJob, step_rows: int | None, *, beam_options: Sequence[str] = (),
@@ -319,7 +321,16 @@ def plan_beam(job: PackJob, step_rows: int | None, *, beam_options: Sequence[str
     if "error" in result:
         raise InputError(result["error"])
     intent, results, figures = pickle.loads(base64.b64decode(result["plan"]))
+    _warn_empty(intent.inputs)
     return intent, results, figures
+
+
+def _warn_empty(inputs: dict) -> None:
+    """Names each input that holds no token, as the local runner does (a worker's warnings
+    reach only its own log)."""
+    files = inputs["files"]
+    check_empty([f["path"] for f in files], [f["num_examples"] for f in files],
+                [f["num_tokens"] for f in files])
 
 
 def job_report(options: Any, quiet: bool, output_dir: str, kind: str,
