@@ -150,17 +150,18 @@ def spark_plan(scans: Any, spec: MixSpec, counts: Counts) -> hashed.MixPlan | st
 
 
 def spark_stream(scans: Any, files: Sequence[steps.FileSummary], job: PackJob,
-                 by_key: Any) -> tuple[Any, int, hashed.MixPlan | str | None]:
+                 by_key: Any) -> tuple[Any, int, hashed.MixPlan | str | None, Any]:
     """The Spark stages above over the persisted (index, FileScan) `scans`: (the stream's
-    (block, BlockSlice) pairs, the number of blocks, the MixPlan); `by_key`: `spark.by_key`."""
+    (block, BlockSlice) pairs, the number of blocks, the MixPlan, the persisted chunks to
+    unpersist once the blocks are planned); `by_key`: `spark.by_key`."""
     spec, counts = job.mixture, counts_of(files)
     assert spec is not None
     mix = spark_plan(scans, spec, counts)
     if not isinstance(mix, hashed.MixPlan):
-        return scans.context.parallelize([]), 0, mix
+        return scans.context.parallelize([]), 0, mix, None
     chunks = by_key(scans.flatMap(lambda s: picks(s[1], spec, counts, mix, job.block_size)),
-                    mix.chunks(job.block_size), lambda g, found: [chunk((g, found))])
-    chunks = chunks.persist()
+                    mix.chunks(job.block_size), lambda g, found: [chunk((g, found))]).persist()
     sizes = chunks.map(lambda c: (c[0], c[1].size)).collect()
     blocks = -(-sum(n for _, n in sizes) // job.block_size)
-    return chunks.flatMap(lambda c: steps.cut_chunk(c, sizes, job.block_size)), blocks, mix
+    cut = chunks.flatMap(lambda c: steps.cut_chunk(c, sizes, job.block_size))
+    return cut, blocks, mix, chunks

@@ -279,19 +279,21 @@ def _plan_job(sc: Any, job: PackJob, progress: Progress | None, *, dry: bool = F
         files = scans.map(lambda s: steps.summarize_file(s[1], job.config)).collect()
     steps.check_files(files, job)  # here, as locally: a bad input first, empty ones warned of
     files_bc = sc.broadcast(files)
-    record = None
+    record, chunks = None, None
     if job.mixture is None:
         blocks = -(-int(steps.first_examples(files)[-1]) // job.block_size)
         cut = scans.flatMap(lambda s: steps.cut_blocks(s[1], files_bc.value, job.block_size))
     else:  # the mixed stream, made by the tasks (`runners.mixing`)
-        cut, blocks, mixed = spark_stream(scans, files, job, by_key)
+        cut, blocks, mixed, chunks = spark_stream(scans, files, job, by_key)
         if isinstance(mixed, str):
             raise UsageError(mixed)
         record = None if mixed is None else mixed.record
     plans = by_key(cut, blocks, _plan, files_bc, job).persist(
         pyspark.StorageLevel.MEMORY_AND_DISK)
     block_summaries = plans.map(lambda bp: bp.summary).collect()
-    scans.unpersist()
+    for done in (scans, chunks):
+        if done is not None:
+            done.unpersist()
     return plans, files_bc, files, steps.summarize_plan(
         files, block_summaries, job, mixture=record) if dry else steps.finish_plan(
         files, block_summaries, job, rerun=False, mixture=record)
