@@ -8,7 +8,8 @@ One input of --examples lognormal examples (log-lengths mean --mu, sigma 1: medi
 planned in this process as a runner plans it (`offline.steps`: scan, blocks, plan, split), at
 L=2048 / S=256; then `steps.route_file` re-reads it and cuts its pieces' tokens into the parts
 each shard receives, in a child process of its own per revision (peak RSS counted from just
-before the route, the plan already held): this tree's, and the baseline revision's
+before the route, the plan already held; each part the step gives is written to a file as it
+comes, as a runner's shuffle takes it): this tree's, and the baseline revision's
 `pipelines/offline/steps.py` loaded from git into the same seqpack. "same parts" compares a
 digest of every shard's pieces in plan order (`steps.plan_parts`).
 """
@@ -29,7 +30,7 @@ from benchmarks.common import file_at, print_table
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _CHILD = r"""
-import hashlib, importlib.util, json, sys, time
+import hashlib, importlib.util, json, os, pickle, shutil, sys, tempfile, time
 import numpy as np
 from seqpack.packer import PackConfig
 from seqpack.pipelines.formats.inputs import ReadOptions
@@ -54,13 +55,21 @@ def rss():
 before = rss()
 open("/proc/self/clear_refs", "w").write("5")
 t0 = time.perf_counter()
-parts = route.route_file(file_job, read, summary.shard_rows, summary.row_dtype)
+sent = tempfile.mkdtemp()
+for n, element in enumerate(route.route_file(file_job, read, summary.shard_rows,
+                                             summary.row_dtype)):
+    with open(f"{sent}/{n}", "wb") as f:  # sent on, as a runner's shuffle takes them
+        pickle.dump(element, f)
+    del element
 seconds = time.perf_counter() - t0
 peak = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024
 digest = hashlib.sha1()
 by_shard = {}
-for k, part in parts:
+for name in sorted(os.listdir(sent), key=int):
+    with open(f"{sent}/{name}", "rb") as f:
+        k, part = pickle.load(f)
     by_shard.setdefault(k, []).append(part)
+shutil.rmtree(sent)
 for k in sorted(by_shard):
     _, pieces, _ = steps.plan_parts(k, by_shard[k], summary, config)
     for p in pieces:

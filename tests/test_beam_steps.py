@@ -84,9 +84,11 @@ def _run_steps(paths, out, config, write_options, rng, block_size=None, retries=
             by_file.setdefault(index, []).append(table)
     jobs = [beam_steps.file_job(i, t[::-1], files) for i, t in by_file.items()]
     by_shard: dict[int, list] = {}
+    budget = int(rng.choice([1, 300, beam_steps.ROUTE_BYTES]))  # bytes: parts sent as they grow
     for k in rng.permutation(len(jobs)):
         for shard, part in beam_steps.route_file(jobs[k], read, summary.shard_rows,
-                                                 summary.row_dtype, plan_only=job.plan_only):
+                                                 summary.row_dtype, plan_only=job.plan_only,
+                                                 budget=budget):
             by_shard.setdefault(shard, []).append(part)
     if fault == "drop_inside":  # a part with no piece in its shard's first or last row
         edges = {k: (k * summary.shard_rows, min((k + 1) * summary.shard_rows,
@@ -276,7 +278,38 @@ def test_an_input_changed_between_the_passes_is_refused(tmp_path):
         [beam_steps.scan_file(0, path, read)], PackJob([path], tmp_path / "o", PackConfig(64)))
     write_jsonl(path, random_seqs(21, seed=6))
     with pytest.raises(InputError, match="changed while the job ran"):
-        beam_steps.route_file(jobs[0], read, summary.shard_rows, summary.row_dtype)
+        list(beam_steps.route_file(jobs[0], read, summary.shard_rows, summary.row_dtype))
+
+
+def test_a_route_step_sends_its_parts_as_they_reach_the_budget_and_stops_when_told(
+        tmp_path, monkeypatch):
+    import threading
+
+    from seqpack.pipelines.formats import jsonl
+
+    monkeypatch.setattr(jsonl, "BLOCK_BYTES", 500)  # many chunks
+    paths = [write_jsonl(tmp_path / "a.jsonl", random_seqs(400, max_len=60, seed=8))]
+    read = ReadOptions()
+    summary, jobs = beam_steps.plan_in_process(
+        [beam_steps.scan_file(0, paths[0], read)],
+        PackJob(paths, tmp_path / "o", PackConfig(64), write_options=WriteOptions(shard_rows=8)))
+    whole = list(beam_steps.route_file(jobs[0], read, summary.shard_rows, summary.row_dtype))
+    small = list(beam_steps.route_file(jobs[0], read, summary.shard_rows, summary.row_dtype,
+                                       budget=500))
+    assert len(whole) == len({k for k, _ in whole}) < len(small)  # one part a shard, or more
+    for k in {k for k, _ in whole}:
+        one = beam_steps.ShardPart.of([p for j, p in small if j == k])
+        got = dict(whole)[k]
+        order = np.lexsort(one.pieces[::-1])
+        np.testing.assert_array_equal(one.pieces[:, order], got.pieces[:, np.lexsort(
+            got.pieces[::-1])])
+        assert sorted(one.tokens.tolist()) == sorted(got.tokens.tolist())
+    before = threading.active_count()
+    parts = beam_steps.route_file(jobs[0], read, summary.shard_rows, summary.row_dtype,
+                                  budget=100)
+    next(parts)
+    parts.close()  # the consumer stops: the scan's thread ends
+    assert threading.active_count() == before
 
 
 def test_the_core_modules_do_not_need_beam():

@@ -26,7 +26,8 @@ What each step takes and gives, for n examples in P pieces::
     plan_figures       one BlockPlan      -> PlanFigures: what a dry run shows of its pieces
                                              (summed over the blocks: `summarize_plan`'s run)
     file_job           one input's tables -> FileJob: where each of its pieces goes
-    route_file         one FileJob        -> (shard, ShardPart) per shard the input feeds: the
+    route_file         one FileJob        -> (shard, ShardPart) per shard the input feeds (and
+                                             per `ROUTE_BYTES` of its tokens past the first): the
                                              pieces + their tokens, back to back (a plan-only
                                              job, rows by reference: the pieces, no re-read)
     write_shard_parts  one shard's parts  -> the shard file (core.write_shard): its row count,
@@ -42,7 +43,9 @@ A shard's pieces arrive in any order and are sorted back into (row, example) ord
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -274,35 +277,49 @@ def file_job(index: int, tables: Iterable[np.ndarray], files: Sequence[FileSumma
 # -- route and write -------------------------------------------------------------------------
 
 
+ROUTE_BYTES = 1 << 28  # the tokens (and columns) a route step holds before it sends them on
+
+
 def route_file(job: FileJob, options: ReadOptions, shard_rows: int, dtype: str, *,
-               plan_only: bool = False, columns: dict[str, str] | None = None
-               ) -> list[tuple[int, ShardPart]]:
-    """Re-reads one input and cuts its pieces' tokens into one ShardPart per destination shard
-    (`columns`: each extra column's dtype in the rows, else int64); `plan_only`
+               plan_only: bool = False, columns: dict[str, str] | None = None,
+               budget: int = ROUTE_BYTES) -> Iterator[tuple[int, ShardPart]]:
+    """Re-reads one input and cuts its pieces' tokens into ShardParts for their shards
+    (`columns`: each extra column's dtype in the rows, else int64), sent on whenever they
+    reach `budget` bytes (an input below it: one part per shard); `plan_only`
     (`PackJob.plan_only`): the pieces alone, the input not read again. The input is read a
-    chunk at a time: what is held is the pieces and their tokens, not the input's."""
+    chunk at a time (in a thread, while the parts before go on), so a step holds its pieces and
+    about two budgets of tokens, whatever the input. A changed input raises InputError at the
+    end, after some parts may have gone: a runner fails the step whole."""
     shard = job.pieces[ROW] // shard_rows
     if plan_only:
         order = np.argsort(shard, kind="stable")
         keys, firsts = np.unique(shard[order], return_index=True)
         cuts = np.append(firsts, shard.size).tolist()
-        return [(k, ShardPart(job.pieces[:, order[a:b]], None))
-                for k, a, b in zip(keys.tolist(), cuts[:-1], cuts[1:])]
+        yield from ((k, ShardPart(job.pieces[:, order[a:b]], None))
+                    for k, a, b in zip(keys.tolist(), cuts[:-1], cuts[1:]))
+        return
     pieces, example = job.pieces, job.pieces[EXAMPLE] - job.first_example
     if (np.diff(example) < 0).any():  # blocks' tables in any order: by example
         by_example = np.argsort(example, kind="stable")
         pieces, shard, example = pieces[:, by_example], shard[by_example], example[by_example]
     got: dict[int, list[ShardPart]] = {}
-    changed: list[bool] = []
+    held, changed, stop = [0], [False], threading.Event()
+    sent: queue.Queue[tuple] = queue.Queue(maxsize=1)
+
+    def flush() -> list[tuple[int, ShardPart]]:
+        held[0] = 0
+        return [(k, ShardPart.of(got.pop(k))) for k in sorted(got)]  # each shard's copy freed
 
     def route(chunk: Chunk) -> None:  # the chunk's pieces' tokens, to their shards
         a, b = np.searchsorted(example, [chunk.first, chunk.first + chunk.num_records])
-        if a == b or changed:
+        if stop.is_set():
+            raise _Stopped
+        if a == b or changed[0]:
             return
         own = np.argsort(shard[a:b], kind="stable") + a
         i = example[own] - chunk.first
         if (pieces[START, own] + pieces[LENGTH, own] > np.diff(chunk.offsets)[i]).any():
-            changed.append(True)  # an example shorter than planned: named below
+            changed[0] = True  # an example shorter than planned: named below
             return
         src = chunk.offsets[i] - chunk.offsets[0] + pieces[START, own]
         at = ragged_arange(src, pieces[LENGTH, own])
@@ -315,14 +332,48 @@ def route_file(job: FileJob, options: ReadOptions, shard_rows: int, dtype: str, 
         for k, pa, pb, ta, tb in zip(keys.tolist(), cuts[:-1], cuts[1:], ends[:-1], ends[1:]):
             got.setdefault(k, []).append(ShardPart(pieces[:, own[pa:pb]], tokens[ta:tb], {
                 n: c[ta:tb] for n, c in cols.items()}))
+        held[0] += tokens.nbytes + sum(c.nbytes for c in cols.values())
+        if held[0] >= budget:
+            _put(sent, ("parts", flush()), stop)
 
-    scan = inputs.scan_file(job.path, detect_format(job.path, options.input_format), options,
-                            load_tokenizer(options.tokenizer) if options.tokenizer else None,
-                            column_sinks=None, chunk_sink=route)
-    if changed or unstamped(scan.info) != unstamped(job.info):
+    def scan() -> None:
+        try:
+            done: tuple = ("done", inputs.scan_file(
+                job.path, detect_format(job.path, options.input_format), options,
+                load_tokenizer(options.tokenizer) if options.tokenizer else None,
+                column_sinks=None, chunk_sink=route))
+        except BaseException as e:  # noqa: BLE001 (raised again by the consumer)
+            done = ("error", e)
+        _put(sent, done, stop)
+
+    thread = threading.Thread(target=scan, name=f"route {job.path}", daemon=True)
+    thread.start()
+    try:
+        while (item := sent.get())[0] == "parts":
+            yield from item[1]
+    finally:
+        stop.set()  # a consumer that stops early stops the scan
+        thread.join()
+    if item[0] == "error":
+        raise item[1]
+    if changed[0] or unstamped(item[1].info) != unstamped(job.info):
         raise InputError(f"{job.path}: changed while the job ran (was {job.info}, now "
-                         f"{scan.info}); rerun on inputs that stay put")
-    return [(k, ShardPart.of(got.pop(k))) for k in sorted(got)]  # each shard's copy freed
+                         f"{item[1].info}); rerun on inputs that stay put")
+    yield from flush()
+
+
+class _Stopped(Exception):
+    """The consumer of `route_file`'s parts stopped: its scan stops too."""
+
+
+def _put(q: queue.Queue, item: tuple, stop: threading.Event) -> None:
+    """q.put(item), unless the consumer stopped."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
 
 
 def column_dtypes(summary: JobSummary) -> dict[str, str]:

@@ -257,7 +257,7 @@ def _report_plan(_: None, report: tuple[str, str], summary: steps.JobSummary | N
 
 
 def _route(job: steps.FileJob, summary: steps.JobSummary | None, read_options: ReadOptions,
-           plan_only: bool) -> list[tuple[int, steps.ShardPart]]:
+           plan_only: bool) -> Iterable[tuple[int, steps.ShardPart]]:
     if summary is None:
         return []
     return steps.route_file(job, read_options, summary.shard_rows, summary.row_dtype,

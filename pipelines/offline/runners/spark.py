@@ -208,7 +208,7 @@ def _plan(block: int, slices: Iterable[steps.BlockSlice], files: Any, job: PackJ
 
 
 def _route(index: int, tables: Iterable[np.ndarray], files: Any, job: PackJob, summary: Any
-           ) -> list[tuple[int, steps.ShardPart]]:
+           ) -> Iterable[tuple[int, steps.ShardPart]]:
     s = summary.value
     return steps.route_file(steps.file_job(index, tables, files.value), job.read_options,
                             s.shard_rows, s.row_dtype, plan_only=job.plan_only,
