@@ -78,8 +78,9 @@ def _select(kind, spec, lengths, loss, block_size=1 << 22):
        st.sampled_from(["legacy", "hashed"]), st.integers(1, 50))
 def test_each_dataset_gets_its_target_within_one_example(case, unit, scale, seed, kind, block):
     lengths, loss, weights = case
+    # (an example the rows keep no token of: no example of the hashed selection's either)
     units = [x if unit == "tokens" else y if unit == "loss_tokens" else np.ones_like(x)
-             for x, y in zip(lengths, loss)]
+             if kind == "legacy" else (x > 0).astype(np.int64) for x, y in zip(lengths, loss)]
     names = list(weights)
     w = np.array([weights[n] for n in names]) / sum(weights.values())
     avail = np.array([u.sum() for u in units], float)
@@ -316,10 +317,14 @@ def test_loss_tokens_and_examples_units(tmp_path):
                "--column", "labels", "-o", out, *ARGS)
         m = json.loads((out / "manifest.json").read_text())["mixture"]
         sft, pre = m["datasets"]
-        assert sft["repetitions"] == 1.0  # the scarce one, whole
+        scarce = min(m["datasets"], key=lambda d: d["available_units"])
+        assert scarce["repetitions"] == 1.0 and (unit == "examples" or scarce is sft)  # whole
         assert abs(pre["units"] - sft["units"]) <= 40
-        key = "loss_tokens" if unit == "loss_tokens" else "examples"
-        assert sft[key] == sft["units"] and pre[key] == pre["units"]
+        for d in m["datasets"]:  # an example of no token is no example of the rows either
+            assert d["units"] == d["loss_tokens"] if unit == "loss_tokens" else \
+                d["units"] <= d["examples"] and d["available_units"] == sum(
+                    1 for x in (seqs if d is sft else pq.read_table(plain)["input_ids"]
+                                .to_pylist()) if x)
         assert sft["loss_tokens"] < 0.4 * sft["tokens"] and pre["loss_tokens"] == pre["tokens"]
         assert verify(str(out)).ok
 
@@ -526,7 +531,8 @@ def test_the_hashed_sample_is_the_prefix_of_its_hash_order_nearest_the_target(
         x[0], y[0] = x[0] + 1, y[0] + 1  # a unit in every dataset
     spec = MixSpec([("a", ["a"]), ("b", ["b"])], {"a": 0.4, "b": 0.6}, mix_unit=unit,
                    max_repetition=1e9, seed=seed % 1000)
-    units = [hashed.example_units(spec, x, y)[2] for x, y in zip(lengths, loss)]
+    units = [hashed.example_units(spec, x, y, count_empty=False)[2]
+             for x, y in zip(lengths, loss)]
     natural = min(u.sum() / w for u, w in zip(units, (0.4, 0.6)))
     spec = dataclasses.replace(spec, mix_tokens=max(1, int(scale * natural)))
     with unittest.mock.patch.object(hashed, "_BUCKET_EXAMPLES", bucket_examples):
@@ -548,3 +554,20 @@ def test_the_hashed_sample_is_the_prefix_of_its_hash_order_nearest_the_target(
         entry = mix.record["datasets"][d]
         assert entry["units"] == int((u * (taken + epochs)).sum())
         assert entry["examples"] == int((taken + epochs).sum())
+
+
+def test_the_hashed_tallies_add_exactly_past_float64_and_count_only_examples_the_rows_keep():
+    rng = np.random.default_rng(0)
+    a = rng.integers(2**44, 2**45, 2000)  # past 2**53 units in all: float64 sums would round
+    spec = MixSpec([("a", ["a"]), ("b", ["b"])], {"a": 0.5, "b": 0.5})
+    s = hashed.select_inputs(spec, [a, a[:500].copy()], [None, None], 1 << 20)
+    assert s.record["datasets"][0]["available_units"] == int(a.sum())
+    with pytest.raises(AssertionError):  # a caller's bug, not a changed input
+        hashed.select_inputs(spec, [a], [None], 8)
+    # examples as units: an example the rows drop whole is no example of the mixture
+    spec = MixSpec([("a", ["a"]), ("b", ["b"])], {"a": 1, "b": 1}, mix_unit="examples",
+                   overflow="drop", seq_len=10)
+    a, b = np.array([5] * 50 + [50] * 50), np.full(100, 5)
+    s = hashed.select_inputs(spec, [a, b], [None, None], 1 << 20)
+    kept = [(s.lengths[s.ref < 100] <= 10).sum(), (s.ref >= 100).sum()]
+    assert [d["units"] for d in s.record["datasets"]] == kept and kept[0] == kept[1] == 50

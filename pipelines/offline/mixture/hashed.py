@@ -102,13 +102,15 @@ class Input:
     def units(self, spec: MixSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`spec.example_units` of its examples."""
         kept = spec.kept(self.lengths)
-        return example_units(spec, self.lengths, kept if self.loss is None else self.loss)
+        return example_units(spec, self.lengths, kept if self.loss is None else self.loss,
+                             count_empty=False)
 
 
 def inputs_of(spec: MixSpec, lengths: Sequence[np.ndarray], loss: Sequence[np.ndarray | None]
               ) -> list[Input]:
     """The job's inputs (`spec.inputs`, dataset after dataset) as `Input`s; `loss` None: every
     kept token counts."""
+    assert len(lengths) == len(loss) == len(spec.inputs), (len(lengths), len(spec.inputs))
     places = places_of(spec, [np.asarray(x).size for x in lengths])
     return [Input(d, f, c, np.asarray(x), None if y is None else np.asarray(y))
             for (d, f, c), x, y in zip(places, lengths, loss)]
@@ -132,8 +134,13 @@ def tally(spec: MixSpec, item: Input, count: int) -> np.ndarray:
     the sample hash (`count`: its dataset's examples, which set the bits); tallies add up."""
     bits = bucket_bits(count)
     b = _buckets(item.sample_hashes(spec.seed), bits)
-    sums = item.sums(spec)
-    return np.stack([np.bincount(b, s, 1 << bits) for s in sums]).round().astype(np.int64)
+    out = np.zeros((4, 1 << bits), np.int64)
+    for row, s in zip(out, item.sums(spec)):
+        if int(s.sum()) < 2**53:  # float64 adds these integers exactly
+            row[:] = np.bincount(b, s, row.size).round()
+        else:
+            np.add.at(row, b, s)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,13 +299,12 @@ def picks(spec: MixSpec, mix: MixPlan, chunks: int, item: Input) -> list[tuple[i
         del place
         np.minimum(chunk, chunks - 1, out=chunk)
         order = np.argsort(chunk, kind="stable")
-        ends = np.searchsorted(chunk, np.arange(chunks + 1), sorter=order).tolist()
-        for g, (i, j) in enumerate(zip(ends[:-1], ends[1:])):
-            if j > i:
-                run = order[i:j]
-                at = run if take is None else take[run]
-                out.append((g, Picks(d, epoch, h[run], item.corpus_first + at, lengths[at],
-                                     units[at])))
+        present, starts = np.unique(chunk[order], return_index=True)
+        for g, i, j in zip(present.tolist(), starts.tolist(), [*starts[1:].tolist(), h.size]):
+            run = order[i:j]
+            at = run if take is None else take[run]
+            out.append((g, Picks(d, epoch, h[run], item.corpus_first + at, lengths[at],
+                                 units[at])))
 
     for j in range(e):  # place: the units before the take, over `total`, estimated
         h = hashes(key(spec.seed, d, j), item.first, n)
@@ -312,9 +318,10 @@ def picks(spec: MixSpec, mix: MixPlan, chunks: int, item: Input) -> list[tuple[i
 
 
 def chunk(found: Sequence[Picks]) -> tuple[np.ndarray, np.ndarray]:
-    """One chunk of the stream from its takes (any order): (i64 lengths, i64 corpus examples),
-    each dataset in its takes' order (epoch, then hash), the datasets interleaved by the share
-    of the chunk's units each has reached before a take (ties: in dataset order)."""
+    """One chunk of the stream from its takes (any order): (lengths in the takes' dtype, i64
+    corpus examples), each dataset in its takes' order (epoch, then hash), the datasets
+    interleaved by the share of the chunk's units each has reached before a take (ties: in
+    dataset order)."""
     shares, lengths, refs = [], [], []
     for d in sorted({p.dataset for p in found}):
         mine = [p for p in found if p.dataset == d]

@@ -126,16 +126,20 @@ def units_of(unit: str, lengths: np.ndarray, loss: np.ndarray) -> np.ndarray:
     return np.asarray(loss if unit == "loss_tokens" else lengths, np.int64)
 
 
-def example_units(spec: MixSpec, lengths: np.ndarray, loss: np.ndarray
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def example_units(spec: MixSpec, lengths: np.ndarray, loss: np.ndarray, *,
+                  count_empty: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """i64[n] each, for examples of `lengths` with `loss` loss tokens: the tokens the rows keep
-    (`MixSpec.kept`), the loss tokens among them, and their units."""
+    (`MixSpec.kept`), the loss tokens among them, and their units (`count_empty` False: an
+    example the rows keep no token of is no example either, as the rows count it)."""
     lengths = np.asarray(lengths, np.int64)
     kept = spec.kept(lengths)
     loss = np.asarray(loss, np.int64)
     if spec.overflow == "drop":
         loss = np.where(kept < lengths, 0, loss)
-    return kept, loss, units_of(spec.mix_unit, kept, loss)
+    units = units_of(spec.mix_unit, kept, loss)
+    if spec.mix_unit == "examples" and not count_empty:
+        units = (kept > 0).astype(np.int64)
+    return kept, loss, units
 
 
 def targets(spec: MixSpec, available: list[int]) -> tuple[float, list[float]]:
