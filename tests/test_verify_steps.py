@@ -298,3 +298,43 @@ def test_resuming_a_legacy_mixtures_run_says_why_it_cannot(tmp_path, monkeypatch
     assert result.exit_code == 2, result.output
     assert "mixture (made by an older seqpack's selection) differ" in result.output
     assert "--overwrite" in result.output
+
+
+def _lost_example(tmp_path):
+    """A mixture of three inputs packed, then its first input with one example lost: (the
+    output, the inputs to verify against)."""
+    seqs = random_seqs(200, max_len=40, seed=1)
+    (tmp_path / "chat").mkdir()
+    write_jsonl(tmp_path / "chat" / "a.jsonl", seqs[:150])
+    b = write_jsonl(tmp_path / "chat" / "b.jsonl", seqs[150:])
+    math = write_jsonl(tmp_path / "math.jsonl", random_seqs(60, max_len=60, seed=2))
+    out = tmp_path / "out"
+    invoke("pack", "--mix", f"chat={tmp_path / 'chat'}", "--mix", f"math={math}",
+           "--weights", "chat=0.4,math=0.6", "--mix-tokens", 8000, "-o", out, *ARGS,
+           "--block-size", 20)
+    short = write_jsonl(tmp_path / "a_short.jsonl", seqs[:10] + seqs[11:150])  # one lost
+    return out, [short, b, math]
+
+
+def test_a_mixture_input_that_lost_examples_leaves_the_others_numbered_as_packed(tmp_path):
+    # before: the distributed steps took the packed count of takes for an input of one example
+    # fewer and failed (shapes 149 and 150); the local verify numbered the dataset's later
+    # inputs as read now, and named their untouched examples
+    out, inputs = _lost_example(tmp_path)
+    report = _same(out, inputs, limit=1000)
+    assert not report.ok
+    assert "the inputs' 259 example lengths differ from the packed inputs' 260" in \
+        report.violations
+    named = [int(v.split("source example ")[1].split()[0]) for v in report.violations
+             if "source example " in v]
+    assert named and all(10 <= e < 150 for e in named), named  # a's shifted examples only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runner", ["beam", "spark"])
+def test_a_distributed_job_reports_a_mixture_input_that_lost_examples(tmp_path, runner):
+    run = _runner(runner)
+    out, inputs = _lost_example(tmp_path)
+    got = run(str(out), inputs, max_violations=1000, workers=2, quiet=True)
+    assert got == verify(str(out), inputs, max_violations=1000) and not got.ok
+

@@ -197,7 +197,8 @@ def verify(output_dir: str, inputs: Sequence[str] | None = None, *, max_violatio
                 check_input(i, path, scan.info, manifest, out)
             check_lengths([s.info for s in scans], manifest, out)
             times, problems = example_times(manifest.mixture, [s.lengths for s in scans],
-                                            [s.loss_counts for s in scans])
+                                            [s.loss_counts for s in scans],
+                                            np.diff(packed_firsts(manifest)).tolist())
             for problem in problems:
                 out.add(problem)
             offsets = np.concatenate(([0], np.cumsum(lengths, dtype=np.int64)))
@@ -372,7 +373,7 @@ def input_records(index: int, pieces: Iterable[np.ndarray | None],
     shard, slot, ex, st, ln = table
     local = ex.astype(np.int64) - first
     taken = times[index] if times is not None else takes(
-        manifest.mixture, np.diff(job.firsts).tolist(), index)
+        manifest.mixture, np.diff(job.firsts).tolist(), index, lengths.size)
     cover = Coverage(lengths, np.broadcast_to(np.ones(1, np.int64), lengths.shape) if taken is
                      None else taken, first)
     for a in range(0, ex.size, 1 << 20):  # numpy's temporaries a million pieces at a time
@@ -407,9 +408,8 @@ def check_routed(shard: int, parts: Iterable[RoutedPart | None], job: VerifyJob)
 
 def mixture_times(scans: Sequence[FileScan], job: VerifyJob
                   ) -> tuple[list[np.ndarray] | None, list[str]]:
-    """A legacy mixture's takes of each input's examples and what differs from its record,
-    from every input's scan (`steps.scan_file` with the loss columns), gathered in one place
-    (a hashed one's: `runners.mixing`); (None, []) without a mixture."""
+    """A legacy mixture's takes of each input's examples and what differs from its record, from
+    every input's scan gathered in one place (a hashed one's: `runners.mixing`); (None, [])."""
     if not job.manifest.mixture:
         return None, []
     scans = sorted(scans, key=lambda s: s.index)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import numpy as np
-
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline import steps
 from seqpack.pipelines.offline.checks import Totals
@@ -25,9 +23,10 @@ from seqpack.pipelines.offline.verify import (
 
 def _hashed_times(scans, job):
     """A hashed mixture's record checked as the runners check it (`runners.mixing`: tallies
-    summed per dataset, crossings, members, plan); each input's takes then from the record."""
+    summed per dataset, crossings, members, plan, on the inputs as read now); each input's
+    takes then from the record."""
     record = job.manifest.mixture
-    spec, counts = spec_of(record), np.diff(job.firsts).tolist()
+    spec, counts = spec_of(record), [s.lengths.size for s in sorted(scans, key=lambda s: s.index)]
     sums = {}
     for scan in scans:
         for d, t in mixing.tally(scan, spec, counts):

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from seqpack.pipelines.errors import one_line
 from seqpack.pipelines.offline.mixture import hashed, legacy
 from seqpack.pipelines.offline.mixture.spec import (
     DEFAULT_MAX_REPETITION,
@@ -56,31 +57,35 @@ select_inputs = hashed.select_inputs
 
 
 def example_times(record: Mapping | None, lengths: Sequence[np.ndarray],
-                  loss_counts: Sequence[np.ndarray | None]) -> tuple[np.ndarray, list[str]]:
+                  loss_counts: Sequence[np.ndarray | None], packed: Sequence[int] | None = None
+                  ) -> tuple[np.ndarray, list[str]]:
     """How often a run takes each corpus example (i64[n]: once each without a mixture, a
-    read-only view of one 1 that takes no memory),
-    recomputed from the inputs' lengths (and loss counts) as the run made it, and what
-    differs from the manifest's `mixture` record (its `inputs` paths aside: verify may read
-    the inputs elsewhere)."""
+    read-only view of one 1 that takes no memory), and what differs from the manifest's
+    `mixture` record (its `inputs` paths aside: verify may read the inputs elsewhere), the
+    selection made again from the inputs' lengths (and loss counts). A hashed mixture's takes
+    come from its record, the examples numbered as packed (`packed`: each input's examples
+    then; None: as now); a legacy one's from the selection made again."""
     total = sum(int(np.asarray(x).size) for x in lengths)
     once = np.broadcast_to(np.ones(1, np.int64), (total,))
     if not record:
         return once, []
     spec = spec_of(record)
+    sizes = [int(np.asarray(x).size) for x in lengths]
+    if is_hashed(record):
+        times = np.concatenate([np.zeros(0, np.int64), *(
+            takes(record, sizes if packed is None else packed, i, n)
+            for i, n in enumerate(sizes))])
+        try:
+            made = hashed.plan_inputs(spec, hashed.inputs_of(spec, lengths, loss_counts))
+        except ValueError as e:
+            return times, plan_problems(one_line(e), record)
+        return times, record_problems(made.record, record)
     try:
-        if is_hashed(record):
-            items = hashed.inputs_of(spec, lengths, loss_counts)
-            mix = hashed.plan_inputs(spec, items)
-            times = np.concatenate([np.zeros(0, np.int64), *(
-                mix.times(spec.seed, i.dataset, i.first, i.lengths.size) for i in items)])
-            made = mix.record
-        else:
-            selection = legacy.select_inputs(spec, lengths, loss_counts)
-            times = np.bincount(selection.ref, minlength=total).astype(np.int64)
-            made = selection.record
+        selection = legacy.select_inputs(spec, lengths, loss_counts)
     except ValueError as e:
-        return once, [f"the inputs no longer give the manifest's mixture: {e}"]
-    return times, record_problems(made, record)
+        return once, plan_problems(one_line(e), record)
+    return np.bincount(selection.ref, minlength=total).astype(np.int64), record_problems(
+        selection.record, record)
 
 
 def record_problems(made: Mapping, record: Mapping) -> list[str]:
@@ -108,12 +113,15 @@ def is_hashed(record: Mapping | None) -> bool:
     return bool(record) and record.get("selection") == hashed.NAME  # type: ignore[union-attr]
 
 
-def takes(record: Mapping | None, counts: Sequence[int], index: int) -> np.ndarray | None:
-    """How often a run takes each example of input `index` (i64), from a hashed mixture's
-    record alone (`counts`: each input's examples); None for any other run."""
+def takes(record: Mapping | None, counts: Sequence[int], index: int, n: int | None = None
+          ) -> np.ndarray | None:
+    """How often a run takes each of the first `n` (None: all) examples of input `index` (i64),
+    from a hashed mixture's record alone, numbered as packed (`counts`: each input's examples
+    then); None for any other run."""
     if not is_hashed(record):
         return None
     assert record is not None
     spec = spec_of(record)
     d, first, _ = hashed.places_of(spec, counts)[index]
-    return hashed.plan_of(record).times(spec.seed, d, first, int(counts[index]))
+    return hashed.plan_of(record).times(spec.seed, d, first, int(counts[index] if n is None
+                                                                 else n))

@@ -8,8 +8,6 @@ import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import numpy as np
-
 from seqpack.pipelines.errors import InputError, one_line
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline import steps
@@ -70,7 +68,11 @@ def _hashed_times(p: Any, scans: Any, job: Any) -> Any:
     the record, the first input that cannot be read) with `runners.mixing`'s steps: no
     example meets in one place."""
     record = job.manifest.mixture
-    mix = beam_plan(p, scans, spec_of(record), np.diff(job.firsts).tolist())
+    counts = beam.pvalue.AsSingleton(  # the inputs as read now, as the local verify reads them
+        scans | "ScanCounts" >> beam.Map(lambda s: (s.index, s.lengths.size))
+        | "GatherCounts" >> beam.combiners.ToList()
+        | "InOrder" >> beam.Map(lambda c: [n for _, n in sorted(c)]))
+    mix = beam_plan(p, scans, spec_of(record), counts)
     errors = beam.pvalue.AsList(scans | "Unread" >> beam.Filter(lambda s: s.error is not None))
     return (p | "Compare" >> beam.Create([None]) | "CompareRecord" >> beam.Map(
         lambda _, mx, bad: (None, plan_problems(mx, record), min(

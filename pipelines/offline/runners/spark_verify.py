@@ -8,8 +8,6 @@ import operator
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-import numpy as np
-
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline import steps
@@ -62,7 +60,8 @@ def _hashed_times(scans: Any, job: Any) -> tuple[None, list[str]]:
     if bad:
         raise InputError(min(bad)[1].error)  # the first input that cannot be read
     record = job.manifest.mixture
-    mix = spark_plan(scans, spec_of(record), np.diff(job.firsts).tolist())
+    counts = [n for _, n in sorted(scans.map(lambda s: (s[0], s[1].lengths.size)).collect())]
+    mix = spark_plan(scans, spec_of(record), counts)  # the inputs as read now, as locally
     scans.unpersist()
     return None, plan_problems(mix, record)
 
