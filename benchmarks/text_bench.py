@@ -2,14 +2,14 @@
 
     python -m benchmarks.text_bench [--baseline REV] [--doc-mb 10] [--lines-mb 100]
 
-A byte-level BPE tokenizer (GPT-2's pre-tokenizer, 8,192 ids) is trained on 2 MB of seeded
-Zipf-distributed words; then each case reads one file with `formats.text.read_chunks` in a
-child process of its own (peak RSS: the child's from just before reading, "startup" its RSS
-then), once with this tree's `pipelines/formats/text.py` and once with the baseline revision's
-(loaded from git into the same seqpack). "same ids" compares a digest of every
-chunk's ids and lengths. Cases: one document of --doc-mb MB (`--text-unit file`), the same
-text as --lines-mb MB of lines (`line`) and of paragraphs (`paragraph`), tokenized and as raw
-UTF-8 bytes.
+A byte-level BPE tokenizer (GPT-2's pre-tokenizer, 8,192 ids) and a Unigram one (T5's way,
+over Metaspace's words) are trained on 2 MB of seeded Zipf-distributed words; then each case
+reads one file with `formats.text.read_chunks` in a child process of its own (peak RSS: the
+child's from just before reading, "startup" its RSS then), once with this tree's
+`pipelines/formats/text.py` and once with the baseline revision's (loaded from git into the
+same seqpack). "same ids" compares a digest of every chunk's ids and lengths. Cases: one
+document of --doc-mb MB (`--text-unit file`; by each tokenizer), the same text as --lines-mb
+MB of lines (`line`) and of paragraphs (`paragraph`), tokenized and as raw UTF-8 bytes.
 """
 
 from __future__ import annotations
@@ -69,15 +69,21 @@ def _words(nbytes: int, seed: int) -> str:
     return "".join(w + s for w, s in zip(words.tolist(), seps.tolist()))
 
 
-def _tokenizer(path: pathlib.Path, sample: str) -> str:
+def _tokenizer(path: pathlib.Path, sample: str, unigram: bool = False) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(sample.splitlines(), trainers.BpeTrainer(
-        vocab_size=8192, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if unigram:  # T5's way: SentencePiece's Unigram over Metaspace's words
+        tok = Tokenizer(models.Unigram())
+        tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        tok.train_from_iterator(sample.splitlines(), trainers.UnigramTrainer(
+            vocab_size=8192, show_progress=False, unk_token="<unk>", special_tokens=["<unk>"]))
+    else:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.train_from_iterator(sample.splitlines(), trainers.BpeTrainer(
+            vocab_size=8192, show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(path))
     return str(path)
 
@@ -100,17 +106,20 @@ def main() -> None:
         here = ROOT / "pipelines" / "formats" / "text.py"
         doc = _words(int(args.doc_mb * 1e6), 0)
         tok = _tokenizer(tmp / "tokenizer.json", doc[:2_000_000])
+        unigram = _tokenizer(tmp / "unigram.json", doc[:2_000_000], unigram=True)
         (tmp / "doc.txt").write_text(doc)
         with open(tmp / "lines.txt", "w") as f:
             for _ in range(max(1, round(args.lines_mb / args.doc_mb))):
                 f.write(doc)
-        cases = [("doc.txt", "file", tok), ("lines.txt", "line", tok),
+        cases = [("doc.txt", "file", tok), ("doc.txt", "file", unigram),
+                 ("lines.txt", "line", tok),
                  ("lines.txt", "paragraph", tok), ("lines.txt", "line", "-")]
         rows = []
         for name, unit, t in cases:
             new, old = _run(here, tmp / name, unit, t), _run(base, tmp / name, unit, t)
             size = (tmp / name).stat().st_size / 1e6
-            rows.append([f"{name} ({size:.0f} MB)", unit, "yes" if t != "-" else "no (bytes)",
+            rows.append([f"{name} ({size:.0f} MB)", unit, "no (bytes)" if t == "-" else
+                         "Unigram 8K" if t == unigram else "BPE 8K",
                          f"{new['examples']:,}", f"{new['tokens']:,}",
                          f"{old['peak']:.0f} / {old['s']:.1f}",
                          f"{new['peak']:.0f} / {new['s']:.1f}", f"{new['startup']:.0f}",

@@ -100,11 +100,13 @@ def encode_long(tokenizer: Any, text: str) -> np.ndarray:
     model works within pre-tokens, and two windows cut at one character with the same tokens
     around it have pre-tokenized alike there. Two windows that do not agree (a token longer
     than their overlap) are made twice as wide from the last join, until they do. A Unigram
-    model (SentencePiece's) goes in one call: its best split of a word can turn on a tie whose
-    rounding depends on where the text starts, far from the join; and so does a text whose
-    special tokens cannot be told from its own."""
-    specials = None if type(getattr(tokenizer, "model", None)).__name__ == "Unigram" else \
-        _specials(tokenizer)
+    model (SentencePiece's) with no pre-tokenizer cutting words goes in one call: its best split
+    of the text can turn on a tie whose rounding depends on where the text starts, far from the
+    join (cut into words, it splits each word alone); and so does a text whose special tokens
+    cannot be told from its own."""
+    whole = type(getattr(tokenizer, "model", None)).__name__ == "Unigram" and not _cuts_words(
+        tokenizer)
+    specials = None if whole else _specials(tokenizer)
     if specials is None:
         return _one_call(tokenizer, text)
     width, start, keep, parts = ENCODE_CHARS, 0, 0, [specials[0]]
@@ -128,6 +130,16 @@ def encode_long(tokenizer: Any, text: str) -> np.ndarray:
             width, ahead, start = ENCODE_CHARS, [], int(window[1][keep, 0])
     parts += [window[0][keep:], specials[1]]
     return np.concatenate(parts)
+
+
+def _cuts_words(tokenizer: Any) -> bool:
+    """Whether the tokenizer's pre-tokenizer cuts text into words (its model then works within
+    each alone)."""
+    pre = getattr(tokenizer, "pre_tokenizer", None)
+    try:
+        return pre is not None and len(pre.pre_tokenize_str("ab cd")) > 1
+    except Exception:  # noqa: BLE001 (a pre-tokenizer that cannot tell: one call)
+        return False
 
 
 def _one_call(tokenizer: Any, text: str) -> np.ndarray:

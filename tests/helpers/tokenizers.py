@@ -77,6 +77,9 @@ def families() -> dict:
     t5.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
     _trained(t5, trainers.UnigramTrainer(vocab_size=200, show_progress=False, unk_token="<unk>",
                                          special_tokens=["<pad>", "</s>", "<unk>"]))
+    bare = Tokenizer(models.Unigram())  # no pre-tokenizer: the text is one "word"
+    _trained(bare, trainers.UnigramTrainer(vocab_size=200, show_progress=False,
+                                           unk_token="<unk>", special_tokens=["<unk>"]))
     first = Tokenizer(models.BPE(unk_token="<unk>"))
     first.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
     _trained(first, trainers.BpeTrainer(vocab_size=300, show_progress=False,
@@ -84,4 +87,5 @@ def families() -> dict:
     return {"gpt2_bytes": gpt2, "gpt4_split": template(gpt4, "<|bos|> $A", "<|bos|>"),
             "llama_bpe": template(llama, "<s> $A", "<s>"),
             "bert_wordpiece": template(bert, "[CLS] $A [SEP]", "[CLS]", "[SEP]"),
-            "t5_unigram": template(t5, "$A </s>", "</s>"), "metaspace_first": first}
+            "t5_unigram": template(t5, "$A </s>", "</s>"), "metaspace_first": first,
+            "unigram_bare": bare}
