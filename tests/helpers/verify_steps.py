@@ -8,7 +8,13 @@ from collections import defaultdict
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline import steps
 from seqpack.pipelines.offline.checks import Totals
-from seqpack.pipelines.offline.mixture import is_hashed, loss_columns_of, plan_problems, spec_of
+from seqpack.pipelines.offline.mixture import (
+    hashed,
+    is_hashed,
+    loss_columns_of,
+    plan_problems,
+    spec_of,
+)
 from seqpack.pipelines.offline.runners import mixing
 from seqpack.pipelines.offline.verify import (
     VerifyReport,
@@ -26,13 +32,14 @@ def _hashed_times(scans, job):
     summed per dataset, crossings, members, plan, on the inputs as read now); each input's
     takes then from the record."""
     record = job.manifest.mixture
-    spec, counts = spec_of(record), [s.lengths.size for s in sorted(scans, key=lambda s: s.index)]
+    spec = spec_of(record)
+    where = hashed.places_of(spec, [s.lengths.size for s in sorted(scans, key=lambda s: s.index)])
     sums = {}
     for scan in scans:
-        for d, t in mixing.tally(scan, spec, counts):
+        for d, t in mixing.tally(scan, spec, where):
             sums[d] = mixing.add([sums.get(d), t])
     crossed = mixing.crossings(sums.items(), spec)
-    found = [m for scan in scans for m in mixing.members(scan, spec, counts, crossed)]
+    found = [m for scan in scans for m in mixing.members(scan, spec, where, crossed)]
     return None, plan_problems(mixing.plan(found, spec, crossed), record)
 
 

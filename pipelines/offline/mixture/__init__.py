@@ -122,6 +122,6 @@ def takes(record: Mapping | None, counts: Sequence[int], index: int, n: int | No
         return None
     assert record is not None
     spec = spec_of(record)
-    d, first, _ = hashed.places_of(spec, counts)[index]
+    d, first, _ = hashed.places_of(spec, counts).of(index)
     return hashed.plan_of(record).times(spec.seed, d, first, int(counts[index] if n is None
                                                                  else n))

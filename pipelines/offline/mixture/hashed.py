@@ -111,22 +111,35 @@ def inputs_of(spec: MixSpec, lengths: Sequence[np.ndarray], loss: Sequence[np.nd
     """The job's inputs (`spec.inputs`, dataset after dataset) as `Input`s; `loss` None: every
     kept token counts."""
     assert len(lengths) == len(loss) == len(spec.inputs), (len(lengths), len(spec.inputs))
-    places = places_of(spec, [np.asarray(x).size for x in lengths])
-    return [Input(d, f, c, np.asarray(x), None if y is None else np.asarray(y))
-            for (d, f, c), x, y in zip(places, lengths, loss)]
+    where = places_of(spec, [np.asarray(x).size for x in lengths])
+    return [Input(*where.of(i), np.asarray(x), None if y is None else np.asarray(y))
+            for i, (x, y) in enumerate(zip(lengths, loss))]
 
 
-def places_of(spec: MixSpec, counts: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(dataset, first example in it, first in the corpus) of each input with `counts`
-    examples."""
-    out, corpus, at, d = [], 0, 0, 0
-    ends = np.cumsum([len(paths) for _, paths in spec.datasets]).tolist()
-    for i, n in enumerate(counts):
-        while i >= ends[d]:
-            d, at = d + 1, 0
-        out.append((d, at, corpus))
-        at, corpus = at + int(n), corpus + int(n)
-    return out
+@dataclasses.dataclass(frozen=True)
+class Places:
+    """Where each input of a mixture sits (i64[n] each): its dataset, its first example in it
+    and in the corpus; and each dataset's examples (i64[K])."""
+
+    dataset: np.ndarray
+    first: np.ndarray
+    corpus: np.ndarray
+    examples: np.ndarray
+
+    def of(self, index: int) -> tuple[int, int, int]:
+        """(dataset, first example in it, first in the corpus) of input `index`."""
+        return int(self.dataset[index]), int(self.first[index]), int(self.corpus[index])
+
+
+def places_of(spec: MixSpec, counts: Sequence[int]) -> Places:
+    """The `Places` of the job's inputs (`spec.inputs`) holding `counts` examples."""
+    n = np.asarray(counts, np.int64)
+    ends = np.cumsum([len(paths) for _, paths in spec.datasets])
+    dataset = np.searchsorted(ends, np.arange(n.size), side="right")
+    corpus = np.concatenate(([0], np.cumsum(n)))
+    starts = corpus[np.concatenate(([0], ends[:-1]))]  # each dataset's first corpus example
+    return Places(dataset, corpus[:-1] - starts[dataset], corpus[:-1],
+                  np.bincount(dataset, n, len(spec.datasets)).astype(np.int64))
 
 
 def tally(spec: MixSpec, item: Input, count: int) -> np.ndarray:

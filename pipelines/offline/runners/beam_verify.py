@@ -11,7 +11,13 @@ from typing import Any
 from seqpack.pipelines.errors import InputError, one_line
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline import steps
-from seqpack.pipelines.offline.mixture import is_hashed, loss_columns_of, plan_problems, spec_of
+from seqpack.pipelines.offline.mixture import (
+    hashed,
+    is_hashed,
+    loss_columns_of,
+    plan_problems,
+    spec_of,
+)
 from seqpack.pipelines.offline.outdir import OutputDir
 from seqpack.pipelines.offline.runners.beam import (
     beam,
@@ -68,11 +74,12 @@ def _hashed_times(p: Any, scans: Any, job: Any) -> Any:
     the record, the first input that cannot be read) with `runners.mixing`'s steps: no
     example meets in one place."""
     record = job.manifest.mixture
-    counts = beam.pvalue.AsSingleton(  # the inputs as read now, as the local verify reads them
+    spec = spec_of(record)
+    where = beam.pvalue.AsSingleton(  # the inputs as read now, as the local verify reads them
         scans | "ScanCounts" >> beam.Map(lambda s: (s.index, s.lengths.size))
         | "GatherCounts" >> beam.combiners.ToList()
-        | "InOrder" >> beam.Map(lambda c: [n for _, n in sorted(c)]))
-    mix = beam_plan(p, scans, spec_of(record), counts)
+        | "Places" >> beam.Map(lambda c: hashed.places_of(spec, [n for _, n in sorted(c)])))
+    mix = beam_plan(p, scans, spec, where)
     errors = beam.pvalue.AsList(scans | "Unread" >> beam.Filter(lambda s: s.error is not None))
     return (p | "Compare" >> beam.Create([None]) | "CompareRecord" >> beam.Map(
         lambda _, mx, bad: (None, plan_problems(mx, record), min(

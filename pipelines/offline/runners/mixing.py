@@ -26,33 +26,30 @@ from seqpack.pipelines.offline import steps
 from seqpack.pipelines.offline.job import PackJob
 from seqpack.pipelines.offline.mixture import MixSpec, hashed
 
-Counts = list[int] | None  # each input's examples (None: an input failed to read)
+Where = hashed.Places | None  # the inputs' places (None: an input failed to read)
 
 
-def counts_of(files: Sequence[steps.FileSummary]) -> Counts:
-    """Each input's examples, from every input's summary (in any order); None when one failed
-    to read (`finish_plan` reports it)."""
+def where_of(spec: MixSpec, files: Sequence[steps.FileSummary]) -> Where:
+    """The inputs' `hashed.Places`, from every input's summary (in any order), made once for
+    every step; None when one failed to read (`finish_plan` reports it)."""
     if any(f.error is not None for f in files):
         return None
-    return np.diff(steps.first_examples(files)).tolist()
+    return hashed.places_of(spec, np.diff(steps.first_examples(files)).tolist())
 
 
-def _item(scan: steps.FileScan, spec: MixSpec, counts: Counts) -> hashed.Input | None:
-    if counts is None or scan.error is not None:
+def _item(scan: steps.FileScan, where: Where) -> hashed.Input | None:
+    if where is None or scan.error is not None:
         return None
-    place = hashed.places_of(spec, counts)[scan.index]
-    return hashed.Input(*place, scan.lengths, scan.loss_counts)
+    return hashed.Input(*where.of(scan.index), scan.lengths, scan.loss_counts)
 
 
-def tally(scan: steps.FileScan, spec: MixSpec, counts: Counts) -> list[tuple[int, np.ndarray]]:
+def tally(scan: steps.FileScan, spec: MixSpec, where: Where) -> list[tuple[int, np.ndarray]]:
     """(dataset, the input's tally); nothing when an input failed to read."""
-    item = _item(scan, spec, counts)
+    item = _item(scan, where)
     if item is None:
         return []
-    assert counts is not None
-    places = hashed.places_of(spec, counts)
-    examples = sum(n for (d, _, _), n in zip(places, counts) if d == item.dataset)
-    return [(item.dataset, hashed.tally(spec, item, examples))]
+    assert where is not None
+    return [(item.dataset, hashed.tally(spec, item, int(where.examples[item.dataset])))]
 
 
 def add(tallies: Iterable[np.ndarray]) -> np.ndarray | None:
@@ -76,10 +73,10 @@ def crossings(tallies: Iterable[tuple[int, np.ndarray]], spec: MixSpec) -> Cross
         return one_line(e)
 
 
-def members(scan: steps.FileScan, spec: MixSpec, counts: Counts, crossed: Crossed
+def members(scan: steps.FileScan, spec: MixSpec, where: Where, crossed: Crossed
             ) -> list[tuple[int, tuple[np.ndarray, np.ndarray]]]:
     """(dataset, the input's examples in its dataset's crossing bucket)."""
-    item = _item(scan, spec, counts)
+    item = _item(scan, where)
     if item is None or not isinstance(crossed, tuple):
         return []
     return [(item.dataset, hashed.members(spec, crossed[1][item.dataset], item))]
@@ -96,9 +93,9 @@ def plan(found: Iterable[tuple[int, tuple[np.ndarray, np.ndarray]]], spec: MixSp
     return hashed.plan(spec, crossed[0], crossed[1], by)
 
 
-def picks(scan: steps.FileScan, spec: MixSpec, counts: Counts, mix: hashed.MixPlan | str | None,
+def picks(scan: steps.FileScan, spec: MixSpec, where: Where, mix: hashed.MixPlan | str | None,
           block_size: int) -> list[tuple[int, hashed.Picks]]:
-    item = _item(scan, spec, counts)
+    item = _item(scan, where)
     if item is None or not isinstance(mix, hashed.MixPlan):
         return []
     return hashed.picks(spec, mix, mix.chunks(block_size), item)
@@ -109,18 +106,18 @@ def chunk(element: tuple[int, Iterable[hashed.Picks]]) -> tuple[int, np.ndarray,
     return (g, *hashed.chunk(list(found)))
 
 
-def beam_plan(p: Any, scans: Any, spec: MixSpec, counts: Any) -> Any:
-    """The Beam stages up to the MixPlan, as a singleton side input (`counts`: a side input,
-    or the inputs' counts)."""
+def beam_plan(p: Any, scans: Any, spec: MixSpec, where: Any) -> Any:
+    """The Beam stages up to the MixPlan, as a singleton side input (`where`: the inputs'
+    `Where`, a side input)."""
     import apache_beam as beam
 
-    tallies = (scans | "MixTally" >> beam.FlatMap(tally, spec, counts)
+    tallies = (scans | "MixTally" >> beam.FlatMap(tally, spec, where)
                | "SumTallies" >> beam.CombinePerKey(add))
     crossed = beam.pvalue.AsSingleton(
         p | "MixOnce" >> beam.Create([None])
         | "Crossings" >> beam.Map(lambda _, t: crossings(t, spec), beam.pvalue.AsList(tallies)))
     return beam.pvalue.AsSingleton(
-        scans | "Members" >> beam.FlatMap(members, spec, counts, crossed)
+        scans | "Members" >> beam.FlatMap(members, spec, where, crossed)
         | "GatherMembers" >> beam.combiners.ToList()
         | "MixPlan" >> beam.Map(plan, spec, crossed))
 
@@ -132,20 +129,20 @@ def beam_stream(p: Any, scans: Any, gathered: Any, job: PackJob) -> tuple[Any, A
 
     spec = job.mixture
     assert spec is not None
-    counts = beam.pvalue.AsSingleton(gathered | "Counts" >> beam.Map(counts_of))
-    mix = beam_plan(p, scans, spec, counts)
-    chunks = (scans | "Picks" >> beam.FlatMap(picks, spec, counts, mix, job.block_size)
+    where = beam.pvalue.AsSingleton(gathered | "Places" >> beam.Map(lambda f: where_of(spec, f)))
+    mix = beam_plan(p, scans, spec, where)
+    chunks = (scans | "Picks" >> beam.FlatMap(picks, spec, where, mix, job.block_size)
               | "GroupChunks" >> beam.GroupByKey() | "Chunks" >> beam.Map(chunk))
     sizes = beam.pvalue.AsList(chunks | "ChunkSizes" >> beam.Map(lambda c: (c[0], c[1].size)))
     cut = chunks | "CutStream" >> beam.FlatMap(steps.cut_chunk, sizes, job.block_size)
     return cut, mix
 
 
-def spark_plan(scans: Any, spec: MixSpec, counts: Counts) -> hashed.MixPlan | str | None:
+def spark_plan(scans: Any, spec: MixSpec, where: Where) -> hashed.MixPlan | str | None:
     """The Spark stages up to the MixPlan over the (index, FileScan) `scans`."""
-    crossed = crossings(scans.flatMap(lambda s: tally(s[1], spec, counts))
+    crossed = crossings(scans.flatMap(lambda s: tally(s[1], spec, where))
                         .reduceByKey(np.add).collect(), spec)
-    return plan(scans.flatMap(lambda s: members(s[1], spec, counts, crossed)).collect(), spec,
+    return plan(scans.flatMap(lambda s: members(s[1], spec, where, crossed)).collect(), spec,
                 crossed)
 
 
@@ -154,12 +151,13 @@ def spark_stream(scans: Any, files: Sequence[steps.FileSummary], job: PackJob,
     """The Spark stages above over the persisted (index, FileScan) `scans`: (the stream's
     (block, BlockSlice) pairs, the number of blocks, the MixPlan, the persisted chunks to
     unpersist once the blocks are planned); `by_key`: `spark.by_key`."""
-    spec, counts = job.mixture, counts_of(files)
+    spec = job.mixture
     assert spec is not None
-    mix = spark_plan(scans, spec, counts)
+    where = where_of(spec, files)
+    mix = spark_plan(scans, spec, where)
     if not isinstance(mix, hashed.MixPlan):
         return scans.context.parallelize([]), 0, mix, None
-    chunks = by_key(scans.flatMap(lambda s: picks(s[1], spec, counts, mix, job.block_size)),
+    chunks = by_key(scans.flatMap(lambda s: picks(s[1], spec, where, mix, job.block_size)),
                     mix.chunks(job.block_size), lambda g, found: [chunk((g, found))]).persist()
     sizes = chunks.map(lambda c: (c[0], c[1].size)).collect()
     blocks = -(-sum(n for _, n in sizes) // job.block_size)

@@ -11,7 +11,13 @@ from typing import Any
 from seqpack.pipelines.errors import InputError
 from seqpack.pipelines.formats.inputs import ReadOptions
 from seqpack.pipelines.offline import steps
-from seqpack.pipelines.offline.mixture import is_hashed, loss_columns_of, plan_problems, spec_of
+from seqpack.pipelines.offline.mixture import (
+    hashed,
+    is_hashed,
+    loss_columns_of,
+    plan_problems,
+    spec_of,
+)
 from seqpack.pipelines.offline.runners.mixing import spark_plan
 from seqpack.pipelines.offline.runners.spark import MAX_TASKS, by_key, pyspark, spark_job
 
@@ -61,7 +67,8 @@ def _hashed_times(scans: Any, job: Any) -> tuple[None, list[str]]:
         raise InputError(min(bad)[1].error)  # the first input that cannot be read
     record = job.manifest.mixture
     counts = [n for _, n in sorted(scans.map(lambda s: (s[0], s[1].lengths.size)).collect())]
-    mix = spark_plan(scans, spec_of(record), counts)  # the inputs as read now, as locally
+    spec = spec_of(record)
+    mix = spark_plan(scans, spec, hashed.places_of(spec, counts))  # the inputs as read now
     scans.unpersist()
     return None, plan_problems(mix, record)
 
