@@ -2,12 +2,12 @@
 
     python -m benchmarks.text_bench [--baseline REV] [--doc-mb 10] [--lines-mb 100]
 
-A byte-level BPE tokenizer (GPT-2's pre-tokenizer, 8,192 ids) and a Unigram one (T5's way,
-over Metaspace's words) are trained on 2 MB of seeded Zipf-distributed words; then each case
-reads one file with `formats.text.read_chunks` in a child process of its own (peak RSS: the
-child's from just before reading, "startup" its RSS then), once with this tree's
-`pipelines/formats/text.py` and once with the baseline revision's (loaded from git into the
-same seqpack). "same ids" compares a digest of every chunk's ids and lengths. Cases: one
+A byte-level BPE tokenizer (GPT-2's pre-tokenizer, 8,192 ids) and a Unigram one (T5's way:
+whitespace made a space, then Metaspace's words) are trained on 2 MB of seeded Zipf-distributed
+words; then each case reads one file with `formats.text.read_chunks` in a child process of its
+own (peak RSS: the child's from just before reading, "startup" its RSS then), once with this
+tree's `pipelines/formats/text.py` and once with the baseline revision's (loaded from git into
+the same seqpack). "same ids" compares a digest of every chunk's ids and lengths. Cases: one
 document of --doc-mb MB (`--text-unit file`; by each tokenizer), the same text as --lines-mb
 MB of lines (`line`) and of paragraphs (`paragraph`), tokenized and as raw UTF-8 bytes.
 """
@@ -70,10 +70,11 @@ def _words(nbytes: int, seed: int) -> str:
 
 
 def _tokenizer(path: pathlib.Path, sample: str, unigram: bool = False) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    if unigram:  # T5's way: SentencePiece's Unigram over Metaspace's words
+    if unigram:  # T5's way: SentencePiece's Unigram over Metaspace's words, whitespace a space
         tok = Tokenizer(models.Unigram())
+        tok.normalizer = normalizers.Replace(Regex(r"\s"), " ")
         tok.pre_tokenizer = pre_tokenizers.Metaspace()
         tok.train_from_iterator(sample.splitlines(), trainers.UnigramTrainer(
             vocab_size=8192, show_progress=False, unk_token="<unk>", special_tokens=["<unk>"]))

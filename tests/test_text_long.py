@@ -55,8 +55,8 @@ class _Spy:
     """A tokenizer that records how many characters each call takes (a batch: its longest)."""
 
     def __init__(self, tok):
-        self.tok, self.model, self.pre_tokenizer, self.calls = tok, tok.model, \
-            tok.pre_tokenizer, []
+        self.tok, self.model, self.calls = tok, tok.model, []
+        self.normalizer, self.pre_tokenizer = tok.normalizer, tok.pre_tokenizer
 
     def encode(self, t, **kw):
         self.calls.append(len(t))
@@ -80,6 +80,29 @@ def test_prose_is_joined_not_sent_whole(small_windows, name):
         assert small_windows == [len(s)]
     else:
         assert not small_windows and len(spy.calls) > 10 and max(spy.calls) <= 256
+
+
+@pytest.mark.parametrize("spaces", [False, True])
+def test_a_unigram_joins_only_where_every_whitespace_cuts_its_words(small_windows, spaces):
+    """A Unigram over Metaspace, whose words hold tabs and newlines unless its normalizer makes
+    every whitespace a space: a tie inside such a word ("catcatcatcatcat" + "c a t" or "c a t"
+    + ...) rounds by where the window starts, so it goes in one call; with the normalizer it
+    is joined window to window. Either way the ids are one call's (before: other ids)."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), *(
+        [normalizers.Replace(Regex(r"\s"), " ")] if spaces else [])])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    words = [sample_text(2000, seed=4), *("cat" * k for k in range(1, 12))] * 20
+    tok.train_from_iterator(words, trainers.UnigramTrainer(
+        vocab_size=150, show_progress=False, unk_token="<unk>", special_tokens=["<unk>"]))
+    assert text._cuts_words(tok) == spaces
+    for k in (6, 7, 8, 9, 11):
+        for sep in ("\t", "\n", "\r\n", "\u3000"):
+            s = "the cat sat " * 30 + sep.join(["cat" * k] * 40)
+            assert text.encode_long(tok, s).tolist() == tok.encode(s).ids, (k, sep)
+    assert bool(small_windows) != spaces  # one call, or none
 
 
 def test_a_token_longer_than_the_overlap_widens_the_windows(small_windows):

@@ -84,7 +84,8 @@ def _spans(sizes: list[int], budget: int) -> Iterator[tuple[int, int]]:
         i = j
 
 
-_SPACES = np.array([c for c in range(0x3001) if chr(c).isspace()], np.uint32)  # str.isspace
+_SPACES = np.array([c for c in range(0x3001) if chr(c).isspace() and not 0x1C <= c <= 0x1F],
+                   np.uint32)  # str.isspace's, less the information separators regexes keep
 
 # A long text's windows: each overlaps the last by width // OVERLAP characters and is joined to
 # it at a character both cut at where text turns to or from whitespace, at least width // MARGIN
@@ -100,10 +101,10 @@ def encode_long(tokenizer: Any, text: str) -> np.ndarray:
     model works within pre-tokens, and two windows cut at one character with the same tokens
     around it have pre-tokenized alike there. Two windows that do not agree (a token longer
     than their overlap) are made twice as wide from the last join, until they do. A Unigram
-    model (SentencePiece's) with no pre-tokenizer cutting words goes in one call: its best split
-    of the text can turn on a tie whose rounding depends on where the text starts, far from the
-    join (cut into words, it splits each word alone); and so does a text whose special tokens
-    cannot be told from its own."""
+    model (SentencePiece's) goes in one call unless its text is cut into words at every
+    whitespace character: its best split of a pre-token can turn on a tie whose rounding
+    depends on where the pre-token starts, far from the join; and so does a text whose special
+    tokens cannot be told from its own."""
     whole = type(getattr(tokenizer, "model", None)).__name__ == "Unigram" and not _cuts_words(
         tokenizer)
     specials = None if whole else _specials(tokenizer)
@@ -133,11 +134,14 @@ def encode_long(tokenizer: Any, text: str) -> np.ndarray:
 
 
 def _cuts_words(tokenizer: Any) -> bool:
-    """Whether the tokenizer's pre-tokenizer cuts text into words (its model then works within
-    each alone)."""
-    pre = getattr(tokenizer, "pre_tokenizer", None)
+    """Whether the tokenizer cuts text into words at every whitespace character (its normalizer,
+    then its pre-tokenizer), so its model works within each word alone, never across a place
+    where windows may join."""
+    pre, norm = (getattr(tokenizer, a, None) for a in ("pre_tokenizer", "normalizer"))
     try:
-        return pre is not None and len(pre.pre_tokenize_str("ab cd")) > 1
+        return pre is not None and all(len(pre.pre_tokenize_str(
+            s if norm is None else norm.normalize_str(s))) > 1
+            for s in (f"ab{chr(c)}cd" for c in _SPACES.tolist()))
     except Exception:  # noqa: BLE001 (a pre-tokenizer that cannot tell: one call)
         return False
 

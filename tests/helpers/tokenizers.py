@@ -73,7 +73,8 @@ def families() -> dict:
     _trained(bert, trainers.WordPieceTrainer(vocab_size=300, show_progress=False,
                                              special_tokens=["[UNK]", "[CLS]", "[SEP]"]))
     t5 = Tokenizer(models.Unigram())
-    t5.normalizer = normalizers.NFKC()
+    t5.normalizer = normalizers.Sequence([  # SentencePiece's nmt_nfkc: whitespace to a space
+        normalizers.NFKC(), normalizers.Replace(Regex(r"\s"), " ")])
     t5.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
     _trained(t5, trainers.UnigramTrainer(vocab_size=200, show_progress=False, unk_token="<unk>",
                                          special_tokens=["<pad>", "</s>", "<unk>"]))
