@@ -288,7 +288,7 @@ def route_file(job: FileJob, options: ReadOptions, shard_rows: int, dtype: str, 
     reach `budget` bytes (an input below it: one part per shard); `plan_only`
     (`PackJob.plan_only`): the pieces alone, the input not read again. The input is read a
     chunk at a time (in a thread, while the parts before go on), so a step holds its pieces and
-    about two budgets of tokens, whatever the input. A changed input raises InputError at the
+    at most three budgets of tokens, whatever the input. A changed input raises InputError at the
     end, after some parts may have gone: a runner fails the step whole."""
     shard = job.pieces[ROW] // shard_rows
     if plan_only:
