@@ -165,15 +165,7 @@ def cut_blocks(scan: FileScan, files: Sequence[FileSummary], block_size: int
     """The input's lengths cut at block boundaries; nothing when any input failed to read."""
     if any(f.error is not None for f in files):
         return []
-    first = int(first_examples(files)[scan.index])
-    out = []
-    at = 0
-    while at < scan.lengths.size:
-        block = (first + at) // block_size
-        end = min(scan.lengths.size, (block + 1) * block_size - first)
-        out.append((block, BlockSlice(first + at, scan.lengths[at:end])))
-        at = end
-    return out
+    return _cut(int(first_examples(files)[scan.index]), scan.lengths, None, block_size)
 
 
 def cut_chunk(chunk: tuple[int, np.ndarray, np.ndarray], sizes: Iterable[tuple[int, int]],
@@ -181,12 +173,19 @@ def cut_chunk(chunk: tuple[int, np.ndarray, np.ndarray], sizes: Iterable[tuple[i
     """One chunk of a mixed stream (`mixture.hashed.chunk`: chunk, lengths, corpus examples)
     cut at the stream's block boundaries (`sizes`: every chunk's examples)."""
     g, lengths, refs = chunk
-    first = sum(n for c, n in sizes if c < g)
+    return _cut(sum(n for c, n in sizes if c < g), lengths, refs, block_size)
+
+
+def _cut(first: int, lengths: np.ndarray, refs: np.ndarray | None, block_size: int
+         ) -> list[tuple[int, BlockSlice]]:
+    """Consecutive examples from global index `first` (a mixture's: their corpus examples
+    `refs`) cut at the boundaries of blocks of `block_size`."""
     out, at = [], 0
     while at < lengths.size:
         block = (first + at) // block_size
         end = min(lengths.size, (block + 1) * block_size - first)
-        out.append((block, BlockSlice(first + at, lengths[at:end], refs[at:end])))
+        out.append((block, BlockSlice(first + at, lengths[at:end],
+                                      None if refs is None else refs[at:end])))
         at = end
     return out
 
